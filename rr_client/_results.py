@@ -1,0 +1,160 @@
+"""Typed results of ``/generate``: one :class:`GenerateResult` per sample, parsed and validated from the reply."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from rr_client.codec import decode_meta_info, expected_rows
+from rr_client.errors import MissingRoutingError, ProtocolError, RoutedExpertsError
+from rr_client.info import RRInfo
+
+if TYPE_CHECKING:
+    from rr_client._tensors import RoutingTensors
+
+__all__ = ["GenerateResult", "GenerateBatch", "parse_sample"]
+
+_PAYLOAD_KEYS = ("routed_experts", "output_routed_experts")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """One generated sample: tokens, text, finish reason, and its checked routing ``(rows, layers, topk)``."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int] | None
+    output_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    routed_experts: np.ndarray | None
+    routed_experts_start: int
+    meta: dict[str, Any] = field(repr=False)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length as the server counted it."""
+        return int(self.meta["prompt_tokens"])
+
+    @property
+    def completion_tokens(self) -> int:
+        """Completion length as the server counted it."""
+        return int(self.meta["completion_tokens"])
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateBatch:
+    """All samples of one ``generate`` call, in prompt order (``n`` samples per prompt, prompt-major)."""
+
+    results: list[GenerateResult]
+    info: RRInfo
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def __getitem__(self, i: int) -> GenerateResult:
+        return self.results[i]
+
+    def to_tensors(
+        self,
+        *,
+        pad_side: Literal["left", "right"] = "left",
+        layout: Literal["token_major", "layer_major"] = "token_major",
+        moe_layers_only: bool = False,
+        pad_token_id: int = 0,
+        pad_to: int | None = None,
+    ) -> "RoutingTensors":
+        """Pad into trainer-ready torch tensors; see :func:`rr_client.to_tensors`."""
+        from rr_client._tensors import to_tensors
+
+        return to_tensors(
+            self.results,
+            self.info,
+            pad_side=pad_side,
+            layout=layout,
+            moe_layers_only=moe_layers_only,
+            pad_token_id=pad_token_id,
+            pad_to=pad_to,
+        )
+
+
+def _int_field(meta: Mapping[str, Any], key: str, where: str) -> int:
+    v = meta.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ProtocolError(f"{where}: meta_info.{key} must be a non-negative int, got {v!r}")
+    return v
+
+
+def parse_sample(
+    reply: Any,
+    *,
+    index: int,
+    prompt_index: int,
+    prompt_ids: Sequence[int] | None,
+    info: RRInfo,
+    want_routing: bool,
+    start: int = 0,
+    allow_extra_rows: int = 0,
+    validate: bool = True,
+) -> GenerateResult:
+    """Check one reply dict of ``/generate`` against the request and ``info``; decode its routing."""
+    where = f"sample {index}"
+    if not isinstance(reply, Mapping) or not isinstance(reply.get("meta_info"), Mapping):
+        raise ProtocolError(f"{where}: reply must be an object with a meta_info object")
+    meta = dict(reply["meta_info"])
+    prompt_tokens = _int_field(meta, "prompt_tokens", where)
+    completion_tokens = _int_field(meta, "completion_tokens", where)
+    output_ids = reply.get("output_ids")
+    if not isinstance(output_ids, list):
+        raise ProtocolError(f"{where}: output_ids must be a list of token ids")
+    if len(output_ids) != completion_tokens:
+        raise ProtocolError(f"{where}: {len(output_ids)} output_ids but completion_tokens={completion_tokens}")
+    ids = list(prompt_ids) if prompt_ids is not None else meta.get("prompt_token_ids")
+    if ids is not None and len(ids) != prompt_tokens:
+        raise ProtocolError(f"{where}: prompt has {len(ids)} tokens but the server counted {prompt_tokens}")
+    routing: np.ndarray | None = None
+    if want_routing:
+        stated_start = meta.get("routed_experts_start", start)
+        if stated_start != start:
+            raise ProtocolError(f"{where}: asked routed_experts_start={start}, server says {stated_start}")
+        try:
+            routing = decode_meta_info(
+                meta,
+                rows=expected_rows(prompt_tokens, completion_tokens, start),
+                num_layers=info.num_hidden_layers,
+                topk=info.topk,
+                num_experts=info.num_experts,
+                moe_layers=info.moe_layers,
+                allow_extra_rows=allow_extra_rows,
+                validate=validate,
+            )
+        except RoutedExpertsError as e:
+            raise type(e)(f"{where}: {e}") from e
+    elif any(k in meta for k in _PAYLOAD_KEYS):
+        raise ProtocolError(f"{where}: routing was not requested but the server sent some")
+    for k in _PAYLOAD_KEYS:
+        meta.pop(k, None)
+    fr = meta.get("finish_reason")
+    finish = fr.get("type") if isinstance(fr, Mapping) else (fr if isinstance(fr, str) else None)
+    text = reply.get("text")
+    return GenerateResult(
+        index=index,
+        prompt_index=prompt_index,
+        prompt_ids=[int(t) for t in ids] if ids is not None else None,
+        output_ids=[int(t) for t in output_ids],
+        text=text if isinstance(text, str) else None,
+        finish_reason=finish,
+        routed_experts=routing,
+        routed_experts_start=start,
+        meta=meta,
+    )
+
+
+def require_routing(result: GenerateResult) -> np.ndarray:
+    """The result's routing, or a typed error saying it was not requested/received."""
+    if result.routed_experts is None:
+        raise MissingRoutingError(f"sample {result.index} has no routing (generated with return_routed_experts=False)")
+    return result.routed_experts

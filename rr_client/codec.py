@@ -1,0 +1,380 @@
+"""The rr wire format, its encoder and a strict decoder for every routing format the engines emit.
+
+Single source of truth for servers, the sidecar and the client. Spec: ``docs/wire-format.md``.
+On the wire: standard base64 of a NumPy ``.npy`` v1.0 file, C-order, shape ``(rows, layers, topk)``,
+dtype ``uint8`` when ``num_experts <= 256`` else ``uint16``.
+"""
+
+from __future__ import annotations
+
+import ast
+import binascii
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pybase64
+
+from rr_client import _rowcheck
+from rr_client.errors import (
+    ExpertIdOutOfRangeError,
+    MalformedPayloadError,
+    MissingRoutingError,
+    ShapeMismatchError,
+    UnrecordedRoutingError,
+)
+
+__all__ = [
+    "NPY_MAGIC",
+    "MAX_EXPERTS",
+    "wire_dtype",
+    "encode_routed_experts",
+    "routing_meta_fields",
+    "decode_routed_experts",
+    "decode_meta_info",
+    "expected_rows",
+]
+
+NPY_MAGIC = b"\x93NUMPY"
+MAX_EXPERTS = 65536
+_MAX_HEADER = 4096
+# integer dtypes a routing payload may carry (little-endian or single byte); anything else is refused
+_INT_DESCRS = {"|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8"}
+_DTYPE_NAMES = {"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"}
+
+
+def wire_dtype(num_experts: int) -> np.dtype[Any]:
+    """``uint8`` for up to 256 experts (vLLM's rule, inclusive), ``uint16`` up to 65536."""
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"num_experts={num_experts} exceeds the wire format's limit of {MAX_EXPERTS}")
+    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.uint16)
+
+
+def expected_rows(prompt_tokens: int, completion_tokens: int, start: int = 0) -> int:
+    """Rows an engine returns: every token but the last sampled one, from ``start`` on."""
+    return max(prompt_tokens + completion_tokens - 1 - start, 0)
+
+
+# ----------------------------------------------------------------------------- encode
+
+
+def _npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
+    """A .npy v1.0 header, byte-identical to what ``np.save`` writes."""
+    text = "{'descr': '%s', 'fortran_order': False, 'shape': %r, }" % (dtype.str, tuple(shape))
+    pad = 64 - (10 + len(text) + 1) % 64
+    body = (text + " " * (pad % 64) + "\n").encode("latin1")
+    return NPY_MAGIC + b"\x01\x00" + struct.pack("<H", len(body)) + body
+
+
+def _as_int_array(array: Any) -> np.ndarray:
+    """numpy view of an int numpy array or torch tensor (no copy when already on CPU)."""
+    if isinstance(array, np.ndarray):
+        arr = array
+    elif type(array).__module__.startswith("torch"):
+        arr = array.detach().cpu().numpy()
+    else:
+        raise MalformedPayloadError(f"expected a numpy array or torch tensor, got {type(array).__name__}")
+    if arr.dtype.kind not in "iu":
+        raise MalformedPayloadError(f"routing must hold integer expert ids, got dtype {arr.dtype}")
+    return arr
+
+
+def _check_range(arr: np.ndarray, num_experts: int) -> None:
+    """Raise if any id is outside ``[0, num_experts)``; works for any int dtype before narrowing."""
+    if arr.size == 0:
+        return
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= num_experts:
+        bad = (arr < 0) | (arr >= num_experts)
+        idx = np.unravel_index(int(np.argmax(bad)), arr.shape)
+        raise ExpertIdOutOfRangeError(
+            f"expert id {int(arr[idx])} at (row, layer, k)={tuple(int(i) for i in idx)} "
+            f"outside [0, {num_experts})"
+        )
+
+
+def encode_routed_experts(array: Any, *, num_experts: int) -> str:
+    """Encode ``(rows, layers, topk)`` int ids as base64 ``.npy`` in the wire dtype; refuses ids out of range."""
+    arr = _as_int_array(array)
+    if arr.ndim != 3:
+        raise ShapeMismatchError(f"routing must be 3-D (rows, layers, topk), got shape {arr.shape}")
+    dt = wire_dtype(num_experts)
+    _check_range(arr, num_experts)
+    out = np.ascontiguousarray(arr.astype(dt, copy=False))
+    blob = b"".join((_npy_header(dt, out.shape), out.data))
+    return pybase64.b64encode(blob).decode("ascii")
+
+
+def routing_meta_fields(array: Any, *, num_experts: int, start: int = 0) -> dict[str, Any]:
+    """The ``meta_info`` entries a server adds for one request: payload plus its stated shape and dtype."""
+    arr = _as_int_array(array)
+    payload = encode_routed_experts(arr, num_experts=num_experts)
+    return {
+        "routed_experts": payload,
+        "routed_experts_shape": [int(s) for s in arr.shape],
+        "routed_experts_dtype": wire_dtype(num_experts).name,
+        "routed_experts_format": "npy",
+        "routed_experts_start": int(start),
+    }
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def _b64decode(text: str | bytes) -> bytearray:
+    """Strict standard base64 (no whitespace, no URL alphabet) into a writable buffer."""
+    try:
+        return pybase64.b64decode_as_bytearray(text, validate=True)
+    except (binascii.Error, ValueError, TypeError) as e:
+        raise MalformedPayloadError(f"routed_experts is not valid standard base64: {e}") from e
+
+
+def _parse_npy(buf: bytes | bytearray | memoryview) -> np.ndarray:
+    """Parse a .npy file strictly: every header field is checked before the data is touched."""
+    mv = memoryview(buf)
+    if len(mv) < 10:
+        raise MalformedPayloadError(f".npy payload truncated: {len(mv)} bytes, header needs at least 10")
+    major, minor = mv[6], mv[7]
+    if major == 1 and minor == 0:
+        (hlen,), start = struct.unpack_from("<H", mv, 8), 10
+    elif major in (2, 3) and minor == 0:
+        if len(mv) < 12:
+            raise MalformedPayloadError(".npy v2/v3 payload truncated inside its header length")
+        (hlen,), start = struct.unpack_from("<I", mv, 8), 12
+    else:
+        raise MalformedPayloadError(f"unsupported .npy version {major}.{minor}")
+    if hlen > _MAX_HEADER:
+        raise MalformedPayloadError(f".npy header length {hlen} exceeds {_MAX_HEADER} bytes")
+    if len(mv) < start + hlen:
+        raise MalformedPayloadError(f".npy payload truncated: header says {hlen} bytes, {len(mv) - start} present")
+    try:
+        header = ast.literal_eval(bytes(mv[start : start + hlen]).decode("latin1"))
+    except (ValueError, SyntaxError, MemoryError, RecursionError) as e:
+        raise MalformedPayloadError(f".npy header is not a Python literal: {e}") from e
+    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
+        raise MalformedPayloadError(f".npy header must hold exactly descr, fortran_order, shape; got {header!r}")
+    descr, fortran, shape = header["descr"], header["fortran_order"], header["shape"]
+    if descr not in _INT_DESCRS:
+        raise MalformedPayloadError(f".npy dtype {descr!r} is not a little-endian integer type")
+    if fortran is not False:
+        raise MalformedPayloadError(".npy payload is Fortran-ordered; the wire format is C-order")
+    if not isinstance(shape, tuple) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise MalformedPayloadError(f".npy shape {shape!r} is not a tuple of non-negative ints")
+    dt = np.dtype(descr)
+    count = int(np.prod(shape, dtype=np.int64))
+    data_len = len(mv) - start - hlen
+    if data_len != count * dt.itemsize:
+        raise MalformedPayloadError(
+            f".npy data is {data_len} bytes, shape {shape} of {dt.name} needs {count * dt.itemsize}"
+        )
+    return np.frombuffer(buf, dtype=dt, count=count, offset=start + hlen).reshape(shape)
+
+
+def _dtype_from_name(name: Any) -> np.dtype[Any]:
+    """An explicit dtype field (``routed_experts_dtype``, ms-swift ``dtype``) -> numpy dtype."""
+    if isinstance(name, np.dtype):
+        return name
+    if not isinstance(name, str):
+        raise MalformedPayloadError(f"dtype field must be a string, got {type(name).__name__}")
+    key = name.removeprefix("torch.").removeprefix("np.").removeprefix("numpy.")
+    try:
+        dt = np.dtype(key)
+    except TypeError as e:
+        raise MalformedPayloadError(f"unknown dtype {name!r}") from e
+    if dt.name not in _DTYPE_NAMES or dt.byteorder == ">":
+        raise MalformedPayloadError(f"dtype {name!r} is not a little-endian integer type")
+    return dt
+
+
+def _from_raw(buf: bytes | bytearray | memoryview, dtype: Any) -> np.ndarray:
+    """Bytes: a .npy file if it starts with the magic, else a headerless buffer (SGLang: int32 by default)."""
+    if bytes(buf[:6]) == NPY_MAGIC:
+        arr = _parse_npy(buf)
+        if dtype is not None and arr.dtype != _dtype_from_name(dtype):
+            raise MalformedPayloadError(f".npy payload is {arr.dtype.name} but the stated dtype is {dtype!r}")
+        return arr
+    dt = _dtype_from_name(dtype) if dtype is not None else np.dtype("<i4")
+    if len(buf) % dt.itemsize:
+        raise MalformedPayloadError(
+            f"headerless payload of {len(buf)} bytes is not a whole number of {dt.name} ids "
+            f"(truncated, or not {dt.name})"
+        )
+    return np.frombuffer(buf, dtype=dt)
+
+
+def _from_swift_dict(d: Mapping[str, Any]) -> np.ndarray:
+    """ms-swift's ``{"data": b64(tobytes), "shape": [...], "dtype": "...", "__ndarray__": true}``."""
+    for key in ("data", "shape", "dtype"):
+        if key not in d:
+            raise MalformedPayloadError(f"ndarray dict payload is missing field {key!r}")
+    shape = d["shape"]
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise MalformedPayloadError(f"ndarray dict 'shape' must be a list of non-negative ints, got {shape!r}")
+    dt = _dtype_from_name(d["dtype"])
+    data = d["data"]
+    raw = _b64decode(data) if isinstance(data, (str, bytes)) else None
+    if raw is None:
+        raise MalformedPayloadError(f"ndarray dict 'data' must be a base64 string, got {type(data).__name__}")
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(raw) != count * dt.itemsize:
+        raise MalformedPayloadError(
+            f"ndarray dict data is {len(raw)} bytes, shape {list(shape)} of {dt.name} needs {count * dt.itemsize}"
+        )
+    return np.frombuffer(raw, dtype=dt).reshape(shape)
+
+
+def _from_nested_lists(payload: Sequence[Any]) -> np.ndarray:
+    """vLLM 0.21's ``.tolist()`` JSON: ``[[[id, ...], ...], ...]``."""
+    try:
+        arr = np.asarray(payload)
+    except ValueError as e:
+        raise MalformedPayloadError(f"nested-list routing is ragged: {e}") from e
+    if arr.size == 0:
+        return np.zeros((0,), dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise MalformedPayloadError(f"nested-list routing must hold only ints, got {arr.dtype}")
+    return arr
+
+
+def _to_array(payload: Any, dtype: Any) -> np.ndarray:
+    """Dispatch on the payload's type and magic to the matching reader."""
+    if payload is None:
+        raise MissingRoutingError("routed_experts is missing (null)")
+    if isinstance(payload, str):
+        if not payload:
+            raise MissingRoutingError("routed_experts is an empty string")
+        return _from_raw(_b64decode(payload), dtype)
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return _from_raw(payload, dtype)
+    if isinstance(payload, Mapping):
+        if not payload:
+            raise MissingRoutingError(
+                "routed_experts is {}: the engine serialized a raw tensor through FastAPI's encoder "
+                "(SGLang 0.5.7-0.5.9 with --skip-tokenizer-init); run the rr patch or the sidecar"
+            )
+        if payload.get("__ndarray__") or {"data", "shape", "dtype"} <= set(payload):
+            return _from_swift_dict(payload)
+        raise MalformedPayloadError(f"dict payload with keys {sorted(payload)} is not a known routing container")
+    if isinstance(payload, list):
+        return _from_nested_lists(payload)
+    if isinstance(payload, np.ndarray) or type(payload).__module__.startswith("torch"):
+        return _as_int_array(payload)
+    raise MalformedPayloadError(f"unsupported routed_experts payload type {type(payload).__name__}")
+
+
+def _shape3(arr: np.ndarray, num_layers: int | None, topk: int | None) -> np.ndarray:
+    """Bring flat or 2-D payloads to ``(rows, layers, topk)`` and check the layer and top-k axes."""
+    if arr.ndim in (1, 2):
+        if num_layers is None or topk is None:
+            raise ShapeMismatchError(
+                f"payload of shape {arr.shape} states no (layers, topk); pass num_layers and topk to decode it"
+            )
+        per_row = num_layers * topk
+        if arr.size % per_row:
+            raise ShapeMismatchError(
+                f"{arr.size} ids do not divide into rows of num_layers x topk = {num_layers} x {topk} = {per_row}"
+            )
+        arr = arr.reshape(-1, num_layers, topk)
+    elif arr.ndim != 3:
+        raise ShapeMismatchError(f"routing must be (rows, layers, topk), got {arr.ndim}-D shape {arr.shape}")
+    if num_layers is not None and arr.shape[1] != num_layers:
+        raise ShapeMismatchError(f"routing has {arr.shape[1]} layers, expected num_layers={num_layers}")
+    if topk is not None and arr.shape[2] != topk:
+        raise ShapeMismatchError(f"routing has top-k {arr.shape[2]}, expected topk={topk}")
+    return arr
+
+
+def _check_rows(arr: np.ndarray, rows: int | None, allow_extra_rows: int) -> np.ndarray:
+    """Exact row count; up to ``allow_extra_rows`` trailing extra rows are trimmed when asked for."""
+    if rows is None:
+        return arr
+    got = arr.shape[0]
+    if got == rows:
+        return arr
+    if rows < got <= rows + allow_extra_rows:
+        return arr[:rows]
+    hint = " (allowed extra: %d)" % allow_extra_rows if allow_extra_rows else ""
+    raise ShapeMismatchError(f"routing has {got} rows, expected {rows}{hint}")
+
+
+def _validate_ids(arr: np.ndarray, num_experts: int, moe_layers: Sequence[int] | None) -> None:
+    """Exact per-row checks: id range, distinct ids in MoE layers (top-k >= 2), zero dense layers."""
+    layers = arr.shape[1]
+    mask = np.ones(layers, dtype=bool)
+    if moe_layers is not None:
+        mask[:] = False
+        for i in moe_layers:
+            if not 0 <= i < layers:
+                raise ShapeMismatchError(f"moe layer index {i} outside the payload's {layers} layers")
+            mask[i] = True
+    # top-1 rows cannot show a repeat; the scan then checks only range and dense layers
+    status, r, l = _rowcheck.check_rows(arr, num_experts, mask)
+    if status == _rowcheck.OK:
+        return
+    row = [int(x) for x in arr[r, l]]
+    if status == _rowcheck.OUT_OF_RANGE:
+        raise ExpertIdOutOfRangeError(f"row {r} layer {l}: expert ids {row} include one outside [0, {num_experts})")
+    if status == _rowcheck.DENSE_NONZERO:
+        raise ShapeMismatchError(
+            f"row {r} layer {l} is a dense layer but carries ids {row}: the payload's layer axis "
+            f"does not match moe_layers={list(moe_layers or [])}"
+        )
+    what = "all-zero" if not any(row) else "repeated ids"
+    raise UnrecordedRoutingError(
+        f"row {r} layer {l} has {what} {row}: a real top-{arr.shape[2]} row has distinct experts, "
+        "so the engine did not record this row"
+    )
+
+
+def decode_routed_experts(
+    payload: Any,
+    *,
+    rows: int | None = None,
+    num_layers: int | None = None,
+    topk: int | None = None,
+    num_experts: int | None = None,
+    dtype: Any = None,
+    moe_layers: Sequence[int] | None = None,
+    allow_extra_rows: int = 0,
+    validate: bool = True,
+) -> np.ndarray:
+    """Decode any engine's routing payload into a checked ``(rows, layers, topk)`` array.
+
+    Reads rr's base64 ``.npy``, vLLM's ``.npy`` (same container), SGLang's headerless base64 int32
+    (``dtype`` overrides, e.g. from ``routed_experts_dtype``), vLLM 0.21 nested lists, ms-swift's
+    ndarray dict, raw bytes, numpy arrays and torch tensors. With ``num_experts`` the result is in the
+    wire dtype (uint8/uint16) and, when ``validate``, every id is range-checked and every MoE row must
+    hold ``topk`` distinct ids (layers outside ``moe_layers`` must be zero). Errors are typed, see
+    :mod:`rr_client.errors`.
+    """
+    arr = _shape3(_to_array(payload, dtype), num_layers, topk)
+    arr = _check_rows(arr, rows, allow_extra_rows)
+    if num_experts is None:
+        return arr
+    dt = wire_dtype(num_experts)
+    if arr.dtype != dt:
+        if validate:
+            _check_range(arr, num_experts)  # before narrowing, so wide or negative ids cannot wrap
+        arr = arr.astype(dt)
+    if validate:
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        _validate_ids(arr, num_experts, moe_layers)
+    return arr
+
+
+def decode_meta_info(meta_info: Mapping[str, Any], **kwargs: Any) -> np.ndarray:
+    """Decode ``meta_info["routed_experts"]``, honouring its stated ``routed_experts_dtype``/``_shape``."""
+    if "routed_experts" not in meta_info and "output_routed_experts" not in meta_info:
+        raise MissingRoutingError("meta_info has no 'routed_experts' field (was routing enabled on the server?)")
+    payload = meta_info.get("routed_experts", meta_info.get("output_routed_experts"))
+    if kwargs.get("dtype") is None and meta_info.get("routed_experts_dtype") is not None:
+        kwargs["dtype"] = meta_info["routed_experts_dtype"]
+    arr = decode_routed_experts(payload, **kwargs)
+    stated = meta_info.get("routed_experts_shape")
+    if stated is not None and kwargs.get("allow_extra_rows", 0) == 0 and list(arr.shape) != list(stated):
+        raise ShapeMismatchError(f"payload shape {list(arr.shape)} differs from stated routed_experts_shape {stated}")
+    return arr

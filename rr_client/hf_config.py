@@ -1,0 +1,69 @@
+"""Read routing dimensions and MoE layer indices from a Hugging Face ``config.json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["load_config", "moe_layers_from_config", "routing_dims_from_config"]
+
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+_TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """Load ``config.json`` from a file or a checkpoint directory."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    with open(p) as f:
+        cfg: dict[str, Any] = json.load(f)
+    return cfg
+
+
+def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Multimodal configs keep the language model under ``text_config``."""
+    inner = cfg.get("text_config")
+    return inner if isinstance(inner, Mapping) and "num_hidden_layers" in inner else cfg
+
+
+def _first(cfg: Mapping[str, Any], keys: tuple[str, ...], what: str) -> int:
+    for k in keys:
+        v = cfg.get(k)
+        if isinstance(v, int) and v > 0:
+            return v
+    raise KeyError(f"config has no {what} (looked for {', '.join(keys)})")
+
+
+def routing_dims_from_config(cfg: Mapping[str, Any]) -> tuple[int, int, int]:
+    """Return ``(num_hidden_layers, num_experts, topk)``: the engines' per-token routing shape and id range."""
+    c = _text_config(cfg)
+    layers = _first(c, ("num_hidden_layers", "num_layers", "n_layer"), "layer count")
+    return layers, _first(c, _EXPERT_KEYS, "expert count"), _first(c, _TOPK_KEYS, "top-k")
+
+
+def moe_layers_from_config(cfg: Mapping[str, Any]) -> list[int]:
+    """Indices of the layers that route to experts; the engines give the others all-zero rows.
+
+    Understands DeepSeek's ``first_k_dense_replace`` + ``moe_layer_freq``, Qwen2/3-MoE's
+    ``decoder_sparse_step`` + ``mlp_only_layers``, and explicit ``mlp_layer_types``/``moe_layers`` lists.
+    """
+    c = _text_config(cfg)
+    n = routing_dims_from_config(c)[0]
+    types = c.get("mlp_layer_types")
+    if isinstance(types, list) and len(types) == n:
+        return [i for i, t in enumerate(types) if str(t).lower() in ("sparse", "moe")]
+    explicit = c.get("moe_layers")
+    if isinstance(explicit, list) and all(isinstance(i, int) for i in explicit):
+        return sorted(i for i in explicit if 0 <= i < n)
+    if "first_k_dense_replace" in c or "moe_layer_freq" in c and isinstance(c.get("moe_layer_freq"), int):
+        first = int(c.get("first_k_dense_replace") or 0)
+        freq = int(c.get("moe_layer_freq") or 1)
+        return [i for i in range(n) if i >= first and i % freq == 0]
+    if isinstance(c.get("moe_layer_freq"), list):  # e.g. [1, 0, 1, ...] per layer
+        freqs = c["moe_layer_freq"]
+        return [i for i in range(n) if i < len(freqs) and freqs[i]]
+    step = int(c.get("decoder_sparse_step") or 1)
+    dense_only = set(c.get("mlp_only_layers") or ())
+    return [i for i in range(n) if i not in dense_only and (i + 1) % step == 0]
