@@ -1,0 +1,350 @@
+"""Codec: round trips, every foreign format, and a corpus of bad payloads that must each raise its typed error."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pybase64
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rr_client import _rowcheck
+from rr_client.codec import (
+    decode_meta_info,
+    decode_routed_experts,
+    encode_routed_experts,
+    expected_rows,
+    routing_meta_fields,
+    wire_dtype,
+)
+from rr_client.errors import (
+    ExpertIdOutOfRangeError,
+    MalformedPayloadError,
+    MissingRoutingError,
+    RoutedExpertsError,
+    ShapeMismatchError,
+    UnrecordedRoutingError,
+)
+from tests.routing_data import make_routing
+
+L, K, E = 4, 2, 8
+ROWS = 7
+
+
+def npy_b64(arr: np.ndarray) -> str:
+    """What vLLM 0.22-0.30 sends: base64 of ``np.save``."""
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+# ------------------------------------------------------------------ dtype rule and encoder
+
+
+def test_wire_dtype_switches_above_256_inclusive() -> None:
+    assert wire_dtype(8) == np.uint8
+    assert wire_dtype(256) == np.uint8
+    assert wire_dtype(257) == np.uint16
+    assert wire_dtype(65536) == np.uint16
+    with pytest.raises(ValueError):
+        wire_dtype(65537)
+    with pytest.raises(ValueError):
+        wire_dtype(0)
+
+
+def test_expected_rows() -> None:
+    assert expected_rows(5, 3) == 7
+    assert expected_rows(5, 3, start=2) == 5
+    assert expected_rows(1, 0) == 0
+
+
+def test_encoded_payload_is_np_load_compatible_and_compact() -> None:
+    ids = make_routing(ROWS, L, K, E)
+    payload = encode_routed_experts(ids, num_experts=E)
+    loaded = np.load(io.BytesIO(base64.b64decode(payload)))
+    assert loaded.dtype == np.uint8 and loaded.shape == (ROWS, L, K)
+    np.testing.assert_array_equal(loaded, ids)
+    # header identical to numpy's own writer
+    buf = io.BytesIO()
+    np.save(buf, ids.astype(np.uint8))
+    assert base64.b64decode(payload) == buf.getvalue()
+
+
+def test_encode_accepts_torch_and_int64_and_picks_uint16() -> None:
+    ids = make_routing(ROWS, L, K, 300)
+    payload = encode_routed_experts(torch.from_numpy(ids.astype(np.int64)), num_experts=300)
+    out = decode_routed_experts(payload, rows=ROWS, num_layers=L, topk=K, num_experts=300)
+    assert out.dtype == np.uint16
+    np.testing.assert_array_equal(out, ids)
+
+
+def test_encode_refuses_out_of_range_and_bad_input() -> None:
+    ids = make_routing(ROWS, L, K, E)
+    ids[3, 1, 0] = E
+    with pytest.raises(ExpertIdOutOfRangeError, match=r"expert id 8 .* outside \[0, 8\)"):
+        encode_routed_experts(ids, num_experts=E)
+    ids[3, 1, 0] = -1
+    with pytest.raises(ExpertIdOutOfRangeError):
+        encode_routed_experts(ids, num_experts=E)
+    with pytest.raises(ShapeMismatchError, match="3-D"):
+        encode_routed_experts(np.zeros((3, 4), np.int32), num_experts=E)
+    with pytest.raises(MalformedPayloadError, match="integer"):
+        encode_routed_experts(np.zeros((3, 4, 2), np.float32), num_experts=E)
+
+
+def test_routing_meta_fields_states_shape_dtype_start() -> None:
+    ids = make_routing(ROWS, L, K, E)
+    meta = routing_meta_fields(ids, num_experts=E, start=3)
+    assert meta["routed_experts_shape"] == [ROWS, L, K]
+    assert meta["routed_experts_dtype"] == "uint8"
+    assert meta["routed_experts_format"] == "npy"
+    assert meta["routed_experts_start"] == 3
+    np.testing.assert_array_equal(decode_meta_info(meta, num_experts=E), ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(0, 40),
+    layers=st.integers(1, 6),
+    topk=st.integers(1, 8),
+    extra=st.integers(0, 600),
+    seed=st.integers(0, 2**31),
+)
+def test_round_trip_property(rows: int, layers: int, topk: int, extra: int, seed: int) -> None:
+    num_experts = topk + extra
+    ids = make_routing(rows, layers, topk, num_experts, seed=seed)
+    payload = encode_routed_experts(ids, num_experts=num_experts)
+    out = decode_routed_experts(payload, rows=rows, num_layers=layers, topk=topk, num_experts=num_experts)
+    assert out.dtype == wire_dtype(num_experts)
+    assert out.shape == (rows, layers, topk)
+    np.testing.assert_array_equal(out, ids)
+
+
+# ------------------------------------------------------------------ every format in the wild
+
+
+def test_decodes_sglang_headerless_int32() -> None:
+    ids = make_routing(ROWS, L, K, E)
+    payload = pybase64.b64encode(ids.astype(np.int32).tobytes()).decode()  # SGLang / slime / miles
+    out = decode_routed_experts(payload, rows=ROWS, num_layers=L, topk=K, num_experts=E)
+    assert out.dtype == np.uint8
+    np.testing.assert_array_equal(out, ids)
+
+
+def test_decodes_sglang_with_stated_dtype() -> None:
+    ids = make_routing(ROWS, L, K, E)
+    meta = {"routed_experts": base64.b64encode(ids.astype(np.uint16).tobytes()).decode(), "routed_experts_dtype": "uint16"}
+    np.testing.assert_array_equal(decode_meta_info(meta, rows=ROWS, num_layers=L, topk=K, num_experts=E), ids)
+    # SGLang 0.5.7's field name
+    meta = {"output_routed_experts": base64.b64encode(ids.astype(np.int32).tobytes()).decode()}
+    np.testing.assert_array_equal(decode_meta_info(meta, rows=ROWS, num_layers=L, topk=K, num_experts=E), ids)
+
+
+@pytest.mark.parametrize("num_experts", [8, 256, 300])
+def test_decodes_vllm_npy(num_experts: int) -> None:
+    ids = make_routing(ROWS, L, K, num_experts)
+    arr = ids.astype(np.uint8 if num_experts <= 256 else np.uint16)  # vLLM 0.22-0.30
+    out = decode_routed_experts(npy_b64(arr), rows=ROWS, num_layers=L, topk=K, num_experts=num_experts)
+    np.testing.assert_array_equal(out, ids)
+
+
+def test_decodes_vllm_021_nested_lists_after_json() -> None:
+    ids = make_routing(ROWS, L, K, E)
+    payload = json.loads(json.dumps(ids.astype(np.int16).tolist()))
+    np.testing.assert_array_equal(decode_routed_experts(payload, rows=ROWS, num_experts=E), ids)
+
+
+def test_decodes_ms_swift_ndarray_dict() -> None:
+    ids = make_routing(ROWS, L, K, E).astype(np.int64)
+    payload = {"data": base64.b64encode(ids.tobytes()).decode(), "shape": list(ids.shape), "dtype": "int64", "__ndarray__": True}
+    np.testing.assert_array_equal(decode_routed_experts(payload, rows=ROWS, num_layers=L, topk=K, num_experts=E), ids)
+
+
+def test_decodes_raw_bytes_numpy_and_torch() -> None:
+    ids = make_routing(ROWS, L, K, E)
+    raw = base64.b64decode(npy_b64(ids.astype(np.uint8)))
+    np.testing.assert_array_equal(decode_routed_experts(raw, num_experts=E), ids)
+    np.testing.assert_array_equal(decode_routed_experts(ids.astype(np.int32).tobytes(), num_layers=L, topk=K, num_experts=E), ids)
+    np.testing.assert_array_equal(decode_routed_experts(torch.from_numpy(ids), num_experts=E), ids)
+    np.testing.assert_array_equal(decode_routed_experts(ids, num_experts=E), ids)
+
+
+def test_all_formats_agree() -> None:
+    ids = make_routing(ROWS, L, K, E)
+    kw = dict(rows=ROWS, num_layers=L, topk=K, num_experts=E)
+    outs = [
+        decode_routed_experts(encode_routed_experts(ids, num_experts=E), **kw),
+        decode_routed_experts(pybase64.b64encode(ids.tobytes()).decode(), **kw),
+        decode_routed_experts(npy_b64(ids.astype(np.uint8)), **kw),
+        decode_routed_experts(ids.tolist(), **kw),
+        decode_routed_experts({"data": base64.b64encode(ids.tobytes()).decode(), "shape": list(ids.shape), "dtype": "int32"}, **kw),
+    ]
+    for o in outs:
+        assert o.dtype == np.uint8
+        np.testing.assert_array_equal(o, outs[0])
+
+
+def test_dense_layers_checked_with_moe_layers() -> None:
+    ids = make_routing(ROWS, L, K, E, moe_layers=[1, 2, 3])
+    out = decode_routed_experts(encode_routed_experts(ids, num_experts=E), num_experts=E, moe_layers=[1, 2, 3])
+    assert not out[:, 0].any()
+    with pytest.raises(UnrecordedRoutingError):  # dense zero rows are not real routing if called MoE
+        decode_routed_experts(encode_routed_experts(ids, num_experts=E), num_experts=E)
+    shifted = make_routing(ROWS, L, K, E, moe_layers=[0, 1, 2])  # layer axis off by one
+    with pytest.raises(ShapeMismatchError, match="dense layer"):
+        decode_routed_experts(encode_routed_experts(shifted, num_experts=E), num_experts=E, moe_layers=[1, 2, 3])
+
+
+def test_extra_rows_only_behind_option() -> None:
+    ids = make_routing(ROWS + 1, L, K, E)
+    payload = encode_routed_experts(ids, num_experts=E)
+    with pytest.raises(ShapeMismatchError, match=r"8 rows, expected 7"):
+        decode_routed_experts(payload, rows=ROWS, num_experts=E)
+    out = decode_routed_experts(payload, rows=ROWS, num_experts=E, allow_extra_rows=1)
+    np.testing.assert_array_equal(out, ids[:ROWS])
+    with pytest.raises(ShapeMismatchError):  # two extra rows exceed the allowance
+        decode_routed_experts(encode_routed_experts(make_routing(ROWS + 2, L, K, E), num_experts=E),
+                              rows=ROWS, num_experts=E, allow_extra_rows=1)
+
+
+def test_validate_false_still_checks_shape() -> None:
+    ids = make_routing(ROWS, L, K, E)
+    ids[0, 0] = 0
+    out = decode_routed_experts(encode_routed_experts(ids, num_experts=E), rows=ROWS, num_experts=E, validate=False)
+    assert not out[0, 0].any()
+    with pytest.raises(ShapeMismatchError):
+        decode_routed_experts(encode_routed_experts(ids, num_experts=E), rows=ROWS + 1, num_experts=E, validate=False)
+
+
+# ------------------------------------------------------------------ the bad-payload corpus
+
+
+def _good() -> np.ndarray:
+    return make_routing(ROWS, L, K, E)
+
+
+def _with(row: int, layer: int, values: list[int]) -> np.ndarray:
+    ids = _good()
+    ids[row, layer] = values
+    return ids
+
+
+def _npy_with_header(header: str, data: bytes) -> str:
+    h = header.encode()
+    h += b" " * (63 - (10 + len(h)) % 64) + b"\n"
+    return base64.b64encode(b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h + data).decode()
+
+
+GOOD_NPY = encode_routed_experts(_good(), num_experts=E)
+KW = dict(rows=ROWS, num_layers=L, topk=K, num_experts=E)
+
+BAD_CORPUS: list[tuple[str, object, dict[str, object], type[RoutedExpertsError], str]] = [
+    ("truncated npy", base64.b64encode(base64.b64decode(GOOD_NPY)[:-5]).decode(), KW, MalformedPayloadError, "needs"),
+    ("truncated header", base64.b64encode(base64.b64decode(GOOD_NPY)[:30]).decode(), KW, MalformedPayloadError, "truncated"),
+    ("bad base64 chars", GOOD_NPY[:20] + "!!" + GOOD_NPY[22:], KW, MalformedPayloadError, "base64"),
+    ("base64 bad padding", GOOD_NPY[:-1], KW, MalformedPayloadError, "base64"),
+    ("urlsafe alphabet", base64.urlsafe_b64encode(b"\xfb\xff" * 30).decode(), KW, MalformedPayloadError, "base64"),
+    ("float npy", npy_b64(_good().astype(np.float32)), KW, MalformedPayloadError, "not a little-endian integer"),
+    ("big-endian npy", npy_b64(_good().astype(">i4")), KW, MalformedPayloadError, "little-endian"),
+    ("fortran npy", npy_b64(np.asfortranarray(_good().astype(np.uint8))), KW, MalformedPayloadError, "Fortran"),
+    ("npy version 9", base64.b64encode(b"\x93NUMPY\x09\x00" + b"\x00" * 40).decode(), KW, MalformedPayloadError, "version"),
+    ("npy header not a dict", _npy_with_header("[1, 2]", b""), KW, MalformedPayloadError, "exactly"),
+    ("npy header code", _npy_with_header("{'descr': __import__('os'), 'fortran_order': False, 'shape': (1,)}", b""), KW,
+     MalformedPayloadError, "literal"),
+    ("npy extra header key", _npy_with_header("{'descr': '|u1', 'fortran_order': False, 'shape': (0, 4, 2), 'x': 1}", b""),
+     KW, MalformedPayloadError, "exactly"),
+    ("npy negative shape", _npy_with_header("{'descr': '|u1', 'fortran_order': False, 'shape': (-1, 4, 2)}", b""), KW,
+     MalformedPayloadError, "non-negative"),
+    ("npy trailing bytes", base64.b64encode(base64.b64decode(GOOD_NPY) + b"\x00").decode(), KW, MalformedPayloadError, "needs"),
+    ("stated dtype disagrees", {"routed_experts": GOOD_NPY, "routed_experts_dtype": "int32"}, KW, MalformedPayloadError, "stated"),
+    ("int32 decoded as uint8 width", pybase64.b64encode(_good().astype(np.uint8).tobytes()).decode(), KW, ShapeMismatchError, "divide"),
+    ("headerless odd bytes", pybase64.b64encode(b"\x01\x02\x03").decode(), KW, MalformedPayloadError, "whole number"),
+    ("wrong rows", encode_routed_experts(make_routing(ROWS - 1, L, K, E), num_experts=E), KW, ShapeMismatchError, "6 rows, expected 7"),
+    ("wrong layers", encode_routed_experts(make_routing(ROWS, L + 1, K, E), num_experts=E), KW, ShapeMismatchError, "5 layers"),
+    ("wrong topk", encode_routed_experts(make_routing(ROWS, L, K + 1, E), num_experts=E), KW, ShapeMismatchError, "top-k 3"),
+    ("2-D without dims", npy_b64(_good().reshape(ROWS, -1).astype(np.uint8)), {"num_experts": E}, ShapeMismatchError, "states no"),
+    ("4-D", npy_b64(_good()[None].astype(np.uint8)), KW, ShapeMismatchError, "4-D"),
+    ("id out of range", npy_b64(_with(2, 1, [1, E]).astype(np.uint8)), KW, ExpertIdOutOfRangeError, "row 2 layer 1"),
+    ("negative id int32", pybase64.b64encode(_with(2, 1, [1, -1]).tobytes()).decode(), KW, ExpertIdOutOfRangeError, "-1"),
+    ("huge id int32 wraps to valid uint8", pybase64.b64encode(_with(2, 1, [1, 256 + 3]).tobytes()).decode(), KW,
+     ExpertIdOutOfRangeError, "259"),
+    ("duplicate ids", npy_b64(_with(5, 3, [4, 4]).astype(np.uint8)), KW, UnrecordedRoutingError, "row 5 layer 3 has repeated"),
+    ("all-zero MoE row", npy_b64(_with(0, 0, [0, 0]).astype(np.uint8)), KW, UnrecordedRoutingError, "all-zero"),
+    ("all-zero payload (vLLM torch.compile bug)", npy_b64(np.zeros((ROWS, L, K), np.uint8)), KW, UnrecordedRoutingError, "all-zero"),
+    ("null", None, KW, MissingRoutingError, "missing"),
+    ("empty string", "", KW, MissingRoutingError, "empty"),
+    ("sglang {} loss", {}, KW, MissingRoutingError, "skip-tokenizer-init"),
+    ("unknown dict", {"foo": 1}, KW, MalformedPayloadError, "not a known"),
+    ("swift dict missing data", {"shape": [ROWS, L, K], "dtype": "int32", "__ndarray__": True}, KW, MalformedPayloadError, "'data'"),
+    ("swift dict wrong size", {"data": base64.b64encode(b"\x00" * 12).decode(), "shape": [ROWS, L, K], "dtype": "int32",
+                               "__ndarray__": True}, KW, MalformedPayloadError, "needs"),
+    ("swift dict float", {"data": base64.b64encode(b"\x00" * 4).decode(), "shape": [1], "dtype": "float32"}, KW,
+     MalformedPayloadError, "integer"),
+    ("ragged lists", [[[1, 2]], [[1]]], KW, MalformedPayloadError, "ragged"),
+    ("float lists", [[[1.5, 2.0]] * L] * ROWS, KW, MalformedPayloadError, "ints"),
+    ("int payload", 12, KW, MalformedPayloadError, "unsupported"),
+]
+
+
+@pytest.mark.parametrize("name,payload,kw,err,msg", BAD_CORPUS, ids=[c[0] for c in BAD_CORPUS])
+def test_bad_payload_corpus(name: str, payload: object, kw: dict[str, object], err: type[Exception], msg: str) -> None:
+    with pytest.raises(err, match=msg):
+        if isinstance(payload, dict) and "routed_experts" in payload:
+            decode_meta_info(payload, **kw)
+        else:
+            decode_routed_experts(payload, **kw)
+
+
+def test_missing_field_in_meta_info() -> None:
+    with pytest.raises(MissingRoutingError, match="no 'routed_experts' field"):
+        decode_meta_info({"prompt_tokens": 3}, num_experts=E)
+
+
+def test_stated_shape_must_match() -> None:
+    meta = routing_meta_fields(_good(), num_experts=E)
+    meta["routed_experts_shape"] = [ROWS + 1, L, K]
+    with pytest.raises(ShapeMismatchError, match="stated"):
+        decode_meta_info(meta, num_experts=E)
+
+
+# ------------------------------------------------------------------ C and numpy checkers agree
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=st.integers(1, 70),
+    layers=st.integers(1, 5),
+    topk=st.sampled_from([1, 2, 3, 8]),
+    wide=st.booleans(),
+    corrupt=st.sampled_from(["none", "dup", "zero", "range", "dense"]),
+    seed=st.integers(0, 2**31),
+)
+def test_c_checker_matches_numpy(rows: int, layers: int, topk: int, wide: bool, corrupt: str, seed: int) -> None:
+    num_experts = 300 if wide else 16
+    rng = np.random.default_rng(seed)
+    moe = rng.random(layers) < 0.7
+    ids = make_routing(rows, layers, topk, num_experts, moe_layers=list(np.flatnonzero(moe)), seed=seed)
+    r, l = int(rng.integers(rows)), int(rng.integers(layers))
+    if corrupt == "dup" and topk > 1:
+        ids[r, l, 1] = ids[r, l, 0]
+    elif corrupt == "zero":
+        ids[r, l] = 0
+    elif corrupt == "range":
+        ids[r, l, 0] = num_experts - 1 + int(rng.integers(1, 3)) if wide else int(rng.integers(num_experts, 256))
+    elif corrupt == "dense":
+        ids[r, l, 0] = 1
+    arr = np.ascontiguousarray(ids.astype(wire_dtype(num_experts) if corrupt != "range" or wide else np.uint8))
+    expect = _rowcheck.check_rows_numpy(arr, num_experts, moe)
+    assert _rowcheck.check_rows(arr, num_experts, moe) == expect
+    if corrupt == "none":
+        assert expect[0] == _rowcheck.OK
+
+
+def test_c_extension_is_built() -> None:
+    # the fast path is what the benchmark measures; setup must have compiled it
+    assert _rowcheck.HAVE_C
