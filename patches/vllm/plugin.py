@@ -1,0 +1,137 @@
+"""vLLM general plugin: adds rr's ``POST /generate`` and ``GET /rr/info`` to vLLM's own API server.
+
+Why a plugin: vLLM calls every ``vllm.general_plugins`` entry point in each of its
+processes, so installing rr needs no fork and no extra network hop. ``register()`` is a
+no-op unless ``RR_ENABLE=1`` (set by ``rr-server launch vllm``); it is re-entrant, touches
+only the API-server process, and refuses vLLM versions whose layout it has not been
+checked against.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["register", "SUPPORTED", "check_vllm_version", "UnsupportedVLLMVersion"]
+
+logger = logging.getLogger("rr.vllm")
+
+# Versions whose routed-experts path returns base64 .npy (see docs); inclusive bounds.
+SUPPORTED = ((0, 22), (0, 30))
+# Where build_app is looked up at call time, newest layout first (module, attribute).
+_HOOK_SITES: tuple[tuple[str, str], ...] = (
+    ("vllm.entrypoints.launchers.api_server.entry", "build_app"),  # 0.30 (verified)
+    ("vllm.entrypoints.openai.api_server", "build_app"),  # older layouts (code reading only)
+)
+_MARK = "__rr_patched__"
+_state: dict[str, Any] = {"registered": False}
+
+
+class UnsupportedVLLMVersion(RuntimeError):
+    """The installed vLLM is outside the range rr has been checked against."""
+
+
+def _parse(version: str) -> tuple[int, int]:
+    """``"0.30.0+cpu"`` -> ``(0, 30)``."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (-1, -1)
+
+
+def check_vllm_version(version: str | None = None, *, allow_unsupported: bool = False) -> str:
+    """Return the vLLM version; raise UnsupportedVLLMVersion when outside SUPPORTED."""
+    if version is None:
+        import vllm
+
+        version = str(vllm.__version__)
+    lo, hi = SUPPORTED
+    if not lo <= _parse(version) <= hi and not allow_unsupported:
+        raise UnsupportedVLLMVersion(
+            f"rr supports vLLM {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]} (routed_experts as base64 .npy); "
+            f"found {version}. Set RR_ALLOW_UNSUPPORTED_VERSION=1 / pass "
+            "--rr-allow-unsupported-version to try anyway."
+        )
+    return version
+
+
+def _wrap_build_app(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap vLLM's build_app so the returned FastAPI app also carries rr's routes."""
+
+    def build_app(*args: Any, **kwargs: Any) -> Any:
+        app = orig(*args, **kwargs)
+        from patches.vllm.routes import install_routes
+
+        install_routes(app)
+        return app
+
+    build_app.__wrapped__ = orig  # type: ignore[attr-defined]
+    setattr(build_app, _MARK, True)
+    build_app.__name__ = getattr(orig, "__name__", "build_app")
+    build_app.__doc__ = getattr(orig, "__doc__", None)
+    return build_app
+
+
+def _check_shape(fn: Callable[..., Any]) -> None:
+    """build_app must take ``args`` first and return the app; anything else is a layout we don't know."""
+    params = list(inspect.signature(fn).parameters)
+    if not params or params[0] != "args":
+        raise UnsupportedVLLMVersion(f"vLLM build_app has an unexpected signature {params}; refusing to patch")
+
+
+def _install_hooks(*, import_missing: bool) -> list[str]:
+    """Patch every known build_app site that exists; return the patched sites."""
+    patched: list[str] = []
+    for mod_name, attr in _HOOK_SITES:
+        if not import_missing and mod_name not in sys.modules:
+            continue
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception:  # noqa: BLE001 - a layout that does not exist in this version
+            continue
+        fn = getattr(mod, attr, None)
+        if fn is None:
+            continue
+        if getattr(fn, _MARK, False):
+            patched.append(f"{mod_name}.{attr}")
+            continue
+        _check_shape(fn)
+        setattr(mod, attr, _wrap_build_app(fn))
+        patched.append(f"{mod_name}.{attr}")
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if main is not None and spec is not None and spec.name in {m for m, _ in _HOOK_SITES}:
+        fn = getattr(main, "build_app", None)
+        if fn is not None and not getattr(fn, _MARK, False):
+            _check_shape(fn)
+            main.build_app = _wrap_build_app(fn)  # type: ignore[attr-defined]
+            patched.append("__main__.build_app")
+    return patched
+
+
+def register() -> None:
+    """vLLM plugin entry point: install rr's HTTP routes in the API-server process."""
+    if os.environ.get("RR_ENABLE") != "1" or _state["registered"]:
+        return
+    # EngineCore / workers are multiprocessing children: patch only what they already imported
+    # (e.g. multi-API-server children), never import the HTTP stack into them.
+    top = multiprocessing.parent_process() is None
+    allow = os.environ.get("RR_ALLOW_UNSUPPORTED_VERSION") == "1"
+    version = check_vllm_version(allow_unsupported=allow)
+    sites = _install_hooks(import_missing=top)
+    if not sites and not top:
+        return
+    if not sites:
+        raise UnsupportedVLLMVersion(
+            f"vLLM {version}: found no build_app to hook ({', '.join(m for m, _ in _HOOK_SITES)}); "
+            "rr cannot add /generate to this version"
+        )
+    _state["registered"] = True
+    logger.info("rr: vLLM %s plugin active; /generate and /rr/info hooked via %s", version, ", ".join(sites))

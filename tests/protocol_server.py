@@ -1,0 +1,151 @@
+"""ProtocolTestServer: a TEST-ONLY HTTP server that speaks the documented rr protocol with synthetic routing.
+
+It is not an engine and proves nothing about SGLang or vLLM; it lets the client tests inject faults
+(5xx, 4xx, slow answers, malformed routing) over real HTTP on 127.0.0.1. Token ids are the prompt's
+bytes; the routing of token ``t`` at layer ``l`` is ``[(t + l + j) % E for j in range(K)]`` so tests
+can recompute every value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from rr_client.codec import encode_routed_experts, routing_meta_fields, wire_dtype
+
+
+def synthetic_routing(tokens: list[int], layers: int, topk: int, num_experts: int, moe_layers: list[int]) -> np.ndarray:
+    """The routing this server reports for a token sequence (one row per token)."""
+    t = np.asarray(tokens, dtype=np.int64)[:, None, None]
+    l = np.arange(layers)[None, :, None]
+    j = np.arange(topk)[None, None, :]
+    ids = (t + l + j) % num_experts
+    dense = [i for i in range(layers) if i not in set(moe_layers)]
+    ids[:, dense, :] = 0
+    return ids
+
+
+@dataclass
+class Behaviour:
+    """What the server does next; tests mutate it."""
+
+    fail_5xx: int = 0  # answer 503 to this many /generate calls first
+    delay: float = 0.0  # seconds before answering /generate
+    corrupt: str = "none"  # none|dup|rows|missing|count|unasked|bad_info
+    calls: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ProtocolTestServer:
+    """Runs the test app under uvicorn in a thread on a free loopback port."""
+
+    def __init__(self, *, layers: int = 3, topk: int = 2, num_experts: int = 8, moe_layers: list[int] | None = None):
+        self.layers, self.topk, self.num_experts = layers, topk, num_experts
+        self.moe_layers = list(range(layers)) if moe_layers is None else moe_layers
+        self.behaviour = Behaviour()
+        self.app = self._build_app()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(cfg)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> "ProtocolTestServer":
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("protocol test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "engine": "protocol-test-server", "engine_version": "0", "rr_version": "0.1.0", "model": "synthetic",
+            "num_hidden_layers": self.layers, "num_experts": self.num_experts, "topk": self.topk,
+            "moe_layers": self.moe_layers, "wire_dtype": wire_dtype(self.num_experts).name,
+        }
+
+    def _sample(self, prompt: list[int], j: int, params: dict[str, Any], want: bool, start: int) -> dict[str, Any]:
+        n_new = int(params.get("max_new_tokens", 4))
+        out = [(sum(prompt) + 13 * j + 7 * i) % 250 + 1 for i in range(n_new)]
+        meta: dict[str, Any] = {
+            "id": f"req-{j}", "prompt_tokens": len(prompt), "completion_tokens": len(out),
+            "cached_tokens": 0, "finish_reason": {"type": "length", "length": n_new}, "prompt_token_ids": prompt,
+        }
+        b = self.behaviour
+        if want or b.corrupt == "unasked":
+            routing = synthetic_routing((prompt + out)[start:-1], self.layers, self.topk, self.num_experts, self.moe_layers)
+            if b.corrupt == "dup" and len(routing) > 1 and self.moe_layers:
+                routing[1, self.moe_layers[0], :] = routing[1, self.moe_layers[0], 0]
+            if b.corrupt == "rows":
+                routing = np.concatenate([routing, routing[-1:]])
+            meta.update(routing_meta_fields(routing, num_experts=self.num_experts, start=start))
+            if b.corrupt == "rows":
+                meta["routed_experts_shape"][0] -= 1  # claim the expected count, send one more row
+            if b.corrupt == "missing":
+                del meta["routed_experts"]
+        return {"text": "x" * len(out), "output_ids": out, "meta_info": meta}
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/rr/info")
+        async def rr_info() -> JSONResponse:
+            info = self.info()
+            if self.behaviour.corrupt == "bad_info":
+                info["wire_dtype"] = "int32"
+            return JSONResponse(info)
+
+        @app.post("/generate")
+        async def generate(request: Request) -> JSONResponse:
+            b = self.behaviour
+            b.calls += 1
+            b.in_flight += 1
+            b.max_in_flight = max(b.max_in_flight, b.in_flight)
+            try:
+                body = await request.json()
+                b.bodies.append(body)
+                if b.delay:
+                    await asyncio.sleep(b.delay)
+                if b.fail_5xx > 0:
+                    b.fail_5xx -= 1
+                    return JSONResponse({"message": "engine overloaded"}, status_code=503)
+                params = body.get("sampling_params") or {}
+                if int(params.get("max_new_tokens", 4)) < 0:
+                    return JSONResponse({"message": "max_new_tokens must be >= 0"}, status_code=400)
+                if "text" in body:
+                    prompts = [list(t.encode()) for t in body["text"]]
+                else:
+                    prompts = body["input_ids"]
+                n = int(params.get("n", 1))
+                want = bool(body.get("return_routed_experts"))
+                start = int(body.get("routed_experts_start") or 0)
+                out = [self._sample(p, j, params, want, start) for p in prompts for j in range(n)]
+                if b.corrupt == "count":
+                    out = out[:-1]
+                return JSONResponse(out)
+            finally:
+                b.in_flight -= 1
+
+        return app
+
+
+__all__ = ["ProtocolTestServer", "synthetic_routing", "encode_routed_experts"]
