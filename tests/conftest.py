@@ -136,26 +136,76 @@ def tiny_models() -> dict[str, Path]:
     return {name: build_tiny_moe(CACHE / name, **spec) for name, spec in MODEL_SPECS.items()}
 
 
-@pytest.fixture(scope="session")
-def vllm_servers(tiny_models: dict[str, Path]) -> Iterator[dict[str, VLLMServer]]:
-    """Both tiny-model servers, started together, healthy; stopped at session end."""
-    servers = {name: start_server(name, path, core=i) for i, (name, path) in enumerate(tiny_models.items())}
-    try:
-        for s in servers.values():
-            wait_healthy(s)
-        yield servers
-    finally:
-        for s in servers.values():
+class ServerPool:
+    """Starts tiny-model servers on first use; every server this session will need starts together."""
+
+    def __init__(self, models: dict[str, Path], needed: set[str]) -> None:
+        self.models = models
+        self.needed = needed
+        self.servers: dict[str, VLLMServer] = {}
+        self.healthy: set[str] = set()
+
+    def get(self, name: str) -> VLLMServer:
+        """The healthy server for ``name``, starting it (and its session peers) if needed."""
+        if name not in self.servers:
+            for i, other in enumerate(sorted(self.needed | {name})):
+                if other not in self.servers:
+                    self.servers[other] = start_server(other, self.models[other], core=i)
+        server = self.servers[name]
+        if name not in self.healthy:
+            wait_healthy(server)
+            self.healthy.add(name)
+        return server
+
+    def stop_all(self) -> None:
+        """Stop every server this pool started."""
+        for s in self.servers.values():
             s.stop()
 
 
+def _needed_models(session: pytest.Session) -> set[str]:
+    """Which tiny-model servers the collected tests will use."""
+    names: set[str] = set()
+    for item in session.items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & {"any_server", "vllm_servers"}:
+            names |= set(MODEL_SPECS)
+        if "qwen_server" in fixtures:
+            names.add("qwen3_dense")
+        if "mixtral_server" in fixtures:
+            names.add("mixtral_300")
+    return names
+
+
 @pytest.fixture(scope="session")
-def qwen_server(vllm_servers: dict[str, VLLMServer]) -> VLLMServer:
+def server_pool(request: pytest.FixtureRequest, tiny_models: dict[str, Path]) -> Iterator[ServerPool]:
+    """Lazily started vLLM servers (at most one per tiny model); stopped at session end."""
+    pool = ServerPool(tiny_models, _needed_models(request.session))
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(server_pool: ServerPool) -> dict[str, VLLMServer]:
+    """Every tiny-model server, healthy."""
+    return {name: server_pool.get(name) for name in MODEL_SPECS}
+
+
+@pytest.fixture(scope="session")
+def qwen_server(server_pool: ServerPool) -> VLLMServer:
     """Qwen3-MoE server (8 experts, top-2, layer 1 dense)."""
-    return vllm_servers["qwen3_dense"]
+    return server_pool.get("qwen3_dense")
+
+
+@pytest.fixture(scope="session")
+def mixtral_server(server_pool: ServerPool) -> VLLMServer:
+    """Mixtral server with 300 experts, top-4 (uint16 wire dtype)."""
+    return server_pool.get("mixtral_300")
 
 
 @pytest.fixture(scope="session", params=list(MODEL_SPECS))
-def any_server(request: pytest.FixtureRequest, vllm_servers: dict[str, VLLMServer]) -> VLLMServer:
+def any_server(request: pytest.FixtureRequest, server_pool: ServerPool) -> VLLMServer:
     """Each architecture's server in turn."""
-    return vllm_servers[request.param]
+    return server_pool.get(request.param)

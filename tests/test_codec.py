@@ -348,3 +348,8 @@ def test_c_checker_matches_numpy(rows: int, layers: int, topk: int, wide: bool, 
 def test_c_extension_is_built() -> None:
     # the fast path is what the benchmark measures; setup must have compiled it
     assert _rowcheck.HAVE_C
+
+
+def test_server_withheld_routing_reason_is_surfaced() -> None:
+    with pytest.raises(MissingRoutingError, match="withheld routed_experts: rows 3 != 4"):
+        decode_meta_info({"routed_experts_error": "rows 3 != 4"}, num_experts=E)

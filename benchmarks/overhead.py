@@ -1,0 +1,152 @@
+"""Routing overhead on a real vLLM CPU server: generated tok/s with routing returned vs not, one run.
+
+Three configurations, measured in interleaved rounds on the same machine:
+  A. server without --enable-return-routed-experts (no capture at all; /generate still served by rr)
+  B. rr server (capture on), requests with return_routed_experts=false
+  C. rr server (capture on), requests with return_routed_experts=true (encode + validate + transfer)
+C vs B is the cost of returning routing; B vs A is vLLM's own capture cost. Servers run one
+at a time. ``python benchmarks/overhead.py [--rounds 5] [--concurrency 8] [--skip-baseline]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from rr_server.demo import _free_port, _wait_healthy  # noqa: E402
+from rr_server.launch_vllm import build_command, is_cpu_platform  # noqa: E402
+
+
+def start(model_dir: Path, *, capture: bool, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a vLLM API server with the rr plugin; with or without routing capture."""
+    port = _free_port()
+    args = ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+            "--served-model-name", "tiny-moe"]
+    cmd, _ = build_command(args, cpu=is_cpu_platform())
+    if not capture:
+        cmd = [a for a in cmd if a != "--enable-return-routed-experts"]
+    env = dict(os.environ, RR_ENABLE="1", VLLM_PLUGINS="rr", VLLM_LOGGING_LEVEL="WARNING")
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(url, proc, log, 600)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a server's process group."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def load(url: str, *, routing: bool, concurrency: int, requests: int, prompt_len: int,
+               max_new: int, seed: int) -> tuple[int, float, int]:
+    """Send ``requests`` /generate calls, ``concurrency`` at a time; return (gen tokens, seconds, bytes)."""
+    sem = asyncio.Semaphore(concurrency)
+    tokens = 0
+    nbytes = 0
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+        async def one(i: int) -> None:
+            nonlocal tokens, nbytes
+            ids = [(seed * 131 + i * 17 + j * 7) % 400 + 2 for j in range(prompt_len)]
+            body = {"input_ids": ids, "return_routed_experts": routing,
+                    "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 1.0,
+                                        "seed": seed + i}}
+            async with sem:
+                r = await c.post("/generate", json=body)
+            r.raise_for_status()
+            item = r.json()
+            if routing and "routed_experts" not in item["meta_info"]:
+                raise RuntimeError(f"routing missing: {item['meta_info']}")
+            tokens += item["meta_info"]["completion_tokens"]
+            nbytes += len(r.content)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(requests)))
+        return tokens, time.perf_counter() - t0, nbytes
+
+
+def measure(url: str, modes: list[bool], args: argparse.Namespace) -> dict[bool, list[tuple[int, float, int]]]:
+    """Interleaved rounds (warm-up first) for each routing mode on one server."""
+    asyncio.run(load(url, routing=True, concurrency=args.concurrency, requests=args.concurrency,
+                     prompt_len=args.prompt_len, max_new=8, seed=999))
+    out: dict[bool, list[tuple[int, float, int]]] = {m: [] for m in modes}
+    for rnd in range(args.rounds):
+        for m in (modes if rnd % 2 == 0 else modes[::-1]):
+            out[m].append(asyncio.run(load(url, routing=m, concurrency=args.concurrency, requests=args.requests,
+                                           prompt_len=args.prompt_len, max_new=args.max_new_tokens, seed=rnd)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print the table."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", default=str(REPO / ".cache" / "bench-qwen3-moe"))
+    p.add_argument("--num-experts", type=int, default=64)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--skip-baseline", action="store_true", help="skip the server without capture (A)")
+    args = p.parse_args(argv)
+
+    from rr_server.tiny_moe import build_tiny_moe
+
+    model = build_tiny_moe(args.model_dir, arch="qwen3_moe", num_layers=args.num_layers,
+                           num_experts=args.num_experts, topk=args.topk)
+    log_dir = Path(tempfile.mkdtemp(prefix="rr-bench-"))
+    rows: list[tuple[str, list[tuple[int, float, int]]]] = []
+    proc, url = start(model, capture=True, log=log_dir / "capture.log")
+    try:
+        res = measure(url, [False, True], args)
+        rows += [("B capture on, routing not requested", res[False]), ("C capture on, routing returned", res[True])]
+    finally:
+        stop(proc)
+    if not args.skip_baseline:
+        proc, url = start(model, capture=False, log=log_dir / "baseline.log")
+        try:
+            rows.insert(0, ("A no capture (--enable-return-routed-experts off)", measure(url, [False], args)[False]))
+        finally:
+            stop(proc)
+
+    def tps(runs: list[tuple[int, float, int]]) -> float:
+        return statistics.median(t / s for t, s, _ in runs)
+
+    ref = dict(rows)["B capture on, routing not requested"]
+    print(f"\nmodel: qwen3_moe {args.num_layers} layers, {args.num_experts} experts, top-{args.topk}; "
+          f"{args.requests} requests x {args.max_new_tokens} new tokens, prompt {args.prompt_len}, "
+          f"concurrency {args.concurrency}, {args.rounds} interleaved rounds (median)\n")
+    print(f"{'configuration':<52} {'tok/s':>9} {'vs B':>8} {'reply KiB/req':>14}")
+    for name, runs in rows:
+        kib = statistics.median(b / args.requests / 1024 for _, _, b in runs)
+        print(f"{name:<52} {tps(runs):>9.1f} {100 * (tps(runs) / tps(ref) - 1):>+7.1f}% {kib:>14.1f}")
+    spread = [t / s for t, s, _ in ref]
+    print(f"\nround-to-round spread of B: {min(spread):.1f}..{max(spread):.1f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

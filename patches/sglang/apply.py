@@ -1,0 +1,116 @@
+"""Check that SGLang's code has the shape rr wraps, then install the hooks (directly, or via HookRegistry)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from patches.sglang.hooks import around_handle_batch_output, around_init, around_send
+from patches.sglang.versions import Profile, UnsupportedSGLangError, profile_for
+
+__all__ = ["TARGETS", "TM_PATH", "apply", "check_shapes", "is_applied"]
+
+logger = logging.getLogger("rr.sglang")
+TM_PATH = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+# method of TokenizerManager -> AROUND hook
+TARGETS: dict[str, Callable[..., Any]] = {
+    "__init__": around_init,
+    "_send_one_request": around_send,
+    "_send_batch_request": around_send,
+    "_handle_batch_output": around_handle_batch_output,
+}
+_SEND_ONE_SHAPES = (["self", "obj", "tokenized_obj", "created_time"], ["self", "tokenized_obj"])
+_MARK = "_rr_hook"
+
+
+def _params(fn: Any) -> list[str]:
+    """Parameter names of the unwrapped function."""
+    return list(inspect.signature(inspect.unwrap(fn)).parameters)
+
+
+def _fields(cls: type) -> set[str]:
+    """Dataclass field names of an io_struct class."""
+    return set(getattr(cls, "__dataclass_fields__", {}))
+
+
+def check_shapes(profile: Profile) -> None:
+    """Refuse (UnsupportedSGLangError) unless every function and field rr relies on looks as expected."""
+    from sglang.srt.managers import io_struct
+    from sglang.srt.managers.tokenizer_manager import ReqState, TokenizerManager
+
+    problems: list[str] = []
+    hbo = inspect.unwrap(TokenizerManager._handle_batch_output)
+    if _params(hbo) != ["self", "recv_obj"]:
+        problems.append(f"_handle_batch_output{inspect.signature(hbo)} is not (self, recv_obj)")
+    if inspect.iscoroutinefunction(hbo) != profile.handle_is_async:
+        problems.append(f"_handle_batch_output async={inspect.iscoroutinefunction(hbo)}, expected {profile.handle_is_async}")
+    if _params(TokenizerManager._send_one_request) not in _SEND_ONE_SHAPES:
+        problems.append(f"_send_one_request{inspect.signature(TokenizerManager._send_one_request)} is unknown")
+    if not callable(getattr(TokenizerManager, "_send_batch_request", None)):
+        problems.append("TokenizerManager._send_batch_request is missing")
+    for name in ("BatchTokenIDOutput", "BatchStrOutput"):
+        if profile.field not in _fields(getattr(io_struct, name)):
+            problems.append(f"io_struct.{name} has no field {profile.field!r}")
+    if "return_routed_experts" not in _fields(io_struct.TokenizedGenerateReqInput):
+        problems.append("TokenizedGenerateReqInput has no return_routed_experts")
+    if "out_list" not in _fields(ReqState):
+        problems.append("ReqState has no out_list")
+    if problems:
+        raise UnsupportedSGLangError(f"SGLang {profile.version} does not look as rr expects: " + "; ".join(problems))
+
+
+def _wrap(original: Callable[..., Any], hook: Callable[..., Any]) -> Callable[..., Any]:
+    """AROUND wrapper that keeps ``async def`` originals awaitable as coroutine functions."""
+    if inspect.iscoroutinefunction(original):
+
+        @functools.wraps(original)
+        async def awrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return await hook(original, self, *args, **kwargs)
+
+        wrapper: Callable[..., Any] = awrapper
+    else:
+
+        @functools.wraps(original)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return hook(original, self, *args, **kwargs)
+
+    setattr(wrapper, _MARK, hook)
+    return wrapper
+
+
+def is_applied() -> bool:
+    """True when TokenizerManager already carries every rr hook (by this module or by HookRegistry)."""
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        via_registry = {t.rsplit(".", 1)[1] for t in HookRegistry._patched if t.startswith(TM_PATH + ".")}
+    except ImportError:  # < 0.5.11: no plugin system
+        via_registry = set()
+
+    def hooked(name: str) -> bool:
+        fn = TokenizerManager.__dict__.get(name)
+        while fn is not None:
+            if getattr(fn, _MARK, None) is not None:
+                return True
+            fn = getattr(fn, "__wrapped__", None)
+        return name in via_registry
+
+    return all(hooked(name) for name in TARGETS)
+
+def apply(profile: Profile | None = None) -> Profile:
+    """Monkeypatch TokenizerManager in this process (idempotent); the launcher's path on 0.5.7-0.5.10."""
+    profile = profile or profile_for()
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    if is_applied():
+        return profile
+    check_shapes(profile)
+    for name, hook in TARGETS.items():
+        setattr(TokenizerManager, name, _wrap(TokenizerManager.__dict__[name], hook))
+    logger.info("rr: patched SGLang %s TokenizerManager (%s)", profile.version, ", ".join(TARGETS))
+    return profile

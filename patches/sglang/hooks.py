@@ -1,0 +1,179 @@
+"""AROUND hooks on SGLang's TokenizerManager: force routing on for every request, rewrite answers to rr's format.
+
+Each hook has HookRegistry's AROUND signature ``hook(original, self, *args, **kwargs)`` so the same
+function is registered as a plugin hook (0.5.11+) and installed by :mod:`patches.sglang.apply` (older).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from patches.sglang.convert import Dims, dims_from_hf_config, error_fields, wire_fields
+from patches.sglang.versions import Profile, profile_for
+from rr_client.errors import MissingRoutingError, RoutedExpertsError, ShapeMismatchError
+
+__all__ = ["around_handle_batch_output", "around_send", "around_init", "rr_enabled", "ALWAYS_ENV"]
+
+logger = logging.getLogger("rr.sglang")
+# Give routing to every answer, asked or not: for callers behind sglang-router 0.3.2, which drops the flag.
+ALWAYS_ENV = "RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS"
+_STATE_ATTR = "_rr_state"
+
+
+class _RRState:
+    """Per-TokenizerManager memory: the version profile, model dims and which rid asked (and from where)."""
+
+    def __init__(self, profile: Profile, dims: Dims | None) -> None:
+        self.profile = profile
+        self.dims = dims
+        self.asked: dict[str, tuple[bool, int]] = {}  # rid -> (asked, routed_experts_start)
+
+
+def _hf_config(tm: Any) -> dict[str, Any]:
+    """The served model's HF config as a dict (SGLang's ModelConfig keeps it as ``hf_config``)."""
+    cfg = tm.model_config.hf_config
+    return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else vars(cfg))
+
+
+def rr_enabled(tm: Any) -> bool:
+    """rr acts only on servers started with ``--enable-return-routed-experts``."""
+    return bool(getattr(tm.server_args, "enable_return_routed_experts", False))
+
+
+def state_of(tm: Any) -> _RRState:
+    """The rr state of ``tm``, created on first use (dims are read once from the model config)."""
+    st: _RRState | None = getattr(tm, _STATE_ATTR, None)
+    if st is None:
+        try:
+            dims: Dims | None = dims_from_hf_config(_hf_config(tm))
+        except (KeyError, AttributeError, TypeError, ValueError) as e:
+            logger.error("rr: cannot read routing dims from the model config (%s); routing will be refused", e)
+            dims = None
+        st = _RRState(profile_for(), dims)
+        setattr(tm, _STATE_ATTR, st)
+    return st
+
+
+def around_init(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """After TokenizerManager.__init__: read dims, warn about multi-tokenizer mode, expose ``/rr/info``."""
+    result = original(self, *args, **kwargs)
+    if rr_enabled(self):
+        state_of(self)
+        if int(getattr(self.server_args, "tokenizer_worker_num", 1) or 1) > 1:
+            logger.error(
+                "rr: --tokenizer-worker-num > 1 runs TokenizerWorkers in spawned uvicorn processes that "
+                "the rr patch does not reach; their answers are NOT in rr format. Use 1 worker."
+            )
+        from patches.sglang.routes import bind_tokenizer_manager
+
+        bind_tokenizer_manager(self)
+    return result
+
+
+def _tokenized_generate_objs(args: tuple[Any, ...]) -> list[Any]:
+    """Every TokenizedGenerateReqInput among a _send_* call's arguments (single, list, or batch wrapper)."""
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+
+    found: list[Any] = []
+    for a in args:
+        items = a if isinstance(a, (list, tuple)) else getattr(a, "batch", [a])
+        found.extend(x for x in items if isinstance(x, TokenizedGenerateReqInput))
+    return found
+
+
+def around_send(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Before a request reaches the scheduler: remember what its caller asked, then ask for routing anyway.
+
+    Every request then carries routing, so the scheduler's per-batch list lines up with the batch
+    again (the <= 0.5.12 mixed-batch bug) and answers can still carry routing when a router dropped the flag.
+    """
+    if rr_enabled(self):
+        st = state_of(self)
+        always = os.environ.get(ALWAYS_ENV, "") not in ("", "0", "false")
+        for t in _tokenized_generate_objs(args + tuple(kwargs.values())):
+            rid = str(t.rid)
+            state = self.rid_to_state.get(rid)
+            caller = getattr(state, "obj", None) or t
+            start = int(getattr(caller, "routed_experts_start_len", 0) or 0)
+            st.asked[rid] = (bool(t.return_routed_experts) or always, start)
+            t.return_routed_experts = True
+    return original(self, *args, **kwargs)
+
+
+class _RRList(list):  # type: ignore[type-arg]
+    """``ReqState.out_list`` stand-in: rewrites routing in each appended answer before anyone can read it."""
+
+    def __init__(self, items: Any, fields: dict[str, Any] | None) -> None:
+        super().__init__(items)
+        self.rr_fields = fields  # None: strip routing (the caller did not ask)
+
+    def append(self, out: Any) -> None:
+        """Apply the rr fields (or strip routing) to ``out["meta_info"]``, then append."""
+        meta = out.get("meta_info") if isinstance(out, dict) else None
+        if isinstance(meta, dict):
+            meta.pop("routed_experts", None)
+            if self.rr_fields is not None:
+                meta.update(self.rr_fields)
+        super().append(out)
+
+
+def _answer_fields(st: _RRState, value: Any, asked: bool, start: int) -> dict[str, Any] | None:
+    """rr fields for one answer: None to strip, the wire fields, or an error marker."""
+    if not asked:
+        return None
+    try:
+        if st.dims is None:
+            raise ShapeMismatchError("the model config gives no routing dims (num_hidden_layers/experts/top-k)")
+        return wire_fields(value, st.dims, start=start, slice_start=not st.profile.honours_start)
+    except RoutedExpertsError as e:
+        logger.error("rr: refusing routing payload: %s", e)
+        return error_fields(e)
+
+
+def prepare_batch(tm: Any, recv_obj: Any) -> None:
+    """Convert each request's routing in ``recv_obj`` and hook its ReqState so the answer gets rr's fields.
+
+    SGLang's own code then sees no routing at all (the field is set to None), so it can neither
+    leak a raw tensor (the ``{}`` bug) nor hand one request another's rows.
+    """
+    st = state_of(tm)
+    field = st.profile.field
+    values = getattr(recv_obj, field, None)
+    rids = list(getattr(recv_obj, "rids", None) or [])
+    if not rids:
+        return
+    values = list(values) if values else []
+    misaligned = bool(values) and len(values) != len(rids)
+    if misaligned:  # a request reached the scheduler without the forced flag: never guess who owns which rows
+        logger.error("rr: %d routing entries for %d requests; refusing all of them", len(values), len(rids))
+    for i, rid in enumerate(rids):
+        state = tm.rid_to_state.get(rid)
+        finished = recv_obj.finished_reasons[i] is not None
+        if finished:
+            default = (bool(getattr(getattr(state, "obj", None), "return_routed_experts", False)),
+                       int(getattr(getattr(state, "obj", None), "routed_experts_start_len", 0) or 0))
+            asked, start = st.asked.pop(rid, default)
+        if state is None:
+            continue
+        fields: dict[str, Any] | None = None
+        if finished and asked:  # routing comes with the final chunk only
+            if misaligned:
+                fields = error_fields(ShapeMismatchError("routing list does not line up with the batch"))
+            elif not values or values[i] is None:
+                fields = error_fields(MissingRoutingError("the engine returned no routing for this request"))
+            else:
+                fields = _answer_fields(st, values[i], asked, start)
+        state.out_list = _RRList(state.out_list, fields)
+    if values:
+        setattr(recv_obj, field, None)
+
+
+def around_handle_batch_output(original: Any, self: Any, recv_obj: Any, *args: Any, **kwargs: Any) -> Any:
+    """Rewrite routing for the batch, then run SGLang's own handler (a coroutine from 0.5.11 on)."""
+    from sglang.srt.managers.io_struct import BatchStrOutput, BatchTokenIDOutput
+
+    if rr_enabled(self) and isinstance(recv_obj, (BatchStrOutput, BatchTokenIDOutput)):
+        prepare_batch(self, recv_obj)
+    return original(self, recv_obj, *args, **kwargs)

@@ -1,0 +1,39 @@
+"""SGLang general plugin (entry point ``sglang.srt.plugins: rr``): registers rr's hooks through HookRegistry."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+
+from patches.sglang.apply import TARGETS, TM_PATH, apply, check_shapes
+from patches.sglang.versions import profile_for
+
+__all__ = ["register"]
+
+logger = logging.getLogger("rr.sglang")
+_registered = False
+
+
+def register() -> None:
+    """Called by SGLang's ``load_plugins()`` in every process; hooks the TokenizerManager of the main one.
+
+    Refuses (raises UnsupportedSGLangError, which SGLang logs with its traceback) on a version or code
+    shape rr was not tested against. Before 0.5.11 there is no plugin system: patches directly.
+    """
+    global _registered
+    if _registered:
+        return
+    if multiprocessing.current_process().name != "MainProcess":
+        return  # schedulers/detokenizer: SGLang's output there is already what rr rewrites later
+    profile = profile_for()
+    if not profile.has_plugins:
+        apply(profile)
+        _registered = True
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    check_shapes(profile)
+    for name, hook in TARGETS.items():
+        HookRegistry.register(f"{TM_PATH}.{name}", hook, HookType.AROUND)
+    _registered = True
+    logger.info("rr: registered SGLang %s hooks on %s", profile.version, ", ".join(TARGETS))

@@ -1,0 +1,72 @@
+"""Which SGLang releases the rr patch knows, and what each one hands the TokenizerManager."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+
+__all__ = ["MIN_VERSION", "MAX_VERSION", "Profile", "UnsupportedSGLangError", "installed_version", "profile_for"]
+
+MIN_VERSION = (0, 5, 7)
+MAX_VERSION = (0, 5, 23)
+
+
+class UnsupportedSGLangError(RuntimeError):
+    """The installed SGLang is outside the tested range, or its code no longer has the shape rr wraps."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-version facts the patch relies on (see docs: engines.md, SGLang section)."""
+
+    version: str
+    release: tuple[int, int, int]
+    field: str  # BatchTokenIDOutput/BatchStrOutput attribute carrying routing
+    handle_is_async: bool  # TokenizerManager._handle_batch_output is ``async def`` (0.5.11+)
+    has_plugins: bool  # sglang.srt.plugins + HookRegistry exist (0.5.11+)
+    honours_start: bool  # the scheduler slices rows from routed_experts_start_len (0.5.12+)
+    has_start_field: bool  # GenerateReqInput.routed_experts_start_len exists (0.5.8+)
+    mixed_batch_bug: bool  # scheduler list misaligned when only some requests ask (<= 0.5.12)
+
+
+def _release(version: str) -> tuple[int, int, int]:
+    """``"0.5.10.post1"`` -> ``(0, 5, 10)``; refuses strings that are not a release."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        rel = Version(version).release
+    except InvalidVersion as e:
+        raise UnsupportedSGLangError(f"cannot parse SGLang version {version!r}") from e
+    return (tuple(rel) + (0, 0, 0))[:3]  # type: ignore[return-value]
+
+
+def installed_version() -> str:
+    """Version of the importable ``sglang`` (distribution metadata, else ``sglang.__version__``)."""
+    try:
+        import sglang
+
+        return str(sglang.__version__)
+    except (ImportError, AttributeError):
+        return importlib.metadata.version("sglang")
+
+
+def profile_for(version: str | None = None) -> Profile:
+    """The profile of ``version`` (default: installed); raises UnsupportedSGLangError outside 0.5.7-0.5.23."""
+    version = installed_version() if version is None else version
+    rel = _release(version)
+    if not MIN_VERSION <= rel <= MAX_VERSION:
+        lo, hi = (".".join(map(str, v)) for v in (MIN_VERSION, MAX_VERSION))
+        raise UnsupportedSGLangError(
+            f"rr's SGLang patch supports SGLang {lo} - {hi}; found {version}. Refusing to patch code "
+            "it was not tested against (pin a supported SGLang, or use the rr sidecar in front of it)."
+        )
+    return Profile(
+        version=version,
+        release=rel,
+        field="output_routed_experts" if rel < (0, 5, 8) else "routed_experts",
+        handle_is_async=rel >= (0, 5, 11),
+        has_plugins=rel >= (0, 5, 11),
+        honours_start=rel >= (0, 5, 12),
+        has_start_field=rel >= (0, 5, 8),
+        mixed_batch_bug=rel <= (0, 5, 12),
+    )

@@ -1,0 +1,94 @@
+"""``rr-server launch sglang <SGLang args>``: install rr's patch, then run SGLang's own launch_server."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main", "prepare_argv", "install_patch"]
+
+logger = logging.getLogger("rr.sglang")
+FLAG = "--enable-return-routed-experts"
+
+
+def prepare_argv(argv: Sequence[str]) -> list[str]:
+    """SGLang's arguments with ``--enable-return-routed-experts`` added when missing."""
+    args = list(argv)
+    if FLAG not in args and not any(a.startswith(FLAG + "=") for a in args):
+        args.append(FLAG)
+    return args
+
+
+def _tokenizer_workers(args: Sequence[str]) -> int:
+    """Value of ``--tokenizer-worker-num`` (1 when absent or unparsable)."""
+    for i, a in enumerate(args):
+        if a == "--tokenizer-worker-num" and i + 1 < len(args):
+            val = args[i + 1]
+        elif a.startswith("--tokenizer-worker-num="):
+            val = a.split("=", 1)[1]
+        else:
+            continue
+        try:
+            return int(val)
+        except ValueError:
+            return 1
+    return 1
+
+
+def install_patch() -> str:
+    """Patch this process: SGLang's plugin loader on 0.5.11+, a direct monkeypatch before; returns how."""
+    from patches.sglang.apply import apply, is_applied
+    from patches.sglang.versions import profile_for
+
+    profile = profile_for()  # raises UnsupportedSGLangError on an untested version
+    if profile.has_plugins:
+        allowed = os.environ.get("SGLANG_PLUGINS", "")
+        if allowed and "rr" not in {p.strip() for p in allowed.split(",")}:
+            os.environ["SGLANG_PLUGINS"] = allowed + ",rr"
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+        if is_applied():
+            return f"plugin (SGLang {profile.version})"
+        logger.warning("rr: the 'rr' plugin entry point was not loaded; patching directly")
+    apply(profile)
+    return f"monkeypatch (SGLang {profile.version})"
+
+
+def _run(argv: list[str]) -> None:
+    """SGLang's own ``prepare_server_args`` + ``run_server``, with its own cleanup."""
+    from sglang.launch_server import run_server
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    server_args: Any = prepare_server_args(argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point used by ``rr-server launch sglang``; returns a process exit code."""
+    from patches.sglang.versions import UnsupportedSGLangError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = prepare_argv(argv)
+    if _tokenizer_workers(args) > 1:
+        sys.stderr.write(
+            "rr-server: --tokenizer-worker-num > 1 is not supported: SGLang then runs its TokenizerManagers "
+            "in spawned uvicorn worker processes that rr's patch does not reach, so answers would not be in "
+            "rr format. Use one tokenizer worker, or run the rr sidecar in front of SGLang.\n"
+        )
+        return 2
+    try:
+        how = install_patch()
+    except UnsupportedSGLangError as e:
+        sys.stderr.write(f"rr-server: {e}\n")
+        return 2
+    logger.info("rr: SGLang patched by %s; arguments: %s", how, " ".join(args))
+    _run(args)
+    return 0

@@ -1,0 +1,42 @@
+"""rr sidecar: the rr ``/generate`` protocol in front of an unpatched SGLang or vLLM server.
+
+``rr-server proxy --upstream URL --engine sglang|vllm`` dispatches to :func:`main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from rr_server.proxy.app import ProxyConfig, create_app
+
+__all__ = ["main", "create_app", "ProxyConfig", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line options of ``rr-server proxy``."""
+    p = argparse.ArgumentParser(prog="rr-server proxy", description=__doc__.splitlines()[0])
+    p.add_argument("--upstream", required=True, help="base URL of the engine, e.g. http://127.0.0.1:30000")
+    p.add_argument("--engine", required=True, choices=("vllm", "sglang"))
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--max-concurrency", type=int, default=64, help="upstream calls in flight at most")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call")
+    p.add_argument("--model-path", default=None, help="checkpoint dir with config.json (default: ask the upstream)")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the sidecar under uvicorn until interrupted."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.max_concurrency < 1 or args.timeout <= 0:
+        sys.stderr.write("rr-server proxy: --max-concurrency must be >= 1 and --timeout > 0\n")
+        return 2
+    import uvicorn
+
+    cfg = ProxyConfig(upstream=args.upstream, engine=args.engine, max_concurrency=args.max_concurrency,
+                      timeout=args.timeout, model_path=args.model_path)
+    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
+    return 0

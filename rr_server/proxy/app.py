@@ -1,0 +1,179 @@
+"""The sidecar's FastAPI app: ``/generate``, ``/rr/info``, ``/health`` and ``/metrics`` in front of one upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from rr_client.info import RRInfo
+from rr_server.protocol import SSE_DONE, BadRequest, NormalizedGenerate, parse_generate_request, sse_line
+from rr_server.proxy.errors import ProxyError, error_payload
+from rr_server.proxy.info import fetch_info
+from rr_server.proxy.metrics import ProxyMetrics
+from rr_server.proxy.sglang_backend import SGLangBackend, validation_view
+from rr_server.proxy.upstream import Upstream
+from rr_server.proxy.vllm_backend import VLLMBackend
+
+__all__ = ["ProxyConfig", "create_app"]
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Everything the sidecar needs to know about its upstream."""
+
+    upstream: str
+    engine: Literal["vllm", "sglang"]
+    max_concurrency: int = 64
+    timeout: float = 600.0
+    model_path: str | None = None
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    """orjson response."""
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+class Sidecar:
+    """Per-app state: upstream client, metrics, cached info, and the engine backend."""
+
+    def __init__(self, cfg: ProxyConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = ProxyMetrics()
+        self.up = Upstream(cfg.upstream, timeout=cfg.timeout, max_concurrency=cfg.max_concurrency,
+                           metrics=self.metrics, transport=transport)
+        self._info: tuple[RRInfo, str] | None = None
+        self._lock = asyncio.Lock()
+        backend = VLLMBackend if cfg.engine == "vllm" else SGLangBackend
+        self.backend: VLLMBackend | SGLangBackend = backend(self.up, self.info, self.metrics)
+
+    async def info(self) -> tuple[RRInfo, str]:
+        """RRInfo + upstream model name, fetched once (retried on the next request if the upstream was down)."""
+        async with self._lock:
+            if self._info is None:
+                self._info = await fetch_info(self.up, self.cfg.engine, self.cfg.model_path)
+            return self._info
+
+    def fail(self, route: str, e: ProxyError) -> Response:
+        """Count and answer one error."""
+        self.metrics.errors.labels(e.kind).inc()
+        self.metrics.requests.labels(route, str(e.status)).inc()
+        return _json(error_payload(e), e.status)
+
+
+def _parse(body: bytes, engine: str) -> tuple[NormalizedGenerate, dict[str, Any]]:
+    """Validate a client body; SGLang upstreams also get the fields rr does not model, untouched."""
+    try:
+        raw = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ProxyError(400, "bad_request", f"request body is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ProxyError(400, "bad_request", "request body must be a JSON object")
+    try:
+        req = parse_generate_request(validation_view(raw) if engine == "sglang" else raw)
+    except BadRequest as e:
+        raise ProxyError(e.status, "bad_request", str(e)) from None
+    return req, raw
+
+
+async def _primed(agen: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pull the first event before answering, so failures up to then still get a real HTTP status."""
+    first = await agen.__anext__()
+
+    async def rest() -> AsyncIterator[str]:
+        yield first
+        try:
+            async for ev in agen:
+                yield ev
+        except ProxyError as e:
+            yield sse_line(error_payload(e))
+            yield SSE_DONE
+
+    return rest()
+
+
+async def _vllm_stream(sc: Sidecar, req: NormalizedGenerate) -> AsyncIterator[str]:
+    """vLLM sends routing only on non-streaming answers: one final chunk per sample, then [DONE]."""
+    assert isinstance(sc.backend, VLLMBackend)
+    items = await sc.backend.generate(req)
+    per = [s.n for s in req.sampling]
+    k = 0
+    for i, n in enumerate(per):
+        for item in items[k : k + n]:
+            if req.is_batch:
+                item["index"] = i
+            yield sse_line(item)
+        k += n
+    yield SSE_DONE
+
+
+def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """Build one sidecar app (its own metrics registry and upstream pool)."""
+    sc = Sidecar(cfg, transport)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await sc.up.aclose()
+
+    app = FastAPI(title="rr sidecar", lifespan=lifespan)
+    app.state.sidecar = sc
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        sc.metrics.in_flight.inc()
+        t0 = time.perf_counter()
+        try:
+            req, raw = _parse(await request.body(), cfg.engine)
+            if req.stream:
+                if isinstance(sc.backend, VLLMBackend):
+                    events = await _primed(_vllm_stream(sc, req))
+                else:
+                    events = await _primed(sc.backend.stream(req, raw))
+                sc.metrics.requests.labels("/generate", "200").inc()
+                return StreamingResponse(events, media_type="text/event-stream")
+            if isinstance(sc.backend, VLLMBackend):
+                items = await sc.backend.generate(req)
+                out: Any = items[0] if not req.is_batch and len(items) == 1 else items
+            else:
+                out = await sc.backend.generate(req, raw)
+            sc.metrics.requests.labels("/generate", "200").inc()
+            return _json(out)
+        except ProxyError as e:
+            return sc.fail("/generate", e)
+        finally:
+            sc.metrics.in_flight.dec()
+            sc.metrics.request_latency.labels("/generate").observe(time.perf_counter() - t0)
+
+    @app.get("/rr/info")
+    async def rr_info() -> Response:
+        try:
+            info, _ = await sc.info()
+        except ProxyError as e:
+            return sc.fail("/rr/info", e)
+        sc.metrics.requests.labels("/rr/info", "200").inc()
+        return _json(info.model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, msg = await sc.up.healthy()
+        sc.metrics.upstream_up.set(1 if ok else 0)
+        if not ok:
+            return sc.fail("/health", ProxyError(503, "upstream_unhealthy", msg))
+        sc.metrics.requests.labels("/health", "200").inc()
+        return _json({"status": "ok", "upstream": cfg.upstream, "engine": cfg.engine})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(sc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

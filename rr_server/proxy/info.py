@@ -1,0 +1,75 @@
+"""Build ``/rr/info`` for an unpatched upstream from its model listing and the model's HF ``config.json``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import rr_client
+from rr_client.codec import wire_dtype
+from rr_client.hf_config import load_config, moe_layers_from_config, routing_dims_from_config
+from rr_client.info import RRInfo
+from rr_server.proxy.errors import ProxyError
+from rr_server.proxy.upstream import Upstream
+
+__all__ = ["fetch_info", "info_from_config"]
+
+
+def info_from_config(cfg: dict[str, Any], *, engine: str, engine_version: str, model: str, upstream: str) -> RRInfo:
+    """RRInfo from an HF config dict (dims, MoE layers, wire dtype) plus engine facts."""
+    layers, experts, topk = routing_dims_from_config(cfg)
+    return RRInfo(
+        engine=engine,
+        engine_version=engine_version,
+        rr_version=rr_client.__version__,
+        model=model,
+        num_hidden_layers=layers,
+        num_experts=experts,
+        topk=topk,
+        moe_layers=moe_layers_from_config(cfg),
+        wire_dtype=wire_dtype(experts).name,  # type: ignore[arg-type]
+        sidecar=True,
+        upstream=upstream,
+    )
+
+
+def _load(path: str | None, hint: str) -> dict[str, Any]:
+    """config.json from a local checkpoint dir; a clear 503 when it is not readable here."""
+    if not path or not (Path(path) / "config.json").is_file() and not Path(path).is_file():
+        raise ProxyError(503, "config_unavailable",
+                         f"cannot read the model's config.json at {path!r} ({hint}); pass --model-path DIR")
+    try:
+        return load_config(path)
+    except (OSError, ValueError) as e:
+        raise ProxyError(503, "config_unavailable", f"cannot read {path}/config.json: {e}") from None
+
+
+async def _vllm(up: Upstream, model_path: str | None) -> tuple[RRInfo, str]:
+    """vLLM: model id and root path from ``/v1/models``, version from ``/version``."""
+    models = await up.call("GET", "/v1/models", timeout=10.0)
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
+        raise ProxyError(502, "upstream_protocol", f"upstream /v1/models lists no model: {str(models)[:200]}")
+    name, root = str(data[0]["id"]), data[0].get("root")
+    version = (await up.call("GET", "/version", timeout=10.0)).get("version", "unknown")
+    cfg = _load(model_path or root, "from /v1/models root")
+    return info_from_config(cfg, engine="vllm", engine_version=str(version), model=name, upstream=up.url), name
+
+
+async def _sglang(up: Upstream, model_path: str | None) -> tuple[RRInfo, str]:
+    """SGLang: model path from ``/get_model_info``, version from ``/get_server_info``."""
+    minfo = await up.call("GET", "/get_model_info", timeout=10.0)
+    path = minfo.get("model_path") if isinstance(minfo, dict) else None
+    try:
+        sinfo = await up.call("GET", "/get_server_info", timeout=10.0)
+        version = str(sinfo.get("version", "unknown")) if isinstance(sinfo, dict) else "unknown"
+    except ProxyError:
+        version = "unknown"
+    cfg = _load(model_path or path, "from /get_model_info model_path")
+    name = str(path or model_path)
+    return info_from_config(cfg, engine="sglang", engine_version=version, model=name, upstream=up.url), name
+
+
+async def fetch_info(up: Upstream, engine: str, model_path: str | None) -> tuple[RRInfo, str]:
+    """Ask the upstream what it serves; return the RRInfo and the upstream's model name."""
+    return await (_vllm(up, model_path) if engine == "vllm" else _sglang(up, model_path))

@@ -1,0 +1,39 @@
+"""Prometheus metrics of one sidecar app, in their own registry so several apps can coexist."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["ProxyMetrics"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ProxyMetrics:
+    """Counters for requests, errors by kind, routing rows/bytes, and the upstream latency histogram."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("rr_proxy_requests", "Requests answered, by route and status", ["route", "status"], registry=r)
+        self.errors = Counter("rr_proxy_errors", "Failed requests by kind", ["kind"], registry=r)
+        self.routing_rows = Counter("rr_proxy_routing_rows", "Routing rows sent to clients (validated)", registry=r)
+        self.routing_bytes = Counter("rr_proxy_routing_bytes", "Base64 routing payload bytes sent to clients", registry=r)
+        self.upstream_latency = Histogram(
+            "rr_proxy_upstream_latency_seconds", "Upstream call latency", ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.request_latency = Histogram(
+            "rr_proxy_request_latency_seconds", "Client request latency through the sidecar", ["route"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.in_flight = Gauge("rr_proxy_in_flight", "Client requests being served", registry=r)
+        self.upstream_up = Gauge("rr_proxy_upstream_up", "1 if the last upstream health probe succeeded", registry=r)
+
+    def routing_sent(self, rows: int, payload: str) -> None:
+        """Count one validated routing payload going out."""
+        self.routing_rows.inc(rows)
+        self.routing_bytes.inc(len(payload))
+
+    def render(self) -> bytes:
+        """Text exposition format of this registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,121 @@
+"""SGLang upstream: forward ``/generate`` with routing always on, transcode int32 -> rr, strip unasked routing."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import orjson
+
+from rr_client.codec import expected_rows
+from rr_client.info import RRInfo
+from rr_server.protocol import SSE_DONE, GenerateRequest, NormalizedGenerate, SamplingParamsIn, error_body, sse_line
+from rr_server.proxy.errors import ProxyError
+from rr_server.proxy.metrics import ProxyMetrics
+from rr_server.proxy.routing import ROUTING_KEYS, validated_routing, wire_fields
+from rr_server.proxy.upstream import Upstream
+
+__all__ = ["SGLangBackend", "validation_view", "upstream_body"]
+
+_START_KEYS = ("routed_experts_start", "routed_experts_start_len")
+
+
+def validation_view(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a SGLang body rr's parser understands; other SGLang fields pass through unvalidated."""
+    view = {k: v for k, v in body.items() if k in GenerateRequest.model_fields}
+    known = SamplingParamsIn.model_fields
+    sp = view.get("sampling_params")
+    if isinstance(sp, Mapping):
+        view["sampling_params"] = {k: v for k, v in sp.items() if k in known}
+    elif isinstance(sp, list):
+        view["sampling_params"] = [{k: v for k, v in s.items() if k in known} if isinstance(s, Mapping) else s for s in sp]
+    return view
+
+
+def upstream_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Routing forced on for every request (SGLang's mixed-batch and router bugs); start handled here."""
+    out = {k: v for k, v in body.items() if k not in _START_KEYS}
+    out["return_routed_experts"] = True
+    return out
+
+
+class SGLangBackend:
+    """Serves ``/generate`` from an unpatched SGLang server started with ``--enable-return-routed-experts``."""
+
+    def __init__(self, up: Upstream, info: Callable[[], Awaitable[tuple[RRInfo, str]]], metrics: ProxyMetrics) -> None:
+        self._up, self._info, self._metrics = up, info, metrics
+
+    def _prompt_ids(self, req: NormalizedGenerate, j: int, index: int | None) -> list[int] | None:
+        """Token ids of the prompt behind reply item ``j`` (or the stream ``index``), when sent as ids."""
+        counts = [s.n for s in req.sampling]
+        p = index if index is not None else next(
+            (k for k in range(len(counts)) if sum(counts[: k + 1]) > j), len(counts) - 1)
+        prompt = req.prompts[min(p, len(req.prompts) - 1)]
+        return prompt if isinstance(prompt, list) else None
+
+    def transcode(self, item: Any, req: NormalizedGenerate, info: RRInfo, j: int, *, final: bool = True,
+                  index: int | None = None) -> dict[str, Any]:
+        """One SGLang reply item in rr form: routing validated + re-encoded, or removed when not asked."""
+        if not isinstance(item, Mapping) or not isinstance(item.get("meta_info"), Mapping):
+            raise ProxyError(502, "upstream_protocol", f"upstream /generate item {j} has no meta_info object")
+        out = dict(item)
+        meta = dict(item["meta_info"])
+        upstream_meta = dict(meta)
+        for k in ROUTING_KEYS:
+            meta.pop(k, None)
+        out["meta_info"] = meta
+        if not (req.return_routed_experts and final):
+            return out
+        pt, ct = meta.get("prompt_tokens"), meta.get("completion_tokens")
+        if not isinstance(pt, int) or not isinstance(ct, int):
+            raise ProxyError(502, "upstream_protocol", f"upstream item {j}: prompt_tokens/completion_tokens missing")
+        start = req.routed_experts_start
+        full = validated_routing(upstream_meta, info, rows=expected_rows(pt, ct), where=f"item {j}",
+                                 hint="was the upstream started with --enable-return-routed-experts?")
+        fields = wire_fields(full[start:], info, start)
+        meta.update(fields)
+        ids = self._prompt_ids(req, j, index)
+        if ids is not None:
+            meta["prompt_token_ids"] = ids
+        self._metrics.routing_sent(fields["routed_experts_shape"][0], fields["routed_experts"])
+        return out
+
+    async def generate(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> Any:
+        """Non-streaming: one upstream call, every item transcoded; same shape (dict or list) as SGLang's."""
+        info, _ = await self._info()
+        reply = await self._up.call("POST", "/generate", upstream_body(body))
+        if isinstance(reply, list):
+            want = sum(s.n for s in req.sampling)
+            if len(reply) != want:
+                raise ProxyError(502, "upstream_protocol", f"upstream /generate returned {len(reply)} items, expected {want}")
+            return [self.transcode(it, req, info, j) for j, it in enumerate(reply)]
+        return self.transcode(reply, req, info, 0)
+
+    async def stream(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> AsyncIterator[str]:
+        """Streaming: pass chunks through; routing (final chunk only) transcoded or stripped; errors as events."""
+        info, _ = await self._info()
+        async with self._up.stream_lines("/generate", upstream_body(body)) as lines:
+            async for line in lines:
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                try:
+                    chunk = orjson.loads(data)
+                    if isinstance(chunk, Mapping) and "error" in chunk:
+                        yield sse_line(chunk)
+                        continue
+                    meta = chunk.get("meta_info") if isinstance(chunk, Mapping) else None
+                    final = isinstance(meta, Mapping) and meta.get("finish_reason") is not None
+                    idx = chunk.get("index") if isinstance(chunk.get("index"), int) else None
+                    yield sse_line(self.transcode(chunk, req, info, idx or 0, final=final, index=idx))
+                except orjson.JSONDecodeError as e:
+                    self._metrics.errors.labels("upstream_protocol").inc()
+                    yield sse_line(error_body(f"upstream stream chunk is not JSON: {e}", 502))
+                    break
+                except ProxyError as e:
+                    self._metrics.errors.labels(e.kind).inc()
+                    yield sse_line(error_body(e.message, e.status))
+                    break
+        yield SSE_DONE

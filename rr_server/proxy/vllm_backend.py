@@ -1,0 +1,124 @@
+"""vLLM upstream: SGLang ``/generate`` -> ``/v1/completions`` (one call per prompt) -> rr replies."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from rr_client.codec import expected_rows
+from rr_client.info import RRInfo
+from rr_server.protocol import (
+    BadRequest,
+    NormalizedGenerate,
+    RoutingDims,
+    build_item,
+    finish_reason_dict,
+    to_vllm_sampling_kwargs,
+)
+from rr_server.proxy.errors import ProxyError
+from rr_server.proxy.metrics import ProxyMetrics
+from rr_server.proxy.routing import validated_routing
+from rr_server.proxy.upstream import Upstream
+
+__all__ = ["VLLMBackend"]
+
+_NO_ROUTING_HINT = "was the upstream started with --enable-return-routed-experts?"
+
+
+def completion_body(req: NormalizedGenerate, i: int, model: str) -> dict[str, Any]:
+    """The ``/v1/completions`` body for prompt ``i`` (vLLM names, token ids back, prompt start)."""
+    try:
+        kw = to_vllm_sampling_kwargs(req.sampling[i], routed_experts_start=req.routed_experts_start,
+                                     return_logprob=req.return_logprob[i])
+    except BadRequest as e:
+        raise ProxyError(e.status, "bad_request", str(e)) from None
+    return {"model": model, "prompt": req.prompts[i], "return_token_ids": True, "stream": False, **kw}
+
+
+def _logprobs(choice: Mapping[str, Any], ids: list[int]) -> list[list[Any]] | None:
+    """SGLang ``output_token_logprobs`` (``[logprob, token_id, None]``) from an OpenAI logprobs block."""
+    lp = choice.get("logprobs")
+    if not isinstance(lp, Mapping) or not isinstance(lp.get("token_logprobs"), list):
+        return None
+    return [[v, t, None] for v, t in zip(lp["token_logprobs"], ids)]
+
+
+def _int_list(v: Any, what: str) -> list[int]:
+    """A list of token ids from the upstream, or a 502."""
+    if not isinstance(v, list) or not all(isinstance(t, int) for t in v):
+        raise ProxyError(502, "upstream_protocol", f"upstream completion has no valid {what} (need return_token_ids)")
+    return v
+
+
+class VLLMBackend:
+    """Serves ``/generate`` from an unpatched vLLM API server started with ``--enable-return-routed-experts``."""
+
+    def __init__(self, up: Upstream, info: Callable[[], Awaitable[tuple[RRInfo, str]]], metrics: ProxyMetrics) -> None:
+        self._up, self._info, self._metrics = up, info, metrics
+
+    async def generate(self, req: NormalizedGenerate) -> list[dict[str, Any]]:
+        """All reply items in prompt order (``n`` per prompt); any failure fails the whole request."""
+        info, model = await self._info()
+        base = uuid.uuid4().hex
+        tasks = [asyncio.ensure_future(self._one(req, i, info, model, base)) for i in range(len(req.prompts))]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return [item for part in parts for item in part]
+
+    async def _one(self, req: NormalizedGenerate, i: int, info: RRInfo, model: str, base: str) -> list[dict[str, Any]]:
+        """One upstream completion for prompt ``i``; routing validated before it is re-encoded."""
+        t0 = time.perf_counter()
+        body = completion_body(req, i, model)
+        reply = await self._up.call("POST", "/v1/completions", body)
+        choices = reply.get("choices") if isinstance(reply, Mapping) else None
+        n = req.sampling[i].n
+        if not isinstance(choices, list) or len(choices) != n:
+            got = len(choices) if isinstance(choices, list) else type(choices).__name__
+            raise ProxyError(502, "upstream_protocol", f"upstream /v1/completions returned {got} choices, expected n={n}")
+        usage = reply.get("usage") if isinstance(reply.get("usage"), Mapping) else {}
+        details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), Mapping) else {}
+        rid = req.rids[i] or f"rr-{base}-{i}"
+        start = req.routed_experts_start
+        dims = RoutingDims(info.num_hidden_layers, info.num_experts, info.topk)
+        items = []
+        for j, ch in enumerate(choices):
+            if not isinstance(ch, Mapping):
+                raise ProxyError(502, "upstream_protocol", "upstream completion choice is not an object")
+            prompt_ids = _int_list(ch.get("prompt_token_ids"), "prompt_token_ids")
+            out_ids = _int_list(ch.get("token_ids"), "token_ids")
+            sample = f"prompt {i} sample {j}"
+            routing = None
+            if req.return_routed_experts:
+                rows = expected_rows(len(prompt_ids), len(out_ids), start)
+                routing = validated_routing({"routed_experts": ch.get("routed_experts")}, info, rows=rows,
+                                            where=sample, hint=_NO_ROUTING_HINT)
+            item = build_item(
+                rid=rid if n == 1 else f"{rid}-{j}",
+                text=ch.get("text") if isinstance(ch.get("text"), str) else None,
+                output_ids=out_ids,
+                prompt_tokens=len(prompt_ids),
+                cached_tokens=int(details.get("cached_tokens") or 0),
+                finish_reason=finish_reason_dict(ch.get("finish_reason"), ch.get("stop_reason")),
+                e2e_latency=time.perf_counter() - t0,
+                routing=routing,
+                dims=dims,
+                routed_experts_start=start,
+                want_routing=req.return_routed_experts,
+                output_token_logprobs=_logprobs(ch, out_ids) if req.return_logprob[i] else None,
+            )
+            meta = item["meta_info"]
+            if req.return_routed_experts:
+                if "routed_experts_error" in meta:
+                    raise ProxyError(502, "malformed_routing", f"{sample}: {meta['routed_experts_error']}")
+                meta["prompt_token_ids"] = prompt_ids
+                self._metrics.routing_sent(meta["routed_experts_shape"][0], meta["routed_experts"])
+            items.append(item)
+        return items

@@ -1,0 +1,239 @@
+"""Sidecar against FAKE upstreams (tests/fake_upstreams.py): SGLang transcoding and the malformed-answer corpus.
+
+SGLang cannot run on these CPU machines and real vLLM does not send broken routing on demand, so
+these tests use test-only fakes that reproduce the engines' HTTP shapes. The real-vLLM tests are in
+tests/test_proxy_vllm.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from rr_client import RoutedExpertsClient, decode_meta_info
+from rr_server.proxy import ProxyConfig
+from tests.fake_upstreams import CORRUPTIONS, EXPERTS, LAYERS, TOPK, FakeSGLangUpstream, FakeVLLMUpstream, \
+    fake_completion, write_fake_config
+from tests.proxy_harness import SidecarServer, free_port
+from tests.protocol_server import synthetic_routing
+
+MOE = [0, 2]
+
+
+@pytest.fixture(scope="module")
+def cfg_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_fake_config(tmp_path_factory.mktemp("fake-model"))
+
+
+@pytest.fixture(scope="module", params=["sglang", "vllm"])
+def stack(request: pytest.FixtureRequest, cfg_dir: Path) -> Iterator[tuple[str, object, SidecarServer]]:
+    """A fake upstream of each engine kind with a real sidecar in front."""
+    fake = (FakeSGLangUpstream if request.param == "sglang" else FakeVLLMUpstream)(cfg_dir)
+    with fake:
+        with SidecarServer(ProxyConfig(upstream=fake.url, engine=request.param, timeout=10)) as sc:
+            yield request.param, fake, sc
+
+
+@pytest.fixture
+def http(stack: tuple[str, object, SidecarServer]) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=stack[2].url, timeout=20) as c:
+        yield c
+
+
+def expected(prompt: list[int], n_new: int, start: int = 0) -> np.ndarray:
+    """What the fake reports, recomputed: routing of every token but the last, from ``start``."""
+    toks = prompt + fake_completion(prompt, n_new)
+    return synthetic_routing(toks[:-1], LAYERS, TOPK, EXPERTS, MOE)[start:]
+
+
+def test_info_and_health(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -> None:
+    info = http.get("/rr/info").json()
+    assert (info["num_hidden_layers"], info["num_experts"], info["topk"], info["moe_layers"]) == (3, 8, 2, MOE)
+    assert info["engine"] == stack[0] and info["wire_dtype"] == "uint8" and info["sidecar"] is True
+    assert http.get("/health").status_code == 200
+
+
+def test_roundtrip_and_start(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -> None:
+    stack[1].corrupt = "none"  # type: ignore[attr-defined]
+    prompt = [5, 9, 14, 20]
+    for start in (0, 2):
+        r = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 5},
+                                         "return_routed_experts": True, "routed_experts_start": start})
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        assert meta["routed_experts_format"] == "npy" and meta["routed_experts_start"] == start
+        got = decode_meta_info(meta, rows=len(prompt) + 5 - 1 - start, num_layers=3, topk=2, num_experts=8,
+                               moe_layers=MOE)
+        assert got.dtype == np.uint8
+        np.testing.assert_array_equal(got, expected(prompt, 5, start))
+        assert meta["prompt_token_ids"] == prompt
+
+
+def test_routing_stripped_when_not_asked(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -> None:
+    engine, fake, _ = stack
+    fake.corrupt = "none"  # type: ignore[attr-defined]
+    r = http.post("/generate", json={"text": ["ab", "cde"], "sampling_params": {"max_new_tokens": 3}})
+    assert r.status_code == 200
+    for item in r.json():
+        assert not any(k.startswith("routed_experts") or k == "output_routed_experts" for k in item["meta_info"])
+    if engine == "sglang":  # the sidecar always asks SGLang for routing (mixed-batch bug, router drop)
+        assert fake.bodies[-1]["return_routed_experts"] is True  # type: ignore[attr-defined]
+        assert "routed_experts_start" not in fake.bodies[-1]  # type: ignore[attr-defined]
+
+
+def test_client_batch_n(stack: tuple[str, object, SidecarServer]) -> None:
+    """RoutedExpertsClient end to end through the sidecar: batch x n, every tensor as the fake reported."""
+    stack[1].corrupt = "none"  # type: ignore[attr-defined]
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
+
+    async def go() -> None:
+        async with RoutedExpertsClient(stack[2].url, retries=0) as c:
+            batch = await c.generate(prompts, {"max_new_tokens": 4, "n": 2 if stack[0] == "vllm" else 1})
+            for res in batch:
+                p = prompts[res.prompt_index]
+                if stack[0] == "vllm" and res.index % 2:
+                    toks = p + fake_completion(p, 4, 1)
+                    want = synthetic_routing(toks[:-1], LAYERS, TOPK, EXPERTS, MOE)
+                else:
+                    want = expected(p, 4)
+                np.testing.assert_array_equal(res.routed_experts, want)
+            t = batch.to_tensors()
+            assert t.routed_experts.shape[0] == len(batch)
+
+    asyncio.run(go())
+
+
+def test_stream(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -> None:
+    stack[1].corrupt = "none"  # type: ignore[attr-defined]
+    body = {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 4},
+            "return_routed_experts": True, "stream": True}
+    with http.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    finals = [c for c in chunks if c["meta_info"]["finish_reason"] is not None]
+    assert sorted(c["index"] for c in finals) == [0, 1]
+    for c in chunks:
+        has = "routed_experts" in c["meta_info"]
+        assert has == (c["meta_info"]["finish_reason"] is not None)
+    for c in finals:
+        p = [[1, 2, 3], [4, 5]][c["index"]]
+        got = decode_meta_info(c["meta_info"], num_experts=8, moe_layers=MOE)
+        np.testing.assert_array_equal(got, expected(p, 4))
+
+
+CORPUS_MESSAGES = {
+    "truncated_b64": "MalformedPayloadError",
+    "wrong_rows": "ShapeMismatchError",
+    "duplicate_ids": "UnrecordedRoutingError",
+    "out_of_range": "ExpertIdOutOfRangeError",
+    "missing": "MissingRoutingError",
+    "empty_dict": "MissingRoutingError",
+    "dense_nonzero": "dense layer",
+    "non_json": "non-JSON",
+    "http_500": "HTTP 500: CUDA error",
+}
+
+
+@pytest.mark.parametrize("mode", CORRUPTIONS)
+def test_malformed_upstream_corpus(mode: str, http: httpx.Client, stack: tuple[str, object, SidecarServer]) -> None:
+    """Every malformed upstream answer -> 502 naming the problem; no routing ever passes; sidecar keeps serving."""
+    fake = stack[1]
+    fake.corrupt = mode  # type: ignore[attr-defined]
+    try:
+        r = http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4},
+                                         "return_routed_experts": True})
+    finally:
+        fake.corrupt = "none"  # type: ignore[attr-defined]
+    assert r.status_code == 502, r.text
+    msg = r.json()["error"]["message"]
+    assert CORPUS_MESSAGES[mode] in msg, msg
+    assert set(r.json()) == {"error", "message"}  # an error body, never a payload
+    ok = http.post("/generate", json={"input_ids": [5, 6, 7], "return_routed_experts": True,
+                                      "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200 and "routed_experts" in ok.json()["meta_info"]
+
+
+BAD_REQUESTS = [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "must be a JSON object"),
+    (b'{"sampling_params": {}}', 400, "exactly one of 'text' or 'input_ids'"),
+    (b'{"text": "a", "input_ids": [1]}', 400, "exactly one of"),
+    (b'{"input_ids": []}', 400, "input_ids"),
+    (b'{"input_ids": [1, -2]}', 400, "non-negative"),
+    (b'{"text": ""}', 400, "empty prompt"),
+    (b'{"text": "a", "return_routed_experts": "yes"}', 400, "return_routed_experts"),
+    (b'{"text": "a", "routed_experts_start": -1}', 400, "routed_experts_start"),
+    (b'{"text": "a", "sampling_params": {"max_new_tokens": 0}}', 400, "max_new_tokens"),
+    (b'{"text": "a", "sampling_params": {"temperature": "hot"}}', 400, "temperature"),
+    (b'{"text": ["a", "b"], "sampling_params": [{}]}', 400, "sampling_params has 1 entries"),
+    (b'{"text": "a", "stream": true, "sampling_params": {"n": 2}}', 400, "stream=true with sampling_params.n"),
+]
+
+
+@pytest.mark.parametrize("body,status,needle", BAD_REQUESTS, ids=[b[0][:30].decode() for b in BAD_REQUESTS])
+def test_malformed_client_requests(body: bytes, status: int, needle: str, http: httpx.Client) -> None:
+    r = http.post("/generate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+    assert http.get("/health").status_code == 200
+
+
+def test_metrics(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -> None:
+    text = http.get("/metrics").text
+    for name in ("rr_proxy_requests_total", "rr_proxy_errors_total", "rr_proxy_routing_rows_total",
+                 "rr_proxy_routing_bytes_total", "rr_proxy_upstream_latency_seconds_bucket"):
+        assert name in text
+    assert 'kind="malformed_routing"' in text and 'kind="bad_request"' in text
+
+
+def test_upstream_down_is_503(cfg_dir: Path) -> None:
+    """Nothing listening upstream: /health and /generate answer 503 with a message; /rr/info too."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    with SidecarServer(ProxyConfig(upstream=dead, engine="sglang", timeout=5, model_path=str(cfg_dir))) as sc:
+        with httpx.Client(base_url=sc.url, timeout=20) as c:
+            for method, path in (("GET", "/health"), ("POST", "/generate"), ("GET", "/rr/info")):
+                r = c.request(method, path, json={"text": "a"} if method == "POST" else None)
+                assert r.status_code == 503, (path, r.text)
+                assert "unreachable" in r.json()["error"]["message"]
+
+
+def test_upstream_timeout_is_504(cfg_dir: Path) -> None:
+    with FakeSGLangUpstream(cfg_dir) as fake:
+        with SidecarServer(ProxyConfig(upstream=fake.url, engine="sglang", timeout=0.5)) as sc:
+            with httpx.Client(base_url=sc.url, timeout=20) as c:
+                assert c.get("/rr/info").status_code == 200
+                fake.delay = 2.0
+                r = c.post("/generate", json={"text": "a"})
+                assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
+                fake.delay = 0.0
+                assert c.post("/generate", json={"text": "a"}).status_code == 200
+
+
+def test_sglang_0_5_7_field_and_dtype(cfg_dir: Path) -> None:
+    """SGLang 0.5.7's ``output_routed_experts`` and an explicit ``routed_experts_dtype`` are transcoded too."""
+    from rr_client.info import RRInfo
+    from rr_server.protocol import parse_generate_request
+    from rr_server.proxy.metrics import ProxyMetrics
+    from rr_server.proxy.sglang_backend import SGLangBackend
+
+    info = RRInfo(engine="sglang", engine_version="x", rr_version="x", num_hidden_layers=3, num_experts=8, topk=2,
+                  moe_layers=MOE, wire_dtype="uint8")
+    be = SGLangBackend(None, None, ProxyMetrics())  # type: ignore[arg-type]
+    req = parse_generate_request({"input_ids": [1, 2, 3], "return_routed_experts": True})
+    r = synthetic_routing([1, 2, 3, 4], 3, 2, 8, MOE)
+    for meta in ({"output_routed_experts": base64.b64encode(r.astype(np.int32).tobytes()).decode()},
+                 {"routed_experts": base64.b64encode(r.astype(np.uint16).tobytes()).decode(),
+                  "routed_experts_dtype": "uint16"}):
+        item = {"output_ids": [4, 5], "meta_info": {"prompt_tokens": 3, "completion_tokens": 2, **meta}}
+        out = be.transcode(item, req, info, 0)["meta_info"]
+        assert "output_routed_experts" not in out and out["routed_experts_dtype"] == "uint8"
+        np.testing.assert_array_equal(decode_meta_info(out), r)

@@ -1,0 +1,375 @@
+"""End-to-end: real vLLM CPU servers with the rr plugin; routing checked against transformers' top-k sets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from rr_client.codec import decode_meta_info
+from rr_client.hf_config import load_config, moe_layers_from_config, routing_dims_from_config
+from rr_server.tiny_moe import assert_routing_sets_equal, reference_routing
+
+pytestmark = pytest.mark.vllm_server
+
+ROUTING_KEYS = ("routed_experts", "routed_experts_shape", "routed_experts_dtype", "routed_experts_format")
+PROMPTS = [
+    "Hello world, this is a tiny test.",
+    "Once upon a time there was a router.",
+    "1 2 3 4 5",
+    "def forward(self, x):",
+]
+
+
+@lru_cache(maxsize=8)
+def _tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def tokenize(model_dir: Path, text: str) -> list[int]:
+    """Token ids vLLM will see for a text prompt (same tokenizer files)."""
+    return list(_tokenizer(str(model_dir))(text)["input_ids"])
+
+
+def post(server: Any, body: Any, *, raw: bytes | None = None, timeout: float = 120) -> httpx.Response:
+    """POST /generate with a JSON body (or raw bytes)."""
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(server.base_url + "/generate", content=content, timeout=timeout,
+                      headers={"content-type": "application/json"})
+
+
+def check_item(server: Any, item: dict[str, Any], prompt_ids: list[int], *, start: int = 0) -> np.ndarray:
+    """Assert one reply entry's routing equals transformers' top-k sets on every row and MoE layer."""
+    meta = item["meta_info"]
+    assert meta["prompt_tokens"] == len(prompt_ids)
+    assert meta["completion_tokens"] == len(item["output_ids"])
+    cfg = load_config(server.model_dir)
+    layers, experts, topk = routing_dims_from_config(cfg)
+    moe = moe_layers_from_config(cfg)
+    rows = len(prompt_ids) + len(item["output_ids"]) - 1 - start
+    assert "routed_experts_error" not in meta, meta.get("routed_experts_error")
+    assert meta["routed_experts_shape"] == [rows, layers, topk]
+    assert meta["routed_experts_dtype"] == ("uint8" if experts <= 256 else "uint16")
+    assert meta["routed_experts_start"] == start
+    got = decode_meta_info(meta, rows=rows, num_layers=layers, topk=topk, num_experts=experts, moe_layers=moe)
+    assert got.shape == (rows, layers, topk)
+    ref = reference_routing(server.model_dir, prompt_ids + list(item["output_ids"]))[:-1][start:]
+    dense = [i for i in range(layers) if i not in moe]
+    if dense:
+        assert not got[:, dense, :].any(), "dense layers must be all-zero rows"
+    assert_routing_sets_equal(got, ref, layers=moe)
+    return got
+
+
+def no_routing(item: dict[str, Any]) -> None:
+    """Assert a reply entry carries no routing at all."""
+    assert not any(k in item["meta_info"] for k in ROUTING_KEYS), item["meta_info"].keys()
+
+
+# ------------------------------------------------------------------------------------------ info
+
+
+def test_rr_info(any_server: Any) -> None:
+    info = httpx.get(any_server.base_url + "/rr/info", timeout=30).json()
+    layers, experts, topk = routing_dims_from_config(load_config(any_server.model_dir))
+    assert info["engine"] == "vllm" and info["engine_version"].startswith("0.")
+    assert (info["num_hidden_layers"], info["num_experts"], info["topk"]) == (layers, experts, topk)
+    assert info["moe_layers"] == moe_layers_from_config(load_config(any_server.model_dir))
+    assert info["wire_dtype"] == ("uint8" if experts <= 256 else "uint16")
+    assert info["wire_format"] == "npy-b64"
+
+
+# ---------------------------------------------------------------------------- routing values
+
+
+def test_single_text_prompt(any_server: Any) -> None:
+    r = post(any_server, {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+                          "return_routed_experts": True})
+    assert r.status_code == 200, r.text
+    item = r.json()
+    assert isinstance(item, dict), "a single prompt gets a single dict"
+    assert isinstance(item["text"], str)
+    check_item(any_server, item, tokenize(any_server.model_dir, PROMPTS[0]))
+
+
+def test_batch_token_id_prompts(any_server: Any) -> None:
+    prompts = [tokenize(any_server.model_dir, p) for p in PROMPTS]
+    r = post(any_server, {"input_ids": prompts, "sampling_params": {"max_new_tokens": 10, "temperature": 0.8,
+                                                                     "seed": 1}, "return_routed_experts": True})
+    assert r.status_code == 200, r.text
+    items = r.json()
+    assert isinstance(items, list) and len(items) == len(prompts)
+    for ids, item in zip(prompts, items):
+        check_item(any_server, item, ids)
+
+
+def test_batch_text_per_prompt_sampling_params(qwen_server: Any) -> None:
+    sps = [{"max_new_tokens": 3 + i, "ignore_eos": True} for i in range(3)]
+    r = post(qwen_server, {"text": PROMPTS[:3], "sampling_params": sps, "return_routed_experts": True})
+    assert r.status_code == 200, r.text
+    for i, item in enumerate(r.json()):
+        assert item["meta_info"]["completion_tokens"] == 3 + i
+        assert item["meta_info"]["finish_reason"]["type"] == "length"
+        check_item(qwen_server, item, tokenize(qwen_server.model_dir, PROMPTS[i]))
+
+
+def test_n_greater_than_one(qwen_server: Any) -> None:
+    prompts = [tokenize(qwen_server.model_dir, p) for p in PROMPTS[:2]]
+    r = post(qwen_server, {"input_ids": prompts, "sampling_params": {"max_new_tokens": 8, "n": 3,
+                                                                      "temperature": 1.0, "seed": 7},
+                           "return_routed_experts": True})
+    assert r.status_code == 200, r.text
+    items = r.json()
+    assert len(items) == 6, "prompt-major: n samples per prompt, in prompt order"
+    for j, item in enumerate(items):
+        check_item(qwen_server, item, prompts[j // 3])
+    ids = {item["meta_info"]["id"] for item in items}
+    assert len(ids) == 6
+
+
+def test_stop_strings(qwen_server: Any) -> None:
+    stops = list("abcdefghijklmnopqrstuvwxyz")
+    r = post(qwen_server, {"text": PROMPTS, "sampling_params": {"max_new_tokens": 40, "stop": stops,
+                                                                 "temperature": 1.0, "seed": 3},
+                           "return_routed_experts": True})
+    assert r.status_code == 200, r.text
+    items = r.json()
+    reasons = [it["meta_info"]["finish_reason"] for it in items]
+    assert any(fr["type"] == "stop" and fr["matched"] in stops for fr in reasons), reasons
+    for p, item in zip(PROMPTS, items):
+        fr = item["meta_info"]["finish_reason"]
+        if fr["type"] == "stop":
+            assert fr["matched"] not in item["text"]  # stop string trimmed (SGLang default)
+        check_item(qwen_server, item, tokenize(qwen_server.model_dir, p))
+
+
+def test_stop_token_ids(qwen_server: Any) -> None:
+    ids = tokenize(qwen_server.model_dir, PROMPTS[1])
+    first = post(qwen_server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+    stop_tok = first["output_ids"][2]
+    r = post(qwen_server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                                                  "stop_token_ids": [stop_tok]},
+                           "return_routed_experts": True}).json()
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    assert r["output_ids"][-1] == stop_tok
+    check_item(qwen_server, r, ids)
+
+
+def test_max_new_tokens_one(any_server: Any) -> None:
+    ids = tokenize(any_server.model_dir, PROMPTS[2])
+    r = post(any_server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}, "return_routed_experts": True})
+    assert r.status_code == 200, r.text
+    item = r.json()
+    assert item["meta_info"]["completion_tokens"] == 1
+    got = check_item(any_server, item, ids)
+    assert got.shape[0] == len(ids)
+
+
+def test_prefix_cache_hit(any_server: Any) -> None:
+    rng = np.random.default_rng(11)
+    ids = [int(x) for x in rng.integers(2, 400, size=300)]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+            "return_routed_experts": True}
+    a = post(any_server, body).json()
+    b = post(any_server, body).json()
+    assert b["meta_info"]["cached_tokens"] > 0, "second identical prompt must hit the prefix cache"
+    ra = check_item(any_server, a, ids)
+    rb = check_item(any_server, b, ids)
+    assert np.array_equal(ra[: len(ids) - 1], rb[: len(ids) - 1])
+
+
+def test_routed_experts_start(any_server: Any) -> None:
+    ids = tokenize(any_server.model_dir, PROMPTS[0])
+    for start in (3, len(ids) - 1, len(ids)):
+        r = post(any_server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+                              "return_routed_experts": True, "routed_experts_start": start})
+        assert r.status_code == 200, r.text
+        check_item(any_server, r.json(), ids, start=start)
+    bad = post(any_server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 5},
+                            "return_routed_experts": True, "routed_experts_start": len(ids) + 1})
+    assert bad.status_code == 400 and "routed_experts" in bad.text
+
+
+def test_return_logprob(qwen_server: Any) -> None:
+    ids = tokenize(qwen_server.model_dir, PROMPTS[3])
+    item = post(qwen_server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 5},
+                              "return_logprob": True, "return_routed_experts": True}).json()
+    lps = item["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == item["output_ids"]
+    assert all(lp <= 0.0 for lp, _, _ in lps)
+    check_item(qwen_server, item, ids)
+
+
+# -------------------------------------------------------------------------------- streaming
+
+
+def _sse(server: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """POST a streaming /generate and return the decoded chunks (until [DONE])."""
+    chunks: list[dict[str, Any]] = []
+    done = False
+    with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                done = True
+                break
+            chunks.append(json.loads(data))
+    assert done, "stream must end with data: [DONE]"
+    return chunks
+
+
+def test_streaming_single(any_server: Any) -> None:
+    ids = tokenize(any_server.model_dir, PROMPTS[1])
+    chunks = _sse(any_server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 16, "ignore_eos": True},
+                               "return_routed_experts": True, "stream": True})
+    assert chunks
+    for c in chunks[:-1]:
+        no_routing(c)
+        assert c["meta_info"]["finish_reason"] is None
+    last = chunks[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(last["output_ids"]) == 16
+    lens = [len(c["output_ids"]) for c in chunks]
+    assert lens == sorted(lens), "output_ids are cumulative, like SGLang's default"
+    check_item(any_server, last, ids)
+
+
+def test_streaming_batch(qwen_server: Any) -> None:
+    prompts = [tokenize(qwen_server.model_dir, p) for p in PROMPTS[:3]]
+    chunks = _sse(qwen_server, {"input_ids": prompts, "sampling_params": {"max_new_tokens": 6},
+                                "return_routed_experts": True, "stream": True})
+    finals = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"] is not None}
+    assert sorted(finals) == [0, 1, 2]
+    for i, c in finals.items():
+        check_item(qwen_server, c, prompts[i])
+
+
+def test_streaming_without_routing(qwen_server: Any) -> None:
+    chunks = _sse(qwen_server, {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}, "stream": True})
+    for c in chunks:
+        no_routing(c)
+
+
+# ------------------------------------------------------------------------------ concurrency
+
+
+def test_concurrent_mixed_routing(any_server: Any) -> None:
+    """20 concurrent requests, routing on for every other one; each checked, no cross-request mixing."""
+    rng = np.random.default_rng(5)
+    prompts = [[int(x) for x in rng.integers(2, 400, size=int(rng.integers(5, 60)))] for _ in range(20)]
+
+    async def run() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=any_server.base_url, timeout=300) as c:
+            async def one(i: int) -> dict[str, Any]:
+                body = {"input_ids": prompts[i], "return_routed_experts": i % 2 == 0,
+                        "sampling_params": {"max_new_tokens": int(4 + i % 7), "temperature": 1.0, "seed": i}}
+                r = await c.post("/generate", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()  # type: ignore[no-any-return]
+            return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    items = asyncio.run(run())
+    for i, item in enumerate(items):
+        if i % 2 == 0:
+            check_item(any_server, item, prompts[i])
+        else:
+            no_routing(item)
+
+
+# ------------------------------------------------------------------------------ bad requests
+
+
+BAD_BODIES: list[tuple[str, bytes]] = [
+    ("malformed json", b'{"text": "hi", '),
+    ("not an object", b'[1, 2, 3]'),
+    ("no prompt", b'{"sampling_params": {}}'),
+    ("both prompts", b'{"text": "a", "input_ids": [1]}'),
+    ("empty text", b'{"text": ""}'),
+    ("empty ids", b'{"input_ids": []}'),
+    ("empty batch item", b'{"input_ids": [[1, 2], []]}'),
+    ("wrong-typed text", b'{"text": 42}'),
+    ("wrong-typed flag", b'{"text": "a", "return_routed_experts": "yes"}'),
+    ("wrong-typed sampling", b'{"text": "a", "sampling_params": {"temperature": "hot"}}'),
+    ("wrong-typed stream", b'{"text": "a", "stream": 1}'),
+    ("negative max tokens", b'{"text": "a", "sampling_params": {"max_new_tokens": -5}}'),
+    ("zero max tokens", b'{"text": "a", "sampling_params": {"max_new_tokens": 0}}'),
+    ("unknown sampling key", b'{"text": "a", "sampling_params": {"bogus": 1}}'),
+    ("unknown field set", b'{"text": "a", "image_data": "http://x"}'),
+    ("negative start", b'{"text": "a", "routed_experts_start": -1}'),
+    ("out of vocab id", b'{"input_ids": [1, 2, 99999999]}'),
+    ("negative token id", b'{"input_ids": [1, -2]}'),
+    ("sampling list length", b'{"text": ["a", "b"], "sampling_params": [{}]}'),
+    ("n stream", b'{"text": "a", "stream": true, "sampling_params": {"n": 2}}'),
+]
+
+
+@pytest.mark.parametrize("why,raw", BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
+def test_bad_request_is_4xx_and_server_keeps_serving(qwen_server: Any, why: str, raw: bytes) -> None:
+    r = post(qwen_server, None, raw=raw)
+    assert 400 <= r.status_code < 500, (why, r.status_code, r.text)
+    body = r.json()
+    assert body["error"]["message"], body
+    ok = post(qwen_server, {"text": "still alive?", "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200
+
+
+def test_bad_request_in_stream_is_4xx(qwen_server: Any) -> None:
+    r = post(qwen_server, {"input_ids": [1, 2, 99999999], "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------------- vLLM left intact
+
+
+def test_v1_completions_unchanged(qwen_server: Any) -> None:
+    r = httpx.post(qwen_server.base_url + "/v1/completions", timeout=60,
+                   json={"model": qwen_server.name, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert body["usage"]["completion_tokens"] == 4
+    choice = body["choices"][0]
+    assert isinstance(choice["text"], str) and "meta_info" not in choice
+    # vLLM's own field (base64 .npy, prompt + completion - 1 rows) is still vLLM's
+    if choice.get("routed_experts") is not None:
+        import base64
+        import io
+
+        arr = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
+        assert arr.shape[0] == body["usage"]["prompt_tokens"] + 4 - 1
+    models = httpx.get(qwen_server.base_url + "/v1/models", timeout=30).json()
+    assert models["data"][0]["id"] == qwen_server.name
+
+
+# --------------------------------------------------------------------------- typed client
+
+
+def test_routed_experts_client(any_server: Any) -> None:
+    from rr_client import RoutedExpertsClient
+
+    prompts = [tokenize(any_server.model_dir, p) for p in PROMPTS]
+
+    async def run() -> Any:
+        async with RoutedExpertsClient(any_server.base_url, batch_size=2) as c:
+            return await c.generate(prompts, {"max_new_tokens": 8, "n": 2, "temperature": 1.0, "seed": 2})
+
+    batch = asyncio.run(run())
+    assert len(batch.results) == len(prompts) * 2
+    for res in batch.results:
+        ids = prompts[res.prompt_index]
+        assert res.routed_experts is not None
+        ref = reference_routing(any_server.model_dir, ids + res.output_ids)[:-1]
+        moe = moe_layers_from_config(load_config(any_server.model_dir))
+        assert_routing_sets_equal(np.asarray(res.routed_experts), ref, layers=moe)
