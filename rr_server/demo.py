@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     """Build, launch, generate, report; return the exit code."""
     from transformers import AutoTokenizer
 
+    from rr_client.codec import encode_routed_experts
     from rr_server.tiny_moe import build_tiny_moe, reference_routing, routing_set_agreement
 
     t0 = time.perf_counter()
@@ -161,10 +162,10 @@ def run(args: argparse.Namespace) -> int:
             if len(ids) != r.prompt_tokens:
                 raise RuntimeError(f"local tokenization ({len(ids)}) != server prompt_tokens ({r.prompt_tokens})")
             arr = np.asarray(r.routed_experts)
-            payload = len(r.meta["routed_experts"])
+            payload = len(encode_routed_experts(arr, num_experts=info.num_experts))  # what was on the wire
             int32_b64 = (arr.size * 4 + 2) // 3 * 4
             print(f"{r.index:>4}  {r.prompt_tokens:>6}  {r.completion_tokens:>10}  {str(r.finish_reason):<7}  "
-                  f"{str(tuple(arr.shape)):<17}  {r.meta['routed_experts_dtype']:<6}  {payload:>9}  {int32_b64:>11}")
+                  f"{str(tuple(arr.shape)):<17}  {str(arr.dtype):<6}  {payload:>9}  {int32_b64:>11}")
             ref = reference_routing(model_dir, ids + list(r.output_ids))[:-1]
             m, t = routing_set_agreement(arr, ref, layers=info.moe_layers)
             dense = [i for i in range(info.num_hidden_layers) if i not in info.moe_layers]

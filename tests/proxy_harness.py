@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from rr_server.proxy import ProxyConfig, create_app
+from rr_server.proxy import KEEP_ALIVE_S, ProxyConfig, create_app
 
 __all__ = ["free_port", "SidecarServer", "VLLMProcess"]
 
@@ -35,7 +35,8 @@ class SidecarServer:
         self.app = create_app(cfg)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                     timeout_keep_alive=KEEP_ALIVE_S))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
     def __enter__(self) -> "SidecarServer":

@@ -237,3 +237,12 @@ def test_sglang_0_5_7_field_and_dtype(cfg_dir: Path) -> None:
         out = be.transcode(item, req, info, 0)["meta_info"]
         assert "output_routed_experts" not in out and out["routed_experts_dtype"] == "uint8"
         np.testing.assert_array_equal(decode_meta_info(out), r)
+
+
+def test_cli_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from rr_server.cli import main
+
+    assert main(["proxy", "--upstream", "http://x", "--engine", "vllm", "--max-concurrency", "0"]) == 2
+    with pytest.raises(SystemExit):
+        main(["proxy", "--upstream", "http://x", "--engine", "tgi"])
+    assert "invalid choice" in capsys.readouterr().err

@@ -373,3 +373,26 @@ def test_routed_experts_client(any_server: Any) -> None:
         ref = reference_routing(any_server.model_dir, ids + res.output_ids)[:-1]
         moe = moe_layers_from_config(load_config(any_server.model_dir))
         assert_routing_sets_equal(np.asarray(res.routed_experts), ref, layers=moe)
+
+
+def _running(server: Any) -> float:
+    """vLLM's ``num_requests_running`` gauge from /metrics."""
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("vllm:num_requests_running")]
+    return sum(vals)
+
+
+def test_client_disconnect_aborts_engine_requests(qwen_server: Any) -> None:
+    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+            "return_routed_experts": True}
+    with pytest.raises(httpx.TimeoutException):
+        post(qwen_server, body, timeout=1.5)
+    import time
+
+    deadline = time.monotonic() + 30
+    while _running(qwen_server) > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _running(qwen_server) == 0, "a disconnected /generate must be aborted in the engine"
+    ok = post(qwen_server, {"text": "after", "sampling_params": {"max_new_tokens": 2}, "return_routed_experts": True})
+    assert ok.status_code == 200

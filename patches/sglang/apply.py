@@ -32,8 +32,8 @@ def _params(fn: Any) -> list[str]:
 
 
 def _fields(cls: type) -> set[str]:
-    """Dataclass field names of an io_struct class."""
-    return set(getattr(cls, "__dataclass_fields__", {}))
+    """Field names of an io_struct class (dataclass up to 0.5.22, msgspec.Struct later)."""
+    return set(getattr(cls, "__dataclass_fields__", None) or getattr(cls, "__struct_fields__", ()))
 
 
 def check_shapes(profile: Profile) -> None:

@@ -26,8 +26,8 @@ logger = logging.getLogger("rr.vllm")
 SUPPORTED = ((0, 22), (0, 30))
 # Where build_app is looked up at call time, newest layout first (module, attribute).
 _HOOK_SITES: tuple[tuple[str, str], ...] = (
-    ("vllm.entrypoints.launchers.api_server.entry", "build_app"),  # 0.30 (verified)
-    ("vllm.entrypoints.openai.api_server", "build_app"),  # older layouts (code reading only)
+    ("vllm.entrypoints.launchers.api_server.entry", "build_app"),  # 0.29-0.30
+    ("vllm.entrypoints.openai.api_server", "build_app"),  # <= 0.28 (defines and calls it)
 )
 _MARK = "__rr_patched__"
 _state: dict[str, Any] = {"registered": False}
@@ -86,33 +86,39 @@ def _check_shape(fn: Callable[..., Any]) -> None:
         raise UnsupportedVLLMVersion(f"vLLM build_app has an unexpected signature {params}; refusing to patch")
 
 
+def _patch(mod: Any, attr: str) -> bool:
+    """Wrap ``mod.attr`` (a build_app) once; True if it is (now) patched."""
+    fn = getattr(mod, attr, None)
+    if fn is None:
+        return False
+    if not getattr(fn, _MARK, False):
+        _check_shape(fn)
+        setattr(mod, attr, _wrap_build_app(fn))
+    return True
+
+
 def _install_hooks(*, import_missing: bool) -> list[str]:
-    """Patch every known build_app site that exists; return the patched sites."""
+    """Patch every known build_app site that exists; return the patched sites.
+
+    With ``python -m vllm.entrypoints.openai.api_server`` that module is ``__main__`` (and, up to
+    0.29, defines build_app itself), so it is patched there and never imported a second time.
+    """
     patched: list[str] = []
+    main = sys.modules.get("__main__")
+    main_name = getattr(getattr(main, "__spec__", None), "name", None)
     for mod_name, attr in _HOOK_SITES:
+        if mod_name == main_name:
+            if _patch(main, attr):
+                patched.append(f"__main__({mod_name}).{attr}")
+            continue
         if not import_missing and mod_name not in sys.modules:
             continue
         try:
             mod = importlib.import_module(mod_name)
         except Exception:  # noqa: BLE001 - a layout that does not exist in this version
             continue
-        fn = getattr(mod, attr, None)
-        if fn is None:
-            continue
-        if getattr(fn, _MARK, False):
+        if _patch(mod, attr):
             patched.append(f"{mod_name}.{attr}")
-            continue
-        _check_shape(fn)
-        setattr(mod, attr, _wrap_build_app(fn))
-        patched.append(f"{mod_name}.{attr}")
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if main is not None and spec is not None and spec.name in {m for m, _ in _HOOK_SITES}:
-        fn = getattr(main, "build_app", None)
-        if fn is not None and not getattr(fn, _MARK, False):
-            _check_shape(fn)
-            main.build_app = _wrap_build_app(fn)  # type: ignore[attr-defined]
-            patched.append("__main__.build_app")
     return patched
 
 

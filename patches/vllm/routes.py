@@ -274,6 +274,25 @@ async def _stream(app: FastAPI, req: NormalizedGenerate) -> Response:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+async def _disconnected(request: Request) -> None:
+    """Return when the client goes away (the body has already been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, req: NormalizedGenerate) -> Response:
+    """Run a non-streaming batch, aborting its engine requests if the client disconnects."""
+    work = asyncio.ensure_future(_run_batch(request.app, req))
+    gone = asyncio.ensure_future(_disconnected(request))
+    done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if work in done:
+        gone.cancel()
+        return work.result()
+    work.cancel()  # cancels the engine generators -> vLLM aborts the requests
+    await asyncio.gather(work, return_exceptions=True)
+    return Response(status_code=499)
+
+
 async def generate(request: Request) -> Response:
     """SGLang-compatible ``POST /generate`` with optional routed experts."""
     try:
@@ -281,7 +300,9 @@ async def generate(request: Request) -> Response:
         model_config = request.app.state.engine_client.model_config
         if req.return_routed_experts and not getattr(model_config, "enable_return_routed_experts", False):
             raise BadRequest("this server was started without --enable-return-routed-experts")
-        return await (_stream(request.app, req) if req.stream else _run_batch(request.app, req))
+        if req.stream:
+            return await _stream(request.app, req)
+        return await _unless_disconnected(request, req)
     except BadRequest as e:
         return _error(str(e), e.status)
 

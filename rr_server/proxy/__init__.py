@@ -11,7 +11,9 @@ from collections.abc import Sequence
 
 from rr_server.proxy.app import ProxyConfig, create_app
 
-__all__ = ["main", "create_app", "ProxyConfig", "build_parser"]
+__all__ = ["main", "create_app", "ProxyConfig", "build_parser", "KEEP_ALIVE_S"]
+
+KEEP_ALIVE_S = 75
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,5 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cfg = ProxyConfig(upstream=args.upstream, engine=args.engine, max_concurrency=args.max_concurrency,
                       timeout=args.timeout, model_path=args.model_path)
-    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
+    # keep-alive well above clients' idle expiry (httpx: 5 s), so the client always closes first
+    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_keep_alive=KEEP_ALIVE_S)
     return 0

@@ -53,7 +53,10 @@ class Upstream:
         self._http = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
-            limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency),
+            # idle pooled connections are dropped before the engine's own 5 s keep-alive closes them,
+            # so a request is never written onto a connection the upstream is closing
+            limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency,
+                                keepalive_expiry=2.0),
             transport=transport,
         )
 

@@ -1,0 +1,74 @@
+"""SGLang test session: refuse to run against a missing/wrong SGLang, build the tiny MoE once, patch on request.
+
+Run through ``scripts/test_sglang.sh`` (it installs each version and sets RR_SGLANG_VERSION). Under the
+main ``pytest`` without SGLang importable, the SGLang-marked tests are deselected (not skipped) and the
+remaining vLLM Dockerfile test still runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("RR_TEST_CACHE", REPO / ".cache" / "rr-test-models"))
+WANT = os.environ.get("RR_SGLANG_VERSION", "")
+MODEL_SPEC: dict[str, Any] = dict(arch="qwen3_moe", num_layers=3, num_experts=8, topk=2, mlp_only_layers=(1,))
+
+
+def _sglang_version() -> str | None:
+    """Installed SGLang version, or None when it cannot be imported."""
+    try:
+        import sglang
+
+        return str(sglang.__version__)
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+
+
+HAVE = _sglang_version()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Fail the session loudly when test_sglang.sh asked for a version that is not what imports."""
+    if WANT and HAVE != WANT:
+        raise pytest.UsageError(f"RR_SGLANG_VERSION={WANT} but the importable sglang is {HAVE!r}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without SGLang (the main venv), deselect the tests that need it; with it, run everything."""
+    if HAVE is not None:
+        return
+    keep = [i for i in items if "sglang" not in i.keywords or "tests/sglang" not in str(i.fspath)]
+    dropped = [i for i in items if i not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def tiny_moe() -> Path:
+    """Tiny Qwen3-MoE (3 layers, layer 1 dense, 8 experts, top-2) built locally with rr_server.tiny_moe."""
+    from rr_server.tiny_moe import build_tiny_moe
+
+    return build_tiny_moe(CACHE / "sglang-qwen3-dense", **MODEL_SPEC)
+
+
+@pytest.fixture()
+def patched() -> Iterator[None]:
+    """rr's patch installed on TokenizerManager for one test (exactly as the launcher does), then removed."""
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    from patches.sglang.apply import TARGETS, apply
+
+    saved = {name: TokenizerManager.__dict__[name] for name in TARGETS}
+    apply()
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(TokenizerManager, name, fn)

@@ -1,0 +1,97 @@
+"""SGLang's real TokenizerManager, DetokenizerManager and /generate app, on CPU, wired to the stand-in scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from patches.sglang.versions import profile_for
+from tests.sglang.standin import StandInScheduler, wire
+
+
+class Harness:
+    """One TokenizerManager (constructed exactly as SGLang's launcher does) without a scheduler process."""
+
+    def __init__(self, model_dir: Path, *, skip_tokenizer_init: bool = False, **server_kwargs: Any) -> None:
+        from sglang.srt.entrypoints import http_server
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager
+        from sglang.srt.server_args import PortArgs, ServerArgs
+
+        self.profile = profile_for()
+        self.skip = skip_tokenizer_init
+        self.server_args = ServerArgs(
+            model_path=str(model_dir),
+            enable_return_routed_experts=True,
+            device="cpu",
+            skip_tokenizer_init=skip_tokenizer_init,
+            **server_kwargs,
+        )
+        self.port_args = PortArgs.init_new(self.server_args)  # fresh ipc:// names; nothing binds them
+        self.tm = TokenizerManager(self.server_args, self.port_args)
+        self.tm.max_req_input_len = 1024  # the launcher copies this from the scheduler's info
+        self.detok = None
+        if not skip_tokenizer_init:
+            from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+
+            self.detok = DetokenizerManager(self.server_args, self.port_args)
+        self.sched = StandInScheduler(model_dir, self.profile.release, self.profile.field)
+        self.tm.send_to_scheduler = self.sched
+        self.http = http_server
+        state_cls = http_server._GlobalState
+        fields = set(getattr(state_cls, "__dataclass_fields__", {}))
+        kwargs: dict[str, Any] = {"tokenizer_manager": self.tm}
+        if "template_manager" in fields:
+            kwargs["template_manager"] = None
+        if "scheduler_info" in fields:
+            kwargs["scheduler_info"] = {}
+        http_server.set_global_state(state_cls(**kwargs))
+
+    async def deliver(self, batch_token_id_out: Any) -> Any:
+        """Scheduler -> (real detokenizer unless skip_tokenizer_init) -> wire -> ``_handle_batch_output``."""
+        out = batch_token_id_out
+        if self.detok is not None:
+            out = self.detok.handle_batch_token_id_out(wire(out))
+        out = wire(out)
+        result = self.tm._handle_batch_output(out)
+        if inspect.isawaitable(result):
+            await result
+        return out
+
+    async def _wait_for(self, n: int, timeout: float = 30.0) -> list[str]:
+        """Rids of the first ``n`` requests the scheduler stand-in received."""
+        for _ in range(int(timeout / 0.01)):
+            if len(self.sched.arrivals) >= n:
+                return self.sched.arrivals[:n]
+            await asyncio.sleep(0.01)
+        raise TimeoutError(f"only {len(self.sched.arrivals)} of {n} requests reached the scheduler")
+
+    async def post(self, body: dict[str, Any], *, n_requests: int = 1, chunks: int = 1,
+                   batches: list[list[int]] | None = None) -> tuple[int, Any]:
+        """POST /generate through SGLang's own app; the stand-in answers in ``chunks`` steps.
+
+        ``batches`` groups request indices (arrival order) into scheduler batches (default: one batch).
+        Returns (status, JSON body) or, for ``stream``, (status, list of SSE data objects).
+        """
+        self.tm.event_loop = asyncio.get_running_loop()  # no handle_loop: the stand-in feeds outputs
+        self.sched.arrivals.clear()
+        transport = httpx.ASGITransport(app=self.http.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://sglang") as client:
+            call = asyncio.ensure_future(client.post("/generate", json=body, timeout=60))
+            rids = await self._wait_for(n_requests)
+            groups = batches or [list(range(n_requests))]
+            for k in range(chunks):
+                last = k == chunks - 1
+                for g in groups:
+                    sel = [rids[i] for i in g]
+                    per = max(len(self.sched.reqs[r].completion) // chunks, 1)
+                    await self.deliver(self.sched.step(sel, tokens=None if last else per))
+            resp = await call
+        if body.get("stream"):
+            events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+            return resp.status_code, [json.loads(e) for e in events if e != "[DONE]"]
+        return resp.status_code, resp.json()

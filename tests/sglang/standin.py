@@ -1,0 +1,176 @@
+"""Stand-in for SGLang's GPU scheduler: real io_struct batches whose routing comes from a CPU transformers forward.
+
+The real scheduler cannot run without a GPU. This object takes its place on both ends of the
+TokenizerManager: it is the ``send_to_scheduler`` socket (so it receives the real tokenized
+requests, after SGLang's own wire encoding) and it emits ``BatchTokenIDOutput`` objects built the
+way each version's scheduler builds them, including the <= 0.5.12 habit of listing routing only
+for the requests that asked. Routing rows are transformers' router top-k for the tokens the engine
+ran a forward on (prompt + completion - 1), from :func:`rr_server.tiny_moe.reference_routing`.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rr_server.tiny_moe import reference_routing
+
+_SURR = 5  # INIT_INCREMENTAL_DETOKENIZATION_OFFSET in SGLang
+
+
+@dataclass
+class StandInReq:
+    """One request as the stand-in scheduler sees it."""
+
+    tok: Any
+    prompt: list[int]
+    completion: list[int]
+    sent: int = 0  # completion tokens already sent
+    sent_decode: int = 0  # decode ids already sent (incremental detokenization)
+    done: bool = False
+    rows: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def rid(self) -> str:
+        """The request id the TokenizerManager tracks."""
+        return str(self.tok.rid)
+
+    @property
+    def asked(self) -> bool:
+        """return_routed_experts as it reached the scheduler."""
+        return bool(self.tok.return_routed_experts)
+
+    @property
+    def start(self) -> int:
+        """routed_experts_start_len as it reached the scheduler (0 before 0.5.8)."""
+        return int(getattr(self.tok, "routed_experts_start_len", 0) or 0)
+
+
+def completion_for(prompt: list[int], n: int) -> list[int]:
+    """Deterministic 'sampled' tokens (ids 10..299, never a special token)."""
+    return [10 + (7 * (len(prompt) + j) + 3 * sum(prompt)) % 290 for j in range(n)]
+
+
+def _fields_of(cls: type) -> list[str]:
+    """Constructor field names of an io_struct class (dataclass or msgspec.Struct)."""
+    dc = getattr(cls, "__dataclass_fields__", None)
+    return list(dc) if dc else list(getattr(cls, "__struct_fields__", ()))
+
+
+class StandInScheduler:
+    """Receives tokenized requests like a zmq socket; answers with real BatchTokenIDOutput batches."""
+
+    def __init__(self, model_dir: Path, release: tuple[int, int, int], field_name: str) -> None:
+        self.model_dir = model_dir
+        self.release = release
+        self.field = field_name
+        self.reqs: dict[str, StandInReq] = {}
+        self.arrivals: list[str] = []
+
+    # ---- the zmq socket the TokenizerManager sends to
+    def send_pyobj(self, obj: Any, flags: int = 0, protocol: int = pickle.HIGHEST_PROTOCOL) -> None:
+        """What ``send_to_scheduler.send_pyobj`` receives; round-trips through pickle like zmq does."""
+        self._receive(pickle.loads(pickle.dumps(obj, protocol=protocol)))
+
+    def send(self, data: bytes, flags: int = 0, **_: Any) -> None:
+        """0.5.23's msgpack wire: decode with SGLang's own decoder."""
+        from sglang.srt.managers.io_struct import msgpack_decode
+
+        self._receive(msgpack_decode(data))
+
+    def _receive(self, obj: Any) -> None:
+        from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+
+        for t in getattr(obj, "batch", None) or [obj]:
+            if isinstance(t, TokenizedGenerateReqInput):
+                unwrap = getattr(t, "unwrap_pickle_fields", None)
+                if callable(unwrap):
+                    unwrap()
+                prompt = [int(x) for x in t.input_ids]
+                n = int(getattr(t.sampling_params, "max_new_tokens", None) or 4)
+                self.reqs[str(t.rid)] = StandInReq(t, prompt, completion_for(prompt, n))
+                self.arrivals.append(str(t.rid))
+
+    # ---- the GPU forward it stands in for
+    def routing_rows(self, req: StandInReq) -> torch.Tensor:
+        """Rows the capturer returns at finish: tokens [0, P+R-1) (from start on, 0.5.12+), int32."""
+        ids = req.prompt + req.completion
+        rows = reference_routing(self.model_dir, ids[:-1]).astype(np.int32)
+        if self.release >= (0, 5, 12):
+            rows = rows[req.start :]
+        req.rows = rows
+        return torch.from_numpy(np.ascontiguousarray(rows))
+
+    def step(self, rids: list[str], *, tokens: int | None = None) -> Any:
+        """One scheduler output for ``rids``: ``tokens`` more completion tokens each (default: all, finishing)."""
+        from sglang.srt.managers.io_struct import BatchTokenIDOutput
+
+        per: dict[str, list[Any]] = {k: [] for k in ("rids", "finished_reasons", "decoded_texts", "decode_ids",
+                                                      "read_offsets", "output_ids", "prompt_tokens",
+                                                      "completion_tokens")}
+        routing: list[Any] = []
+        any_routing = False
+        for rid in rids:
+            r = self.reqs[rid]
+            upto = len(r.completion) if tokens is None else min(len(r.completion), r.sent + tokens)
+            delta = r.completion[r.sent : upto]
+            r.sent = upto
+            r.done = upto == len(r.completion)
+            surr = max(len(r.prompt) - _SURR, 0)
+            decode_all = r.prompt[surr:] + r.completion[:upto]
+            per["rids"].append(rid)
+            per["finished_reasons"].append({"type": "length", "length": len(r.completion)} if r.done else None)
+            per["decoded_texts"].append("")
+            per["decode_ids"].append(decode_all[r.sent_decode :])
+            r.sent_decode = len(decode_all)
+            per["read_offsets"].append(len(r.prompt) - surr)
+            per["output_ids"].append(delta)
+            per["prompt_tokens"].append(len(r.prompt))
+            per["completion_tokens"].append(upto)
+            value = self.routing_rows(r) if r.done and r.asked else None
+            if r.asked:
+                any_routing = True
+                routing.append(value)
+            elif self.release >= (0, 5, 13):
+                routing.append(None)  # fixed scheduler (PR #26423): aligned, None for non-askers
+            # <= 0.5.12: non-askers get no entry at all (the mixed-batch bug)
+        n = len(rids)
+        values: dict[str, Any] = {
+            **per,
+            self.field: routing if any_routing else None,
+            "skip_special_tokens": [True] * n,
+            "spaces_between_special_tokens": [True] * n,
+            "no_stop_trim": [False] * n,
+            "reasoning_tokens": [0] * n,
+            "cached_tokens": [0] * n,
+            "retraction_counts": [0] * n,
+            "http_worker_ipcs": [None] * n,
+            "spec_verify_ct": [0] * n,
+            "spec_accepted_tokens": [0] * n,
+            "spec_num_correct_drafts": [0] * n,
+            "spec_acceptance_histogram": [[] for _ in range(n)],
+            "spec_correct_drafts_histogram": [[] for _ in range(n)],
+        }
+        kwargs: dict[str, Any] = {}
+        for name in _fields_of(BatchTokenIDOutput):
+            if name in values:
+                kwargs[name] = values[name]
+            elif name.endswith(("_val", "_idx")) and "logprobs" in name:
+                kwargs[name] = [[] for _ in range(n)]
+            else:
+                kwargs[name] = None
+        return BatchTokenIDOutput(**kwargs)
+
+
+def wire(obj: Any) -> Any:
+    """Send ``obj`` across the process boundary the way this SGLang version does (pickle or msgpack)."""
+    from sglang.srt.managers import io_struct
+
+    if hasattr(io_struct, "msgpack_encode") and not getattr(io_struct, "_USE_PICKLE_IPC", True):
+        return io_struct.msgpack_decode(io_struct.msgpack_encode(obj))
+    return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
