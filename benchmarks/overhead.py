@@ -88,7 +88,7 @@ async def load(url: str, *, routing: bool, concurrency: int, requests: int, prom
 
 def measure(url: str, modes: list[bool], args: argparse.Namespace) -> dict[bool, list[tuple[int, float, int]]]:
     """Interleaved rounds (warm-up first) for each routing mode on one server."""
-    asyncio.run(load(url, routing=True, concurrency=args.concurrency, requests=args.concurrency,
+    asyncio.run(load(url, routing=any(modes), concurrency=args.concurrency, requests=args.concurrency,
                      prompt_len=args.prompt_len, max_new=8, seed=999))
     out: dict[bool, list[tuple[int, float, int]]] = {m: [] for m in modes}
     for rnd in range(args.rounds):

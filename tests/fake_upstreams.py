@@ -232,8 +232,21 @@ class FakeVLLMUpstream(_FakeServer):
                     b64 = {}
                 choices.append({"index": j, "text": "z" * len(out), "finish_reason": "length", "stop_reason": None,
                                 "prompt_token_ids": prompt, "token_ids": out, "routed_experts": b64})
+            if body.get("stream"):
+                return StreamingResponse(self._stream(choices), media_type="text/event-stream")
             usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(len(c["token_ids"]) for c in choices)}
             return JSONResponse({"id": "cmpl-fake", "object": "text_completion", "model": "fake-moe",
                                  "choices": choices, "usage": usage})
 
         return app
+
+    async def _stream(self, choices: list[dict[str, Any]]) -> Any:
+        """vLLM-style SSE: one delta per token, prompt ids on the first, no routing (as vLLM 0.30)."""
+        for c in choices:
+            for k, tok in enumerate(c["token_ids"]):
+                last = k == len(c["token_ids"]) - 1
+                delta = {"index": c["index"], "text": "z", "token_ids": [tok],
+                         "prompt_token_ids": c["prompt_token_ids"] if k == 0 else None,
+                         "finish_reason": "length" if last else None, "stop_reason": None}
+                yield "data: " + orjson.dumps({"id": "cmpl-fake", "choices": [delta]}).decode() + "\n\n"
+        yield "data: [DONE]\n\n"

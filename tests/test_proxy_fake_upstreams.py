@@ -130,6 +130,25 @@ def test_stream(http: httpx.Client, stack: tuple[str, object, SidecarServer]) ->
         np.testing.assert_array_equal(got, expected(p, 4))
 
 
+def test_stream_without_routing(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -> None:
+    """Routing off: live cumulative chunks per prompt, no routing in any chunk, final ids complete."""
+    stack[1].corrupt = "none"  # type: ignore[attr-defined]
+    prompts = [[1, 2, 3], [4, 5]]
+    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 4}, "stream": True}
+    with http.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    for i, p in enumerate(prompts):
+        mine = [c for c in chunks if c["index"] == i]
+        assert [len(c["output_ids"]) for c in mine] == [1, 2, 3, 4]  # cumulative, one token each
+        assert mine[-1]["output_ids"] == fake_completion(p, 4)
+        assert mine[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        assert all(c["meta_info"]["finish_reason"] is None for c in mine[:-1])
+    assert not any("routed_experts" in c["meta_info"] for c in chunks)
+
+
 CORPUS_MESSAGES = {
     "truncated_b64": "MalformedPayloadError",
     "wrong_rows": "ShapeMismatchError",

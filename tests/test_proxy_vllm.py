@@ -9,6 +9,7 @@ gives both sides of the comparison. A plugin-free upstream is exercised in test_
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -123,15 +124,32 @@ def test_patched_and_sidecar_give_identical_tensors(sidecar: SidecarServer, qwen
                 assert va.dtype == vb.dtype and va.shape == vb.shape and bool((va == vb).all()), k
 
 
-def test_stream_and_batch_shapes(sidecar: SidecarServer, qwen_server: Any) -> None:
-    """Streaming and batch answers from the sidecar have the patched server's shape."""
-    body = {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {"max_new_tokens": 3, "temperature": 0},
-            "return_routed_experts": True, "stream": True}
-    for url in (sidecar.url, qwen_server.base_url):
-        with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-        assert lines[-1] == "data: [DONE]"
+def _sse(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """POST a streaming /generate; return the decoded chunks (after checking the [DONE] terminator)."""
+    with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_stream_matches_patched(sidecar: SidecarServer, qwen_server: Any) -> None:
+    """Streaming through the sidecar ends where the patched server's stream ends; routing only when asked."""
+    for want in (False, True):
+        body = {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {"max_new_tokens": 5, "temperature": 0,
+                "ignore_eos": True}, "return_routed_experts": want, "stream": True}
+        finals = []
+        for url in (sidecar.url, qwen_server.base_url):
+            chunks = _sse(url, body)
+            last = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"] is not None}
+            assert sorted(last) == [0, 1]
+            if not want:
+                assert len(chunks) > 2 and not any("routed_experts" in c["meta_info"] for c in chunks)
+            finals.append({i: (c["output_ids"], c["meta_info"].get("routed_experts")) for i, c in last.items()})
+        assert finals[0] == finals[1]
+
+
+def test_upstream_rejection_is_4xx(sidecar: SidecarServer) -> None:
     bad = httpx.post(sidecar.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5000}},
                      timeout=60)
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]

@@ -97,23 +97,10 @@ async def _primed(agen: AsyncIterator[str]) -> AsyncIterator[str]:
         except ProxyError as e:
             yield sse_line(error_payload(e))
             yield SSE_DONE
+        finally:
+            await agen.aclose()  # type: ignore[attr-defined]
 
     return rest()
-
-
-async def _vllm_stream(sc: Sidecar, req: NormalizedGenerate) -> AsyncIterator[str]:
-    """vLLM sends routing only on non-streaming answers: one final chunk per sample, then [DONE]."""
-    assert isinstance(sc.backend, VLLMBackend)
-    items = await sc.backend.generate(req)
-    per = [s.n for s in req.sampling]
-    k = 0
-    for i, n in enumerate(per):
-        for item in items[k : k + n]:
-            if req.is_batch:
-                item["index"] = i
-            yield sse_line(item)
-        k += n
-    yield SSE_DONE
 
 
 def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
@@ -136,7 +123,7 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
             req, raw = _parse(await request.body(), cfg.engine)
             if req.stream:
                 if isinstance(sc.backend, VLLMBackend):
-                    events = await _primed(_vllm_stream(sc, req))
+                    events = await _primed(sc.backend.stream(req))
                 else:
                     events = await _primed(sc.backend.stream(req, raw))
                 sc.metrics.requests.labels("/generate", "200").inc()

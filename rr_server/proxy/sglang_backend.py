@@ -70,11 +70,14 @@ class SGLangBackend:
         if not isinstance(pt, int) or not isinstance(ct, int):
             raise ProxyError(502, "upstream_protocol", f"upstream item {j}: prompt_tokens/completion_tokens missing")
         start = req.routed_experts_start
+        ids = self._prompt_ids(req, j, index)
+        if ids is not None and len(ids) != pt:
+            raise ProxyError(502, "upstream_protocol",
+                             f"upstream item {j}: prompt_tokens={pt} but the prompt has {len(ids)} token ids")
         full = validated_routing(upstream_meta, info, rows=expected_rows(pt, ct), where=f"item {j}",
                                  hint="was the upstream started with --enable-return-routed-experts?")
         fields = wire_fields(full[start:], info, start)
         meta.update(fields)
-        ids = self._prompt_ids(req, j, index)
         if ids is not None:
             meta["prompt_token_ids"] = ids
         self._metrics.routing_sent(fields["routed_experts_shape"][0], fields["routed_experts"])

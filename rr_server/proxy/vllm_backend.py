@@ -5,17 +5,21 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
+
+import orjson
 
 from rr_client.codec import expected_rows
 from rr_client.info import RRInfo
 from rr_server.protocol import (
+    SSE_DONE,
     BadRequest,
     NormalizedGenerate,
     RoutingDims,
     build_item,
     finish_reason_dict,
+    sse_line,
     to_vllm_sampling_kwargs,
 )
 from rr_server.proxy.errors import ProxyError
@@ -93,6 +97,8 @@ class VLLMBackend:
             if not isinstance(ch, Mapping):
                 raise ProxyError(502, "upstream_protocol", "upstream completion choice is not an object")
             prompt_ids = _int_list(ch.get("prompt_token_ids"), "prompt_token_ids")
+            if isinstance(req.prompts[i], list) and prompt_ids != req.prompts[i]:
+                raise ProxyError(502, "upstream_protocol", f"prompt {i}: upstream prompt_token_ids differ from input_ids")
             out_ids = _int_list(ch.get("token_ids"), "token_ids")
             sample = f"prompt {i} sample {j}"
             routing = None
@@ -122,3 +128,71 @@ class VLLMBackend:
                 self._metrics.routing_sent(meta["routed_experts_shape"][0], meta["routed_experts"])
             items.append(item)
         return items
+
+    async def stream(self, req: NormalizedGenerate) -> AsyncIterator[str]:
+        """SSE: routing off -> live cumulative chunks; routing on -> final chunks (vLLM streams carry no routing)."""
+        if req.return_routed_experts:
+            items = await self.generate(req)
+            for k, item in enumerate(items):  # stream=true implies n == 1: item k belongs to prompt k
+                if req.is_batch:
+                    item["index"] = k
+                yield sse_line(item)
+            yield SSE_DONE
+            return
+        _, model = await self._info()
+        base = uuid.uuid4().hex
+        queue: asyncio.Queue[str | Exception | None] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for ev in self._stream_one(req, i, model, req.rids[i] or f"rr-{base}-{i}"):
+                    await queue.put(ev)
+            except Exception as e:  # noqa: BLE001 - re-raised by the consumer below
+                await queue.put(e)
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(req.prompts))]
+        live = len(tasks)
+        try:
+            while live:
+                ev = await queue.get()
+                if ev is None:
+                    live -= 1
+                elif isinstance(ev, Exception):
+                    raise ev
+                else:
+                    yield ev
+            yield SSE_DONE
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stream_one(self, req: NormalizedGenerate, i: int, model: str, rid: str) -> AsyncIterator[str]:
+        """One prompt's upstream stream (deltas) as SGLang chunks (cumulative text and ids)."""
+        t0 = time.perf_counter()
+        body = {**completion_body(req, i, model), "stream": True}
+        text, ids, prompt_tokens = "", [], 0
+        async with self._up.stream_lines("/v1/completions", body) as lines:
+            async for line in lines:
+                data = line[5:].strip() if line.startswith("data:") else ""
+                if not data or data == "[DONE]":
+                    continue
+                try:
+                    chunk = orjson.loads(data)
+                except orjson.JSONDecodeError as e:
+                    raise ProxyError(502, "upstream_protocol", f"upstream stream chunk is not JSON: {e}") from None
+                if not isinstance(chunk, Mapping) or "error" in chunk:
+                    raise ProxyError(502, "upstream_error", f"upstream stream failed: {str(chunk)[:300]}")
+                for ch in chunk.get("choices") or []:
+                    prompt_tokens = len(ch.get("prompt_token_ids") or []) or prompt_tokens
+                    text += ch.get("text") or ""
+                    ids += _int_list(ch.get("token_ids") or [], "token_ids")
+                    meta = {"id": rid, "finish_reason": finish_reason_dict(ch.get("finish_reason"), ch.get("stop_reason")),
+                            "prompt_tokens": prompt_tokens, "completion_tokens": len(ids), "cached_tokens": 0,
+                            "e2e_latency": time.perf_counter() - t0}
+                    item: dict[str, Any] = {"text": text, "output_ids": list(ids), "meta_info": meta}
+                    if req.is_batch:
+                        item["index"] = i
+                    yield sse_line(item)

@@ -88,7 +88,7 @@ class Harness:
                 last = k == chunks - 1
                 for g in groups:
                     sel = [rids[i] for i in g]
-                    per = max(len(self.sched.reqs[r].completion) // chunks, 1)
+                    per = max(len(self.sched.reqs[sel[0]].completion) // chunks, 1)
                     await self.deliver(self.sched.step(sel, tokens=None if last else per))
             resp = await call
         if body.get("stream"):
