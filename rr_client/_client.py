@@ -67,7 +67,9 @@ class RoutedExpertsClient:
         self._http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-            limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency),
+            limits=httpx.Limits(
+                max_connections=max_concurrency, max_keepalive_connections=max_concurrency, keepalive_expiry=2.0
+            ),  # close idle connections before servers (uvicorn: 5 s) do, avoiding a write-on-closing race
             headers=dict(headers or {}),
             transport=transport,
         )
