@@ -4,8 +4,9 @@ Three configurations, measured in interleaved rounds on the same machine:
   A. server without --enable-return-routed-experts (no capture at all; /generate still served by rr)
   B. rr server (capture on), requests with return_routed_experts=false
   C. rr server (capture on), requests with return_routed_experts=true (encode + validate + transfer)
-C vs B is the cost of returning routing; B vs A is vLLM's own capture cost. Servers run one
-at a time. ``python benchmarks/overhead.py [--rounds 5] [--concurrency 8] [--skip-baseline]``.
+C vs B is the cost of returning routing; B vs A is vLLM's own capture cost. Both servers stay up
+(same CPU binding) and only one receives load at a time; rounds rotate A/B/C so background load
+drifts hit every configuration alike. ``python benchmarks/overhead.py [--rounds 6] [--skip-baseline]``.
 """
 
 from __future__ import annotations
@@ -86,15 +87,21 @@ async def load(url: str, *, routing: bool, concurrency: int, requests: int, prom
         return tokens, time.perf_counter() - t0, nbytes
 
 
-def measure(url: str, modes: list[bool], args: argparse.Namespace) -> dict[bool, list[tuple[int, float, int]]]:
-    """Interleaved rounds (warm-up first) for each routing mode on one server."""
-    asyncio.run(load(url, routing=any(modes), concurrency=args.concurrency, requests=args.concurrency,
-                     prompt_len=args.prompt_len, max_new=8, seed=999))
-    out: dict[bool, list[tuple[int, float, int]]] = {m: [] for m in modes}
+Run = tuple[int, float, int]
+
+
+def measure(targets: list[tuple[str, str, bool]], args: argparse.Namespace) -> dict[str, list[Run]]:
+    """Warm every target, then ``args.rounds`` rounds visiting all targets in rotating order."""
+    for _, url, routing in targets:
+        asyncio.run(load(url, routing=routing, concurrency=args.concurrency, requests=args.concurrency,
+                         prompt_len=args.prompt_len, max_new=8, seed=999))
+    out: dict[str, list[Run]] = {name: [] for name, _, _ in targets}
     for rnd in range(args.rounds):
-        for m in (modes if rnd % 2 == 0 else modes[::-1]):
-            out[m].append(asyncio.run(load(url, routing=m, concurrency=args.concurrency, requests=args.requests,
-                                           prompt_len=args.prompt_len, max_new=args.max_new_tokens, seed=rnd)))
+        k = rnd % len(targets)
+        for name, url, routing in targets[k:] + targets[:k]:
+            out[name].append(asyncio.run(load(url, routing=routing, concurrency=args.concurrency,
+                                              requests=args.requests, prompt_len=args.prompt_len,
+                                              max_new=args.max_new_tokens, seed=rnd)))
     return out
 
 
@@ -105,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-experts", type=int, default=64)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--requests", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -118,33 +125,40 @@ def main(argv: list[str] | None = None) -> int:
     model = build_tiny_moe(args.model_dir, arch="qwen3_moe", num_layers=args.num_layers,
                            num_experts=args.num_experts, topk=args.topk)
     log_dir = Path(tempfile.mkdtemp(prefix="rr-bench-"))
-    rows: list[tuple[str, list[tuple[int, float, int]]]] = []
-    proc, url = start(model, capture=True, log=log_dir / "capture.log")
+    procs = []
     try:
-        res = measure(url, [False, True], args)
-        rows += [("B capture on, routing not requested", res[False]), ("C capture on, routing returned", res[True])]
+        proc, url = start(model, capture=True, log=log_dir / "capture.log")
+        procs.append(proc)
+        targets = [("B capture on, routing not requested", url, False), ("C capture on, routing returned", url, True)]
+        if not args.skip_baseline:
+            proc, base = start(model, capture=False, log=log_dir / "baseline.log")
+            procs.append(proc)
+            targets.insert(0, ("A no capture (--enable-return-routed-experts off)", base, False))
+        res = measure(targets, args)
     finally:
-        stop(proc)
-    if not args.skip_baseline:
-        proc, url = start(model, capture=False, log=log_dir / "baseline.log")
-        try:
-            rows.insert(0, ("A no capture (--enable-return-routed-experts off)", measure(url, [False], args)[False]))
-        finally:
-            stop(proc)
+        for p_ in procs:
+            stop(p_)
+    rows = [(name, res[name]) for name, _, _ in targets]
 
     def tps(runs: list[tuple[int, float, int]]) -> float:
         return statistics.median(t / s for t, s, _ in runs)
 
-    ref = dict(rows)["B capture on, routing not requested"]
+    ref = res["B capture on, routing not requested"]
     print(f"\nmodel: qwen3_moe {args.num_layers} layers, {args.num_experts} experts, top-{args.topk}; "
           f"{args.requests} requests x {args.max_new_tokens} new tokens, prompt {args.prompt_len}, "
-          f"concurrency {args.concurrency}, {args.rounds} interleaved rounds (median)\n")
+          f"concurrency {args.concurrency}, {args.rounds} rotating rounds (median)\n")
     print(f"{'configuration':<52} {'tok/s':>9} {'vs B':>8} {'reply KiB/req':>14}")
     for name, runs in rows:
         kib = statistics.median(b / args.requests / 1024 for _, _, b in runs)
         print(f"{name:<52} {tps(runs):>9.1f} {100 * (tps(runs) / tps(ref) - 1):>+7.1f}% {kib:>14.1f}")
     spread = [t / s for t, s, _ in ref]
     print(f"\nround-to-round spread of B: {min(spread):.1f}..{max(spread):.1f} tok/s")
+    for name, runs in rows:
+        if runs is ref:
+            continue
+        paired = [100 * ((t / s) / (tb / sb) - 1) for (t, s, _), (tb, sb, _) in zip(runs, ref)]
+        print(f"paired per-round change vs B, {name[:1]}: median {statistics.median(paired):+.1f}% "
+              f"(rounds: {', '.join(f'{x:+.1f}' for x in paired)})")
     return 0
 
 
