@@ -20,6 +20,7 @@ test: test-core test-sglang
 bench: setup
 	$(PY) benchmarks/codec.py
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/sidecar.py
 
 clean:
 	rm -rf .venv .venvs .cache
