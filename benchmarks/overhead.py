@@ -105,6 +105,21 @@ def measure(targets: list[tuple[str, str, bool]], args: argparse.Namespace) -> d
     return out
 
 
+def encode_cost_us(rows: int, layers: int, topk: int, experts: int, reps: int = 2000) -> float:
+    """Server-side CPU cost (µs) of checking + encoding one request's routing, measured in-process."""
+    import numpy as np
+
+    from rr_server.protocol import RoutingDims, build_item
+
+    arr = np.random.default_rng(0).integers(0, experts, size=(rows, layers, topk)).astype(np.uint8)
+    dims = RoutingDims(layers, experts, topk)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        build_item(rid="r", text="", output_ids=[0] * 64, prompt_tokens=rows - 63, cached_tokens=0,
+                   finish_reason=None, e2e_latency=0.0, routing=arr, dims=dims, want_routing=True)
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, runs in rows:
         kib = statistics.median(b / args.requests / 1024 for _, _, b in runs)
         print(f"{name:<52} {tps(runs):>9.1f} {100 * (tps(runs) / tps(ref) - 1):>+7.1f}% {kib:>14.1f}")
+    rows_per_req = args.prompt_len + args.max_new_tokens - 1
+    us = encode_cost_us(rows_per_req, args.num_layers, args.topk, args.num_experts)
+    req_s = statistics.median(s / (t / args.max_new_tokens) for t, s, _ in ref)  # wall s per request slot
+    print(f"\nrouting check + encode in the server: {us:.0f} µs per request ({rows_per_req} rows); "
+          f"one request's generation takes ~{req_s * 1e3:.0f} ms of wall time at concurrency "
+          f"{args.concurrency} -> {100 * us / 1e6 / (req_s * args.concurrency):.3f}% of server time")
     spread = [t / s for t, s, _ in ref]
     print(f"\nround-to-round spread of B: {min(spread):.1f}..{max(spread):.1f} tok/s")
     for name, runs in rows:

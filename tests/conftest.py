@@ -95,6 +95,10 @@ def launcher_cmd() -> list[str]:
     return [sys.executable, "-m", "rr_server.launch_vllm"]
 
 
+# The 300-expert server builds every routed reply in a worker thread (the path large payloads take).
+SERVER_ENV: dict[str, dict[str, str]] = {"mixtral_300": {"RR_ENCODE_THREAD_MIN_ELEMS": "0"}}
+
+
 def start_server(name: str, model_dir: Path, *, core: int, extra: list[str] | None = None) -> VLLMServer:
     """Start one server (non-blocking); wait with :func:`wait_healthy`."""
     port = free_port()
@@ -104,6 +108,7 @@ def start_server(name: str, model_dir: Path, *, core: int, extra: list[str] | No
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(core % max(1, os.cpu_count() or 1)))
     env["VLLM_LOGGING_LEVEL"] = env.get("VLLM_LOGGING_LEVEL", "WARNING")
+    env.update(SERVER_ENV.get(name, {}))
     cmd = [*launcher_cmd(), "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", "1024", "--served-model-name", name, *(extra or [])]
     with open(log_path, "wb") as log:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +35,8 @@ __all__ = ["install_routes", "rr_info_dict"]
 
 logger = logging.getLogger("rr.vllm")
 _ROUTES = ("/generate", "/rr/info")
+# Routing elements above which a reply is built in a worker thread (env override for tests).
+_THREAD_MIN_ELEMS = int(os.environ.get("RR_ENCODE_THREAD_MIN_ELEMS", str(1 << 20)))
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -198,9 +201,16 @@ async def _run_batch(app: FastAPI, req: NormalizedGenerate) -> Response:
             raise
         return _error(_message(e), _status_of(e))
     dims = _dims(app) if req.return_routed_experts else None
-    items: list[dict[str, Any]] = []
-    for i, ro in enumerate(finals):
-        items.extend(_items_for(ro, req, i, rids[i], t0, dims))
+
+    def build() -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        for i, ro in enumerate(finals):
+            items.extend(_items_for(ro, req, i, rids[i], t0, dims))
+        return items
+
+    size = sum(getattr(getattr(c, "routed_experts", None), "size", 0) for ro in finals for c in ro.outputs)
+    # Large payloads (~100 ms to check + base64 a 32k-token sample) must not stall the event loop.
+    items = await asyncio.to_thread(build) if req.return_routed_experts and size > _THREAD_MIN_ELEMS else build()
     if not req.is_batch and len(items) == 1:
         return _json(items[0])
     return _json(items)

@@ -70,6 +70,14 @@ class Harness:
             await asyncio.sleep(0.01)
         raise TimeoutError(f"only {len(self.sched.arrivals)} of {n} requests reached the scheduler")
 
+    async def _drained(self, rids: list[str], timeout: float = 10.0) -> None:
+        """Let the request coroutines read their chunk before the next one (streaming reads only the last)."""
+        for _ in range(int(timeout / 0.005)):
+            states = [self.tm.rid_to_state.get(r) for r in rids]
+            if all(s is None or not s.out_list for s in states):
+                return
+            await asyncio.sleep(0.005)
+
     async def post(self, body: dict[str, Any], *, n_requests: int = 1, chunks: int = 1,
                    batches: list[list[int]] | None = None) -> tuple[int, Any]:
         """POST /generate through SGLang's own app; the stand-in answers in ``chunks`` steps.
@@ -90,6 +98,7 @@ class Harness:
                     sel = [rids[i] for i in g]
                     per = max(len(self.sched.reqs[sel[0]].completion) // chunks, 1)
                     await self.deliver(self.sched.step(sel, tokens=None if last else per))
+                    await self._drained(sel)
             resp = await call
         if body.get("stream"):
             events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]

@@ -1,0 +1,183 @@
+"""How the patch gets in: version/shape checks, idempotency, SGLang's plugin system, the launcher, /rr/info."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from patches.sglang.versions import UnsupportedSGLangError, profile_for
+from rr_client.codec import routing_meta_fields
+from rr_client.errors import ExpertIdOutOfRangeError, MalformedPayloadError, ShapeMismatchError
+from tests.sglang.conftest import MODEL_SPEC
+from tests.sglang.harness import Harness
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.mark.parametrize("version", ["0.5.6", "0.5.24", "0.6.0", "0.4.10", "garbage"])
+def test_unknown_versions_are_refused(version: str) -> None:
+    """Outside 0.5.7-0.5.23 the patch refuses instead of patching blind."""
+    with pytest.raises(UnsupportedSGLangError):
+        profile_for(version)
+
+
+@pytest.mark.parametrize("version,field,is_async,start", [
+    ("0.5.7", "output_routed_experts", False, False), ("0.5.9", "routed_experts", False, False),
+    ("0.5.10.post1", "routed_experts", False, False), ("0.5.11", "routed_experts", True, False),
+    ("0.5.12", "routed_experts", True, True), ("0.5.23", "routed_experts", True, True)])
+def test_profiles(version: str, field: str, is_async: bool, start: bool) -> None:
+    """Per-version facts the hooks rely on."""
+    p = profile_for(version)
+    assert (p.field, p.handle_is_async, p.honours_start) == (field, is_async, start)
+
+
+def test_installed_version_matches_its_code() -> None:
+    """The installed SGLang's functions and io_struct fields have the shape its profile claims."""
+    from patches.sglang.apply import check_shapes
+
+    check_shapes(profile_for())
+
+
+def test_wrong_shape_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A _handle_batch_output with an unexpected signature makes the patch refuse."""
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    from patches.sglang.apply import apply
+
+    def _handle_batch_output(self: Any, recv_obj: Any, extra: Any) -> None:  # not SGLang's shape
+        return None
+
+    monkeypatch.setattr(TokenizerManager, "_handle_batch_output", _handle_batch_output)
+    with pytest.raises(UnsupportedSGLangError, match="_handle_batch_output"):
+        apply()
+
+
+def test_apply_is_idempotent(patched: None) -> None:
+    """Applying twice wraps once."""
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    from patches.sglang.apply import apply, is_applied
+
+    before = TokenizerManager.__dict__["_handle_batch_output"]
+    apply()
+    assert is_applied() and TokenizerManager.__dict__["_handle_batch_output"] is before
+
+
+def test_entry_point_is_declared() -> None:
+    """SGLang's plugin loader finds rr through the ``sglang.srt.plugins`` entry point group."""
+    eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
+    assert eps.get("rr") == "patches.sglang.plugin:register"
+
+
+def test_plugin_register(tiny_moe: Path) -> None:
+    """0.5.11+: HookRegistry AROUND hooks via SGLang's own load_plugins(); before: a direct patch."""
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    import patches.sglang.plugin as plugin
+    from patches.sglang.apply import TARGETS, TM_PATH, is_applied
+
+    saved = {name: TokenizerManager.__dict__[name] for name in TARGETS}
+    plugin._registered = False
+    try:
+        if profile_for().has_plugins:
+            import sglang.srt.plugins as sp
+            from sglang.srt.plugins.hook_registry import HookRegistry
+
+            monkey = pytest.MonkeyPatch()
+            monkey.setenv("SGLANG_PLUGINS", "rr")
+            monkey.setattr(sp, "_plugins_loaded", False)
+            try:
+                sp.load_plugins()  # discovers the entry point, runs register(), applies hooks
+            finally:
+                monkey.undo()
+            assert {f"{TM_PATH}.{n}" for n in TARGETS} <= HookRegistry._patched
+        else:
+            plugin.register()
+        assert is_applied()
+        h = Harness(tiny_moe, skip_tokenizer_init=True)  # the hooked class still constructs and serves
+        assert h.tm._rr_state.dims is not None
+    finally:
+        for name, fn in saved.items():
+            setattr(TokenizerManager, name, fn)
+        plugin._registered = False
+        if profile_for().has_plugins:
+            from sglang.srt.plugins.hook_registry import HookRegistry
+
+            HookRegistry.reset()
+
+
+async def test_rr_info_route(tiny_moe: Path, patched: None) -> None:
+    """``GET /rr/info`` on SGLang's own app describes the served model."""
+    h = Harness(tiny_moe)
+    transport = httpx.ASGITransport(app=h.http.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://sglang") as client:
+        resp = await client.get("/rr/info")
+    assert resp.status_code == 200, resp.text
+    info = resp.json()
+    assert info["engine"] == "sglang" and info["engine_version"] == profile_for().version
+    assert (info["num_hidden_layers"], info["num_experts"], info["topk"]) == (3, 8, 2)
+    assert info["moe_layers"] == [0, 2] and info["wire_dtype"] == "uint8"
+
+
+def test_launcher_adds_flag_and_patches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rr-server launch sglang`` adds the flag, patches, and hands SGLang's own parser the arguments."""
+    import rr_server.launch_sglang as ls
+    from patches.sglang.apply import TARGETS, is_applied
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(ls, "_run", lambda argv: seen.append(argv))
+    saved = {name: TokenizerManager.__dict__[name] for name in TARGETS}
+    try:
+        assert ls.main(["--model-path", "M", "--port", "1234"]) == 0
+        assert is_applied()
+    finally:
+        for name, fn in saved.items():
+            setattr(TokenizerManager, name, fn)
+        if profile_for().has_plugins:
+            from sglang.srt.plugins.hook_registry import HookRegistry
+
+            HookRegistry.reset()
+    assert seen == [["--model-path", "M", "--port", "1234", "--enable-return-routed-experts"]]
+    assert ls.main(["--model-path", "M", "--tokenizer-worker-num", "2"]) == 2
+
+
+def test_launcher_refuses_unknown_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An untested SGLang makes the launcher exit 2 before anything starts."""
+    import rr_server.launch_sglang as ls
+
+    monkeypatch.setattr("patches.sglang.versions.installed_version", lambda: "0.5.99")
+    monkeypatch.setattr(ls, "_run", lambda argv: pytest.fail("must not start"))
+    assert ls.main(["--model-path", "M"]) == 2
+
+
+def test_wire_fields_refusals() -> None:
+    """Every payload that cannot be trusted raises its typed error instead of being forwarded."""
+    import pybase64
+    import torch
+
+    from patches.sglang.convert import Dims, wire_fields
+
+    d = Dims(3, 8, 2, (0, 2))
+    good = np.array([[[1, 2], [0, 0], [3, 4]]] * 4, dtype=np.int32)
+    assert wire_fields(torch.from_numpy(good), d) == routing_meta_fields(good, num_experts=8)
+    b64 = pybase64.b64encode(good.tobytes()).decode()
+    assert wire_fields(b64, d, start=1, slice_start=True) == routing_meta_fields(good[1:], num_experts=8, start=1)
+    with pytest.raises(ShapeMismatchError):
+        wire_fields(b64[:-8], d)  # not a whole number of rows
+    with pytest.raises(MalformedPayloadError):
+        wire_fields("not base64!", d)
+    with pytest.raises(MalformedPayloadError):
+        wire_fields(torch.zeros(2, 3, 2), d)  # float
+    with pytest.raises(ExpertIdOutOfRangeError):
+        wire_fields(torch.full((2, 3, 2), 8, dtype=torch.int32), d)
+    with pytest.raises(ShapeMismatchError):
+        wire_fields(b64, d, start=9, slice_start=True)
+    with pytest.raises(ShapeMismatchError):
+        wire_fields(torch.zeros(2, 4, 2, dtype=torch.int32), d)  # wrong layer count
+    assert MODEL_SPEC["num_experts"] == 8
