@@ -169,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     rows_per_req = args.prompt_len + args.max_new_tokens - 1
     us = encode_cost_us(rows_per_req, args.num_layers, args.topk, args.num_experts)
     req_s = statistics.median(s / (t / args.max_new_tokens) for t, s, _ in ref)  # wall s per request slot
-    print(f"\nrouting check + encode in the server: {us:.0f} µs per request ({rows_per_req} rows); "
-          f"one request's generation takes ~{req_s * 1e3:.0f} ms of wall time at concurrency "
-          f"{args.concurrency} -> {100 * us / 1e6 / (req_s * args.concurrency):.3f}% of server time")
+    print(f"\nrouting check + encode in the server: {us:.0f} µs per request ({rows_per_req} rows); the server "
+          f"completes a request every ~{req_s * 1e3:.0f} ms at concurrency {args.concurrency} "
+          f"-> {100 * us / 1e6 / req_s:.3f}% of its time")
     spread = [t / s for t, s, _ in ref]
     print(f"\nround-to-round spread of B: {min(spread):.1f}..{max(spread):.1f} tok/s")
     for name, runs in rows:

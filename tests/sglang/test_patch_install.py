@@ -169,7 +169,7 @@ def test_wire_fields_refusals() -> None:
     b64 = pybase64.b64encode(good.tobytes()).decode()
     assert wire_fields(b64, d, start=1, slice_start=True) == routing_meta_fields(good[1:], num_experts=8, start=1)
     with pytest.raises(ShapeMismatchError):
-        wire_fields(b64[:-8], d)  # not a whole number of rows
+        wire_fields(pybase64.b64encode(good.tobytes()[:-8]).decode(), d)  # not a whole number of rows
     with pytest.raises(MalformedPayloadError):
         wire_fields("not base64!", d)
     with pytest.raises(MalformedPayloadError):

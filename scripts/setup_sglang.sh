@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Install SGLang VERSION... for rr's tests, one isolated overlay per version, on top of the main .venv.
+#
+#   .venvs/sglang-<V>/      pip --target overlay: sglang==<V> (no deps) + the few pins <V> needs over .venv
+#   .venvs/sglang-common/   deps every version imports but .venv lacks (triton, torchvision, ...),
+#                           plus a sitecustomize that lets CUDA-linked torchvision import on CPU torch
+#   tests/sglang/_stubs/    a CPU stand-in for sgl_kernel (CUDA-only wheel that cannot load here)
+# Use:  PYTHONPATH="$(scripts/setup_sglang.sh --pythonpath V)" .venv/bin/python -m pytest tests/sglang
+# Idempotent (stamp files keyed on this script); .venv itself is never modified. Fails loudly.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+ROOT="${RR_SGLANG_ROOT:-.venvs}"
+PY="$VENV/bin/python"
+COMMON="$ROOT/sglang-common"
+STUBS="tests/sglang/_stubs"
+
+pythonpath() { echo "$PWD/$ROOT/sglang-$1:$PWD/$COMMON:$PWD/$STUBS:$PWD"; }
+if [ "${1:-}" = "--pythonpath" ]; then pythonpath "$2"; exit 0; fi
+[ $# -gt 0 ] || { echo "usage: $0 VERSION... | --pythonpath VERSION" >&2; exit 2; }
+[ -x "$PY" ] || { echo "setup_sglang: $VENV is missing; run scripts/setup.sh first" >&2; exit 1; }
+[ -x "$VENV/bin/uv" ] || "$PY" -m pip install -q uv
+UV=("$VENV/bin/uv" pip install -q --python "$PY" --no-deps)
+key="$(sha1sum "$0" | cut -c1-12)"
+
+# Imported by every tested SGLang at module level and absent from .venv (pinned: what was tested).
+COMMON_PKGS=("triton==3.9.0" "torchvision==0.28.0" "ipython==9.18.1" "traitlets==5.16.1" "gguf==0.19.0"
+             "soundfile==0.14.0")
+
+extra_pkgs() {  # pins a version needs on top of .venv (its transformers pin when .venv's breaks it)
+  case "$1" in
+    0.5.12) echo "transformers==5.6.0 tokenizers>=0.22.0,<=0.23.0 huggingface-hub>=1.5.0,<2" ;;
+    *) echo "" ;;
+  esac
+}
+
+if [ ! -f "$COMMON/.rr-stamp-$key" ]; then
+  echo "setup_sglang: common deps -> $COMMON"
+  rm -rf "$COMMON"
+  "${UV[@]}" --target "$COMMON" "${COMMON_PKGS[@]}"
+  cat > "$COMMON/sitecustomize.py" <<'PYEOF'
+"""Define torchvision's nms/qnms op schemas so the CUDA-linked torchvision wheel imports on CPU torch."""
+try:
+    import torch
+
+    for _op in ("nms", "qnms"):
+        torch.library.define(f"torchvision::{_op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+except Exception:  # torch missing, or the ops already exist (real torchvision ops loaded)
+    pass
+PYEOF
+  touch "$COMMON/.rr-stamp-$key"
+fi
+
+status=0
+for v in "$@"; do
+  dir="$ROOT/sglang-$v"
+  if [ -f "$dir/.rr-stamp-$key" ]; then echo "setup_sglang: SGLang $v is up to date ($dir)"; continue; fi
+  t0=$(date +%s)
+  rm -rf "$dir"
+  # shellcheck disable=SC2046
+  if ! "${UV[@]}" --target "$dir" "sglang==$v" $(extra_pkgs "$v"); then
+    echo "setup_sglang: ERROR: SGLang $v could not be installed" >&2; status=1; rm -rf "$dir"; continue
+  fi
+  got=$(cd /tmp && PYTHONPATH="$(pythonpath "$v")" "$PY" -c "import sglang; print(sglang.__version__)" 2>&1 | tail -1)
+  if [ "$got" != "$v" ]; then
+    echo "setup_sglang: ERROR: SGLang $v installed but 'import sglang' gives: $got" >&2; status=1; continue
+  fi
+  touch "$dir/.rr-stamp-$key"
+  echo "setup_sglang: SGLang $v ready in $(( $(date +%s) - t0 ))s ($(du -sh "$dir" | cut -f1))"
+done
+exit $status
