@@ -12,7 +12,7 @@ demo: setup
 test-core: setup
 	$(PY) -m pytest -q tests --ignore=tests/sglang
 
-test-sglang:
+test-sglang: setup
 	bash scripts/test_sglang.sh
 
 test: test-core test-sglang
