@@ -101,7 +101,7 @@ def _install_hooks(*, import_missing: bool) -> list[str]:
     """Patch every known build_app site that exists; return the patched sites.
 
     With ``python -m vllm.entrypoints.openai.api_server`` that module is ``__main__`` (and, up to
-    0.29, defines build_app itself), so it is patched there and never imported a second time.
+    0.28, defines build_app itself), so it is patched there and never imported a second time.
     """
     patched: list[str] = []
     main = sys.modules.get("__main__")
