@@ -326,8 +326,12 @@ def build_item(
     routed_experts_start: int = 0,
     want_routing: bool = False,
     output_token_logprobs: list[list[Any]] | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """One SGLang-shaped reply entry; routing is validated first and never sent unchecked."""
+    """One SGLang-shaped reply entry; routing is validated first and never sent unchecked.
+
+    With routing, ``prompt_token_ids`` is echoed so clients that sent text can align rows with tokens.
+    """
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": finish_reason,
@@ -345,6 +349,8 @@ def build_item(
             arr = check_routing(routing, dims, prompt_tokens=prompt_tokens,
                                 completion_tokens=len(output_ids), start=routed_experts_start)
             meta.update(routing_meta_fields(arr, num_experts=dims.num_experts, start=routed_experts_start))
+            if prompt_token_ids is not None:
+                meta["prompt_token_ids"] = list(prompt_token_ids)
         except ValueError as e:
             meta["routed_experts_error"] = str(e)
     item: dict[str, Any] = {"output_ids": list(output_ids), "meta_info": meta}

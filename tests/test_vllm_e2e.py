@@ -375,6 +375,26 @@ def test_routed_experts_client(any_server: Any) -> None:
         assert_routing_sets_equal(np.asarray(res.routed_experts), ref, layers=moe)
 
 
+def test_client_text_prompts_to_tensors(qwen_server: Any) -> None:
+    """Text prompts: the server echoes prompt ids, so padded tensors align routing with tokens."""
+    from rr_client import RoutedExpertsClient
+
+    async def run() -> Any:
+        async with RoutedExpertsClient(qwen_server.base_url) as c:
+            return await c.generate(PROMPTS[:3], {"max_new_tokens": 5, "temperature": 0.0})
+
+    batch = asyncio.run(run())
+    t = batch.to_tensors()
+    moe = moe_layers_from_config(load_config(qwen_server.model_dir))
+    for i, res in enumerate(batch.results):
+        assert res.prompt_ids == tokenize(qwen_server.model_dir, PROMPTS[i])
+        mask = t.routed_experts_mask[i]
+        tokens = t.input_ids[i][t.attention_mask[i].bool()].tolist()
+        assert tokens == res.prompt_ids + res.output_ids
+        ref = reference_routing(qwen_server.model_dir, tokens)[:-1]
+        assert_routing_sets_equal(t.routed_experts[i, mask].numpy(), ref, layers=moe)
+
+
 def _running(server: Any) -> float:
     """vLLM's ``num_requests_running`` gauge from /metrics."""
     text = httpx.get(server.base_url + "/metrics", timeout=30).text

@@ -150,6 +150,7 @@ def _items_for(ro: Any, req: NormalizedGenerate, i: int, rid: str, t0: float, di
             routed_experts_start=req.routed_experts_start,
             want_routing=want,
             output_token_logprobs=_token_logprobs(c) if req.return_logprob[i] else None,
+            prompt_token_ids=ro.prompt_token_ids,
         ))
         if want and "routed_experts_error" in items[-1]["meta_info"]:
             logger.error("rr: request %s: %s; routing withheld", rid, items[-1]["meta_info"]["routed_experts_error"])

@@ -119,12 +119,12 @@ class VLLMBackend:
                 routed_experts_start=start,
                 want_routing=req.return_routed_experts,
                 output_token_logprobs=_logprobs(ch, out_ids) if req.return_logprob[i] else None,
+                prompt_token_ids=prompt_ids,
             )
             meta = item["meta_info"]
             if req.return_routed_experts:
                 if "routed_experts_error" in meta:
                     raise ProxyError(502, "malformed_routing", f"{sample}: {meta['routed_experts_error']}")
-                meta["prompt_token_ids"] = prompt_ids
                 self._metrics.routing_sent(meta["routed_experts_shape"][0], meta["routed_experts"])
             items.append(item)
         return items
