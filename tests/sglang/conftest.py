@@ -58,6 +58,16 @@ def tiny_moe() -> Path:
     return build_tiny_moe(CACHE / "sglang-qwen3-dense", **MODEL_SPEC)
 
 
+@pytest.fixture(autouse=True)
+def _close_harnesses() -> Iterator[None]:
+    """Tear down every SGLang harness a test built, so no zmq context blocks at garbage collection."""
+    yield
+    if HAVE is not None:
+        from tests.sglang.harness import close_all
+
+        close_all()
+
+
 @pytest.fixture()
 def patched() -> Iterator[None]:
     """rr's patch installed on TokenizerManager for one test (exactly as the launcher does), then removed."""

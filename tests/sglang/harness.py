@@ -14,6 +14,27 @@ from patches.sglang.versions import profile_for
 from tests.sglang.standin import StandInScheduler, wire
 
 
+_LIVE: list["Harness"] = []
+
+
+def close_all() -> None:
+    """Close every harness built so far (their zmq contexts block at garbage collection otherwise)."""
+    while _LIVE:
+        _LIVE.pop().close()
+
+
+def _zmq_contexts(obj: Any) -> set[Any]:
+    """zmq contexts behind the sockets held by ``obj`` (directly or in one wrapper level)."""
+    import zmq
+
+    found: set[Any] = set()
+    for val in vars(obj).values():
+        for cand in (val, getattr(val, "socket", None), getattr(val, "_socket", None)):
+            if isinstance(cand, zmq.Socket):
+                found.add(cand.context)
+    return found
+
+
 class Harness:
     """One TokenizerManager (constructed exactly as SGLang's launcher does) without a scheduler process."""
 
@@ -50,6 +71,14 @@ class Harness:
         if "scheduler_info" in fields:
             kwargs["scheduler_info"] = {}
         http_server.set_global_state(state_cls(**kwargs))
+        _LIVE.append(self)
+
+    def close(self) -> None:
+        """Destroy the TokenizerManager's and detokenizer's zmq contexts (linger 0)."""
+        for obj in (self.tm, self.detok):
+            if obj is not None:
+                for ctx in _zmq_contexts(obj):
+                    ctx.destroy(linger=0)
 
     async def deliver(self, batch_token_id_out: Any) -> Any:
         """Scheduler -> (real detokenizer unless skip_tokenizer_init) -> wire -> ``_handle_batch_output``."""
