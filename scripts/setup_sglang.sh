@@ -9,13 +9,14 @@
 # Idempotent (stamp files keyed on this script); .venv itself is never modified. Fails loudly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${VENV:-.venv}"
-ROOT="${RR_SGLANG_ROOT:-.venvs}"
+REPO="$PWD"
+VENV="$(realpath -m "${VENV:-.venv}")"
+ROOT="$(realpath -m "${RR_SGLANG_ROOT:-.venvs}")"
 PY="$VENV/bin/python"
 COMMON="$ROOT/sglang-common"
 STUBS="tests/sglang/_stubs"
 
-pythonpath() { echo "$PWD/$ROOT/sglang-$1:$PWD/$COMMON:$PWD/$STUBS:$PWD"; }
+pythonpath() { echo "$ROOT/sglang-$1:$COMMON:$REPO/$STUBS:$REPO"; }
 if [ "${1:-}" = "--pythonpath" ]; then pythonpath "$2"; exit 0; fi
 [ $# -gt 0 ] || { echo "usage: $0 VERSION... | --pythonpath VERSION" >&2; exit 2; }
 [ -x "$PY" ] || { echo "setup_sglang: $VENV is missing; run scripts/setup.sh first" >&2; exit 1; }

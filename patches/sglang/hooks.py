@@ -20,6 +20,7 @@ logger = logging.getLogger("rr.sglang")
 # Give routing to every answer, asked or not: for callers behind sglang-router 0.3.2, which drops the flag.
 ALWAYS_ENV = "RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS"
 _STATE_ATTR = "_rr_state"
+_MAX_REMEMBERED = 65536
 
 
 class _RRState:
@@ -99,6 +100,9 @@ def around_send(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
             start = int(getattr(caller, "routed_experts_start_len", 0) or 0)
             st.asked[rid] = (bool(t.return_routed_experts) or always, start)
             t.return_routed_experts = True
+        if len(st.asked) > _MAX_REMEMBERED:  # requests that vanished without a final answer
+            for rid in [r for r in st.asked if r not in self.rid_to_state]:
+                st.asked.pop(rid, None)
     return original(self, *args, **kwargs)
 
 

@@ -84,6 +84,7 @@ class StandInScheduler:
         self._receive(msgpack_decode(data))
 
     def _receive(self, obj: Any) -> None:
+        """Queue every TokenizedGenerateReqInput in ``obj`` (single or batched)."""
         from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 
         for t in getattr(obj, "batch", None) or [obj]:

@@ -208,3 +208,15 @@ async def test_refused_payload_never_forwarded(tiny_moe: Path, patched: None, co
     assert meta["routed_experts_error"].startswith(expected_type)
     with pytest.raises(MissingRoutingError):
         _decode(meta, rows=3)
+
+
+async def test_always_env_gives_routing_without_flag(tiny_moe: Path, patched: None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Behind sglang-router 0.3.2 (drops the flag): RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS=1 still answers routing."""
+    from patches.sglang.hooks import ALWAYS_ENV
+
+    monkeypatch.setenv(ALWAYS_ENV, "1")
+    h = Harness(tiny_moe, skip_tokenizer_init=True)
+    status, body = await h.post(_body())  # no return_routed_experts, as the router forwards it
+    assert status == 200
+    _assert_rr(body["meta_info"], _expected(tiny_moe, h, body["meta_info"]["id"]))
