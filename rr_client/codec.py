@@ -368,12 +368,12 @@ def decode_routed_experts(
 
 def decode_meta_info(meta_info: Mapping[str, Any], **kwargs: Any) -> np.ndarray:
     """Decode ``meta_info["routed_experts"]``, honouring its stated ``routed_experts_dtype``/``_shape``."""
-    if "routed_experts" not in meta_info and "output_routed_experts" not in meta_info:
-        why = meta_info.get("routed_experts_error")
-        if why:
-            raise MissingRoutingError(f"the server withheld routed_experts: {why}")
-        raise MissingRoutingError("meta_info has no 'routed_experts' field (was routing enabled on the server?)")
     payload = meta_info.get("routed_experts", meta_info.get("output_routed_experts"))
+    why = meta_info.get("routed_experts_error")
+    if payload is None and why:
+        raise MissingRoutingError(f"the server withheld routed_experts: {why}")
+    if "routed_experts" not in meta_info and "output_routed_experts" not in meta_info:
+        raise MissingRoutingError("meta_info has no 'routed_experts' field (was routing enabled on the server?)")
     if kwargs.get("dtype") is None and meta_info.get("routed_experts_dtype") is not None:
         kwargs["dtype"] = meta_info["routed_experts_dtype"]
     arr = decode_routed_experts(payload, **kwargs)

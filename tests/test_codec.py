@@ -353,3 +353,5 @@ def test_c_extension_is_built() -> None:
 def test_server_withheld_routing_reason_is_surfaced() -> None:
     with pytest.raises(MissingRoutingError, match="withheld routed_experts: rows 3 != 4"):
         decode_meta_info({"routed_experts_error": "rows 3 != 4"}, num_experts=E)
+    with pytest.raises(MissingRoutingError, match="withheld routed_experts: ShapeMismatchError"):
+        decode_meta_info({"routed_experts": None, "routed_experts_error": "ShapeMismatchError: x"}, num_experts=E)
