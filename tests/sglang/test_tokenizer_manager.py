@@ -113,16 +113,16 @@ async def _mixed(h: Harness) -> tuple[list[Any], BaseException | None]:
     async with httpx.AsyncClient(transport=transport, base_url="http://sglang") as client:
         calls = [asyncio.ensure_future(client.post("/generate", json=b, timeout=60)) for b in bodies.values()]
         await h._wait_for(3)
+        states = {rid: h.tm.rid_to_state[rid] for rid in ("A", "B", "C")}
         try:
             await h.deliver(h.sched.step(["B", "A", "C"]))
         except IndexError as e:  # what kills SGLang's handle_loop in production
             err = e
-            for rid in ("A", "B", "C"):  # let the HTTP calls finish so the test can inspect them
-                st = h.tm.rid_to_state.get(rid)
-                if st is not None and not st.out_list:
+            for rid, st in states.items():  # wake the HTTP calls (0.5.11+ notifies only after the loop)
+                if not st.out_list:
                     st.out_list.append({"meta_info": {"id": rid, "aborted_by_test": True}})
-                    st.finished = True
-                    st.event.set()
+                st.finished = True
+                st.event.set()
         resps = await asyncio.gather(*calls)
     return [r.json() for r in resps], err
 
