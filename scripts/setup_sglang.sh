@@ -37,6 +37,7 @@ extra_pkgs() {  # pins a version needs on top of .venv (its transformers pin whe
 
 if [ ! -f "$COMMON/.rr-stamp-$key" ]; then
   echo "setup_sglang: common deps -> $COMMON"
+  t0=$(date +%s)
   rm -rf "$COMMON"
   "${UV[@]}" --target "$COMMON" "${COMMON_PKGS[@]}"
   cat > "$COMMON/sitecustomize.py" <<'PYEOF'
@@ -50,6 +51,7 @@ except Exception:  # torch missing, or the ops already exist (real torchvision o
     pass
 PYEOF
   touch "$COMMON/.rr-stamp-$key"
+  echo "setup_sglang: common deps ready in $(( $(date +%s) - t0 ))s ($(du -sh "$COMMON" | cut -f1))"
 fi
 
 status=0

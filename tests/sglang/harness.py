@@ -53,6 +53,12 @@ class Harness:
             **server_kwargs,
         )
         self.port_args = PortArgs.init_new(self.server_args)  # fresh ipc:// names; nothing binds them
+        try:  # 0.5.23+: the process entry publishes the config the managers read (as http_server does)
+            from sglang.srt.runtime_context import publish
+        except ImportError:
+            publish = None
+        if publish is not None:
+            publish(self.server_args, role="tokenizer")
         self.tm = TokenizerManager(self.server_args, self.port_args)
         self.tm.max_req_input_len = 1024  # the launcher copies this from the scheduler's info
         self.detok = None
