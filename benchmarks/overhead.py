@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -30,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from rr_server.demo import _free_port, _wait_healthy  # noqa: E402
 from rr_server.launch_vllm import build_command, is_cpu_platform  # noqa: E402
+from rr_server.process import stop_process_group as stop
 
 
 def start(model_dir: Path, *, capture: bool, log: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -48,15 +47,6 @@ def start(model_dir: Path, *, capture: bool, log: Path) -> tuple[subprocess.Pope
     return proc, url
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a server's process group."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 async def load(url: str, *, routing: bool, concurrency: int, requests: int, prompt_len: int,

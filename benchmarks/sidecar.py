@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from rr_server.launch_vllm import build_command, is_cpu_platform  # noqa: E402
+from rr_server.process import stop_process_group as stop
 
 
 def free_port() -> int:
@@ -56,15 +56,6 @@ def spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[by
         return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a process group."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 async def load(url: str, *, routing: bool, concurrency: int, requests: int, prompt_len: int, max_new: int,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rr_server.process import stop_process_group as _stop
 
 __all__ = ["main"]
 
@@ -70,16 +70,6 @@ def _wait_healthy(base_url: str, proc: subprocess.Popen[bytes] | None, log_path:
     raise RuntimeError(f"server at {base_url} not healthy after {timeout:.0f}s (log: {log_path})")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group, SIGKILL after 30 s."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except ProcessLookupError:
-        return
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def _load_table(results: list[Any], num_layers: int, num_experts: int, moe_layers: list[int]) -> str:
