@@ -10,7 +10,7 @@ demo: setup
 	$(PY) -m rr_server.demo
 
 test-core: setup
-	$(PY) -m pytest -q tests --ignore=tests/sglang
+	$(PY) -m pytest -q tests
 
 test-sglang: setup
 	bash scripts/test_sglang.sh
