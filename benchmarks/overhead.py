@@ -26,9 +26,10 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from rr_server.demo import _free_port, _wait_healthy  # noqa: E402
 from rr_server.launch_vllm import build_command, is_cpu_platform  # noqa: E402
+from rr_server.process import free_port as _free_port
 from rr_server.process import stop_process_group as stop
+from rr_server.process import wait_healthy as _wait_healthy
 
 
 def start(model_dir: Path, *, capture: bool, log: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -45,8 +46,6 @@ def start(model_dir: Path, *, capture: bool, log: Path) -> tuple[subprocess.Pope
     url = f"http://127.0.0.1:{port}"
     _wait_healthy(url, proc, log, 600)
     return proc, url
-
-
 
 
 async def load(url: str, *, routing: bool, concurrency: int, requests: int, prompt_len: int,

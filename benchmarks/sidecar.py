@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,37 +24,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from rr_server.launch_vllm import build_command, is_cpu_platform  # noqa: E402
+from rr_server.process import free_port, wait_healthy
 from rr_server.process import stop_process_group as stop
-
-
-def free_port() -> int:
-    """A free loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
-    """Poll ``/health`` until 200; raise with the log tail if the process dies or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy after {timeout}s:\n{log.read_text()[-2000:]}")
 
 
 def spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     """Start a process in its own group, output to ``log``."""
     with open(log, "wb") as fh:
         return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-
-
 
 
 async def load(url: str, *, routing: bool, concurrency: int, requests: int, prompt_len: int, max_new: int,

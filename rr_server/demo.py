@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rr_server.process import free_port as _free_port
 from rr_server.process import stop_process_group as _stop
+from rr_server.process import wait_healthy as _wait_healthy
 
 __all__ = ["main"]
 
@@ -35,13 +36,6 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def _free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
     """Start the patched vLLM server via the rr launcher, in its own process group."""
     cmd = [sys.executable, "-m", "rr_server", "launch", "vllm", "--model", str(model_dir), "--host", "127.0.0.1",
@@ -50,26 +44,6 @@ def _launch(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen[byte
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with open(log_path, "wb") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _wait_healthy(base_url: str, proc: subprocess.Popen[bytes] | None, log_path: Path | None, timeout: float) -> None:
-    """Poll /health; raise with the log tail if the server dies or never comes up."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-4000:] if log_path else ""
-            raise RuntimeError(f"server exited with rc={proc.returncode}:\n{tail}")
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server at {base_url} not healthy after {timeout:.0f}s (log: {log_path})")
-
-
 
 
 def _load_table(results: list[Any], num_layers: int, num_experts: int, moe_layers: list[int]) -> str:
