@@ -1,27 +1,38 @@
 """rr client: decode, validate and pad routed experts from SGLang/vLLM for R3 training.
 
-Public surface: :class:`RoutedExpertsClient`, :class:`GenerateBatch`/:class:`GenerateResult`,
-:func:`to_tensors`, the codec (:func:`encode_routed_experts`, :func:`decode_routed_experts`,
-:func:`decode_meta_info`), :class:`RRInfo`, the HF-config helpers and the error hierarchy.
+The core (codec, errors, :class:`RRInfo`, HF-config helpers) imports neither torch nor httpx.
+:class:`RoutedExpertsClient` (httpx) and :func:`to_tensors`/:class:`RoutingTensors` (torch) are
+loaded on first use, so ``from rr_client import RoutedExpertsClient`` works as before.
 """
 
-from rr_client._client import Prompt, RoutedExpertsClient
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from rr_client._results import GenerateBatch, GenerateResult, parse_sample
-from rr_client._tensors import RoutingTensors, tensor_dtype, to_tensors
+from rr_client._version import __version__
 from rr_client.codec import (
+    CheckedRouting,
+    check_routing,
     decode_meta_info,
     decode_routed_experts,
     encode_routed_experts,
     expected_rows,
+    routing_error_fields,
     routing_meta_fields,
     wire_dtype,
 )
 from rr_client.errors import (
+    AuthenticationError,
+    ConnectError,
+    ConnectionLostError,
     ExpertIdOutOfRangeError,
     MalformedPayloadError,
     MissingRoutingError,
     ProtocolError,
     RequestRejectedError,
+    RequestTimeoutError,
     RoutedExpertsError,
     RRError,
     ServerError,
@@ -32,16 +43,39 @@ from rr_client.errors import (
 from rr_client.hf_config import load_config, moe_layers_from_config, routing_dims_from_config
 from rr_client.info import RRInfo
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from rr_client._client import Prompt, RoutedExpertsClient
+    from rr_client._tensors import RoutingTensors, tensor_dtype, to_tensors
+
+# name -> module that defines it; imported on first attribute access (httpx / torch stay unloaded until then)
+_LAZY = {
+    "RoutedExpertsClient": "rr_client._client",
+    "Prompt": "rr_client._client",
+    "RoutingTensors": "rr_client._tensors",
+    "to_tensors": "rr_client._tensors",
+    "tensor_dtype": "rr_client._tensors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load the httpx- and torch-backed parts of the public API on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rr_client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "RoutedExpertsClient", "Prompt", "GenerateBatch", "GenerateResult", "parse_sample",
     "RoutingTensors", "to_tensors", "tensor_dtype",
     "encode_routed_experts", "decode_routed_experts", "decode_meta_info", "routing_meta_fields",
-    "wire_dtype", "expected_rows",
+    "routing_error_fields", "check_routing", "CheckedRouting", "wire_dtype", "expected_rows",
     "RRError", "RoutedExpertsError", "MalformedPayloadError", "ShapeMismatchError",
     "ExpertIdOutOfRangeError", "UnrecordedRoutingError", "MissingRoutingError",
-    "TransportError", "ServerError", "RequestRejectedError", "ProtocolError",
+    "TransportError", "ConnectError", "RequestTimeoutError", "ConnectionLostError",
+    "ServerError", "RequestRejectedError", "AuthenticationError", "ProtocolError",
     "RRInfo", "load_config", "moe_layers_from_config", "routing_dims_from_config",
     "__version__",
 ]

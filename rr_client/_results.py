@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from rr_client.codec import decode_meta_info, expected_rows
-from rr_client.errors import MissingRoutingError, ProtocolError, RoutedExpertsError
+from rr_client.errors import ProtocolError, RoutedExpertsError
 from rr_client.info import RRInfo
 
 if TYPE_CHECKING:
@@ -151,10 +151,3 @@ def parse_sample(
         routed_experts_start=start,
         meta=meta,
     )
-
-
-def require_routing(result: GenerateResult) -> np.ndarray:
-    """The result's routing, or a typed error saying it was not requested/received."""
-    if result.routed_experts is None:
-        raise MissingRoutingError(f"sample {result.index} has no routing (generated with return_routed_experts=False)")
-    return result.routed_experts

@@ -4,19 +4,41 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import numpy as np
-import torch
 
-from rr_client._results import require_routing
-from rr_client.errors import ShapeMismatchError
+from rr_client.errors import MissingRoutingError, ShapeMismatchError
 from rr_client.info import RRInfo
 
-if TYPE_CHECKING:
-    from rr_client._results import GenerateResult
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("rr_client.to_tensors needs torch: pip install 'rr-replay[torch]'") from e
 
-__all__ = ["RoutingTensors", "to_tensors", "tensor_dtype"]
+__all__ = ["RoutingTensors", "Sample", "to_tensors", "tensor_dtype"]
+
+
+class Sample(Protocol):
+    """What padding needs of one sample (a :class:`rr_client.GenerateResult` is one)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def prompt_ids(self) -> list[int] | None: ...
+    @property
+    def output_ids(self) -> list[int]: ...
+    @property
+    def routed_experts(self) -> np.ndarray | None: ...
+    @property
+    def routed_experts_start(self) -> int: ...
+
+
+def _routing_of(sample: Sample) -> np.ndarray:
+    """The sample's routing, or a typed error saying it was not requested/received."""
+    if sample.routed_experts is None:
+        raise MissingRoutingError(f"sample {sample.index} has no routing (generated with return_routed_experts=False)")
+    return sample.routed_experts
 
 
 @dataclass(frozen=True)
@@ -51,7 +73,7 @@ def tensor_dtype(num_experts: int) -> np.dtype[np.generic]:
 
 
 def to_tensors(
-    results: Sequence["GenerateResult"],
+    results: Sequence[Sample],
     info: RRInfo,
     *,
     pad_side: Literal["left", "right"] = "left",
@@ -98,7 +120,7 @@ def to_tensors(
         ids[i, off + len(p) : off + n] = o
         attn[i, off : off + n] = 1
         resp[i, off + len(p) : off + n] = 1
-        arr = require_routing(r)
+        arr = _routing_of(r)
         if layer_index is not None:
             arr = arr[:, layer_index]
         t0 = off + r.routed_experts_start

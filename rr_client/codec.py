@@ -11,7 +11,8 @@ import ast
 import binascii
 import struct
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import pybase64
@@ -21,6 +22,7 @@ from rr_client.errors import (
     ExpertIdOutOfRangeError,
     MalformedPayloadError,
     MissingRoutingError,
+    RoutedExpertsError,
     ShapeMismatchError,
     UnrecordedRoutingError,
 )
@@ -28,9 +30,13 @@ from rr_client.errors import (
 __all__ = [
     "NPY_MAGIC",
     "MAX_EXPERTS",
+    "RoutingDims",
+    "CheckedRouting",
     "wire_dtype",
+    "check_routing",
     "encode_routed_experts",
     "routing_meta_fields",
+    "routing_error_fields",
     "decode_routed_experts",
     "decode_meta_info",
     "expected_rows",
@@ -56,6 +62,52 @@ def wire_dtype(num_experts: int) -> np.dtype[Any]:
 def expected_rows(prompt_tokens: int, completion_tokens: int, start: int = 0) -> int:
     """Rows an engine returns: every token but the last sampled one, from ``start`` on."""
     return max(prompt_tokens + completion_tokens - 1 - start, 0)
+
+
+class RoutingDims(Protocol):
+    """What a routing array is checked against; :class:`rr_client.RRInfo` is the one implementation."""
+
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def topk(self) -> int: ...
+    @property
+    def moe_layers(self) -> Sequence[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedRouting:
+    """Routing that passed :func:`check_routing`: C-contiguous ``(rows, L, K)`` in the wire dtype.
+
+    Like a validated safetensors header: made once, trusted by every later user (the encoder).
+    """
+
+    array: np.ndarray
+    start: int = 0
+
+
+def check_routing(
+    array: Any, dims: RoutingDims, *, rows: int, start: int = 0, allow_extra_rows: int = 0
+) -> CheckedRouting:
+    """The one full check every producer runs before encoding (vLLM plugin, SGLang patch, sidecar).
+
+    Rows (``prompt + completion - 1 - start``), layers, top-k, id range, ``topk`` distinct ids in every
+    MoE row (all-zero rows are the CPU ``torch.compile`` bug) and zero rows in dense layers. Takes a
+    numpy array or torch tensor of any int dtype; raises a typed :class:`RoutedExpertsError`.
+    """
+    if array is None:
+        raise MissingRoutingError("the engine returned no routing for this request")
+    if start < 0:
+        raise ShapeMismatchError(f"routed_experts_start must be >= 0, got {start}")
+    arr = _as_int_array(array)
+    if arr.ndim != 3:
+        raise ShapeMismatchError(f"routing must be 3-D (rows, layers, topk), got shape {arr.shape}")
+    arr = _checked_array(arr, rows=rows, num_layers=dims.num_hidden_layers, topk=dims.topk,
+                         num_experts=dims.num_experts, moe_layers=dims.moe_layers,
+                         allow_extra_rows=allow_extra_rows, validate=True)
+    return CheckedRouting(arr, int(start))
 
 
 # ----------------------------------------------------------------------------- encode
@@ -108,17 +160,27 @@ def encode_routed_experts(array: Any, *, num_experts: int) -> str:
     return pybase64.b64encode(blob).decode("ascii")
 
 
-def routing_meta_fields(array: Any, *, num_experts: int, start: int = 0) -> dict[str, Any]:
-    """The ``meta_info`` entries a server adds for one request: payload plus its stated shape and dtype."""
-    arr = _as_int_array(array)
-    payload = encode_routed_experts(arr, num_experts=num_experts)
+def routing_meta_fields(checked: "CheckedRouting") -> dict[str, Any]:
+    """The ``meta_info`` entries a server adds for one request: payload plus its stated shape and dtype.
+
+    Takes only :class:`CheckedRouting` (made by :func:`check_routing`), so nothing reaches the wire unchecked.
+    """
+    if not isinstance(checked, CheckedRouting):
+        raise TypeError(f"routing_meta_fields takes a CheckedRouting from check_routing, got {type(checked).__name__}")
+    arr = checked.array
+    blob = b"".join((_npy_header(arr.dtype, arr.shape), arr.data))
     return {
-        "routed_experts": payload,
+        "routed_experts": pybase64.b64encode(blob).decode("ascii"),
         "routed_experts_shape": [int(s) for s in arr.shape],
-        "routed_experts_dtype": wire_dtype(num_experts).name,
+        "routed_experts_dtype": arr.dtype.name,
         "routed_experts_format": "npy",
-        "routed_experts_start": int(start),
+        "routed_experts_start": checked.start,
     }
+
+
+def routing_error_fields(exc: RoutedExpertsError) -> dict[str, Any]:
+    """What a sample carries instead of routing that failed :func:`check_routing` (clients raise on it)."""
+    return {"routed_experts": None, "routed_experts_error": f"{type(exc).__name__}: {exc}"}
 
 
 # ----------------------------------------------------------------------------- decode
@@ -350,7 +412,24 @@ def decode_routed_experts(
     hold ``topk`` distinct ids (layers outside ``moe_layers`` must be zero). Errors are typed, see
     :mod:`rr_client.errors`.
     """
-    arr = _shape3(_to_array(payload, dtype), num_layers, topk)
+    return _checked_array(_to_array(payload, dtype), rows=rows, num_layers=num_layers, topk=topk,
+                          num_experts=num_experts, moe_layers=moe_layers, allow_extra_rows=allow_extra_rows,
+                          validate=validate)
+
+
+def _checked_array(
+    arr: np.ndarray,
+    *,
+    rows: int | None,
+    num_layers: int | None,
+    topk: int | None,
+    num_experts: int | None,
+    moe_layers: Sequence[int] | None,
+    allow_extra_rows: int,
+    validate: bool,
+) -> np.ndarray:
+    """The check itself, shared by :func:`check_routing` and :func:`decode_routed_experts`."""
+    arr = _shape3(arr, num_layers, topk)
     arr = _check_rows(arr, rows, allow_extra_rows)
     if num_experts is None:
         return arr
@@ -359,9 +438,9 @@ def decode_routed_experts(
         if validate:
             _check_range(arr, num_experts)  # before narrowing, so wide or negative ids cannot wrap
         arr = arr.astype(dt)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
     if validate:
-        if not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr)
         _validate_ids(arr, num_experts, moe_layers)
     return arr
 

@@ -1,4 +1,23 @@
-"""Typed errors: every way routing data can be wrong has its own class, so callers can catch precisely."""
+"""Typed errors: every way routing or a call can go wrong has its own class, so callers catch precisely.
+
+Imports nothing heavy. The hierarchy::
+
+    RRError
+    ├── RoutedExpertsError (ValueError)   routing that cannot be trusted
+    │   ├── MalformedPayloadError         bad base64 / .npy header / dtype / truncated
+    │   ├── ShapeMismatchError            rows, layers, top-k, stated shape, dense-layer mismatch
+    │   ├── ExpertIdOutOfRangeError       id >= num_experts (or negative)
+    │   ├── UnrecordedRoutingError        all-zero or repeated ids in an MoE row
+    │   └── MissingRoutingError           asked for routing, got none (incl. SGLang's ``{}``)
+    ├── TransportError                    no usable answer from the server (after retries)
+    │   ├── ConnectError                  refused / unreachable
+    │   ├── RequestTimeoutError           connect, read or write timed out
+    │   └── ConnectionLostError           the connection broke mid-request
+    ├── ServerError                       5xx (after retries)
+    ├── RequestRejectedError              4xx with the server's message (never retried)
+    │   └── AuthenticationError           401 / 403: missing or wrong API key
+    └── ProtocolError                     2xx but not the protocol
+"""
 
 from __future__ import annotations
 
@@ -11,8 +30,12 @@ __all__ = [
     "UnrecordedRoutingError",
     "MissingRoutingError",
     "TransportError",
+    "ConnectError",
+    "RequestTimeoutError",
+    "ConnectionLostError",
     "ServerError",
     "RequestRejectedError",
+    "AuthenticationError",
     "ProtocolError",
 ]
 
@@ -49,6 +72,18 @@ class TransportError(RRError):
     """The server could not be reached or the connection broke (after retries)."""
 
 
+class ConnectError(TransportError):
+    """The server refused the connection or could not be reached."""
+
+
+class RequestTimeoutError(TransportError):
+    """Connecting, sending or waiting for the answer took longer than the timeout."""
+
+
+class ConnectionLostError(TransportError):
+    """The connection broke after the request was sent (server died, reset, protocol error)."""
+
+
 class ServerError(RRError):
     """The server answered 5xx (after retries)."""
 
@@ -63,6 +98,10 @@ class RequestRejectedError(RRError):
     def __init__(self, message: str, *, status_code: int) -> None:
         super().__init__(message)
         self.status_code = status_code
+
+
+class AuthenticationError(RequestRejectedError):
+    """The server answered 401 or 403: the API key is missing or wrong; never retried."""
 
 
 class ProtocolError(RRError):

@@ -40,8 +40,8 @@ def _tokenizer_workers(args: Sequence[str]) -> int:
 
 def install_patch() -> str:
     """Patch this process: SGLang's plugin loader on 0.5.11+, a direct monkeypatch before; returns how."""
-    from patches.sglang.apply import apply, is_applied
-    from patches.sglang.versions import profile_for
+    from rr_patches.sglang.apply import apply, is_applied
+    from rr_patches.sglang.versions import profile_for
 
     profile = profile_for()  # raises UnsupportedSGLangError on an untested version
     if profile.has_plugins:
@@ -73,7 +73,7 @@ def _run(argv: list[str]) -> None:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point used by ``rr-server launch sglang``; returns a process exit code."""
-    from patches.sglang.versions import UnsupportedSGLangError
+    from rr_patches.sglang.versions import UnsupportedSGLangError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = prepare_argv(argv)

@@ -132,7 +132,7 @@ def _child_env() -> dict[str, str]:
 def main(argv: list[str]) -> int:
     """Run vLLM's API server with rr enabled; return its exit code."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from patches.vllm.plugin import UnsupportedVLLMVersion, check_vllm_version
+    from rr_patches.vllm.plugin import UnsupportedVLLMVersion, check_vllm_version
 
     allow = _ALLOW_FLAG in argv
     if "-h" in argv or "--help" in argv:

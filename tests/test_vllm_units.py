@@ -72,7 +72,7 @@ def test_launcher_cpu_flags() -> None:
 
 
 def test_version_gate() -> None:
-    from patches.vllm.plugin import UnsupportedVLLMVersion, check_vllm_version
+    from rr_patches.vllm.plugin import UnsupportedVLLMVersion, check_vllm_version
 
     assert check_vllm_version("0.30.0") == "0.30.0"
     assert check_vllm_version("0.22.1+cpu") == "0.22.1+cpu"
@@ -83,7 +83,7 @@ def test_version_gate() -> None:
 
 
 def test_plugin_noop_without_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from patches.vllm import plugin
+    from rr_patches.vllm import plugin
 
     monkeypatch.delenv("RR_ENABLE", raising=False)
     plugin.register()
@@ -91,7 +91,7 @@ def test_plugin_noop_without_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_plugin_hooks_build_app_idempotently(monkeypatch: pytest.MonkeyPatch) -> None:
-    from patches.vllm import plugin
+    from rr_patches.vllm import plugin
 
     monkeypatch.setenv("RR_ENABLE", "1")
     monkeypatch.setitem(plugin._state, "registered", False)

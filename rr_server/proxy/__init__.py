@@ -1,6 +1,7 @@
 """rr sidecar: the rr ``/generate`` protocol in front of an unpatched SGLang or vLLM server.
 
-``rr-server proxy --upstream URL --engine sglang|vllm`` dispatches to :func:`main`.
+``rr-server proxy --upstream URL --engine sglang|vllm`` dispatches to :func:`main`. The app
+(FastAPI, httpx) is imported only when the sidecar starts, so ``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -8,17 +9,28 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from rr_server.proxy.app import ProxyConfig, create_app
+if TYPE_CHECKING:
+    from rr_server.proxy.app import ProxyConfig, create_app
 
 __all__ = ["main", "create_app", "ProxyConfig", "build_parser", "KEEP_ALIVE_S"]
 
 KEEP_ALIVE_S = 75
 
 
+def __getattr__(name: str) -> Any:
+    """``create_app`` and ``ProxyConfig`` load the app module on first use."""
+    if name in ("create_app", "ProxyConfig"):
+        from rr_server.proxy import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module 'rr_server.proxy' has no attribute {name!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Command-line options of ``rr-server proxy``."""
-    p = argparse.ArgumentParser(prog="rr-server proxy", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="rr-server proxy", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--upstream", required=True, help="base URL of the engine, e.g. http://127.0.0.1:30000")
     p.add_argument("--engine", required=True, choices=("vllm", "sglang"))
     p.add_argument("--host", default="127.0.0.1")
@@ -37,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("rr-server proxy: --max-concurrency must be >= 1 and --timeout > 0\n")
         return 2
     import uvicorn
+
+    from rr_server.proxy.app import ProxyConfig, create_app
 
     cfg = ProxyConfig(upstream=args.upstream, engine=args.engine, max_concurrency=args.max_concurrency,
                       timeout=args.timeout, model_path=args.model_path)

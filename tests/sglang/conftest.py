@@ -73,7 +73,7 @@ def patched() -> Iterator[None]:
     """rr's patch installed on TokenizerManager for one test (exactly as the launcher does), then removed."""
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-    from patches.sglang.apply import TARGETS, apply
+    from rr_patches.sglang.apply import TARGETS, apply
 
     saved = {name: TokenizerManager.__dict__[name] for name in TARGETS}
     apply()

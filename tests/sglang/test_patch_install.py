@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from patches.sglang.versions import UnsupportedSGLangError, profile_for
+from rr_patches.sglang.versions import UnsupportedSGLangError, profile_for
 from rr_client.codec import routing_meta_fields
 from rr_client.errors import ExpertIdOutOfRangeError, MalformedPayloadError, ShapeMismatchError
 from tests.sglang.conftest import MODEL_SPEC
@@ -38,7 +38,7 @@ def test_profiles(version: str, field: str, is_async: bool, start: bool) -> None
 
 def test_installed_version_matches_its_code() -> None:
     """The installed SGLang's functions and io_struct fields have the shape its profile claims."""
-    from patches.sglang.apply import check_shapes
+    from rr_patches.sglang.apply import check_shapes
 
     check_shapes(profile_for())
 
@@ -47,7 +47,7 @@ def test_wrong_shape_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """A _handle_batch_output with an unexpected signature makes the patch refuse."""
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-    from patches.sglang.apply import apply
+    from rr_patches.sglang.apply import apply
 
     def _handle_batch_output(self: Any, recv_obj: Any, extra: Any) -> None:  # not SGLang's shape
         return None
@@ -61,7 +61,7 @@ def test_apply_is_idempotent(patched: None) -> None:
     """Applying twice wraps once."""
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-    from patches.sglang.apply import apply, is_applied
+    from rr_patches.sglang.apply import apply, is_applied
 
     before = TokenizerManager.__dict__["_handle_batch_output"]
     apply()
@@ -71,15 +71,15 @@ def test_apply_is_idempotent(patched: None) -> None:
 def test_entry_point_is_declared() -> None:
     """SGLang's plugin loader finds rr through the ``sglang.srt.plugins`` entry point group."""
     eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
-    assert eps.get("rr") == "patches.sglang.plugin:register"
+    assert eps.get("rr") == "rr_patches.sglang.plugin:register"
 
 
 def test_plugin_register(tiny_moe: Path) -> None:
     """0.5.11+: HookRegistry AROUND hooks via SGLang's own load_plugins(); before: a direct patch."""
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-    import patches.sglang.plugin as plugin
-    from patches.sglang.apply import TARGETS, TM_PATH, is_applied
+    import rr_patches.sglang.plugin as plugin
+    from rr_patches.sglang.apply import TARGETS, TM_PATH, is_applied
 
     saved = {name: TokenizerManager.__dict__[name] for name in TARGETS}
     plugin._registered = False
@@ -127,7 +127,7 @@ async def test_rr_info_route(tiny_moe: Path, patched: None) -> None:
 def test_launcher_adds_flag_and_patches(monkeypatch: pytest.MonkeyPatch) -> None:
     """``rr-server launch sglang`` adds the flag, patches, and hands SGLang's own parser the arguments."""
     import rr_server.launch_sglang as ls
-    from patches.sglang.apply import TARGETS, is_applied
+    from rr_patches.sglang.apply import TARGETS, is_applied
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     seen: list[list[str]] = []
@@ -151,7 +151,7 @@ def test_launcher_refuses_unknown_version(monkeypatch: pytest.MonkeyPatch) -> No
     """An untested SGLang makes the launcher exit 2 before anything starts."""
     import rr_server.launch_sglang as ls
 
-    monkeypatch.setattr("patches.sglang.versions.installed_version", lambda: "0.5.99")
+    monkeypatch.setattr("rr_patches.sglang.versions.installed_version", lambda: "0.5.99")
     monkeypatch.setattr(ls, "_run", lambda argv: pytest.fail("must not start"))
     assert ls.main(["--model-path", "M"]) == 2
 
@@ -161,7 +161,7 @@ def test_wire_fields_refusals() -> None:
     import pybase64
     import torch
 
-    from patches.sglang.convert import Dims, wire_fields
+    from rr_patches.sglang.convert import Dims, wire_fields
 
     d = Dims(3, 8, 2, (0, 2))
     good = np.array([[[1, 2], [0, 0], [3, 4]]] * 4, dtype=np.int32)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from patches.sglang.versions import profile_for
+from rr_patches.sglang.versions import profile_for
 from rr_client.codec import decode_meta_info
 from rr_client.errors import MissingRoutingError
 from rr_server.tiny_moe import reference_routing
@@ -213,7 +213,7 @@ async def test_refused_payload_never_forwarded(tiny_moe: Path, patched: None, co
 async def test_always_env_gives_routing_without_flag(tiny_moe: Path, patched: None,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Behind sglang-router 0.3.2 (drops the flag): RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS=1 still answers routing."""
-    from patches.sglang.hooks import ALWAYS_ENV
+    from rr_patches.sglang.hooks import ALWAYS_ENV
 
     monkeypatch.setenv(ALWAYS_ENV, "1")
     h = Harness(tiny_moe, skip_tokenizer_init=True)

@@ -8,8 +8,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from patches.sglang.hooks import around_handle_batch_output, around_init, around_send
-from patches.sglang.versions import Profile, UnsupportedSGLangError, profile_for
+from rr_patches.sglang.hooks import around_handle_batch_output, around_init, around_send
+from rr_patches.sglang.versions import Profile, UnsupportedSGLangError, profile_for
 
 __all__ = ["TARGETS", "TM_PATH", "apply", "check_shapes", "is_applied"]
 

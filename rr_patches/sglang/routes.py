@@ -15,7 +15,7 @@ _HTTP_MODULE = "sglang.srt.entrypoints.http_server"
 def rr_info_dict(tm: Any) -> dict[str, Any]:
     """The ``/rr/info`` body (an RRInfo) for the model served by TokenizerManager ``tm``."""
     import rr_client
-    from patches.sglang.hooks import rr_enabled, state_of
+    from rr_patches.sglang.hooks import rr_enabled, state_of
     from rr_client.codec import wire_dtype
     from rr_client.info import RRInfo
 

@@ -1,7 +1,7 @@
 """AROUND hooks on SGLang's TokenizerManager: force routing on for every request, rewrite answers to rr's format.
 
 Each hook has HookRegistry's AROUND signature ``hook(original, self, *args, **kwargs)`` so the same
-function is registered as a plugin hook (0.5.11+) and installed by :mod:`patches.sglang.apply` (older).
+function is registered as a plugin hook (0.5.11+) and installed by :mod:`rr_patches.sglang.apply` (older).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import logging
 import os
 from typing import Any
 
-from patches.sglang.convert import Dims, dims_from_hf_config, error_fields, wire_fields
-from patches.sglang.versions import Profile, profile_for
+from rr_patches.sglang.convert import Dims, dims_from_hf_config, error_fields, wire_fields
+from rr_patches.sglang.versions import Profile, profile_for
 from rr_client.errors import MissingRoutingError, RoutedExpertsError, ShapeMismatchError
 
 __all__ = ["around_handle_batch_output", "around_send", "around_init", "rr_enabled", "ALWAYS_ENV"]
@@ -67,7 +67,7 @@ def around_init(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
                 "rr: --tokenizer-worker-num > 1 runs TokenizerWorkers in spawned uvicorn processes that "
                 "the rr patch does not reach; their answers are NOT in rr format. Use 1 worker."
             )
-        from patches.sglang.routes import bind_tokenizer_manager
+        from rr_patches.sglang.routes import bind_tokenizer_manager
 
         bind_tokenizer_manager(self)
     return result

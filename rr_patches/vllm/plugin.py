@@ -67,7 +67,7 @@ def _wrap_build_app(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     def build_app(*args: Any, **kwargs: Any) -> Any:
         app = orig(*args, **kwargs)
-        from patches.vllm.routes import install_routes
+        from rr_patches.vllm.routes import install_routes
 
         install_routes(app)
         return app

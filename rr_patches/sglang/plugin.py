@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 
-from patches.sglang.apply import TARGETS, TM_PATH, apply, check_shapes
-from patches.sglang.versions import profile_for
+from rr_patches.sglang.apply import TARGETS, TM_PATH, apply, check_shapes
+from rr_patches.sglang.versions import profile_for
 
 __all__ = ["register"]
 
