@@ -95,17 +95,24 @@ def measure(targets: list[tuple[str, str, bool]], args: argparse.Namespace) -> d
 
 
 def encode_cost_us(rows: int, layers: int, topk: int, experts: int, reps: int = 2000) -> float:
-    """Server-side CPU cost (µs) of checking + encoding one request's routing, measured in-process."""
+    """Server-side CPU cost (µs) of the full check + encoding one request's routing, measured in-process."""
     import numpy as np
 
-    from rr_server.protocol import RoutingDims, build_item
+    from rr_client import RRInfo
+    from rr_server.generate_protocol import build_item
+    from rr_server.vllm_translate import checked_routing_fields
 
-    arr = np.random.default_rng(0).integers(0, experts, size=(rows, layers, topk)).astype(np.uint8)
-    dims = RoutingDims(layers, experts, topk)
+    rng = np.random.default_rng(0)
+    arr = np.argsort(rng.random((rows, layers, experts)), axis=-1)[..., :topk].astype(np.uint8)  # distinct ids
+    info = RRInfo(engine="vllm", engine_version="bench", rr_version="bench", num_hidden_layers=layers,
+                  num_experts=experts, topk=topk, moe_layers=list(range(layers)),
+                  wire_dtype="uint8" if experts <= 256 else "uint16")
+    prompt, output = [0] * (rows - 63), [0] * 64
     t0 = time.perf_counter()
     for _ in range(reps):
-        build_item(rid="r", text="", output_ids=[0] * 64, prompt_tokens=rows - 63, cached_tokens=0,
-                   finish_reason=None, e2e_latency=0.0, routing=arr, dims=dims, want_routing=True)
+        fields = checked_routing_fields(arr, info, prompt_ids=prompt, output_ids=output, start=0)
+        build_item(rid="r", text="", output_ids=output, prompt_tokens=len(prompt), cached_tokens=0,
+                   finish_reason=None, e2e_latency=0.0, routing_fields=fields, prompt_token_ids=prompt)
     return (time.perf_counter() - t0) / reps * 1e6
 
 

@@ -11,33 +11,14 @@ from typing import Any
 import httpx
 import orjson
 
+from rr_client._http_errors import error_for_status, map_httpx_error
 from rr_client._results import GenerateBatch, GenerateResult, parse_sample
-from rr_client.errors import (
-    ProtocolError,
-    RequestRejectedError,
-    RRError,
-    ServerError,
-    TransportError,
-)
+from rr_client.errors import ProtocolError, RequestRejectedError, RRError
 from rr_client.info import RRInfo
 
 __all__ = ["RoutedExpertsClient", "Prompt"]
 
 Prompt = str | Sequence[int]
-
-
-def _error_message(resp: httpx.Response) -> str:
-    """The server's own message from a JSON error body, else the raw text."""
-    try:
-        body = orjson.loads(resp.content)
-    except orjson.JSONDecodeError:
-        return resp.text[:500]
-    if isinstance(body, Mapping):
-        for key in ("message", "detail", "error"):
-            if key in body:
-                v = body[key]
-                return v if isinstance(v, str) else orjson.dumps(v).decode()
-    return resp.text[:500]
 
 
 class RoutedExpertsClient:
@@ -104,27 +85,23 @@ class RoutedExpertsClient:
         for attempt in range(self._retries + 1):
             if attempt:
                 await asyncio.sleep(self._backoff * (2 ** (attempt - 1)) * (0.5 + random.random()))
+            what = f"{method} {path}"
             try:
                 async with self._sem:
                     resp = await self._http.request(method, path, content=content, headers=headers)
-            except httpx.TimeoutException as e:
-                last = TransportError(f"{method} {path}: timed out ({type(e).__name__})")
+            except httpx.HTTPError as e:
+                last = map_httpx_error(e, what)
                 continue
-            except httpx.TransportError as e:
-                last = TransportError(f"{method} {path}: {type(e).__name__}: {e}")
+            err = error_for_status(resp, what)
+            if isinstance(err, RequestRejectedError):  # 4xx (401/403 included): the request is wrong, never retried
+                raise err
+            if err is not None:  # 5xx
+                last = err
                 continue
-            if resp.status_code >= 500:
-                last = ServerError(f"{method} {path}: HTTP {resp.status_code}: {_error_message(resp)}",
-                                   status_code=resp.status_code)
-                continue
-            if resp.status_code >= 400:
-                raise RequestRejectedError(
-                    f"{method} {path}: HTTP {resp.status_code}: {_error_message(resp)}", status_code=resp.status_code
-                )
             try:
                 return orjson.loads(resp.content)
             except orjson.JSONDecodeError as e:
-                raise ProtocolError(f"{method} {path}: body is not JSON: {e}") from e
+                raise ProtocolError(f"{what}: body is not JSON: {e}") from e
         assert last is not None
         raise last
 

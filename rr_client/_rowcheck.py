@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 try:  # built by setup.py when a compiler is present
-    from rr_client import _rowcheck_c  # type: ignore[attr-defined]
+    import rr_client._rowcheck_c as _rowcheck_c  # type: ignore[import-not-found]
 except ImportError:  # pragma: no cover - exercised when the extension is absent
     _rowcheck_c = None
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 import pybase64
 
-from rr_client import _rowcheck
+import rr_client._rowcheck as _rowcheck
 from rr_client.errors import (
     ExpertIdOutOfRangeError,
     MalformedPayloadError,

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
+from rr_patches.release import parse_release
+
 __all__ = ["main", "build_command", "is_cpu_platform"]
 
 logger = logging.getLogger("rr.launch")
@@ -37,8 +39,7 @@ def _installed_vllm_version() -> str | None:
 def _minor(version: str) -> tuple[int, int]:
     """``"0.29.0+cpu"`` -> ``(0, 29)``; unknown -> ``(0, 0)``."""
     try:
-        major, minor = version.split("+")[0].split(".")[:2]
-        return int(major), int(minor)
+        return parse_release(version)[:2]
     except ValueError:
         return (0, 0)
 

@@ -52,8 +52,9 @@ def check_shapes(profile: Profile) -> None:
     if not callable(getattr(TokenizerManager, "_send_batch_request", None)):
         problems.append("TokenizerManager._send_batch_request is missing")
     for name in ("BatchTokenIDOutput", "BatchStrOutput"):
-        if profile.field not in _fields(getattr(io_struct, name)):
-            problems.append(f"io_struct.{name} has no field {profile.field!r}")
+        for field in (profile.field, "prompt_tokens", "completion_tokens"):
+            if field not in _fields(getattr(io_struct, name)):
+                problems.append(f"io_struct.{name} has no field {field!r}")
     if "return_routed_experts" not in _fields(io_struct.TokenizedGenerateReqInput):
         problems.append("TokenizedGenerateReqInput has no return_routed_experts")
     if "out_list" not in _fields(ReqState):

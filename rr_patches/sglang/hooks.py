@@ -10,51 +10,18 @@ import logging
 import os
 from typing import Any
 
-from rr_patches.sglang.convert import Dims, dims_from_hf_config, error_fields, wire_fields
-from rr_patches.sglang.versions import Profile, profile_for
+from rr_client.codec import expected_rows, routing_error_fields
 from rr_client.errors import MissingRoutingError, RoutedExpertsError, ShapeMismatchError
+from rr_patches.sglang.convert import wire_fields
+from rr_patches.sglang.routes import bind_tokenizer_manager
+from rr_patches.sglang.state import RRState, rr_enabled, state_of
 
-__all__ = ["around_handle_batch_output", "around_send", "around_init", "rr_enabled", "ALWAYS_ENV"]
+__all__ = ["around_handle_batch_output", "around_send", "around_init", "ALWAYS_ENV"]
 
 logger = logging.getLogger("rr.sglang")
 # Give routing to every answer, asked or not: for callers behind sglang-router 0.3.2, which drops the flag.
 ALWAYS_ENV = "RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS"
-_STATE_ATTR = "_rr_state"
 _MAX_REMEMBERED = 65536
-
-
-class _RRState:
-    """Per-TokenizerManager memory: the version profile, model dims and which rid asked (and from where)."""
-
-    def __init__(self, profile: Profile, dims: Dims | None) -> None:
-        self.profile = profile
-        self.dims = dims
-        self.asked: dict[str, tuple[bool, int]] = {}  # rid -> (asked, routed_experts_start)
-
-
-def _hf_config(tm: Any) -> dict[str, Any]:
-    """The served model's HF config as a dict (SGLang's ModelConfig keeps it as ``hf_config``)."""
-    cfg = tm.model_config.hf_config
-    return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else vars(cfg))
-
-
-def rr_enabled(tm: Any) -> bool:
-    """rr acts only on servers started with ``--enable-return-routed-experts``."""
-    return bool(getattr(tm.server_args, "enable_return_routed_experts", False))
-
-
-def state_of(tm: Any) -> _RRState:
-    """The rr state of ``tm``, created on first use (dims are read once from the model config)."""
-    st: _RRState | None = getattr(tm, _STATE_ATTR, None)
-    if st is None:
-        try:
-            dims: Dims | None = dims_from_hf_config(_hf_config(tm))
-        except (KeyError, AttributeError, TypeError, ValueError) as e:
-            logger.error("rr: cannot read routing dims from the model config (%s); routing will be refused", e)
-            dims = None
-        st = _RRState(profile_for(), dims)
-        setattr(tm, _STATE_ATTR, st)
-    return st
 
 
 def around_init(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -67,8 +34,6 @@ def around_init(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
                 "rr: --tokenizer-worker-num > 1 runs TokenizerWorkers in spawned uvicorn processes that "
                 "the rr patch does not reach; their answers are NOT in rr format. Use 1 worker."
             )
-        from rr_patches.sglang.routes import bind_tokenizer_manager
-
         bind_tokenizer_manager(self)
     return result
 
@@ -123,17 +88,15 @@ class _RRList(list):  # type: ignore[type-arg]
         super().append(out)
 
 
-def _answer_fields(st: _RRState, value: Any, asked: bool, start: int) -> dict[str, Any] | None:
-    """rr fields for one answer: None to strip, the wire fields, or an error marker."""
-    if not asked:
-        return None
+def _answer_fields(st: RRState, value: Any, *, rows: int, start: int) -> dict[str, Any]:
+    """rr fields for one answer that asked: the checked wire fields, or an error marker (logged)."""
     try:
-        if st.dims is None:
+        if st.info is None:
             raise ShapeMismatchError("the model config gives no routing dims (num_hidden_layers/experts/top-k)")
-        return wire_fields(value, st.dims, start=start, slice_start=not st.profile.honours_start)
+        return wire_fields(value, st.info, rows=rows, start=start, slice_start=not st.profile.honours_start)
     except RoutedExpertsError as e:
         logger.error("rr: refusing routing payload: %s", e)
-        return error_fields(e)
+        return routing_error_fields(e)
 
 
 def prepare_batch(tm: Any, recv_obj: Any) -> None:
@@ -164,11 +127,12 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
         fields: dict[str, Any] | None = None
         if finished and asked:  # routing comes with the final chunk only
             if misaligned:
-                fields = error_fields(ShapeMismatchError("routing list does not line up with the batch"))
+                fields = routing_error_fields(ShapeMismatchError("routing list does not line up with the batch"))
             elif not values or values[i] is None:
-                fields = error_fields(MissingRoutingError("the engine returned no routing for this request"))
+                fields = routing_error_fields(MissingRoutingError("the engine returned no routing for this request"))
             else:
-                fields = _answer_fields(st, values[i], asked, start)
+                rows = expected_rows(int(recv_obj.prompt_tokens[i]), int(recv_obj.completion_tokens[i]), start)
+                fields = _answer_fields(st, values[i], rows=rows, start=start)
         state.out_list = _RRList(state.out_list, fields)
     if values:
         setattr(recv_obj, field, None)

@@ -6,6 +6,8 @@ import sys
 import weakref
 from typing import Any
 
+from rr_patches.sglang.state import state_of
+
 __all__ = ["bind_tokenizer_manager", "rr_info_dict", "install_route"]
 
 _TM: weakref.ReferenceType[Any] | None = None
@@ -14,29 +16,10 @@ _HTTP_MODULE = "sglang.srt.entrypoints.http_server"
 
 def rr_info_dict(tm: Any) -> dict[str, Any]:
     """The ``/rr/info`` body (an RRInfo) for the model served by TokenizerManager ``tm``."""
-    import rr_client
-    from rr_patches.sglang.hooks import rr_enabled, state_of
-    from rr_client.codec import wire_dtype
-    from rr_client.info import RRInfo
-
     st = state_of(tm)
-    if st.dims is None:
+    if st.info is None:
         raise RuntimeError("the model config gives no routing dims")
-    sa = tm.server_args
-    info = RRInfo(
-        engine="sglang",
-        engine_version=st.profile.version,
-        rr_version=str(getattr(rr_client, "__version__", "0")),
-        model=str(getattr(sa, "served_model_name", None) or sa.model_path),
-        num_hidden_layers=st.dims.num_layers,
-        num_experts=st.dims.num_experts,
-        topk=st.dims.topk,
-        moe_layers=list(st.dims.moe_layers),
-        wire_dtype=wire_dtype(st.dims.num_experts).name,  # type: ignore[arg-type]
-        routing_enabled=rr_enabled(tm),
-        skip_tokenizer_init=bool(getattr(sa, "skip_tokenizer_init", False)),
-    )
-    return info.model_dump()
+    return st.info.model_dump()
 
 
 async def _rr_info_endpoint() -> Any:

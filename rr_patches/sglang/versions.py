@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass
 
+from rr_patches.release import parse_release
+
 __all__ = ["MIN_VERSION", "MAX_VERSION", "Profile", "UnsupportedSGLangError", "installed_version", "profile_for"]
 
 MIN_VERSION = (0, 5, 7)
@@ -30,14 +32,11 @@ class Profile:
 
 
 def _release(version: str) -> tuple[int, int, int]:
-    """``"0.5.10.post1"`` -> ``(0, 5, 10)``; refuses strings that are not a release."""
-    from packaging.version import InvalidVersion, Version
-
+    """The release tuple of ``version``; an unparsable string is an unsupported version."""
     try:
-        rel = Version(version).release
-    except InvalidVersion as e:
+        return parse_release(version)
+    except ValueError as e:
         raise UnsupportedSGLangError(f"cannot parse SGLang version {version!r}") from e
-    return (tuple(rel) + (0, 0, 0))[:3]  # type: ignore[return-value]
 
 
 def installed_version() -> str:

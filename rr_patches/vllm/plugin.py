@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from rr_patches.release import parse_release
+
 __all__ = ["register", "SUPPORTED", "check_vllm_version", "UnsupportedVLLMVersion"]
 
 logger = logging.getLogger("rr.vllm")
@@ -37,15 +39,6 @@ class UnsupportedVLLMVersion(RuntimeError):
     """The installed vLLM is outside the range rr has been checked against."""
 
 
-def _parse(version: str) -> tuple[int, int]:
-    """``"0.30.0+cpu"`` -> ``(0, 30)``."""
-    parts = version.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return (-1, -1)
-
-
 def check_vllm_version(version: str | None = None, *, allow_unsupported: bool = False) -> str:
     """Return the vLLM version; raise UnsupportedVLLMVersion when outside SUPPORTED."""
     if version is None:
@@ -53,7 +46,11 @@ def check_vllm_version(version: str | None = None, *, allow_unsupported: bool = 
 
         version = str(vllm.__version__)
     lo, hi = SUPPORTED
-    if not lo <= _parse(version) <= hi and not allow_unsupported:
+    try:
+        minor = parse_release(version)[:2]
+    except ValueError:
+        minor = (-1, -1)
+    if not lo <= minor <= hi and not allow_unsupported:
         raise UnsupportedVLLMVersion(
             f"rr supports vLLM {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]} (routed_experts as base64 .npy); "
             f"found {version}. Set RR_ALLOW_UNSUPPORTED_VERSION=1 / pass "

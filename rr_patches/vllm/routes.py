@@ -1,7 +1,9 @@
 """FastAPI routes rr adds to vLLM's API server: SGLang-style ``/generate`` and ``/rr/info``.
 
-Requests go straight to vLLM's in-process ``EngineClient`` (``app.state.engine_client``);
-request parsing and reply building live in :mod:`rr_server.protocol` so the sidecar shares them.
+Requests go straight to vLLM's in-process ``EngineClient`` (``app.state.engine_client``). The
+protocol lives in :mod:`rr_server.generate_protocol` and the vLLM translation in
+:mod:`rr_server.vllm_translate`, shared with the sidecar. Every routing array passes
+:func:`rr_client.check_routing` before it is encoded.
 """
 
 from __future__ import annotations
@@ -18,18 +20,20 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rr_server.protocol import (
+from rr_client.codec import routing_error_fields
+from rr_client.errors import RoutedExpertsError
+from rr_client.info import RRInfo
+from rr_server.fanout import gather_or_cancel, merge_streams, primed
+from rr_server.generate_protocol import (
     SSE_DONE,
     BadRequest,
     NormalizedGenerate,
-    RoutingDims,
     build_item,
     error_body,
-    finish_reason_dict,
     parse_generate_request,
     sse_line,
-    to_vllm_sampling_kwargs,
 )
+from rr_server.vllm_translate import checked_routing_fields, finish_reason_dict, to_vllm_sampling_kwargs
 
 __all__ = ["install_routes", "rr_info_dict"]
 
@@ -75,42 +79,33 @@ def _hf_config_dict(app: FastAPI) -> dict[str, Any]:
     return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
 
 
-def rr_info_dict(app: FastAPI) -> dict[str, Any]:
-    """``/rr/info`` body (an RRInfo), computed once per app from the model's HF config."""
+def rr_info(app: FastAPI) -> RRInfo:
+    """The served model's :class:`RRInfo`, built once per app from its HF config."""
     cached = getattr(app.state, "rr_info", None)
     if cached is not None:
         return cached  # type: ignore[no-any-return]
     import vllm
 
-    import rr_client
-    from rr_client.codec import wire_dtype
-    from rr_client.hf_config import moe_layers_from_config, routing_dims_from_config
-    from rr_client.info import RRInfo
-
-    cfg = _hf_config_dict(app)
-    layers, experts, topk = routing_dims_from_config(cfg)
     model_config = app.state.engine_client.model_config
-    info = RRInfo(
+    info = RRInfo.from_hf_config(
+        _hf_config_dict(app),
         engine="vllm",
         engine_version=str(vllm.__version__),
-        rr_version=str(getattr(rr_client, "__version__", "0")),
         model=str(model_config.served_model_name or model_config.model),
-        num_hidden_layers=layers,
-        num_experts=experts,
-        topk=topk,
-        moe_layers=moe_layers_from_config(cfg),
-        wire_dtype=wire_dtype(experts).name,  # type: ignore[arg-type]
-        routing_enabled=bool(getattr(model_config, "enable_return_routed_experts", False)),
+        routing_enabled=_routing_enabled(app),
     )
-    body = info.model_dump()
-    app.state.rr_info = body
-    return body
+    app.state.rr_info = info
+    return info
 
 
-def _dims(app: FastAPI) -> RoutingDims:
-    """Routing dimensions every returned array is checked against."""
-    info = rr_info_dict(app)
-    return RoutingDims(info["num_hidden_layers"], info["num_experts"], info["topk"])
+def rr_info_dict(app: FastAPI) -> dict[str, Any]:
+    """``/rr/info`` body."""
+    return rr_info(app).model_dump()
+
+
+def _routing_enabled(app: FastAPI) -> bool:
+    """Whether vLLM was started with ``--enable-return-routed-experts``."""
+    return bool(getattr(app.state.engine_client.model_config, "enable_return_routed_experts", False))
 
 
 def _engine_prompt(p: str | list[int]) -> dict[str, Any]:
@@ -129,31 +124,39 @@ def _token_logprobs(c: Any) -> list[list[Any]] | None:
     return out
 
 
-def _items_for(ro: Any, req: NormalizedGenerate, i: int, rid: str, t0: float, dims: RoutingDims | None,
+def _routing_fields(c: Any, ro: Any, req: NormalizedGenerate, rid: str, info: RRInfo) -> dict[str, Any]:
+    """Checked routing fields of one finished sample, or an error marker (logged) when the check fails."""
+    try:
+        return checked_routing_fields(getattr(c, "routed_experts", None), info, prompt_ids=ro.prompt_token_ids or [],
+                                      output_ids=c.token_ids, start=req.routed_experts_start)
+    except RoutedExpertsError as e:
+        logger.error("rr: request %s: %s: %s; routing withheld", rid, type(e).__name__, e)
+        return routing_error_fields(e)
+
+
+def _items_for(ro: Any, req: NormalizedGenerate, i: int, rid: str, t0: float, info: RRInfo | None,
                final: bool = True) -> list[dict[str, Any]]:
     """SGLang reply entries (one per sample) for the RequestOutput of prompt ``i``."""
     items = []
     outs = sorted(ro.outputs, key=lambda c: c.index)
     n = len(outs)
     for c in outs:
-        want = req.return_routed_experts and final
+        sample_rid = rid if n == 1 else f"{rid}-{c.index}"
+        fields = None
+        if req.return_routed_experts and final and info is not None:
+            fields = _routing_fields(c, ro, req, sample_rid, info)
         items.append(build_item(
-            rid=rid if n == 1 else f"{rid}-{c.index}",
+            rid=sample_rid,
             text=c.text,
             output_ids=list(c.token_ids),
             prompt_tokens=len(ro.prompt_token_ids or []),
             cached_tokens=int(getattr(ro, "num_cached_tokens", 0) or 0),
             finish_reason=finish_reason_dict(c.finish_reason, c.stop_reason) if final else None,
             e2e_latency=time.perf_counter() - t0,
-            routing=getattr(c, "routed_experts", None) if want else None,
-            dims=dims,
-            routed_experts_start=req.routed_experts_start,
-            want_routing=want,
-            output_token_logprobs=_token_logprobs(c) if req.return_logprob[i] else None,
+            routing_fields=fields,
             prompt_token_ids=ro.prompt_token_ids,
+            output_token_logprobs=_token_logprobs(c) if req.return_logprob[i] else None,
         ))
-        if want and "routed_experts_error" in items[-1]["meta_info"]:
-            logger.error("rr: request %s: %s; routing withheld", rid, items[-1]["meta_info"]["routed_experts_error"])
     return items
 
 
@@ -191,22 +194,16 @@ async def _run_batch(app: FastAPI, req: NormalizedGenerate) -> Response:
     """Non-streaming /generate: run all prompts concurrently, reply in prompt order."""
     t0 = time.perf_counter()
     gens, rids = _start(app, req)
-    tasks = [asyncio.ensure_future(_final(g)) for g in gens]
     try:
-        finals = await asyncio.gather(*tasks)
-    except BaseException as e:
-        for t in tasks:
-            t.cancel()  # cancelling a generator aborts its request in the engine
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if isinstance(e, asyncio.CancelledError):
-            raise
+        finals = await gather_or_cancel(_final(g) for g in gens)
+    except Exception as e:  # noqa: BLE001 - engine errors become HTTP errors
         return _error(_message(e), _status_of(e))
-    dims = _dims(app) if req.return_routed_experts else None
+    info = rr_info(app) if req.return_routed_experts else None
 
     def build() -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
         for i, ro in enumerate(finals):
-            items.extend(_items_for(ro, req, i, rids[i], t0, dims))
+            items.extend(_items_for(ro, req, i, rids[i], t0, info))
         return items
 
     size = sum(getattr(getattr(c, "routed_experts", None), "size", 0) for ro in finals for c in ro.outputs)
@@ -228,59 +225,26 @@ async def _stream(app: FastAPI, req: NormalizedGenerate) -> Response:
     """Streaming /generate: SSE chunks like SGLang (cumulative text/ids); routing on the final chunk."""
     t0 = time.perf_counter()
     gens, rids = _start(app, req)
-    iters = [g.__aiter__() for g in gens]
-    firsts = [asyncio.ensure_future(it.__anext__()) for it in iters]
+    info = rr_info(app) if req.return_routed_experts else None
+    merged = merge_streams([g.__aiter__() for g in gens])
     try:
-        first_out = await asyncio.gather(*firsts)  # admission errors -> 4xx before any byte is sent
-    except BaseException as e:
-        for t in firsts:
-            t.cancel()
-        await asyncio.gather(*firsts, return_exceptions=True)
-        for it in iters:
-            await it.aclose()
-        if isinstance(e, asyncio.CancelledError):
-            raise
+        outputs = await primed(merged)  # admission errors -> 4xx before any byte is sent
+    except Exception as e:  # noqa: BLE001
+        await merged.aclose()
         return _error(_message(e), _status_of(e))
-    dims = _dims(app) if req.return_routed_experts else None
 
     async def events() -> AsyncIterator[str]:
-        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            try:
-                async for out in iters[i]:
-                    await queue.put((i, out))
-            except BaseException as e:  # noqa: BLE001 - forwarded to the client as an error chunk
-                await queue.put((i, e))
-            finally:
-                await queue.put((i, None))
-
-        for i, out in enumerate(first_out):
-            await queue.put((i, out))
-        pumps = [asyncio.ensure_future(pump(i)) for i, out in enumerate(first_out) if not out.finished]
-        live = len(pumps)
         try:
-            while True:
-                if live == 0 and queue.empty():
-                    break
-                i, out = await queue.get()
-                if out is None:
-                    live -= 1
-                    continue
-                if isinstance(out, BaseException):
-                    yield sse_line(error_body(_message(out), _status_of(out)))
-                    continue
-                for item in _items_for(out, req, i, rids[i], t0, dims, final=out.finished):
+            async for i, out in outputs:
+                for item in _items_for(out, req, i, rids[i], t0, info, final=out.finished):
                     if req.is_batch:
                         item["index"] = i
                     yield sse_line(item)
-            yield SSE_DONE
+        except Exception as e:  # noqa: BLE001 - forwarded to the client as an error event
+            yield sse_line(error_body(_message(e), _status_of(e)))
         finally:
-            for t in pumps:
-                t.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-            for it in iters:
-                await it.aclose()
+            await outputs.aclose()  # type: ignore[attr-defined]
+        yield SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -308,8 +272,7 @@ async def generate(request: Request) -> Response:
     """SGLang-compatible ``POST /generate`` with optional routed experts."""
     try:
         req = parse_generate_request(await request.body())
-        model_config = request.app.state.engine_client.model_config
-        if req.return_routed_experts and not getattr(model_config, "enable_return_routed_experts", False):
+        if req.return_routed_experts and not _routing_enabled(request.app):
             raise BadRequest("this server was started without --enable-return-routed-experts")
         if req.stream:
             return await _stream(request.app, req)
@@ -318,7 +281,7 @@ async def generate(request: Request) -> Response:
         return _error(str(e), e.status)
 
 
-async def rr_info(request: Request) -> Response:
+async def rr_info_endpoint(request: Request) -> Response:
     """``GET /rr/info``: model routing dimensions and wire dtype (an RRInfo)."""
     return _json(rr_info_dict(request.app))
 
@@ -332,7 +295,7 @@ def install_routes(app: FastAPI) -> None:
         raise RuntimeError(f"rr: vLLM already serves {taken}; refusing to shadow them")
     router = APIRouter()
     router.add_api_route("/generate", generate, methods=["POST"], include_in_schema=True)
-    router.add_api_route("/rr/info", rr_info, methods=["GET"])
+    router.add_api_route("/rr/info", rr_info_endpoint, methods=["GET"])
     app.include_router(router)
     app.state.rr_routes_installed = True
     logger.info("rr: added POST /generate and GET /rr/info")

@@ -16,7 +16,9 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from rr_client.info import RRInfo
-from rr_server.protocol import SSE_DONE, BadRequest, NormalizedGenerate, parse_generate_request, sse_line
+from rr_server.fanout import primed
+from rr_server.generate_protocol import SSE_DONE, BadRequest, NormalizedGenerate, parse_generate_request, sse_line
+from rr_server.proxy.backend import Backend
 from rr_server.proxy.errors import ProxyError, error_payload
 from rr_server.proxy.info import fetch_info
 from rr_server.proxy.metrics import ProxyMetrics
@@ -53,8 +55,8 @@ class Sidecar:
                            metrics=self.metrics, transport=transport)
         self._info: tuple[RRInfo, str] | None = None
         self._lock = asyncio.Lock()
-        backend = VLLMBackend if cfg.engine == "vllm" else SGLangBackend
-        self.backend: VLLMBackend | SGLangBackend = backend(self.up, self.info, self.metrics)
+        backends: dict[str, type[VLLMBackend] | type[SGLangBackend]] = {"vllm": VLLMBackend, "sglang": SGLangBackend}
+        self.backend: Backend = backends[cfg.engine](self.up, self.info, self.metrics)
 
     async def info(self) -> tuple[RRInfo, str]:
         """RRInfo + upstream model name, fetched once (retried on the next request if the upstream was down)."""
@@ -85,22 +87,19 @@ def _parse(body: bytes, engine: str) -> tuple[NormalizedGenerate, dict[str, Any]
     return req, raw
 
 
-async def _primed(agen: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Pull the first event before answering, so failures up to then still get a real HTTP status."""
-    first = await agen.__anext__()
+async def _sse_events(req: NormalizedGenerate, raw: dict[str, Any], backend: Backend) -> AsyncIterator[str]:
+    """The backend's SSE lines, primed (errors before the first event get a real status); later errors as events."""
+    events = await primed(backend.stream(req, raw))
 
-    async def rest() -> AsyncIterator[str]:
-        yield first
+    async def guarded() -> AsyncIterator[str]:
         try:
-            async for ev in agen:
+            async for ev in events:
                 yield ev
         except ProxyError as e:
             yield sse_line(error_payload(e))
             yield SSE_DONE
-        finally:
-            await agen.aclose()  # type: ignore[attr-defined]
 
-    return rest()
+    return guarded()
 
 
 def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
@@ -122,17 +121,10 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
         try:
             req, raw = _parse(await request.body(), cfg.engine)
             if req.stream:
-                if isinstance(sc.backend, VLLMBackend):
-                    events = await _primed(sc.backend.stream(req))
-                else:
-                    events = await _primed(sc.backend.stream(req, raw))
+                events = await _sse_events(req, raw, sc.backend)
                 sc.metrics.requests.labels("/generate", "200").inc()
                 return StreamingResponse(events, media_type="text/event-stream")
-            if isinstance(sc.backend, VLLMBackend):
-                items = await sc.backend.generate(req)
-                out: Any = items[0] if not req.is_batch and len(items) == 1 else items
-            else:
-                out = await sc.backend.generate(req, raw)
+            out = await sc.backend.generate(req, raw)
             sc.metrics.requests.labels("/generate", "200").inc()
             return _json(out)
         except ProxyError as e:

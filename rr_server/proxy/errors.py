@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from rr_server.protocol import error_body
+from rr_client.errors import ConnectError, ConnectionLostError, RequestTimeoutError, TransportError
+from rr_server.generate_protocol import error_body
 
-__all__ = ["ProxyError", "error_payload"]
+__all__ = ["ProxyError", "error_payload", "upstream_transport_error"]
+
+# rr transport error (mapped from httpx in rr_client._http_errors) -> sidecar status and metrics kind
+_UPSTREAM_STATUS: tuple[tuple[type[TransportError], int, str], ...] = (
+    (ConnectError, 503, "upstream_unavailable"),
+    (RequestTimeoutError, 504, "upstream_timeout"),
+    (ConnectionLostError, 502, "upstream_disconnected"),
+)
 
 
 class ProxyError(Exception):
@@ -17,6 +25,14 @@ class ProxyError(Exception):
         self.status = status
         self.kind = kind
         self.message = message
+
+
+def upstream_transport_error(url: str, err: TransportError) -> ProxyError:
+    """Unreachable upstream -> 503, timeout -> 504, broken connection -> 502."""
+    for cls, status, kind in _UPSTREAM_STATUS:
+        if isinstance(err, cls):
+            return ProxyError(status, kind, f"upstream {url}: {err}")
+    return ProxyError(502, "upstream_disconnected", f"upstream {url}: {err}")
 
 
 def error_payload(err: ProxyError) -> dict[str, Any]:

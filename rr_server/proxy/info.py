@@ -5,32 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import rr_client
-from rr_client.codec import wire_dtype
-from rr_client.hf_config import load_config, moe_layers_from_config, routing_dims_from_config
+from rr_client.hf_config import load_config
 from rr_client.info import RRInfo
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.upstream import Upstream
 
-__all__ = ["fetch_info", "info_from_config"]
-
-
-def info_from_config(cfg: dict[str, Any], *, engine: str, engine_version: str, model: str, upstream: str) -> RRInfo:
-    """RRInfo from an HF config dict (dims, MoE layers, wire dtype) plus engine facts."""
-    layers, experts, topk = routing_dims_from_config(cfg)
-    return RRInfo(
-        engine=engine,
-        engine_version=engine_version,
-        rr_version=rr_client.__version__,
-        model=model,
-        num_hidden_layers=layers,
-        num_experts=experts,
-        topk=topk,
-        moe_layers=moe_layers_from_config(cfg),
-        wire_dtype=wire_dtype(experts).name,  # type: ignore[arg-type]
-        sidecar=True,
-        upstream=upstream,
-    )
+__all__ = ["fetch_info"]
 
 
 def _load(path: str | None, hint: str) -> dict[str, Any]:
@@ -53,7 +33,7 @@ async def _vllm(up: Upstream, model_path: str | None) -> tuple[RRInfo, str]:
     name, root = str(data[0]["id"]), data[0].get("root")
     version = (await up.call("GET", "/version", timeout=10.0)).get("version", "unknown")
     cfg = _load(model_path or root, "from /v1/models root")
-    return info_from_config(cfg, engine="vllm", engine_version=str(version), model=name, upstream=up.url), name
+    return RRInfo.from_hf_config(cfg, engine="vllm", engine_version=str(version), model=name, sidecar=True, upstream=up.url), name
 
 
 async def _sglang(up: Upstream, model_path: str | None) -> tuple[RRInfo, str]:
@@ -67,7 +47,7 @@ async def _sglang(up: Upstream, model_path: str | None) -> tuple[RRInfo, str]:
         version = "unknown"
     cfg = _load(model_path or path, "from /get_model_info model_path")
     name = str(path or model_path)
-    return info_from_config(cfg, engine="sglang", engine_version=version, model=name, upstream=up.url), name
+    return RRInfo.from_hf_config(cfg, engine="sglang", engine_version=version, model=name, sidecar=True, upstream=up.url), name
 
 
 async def fetch_info(up: Upstream, engine: str, model_path: str | None) -> tuple[RRInfo, str]:

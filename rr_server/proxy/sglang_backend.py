@@ -7,12 +7,19 @@ from typing import Any
 
 import orjson
 
-from rr_client.codec import expected_rows
+from rr_client.codec import expected_rows, routing_meta_fields
 from rr_client.info import RRInfo
-from rr_server.protocol import SSE_DONE, GenerateRequest, NormalizedGenerate, SamplingParamsIn, error_body, sse_line
+from rr_server.generate_protocol import (
+    SSE_DONE,
+    GenerateRequest,
+    NormalizedGenerate,
+    SamplingParamsIn,
+    error_body,
+    sse_line,
+)
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.metrics import ProxyMetrics
-from rr_server.proxy.routing import ROUTING_KEYS, validated_routing, wire_fields
+from rr_server.proxy.routing import ROUTING_KEYS, checked_upstream_routing
 from rr_server.proxy.upstream import Upstream
 
 __all__ = ["SGLangBackend", "validation_view", "upstream_body"]
@@ -74,13 +81,14 @@ class SGLangBackend:
         if ids is not None and len(ids) != pt:
             raise ProxyError(502, "upstream_protocol",
                              f"upstream item {j}: prompt_tokens={pt} but the prompt has {len(ids)} token ids")
-        full = validated_routing(upstream_meta, info, rows=expected_rows(pt, ct), where=f"item {j}",
-                                 hint="was the upstream started with --enable-return-routed-experts?")
-        fields = wire_fields(full[start:], info, start)
+        checked = checked_upstream_routing(upstream_meta, info, rows=expected_rows(pt, ct, start), start=start,
+                                           drop_rows=start, where=f"item {j}",
+                                           hint="was the upstream started with --enable-return-routed-experts?")
+        fields = routing_meta_fields(checked)
         meta.update(fields)
         if ids is not None:
             meta["prompt_token_ids"] = ids
-        self._metrics.routing_sent(fields["routed_experts_shape"][0], fields["routed_experts"])
+        self._metrics.routing_sent(checked.array.shape[0], fields["routed_experts"])
         return out
 
     async def generate(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> Any:

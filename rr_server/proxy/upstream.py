@@ -4,42 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import orjson
 
-from rr_server.proxy.errors import ProxyError
+from rr_client._http_errors import map_httpx_error, response_message
+from rr_server.proxy.errors import ProxyError, upstream_transport_error
 from rr_server.proxy.metrics import ProxyMetrics
 
-__all__ = ["Upstream", "upstream_message"]
-
-
-def upstream_message(resp: httpx.Response) -> str:
-    """The upstream's own error message (vLLM/SGLang/FastAPI shapes), else its raw text."""
-    try:
-        body = orjson.loads(resp.content)
-    except orjson.JSONDecodeError:
-        return resp.text[:300] or f"HTTP {resp.status_code}"
-    if isinstance(body, Mapping):
-        err = body.get("error")
-        if isinstance(err, Mapping) and isinstance(err.get("message"), str):
-            return err["message"]
-        for key in ("message", "detail", "error"):
-            if isinstance(body.get(key), str):
-                return body[key]
-    return resp.text[:300]
-
-
-def _transport_error(url: str, e: httpx.HTTPError) -> ProxyError:
-    """Map an httpx failure: refused -> 503, timeout -> 504, broken connection -> 502."""
-    if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return ProxyError(503, "upstream_unavailable", f"upstream {url} is unreachable: {type(e).__name__}: {e}")
-    if isinstance(e, httpx.TimeoutException):
-        return ProxyError(504, "upstream_timeout", f"upstream {url} timed out ({type(e).__name__})")
-    return ProxyError(502, "upstream_disconnected", f"upstream {url} broke the connection: {type(e).__name__}: {e}")
+__all__ = ["Upstream"]
 
 
 class Upstream:
@@ -65,13 +41,18 @@ class Upstream:
         await self._http.aclose()
 
     def _check(self, resp: httpx.Response, path: str) -> None:
-        """Upstream 4xx -> same 4xx (the request was wrong); 5xx -> 502."""
-        if resp.status_code >= 500:
+        """Upstream 401/403 -> 502 (the sidecar's own key is wrong); other 4xx -> same 4xx; 5xx -> 502."""
+        code = resp.status_code
+        if code >= 500:
             raise ProxyError(502, "upstream_error",
-                             f"upstream {path} answered HTTP {resp.status_code}: {upstream_message(resp)}")
-        if resp.status_code >= 400:
-            raise ProxyError(resp.status_code, "upstream_rejected",
-                             f"upstream rejected the request ({path}, HTTP {resp.status_code}): {upstream_message(resp)}")
+                             f"upstream {path} answered HTTP {code}: {response_message(resp, 300)}")
+        if code in (401, 403):
+            raise ProxyError(502, "upstream_auth",
+                             f"upstream authentication failed ({path}, HTTP {code}): the sidecar's upstream API key "
+                             f"(--upstream-api-key / RR_UPSTREAM_API_KEY) is missing or wrong: {response_message(resp, 300)}")
+        if code >= 400:
+            raise ProxyError(code, "upstream_rejected",
+                             f"upstream rejected the request ({path}, HTTP {code}): {response_message(resp, 300)}")
 
     async def call(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
         """One JSON call; returns the decoded JSON body or raises ProxyError."""
@@ -83,7 +64,7 @@ class Upstream:
             try:
                 resp = await self._http.request(method, path, content=content, headers=headers, **extra)
             except httpx.HTTPError as e:
-                raise _transport_error(self.url, e) from None
+                raise upstream_transport_error(self.url, map_httpx_error(e, path)) from None
             finally:
                 self._metrics.upstream_latency.labels(path).observe(time.perf_counter() - t0)
         self._check(resp, path)
@@ -103,26 +84,26 @@ class Upstream:
                     if resp.status_code >= 400:
                         await resp.aread()
                         self._check(resp, path)
-                    yield self._lines(resp)
+                    yield self._lines(resp, path)
             except httpx.HTTPError as e:
-                raise _transport_error(self.url, e) from None
+                raise upstream_transport_error(self.url, map_httpx_error(e, path)) from None
             finally:
                 self._metrics.upstream_latency.labels(path).observe(time.perf_counter() - t0)
 
-    async def _lines(self, resp: httpx.Response) -> AsyncIterator[str]:
+    async def _lines(self, resp: httpx.Response, path: str) -> AsyncIterator[str]:
         """Lines of a streaming answer, with transport errors mapped."""
         try:
             async for line in resp.aiter_lines():
                 yield line
         except httpx.HTTPError as e:
-            raise _transport_error(self.url, e) from None
+            raise upstream_transport_error(self.url, map_httpx_error(e, path)) from None
 
     async def healthy(self, timeout: float = 3.0) -> tuple[bool, str]:
         """Probe ``GET /health`` (outside the semaphore, so a busy upstream still reports)."""
         try:
             resp = await self._http.get("/health", timeout=timeout)
         except httpx.HTTPError as e:
-            return False, _transport_error(self.url, e).message
+            return False, upstream_transport_error(self.url, map_httpx_error(e, "GET /health")).message
         if resp.status_code != 200:
-            return False, f"upstream /health answered HTTP {resp.status_code}: {upstream_message(resp)}"
+            return False, f"upstream /health answered HTTP {resp.status_code}: {response_message(resp, 300)}"
         return True, "ok"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -10,22 +9,15 @@ from typing import Any
 
 import orjson
 
-from rr_client.codec import expected_rows
+from rr_client.codec import expected_rows, routing_meta_fields
 from rr_client.info import RRInfo
-from rr_server.protocol import (
-    SSE_DONE,
-    BadRequest,
-    NormalizedGenerate,
-    RoutingDims,
-    build_item,
-    finish_reason_dict,
-    sse_line,
-    to_vllm_sampling_kwargs,
-)
+from rr_server.fanout import gather_or_cancel, merge_streams
+from rr_server.generate_protocol import SSE_DONE, BadRequest, NormalizedGenerate, build_item, sse_line
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.metrics import ProxyMetrics
-from rr_server.proxy.routing import validated_routing
+from rr_server.proxy.routing import checked_upstream_routing
 from rr_server.proxy.upstream import Upstream
+from rr_server.vllm_translate import finish_reason_dict, to_vllm_sampling_kwargs
 
 __all__ = ["VLLMBackend"]
 
@@ -63,18 +55,16 @@ class VLLMBackend:
     def __init__(self, up: Upstream, info: Callable[[], Awaitable[tuple[RRInfo, str]]], metrics: ProxyMetrics) -> None:
         self._up, self._info, self._metrics = up, info, metrics
 
-    async def generate(self, req: NormalizedGenerate) -> list[dict[str, Any]]:
-        """All reply items in prompt order (``n`` per prompt); any failure fails the whole request."""
+    async def generate(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> Any:
+        """The reply: one item, or all items in prompt order (``n`` per prompt); any failure fails it all."""
+        items = await self._items(req)
+        return items[0] if not req.is_batch and len(items) == 1 else items
+
+    async def _items(self, req: NormalizedGenerate) -> list[dict[str, Any]]:
+        """Every sample's reply item, in prompt order."""
         info, model = await self._info()
         base = uuid.uuid4().hex
-        tasks = [asyncio.ensure_future(self._one(req, i, info, model, base)) for i in range(len(req.prompts))]
-        try:
-            parts = await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        parts = await gather_or_cancel(self._one(req, i, info, model, base) for i in range(len(req.prompts)))
         return [item for part in parts for item in part]
 
     async def _one(self, req: NormalizedGenerate, i: int, info: RRInfo, model: str, base: str) -> list[dict[str, Any]]:
@@ -91,7 +81,6 @@ class VLLMBackend:
         details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), Mapping) else {}
         rid = req.rids[i] or f"rr-{base}-{i}"
         start = req.routed_experts_start
-        dims = RoutingDims(info.num_hidden_layers, info.num_experts, info.topk)
         items = []
         for j, ch in enumerate(choices):
             if not isinstance(ch, Mapping):
@@ -100,13 +89,14 @@ class VLLMBackend:
             if isinstance(req.prompts[i], list) and prompt_ids != req.prompts[i]:
                 raise ProxyError(502, "upstream_protocol", f"prompt {i}: upstream prompt_token_ids differ from input_ids")
             out_ids = _int_list(ch.get("token_ids"), "token_ids")
-            sample = f"prompt {i} sample {j}"
-            routing = None
+            fields = None
             if req.return_routed_experts:
-                rows = expected_rows(len(prompt_ids), len(out_ids), start)
-                routing = validated_routing({"routed_experts": ch.get("routed_experts")}, info, rows=rows,
-                                            where=sample, hint=_NO_ROUTING_HINT)
-            item = build_item(
+                checked = checked_upstream_routing(
+                    {"routed_experts": ch.get("routed_experts")}, info, start=start, where=f"prompt {i} sample {j}",
+                    rows=expected_rows(len(prompt_ids), len(out_ids), start), hint=_NO_ROUTING_HINT)
+                fields = routing_meta_fields(checked)
+                self._metrics.routing_sent(checked.array.shape[0], fields["routed_experts"])
+            items.append(build_item(
                 rid=rid if n == 1 else f"{rid}-{j}",
                 text=ch.get("text") if isinstance(ch.get("text"), str) else None,
                 output_ids=out_ids,
@@ -114,25 +104,16 @@ class VLLMBackend:
                 cached_tokens=int(details.get("cached_tokens") or 0),
                 finish_reason=finish_reason_dict(ch.get("finish_reason"), ch.get("stop_reason")),
                 e2e_latency=time.perf_counter() - t0,
-                routing=routing,
-                dims=dims,
-                routed_experts_start=start,
-                want_routing=req.return_routed_experts,
-                output_token_logprobs=_logprobs(ch, out_ids) if req.return_logprob[i] else None,
+                routing_fields=fields,
                 prompt_token_ids=prompt_ids,
-            )
-            meta = item["meta_info"]
-            if req.return_routed_experts:
-                if "routed_experts_error" in meta:
-                    raise ProxyError(502, "malformed_routing", f"{sample}: {meta['routed_experts_error']}")
-                self._metrics.routing_sent(meta["routed_experts_shape"][0], meta["routed_experts"])
-            items.append(item)
+                output_token_logprobs=_logprobs(ch, out_ids) if req.return_logprob[i] else None,
+            ))
         return items
 
-    async def stream(self, req: NormalizedGenerate) -> AsyncIterator[str]:
+    async def stream(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> AsyncIterator[str]:
         """SSE: routing off -> live cumulative chunks; routing on -> final chunks (vLLM streams carry no routing)."""
         if req.return_routed_experts:
-            items = await self.generate(req)
+            items = await self._items(req)
             for k, item in enumerate(items):  # stream=true implies n == 1: item k belongs to prompt k
                 if req.is_batch:
                     item["index"] = k
@@ -141,33 +122,10 @@ class VLLMBackend:
             return
         _, model = await self._info()
         base = uuid.uuid4().hex
-        queue: asyncio.Queue[str | Exception | None] = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            try:
-                async for ev in self._stream_one(req, i, model, req.rids[i] or f"rr-{base}-{i}"):
-                    await queue.put(ev)
-            except Exception as e:  # noqa: BLE001 - re-raised by the consumer below
-                await queue.put(e)
-            finally:
-                await queue.put(None)
-
-        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(req.prompts))]
-        live = len(tasks)
-        try:
-            while live:
-                ev = await queue.get()
-                if ev is None:
-                    live -= 1
-                elif isinstance(ev, Exception):
-                    raise ev
-                else:
-                    yield ev
-            yield SSE_DONE
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        streams = [self._stream_one(req, i, model, req.rids[i] or f"rr-{base}-{i}") for i in range(len(req.prompts))]
+        async for _, ev in merge_streams(streams):
+            yield ev
+        yield SSE_DONE
 
     async def _stream_one(self, req: NormalizedGenerate, i: int, model: str, rid: str) -> AsyncIterator[str]:
         """One prompt's upstream stream (deltas) as SGLang chunks (cumulative text and ids)."""

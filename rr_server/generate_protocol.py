@@ -1,8 +1,8 @@
-"""SGLang-style ``/generate`` request schema and reply builders, engine-agnostic.
+"""The SGLang-style ``/generate`` protocol rr serves, engine-agnostic: request schema, reply items, SSE, errors.
 
-Shared by the vLLM plugin and the sidecar: parse + validate a request once (pydantic v2),
-translate SGLang sampling names to vLLM's, and build SGLang-shaped replies whose routing
-is checked against the model's dimensions before it is ever put on the wire.
+Shared by the vLLM plugin and the sidecar: a request is parsed and validated once (pydantic v2);
+reply items carry routing fields that the caller made from :class:`rr_client.CheckedRouting`
+(or an error marker), never raw arrays. vLLM specifics live in :mod:`rr_server.vllm_translate`.
 """
 
 from __future__ import annotations
@@ -12,22 +12,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
-
-from rr_client.codec import expected_rows, routing_meta_fields
 
 __all__ = [
     "BadRequest",
     "SamplingParamsIn",
     "GenerateRequest",
     "NormalizedGenerate",
-    "RoutingDims",
     "parse_generate_request",
-    "to_vllm_sampling_kwargs",
-    "finish_reason_dict",
     "build_item",
-    "check_routing",
     "sse_line",
     "SSE_DONE",
     "error_body",
@@ -143,15 +136,6 @@ class NormalizedGenerate:
     rids: list[str | None]
 
 
-@dataclass(frozen=True)
-class RoutingDims:
-    """What every routing array from this model must look like."""
-
-    num_hidden_layers: int
-    num_experts: int
-    topk: int
-
-
 def _fmt_validation(err: ValidationError, prefix: str = "") -> str:
     """One readable line per pydantic error: ``field.path: message``."""
     parts = []
@@ -245,73 +229,6 @@ def parse_generate_request(body: bytes | str | Mapping[str, Any]) -> NormalizedG
     )
 
 
-def to_vllm_sampling_kwargs(sp: SamplingParamsIn, *, routed_experts_start: int, return_logprob: bool) -> dict[str, Any]:
-    """Translate SGLang sampling names to ``vllm.SamplingParams`` keyword arguments."""
-    kw: dict[str, Any] = dict(
-        n=sp.n,
-        max_tokens=sp.max_new_tokens,
-        min_tokens=sp.min_new_tokens,
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=0 if sp.top_k in (-1, 0) or sp.top_k >= 1 << 30 else sp.top_k,  # vLLM: 0 = off
-        min_p=sp.min_p,
-        frequency_penalty=sp.frequency_penalty,
-        presence_penalty=sp.presence_penalty,
-        repetition_penalty=sp.repetition_penalty,
-        ignore_eos=sp.ignore_eos,
-        skip_special_tokens=sp.skip_special_tokens,
-        spaces_between_special_tokens=sp.spaces_between_special_tokens,
-        include_stop_str_in_output=sp.no_stop_trim,
-    )
-    if sp.top_k < -1:
-        raise BadRequest("sampling_params.top_k must be -1 (disabled) or >= 1")
-    if sp.stop is not None:
-        kw["stop"] = sp.stop
-    if sp.stop_token_ids:
-        kw["stop_token_ids"] = list(sp.stop_token_ids)
-    seed = sp.seed if sp.seed is not None else sp.sampling_seed
-    if seed is not None:
-        kw["seed"] = seed
-    if sp.logit_bias:
-        try:
-            kw["logit_bias"] = {int(k): float(v) for k, v in sp.logit_bias.items()}
-        except ValueError:
-            raise BadRequest("sampling_params.logit_bias keys must be token ids") from None
-    if routed_experts_start:
-        kw["routed_experts_prompt_start"] = routed_experts_start
-    if return_logprob:
-        kw["logprobs"] = 0
-    return kw
-
-
-def finish_reason_dict(reason: str | None, stop_reason: int | str | None) -> dict[str, Any] | None:
-    """vLLM's finish/stop reason as SGLang's ``{"type": ..., "matched": ...}``."""
-    if reason is None:
-        return None
-    if reason == "length":
-        return {"type": "length", "length": None}
-    if reason == "stop":
-        return {"type": "stop", "matched": stop_reason}
-    return {"type": "abort", "message": str(reason)}
-
-
-def check_routing(
-    arr: Any, dims: RoutingDims, *, prompt_tokens: int, completion_tokens: int, start: int
-) -> np.ndarray:
-    """Return routing as an int ndarray if it matches the expected shape and id range; else raise."""
-    if arr is None:
-        raise ValueError("engine returned no routing for this request")
-    a = np.asarray(arr)
-    rows = expected_rows(prompt_tokens, completion_tokens, start)
-    want = (rows, dims.num_hidden_layers, dims.topk)
-    if a.shape != want:
-        raise ValueError(f"routing shape {tuple(a.shape)} != expected {want} "
-                         f"(prompt {prompt_tokens} + completion {completion_tokens} - 1 - start {start})")
-    if a.size and (a.min() < 0 or a.max() >= dims.num_experts):
-        raise ValueError(f"routing has expert ids outside [0, {dims.num_experts})")
-    return a
-
-
 def build_item(
     *,
     rid: str,
@@ -321,16 +238,15 @@ def build_item(
     cached_tokens: int,
     finish_reason: dict[str, Any] | None,
     e2e_latency: float,
-    routing: Any = None,
-    dims: RoutingDims | None = None,
-    routed_experts_start: int = 0,
-    want_routing: bool = False,
-    output_token_logprobs: list[list[Any]] | None = None,
+    routing_fields: Mapping[str, Any] | None = None,
     prompt_token_ids: Sequence[int] | None = None,
+    output_token_logprobs: list[list[Any]] | None = None,
 ) -> dict[str, Any]:
-    """One SGLang-shaped reply entry; routing is validated first and never sent unchecked.
+    """One SGLang-shaped reply entry.
 
-    With routing, ``prompt_token_ids`` is echoed so clients that sent text can align rows with tokens.
+    ``routing_fields`` comes from :func:`rr_client.routing_meta_fields` (checked routing) or
+    :func:`rr_client.routing_error_fields`; with routing, ``prompt_token_ids`` is echoed so clients
+    that sent text can align rows with tokens.
     """
     meta: dict[str, Any] = {
         "id": rid,
@@ -342,17 +258,10 @@ def build_item(
     }
     if output_token_logprobs is not None:
         meta["output_token_logprobs"] = output_token_logprobs
-    if want_routing:
-        if dims is None:
-            raise ValueError("routing requested but no model dimensions known")
-        try:
-            arr = check_routing(routing, dims, prompt_tokens=prompt_tokens,
-                                completion_tokens=len(output_ids), start=routed_experts_start)
-            meta.update(routing_meta_fields(arr, num_experts=dims.num_experts, start=routed_experts_start))
-            if prompt_token_ids is not None:
-                meta["prompt_token_ids"] = list(prompt_token_ids)
-        except ValueError as e:
-            meta["routed_experts_error"] = str(e)
+    if routing_fields is not None:
+        meta.update(routing_fields)
+        if prompt_token_ids is not None and meta.get("routed_experts") is not None:
+            meta["prompt_token_ids"] = list(prompt_token_ids)
     item: dict[str, Any] = {"output_ids": list(output_ids), "meta_info": meta}
     if text is not None:
         item = {"text": text, **item}

@@ -1,0 +1,61 @@
+"""rr's per-TokenizerManager state: version profile, the served model's RRInfo, and which requests asked."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from rr_client.info import RRInfo
+from rr_patches.sglang.versions import Profile, profile_for
+
+__all__ = ["RRState", "state_of", "rr_enabled"]
+
+logger = logging.getLogger("rr.sglang")
+_STATE_ATTR = "_rr_state"
+
+
+class RRState:
+    """What rr remembers per TokenizerManager; ``info`` is None when the model config gives no routing dims."""
+
+    def __init__(self, profile: Profile, info: RRInfo | None) -> None:
+        self.profile = profile
+        self.info = info
+        self.asked: dict[str, tuple[bool, int]] = {}  # rid -> (asked, routed_experts_start)
+
+
+def _hf_config(tm: Any) -> dict[str, Any]:
+    """The served model's HF config as a dict (SGLang's ModelConfig keeps it as ``hf_config``)."""
+    cfg = tm.model_config.hf_config
+    return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else vars(cfg))
+
+
+def rr_enabled(tm: Any) -> bool:
+    """rr acts only on servers started with ``--enable-return-routed-experts``."""
+    return bool(getattr(tm.server_args, "enable_return_routed_experts", False))
+
+
+def _info_for(tm: Any, profile: Profile) -> RRInfo | None:
+    """The served model's RRInfo, or None (logged) when its config has no routing dims."""
+    sa = tm.server_args
+    try:
+        return RRInfo.from_hf_config(
+            _hf_config(tm),
+            engine="sglang",
+            engine_version=profile.version,
+            model=str(getattr(sa, "served_model_name", None) or sa.model_path),
+            routing_enabled=rr_enabled(tm),
+            skip_tokenizer_init=bool(getattr(sa, "skip_tokenizer_init", False)),
+        )
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        logger.error("rr: cannot read routing dims from the model config (%s); routing will be refused", e)
+        return None
+
+
+def state_of(tm: Any) -> RRState:
+    """The rr state of ``tm``, created on first use (the RRInfo is built once from the model config)."""
+    st: RRState | None = getattr(tm, _STATE_ATTR, None)
+    if st is None:
+        profile = profile_for()
+        st = RRState(profile, _info_for(tm, profile))
+        setattr(tm, _STATE_ATTR, st)
+    return st
