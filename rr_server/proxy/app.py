@@ -16,6 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from rr_client.info import RRInfo
+from rr_server.auth import ApiKeyMiddleware, ApiKeys
 from rr_server.fanout import primed
 from rr_server.generate_protocol import SSE_DONE, BadRequest, NormalizedGenerate, parse_generate_request, sse_line
 from rr_server.proxy.backend import Backend
@@ -26,18 +27,28 @@ from rr_server.proxy.sglang_backend import SGLangBackend, validation_view
 from rr_server.proxy.upstream import Upstream
 from rr_server.proxy.vllm_backend import VLLMBackend
 
-__all__ = ["ProxyConfig", "create_app"]
+__all__ = ["ProxyConfig", "create_app", "DEFAULT_MAX_BODY_BYTES"]
+
+
+# Largest request body accepted by default: 256 prompts x 32k token ids as JSON (~7 bytes each) is ~57 MB.
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+# Paths that never need a key (vLLM and SGLang keep /health open too).
+OPEN_PATHS = frozenset({"/health"})
 
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    """Everything the sidecar needs to know about its upstream."""
+    """Everything the sidecar needs to know about its upstream and its own clients."""
 
     upstream: str
     engine: Literal["vllm", "sglang"]
     max_concurrency: int = 64
     timeout: float = 600.0
     model_path: str | None = None
+    api_keys: tuple[str, ...] = ()  # clients must send one as ``Authorization: Bearer``; empty = open
+    upstream_api_key: str | None = None  # sent to the engine as ``Authorization: Bearer``
+    metrics_require_key: bool = False  # /metrics is open unless this is set
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -52,7 +63,7 @@ class Sidecar:
         self.cfg = cfg
         self.metrics = ProxyMetrics()
         self.up = Upstream(cfg.upstream, timeout=cfg.timeout, max_concurrency=cfg.max_concurrency,
-                           metrics=self.metrics, transport=transport)
+                           metrics=self.metrics, transport=transport, api_key=cfg.upstream_api_key)
         self._info: tuple[RRInfo, str] | None = None
         self._lock = asyncio.Lock()
         backends: dict[str, type[VLLMBackend] | type[SGLangBackend]] = {"vllm": VLLMBackend, "sglang": SGLangBackend}
@@ -113,6 +124,9 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
 
     app = FastAPI(title="rr sidecar", lifespan=lifespan)
     app.state.sidecar = sc
+    open_paths = OPEN_PATHS if cfg.metrics_require_key else OPEN_PATHS | {"/metrics"}
+    app.add_middleware(ApiKeyMiddleware, keys=ApiKeys.of(cfg.api_keys),
+                       protect=lambda path: path not in open_paths, max_body_bytes=cfg.max_body_bytes)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:

@@ -22,7 +22,7 @@ class Upstream:
     """One pooled httpx client to the engine; at most ``max_concurrency`` calls in flight."""
 
     def __init__(self, base_url: str, *, timeout: float, max_concurrency: int, metrics: ProxyMetrics,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, api_key: str | None = None) -> None:
         self.url = base_url.rstrip("/")
         self._metrics = metrics
         self._sem = asyncio.Semaphore(max_concurrency)
@@ -34,6 +34,7 @@ class Upstream:
             limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency,
                                 keepalive_expiry=2.0),
             transport=transport,
+            headers={"authorization": f"Bearer {api_key}"} if api_key else None,
         )
 
     async def aclose(self) -> None:
