@@ -45,7 +45,7 @@ from rr_client.info import RRInfo
 
 if TYPE_CHECKING:
     from rr_client._client import Prompt, RoutedExpertsClient
-    from rr_client._tensors import RoutingTensors, tensor_dtype, to_tensors
+    from rr_client._tensors import PackedRouting, RoutingTensors, tensor_dtype, to_packed, to_tensors
 
 # name -> module that defines it; imported on first attribute access (httpx / torch stay unloaded until then)
 _LAZY = {
@@ -54,6 +54,8 @@ _LAZY = {
     "RoutingTensors": "rr_client._tensors",
     "to_tensors": "rr_client._tensors",
     "tensor_dtype": "rr_client._tensors",
+    "PackedRouting": "rr_client._tensors",
+    "to_packed": "rr_client._tensors",
 }
 
 
@@ -69,7 +71,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "RoutedExpertsClient", "Prompt", "GenerateBatch", "GenerateResult", "parse_sample",
-    "RoutingTensors", "to_tensors", "tensor_dtype",
+    "RoutingTensors", "to_tensors", "tensor_dtype", "PackedRouting", "to_packed",
     "encode_routed_experts", "decode_routed_experts", "decode_meta_info", "routing_meta_fields",
     "routing_error_fields", "check_routing", "CheckedRouting", "wire_dtype", "expected_rows",
     "RRError", "RoutedExpertsError", "MalformedPayloadError", "ShapeMismatchError",

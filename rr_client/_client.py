@@ -135,8 +135,13 @@ class RoutedExpertsClient:
         *,
         return_routed_experts: bool = True,
         routed_experts_start: int | None = None,
+        return_logprob: bool = False,
     ) -> GenerateBatch:
-        """Generate for each prompt (text or token ids); results in prompt order, ``n`` per prompt."""
+        """Generate for each prompt (text or token ids); results in prompt order, ``n`` per prompt.
+
+        ``return_logprob`` asks for the sampled tokens' log-probs: each result's
+        ``meta["output_token_logprobs"]`` (SGLang's ``[logprob, token_id, None]`` per generated token).
+        """
         plist = _normalize_prompts(prompts)
         params = dict(sampling_params or {})
         n = params.get("n", 1)
@@ -148,7 +153,7 @@ class RoutedExpertsClient:
         info = await self.info()
         chunks = [range(i, min(i + self._batch_size, len(plist))) for i in range(0, len(plist), self._batch_size)]
         tasks = [
-            self._generate_chunk(plist, c, params, n, info, return_routed_experts, routed_experts_start)
+            self._generate_chunk(plist, c, params, n, info, return_routed_experts, routed_experts_start, return_logprob)
             for c in chunks
         ]
         parts = await asyncio.gather(*tasks)
@@ -164,6 +169,7 @@ class RoutedExpertsClient:
         info: RRInfo,
         want: bool,
         start: int | None,
+        return_logprob: bool = False,
     ) -> list[GenerateResult]:
         """One ``/generate`` request for prompts ``idx``; checks count and every sample."""
         sub = [prompts[i] for i in idx]
@@ -173,6 +179,8 @@ class RoutedExpertsClient:
         body: dict[str, Any] = {key: sub, "sampling_params": params, "return_routed_experts": want}
         if start is not None:
             body["routed_experts_start"] = start
+        if return_logprob:
+            body["return_logprob"] = True
         reply = await self._request("POST", "/generate", body)
         if not isinstance(reply, list) or len(reply) != len(sub) * n:
             got = len(reply) if isinstance(reply, list) else type(reply).__name__

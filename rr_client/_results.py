@@ -13,7 +13,7 @@ from rr_client.errors import ProtocolError, RoutedExpertsError
 from rr_client.info import RRInfo
 
 if TYPE_CHECKING:
-    from rr_client._tensors import RoutingTensors
+    from rr_client._tensors import PackedRouting, RoutingTensors
 
 __all__ = ["GenerateResult", "GenerateBatch", "parse_sample"]
 
@@ -61,11 +61,14 @@ class GenerateBatch:
     def to_tensors(
         self,
         *,
-        pad_side: Literal["left", "right"] = "left",
+        pad_side: Literal["left", "right", "split"] = "left",
         layout: Literal["token_major", "layer_major"] = "token_major",
         moe_layers_only: bool = False,
         pad_token_id: int = 0,
         pad_to: int | None = None,
+        prompt_length: int | None = None,
+        response_length: int | None = None,
+        pad_experts: Literal["zero", "distinct", "minus_one"] = "zero",
     ) -> "RoutingTensors":
         """Pad into trainer-ready torch tensors; see :func:`rr_client.to_tensors`."""
         from rr_client._tensors import to_tensors
@@ -78,6 +81,31 @@ class GenerateBatch:
             moe_layers_only=moe_layers_only,
             pad_token_id=pad_token_id,
             pad_to=pad_to,
+            prompt_length=prompt_length,
+            response_length=response_length,
+            pad_experts=pad_experts,
+        )
+
+    def to_packed(
+        self,
+        *,
+        moe_layers_only: bool = False,
+        append_row: bool = True,
+        pad_to_multiple_of: int | None = None,
+        pad_token_id: int = 0,
+        pad_experts: Literal["zero", "distinct", "minus_one"] = "zero",
+    ) -> "PackedRouting":
+        """Pack into THD torch tensors; see :func:`rr_client.to_packed`."""
+        from rr_client._tensors import to_packed
+
+        return to_packed(
+            self.results,
+            self.info,
+            moe_layers_only=moe_layers_only,
+            append_row=append_row,
+            pad_to_multiple_of=pad_to_multiple_of,
+            pad_token_id=pad_token_id,
+            pad_experts=pad_experts,
         )
 
 

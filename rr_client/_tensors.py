@@ -16,7 +16,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("rr_client.to_tensors needs torch: pip install 'rr-replay[torch]'") from e
 
-__all__ = ["RoutingTensors", "Sample", "to_tensors", "tensor_dtype"]
+__all__ = ["PackedRouting", "RoutingTensors", "Sample", "to_packed", "to_tensors", "tensor_dtype"]
 
 
 class Sample(Protocol):
@@ -41,14 +41,20 @@ def _routing_of(sample: Sample) -> np.ndarray:
     return sample.routed_experts
 
 
+PadExperts = Literal["zero", "distinct", "minus_one"]
+LayerAxis = Literal["absolute", "moe"]
+
+
 @dataclass(frozen=True)
 class RoutingTensors:
     """Padded batch. ``routed_experts[b, t]`` is the routing that produced token ``t + 1`` of sample ``b``.
 
     Shapes: ``input_ids``, ``attention_mask``, ``response_mask``, ``routed_experts_mask``: ``[B, T]``;
-    ``routed_experts``: ``[B, T, L, K]`` (token-major) or ``[L, B, T, K]`` (layer-major). Pad rows are 0
-    and ``routed_experts_mask`` is False there, at the last token of each sample (it has no routing)
-    and before ``routed_experts_start``.
+    ``routed_experts``: ``[B, T, L, K]`` (token-major) or ``[L, B, T, K]`` (layer-major). Rows where
+    ``routed_experts_mask`` is False (padding, the last token of each sample, which has no routing, and
+    tokens before ``routed_experts_start``) hold the pad value of ``pad_experts``. ``layers[i]`` is the
+    absolute decoder layer of position ``i`` of the layer axis; ``layer_axis`` says whether that axis is
+    every decoder layer (``"absolute"``) or the MoE layers only (``"moe"``, Megatron's router ordinals).
     """
 
     input_ids: torch.Tensor
@@ -57,6 +63,37 @@ class RoutingTensors:
     routed_experts: torch.Tensor
     routed_experts_mask: torch.Tensor
     layers: list[int]
+    layer_axis: LayerAxis = "absolute"
+    position_ids: torch.Tensor | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain dict, e.g. to merge into a trainer's batch."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PackedRouting:
+    """Packed (THD) batch: every sample's tokens concatenated, no padding between samples.
+
+    ``input_ids``, ``position_ids`` (0-based per sample), ``response_mask``, ``routed_experts_mask``:
+    ``[N]``; ``cu_seqlens``: ``[B+1]`` int32 sample boundaries over the real tokens (``cu_seqlens[-1]`` is
+    the real token count; tokens after it, if ``pad_to_multiple_of`` added any, belong to no sample).
+    ``routed_experts``: ``[N, L, K]`` with ``append_row=True`` (row ``n`` is token ``n``'s routing; each
+    sample's last token holds an appended, masked placeholder row), or ``[N - B, L, K]`` with
+    ``append_row=False`` (each sample's ``len - 1`` rows, as engines return them; ``routing_cu_seqlens``
+    gives their boundaries and ``routed_experts_mask`` then has the rows' length).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    response_mask: torch.Tensor
+    routed_experts: torch.Tensor
+    routed_experts_mask: torch.Tensor
+    routing_cu_seqlens: torch.Tensor
+    layers: list[int]
+    layer_axis: LayerAxis = "absolute"
+    num_pad_tokens: int = 0
 
     def as_dict(self) -> dict[str, object]:
         """Plain dict, e.g. to merge into a trainer's batch."""
@@ -72,21 +109,26 @@ def tensor_dtype(num_experts: int) -> np.dtype[np.generic]:
     raise ValueError(f"num_experts={num_experts} does not fit int16 expert ids")
 
 
-def to_tensors(
-    results: Sequence[Sample],
-    info: RRInfo,
-    *,
-    pad_side: Literal["left", "right"] = "left",
-    layout: Literal["token_major", "layer_major"] = "token_major",
-    moe_layers_only: bool = False,
-    pad_token_id: int = 0,
-    pad_to: int | None = None,
-) -> RoutingTensors:
-    """Left-pad (default: real tokens flush right) or right-pad samples and their routing into one batch."""
-    if pad_side not in ("left", "right"):
-        raise ValueError(f"pad_side must be 'left' or 'right', got {pad_side!r}")
-    if layout not in ("token_major", "layer_major"):
-        raise ValueError(f"layout must be 'token_major' or 'layer_major', got {layout!r}")
+def _routing_dtype(num_experts: int, pad_experts: str) -> np.dtype[np.generic]:
+    """tensor_dtype, widened to a signed type when pads are -1."""
+    dt = tensor_dtype(num_experts)
+    if pad_experts == "minus_one" and dt == np.uint8:
+        return np.dtype(np.int16)
+    return dt
+
+
+def _pad_row(pad_experts: str, n_layers: int, k: int, num_experts: int) -> np.ndarray | None:
+    """The ``[L, K]`` row written where there is no routing, or None for zeros (the buffer's fill)."""
+    if pad_experts == "zero":
+        return None
+    if pad_experts == "distinct":
+        return np.broadcast_to(np.arange(k) % num_experts, (n_layers, k))
+    if pad_experts == "minus_one":
+        return np.full((n_layers, k), -1)
+    raise ValueError(f"pad_experts must be 'zero', 'distinct' or 'minus_one', got {pad_experts!r}")
+
+
+def _sequences(results: Sequence[Sample]) -> list[tuple[list[int], list[int]]]:
     seqs: list[tuple[list[int], list[int]]] = []
     for r in results:
         if r.prompt_ids is None:
@@ -94,50 +136,193 @@ def to_tensors(
                 f"sample {r.index}: prompt token ids unknown (text prompt and the server sent no "
                 "meta_info.prompt_token_ids); send token-id prompts to build tensors"
             )
-        seqs.append((r.prompt_ids, r.output_ids))
+        seqs.append((list(r.prompt_ids), list(r.output_ids)))
+    return seqs
+
+
+def _layer_axis(info: RRInfo, moe_layers_only: bool) -> tuple[list[int], np.ndarray | None, LayerAxis]:
+    if moe_layers_only:
+        layers = list(info.moe_layers)
+        return layers, np.asarray(layers, dtype=np.int64), "moe"
+    return list(range(info.num_hidden_layers)), None, "absolute"
+
+
+def _sample_rows(r: Sample, n_tokens: int, layer_index: np.ndarray | None) -> np.ndarray:
+    """The sample's routing rows (layer axis selected), checked to fit its tokens minus the last."""
+    arr = _routing_of(r)
+    if layer_index is not None:
+        arr = arr[:, layer_index]
+    if r.routed_experts_start + arr.shape[0] > n_tokens:
+        raise ShapeMismatchError(f"sample {r.index}: {arr.shape[0]} routing rows do not fit {n_tokens} tokens")
+    return arr
+
+
+def to_tensors(
+    results: Sequence[Sample],
+    info: RRInfo,
+    *,
+    pad_side: Literal["left", "right", "split"] = "left",
+    layout: Literal["token_major", "layer_major"] = "token_major",
+    moe_layers_only: bool = False,
+    pad_token_id: int = 0,
+    pad_to: int | None = None,
+    prompt_length: int | None = None,
+    response_length: int | None = None,
+    pad_experts: PadExperts = "zero",
+) -> RoutingTensors:
+    """Pad samples and their routing into one ``[B, T]`` batch.
+
+    ``pad_side``: ``"left"`` (real tokens flush right), ``"right"`` (flush left) or ``"split"`` (verl:
+    prompts left-padded to ``prompt_length``, responses right-padded to ``response_length``; ``T = P + R``;
+    a longer prompt or response is a :class:`ShapeMismatchError`, never truncated). ``pad_experts``: what
+    rows without routing hold (``"zero"``: 0, the mask tells them apart; ``"distinct"``: ``arange(K) % E``;
+    ``"minus_one"``: -1, in a signed dtype). ``position_ids`` (split only) count from 0 at the first real
+    token; padding is 0.
+    """
+    if pad_side not in ("left", "right", "split"):
+        raise ValueError(f"pad_side must be 'left', 'right' or 'split', got {pad_side!r}")
+    if layout not in ("token_major", "layer_major"):
+        raise ValueError(f"layout must be 'token_major' or 'layer_major', got {layout!r}")
+    split = pad_side == "split"
+    if split:
+        if prompt_length is None or response_length is None:
+            raise ValueError("pad_side='split' needs prompt_length and response_length")
+        if pad_to is not None:
+            raise ValueError("pad_to does not apply to pad_side='split' (the width is prompt_length + response_length)")
+    elif prompt_length is not None or response_length is not None:
+        raise ValueError("prompt_length / response_length apply only to pad_side='split'")
+    seqs = _sequences(results)
     lengths = [len(p) + len(o) for p, o in seqs]
-    width = max(lengths, default=0)
-    if pad_to is not None:
-        if pad_to < width:
-            raise ShapeMismatchError(f"pad_to={pad_to} is shorter than the longest sample ({width} tokens)")
-        width = pad_to
+    if split:
+        assert prompt_length is not None and response_length is not None
+        for r, (p, o) in zip(results, seqs):
+            if len(p) > prompt_length:
+                raise ShapeMismatchError(f"sample {r.index}: prompt has {len(p)} tokens > prompt_length={prompt_length}")
+            if len(o) > response_length:
+                raise ShapeMismatchError(
+                    f"sample {r.index}: response has {len(o)} tokens > response_length={response_length}")
+        width = prompt_length + response_length
+    else:
+        width = max(lengths, default=0)
+        if pad_to is not None:
+            if pad_to < width:
+                raise ShapeMismatchError(f"pad_to={pad_to} is shorter than the longest sample ({width} tokens)")
+            width = pad_to
     b = len(results)
-    layers = list(info.moe_layers) if moe_layers_only else list(range(info.num_hidden_layers))
+    layers, layer_index, axis = _layer_axis(info, moe_layers_only)
     n_layers, k = len(layers), info.topk
-    dt = tensor_dtype(info.num_experts)
+    dt = _routing_dtype(info.num_experts, pad_experts)
+    pad_row = _pad_row(pad_experts, n_layers, k, info.num_experts)
 
     ids = np.full((b, width), pad_token_id, dtype=np.int64)
     attn = np.zeros((b, width), dtype=np.int64)
     resp = np.zeros((b, width), dtype=np.int64)
     rmask = np.zeros((b, width), dtype=np.bool_)
-    shape = (b, width, n_layers, k) if layout == "token_major" else (n_layers, b, width, k)
-    routing = np.zeros(shape, dtype=dt)  # calloc: pad rows cost no writes
-    layer_index = None if not moe_layers_only else np.asarray(layers)
+    pos_ids = np.zeros((b, width), dtype=np.int64) if split else None
+    routing = np.zeros((b, width, n_layers, k), dtype=dt)  # calloc: pad rows cost no writes
+    if pad_row is not None:
+        routing[...] = pad_row
 
     for i, (r, (p, o), n) in enumerate(zip(results, seqs, lengths)):
-        off = width - n if pad_side == "left" else 0
-        ids[i, off : off + len(p)] = p
-        ids[i, off + len(p) : off + n] = o
-        attn[i, off : off + n] = 1
-        resp[i, off + len(p) : off + n] = 1
-        arr = _routing_of(r)
-        if layer_index is not None:
-            arr = arr[:, layer_index]
-        t0 = off + r.routed_experts_start
-        t1 = t0 + arr.shape[0]
-        if t1 > off + n:
-            raise ShapeMismatchError(f"sample {r.index}: {arr.shape[0]} routing rows do not fit {n} tokens")
-        rmask[i, t0:t1] = True
-        if layout == "token_major":
-            routing[i, t0:t1] = arr
+        # pos[j]: column of token j of the sample
+        if split:
+            assert prompt_length is not None
+            pos = np.concatenate([np.arange(prompt_length - len(p), prompt_length),
+                                  np.arange(prompt_length, prompt_length + len(o))])
         else:
-            routing[:, i, t0:t1] = arr.transpose(1, 0, 2)
+            off = width - n if pad_side == "left" else 0
+            pos = np.arange(off, off + n)
+        ids[i, pos] = p + o
+        attn[i, pos] = 1
+        resp[i, pos[len(p):]] = 1
+        if pos_ids is not None:
+            pos_ids[i, pos] = np.arange(n)
+        arr = _sample_rows(r, n, layer_index)
+        cols = pos[r.routed_experts_start : r.routed_experts_start + arr.shape[0]]
+        rmask[i, cols] = True
+        routing[i, cols] = arr
 
+    out = torch.from_numpy(routing)
+    if layout == "layer_major":
+        out = out.permute(2, 0, 1, 3).contiguous()
     return RoutingTensors(
         input_ids=torch.from_numpy(ids),
         attention_mask=torch.from_numpy(attn),
         response_mask=torch.from_numpy(resp),
-        routed_experts=torch.from_numpy(routing),
+        routed_experts=out,
         routed_experts_mask=torch.from_numpy(rmask),
         layers=layers,
+        layer_axis=axis,
+        position_ids=None if pos_ids is None else torch.from_numpy(pos_ids),
+    )
+
+
+def to_packed(
+    results: Sequence[Sample],
+    info: RRInfo,
+    *,
+    moe_layers_only: bool = False,
+    append_row: bool = True,
+    pad_to_multiple_of: int | None = None,
+    pad_token_id: int = 0,
+    pad_experts: PadExperts = "zero",
+) -> PackedRouting:
+    """Pack samples and their routing into THD tensors (slime, Megatron, verl's remove-padding path).
+
+    Samples are concatenated in order. ``pad_to_multiple_of=M`` appends pad tokens (``pad_token_id``,
+    position 0.., masks False, routing = the pad value) so that N is a multiple of M (TP/CP splits); with
+    ``append_row=False`` the routing rows get the same number of pad rows.
+    """
+    if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+    seqs = _sequences(results)
+    lengths = [len(p) + len(o) for p, o in seqs]
+    if not append_row and any(n == 0 for n in lengths):
+        raise ShapeMismatchError("append_row=False needs every sample to have at least one token")
+    n_real = sum(lengths)
+    n_pad = 0
+    if pad_to_multiple_of is not None:
+        n_pad = -n_real % pad_to_multiple_of
+    n_total = n_real + n_pad
+    b = len(results)
+    layers, layer_index, axis = _layer_axis(info, moe_layers_only)
+    n_layers, k = len(layers), info.topk
+    dt = _routing_dtype(info.num_experts, pad_experts)
+    pad_row = _pad_row(pad_experts, n_layers, k, info.num_experts)
+
+    cu = np.zeros(b + 1, dtype=np.int32)
+    cu[1:] = np.cumsum(lengths)
+    row_lengths = lengths if append_row else [n - 1 for n in lengths]
+    rcu = np.zeros(b + 1, dtype=np.int32)
+    rcu[1:] = np.cumsum(row_lengths)
+    n_rows = int(rcu[-1]) + n_pad
+
+    ids = np.full(n_total, pad_token_id, dtype=np.int64)
+    pos_ids = np.zeros(n_total, dtype=np.int64)
+    resp = np.zeros(n_total, dtype=np.int64)
+    rmask = np.zeros(n_rows, dtype=np.bool_)
+    routing = np.zeros((n_rows, n_layers, k), dtype=dt)
+    if pad_row is not None:
+        routing[...] = pad_row
+    for i, (r, (p, o), n) in enumerate(zip(results, seqs, lengths)):
+        s = int(cu[i])
+        ids[s : s + n] = p + o
+        pos_ids[s : s + n] = np.arange(n)
+        resp[s + len(p) : s + n] = 1
+        arr = _sample_rows(r, n, layer_index)
+        r0 = int(rcu[i]) + r.routed_experts_start
+        rmask[r0 : r0 + arr.shape[0]] = True
+        routing[r0 : r0 + arr.shape[0]] = arr
+    pos_ids[n_real:] = np.arange(n_pad)
+    return PackedRouting(
+        input_ids=torch.from_numpy(ids),
+        position_ids=torch.from_numpy(pos_ids),
+        cu_seqlens=torch.from_numpy(cu),
+        response_mask=torch.from_numpy(resp),
+        routed_experts=torch.from_numpy(routing),
+        routed_experts_mask=torch.from_numpy(rmask),
+        routing_cu_seqlens=torch.from_numpy(rcu),
+        layers=layers,
+        layer_axis=axis,
+        num_pad_tokens=n_pad,
     )

@@ -1,0 +1,110 @@
+"""R3 effectiveness metrics: how far the trainer's log-probs are from the rollout's, and how often routing agrees.
+
+With ``d = logp_train - logp_rollout`` over response tokens (AReaL PR #1207's set): ``mean|d|``, ``mean d^2``,
+k3 KL ``mean(exp(d) - 1 - d)`` (an estimator of KL(rollout || train)), the fraction of tokens with
+``|d| > ln 2`` and ``|d| > ln 5``, plus routing agreement: the share of (token, MoE layer) top-k *sets*
+the trainer's own router would have chosen identically. Imports torch (optional extra), never transformers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("rr_client.metrics needs torch: pip install 'rr-replay[torch]'") from e
+
+__all__ = ["R3Metrics", "r3_metrics", "routing_agreement", "token_logprobs"]
+
+
+@dataclass(frozen=True)
+class R3Metrics:
+    """Per-batch log-prob gap statistics over the masked (response) tokens."""
+
+    tokens: int
+    mean_abs_diff: float
+    mean_sq_diff: float
+    k3_kl: float
+    frac_gt_ln2: float
+    frac_gt_ln5: float
+    routing_agreement: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _t(x: Any) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+
+
+def r3_metrics(
+    logp_train: Any, logp_rollout: Any, mask: Any = None, *, routing_agreement: float | None = None
+) -> R3Metrics:
+    """Gap statistics over the tokens where ``mask`` is true (all tokens if None), computed in float64.
+
+    ``logp_train`` and ``logp_rollout`` have the same shape (e.g. ``[B, T]``); ``mask`` is usually the
+    response mask. NaN in an unmasked position is an error; masked positions are ignored whatever they hold.
+    """
+    lt, lr = _t(logp_train).double(), _t(logp_rollout).double()
+    if lt.shape != lr.shape:
+        raise ValueError(f"logp_train {tuple(lt.shape)} and logp_rollout {tuple(lr.shape)} differ in shape")
+    m = torch.ones_like(lt, dtype=torch.bool) if mask is None else _t(mask).bool()
+    if m.shape != lt.shape:
+        raise ValueError(f"mask {tuple(m.shape)} does not match the log-probs {tuple(lt.shape)}")
+    d = (lt - lr)[m]
+    n = int(d.numel())
+    if n == 0:
+        raise ValueError("no tokens selected by the mask")
+    if not torch.isfinite(d).all():
+        raise ValueError("non-finite log-prob difference in a selected token")
+    ad = d.abs()
+    return R3Metrics(
+        tokens=n,
+        mean_abs_diff=float(ad.mean()),
+        mean_sq_diff=float((d * d).mean()),
+        k3_kl=float((torch.expm1(d) - d).mean()),
+        frac_gt_ln2=float((ad > math.log(2)).double().mean()),
+        frac_gt_ln5=float((ad > math.log(5)).double().mean()),
+        routing_agreement=routing_agreement,
+    )
+
+
+def routing_agreement(
+    own: Any, replayed: Any, mask: Any = None, *, layers: Sequence[int] | None = None
+) -> float:
+    """Share of (token, layer) cells whose top-k id *sets* are equal (order inside a set does not matter).
+
+    ``own`` and ``replayed``: ``[..., L, K]`` expert ids (e.g. what ``record_routing`` saw vs. the rollout's);
+    ``mask``: ``[...]`` rows to count (e.g. ``routed_experts_mask`` & response); ``layers``: positions of the
+    layer axis to count (pass the MoE layers with an absolute layer axis: dense layers are zero on both sides).
+    """
+    a, b = _t(own).long(), _t(replayed).long()
+    if a.shape != b.shape:
+        raise ValueError(f"routing shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    if layers is not None:
+        idx = torch.as_tensor(list(layers), dtype=torch.long)
+        a, b = a.index_select(-2, idx), b.index_select(-2, idx)
+    same = (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)  # [..., L]
+    if mask is not None:
+        m = _t(mask).bool()
+        if m.shape != same.shape[:-1]:
+            raise ValueError(f"mask {tuple(m.shape)} does not match routing rows {tuple(same.shape[:-1])}")
+        same = same[m]
+    if same.numel() == 0:
+        raise ValueError("no (token, layer) cells selected")
+    return float(same.double().mean())
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """``out[..., t]`` = log p(input_ids[..., t] | tokens before t) from causal-LM logits; ``out[..., 0] = 0``.
+
+    Same ``[B, T]`` (or packed ``[N]`` per sample) alignment as ``input_ids``, so the response mask applies
+    directly. Computed in float32 (or the logits' dtype if wider).
+    """
+    lf = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    lp = torch.log_softmax(lf[..., :-1, :], dim=-1).gather(-1, input_ids[..., 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(lp[..., :1]), lp], dim=-1)
