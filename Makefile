@@ -1,7 +1,7 @@
 # One command each: `make demo` (set up + main job), `make test` (set up + every test).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-core test-sglang bench clean
+.PHONY: setup demo test test-core test-fast test-sglang bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -11,6 +11,10 @@ demo: setup
 
 test-core: setup
 	$(PY) -m pytest -q tests
+
+# no vLLM server, no SGLang: tests/unit (no server) and tests/http (loopback against test-only servers and fakes)
+test-fast: setup
+	$(PY) -m pytest -q tests/unit tests/http
 
 test-sglang: setup
 	bash scripts/test_sglang.sh

@@ -67,7 +67,8 @@ class Harness:
 
             self.detok = DetokenizerManager(self.server_args, self.port_args)
         self.sched = StandInScheduler(model_dir, self.profile.release, self.profile.field)
-        self.tm.send_to_scheduler = self.sched
+        self._redirect_to_standin()
+        self.sched.reply = self._reply
         self.http = http_server
         state_cls = http_server._GlobalState
         fields = set(getattr(state_cls, "__dataclass_fields__", {}))
@@ -78,6 +79,23 @@ class Harness:
             kwargs["scheduler_info"] = {}
         http_server.set_global_state(state_cls(**kwargs))
         _LIVE.append(self)
+
+    def _redirect_to_standin(self) -> None:
+        """Everything the TokenizerManager sends to the scheduler goes to the stand-in instead.
+
+        Requests use ``send_to_scheduler``; the control-plane communicators (``/get_server_info``'s
+        internal-state query, ...) keep the socket they were built with on 0.5.7-0.5.12 (0.5.23 looks
+        ``send_to_scheduler`` up on every call).
+        """
+        original = self.tm.send_to_scheduler
+        self.tm.send_to_scheduler = self.sched
+        for value in vars(self.tm).values():
+            if getattr(value, "_sender", None) is original:
+                value._sender = self.sched
+
+    def _reply(self, out: Any) -> None:
+        """A scheduler control reply, across the process boundary, into the TokenizerManager's dispatcher."""
+        self.tm._result_dispatcher(wire(out))
 
     def close(self) -> None:
         """Destroy the TokenizerManager's and detokenizer's zmq contexts (linger 0)."""
@@ -116,17 +134,21 @@ class Harness:
                 return
             await asyncio.sleep(0.005)
 
+    def client(self) -> httpx.AsyncClient:
+        """An HTTP client on SGLang's own FastAPI app (in process, through ASGI)."""
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.http.app), base_url="http://sglang")
+
     async def post(self, body: dict[str, Any], *, n_requests: int = 1, chunks: int = 1,
-                   batches: list[list[int]] | None = None) -> tuple[int, Any]:
+                   batches: list[list[int]] | None = None, via: httpx.AsyncClient | None = None) -> tuple[int, Any]:
         """POST /generate through SGLang's own app; the stand-in answers in ``chunks`` steps.
 
         ``batches`` groups request indices (arrival order) into scheduler batches (default: one batch).
+        ``via``: a client on something in front of SGLang's app (the rr sidecar) instead of the app itself.
         Returns (status, JSON body) or, for ``stream``, (status, list of SSE data objects).
         """
         self.tm.event_loop = asyncio.get_running_loop()  # no handle_loop: the stand-in feeds outputs
         self.sched.arrivals.clear()
-        transport = httpx.ASGITransport(app=self.http.app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://sglang") as client:
+        async with (via or self.client()) as client:
             call = asyncio.ensure_future(client.post("/generate", json=body, timeout=60))
             try:
                 rids = await self._wait_for(n_requests, call)

@@ -6,11 +6,15 @@ requests, after SGLang's own wire encoding) and it emits ``BatchTokenIDOutput`` 
 way each version's scheduler builds them, including the <= 0.5.12 habit of listing routing only
 for the requests that asked. Routing rows are transformers' router top-k for the tokens the engine
 ran a forward on (prompt + completion - 1), from :func:`rr_server.tiny_moe.reference_routing`.
+It also answers the control query ``/get_server_info`` makes (every scheduler's internal state), so
+SGLang's own app can serve that route to the rr sidecar.
 """
 
 from __future__ import annotations
 
+import asyncio
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +75,7 @@ class StandInScheduler:
         self.field = field_name
         self.reqs: dict[str, StandInReq] = {}
         self.arrivals: list[str] = []
+        self.reply: Callable[[Any], None] | None = None  # hands a control reply to the TokenizerManager
 
     # ---- the zmq socket the TokenizerManager sends to
     def send_pyobj(self, obj: Any, flags: int = 0, protocol: int = pickle.HIGHEST_PROTOCOL) -> None:
@@ -84,9 +89,12 @@ class StandInScheduler:
         self._receive(msgpack_decode(data))
 
     def _receive(self, obj: Any) -> None:
-        """Queue every TokenizedGenerateReqInput in ``obj`` (single or batched)."""
-        from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+        """Queue every TokenizedGenerateReqInput in ``obj`` (single or batched); answer control queries."""
+        from sglang.srt.managers.io_struct import GetInternalStateReq, TokenizedGenerateReqInput
 
+        if isinstance(obj, GetInternalStateReq):
+            self._answer_internal_state()
+            return
         for t in getattr(obj, "batch", None) or [obj]:
             if isinstance(t, TokenizedGenerateReqInput):
                 unwrap = getattr(t, "unwrap_pickle_fields", None)
@@ -96,6 +104,14 @@ class StandInScheduler:
                 n = int(getattr(t.sampling_params, "max_new_tokens", None) or 4)
                 self.reqs[str(t.rid)] = StandInReq(t, prompt, completion_for(prompt, n))
                 self.arrivals.append(str(t.rid))
+
+    def _answer_internal_state(self) -> None:
+        """``/get_server_info`` asks every scheduler for its internal state; answer once the caller awaits it."""
+        from sglang.srt.managers.io_struct import GetInternalStateReqOutput
+
+        assert self.reply is not None, "the harness did not connect the stand-in's replies"
+        out = GetInternalStateReqOutput(internal_state={"stand_in_scheduler": True, "max_req_input_len": 1024})
+        asyncio.get_running_loop().call_soon(self.reply, out)
 
     # ---- the GPU forward it stands in for
     def routing_rows(self, req: StandInReq) -> torch.Tensor:

@@ -10,9 +10,15 @@ import httpx
 import numpy as np
 import pytest
 
+from rr_client.codec import check_routing, decode_meta_info, routing_meta_fields
+from rr_client.errors import (
+    ExpertIdOutOfRangeError,
+    MalformedPayloadError,
+    ShapeMismatchError,
+    UnrecordedRoutingError,
+)
+from rr_client.info import RRInfo
 from rr_patches.sglang.versions import UnsupportedSGLangError, profile_for
-from rr_client.codec import routing_meta_fields
-from rr_client.errors import ExpertIdOutOfRangeError, MalformedPayloadError, ShapeMismatchError
 from tests.sglang.conftest import MODEL_SPEC
 from tests.sglang.harness import Harness
 
@@ -100,7 +106,11 @@ def test_plugin_register(tiny_moe: Path) -> None:
             plugin.register()
         assert is_applied()
         h = Harness(tiny_moe, skip_tokenizer_init=True)  # the hooked class still constructs and serves
-        assert h.tm._rr_state.dims is not None
+        from rr_patches.sglang.state import state_of
+
+        info = state_of(h.tm).info  # built by the hooked __init__ from the served model's config
+        assert info is not None and info.engine == "sglang" and info.engine_version == profile_for().version
+        assert (info.num_hidden_layers, info.num_experts, info.topk, info.moe_layers) == (3, 8, 2, [0, 2])
     finally:
         for name, fn in saved.items():
             setattr(TokenizerManager, name, fn)
@@ -156,28 +166,53 @@ def test_launcher_refuses_unknown_version(monkeypatch: pytest.MonkeyPatch) -> No
     assert ls.main(["--model-path", "M"]) == 2
 
 
+def _spec_info() -> RRInfo:
+    """RRInfo of the tiny test model (3 layers, layer 1 dense, 8 experts, top-2), from its config fields."""
+    cfg = {"num_hidden_layers": MODEL_SPEC["num_layers"], "num_experts": MODEL_SPEC["num_experts"],
+           "num_experts_per_tok": MODEL_SPEC["topk"], "mlp_only_layers": list(MODEL_SPEC["mlp_only_layers"])}
+    return RRInfo.from_hf_config(cfg, engine="sglang", engine_version=profile_for().version)
+
+
 def test_wire_fields_refusals() -> None:
     """Every payload that cannot be trusted raises its typed error instead of being forwarded."""
     import pybase64
     import torch
 
-    from rr_patches.sglang.convert import Dims, wire_fields
+    from rr_patches.sglang.convert import wire_fields
 
-    d = Dims(3, 8, 2, (0, 2))
-    good = np.array([[[1, 2], [0, 0], [3, 4]]] * 4, dtype=np.int32)
-    assert wire_fields(torch.from_numpy(good), d) == routing_meta_fields(good, num_experts=8)
-    b64 = pybase64.b64encode(good.tobytes()).decode()
-    assert wire_fields(b64, d, start=1, slice_start=True) == routing_meta_fields(good[1:], num_experts=8, start=1)
+    info = _spec_info()
+    good = np.array([[[1, 2], [0, 0], [3, 4]], [[5, 6], [0, 0], [7, 1]]] * 2, dtype=np.int32)  # 4 rows
+    fields = wire_fields(torch.from_numpy(good), info, rows=4)
+    assert fields == routing_meta_fields(check_routing(good, info, rows=4))
+    assert fields["routed_experts_dtype"] == info.wire_dtype == "uint8"
+    np.testing.assert_array_equal(decode_meta_info(fields, rows=4, num_layers=3, topk=2, num_experts=8,
+                                                   moe_layers=info.moe_layers), good)
+    b64 = pybase64.b64encode(good.tobytes()).decode()  # 0.5.11+ detokenizer output: base64 headerless int32
+    assert wire_fields(b64, info, rows=4) == fields
+    assert wire_fields(b64.encode(), info, rows=4) == fields  # bytes too
+    # SGLang < 0.5.12 ignores routed_experts_start_len: rr drops the leading rows itself
+    sliced = wire_fields(b64, info, rows=3, start=1, slice_start=True)
+    assert sliced == routing_meta_fields(check_routing(good[1:], info, rows=3, start=1))
+    assert sliced["routed_experts_start"] == 1 and sliced["routed_experts_shape"] == [3, 3, 2]
+    # 0.5.12+ already sliced: the rows arrive as they are and only the start is stated
+    assert wire_fields(good[1:], info, rows=3, start=1) == sliced
     with pytest.raises(ShapeMismatchError):
-        wire_fields(pybase64.b64encode(good.tobytes()[:-8]).decode(), d)  # not a whole number of rows
+        wire_fields(pybase64.b64encode(good.tobytes()[:-8]).decode(), info, rows=4)  # not a whole number of rows
+    with pytest.raises(ShapeMismatchError, match="4 rows, expected 5"):
+        wire_fields(b64, info, rows=5)
     with pytest.raises(MalformedPayloadError):
-        wire_fields("not base64!", d)
+        wire_fields("not base64!", info, rows=4)
     with pytest.raises(MalformedPayloadError):
-        wire_fields(torch.zeros(2, 3, 2), d)  # float
+        wire_fields(torch.zeros(2, 3, 2), info, rows=2)  # float
     with pytest.raises(ExpertIdOutOfRangeError):
-        wire_fields(torch.full((2, 3, 2), 8, dtype=torch.int32), d)
+        wire_fields(torch.full((2, 3, 2), 8, dtype=torch.int32), info, rows=2)
     with pytest.raises(ShapeMismatchError):
-        wire_fields(b64, d, start=9, slice_start=True)
+        wire_fields(b64, info, rows=0, start=9, slice_start=True)
     with pytest.raises(ShapeMismatchError):
-        wire_fields(torch.zeros(2, 4, 2, dtype=torch.int32), d)  # wrong layer count
-    assert MODEL_SPEC["num_experts"] == 8
+        wire_fields(torch.zeros(2, 4, 2, dtype=torch.int32), info, rows=2)  # wrong layer count
+    with pytest.raises(UnrecordedRoutingError, match="all-zero"):
+        wire_fields(torch.zeros(2, 3, 2, dtype=torch.int32), info, rows=2)  # nothing recorded
+    bad_dense = good.copy()
+    bad_dense[0, 1] = [1, 2]
+    with pytest.raises(ShapeMismatchError, match="dense layer"):
+        wire_fields(bad_dense, info, rows=4)

@@ -12,9 +12,11 @@ import httpx
 import numpy as np
 import pytest
 
-from rr_client.codec import decode_meta_info
+from rr_client.codec import decode_meta_info, decode_routed_experts
 from rr_client.hf_config import load_config, moe_layers_from_config, routing_dims_from_config
 from rr_server.tiny_moe import assert_routing_sets_equal, reference_routing
+from tests.support import bad_requests
+from tests.support.bad_requests import BadRequestCase
 
 pytestmark = pytest.mark.vllm_server
 
@@ -291,43 +293,19 @@ def test_concurrent_mixed_routing(any_server: Any) -> None:
 # ------------------------------------------------------------------------------ bad requests
 
 
-BAD_BODIES: list[tuple[str, bytes]] = [
-    ("malformed json", b'{"text": "hi", '),
-    ("not an object", b'[1, 2, 3]'),
-    ("no prompt", b'{"sampling_params": {}}'),
-    ("both prompts", b'{"text": "a", "input_ids": [1]}'),
-    ("empty text", b'{"text": ""}'),
-    ("empty ids", b'{"input_ids": []}'),
-    ("empty batch item", b'{"input_ids": [[1, 2], []]}'),
-    ("wrong-typed text", b'{"text": 42}'),
-    ("wrong-typed flag", b'{"text": "a", "return_routed_experts": "yes"}'),
-    ("wrong-typed sampling", b'{"text": "a", "sampling_params": {"temperature": "hot"}}'),
-    ("wrong-typed stream", b'{"text": "a", "stream": 1}'),
-    ("negative max tokens", b'{"text": "a", "sampling_params": {"max_new_tokens": -5}}'),
-    ("zero max tokens", b'{"text": "a", "sampling_params": {"max_new_tokens": 0}}'),
-    ("unknown sampling key", b'{"text": "a", "sampling_params": {"bogus": 1}}'),
-    ("unknown field set", b'{"text": "a", "image_data": "http://x"}'),
-    ("negative start", b'{"text": "a", "routed_experts_start": -1}'),
-    ("out of vocab id", b'{"input_ids": [1, 2, 99999999]}'),
-    ("negative token id", b'{"input_ids": [1, -2]}'),
-    ("sampling list length", b'{"text": ["a", "b"], "sampling_params": [{}]}'),
-    ("n stream", b'{"text": "a", "stream": true, "sampling_params": {"n": 2}}'),
-]
-
-
-@pytest.mark.parametrize("why,raw", BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
-def test_bad_request_is_4xx_and_server_keeps_serving(qwen_server: Any, why: str, raw: bytes) -> None:
-    r = post(qwen_server, None, raw=raw)
-    assert 400 <= r.status_code < 500, (why, r.status_code, r.text)
-    body = r.json()
-    assert body["error"]["message"], body
+@pytest.mark.parametrize("case", bad_requests.params(bad_requests.VLLM))
+def test_bad_request_is_4xx_and_server_keeps_serving(qwen_server: Any, case: BadRequestCase) -> None:
+    """The shared bad-request corpus against the rr plugin's /generate on real vLLM."""
+    r = post(qwen_server, None, raw=case.body)
+    assert r.status_code == case.status, (case.name, r.status_code, r.text)
+    assert case.needle in r.json()["error"]["message"], r.text
     ok = post(qwen_server, {"text": "still alive?", "sampling_params": {"max_new_tokens": 2}})
     assert ok.status_code == 200
 
 
 def test_bad_request_in_stream_is_4xx(qwen_server: Any) -> None:
     r = post(qwen_server, {"input_ids": [1, 2, 99999999], "stream": True})
-    assert r.status_code == 400 and r.json()["error"]["message"]
+    assert r.status_code == 400 and "out of vocabulary" in r.json()["error"]["message"], r.text
 
 
 # ------------------------------------------------------------------------- vLLM left intact
@@ -335,20 +313,29 @@ def test_bad_request_in_stream_is_4xx(qwen_server: Any) -> None:
 
 def test_v1_completions_unchanged(qwen_server: Any) -> None:
     r = httpx.post(qwen_server.base_url + "/v1/completions", timeout=60,
-                   json={"model": qwen_server.name, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+                   json={"model": qwen_server.name, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+                         "return_token_ids": True})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion"
     assert body["usage"]["completion_tokens"] == 4
     choice = body["choices"][0]
     assert isinstance(choice["text"], str) and "meta_info" not in choice
-    # vLLM's own field (base64 .npy, prompt + completion - 1 rows) is still vLLM's
-    if choice.get("routed_experts") is not None:
-        import base64
-        import io
+    # vLLM's own field is still vLLM's: base64 .npy of prompt + completion - 1 rows (the sidecar relies on it)
+    assert isinstance(choice.get("routed_experts"), str), sorted(choice)
+    import base64
+    import io
 
-        arr = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
-        assert arr.shape[0] == body["usage"]["prompt_tokens"] + 4 - 1
+    arr = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
+    prompt_ids, out_ids = choice["prompt_token_ids"], choice["token_ids"]
+    assert prompt_ids == tokenize(qwen_server.model_dir, PROMPTS[0]) and len(out_ids) == 4
+    assert arr.dtype == np.uint8 and arr.shape[0] == body["usage"]["prompt_tokens"] + 4 - 1 == len(prompt_ids) + 3
+    cfg = load_config(qwen_server.model_dir)
+    layers, experts, topk = routing_dims_from_config(cfg)
+    moe = moe_layers_from_config(cfg)
+    got = decode_routed_experts(choice["routed_experts"], rows=len(prompt_ids) + 3, num_layers=layers, topk=topk,
+                                num_experts=experts, moe_layers=moe)
+    assert_routing_sets_equal(got, reference_routing(qwen_server.model_dir, prompt_ids + out_ids)[:-1], layers=moe)
     models = httpx.get(qwen_server.base_url + "/v1/models", timeout=30).json()
     assert models["data"][0]["id"] == qwen_server.name
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Iterator
 
@@ -12,17 +11,21 @@ import pytest
 import torch
 
 from rr_client import (
+    AuthenticationError,
+    ConnectError,
     GenerateBatch,
     MissingRoutingError,
     ProtocolError,
     RequestRejectedError,
+    RequestTimeoutError,
     RoutedExpertsClient,
     ServerError,
     ShapeMismatchError,
     TransportError,
     UnrecordedRoutingError,
 )
-from tests.protocol_server import ProtocolTestServer, synthetic_routing
+from rr_server.process import free_port
+from tests.support.protocol_server import ProtocolTestServer, synthetic_routing
 
 
 @pytest.fixture
@@ -173,14 +176,25 @@ async def test_4xx_is_never_retried(server: ProtocolTestServer) -> None:
     assert server.behaviour.calls == 1
 
 
+@pytest.mark.parametrize("status,err", [(401, AuthenticationError), (403, AuthenticationError),
+                                        (404, RequestRejectedError)])
+async def test_rejections_are_typed_and_never_retried(server: ProtocolTestServer, status: int,
+                                                      err: type[Exception]) -> None:
+    server.behaviour.reject_status = status
+    async with RoutedExpertsClient(server.url, retries=3, backoff=0.01) as c:
+        with pytest.raises(err, match=f"POST /generate: HTTP {status}: Unauthorized") as ei:
+            await c.generate(["abc"])
+    assert type(ei.value) is err and ei.value.status_code == status  # type: ignore[attr-defined]
+    assert server.behaviour.calls == 1
+
+
 async def test_connection_refused_is_transport_error() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens there
     t0 = time.monotonic()
     async with RoutedExpertsClient(f"http://127.0.0.1:{port}", retries=1, backoff=0.01) as c:
-        with pytest.raises(TransportError, match="ConnectError"):
+        with pytest.raises(ConnectError, match="GET /rr/info: unreachable .*ConnectError") as ei:
             await c.generate(["abc"])
+    assert isinstance(ei.value, TransportError)
     assert time.monotonic() - t0 < 5
 
 
@@ -188,8 +202,9 @@ async def test_timeout_is_transport_error_not_hang(server: ProtocolTestServer) -
     async with RoutedExpertsClient(server.url, timeout=0.5, retries=0) as c:
         await c.info()
         server.behaviour.delay = 3
-        with pytest.raises(TransportError, match="timed out"):
+        with pytest.raises(RequestTimeoutError, match="POST /generate: timed out") as ei:
             await asyncio.wait_for(c.generate(["abc"]), timeout=5)
+    assert isinstance(ei.value, TransportError)
 
 
 @pytest.mark.parametrize(

@@ -44,3 +44,20 @@ def test_rrinfo_validation() -> None:
         RRInfo(**{**ok, "moe_layers": [2]})
     with pytest.raises(ValidationError, match="topk"):
         RRInfo(**{**ok, "num_experts": 1, "wire_dtype": "uint8"})
+
+
+def test_rrinfo_from_hf_config_is_the_dims_builder() -> None:
+    """One builder for every producer: dims, MoE layers and wire dtype from the config, engine facts, extras."""
+    from rr_client import __version__
+
+    cfg = {"text_config": {"num_hidden_layers": 6, "n_routed_experts": 300, "num_experts_per_tok": 8,
+                           "first_k_dense_replace": 2}, "model_type": "vl"}
+    info = RRInfo.from_hf_config(cfg, engine="vllm", engine_version="0.30.0", model="m", sidecar=True)
+    assert (info.num_hidden_layers, info.num_experts, info.topk) == routing_dims_from_config(cfg) == (6, 300, 8)
+    assert info.moe_layers == moe_layers_from_config(cfg) == [2, 3, 4, 5]
+    assert info.wire_dtype == "uint16" and info.wire_format == "npy-b64"
+    assert (info.engine, info.engine_version, info.model, info.rr_version) == ("vllm", "0.30.0", "m", __version__)
+    assert info.model_dump()["sidecar"] is True
+    assert RRInfo.model_validate(info.model_dump()) == info  # what /rr/info sends is what clients rebuild
+    with pytest.raises(KeyError, match="top-k"):
+        RRInfo.from_hf_config({"num_hidden_layers": 2, "num_experts": 8}, engine="vllm", engine_version="x")

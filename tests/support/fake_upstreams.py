@@ -6,7 +6,8 @@ sidecar: SGLang's ``/generate`` with ``meta_info["routed_experts"]`` = base64 of
 int32 buffer ``(rows, L, K)`` (exactly what SGLang 0.5.10+ sends; 0.5.7's ``output_routed_experts``
 and the ``{}`` bug are modes), and vLLM 0.30's ``/v1/completions`` with ``choices[].routed_experts`` =
 base64 of an ``np.save`` file. ``corrupt`` selects one malformed answer. Token ids are synthetic;
-routing follows :func:`tests.protocol_server.synthetic_routing` so tests can recompute it.
+routing follows :func:`tests.support.protocol_server.synthetic_routing` so tests can recompute it.
+The positive SGLang path is proven on SGLang's real app in tests/sglang/test_sidecar_sglang.py.
 """
 
 from __future__ import annotations
@@ -15,19 +16,16 @@ import asyncio
 import base64
 import io
 import json
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tests.protocol_server import synthetic_routing
+from tests.support.protocol_server import synthetic_routing
+from tests.support.threaded_server import ThreadedServer
 
 __all__ = ["FakeSGLangUpstream", "FakeVLLMUpstream", "write_fake_config", "CORRUPTIONS"]
 
@@ -69,38 +67,18 @@ def corrupt_routing(r: np.ndarray, mode: str) -> np.ndarray:
     return r
 
 
-class _FakeServer:
-    """uvicorn in a daemon thread on a free loopback port; ``corrupt`` and counters are mutable."""
+class _FakeServer(ThreadedServer):
+    """A FAKE engine app served by :class:`ThreadedServer`; ``corrupt``, ``delay`` and ``bodies`` are mutable."""
 
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = model_dir
         self.corrupt = "none"
         self.delay = 0.0
         self.bodies: list[dict[str, Any]] = []
-        self.app = self.build_app()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                     log_level="warning", lifespan="off"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        super().__init__(self.build_app(), name=type(self).__name__)
 
     def build_app(self) -> FastAPI:  # pragma: no cover - overridden
         raise NotImplementedError
-
-    def __enter__(self) -> "_FakeServer":
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("fake upstream did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
 
     def routing(self, tokens: list[int]) -> np.ndarray:
         """The routing a well-behaved engine reports for ``tokens`` (one row each)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def test_readme_offline_example_runs(capsys: object) -> None:
-    text = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    text = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
     section = text.split("## Quick start: decode and pad a payload from any engine (offline)", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S)
     assert code is not None

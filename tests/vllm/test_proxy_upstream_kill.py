@@ -16,9 +16,10 @@ import httpx
 import pytest
 
 from rr_client import RoutedExpertsClient, ServerError, TransportError
-from rr_server.proxy import ProxyConfig
+from rr_server.proxy.app import ProxyConfig
 from rr_server.tiny_moe import assert_routing_sets_equal, reference_routing
-from tests.proxy_harness import SidecarServer, VLLMProcess
+from tests.support.proxy_harness import SidecarServer
+from tests.support.vllm_process import VLLMProcess
 
 pytestmark = pytest.mark.vllm_server
 
@@ -29,7 +30,8 @@ TASK_DEADLINE_S = 240.0  # a hang guard for each request; generous, admission is
 
 @pytest.fixture(scope="module")
 def upstream(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
-    proc = VLLMProcess(tiny_models["qwen3_dense"], plugin=False).start()
+    proc = VLLMProcess(tiny_models["qwen3_dense"], name="qwen3_dense", plugin=False,
+                       extra=["--max-num-seqs", "64"]).start()
     try:
         yield proc
     finally:

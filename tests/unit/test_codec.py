@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from rr_client import _rowcheck
 from rr_client.codec import (
+    CheckedRouting,
+    check_routing,
     decode_meta_info,
     decode_routed_experts,
     encode_routed_experts,
@@ -30,10 +32,13 @@ from rr_client.errors import (
     ShapeMismatchError,
     UnrecordedRoutingError,
 )
-from tests.routing_data import make_routing
+from rr_client.info import RRInfo
+from tests.support.routing_data import make_routing
 
 L, K, E = 4, 2, 8
 ROWS = 7
+INFO = RRInfo.from_hf_config({"num_hidden_layers": L, "num_experts": E, "num_experts_per_tok": K},
+                             engine="test", engine_version="0")
 
 
 def npy_b64(arr: np.ndarray) -> str:
@@ -99,12 +104,22 @@ def test_encode_refuses_out_of_range_and_bad_input() -> None:
 
 def test_routing_meta_fields_states_shape_dtype_start() -> None:
     ids = make_routing(ROWS, L, K, E)
-    meta = routing_meta_fields(ids, num_experts=E, start=3)
+    checked = check_routing(ids, INFO, rows=ROWS, start=3)
+    meta = routing_meta_fields(checked)
     assert meta["routed_experts_shape"] == [ROWS, L, K]
     assert meta["routed_experts_dtype"] == "uint8"
     assert meta["routed_experts_format"] == "npy"
     assert meta["routed_experts_start"] == 3
+    assert meta["routed_experts"] == encode_routed_experts(ids, num_experts=E)  # the same bytes as the encoder
     np.testing.assert_array_equal(decode_meta_info(meta, num_experts=E), ids)
+
+
+def test_routing_meta_fields_takes_only_checked_routing() -> None:
+    """Nothing reaches the wire unchecked: a raw array is refused, only check_routing's result is taken."""
+    ids = make_routing(ROWS, L, K, E)
+    with pytest.raises(TypeError, match="CheckedRouting"):
+        routing_meta_fields(ids)  # type: ignore[arg-type]
+    assert isinstance(check_routing(ids, INFO, rows=ROWS), CheckedRouting)
 
 
 @settings(max_examples=60, deadline=None)
@@ -306,7 +321,7 @@ def test_missing_field_in_meta_info() -> None:
 
 
 def test_stated_shape_must_match() -> None:
-    meta = routing_meta_fields(_good(), num_experts=E)
+    meta = routing_meta_fields(check_routing(_good(), INFO, rows=ROWS))
     meta["routed_experts_shape"] = [ROWS + 1, L, K]
     with pytest.raises(ShapeMismatchError, match="stated"):
         decode_meta_info(meta, num_experts=E)

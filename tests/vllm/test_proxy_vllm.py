@@ -1,6 +1,6 @@
 """Sidecar in front of a real vLLM CPU server: load with routing on/off vs transformers, and patched == sidecar.
 
-Upstream = conftest's ``qwen_server`` (``rr-server launch vllm``). The rr plugin only adds ``/generate`` and
+Upstream = tests/vllm/conftest.py's ``qwen_server`` (``rr-server launch vllm``). The rr plugin only adds ``/generate`` and
 ``/rr/info``; the sidecar talks to vLLM's own ``/v1/models``, ``/version`` and ``/v1/completions``
 (``test_v1_completions_unchanged`` in test_vllm_e2e.py checks the plugin leaves those alone), so one server
 gives both sides of the comparison. A plugin-free upstream is exercised in test_proxy_upstream_kill.py.
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from rr_client import GenerateResult, RoutedExpertsClient
-from rr_server.proxy import ProxyConfig
+from rr_server.proxy.app import ProxyConfig
 from rr_server.tiny_moe import reference_routing, routing_set_agreement
-from tests.proxy_harness import SidecarServer
+from tests.support.proxy_harness import SidecarServer
 
 pytestmark = pytest.mark.vllm_server
 

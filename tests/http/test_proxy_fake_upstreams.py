@@ -1,8 +1,9 @@
-"""Sidecar against FAKE upstreams (tests/fake_upstreams.py): SGLang transcoding and the malformed-answer corpus.
+"""Sidecar against FAKE upstreams (tests/support/fake_upstreams.py): transcoding and the malformed-answer corpus.
 
-SGLang cannot run on these CPU machines and real vLLM does not send broken routing on demand, so
-these tests use test-only fakes that reproduce the engines' HTTP shapes. The real-vLLM tests are in
-tests/test_proxy_vllm.py.
+Real engines do not send broken routing on demand, so the fault corpora run against test-only fakes
+that reproduce the engines' HTTP shapes. The positive paths are proven on real engines: the sidecar in
+front of real vLLM in tests/vllm/test_proxy_vllm.py, in front of SGLang's real app in
+tests/sglang/test_sidecar_sglang.py.
 """
 
 from __future__ import annotations
@@ -18,11 +19,22 @@ import orjson
 import pytest
 
 from rr_client import RoutedExpertsClient, decode_meta_info
-from rr_server.proxy import ProxyConfig
-from tests.fake_upstreams import CORRUPTIONS, EXPERTS, LAYERS, TOPK, FakeSGLangUpstream, FakeVLLMUpstream, \
-    fake_completion, write_fake_config
-from tests.proxy_harness import SidecarServer, free_port
-from tests.protocol_server import synthetic_routing
+from rr_server.process import free_port
+from rr_server.proxy.app import ProxyConfig
+from tests.support import bad_requests
+from tests.support.bad_requests import BadRequestCase
+from tests.support.fake_upstreams import (
+    CORRUPTIONS,
+    EXPERTS,
+    LAYERS,
+    TOPK,
+    FakeSGLangUpstream,
+    FakeVLLMUpstream,
+    fake_completion,
+    write_fake_config,
+)
+from tests.support.protocol_server import synthetic_routing
+from tests.support.proxy_harness import SidecarServer
 
 MOE = [0, 2]
 
@@ -181,37 +193,60 @@ def test_malformed_upstream_corpus(mode: str, http: httpx.Client, stack: tuple[s
     assert ok.status_code == 200 and "routed_experts" in ok.json()["meta_info"]
 
 
-BAD_REQUESTS = [
-    (b"{not json", 400, "not valid JSON"),
-    (b"[1, 2]", 400, "must be a JSON object"),
-    (b'{"sampling_params": {}}', 400, "exactly one of 'text' or 'input_ids'"),
-    (b'{"text": "a", "input_ids": [1]}', 400, "exactly one of"),
-    (b'{"input_ids": []}', 400, "input_ids"),
-    (b'{"input_ids": [1, -2]}', 400, "non-negative"),
-    (b'{"text": ""}', 400, "empty prompt"),
-    (b'{"text": "a", "return_routed_experts": "yes"}', 400, "return_routed_experts"),
-    (b'{"text": "a", "routed_experts_start": -1}', 400, "routed_experts_start"),
-    (b'{"text": "a", "sampling_params": {"max_new_tokens": 0}}', 400, "max_new_tokens"),
-    (b'{"text": "a", "sampling_params": {"temperature": "hot"}}', 400, "temperature"),
-    (b'{"text": ["a", "b"], "sampling_params": [{}]}', 400, "sampling_params has 1 entries"),
-    (b'{"text": "a", "stream": true, "sampling_params": {"n": 2}}', 400, "stream=true with sampling_params.n"),
-]
-
-
-@pytest.mark.parametrize("body,status,needle", BAD_REQUESTS, ids=[b[0][:30].decode() for b in BAD_REQUESTS])
-def test_malformed_client_requests(body: bytes, status: int, needle: str, http: httpx.Client) -> None:
-    r = http.post("/generate", content=body, headers={"content-type": "application/json"})
-    assert r.status_code == status, r.text
-    assert needle in r.json()["error"]["message"]
+@pytest.mark.parametrize("case", bad_requests.params())
+def test_malformed_client_requests(case: BadRequestCase, http: httpx.Client,
+                                   stack: tuple[str, object, SidecarServer]) -> None:
+    """The shared bad-request corpus: refused with its status and message, or (fields the SGLang sidecar
+    does not model, token ids only an engine can judge) passed upstream and answered there."""
+    engine, fake, _ = stack
+    fake.corrupt = "none"  # type: ignore[attr-defined]
+    sent = len(fake.bodies)  # type: ignore[attr-defined]
+    r = http.post("/generate", content=case.body, headers={"content-type": "application/json"})
+    if case.rejected_at(bad_requests.SIDECAR_SGLANG if engine == "sglang" else bad_requests.SIDECAR_VLLM):
+        assert r.status_code == case.status, r.text
+        assert case.needle in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["kind"] == "bad_request"
+        assert len(fake.bodies) == sent, "a refused request must never reach the upstream"  # type: ignore[attr-defined]
+    else:
+        assert r.status_code == 200, r.text
+        assert len(fake.bodies) > sent  # type: ignore[attr-defined]
     assert http.get("/health").status_code == 200
 
 
+def _metric(text: str, sample: str) -> float:
+    """Value of one sample line (``name{labels}``) of a Prometheus exposition; 0 when absent."""
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_metrics(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -> None:
-    text = http.get("/metrics").text
+    """Self-contained: causes one malformed-routing 502, one bad request and one success, then reads them back."""
+    fake = stack[1]
+    before = http.get("/metrics").text
+    fake.corrupt = "duplicate_ids"  # type: ignore[attr-defined]
+    try:
+        assert http.post("/generate", json={"input_ids": [5, 6, 7], "return_routed_experts": True}).status_code == 502
+    finally:
+        fake.corrupt = "none"  # type: ignore[attr-defined]
+    assert http.post("/generate", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+    ok = http.post("/generate", json={"input_ids": [5, 6, 7], "return_routed_experts": True,
+                                      "sampling_params": {"max_new_tokens": 3}})
+    assert ok.status_code == 200
+    after = http.get("/metrics").text
     for name in ("rr_proxy_requests_total", "rr_proxy_errors_total", "rr_proxy_routing_rows_total",
-                 "rr_proxy_routing_bytes_total", "rr_proxy_upstream_latency_seconds_bucket"):
-        assert name in text
-    assert 'kind="malformed_routing"' in text and 'kind="bad_request"' in text
+                 "rr_proxy_routing_bytes_total", "rr_proxy_upstream_latency_seconds_bucket", "rr_proxy_in_flight"):
+        assert name in after
+    delta = {k: _metric(after, k) - _metric(before, k) for k in (
+        'rr_proxy_errors_total{kind="malformed_routing"}', 'rr_proxy_errors_total{kind="bad_request"}',
+        'rr_proxy_requests_total{route="/generate",status="200"}', "rr_proxy_routing_rows_total")}
+    assert delta == {'rr_proxy_errors_total{kind="malformed_routing"}': 1.0,
+                     'rr_proxy_errors_total{kind="bad_request"}': 1.0,
+                     'rr_proxy_requests_total{route="/generate",status="200"}': 1.0,
+                     "rr_proxy_routing_rows_total": 3.0 + 3 - 1}, delta
+    assert _metric(after, "rr_proxy_routing_bytes_total") - _metric(before, "rr_proxy_routing_bytes_total") == \
+        len(ok.json()["meta_info"]["routed_experts"])
 
 
 def test_upstream_down_is_503(cfg_dir: Path) -> None:
@@ -240,7 +275,7 @@ def test_upstream_timeout_is_504(cfg_dir: Path) -> None:
 def test_sglang_0_5_7_field_and_dtype(cfg_dir: Path) -> None:
     """SGLang 0.5.7's ``output_routed_experts`` and an explicit ``routed_experts_dtype`` are transcoded too."""
     from rr_client.info import RRInfo
-    from rr_server.protocol import parse_generate_request
+    from rr_server.generate_protocol import parse_generate_request
     from rr_server.proxy.metrics import ProxyMetrics
     from rr_server.proxy.sglang_backend import SGLangBackend
 

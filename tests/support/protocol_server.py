@@ -3,24 +3,24 @@
 It is not an engine and proves nothing about SGLang or vLLM; it lets the client tests inject faults
 (5xx, 4xx, slow answers, malformed routing) over real HTTP on 127.0.0.1. Token ids are the prompt's
 bytes; the routing of token ``t`` at layer ``l`` is ``[(t + l + j) % E for j in range(K)]`` so tests
-can recompute every value.
+can recompute every value. Well-formed routing goes out the way a real rr server sends it
+(:func:`rr_client.check_routing` -> :func:`rr_client.routing_meta_fields`); the ``corrupt`` modes
+bypass that check on purpose.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from rr_client.codec import encode_routed_experts, routing_meta_fields, wire_dtype
+from rr_client.codec import check_routing, encode_routed_experts, expected_rows, routing_meta_fields, wire_dtype
+from rr_client.info import RRInfo
+from tests.support.threaded_server import ThreadedServer
 
 
 def synthetic_routing(tokens: list[int], layers: int, topk: int, num_experts: int, moe_layers: list[int]) -> np.ndarray:
@@ -39,6 +39,7 @@ class Behaviour:
     """What the server does next; tests mutate it."""
 
     fail_5xx: int = 0  # answer 503 to this many /generate calls first
+    reject_status: int = 0  # answer every /generate with this 4xx (e.g. 401: missing API key)
     delay: float = 0.0  # seconds before answering /generate
     corrupt: str = "none"  # none|dup|rows|missing|count|unasked|bad_info
     calls: int = 0
@@ -47,34 +48,25 @@ class Behaviour:
     bodies: list[dict[str, Any]] = field(default_factory=list)
 
 
-class ProtocolTestServer:
-    """Runs the test app under uvicorn in a thread on a free loopback port."""
+def _unchecked_fields(routing: np.ndarray, num_experts: int, start: int) -> dict[str, Any]:
+    """Routing fields for a deliberately corrupt array (only the id range is enforced by the encoder)."""
+    return {
+        "routed_experts": encode_routed_experts(routing, num_experts=num_experts),
+        "routed_experts_shape": [int(s) for s in routing.shape],
+        "routed_experts_dtype": wire_dtype(num_experts).name,
+        "routed_experts_format": "npy",
+        "routed_experts_start": start,
+    }
+
+
+class ProtocolTestServer(ThreadedServer):
+    """The TEST-ONLY protocol app, served over loopback HTTP by :class:`ThreadedServer`."""
 
     def __init__(self, *, layers: int = 3, topk: int = 2, num_experts: int = 8, moe_layers: list[int] | None = None):
         self.layers, self.topk, self.num_experts = layers, topk, num_experts
         self.moe_layers = list(range(layers)) if moe_layers is None else moe_layers
         self.behaviour = Behaviour()
-        self.app = self._build_app()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
-        self._server = uvicorn.Server(cfg)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-
-    def __enter__(self) -> "ProtocolTestServer":
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("protocol test server did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        super().__init__(self._build_app(), name="protocol test server")
 
     def info(self) -> dict[str, Any]:
         return {
@@ -97,7 +89,12 @@ class ProtocolTestServer:
                 routing[1, self.moe_layers[0], :] = routing[1, self.moe_layers[0], 0]
             if b.corrupt == "rows":
                 routing = np.concatenate([routing, routing[-1:]])
-            meta.update(routing_meta_fields(routing, num_experts=self.num_experts, start=start))
+            if b.corrupt in ("dup", "rows"):
+                meta.update(_unchecked_fields(routing, self.num_experts, start))
+            else:
+                rows = expected_rows(len(prompt), len(out), start)
+                info = RRInfo.model_validate(self.info())
+                meta.update(routing_meta_fields(check_routing(routing, info, rows=rows, start=start)))
             if b.corrupt == "rows":
                 meta["routed_experts_shape"][0] -= 1  # claim the expected count, send one more row
             if b.corrupt == "missing":
@@ -128,6 +125,8 @@ class ProtocolTestServer:
                 if b.fail_5xx > 0:
                     b.fail_5xx -= 1
                     return JSONResponse({"message": "engine overloaded"}, status_code=503)
+                if b.reject_status:
+                    return JSONResponse({"error": "Unauthorized"}, status_code=b.reject_status)
                 params = body.get("sampling_params") or {}
                 if int(params.get("max_new_tokens", 4)) < 0:
                     return JSONResponse({"message": "max_new_tokens must be >= 0"}, status_code=400)

@@ -1,0 +1,162 @@
+"""The rr sidecar in front of SGLang's REAL, unpatched HTTP app: the positive path, on every SGLang version.
+
+SGLang's own FastAPI app (TokenizerManager, DetokenizerManager, ``/generate``, ``/get_model_info``,
+``/get_server_info``) runs in process, fed by the stand-in scheduler (tests/sglang/standin.py: routing =
+transformers' router top-k). The sidecar's app reaches it through ``httpx.ASGITransport`` and the test
+drives the sidecar's app the same way, so no socket is involved. No rr patch is installed: the sidecar
+alone turns SGLang's int32 routing into rr's checked wire format. Malformed upstream answers stay on
+the FAKE upstreams (tests/http/test_proxy_fake_upstreams.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from rr_client.codec import decode_meta_info
+from rr_patches.sglang.versions import profile_for
+from rr_server.tiny_moe import reference_routing
+from tests.sglang.conftest import MODEL_SPEC
+from tests.sglang.harness import Harness
+
+pytestmark = pytest.mark.sglang
+L, E, K = MODEL_SPEC["num_layers"], MODEL_SPEC["num_experts"], MODEL_SPEC["topk"]
+MOE_LAYERS = [i for i in range(L) if i not in MODEL_SPEC["mlp_only_layers"]]
+PROMPT = [3, 17, 29, 41, 53, 67, 71]
+ROUTING_KEYS = ("routed_experts", "output_routed_experts", "routed_experts_shape", "routed_experts_dtype",
+                "routed_experts_format", "routed_experts_start", "routed_experts_error")
+
+
+@asynccontextmanager
+async def sidecar_app(h: Harness, model_path: str | None = None) -> AsyncIterator[Any]:
+    """The sidecar's app with SGLang's real app as its upstream (``model_path``: its ``--model-path``)."""
+    from rr_server.proxy.app import ProxyConfig, create_app
+
+    cfg = ProxyConfig(upstream="http://sglang", engine="sglang", timeout=60, model_path=model_path)
+    app = create_app(cfg, transport=httpx.ASGITransport(app=h.http.app))
+    try:
+        yield app
+    finally:
+        await app.state.sidecar.up.aclose()
+
+
+def client_of(app: Any) -> httpx.AsyncClient:
+    """A client on the sidecar's own app."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sidecar")
+
+
+def _body(**kw: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0.0}}
+    body.update(kw)
+    return body
+
+
+def _expected(model: Path, h: Harness, rid: str, start: int = 0) -> np.ndarray:
+    """transformers' routing of the tokens SGLang ran a forward on (prompt + completion - 1), from ``start``."""
+    r = h.sched.reqs[rid]
+    return reference_routing(model, (r.prompt + r.completion)[:-1])[start:]
+
+
+def _assert_rr(meta: dict[str, Any], expected: np.ndarray, start: int = 0) -> None:
+    """rr's wire format, decoded strictly, equal to the reference rows."""
+    assert "output_routed_experts" not in meta and "routed_experts_error" not in meta
+    assert (meta["routed_experts_format"], meta["routed_experts_dtype"]) == ("npy", "uint8")
+    assert meta["routed_experts_shape"] == list(expected.shape)
+    assert meta["routed_experts_start"] == start
+    assert meta["routed_experts_shape"][0] == meta["prompt_tokens"] + meta["completion_tokens"] - 1 - start
+    got = decode_meta_info(meta, rows=expected.shape[0], num_layers=L, topk=K, num_experts=E, moe_layers=MOE_LAYERS)
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.fixture(autouse=True)
+def _unpatched() -> None:
+    """The sidecar is for unpatched engines: make sure no rr hook is on SGLang's TokenizerManager."""
+    from rr_patches.sglang.apply import is_applied
+
+    assert not is_applied()
+
+
+@pytest.mark.parametrize("model_path", [False, True], ids=["discovered", "model_path"])
+async def test_rr_info_from_sglang_app(tiny_moe: Path, model_path: bool) -> None:
+    """/rr/info from SGLang's /get_model_info (config path) and /get_server_info (version), or --model-path."""
+    h = Harness(tiny_moe)
+    h.tm.event_loop = asyncio.get_running_loop()  # the stand-in answers the control queries
+    async with sidecar_app(h, str(tiny_moe) if model_path else None) as app, client_of(app) as c:
+        r = await c.get("/rr/info")
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["engine"] == "sglang" and info["sidecar"] is True and info["upstream"] == "http://sglang"
+    assert info["engine_version"] == profile_for().version  # SGLang's own __version__, via /get_server_info
+    assert info["model"] == str(tiny_moe)  # SGLang's model_path, via /get_model_info
+    assert (info["num_hidden_layers"], info["num_experts"], info["topk"]) == (L, E, K)
+    assert info["moe_layers"] == MOE_LAYERS and info["wire_dtype"] == "uint8"
+
+
+async def test_generate_with_routing(tiny_moe: Path) -> None:
+    """return_routed_experts: SGLang's int32 routing comes out in rr's format, equal to transformers' top-k."""
+    h = Harness(tiny_moe)
+    async with sidecar_app(h) as app:
+        status, body = await h.post(_body(return_routed_experts=True), via=client_of(app))
+    assert status == 200, body
+    meta = body["meta_info"]
+    _assert_rr(meta, _expected(tiny_moe, h, meta["id"]))
+    assert meta["prompt_token_ids"] == PROMPT
+    assert body["output_ids"] == h.sched.reqs[meta["id"]].completion
+
+
+async def test_generate_batch_with_routing(tiny_moe: Path) -> None:
+    """A batch answers a list in prompt order, each item with its own rows."""
+    h = Harness(tiny_moe)
+    prompts = [PROMPT[:4], PROMPT, PROMPT[2:]]
+    async with sidecar_app(h) as app:
+        status, body = await h.post(_body(input_ids=prompts, return_routed_experts=True), via=client_of(app),
+                                    n_requests=3)
+    assert status == 200 and isinstance(body, list) and len(body) == 3, body
+    for prompt, item in zip(prompts, body):
+        meta = item["meta_info"]
+        assert h.sched.reqs[meta["id"]].prompt == prompt and meta["prompt_token_ids"] == prompt
+        _assert_rr(meta, _expected(tiny_moe, h, meta["id"]))
+
+
+async def test_routing_not_requested(tiny_moe: Path) -> None:
+    """No flag: no routing in the answer, though the sidecar had SGLang compute it (its mixed-batch bug)."""
+    h = Harness(tiny_moe)
+    async with sidecar_app(h) as app:
+        status, body = await h.post(_body(), via=client_of(app))
+    assert status == 200, body
+    meta = body["meta_info"]
+    assert not any(k in meta for k in ROUTING_KEYS), sorted(meta)
+    assert h.sched.reqs[meta["id"]].asked is True
+    assert meta["completion_tokens"] == 5
+
+
+async def test_routed_experts_start(tiny_moe: Path) -> None:
+    """routed_experts_start=3: rows [3, P+R-1) on every version; SGLang itself is asked for all rows."""
+    h = Harness(tiny_moe)
+    async with sidecar_app(h) as app:
+        status, body = await h.post(_body(return_routed_experts=True, routed_experts_start=3), via=client_of(app))
+    assert status == 200, body
+    meta = body["meta_info"]
+    _assert_rr(meta, _expected(tiny_moe, h, meta["id"], 3), start=3)
+    assert h.sched.reqs[meta["id"]].start == 0  # the sidecar slices; SGLang returned every row
+
+
+async def test_streaming_final_chunk(tiny_moe: Path) -> None:
+    """Streaming: chunks pass through without routing; the final one carries rr's routing."""
+    h = Harness(tiny_moe)
+    async with sidecar_app(h) as app:
+        status, events = await h.post(_body(stream=True, return_routed_experts=True), via=client_of(app), chunks=3)
+    assert status == 200 and len(events) >= 2, events
+    *middle, last = events
+    for ev in middle:
+        assert ev["meta_info"]["finish_reason"] is None
+        assert not any(k in ev["meta_info"] for k in ROUTING_KEYS)
+    assert last["meta_info"]["finish_reason"]["type"] == "length"
+    _assert_rr(last["meta_info"], _expected(tiny_moe, h, last["meta_info"]["id"]))

@@ -1,0 +1,81 @@
+"""httpx failures and HTTP error answers -> rr's typed errors: the one table the client and the sidecar share."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from rr_client._http_errors import error_for_status, map_httpx_error, response_message
+from rr_client.errors import (
+    AuthenticationError,
+    ConnectError,
+    ConnectionLostError,
+    RequestRejectedError,
+    RequestTimeoutError,
+    RRError,
+    ServerError,
+    TransportError,
+)
+from rr_server.proxy.errors import upstream_transport_error
+
+REQ = httpx.Request("POST", "http://127.0.0.1:1/generate")
+
+
+def _resp(status: int, body: object = None, text: str | None = None) -> httpx.Response:
+    if text is not None:
+        return httpx.Response(status, text=text, request=REQ)
+    return httpx.Response(status, json=body if body is not None else {"message": f"status {status}"}, request=REQ)
+
+
+@pytest.mark.parametrize("status,err", [(401, AuthenticationError), (403, AuthenticationError),
+                                        (404, RequestRejectedError), (400, RequestRejectedError),
+                                        (422, RequestRejectedError), (500, ServerError), (503, ServerError)])
+def test_error_for_status(status: int, err: type[RRError]) -> None:
+    e = error_for_status(_resp(status, {"error": {"message": "engine says no"}}), "POST /generate")
+    assert type(e) is err
+    assert e.status_code == status  # type: ignore[union-attr]
+    assert str(e).startswith(f"POST /generate: HTTP {status}: engine says no")
+    if err is AuthenticationError:
+        assert isinstance(e, RequestRejectedError)  # never retried, like every 4xx
+        assert "API key" in str(e)
+
+
+@pytest.mark.parametrize("status", [200, 201, 204, 301])
+def test_error_for_status_none_below_400(status: int) -> None:
+    assert error_for_status(httpx.Response(status, request=REQ), "GET /x") is None
+
+
+@pytest.mark.parametrize("exc,err,words", [
+    (httpx.ConnectError("refused"), ConnectError, "unreachable"),
+    (httpx.ConnectTimeout("slow connect"), ConnectError, "unreachable"),  # a connect timeout is unreachable
+    (httpx.ReadTimeout("slow answer"), RequestTimeoutError, "timed out"),
+    (httpx.WriteTimeout("slow send"), RequestTimeoutError, "timed out"),
+    (httpx.PoolTimeout("pool"), RequestTimeoutError, "timed out"),
+    (httpx.RemoteProtocolError("peer closed connection"), ConnectionLostError, "connection lost"),
+    (httpx.ReadError("reset by peer"), ConnectionLostError, "connection lost"),
+])
+def test_map_httpx_error(exc: httpx.HTTPError, err: type[TransportError], words: str) -> None:
+    e = map_httpx_error(exc, "POST /generate")
+    assert type(e) is err and isinstance(e, TransportError)
+    assert str(e).startswith(f"POST /generate: {words} ({type(exc).__name__}: ")
+
+
+def test_sidecar_maps_transport_errors_to_statuses() -> None:
+    """The sidecar turns the same typed errors into 503 / 504 / 502 with a metrics kind."""
+    for exc, status, kind in ((httpx.ConnectError("x"), 503, "upstream_unavailable"),
+                              (httpx.ReadTimeout("x"), 504, "upstream_timeout"),
+                              (httpx.RemoteProtocolError("x"), 502, "upstream_disconnected")):
+        pe = upstream_transport_error("http://up", map_httpx_error(exc, "/generate"))
+        assert (pe.status, pe.kind) == (status, kind) and pe.message.startswith("upstream http://up: ")
+
+
+@pytest.mark.parametrize("resp,msg", [
+    (_resp(400, {"error": {"message": "vllm style", "code": 400}}), "vllm style"),
+    (_resp(400, {"message": "sglang style"}), "sglang style"),
+    (_resp(422, {"detail": [{"loc": ["body"], "msg": "bad"}]}), '[{"loc":["body"],"msg":"bad"}]'),
+    (_resp(401, {"error": "Unauthorized"}), "Unauthorized"),
+    (_resp(502, text="<html>bad gateway</html>"), "<html>bad gateway</html>"),
+    (_resp(500, text=""), "HTTP 500"),
+])
+def test_response_message(resp: httpx.Response, msg: str) -> None:
+    assert response_message(resp) == msg

@@ -1,0 +1,109 @@
+"""``rr-server launch vllm`` flags and version gate, the vLLM plugin's gating, and the one release parser."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rr_patches.release import parse_release
+from rr_server.launch_vllm import build_command
+from tests.support.vllm_process import VLLMProcess, server_args
+
+
+def test_launcher_cpu_flags() -> None:
+    cmd, notes = build_command(["--model", "m", "--dtype", "bfloat16", "-O3"], cpu=True)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert "--enable-return-routed-experts" in cmd and "--enforce-eager" in cmd and "-O3" not in cmd
+    assert cmd[cmd.index("--dtype") + 1] == "float32" and "bfloat16" not in cmd
+    assert "--kv-cache-memory-bytes" in cmd and len(notes) == 1
+    cmd, notes = build_command(["--model", "m", "--kv-cache-memory-bytes", "1"], cpu=True)
+    assert cmd.count("--kv-cache-memory-bytes") == 1
+    cmd, notes = build_command(["--model", "m"], cpu=False)
+    assert "--enforce-eager" not in cmd and not notes
+    cmd, _ = build_command(["--model", "m", "--enable-return-routed-experts", "--rr-allow-unsupported-version"],
+                           cpu=False)
+    assert cmd.count("--enable-return-routed-experts") == 1 and "--rr-allow-unsupported-version" not in cmd
+
+
+def test_test_servers_use_the_launcher(tmp_path: Path) -> None:
+    """tests/vllm starts rr servers through ``rr-server launch vllm`` and vanilla ones via its build_command."""
+    from rr_server.launch_vllm import is_cpu_platform
+
+    args = server_args(tmp_path, port=1234, served_model_name="x")
+    rr = VLLMProcess(tmp_path, name="x", plugin=True, port=1234).command()
+    assert rr[-len(args) - 2:] == ["launch", "vllm", *args]  # the launcher adds rr's and the CPU flags itself
+    vanilla = VLLMProcess(tmp_path, name="x", plugin=False, port=1234).command()
+    assert vanilla == build_command(args, cpu=is_cpu_platform())[0]
+
+
+@pytest.mark.parametrize("version,expected", [
+    ("0.30.0", (0, 30, 0)), ("0.30.0+cpu", (0, 30, 0)), ("0.22.1rc1", (0, 22, 1)), ("0.5.10.post1", (0, 5, 10)),
+    ("v1.2", (1, 2, 0)), (" 0.5.7\n", (0, 5, 7)), ("0.5.23.dev4+g1234", (0, 5, 23)), ("10.11.12", (10, 11, 12)),
+])
+def test_parse_release(version: str, expected: tuple[int, int, int]) -> None:
+    assert parse_release(version) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "garbage", "1", "x0.5.7", "latest", None, 5])
+def test_parse_release_refuses(bad: object) -> None:
+    with pytest.raises(ValueError, match="cannot parse engine version"):
+        parse_release(bad)  # type: ignore[arg-type]
+
+
+def test_version_gate() -> None:
+    from rr_patches.vllm.plugin import UnsupportedVLLMVersion, check_vllm_version
+
+    assert check_vllm_version("0.30.0") == "0.30.0"
+    assert check_vllm_version("0.22.1+cpu") == "0.22.1+cpu"
+    for v in ("0.21.0", "0.31.0", "1.0.0", "garbage"):
+        with pytest.raises(UnsupportedVLLMVersion):
+            check_vllm_version(v)
+    assert check_vllm_version("0.31.0", allow_unsupported=True) == "0.31.0"
+
+
+def test_sglang_versions_use_the_same_parser() -> None:
+    from rr_patches.sglang.versions import UnsupportedSGLangError, profile_for
+
+    assert profile_for("0.5.10.post1").release == parse_release("0.5.10.post1") == (0, 5, 10)
+    with pytest.raises(UnsupportedSGLangError, match="cannot parse"):
+        profile_for("garbage")
+
+
+def test_plugin_noop_without_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rr_patches.vllm import plugin
+
+    monkeypatch.delenv("RR_ENABLE", raising=False)
+    monkeypatch.setitem(plugin._state, "registered", False)
+    plugin.register()
+    assert not plugin._state["registered"]
+
+
+def test_plugin_hooks_build_app_idempotently(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rr_patches.vllm import plugin
+
+    monkeypatch.setenv("RR_ENABLE", "1")
+    monkeypatch.setitem(plugin._state, "registered", False)
+    from vllm.entrypoints.launchers.api_server import entry
+
+    monkeypatch.setattr(entry, "build_app", entry.build_app)  # restored after the test
+    plugin.register()
+    plugin.register()  # re-entrant
+    assert getattr(entry.build_app, "__rr_patched__", False)
+    assert not getattr(entry.build_app.__wrapped__, "__rr_patched__", False), "wrapped exactly once"
+    monkeypatch.setitem(plugin._state, "registered", False)
+    plugin.register()  # a second registration pass must not wrap twice
+    assert not getattr(entry.build_app.__wrapped__, "__rr_patched__", False)
+
+
+@pytest.mark.parametrize("version,cpu", [("0.29.0", True), ("0.21.0", False), ("0.31.0", False)])
+def test_launcher_refuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                          version: str, cpu: bool) -> None:
+    from rr_server import launch_vllm
+
+    monkeypatch.setattr(launch_vllm, "_installed_vllm_version", lambda: version)
+    monkeypatch.setattr(launch_vllm, "is_cpu_platform", lambda: cpu)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("must not launch"))
+    assert launch_vllm.main(["--model", "m"]) == 2
+    assert version in capsys.readouterr().err

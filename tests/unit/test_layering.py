@@ -1,0 +1,147 @@
+"""Layering: no import cycles among rr's modules, and the light entry points stay light.
+
+(a) every module of rr_client / rr_server / rr_patches is parsed with ``ast`` (imports inside functions
+included; ``if TYPE_CHECKING:`` blocks excluded, they never run), and the graph must be acyclic.
+(b), (c) run in fresh interpreters: what an import loads is checked in ``sys.modules``, never timed.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("rr_client", "rr_server", "rr_patches")
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> source file, for every module of rr's three packages."""
+    mods: dict[str, Path] = {}
+    for pkg in PACKAGES:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = path
+    return mods
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run (module level, in functions and classes), minus TYPE_CHECKING blocks."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Edges between rr modules: ``import a.b`` -> a.b; ``from a import b`` -> a.b if that is a module, else a."""
+    mods = module_files()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:  # relative import: resolve against this module's package
+                    anchor = name.split(".") if is_pkg else name.split(".")[:-1]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join([*anchor, base] if base else anchor)
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.append(sub if sub in mods else base)
+            graph[name].update(t for t in targets if t in mods and t != name)
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle a depth-first search meets (each reported once, as the path that closes it)."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    color = dict.fromkeys(graph, WHITE)
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+    seen: set[frozenset[str]] = set()
+
+    def dfs(node: str) -> None:
+        color[node] = GREY
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if color[nxt] == GREY:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                if frozenset(cycle) not in seen:
+                    seen.add(frozenset(cycle))
+                    cycles.append(cycle)
+            elif color[nxt] == WHITE:
+                dfs(nxt)
+        stack.pop()
+        color[node] = BLACK
+
+    for node in sorted(graph):
+        if color[node] == WHITE:
+            dfs(node)
+    return cycles
+
+
+def test_graph_sees_imports_inside_functions() -> None:
+    """The parser is not blind: known lazy imports (inside functions) are edges."""
+    graph = import_graph()
+    assert "rr_server.launch_vllm" in graph["rr_server.cli"]  # imported inside cli.main
+    assert "rr_server.proxy.app" in graph["rr_server.proxy"]  # imported inside proxy.main
+    assert "rr_patches.vllm.routes" in graph["rr_patches.vllm.plugin"]  # imported inside the build_app wrapper
+    assert "rr_client._rowcheck" in graph["rr_client.codec"]
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_no_import_cycles() -> None:
+    cycles = find_cycles(import_graph())
+    for cycle in cycles:
+        print("import cycle: " + " -> ".join(cycle))
+    assert not cycles, f"{len(cycles)} import cycle(s), first: {' -> '.join(cycles[0])}"
+
+
+def _loaded_after(code: str) -> dict[str, bool]:
+    """Run ``code`` in a fresh interpreter; report which heavy modules ended up in sys.modules."""
+    probe = code + "\nimport json, sys\nprint(json.dumps({m: m in sys.modules for m in ('torch', 'httpx', 'fastapi')}))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_client_core_imports_neither_torch_nor_httpx() -> None:
+    core = "import rr_client.codec, rr_client.errors, rr_client.info, rr_client.hf_config, rr_client._rowcheck, rr_client"
+    loaded = _loaded_after(core)
+    assert not loaded["torch"] and not loaded["httpx"], loaded
+    loaded = _loaded_after(core + "\nfrom rr_client import RoutedExpertsClient")
+    assert loaded["httpx"] and not loaded["torch"], loaded
+    loaded = _loaded_after(core + "\nfrom rr_client import to_tensors")
+    assert loaded["torch"], loaded
+
+
+def test_proxy_help_is_light() -> None:
+    code = ("import contextlib, io\nfrom rr_server.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    try:\n        main(['proxy', '--help'])\n    except SystemExit as e:\n        assert e.code == 0, e.code\n"
+            "assert '--upstream' in out.getvalue()")
+    loaded = _loaded_after(code)
+    assert loaded == {"torch": False, "httpx": False, "fastapi": False}, loaded

@@ -1,0 +1,1 @@
+"""Real vLLM CPU servers (marked vllm_server): rr plugin end to end, the sidecar in front of vLLM, upstream kill."""

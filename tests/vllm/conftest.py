@@ -1,0 +1,118 @@
+"""Session fixtures for tests/vllm: tiny MoE checkpoints and real vLLM CPU servers (``rr-server launch vllm``).
+
+Only this folder starts vLLM, so the pool lives here. Servers start lazily (only when a test asks for
+one), every server the session will need at once to overlap their ~30-80 s startups, on free
+127.0.0.1 ports, and are stopped by process group at session end (tests.support.vllm_process).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.vllm_process import CACHE, VLLMProcess
+
+# Two architectures: Qwen3-MoE with a dense middle layer (uint8 path) and a >256-expert
+# Mixtral (uint16 path).
+MODEL_SPECS: dict[str, dict[str, Any]] = {
+    "qwen3_dense": dict(arch="qwen3_moe", num_layers=3, num_experts=8, topk=2, mlp_only_layers=(1,)),
+    "mixtral_300": dict(arch="mixtral", num_layers=2, num_experts=300, topk=4),
+}
+
+# The 300-expert server builds every routed reply in a worker thread (the path large payloads take).
+SERVER_ENV: dict[str, dict[str, str]] = {"mixtral_300": {"RR_ENCODE_THREAD_MIN_ELEMS": "0"}}
+
+
+def start_server(name: str, model_dir: Path, *, core: int) -> VLLMProcess:
+    """Launch one rr-plugin server (non-blocking); ``VLLMProcess.wait_healthy`` waits for it."""
+    env = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
+                                                       str(core % max(1, os.cpu_count() or 1))),
+           **SERVER_ENV.get(name, {})}
+    return VLLMProcess(model_dir, name=name, plugin=True, env=env).launch()
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> dict[str, Path]:
+    """Build (or reuse from .cache/) the tiny checkpoints used by the e2e tests."""
+    from rr_server.tiny_moe import build_tiny_moe
+
+    return {name: build_tiny_moe(CACHE / name, **spec) for name, spec in MODEL_SPECS.items()}
+
+
+class ServerPool:
+    """Starts tiny-model servers on first use; every server this session will need starts together."""
+
+    def __init__(self, models: dict[str, Path], needed: set[str]) -> None:
+        self.models = models
+        self.needed = needed
+        self.servers: dict[str, VLLMProcess] = {}
+        self.healthy: set[str] = set()
+
+    def get(self, name: str) -> VLLMProcess:
+        """The healthy server for ``name``, starting it (and its session peers) if needed."""
+        if name not in self.servers:
+            for i, other in enumerate(sorted(self.needed | {name})):
+                if other not in self.servers:
+                    self.servers[other] = start_server(other, self.models[other], core=i)
+        server = self.servers[name]
+        if name not in self.healthy:
+            server.wait_healthy()
+            self.healthy.add(name)
+        return server
+
+    def stop_all(self) -> None:
+        """Stop every server this pool started."""
+        for s in self.servers.values():
+            s.stop()
+
+
+def _needed_models(session: pytest.Session) -> set[str]:
+    """Which tiny-model servers the collected tests will use."""
+    names: set[str] = set()
+    for item in session.items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & {"any_server", "vllm_servers"}:
+            names |= set(MODEL_SPECS)
+        if "qwen_server" in fixtures:
+            names.add("qwen3_dense")
+        if "mixtral_server" in fixtures:
+            names.add("mixtral_300")
+    return names
+
+
+@pytest.fixture(scope="session")
+def server_pool(request: pytest.FixtureRequest, tiny_models: dict[str, Path]) -> Iterator[ServerPool]:
+    """Lazily started vLLM servers (at most one per tiny model); stopped at session end."""
+    pool = ServerPool(tiny_models, _needed_models(request.session))
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(server_pool: ServerPool) -> dict[str, VLLMProcess]:
+    """Every tiny-model server, healthy."""
+    return {name: server_pool.get(name) for name in MODEL_SPECS}
+
+
+@pytest.fixture(scope="session")
+def qwen_server(server_pool: ServerPool) -> VLLMProcess:
+    """Qwen3-MoE server (8 experts, top-2, layer 1 dense)."""
+    return server_pool.get("qwen3_dense")
+
+
+@pytest.fixture(scope="session")
+def mixtral_server(server_pool: ServerPool) -> VLLMProcess:
+    """Mixtral server with 300 experts, top-4 (uint16 wire dtype)."""
+    return server_pool.get("mixtral_300")
+
+
+@pytest.fixture(scope="session", params=list(MODEL_SPECS))
+def any_server(request: pytest.FixtureRequest, server_pool: ServerPool) -> VLLMProcess:
+    """Each architecture's server in turn."""
+    return server_pool.get(request.param)
