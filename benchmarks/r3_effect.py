@@ -33,19 +33,11 @@ import torch
 from rr_client import RoutedExpertsClient
 from rr_client.metrics import r3_metrics, routing_agreement, token_logprobs
 from rr_client.replay import record_routing, replay_routing
+from rr_server.demo import DEFAULT_PROMPTS
 from rr_server.process import free_port, stop_process_group, wait_healthy
 from rr_server.tiny_moe import build_tiny_moe
 
-PROMPTS = [
-    "Hello world, this is a tiny mixture of experts.",
-    "Once upon a time there was a router on a CPU.",
-    "Rollout routing replay records which experts fired.",
-    "def forward(self, hidden_states):",
-    "1 2 3 4 5 6 7 8",
-    "The quick brown fox jumps over the lazy dog.",
-    "Reinforcement learning trainers replay the routing.",
-    "SGLang and vLLM both return routed experts.",
-]
+PROMPTS = DEFAULT_PROMPTS  # the demo's prompts
 
 
 def build_model(out: Path, lm_head_scale: float, expert_scale: float) -> Path:
