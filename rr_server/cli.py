@@ -9,6 +9,7 @@ USAGE = """usage:
   rr-server launch vllm   <vLLM api_server arguments...>
   rr-server launch sglang <SGLang launch_server arguments...>
   rr-server proxy --upstream URL --engine sglang|vllm [--host H] [--port P]
+  rr-server doctor URL [--model-path DIR] [--prompts N] [--json] [--engine vllm|sglang]
 """
 
 
@@ -23,6 +24,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rr_server.launch_sglang import main as launch_sglang
 
         return launch_sglang(args[2:])
+    if args and args[0] == "doctor":
+        from rr_server.doctor import main as doctor
+
+        return doctor(args[1:])
     if args and args[0] == "proxy":
         from rr_server.proxy import main as proxy
 

@@ -41,8 +41,9 @@ class Behaviour:
     fail_5xx: int = 0  # answer 503 to this many /generate calls first
     reject_status: int = 0  # answer every /generate with this 4xx (e.g. 401: missing API key)
     delay: float = 0.0  # seconds before answering /generate
-    corrupt: str = "none"  # none|dup|rows|missing|count|unasked|bad_info
+    corrupt: str = "none"  # none|dup|rows|missing|count|unasked|bad_info|zero|mixed
     calls: int = 0
+    calls_mixed: int = 0  # answers given in "mixed" mode (each gets a different wrong routing)
     in_flight: int = 0
     max_in_flight: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
@@ -85,11 +86,17 @@ class ProtocolTestServer(ThreadedServer):
         b = self.behaviour
         if want or b.corrupt == "unasked":
             routing = synthetic_routing((prompt + out)[start:-1], self.layers, self.topk, self.num_experts, self.moe_layers)
+            if b.corrupt == "zero":  # what a compiled CPU graph or vLLM 0.15.x returns
+                routing[:] = 0
+            if b.corrupt == "mixed":  # another request's rows: the routing of different tokens, per call
+                b.calls_mixed += 1
+                routing = synthetic_routing([t + b.calls_mixed for t in (prompt + out)[start:-1]], self.layers,
+                                            self.topk, self.num_experts, self.moe_layers)
             if b.corrupt == "dup" and len(routing) > 1 and self.moe_layers:
                 routing[1, self.moe_layers[0], :] = routing[1, self.moe_layers[0], 0]
             if b.corrupt == "rows":
                 routing = np.concatenate([routing, routing[-1:]])
-            if b.corrupt in ("dup", "rows"):
+            if b.corrupt in ("dup", "rows", "zero"):
                 meta.update(_unchecked_fields(routing, self.num_experts, start))
             else:
                 rows = expected_rows(len(prompt), len(out), start)

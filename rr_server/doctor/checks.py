@@ -1,0 +1,303 @@
+"""The checks ``rr-server doctor`` runs against a live server, and the report they make.
+
+Every answer goes through the client's one full check (row counts, id range, distinct ids, zero dense
+layers, no all-zero MoE rows). On top: rows of the same prompt must agree across requests (a batch, ``n``,
+``routed_experts_start``, a prefix-cache hit, and next to a request that did not ask for routing), the
+routing must match the checkpoint's own router (``--model-path``), and the cost is measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+from rr_client import GenerateResult, RoutedExpertsClient, RRError, RRInfo
+from rr_server.doctor.known_bugs import BugStatus, known_bugs_for
+
+__all__ = ["Check", "DoctorReport", "run_doctor", "ROW_AGREEMENT_MIN", "TRUTH_AGREEMENT_MIN"]
+
+# Rows of one prompt recomputed in another request may differ only by numerics (batch shape, bf16 near-ties).
+ROW_AGREEMENT_MIN = 0.99
+# Below this share of (token, MoE layer) sets equal to the checkpoint's router, routing is not the model's.
+TRUTH_AGREEMENT_MIN = 0.90
+
+
+@dataclass
+class Check:
+    """One check: its name, whether it passed, and what it found (the cause when it failed)."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class DoctorReport:
+    """Everything ``rr-server doctor`` found; ``ok`` is the verdict."""
+
+    url: str
+    deployment: str
+    identity: dict[str, Any] = field(default_factory=dict)
+    known_bugs: list[BugStatus] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    ground_truth: dict[str, Any] | None = None
+    cost: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["verdict"] = "PASS" if self.ok else "FAIL"
+        return d
+
+
+def _prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Distinct token-id prompts of 12-27 tokens, ids in [1, vocab)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, max(2, vocab), size=12 + (5 * i) % 16).tolist() for i in range(count)]
+
+
+def _prompt_rows(r: GenerateResult) -> np.ndarray:
+    """The routing rows of the prompt's tokens (row p routes token p), from ``routed_experts_start`` on."""
+    assert r.routed_experts is not None and r.prompt_ids is not None
+    return r.routed_experts[: len(r.prompt_ids) - r.routed_experts_start]
+
+
+def _agreement(a: np.ndarray, b: np.ndarray, moe_layers: Sequence[int]) -> float:
+    """Share of (row, MoE layer) top-k sets equal in two arrays of the same rows."""
+    if a.shape != b.shape:
+        return 0.0
+    if not len(moe_layers) or not a.shape[0]:
+        return 1.0
+    sa = np.sort(a[:, list(moe_layers)].astype(np.int64), -1)
+    sb = np.sort(b[:, list(moe_layers)].astype(np.int64), -1)
+    return float(np.all(sa == sb, -1).mean())
+
+
+class _Doctor:
+    """State of one doctor run: the client, the server's info, and every sample seen."""
+
+    def __init__(self, client: RoutedExpertsClient, info: RRInfo, report: DoctorReport, max_new_tokens: int) -> None:
+        self.client, self.info, self.report = client, info, report
+        self.params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+        self.samples: list[GenerateResult] = []
+
+    def add(self, name: str, ok: bool, detail: str) -> None:
+        self.report.checks.append(Check(name, ok, detail))
+
+    async def gen(self, prompts: list[list[int]], params: dict[str, Any] | None = None, **kw: Any) -> list[GenerateResult]:
+        batch = await self.client.generate(prompts, {**self.params, **(params or {})}, **kw)
+        got = [r for r in batch if r.routed_experts is not None]
+        self.samples.extend(got)
+        return list(batch)
+
+    def rows_agree(self, name: str, a: np.ndarray, b: np.ndarray, what: str) -> None:
+        share = _agreement(a, b, self.info.moe_layers)
+        self.add(name, share >= ROW_AGREEMENT_MIN,
+                 f"{what}: {100 * share:.2f}% of (token, MoE layer) top-k sets equal"
+                 + ("" if share >= ROW_AGREEMENT_MIN else
+                    " - the rows do not belong to this prompt (mixed, shifted or overwritten routing)"))
+
+    async def live(self, prompts: list[list[int]]) -> None:
+        p0, p1, p2, p3 = prompts[:4]
+        try:
+            (single,) = await self.gen([p0])
+            self.add("single", True, f"{single.routed_experts.shape} rows x layers x top-k, "  # type: ignore[union-attr]
+                     f"{single.routed_experts.dtype}, full check passed")  # type: ignore[union-attr]
+        except RRError as e:
+            self.add("single", False, f"{type(e).__name__}: {e}")
+            return
+        await self._guard("batch", self._batch(single, [p0, p1, p2]))
+        await self._guard("n=2", self._n2(p1))
+        await self._guard("routed_experts_start", self._start(single, p0))
+        await self._guard("prefix-cache hit", self._repeat(single, p0))
+        await self._guard("mixed batch", self._mixed(p2, p3))
+
+    async def _guard(self, name: str, coro: Any) -> None:
+        try:
+            await coro
+        except RRError as e:
+            self.add(name, False, f"{type(e).__name__}: {e}")
+
+    async def _batch(self, single: GenerateResult, prompts: list[list[int]]) -> None:
+        batch = await self.gen(prompts)
+        self.rows_agree("batch", _prompt_rows(batch[0]), _prompt_rows(single), "prompt 0 in a batch of 3 vs alone")
+
+    async def _n2(self, prompt: list[int]) -> None:
+        a, b = await self.gen([prompt], {"n": 2, "temperature": 1.0})
+        self.rows_agree("n=2", _prompt_rows(a), _prompt_rows(b), "the prompt rows of 2 samples of one prompt")
+
+    async def _start(self, single: GenerateResult, prompt: list[int]) -> None:
+        s = min(4, len(prompt) - 1)
+        (r,) = await self.gen([prompt], routed_experts_start=s)
+        full = _prompt_rows(single)[s:]
+        self.rows_agree("routed_experts_start", _prompt_rows(r), full, f"start={s} vs the same rows of a full request")
+
+    async def _repeat(self, single: GenerateResult, prompt: list[int]) -> None:
+        (r,) = await self.gen([prompt])
+        cached = r.meta.get("cached_tokens")
+        self.rows_agree("prefix-cache hit", _prompt_rows(r), _prompt_rows(single),
+                        f"repeated prompt (cached_tokens={cached}) vs first time")
+
+    async def _mixed(self, asked: list[int], unasked: list[int]) -> None:
+        """Requests with and without routing in flight together: each must keep its own rows."""
+        ref = _prompt_rows((await self.gen([asked]))[0])
+        worst = 1.0
+        for _ in range(3):
+            with_r, _without = await asyncio.gather(
+                self.gen([asked]), self.client.generate([unasked], self.params, return_routed_experts=False))
+            worst = min(worst, _agreement(_prompt_rows(with_r[0]), ref, self.info.moe_layers))
+        self.add("mixed batch", worst >= ROW_AGREEMENT_MIN,
+                 f"a request next to one that did not ask kept its own rows in {100 * worst:.2f}% of sets (worst of 3)"
+                 + ("" if worst >= ROW_AGREEMENT_MIN else
+                    " - it received another request's routing (SGLang <= 0.5.12 mixed-batch bug?)"))
+
+    def truth(self, model_path: str, device: str) -> None:
+        from rr_server.doctor.truth import LayerAgreement, RouterReference
+
+        ref = RouterReference(model_path, device=device)
+        per_layer: dict[int, LayerAgreement] = {}
+        for r in self.samples:
+            assert r.prompt_ids is not None and r.routed_experts is not None
+            ref.compare(r.routed_experts, r.prompt_ids + r.output_ids, r.routed_experts_start,
+                        self.info.moe_layers, per_layer)
+        equal = sum(a.equal for a in per_layer.values())
+        total = sum(a.total for a in per_layer.values())
+        differ = total - equal
+        ties = sum(a.near_ties for a in per_layer.values())
+        share = equal / total if total else 1.0
+        self.report.ground_truth = {
+            "model_path": model_path, "agreement": share, "compared": total, "samples": len(self.samples),
+            "near_tie_share_of_differing": (ties / differ) if differ else None,
+            "per_layer": {a.layer: {"agreement": a.share, "first_diff": a.first_diff} for a in per_layer.values()},
+        }
+        low = [a for a in per_layer.values() if a.share < TRUTH_AGREEMENT_MIN]
+        detail = (f"{100 * share:.2f}% of {total} (token, MoE layer) top-k sets equal the checkpoint's router"
+                  + (f"; {ties}/{differ} differing rows are near-ties (k-th and (k+1)-th within 1e-3)" if differ else ""))
+        if low:
+            worst = min(low, key=lambda a: a.share)
+            detail += (f"; layer {worst.layer} agrees on only {100 * worst.share:.1f}% - shifted layers, all-zero, "
+                       f"physical-id or another model's routing (first difference: token {worst.first_diff[0]}, "  # type: ignore[index]
+                       f"got {worst.first_diff[1]}, router says {worst.first_diff[2]})")  # type: ignore[index]
+        self.add("ground truth", not low, detail)
+
+
+async def _cost(http: httpx.AsyncClient, prompts: list[list[int]], params: dict[str, Any], rounds: int = 3
+                ) -> dict[str, Any]:
+    """Reply bytes per token and latency per request, with routing and without, alternating in one run."""
+    stats: dict[bool, dict[str, list[float]]] = {True: {"bytes": [], "lat": [], "tok": []},
+                                                 False: {"bytes": [], "lat": [], "tok": []}}
+    for _ in range(rounds):
+        for want in (True, False):
+            body = {"input_ids": prompts, "sampling_params": params, "return_routed_experts": want}
+            t0 = time.perf_counter()
+            resp = await http.post("/generate", json=body)
+            stats[want]["lat"].append((time.perf_counter() - t0) / len(prompts))
+            resp.raise_for_status()
+            items = resp.json()
+            tokens = sum(it["meta_info"]["prompt_tokens"] + it["meta_info"]["completion_tokens"] for it in items)
+            stats[want]["bytes"].append(len(resp.content) / max(1, tokens))
+    med = {w: {k: statistics.median(v) for k, v in s.items() if v} for w, s in stats.items()}
+    return {
+        "bytes_per_token_with": med[True]["bytes"], "bytes_per_token_without": med[False]["bytes"],
+        "latency_ms_with": 1e3 * med[True]["lat"], "latency_ms_without": 1e3 * med[False]["lat"],
+        "latency_ratio": med[True]["lat"] / med[False]["lat"] if med[False]["lat"] else None,
+        "rounds": rounds, "requests_per_round": len(prompts),
+    }
+
+
+async def run_doctor(
+    url: str,
+    *,
+    api_key: str | None = None,
+    engine: str | None = None,
+    model_path: str | None = None,
+    prompts: int = 4,
+    max_new_tokens: int = 8,
+    device: str = "cpu",
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> DoctorReport:
+    """Run every check against ``url`` (an rr server, or with ``engine`` an unpatched engine); return the report.
+
+    With ``engine``, the engine is wrapped in an in-process sidecar, so the same checks (and the same full
+    check) apply to what that engine sends.
+    """
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    closers: list[Any] = []
+    base, tr = url, transport
+    if engine is not None:
+        from rr_server.proxy.app import ProxyConfig, create_app
+
+        app = create_app(ProxyConfig(upstream=url, engine=engine, upstream_api_key=api_key,  # type: ignore[arg-type]
+                                     model_path=model_path), transport=transport)
+        closers.append(app.state.sidecar.up.aclose)
+        base, tr, headers = "http://rr-doctor-sidecar", httpx.ASGITransport(app=app), {}
+    report = DoctorReport(url=url, deployment="unpatched" if engine else "patched")
+    client = RoutedExpertsClient(base, transport=tr, api_key=api_key if engine is None else None,
+                                 retries=1, batch_size=8)
+    http = httpx.AsyncClient(base_url=base, transport=tr, headers=headers, timeout=600)
+    try:
+        try:
+            info = await client.info()
+        except RRError as e:
+            report.checks.append(Check("identity", False, f"{type(e).__name__}: {e}"))
+            return report
+        if engine is None and info.model_extra and info.model_extra.get("sidecar"):
+            report.deployment = "sidecar"
+        report.identity = info.model_dump()
+        report.known_bugs = known_bugs_for(info.engine, info.engine_version, deployment=report.deployment)
+        report.checks.append(Check("identity", True, f"{info.engine} {info.engine_version}, {info.num_hidden_layers} "
+                                   f"layers ({len(info.moe_layers)} MoE), {info.num_experts} experts, top-{info.topk}, "
+                                   f"wire {info.wire_dtype}"))
+        if model_path and not _same_model(report, info, model_path):
+            return report
+        vocab = _vocab(model_path) if model_path else 200
+        plist = _prompts(max(4, prompts), vocab)
+        doc = _Doctor(client, info, report, max_new_tokens)
+        await doc.live(plist)
+        if model_path and doc.samples:
+            doc.truth(model_path, device)
+        try:
+            report.cost = await _cost(http, plist[:2], doc.params)
+        except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
+            report.cost = {"error": f"{type(e).__name__}: {e}"}
+        return report
+    finally:
+        await client.aclose()
+        await http.aclose()
+        for close in closers:
+            await close()
+
+
+def _same_model(report: DoctorReport, info: RRInfo, model_path: str) -> bool:
+    """``--model-path`` must describe the served model's routing (layers, experts, top-k, MoE layers)."""
+    from rr_client.hf_config import load_config
+
+    local = RRInfo.from_hf_config(load_config(model_path), engine=info.engine, engine_version=info.engine_version)
+    keys = ("num_hidden_layers", "num_experts", "topk", "moe_layers")
+    diff = {k: (getattr(info, k), getattr(local, k)) for k in keys if getattr(info, k) != getattr(local, k)}
+    if diff:
+        report.checks.append(Check("model path", False, "--model-path is not the served model: "
+                                   + ", ".join(f"{k} server {a} vs checkpoint {b}" for k, (a, b) in diff.items())))
+    return not diff
+
+
+def _vocab(model_path: str) -> int:
+    """Token ids the prompts may use: the checkpoint's vocabulary size."""
+    from rr_client.hf_config import load_config
+
+    cfg = load_config(model_path)
+    inner = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    return int(inner.get("vocab_size") or 200)

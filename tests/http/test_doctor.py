@@ -1,0 +1,64 @@
+"""``rr-server doctor`` against the TEST-ONLY protocol server: each injected fault turns into a FAIL naming it.
+
+The positive case and ground truth run on the real vLLM server (tests/vllm/test_doctor.py); here the
+faults a real engine cannot be made to produce on demand: all-zero rows, another request's rows, a bad key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from rr_server.cli import main as cli
+from tests.support.protocol_server import ProtocolTestServer
+
+
+@pytest.fixture
+def server() -> Iterator[ProtocolTestServer]:
+    with ProtocolTestServer(layers=3, topk=2, num_experts=8, moe_layers=[0, 2]) as s:
+        yield s
+
+
+def _doctor(url: str, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str]:
+    rc = cli(["doctor", url, *extra])
+    return rc, capsys.readouterr().out
+
+
+def test_healthy_synthetic_server_passes(server: ProtocolTestServer, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = _doctor(server.url, capsys)
+    assert rc == 0 and out.startswith("PASS"), out
+    for name in ("single", "batch", "n=2", "routed_experts_start", "prefix-cache hit", "mixed batch"):
+        assert f"ok   {name}" in out
+    assert "B/token with routing" in out
+
+
+def test_all_zero_rows_fail_with_their_cause(server: ProtocolTestServer, capsys: pytest.CaptureFixture[str]) -> None:
+    server.behaviour.corrupt = "zero"
+    rc, out = _doctor(server.url, capsys)
+    first = out.splitlines()
+    assert rc == 1 and first[0].startswith("FAIL")
+    assert "FAIL single: UnrecordedRoutingError" in first[1] and "all-zero" in first[1]
+
+
+def test_rows_of_another_request_fail(server: ProtocolTestServer, capsys: pytest.CaptureFixture[str]) -> None:
+    server.behaviour.corrupt = "mixed"
+    rc, out = _doctor(server.url, capsys, "--json")
+    report = json.loads(out)
+    assert rc == 1 and report["verdict"] == "FAIL"
+    failed = {c["name"]: c["detail"] for c in report["checks"] if not c["ok"]}
+    assert {"batch", "prefix-cache hit", "mixed batch"} <= set(failed)
+    assert "do not belong to this prompt" in failed["batch"]
+    assert "another request's routing" in failed["mixed batch"]
+
+
+def test_rejected_key_is_an_identity_failure(server: ProtocolTestServer, capsys: pytest.CaptureFixture[str]) -> None:
+    server.behaviour.reject_status = 401
+    rc, out = _doctor(server.url, capsys)
+    assert rc == 1  # /rr/info still answers; the first /generate is refused with a typed AuthenticationError
+    assert "FAIL single: AuthenticationError" in out
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["doctor", "http://127.0.0.1:9", "--prompts", "2"]) == 2
