@@ -1,7 +1,7 @@
 # One command each: `make demo` (set up + main job), `make test` (set up + every test).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-core test-fast test-sglang bench clean
+.PHONY: setup demo test test-core test-fast test-sglang test-vllm032 bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -19,12 +19,18 @@ test-fast: setup
 test-sglang: setup
 	bash scripts/test_sglang.sh
 
-test: test-core test-sglang
+# vLLM 0.32's real code in .venvs/vllm-0.32 (scripts/setup_vllm032.sh): version gate, launcher, endpoint plugin
+test-vllm032: setup
+	bash scripts/test_vllm032.sh
+
+test: test-core test-sglang test-vllm032
 
 bench: setup
 	$(PY) benchmarks/codec.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/sidecar.py
+	$(PY) benchmarks/scale_out.py
+	$(PY) benchmarks/r3_effect.py
 
 clean:
 	rm -rf .venv .venvs .cache

@@ -31,6 +31,7 @@ from rr_client.errors import (
     MalformedPayloadError,
     MissingRoutingError,
     ProtocolError,
+    ReplicaMismatchError,
     RequestRejectedError,
     RequestTimeoutError,
     RoutedExpertsError,
@@ -78,6 +79,7 @@ __all__ = [
     "ExpertIdOutOfRangeError", "UnrecordedRoutingError", "MissingRoutingError",
     "TransportError", "ConnectError", "RequestTimeoutError", "ConnectionLostError",
     "ServerError", "RequestRejectedError", "AuthenticationError", "ProtocolError",
+    "ReplicaMismatchError",
     "RRInfo", "load_config", "moe_layers_from_config", "routing_dims_from_config",
     "__version__",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -13,11 +13,12 @@ import httpx
 import orjson
 
 from rr_client._http_errors import error_for_status, map_httpx_error
+from rr_client._replicas import Replica, ReplicaPool, ReplicaStats
 from rr_client._results import GenerateBatch, GenerateResult, parse_sample
-from rr_client.errors import ProtocolError, RequestRejectedError, RRError
+from rr_client.errors import ProtocolError, RequestRejectedError, RRError, ServerError, TransportError
 from rr_client.info import RRInfo
 
-__all__ = ["RoutedExpertsClient", "Prompt", "API_KEY_ENV"]
+__all__ = ["RoutedExpertsClient", "Prompt", "API_KEY_ENV", "ReplicaStats"]
 
 API_KEY_ENV = "RR_API_KEY"
 
@@ -25,18 +26,28 @@ Prompt = str | Sequence[int]
 
 
 class RoutedExpertsClient:
-    """Async client for any rr server (patched SGLang/vLLM or the sidecar).
+    """Async client for any rr server (patched SGLang/vLLM or the sidecar), or for several replicas of one.
 
     ``async with RoutedExpertsClient("http://127.0.0.1:8000") as c: batch = await c.generate(prompts)``.
     Large batches are split into requests of ``batch_size`` prompts, at most ``max_concurrency`` in
     flight; connection errors and 5xx are retried ``retries`` times with jittered backoff, 4xx never.
     ``api_key`` (default: env ``RR_API_KEY``) is sent as ``Authorization: Bearer``; a 401/403 raises
     :class:`AuthenticationError`.
+
+    ``base_url`` may be a list of replica URLs serving the same model (checked on ``/rr/info``;
+    :class:`ReplicaMismatchError` otherwise). Each request goes to the healthy replica with the fewest
+    requests in flight (``max_concurrency`` is the total over all replicas); the ``n`` samples of a prompt
+    are one request, and every request of one ``generate(..., affinity=key)`` key goes to the same
+    replica while it is healthy. A replica that fails a connection or answers 5xx is taken out, the
+    request moves to another replica at once (no backoff, not counted against ``retries``), and the
+    replica is probed on ``health_path`` every ``probe_interval`` s and taken back when it answers and
+    serves the same model. ``replica_stats()`` gives per-replica counts. ``generate_path`` names the
+    generate route (``"/rr/generate"`` behind routers that rewrite ``/generate``).
     """
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         *,
         timeout: float = 600.0,
         max_concurrency: int = 16,
@@ -48,28 +59,45 @@ class RoutedExpertsClient:
         headers: Mapping[str, str] | None = None,
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        generate_path: str = "/generate",
+        health_path: str = "/health",
+        probe_interval: float = 1.0,
     ) -> None:
         if max_concurrency < 1 or batch_size < 1 or retries < 0:
             raise ValueError("max_concurrency and batch_size must be >= 1, retries >= 0")
+        if probe_interval <= 0:
+            raise ValueError("probe_interval must be > 0")
+        for name, path in (("generate_path", generate_path), ("health_path", health_path)):
+            if not path.startswith("/"):
+                raise ValueError(f"{name} must start with '/', got {path!r}")
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not all(isinstance(u, str) and u for u in urls):
+            raise TypeError("base_url must be a URL or a list of URLs")
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         all_headers = dict(headers or {})
         if key:
             all_headers["authorization"] = f"Bearer {key}"
-        self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-            limits=httpx.Limits(
-                max_connections=max_concurrency, max_keepalive_connections=max_concurrency, keepalive_expiry=2.0
-            ),  # close idle connections before servers (uvicorn: 5 s) do, avoiding a write-on-closing race
-            headers=all_headers,
-            transport=transport,
-        )
+
+        def make_http(url: str) -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                base_url=url,
+                timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+                limits=httpx.Limits(
+                    max_connections=max_concurrency, max_keepalive_connections=max_concurrency, keepalive_expiry=2.0
+                ),  # close idle connections before servers (uvicorn: 5 s) do, avoiding a write-on-closing race
+                headers=all_headers,
+                transport=transport,
+            )
+
+        self._pool = ReplicaPool([u.rstrip("/") for u in urls], make_http, health_path=health_path,
+                                 probe_interval=probe_interval)
         self._sem = asyncio.Semaphore(max_concurrency)
         self._retries = retries
         self._backoff = backoff
         self._batch_size = batch_size
         self._allow_extra_rows = allow_extra_rows
         self._validate = validate
+        self._generate_path = generate_path
         self._info: RRInfo | None = None
         self._info_lock = asyncio.Lock()
 
@@ -82,31 +110,66 @@ class RoutedExpertsClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
-        await self._http.aclose()
+        """Stop the health probes and close every replica's connection pool."""
+        await self._pool.aclose()
+
+    # ------------------------------------------------------------------ replicas
+
+    @property
+    def urls(self) -> list[str]:
+        """The replica URLs, in the order given."""
+        return [r.url for r in self._pool.replicas]
+
+    def replica_stats(self) -> list[ReplicaStats]:
+        """Per-replica counts (requests, errors, in flight, taken out / back) and health, in URL order."""
+        return self._pool.stats()
+
+    def replica_for(self, affinity: Hashable) -> str | None:
+        """URL of the replica an affinity key is pinned to (None before its first request)."""
+        return self._pool.replica_of(affinity)
 
     # ------------------------------------------------------------------ transport
 
-    async def _request(self, method: str, path: str, body: Any = None) -> Any:
-        """One call with retries on connection errors and 5xx; returns the decoded JSON body."""
+    async def _request(self, method: str, path: str, body: Any = None, *, affinity: Hashable | None = None,
+                       only: Replica | None = None) -> Any:
+        """One call: on a connection error or 5xx it moves to another healthy replica at once, else retries
+        ``retries`` times with backoff; returns the decoded JSON body. ``only`` pins it to one replica."""
         content = orjson.dumps(body) if body is not None else None
         headers = {"content-type": "application/json"} if content is not None else None
+        pool = self._pool
+        multi = len(pool.replicas) > 1
         last: RRError | None = None
-        for attempt in range(self._retries + 1):
-            if attempt:
-                await asyncio.sleep(self._backoff * (2 ** (attempt - 1)) * (0.5 + random.random()))
-            what = f"{method} {path}"
-            try:
-                async with self._sem:
-                    resp = await self._http.request(method, path, content=content, headers=headers)
-            except httpx.HTTPError as e:
-                last = map_httpx_error(e, what)
-                continue
+        failed: Replica | None = None
+        backoffs = 0
+        for _ in range((self._retries + 1) * len(pool.replicas)):
+            if failed is not None:
+                other = only is None and any(r.healthy and r is not failed for r in pool.replicas)
+                if not other:  # nowhere else to go: retry with backoff, at most ``retries`` times
+                    backoffs += 1
+                    if backoffs > self._retries:
+                        break
+                    await asyncio.sleep(self._backoff * (2 ** (backoffs - 1)) * (0.5 + random.random()))
+            async with self._sem:
+                r = only or pool.pick(affinity, avoid=failed)
+                what = f"{method} {r.url}{path}" if multi else f"{method} {path}"
+                r.requests += 1
+                r.in_flight += 1
+                try:
+                    resp = await r.http.request(method, path, content=content, headers=headers)
+                except httpx.HTTPError as e:
+                    last = map_httpx_error(e, what)
+                    pool.failed(r, str(last))
+                    failed = r
+                    continue
+                finally:
+                    r.in_flight -= 1
             err = error_for_status(resp, what)
             if isinstance(err, RequestRejectedError):  # 4xx (401/403 included): the request is wrong, never retried
                 raise err
             if err is not None:  # 5xx
                 last = err
+                pool.failed(r, str(err))
+                failed = r
                 continue
             try:
                 return orjson.loads(resp.content)
@@ -116,14 +179,33 @@ class RoutedExpertsClient:
         raise last
 
     async def info(self) -> RRInfo:
-        """``GET /rr/info``, fetched once and cached: every routing payload is checked against it."""
+        """``GET /rr/info`` of every replica, fetched once and cached: every routing payload is checked against it.
+
+        Replicas that cannot be reached are taken out (and probed); replicas that disagree on the model or
+        its routing dimensions raise :class:`ReplicaMismatchError`.
+        """
         async with self._info_lock:
             if self._info is None:
-                body = await self._request("GET", "/rr/info")
-                try:
-                    self._info = RRInfo.model_validate(body)
-                except ValueError as e:
-                    raise ProtocolError(f"/rr/info is invalid: {e}") from e
+                replicas = self._pool.replicas
+                bodies = await asyncio.gather(*(self._request("GET", "/rr/info", only=r) for r in replicas),
+                                              return_exceptions=True)
+                infos: dict[Replica, RRInfo] = {}
+                errors: list[BaseException] = []
+                for r, body in zip(replicas, bodies):
+                    if isinstance(body, (TransportError, ServerError)):
+                        errors.append(body)
+                        if len(replicas) > 1 and r.healthy:  # unreachable now: probed, checked when it is back
+                            self._pool.failed(r, str(body))
+                        continue
+                    if isinstance(body, BaseException):
+                        raise body
+                    try:
+                        infos[r] = RRInfo.model_validate(body)
+                    except ValueError as e:
+                        raise ProtocolError(f"{r.url}/rr/info is invalid: {e}") from e
+                if not infos:
+                    raise errors[0]
+                self._info = self._pool.check_info(infos)
             return self._info
 
     # ------------------------------------------------------------------ generate
@@ -136,11 +218,14 @@ class RoutedExpertsClient:
         return_routed_experts: bool = True,
         routed_experts_start: int | None = None,
         return_logprob: bool = False,
+        affinity: Hashable | None = None,
     ) -> GenerateBatch:
         """Generate for each prompt (text or token ids); results in prompt order, ``n`` per prompt.
 
         ``return_logprob`` asks for the sampled tokens' log-probs: each result's
         ``meta["output_token_logprobs"]`` (SGLang's ``[logprob, token_id, None]`` per generated token).
+        ``affinity`` (e.g. a trajectory id): every request of every call with this key goes to the same
+        replica while it is healthy, so its prefix cache serves the later turns.
         """
         plist = _normalize_prompts(prompts)
         params = dict(sampling_params or {})
@@ -153,7 +238,8 @@ class RoutedExpertsClient:
         info = await self.info()
         chunks = [range(i, min(i + self._batch_size, len(plist))) for i in range(0, len(plist), self._batch_size)]
         tasks = [
-            self._generate_chunk(plist, c, params, n, info, return_routed_experts, routed_experts_start, return_logprob)
+            self._generate_chunk(plist, c, params, n, info, return_routed_experts, routed_experts_start, return_logprob,
+                                 affinity)
             for c in chunks
         ]
         parts = await asyncio.gather(*tasks)
@@ -170,6 +256,7 @@ class RoutedExpertsClient:
         want: bool,
         start: int | None,
         return_logprob: bool = False,
+        affinity: Hashable | None = None,
     ) -> list[GenerateResult]:
         """One ``/generate`` request for prompts ``idx``; checks count and every sample."""
         sub = [prompts[i] for i in idx]
@@ -181,10 +268,10 @@ class RoutedExpertsClient:
             body["routed_experts_start"] = start
         if return_logprob:
             body["return_logprob"] = True
-        reply = await self._request("POST", "/generate", body)
+        reply = await self._request("POST", self._generate_path, body, affinity=affinity)
         if not isinstance(reply, list) or len(reply) != len(sub) * n:
             got = len(reply) if isinstance(reply, list) else type(reply).__name__
-            raise ProtocolError(f"/generate: expected {len(sub) * n} samples for {len(sub)} prompts x n={n}, got {got}")
+            raise ProtocolError(f"{self._generate_path}: expected {len(sub) * n} samples for {len(sub)} prompts x n={n}, got {got}")
         out = []
         for j, item in enumerate(reply):
             p = idx[j // n]

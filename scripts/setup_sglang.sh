@@ -6,7 +6,7 @@
 #                           plus a sitecustomize that lets CUDA-linked torchvision import on CPU torch
 #   tests/sglang/_stubs/    a CPU stand-in for sgl_kernel (CUDA-only wheel that cannot load here)
 # Use:  PYTHONPATH="$(scripts/setup_sglang.sh --pythonpath V)" .venv/bin/python -m pytest tests/sglang
-# Idempotent (stamp files keyed on this script); .venv itself is never modified. Fails loudly.
+# Idempotent (stamp files keyed on what each overlay installs); .venv itself is never modified. Fails loudly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -22,7 +22,6 @@ if [ "${1:-}" = "--pythonpath" ]; then pythonpath "$2"; exit 0; fi
 [ -x "$PY" ] || { echo "setup_sglang: $VENV is missing; run scripts/setup.sh first" >&2; exit 1; }
 [ -x "$VENV/bin/uv" ] || "$PY" -m pip install -q uv
 UV=("$VENV/bin/uv" pip install -q --python "$PY" --no-deps)
-key="$(sha1sum "$0" | cut -c1-12)"
 
 # Imported by every tested SGLang at module level and absent from .venv (pinned: what was tested).
 COMMON_PKGS=("triton==3.9.0" "torchvision==0.28.0" "ipython==9.18.1" "traitlets==5.16.1" "gguf==0.19.0"
@@ -30,11 +29,15 @@ COMMON_PKGS=("triton==3.9.0" "torchvision==0.28.0" "ipython==9.18.1" "traitlets=
 
 extra_pkgs() {  # pins a version needs on top of .venv (its transformers pin when .venv's breaks it)
   case "$1" in
-    0.5.12) echo "transformers==5.6.0 tokenizers>=0.22.0,<=0.23.0 huggingface-hub>=1.5.0,<2" ;;
+    # 0.5.11/0.5.12 register configs (qwen3_asr, ...) that .venv's newer transformers already has
+    0.5.11|0.5.12) echo "transformers==5.6.0 tokenizers>=0.22.0,<=0.23.0 huggingface-hub>=1.5.0,<2" ;;
+    0.5.13) echo "transformers==5.8.1 tokenizers>=0.22.0,<=0.23.0 huggingface-hub>=1.5.0,<2" ;;
     *) echo "" ;;
   esac
 }
 
+stamp_key() { printf '%s\n' "$@" | sha1sum | cut -c1-12; }  # a change of what is installed reinstalls
+key="$(stamp_key "${COMMON_PKGS[@]}" "$(sed -n '/cat > "$COMMON\/sitecustomize.py"/,/^PYEOF/p' "$0")")"
 if [ ! -f "$COMMON/.rr-stamp-$key" ]; then
   echo "setup_sglang: common deps -> $COMMON"
   t0=$(date +%s)
@@ -57,6 +60,7 @@ fi
 status=0
 for v in "$@"; do
   dir="$ROOT/sglang-$v"
+  key="$(stamp_key "sglang==$v" "$(extra_pkgs "$v")")"
   if [ -f "$dir/.rr-stamp-$key" ]; then echo "setup_sglang: SGLang $v is up to date ($dir)"; continue; fi
   t0=$(date +%s)
   rm -rf "$dir"

@@ -4,7 +4,8 @@
 #   RR_SGLANG_VERSIONS="0.5.9 0.5.23" scripts/test_sglang.sh -x
 set -uo pipefail
 cd "$(dirname "$0")/.."
-read -r -a VERSIONS <<< "${RR_SGLANG_VERSIONS:-0.5.7 0.5.9 0.5.12 0.5.23}"
+# Every version where the behaviour rr relies on changes (see docs/engines.md): ~30-75 s each.
+read -r -a VERSIONS <<< "${RR_SGLANG_VERSIONS:-0.5.7 0.5.8 0.5.9 0.5.10 0.5.11 0.5.12 0.5.13 0.5.23}"
 PY="${VENV:-.venv}/bin/python"
 failed=()
 for v in "${VERSIONS[@]}"; do

@@ -20,15 +20,18 @@ from typing import Any
 
 from rr_patches.release import parse_release
 
-__all__ = ["register", "SUPPORTED", "check_vllm_version", "UnsupportedVLLMVersion"]
+__all__ = ["register", "SUPPORTED", "check_vllm_version", "UnsupportedVLLMVersion", "uses_endpoint_plugin"]
 
 logger = logging.getLogger("rr.vllm")
 
 # Versions whose routed-experts path returns base64 .npy (see docs); inclusive bounds.
-SUPPORTED = ((0, 22), (0, 30))
+SUPPORTED = ((0, 22), (0, 33))
+# vLLM 0.30+ loads HTTP routes from this entry-point group (rr_patches.vllm.endpoint); older ones get the wrap.
+ENDPOINT_GROUP = "vllm.endpoint_plugins"
+PLUGIN_NAME = "rr"
 # Where build_app is looked up at call time, newest layout first (module, attribute).
 _HOOK_SITES: tuple[tuple[str, str], ...] = (
-    ("vllm.entrypoints.launchers.api_server.entry", "build_app"),  # 0.29-0.30
+    ("vllm.entrypoints.launchers.api_server.entry", "build_app"),  # 0.29-0.33 (from launchers/app.py)
     ("vllm.entrypoints.openai.api_server", "build_app"),  # <= 0.28 (defines and calls it)
 )
 _MARK = "__rr_patched__"
@@ -119,6 +122,34 @@ def _install_hooks(*, import_missing: bool) -> list[str]:
     return patched
 
 
+def _vllm_has_endpoint_group() -> bool:
+    """True on vLLMs (0.30+) that load ``vllm.endpoint_plugins`` in the API server."""
+    try:
+        plugins = importlib.import_module("vllm.plugins")
+    except ImportError:
+        return False
+    return getattr(plugins, "ENDPOINT_PLUGINS_GROUP", None) == ENDPOINT_GROUP
+
+
+def _rr_endpoint_registered() -> bool:
+    """rr's ``vllm.endpoint_plugins`` entry point is installed (an install without it falls back to the wrap)."""
+    from importlib.metadata import entry_points
+
+    return any(ep.name == PLUGIN_NAME and ep.value.startswith("rr_patches.")
+               for ep in entry_points(group=ENDPOINT_GROUP))
+
+
+def uses_endpoint_plugin() -> bool:
+    """Whether rr's routes come from the endpoint plugin (vLLM 0.30+ with rr's entry point) or the wrap."""
+    return _vllm_has_endpoint_group() and _rr_endpoint_registered()
+
+
+def _endpoint_allowed() -> bool:
+    """vLLM loads endpoint plugins only when ``VLLM_PLUGINS`` is set and names them."""
+    raw = os.environ.get("VLLM_PLUGINS")
+    return raw is not None and PLUGIN_NAME in [p.strip() for p in raw.split(",")]
+
+
 def register() -> None:
     """vLLM plugin entry point: install rr's HTTP routes in the API-server process."""
     if os.environ.get("RR_ENABLE") != "1" or _state["registered"]:
@@ -128,6 +159,18 @@ def register() -> None:
     top = multiprocessing.parent_process() is None
     allow = os.environ.get("RR_ALLOW_UNSUPPORTED_VERSION") == "1"
     version = check_vllm_version(allow_unsupported=allow)
+    if uses_endpoint_plugin():
+        # 0.30+: rr_patches.vllm.endpoint adds the routes through vLLM's own hook; no build_app wrap.
+        if top and not _endpoint_allowed():
+            raise UnsupportedVLLMVersion(
+                f"vLLM {version} adds rr's /generate and /rr/info through its '{ENDPOINT_GROUP}' plugin, "
+                f"which vLLM loads only when VLLM_PLUGINS names it: set VLLM_PLUGINS={PLUGIN_NAME} "
+                f"(or add {PLUGIN_NAME} to your list)")
+        _state["registered"] = True
+        if top:
+            logger.info("rr: vLLM %s plugin active; /generate and /rr/info come from %s:%s",
+                        version, ENDPOINT_GROUP, PLUGIN_NAME)
+        return
     sites = _install_hooks(import_missing=top)
     if not sites and not top:
         return

@@ -1,4 +1,9 @@
-"""FastAPI routes rr adds to vLLM's API server: SGLang-style ``/generate`` and ``/rr/info``.
+"""FastAPI routes rr adds to vLLM's API server: SGLang-style ``/generate`` (also at ``/rr/generate``) and ``/rr/info``.
+
+``/rr/generate`` is the same handler and schema under a path that routers forward untouched
+(vllm-router 0.1.17 rewrites ``/generate`` and drops ``return_routed_experts``; docs/scale-out.md).
+``RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS=1`` returns routing on every ``/generate`` answer, asked or not,
+for callers behind a router that drops the flag.
 
 Requests go straight to vLLM's in-process ``EngineClient`` (``app.state.engine_client``). The
 protocol lives in :mod:`rr_server.generate_protocol` and the vLLM translation in
@@ -9,11 +14,12 @@ protocol lives in :mod:`rr_server.generate_protocol` and the vLLM translation in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -36,10 +42,11 @@ from rr_server.generate_protocol import (
 )
 from rr_server.vllm_translate import checked_routing_fields, finish_reason_dict, to_vllm_sampling_kwargs
 
-__all__ = ["install_routes", "rr_info_dict"]
+__all__ = ["install_routes", "add_rr_routes", "rr_info_dict", "RR_ROUTES", "ALWAYS_ENV", "always_return_routing"]
 
 logger = logging.getLogger("rr.vllm")
-_ROUTES = ("/generate", "/rr/info")
+# Give routing to every answer, asked or not: for callers behind a router that drops the flag.
+ALWAYS_ENV = "RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS"
 # Routing elements above which a reply is built in a worker thread (env override for tests).
 _THREAD_MIN_ELEMS = int(os.environ.get("RR_ENCODE_THREAD_MIN_ELEMS", str(1 << 20)))
 
@@ -105,8 +112,10 @@ def rr_info_dict(app: FastAPI) -> dict[str, Any]:
 
 
 def _routing_enabled(app: FastAPI) -> bool:
-    """Whether vLLM was started with ``--enable-return-routed-experts``."""
-    return bool(getattr(app.state.engine_client.model_config, "enable_return_routed_experts", False))
+    """Whether vLLM was started with ``--enable-return-routed-experts`` (0.31+: in aux_output_config)."""
+    from rr_patches.vllm.compat import routing_enabled
+
+    return routing_enabled(app.state.engine_client)
 
 
 def _engine_prompt(p: str | list[int]) -> dict[str, Any]:
@@ -171,6 +180,9 @@ def _start(app: FastAPI, req: NormalizedGenerate) -> tuple[list[Any], list[str]]
     gens, rids = [], []
     base = uuid.uuid4().hex
     for i, (p, sp) in enumerate(zip(req.prompts, req.sampling)):
+        if req.return_routed_experts and isinstance(p, list) and req.routed_experts_start > len(p):
+            raise BadRequest(f"routed_experts_start {req.routed_experts_start} is beyond prompt {i} "
+                             f"({len(p)} tokens); it must be <= the prompt length")
         kw = to_vllm_sampling_kwargs(sp, routed_experts_start=req.routed_experts_start,
                                      return_logprob=req.return_logprob[i])
         try:
@@ -269,10 +281,17 @@ async def _unless_disconnected(request: Request, req: NormalizedGenerate) -> Res
     return Response(status_code=499)
 
 
+def always_return_routing() -> bool:
+    """``RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS`` is set (not empty, ``0`` or ``false``)."""
+    return os.environ.get(ALWAYS_ENV, "").strip().lower() not in ("", "0", "false")
+
+
 async def generate(request: Request) -> Response:
-    """SGLang-compatible ``POST /generate`` with optional routed experts."""
+    """SGLang-compatible ``POST /generate`` (and ``/rr/generate``) with optional routed experts."""
     try:
         req = parse_generate_request(await request.body())
+        if not req.return_routed_experts and always_return_routing() and _routing_enabled(request.app):
+            req = dataclasses.replace(req, return_routed_experts=True)
         if req.return_routed_experts and not _routing_enabled(request.app):
             raise BadRequest("this server was started without --enable-return-routed-experts")
         if req.stream:
@@ -287,17 +306,33 @@ async def rr_info_endpoint(request: Request) -> Response:
     return _json(rr_info_dict(request.app))
 
 
+# Every route rr adds: (path, handler, methods). ``/rr/generate`` is ``/generate`` under a path routers forward intact.
+RR_ROUTES: tuple[tuple[str, Callable[[Request], Any], tuple[str, ...]], ...] = (
+    ("/generate", generate, ("POST",)),
+    ("/rr/generate", generate, ("POST",)),
+    ("/rr/info", rr_info_endpoint, ("GET",)),
+)
+_ROUTES = tuple(path for path, _, _ in RR_ROUTES)
+
+
+def add_rr_routes(app: FastAPI) -> None:
+    """Include every route of :data:`RR_ROUTES` in ``app``; refuse loudly if vLLM already serves one of them."""
+    taken = [r.path for r in app.routes if getattr(r, "path", None) in _ROUTES]
+    if taken:
+        raise RuntimeError(f"rr: vLLM already serves {taken}; refusing to shadow them")
+    router = APIRouter()
+    for path, handler, methods in RR_ROUTES:
+        router.add_api_route(path, handler, methods=list(methods), include_in_schema=True)
+    app.include_router(router)
+
+
 def install_routes(app: FastAPI, args: Any = None) -> None:
     """Add rr's routes to a vLLM app once, behind vLLM's API keys; refuse loudly if vLLM owns those paths."""
     if getattr(app.state, "rr_routes_installed", False):
         return
-    taken = [r.path for r in app.routes if getattr(r, "path", None) in _ROUTES]
-    if taken:
-        raise RuntimeError(f"rr: vLLM already serves {taken}; refusing to shadow them")
+    add_rr_routes(app)
     how = protect_rr_routes(app, args)
-    router = APIRouter()
-    router.add_api_route("/generate", generate, methods=["POST"], include_in_schema=True)
-    router.add_api_route("/rr/info", rr_info_endpoint, methods=["GET"])
-    app.include_router(router)
     app.state.rr_routes_installed = True
-    logger.info("rr: added POST /generate and GET /rr/info; auth: %s", how)
+    logger.info("rr: added POST /generate, POST /rr/generate and GET /rr/info; auth: %s", how)
+    if always_return_routing():
+        logger.warning("rr: %s is set: every /generate answer carries routing, asked or not", ALWAYS_ENV)

@@ -1,4 +1,7 @@
-"""The sidecar's FastAPI app: ``/generate``, ``/rr/info``, ``/health`` and ``/metrics`` in front of one upstream."""
+"""The sidecar's FastAPI app: ``/generate``, ``/rr/info``, ``/health`` and ``/metrics`` in front of one upstream.
+
+``/rr/generate`` is ``/generate`` (same handler, same schema) under a path vllm-router forwards intact.
+"""
 
 from __future__ import annotations
 
@@ -146,6 +149,9 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
         finally:
             sc.metrics.in_flight.dec()
             sc.metrics.request_latency.labels("/generate").observe(time.perf_counter() - t0)
+
+    # The same handler at a path vllm-router forwards untouched (its own /generate drops rr's fields).
+    app.add_api_route("/rr/generate", generate, methods=["POST"])
 
     @app.get("/rr/info")
     async def rr_info() -> Response:

@@ -31,6 +31,11 @@ def completion_body(req: NormalizedGenerate, i: int, model: str) -> dict[str, An
                                      return_logprob=req.return_logprob[i])
     except BadRequest as e:
         raise ProxyError(e.status, "bad_request", str(e)) from None
+    p = req.prompts[i]
+    if req.return_routed_experts and isinstance(p, list) and req.routed_experts_start > len(p):
+        # vLLM refuses it too (400), with its own message; rr's says which field and prompt
+        raise ProxyError(400, "bad_request", f"routed_experts_start {req.routed_experts_start} is beyond prompt {i} "
+                                             f"({len(p)} tokens); it must be <= the prompt length")
     return {"model": model, "prompt": req.prompts[i], "return_token_ids": True, "stream": False, **kw}
 
 

@@ -50,15 +50,15 @@ KEY = "rr-test-api-key"
 ADMIN_KEY = "rr-test-admin-key"
 # sglang.srt.utils.auth (per-route auth levels); without SGLang (main venv) these tests are deselected,
 # but the module must still import there
-HAS_AUTH_LEVELS = HAVE is not None and profile_for().release >= (0, 5, 9)
-needs_auth_levels = pytest.mark.skipif(not HAS_AUTH_LEVELS, reason="SGLang < 0.5.9 has no auth levels / admin key")
+HAS_AUTH_LEVELS = HAVE is not None and profile_for().release >= (0, 5, 8)  # 0.5.8 added sglang.srt.utils.auth
+needs_auth_levels = pytest.mark.skipif(not HAS_AUTH_LEVELS, reason="SGLang < 0.5.8 has no auth levels / admin key")
 
 
 def _wire_like_launcher(app: Any, server_args: Any) -> bool:
     """Make the call SGLang's ``launch_server`` makes for API keys; True when it added a middleware."""
     from sglang.srt.entrypoints import http_server
 
-    if not HAS_AUTH_LEVELS:  # 0.5.7 http_server.py:1731-1733 (module-level import from sglang.srt.utils)
+    if not HAS_AUTH_LEVELS:  # 0.5.7 only; http_server.py:1731-1733 (module-level import from sglang.srt.utils)
         from sglang.srt.utils import add_api_key_middleware
 
         assert http_server.add_api_key_middleware is add_api_key_middleware  # what the launcher calls
@@ -219,9 +219,9 @@ async def test_rr_info_with_only_an_admin_key_is_like_generate(tiny_moe: Path, p
     _assert_info(await _get_info(h))
 
 
-@pytest.mark.skipif(HAS_AUTH_LEVELS, reason="SGLang >= 0.5.9 has auth levels: tested by the three tests above")
+@pytest.mark.skipif(HAS_AUTH_LEVELS, reason="SGLang >= 0.5.8 has auth levels: tested by the three tests above")
 def test_before_0_5_9_there_is_no_admin_key_to_bypass() -> None:
-    """< 0.5.9: no ``--admin-api-key`` and no auth levels, so the single ``--api-key`` rule above is the whole story."""
+    """< 0.5.8 (0.5.7): no ``--admin-api-key`` and no auth levels, so the single ``--api-key`` rule above is the whole story."""
     import importlib.util
 
     from sglang.srt.server_args import ServerArgs

@@ -57,10 +57,11 @@ def test_version_gate() -> None:
 
     assert check_vllm_version("0.30.0") == "0.30.0"
     assert check_vllm_version("0.22.1+cpu") == "0.22.1+cpu"
-    for v in ("0.21.0", "0.31.0", "1.0.0", "garbage"):
+    assert check_vllm_version("0.33.0") == "0.33.0"
+    for v in ("0.21.0", "0.34.0", "1.0.0", "garbage"):
         with pytest.raises(UnsupportedVLLMVersion):
             check_vllm_version(v)
-    assert check_vllm_version("0.31.0", allow_unsupported=True) == "0.31.0"
+    assert check_vllm_version("0.34.0", allow_unsupported=True) == "0.34.0"
 
 
 def test_sglang_versions_use_the_same_parser() -> None:
@@ -85,6 +86,7 @@ def test_plugin_hooks_build_app_idempotently(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setenv("RR_ENABLE", "1")
     monkeypatch.setitem(plugin._state, "registered", False)
+    monkeypatch.setattr(plugin, "uses_endpoint_plugin", lambda: False)  # the wrap path (< 0.30, or no entry point)
     from vllm.entrypoints.launchers.api_server import entry
 
     monkeypatch.setattr(entry, "build_app", entry.build_app)  # restored after the test
@@ -97,7 +99,7 @@ def test_plugin_hooks_build_app_idempotently(monkeypatch: pytest.MonkeyPatch) ->
     assert not getattr(entry.build_app.__wrapped__, "__rr_patched__", False)
 
 
-@pytest.mark.parametrize("version,cpu", [("0.29.0", True), ("0.21.0", False), ("0.31.0", False)])
+@pytest.mark.parametrize("version,cpu", [("0.29.0", True), ("0.21.0", False), ("0.34.0", False), ("0.32.0", True)])
 def test_launcher_refuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                           version: str, cpu: bool) -> None:
     from rr_server import launch_vllm
