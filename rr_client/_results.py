@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -57,6 +57,9 @@ class GenerateBatch:
 
     def __getitem__(self, i: int) -> GenerateResult:
         return self.results[i]
+
+    def __iter__(self) -> Iterator[GenerateResult]:
+        return iter(self.results)
 
     def to_tensors(
         self,

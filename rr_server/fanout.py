@@ -8,7 +8,7 @@ failures before its first event still get a real HTTP status.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
 from typing import TypeVar
 
 __all__ = ["gather_or_cancel", "merge_streams", "primed"]
@@ -31,7 +31,7 @@ async def gather_or_cancel(aws: Iterable[Awaitable[T]]) -> list[T]:
         raise
 
 
-async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
     """Yield ``(stream index, item)`` as items arrive from any stream; the first error is raised here.
 
     Every stream is drained by its own task; on exit (done, error, or the consumer closing us)

@@ -207,7 +207,7 @@ def parse_generate_request(body: bytes | str | Mapping[str, Any]) -> NormalizedG
         prompts = [list(p) for p in ids] if is_batch else [list(ids)]  # type: ignore[arg-type]
         if any(len(p) == 0 for p in prompts):
             raise BadRequest("empty prompt: 'input_ids' must be non-empty")
-        if any(t < 0 for p in prompts for t in p):  # type: ignore[union-attr]
+        if any(t < 0 for p in prompts for t in p if isinstance(t, int)):
             raise BadRequest("input_ids must be non-negative token ids")
     if not prompts:
         raise BadRequest("empty batch: at least one prompt is required")

@@ -299,5 +299,6 @@ def _vocab(model_path: str) -> int:
     from rr_client.hf_config import load_config
 
     cfg = load_config(model_path)
-    inner = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    text = cfg.get("text_config")
+    inner: dict[str, Any] = text if isinstance(text, dict) else cfg
     return int(inner.get("vocab_size") or 200)

@@ -82,8 +82,10 @@ class VLLMBackend:
         if not isinstance(choices, list) or len(choices) != n:
             got = len(choices) if isinstance(choices, list) else type(choices).__name__
             raise ProxyError(502, "upstream_protocol", f"upstream /v1/completions returned {got} choices, expected n={n}")
-        usage = reply.get("usage") if isinstance(reply.get("usage"), Mapping) else {}
-        details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), Mapping) else {}
+        usage_raw = reply.get("usage")
+        usage: Mapping[str, Any] = usage_raw if isinstance(usage_raw, Mapping) else {}
+        details_raw = usage.get("prompt_tokens_details")
+        details: Mapping[str, Any] = details_raw if isinstance(details_raw, Mapping) else {}
         rid = req.rids[i] or f"rr-{base}-{i}"
         start = req.routed_experts_start
         items = []
