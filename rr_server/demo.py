@@ -85,6 +85,17 @@ async def _generate(base_url: str, prompts: list[str], max_new_tokens: int, seed
         return await client.generate(prompts, {"max_new_tokens": max_new_tokens, "temperature": 0.8, "seed": seed})
 
 
+def _doctor(base_url: str, model_dir: Path) -> bool:
+    """``rr-server doctor BASE_URL --model-path MODEL_DIR`` on the demo's server; print its report."""
+    from rr_server.doctor import render
+    from rr_server.doctor.checks import run_doctor
+
+    print(f"\n$ rr-server doctor {base_url} --model-path {model_dir}")
+    report = asyncio.run(run_doctor(base_url, model_path=str(model_dir)))
+    print(render(report))
+    return report.ok
+
+
 def run(args: argparse.Namespace) -> int:
     """Build, launch, generate, report; return the exit code."""
     from transformers import AutoTokenizer
@@ -142,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         pct = 100.0 * match / max(1, total)
         print(f"\nagreement with transformers' router top-k (sets, every token x MoE layer): "
               f"{match}/{total} = {pct:.2f}%")
-        return 0 if total and match == total else 1
+        doctor_ok = _doctor(base_url, model_dir)
+        return 0 if total and match == total and doctor_ok else 1
     finally:
         if proc is not None:
             _stop(proc)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from rr_server.cli import main as cli
+from tests.support.fake_upstreams import FakeVLLMUpstream, write_fake_config
 from tests.support.protocol_server import ProtocolTestServer
 
 
@@ -62,3 +64,25 @@ def test_rejected_key_is_an_identity_failure(server: ProtocolTestServer, capsys:
 
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli(["doctor", "http://127.0.0.1:9", "--prompts", "2"]) == 2
+
+
+@pytest.mark.parametrize("mode,check,cause", [
+    ("shift_layers", "single", "ShapeMismatchError"),  # caught by the full check: MoE ids on the dense layer
+    ("swap_rows", "mixed batch", "another request's routing"),  # passes the full check; cross-request rows do not
+])
+def test_unpatched_engine_broken_behind_the_doctors_sidecar(tmp_path: Path, mode: str, check: str, cause: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``--engine vllm`` against a FAKE recording vLLM that shifts layers or swaps requests' rows."""
+    with FakeVLLMUpstream(write_fake_config(tmp_path)) as fake:
+        fake.corrupt = mode
+        rc, out = _doctor(fake.url, capsys, "--engine", "vllm", "--json")
+    report = json.loads(out)
+    failed = {c["name"]: c["detail"] for c in report["checks"] if not c["ok"]}
+    assert rc == 1 and report["verdict"] == "FAIL" and report["deployment"] == "unpatched"
+    assert check in failed and cause in failed[check], failed
+
+
+def test_unpatched_engine_healthy_behind_the_doctors_sidecar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeVLLMUpstream(write_fake_config(tmp_path)) as fake:
+        rc, out = _doctor(fake.url, capsys, "--engine", "vllm")
+    assert rc == 0 and out.startswith("PASS") and "(unpatched)" in out.splitlines()[0], out

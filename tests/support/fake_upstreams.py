@@ -64,6 +64,8 @@ def corrupt_routing(r: np.ndarray, mode: str) -> np.ndarray:
         r[0, MOE_LAYERS[0], 0] = EXPERTS
     elif mode == "dense_nonzero":
         r[0, 1, :] = [1, 2]
+    elif mode == "shift_layers":  # the layer axis off by one (verl #5037): MoE ids land on the dense layer
+        r = np.roll(r, 1, axis=1)
     return r
 
 
@@ -73,6 +75,7 @@ class _FakeServer(ThreadedServer):
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = model_dir
         self.corrupt = "none"
+        self.swaps = 0  # answers given in "swap_rows" mode
         self.delay = 0.0
         self.bodies: list[dict[str, Any]] = []
         super().__init__(self.build_app(), name=type(self).__name__)
@@ -198,7 +201,11 @@ class FakeVLLMUpstream(_FakeServer):
             choices = []
             for j in range(int(body.get("n", 1))):
                 out = fake_completion(prompt, int(body.get("max_tokens") or 16), j)
-                r = corrupt_routing(self.routing((prompt + out)[start:-1]), self.corrupt).astype(np.uint8)
+                tokens = (prompt + out)[start:-1]
+                if self.corrupt == "swap_rows":  # another request's rows: each answer the routing of other tokens
+                    self.swaps += 1
+                    tokens = [t + self.swaps for t in tokens]
+                r = corrupt_routing(self.routing(tokens), self.corrupt).astype(np.uint8)
                 buf = io.BytesIO()
                 np.save(buf, r)
                 b64: Any = base64.b64encode(buf.getvalue()).decode()

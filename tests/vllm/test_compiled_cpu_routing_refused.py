@@ -60,3 +60,15 @@ def test_client_raises_on_the_refused_sample(compiled_server: CompiledCPUServer)
 
     with pytest.raises(MissingRoutingError, match="UnrecordedRoutingError"):
         asyncio.run(run())
+
+
+def test_doctor_fails_naming_the_all_zero_rows(compiled_server: CompiledCPUServer,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``rr-server doctor`` on the same broken deployment: FAIL first, with the cause."""
+    from rr_server.cli import main as cli
+
+    rc = cli(["doctor", compiled_server.base_url, "--model-path", str(compiled_server.model_dir)])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 1 and out[0].startswith("FAIL")
+    assert out[1].startswith("  FAIL single: MissingRoutingError") and "UnrecordedRoutingError" in out[1]
+    assert "all-zero" in out[1]
