@@ -266,6 +266,7 @@ class RoutedExpertsClient:
         body: dict[str, Any] = {key: sub, "sampling_params": params, "return_routed_experts": want}
         if start is not None:
             body["routed_experts_start"] = start
+            body["routed_experts_start_len"] = start  # SGLang's own name: its request parser drops rr's
         if return_logprob:
             body["return_logprob"] = True
         reply = await self._request("POST", self._generate_path, body, affinity=affinity)

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from rr_patches.sglang.batch_items import apply_item_start_fix
 from rr_patches.sglang.hooks import around_handle_batch_output, around_init, around_send
 from rr_patches.sglang.versions import Profile, UnsupportedSGLangError, profile_for
 
@@ -108,6 +109,7 @@ def apply(profile: Profile | None = None) -> Profile:
     profile = profile or profile_for()
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
+    apply_item_start_fix(profile)
     if is_applied():
         return profile
     check_shapes(profile)

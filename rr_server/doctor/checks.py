@@ -240,8 +240,9 @@ async def run_doctor(
     if engine is not None:
         from rr_server.proxy.app import ProxyConfig, create_app
 
+        # force_routing=False: expose what the bare engine does to callers that talk to it directly
         app = create_app(ProxyConfig(upstream=url, engine=engine, upstream_api_key=api_key,  # type: ignore[arg-type]
-                                     model_path=model_path), transport=transport)
+                                     model_path=model_path, force_routing=False), transport=transport)
         closers.append(app.state.sidecar.up.aclose)
         base, tr, headers = "http://rr-doctor-sidecar", httpx.ASGITransport(app=app), {}
     report = DoctorReport(url=url, deployment="unpatched" if engine else "patched")

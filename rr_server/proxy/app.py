@@ -52,6 +52,7 @@ class ProxyConfig:
     upstream_api_key: str | None = None  # sent to the engine as ``Authorization: Bearer``
     metrics_require_key: bool = False  # /metrics is open unless this is set
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    force_routing: bool = True  # SGLang: ask on every request (mixed-batch fix); off only for the doctor
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -69,8 +70,8 @@ class Sidecar:
                            metrics=self.metrics, transport=transport, api_key=cfg.upstream_api_key)
         self._info: tuple[RRInfo, str] | None = None
         self._lock = asyncio.Lock()
-        backends: dict[str, type[VLLMBackend] | type[SGLangBackend]] = {"vllm": VLLMBackend, "sglang": SGLangBackend}
-        self.backend: Backend = backends[cfg.engine](self.up, self.info, self.metrics)
+        self.backend: Backend = (VLLMBackend(self.up, self.info, self.metrics) if cfg.engine == "vllm" else
+                                 SGLangBackend(self.up, self.info, self.metrics, force_routing=cfg.force_routing))
 
     async def info(self) -> tuple[RRInfo, str]:
         """RRInfo + upstream model name, fetched once (retried on the next request if the upstream was down)."""

@@ -39,18 +39,24 @@ def validation_view(body: Mapping[str, Any]) -> dict[str, Any]:
     return view
 
 
-def upstream_body(body: Mapping[str, Any]) -> dict[str, Any]:
-    """Routing forced on for every request (SGLang's mixed-batch and router bugs); start handled here."""
+def upstream_body(body: Mapping[str, Any], *, force_routing: bool = True) -> dict[str, Any]:
+    """Routing forced on for every request (SGLang's mixed-batch and router bugs); start handled here.
+
+    ``force_routing=False`` passes the caller's flag through: only ``rr-server doctor --engine sglang`` does
+    that, to expose what the bare engine does to callers that talk to it directly.
+    """
     out = {k: v for k, v in body.items() if k not in _START_KEYS}
-    out["return_routed_experts"] = True
+    out["return_routed_experts"] = True if force_routing else bool(body.get("return_routed_experts"))
     return out
 
 
 class SGLangBackend:
     """Serves ``/generate`` from an unpatched SGLang server started with ``--enable-return-routed-experts``."""
 
-    def __init__(self, up: Upstream, info: Callable[[], Awaitable[tuple[RRInfo, str]]], metrics: ProxyMetrics) -> None:
+    def __init__(self, up: Upstream, info: Callable[[], Awaitable[tuple[RRInfo, str]]], metrics: ProxyMetrics,
+                 *, force_routing: bool = True) -> None:
         self._up, self._info, self._metrics = up, info, metrics
+        self._force = force_routing
 
     def _prompt_ids(self, req: NormalizedGenerate, j: int, index: int | None) -> list[int] | None:
         """Token ids of the prompt behind reply item ``j`` (or the stream ``index``), when sent as ids."""
@@ -94,7 +100,7 @@ class SGLangBackend:
     async def generate(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> Any:
         """Non-streaming: one upstream call, every item transcoded; same shape (dict or list) as SGLang's."""
         info, _ = await self._info()
-        reply = await self._up.call("POST", "/generate", upstream_body(body))
+        reply = await self._up.call("POST", "/generate", upstream_body(body, force_routing=self._force))
         if isinstance(reply, list):
             want = sum(s.n for s in req.sampling)
             if len(reply) != want:
@@ -105,7 +111,7 @@ class SGLangBackend:
     async def stream(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> AsyncIterator[str]:
         """Streaming: pass chunks through; routing (final chunk only) transcoded or stripped; errors as events."""
         info, _ = await self._info()
-        async with self._up.stream_lines("/generate", upstream_body(body)) as lines:
+        async with self._up.stream_lines("/generate", upstream_body(body, force_routing=self._force)) as lines:
             async for line in lines:
                 if not line.startswith("data:"):
                     continue

@@ -71,14 +71,17 @@ def _close_harnesses() -> Iterator[None]:
 @pytest.fixture()
 def patched() -> Iterator[None]:
     """rr's patch installed on TokenizerManager for one test (exactly as the launcher does), then removed."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     from rr_patches.sglang.apply import TARGETS, apply
 
     saved = {name: TokenizerManager.__dict__[name] for name in TARGETS}
+    saved_getitem = GenerateReqInput.__dict__["__getitem__"]
     apply()
     try:
         yield
     finally:
         for name, fn in saved.items():
             setattr(TokenizerManager, name, fn)
+        GenerateReqInput.__getitem__ = saved_getitem  # type: ignore[method-assign]

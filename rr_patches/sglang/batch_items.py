@@ -1,0 +1,45 @@
+"""SGLang 0.5.8 - 0.5.11: a batch ``GenerateReqInput`` drops ``routed_experts_start_len`` when it is split.
+
+``GenerateReqInput.__getitem__`` builds each item without the field (0.5.12 copies it), so a batched
+``/generate`` with a start answered every row from 0 and the client refused the mismatch. rr wraps
+``__getitem__`` to copy the field to each item. Idempotent; only on the versions that need it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from rr_patches.sglang.versions import Profile
+
+__all__ = ["needs_item_start_fix", "apply_item_start_fix"]
+
+_MARK = "_rr_copies_start"
+
+
+def needs_item_start_fix(profile: Profile) -> bool:
+    """True on 0.5.8 - 0.5.11: the field exists but batch items lose it."""
+    return profile.has_start_field and profile.release < (0, 5, 12)
+
+
+def apply_item_start_fix(profile: Profile) -> bool:
+    """Wrap ``GenerateReqInput.__getitem__`` once where needed; True if it is (now) wrapped."""
+    if not needs_item_start_fix(profile):
+        return False
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    original = GenerateReqInput.__getitem__
+    if getattr(original, _MARK, False):
+        return True
+
+    @functools.wraps(original)
+    def getitem(self: Any, i: Any) -> Any:
+        item = original(self, i)
+        start = getattr(self, "routed_experts_start_len", 0)
+        if isinstance(start, int) and start and not getattr(item, "routed_experts_start_len", 0):
+            item.routed_experts_start_len = start
+        return item
+
+    setattr(getitem, _MARK, True)
+    GenerateReqInput.__getitem__ = getitem  # type: ignore[method-assign]
+    return True
