@@ -191,3 +191,141 @@ def wire(obj: Any) -> Any:
     if hasattr(io_struct, "msgpack_encode") and not getattr(io_struct, "_USE_PICKLE_IPC", True):
         return io_struct.msgpack_decode(io_struct.msgpack_encode(obj))
     return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+# ---- SGLang's own scheduler output function, driven with stand-in requests and scheduler state
+class _Captured:
+    """Stands in for the scheduler's ``send_to_detokenizer`` socket: keeps what SGLang would send."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send_output(self, obj: Any, *_: Any, **__: Any) -> None:
+        """``SenderWrapper.send_output`` (the call SGLang's stream-output code makes)."""
+        self.sent.append(obj)
+
+    send_pyobj = send_output
+
+
+class _SchedulerState:
+    """Minimal scheduler ``self`` for SGLang's stream-output code: one rank, no speculation, no PD, no stats."""
+
+    def __init__(self) -> None:
+        self.send_to_detokenizer = _Captured()
+        self.is_generation = True
+        self.stream_interval = 1
+        self.attn_tp_rank = 0
+        self.dp_rank = 0
+        self.ps = _NS(dp_rank=0, attn_tp_rank=0)
+        self.server_args = _NS(enable_request_time_stats_logging=False, stream_interval=1)
+        self.spec_algorithm = _NS(is_none=lambda: True)
+        self.disaggregation_mode = "null"
+        self.rust_server = None
+        self.model_config = _NS(is_multimodal_gen=False)
+        self.has_additional_customized_info = False
+        self.get_load = self.get_loads = self.load_inquirer_get_loads = lambda *a, **k: None
+        self._get_cached_tokens_details = self.get_cached_tokens_details = lambda req: None
+        self.enable_hicache_storage = lambda: False
+        self.is_request_level_customized_info_key = lambda key: False
+        self._maybe_log_time_stats = lambda *, req: None
+
+
+class _NS:
+    """Attribute bag."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+class _SchedReq:
+    """Stand-in for a finished ``schedule_batch.Req`` as SGLang's stream-output code reads it."""
+
+    def __init__(self, r: StandInReq, rows: torch.Tensor | None) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+        self.rid = r.rid
+        self.http_worker_ipc = None
+        self.finished_reason = FINISH_LENGTH(length=len(r.completion))
+        self.finished_output = False
+        self.finished_len = len(r.completion)
+        self.stream = False
+        self.decoded_text = ""
+        self.origin_input_ids = list(r.prompt)
+        self.output_ids = list(r.completion)
+        self.output_ids_through_stop = list(r.completion)
+        self._surr = max(len(r.prompt) - _SURR, 0)
+        self.send_decode_id_offset = 0
+        self.send_token_offset = 0
+        self.send_output_token_logprobs_offset = 0
+        self.sampling_params = _NS(skip_special_tokens=True, spaces_between_special_tokens=True,
+                                   no_stop_trim=False, stream_interval=None)
+        self.reasoning_tokens = 0
+        self.cached_tokens = self.cached_tokens_device = self.cached_tokens_host = self.cached_tokens_storage = 0
+        self.retraction_count = 0
+        self.time_stats = _NS(get_queueing_time=lambda: 0.0, get_prefill_launch_delay=lambda: 0.0,
+                              get_prefill_launch_latency=lambda: 0.0, get_prefill_finished_ts=lambda: 0.0,
+                              forward_entry_time=0.0, prefill_finished_time=0.0, enable_metrics=False)
+        self.to_finish = None
+        self.spec_accepted_tokens = 0
+        self.weight_version_events: list[Any] = []
+        self.return_logprob = self.return_hidden_states = self.return_indexer_topk = False
+        self.return_sampling_mask = False
+        self.return_routed_experts = r.asked  # the flag as it reached the scheduler
+        self.routed_experts = rows  # what maybe_collect_routed_experts leaves (None when not asked)
+        self.customized_info = None
+        self.beam_group = None
+        self.spec_verify_ct = self.spec_num_correct_drafts = 0
+        self.spec_correct_drafts_histogram: list[int] = []
+
+    def finished(self) -> bool:
+        return True
+
+    def init_incremental_detokenize(self) -> tuple[list[int], int]:
+        ids = self.origin_input_ids[self._surr :] + self.output_ids
+        return ids, len(self.origin_input_ids) - self._surr
+
+    def get_mm_token_counts(self) -> tuple[int, int, int]:
+        return 0, 0, 0
+
+    def check_match_stop_str_prefix(self) -> bool:
+        return False
+
+    def log_time_stats(self) -> None:
+        return None
+
+
+def sglang_stream_output(sched: StandInScheduler, rids: list[str]) -> Any:
+    """The finishing ``BatchTokenIDOutput`` for ``rids`` as SGLang's own scheduler code builds it.
+
+    <= 0.5.12: ``SchedulerOutputProcessorMixin.stream_output_generation``; 0.5.13+:
+    ``SchedulerOutputStreamer._stream_output_generation`` (on 0.5.23 its ``get_serving``/``get_parallel``
+    runtime context is stood in for). Requests and scheduler state are stand-ins; the routing rows
+    are the transformers reference (only for requests whose flag reached the scheduler).
+    """
+    try:
+        from sglang.srt.managers.scheduler_components import output_streamer as mod
+
+        fn = mod.SchedulerOutputStreamer._stream_output_generation
+    except ImportError:
+        from sglang.srt.managers import scheduler_output_processor_mixin as mod
+
+        fn = mod.SchedulerOutputProcessorMixin.stream_output_generation
+    reqs = []
+    for rid in rids:
+        r = sched.reqs[rid]
+        rows = sched.routing_rows(r) if r.asked else None
+        r.sent, r.done = len(r.completion), True
+        reqs.append(_SchedReq(r, rows))
+    state = _SchedulerState()
+    saved = {n: getattr(mod, n) for n in ("get_serving", "get_parallel") if hasattr(mod, n)}
+    if "get_serving" in saved:
+        mod.get_serving = lambda: _NS(stream_interval=1, weight_version="default")
+    if "get_parallel" in saved:
+        mod.get_parallel = lambda: _NS(dp_rank=0, attn_tp_rank=0)
+    try:
+        fn(state, reqs, False)
+    finally:
+        for n, f in saved.items():
+            setattr(mod, n, f)
+    (out,) = state.send_to_detokenizer.sent
+    return out
