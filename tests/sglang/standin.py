@@ -2,12 +2,30 @@
 
 The real scheduler cannot run without a GPU. This object takes its place on both ends of the
 TokenizerManager: it is the ``send_to_scheduler`` socket (so it receives the real tokenized
-requests, after SGLang's own wire encoding) and it emits ``BatchTokenIDOutput`` objects built the
-way each version's scheduler builds them, including the <= 0.5.12 habit of listing routing only
-for the requests that asked. Routing rows are transformers' router top-k for the tokens the engine
-ran a forward on (prompt + completion - 1), from :func:`rr_server.tiny_moe.reference_routing`.
+requests, after SGLang's own wire encoding) and it emits ``BatchTokenIDOutput`` objects. Routing rows
+are transformers' router top-k for the tokens the engine ran a forward on (prompt + completion - 1),
+from :func:`rr_server.tiny_moe.reference_routing` (stands in for the GPU capturer's ``get_topk``).
 It also answers the control query ``/get_server_info`` makes (every scheduler's internal state), so
 SGLang's own app can serve that route to the rr sidecar.
+
+Which parts are SGLang's code and which are stood in for:
+
+* SGLang's code: ``TokenizedGenerateReqInput`` as the real TokenizerManager sends it (pickle or 0.5.23's
+  msgpack wire), the ``BatchTokenIDOutput`` class, and (with ``sglang_builds_output = True``, see
+  :func:`sglang_stream_output`) the scheduler's own stream-output function that fills the batch,
+  including the per-request routing list: ``SchedulerOutputProcessorMixin.stream_output_generation``
+  (<= 0.5.12, lists routing only for requests that asked: the mixed-batch bug) or
+  ``SchedulerOutputStreamer._stream_output_generation`` (0.5.13+, aligned with ``None``, PR #26423).
+  Everything downstream (DetokenizerManager, TokenizerManager, ``/generate``) is SGLang's.
+* Stood in for: the request objects that function reads (``_SchedReq``, not ``schedule_batch.Req``: a
+  real ``Req`` needs the scheduler's memory pools), the scheduler ``self`` (``_SchedulerState``: one
+  rank, no speculation, no PD, no stats; 0.5.23's ``get_serving``/``get_parallel`` runtime context),
+  the socket it sends on (captured instead), the GPU forward and capturer (transformers top-k), and
+  sampling (:func:`completion_for`). SGLang's function is used only for a step that finishes fresh
+  requests in one go; streaming chunks and the default path (``sglang_builds_output = False``, used by
+  the older tests) are built by :meth:`StandInScheduler.step`, which mirrors each version's list
+  (asker-only <= 0.5.12, aligned 0.5.13+) and is checked against SGLang's function by
+  ``tests/sglang/test_scheduler_output.py``.
 """
 
 from __future__ import annotations
@@ -76,6 +94,9 @@ class StandInScheduler:
         self.reqs: dict[str, StandInReq] = {}
         self.arrivals: list[str] = []
         self.reply: Callable[[Any], None] | None = None  # hands a control reply to the TokenizerManager
+        # True: a step that finishes fresh requests is built by SGLang's own scheduler code
+        # (:func:`sglang_stream_output`), not by :meth:`step`'s rebuild
+        self.sglang_builds_output = False
 
     # ---- the zmq socket the TokenizerManager sends to
     def send_pyobj(self, obj: Any, flags: int = 0, protocol: int = pickle.HIGHEST_PROTOCOL) -> None:
@@ -127,6 +148,8 @@ class StandInScheduler:
         """One scheduler output for ``rids``: ``tokens`` more completion tokens each (default: all, finishing)."""
         from sglang.srt.managers.io_struct import BatchTokenIDOutput
 
+        if self.sglang_builds_output and tokens is None and not any(self.reqs[r].sent for r in rids):
+            return sglang_stream_output(self, rids)
         per: dict[str, list[Any]] = {k: [] for k in ("rids", "finished_reasons", "decoded_texts", "decode_ids",
                                                       "read_offsets", "output_ids", "prompt_tokens",
                                                       "completion_tokens")}
@@ -237,6 +260,18 @@ class _NS:
         self.__dict__.update(kw)
 
 
+class _TimeStats:
+    """Picklable stand-in for a request's time stats (SGLang puts them into the batch)."""
+
+    forward_entry_time = prefill_finished_time = 0.0
+    enable_metrics = False
+
+    def get_queueing_time(self) -> float:
+        return 0.0
+
+    get_prefill_launch_delay = get_prefill_launch_latency = get_prefill_finished_ts = get_queueing_time
+
+
 class _SchedReq:
     """Stand-in for a finished ``schedule_batch.Req`` as SGLang's stream-output code reads it."""
 
@@ -262,9 +297,7 @@ class _SchedReq:
         self.reasoning_tokens = 0
         self.cached_tokens = self.cached_tokens_device = self.cached_tokens_host = self.cached_tokens_storage = 0
         self.retraction_count = 0
-        self.time_stats = _NS(get_queueing_time=lambda: 0.0, get_prefill_launch_delay=lambda: 0.0,
-                              get_prefill_launch_latency=lambda: 0.0, get_prefill_finished_ts=lambda: 0.0,
-                              forward_entry_time=0.0, prefill_finished_time=0.0, enable_metrics=False)
+        self.time_stats = _TimeStats()
         self.to_finish = None
         self.spec_accepted_tokens = 0
         self.weight_version_events: list[Any] = []

