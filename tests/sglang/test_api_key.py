@@ -220,7 +220,7 @@ async def test_rr_info_with_only_an_admin_key_is_like_generate(tiny_moe: Path, p
 
 
 @pytest.mark.skipif(HAS_AUTH_LEVELS, reason="SGLang >= 0.5.8 has auth levels: tested by the three tests above")
-def test_before_0_5_9_there_is_no_admin_key_to_bypass() -> None:
+def test_before_0_5_8_there_is_no_admin_key_to_bypass() -> None:
     """< 0.5.8 (0.5.7): no ``--admin-api-key`` and no auth levels, so the single ``--api-key`` rule above is the whole story."""
     import importlib.util
 
