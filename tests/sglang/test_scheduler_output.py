@@ -22,7 +22,7 @@ from tests.sglang.standin import (
     completion_for,
     sglang_stream_output,
 )
-from tests.sglang.test_tokenizer_manager import _assert_rr, _expected, _mixed
+from tests.sglang.test_tokenizer_manager import _expected, _mixed
 
 pytestmark = pytest.mark.sglang
 
@@ -86,17 +86,8 @@ async def test_mixed_batch_unpatched_sglang_code(tiny_moe: Path) -> None:
         assert err is None and "routed_experts" not in b["meta_info"]
 
 
-@pytest.mark.parametrize("skip", [True, False], ids=["skip_tokenizer_init", "tokenizer"])
-async def test_mixed_batch_patched_sglang_code(tiny_moe: Path, patched: None, skip: bool) -> None:
-    """rr's patch, batch built by SGLang's code, real TokenizerManager: each asker gets exactly its own rows."""
-    h = Harness(tiny_moe, skip_tokenizer_init=skip)
-    h.sched.sglang_builds_output = True
-    (a, b, c), err = await _mixed(h)
-    assert err is None
-    assert all(h.sched.reqs[r].asked for r in "ABC")
-    _assert_rr(a["meta_info"], _expected(tiny_moe, h, "A"))
-    _assert_rr(c["meta_info"], _expected(tiny_moe, h, "C"))
-    assert not any(k.startswith("routed_experts") for k in b["meta_info"])
+# The patched end-to-end run with the batch built by SGLang's code is test_tokenizer_manager.py::
+# test_mixed_batch_patched[sglang_code-*] (the same test, both batch builders).
 
 
 @pytest.mark.parametrize("asked", [[False, True, False], [True, True, True], [False, False, False]],

@@ -140,10 +140,15 @@ async def test_mixed_batch_unpatched(tiny_moe: Path) -> None:
         assert err is None and "routed_experts" not in b["meta_info"]
 
 
+@pytest.mark.parametrize("sglang_code", [False, True], ids=["standin_batch", "sglang_code"])
 @pytest.mark.parametrize("skip", [True, False], ids=["skip_tokenizer_init", "tokenizer"])
-async def test_mixed_batch_patched(tiny_moe: Path, patched: None, skip: bool) -> None:
-    """Patched, every version: each asker gets exactly its own rows, B gets none, nothing crashes."""
+async def test_mixed_batch_patched(tiny_moe: Path, patched: None, skip: bool, sglang_code: bool) -> None:
+    """Patched, every version: each asker gets exactly its own rows, B gets none, nothing crashes.
+
+    ``sglang_code``: the scheduler batch is built by SGLang's own output function (tests/sglang/standin.py).
+    """
     h = Harness(tiny_moe, skip_tokenizer_init=skip)
+    h.sched.sglang_builds_output = sglang_code
     (a, b, c), err = await _mixed(h)
     assert err is None
     assert all(h.sched.reqs[r].asked for r in "ABC")
