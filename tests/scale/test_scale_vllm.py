@@ -126,10 +126,12 @@ def test_multi_replica_crash_mid_run_no_loss_and_restart(replicas: list[VLLMProc
                                        timeout=120) as c:
             await c.info()
             job = asyncio.ensure_future(c.generate(prompts, {"max_new_tokens": 4, "temperature": 1.0}))
-            while c.replica_stats()[0].requests < 40 and not job.done():
-                await asyncio.sleep(0.01)
+            # crash while the victim has requests in flight and most of the batch is still to come
+            while (c.replica_stats()[0].in_flight < 4 or c.replica_stats()[0].requests < 20) and not job.done():
+                await asyncio.sleep(0.005)
+            assert not job.done(), "the batch finished before the crash: nothing was tested"
+            before = c.replica_stats()  # the victim has requests in flight now
             await asyncio.to_thread(crash, victim)
-            at_crash = c.replica_stats()
             batch = await job
             after = c.replica_stats()
             await asyncio.to_thread(lambda: victim.launch().wait_healthy())  # same port: the same URL
@@ -139,15 +141,16 @@ def test_multi_replica_crash_mid_run_no_loss_and_restart(replicas: list[VLLMProc
                 await asyncio.sleep(0.5)
             back = c.replica_stats()
             again = await c.generate(prompts[:40], {"max_new_tokens": 4, "temperature": 1.0})
-            return batch, again, at_crash, after, back, c.replica_stats()
+            return batch, again, before, after, back, c.replica_stats()
 
-    batch, again, at_crash, after, back, final = asyncio.run(run())
+    batch, again, before, after, back, final = asyncio.run(run())
     # 0 lost, 0 duplicated: one result per prompt, in order; 0 mismatched: every token's routing is right.
     assert [r.index for r in batch] == list(range(240)) and [r.prompt_index for r in batch] == list(range(240))
     for res in batch:
         check_result(victim.model_dir, res, prompts[res.prompt_index])
     assert after[0].healthy is False and after[0].taken_out == 1
-    assert after[1].requests - at_crash[1].requests > 0 and after[1].errors == 0  # the survivor took the load
+    # the survivor took the load: at least the victim's requests in flight at the crash went to it
+    assert after[1].requests - before[1].requests >= 1 and after[1].errors == 0
     assert back[0].healthy and back[0].taken_back == 1  # probed on /health and taken back
     assert final[0].requests > after[0].requests  # it serves again
     assert len(again) == 40
