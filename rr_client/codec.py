@@ -36,6 +36,8 @@ __all__ = [
     "check_routing",
     "encode_routed_experts",
     "routing_meta_fields",
+    "FORMATS",
+    "check_format",
     "routing_error_fields",
     "decode_routed_experts",
     "decode_meta_info",
@@ -45,6 +47,8 @@ __all__ = [
 NPY_MAGIC = b"\x93NUMPY"
 MAX_EXPERTS = 65536
 _MAX_HEADER = 4096
+# routed_experts_format values: rr's .npy (the default) or SGLang's headerless int32
+FORMATS = ("npy", "sglang")
 # integer dtypes a routing payload may carry (little-endian or single byte); anything else is refused
 _INT_DESCRS = {"|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8"}
 _DTYPE_NAMES = {"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"}
@@ -160,20 +164,33 @@ def encode_routed_experts(array: Any, *, num_experts: int) -> str:
     return pybase64.b64encode(blob).decode("ascii")
 
 
-def routing_meta_fields(checked: "CheckedRouting") -> dict[str, Any]:
+def check_format(fmt: Any) -> str:
+    """A ``routed_experts_format`` value: ``"npy"`` (rr's) or ``"sglang"``; raises ValueError naming the field."""
+    if fmt not in FORMATS:
+        raise ValueError(f"routed_experts_format must be one of {list(FORMATS)}, got {fmt!r}")
+    return str(fmt)
+
+
+def routing_meta_fields(checked: "CheckedRouting", fmt: str = "npy") -> dict[str, Any]:
     """The ``meta_info`` entries a server adds for one request: payload plus its stated shape and dtype.
 
     Takes only :class:`CheckedRouting` (made by :func:`check_routing`), so nothing reaches the wire unchecked.
+    ``fmt="sglang"`` gives SGLang's own payload (headerless int32 base64) for clients that decode it themselves.
     """
     if not isinstance(checked, CheckedRouting):
         raise TypeError(f"routing_meta_fields takes a CheckedRouting from check_routing, got {type(checked).__name__}")
     arr = checked.array
-    blob = b"".join((_npy_header(arr.dtype, arr.shape), arr.data))
+    if check_format(fmt) == "sglang":
+        wide = arr.astype("<i4")  # C-contiguous copy: SGLang sends int32 ids with no header
+        payload, dtype_name = pybase64.b64encode(wide.data).decode("ascii"), "int32"
+    else:
+        blob = b"".join((_npy_header(arr.dtype, arr.shape), arr.data))
+        payload, dtype_name = pybase64.b64encode(blob).decode("ascii"), arr.dtype.name
     return {
-        "routed_experts": pybase64.b64encode(blob).decode("ascii"),
+        "routed_experts": payload,
         "routed_experts_shape": [int(s) for s in arr.shape],
-        "routed_experts_dtype": arr.dtype.name,
-        "routed_experts_format": "npy",
+        "routed_experts_dtype": dtype_name,
+        "routed_experts_format": fmt,
         "routed_experts_start": checked.start,
     }
 

@@ -8,6 +8,7 @@ reply items carry routing fields that the caller made from :class:`rr_client.Che
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,9 +25,13 @@ __all__ = [
     "sse_line",
     "SSE_DONE",
     "error_body",
+    "FORMAT_ENV",
+    "default_routed_experts_format",
 ]
 
 SSE_DONE = "data: [DONE]\n\n"
+# Server default for ``routed_experts_format`` when a request does not say ("npy" or "sglang").
+FORMAT_ENV = "RR_ROUTED_EXPERTS_FORMAT"
 
 # SGLang fields sent by common trainers with a default we can honour as-is.
 _TOLERATED: dict[str, Any] = {"logprob_start_len": -1}
@@ -97,6 +102,7 @@ class GenerateRequest(BaseModel):
     return_routed_experts: StrictBool = False
     routed_experts_start: StrictInt | None = Field(default=None, ge=0)
     routed_experts_start_len: StrictInt | None = Field(default=None, ge=0)
+    routed_experts_format: Literal["npy", "sglang"] | None = None
     return_logprob: StrictBool | list[StrictBool] = False
     rid: str | list[str] | None = None
 
@@ -134,6 +140,7 @@ class NormalizedGenerate:
     routed_experts_start: int
     return_logprob: list[bool]
     rids: list[str | None]
+    routed_experts_format: str = "npy"
 
 
 def _fmt_validation(err: ValidationError, prefix: str = "") -> str:
@@ -226,7 +233,20 @@ def parse_generate_request(body: bytes | str | Mapping[str, Any]) -> NormalizedG
         routed_experts_start=int(start or 0),
         return_logprob=[bool(x) for x in _per_prompt(req.return_logprob, n, "return_logprob")],
         rids=rids,
+        routed_experts_format=req.routed_experts_format or default_routed_experts_format(),
     )
+
+
+def default_routed_experts_format() -> str:
+    """The server's default ``routed_experts_format`` (env ``RR_ROUTED_EXPERTS_FORMAT``, set by the launcher/sidecar
+    flag ``--routed-experts-format``): ``"npy"`` unless changed; a bad value fails loudly at the first request."""
+    from rr_client.codec import check_format
+
+    value = os.environ.get(FORMAT_ENV, "").strip() or "npy"
+    try:
+        return check_format(value)
+    except ValueError as e:
+        raise BadRequest(f"server misconfigured: {FORMAT_ENV}: {e}", 500) from None
 
 
 def build_item(

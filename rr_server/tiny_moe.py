@@ -25,7 +25,12 @@ __all__ = [
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 _DONE_MARKER = "rr_tiny_moe.json"
-_SPECIAL = ["<|endoftext|>", "<|pad|>"]
+_SPECIAL = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, so the OpenAI chat endpoint runs the model's own template (one turn per message, tool turns included).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 # A small, varied local corpus so the byte-level BPE learns some merges (no downloads).
 _CORPUS_SEED = [
@@ -74,6 +79,7 @@ def _build_tokenizer(vocab_size: int = 450) -> Any:
         pad_token="<|pad|>",
         unk_token=None,
         model_max_length=2048,
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -173,7 +179,7 @@ def build_tiny_moe(
         mlp_only_layers=sorted(int(i) for i in mlp_only_layers),
         hidden=hidden,
         seed=seed,
-        version=2,
+        version=3,
     )
     if _is_complete(out, spec):
         return out

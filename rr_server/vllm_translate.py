@@ -67,7 +67,8 @@ def finish_reason_dict(reason: str | None, stop_reason: int | str | None) -> dic
 
 
 def checked_routing_fields(
-    routing: Any, info: RRInfo, *, prompt_ids: Sequence[int], output_ids: Sequence[int], start: int
+    routing: Any, info: RRInfo, *, prompt_ids: Sequence[int], output_ids: Sequence[int], start: int,
+    fmt: str = "npy",
 ) -> dict[str, Any]:
     """``meta_info`` routing fields of one vLLM sample; raises a typed RoutedExpertsError if the check fails.
 
@@ -75,4 +76,4 @@ def checked_routing_fields(
     through a forward pass.
     """
     rows = expected_rows(len(prompt_ids), len(output_ids), start)
-    return routing_meta_fields(check_routing(routing, info, rows=rows, start=start))
+    return routing_meta_fields(check_routing(routing, info, rows=rows, start=start), fmt)

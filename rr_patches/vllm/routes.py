@@ -40,6 +40,7 @@ from rr_server.generate_protocol import (
     parse_generate_request,
     sse_line,
 )
+from rr_server.openai_middleware import install_openai_routing
 from rr_server.vllm_translate import checked_routing_fields, finish_reason_dict, to_vllm_sampling_kwargs
 
 __all__ = ["install_routes", "add_rr_routes", "rr_info_dict", "RR_ROUTES", "ALWAYS_ENV", "always_return_routing"]
@@ -138,7 +139,8 @@ def _routing_fields(c: Any, ro: Any, req: NormalizedGenerate, rid: str, info: RR
     """Checked routing fields of one finished sample, or an error marker (logged) when the check fails."""
     try:
         return checked_routing_fields(getattr(c, "routed_experts", None), info, prompt_ids=ro.prompt_token_ids or [],
-                                      output_ids=c.token_ids, start=req.routed_experts_start)
+                                      output_ids=c.token_ids, start=req.routed_experts_start,
+                                      fmt=req.routed_experts_format)
     except RoutedExpertsError as e:
         logger.error("rr: request %s: %s: %s; routing withheld", rid, type(e).__name__, e)
         return routing_error_fields(e)
@@ -316,7 +318,10 @@ _ROUTES = tuple(path for path, _, _ in RR_ROUTES)
 
 
 def add_rr_routes(app: FastAPI) -> None:
-    """Include every route of :data:`RR_ROUTES` in ``app``; refuse loudly if vLLM already serves one of them."""
+    """Include every route of :data:`RR_ROUTES` in ``app`` and rr's fields on vLLM's OpenAI endpoints.
+
+    Refuses loudly if vLLM already serves one of rr's paths.
+    """
     taken = [r.path for r in app.routes if getattr(r, "path", None) in _ROUTES]
     if taken:
         raise RuntimeError(f"rr: vLLM already serves {taken}; refusing to shadow them")
@@ -324,6 +329,8 @@ def add_rr_routes(app: FastAPI) -> None:
     for path, handler, methods in RR_ROUTES:
         router.add_api_route(path, handler, methods=list(methods), include_in_schema=True)
     app.include_router(router)
+    # rr's fields on vLLM's own /v1/completions and /v1/chat/completions (vLLM's handlers run unchanged)
+    install_openai_routing(app, engine="vllm", info=rr_info, routing_enabled=_routing_enabled)
 
 
 def install_routes(app: FastAPI, args: Any = None) -> None:

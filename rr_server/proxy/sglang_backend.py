@@ -24,7 +24,8 @@ from rr_server.proxy.upstream import Upstream
 
 __all__ = ["SGLangBackend", "validation_view", "upstream_body"]
 
-_START_KEYS = ("routed_experts_start", "routed_experts_start_len")
+# rr's request fields the sidecar serves itself; the upstream never sees them
+_START_KEYS = ("routed_experts_start", "routed_experts_start_len", "routed_experts_format")
 
 
 def validation_view(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -90,7 +91,7 @@ class SGLangBackend:
         checked = checked_upstream_routing(upstream_meta, info, rows=expected_rows(pt, ct, start), start=start,
                                            drop_rows=start, where=f"item {j}",
                                            hint="was the upstream started with --enable-return-routed-experts?")
-        fields = routing_meta_fields(checked)
+        fields = routing_meta_fields(checked, req.routed_experts_format)
         meta.update(fields)
         if ids is not None:
             meta["prompt_token_ids"] = ids

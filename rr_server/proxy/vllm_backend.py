@@ -101,7 +101,7 @@ class VLLMBackend:
                 checked = checked_upstream_routing(
                     {"routed_experts": ch.get("routed_experts")}, info, start=start, where=f"prompt {i} sample {j}",
                     rows=expected_rows(len(prompt_ids), len(out_ids), start), hint=_NO_ROUTING_HINT)
-                fields = routing_meta_fields(checked)
+                fields = routing_meta_fields(checked, req.routed_experts_format)
                 self._metrics.routing_sent(checked.array.shape[0], fields["routed_experts"])
             items.append(build_item(
                 rid=rid if n == 1 else f"{rid}-{j}",

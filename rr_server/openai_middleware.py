@@ -1,0 +1,165 @@
+"""Pure-ASGI middleware that serves rr's fields on an engine's own ``/v1/completions`` and ``/v1/chat/completions``.
+
+Installed in the engine's app (vLLM plugin, SGLang patch): the engine's serving code runs unchanged. The
+middleware only rewrites the request body into the engine's names and finishes the JSON answer with
+:mod:`rr_server.openai_routing`. A body without rr's fields, any other path and every non-200 answer pass
+through byte for byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from rr_client.info import RRInfo
+from rr_server.generate_protocol import BadRequest, error_body
+from rr_server.openai_routing import OPENAI_PATHS, Engine, engine_body, finish_answer, parse_openai_routing
+
+__all__ = ["OpenAIRoutingMiddleware", "install_openai_routing"]
+
+logger = logging.getLogger("rr.openai")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# Routing payload characters above which an answer is finished in a worker thread (keeps the loop serving).
+_THREAD_MIN_CHARS = 1 << 20
+
+
+async def _send_json(send: Send, obj: Any, status: int, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """One complete JSON response."""
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    hdrs = [(k, v) for k, v in (headers or []) if k.lower() not in (b"content-length", b"content-type")]
+    hdrs += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body})
+
+
+class OpenAIRoutingMiddleware:
+    """Adds rr's routing fields to the engine's OpenAI endpoints; ``info(app)`` gives the served model's dims."""
+
+    def __init__(self, app: ASGIApp, *, engine: Engine, info: Callable[[Any], RRInfo],
+                 routing_enabled: Callable[[Any], bool] | None = None) -> None:
+        self.app, self.engine, self.info, self.routing_enabled = app, engine, info, routing_enabled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in OPENAI_PATHS:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        raw = b"".join(chunks)
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = None  # not ours to judge: the engine answers it
+        try:
+            r = parse_openai_routing(body, engine=self.engine) if isinstance(body, dict) else None
+            if r is not None and r.want and self.routing_enabled is not None and not self.routing_enabled(scope["app"]):
+                raise BadRequest("this server was started without --enable-return-routed-experts")
+        except BadRequest as e:
+            await _send_json(send, error_body(str(e), e.status), e.status)
+            return
+        if r is None:
+            await self.app(scope, _replay(raw, receive), send)
+            return
+        new = json.dumps(engine_body(body, r, engine=self.engine)).encode()  # type: ignore[arg-type]
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(new)).encode()))
+        inner = dict(scope, headers=headers)
+        if not r.want:
+            await self.app(inner, _replay(new, receive), send)
+            return
+        captured = _Captured(send)
+        await self.app(inner, _replay(new, receive), captured.send)
+        if captured.status != 200 or not captured.complete:
+            await captured.flush()  # errors and anything unexpected go out as the engine made them
+            return
+        try:
+            answer = json.loads(b"".join(captured.body))
+        except ValueError:
+            await captured.flush()
+            return
+        info = self.info(scope["app"])
+        size = len(captured.body[0]) if len(captured.body) == 1 else sum(map(len, captured.body))
+        if size > _THREAD_MIN_CHARS:
+            answer = await asyncio.to_thread(finish_answer, answer, r, info, engine=self.engine)
+        else:
+            answer = finish_answer(answer, r, info, engine=self.engine)
+        await _send_json(send, answer, 200, captured.headers)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that yields ``body`` once, then defers to the real one (so disconnects still arrive)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class _Captured:
+    """Buffers the inner app's response; streams (non-JSON) are forwarded as they come."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+        self.complete = False
+        self._passthrough = False
+        self._start: Message | None = None
+
+    async def send(self, msg: Message) -> None:
+        if msg["type"] == "http.response.start":
+            self.status = int(msg["status"])
+            self.headers = list(msg.get("headers", []))
+            ctype = dict((k.lower(), v) for k, v in self.headers).get(b"content-type", b"")
+            if self.status != 200 or not ctype.startswith(b"application/json"):
+                self._passthrough = True
+                await self._send(msg)
+            else:
+                self._start = msg
+            return
+        if self._passthrough:
+            await self._send(msg)
+            return
+        if msg["type"] == "http.response.body":
+            self.body.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                self.complete = True
+
+    async def flush(self) -> None:
+        """Send what was buffered unchanged (no-op when already passed through)."""
+        if self._passthrough or self._start is None:
+            return
+        await self._send(self._start)
+        await self._send({"type": "http.response.body", "body": b"".join(self.body)})
+
+
+def install_openai_routing(app: Any, *, engine: Engine, info: Callable[[Any], RRInfo],
+                           routing_enabled: Callable[[Any], bool] | None = None) -> bool:
+    """Add :class:`OpenAIRoutingMiddleware` to a Starlette/FastAPI app once (re-entrant); True if added now."""
+    if getattr(app.state, "rr_openai_routing", False):
+        return False
+    app.add_middleware(OpenAIRoutingMiddleware, engine=engine, info=info, routing_enabled=routing_enabled)
+    app.state.rr_openai_routing = True
+    logger.info("rr: routing fields served on %s (%s)", ", ".join(OPENAI_PATHS), engine)
+    return True

@@ -1,0 +1,197 @@
+"""rr's routing on the OpenAI-compatible endpoints (``/v1/completions``, ``/v1/chat/completions``), engine-agnostic.
+
+Three steps, shared by the vLLM plugin, the SGLang patch (both through
+:class:`rr_server.openai_middleware.OpenAIRoutingMiddleware`) and the sidecar:
+
+1. :func:`parse_openai_routing` reads rr's fields (``return_routed_experts``, ``routed_experts_start``,
+   ``routed_experts_format``); a body with none of them is not rr's business and passes through untouched.
+2. :func:`engine_body` rewrites the body into the engine's own names (vLLM: ``routed_experts_prompt_start``,
+   ``return_token_ids``; SGLang: ``routed_experts_start_len``, ``return_routed_experts``).
+3. :func:`finish_answer` takes every choice's native routing (vLLM ``choices[].routed_experts`` ``.npy``,
+   SGLang ``choices[].sgl_ext.routed_experts`` int32), passes it through the one full check and writes rr's
+   fields on the choice, with the prompt and output token ids. Everything else stays as the engine made it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rr_client.codec import (
+    FORMATS,
+    check_routing,
+    decode_routed_experts,
+    expected_rows,
+    routing_error_fields,
+    routing_meta_fields,
+)
+from rr_client.errors import MissingRoutingError, RoutedExpertsError
+from rr_client.info import RRInfo
+from rr_server.generate_protocol import BadRequest, default_routed_experts_format
+
+__all__ = [
+    "OPENAI_PATHS",
+    "RR_OPENAI_FIELDS",
+    "OpenAIRouting",
+    "Engine",
+    "parse_openai_routing",
+    "engine_body",
+    "finish_answer",
+    "routing_payload_size",
+]
+
+Engine = Literal["vllm", "sglang"]
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
+# a body that sets any of these is an rr request; one that sets none gets the engine's exact answer
+RR_OPENAI_FIELDS = ("return_routed_experts", "routed_experts_start", "routed_experts_format")
+_STREAM_REFUSAL = {
+    "vllm": "vLLM's streaming chunks carry no routing",
+    "sglang": "rr serves SGLang's OpenAI routing only on complete answers",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRouting:
+    """rr's fields of one OpenAI request, validated."""
+
+    want: bool
+    start: int
+    fmt: str
+    stream: bool
+
+
+def parse_openai_routing(body: Mapping[str, Any], *, engine: Engine) -> OpenAIRouting | None:
+    """rr's fields of an OpenAI body, or None when it sets none; BadRequest (400) naming the field otherwise.
+
+    On SGLang, ``return_routed_experts`` and ``routed_experts_start_len`` are the engine's own names and count too.
+    """
+    starts = ("routed_experts_start", "routed_experts_start_len") if engine == "sglang" else ("routed_experts_start",)
+    if not any(k in body for k in (*RR_OPENAI_FIELDS, *starts)):
+        return None
+    want = body.get("return_routed_experts", False)
+    if not isinstance(want, bool):
+        raise BadRequest(f"return_routed_experts must be true or false, got {want!r}")
+    start = 0
+    for key in starts:
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise BadRequest(f"{key} must be a non-negative integer, got {value!r}")
+        start = value
+        break
+    fmt = body.get("routed_experts_format")
+    if fmt is None:
+        fmt = default_routed_experts_format()
+    elif fmt not in FORMATS:
+        raise BadRequest(f"routed_experts_format must be one of {list(FORMATS)}, got {fmt!r}")
+    stream = bool(body.get("stream", False))
+    if want and stream:
+        raise BadRequest(f"stream=true with return_routed_experts is not served: {_STREAM_REFUSAL[engine]}; "
+                         "send stream=false")
+    if want and start:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt) and start > len(prompt):
+            raise BadRequest(f"routed_experts_start {start} is beyond the prompt ({len(prompt)} tokens); "
+                             "it must be <= the prompt length")
+    return OpenAIRouting(want=want, start=start, fmt=str(fmt), stream=stream)
+
+
+def engine_body(body: Mapping[str, Any], r: OpenAIRouting, *, engine: Engine) -> dict[str, Any]:
+    """The body the engine gets: rr's fields in the engine's own names, token ids asked for when routing is."""
+    out = {k: v for k, v in body.items() if k not in RR_OPENAI_FIELDS and k != "routed_experts_start_len"}
+    if not r.want:
+        return out
+    out["return_token_ids"] = True
+    if engine == "vllm":
+        out["routed_experts_prompt_start"] = r.start
+    else:
+        out["return_routed_experts"] = True
+        out["routed_experts_start_len"] = r.start
+    return out
+
+
+def _int_ids(value: Any) -> list[int] | None:
+    """A token-id list from the answer, or None when absent or not a list of ints."""
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    return None
+
+
+def _native_payload(choice: dict[str, Any], engine: Engine) -> Any:
+    """Remove and return the engine's own routing field of one choice."""
+    if engine == "vllm":
+        return choice.pop("routed_experts", None)
+    ext = choice.get("sgl_ext")
+    payload = ext.pop("routed_experts", None) if isinstance(ext, dict) else None
+    if payload is None:
+        payload = choice.pop("routed_experts", None)
+    if isinstance(ext, dict) and not any(v is not None for v in ext.values()):
+        choice.pop("sgl_ext")  # SGLang drops an all-empty sgl_ext too
+    return payload
+
+
+def _rows(prompt_ids: Sequence[int] | None, output_ids: Sequence[int] | None, usage: Any, n_choices: int,
+          start: int) -> int | None:
+    """Rows the choice must carry: from its token ids, else from ``usage`` when it describes this one choice."""
+    if prompt_ids is not None and output_ids is not None:
+        return expected_rows(len(prompt_ids), len(output_ids), start)
+    if n_choices == 1 and isinstance(usage, Mapping):
+        pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(pt, int) and isinstance(ct, int):
+            return expected_rows(pt, ct, start)
+    return None
+
+
+def routing_payload_size(answer: Any) -> int:
+    """Characters of routing payload in an answer (to decide whether finishing it belongs off the event loop)."""
+    total = 0
+    for ch in answer.get("choices", ()) if isinstance(answer, Mapping) else ():
+        if isinstance(ch, Mapping):
+            for p in (ch.get("routed_experts"), (ch.get("sgl_ext") or {}).get("routed_experts")
+                      if isinstance(ch.get("sgl_ext"), Mapping) else None):
+                total += len(p) if isinstance(p, str) else 0
+    return total
+
+
+def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine) -> Any:
+    """Put rr's checked routing fields and token ids on every choice of a non-streaming answer (in place).
+
+    A choice whose routing fails the check carries ``routed_experts: null`` and ``routed_experts_error``
+    (the client raises on it); its other fields are untouched. With ``routed_experts_format="sglang"`` on
+    SGLang, ``sgl_ext.routed_experts`` also keeps SGLang's own int32 payload, checked, for clients that read it.
+    """
+    if not r.want or not isinstance(answer, dict):
+        return answer
+    choices = answer.get("choices")
+    if not isinstance(choices, list):
+        return answer
+    top_prompt = _int_ids(answer.get("prompt_token_ids"))  # vLLM chat: one prompt for all choices
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        payload = _native_payload(choice, engine)
+        prompt_ids = _int_ids(choice.get("prompt_token_ids")) or top_prompt
+        output_ids = _int_ids(choice.get("token_ids"))
+        if prompt_ids is not None:
+            choice["prompt_token_ids"] = prompt_ids
+        rows = _rows(prompt_ids, output_ids, answer.get("usage"), len(choices), r.start)
+        try:
+            if payload is None:
+                raise MissingRoutingError(
+                    "the engine returned no routing for this choice (was it started with --enable-return-routed-experts?)")
+            arr = decode_routed_experts(payload, num_layers=info.num_hidden_layers, topk=info.topk, validate=False)
+            if rows is None:
+                if engine != "sglang":
+                    raise MissingRoutingError("the engine's answer has no token ids to count this choice's rows by")
+                rows = int(arr.shape[0])  # SGLang < 0.5.23 without token ids: rr's patch counted the rows already
+            fields = routing_meta_fields(check_routing(arr, info, rows=rows, start=r.start), r.fmt)
+        except RoutedExpertsError as e:
+            fields = routing_error_fields(e)
+        choice.update(fields)
+        if engine == "sglang" and r.fmt == "sglang" and fields.get("routed_experts") is not None:
+            ext = choice.setdefault("sgl_ext", {})
+            if isinstance(ext, dict):
+                ext["routed_experts"] = fields["routed_experts"]
+    return answer
