@@ -38,6 +38,7 @@ from rr_client.errors import (
     RRError,
     ServerError,
     ShapeMismatchError,
+    TokenMismatchError,
     TransportError,
     UnrecordedRoutingError,
 )
@@ -46,6 +47,7 @@ from rr_client.info import RRInfo
 
 if TYPE_CHECKING:
     from rr_client._client import Prompt, RoutedExpertsClient
+    from rr_client.trajectory import ChatTrajectory, Trajectory
     from rr_client._tensors import PackedRouting, RoutingTensors, tensor_dtype, to_packed, to_tensors
 
 # name -> module that defines it; imported on first attribute access (httpx / torch stay unloaded until then)
@@ -57,6 +59,8 @@ _LAZY = {
     "tensor_dtype": "rr_client._tensors",
     "PackedRouting": "rr_client._tensors",
     "to_packed": "rr_client._tensors",
+    "Trajectory": "rr_client.trajectory",
+    "ChatTrajectory": "rr_client.trajectory",
 }
 
 
@@ -71,12 +75,12 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "RoutedExpertsClient", "Prompt", "GenerateBatch", "GenerateResult", "parse_sample",
+    "RoutedExpertsClient", "Prompt", "Trajectory", "ChatTrajectory", "GenerateBatch", "GenerateResult", "parse_sample",
     "RoutingTensors", "to_tensors", "tensor_dtype", "PackedRouting", "to_packed",
     "encode_routed_experts", "decode_routed_experts", "decode_meta_info", "routing_meta_fields",
     "routing_error_fields", "check_routing", "CheckedRouting", "wire_dtype", "expected_rows",
     "RRError", "RoutedExpertsError", "MalformedPayloadError", "ShapeMismatchError",
-    "ExpertIdOutOfRangeError", "UnrecordedRoutingError", "MissingRoutingError",
+    "ExpertIdOutOfRangeError", "UnrecordedRoutingError", "MissingRoutingError", "TokenMismatchError",
     "TransportError", "ConnectError", "RequestTimeoutError", "ConnectionLostError",
     "ServerError", "RequestRejectedError", "AuthenticationError", "ProtocolError",
     "ReplicaMismatchError",

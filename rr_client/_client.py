@@ -7,16 +7,20 @@ import os
 import random
 from collections.abc import Hashable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
 
 from rr_client._http_errors import error_for_status, map_httpx_error
+from rr_client._openai import CHAT_PATH, COMPLETIONS_PATH, openai_body, parse_choices
 from rr_client._replicas import Replica, ReplicaPool, ReplicaStats
 from rr_client._results import GenerateBatch, GenerateResult, parse_sample
 from rr_client.errors import ProtocolError, RequestRejectedError, RRError, ServerError, TransportError
 from rr_client.info import RRInfo
+
+if TYPE_CHECKING:
+    from rr_client.trajectory import ChatTrajectory, Trajectory
 
 __all__ = ["RoutedExpertsClient", "Prompt", "API_KEY_ENV", "ReplicaStats"]
 
@@ -291,6 +295,89 @@ class RoutedExpertsClient:
                 )
             )
         return out
+
+
+    # ------------------------------------------------------------------ OpenAI-compatible endpoints
+
+    async def complete(
+        self,
+        prompt: Prompt,
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        return_routed_experts: bool = True,
+        routed_experts_start: int | None = None,
+        affinity: Hashable | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+    ) -> GenerateBatch:
+        """``POST /v1/completions`` for one prompt (text or token ids); one result per choice (``n``).
+
+        ``sampling_params`` take ``generate``'s SGLang names (``max_new_tokens`` ...) or OpenAI's;
+        ``extra_body`` is merged into the request last (e.g. ``{"logprobs": 1}``).
+        """
+        plist = _normalize_prompts(prompt)
+        if len(plist) != 1:
+            raise ValueError("complete() takes one prompt; call it once per prompt (or use generate for a batch)")
+        p = plist[0]
+        return await self._openai(COMPLETIONS_PATH, {"prompt": p}, sampling_params, want=return_routed_experts,
+                                  start=routed_experts_start, affinity=affinity, extra=extra_body,
+                                  sent_ids=p if isinstance(p, list) else None)
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        return_routed_experts: bool = True,
+        routed_experts_start: int | None = None,
+        affinity: Hashable | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+    ) -> GenerateBatch:
+        """``POST /v1/chat/completions``; the engine applies the model's chat template.
+
+        Each result carries the templated ``prompt_ids`` the engine reported, the generated ``output_ids``,
+        the message in ``meta["message"]`` (tool calls included) and routing for ``prompt + output - 1 -
+        start`` rows.
+        """
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+        payload: dict[str, Any] = {"messages": [dict(m) for m in messages]}
+        if tools is not None:
+            payload["tools"] = [dict(t) for t in tools]
+        return await self._openai(CHAT_PATH, payload, sampling_params, want=return_routed_experts,
+                                  start=routed_experts_start, affinity=affinity, extra=extra_body, sent_ids=None)
+
+    async def _openai(self, path: str, payload: dict[str, Any], params: Mapping[str, Any] | None, *, want: bool,
+                      start: int | None, affinity: Hashable | None, extra: Mapping[str, Any] | None,
+                      sent_ids: list[int] | None) -> GenerateBatch:
+        """One OpenAI-endpoint call, every choice checked."""
+        if start is not None and start < 0:
+            raise ValueError(f"routed_experts_start must be >= 0, got {start}")
+        info = await self.info()
+        model = (extra or {}).get("model") or info.model
+        body = openai_body(params, model=model, want=want, start=start, extra=extra)
+        body.update(payload)
+        answer = await self._request("POST", path, body, affinity=affinity)
+        results = parse_choices(answer, path=path, info=info, want_routing=want, start=start or 0,
+                                sent_prompt_ids=sent_ids, allow_extra_rows=self._allow_extra_rows,
+                                validate=self._validate)
+        return GenerateBatch(results=results, info=info)
+
+    # ------------------------------------------------------------------ multi-turn
+
+    def trajectory(self, prompt_ids: Sequence[int], *, affinity: Hashable | None = None) -> "Trajectory":
+        """A multi-turn rollout by token ids that asks each turn only for the routing rows it does not hold."""
+        from rr_client.trajectory import Trajectory
+
+        return Trajectory(self, prompt_ids, affinity=affinity)
+
+    def chat_trajectory(self, messages: Sequence[Mapping[str, Any]], *,
+                        tools: Sequence[Mapping[str, Any]] | None = None,
+                        affinity: Hashable | None = None) -> "ChatTrajectory":
+        """A multi-turn rollout over ``/v1/chat/completions``, aligned on the token ids the engine reports."""
+        from rr_client.trajectory import ChatTrajectory
+
+        return ChatTrajectory(self, messages, tools=tools, affinity=affinity)
 
 
 def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:

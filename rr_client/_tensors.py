@@ -20,7 +20,11 @@ __all__ = ["PackedRouting", "RoutingTensors", "Sample", "to_packed", "to_tensors
 
 
 class Sample(Protocol):
-    """What padding needs of one sample (a :class:`rr_client.GenerateResult` is one)."""
+    """What padding needs of one sample (a :class:`rr_client.GenerateResult` or :class:`rr_client.Trajectory`).
+
+    An optional ``output_loss_mask`` (one bool per output token) becomes ``response_mask``; without it
+    every output token is a response token.
+    """
 
     @property
     def index(self) -> int: ...
@@ -140,6 +144,18 @@ def _sequences(results: Sequence[Sample]) -> list[tuple[list[int], list[int]]]:
     return seqs
 
 
+def _response_values(r: Sample, n_out: int) -> np.ndarray | int:
+    """``response_mask`` over a sample's output tokens: 1 everywhere, or a trajectory's loss mask
+    (0 on tool/environment tokens the model did not generate)."""
+    mask = getattr(r, "output_loss_mask", None)
+    if mask is None:
+        return 1
+    arr = np.asarray(mask, dtype=np.int64)
+    if arr.shape != (n_out,):
+        raise ShapeMismatchError(f"sample {r.index}: loss mask has {arr.shape} entries for {n_out} output tokens")
+    return arr
+
+
 def _layer_axis(info: RRInfo, moe_layers_only: bool) -> tuple[list[int], np.ndarray | None, LayerAxis]:
     if moe_layers_only:
         layers = list(info.moe_layers)
@@ -234,7 +250,7 @@ def to_tensors(
             pos = np.arange(off, off + n)
         ids[i, pos] = p + o
         attn[i, pos] = 1
-        resp[i, pos[len(p):]] = 1
+        resp[i, pos[len(p):]] = _response_values(r, len(o))
         if pos_ids is not None:
             pos_ids[i, pos] = np.arange(n)
         arr = _sample_rows(r, n, layer_index)
@@ -308,7 +324,7 @@ def to_packed(
         s = int(cu[i])
         ids[s : s + n] = p + o
         pos_ids[s : s + n] = np.arange(n)
-        resp[s + len(p) : s + n] = 1
+        resp[s + len(p) : s + n] = _response_values(r, len(o))
         arr = _sample_rows(r, n, layer_index)
         r0 = int(rcu[i]) + r.routed_experts_start
         rmask[r0 : r0 + arr.shape[0]] = True

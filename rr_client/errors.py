@@ -8,7 +8,8 @@ Imports nothing heavy. The hierarchy::
     │   ├── ShapeMismatchError            rows, layers, top-k, stated shape, dense-layer mismatch
     │   ├── ExpertIdOutOfRangeError       id >= num_experts (or negative)
     │   ├── UnrecordedRoutingError        all-zero or repeated ids in an MoE row
-    │   └── MissingRoutingError           asked for routing, got none (incl. SGLang's ``{}``)
+    │   ├── MissingRoutingError           asked for routing, got none (incl. SGLang's ``{}``)
+    │   └── TokenMismatchError            a turn's prompt does not begin with the trajectory's tokens
     ├── TransportError                    no usable answer from the server (after retries)
     │   ├── ConnectError                  refused / unreachable
     │   ├── RequestTimeoutError           connect, read or write timed out
@@ -30,6 +31,7 @@ __all__ = [
     "ExpertIdOutOfRangeError",
     "UnrecordedRoutingError",
     "MissingRoutingError",
+    "TokenMismatchError",
     "TransportError",
     "ConnectError",
     "RequestTimeoutError",
@@ -68,6 +70,19 @@ class UnrecordedRoutingError(RoutedExpertsError):
 
 class MissingRoutingError(RoutedExpertsError):
     """Routing was requested but the answer carries none (absent, null, or the SGLang ``{}`` loss)."""
+
+
+class TokenMismatchError(RoutedExpertsError):
+    """A turn's prompt, as the engine tokenized it, does not begin with the tokens the trajectory holds.
+
+    Typically a chat template that re-tokenized an earlier turn differently: every later routing row would
+    sit on the wrong token. ``position`` is the first differing index; ``expected``/``got`` the ids there
+    (``got`` is None when the engine's prompt is shorter than the trajectory).
+    """
+
+    def __init__(self, message: str, *, position: int, expected: int, got: int | None) -> None:
+        super().__init__(message)
+        self.position, self.expected, self.got = position, expected, got
 
 
 class TransportError(RRError):

@@ -9,14 +9,23 @@ through byte for byte.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 from rr_client.info import RRInfo
 from rr_server.generate_protocol import BadRequest, error_body
-from rr_server.openai_routing import OPENAI_PATHS, Engine, engine_body, finish_answer, parse_openai_routing
+from rr_server.openai_routing import (
+    OPENAI_PATHS,
+    Engine,
+    OpenAIRouting,
+    engine_body,
+    finish_answer,
+    parse_openai_routing,
+)
 
 __all__ = ["OpenAIRoutingMiddleware", "install_openai_routing"]
 
@@ -30,6 +39,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Routing payload characters above which an answer is finished in a worker thread (keeps the loop serving).
 _THREAD_MIN_CHARS = 1 << 20
+# ``native(r)``: entered around the engine's handling of a request that wants routing (``r``: its rr fields);
+# yields ``fill(answer)``, applied to the parsed answer before rr's finish (the SGLang patch gives each
+# choice its own routing there).
+Native = Callable[[OpenAIRouting], AbstractContextManager[Callable[[Any], None]]]
 
 
 async def _send_json(send: Send, obj: Any, status: int, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -45,8 +58,9 @@ class OpenAIRoutingMiddleware:
     """Adds rr's routing fields to the engine's OpenAI endpoints; ``info(app)`` gives the served model's dims."""
 
     def __init__(self, app: ASGIApp, *, engine: Engine, info: Callable[[Any], RRInfo],
-                 routing_enabled: Callable[[Any], bool] | None = None) -> None:
+                 routing_enabled: Callable[[Any], bool] | None = None, native: Native | None = None) -> None:
         self.app, self.engine, self.info, self.routing_enabled = app, engine, info, routing_enabled
+        self.native = native
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in OPENAI_PATHS:
@@ -83,7 +97,8 @@ class OpenAIRoutingMiddleware:
             await self.app(inner, _replay(new, receive), send)
             return
         captured = _Captured(send)
-        await self.app(inner, _replay(new, receive), captured.send)
+        with self.native(r) if self.native is not None else contextlib.nullcontext(None) as fill:
+            await self.app(inner, _replay(new, receive), captured.send)
         if captured.status != 200 or not captured.complete:
             await captured.flush()  # errors and anything unexpected go out as the engine made them
             return
@@ -92,6 +107,8 @@ class OpenAIRoutingMiddleware:
         except ValueError:
             await captured.flush()
             return
+        if fill is not None:
+            fill(answer)
         info = self.info(scope["app"])
         size = len(captured.body[0]) if len(captured.body) == 1 else sum(map(len, captured.body))
         if size > _THREAD_MIN_CHARS:
@@ -155,11 +172,12 @@ class _Captured:
 
 
 def install_openai_routing(app: Any, *, engine: Engine, info: Callable[[Any], RRInfo],
-                           routing_enabled: Callable[[Any], bool] | None = None) -> bool:
+                           routing_enabled: Callable[[Any], bool] | None = None, native: Native | None = None) -> bool:
     """Add :class:`OpenAIRoutingMiddleware` to a Starlette/FastAPI app once (re-entrant); True if added now."""
     if getattr(app.state, "rr_openai_routing", False):
         return False
-    app.add_middleware(OpenAIRoutingMiddleware, engine=engine, info=info, routing_enabled=routing_enabled)
+    app.add_middleware(OpenAIRoutingMiddleware, engine=engine, info=info, routing_enabled=routing_enabled,
+                       native=native)
     app.state.rr_openai_routing = True
     logger.info("rr: routing fields served on %s (%s)", ", ".join(OPENAI_PATHS), engine)
     return True

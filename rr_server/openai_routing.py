@@ -7,9 +7,11 @@ Three steps, shared by the vLLM plugin, the SGLang patch (both through
    ``routed_experts_format``); a body with none of them is not rr's business and passes through untouched.
 2. :func:`engine_body` rewrites the body into the engine's own names (vLLM: ``routed_experts_prompt_start``,
    ``return_token_ids``; SGLang: ``routed_experts_start_len``, ``return_routed_experts``).
-3. :func:`finish_answer` takes every choice's native routing (vLLM ``choices[].routed_experts`` ``.npy``,
-   SGLang ``choices[].sgl_ext.routed_experts`` int32), passes it through the one full check and writes rr's
-   fields on the choice, with the prompt and output token ids. Everything else stays as the engine made it.
+3. :func:`finish_answer` takes every choice's native routing (vLLM ``choices[].routed_experts`` ``.npy``;
+   SGLang: its response-level ``sglext.routed_experts``, int32, which is the FIRST choice's only, or a
+   per-choice ``choices[].sgl_ext.routed_experts`` that rr's SGLang patch supplies for every choice), passes
+   it through the one full check and writes rr's fields on the choice, with the prompt and output token ids.
+   Everything else stays as the engine made it.
 """
 
 from __future__ import annotations
@@ -132,6 +134,15 @@ def _native_payload(choice: dict[str, Any], engine: Engine) -> Any:
     return payload
 
 
+def _sglext_payload(answer: dict[str, Any]) -> Any:
+    """Remove and return SGLang's response-level ``sglext.routed_experts`` (its first request's routing)."""
+    ext = answer.get("sglext")
+    payload = ext.pop("routed_experts", None) if isinstance(ext, dict) else None
+    if isinstance(ext, dict) and not any(v is not None for v in ext.values()):
+        answer.pop("sglext")  # SGLang leaves sglext out when it has nothing
+    return payload
+
+
 def _rows(prompt_ids: Sequence[int] | None, output_ids: Sequence[int] | None, usage: Any, n_choices: int,
           start: int) -> int | None:
     """Rows the choice must carry: from its token ids, else from ``usage`` when it describes this one choice."""
@@ -152,15 +163,19 @@ def routing_payload_size(answer: Any) -> int:
             for p in (ch.get("routed_experts"), (ch.get("sgl_ext") or {}).get("routed_experts")
                       if isinstance(ch.get("sgl_ext"), Mapping) else None):
                 total += len(p) if isinstance(p, str) else 0
-    return total
+    ext = answer.get("sglext") if isinstance(answer, Mapping) else None
+    p = ext.get("routed_experts") if isinstance(ext, Mapping) else None
+    return total + (len(p) if isinstance(p, str) else 0)
 
 
 def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine) -> Any:
     """Put rr's checked routing fields and token ids on every choice of a non-streaming answer (in place).
 
     A choice whose routing fails the check carries ``routed_experts: null`` and ``routed_experts_error``
-    (the client raises on it); its other fields are untouched. With ``routed_experts_format="sglang"`` on
-    SGLang, ``sgl_ext.routed_experts`` also keeps SGLang's own int32 payload, checked, for clients that read it.
+    (the client raises on it); its other fields are untouched. On SGLang, the response-level
+    ``sglext.routed_experts`` (SGLang's own place: the first choice's routing) is removed, or with
+    ``routed_experts_format="sglang"`` replaced by the first choice's checked int32 payload for clients that
+    read it there. SGLang's chat ``response_token_ids`` count as the choice's output ids.
     """
     if not r.want or not isinstance(answer, dict):
         return answer
@@ -168,16 +183,24 @@ def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine
     if not isinstance(choices, list):
         return answer
     top_prompt = _int_ids(answer.get("prompt_token_ids"))  # vLLM chat: one prompt for all choices
-    for choice in choices:
+    first = _sglext_payload(answer) if engine == "sglang" else None
+    for i, choice in enumerate(choices):
         if not isinstance(choice, dict):
             continue
         payload = _native_payload(choice, engine)
+        if payload is None and i == 0:
+            payload = first  # SGLang's sglext holds the first request's routing, i.e. choice 0's
         prompt_ids = _int_ids(choice.get("prompt_token_ids")) or top_prompt
         output_ids = _int_ids(choice.get("token_ids"))
+        if output_ids is None and engine == "sglang":
+            output_ids = _int_ids(choice.get("response_token_ids"))  # SGLang 0.5.23 chat
         if prompt_ids is not None:
             choice["prompt_token_ids"] = prompt_ids
         rows = _rows(prompt_ids, output_ids, answer.get("usage"), len(choices), r.start)
         try:
+            if payload is None and engine == "sglang" and i > 0 and first is not None:
+                raise MissingRoutingError("SGLang's OpenAI answer carries routing for its first choice only "
+                                          "(rr's SGLang patch gives every choice its own)")
             if payload is None:
                 raise MissingRoutingError(
                     "the engine returned no routing for this choice (was it started with --enable-return-routed-experts?)")
@@ -190,8 +213,8 @@ def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine
         except RoutedExpertsError as e:
             fields = routing_error_fields(e)
         choice.update(fields)
-        if engine == "sglang" and r.fmt == "sglang" and fields.get("routed_experts") is not None:
-            ext = choice.setdefault("sgl_ext", {})
+        if engine == "sglang" and r.fmt == "sglang" and i == 0 and fields.get("routed_experts") is not None:
+            ext = answer.setdefault("sglext", {})
             if isinstance(ext, dict):
                 ext["routed_experts"] = fields["routed_experts"]
     return answer

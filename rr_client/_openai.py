@@ -1,0 +1,108 @@
+"""The OpenAI-compatible endpoints from the client's side: request bodies, and choices parsed into GenerateResults.
+
+rr servers put on every choice of ``/v1/completions`` and ``/v1/chat/completions`` the same routing fields as
+``/generate`` (``routed_experts`` ``.npy``, ``routed_experts_shape/_dtype/_format/_start``) plus
+``prompt_token_ids`` and ``token_ids``; a choice is checked exactly like a ``/generate`` sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rr_client._results import GenerateResult
+from rr_client.codec import decode_meta_info, expected_rows
+from rr_client.errors import ProtocolError, RoutedExpertsError
+from rr_client.info import RRInfo
+
+__all__ = ["COMPLETIONS_PATH", "CHAT_PATH", "openai_body", "parse_choices"]
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+
+# SGLang sampling names (what ``generate`` takes) -> OpenAI names; others pass through (both engines take them)
+_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
+            "no_stop_trim": "include_stop_str_in_output"}
+_ROUTING_KEYS = ("routed_experts", "routed_experts_shape", "routed_experts_dtype", "routed_experts_format",
+                 "routed_experts_start", "routed_experts_error")
+
+
+def openai_body(params: Mapping[str, Any] | None, *, model: str, want: bool, start: int | None,
+                extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """An OpenAI request body: sampling params in OpenAI names, rr's fields, token ids always asked for."""
+    body: dict[str, Any] = {"model": model, "stream": False, "return_token_ids": True}
+    for k, v in (params or {}).items():
+        body[_RENAMES.get(k, k)] = v
+    body["return_routed_experts"] = want
+    body["routed_experts_format"] = "npy"  # rr_client always asks explicitly (servers may default to "sglang")
+    if start is not None:
+        body["routed_experts_start"] = start
+    body.update(extra or {})
+    return body
+
+
+def _ids(value: Any, what: str, where: str) -> list[int]:
+    """A list of token ids from the answer, or ProtocolError naming the missing field."""
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ProtocolError(f"{where}: the answer has no {what} (is the server rr-patched or the rr sidecar?)")
+    return value
+
+
+def parse_choices(
+    answer: Any,
+    *,
+    path: str,
+    info: RRInfo,
+    want_routing: bool,
+    start: int,
+    sent_prompt_ids: Sequence[int] | None,
+    prompt_index: int = 0,
+    first_index: int = 0,
+    allow_extra_rows: int = 0,
+    validate: bool = True,
+) -> list[GenerateResult]:
+    """Every choice of one answer as a GenerateResult (choice order), each checked like a ``/generate`` sample."""
+    if not isinstance(answer, Mapping) or not isinstance(answer.get("choices"), list) or not answer["choices"]:
+        raise ProtocolError(f"{path}: answer must be an object with a non-empty 'choices' list")
+    top_prompt = answer.get("prompt_token_ids")
+    out = []
+    for j, choice in enumerate(answer["choices"]):
+        where = f"{path} choice {j}"
+        if not isinstance(choice, Mapping):
+            raise ProtocolError(f"{where}: choice is not an object")
+        prompt_ids = _ids(choice.get("prompt_token_ids", top_prompt), "prompt_token_ids", where)
+        output_ids = _ids(choice.get("token_ids"), "token_ids", where)
+        if sent_prompt_ids is not None and list(sent_prompt_ids) != prompt_ids:
+            raise ProtocolError(f"{where}: the engine's prompt_token_ids differ from the token ids sent")
+        routing = None
+        if want_routing:
+            stated = choice.get("routed_experts_start", start)
+            if stated != start:
+                raise ProtocolError(f"{where}: asked routed_experts_start={start}, server says {stated}")
+            try:
+                routing = decode_meta_info(
+                    choice, rows=expected_rows(len(prompt_ids), len(output_ids), start),
+                    num_layers=info.num_hidden_layers, topk=info.topk, num_experts=info.num_experts,
+                    moe_layers=info.moe_layers, allow_extra_rows=allow_extra_rows, validate=validate)
+            except RoutedExpertsError as e:
+                raise type(e)(f"{where}: {e}") from e
+        message = choice.get("message")
+        text = choice.get("text")
+        if not isinstance(text, str) and isinstance(message, Mapping):
+            text = message.get("content")
+        meta = {k: v for k, v in choice.items() if k not in _ROUTING_KEYS}
+        meta.update(prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids), id=answer.get("id"),
+                    usage=answer.get("usage"))
+        fr = choice.get("finish_reason")
+        out.append(GenerateResult(
+            index=first_index + j,
+            prompt_index=prompt_index,
+            prompt_ids=list(prompt_ids),
+            output_ids=list(output_ids),
+            text=text if isinstance(text, str) else None,
+            finish_reason=fr if isinstance(fr, str) else None,
+            routed_experts=routing,
+            routed_experts_start=start,
+            meta=meta,
+        ))
+    return out

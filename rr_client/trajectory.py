@@ -1,0 +1,223 @@
+"""Multi-turn rollouts: one token sequence, one routing array, one loss mask, built turn by turn.
+
+Every turn sends the whole conversation and asks only for the rows not held yet (``routed_experts_start`` =
+rows held), so routing bytes grow with the new tokens, not with the conversation. Every turn is checked:
+the engine's prompt must begin with the tokens held (else :class:`TokenMismatchError` at the first
+differing position, never a shifted array) and it must send exactly ``tokens - 1 - start`` rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rr_client._results import GenerateResult
+from rr_client.errors import ShapeMismatchError, TokenMismatchError
+
+if TYPE_CHECKING:
+    from rr_client._client import RoutedExpertsClient
+
+__all__ = ["Trajectory", "ChatTrajectory"]
+
+_ids = itertools.count()
+
+
+def _token_list(token_ids: Sequence[int], what: str) -> list[int]:
+    """Validated non-negative int token ids."""
+    if isinstance(token_ids, (str, bytes)) or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in token_ids):
+        raise TypeError(f"{what} must be a list of non-negative int token ids")
+    return [int(t) for t in token_ids]
+
+
+def _first_difference(held: Sequence[int], prompt: Sequence[int]) -> int | None:
+    """First index where ``prompt`` does not continue ``held`` (None when ``held`` is a prefix of it)."""
+    n = min(len(held), len(prompt))
+    a, b = np.asarray(held[:n], dtype=np.int64), np.asarray(prompt[:n], dtype=np.int64)
+    diff = np.flatnonzero(a != b)
+    if diff.size:
+        return int(diff[0])
+    return None if len(prompt) >= len(held) else n
+
+
+class _Rollout:
+    """Tokens, loss mask and routing rows of one conversation; what both trajectory kinds share."""
+
+    def __init__(self, client: "RoutedExpertsClient", prompt_ids: Sequence[int], affinity: Hashable | None) -> None:
+        self._client = client
+        self._tokens = _token_list(prompt_ids, "prompt_ids")
+        self._prompt_len = len(self._tokens)
+        self._mask = [False] * len(self._tokens)
+        self._chunks: list[np.ndarray] = []
+        self._rows = 0
+        self._cache: np.ndarray | None = None
+        self.affinity: Hashable = affinity if affinity is not None else f"rr-trajectory-{next(_ids)}"
+        self.turns: list[GenerateResult] = []
+        self.index = 0  # sample index in error messages of to_tensors
+
+    # -- what trainers read
+    @property
+    def input_ids(self) -> list[int]:
+        """Every token of the conversation so far."""
+        return list(self._tokens)
+
+    @property
+    def loss_mask(self) -> list[bool]:
+        """True only on tokens the model generated (prompt, tool and template tokens are False)."""
+        return list(self._mask)
+
+    @property
+    def num_rows(self) -> int:
+        """Routing rows held: ``len(input_ids) - 1`` right after a turn."""
+        return self._rows
+
+    @property
+    def routed_experts(self) -> np.ndarray:
+        """``(rows, layers, topk)``: row ``t`` is the routing of token ``t`` (one array for the whole conversation)."""
+        if self._cache is None or self._cache.shape[0] != self._rows:
+            if not self._chunks:
+                raise ShapeMismatchError("the trajectory holds no routing yet: run a turn first")
+            self._cache = np.concatenate(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
+            self._chunks = [self._cache]
+        return self._cache
+
+    # -- the Sample protocol of rr_client.to_tensors / to_packed
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The first prompt (the rest of the conversation is the "response", masked by ``loss_mask``)."""
+        return self._tokens[: self._prompt_len]
+
+    @property
+    def output_ids(self) -> list[int]:
+        """Every token after the first prompt: generated, tool and template tokens."""
+        return self._tokens[self._prompt_len:]
+
+    @property
+    def output_loss_mask(self) -> list[bool]:
+        """``loss_mask`` over :attr:`output_ids`."""
+        if self._rows != len(self._tokens) - 1:
+            raise ShapeMismatchError(
+                f"trajectory {self.index}: {len(self._tokens)} tokens but {self._rows} routing rows; the tokens "
+                "added after the last turn have no routing yet (end the conversation with a model turn)")
+        return self._mask[self._prompt_len:]
+
+    @property
+    def routed_experts_start(self) -> int:
+        return 0
+
+    # -- turns
+    def _check_prompt(self, engine_prompt: Sequence[int], turn: int) -> None:
+        """Raise TokenMismatchError unless the engine's prompt begins with every token held."""
+        pos = _first_difference(self._tokens, engine_prompt)
+        if pos is None:
+            return
+        got = int(engine_prompt[pos]) if pos < len(engine_prompt) else None
+        lo = max(0, pos - 3)
+        raise TokenMismatchError(
+            f"turn {turn}: the engine's prompt ({len(engine_prompt)} tokens) does not begin with the trajectory's "
+            f"{len(self._tokens)} tokens: first difference at position {pos} (held {self._tokens[lo:pos + 4]}, "
+            f"engine {list(engine_prompt[lo:pos + 4])} from position {lo}); typically a chat template that "
+            "re-tokenized an earlier turn. Every routing row after it would sit on the wrong token",
+            position=pos, expected=self._tokens[pos], got=got)
+
+    def _take_turn(self, res: GenerateResult, start: int) -> None:
+        """Append one checked turn: template/tool tokens between held and prompt end, then the output."""
+        prompt = res.prompt_ids or []
+        self._check_prompt(prompt, len(self.turns))
+        if res.routed_experts is None or res.routed_experts_start != start:
+            raise ShapeMismatchError(f"turn {len(self.turns)}: no routing from row {start}")
+        rows = res.routed_experts
+        want = len(prompt) + len(res.output_ids) - 1 - start
+        if rows.shape[0] != want:  # parse already checked this; kept as the invariant this class relies on
+            raise ShapeMismatchError(f"turn {len(self.turns)}: {rows.shape[0]} rows, expected {want}")
+        added = prompt[len(self._tokens):]
+        self._tokens.extend(added)
+        self._mask.extend([False] * len(added))
+        self._tokens.extend(res.output_ids)
+        self._mask.extend([True] * len(res.output_ids))
+        self._chunks.append(rows)
+        self._rows += rows.shape[0]
+        self.turns.append(res)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append environment or tool tokens; they are not trained on (``loss_mask`` False)."""
+        ids = _token_list(token_ids, "token_ids")
+        self._tokens.extend(ids)
+        self._mask.extend([False] * len(ids))
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+
+class Trajectory(_Rollout):
+    """A multi-turn rollout by token ids over ``/generate`` (``client.trajectory(prompt_ids)``).
+
+    ``await traj.generate(params)`` runs one model turn; ``traj.extend(tool_ids)`` adds environment tokens.
+    ``traj.input_ids``, ``traj.routed_experts`` (``len(input_ids) - 1`` rows after a turn) and
+    ``traj.loss_mask`` are trainer-ready; ``rr_client.to_tensors([traj, ...], info)`` pads trajectories.
+    """
+
+    def __init__(self, client: "RoutedExpertsClient", prompt_ids: Sequence[int], *,
+                 affinity: Hashable | None = None) -> None:
+        super().__init__(client, prompt_ids, affinity)
+        if not self._tokens:
+            raise ValueError("prompt_ids is empty")
+
+    async def generate(self, sampling_params: Mapping[str, Any] | None = None) -> GenerateResult:
+        """One model turn on every token so far, asking only for the rows not held yet."""
+        params = dict(sampling_params or {})
+        if params.get("n", 1) != 1:
+            raise ValueError("a trajectory turn samples one continuation (n=1)")
+        start = self._rows
+        batch = await self._client.generate([list(self._tokens)], params, routed_experts_start=start,
+                                            affinity=self.affinity)
+        res = batch[0]
+        reported = res.meta.get("prompt_token_ids")
+        if isinstance(reported, list):
+            self._check_prompt(reported, len(self.turns))
+        self._take_turn(res, start)
+        return res
+
+
+class ChatTrajectory(_Rollout):
+    """A multi-turn rollout over ``/v1/chat/completions`` (``client.chat_trajectory(messages)``).
+
+    The engine applies the chat template to every message each turn; the tokens it reports must begin with
+    every token held so far (the previous turns' prompt and output), else :class:`TokenMismatchError`.
+    Template tokens the engine adds between turns (role headers, end-of-turn markers, tool messages) join the
+    trajectory with ``loss_mask`` False. ``traj.add(message)`` appends a tool/user message.
+    """
+
+    def __init__(self, client: "RoutedExpertsClient", messages: Sequence[Mapping[str, Any]], *,
+                 tools: Sequence[Mapping[str, Any]] | None = None, affinity: Hashable | None = None) -> None:
+        super().__init__(client, [], affinity)
+        self.messages: list[dict[str, Any]] = [dict(m) for m in messages]
+        self.tools = [dict(t) for t in tools] if tools is not None else None
+
+    def add(self, message: Mapping[str, Any]) -> None:
+        """Append a message (tool result, user turn); its tokens arrive with the next turn's prompt."""
+        self.messages.append(dict(message))
+
+    async def chat(self, sampling_params: Mapping[str, Any] | None = None) -> GenerateResult:
+        """One model turn; the assistant message is appended to ``messages``."""
+        params = dict(sampling_params or {})
+        if params.get("n", 1) != 1:
+            raise ValueError("a trajectory turn samples one continuation (n=1)")
+        start = self._rows
+        batch = await self._client.chat(self.messages, params, tools=self.tools, routed_experts_start=start,
+                                        affinity=self.affinity)
+        res = batch[0]
+        if not self.turns:
+            self._tokens = []  # the first prompt is whatever the template made of the messages
+        self._take_turn(res, start)
+        if not self._prompt_len:
+            self._prompt_len = len(res.prompt_ids or [])
+        message = res.meta.get("message")
+        reply: dict[str, Any] = {"role": "assistant", "content": res.text or ""}
+        if isinstance(message, Mapping) and message.get("tool_calls"):
+            reply["tool_calls"] = message["tool_calls"]
+        self.messages.append(reply)
+        return res
