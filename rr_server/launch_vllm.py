@@ -144,6 +144,13 @@ def build_command(argv: Sequence[str], *, cpu: bool, version: str | None = None,
     return cmd, notes
 
 
+def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
+    """rr's ``--routed-experts-format`` removed from vLLM's arguments (shared with the SGLang launcher)."""
+    from rr_server.launch_sglang import take_format_flag as take
+
+    return take(argv)
+
+
 def _child_env() -> dict[str, str]:
     """Environment that switches the rr plugin on in every vLLM process."""
     env = dict(os.environ)
@@ -162,9 +169,13 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from rr_patches.vllm.plugin import UnsupportedVLLMVersion, check_vllm_version
 
+    from rr_server.generate_protocol import FORMAT_ENV
+    from rr_server.launch_sglang import FORMAT_FLAG
+
     allow = _ALLOW_FLAG in argv
     if "-h" in argv or "--help" in argv:
-        print(f"rr-server launch vllm [{_ALLOW_FLAG}] [{_CPU_FLAG}] <vLLM api_server arguments>: starts vLLM's "
+        print(f"rr-server launch vllm [{_ALLOW_FLAG}] [{_CPU_FLAG}] [{FORMAT_FLAG} npy|sglang] "
+              "<vLLM api_server arguments>: starts vLLM's "
               "API server with the rr plugin (POST /generate, GET /rr/info) and --enable-return-routed-experts;\n"
               "on CPU also --enforce-eager --dtype float32 --kv-cache-memory-bytes 268435456. vLLM's own help:\n")
     version = _installed_vllm_version()
@@ -189,6 +200,13 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     env = _child_env()
+    try:
+        argv, fmt = take_format_flag(argv)
+    except ValueError as e:
+        print(f"rr: {FORMAT_FLAG}: {e}", file=sys.stderr)
+        return 2
+    if fmt is not None:
+        env[FORMAT_ENV] = fmt  # the plugin reads it per request in the API server process
     cmd, notes = build_command(argv, cpu=cpu, version=version, env=env)
     for line in notes:
         logger.warning(line)

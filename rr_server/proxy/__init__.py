@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close /metrics behind --api-key too (open by default)")
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help="refuse larger request bodies with 413 before parsing (default 64 MiB)")
+    p.add_argument("--routed-experts-format", choices=("npy", "sglang"), default=None,
+                   help="routing format for requests that do not say (default npy, rr's; sglang = SGLang's "
+                        "headerless int32 for clients that decode it themselves); env RR_ROUTED_EXPERTS_FORMAT")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -64,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rr_server.auth import keys_from
     from rr_server.proxy.app import DEFAULT_MAX_BODY_BYTES, ProxyConfig, create_app
 
+    if args.routed_experts_format:
+        from rr_server.generate_protocol import FORMAT_ENV
+
+        os.environ[FORMAT_ENV] = args.routed_experts_format
     max_body = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
     if max_body < 1:
         sys.stderr.write("rr-server proxy: --max-body-bytes must be >= 1\n")

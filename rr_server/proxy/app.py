@@ -1,4 +1,5 @@
-"""The sidecar's FastAPI app: ``/generate``, ``/rr/info``, ``/health`` and ``/metrics`` in front of one upstream.
+"""The sidecar's FastAPI app: ``/generate``, ``/v1/completions``, ``/v1/chat/completions``, ``/rr/info``, ``/health``
+and ``/metrics`` in front of one upstream.
 
 ``/rr/generate`` is ``/generate`` (same handler, same schema) under a path vllm-router forwards intact.
 """
@@ -21,11 +22,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from rr_client.info import RRInfo
 from rr_server.auth import ApiKeyMiddleware, ApiKeys
 from rr_server.fanout import primed
-from rr_server.generate_protocol import SSE_DONE, BadRequest, NormalizedGenerate, parse_generate_request, sse_line
+from rr_server.generate_protocol import (
+    SSE_DONE,
+    BadRequest,
+    NormalizedGenerate,
+    parse_generate_request,
+    sse_line,
+)
+from rr_server.openai_routing import OPENAI_PATHS
 from rr_server.proxy.backend import Backend
 from rr_server.proxy.errors import ProxyError, error_payload
 from rr_server.proxy.info import fetch_info
 from rr_server.proxy.metrics import ProxyMetrics
+from rr_server.proxy.openai import serve_openai
 from rr_server.proxy.sglang_backend import SGLangBackend, validation_view
 from rr_server.proxy.upstream import Upstream
 from rr_server.proxy.vllm_backend import VLLMBackend
@@ -153,6 +162,24 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
 
     # The same handler at a path vllm-router forwards untouched (its own /generate drops rr's fields).
     app.add_api_route("/rr/generate", generate, methods=["POST"])
+
+    async def openai(request: Request) -> Response:
+        """``/v1/completions`` and ``/v1/chat/completions``: rr's fields served, everything else passed through."""
+        route = request.url.path
+        sc.metrics.in_flight.inc()
+        t0 = time.perf_counter()
+        try:
+            out = await serve_openai(sc, route, await request.body())
+            sc.metrics.requests.labels(route, str(out.status_code)).inc()
+            return out
+        except ProxyError as e:
+            return sc.fail(route, e)
+        finally:
+            sc.metrics.in_flight.dec()
+            sc.metrics.request_latency.labels(route).observe(time.perf_counter() - t0)
+
+    for path in OPENAI_PATHS:
+        app.add_api_route(path, openai, methods=["POST"])
 
     @app.get("/rr/info")
     async def rr_info() -> Response:

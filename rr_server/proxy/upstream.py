@@ -74,6 +74,31 @@ class Upstream:
         except orjson.JSONDecodeError as e:
             raise ProxyError(502, "upstream_protocol", f"upstream {path} answered non-JSON: {e}") from None
 
+    async def forward(self, path: str, content: bytes) -> httpx.Response:
+        """POST bytes as they came and return the engine's answer whatever its status (pass-through)."""
+        async with self._sem:
+            t0 = time.perf_counter()
+            try:
+                return await self._http.post(path, content=content, headers={"content-type": "application/json"})
+            except httpx.HTTPError as e:
+                raise upstream_transport_error(self.url, map_httpx_error(e, path)) from None
+            finally:
+                self._metrics.upstream_latency.labels(path).observe(time.perf_counter() - t0)
+
+    @asynccontextmanager
+    async def forward_stream(self, path: str, content: bytes) -> AsyncIterator[httpx.Response]:
+        """POST bytes and hand back the open streaming answer, whatever its status (pass-through)."""
+        async with self._sem:
+            t0 = time.perf_counter()
+            try:
+                async with self._http.stream("POST", path, content=content,
+                                             headers={"content-type": "application/json"}) as resp:
+                    yield resp
+            except httpx.HTTPError as e:
+                raise upstream_transport_error(self.url, map_httpx_error(e, path)) from None
+            finally:
+                self._metrics.upstream_latency.labels(path).observe(time.perf_counter() - t0)
+
     @asynccontextmanager
     async def stream_lines(self, path: str, body: Any) -> AsyncIterator[AsyncIterator[str]]:
         """POST and iterate the answer's lines (SSE); transport failures while reading raise ProxyError."""

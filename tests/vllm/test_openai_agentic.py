@@ -274,3 +274,62 @@ def test_chat_trajectory_and_retokenization_error(qwen_server: Any) -> None:
     first_out = len(good.turns[0].prompt_ids or [])
     assert err.position == first_out, "the first differing token is the edited turn's first output token"
     assert "position" in str(err)
+
+
+# ------------------------------------------------------------------------------------- sidecar
+
+
+@pytest.fixture(scope="module")
+def sidecar_url(qwen_server: Any) -> Any:
+    from rr_server.proxy.app import ProxyConfig
+    from tests.support.proxy_harness import SidecarServer
+
+    cfg = ProxyConfig(upstream=qwen_server.base_url, engine="vllm", timeout=120, model_path=str(qwen_server.model_dir))
+    with SidecarServer(cfg) as sc:
+        yield sc.url
+
+
+def test_sidecar_openai_routing_equals_patched(qwen_server: Any, sidecar_url: str) -> None:
+    """The sidecar serves the same rr fields on the OpenAI endpoints as the patched engine, values checked."""
+    ids = tokenize(qwen_server.model_dir, "SGLang and vLLM are inference engines")
+    body = {"model": _model(qwen_server), "prompt": ids, "max_tokens": 8, "temperature": 0,
+            "return_routed_experts": True, "routed_experts_start": 3}
+    via = httpx.post(sidecar_url + "/v1/completions", json=body, timeout=120)
+    direct = _post(qwen_server, "/v1/completions", body)
+    assert via.status_code == 200, via.text
+    a, b = via.json()["choices"][0], direct.json()["choices"][0]
+    for k in ("text", "token_ids", "prompt_token_ids", "routed_experts", *RR_CHOICE_FIELDS):
+        assert a[k] == b[k], k
+    import io
+
+    arr = np.load(io.BytesIO(base64.b64decode(a["routed_experts"])))
+    _assert_matches_transformers(qwen_server, arr, ids + a["token_ids"], 3)
+
+    async def chat() -> Any:
+        async with RoutedExpertsClient(sidecar_url) as c:
+            traj = c.chat_trajectory([{"role": "user", "content": "1 2 3 4 5"}])
+            await traj.chat({"max_new_tokens": 6, "temperature": 0})
+            return traj
+
+    traj = asyncio.run(chat())
+    _assert_matches_transformers(qwen_server, traj.routed_experts, traj.input_ids)
+
+
+def test_sidecar_passes_other_requests_through(qwen_server: Any, sidecar_url: str) -> None:
+    """No rr field: the engine's answer, streaming included; bad rr fields: 400 naming the field."""
+    body = {"model": _model(qwen_server), "prompt": "1 2 3 4 5", "max_tokens": 5, "temperature": 0}
+    via = httpx.post(sidecar_url + "/v1/completions", json=body, timeout=120).json()
+    direct = _post(qwen_server, "/v1/completions", body).json()
+    assert via["choices"] == direct["choices"] and via["usage"] == direct["usage"]
+    with httpx.stream("POST", sidecar_url + "/v1/chat/completions", timeout=120,
+                      json={"model": _model(qwen_server), "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 4, "stream": True}) as resp:
+        assert resp.status_code == 200
+        events = [line for line in resp.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    assert json.loads(events[0][5:])["object"] == "chat.completion.chunk"
+    bad = httpx.post(sidecar_url + "/v1/completions", json={**body, "stream": True, "return_routed_experts": True},
+                     timeout=60)
+    assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]
+    missing = httpx.post(sidecar_url + "/v1/completions", json={**body, "model": "no-such-model"}, timeout=60)
+    assert missing.status_code == 404, missing.text  # the engine's own error, passed through

@@ -1,0 +1,129 @@
+"""The sidecar's ``/v1/completions`` and ``/v1/chat/completions``: rr's fields served from the engine's own answer.
+
+A request with rr's fields (:mod:`rr_server.openai_routing`) is rewritten into the engine's names, and every
+choice of the answer gets checked rr routing and token ids. Any other request passes through byte for byte,
+streaming included, with one exception: on SGLang the sidecar asks for routing on every request (SGLang
+<= 0.5.12 hands one request another's rows when a batch mixes asking and non-asking requests) and removes it
+from answers that did not ask, so they read exactly as SGLang would send them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from fastapi.responses import Response, StreamingResponse
+
+from rr_server.generate_protocol import BadRequest
+from rr_server.openai_routing import (
+    engine_body,
+    finish_answer,
+    parse_openai_routing,
+    routing_payload_size,
+)
+from rr_server.proxy.errors import ProxyError
+
+if TYPE_CHECKING:
+    from rr_server.proxy.app import Sidecar
+
+__all__ = ["serve_openai", "strip_forced_routing"]
+
+_THREAD_MIN_CHARS = 1 << 20
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+
+
+def strip_forced_routing(answer: Any) -> bool:
+    """Remove ``sgl_ext.routed_experts`` the sidecar forced on (an empty ``sgl_ext`` too); True if anything went."""
+    changed = False
+    for choice in answer.get("choices", ()) if isinstance(answer, dict) else ():
+        ext = choice.get("sgl_ext") if isinstance(choice, dict) else None
+        if isinstance(ext, dict) and "routed_experts" in ext:
+            del ext["routed_experts"]
+            changed = True
+            if not any(v is not None for v in ext.values()):
+                del choice["sgl_ext"]
+    return changed
+
+
+def _headers(resp: Any) -> dict[str, str]:
+    """The engine's answer headers minus hop-by-hop ones (the sidecar's server sets its own)."""
+    return {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+async def _pass_through(sc: "Sidecar", path: str, content: bytes, *, stream: bool, strip: bool) -> Response:
+    """Forward to the engine; its answer goes back unchanged (``strip``: minus forced SGLang routing)."""
+    if not stream:
+        resp = await sc.up.forward(path, content)
+        body = resp.content
+        if strip and resp.status_code == 200:
+            try:
+                answer = orjson.loads(body)
+                if strip_forced_routing(answer):
+                    body = orjson.dumps(answer)
+            except orjson.JSONDecodeError:
+                pass
+        return Response(body, status_code=resp.status_code, headers=_headers(resp))
+    stack = AsyncExitStack()
+    resp = await stack.enter_async_context(sc.up.forward_stream(path, content))
+    if resp.status_code != 200:
+        try:
+            body = await resp.aread()
+        finally:
+            await stack.aclose()
+        return Response(body, status_code=resp.status_code, headers=_headers(resp))
+
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            if not strip:
+                async for raw in resp.aiter_raw():
+                    yield raw
+                return
+            async for line in resp.aiter_lines():
+                if line.startswith("data:") and "routed_experts" in line:
+                    try:
+                        event = orjson.loads(line[5:].strip())
+                        if strip_forced_routing(event):
+                            line = "data: " + orjson.dumps(event).decode()
+                    except orjson.JSONDecodeError:
+                        pass
+                yield (line + "\n").encode()
+        finally:
+            await stack.aclose()
+
+    return StreamingResponse(chunks(), status_code=200, headers=_headers(resp))
+
+
+async def serve_openai(sc: "Sidecar", path: str, raw: bytes) -> Response:
+    """One OpenAI-endpoint request through the sidecar."""
+    engine = sc.cfg.engine
+    try:
+        body = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        body = None  # not ours to judge: the engine answers it
+    try:
+        r = parse_openai_routing(body, engine=engine) if isinstance(body, dict) else None
+    except BadRequest as e:
+        raise ProxyError(e.status, "bad_request", str(e)) from None
+    force = engine == "sglang" and sc.cfg.force_routing and isinstance(body, dict)
+    if r is None or not r.want:
+        if not isinstance(body, dict) or (r is None and not force):
+            return await _pass_through(sc, path, raw, stream=isinstance(body, dict) and bool(body.get("stream")),
+                                       strip=False)
+        out = engine_body(body, r, engine=engine) if r is not None else dict(body)
+        if force:
+            out["return_routed_experts"] = True
+        return await _pass_through(sc, path, orjson.dumps(out), stream=bool(out.get("stream")), strip=force)
+    info, _ = await sc.info()
+    answer = await sc.up.call("POST", path, engine_body(body, r, engine=engine))
+    if routing_payload_size(answer) > _THREAD_MIN_CHARS:
+        answer = await asyncio.to_thread(finish_answer, answer, r, info, engine=engine)
+    else:
+        answer = finish_answer(answer, r, info, engine=engine)
+    for choice in answer.get("choices", ()) if isinstance(answer, dict) else ():
+        shape = choice.get("routed_experts_shape") if isinstance(choice, dict) else None
+        if shape:
+            sc.metrics.routing_sent(int(shape[0]), choice["routed_experts"])
+    return Response(orjson.dumps(answer), media_type="application/json")
