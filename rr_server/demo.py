@@ -2,7 +2,9 @@
 
 Builds a random tiny Qwen3-MoE locally, launches ``rr-server launch vllm`` on a free port,
 generates a batch, prints token counts, routing shapes, payload sizes, a per-layer expert-load
-table and the agreement with transformers' router top-k; exits 1 unless agreement is 100%.
+table and the agreement with transformers' router top-k, then runs the agentic loop of
+:mod:`rr_server.demo_agentic` (trajectories, tensors, bytes per trajectory) and the doctor; exits 1 unless
+every agreement is 100% and the doctor passes.
 """
 
 from __future__ import annotations
@@ -153,8 +155,11 @@ def run(args: argparse.Namespace) -> int:
         pct = 100.0 * match / max(1, total)
         print(f"\nagreement with transformers' router top-k (sets, every token x MoE layer): "
               f"{match}/{total} = {pct:.2f}%")
+        from rr_server.demo_agentic import run_agentic
+
+        agentic_ok = run_agentic(base_url, str(model_dir))
         doctor_ok = _doctor(base_url, model_dir)
-        return 0 if total and match == total and doctor_ok else 1
+        return 0 if total and match == total and agentic_ok and doctor_ok else 1
     finally:
         if proc is not None:
             _stop(proc)

@@ -211,27 +211,11 @@ def test_three_turn_trajectory_matches_transformers(qwen_server: Any) -> None:
         assert turn.routed_experts_start == len(traj.turns[k - 1].prompt_ids or []) + len(traj.turns[k - 1].output_ids) - 1
 
 
-class _CountingTransport(httpx.AsyncBaseTransport):
-    """Counts response body bytes of every call (a real transport underneath)."""
-
-    def __init__(self) -> None:
-        self.inner = httpx.AsyncHTTPTransport()
-        self.bytes = 0
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        resp = await self.inner.handle_async_request(request)
-        body = await resp.aread()
-        if request.url.path.endswith("generate"):
-            self.bytes += len(body)
-        return httpx.Response(resp.status_code, headers=resp.headers, content=body, request=request)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
 def test_incremental_start_sends_one_turns_rows(qwen_server: Any) -> None:
     """Bytes on the wire: incremental turns receive fewer bytes than re-sending every row each turn."""
-    inc, resend = _CountingTransport(), _CountingTransport()
+    from rr_server.demo_agentic import CountingTransport
+
+    inc, resend = CountingTransport(), CountingTransport()
     traj, _ = asyncio.run(_three_turns(qwen_server, inc))
     base, _ = asyncio.run(_three_turns(qwen_server, resend, resend=True))
     assert traj.input_ids == base.input_ids  # same seeds, same conversation
@@ -242,6 +226,8 @@ def test_incremental_start_sends_one_turns_rows(qwen_server: Any) -> None:
         assert turn.routed_experts.shape[0] == new_rows
         held += new_rows
     assert inc.bytes < resend.bytes, (inc.bytes, resend.bytes)
+    # re-sent: turn k carries every row again; incremental: only the new ones (3 turns: well under 2/3)
+    assert 0 < inc.routing_bytes < 0.7 * resend.routing_bytes, (inc.routing_bytes, resend.routing_bytes)
 
 
 def test_chat_trajectory_and_retokenization_error(qwen_server: Any) -> None:
@@ -333,3 +319,21 @@ def test_sidecar_passes_other_requests_through(qwen_server: Any, sidecar_url: st
     assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]
     missing = httpx.post(sidecar_url + "/v1/completions", json={**body, "model": "no-such-model"}, timeout=60)
     assert missing.status_code == 404, missing.text  # the engine's own error, passed through
+
+
+def test_readme_agentic_example_runs(qwen_server: Any) -> None:
+    """The README's agentic example, as written, against a real server (only the URL replaced)."""
+    from pathlib import Path
+
+    text = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
+    section = text[text.index("## Agentic rollouts"):]
+    code = section[section.index("```python\n") + 10: section.index("```\n", section.index("```python\n") + 10)]
+    assert 'URL = "http://127.0.0.1:8000"' in code
+    code = code.replace('"http://127.0.0.1:8000"', repr(qwen_server.base_url))
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})  # noqa: S102
+    assert "torch.Size([2," in out.getvalue(), out.getvalue()
