@@ -8,10 +8,34 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "prepare_argv", "install_patch"]
+__all__ = ["main", "prepare_argv", "install_patch", "take_format_flag", "FORMAT_FLAG"]
 
 logger = logging.getLogger("rr.sglang")
 FLAG = "--enable-return-routed-experts"
+# rr's own flag (not SGLang's): the default routed_experts_format of /generate and the OpenAI endpoints
+FORMAT_FLAG = "--routed-experts-format"
+
+
+def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
+    """Remove ``--routed-experts-format {npy,sglang}`` (SGLang's parser would refuse it); ValueError on a bad value."""
+    from rr_client.codec import check_format
+
+    args, fmt, i = list(argv), None, 0
+    out: list[str] = []
+    while i < len(args):
+        a = args[i]
+        if a == FORMAT_FLAG:
+            if i + 1 >= len(args):
+                raise ValueError(f"{FORMAT_FLAG} needs a value (npy or sglang)")
+            fmt, i = args[i + 1], i + 2
+        elif a.startswith(FORMAT_FLAG + "="):
+            fmt, i = a.split("=", 1)[1], i + 1
+        else:
+            out.append(a)
+            i += 1
+            continue
+        fmt = check_format(fmt)
+    return out, fmt
 
 
 def prepare_argv(argv: Sequence[str]) -> list[str]:
@@ -75,7 +99,16 @@ def main(argv: Sequence[str]) -> int:
     """Entry point used by ``rr-server launch sglang``; returns a process exit code."""
     from rr_patches.sglang.versions import UnsupportedSGLangError
 
+    from rr_server.generate_protocol import FORMAT_ENV
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        argv, fmt = take_format_flag(argv)
+    except ValueError as e:
+        sys.stderr.write(f"rr-server: {FORMAT_FLAG}: {e}\n")
+        return 2
+    if fmt is not None:
+        os.environ[FORMAT_ENV] = fmt  # read per request by the patched server (this process)
     args = prepare_argv(argv)
     if _tokenizer_workers(args) > 1:
         sys.stderr.write(

@@ -11,8 +11,9 @@ import os
 from typing import Any
 
 from rr_client.codec import expected_rows, routing_error_fields
-from rr_client.errors import MissingRoutingError, RoutedExpertsError, ShapeMismatchError
+from rr_client.errors import MalformedPayloadError, MissingRoutingError, RoutedExpertsError, ShapeMismatchError
 from rr_patches.sglang.convert import wire_fields
+from rr_patches.sglang.openai import Collector, collector, requested_format
 from rr_patches.sglang.routes import bind_tokenizer_manager
 from rr_patches.sglang.state import RRState, rr_enabled, state_of
 
@@ -54,29 +55,40 @@ def around_send(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
 
     Every request then carries routing, so the scheduler's per-batch list lines up with the batch
     again (the <= 0.5.12 mixed-batch bug) and answers can still carry routing when a router dropped the flag.
+    Runs in the HTTP request's task: ``/generate``'s ``routed_experts_format`` and an OpenAI request's
+    collector (:mod:`rr_patches.sglang.openai`) are read from context variables here.
     """
     if rr_enabled(self):
         st = state_of(self)
         always = os.environ.get(ALWAYS_ENV, "") not in ("", "0", "false")
+        col, fmt = collector(), requested_format()
         for t in _tokenized_generate_objs(args + tuple(kwargs.values())):
             rid = str(t.rid)
             state = self.rid_to_state.get(rid)
             caller = getattr(state, "obj", None) or t
             start = int(getattr(caller, "routed_experts_start_len", 0) or 0)
-            st.asked[rid] = (bool(t.return_routed_experts) or always, start)
+            asked = bool(t.return_routed_experts) or always
+            if col is not None:  # an OpenAI request that asked (serving code before 0.5.9/0.5.12 drops flag/start)
+                col.sent(rid, t.input_ids)
+                st.collectors[rid] = col
+                asked, start = True, start or col.start
+            st.asked[rid] = (asked, start, fmt)
             t.return_routed_experts = True
         if len(st.asked) > _MAX_REMEMBERED:  # requests that vanished without a final answer
             for rid in [r for r in st.asked if r not in self.rid_to_state]:
                 st.asked.pop(rid, None)
+                st.collectors.pop(rid, None)
     return original(self, *args, **kwargs)
 
 
 class _RRList(list):  # type: ignore[type-arg]
     """``ReqState.out_list`` stand-in: rewrites routing in each appended answer before anyone can read it."""
 
-    def __init__(self, items: Any, fields: dict[str, Any] | None) -> None:
+    def __init__(self, items: Any, fields: dict[str, Any] | None,
+                 collect: tuple[Collector, str] | None = None) -> None:
         super().__init__(items)
         self.rr_fields = fields  # None: strip routing (the caller did not ask)
+        self.collect = collect  # an OpenAI request's collector and this answer's rid
 
     def append(self, out: Any) -> None:
         """Apply the rr fields (or strip routing) to ``out["meta_info"]``, then append."""
@@ -85,18 +97,31 @@ class _RRList(list):  # type: ignore[type-arg]
             meta.pop("routed_experts", None)
             if self.rr_fields is not None:
                 meta.update(self.rr_fields)
+        if self.collect is not None and self.rr_fields is not None:
+            self.collect[0].finished(self.collect[1], out, self.rr_fields)
         super().append(out)
 
 
-def _answer_fields(st: RRState, value: Any, *, rows: int, start: int) -> dict[str, Any]:
+def _answer_fields(st: RRState, value: Any, *, rows: int, start: int, fmt: str | None) -> dict[str, Any]:
     """rr fields for one answer that asked: the checked wire fields, or an error marker (logged)."""
     try:
         if st.info is None:
             raise ShapeMismatchError("the model config gives no routing dims (num_hidden_layers/experts/top-k)")
-        return wire_fields(value, st.info, rows=rows, start=start, slice_start=not st.profile.honours_start)
+        return wire_fields(value, st.info, rows=rows, start=start, slice_start=not st.profile.honours_start,
+                           fmt=fmt or _server_format())
     except RoutedExpertsError as e:
         logger.error("rr: refusing routing payload: %s", e)
         return routing_error_fields(e)
+
+
+def _server_format() -> str:
+    """The server's default ``routed_experts_format`` (env RR_ROUTED_EXPERTS_FORMAT); a bad value is refused."""
+    from rr_server.generate_protocol import BadRequest, default_routed_experts_format
+
+    try:
+        return default_routed_experts_format()
+    except BadRequest as e:
+        raise MalformedPayloadError(str(e)) from None
 
 
 def prepare_batch(tm: Any, recv_obj: Any) -> None:
@@ -120,8 +145,9 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
         finished = recv_obj.finished_reasons[i] is not None
         if finished:
             caller = getattr(state, "obj", None)  # the caller's own GenerateReqInput for this rid
-            asked, start = st.asked.pop(rid, (bool(getattr(caller, "return_routed_experts", False)), 0))
-            start = int(getattr(caller, "routed_experts_start_len", start) or 0)
+            asked, start, fmt = st.asked.pop(rid, (bool(getattr(caller, "return_routed_experts", False)), 0, None))
+            start = int(getattr(caller, "routed_experts_start_len", 0) or 0) or start
+            col = st.collectors.pop(rid, None)
         if state is None:
             continue
         fields: dict[str, Any] | None = None
@@ -132,8 +158,8 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
                 fields = routing_error_fields(MissingRoutingError("the engine returned no routing for this request"))
             else:
                 rows = expected_rows(int(recv_obj.prompt_tokens[i]), int(recv_obj.completion_tokens[i]), start)
-                fields = _answer_fields(st, values[i], rows=rows, start=start)
-        state.out_list = _RRList(state.out_list, fields)
+                fields = _answer_fields(st, values[i], rows=rows, start=start, fmt=fmt)
+        state.out_list = _RRList(state.out_list, fields, (col, rid) if finished and col is not None else None)
     if values:
         setattr(recv_obj, field, None)
 

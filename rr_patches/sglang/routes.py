@@ -1,4 +1,5 @@
-"""``/rr/info`` on SGLang's own HTTP app: the facts a client validates every routing payload against."""
+"""``/rr/info`` on SGLang's own HTTP app (the facts a client validates every routing payload against), plus rr's
+middlewares for ``routed_experts_format`` on ``/generate`` and routing on the OpenAI endpoints (:mod:`.openai`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from rr_patches.sglang.state import state_of
 
-__all__ = ["bind_tokenizer_manager", "rr_info_dict", "install_route"]
+__all__ = ["bind_tokenizer_manager", "rr_info_dict", "install_route", "served_info"]
 
 _TM: weakref.ReferenceType[Any] | None = None
 _HTTP_MODULE = "sglang.srt.entrypoints.http_server"
@@ -41,10 +42,25 @@ def install_route(app: Any) -> None:
         app.add_api_route("/rr/info", _rr_info_endpoint, methods=["GET"])
 
 
+def served_info(app: Any = None) -> Any:
+    """The RRInfo of the bound TokenizerManager (the OpenAI middleware's ``info``); RuntimeError when unknown."""
+    tm = _TM() if _TM is not None else None
+    info = state_of(tm).info if tm is not None else None
+    if info is None:
+        raise RuntimeError("rr: no TokenizerManager with routing dims in this process")
+    return info
+
+
 def bind_tokenizer_manager(tm: Any) -> None:
-    """Remember ``tm`` for ``/rr/info`` and add the route to SGLang's app when it is loaded here."""
+    """Remember ``tm`` for ``/rr/info``; add the route and rr's middlewares to SGLang's app when it is loaded here.
+
+    Raises RuntimeError when the app already serves (middlewares can no longer be added): never serve without.
+    """
     global _TM
     _TM = weakref.ref(tm)
     mod = sys.modules.get(_HTTP_MODULE)
     if mod is not None and hasattr(mod, "app"):
+        from rr_patches.sglang.openai import install_http
+
         install_route(mod.app)
+        install_http(mod.app, served_info)

@@ -20,7 +20,8 @@ class RRState:
     def __init__(self, profile: Profile, info: RRInfo | None) -> None:
         self.profile = profile
         self.info = info
-        self.asked: dict[str, tuple[bool, int]] = {}  # rid -> (asked, routed_experts_start)
+        self.asked: dict[str, tuple[bool, int, str | None]] = {}  # rid -> (asked, start, routed_experts_format)
+        self.collectors: dict[str, Any] = {}  # rid -> the OpenAI request's Collector (rr_patches.sglang.openai)
 
 
 def _hf_config(tm: Any) -> dict[str, Any]:

@@ -35,6 +35,18 @@ def _zmq_contexts(obj: Any) -> set[Any]:
     return found
 
 
+def _fresh_app(app: Any) -> None:
+    """SGLang's module-level app as a fresh server process has it: no rr middleware, stack not built yet.
+
+    The app is one object for the whole test session; a patched TokenizerManager adds rr's middlewares
+    to it (before the first request, as in production), an unpatched one must not inherit them.
+    """
+    app.user_middleware[:] = [m for m in app.user_middleware
+                              if not getattr(m.cls, "__module__", "").startswith(("rr_patches.", "rr_server."))]
+    app.state.rr_openai_routing = False
+    app.middleware_stack = None
+
+
 class Harness:
     """One TokenizerManager (constructed exactly as SGLang's launcher does) without a scheduler process."""
 
@@ -59,6 +71,7 @@ class Harness:
             publish = None
         if publish is not None:
             publish(self.server_args, role="tokenizer")
+        _fresh_app(http_server.app)
         self.tm = TokenizerManager(self.server_args, self.port_args)
         self.tm.max_req_input_len = 1024  # the launcher copies this from the scheduler's info
         self.detok = None
@@ -133,6 +146,47 @@ class Harness:
             if all(s is None or not s.out_list for s in states):
                 return
             await asyncio.sleep(0.005)
+
+    def enable_openai(self) -> None:
+        """What SGLang's lifespan does for ``/v1/completions`` and ``/v1/chat/completions``: templates + serving handlers."""
+        try:
+            from sglang.srt.managers.template_manager import TemplateManager
+        except ImportError:  # 0.5.23 moved it
+            from sglang.srt.parser.template_manager import TemplateManager
+        from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+
+        templates = TemplateManager()
+        templates.initialize_templates(tokenizer_manager=self.tm, model_path=self.server_args.model_path,
+                                       chat_template=self.server_args.chat_template,
+                                       completion_template=self.server_args.completion_template)
+        chat_cls = getattr(self.tm, "serving_chat_class", None)
+        if chat_cls is None:
+            from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat as chat_cls
+        state = self.http.app.state
+        state.openai_serving_completion = OpenAIServingCompletion(self.tm, templates)
+        state.openai_serving_chat = chat_cls(self.tm, templates)
+
+    async def serve(self, path: str, body: dict[str, Any], timeout: float = 60.0) -> httpx.Response:
+        """POST ``body`` to ``path`` of SGLang's app; every request that reaches the stand-in is finished in one step.
+
+        Requests are answered in the batches they arrive in, until the HTTP call is done (so ``n > 1``,
+        whose prefix-caching request must finish before the samples are sent, works too).
+        """
+        self.tm.event_loop = asyncio.get_running_loop()
+        self.sched.arrivals.clear()
+        async with self.client() as client:
+            call = asyncio.ensure_future(client.post(path, json=body, timeout=timeout))
+            done = 0
+            for _ in range(int(timeout / 0.01)):
+                if call.done():
+                    break
+                await asyncio.sleep(0.01)
+                if len(self.sched.arrivals) > done:
+                    await asyncio.sleep(0.02)  # let the rest of a batch arrive
+                    new = self.sched.arrivals[done:]
+                    done += len(new)
+                    await self.deliver(self.sched.step(new))
+            return await call
 
     def client(self) -> httpx.AsyncClient:
         """An HTTP client on SGLang's own FastAPI app (in process, through ASGI)."""

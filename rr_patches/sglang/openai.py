@@ -1,0 +1,193 @@
+"""rr on SGLang's own HTTP app beyond ``/rr/info``: ``routed_experts_format`` on ``/generate``, rr's routing on
+``/v1/completions`` and ``/v1/chat/completions``.
+
+* ``/generate``: :class:`GenerateFormatMiddleware` takes ``routed_experts_format`` out of the body (SGLang's
+  parser never sees it), answers 400 for an unknown value, and hands the value to the TokenizerManager hooks
+  through a context variable (the endpoint runs in the middleware's task, so ``_send_*`` sees it).
+* OpenAI endpoints: :func:`rr_server.openai_middleware.install_openai_routing` with ``engine="sglang"``. SGLang's
+  serving code puts only the FIRST request's routing in the answer (``sglext.routed_experts``, response level);
+  while a request that asked runs, a :class:`Collector` (context variable) receives every choice's checked rr
+  fields and token ids from the hooks, and :func:`fill_answer` puts them on the choices before rr's finish.
+
+Both are added to SGLang's FastAPI app when the TokenizerManager is built, i.e. before uvicorn starts it;
+a TokenizerManager built after the app started (SGLang's granian / multi-tokenizer workers, which rr
+refuses anyway) raises instead of serving without them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from rr_client.codec import check_format
+from rr_server.openai_middleware import install_openai_routing
+from rr_server.generate_protocol import error_body
+
+__all__ = [
+    "Collector",
+    "GenerateFormatMiddleware",
+    "collector",
+    "requested_format",
+    "fill_answer",
+    "collecting",
+    "install_http",
+]
+
+_GENERATE_PATHS = ("/generate",)
+_FORMAT_KEY = b"routed_experts_format"
+_FORMAT: contextvars.ContextVar[str | None] = contextvars.ContextVar("rr_routed_experts_format", default=None)
+_COLLECTOR: contextvars.ContextVar["Collector | None"] = contextvars.ContextVar("rr_openai_collector", default=None)
+
+
+@dataclass
+class Collector:
+    """What the hooks saw of one OpenAI request: its rids in send order, each one's prompt, rr fields, output ids."""
+
+    start: int = 0  # the request's routed_experts_start (serving code before 0.5.12 drops it)
+    rids: list[str] = field(default_factory=list)
+    prompts: dict[str, list[int]] = field(default_factory=dict)
+    fields: dict[str, dict[str, Any]] = field(default_factory=dict)
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+
+    def sent(self, rid: str, input_ids: Any) -> None:
+        """A request of this OpenAI call reached ``_send_*`` (called in the request's own task)."""
+        self.rids.append(rid)
+        try:
+            self.prompts[rid] = [int(t) for t in input_ids]
+        except (TypeError, ValueError):
+            pass
+
+    def finished(self, rid: str, out: Any, fields: dict[str, Any]) -> None:
+        """The final answer of ``rid`` with rr's fields (called by the TokenizerManager's output handler)."""
+        self.fields[rid] = dict(fields)
+        ids = out.get("output_ids") if isinstance(out, dict) else None
+        if isinstance(ids, list):
+            self.outputs[rid] = [int(t) for t in ids]
+
+
+def collector() -> Collector | None:
+    """The collector of the OpenAI request running in this task, if rr asked for routing."""
+    return _COLLECTOR.get()
+
+
+def requested_format() -> str | None:
+    """``routed_experts_format`` of the ``/generate`` request running in this task (None: server default)."""
+    return _FORMAT.get()
+
+
+@contextlib.contextmanager
+def collecting(r: Any) -> Iterator[Callable[[Any], None]]:
+    """For the OpenAI middleware (``r``: the request's rr fields): collect while SGLang serves it, then ``fill``."""
+    col = Collector(start=int(r.start))
+    token = _COLLECTOR.set(col)
+    try:
+        yield lambda answer: fill_answer(answer, col)
+    finally:
+        _COLLECTOR.reset(token)
+
+
+def fill_answer(answer: Any, col: Collector) -> None:
+    """Give every choice its own routing (``sgl_ext.routed_experts``) and token ids from what the hooks saw.
+
+    SGLang answers ``choices`` in the order its TokenizerManager sent the requests; with ``n > 1`` it first
+    sends one prefix-caching request per prompt, so the choices are the last ``len(choices)`` rids sent.
+    Nothing is filled when the counts do not add up (rr's finish then reports the routing as missing).
+    """
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or not choices or len(col.rids) < len(choices):
+        return
+    for choice, rid in zip(choices, col.rids[-len(choices):]):
+        if not isinstance(choice, dict):
+            continue
+        fields = col.fields.get(rid)
+        if fields is not None and fields.get("routed_experts") is not None:
+            ext = choice.get("sgl_ext")
+            choice["sgl_ext"] = {**(ext if isinstance(ext, dict) else {}), "routed_experts": fields["routed_experts"]}
+        if rid in col.prompts and choice.get("prompt_token_ids") is None:
+            choice["prompt_token_ids"] = col.prompts[rid]
+        if rid in col.outputs and choice.get("token_ids") is None and choice.get("response_token_ids") is None:
+            choice["token_ids"] = col.outputs[rid]
+
+
+class GenerateFormatMiddleware:
+    """Pure ASGI: ``routed_experts_format`` on ``POST /generate`` is rr's; every other request passes untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in _GENERATE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        raw = b"".join(chunks)
+        body: Any = None
+        if _FORMAT_KEY in raw:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = None  # SGLang answers malformed JSON itself
+        if not isinstance(body, dict) or "routed_experts_format" not in body:
+            await self.app(scope, _replay(raw, receive), send)
+            return
+        fmt = body.pop("routed_experts_format")
+        if fmt is not None:
+            try:
+                fmt = check_format(fmt)
+            except ValueError as e:
+                await _send_json(send, error_body(str(e), 400), 400)
+                return
+        new = json.dumps(body).encode()
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(new)).encode()))
+        token = _FORMAT.set(fmt)
+        try:
+            await self.app(dict(scope, headers=headers), _replay(new, receive), send)
+        finally:
+            _FORMAT.reset(token)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A ``receive`` that yields ``body`` once, then defers to the real one (disconnects still arrive)."""
+    sent = False
+
+    async def replay() -> Any:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _send_json(send: Any, obj: Any, status: int) -> None:
+    """One complete JSON response."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def install_http(app: Any, info: Callable[[Any], Any]) -> None:
+    """Add rr's middlewares to SGLang's app once; RuntimeError when the app is already serving (too late)."""
+    if getattr(app.state, "rr_openai_routing", False):
+        return
+    if getattr(app, "middleware_stack", None) is not None:
+        raise RuntimeError(
+            "rr: SGLang's HTTP app started before its TokenizerManager was built (multi-tokenizer/granian "
+            "worker?); rr cannot add its /generate and OpenAI routing there. Run one tokenizer worker.")
+    app.add_middleware(GenerateFormatMiddleware)
+    install_openai_routing(app, engine="sglang", info=info, native=collecting)
+

@@ -1,0 +1,48 @@
+"""``rr-server launch sglang --routed-experts-format {npy,sglang}``: rr's flag, taken out of SGLang's arguments and
+handed to the server process as RR_ROUTED_EXPERTS_FORMAT (no SGLang needed: runs under the main pytest)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rr_server import launch_sglang
+from rr_server.generate_protocol import FORMAT_ENV, default_routed_experts_format
+
+
+@pytest.mark.parametrize("argv", [["--model-path", "m", "--routed-experts-format", "sglang", "--port", "1"],
+                                  ["--model-path", "m", "--routed-experts-format=sglang", "--port", "1"]])
+def test_flag_sets_env_and_leaves_sglang_args(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both spellings: SGLang gets its own arguments only; the patched server's default format becomes sglang."""
+    monkeypatch.setenv(FORMAT_ENV, "")  # recorded, so the value main() sets is undone after the test
+    ran: list[list[str]] = []
+    monkeypatch.setattr(launch_sglang, "install_patch", lambda: "test")
+    monkeypatch.setattr(launch_sglang, "_run", lambda args: ran.append(args))
+    assert launch_sglang.main(argv) == 0
+    assert ran == [["--model-path", "m", "--port", "1", "--enable-return-routed-experts"]]
+    assert default_routed_experts_format() == "sglang"
+
+
+def test_without_flag_env_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No flag: the default stays npy (an env the operator set is left alone)."""
+    monkeypatch.setenv(FORMAT_ENV, "")  # recorded, so the value main() sets is undone after the test
+    monkeypatch.setattr(launch_sglang, "install_patch", lambda: "test")
+    monkeypatch.setattr(launch_sglang, "_run", lambda args: None)
+    assert launch_sglang.main(["--model-path", "m"]) == 0
+    assert default_routed_experts_format() == "npy"
+
+
+@pytest.mark.parametrize("argv", [["--routed-experts-format", "bf16"], ["--routed-experts-format"]])
+def test_bad_flag_refused_before_sglang(argv: list[str], monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown or missing value exits 2 naming the flag; SGLang is never started."""
+    monkeypatch.setenv(FORMAT_ENV, "")  # recorded, so the value main() sets is undone after the test
+
+    def never(*_: Any) -> None:
+        raise AssertionError("SGLang must not start")
+
+    monkeypatch.setattr(launch_sglang, "install_patch", never)
+    monkeypatch.setattr(launch_sglang, "_run", never)
+    assert launch_sglang.main(["--model-path", "m", *argv]) == 2
+    assert "--routed-experts-format" in capsys.readouterr().err
