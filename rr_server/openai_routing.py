@@ -168,7 +168,8 @@ def routing_payload_size(answer: Any) -> int:
     return total + (len(p) if isinstance(p, str) else 0)
 
 
-def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine) -> Any:
+def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine, drop_rows: int = 0,
+                  payload_rows_counted: bool = True) -> Any:
     """Put rr's checked routing fields and token ids on every choice of a non-streaming answer (in place).
 
     A choice whose routing fails the check carries ``routed_experts: null`` and ``routed_experts_error``
@@ -176,6 +177,10 @@ def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine
     ``sglext.routed_experts`` (SGLang's own place: the first choice's routing) is removed, or with
     ``routed_experts_format="sglang"`` replaced by the first choice's checked int32 payload for clients that
     read it there. SGLang's chat ``response_token_ids`` count as the choice's output ids.
+
+    ``drop_rows``: leading rows to remove first (the sidecar asks SGLang for every row: its OpenAI serving
+    before 0.5.12 drops ``routed_experts_start_len``). ``payload_rows_counted=False`` (the sidecar): a choice
+    whose rows cannot be counted from token ids or usage is refused instead of trusting the payload's length.
     """
     if not r.want or not isinstance(answer, dict):
         return answer
@@ -205,8 +210,9 @@ def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine
                 raise MissingRoutingError(
                     "the engine returned no routing for this choice (was it started with --enable-return-routed-experts?)")
             arr = decode_routed_experts(payload, num_layers=info.num_hidden_layers, topk=info.topk, validate=False)
+            arr = arr[drop_rows:]
             if rows is None:
-                if engine != "sglang":
+                if engine != "sglang" or not payload_rows_counted:
                     raise MissingRoutingError("the engine's answer has no token ids to count this choice's rows by")
                 rows = int(arr.shape[0])  # SGLang < 0.5.23 without token ids: rr's patch counted the rows already
             fields = routing_meta_fields(check_routing(arr, info, rows=rows, start=r.start), r.fmt)

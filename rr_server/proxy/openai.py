@@ -10,6 +10,8 @@ from answers that did not ask, so they read exactly as SGLang would send them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
@@ -36,8 +38,15 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive
 
 
 def strip_forced_routing(answer: Any) -> bool:
-    """Remove ``sgl_ext.routed_experts`` the sidecar forced on (an empty ``sgl_ext`` too); True if anything went."""
+    """Remove the routing the sidecar forced on: SGLang's response-level ``sglext.routed_experts`` (and a
+    per-choice ``sgl_ext`` one), dropping a container left empty as SGLang would; True if anything went."""
     changed = False
+    ext = answer.get("sglext") if isinstance(answer, dict) else None
+    if isinstance(ext, dict) and "routed_experts" in ext:
+        del ext["routed_experts"]
+        changed = True
+        if not any(v is not None for v in ext.values()):
+            del answer["sglext"]
     for choice in answer.get("choices", ()) if isinstance(answer, dict) else ():
         ext = choice.get("sgl_ext") if isinstance(choice, dict) else None
         if isinstance(ext, dict) and "routed_experts" in ext:
@@ -117,11 +126,17 @@ async def serve_openai(sc: "Sidecar", path: str, raw: bytes) -> Response:
             out["return_routed_experts"] = True
         return await _pass_through(sc, path, orjson.dumps(out), stream=bool(out.get("stream")), strip=force)
     info, _ = await sc.info()
-    answer = await sc.up.call("POST", path, engine_body(body, r, engine=engine))
+    # SGLang is asked for every row and the sidecar drops the first ``start`` (its OpenAI serving before 0.5.12
+    # ignores routed_experts_start_len); vLLM applies the start itself
+    drop = r.start if engine == "sglang" else 0
+    sent = engine_body(body, dataclasses.replace(r, start=0) if drop else r, engine=engine)
+    answer = await sc.up.call("POST", path, sent)
+    finish = functools.partial(finish_answer, r=r, info=info, engine=engine, drop_rows=drop,
+                               payload_rows_counted=False)
     if routing_payload_size(answer) > _THREAD_MIN_CHARS:
-        answer = await asyncio.to_thread(finish_answer, answer, r, info, engine=engine)
+        answer = await asyncio.to_thread(finish, answer)
     else:
-        answer = finish_answer(answer, r, info, engine=engine)
+        answer = finish(answer)
     for choice in answer.get("choices", ()) if isinstance(answer, dict) else ():
         shape = choice.get("routed_experts_shape") if isinstance(choice, dict) else None
         if shape:

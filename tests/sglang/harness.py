@@ -166,7 +166,8 @@ class Harness:
         state.openai_serving_completion = OpenAIServingCompletion(self.tm, templates)
         state.openai_serving_chat = chat_cls(self.tm, templates)
 
-    async def serve(self, path: str, body: dict[str, Any], timeout: float = 60.0) -> httpx.Response:
+    async def serve(self, path: str, body: dict[str, Any], timeout: float = 60.0,
+                    via: httpx.AsyncClient | None = None) -> httpx.Response:
         """POST ``body`` to ``path`` of SGLang's app; every request that reaches the stand-in is finished in one step.
 
         Requests are answered in the batches they arrive in, until the HTTP call is done (so ``n > 1``,
@@ -174,7 +175,7 @@ class Harness:
         """
         self.tm.event_loop = asyncio.get_running_loop()
         self.sched.arrivals.clear()
-        async with self.client() as client:
+        async with via or self.client() as client:  # via: e.g. the sidecar's app in front of this one
             call = asyncio.ensure_future(client.post(path, json=body, timeout=timeout))
             done = 0
             for _ in range(int(timeout / 0.01)):
