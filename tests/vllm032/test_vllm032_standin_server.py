@@ -189,3 +189,48 @@ def test_capture_off(server_off: Any) -> None:
                 "/v1/completions")
     assert comp.status_code == 200, comp.text
     assert comp.json()["choices"][0].get("routed_experts") is None
+
+
+def test_v1_completions_rr_fields(server: Any) -> None:
+    """rr's fields on vLLM 0.32's own /v1/completions (the middleware around its real serving code)."""
+    body = {"model": str(server.model_dir), "prompt": PROMPTS[2], "max_tokens": 4, "n": 2,
+            "return_routed_experts": True, "routed_experts_start": 3}
+    r = post(server, body, "/v1/completions")
+    assert r.status_code == 200, r.text
+    cfg = load_config(server.model_dir)
+    layers, experts, topk = routing_dims_from_config(cfg)
+    for ch in r.json()["choices"]:
+        assert ch["prompt_token_ids"] == PROMPTS[2] and ch["routed_experts_start"] == 3
+        rows = len(PROMPTS[2]) + len(ch["token_ids"]) - 1 - 3
+        assert ch["routed_experts_shape"] == [rows, layers, topk] and ch["routed_experts_format"] == "npy"
+        got = decode_meta_info(ch, rows=rows, num_layers=layers, topk=topk, num_experts=experts,
+                               moe_layers=moe_layers_from_config(cfg))
+        check_rows(server, got, PROMPTS[2], list(ch["token_ids"]), start=3)
+    bad = post(server, dict(body, routed_experts_format="int32"), "/v1/completions")
+    assert bad.status_code == 400 and "routed_experts_format" in bad.text
+
+
+def test_trajectory_two_turns(server: Any) -> None:
+    """A token-id Trajectory on vLLM 0.32: the second turn asks only for new rows; the whole array is exact."""
+    import asyncio
+
+    from rr_client import RoutedExpertsClient
+
+    async def run() -> Any:
+        async with RoutedExpertsClient(server.base_url) as c:
+            traj = c.trajectory(PROMPTS[0])
+            await traj.generate({"max_new_tokens": 4})
+            traj.extend([200, 201, 202])
+            await traj.generate({"max_new_tokens": 4})
+            return traj
+
+    traj = asyncio.run(run())
+    assert traj.turns[1].routed_experts_start == len(PROMPTS[0]) + len(traj.turns[0].output_ids) - 1
+    ids = traj.input_ids
+    check_rows(server, traj.routed_experts, ids[:-1], ids[-1:])  # rows of every token but the last
+
+
+def test_v1_completions_rr_fields_capture_off(server_off: Any) -> None:
+    r = post(server_off, {"model": str(server_off.model_dir), "prompt": PROMPTS[0], "max_tokens": 2,
+                          "return_routed_experts": True}, "/v1/completions")
+    assert r.status_code == 400 and "started without --enable-return-routed-experts" in r.text
