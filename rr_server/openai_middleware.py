@@ -27,7 +27,7 @@ from rr_server.openai_routing import (
     parse_openai_routing,
 )
 
-__all__ = ["OpenAIRoutingMiddleware", "install_openai_routing"]
+__all__ = ["OpenAIRoutingMiddleware", "install_openai_routing", "replay_receive", "send_json"]
 
 logger = logging.getLogger("rr.openai")
 
@@ -45,7 +45,7 @@ _THREAD_MIN_CHARS = 1 << 20
 Native = Callable[[OpenAIRouting], AbstractContextManager[Callable[[Any], None]]]
 
 
-async def _send_json(send: Send, obj: Any, status: int, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_json(send: Send, obj: Any, status: int, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     """One complete JSON response."""
     body = json.dumps(obj, separators=(",", ":")).encode()
     hdrs = [(k, v) for k, v in (headers or []) if k.lower() not in (b"content-length", b"content-type")]
@@ -60,7 +60,7 @@ class OpenAIRoutingMiddleware:
     def __init__(self, app: ASGIApp, *, engine: Engine, info: Callable[[Any], RRInfo],
                  routing_enabled: Callable[[Any], bool] | None = None, native: Native | None = None) -> None:
         self.app, self.engine, self.info, self.routing_enabled = app, engine, info, routing_enabled
-        self.native = native
+        self.native = native  # with it, streams get rr's routing on their last event (it knows every choice)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in OPENAI_PATHS:
@@ -80,25 +80,31 @@ class OpenAIRoutingMiddleware:
         except ValueError:
             body = None  # not ours to judge: the engine answers it
         try:
-            r = parse_openai_routing(body, engine=self.engine) if isinstance(body, dict) else None
+            r = (parse_openai_routing(body, engine=self.engine, stream_ok=self.native is not None)
+                 if isinstance(body, dict) else None)
             if r is not None and r.want and self.routing_enabled is not None and not self.routing_enabled(scope["app"]):
                 raise BadRequest("this server was started without --enable-return-routed-experts")
         except BadRequest as e:
-            await _send_json(send, error_body(str(e), e.status), e.status)
+            await send_json(send, error_body(str(e), e.status), e.status)
             return
         if r is None:
-            await self.app(scope, _replay(raw, receive), send)
+            await self.app(scope, replay_receive(raw, receive), send)
             return
         new = json.dumps(engine_body(body, r, engine=self.engine)).encode()  # type: ignore[arg-type]
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(new)).encode()))
         inner = dict(scope, headers=headers)
         if not r.want:
-            await self.app(inner, _replay(new, receive), send)
+            await self.app(inner, replay_receive(new, receive), send)
+            return
+        if r.stream and self.native is not None:
+            with self.native(r) as fill:
+                stream = _RoutingStream(send, lambda answer: self._finish_stream(answer, r, fill, scope["app"]))
+                await self.app(inner, replay_receive(new, receive), stream.send)
             return
         captured = _Captured(send)
         with self.native(r) if self.native is not None else contextlib.nullcontext(None) as fill:
-            await self.app(inner, _replay(new, receive), captured.send)
+            await self.app(inner, replay_receive(new, receive), captured.send)
         if captured.status != 200 or not captured.complete:
             await captured.flush()  # errors and anything unexpected go out as the engine made them
             return
@@ -115,10 +121,16 @@ class OpenAIRoutingMiddleware:
             answer = await asyncio.to_thread(finish_answer, answer, r, info, engine=self.engine)
         else:
             answer = finish_answer(answer, r, info, engine=self.engine)
-        await _send_json(send, answer, 200, captured.headers)
+        await send_json(send, answer, 200, captured.headers)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+    def _finish_stream(self, answer: dict[str, Any], r: OpenAIRouting, fill: Callable[[Any], None], app: Any) -> Any:
+        """The routing event of a stream: every choice's checked rr fields and token ids."""
+        fill(answer)
+        return finish_answer(answer, r, self.info(app), engine=self.engine)
+
+
+def replay_receive(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that yields ``body`` once, then defers to the real one (so disconnects still arrive)."""
     sent = False
 
@@ -169,6 +181,67 @@ class _Captured:
             return
         await self._send(self._start)
         await self._send({"type": "http.response.body", "body": b"".join(self.body)})
+
+
+class _RoutingStream:
+    """Forwards an SSE answer event by event; drops the engine's own routing (SGLang's ``sglext``, the first
+    request's only) and sends one event with every choice's rr routing right before ``data: [DONE]``.
+
+    ``routing_event(answer)`` gets ``{"id", "object", "model", "choices": [{"index": i}, ...]}`` (one entry per
+    choice index the stream showed) and returns it finished.
+    """
+
+    def __init__(self, send: Send, routing_event: Callable[[dict[str, Any]], Any]) -> None:
+        self._send, self._routing_event = send, routing_event
+        self._sse = False
+        self._pending = b""
+        self._indices: set[int] = set()
+        self._head: dict[str, Any] = {}
+
+    async def send(self, msg: Message) -> None:
+        if msg["type"] == "http.response.start":
+            ctype = dict((k.lower(), v) for k, v in msg.get("headers", [])).get(b"content-type", b"")
+            self._sse = int(msg["status"]) == 200 and ctype.startswith(b"text/event-stream")
+            await self._send(msg)
+            return
+        if not self._sse or msg["type"] != "http.response.body":
+            await self._send(msg)
+            return
+        data = self._pending + msg.get("body", b"")
+        *events, self._pending = data.split(b"\n\n")
+        out = [self._event(e) for e in events]
+        more = bool(msg.get("more_body"))
+        tail = b"" if more else self._pending
+        await self._send({"type": "http.response.body", "body": b"".join(out) + tail, "more_body": more})
+
+    def _event(self, event: bytes) -> bytes:
+        """One SSE event, rewritten if it carries routing; the routing event goes out before ``[DONE]``."""
+        if not event.startswith(b"data:"):
+            return event + b"\n\n"
+        payload = event[5:].strip()
+        if payload == b"[DONE]":
+            answer = {**self._head, "choices": [{"index": i} for i in sorted(self._indices or {0})]}
+            routed = json.dumps(self._routing_event(answer), separators=(",", ":")).encode()
+            return b"data: " + routed + b"\n\n" + event + b"\n\n"
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return event + b"\n\n"
+        if not isinstance(obj, dict):
+            return event + b"\n\n"
+        self._head = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
+        for ch in obj.get("choices") or ():
+            if isinstance(ch, dict) and isinstance(ch.get("index"), int):
+                self._indices.add(ch["index"])
+        ext = obj.get("sglext")
+        if not (isinstance(ext, dict) and "routed_experts" in ext):
+            return event + b"\n\n"
+        del ext["routed_experts"]  # the engine's partial routing: rr's event replaces it
+        if not any(v is not None for v in ext.values()):
+            del obj["sglext"]
+            if not obj.get("choices"):
+                return b""  # the event held nothing else
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 def install_openai_routing(app: Any, *, engine: Engine, info: Callable[[Any], RRInfo],

@@ -49,7 +49,7 @@ OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
 RR_OPENAI_FIELDS = ("return_routed_experts", "routed_experts_start", "routed_experts_format")
 _STREAM_REFUSAL = {
     "vllm": "vLLM's streaming chunks carry no routing",
-    "sglang": "rr serves SGLang's OpenAI routing only on complete answers",
+    "sglang": "SGLang's streams carry the first request's routing only; rr's SGLang patch serves streams",
 }
 
 
@@ -63,10 +63,12 @@ class OpenAIRouting:
     stream: bool
 
 
-def parse_openai_routing(body: Mapping[str, Any], *, engine: Engine) -> OpenAIRouting | None:
+def parse_openai_routing(body: Mapping[str, Any], *, engine: Engine, stream_ok: bool = False) -> OpenAIRouting | None:
     """rr's fields of an OpenAI body, or None when it sets none; BadRequest (400) naming the field otherwise.
 
     On SGLang, ``return_routed_experts`` and ``routed_experts_start_len`` are the engine's own names and count too.
+    ``stream_ok``: the server can put routing on a stream's last event (rr's SGLang patch); otherwise
+    ``stream=true`` with routing is a 400.
     """
     starts = ("routed_experts_start", "routed_experts_start_len") if engine == "sglang" else ("routed_experts_start",)
     if not any(k in body for k in (*RR_OPENAI_FIELDS, *starts)):
@@ -89,7 +91,7 @@ def parse_openai_routing(body: Mapping[str, Any], *, engine: Engine) -> OpenAIRo
     elif fmt not in FORMATS:
         raise BadRequest(f"routed_experts_format must be one of {list(FORMATS)}, got {fmt!r}")
     stream = bool(body.get("stream", False))
-    if want and stream:
+    if want and stream and not stream_ok:
         raise BadRequest(f"stream=true with return_routed_experts is not served: {_STREAM_REFUSAL[engine]}; "
                          "send stream=false")
     if want and start:
@@ -105,7 +107,8 @@ def engine_body(body: Mapping[str, Any], r: OpenAIRouting, *, engine: Engine) ->
     out = {k: v for k, v in body.items() if k not in RR_OPENAI_FIELDS and k != "routed_experts_start_len"}
     if not r.want:
         return out
-    out["return_token_ids"] = True
+    if not r.stream:  # streams: SGLang 0.5.23 chat refuses it there; rr's patch collects the ids itself
+        out["return_token_ids"] = True
     if engine == "vllm":
         out["routed_experts_prompt_start"] = r.start
     else:

@@ -24,8 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rr_client.codec import check_format
-from rr_server.openai_middleware import install_openai_routing
 from rr_server.generate_protocol import error_body
+from rr_server.openai_middleware import (
+    install_openai_routing,
+    replay_receive,
+    send_json,
+)
 
 __all__ = [
     "Collector",
@@ -139,45 +143,23 @@ class GenerateFormatMiddleware:
             except ValueError:
                 body = None  # SGLang answers malformed JSON itself
         if not isinstance(body, dict) or "routed_experts_format" not in body:
-            await self.app(scope, _replay(raw, receive), send)
+            await self.app(scope, replay_receive(raw, receive), send)
             return
         fmt = body.pop("routed_experts_format")
         if fmt is not None:
             try:
                 fmt = check_format(fmt)
             except ValueError as e:
-                await _send_json(send, error_body(str(e), 400), 400)
+                await send_json(send, error_body(str(e), 400), 400)
                 return
         new = json.dumps(body).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(new)).encode()))
         token = _FORMAT.set(fmt)
         try:
-            await self.app(dict(scope, headers=headers), _replay(new, receive), send)
+            await self.app(dict(scope, headers=headers), replay_receive(new, receive), send)
         finally:
             _FORMAT.reset(token)
-
-
-def _replay(body: bytes, receive: Any) -> Any:
-    """A ``receive`` that yields ``body`` once, then defers to the real one (disconnects still arrive)."""
-    sent = False
-
-    async def replay() -> Any:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
-
-
-async def _send_json(send: Any, obj: Any, status: int) -> None:
-    """One complete JSON response."""
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
-    await send({"type": "http.response.body", "body": data})
 
 
 def install_http(app: Any, info: Callable[[Any], Any]) -> None:

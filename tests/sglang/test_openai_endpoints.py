@@ -4,6 +4,7 @@ patch, plus ``routed_experts_format`` on ``/generate``; routing values checked a
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 from typing import Any
 
@@ -159,20 +160,17 @@ async def test_without_rr_fields_sglang_answers_as_unpatched(tiny_moe: Path, end
 
 
 async def test_bad_requests_name_the_field_and_server_keeps_serving(tiny_moe: Path, patched: None) -> None:
-    """400 naming the field (unknown format on both endpoints kinds, start beyond a token-id prompt, stream with
-    routing); SGLang's app keeps serving after each."""
+    """400 naming the field (unknown format on both endpoint kinds, start beyond a token-id prompt); SGLang's app
+    keeps serving after each."""
     h = _harness(tiny_moe)
     cases = [
         ("/v1/completions", _completion(h, return_routed_experts=True, routed_experts_format="bf16"),
          "routed_experts_format"),
         ("/v1/completions", _completion(h, return_routed_experts=True, routed_experts_start=len(PROMPT) + 1),
          "routed_experts_start"),
-        ("/v1/completions", _completion(h, return_routed_experts=True, stream=True), "stream"),
         ("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3},
                        "return_routed_experts": True, "routed_experts_format": "int8"}, "routed_experts_format"),
     ]
-    if not _chat_unusable(h):
-        cases.append(("/v1/chat/completions", _chat(h, return_routed_experts=True, stream=True), "stream"))
     for path, body, field in cases:
         resp = await h.serve(path, body)
         assert resp.status_code == 400, (path, field, resp.text)
@@ -180,6 +178,36 @@ async def test_bad_requests_name_the_field_and_server_keeps_serving(tiny_moe: Pa
         assert not h.sched.arrivals, "a refused request must not reach the scheduler"
         ok = await h.serve("/v1/completions", _completion(h, return_routed_experts=True))
         assert ok.status_code == 200 and "routed_experts_error" not in ok.json()["choices"][0], ok.text
+
+
+def _sse(text: str) -> list[Any]:
+    """The ``data:`` events of an SSE body (``[DONE]`` kept as a string)."""
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        if block.startswith("data:"):
+            data = block[5:].strip()
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+async def test_streaming_routing_on_the_last_event(tiny_moe: Path, patched: None, endpoint: str) -> None:
+    """stream=true: SGLang's chunks pass through; SGLang's own ``sglext`` routing (first request only) is
+    replaced by one event right before ``[DONE]`` with every choice's checked rr routing and token ids."""
+    h = _harness(tiny_moe)
+    make, path = (_completion, "/v1/completions") if endpoint == "completions" else (_chat, "/v1/chat/completions")
+    extra = {"n": 2, "temperature": 0.7} if endpoint == "completions" else {}
+    resp = await h.serve(path, make(h, return_routed_experts=True, routed_experts_start=2, stream=True, **extra))
+    assert resp.status_code == 200, resp.text
+    events = _sse(resp.text)
+    assert events[-1] == "[DONE]"
+    *chunks, routing = events[:-1]
+    texts = [c for c in chunks if c.get("choices")]
+    assert texts and all("routed_experts" not in (c.get("sglext") or {}) for c in chunks)
+    n = 2 if endpoint == "completions" else 1
+    assert [c["index"] for c in routing["choices"]] == list(range(n))
+    for choice, rid in zip(routing["choices"], _choice_rids(h, n)):
+        _assert_choice(tiny_moe, h, choice, rid, 2)
 
 
 def _slime_decode(payload: str, prompt_tokens: int, completion_tokens: int, start: int) -> np.ndarray:
