@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["agentic_rollout", "bytes_per_trajectory", "run_agentic", "main"]
+__all__ = ["agentic_rollout", "resent_rollout", "bytes_per_trajectory", "run_agentic", "main"]
 
 PROMPT = "Once upon a time there was a router on a CPU."
 TOOL_TEXT = " tool result {turn}: 1 2 3 4 5 6 7 8"
@@ -56,14 +56,16 @@ async def agentic_rollout(client: Any, prompt_ids: list[int], tool_ids: Any, *, 
     return traj
 
 
-async def _resent(client: Any, prompt_ids: list[int], tool_ids: Any, *, turns: int, params: dict[str, Any]) -> None:
-    """The same conversation, asking for every routing row on every turn (what a naive loop does)."""
+async def resent_rollout(client: Any, prompt_ids: list[int], tool_ids: Any, *, turns: int,
+                         params: dict[str, Any]) -> list[int]:
+    """The same conversation, asking for every routing row on every turn (what a naive loop does); its tokens."""
     ids = list(prompt_ids)
     for turn in range(turns):
         res = (await client.generate([ids], params, routed_experts_start=0))[0]
         ids += res.output_ids
         if turn < turns - 1:
             ids += tool_ids(turn)
+    return ids
 
 
 async def bytes_per_trajectory(base_url: str, prompt_ids: list[int], tool_ids: Any, *, turns: int,
@@ -75,7 +77,7 @@ async def bytes_per_trajectory(base_url: str, prompt_ids: list[int], tool_ids: A
     async with RoutedExpertsClient(base_url, transport=inc) as c:
         traj = await agentic_rollout(c, prompt_ids, tool_ids, turns=turns, params=params)
     async with RoutedExpertsClient(base_url, transport=full) as c:
-        await _resent(c, prompt_ids, tool_ids, turns=turns, params=params)
+        await resent_rollout(c, prompt_ids, tool_ids, turns=turns, params=params)
     return len(traj), inc, full
 
 

@@ -31,7 +31,9 @@ extra_pkgs() {  # pins a version needs on top of .venv (its transformers pin whe
   case "$1" in
     # 0.5.11/0.5.12 register configs (qwen3_asr, ...) that .venv's newer transformers already has
     0.5.11|0.5.12) echo "transformers==5.6.0 tokenizers>=0.22.0,<=0.23.0 huggingface-hub>=1.5.0,<2" ;;
-    0.5.13) echo "transformers==5.8.1 tokenizers>=0.22.0,<=0.23.0 huggingface-hub>=1.5.0,<2" ;;
+    0.5.13|0.5.14) echo "transformers==5.8.1 tokenizers>=0.22.0,<=0.23.0 huggingface-hub>=1.5.0,<2" ;;
+    0.5.1[5-9]|0.5.2[01]) echo "transformers==5.12.1 tokenizers==0.22.2 huggingface-hub>=1.5.0,<2" ;;
+    0.5.22) echo "transformers==5.19.0 tokenizers==0.23.2 huggingface-hub>=1.5.0,<2" ;;
     *) echo "" ;;
   esac
 }

@@ -5,7 +5,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Every version where the behaviour rr relies on changes (see docs/engines.md): ~30-75 s each.
-read -r -a VERSIONS <<< "${RR_SGLANG_VERSIONS:-0.5.7 0.5.8 0.5.9 0.5.10 0.5.11 0.5.12 0.5.13 0.5.23}"
+read -r -a VERSIONS <<< "${RR_SGLANG_VERSIONS:-0.5.7 0.5.8 0.5.9 0.5.10 0.5.11 0.5.12 0.5.13 0.5.14 0.5.15 0.5.16 0.5.17 0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23}"
 PY="${VENV:-.venv}/bin/python"
 failed=()
 for v in "${VERSIONS[@]}"; do

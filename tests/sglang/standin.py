@@ -309,6 +309,9 @@ class _SchedReq:
         self.beam_group = None
         self.spec_verify_ct = self.spec_num_correct_drafts = 0
         self.spec_correct_drafts_histogram: list[int] = []
+        # 0.5.14-0.5.22 read the prompt's multimodal token counts off the request (a text-only prompt here)
+        self.mm_image_tokens = self.mm_audio_tokens = self.mm_video_tokens = 0
+        self.multimodal_inputs = None
 
     def finished(self) -> bool:
         return True

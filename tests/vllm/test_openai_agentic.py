@@ -174,22 +174,30 @@ def _tool_tokens(server: Any, text: str) -> list[int]:
     return tokenize(server.model_dir, text)
 
 
-async def _three_turns(server: Any, transport: httpx.AsyncBaseTransport | None = None,
-                       resend: bool = False) -> Any:
-    """A 3-turn token-id rollout with tool tokens in between (``resend``: ask for every row each turn)."""
+def _tool_ids(server: Any) -> Any:
+    return lambda turn: _tool_tokens(server, f" tool says {turn}: 1 2 3 4 5")
+
+
+_PARAMS = {"max_new_tokens": 12, "temperature": 0.8, "seed": 7}
+
+
+async def _three_turns(server: Any, transport: httpx.AsyncBaseTransport | None = None) -> Any:
+    """A 3-turn token-id rollout with tool tokens in between (the demo's agentic loop)."""
+    from rr_server.demo_agentic import agentic_rollout
+
     async with RoutedExpertsClient(server.base_url, transport=transport) as c:
-        traj = c.trajectory(tokenize(server.model_dir, "Once upon a time there was a router."))
-        params = {"max_new_tokens": 12, "temperature": 0.8, "seed": 7}
-        for turn in range(3):
-            if resend:
-                batch = await c.generate([traj.input_ids], params, routed_experts_start=0)
-                res = batch[0]
-                traj._tokens.extend(res.output_ids)  # noqa: SLF001 - the baseline only needs the tokens
-            else:
-                await traj.generate(params)
-            if turn < 2:
-                traj.extend(_tool_tokens(server, f" tool says {turn}: 1 2 3 4 5"))
+        traj = await agentic_rollout(c, tokenize(server.model_dir, "Once upon a time there was a router."),
+                                     _tool_ids(server), turns=3, params=_PARAMS)
         return traj, await c.info()
+
+
+async def _three_turns_resent(server: Any, transport: httpx.AsyncBaseTransport) -> list[int]:
+    """The same conversation asking for every row each turn; its tokens."""
+    from rr_server.demo_agentic import resent_rollout
+
+    async with RoutedExpertsClient(server.base_url, transport=transport) as c:
+        return await resent_rollout(c, tokenize(server.model_dir, "Once upon a time there was a router."),
+                                    _tool_ids(server), turns=3, params=_PARAMS)
 
 
 def test_three_turn_trajectory_matches_transformers(qwen_server: Any) -> None:
@@ -217,8 +225,8 @@ def test_incremental_start_sends_one_turns_rows(qwen_server: Any) -> None:
 
     inc, resend = CountingTransport(), CountingTransport()
     traj, _ = asyncio.run(_three_turns(qwen_server, inc))
-    base, _ = asyncio.run(_three_turns(qwen_server, resend, resend=True))
-    assert traj.input_ids == base.input_ids  # same seeds, same conversation
+    base = asyncio.run(_three_turns_resent(qwen_server, resend))
+    assert traj.input_ids == base  # same seeds, same conversation
     # per turn: exactly the rows of the tokens it had not seen (new prompt tokens + output), no more
     held = 0
     for turn in traj.turns:

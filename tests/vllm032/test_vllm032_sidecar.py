@@ -15,7 +15,13 @@ import pytest
 from rr_client import RoutedExpertsClient
 from rr_server.proxy.app import ProxyConfig
 from tests.support.proxy_harness import SidecarServer
-from tests.vllm032.test_vllm032_standin_server import PROMPTS, check_item, check_rows, no_routing
+from tests.vllm032.conftest import HAVE
+from tests.vllm032.test_vllm032_standin_server import (
+    PROMPTS,
+    check_item,
+    check_rows,
+    no_routing,
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +32,7 @@ def sidecar(server: Any) -> Iterator[SidecarServer]:
 
 def test_sidecar_info_names_vllm_032(sidecar: SidecarServer) -> None:
     info = httpx.get(sidecar.url + "/rr/info", timeout=30).json()
-    assert info["engine_version"] == "0.32.0" and info["sidecar"] is True
+    assert info["engine_version"] == HAVE and info["sidecar"] is True
     assert (info["num_hidden_layers"], info["num_experts"], info["topk"], info["moe_layers"]) == (3, 8, 2, [0, 2])
 
 

@@ -24,6 +24,7 @@ from rr_client.hf_config import (
     routing_dims_from_config,
 )
 from rr_server.tiny_moe import assert_routing_sets_equal, reference_routing
+from tests.vllm032.conftest import HAVE
 
 ROUTING_KEYS = ("routed_experts", "routed_experts_shape", "routed_experts_dtype", "routed_experts_format")
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [40, 41, 42, 43, 44], [100, 90, 80, 70, 60, 50, 40, 30, 20]]
@@ -69,7 +70,7 @@ def no_routing(item: dict[str, Any]) -> None:
 
 def test_rr_info(server: Any, server_off: Any) -> None:
     info = httpx.get(server.base_url + "/rr/info", timeout=30).json()
-    assert info["engine"] == "vllm" and info["engine_version"] == "0.32.0"
+    assert info["engine"] == "vllm" and info["engine_version"] == HAVE
     assert (info["num_hidden_layers"], info["num_experts"], info["topk"]) == (3, 8, 2)
     assert info["moe_layers"] == [0, 2] and info["wire_dtype"] == "uint8" and info["routing_enabled"] is True
     off = httpx.get(server_off.base_url + "/rr/info", timeout=30).json()
