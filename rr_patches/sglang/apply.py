@@ -110,6 +110,7 @@ def apply(profile: Profile | None = None) -> Profile:
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     apply_item_start_fix(profile)
+    _apply_detokenizer(profile)
     if is_applied():
         return profile
     check_shapes(profile)
@@ -117,3 +118,16 @@ def apply(profile: Profile | None = None) -> Profile:
         setattr(TokenizerManager, name, _wrap(TokenizerManager.__dict__[name], hook))
     logger.info("rr: patched SGLang %s TokenizerManager (%s)", profile.version, ", ".join(TARGETS))
     return profile
+
+
+def _apply_detokenizer(profile: Profile) -> None:
+    """0.5.22+: the detokenizer encodes rr's compact payload (see :mod:`rr_patches.sglang.detok`); idempotent."""
+    if not profile.detok_encodes:
+        return
+    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+
+    from rr_patches.sglang.detok import DETOK_METHOD, around_handle_batch_token_id_out
+
+    fn = DetokenizerManager.__dict__[DETOK_METHOD]
+    if getattr(fn, _MARK, None) is None:
+        setattr(DetokenizerManager, DETOK_METHOD, _wrap(fn, around_handle_batch_token_id_out))

@@ -11,7 +11,12 @@ import os
 from typing import Any
 
 from rr_client.codec import expected_rows, routing_error_fields
-from rr_client.errors import MalformedPayloadError, MissingRoutingError, RoutedExpertsError, ShapeMismatchError
+from rr_client.errors import (
+    MalformedPayloadError,
+    MissingRoutingError,
+    RoutedExpertsError,
+    ShapeMismatchError,
+)
 from rr_patches.sglang.convert import wire_fields
 from rr_patches.sglang.openai import Collector, collector, requested_format
 from rr_patches.sglang.routes import bind_tokenizer_manager

@@ -25,7 +25,8 @@ def register() -> None:
     if _registered:
         return
     if multiprocessing.current_process().name != "MainProcess":
-        return  # schedulers/detokenizer: SGLang's output there is already what rr rewrites later
+        _register_detokenizer()  # 0.5.22+: the detokenizer encodes rr's compact payload; schedulers: nothing
+        return
     profile = profile_for()
     if not profile.has_plugins:
         apply(profile)
@@ -39,3 +40,22 @@ def register() -> None:
         HookRegistry.register(f"{TM_PATH}.{name}", hook, HookType.AROUND)
     _registered = True
     logger.info("rr: registered SGLang %s hooks on %s", profile.version, ", ".join(TARGETS))
+
+
+def _register_detokenizer() -> None:
+    """In a non-main process of SGLang 0.5.22+: hook the detokenizer's output (harmless in a scheduler)."""
+    global _registered
+    profile = profile_for()
+    if not profile.detok_encodes:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from rr_patches.sglang.detok import (
+        DETOK_METHOD,
+        DETOK_PATH,
+        around_handle_batch_token_id_out,
+    )
+
+    HookRegistry.register(f"{DETOK_PATH}.{DETOK_METHOD}", around_handle_batch_token_id_out, HookType.AROUND)
+    _registered = True
+    logger.info("rr: SGLang %s: the detokenizer encodes rr's compact routing", profile.version)

@@ -29,6 +29,7 @@ class Profile:
     honours_start: bool  # the scheduler slices rows from routed_experts_start_len (0.5.12+)
     has_start_field: bool  # GenerateReqInput.routed_experts_start_len exists (0.5.8+)
     mixed_batch_bug: bool  # scheduler list misaligned when only some requests ask (<= 0.5.12)
+    detok_encodes: bool = False  # plugins load in the detokenizer, which base64-encodes routing (0.5.22+)
 
 
 def _release(version: str) -> tuple[int, int, int]:
@@ -68,4 +69,5 @@ def profile_for(version: str | None = None) -> Profile:
         honours_start=rel >= (0, 5, 12),
         has_start_field=rel >= (0, 5, 8),
         mixed_batch_bug=rel <= (0, 5, 12),
+        detok_encodes=rel >= (0, 5, 22),
     )

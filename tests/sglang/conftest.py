@@ -76,8 +76,13 @@ def patched() -> Iterator[None]:
 
     from rr_patches.sglang.apply import TARGETS, apply
 
+    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+
+    from rr_patches.sglang.detok import DETOK_METHOD
+
     saved = {name: TokenizerManager.__dict__[name] for name in TARGETS}
     saved_getitem = GenerateReqInput.__dict__["__getitem__"]
+    saved_detok = DetokenizerManager.__dict__[DETOK_METHOD]  # wrapped too on 0.5.22+
     apply()
     try:
         yield
@@ -85,3 +90,4 @@ def patched() -> Iterator[None]:
         for name, fn in saved.items():
             setattr(TokenizerManager, name, fn)
         GenerateReqInput.__getitem__ = saved_getitem  # type: ignore[method-assign]
+        setattr(DetokenizerManager, DETOK_METHOD, saved_detok)

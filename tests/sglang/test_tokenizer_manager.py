@@ -225,3 +225,35 @@ async def test_always_env_gives_routing_without_flag(tiny_moe: Path, patched: No
     status, body = await h.post(_body())  # no return_routed_experts, as the router forwards it
     assert status == 200
     _assert_rr(body["meta_info"], _expected(tiny_moe, h, body["meta_info"]["id"]))
+
+
+async def test_detokenizer_payload_per_version(tiny_moe: Path, patched: None) -> None:
+    """What SGLang's real detokenizer hands the TokenizerManager: rr's compact ``.npy`` from 0.5.22 (rr's plugin
+    loads in the detokenizer there), SGLang's headerless int32 before; the answer is the same checked routing."""
+    import base64
+
+    h = Harness(tiny_moe)
+    field = profile_for().field
+    payloads: list[Any] = []
+    detokenize = h.detok.handle_batch_token_id_out  # SGLang's method, with rr's class-level hook when patched
+
+    def spy(recv_obj: Any) -> Any:
+        out = detokenize(recv_obj)
+        payloads.extend(p for p in (getattr(out, field, None) or []) if p is not None)  # before the TM sees it
+        return out
+
+    h.detok.handle_batch_token_id_out = spy
+    status, body = await h.post(_body(return_routed_experts=True))
+    assert status == 200
+    meta = body["meta_info"]
+    _assert_rr(meta, _expected(tiny_moe, h, meta["id"]))
+    assert payloads, "the detokenizer handed over no routing"
+    raw = base64.b64decode(payloads[-1])
+    rows, layers, topk = meta["routed_experts_shape"]
+    if profile_for().detok_encodes:
+        import io
+
+        arr = np.load(io.BytesIO(raw), allow_pickle=False)  # rr's compact .npy, not int32
+        assert arr.dtype == np.uint8 and arr.shape[1:] == (layers, topk)
+    else:
+        assert raw[:6] != b"\x93NUMPY" and len(raw) == rows * layers * topk * 4, "SGLang's own headerless int32"
