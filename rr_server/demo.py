@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from rr_server.process import free_port as _free_port
 from rr_server.process import stop_process_group as _stop
 from rr_server.process import wait_healthy as _wait_healthy
@@ -103,7 +104,11 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from rr_client.codec import encode_routed_experts
-    from rr_server.tiny_moe import build_tiny_moe, reference_routing, routing_set_agreement
+    from rr_server.tiny_moe import (
+        build_tiny_moe,
+        reference_routing,
+        routing_set_agreement,
+    )
 
     t0 = time.perf_counter()
     model_dir = build_tiny_moe(args.model_dir, arch=args.arch, num_layers=args.num_layers,

@@ -98,7 +98,6 @@ def _run(argv: list[str]) -> None:
 def main(argv: Sequence[str]) -> int:
     """Entry point used by ``rr-server launch sglang``; returns a process exit code."""
     from rr_patches.sglang.versions import UnsupportedSGLangError
-
     from rr_server.generate_protocol import FORMAT_ENV
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -168,7 +168,6 @@ def main(argv: list[str]) -> int:
     """Run vLLM's API server with rr enabled; return its exit code."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from rr_patches.vllm.plugin import UnsupportedVLLMVersion, check_vllm_version
-
     from rr_server.generate_protocol import FORMAT_ENV
     from rr_server.launch_sglang import FORMAT_FLAG
 

@@ -19,15 +19,17 @@ from typing import Any
 from rr_client.info import RRInfo
 from rr_server.generate_protocol import BadRequest, error_body
 from rr_server.openai_routing import (
+    ABSENT,
     OPENAI_PATHS,
     Engine,
     OpenAIRouting,
     engine_body,
     finish_answer,
     parse_openai_routing,
+    pop_ext_routing,
 )
 
-__all__ = ["OpenAIRoutingMiddleware", "install_openai_routing", "replay_receive", "send_json"]
+__all__ = ["OpenAIRoutingMiddleware", "install_openai_routing", "read_body", "replay_receive", "send_json"]
 
 logger = logging.getLogger("rr.openai")
 
@@ -66,15 +68,9 @@ class OpenAIRoutingMiddleware:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in OPENAI_PATHS:
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body"):
-                break
-        raw = b"".join(chunks)
+        raw = await read_body(receive)
+        if raw is None:
+            return  # the client left before sending its body
         try:
             body = json.loads(raw) if raw else None
         except ValueError:
@@ -128,6 +124,18 @@ class OpenAIRoutingMiddleware:
         """The routing event of a stream: every choice's checked rr fields and token ids."""
         fill(answer)
         return finish_answer(answer, r, self.info(app), engine=self.engine)
+
+
+async def read_body(receive: Receive) -> bytes | None:
+    """The whole request body, or None when the client disconnects first."""
+    chunks: list[bytes] = []
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return b"".join(chunks)
 
 
 def replay_receive(body: bytes, receive: Receive) -> Receive:
@@ -233,14 +241,10 @@ class _RoutingStream:
         for ch in obj.get("choices") or ():
             if isinstance(ch, dict) and isinstance(ch.get("index"), int):
                 self._indices.add(ch["index"])
-        ext = obj.get("sglext")
-        if not (isinstance(ext, dict) and "routed_experts" in ext):
+        if pop_ext_routing(obj, "sglext") is ABSENT:  # the engine's partial routing: rr's event replaces it
             return event + b"\n\n"
-        del ext["routed_experts"]  # the engine's partial routing: rr's event replaces it
-        if not any(v is not None for v in ext.values()):
-            del obj["sglext"]
-            if not obj.get("choices"):
-                return b""  # the event held nothing else
+        if "sglext" not in obj and not obj.get("choices"):
+            return b""  # the event held nothing else
         return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 

@@ -41,6 +41,8 @@ __all__ = [
     "engine_body",
     "finish_answer",
     "routing_payload_size",
+    "pop_ext_routing",
+    "ABSENT",
 ]
 
 Engine = Literal["vllm", "sglang"]
@@ -124,26 +126,36 @@ def _int_ids(value: Any) -> list[int] | None:
     return None
 
 
+# what pop_ext_routing returns when there was no routing field (a payload may itself be None)
+ABSENT = object()
+
+
+def pop_ext_routing(container: dict[str, Any], key: str) -> Any:
+    """Remove and return ``container[key]["routed_experts"]`` (SGLang's ``sglext``/``sgl_ext``), dropping the
+    extension object when nothing else is left in it, as SGLang leaves it out then; ``ABSENT`` if absent."""
+    ext = container.get(key)
+    if not isinstance(ext, dict) or "routed_experts" not in ext:
+        return ABSENT
+    payload = ext.pop("routed_experts")
+    if not any(v is not None for v in ext.values()):
+        del container[key]
+    return payload
+
+
 def _native_payload(choice: dict[str, Any], engine: Engine) -> Any:
     """Remove and return the engine's own routing field of one choice."""
     if engine == "vllm":
         return choice.pop("routed_experts", None)
-    ext = choice.get("sgl_ext")
-    payload = ext.pop("routed_experts", None) if isinstance(ext, dict) else None
-    if payload is None:
+    payload = pop_ext_routing(choice, "sgl_ext")
+    if payload is ABSENT or payload is None:
         payload = choice.pop("routed_experts", None)
-    if isinstance(ext, dict) and not any(v is not None for v in ext.values()):
-        choice.pop("sgl_ext")  # SGLang drops an all-empty sgl_ext too
     return payload
 
 
 def _sglext_payload(answer: dict[str, Any]) -> Any:
     """Remove and return SGLang's response-level ``sglext.routed_experts`` (its first request's routing)."""
-    ext = answer.get("sglext")
-    payload = ext.pop("routed_experts", None) if isinstance(ext, dict) else None
-    if isinstance(ext, dict) and not any(v is not None for v in ext.values()):
-        answer.pop("sglext")  # SGLang leaves sglext out when it has nothing
-    return payload
+    payload = pop_ext_routing(answer, "sglext")
+    return None if payload is ABSENT else payload
 
 
 def _rows(prompt_ids: Sequence[int] | None, output_ids: Sequence[int] | None, usage: Any, n_choices: int,

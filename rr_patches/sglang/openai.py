@@ -27,6 +27,7 @@ from rr_client.codec import check_format
 from rr_server.generate_protocol import error_body
 from rr_server.openai_middleware import (
     install_openai_routing,
+    read_body,
     replay_receive,
     send_json,
 )
@@ -127,15 +128,9 @@ class GenerateFormatMiddleware:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in _GENERATE_PATHS:
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body"):
-                break
-        raw = b"".join(chunks)
+        raw = await read_body(receive)
+        if raw is None:
+            return  # the client left before sending its body
         body: Any = None
         if _FORMAT_KEY in raw:
             try:

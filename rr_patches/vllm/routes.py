@@ -41,7 +41,11 @@ from rr_server.generate_protocol import (
     sse_line,
 )
 from rr_server.openai_middleware import install_openai_routing
-from rr_server.vllm_translate import checked_routing_fields, finish_reason_dict, to_vllm_sampling_kwargs
+from rr_server.vllm_translate import (
+    checked_routing_fields,
+    finish_reason_dict,
+    to_vllm_sampling_kwargs,
+)
 
 __all__ = ["install_routes", "add_rr_routes", "rr_info_dict", "RR_ROUTES", "ALWAYS_ENV", "always_return_routing"]
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from rr_client.errors import ConnectError, ConnectionLostError, RequestTimeoutError, TransportError
+from rr_client.errors import (
+    ConnectError,
+    ConnectionLostError,
+    RequestTimeoutError,
+    TransportError,
+)
 from rr_server.generate_protocol import error_body
 
 __all__ = ["ProxyError", "error_payload", "upstream_transport_error"]

@@ -21,9 +21,11 @@ from fastapi.responses import Response, StreamingResponse
 
 from rr_server.generate_protocol import BadRequest
 from rr_server.openai_routing import (
+    ABSENT,
     engine_body,
     finish_answer,
     parse_openai_routing,
+    pop_ext_routing,
     routing_payload_size,
 )
 from rr_server.proxy.errors import ProxyError
@@ -40,21 +42,11 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive
 def strip_forced_routing(answer: Any) -> bool:
     """Remove the routing the sidecar forced on: SGLang's response-level ``sglext.routed_experts`` (and a
     per-choice ``sgl_ext`` one), dropping a container left empty as SGLang would; True if anything went."""
-    changed = False
-    ext = answer.get("sglext") if isinstance(answer, dict) else None
-    if isinstance(ext, dict) and "routed_experts" in ext:
-        del ext["routed_experts"]
-        changed = True
-        if not any(v is not None for v in ext.values()):
-            del answer["sglext"]
-    for choice in answer.get("choices", ()) if isinstance(answer, dict) else ():
-        ext = choice.get("sgl_ext") if isinstance(choice, dict) else None
-        if isinstance(ext, dict) and "routed_experts" in ext:
-            del ext["routed_experts"]
-            changed = True
-            if not any(v is not None for v in ext.values()):
-                del choice["sgl_ext"]
-    return changed
+    if not isinstance(answer, dict):
+        return False
+    found = [pop_ext_routing(answer, "sglext")]
+    found += [pop_ext_routing(c, "sgl_ext") for c in answer.get("choices", ()) if isinstance(c, dict)]
+    return any(f is not ABSENT for f in found)
 
 
 def _headers(resp: Any) -> dict[str, str]:

@@ -12,7 +12,13 @@ import orjson
 from rr_client.codec import expected_rows, routing_meta_fields
 from rr_client.info import RRInfo
 from rr_server.fanout import gather_or_cancel, merge_streams
-from rr_server.generate_protocol import SSE_DONE, BadRequest, NormalizedGenerate, build_item, sse_line
+from rr_server.generate_protocol import (
+    SSE_DONE,
+    BadRequest,
+    NormalizedGenerate,
+    build_item,
+    sse_line,
+)
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.metrics import ProxyMetrics
 from rr_server.proxy.routing import checked_upstream_routing
