@@ -248,8 +248,11 @@ async def test_detokenizer_payload_per_version(tiny_moe: Path, patched: None) ->
     meta = body["meta_info"]
     _assert_rr(meta, _expected(tiny_moe, h, meta["id"]))
     assert payloads, "the detokenizer handed over no routing"
-    raw = base64.b64decode(payloads[-1])
     rows, layers, topk = meta["routed_experts_shape"]
+    if not isinstance(payloads[-1], str):  # <= 0.5.10: the detokenizer passes SGLang's tensor through
+        assert not profile_for().detok_encodes and tuple(payloads[-1].shape)[1:] == (layers, topk)
+        return
+    raw = base64.b64decode(payloads[-1])
     if profile_for().detok_encodes:
         import io
 
