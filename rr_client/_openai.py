@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rr_client._results import GenerateResult
-from rr_client.codec import decode_meta_info, expected_rows
-from rr_client.errors import ProtocolError, RoutedExpertsError
+from rr_client._results import GenerateResult, decode_sample_routing
+from rr_client.errors import ProtocolError
 from rr_client.info import RRInfo
 
 __all__ = ["COMPLETIONS_PATH", "CHAT_PATH", "openai_body", "parse_choices"]
@@ -76,16 +75,9 @@ def parse_choices(
             raise ProtocolError(f"{where}: the engine's prompt_token_ids differ from the token ids sent")
         routing = None
         if want_routing:
-            stated = choice.get("routed_experts_start", start)
-            if stated != start:
-                raise ProtocolError(f"{where}: asked routed_experts_start={start}, server says {stated}")
-            try:
-                routing = decode_meta_info(
-                    choice, rows=expected_rows(len(prompt_ids), len(output_ids), start),
-                    num_layers=info.num_hidden_layers, topk=info.topk, num_experts=info.num_experts,
-                    moe_layers=info.moe_layers, allow_extra_rows=allow_extra_rows, validate=validate)
-            except RoutedExpertsError as e:
-                raise type(e)(f"{where}: {e}") from e
+            routing = decode_sample_routing(choice, info, prompt_tokens=len(prompt_ids),
+                                            completion_tokens=len(output_ids), start=start,
+                                            allow_extra_rows=allow_extra_rows, validate=validate, where=where)
         message = choice.get("message")
         text = choice.get("text")
         if not isinstance(text, str) and isinstance(message, Mapping):

@@ -15,7 +15,7 @@ from rr_client.info import RRInfo
 if TYPE_CHECKING:
     from rr_client._tensors import PackedRouting, RoutingTensors
 
-__all__ = ["GenerateResult", "GenerateBatch", "parse_sample"]
+__all__ = ["GenerateResult", "GenerateBatch", "parse_sample", "decode_sample_routing"]
 
 _PAYLOAD_KEYS = ("routed_experts", "output_routed_experts")
 
@@ -119,6 +119,37 @@ def _int_field(meta: Mapping[str, Any], key: str, where: str) -> int:
     return v
 
 
+def decode_sample_routing(
+    fields: Mapping[str, Any],
+    info: RRInfo,
+    *,
+    prompt_tokens: int,
+    completion_tokens: int,
+    start: int,
+    allow_extra_rows: int,
+    validate: bool,
+    where: str,
+) -> np.ndarray:
+    """One sample's routing fields (``/generate`` meta_info or an OpenAI choice), checked against the request
+    (stated start, ``prompt + completion - 1 - start`` rows) and ``info``; typed errors name ``where``."""
+    stated_start = fields.get("routed_experts_start", start)
+    if stated_start != start:
+        raise ProtocolError(f"{where}: asked routed_experts_start={start}, server says {stated_start}")
+    try:
+        return decode_meta_info(
+            fields,
+            rows=expected_rows(prompt_tokens, completion_tokens, start),
+            num_layers=info.num_hidden_layers,
+            topk=info.topk,
+            num_experts=info.num_experts,
+            moe_layers=info.moe_layers,
+            allow_extra_rows=allow_extra_rows,
+            validate=validate,
+        )
+    except RoutedExpertsError as e:
+        raise type(e)(f"{where}: {e}") from e
+
+
 def parse_sample(
     reply: Any,
     *,
@@ -148,22 +179,8 @@ def parse_sample(
         raise ProtocolError(f"{where}: prompt has {len(ids)} tokens but the server counted {prompt_tokens}")
     routing: np.ndarray | None = None
     if want_routing:
-        stated_start = meta.get("routed_experts_start", start)
-        if stated_start != start:
-            raise ProtocolError(f"{where}: asked routed_experts_start={start}, server says {stated_start}")
-        try:
-            routing = decode_meta_info(
-                meta,
-                rows=expected_rows(prompt_tokens, completion_tokens, start),
-                num_layers=info.num_hidden_layers,
-                topk=info.topk,
-                num_experts=info.num_experts,
-                moe_layers=info.moe_layers,
-                allow_extra_rows=allow_extra_rows,
-                validate=validate,
-            )
-        except RoutedExpertsError as e:
-            raise type(e)(f"{where}: {e}") from e
+        routing = decode_sample_routing(meta, info, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                        start=start, allow_extra_rows=allow_extra_rows, validate=validate, where=where)
     elif any(k in meta for k in _PAYLOAD_KEYS):
         raise ProtocolError(f"{where}: routing was not requested but the server sent some")
     for k in _PAYLOAD_KEYS:
