@@ -42,8 +42,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 # Routing payload characters above which an answer is finished in a worker thread (keeps the loop serving).
 _THREAD_MIN_CHARS = 1 << 20
 # ``native(r)``: entered around the engine's handling of a request that wants routing (``r``: its rr fields);
-# yields ``fill(answer)``, applied to the parsed answer before rr's finish (the SGLang patch gives each
-# choice its own routing there).
+# yields ``fill(answer)``, applied to the parsed answer (or a stream's routing event) before rr's finish: the
+# SGLang patch gives each choice its own routing there, the vLLM plugin a stream's routing.
 Native = Callable[[OpenAIRouting], AbstractContextManager[Callable[[Any], None]]]
 
 
@@ -193,7 +193,8 @@ class _Captured:
 
 class _RoutingStream:
     """Forwards an SSE answer event by event; drops the engine's own routing (SGLang's ``sglext``, the first
-    request's only) and sends one event with every choice's rr routing right before ``data: [DONE]``.
+    request's only; vLLM's chunks carry none) and sends one event with every choice's rr routing right before
+    ``data: [DONE]``.
 
     ``routing_event(answer)`` gets ``{"id", "object", "model", "choices": [{"index": i}, ...]}`` (one entry per
     choice index the stream showed) and returns it finished.

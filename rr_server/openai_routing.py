@@ -50,7 +50,7 @@ OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
 # a body that sets any of these is an rr request; one that sets none gets the engine's exact answer
 RR_OPENAI_FIELDS = ("return_routed_experts", "routed_experts_start", "routed_experts_format")
 _STREAM_REFUSAL = {
-    "vllm": "vLLM's streaming chunks carry no routing",
+    "vllm": "vLLM's streaming chunks carry no routing; rr's vLLM plugin serves streams",
     "sglang": "SGLang's streams carry the first request's routing only; rr's SGLang patch serves streams",
 }
 
@@ -69,7 +69,7 @@ def parse_openai_routing(body: Mapping[str, Any], *, engine: Engine, stream_ok: 
     """rr's fields of an OpenAI body, or None when it sets none; BadRequest (400) naming the field otherwise.
 
     On SGLang, ``return_routed_experts`` and ``routed_experts_start_len`` are the engine's own names and count too.
-    ``stream_ok``: the server can put routing on a stream's last event (rr's SGLang patch); otherwise
+    ``stream_ok``: the server can put routing on a stream's last event (rr's vLLM plugin and SGLang patch); otherwise
     ``stream=true`` with routing is a 400.
     """
     starts = ("routed_experts_start", "routed_experts_start_len") if engine == "sglang" else ("routed_experts_start",)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -30,6 +31,7 @@ from rr_client.codec import routing_error_fields
 from rr_client.errors import RoutedExpertsError
 from rr_client.info import RRInfo
 from rr_patches.vllm.auth import protect_rr_routes
+from rr_patches.vllm.openai_streams import collecting
 from rr_server.fanout import gather_or_cancel, merge_streams, primed
 from rr_server.generate_protocol import (
     SSE_DONE,
@@ -333,8 +335,10 @@ def add_rr_routes(app: FastAPI) -> None:
     for path, handler, methods in RR_ROUTES:
         router.add_api_route(path, handler, methods=list(methods), include_in_schema=True)
     app.include_router(router)
-    # rr's fields on vLLM's own /v1/completions and /v1/chat/completions (vLLM's handlers run unchanged)
-    install_openai_routing(app, engine="vllm", info=rr_info, routing_enabled=_routing_enabled)
+    # rr's fields on vLLM's own /v1/completions and /v1/chat/completions (vLLM's handlers run unchanged);
+    # streams get them on one event before [DONE], collected from the engine client's outputs
+    install_openai_routing(app, engine="vllm", info=rr_info, routing_enabled=_routing_enabled,
+                           native=functools.partial(collecting, app))
 
 
 def install_routes(app: FastAPI, args: Any = None) -> None:

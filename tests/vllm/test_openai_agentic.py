@@ -94,9 +94,8 @@ def test_request_without_rr_fields_gets_vllms_own_answer(qwen_server: Any) -> No
     ({"routed_experts_format": "int32"}, "routed_experts_format"),
     ({"routed_experts_start": -1}, "routed_experts_start"),
     ({"routed_experts_start": 500, "prompt": [5, 6, 7]}, "routed_experts_start"),
-    ({"stream": True}, "stream"),
     ({"return_routed_experts": "yes"}, "return_routed_experts"),
-], ids=["format", "negative-start", "start-beyond-prompt", "stream", "flag-type"])
+], ids=["format", "negative-start", "start-beyond-prompt", "flag-type"])
 def test_bad_openai_requests_get_400_naming_the_field(qwen_server: Any, body: dict[str, Any], field: str) -> None:
     base = {"model": _model(qwen_server), "prompt": "hello", "max_tokens": 3, "return_routed_experts": True}
     for path in ("/v1/completions", "/v1/chat/completions"):
@@ -345,3 +344,75 @@ def test_readme_agentic_example_runs(qwen_server: Any) -> None:
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})  # noqa: S102
     assert "torch.Size([2," in out.getvalue(), out.getvalue()
+
+
+def _sse(text: str) -> list[Any]:
+    """The ``data:`` events of an SSE body (``[DONE]`` kept as a string)."""
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        if block.startswith("data:"):
+            data = block[5:].strip()
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def _npy(payload: str) -> np.ndarray:
+    import io
+
+    return np.load(io.BytesIO(base64.b64decode(payload)))
+
+
+def test_streaming_completions_routing_on_the_last_event(qwen_server: Any) -> None:
+    """stream=true, two prompts, n=2: vLLM's chunks pass through, and one event before ``[DONE]`` gives each of
+    the 4 choices its own checked routing (equal to transformers) and the token ids its chunks streamed."""
+    prompts = [tokenize(qwen_server.model_dir, "Streaming rollouts need routing too"),
+               tokenize(qwen_server.model_dir, "A second prompt, longer than the first one")]
+    start = 2
+    r = _post(qwen_server, "/v1/completions", {
+        "model": _model(qwen_server), "prompt": prompts, "n": 2, "max_tokens": 7, "temperature": 0.9, "seed": 3,
+        "stream": True, "return_token_ids": True, "return_routed_experts": True, "routed_experts_start": start})
+    assert r.status_code == 200, r.text
+    events = _sse(r.text)
+    assert events[-1] == "[DONE]"
+    *chunks, routing = events[:-1]
+    streamed: dict[int, list[int]] = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            assert "routed_experts" not in ch
+            streamed.setdefault(ch["index"], []).extend(ch.get("token_ids") or [])
+    assert sorted(streamed) == [0, 1, 2, 3]
+    assert [c["index"] for c in routing["choices"]] == [0, 1, 2, 3]
+    assert routing["id"] == chunks[0]["id"]
+    for choice in routing["choices"]:
+        assert "routed_experts_error" not in choice, choice
+        assert choice["prompt_token_ids"] == prompts[choice["index"] // 2]
+        assert choice["token_ids"] == streamed[choice["index"]] and len(choice["token_ids"]) == 7
+        assert choice["routed_experts_start"] == start and choice["routed_experts_format"] == "npy"
+        arr = _npy(choice["routed_experts"])
+        assert list(arr.shape) == choice["routed_experts_shape"]
+        _assert_matches_transformers(qwen_server, arr, choice["prompt_token_ids"] + choice["token_ids"], start)
+
+
+def test_streaming_chat_routing_and_client_disconnect(qwen_server: Any) -> None:
+    """Chat stream: the routing event matches transformers over the templated prompt; a stream the client leaves
+    early ends without one, and the server goes on serving."""
+    body = {"model": _model(qwen_server), "messages": [{"role": "user", "content": "1 2 3 4 5"}],
+            "max_tokens": 6, "temperature": 0, "stream": True, "return_routed_experts": True}
+    r = _post(qwen_server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    events = _sse(r.text)
+    assert events[-1] == "[DONE]" and events[0]["object"] == "chat.completion.chunk"
+    (choice,) = events[-2]["choices"]
+    assert "routed_experts_error" not in choice, choice
+    tokens = choice["prompt_token_ids"] + choice["token_ids"]
+    _assert_matches_transformers(qwen_server, _npy(choice["routed_experts"]), tokens)
+    plain = _post(qwen_server, "/v1/chat/completions", {**body, "stream": False, "return_token_ids": True}).json()
+    assert choice["token_ids"] == plain["choices"][0]["token_ids"]
+
+    with httpx.stream("POST", qwen_server.base_url + "/v1/chat/completions", timeout=120,
+                      json={**body, "max_tokens": 400, "ignore_eos": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                break  # the client leaves after the first chunk
+    again = _post(qwen_server, "/v1/chat/completions", body)
+    assert again.status_code == 200 and _sse(again.text)[-2]["choices"][0]["routed_experts"]

@@ -235,3 +235,26 @@ def test_v1_completions_rr_fields_capture_off(server_off: Any) -> None:
     r = post(server_off, {"model": str(server_off.model_dir), "prompt": PROMPTS[0], "max_tokens": 2,
                           "return_routed_experts": True}, "/v1/completions")
     assert r.status_code == 400 and "started without --enable-return-routed-experts" in r.text
+
+
+def test_v1_completions_stream_routing_event(server: Any) -> None:
+    """stream=true on vLLM 0.32's own /v1/completions: one event before ``[DONE]`` carries each choice's routing,
+    collected from the engine client (vLLM's chunks carry none), equal to transformers."""
+    body = {"model": str(server.model_dir), "prompt": [PROMPTS[0], PROMPTS[1]], "max_tokens": 4, "stream": True,
+            "return_routed_experts": True, "routed_experts_start": 1}
+    r = post(server, body, "/v1/completions")
+    assert r.status_code == 200, r.text
+    events = [block[5:].strip() for block in r.text.split("\n\n") if block.startswith("data:")]
+    assert events[-1] == "[DONE]"
+    routing = json.loads(events[-2])
+    assert [ch["index"] for ch in routing["choices"]] == [0, 1]
+    cfg = load_config(server.model_dir)
+    layers, experts, topk = routing_dims_from_config(cfg)
+    for ch in routing["choices"]:
+        prompt = [PROMPTS[0], PROMPTS[1]][ch["index"]]
+        assert "routed_experts_error" not in ch, ch
+        assert ch["prompt_token_ids"] == prompt and len(ch["token_ids"]) == 4
+        rows = len(prompt) + 4 - 1 - 1
+        got = decode_meta_info(ch, rows=rows, num_layers=layers, topk=topk, num_experts=experts,
+                               moe_layers=moe_layers_from_config(cfg))
+        check_rows(server, got, prompt, list(ch["token_ids"]), start=1)
