@@ -216,22 +216,25 @@ def _slime_decode(payload: str, prompt_tokens: int, completion_tokens: int, star
         prompt_tokens + completion_tokens - 1 - start, L, K)
 
 
-@pytest.mark.parametrize("how", ["field", "env"])
+@pytest.mark.parametrize("how", ["field", "env", "stream"])
 async def test_generate_sglang_format(tiny_moe: Path, patched: None, how: str,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """/generate with ``routed_experts_format: "sglang"`` (or the server default from the env) answers SGLang's
-    headerless int32, checked by rr, that decodes the slime way to transformers' rows."""
+    """/generate with ``routed_experts_format: "sglang"`` (or the server default from the env; or on a stream's
+    last event) answers SGLang's headerless int32, checked by rr, that decodes the slime way to transformers' rows."""
     from rr_server.generate_protocol import FORMAT_ENV
 
     h = Harness(tiny_moe)
     body: dict[str, Any] = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0.0},
                             "return_routed_experts": True, "routed_experts_start_len": 2}
-    if how == "field":
-        body["routed_experts_format"] = "sglang"
-    else:
+    if how == "env":
         monkeypatch.setenv(FORMAT_ENV, "sglang")
-    status, answer = await h.post(body)
+    else:
+        body["routed_experts_format"] = "sglang"
+    status, answer = await h.post({**body, "stream": True} if how == "stream" else body)
     assert status == 200
+    if how == "stream":
+        *earlier, answer = answer  # the stand-in scheduler may send every token in one event
+        assert all("routed_experts" not in e["meta_info"] for e in earlier)
     meta = answer["meta_info"]
     start = 2 if h.profile.has_start_field else 0  # 0.5.7 has no routed_experts_start_len
     assert meta["routed_experts_format"] == "sglang" and meta["routed_experts_dtype"] == "int32"
