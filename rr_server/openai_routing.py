@@ -188,7 +188,8 @@ def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine
     """Put rr's checked routing fields and token ids on every choice of a non-streaming answer (in place).
 
     A choice whose routing fails the check carries ``routed_experts: null`` and ``routed_experts_error``
-    (the client raises on it); its other fields are untouched. On SGLang, the response-level
+    (the client raises on it); its other fields are untouched. A choice the server side already refused (its
+    ``routed_experts_error`` set by rr's SGLang patch, no payload) keeps that reason. On SGLang, the response-level
     ``sglext.routed_experts`` (SGLang's own place: the first choice's routing) is removed, or with
     ``routed_experts_format="sglang"`` replaced by the first choice's checked int32 payload for clients that
     read it there. SGLang's chat ``response_token_ids`` count as the choice's output ids.
@@ -217,6 +218,10 @@ def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine
         if prompt_ids is not None:
             choice["prompt_token_ids"] = prompt_ids
         rows = _rows(prompt_ids, output_ids, answer.get("usage"), len(choices), r.start)
+        refused = choice.get("routed_experts_error")  # the engine-side check's reason (rr's SGLang patch)
+        if payload is None and isinstance(refused, str):
+            choice["routed_experts"] = None
+            continue
         try:
             if payload is None and engine == "sglang" and i > 0 and first is not None:
                 raise MissingRoutingError("SGLang's OpenAI answer carries routing for its first choice only "

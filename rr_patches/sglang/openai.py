@@ -112,6 +112,8 @@ def fill_answer(answer: Any, col: Collector) -> None:
         if fields is not None and fields.get("routed_experts") is not None:
             ext = choice.get("sgl_ext")
             choice["sgl_ext"] = {**(ext if isinstance(ext, dict) else {}), "routed_experts": fields["routed_experts"]}
+        elif fields is not None and isinstance(fields.get("routed_experts_error"), str):
+            choice["routed_experts_error"] = fields["routed_experts_error"]  # why rr refused it, kept by the finish
         if rid in col.prompts and choice.get("prompt_token_ids") is None:
             choice["prompt_token_ids"] = col.prompts[rid]
         if rid in col.outputs and choice.get("token_ids") is None and choice.get("response_token_ids") is None:

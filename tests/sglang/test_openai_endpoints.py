@@ -260,3 +260,24 @@ async def test_completions_sglang_format(tiny_moe: Path, patched: None) -> None:
     for payload in (choice["routed_experts"], answer["sglext"]["routed_experts"]):
         got = _slime_decode(payload, usage["prompt_tokens"], usage["completion_tokens"], 2)
         np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_refused_routing_keeps_its_reason(tiny_moe: Path, patched: None, stream: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Routing rr's check refuses (an expert id out of range) reaches the OpenAI choice as ``routed_experts: null``
+    with the check's own typed reason, not a generic "missing"."""
+    h = _harness(tiny_moe)
+    real = h.sched.routing_rows
+
+    def bad_rows(req: Any) -> Any:
+        rows = real(req)
+        rows[0, MOE_LAYERS[0], 0] = E + 3
+        return rows
+
+    monkeypatch.setattr(h.sched, "routing_rows", bad_rows)
+    resp = await h.serve("/v1/completions", _completion(h, return_routed_experts=True, stream=stream))
+    assert resp.status_code == 200, resp.text
+    choice = (_sse(resp.text)[-2] if stream else resp.json())["choices"][0]
+    assert choice["routed_experts"] is None
+    assert choice["routed_experts_error"].startswith("ExpertIdOutOfRangeError"), choice["routed_experts_error"]
