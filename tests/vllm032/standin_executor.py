@@ -78,7 +78,7 @@ class StandInGPUModelRunnerWorker:
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]
 
-    def set_kv_cache_layout(self, layout_name: str) -> None:
+    def set_kv_cache_layout(self, layout_name: str, *_: Any) -> None:  # 0.33 adds the CP interleave size
         return None
 
     def initialize_from_config(self, kv_cache_configs: Any) -> None:
