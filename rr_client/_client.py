@@ -46,7 +46,9 @@ class RoutedExpertsClient:
     request moves to another replica at once (no backoff, not counted against ``retries``), and the
     replica is probed on ``health_path`` every ``probe_interval`` s and taken back when it answers and
     serves the same model. ``replica_stats()`` gives per-replica counts. ``generate_path`` names the
-    generate route (``"/rr/generate"`` behind routers that rewrite ``/generate``).
+    generate route (``"/rr/generate"`` behind routers that rewrite ``/generate``). ``info`` gives the
+    served model's routing dimensions up front, for a URL that cannot answer ``/rr/info`` (sglang-router
+    404s it): a replica's ``/rr/info`` or ``RRInfo.from_hf_config``; every payload is checked against it.
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class RoutedExpertsClient:
         generate_path: str = "/generate",
         health_path: str = "/health",
         probe_interval: float = 1.0,
+        info: RRInfo | None = None,
     ) -> None:
         if max_concurrency < 1 or batch_size < 1 or retries < 0:
             raise ValueError("max_concurrency and batch_size must be >= 1, retries >= 0")
@@ -102,7 +105,9 @@ class RoutedExpertsClient:
         self._allow_extra_rows = allow_extra_rows
         self._validate = validate
         self._generate_path = generate_path
-        self._info: RRInfo | None = None
+        if info is not None and not isinstance(info, RRInfo):
+            raise TypeError(f"info must be an RRInfo, got {type(info).__name__}")
+        self._info: RRInfo | None = info  # given: /rr/info is never asked (servers behind sglang-router 404 it)
         self._info_lock = asyncio.Lock()
 
     async def __aenter__(self) -> "RoutedExpertsClient":
@@ -183,7 +188,8 @@ class RoutedExpertsClient:
         raise last
 
     async def info(self) -> RRInfo:
-        """``GET /rr/info`` of every replica, fetched once and cached: every routing payload is checked against it.
+        """``GET /rr/info`` of every replica, fetched once and cached (or the ``info`` given to the constructor):
+        every routing payload is checked against it.
 
         Replicas that cannot be reached are taken out (and probed); replicas that disagree on the model or
         its routing dimensions raise :class:`ReplicaMismatchError`.

@@ -120,6 +120,30 @@ async def test_routed_experts_start(server: ProtocolTestServer) -> None:
     check_alignment(server, batch, "left")
 
 
+async def test_given_info_for_a_url_without_rr_info(server: ProtocolTestServer) -> None:
+    """Behind a router that 404s ``/rr/info`` (sglang-router): without ``info`` the client raises a typed 404;
+    with ``info`` it never asks, and checks every payload against the info it was given."""
+    from rr_client import RRInfo
+
+    server.behaviour.info_status = 404
+    info = RRInfo.model_validate({**server.info(), "wire_dtype": "uint8"})
+    async with RoutedExpertsClient(server.url) as c:
+        with pytest.raises(RequestRejectedError, match="404"):
+            await c.generate([[1, 2, 3]], {"max_new_tokens": 2})
+    calls = server.behaviour.info_calls
+    async with RoutedExpertsClient(server.url, info=info) as c:
+        batch = await c.generate([[1, 2, 3, 4]], {"max_new_tokens": 3})
+    assert server.behaviour.info_calls == calls  # never asked
+    r = batch[0]
+    np.testing.assert_array_equal(r.routed_experts, expected(server, (r.prompt_ids or []) + r.output_ids)[:-1])
+    wrong = RRInfo.model_validate({**info.model_dump(), "topk": 3})
+    async with RoutedExpertsClient(server.url, info=wrong) as c:
+        with pytest.raises(ShapeMismatchError):
+            await c.generate([[1, 2, 3, 4]], {"max_new_tokens": 3})
+    with pytest.raises(TypeError):
+        RoutedExpertsClient(server.url, info={"topk": 2})  # type: ignore[arg-type]
+
+
 async def test_routing_off_gives_none_and_tensors_refuse(server: ProtocolTestServer) -> None:
     async with RoutedExpertsClient(server.url) as c:
         batch = await c.generate(["abc"], return_routed_experts=False)

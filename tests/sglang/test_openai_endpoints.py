@@ -4,7 +4,6 @@ patch, plus ``routed_experts_format`` on ``/generate``; routing values checked a
 from __future__ import annotations
 
 import base64
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from rr_client.codec import decode_meta_info
 from rr_server.tiny_moe import reference_routing
 from tests.sglang.conftest import MODEL_SPEC
 from tests.sglang.harness import Harness
+from tests.support.sse import sse_events
 
 pytestmark = pytest.mark.sglang
 L, E, K = MODEL_SPEC["num_layers"], MODEL_SPEC["num_experts"], MODEL_SPEC["topk"]
@@ -180,16 +180,6 @@ async def test_bad_requests_name_the_field_and_server_keeps_serving(tiny_moe: Pa
         assert ok.status_code == 200 and "routed_experts_error" not in ok.json()["choices"][0], ok.text
 
 
-def _sse(text: str) -> list[Any]:
-    """The ``data:`` events of an SSE body (``[DONE]`` kept as a string)."""
-    out: list[Any] = []
-    for block in text.split("\n\n"):
-        if block.startswith("data:"):
-            data = block[5:].strip()
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 async def test_streaming_routing_on_the_last_event(tiny_moe: Path, patched: None, endpoint: str) -> None:
     """stream=true: SGLang's chunks pass through; SGLang's own ``sglext`` routing (first request only) is
@@ -199,7 +189,7 @@ async def test_streaming_routing_on_the_last_event(tiny_moe: Path, patched: None
     extra = {"n": 2, "temperature": 0.7} if endpoint == "completions" else {}
     resp = await h.serve(path, make(h, return_routed_experts=True, routed_experts_start=2, stream=True, **extra))
     assert resp.status_code == 200, resp.text
-    events = _sse(resp.text)
+    events = sse_events(resp.text)
     assert events[-1] == "[DONE]"
     *chunks, routing = events[:-1]
     texts = [c for c in chunks if c.get("choices")]
@@ -278,6 +268,6 @@ async def test_refused_routing_keeps_its_reason(tiny_moe: Path, patched: None, s
     monkeypatch.setattr(h.sched, "routing_rows", bad_rows)
     resp = await h.serve("/v1/completions", _completion(h, return_routed_experts=True, stream=stream))
     assert resp.status_code == 200, resp.text
-    choice = (_sse(resp.text)[-2] if stream else resp.json())["choices"][0]
+    choice = (sse_events(resp.text)[-2] if stream else resp.json())["choices"][0]
     assert choice["routed_experts"] is None
     assert choice["routed_experts_error"].startswith("ExpertIdOutOfRangeError"), choice["routed_experts_error"]

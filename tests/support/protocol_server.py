@@ -42,6 +42,8 @@ class Behaviour:
     reject_status: int = 0  # answer every /generate with this 4xx (e.g. 401: missing API key)
     delay: float = 0.0  # seconds before answering /generate
     corrupt: str = "none"  # none|dup|rows|missing|count|unasked|bad_info|zero|mixed
+    info_status: int = 200  # answer /rr/info with this status (404: a router that does not forward it)
+    info_calls: int = 0
     calls: int = 0
     calls_mixed: int = 0  # answers given in "mixed" mode (each gets a different wrong routing)
     in_flight: int = 0
@@ -113,6 +115,9 @@ class ProtocolTestServer(ThreadedServer):
 
         @app.get("/rr/info")
         async def rr_info() -> JSONResponse:
+            self.behaviour.info_calls += 1
+            if self.behaviour.info_status != 200:
+                return JSONResponse({"detail": "Not Found"}, status_code=self.behaviour.info_status)
             info = self.info()
             if self.behaviour.corrupt == "bad_info":
                 info["wire_dtype"] = "int32"

@@ -18,6 +18,7 @@ import pytest
 from rr_client import RoutedExpertsClient, TokenMismatchError, to_tensors
 from rr_client.hf_config import load_config, moe_layers_from_config, routing_dims_from_config
 from rr_server.tiny_moe import assert_routing_sets_equal, reference_routing
+from tests.support.sse import sse_events
 from tests.vllm.test_vllm_e2e import tokenize
 
 pytestmark = pytest.mark.vllm_server
@@ -346,16 +347,6 @@ def test_readme_agentic_example_runs(qwen_server: Any) -> None:
     assert "torch.Size([2," in out.getvalue(), out.getvalue()
 
 
-def _sse(text: str) -> list[Any]:
-    """The ``data:`` events of an SSE body (``[DONE]`` kept as a string)."""
-    out: list[Any] = []
-    for block in text.split("\n\n"):
-        if block.startswith("data:"):
-            data = block[5:].strip()
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
 def _npy(payload: str) -> np.ndarray:
     import io
 
@@ -372,7 +363,7 @@ def test_streaming_completions_routing_on_the_last_event(qwen_server: Any) -> No
         "model": _model(qwen_server), "prompt": prompts, "n": 2, "max_tokens": 7, "temperature": 0.9, "seed": 3,
         "stream": True, "return_token_ids": True, "return_routed_experts": True, "routed_experts_start": start})
     assert r.status_code == 200, r.text
-    events = _sse(r.text)
+    events = sse_events(r.text)
     assert events[-1] == "[DONE]"
     *chunks, routing = events[:-1]
     streamed: dict[int, list[int]] = {}
@@ -400,7 +391,7 @@ def test_streaming_chat_routing_and_client_disconnect(qwen_server: Any) -> None:
             "max_tokens": 6, "temperature": 0, "stream": True, "return_routed_experts": True}
     r = _post(qwen_server, "/v1/chat/completions", body)
     assert r.status_code == 200, r.text
-    events = _sse(r.text)
+    events = sse_events(r.text)
     assert events[-1] == "[DONE]" and events[0]["object"] == "chat.completion.chunk"
     (choice,) = events[-2]["choices"]
     assert "routed_experts_error" not in choice, choice
@@ -415,4 +406,4 @@ def test_streaming_chat_routing_and_client_disconnect(qwen_server: Any) -> None:
             if line.startswith("data:"):
                 break  # the client leaves after the first chunk
     again = _post(qwen_server, "/v1/chat/completions", body)
-    assert again.status_code == 200 and _sse(again.text)[-2]["choices"][0]["routed_experts"]
+    assert again.status_code == 200 and sse_events(again.text)[-2]["choices"][0]["routed_experts"]

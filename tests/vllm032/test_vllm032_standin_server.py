@@ -24,6 +24,7 @@ from rr_client.hf_config import (
     routing_dims_from_config,
 )
 from rr_server.tiny_moe import assert_routing_sets_equal, reference_routing
+from tests.support.sse import sse_events
 from tests.vllm032.conftest import HAVE
 
 ROUTING_KEYS = ("routed_experts", "routed_experts_shape", "routed_experts_dtype", "routed_experts_format")
@@ -244,9 +245,9 @@ def test_v1_completions_stream_routing_event(server: Any) -> None:
             "return_routed_experts": True, "routed_experts_start": 1}
     r = post(server, body, "/v1/completions")
     assert r.status_code == 200, r.text
-    events = [block[5:].strip() for block in r.text.split("\n\n") if block.startswith("data:")]
+    events = sse_events(r.text)
     assert events[-1] == "[DONE]"
-    routing = json.loads(events[-2])
+    routing = events[-2]
     assert [ch["index"] for ch in routing["choices"]] == [0, 1]
     cfg = load_config(server.model_dir)
     layers, experts, topk = routing_dims_from_config(cfg)
