@@ -59,7 +59,7 @@ def test_kill_upstream_mid_flight_then_restart(upstream: VLLMProcess) -> None:
         assert http.get("/health").status_code == 200
         assert httpx.post(upstream.url + "/generate", json={"text": "x"}, timeout=10).status_code == 404  # no plugin
 
-        async def scenario() -> tuple[list[Any], float, list[Any]]:
+        async def scenario() -> tuple[list[Any], list[bool], float, list[Any]]:
             async with RoutedExpertsClient(sc.url, retries=1, backoff=0.1, batch_size=1, timeout=120) as c:
                 ok = await c.generate([[5, 6, 7, 8]], {"max_new_tokens": 4})  # warm: info fetched, path works
                 long = {"max_new_tokens": 900, "ignore_eos": True}
@@ -68,19 +68,28 @@ def test_kill_upstream_mid_flight_then_restart(upstream: VLLMProcess) -> None:
                 t_end = time.monotonic() + 120
                 while (seen := in_flight((await asyncio.to_thread(http.get, "/metrics")).text)) < IN_FLIGHT // 2:
                     assert time.monotonic() < t_end, f"only {seen} requests reached the sidecar"
-                    assert not any(t.done() for t in tasks), "a long request ended before the kill"
                     await asyncio.sleep(0.1)
                 await asyncio.sleep(0.5)
                 t_kill = time.monotonic()
                 await asyncio.to_thread(upstream.kill)
+                # what had already ended when the upstream was dead (on a loaded box a long request can finish first)
+                ended_before_kill = [t.done() for t in tasks]
                 outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-                return outcomes, time.monotonic() - t_kill, list(ok)
+                return outcomes, ended_before_kill, time.monotonic() - t_kill, list(ok)
 
-        outcomes, elapsed, warm = asyncio.run(scenario())
+        outcomes, ended_before_kill, elapsed, warm = asyncio.run(scenario())
         check(upstream.model_dir, warm[0])
+        failed = [o for o in outcomes if isinstance(o, (ServerError, TransportError))]
         kinds = sorted({type(o).__name__ for o in outcomes})
-        assert all(isinstance(o, (ServerError, TransportError)) for o in outcomes), kinds
-        print(f"\nkill mid-flight: {IN_FLIGHT} in-flight requests failed with {kinds} within {elapsed:.2f}s")
+        assert len(failed) >= IN_FLIGHT // 2, f"only {len(failed)} requests were cut by the kill: {kinds}"
+        for o, ended in zip(outcomes, ended_before_kill):
+            if isinstance(o, (ServerError, TransportError)):
+                continue
+            # anything else must be a whole, correct answer that had ended before the upstream was dead
+            assert ended and not isinstance(o, BaseException), kinds
+            check(upstream.model_dir, o[0])
+            assert len(o[0].output_ids) == 900
+        print(f"\nkill mid-flight: {len(failed)} in-flight requests failed with {kinds} within {elapsed:.2f}s")
         assert elapsed < DEADLINE_S
         r = http.get("/health")
         assert r.status_code == 503 and "unreachable" in r.json()["error"]["message"]
