@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Self
 from pathlib import Path
 
 import httpx
@@ -79,34 +80,53 @@ def router_binary() -> str:
     return found
 
 
-class Router:
-    """vllm-router 0.1.17 in front of ``workers``, on a free loopback port."""
+class RouterProcess:
+    """A router binary started with ``cmd`` (its own process group), logging to ``name``-<port>.log."""
 
-    def __init__(self, workers: list[str], policy: str = "consistent_hash") -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, name: str, port: int, cmd: list[str]) -> None:
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
         LOG_DIR.mkdir(parents=True, exist_ok=True)
-        self.log_path = LOG_DIR / f"vllm-router-{self.port}.log"
-        cmd = [router_binary(), "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *workers,
-               "--policy", policy, "--log-level", "warning"]
+        self.log_path = LOG_DIR / f"{name}-{port}.log"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_ready(self, timeout: float = 120.0) -> "Router":
+    def wait_ready(self, timeout: float = 120.0) -> Self:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise RuntimeError(f"vllm-router not ready in {timeout}s:\n{self.log_path.read_text()[-3000:]}")
+        raise RuntimeError(f"{self.name} not ready in {timeout}s:\n{self.log_path.read_text()[-3000:]}")
 
     def stop(self) -> None:
         stop_process_group(self.proc, grace=10.0)  # type: ignore[arg-type]
+
+
+class Router(RouterProcess):
+    """vllm-router 0.1.17 in front of ``workers``, on a free loopback port."""
+
+    def __init__(self, workers: list[str], policy: str = "consistent_hash") -> None:
+        port = free_port()
+        super().__init__("vllm-router", port, [
+            router_binary(), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+            "--policy", policy, "--log-level", "warning"])
+
+
+class SGLangRouter(RouterProcess):
+    """sglang-router 0.3.2 (``python -m sglang_router.launch_router``) in front of ``workers``, on free ports."""
+
+    def __init__(self, workers: list[str]) -> None:
+        port = free_port()
+        super().__init__("sglang-router", port, [
+            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *workers, "--policy", "cache_aware", "--prometheus-port", str(free_port()),
+            "--log-level", "warn"])
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,6 @@ version.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,42 +18,11 @@ import pytest
 
 from rr_client import RoutedExpertsClient, RRInfo
 from rr_client.codec import decode_meta_info
-from rr_server.process import free_port, stop_process_group
+from tests.scale.conftest import SGLangRouter
 from tests.scale.test_scale_vllm import check_result, token_prompts
-from tests.support.vllm_process import LOG_DIR, VLLMProcess
+from tests.support.vllm_process import VLLMProcess
 
 pytestmark = pytest.mark.vllm_server
-
-
-class SGLangRouter:
-    """``python -m sglang_router.launch_router`` in front of ``workers`` on free loopback ports."""
-
-    def __init__(self, workers: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        LOG_DIR.mkdir(parents=True, exist_ok=True)
-        self.log_path = LOG_DIR / f"sglang-router-{self.port}.log"
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-               "--worker-urls", *workers, "--policy", "cache_aware", "--prometheus-port", str(free_port()),
-               "--log-level", "warn"]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 120.0) -> "SGLangRouter":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sglang-router exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"sglang-router not ready in {timeout}s:\n{self.log_path.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        stop_process_group(self.proc, grace=10.0)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
