@@ -99,8 +99,8 @@ def encode_cost_us(rows: int, layers: int, topk: int, experts: int, reps: int = 
     import numpy as np
 
     from rr_client import RRInfo
-    from rr_server.generate_protocol import build_item
-    from rr_server.vllm_translate import checked_routing_fields
+    from rr_server.serving.generate_protocol import build_item
+    from rr_server.serving.vllm_translate import checked_routing_fields
 
     rng = np.random.default_rng(0)
     arr = np.argsort(rng.random((rows, layers, experts)), axis=-1)[..., :topk].astype(np.uint8)  # distinct ids

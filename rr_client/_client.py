@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from rr_client import settings
+
 import asyncio
-import os
 import random
 from collections.abc import Hashable, Mapping, Sequence
 from types import TracebackType
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import orjson
 
-from rr_client._http_errors import error_for_status, map_httpx_error
+from rr_client.http_errors import error_for_status, map_httpx_error
 from rr_client._openai import CHAT_PATH, COMPLETIONS_PATH, openai_body, parse_choices
 from rr_client._replicas import Replica, ReplicaPool, ReplicaStats
 from rr_client._results import GenerateBatch, GenerateResult, parse_sample
@@ -80,7 +81,7 @@ class RoutedExpertsClient:
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not all(isinstance(u, str) and u for u in urls):
             raise TypeError("base_url must be a URL or a list of URLs")
-        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        key = api_key if api_key is not None else settings.text(API_KEY_ENV)
         all_headers = dict(headers or {})
         if key:
             all_headers["authorization"] = f"Bearer {key}"

@@ -8,12 +8,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from rr_server.serving.sglang_facts import UnsupportedSGLangError
+
 __all__ = ["main", "prepare_argv", "install_patch", "take_format_flag", "FORMAT_FLAG"]
 
 logger = logging.getLogger("rr.sglang")
 FLAG = "--enable-return-routed-experts"
 # rr's own flag (not SGLang's): the default routed_experts_format of /generate and the OpenAI endpoints
 FORMAT_FLAG = "--routed-experts-format"
+# entry-point group through which launchers reach rr's engine patches (never by importing rr_patches)
+LAUNCH_PATCHES = "rr.launch_patches"
 
 
 def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
@@ -63,23 +67,17 @@ def _tokenizer_workers(args: Sequence[str]) -> int:
 
 
 def install_patch() -> str:
-    """Patch this process: SGLang's plugin loader on 0.5.11+, a direct monkeypatch before; returns how."""
-    from rr_patches.sglang.apply import apply, is_applied
-    from rr_patches.sglang.versions import profile_for
+    """Patch this process the way an installed rr reaches SGLang: rr's ``rr.launch_patches`` entry point.
 
-    profile = profile_for()  # raises UnsupportedSGLangError on an untested version
-    if profile.has_plugins:
-        allowed = os.environ.get("SGLANG_PLUGINS", "")
-        if allowed and "rr" not in {p.strip() for p in allowed.split(",")}:
-            os.environ["SGLANG_PLUGINS"] = allowed + ",rr"
-        from sglang.srt.plugins import load_plugins
+    The launcher never imports :mod:`rr_patches` (the adapters sit beside it, not below it); returns how it patched.
+    """
+    from importlib.metadata import entry_points
 
-        load_plugins()
-        if is_applied():
-            return f"plugin (SGLang {profile.version})"
-        logger.warning("rr: the 'rr' plugin entry point was not loaded; patching directly")
-    apply(profile)
-    return f"monkeypatch (SGLang {profile.version})"
+    found = [ep for ep in entry_points(group=LAUNCH_PATCHES) if ep.name == "sglang"]
+    if not found:
+        raise UnsupportedSGLangError(
+            f"rr's SGLang patch is not installed (no '{LAUNCH_PATCHES}: sglang' entry point): pip install rr-replay")
+    return str(found[0].load()())
 
 
 def _run(argv: list[str]) -> None:
@@ -97,8 +95,7 @@ def _run(argv: list[str]) -> None:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point used by ``rr-server launch sglang``; returns a process exit code."""
-    from rr_patches.sglang.versions import UnsupportedSGLangError
-    from rr_server.generate_protocol import FORMAT_ENV
+    from rr_server.serving.generate_protocol import FORMAT_ENV
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

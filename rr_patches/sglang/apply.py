@@ -5,14 +5,15 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 from rr_patches.sglang.batch_items import apply_item_start_fix
 from rr_patches.sglang.hooks import around_handle_batch_output, around_init, around_send
-from rr_patches.sglang.versions import Profile, UnsupportedSGLangError, profile_for
+from rr_server.serving.sglang_facts import Profile, UnsupportedSGLangError, profile_for
 
-__all__ = ["TARGETS", "TM_PATH", "apply", "check_shapes", "is_applied"]
+__all__ = ["TARGETS", "TM_PATH", "apply", "check_shapes", "is_applied", "install_for_launcher"]
 
 logger = logging.getLogger("rr.sglang")
 TM_PATH = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
@@ -131,3 +132,24 @@ def _apply_detokenizer(profile: Profile) -> None:
     fn = DetokenizerManager.__dict__[DETOK_METHOD]
     if getattr(fn, _MARK, None) is None:
         setattr(DetokenizerManager, DETOK_METHOD, _wrap(fn, around_handle_batch_token_id_out))
+
+
+def install_for_launcher() -> str:
+    """``rr-server launch sglang``'s way in (entry point ``rr.launch_patches: sglang``); returns how it patched.
+
+    SGLang's own plugin loader on 0.5.11+ (``SGLANG_PLUGINS`` gains ``rr`` when it is set without it), a direct
+    monkeypatch before. Raises UnsupportedSGLangError on an untested version.
+    """
+    profile = profile_for()
+    if profile.has_plugins:
+        allowed = os.environ.get("SGLANG_PLUGINS", "")
+        if allowed and "rr" not in {p.strip() for p in allowed.split(",")}:
+            os.environ["SGLANG_PLUGINS"] = allowed + ",rr"
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+        if is_applied():
+            return f"plugin (SGLang {profile.version})"
+        logger.warning("rr: the 'rr' plugin entry point was not loaded; patching directly")
+    apply(profile)
+    return f"monkeypatch (SGLang {profile.version})"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from rr_patches.sglang.versions import Profile
+from rr_server.serving.sglang_facts import Profile
 
 __all__ = ["needs_item_start_fix", "apply_item_start_fix"]
 

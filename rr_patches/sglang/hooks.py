@@ -6,8 +6,9 @@ function is registered as a plugin hook (0.5.11+) and installed by :mod:`rr_patc
 
 from __future__ import annotations
 
+from rr_client import settings
+
 import logging
-import os
 from typing import Any
 
 from rr_client.codec import expected_rows, routing_error_fields
@@ -65,7 +66,7 @@ def around_send(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
     """
     if rr_enabled(self):
         st = state_of(self)
-        always = os.environ.get(ALWAYS_ENV, "") not in ("", "0", "false")
+        always = settings.flag(ALWAYS_ENV)
         col, fmt = collector(), requested_format()
         for t in _tokenized_generate_objs(args + tuple(kwargs.values())):
             rid = str(t.rid)
@@ -121,7 +122,7 @@ def _answer_fields(st: RRState, value: Any, *, rows: int, start: int, fmt: str |
 
 def _server_format() -> str:
     """The server's default ``routed_experts_format`` (env RR_ROUTED_EXPERTS_FORMAT); a bad value is refused."""
-    from rr_server.generate_protocol import BadRequest, default_routed_experts_format
+    from rr_server.serving.generate_protocol import BadRequest, default_routed_experts_format
 
     try:
         return default_routed_experts_format()

@@ -4,7 +4,7 @@
 * ``/generate``: :class:`GenerateFormatMiddleware` takes ``routed_experts_format`` out of the body (SGLang's
   parser never sees it), answers 400 for an unknown value, and hands the value to the TokenizerManager hooks
   through a context variable (the endpoint runs in the middleware's task, so ``_send_*`` sees it).
-* OpenAI endpoints: :func:`rr_server.openai_middleware.install_openai_routing` with ``engine="sglang"``. SGLang's
+* OpenAI endpoints: :func:`rr_server.serving.openai_middleware.install_openai_routing` with ``engine="sglang"``. SGLang's
   serving code puts only the FIRST request's routing in the answer (``sglext.routed_experts``, response level);
   while a request that asked runs, a :class:`Collector` (context variable) receives every choice's checked rr
   fields and token ids from the hooks, and :func:`fill_answer` puts them on the choices before rr's finish.
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rr_client.codec import check_format
-from rr_server.generate_protocol import error_body
-from rr_server.openai_middleware import (
+from rr_server.serving.generate_protocol import error_body
+from rr_server.serving.openai_middleware import (
     install_openai_routing,
     read_body,
     replay_receive,

@@ -7,7 +7,7 @@ import multiprocessing
 
 from rr_patches.sglang.apply import TARGETS, TM_PATH, apply, check_shapes
 from rr_patches.sglang.batch_items import apply_item_start_fix
-from rr_patches.sglang.versions import profile_for
+from rr_server.serving.sglang_facts import profile_for
 
 __all__ = ["register"]
 

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from rr_client.info import RRInfo
-from rr_patches.sglang.versions import Profile, profile_for
+from rr_server.serving.sglang_facts import Profile, profile_for
 
 __all__ = ["RRState", "state_of", "rr_enabled"]
 

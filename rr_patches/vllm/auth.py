@@ -107,7 +107,7 @@ def protect_rr_routes(app: Any, args: Any) -> str:
                 "refusing to serve rr's routes unprotected")
         _self_test(vllm_cls, keys, "tokens")
         return "vLLM's AuthenticationMiddleware (rr prefixes added to GUARDED_PREFIX; self-test passed)"
-    from rr_server.auth import ApiKeyMiddleware, ApiKeys
+    from rr_server.serving.auth import ApiKeyMiddleware, ApiKeys
 
     app.add_middleware(ApiKeyMiddleware, keys=ApiKeys.of(keys), protect=_is_rr_path)
     _self_test(lambda inner, keys: ApiKeyMiddleware(inner, keys=ApiKeys.of(keys), protect=_is_rr_path), keys, "keys")

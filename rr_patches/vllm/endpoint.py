@@ -14,8 +14,9 @@ once vLLM's middleware is on the app).
 
 from __future__ import annotations
 
+from rr_client import settings
+
 import logging
-import os
 from typing import Any
 
 __all__ = ["RREndpointPlugin", "make_plugin", "ENDPOINT_GROUP"]
@@ -36,7 +37,7 @@ class RREndpointPlugin:
     @staticmethod
     def enabled() -> bool:
         """rr is switched on (``RR_ENABLE=1``, set by ``rr-server launch vllm``)."""
-        return os.environ.get("RR_ENABLE") == "1"
+        return settings.flag("RR_ENABLE")
 
     def attach_router(self, app: Any) -> None:
         """Add ``/generate`` and ``/rr/info`` (once); refuse to shadow routes vLLM already serves."""
@@ -49,7 +50,7 @@ class RREndpointPlugin:
         from rr_patches.vllm.plugin import check_vllm_version
         from rr_patches.vllm.routes import RR_ROUTES, add_rr_routes
 
-        version = check_vllm_version(allow_unsupported=os.environ.get("RR_ALLOW_UNSUPPORTED_VERSION") == "1")
+        version = check_vllm_version(allow_unsupported=settings.flag("RR_ALLOW_UNSUPPORTED_VERSION"))
         _extend_vllm_prefixes()  # vLLM's AuthenticationMiddleware reads GUARDED_PREFIX per request
         add_rr_routes(app)  # the one route table (/generate, /rr/generate, /rr/info); refuses to shadow vLLM's
         app.state.rr_routes_installed = True

@@ -5,7 +5,7 @@ non-streaming answers. While a streaming request that asked for routing runs, :f
 :class:`StreamCollector` (context variable); the engine client's ``generate``, wrapped once per engine client,
 hands it every output of that request. The OpenAI middleware then sends one event right before
 ``data: [DONE]`` whose choices carry each choice's routing and token ids, put through rr's one full check
-(:func:`rr_server.openai_routing.finish_answer`). Non-streaming answers are left to vLLM, which already
+(:func:`rr_server.serving.openai_routing.finish_answer`). Non-streaming answers are left to vLLM, which already
 carries routing there.
 """
 

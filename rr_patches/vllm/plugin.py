@@ -9,6 +9,8 @@ checked against.
 
 from __future__ import annotations
 
+from rr_client import settings
+
 import importlib
 import inspect
 import logging
@@ -18,15 +20,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from rr_patches.release import parse_release
+from rr_server.serving.vllm_facts import SUPPORTED, UnsupportedVLLMVersion, check_vllm_version
 
 __all__ = ["register", "SUPPORTED", "check_vllm_version", "UnsupportedVLLMVersion", "uses_endpoint_plugin"]
 
 logger = logging.getLogger("rr.vllm")
 
-# Versions whose routed-experts path returns base64 .npy (see docs); inclusive bounds.
-SUPPORTED = ((0, 22), (0, 33))
-# vLLM 0.30+ loads HTTP routes from this entry-point group (rr_patches.vllm.endpoint); older ones get the wrap.
 ENDPOINT_GROUP = "vllm.endpoint_plugins"
 PLUGIN_NAME = "rr"
 # Where build_app is looked up at call time, newest layout first (module, attribute).
@@ -36,30 +35,6 @@ _HOOK_SITES: tuple[tuple[str, str], ...] = (
 )
 _MARK = "__rr_patched__"
 _state: dict[str, Any] = {"registered": False}
-
-
-class UnsupportedVLLMVersion(RuntimeError):
-    """The installed vLLM is outside the range rr has been checked against."""
-
-
-def check_vllm_version(version: str | None = None, *, allow_unsupported: bool = False) -> str:
-    """Return the vLLM version; raise UnsupportedVLLMVersion when outside SUPPORTED."""
-    if version is None:
-        import vllm
-
-        version = str(vllm.__version__)
-    lo, hi = SUPPORTED
-    try:
-        minor = parse_release(version)[:2]
-    except ValueError:
-        minor = (-1, -1)
-    if not lo <= minor <= hi and not allow_unsupported:
-        raise UnsupportedVLLMVersion(
-            f"rr supports vLLM {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]} (routed_experts as base64 .npy); "
-            f"found {version}. Set RR_ALLOW_UNSUPPORTED_VERSION=1 / pass "
-            "--rr-allow-unsupported-version to try anyway."
-        )
-    return version
 
 
 def _wrap_build_app(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -152,12 +127,12 @@ def _endpoint_allowed() -> bool:
 
 def register() -> None:
     """vLLM plugin entry point: install rr's HTTP routes in the API-server process."""
-    if os.environ.get("RR_ENABLE") != "1" or _state["registered"]:
+    if not settings.flag("RR_ENABLE") or _state["registered"]:
         return
     # EngineCore / workers are multiprocessing children: patch only what they already imported
     # (e.g. multi-API-server children), never import the HTTP stack into them.
     top = multiprocessing.parent_process() is None
-    allow = os.environ.get("RR_ALLOW_UNSUPPORTED_VERSION") == "1"
+    allow = settings.flag("RR_ALLOW_UNSUPPORTED_VERSION")
     version = check_vllm_version(allow_unsupported=allow)
     if uses_endpoint_plugin():
         # 0.30+: rr_patches.vllm.endpoint adds the routes through vLLM's own hook; no build_app wrap.

@@ -6,18 +6,19 @@
 for callers behind a router that drops the flag.
 
 Requests go straight to vLLM's in-process ``EngineClient`` (``app.state.engine_client``). The
-protocol lives in :mod:`rr_server.generate_protocol` and the vLLM translation in
-:mod:`rr_server.vllm_translate`, shared with the sidecar. Every routing array passes
+protocol lives in :mod:`rr_server.serving.generate_protocol` and the vLLM translation in
+:mod:`rr_server.serving.vllm_translate`, shared with the sidecar. Every routing array passes
 :func:`rr_client.check_routing` before it is encoded.
 """
 
 from __future__ import annotations
 
+from rr_client import settings
+
 import asyncio
 import dataclasses
 import functools
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,8 +33,8 @@ from rr_client.errors import RoutedExpertsError
 from rr_client.info import RRInfo
 from rr_patches.vllm.auth import protect_rr_routes
 from rr_patches.vllm.openai_streams import collecting
-from rr_server.fanout import gather_or_cancel, merge_streams, primed
-from rr_server.generate_protocol import (
+from rr_server.serving.fanout import gather_or_cancel, merge_streams, primed
+from rr_server.serving.generate_protocol import (
     SSE_DONE,
     BadRequest,
     NormalizedGenerate,
@@ -42,8 +43,8 @@ from rr_server.generate_protocol import (
     parse_generate_request,
     sse_line,
 )
-from rr_server.openai_middleware import install_openai_routing
-from rr_server.vllm_translate import (
+from rr_server.serving.openai_middleware import install_openai_routing
+from rr_server.serving.vllm_translate import (
     checked_routing_fields,
     finish_reason_dict,
     to_vllm_sampling_kwargs,
@@ -55,7 +56,7 @@ logger = logging.getLogger("rr.vllm")
 # Give routing to every answer, asked or not: for callers behind a router that drops the flag.
 ALWAYS_ENV = "RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS"
 # Routing elements above which a reply is built in a worker thread (env override for tests).
-_THREAD_MIN_ELEMS = int(os.environ.get("RR_ENCODE_THREAD_MIN_ELEMS", str(1 << 20)))
+_THREAD_MIN_ELEMS = settings.integer("RR_ENCODE_THREAD_MIN_ELEMS", default=1 << 20)
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -290,8 +291,8 @@ async def _unless_disconnected(request: Request, req: NormalizedGenerate) -> Res
 
 
 def always_return_routing() -> bool:
-    """``RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS`` is set (not empty, ``0`` or ``false``)."""
-    return os.environ.get(ALWAYS_ENV, "").strip().lower() not in ("", "0", "false")
+    """``RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS`` is on (:func:`rr_client.settings.flag`'s rule)."""
+    return settings.flag(ALWAYS_ENV)
 
 
 async def generate(request: Request) -> Response:

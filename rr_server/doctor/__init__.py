@@ -7,6 +7,8 @@ Exit code 0 on PASS, 1 on FAIL, 2 on bad usage.
 
 from __future__ import annotations
 
+from rr_client import settings
+
 import argparse
 import asyncio
 import json
@@ -73,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rr_server.doctor.checks import run_doctor
 
     report = asyncio.run(run_doctor(
-        args.url, api_key=args.api_key or os.environ.get("RR_API_KEY") or None, engine=args.engine,
+        args.url, api_key=args.api_key or settings.text("RR_API_KEY"), engine=args.engine,
         model_path=args.model_path, prompts=args.prompts, max_new_tokens=args.max_new_tokens, device=args.device))
     print(json.dumps(report.as_dict(), indent=2, default=str) if args.json else render(report))
     return 0 if report.ok else 1

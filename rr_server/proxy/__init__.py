@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from rr_client import settings
+
 import argparse
 import sys
 from collections.abc import Sequence
@@ -64,11 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import uvicorn
 
-    from rr_server.auth import keys_from
+    from rr_server.serving.auth import keys_from
     from rr_server.proxy.app import DEFAULT_MAX_BODY_BYTES, ProxyConfig, create_app
 
     if args.routed_experts_format:
-        from rr_server.generate_protocol import FORMAT_ENV
+        from rr_server.serving.generate_protocol import FORMAT_ENV
 
         os.environ[FORMAT_ENV] = args.routed_experts_format
     max_body = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
@@ -78,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = ProxyConfig(upstream=args.upstream, engine=args.engine, max_concurrency=args.max_concurrency,
                       timeout=args.timeout, model_path=args.model_path,
                       api_keys=tuple(keys_from(args.api_key, "RR_API_KEY")),
-                      upstream_api_key=args.upstream_api_key or os.environ.get("RR_UPSTREAM_API_KEY") or None,
+                      upstream_api_key=args.upstream_api_key or settings.text("RR_UPSTREAM_API_KEY"),
                       metrics_require_key=args.metrics_require_key, max_body_bytes=max_body)
     # keep-alive well above clients' idle expiry (httpx: 5 s), so the client always closes first
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level,

@@ -20,16 +20,16 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from rr_client.info import RRInfo
-from rr_server.auth import ApiKeyMiddleware, ApiKeys
-from rr_server.fanout import primed
-from rr_server.generate_protocol import (
+from rr_server.serving.auth import ApiKeyMiddleware, ApiKeys
+from rr_server.serving.fanout import primed
+from rr_server.serving.generate_protocol import (
     SSE_DONE,
     BadRequest,
     NormalizedGenerate,
     parse_generate_request,
     sse_line,
 )
-from rr_server.openai_routing import OPENAI_PATHS
+from rr_server.serving.openai_routing import OPENAI_PATHS
 from rr_server.proxy.backend import Backend
 from rr_server.proxy.errors import ProxyError, error_payload
 from rr_server.proxy.info import fetch_info

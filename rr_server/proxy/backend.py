@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
-from rr_server.generate_protocol import NormalizedGenerate
+from rr_server.serving.generate_protocol import NormalizedGenerate
 
 __all__ = ["Backend"]
 

@@ -10,11 +10,11 @@ from rr_client.errors import (
     RequestTimeoutError,
     TransportError,
 )
-from rr_server.generate_protocol import error_body
+from rr_server.serving.generate_protocol import error_body
 
 __all__ = ["ProxyError", "error_payload", "upstream_transport_error"]
 
-# rr transport error (mapped from httpx in rr_client._http_errors) -> sidecar status and metrics kind
+# rr transport error (mapped from httpx in rr_client.http_errors) -> sidecar status and metrics kind
 _UPSTREAM_STATUS: tuple[tuple[type[TransportError], int, str], ...] = (
     (ConnectError, 503, "upstream_unavailable"),
     (RequestTimeoutError, 504, "upstream_timeout"),

@@ -1,6 +1,6 @@
 """The sidecar's ``/v1/completions`` and ``/v1/chat/completions``: rr's fields served from the engine's own answer.
 
-A request with rr's fields (:mod:`rr_server.openai_routing`) is rewritten into the engine's names, and every
+A request with rr's fields (:mod:`rr_server.serving.openai_routing`) is rewritten into the engine's names, and every
 choice of the answer gets checked rr routing and token ids. Any other request passes through byte for byte,
 streaming included, with one exception: on SGLang the sidecar asks for routing on every request (SGLang
 <= 0.5.12 hands one request another's rows when a batch mixes asking and non-asking requests) and removes it
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from fastapi.responses import Response, StreamingResponse
 
-from rr_server.generate_protocol import BadRequest
-from rr_server.openai_routing import (
+from rr_server.serving.generate_protocol import BadRequest
+from rr_server.serving.openai_routing import (
     ABSENT,
     engine_body,
     finish_answer,

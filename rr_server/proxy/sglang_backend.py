@@ -9,7 +9,7 @@ import orjson
 
 from rr_client.codec import expected_rows, routing_meta_fields
 from rr_client.info import RRInfo
-from rr_server.generate_protocol import (
+from rr_server.serving.generate_protocol import (
     SSE_DONE,
     GenerateRequest,
     NormalizedGenerate,

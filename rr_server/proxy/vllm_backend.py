@@ -11,8 +11,8 @@ import orjson
 
 from rr_client.codec import expected_rows, routing_meta_fields
 from rr_client.info import RRInfo
-from rr_server.fanout import gather_or_cancel, merge_streams
-from rr_server.generate_protocol import (
+from rr_server.serving.fanout import gather_or_cancel, merge_streams
+from rr_server.serving.generate_protocol import (
     SSE_DONE,
     BadRequest,
     NormalizedGenerate,
@@ -23,7 +23,7 @@ from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.metrics import ProxyMetrics
 from rr_server.proxy.routing import checked_upstream_routing
 from rr_server.proxy.upstream import Upstream
-from rr_server.vllm_translate import finish_reason_dict, to_vllm_sampling_kwargs
+from rr_server.serving.vllm_translate import finish_reason_dict, to_vllm_sampling_kwargs
 
 __all__ = ["VLLMBackend"]
 

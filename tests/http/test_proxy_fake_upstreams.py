@@ -275,7 +275,7 @@ def test_upstream_timeout_is_504(cfg_dir: Path) -> None:
 def test_sglang_0_5_7_field_and_dtype(cfg_dir: Path) -> None:
     """SGLang 0.5.7's ``output_routed_experts`` and an explicit ``routed_experts_dtype`` are transcoded too."""
     from rr_client.info import RRInfo
-    from rr_server.generate_protocol import parse_generate_request
+    from rr_server.serving.generate_protocol import parse_generate_request
     from rr_server.proxy.metrics import ProxyMetrics
     from rr_server.proxy.sglang_backend import SGLangBackend
 

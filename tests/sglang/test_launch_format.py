@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from rr_server import launch_sglang
-from rr_server.generate_protocol import FORMAT_ENV, default_routed_experts_format
+from rr_server.serving.generate_protocol import FORMAT_ENV, default_routed_experts_format
 
 
 @pytest.mark.parametrize("argv", [["--model-path", "m", "--routed-experts-format", "sglang", "--port", "1"],

@@ -211,7 +211,7 @@ async def test_generate_sglang_format(tiny_moe: Path, patched: None, how: str,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """/generate with ``routed_experts_format: "sglang"`` (or the server default from the env; or on a stream's
     last event) answers SGLang's headerless int32, checked by rr, that decodes the slime way to transformers' rows."""
-    from rr_server.generate_protocol import FORMAT_ENV
+    from rr_server.serving.generate_protocol import FORMAT_ENV
 
     h = Harness(tiny_moe)
     body: dict[str, Any] = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0.0},

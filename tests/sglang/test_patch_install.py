@@ -18,7 +18,7 @@ from rr_client.errors import (
     UnrecordedRoutingError,
 )
 from rr_client.info import RRInfo
-from rr_patches.sglang.versions import UnsupportedSGLangError, profile_for
+from rr_server.serving.sglang_facts import UnsupportedSGLangError, profile_for
 from tests.sglang.conftest import MODEL_SPEC
 from tests.sglang.harness import Harness
 
@@ -161,7 +161,7 @@ def test_launcher_refuses_unknown_version(monkeypatch: pytest.MonkeyPatch) -> No
     """An untested SGLang makes the launcher exit 2 before anything starts."""
     import rr_server.launch_sglang as ls
 
-    monkeypatch.setattr("rr_patches.sglang.versions.installed_version", lambda: "0.5.99")
+    monkeypatch.setattr("rr_server.serving.sglang_facts.installed_version", lambda: "0.5.99")
     monkeypatch.setattr(ls, "_run", lambda argv: pytest.fail("must not start"))
     assert ls.main(["--model-path", "M"]) == 2
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rr_patches.sglang.versions import profile_for
+from rr_server.serving.sglang_facts import profile_for
 from rr_client.codec import decode_meta_info
 from rr_client.errors import MissingRoutingError
 from rr_server.tiny_moe import reference_routing

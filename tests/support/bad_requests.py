@@ -3,8 +3,8 @@
 Each entry is a raw body, the status it must get and a substring its error message must contain.
 ``rejected_by`` names where it is refused:
 
-- ``PARSER``: rr's own parsing, no server (:func:`rr_server.generate_protocol.parse_generate_request`
-  followed by :func:`rr_server.vllm_translate.to_vllm_sampling_kwargs`),
+- ``PARSER``: rr's own parsing, no server (:func:`rr_server.serving.generate_protocol.parse_generate_request`
+  followed by :func:`rr_server.serving.vllm_translate.to_vllm_sampling_kwargs`),
 - ``VLLM``: the rr plugin's ``/generate`` on a real vLLM server (same parser, plus the engine),
 - ``SIDECAR_VLLM`` / ``SIDECAR_SGLANG``: the sidecar in front of a vLLM / SGLang upstream.
 

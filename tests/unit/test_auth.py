@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI
 
 from rr_patches.vllm import auth as vllm_auth
-from rr_server.auth import ApiKeyMiddleware, ApiKeys, keys_from
+from rr_server.serving.auth import ApiKeyMiddleware, ApiKeys, keys_from
 
 
 def _app(**kw: Any) -> FastAPI:

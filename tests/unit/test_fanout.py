@@ -1,4 +1,4 @@
-"""rr_server.fanout: one /generate batch as several engine requests (cancel on failure, merged live streams)."""
+"""rr_server.serving.fanout: one /generate batch as several engine requests (cancel on failure, merged live streams)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from rr_server.fanout import gather_or_cancel, merge_streams, primed
+from rr_server.serving.fanout import gather_or_cancel, merge_streams, primed
 
 
 async def test_gather_or_cancel_returns_in_order() -> None:

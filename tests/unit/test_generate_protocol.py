@@ -9,7 +9,7 @@ import pytest
 from rr_client.codec import decode_meta_info, routing_error_fields
 from rr_client.errors import MissingRoutingError, ShapeMismatchError
 from rr_client.info import RRInfo
-from rr_server.generate_protocol import (
+from rr_server.serving.generate_protocol import (
     SSE_DONE,
     BadRequest,
     build_item,
@@ -17,7 +17,7 @@ from rr_server.generate_protocol import (
     parse_generate_request,
     sse_line,
 )
-from rr_server.vllm_translate import checked_routing_fields, finish_reason_dict, to_vllm_sampling_kwargs
+from rr_server.serving.vllm_translate import checked_routing_fields, finish_reason_dict, to_vllm_sampling_kwargs
 from tests.support import bad_requests
 from tests.support.bad_requests import BadRequestCase
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from rr_client._http_errors import error_for_status, map_httpx_error, response_message
+from rr_client.http_errors import error_for_status, map_httpx_error, response_message
 from rr_client.errors import (
     AuthenticationError,
     ConnectError,

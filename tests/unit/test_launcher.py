@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rr_patches.release import parse_release
+from rr_server.serving.release import parse_release
 from rr_server.launch_vllm import build_command
 from tests.support.vllm_process import VLLMProcess, server_args
 
@@ -82,7 +82,7 @@ def test_parse_release_refuses(bad: object) -> None:
 
 
 def test_version_gate() -> None:
-    from rr_patches.vllm.plugin import UnsupportedVLLMVersion, check_vllm_version
+    from rr_server.serving.vllm_facts import UnsupportedVLLMVersion, check_vllm_version
 
     assert check_vllm_version("0.30.0") == "0.30.0"
     assert check_vllm_version("0.22.1+cpu") == "0.22.1+cpu"
@@ -94,7 +94,7 @@ def test_version_gate() -> None:
 
 
 def test_sglang_versions_use_the_same_parser() -> None:
-    from rr_patches.sglang.versions import UnsupportedSGLangError, profile_for
+    from rr_server.serving.sglang_facts import UnsupportedSGLangError, profile_for
 
     assert profile_for("0.5.10.post1").release == parse_release("0.5.10.post1") == (0, 5, 10)
     with pytest.raises(UnsupportedSGLangError, match="cannot parse"):
@@ -133,7 +133,7 @@ def test_launcher_refuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
                           version: str, cpu: bool) -> None:
     from rr_server import launch_vllm
 
-    monkeypatch.setattr(launch_vllm, "_installed_vllm_version", lambda: version)
+    monkeypatch.setattr(launch_vllm, "installed_version", lambda: version)
     monkeypatch.setattr(launch_vllm, "is_cpu_platform", lambda: cpu)
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("must not launch"))
     assert launch_vllm.main(["--model", "m"]) == 2

@@ -1,4 +1,4 @@
-"""rr_server.openai_routing and the codec's "sglang" format, as pure functions (real engines: tests/vllm, tests/sglang)."""
+"""rr_server.serving.openai_routing and the codec's "sglang" format, as pure functions (real engines: tests/vllm, tests/sglang)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from rr_client import RRInfo, decode_meta_info
 from rr_client.codec import check_routing, routing_meta_fields
-from rr_server.generate_protocol import BadRequest, parse_generate_request
-from rr_server.openai_routing import engine_body, finish_answer, parse_openai_routing
+from rr_server.serving.generate_protocol import BadRequest, parse_generate_request
+from rr_server.serving.openai_routing import engine_body, finish_answer, parse_openai_routing
 
 INFO = RRInfo(engine="vllm", engine_version="0.30.0", rr_version="0", model="m", num_hidden_layers=2,
               num_experts=8, topk=2, moe_layers=[0, 1], wire_dtype="uint8")

@@ -126,7 +126,7 @@ def test_capture_setting_location_matches_the_installed_vllm() -> None:
     import vllm
     from vllm.config import ModelConfig, VllmConfig
 
-    from rr_patches.release import parse_release
+    from rr_server.serving.release import parse_release
     from rr_patches.vllm.compat import routing_enabled
 
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}

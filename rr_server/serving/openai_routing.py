@@ -1,7 +1,7 @@
 """rr's routing on the OpenAI-compatible endpoints (``/v1/completions``, ``/v1/chat/completions``), engine-agnostic.
 
 Three steps, shared by the vLLM plugin, the SGLang patch (both through
-:class:`rr_server.openai_middleware.OpenAIRoutingMiddleware`) and the sidecar:
+:class:`rr_server.serving.openai_middleware.OpenAIRoutingMiddleware`) and the sidecar:
 
 1. :func:`parse_openai_routing` reads rr's fields (``return_routed_experts``, ``routed_experts_start``,
    ``routed_experts_format``); a body with none of them is not rr's business and passes through untouched.
@@ -30,7 +30,7 @@ from rr_client.codec import (
 )
 from rr_client.errors import MissingRoutingError, RoutedExpertsError
 from rr_client.info import RRInfo
-from rr_server.generate_protocol import BadRequest, default_routed_experts_format
+from rr_server.serving.generate_protocol import BadRequest, default_routed_experts_format
 
 __all__ = [
     "OPENAI_PATHS",

@@ -1,13 +1,17 @@
-"""Which SGLang releases the rr patch knows, and what each one hands the TokenizerManager."""
+"""Which SGLang releases rr knows, and what each one does with routing: the one place for SGLang's version facts.
+
+The patch, the launcher, the sidecar and the doctor read these facts; none of them compares versions itself.
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
 from dataclasses import dataclass
 
-from rr_patches.release import parse_release
+from rr_server.serving.release import parse_release
 
-__all__ = ["MIN_VERSION", "MAX_VERSION", "Profile", "UnsupportedSGLangError", "installed_version", "profile_for"]
+__all__ = ["MIN_VERSION", "MAX_VERSION", "Profile", "UnsupportedSGLangError", "installed_version", "profile_for",
+           "facts_for"]
 
 MIN_VERSION = (0, 5, 7)
 MAX_VERSION = (0, 5, 23)
@@ -30,6 +34,18 @@ class Profile:
     has_start_field: bool  # GenerateReqInput.routed_experts_start_len exists (0.5.8+)
     mixed_batch_bug: bool  # scheduler list misaligned when only some requests ask (<= 0.5.12)
     detok_encodes: bool = False  # plugins load in the detokenizer, which base64-encodes routing (0.5.22+)
+    tensor_lost_as_json: bool = False  # --skip-tokenizer-init JSON-encodes the raw tensor as {} (0.5.7-0.5.9)
+    drops_last_prompt_row: bool = False  # max_new_tokens=0 loses the last prompt row (#20964, every release)
+
+    @property
+    def ignores_start(self) -> bool:
+        """``routed_experts_start_len`` is accepted but ignored (0.5.8-0.5.11): rr slices the rows itself."""
+        return self.has_start_field and not self.honours_start
+
+    @property
+    def supported(self) -> bool:
+        """Inside MIN_VERSION - MAX_VERSION."""
+        return MIN_VERSION <= self.release <= MAX_VERSION
 
 
 def _release(version: str) -> tuple[int, int, int]:
@@ -50,16 +66,9 @@ def installed_version() -> str:
         return importlib.metadata.version("sglang")
 
 
-def profile_for(version: str | None = None) -> Profile:
-    """The profile of ``version`` (default: installed); raises UnsupportedSGLangError outside 0.5.7-0.5.23."""
-    version = installed_version() if version is None else version
+def facts_for(version: str) -> Profile:
+    """The facts of any parsable SGLang ``version`` (supported or not: the doctor reports bugs of both)."""
     rel = _release(version)
-    if not MIN_VERSION <= rel <= MAX_VERSION:
-        lo, hi = (".".join(map(str, v)) for v in (MIN_VERSION, MAX_VERSION))
-        raise UnsupportedSGLangError(
-            f"rr's SGLang patch supports SGLang {lo} - {hi}; found {version}. Refusing to patch code "
-            "it was not tested against (pin a supported SGLang, or use the rr sidecar in front of it)."
-        )
     return Profile(
         version=version,
         release=rel,
@@ -70,4 +79,19 @@ def profile_for(version: str | None = None) -> Profile:
         has_start_field=rel >= (0, 5, 8),
         mixed_batch_bug=rel <= (0, 5, 12),
         detok_encodes=rel >= (0, 5, 22),
+        tensor_lost_as_json=rel <= (0, 5, 9),
+        drops_last_prompt_row=rel >= (0, 5, 7),
     )
+
+
+def profile_for(version: str | None = None) -> Profile:
+    """The profile of ``version`` (default: installed); raises UnsupportedSGLangError outside 0.5.7-0.5.23."""
+    version = installed_version() if version is None else version
+    profile = facts_for(version)
+    if not profile.supported:
+        lo, hi = (".".join(map(str, v)) for v in (MIN_VERSION, MAX_VERSION))
+        raise UnsupportedSGLangError(
+            f"rr's SGLang patch supports SGLang {lo} - {hi}; found {version}. Refusing to patch code "
+            "it was not tested against (pin a supported SGLang, or use the rr sidecar in front of it)."
+        )
+    return profile

@@ -8,10 +8,11 @@ own middleware does not cover rr's routes.
 
 from __future__ import annotations
 
+from rr_client import settings
+
 import hashlib
 import hmac
 import json
-import os
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ UNAUTHORIZED_BODY = {"error": "Unauthorized"}
 def keys_from(cli: Iterable[str] | None, env_var: str) -> list[str]:
     """Keys given on the command line plus the one in ``env_var`` (so it need not be on the command line)."""
     keys = [k for k in (cli or []) if k]
-    env = os.environ.get(env_var, "")
+    env = settings.text(env_var) or ""
     if env and env not in keys:
         keys.append(env)
     return keys

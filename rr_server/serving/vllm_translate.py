@@ -11,7 +11,7 @@ from typing import Any
 
 from rr_client.codec import check_routing, expected_rows, routing_meta_fields
 from rr_client.info import RRInfo
-from rr_server.generate_protocol import BadRequest, SamplingParamsIn
+from rr_server.serving.generate_protocol import BadRequest, SamplingParamsIn
 
 __all__ = ["to_vllm_sampling_kwargs", "finish_reason_dict", "checked_routing_fields"]
 

