@@ -14,6 +14,7 @@ from rr_client._results import GenerateBatch, GenerateResult, parse_sample
 from rr_client._version import __version__
 from rr_client.codec import (
     CheckedRouting,
+    check_payload,
     check_routing,
     decode_meta_info,
     decode_routed_experts,
@@ -78,7 +79,7 @@ __all__ = [
     "RoutedExpertsClient", "Prompt", "Trajectory", "ChatTrajectory", "GenerateBatch", "GenerateResult", "parse_sample",
     "RoutingTensors", "to_tensors", "tensor_dtype", "PackedRouting", "to_packed",
     "encode_routed_experts", "decode_routed_experts", "decode_meta_info", "routing_meta_fields",
-    "routing_error_fields", "check_routing", "CheckedRouting", "wire_dtype", "expected_rows",
+    "routing_error_fields", "check_payload", "check_routing", "CheckedRouting", "wire_dtype", "expected_rows",
     "RRError", "RoutedExpertsError", "MalformedPayloadError", "ShapeMismatchError",
     "ExpertIdOutOfRangeError", "UnrecordedRoutingError", "MissingRoutingError", "TokenMismatchError",
     "TransportError", "ConnectError", "RequestTimeoutError", "ConnectionLostError",

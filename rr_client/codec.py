@@ -34,6 +34,7 @@ __all__ = [
     "CheckedRouting",
     "wire_dtype",
     "check_routing",
+    "check_payload",
     "encode_routed_experts",
     "routing_meta_fields",
     "FORMATS",
@@ -114,6 +115,33 @@ def check_routing(
     return CheckedRouting(arr, int(start))
 
 
+def check_payload(
+    payload: Any, dims: RoutingDims, *, rows: int, start: int = 0, drop_rows: int = 0, dtype: Any = None,
+    stated_shape: Sequence[int] | None = None,
+) -> CheckedRouting:
+    """The one door to the check: an engine's routing in any format -> :class:`CheckedRouting`, checked once.
+
+    Every producer calls it once per sample (vLLM plugin, SGLang patch, sidecar, OpenAI path). ``payload``: a
+    numpy array or torch tensor, rr/vLLM base64 ``.npy``, SGLang's headerless base64 (``dtype``, default int32),
+    nested lists or ms-swift's dict. ``drop_rows`` leading rows are removed first (engines that ignore
+    ``routed_experts_start``); ``rows`` is what must remain (``prompt + completion - 1 - start``);
+    ``stated_shape`` (the sender's ``routed_experts_shape``) must match the payload before any row is dropped.
+    """
+    if payload is None:
+        raise MissingRoutingError("the engine returned no routing for this request")
+    if drop_rows < 0:
+        raise ShapeMismatchError(f"routed_experts_start must be >= 0, got {drop_rows}")
+    arr = _shape3(_to_array(payload, dtype), dims.num_hidden_layers, dims.topk)
+    if stated_shape is not None and [int(s) for s in arr.shape] != [int(s) for s in stated_shape]:
+        raise ShapeMismatchError(f"payload shape {list(arr.shape)} differs from stated routed_experts_shape "
+                                 f"{list(stated_shape)}")
+    if drop_rows:
+        if drop_rows > arr.shape[0]:
+            raise ShapeMismatchError(f"routed_experts_start={drop_rows} exceeds the {arr.shape[0]} rows returned")
+        arr = arr[drop_rows:]
+    return check_routing(arr, dims, rows=rows, start=start)
+
+
 # ----------------------------------------------------------------------------- encode
 
 
@@ -152,16 +180,16 @@ def _check_range(arr: np.ndarray, num_experts: int) -> None:
         )
 
 
-def encode_routed_experts(array: Any, *, num_experts: int) -> str:
-    """Encode ``(rows, layers, topk)`` int ids as base64 ``.npy`` in the wire dtype; refuses ids out of range."""
-    arr = _as_int_array(array)
-    if arr.ndim != 3:
-        raise ShapeMismatchError(f"routing must be 3-D (rows, layers, topk), got shape {arr.shape}")
-    dt = wire_dtype(num_experts)
-    _check_range(arr, num_experts)
-    out = np.ascontiguousarray(arr.astype(dt, copy=False))
-    blob = b"".join((_npy_header(dt, out.shape), out.data))
-    return pybase64.b64encode(blob).decode("ascii")
+def encode_routed_experts(checked: CheckedRouting) -> str:
+    """rr's wire payload, base64 ``.npy`` in the wire dtype, of routing that passed :func:`check_routing`.
+
+    The only public encoder, and it takes only :class:`CheckedRouting`: nothing reaches the wire unchecked.
+    """
+    if not isinstance(checked, CheckedRouting):
+        raise TypeError(f"encode_routed_experts takes a CheckedRouting from check_payload/check_routing, "
+                        f"got {type(checked).__name__}")
+    arr = checked.array
+    return pybase64.b64encode(b"".join((_npy_header(arr.dtype, arr.shape), arr.data))).decode("ascii")
 
 
 def check_format(fmt: Any) -> str:
@@ -184,8 +212,7 @@ def routing_meta_fields(checked: "CheckedRouting", fmt: str = "npy") -> dict[str
         wide = arr.astype("<i4")  # C-contiguous copy: SGLang sends int32 ids with no header
         payload, dtype_name = pybase64.b64encode(wide.data).decode("ascii"), "int32"
     else:
-        blob = b"".join((_npy_header(arr.dtype, arr.shape), arr.data))
-        payload, dtype_name = pybase64.b64encode(blob).decode("ascii"), arr.dtype.name
+        payload, dtype_name = encode_routed_experts(checked), arr.dtype.name
     return {
         "routed_experts": payload,
         "routed_experts_shape": [int(s) for s in arr.shape],
@@ -462,12 +489,24 @@ def _checked_array(
     return arr
 
 
+def _refusal(why: str) -> RoutedExpertsError:
+    """The typed error a server's ``routed_experts_error`` (``"<ErrorType>: message"``) names; MissingRoutingError
+    when it names no routing error of :mod:`rr_client.errors`."""
+    import rr_client.errors as errors
+
+    name = why.split(":", 1)[0].strip()
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, RoutedExpertsError)):
+        cls = MissingRoutingError
+    return cls(f"the server withheld routed_experts: {why}")
+
+
 def decode_meta_info(meta_info: Mapping[str, Any], **kwargs: Any) -> np.ndarray:
     """Decode ``meta_info["routed_experts"]``, honouring its stated ``routed_experts_dtype``/``_shape``."""
     payload = meta_info.get("routed_experts", meta_info.get("output_routed_experts"))
     why = meta_info.get("routed_experts_error")
     if payload is None and why:
-        raise MissingRoutingError(f"the server withheld routed_experts: {why}")
+        raise _refusal(str(why))
     if "routed_experts" not in meta_info and "output_routed_experts" not in meta_info:
         raise MissingRoutingError("meta_info has no 'routed_experts' field (was routing enabled on the server?)")
     if kwargs.get("dtype") is None and meta_info.get("routed_experts_dtype") is not None:

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     """Build, launch, generate, report; return the exit code."""
     from transformers import AutoTokenizer
 
-    from rr_client.codec import encode_routed_experts
+    from rr_client.codec import check_payload, encode_routed_experts, expected_rows
     from rr_server.tiny_moe import (
         build_tiny_moe,
         reference_routing,
@@ -144,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
             if len(ids) != r.prompt_tokens:
                 raise RuntimeError(f"local tokenization ({len(ids)}) != server prompt_tokens ({r.prompt_tokens})")
             arr = np.asarray(r.routed_experts)
-            payload = len(encode_routed_experts(arr, num_experts=info.num_experts))  # what was on the wire
+            payload = len(encode_routed_experts(check_payload(  # what was on the wire
+                arr, info, rows=expected_rows(r.prompt_tokens, r.completion_tokens))))
             int32_b64 = (arr.size * 4 + 2) // 3 * 4
             print(f"{r.index:>4}  {r.prompt_tokens:>6}  {r.completion_tokens:>10}  {str(r.finish_reason):<7}  "
                   f"{str(tuple(arr.shape)):<17}  {str(arr.dtype):<6}  {payload:>9}  {int32_b64:>11}")

@@ -10,6 +10,7 @@ this step only changes the container. Any tensor it cannot encode goes out as SG
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,6 @@ from typing import Any
 import numpy as np
 import pybase64
 
-from rr_client.codec import encode_routed_experts
 
 __all__ = ["DETOK_PATH", "DETOK_METHOD", "around_handle_batch_token_id_out", "compact_payload"]
 
@@ -27,14 +27,21 @@ DETOK_METHOD = "handle_batch_token_id_out"
 
 
 def compact_payload(tensor: Any) -> str:
-    """rr's base64 ``.npy`` of one request's ``(rows, layers, topk)`` ids; SGLang's int32 base64 if not encodable."""
+    """A narrower container for one request's ``(rows, layers, topk)`` ids between SGLang's processes.
+
+    Base64 ``.npy`` (numpy's own writer) in uint8 when every id is in [0, 256), uint16 in [0, 65536); SGLang's
+    int32 base64 otherwise. Not rr's wire encoder: nothing is checked here, the TokenizerManager checks the
+    decoded rows once (:func:`rr_patches.sglang.convert.checked_value`) and encodes them for the client.
+    """
     arr = tensor.numpy() if hasattr(tensor, "numpy") else np.asarray(tensor)
-    try:
-        if arr.ndim == 3 and arr.dtype.kind in "iu":
-            top = int(arr.max()) if arr.size else 0
-            return encode_routed_experts(arr, num_experts=256 if top < 256 else 65536)
-    except ValueError as e:  # negative or too-large ids: the TokenizerManager's check reports them
-        logger.debug("rr: detokenizer leaves routing as SGLang's int32: %s", e)
+    if arr.ndim == 3 and arr.dtype.kind in "iu" and arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo >= 0 and hi < 65536:
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, np.ascontiguousarray(arr, dtype=np.uint8 if hi < 256 else "<u2"),
+                                      version=(1, 0), allow_pickle=False)
+            return pybase64.b64encode(buf.getbuffer()).decode("ascii")
+        logger.debug("rr: detokenizer leaves routing as SGLang's int32: ids in [%d, %d]", lo, hi)
     return pybase64.b64encode(np.ascontiguousarray(arr).tobytes()).decode("ascii")
 
 

@@ -6,19 +6,18 @@ function is registered as a plugin hook (0.5.11+) and installed by :mod:`rr_patc
 
 from __future__ import annotations
 
-from rr_client import settings
-
 import logging
 from typing import Any
 
-from rr_client.codec import expected_rows, routing_error_fields
+from rr_client import settings
+from rr_client.codec import CheckedRouting, expected_rows, routing_error_fields, routing_meta_fields
 from rr_client.errors import (
     MalformedPayloadError,
     MissingRoutingError,
     RoutedExpertsError,
     ShapeMismatchError,
 )
-from rr_patches.sglang.convert import wire_fields
+from rr_patches.sglang.convert import checked_value
 from rr_patches.sglang.openai import Collector, collector, requested_format
 from rr_patches.sglang.routes import bind_tokenizer_manager
 from rr_patches.sglang.state import RRState, rr_enabled, state_of
@@ -91,10 +90,11 @@ class _RRList(list):  # type: ignore[type-arg]
     """``ReqState.out_list`` stand-in: rewrites routing in each appended answer before anyone can read it."""
 
     def __init__(self, items: Any, fields: dict[str, Any] | None,
-                 collect: tuple[Collector, str] | None = None) -> None:
+                 collect: tuple[Collector, str] | None = None, checked: CheckedRouting | None = None) -> None:
         super().__init__(items)
         self.rr_fields = fields  # None: strip routing (the caller did not ask)
         self.collect = collect  # an OpenAI request's collector and this answer's rid
+        self.checked = checked  # the request's routing as it passed the check (None: refused or missing)
 
     def append(self, out: Any) -> None:
         """Apply the rr fields (or strip routing) to ``out["meta_info"]``, then append."""
@@ -104,20 +104,21 @@ class _RRList(list):  # type: ignore[type-arg]
             if self.rr_fields is not None:
                 meta.update(self.rr_fields)
         if self.collect is not None and self.rr_fields is not None:
-            self.collect[0].finished(self.collect[1], out, self.rr_fields)
+            self.collect[0].finished(self.collect[1], out, self.checked, self.rr_fields.get("routed_experts_error"))
         super().append(out)
 
 
-def _answer_fields(st: RRState, value: Any, *, rows: int, start: int, fmt: str | None) -> dict[str, Any]:
-    """rr fields for one answer that asked: the checked wire fields, or an error marker (logged)."""
+def _answer_fields(st: RRState, value: Any, *, rows: int, start: int,
+                   fmt: str | None) -> tuple[dict[str, Any], CheckedRouting | None]:
+    """rr fields for one answer that asked, and its checked routing; an error marker (logged) when refused."""
     try:
         if st.info is None:
             raise ShapeMismatchError("the model config gives no routing dims (num_hidden_layers/experts/top-k)")
-        return wire_fields(value, st.info, rows=rows, start=start, slice_start=not st.profile.honours_start,
-                           fmt=fmt or _server_format())
+        checked = checked_value(value, st.info, rows=rows, start=start, slice_start=not st.profile.honours_start)
+        return routing_meta_fields(checked, fmt or _server_format()), checked
     except RoutedExpertsError as e:
         logger.error("rr: refusing routing payload: %s", e)
-        return routing_error_fields(e)
+        return routing_error_fields(e), None
 
 
 def _server_format() -> str:
@@ -157,6 +158,7 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
         if state is None:
             continue
         fields: dict[str, Any] | None = None
+        checked: CheckedRouting | None = None
         if finished and asked:  # routing comes with the final chunk only
             if misaligned:
                 fields = routing_error_fields(ShapeMismatchError("routing list does not line up with the batch"))
@@ -164,8 +166,8 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
                 fields = routing_error_fields(MissingRoutingError("the engine returned no routing for this request"))
             else:
                 rows = expected_rows(int(recv_obj.prompt_tokens[i]), int(recv_obj.completion_tokens[i]), start)
-                fields = _answer_fields(st, values[i], rows=rows, start=start, fmt=fmt)
-        state.out_list = _RRList(state.out_list, fields, (col, rid) if finished and col is not None else None)
+                fields, checked = _answer_fields(st, values[i], rows=rows, start=start, fmt=fmt)
+        state.out_list = _RRList(state.out_list, fields, (col, rid) if finished and col is not None else None, checked)
     if values:
         setattr(recv_obj, field, None)
 

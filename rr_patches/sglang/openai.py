@@ -6,8 +6,9 @@
   through a context variable (the endpoint runs in the middleware's task, so ``_send_*`` sees it).
 * OpenAI endpoints: :func:`rr_server.serving.openai_middleware.install_openai_routing` with ``engine="sglang"``. SGLang's
   serving code puts only the FIRST request's routing in the answer (``sglext.routed_experts``, response level);
-  while a request that asked runs, a :class:`Collector` (context variable) receives every choice's checked rr
-  fields and token ids from the hooks, and :func:`fill_answer` puts them on the choices before rr's finish.
+  while a request that asked runs, a :class:`Collector` (context variable) receives every choice's checked
+  routing (:class:`rr_client.CheckedRouting`, or why it was refused) and token ids from the hooks, and
+  :func:`fill_answer` hands them to rr's finish, which encodes them without checking the same rows again.
 
 Both are added to SGLang's FastAPI app when the TokenizerManager is built, i.e. before uvicorn starts it;
 a TokenizerManager built after the app started (SGLang's granian / multi-tokenizer workers, which rr
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rr_client.codec import check_format
+from rr_client.codec import CheckedRouting, check_format
 from rr_server.serving.generate_protocol import error_body
 from rr_server.serving.openai_middleware import (
     install_openai_routing,
@@ -50,12 +51,13 @@ _COLLECTOR: contextvars.ContextVar["Collector | None"] = contextvars.ContextVar(
 
 @dataclass
 class Collector:
-    """What the hooks saw of one OpenAI request: its rids in send order, each one's prompt, rr fields, output ids."""
+    """What the hooks saw of one OpenAI request: its rids in send order, each one's prompt, checked routing (or
+    the check's refusal), output ids."""
 
     start: int = 0  # the request's routed_experts_start (serving code before 0.5.12 drops it)
     rids: list[str] = field(default_factory=list)
     prompts: dict[str, list[int]] = field(default_factory=dict)
-    fields: dict[str, dict[str, Any]] = field(default_factory=dict)
+    routing: dict[str, CheckedRouting | str] = field(default_factory=dict)
     outputs: dict[str, list[int]] = field(default_factory=dict)
 
     def sent(self, rid: str, input_ids: Any) -> None:
@@ -66,9 +68,12 @@ class Collector:
         except (TypeError, ValueError):
             pass
 
-    def finished(self, rid: str, out: Any, fields: dict[str, Any]) -> None:
-        """The final answer of ``rid`` with rr's fields (called by the TokenizerManager's output handler)."""
-        self.fields[rid] = dict(fields)
+    def finished(self, rid: str, out: Any, checked: CheckedRouting | None, refused: str | None) -> None:
+        """The final answer of ``rid``: its checked routing, or why the check refused it (from the output handler)."""
+        if checked is not None:
+            self.routing[rid] = checked
+        elif isinstance(refused, str):
+            self.routing[rid] = refused
         ids = out.get("output_ids") if isinstance(out, dict) else None
         if isinstance(ids, list):
             self.outputs[rid] = [int(t) for t in ids]
@@ -85,7 +90,7 @@ def requested_format() -> str | None:
 
 
 @contextlib.contextmanager
-def collecting(r: Any) -> Iterator[Callable[[Any], None]]:
+def collecting(r: Any) -> Iterator[Callable[[Any], list[CheckedRouting | str | None] | None]]:
     """For the OpenAI middleware (``r``: the request's rr fields): collect while SGLang serves it, then ``fill``."""
     col = Collector(start=int(r.start))
     token = _COLLECTOR.set(col)
@@ -95,29 +100,28 @@ def collecting(r: Any) -> Iterator[Callable[[Any], None]]:
         _COLLECTOR.reset(token)
 
 
-def fill_answer(answer: Any, col: Collector) -> None:
-    """Give every choice its own routing (``sgl_ext.routed_experts``) and token ids from what the hooks saw.
+def fill_answer(answer: Any, col: Collector) -> list[CheckedRouting | str | None] | None:
+    """Every choice's checked routing (or the check's refusal) from what the hooks saw, and its token ids.
 
-    SGLang answers ``choices`` in the order its TokenizerManager sent the requests; with ``n > 1`` it first
-    sends one prefix-caching request per prompt, so the choices are the last ``len(choices)`` rids sent.
-    Nothing is filled when the counts do not add up (rr's finish then reports the routing as missing).
+    Returns one entry per choice for :func:`rr_server.serving.openai_routing.finish_answer` (``checked=``), which
+    encodes them as they are: the rows were checked once, in the output handler. SGLang answers ``choices`` in
+    the order its TokenizerManager sent the requests; with ``n > 1`` it first sends one prefix-caching request
+    per prompt, so the choices are the last ``len(choices)`` rids sent. None when the counts do not add up
+    (rr's finish then reports the routing as missing).
     """
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list) or not choices or len(col.rids) < len(choices):
-        return
+        return None
+    found: list[CheckedRouting | str | None] = []
     for choice, rid in zip(choices, col.rids[-len(choices):]):
+        found.append(col.routing.get(rid))
         if not isinstance(choice, dict):
             continue
-        fields = col.fields.get(rid)
-        if fields is not None and fields.get("routed_experts") is not None:
-            ext = choice.get("sgl_ext")
-            choice["sgl_ext"] = {**(ext if isinstance(ext, dict) else {}), "routed_experts": fields["routed_experts"]}
-        elif fields is not None and isinstance(fields.get("routed_experts_error"), str):
-            choice["routed_experts_error"] = fields["routed_experts_error"]  # why rr refused it, kept by the finish
         if rid in col.prompts and choice.get("prompt_token_ids") is None:
             choice["prompt_token_ids"] = col.prompts[rid]
         if rid in col.outputs and choice.get("token_ids") is None and choice.get("response_token_ids") is None:
             choice["token_ids"] = col.outputs[rid]
+    return found
 
 
 class GenerateFormatMiddleware:

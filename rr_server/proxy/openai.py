@@ -24,6 +24,7 @@ from rr_server.serving.openai_routing import (
     ABSENT,
     engine_body,
     finish_answer,
+    openai_engine,
     parse_openai_routing,
     pop_ext_routing,
     routing_payload_size,
@@ -108,7 +109,7 @@ async def serve_openai(sc: "Sidecar", path: str, raw: bytes) -> Response:
         r = parse_openai_routing(body, engine=engine) if isinstance(body, dict) else None
     except BadRequest as e:
         raise ProxyError(e.status, "bad_request", str(e)) from None
-    force = engine == "sglang" and sc.cfg.force_routing and isinstance(body, dict)
+    force = openai_engine(engine).sidecar_forces_routing and sc.cfg.force_routing and isinstance(body, dict)
     if r is None or not r.want:
         if not isinstance(body, dict) or (r is None and not force):
             return await _pass_through(sc, path, raw, stream=isinstance(body, dict) and bool(body.get("stream")),
@@ -120,7 +121,7 @@ async def serve_openai(sc: "Sidecar", path: str, raw: bytes) -> Response:
     info, _ = await sc.info()
     # SGLang is asked for every row and the sidecar drops the first ``start`` (its OpenAI serving before 0.5.12
     # ignores routed_experts_start_len); vLLM applies the start itself
-    drop = r.start if engine == "sglang" else 0
+    drop = r.start if openai_engine(engine).sidecar_slices_start else 0
     sent = engine_body(body, dataclasses.replace(r, start=0) if drop else r, engine=engine)
     answer = await sc.up.call("POST", path, sent)
     finish = functools.partial(finish_answer, r=r, info=info, engine=engine, drop_rows=drop,

@@ -1,34 +1,51 @@
-"""An upstream's routing, decoded from whatever format it sent and passed through the one full check."""
+"""An upstream's routing through the one door (:func:`rr_client.codec.check_payload`), and the sidecar's one policy.
+
+Policy, the same on ``/generate`` and on the OpenAI endpoints, and the same as the patched engines': a sample
+whose upstream routing fails the check is answered with ``routed_experts: null`` and ``routed_experts_error``
+(``"<ErrorType>: message"``; the client raises that typed error for that sample), counted as
+``rr_proxy_errors_total{kind="malformed_routing"}``; the other samples keep their routing. Routing never passes
+unchecked. A failure of the upstream itself (unreachable, non-2xx, not JSON, wrong item count) is a 502/504.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
-from rr_client.codec import CheckedRouting, check_routing, decode_meta_info
+from rr_client.codec import check_payload, routing_error_fields, routing_meta_fields
 from rr_client.errors import MissingRoutingError, RoutedExpertsError
 from rr_client.info import RRInfo
-from rr_server.proxy.errors import ProxyError
+from rr_server.proxy.metrics import ProxyMetrics
 
-__all__ = ["checked_upstream_routing", "ROUTING_KEYS"]
+__all__ = ["upstream_routing_fields", "ROUTING_KEYS"]
 
+logger = logging.getLogger("rr.proxy")
 # every key an upstream may use for routing; stripped from answers that did not ask for it
 ROUTING_KEYS = ("routed_experts", "output_routed_experts", "routed_experts_dtype", "routed_experts_shape",
-                "routed_experts_format", "routed_experts_start")
+                "routed_experts_format", "routed_experts_start", "routed_experts_error")
 
 
-def checked_upstream_routing(
-    meta: Mapping[str, Any], info: RRInfo, *, rows: int, start: int, drop_rows: int = 0, where: str, hint: str = ""
-) -> CheckedRouting:
-    """Parse the upstream's payload (SGLang int32 or vLLM ``.npy``), drop ``drop_rows`` leading rows, then check.
+def upstream_routing_fields(
+    meta: Mapping[str, Any], info: RRInfo, *, rows: int, start: int, fmt: str, metrics: ProxyMetrics,
+    drop_rows: int = 0, where: str, hint: str = "",
+) -> dict[str, Any]:
+    """rr's routing fields of one upstream sample (``meta``: its routing keys), or its per-sample refusal.
 
-    ``drop_rows`` applies ``routed_experts_start`` for upstreams that return every row. A payload that
-    fails is a 502 naming the problem: the sidecar never passes routing on unchecked.
+    Decodes whatever the upstream sent (SGLang int32 with its stated dtype, vLLM ``.npy``), drops ``drop_rows``
+    leading rows (upstreams that return every row), and checks once against ``rows``/``start``.
     """
+    payload = meta.get("routed_experts", meta.get("output_routed_experts"))
     try:
-        arr = decode_meta_info(meta, num_layers=info.num_hidden_layers, topk=info.topk, validate=False)
-        return check_routing(arr[drop_rows:], info, rows=rows, start=start)
+        if payload is None and isinstance(meta.get("routed_experts_error"), str):
+            raise MissingRoutingError(f"the upstream withheld routed_experts: {meta['routed_experts_error']}")
+        checked = check_payload(payload, info, rows=rows, start=start, drop_rows=drop_rows,
+                                dtype=meta.get("routed_experts_dtype"), stated_shape=meta.get("routed_experts_shape"))
     except RoutedExpertsError as e:
         extra = f" ({hint})" if hint and isinstance(e, MissingRoutingError) else ""
-        raise ProxyError(502, "malformed_routing",
-                         f"upstream sent invalid routing for {where}: {type(e).__name__}: {e}{extra}") from None
+        metrics.errors.labels("malformed_routing").inc()
+        logger.warning("rr: upstream sent invalid routing for %s: %s: %s%s", where, type(e).__name__, e, extra)
+        return routing_error_fields(type(e)(f"upstream sent invalid routing for {where}: {e}{extra}"))
+    fields = routing_meta_fields(checked, fmt)
+    metrics.routing_sent(checked.array.shape[0], fields["routed_experts"])
+    return fields

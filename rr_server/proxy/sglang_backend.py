@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from rr_client.codec import expected_rows, routing_meta_fields
+from rr_client.codec import expected_rows
 from rr_client.info import RRInfo
 from rr_server.serving.generate_protocol import (
     SSE_DONE,
@@ -19,7 +19,7 @@ from rr_server.serving.generate_protocol import (
 )
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.metrics import ProxyMetrics
-from rr_server.proxy.routing import ROUTING_KEYS, checked_upstream_routing
+from rr_server.proxy.routing import ROUTING_KEYS, upstream_routing_fields
 from rr_server.proxy.upstream import Upstream
 
 __all__ = ["SGLangBackend", "validation_view", "upstream_body"]
@@ -88,14 +88,12 @@ class SGLangBackend:
         if ids is not None and len(ids) != pt:
             raise ProxyError(502, "upstream_protocol",
                              f"upstream item {j}: prompt_tokens={pt} but the prompt has {len(ids)} token ids")
-        checked = checked_upstream_routing(upstream_meta, info, rows=expected_rows(pt, ct, start), start=start,
-                                           drop_rows=start, where=f"item {j}",
-                                           hint="was the upstream started with --enable-return-routed-experts?")
-        fields = routing_meta_fields(checked, req.routed_experts_format)
-        meta.update(fields)
+        meta.update(upstream_routing_fields(
+            upstream_meta, info, rows=expected_rows(pt, ct, start), start=start, drop_rows=start, where=f"item {j}",
+            hint="was the upstream started with --enable-return-routed-experts?", fmt=req.routed_experts_format,
+            metrics=self._metrics))
         if ids is not None:
             meta["prompt_token_ids"] = ids
-        self._metrics.routing_sent(checked.array.shape[0], fields["routed_experts"])
         return out
 
     async def generate(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> Any:

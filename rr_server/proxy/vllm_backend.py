@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from rr_client.codec import expected_rows, routing_meta_fields
+from rr_client.codec import expected_rows
 from rr_client.info import RRInfo
 from rr_server.serving.fanout import gather_or_cancel, merge_streams
 from rr_server.serving.generate_protocol import (
@@ -21,7 +21,7 @@ from rr_server.serving.generate_protocol import (
 )
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.metrics import ProxyMetrics
-from rr_server.proxy.routing import checked_upstream_routing
+from rr_server.proxy.routing import upstream_routing_fields
 from rr_server.proxy.upstream import Upstream
 from rr_server.serving.vllm_translate import finish_reason_dict, to_vllm_sampling_kwargs
 
@@ -104,11 +104,10 @@ class VLLMBackend:
             out_ids = _int_list(ch.get("token_ids"), "token_ids")
             fields = None
             if req.return_routed_experts:
-                checked = checked_upstream_routing(
+                fields = upstream_routing_fields(
                     {"routed_experts": ch.get("routed_experts")}, info, start=start, where=f"prompt {i} sample {j}",
-                    rows=expected_rows(len(prompt_ids), len(out_ids), start), hint=_NO_ROUTING_HINT)
-                fields = routing_meta_fields(checked, req.routed_experts_format)
-                self._metrics.routing_sent(checked.array.shape[0], fields["routed_experts"])
+                    rows=expected_rows(len(prompt_ids), len(out_ids), start), hint=_NO_ROUTING_HINT,
+                    fmt=req.routed_experts_format, metrics=self._metrics)
             items.append(build_item(
                 rid=rid if n == 1 else f"{rid}-{j}",
                 text=ch.get("text") if isinstance(ch.get("text"), str) else None,

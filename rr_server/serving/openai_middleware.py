@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -44,7 +44,8 @@ _THREAD_MIN_CHARS = 1 << 20
 # ``native(r)``: entered around the engine's handling of a request that wants routing (``r``: its rr fields);
 # yields ``fill(answer)``, applied to the parsed answer (or a stream's routing event) before rr's finish: the
 # SGLang patch gives each choice its own routing there, the vLLM plugin a stream's routing.
-Native = Callable[[OpenAIRouting], AbstractContextManager[Callable[[Any], None]]]
+# ``fill`` may return each choice's already-checked routing (the SGLang patch), handed to finish_answer(checked=).
+Native = Callable[[OpenAIRouting], AbstractContextManager[Callable[[Any], Sequence[Any] | None]]]
 
 
 async def send_json(send: Send, obj: Any, status: int, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -109,21 +110,20 @@ class OpenAIRoutingMiddleware:
         except ValueError:
             await captured.flush()
             return
-        if fill is not None:
-            fill(answer)
+        checked = fill(answer) if fill is not None else None
         info = self.info(scope["app"])
         size = len(captured.body[0]) if len(captured.body) == 1 else sum(map(len, captured.body))
         if size > _THREAD_MIN_CHARS:
-            answer = await asyncio.to_thread(finish_answer, answer, r, info, engine=self.engine)
+            answer = await asyncio.to_thread(finish_answer, answer, r, info, engine=self.engine, checked=checked)
         else:
-            answer = finish_answer(answer, r, info, engine=self.engine)
+            answer = finish_answer(answer, r, info, engine=self.engine, checked=checked)
         await send_json(send, answer, 200, captured.headers)
 
 
-    def _finish_stream(self, answer: dict[str, Any], r: OpenAIRouting, fill: Callable[[Any], None], app: Any) -> Any:
+    def _finish_stream(self, answer: dict[str, Any], r: OpenAIRouting, fill: Callable[[Any], Sequence[Any] | None], app: Any) -> Any:
         """The routing event of a stream: every choice's checked rr fields and token ids."""
-        fill(answer)
-        return finish_answer(answer, r, self.info(app), engine=self.engine)
+        checked = fill(answer)
+        return finish_answer(answer, r, self.info(app), engine=self.engine, checked=checked)
 
 
 async def read_body(receive: Receive) -> bytes | None:

@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 from rr_client.codec import (
     FORMATS,
-    check_routing,
-    decode_routed_experts,
+    CheckedRouting,
+    check_payload,
     expected_rows,
     routing_error_fields,
     routing_meta_fields,
@@ -37,6 +37,8 @@ __all__ = [
     "RR_OPENAI_FIELDS",
     "OpenAIRouting",
     "Engine",
+    "EngineOpenAI",
+    "openai_engine",
     "parse_openai_routing",
     "engine_body",
     "finish_answer",
@@ -49,10 +51,78 @@ Engine = Literal["vllm", "sglang"]
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
 # a body that sets any of these is an rr request; one that sets none gets the engine's exact answer
 RR_OPENAI_FIELDS = ("return_routed_experts", "routed_experts_start", "routed_experts_format")
-_STREAM_REFUSAL = {
-    "vllm": "vLLM's streaming chunks carry no routing; rr's vLLM plugin serves streams",
-    "sglang": "SGLang's streams carry the first request's routing only; rr's SGLang patch serves streams",
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOpenAI:
+    """How one engine's OpenAI endpoints differ for rr: the names of its fields and where it puts routing."""
+
+    name: Engine
+    start_keys: tuple[str, ...]  # request fields that set the first routed row (rr's name first)
+    stream_refusal: str  # why a stream cannot carry routing without rr's engine-side collector
+    choice_routing_ext: str | None  # per-choice extension object holding routing (SGLang: sgl_ext), else a field
+    answer_routing_ext: str | None  # response-level extension holding the FIRST choice's routing (SGLang: sglext)
+    output_id_keys: tuple[str, ...]  # where a choice carries its output token ids
+    rows_from_payload: bool  # an answer without token ids may be counted by its payload (rr's patch counted them)
+    start_field: str  # the engine's own name for the first routed row
+    ask_fields: tuple[tuple[str, Any], ...]  # what the engine's body needs to return routing at all
+    sidecar_slices_start: bool  # the sidecar asks for every row and drops ``start`` itself (SGLang < 0.5.12 drops it)
+    sidecar_forces_routing: bool  # the sidecar asks for routing on every request (SGLang's mixed-batch bug)
+
+    def engine_fields(self, r: "OpenAIRouting") -> dict[str, Any]:
+        """rr's fields of ``r`` in this engine's own names (added to the body it gets)."""
+        return {**dict(self.ask_fields), self.start_field: r.start}
+
+    def pop_choice_payload(self, choice: dict[str, Any]) -> Any:
+        """Remove and return the engine's own routing field of one choice (None when absent)."""
+        payload: Any = ABSENT
+        if self.choice_routing_ext is not None:
+            payload = pop_ext_routing(choice, self.choice_routing_ext)
+        if payload is ABSENT or payload is None:
+            payload = choice.pop("routed_experts", None)
+        return payload
+
+    def pop_answer_payload(self, answer: dict[str, Any]) -> Any:
+        """Remove and return the response-level routing (the first choice's), None when the engine has none."""
+        if self.answer_routing_ext is None:
+            return None
+        payload = pop_ext_routing(answer, self.answer_routing_ext)
+        return None if payload is ABSENT else payload
+
+    def output_ids(self, choice: Mapping[str, Any]) -> list[int] | None:
+        """A choice's output token ids, from the first key that has them."""
+        for key in self.output_id_keys:
+            ids = _int_ids(choice.get(key))
+            if ids is not None:
+                return ids
+        return None
+
+
+_ENGINES: dict[str, EngineOpenAI] = {
+    "vllm": EngineOpenAI(
+        name="vllm", start_keys=("routed_experts_start",),
+        stream_refusal="vLLM's streaming chunks carry no routing; rr's vLLM plugin serves streams",
+        choice_routing_ext=None, answer_routing_ext=None, output_id_keys=("token_ids",), rows_from_payload=False,
+        start_field="routed_experts_prompt_start", ask_fields=(), sidecar_slices_start=False,
+        sidecar_forces_routing=False),
+    "sglang": EngineOpenAI(
+        name="sglang", start_keys=("routed_experts_start", "routed_experts_start_len"),
+        stream_refusal="SGLang's streams carry the first request's routing only; rr's SGLang patch serves streams",
+        choice_routing_ext="sgl_ext", answer_routing_ext="sglext",
+        output_id_keys=("token_ids", "response_token_ids"), rows_from_payload=True,  # 0.5.23 chat: response_token_ids
+        start_field="routed_experts_start_len", ask_fields=(("return_routed_experts", True),),
+        sidecar_slices_start=True, sidecar_forces_routing=True),
 }
+
+
+def openai_engine(engine: Engine | EngineOpenAI) -> EngineOpenAI:
+    """The per-engine object for ``"vllm"`` or ``"sglang"`` (ValueError naming the engine otherwise)."""
+    if isinstance(engine, EngineOpenAI):
+        return engine
+    try:
+        return _ENGINES[engine]
+    except KeyError:
+        raise ValueError(f"unknown engine {engine!r}: expected one of {sorted(_ENGINES)}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +142,8 @@ def parse_openai_routing(body: Mapping[str, Any], *, engine: Engine, stream_ok: 
     ``stream_ok``: the server can put routing on a stream's last event (rr's vLLM plugin and SGLang patch); otherwise
     ``stream=true`` with routing is a 400.
     """
-    starts = ("routed_experts_start", "routed_experts_start_len") if engine == "sglang" else ("routed_experts_start",)
+    eng = openai_engine(engine)
+    starts = eng.start_keys
     if not any(k in body for k in (*RR_OPENAI_FIELDS, *starts)):
         return None
     want = body.get("return_routed_experts", False)
@@ -94,7 +165,7 @@ def parse_openai_routing(body: Mapping[str, Any], *, engine: Engine, stream_ok: 
         raise BadRequest(f"routed_experts_format must be one of {list(FORMATS)}, got {fmt!r}")
     stream = bool(body.get("stream", False))
     if want and stream and not stream_ok:
-        raise BadRequest(f"stream=true with return_routed_experts is not served: {_STREAM_REFUSAL[engine]}; "
+        raise BadRequest(f"stream=true with return_routed_experts is not served: {eng.stream_refusal}; "
                          "send stream=false")
     if want and start:
         prompt = body.get("prompt")
@@ -111,11 +182,7 @@ def engine_body(body: Mapping[str, Any], r: OpenAIRouting, *, engine: Engine) ->
         return out
     if not r.stream:  # streams: SGLang 0.5.23 chat refuses it there; rr's patch collects the ids itself
         out["return_token_ids"] = True
-    if engine == "vllm":
-        out["routed_experts_prompt_start"] = r.start
-    else:
-        out["return_routed_experts"] = True
-        out["routed_experts_start_len"] = r.start
+    out.update(openai_engine(engine).engine_fields(r))
     return out
 
 
@@ -140,22 +207,6 @@ def pop_ext_routing(container: dict[str, Any], key: str) -> Any:
     if not any(v is not None for v in ext.values()):
         del container[key]
     return payload
-
-
-def _native_payload(choice: dict[str, Any], engine: Engine) -> Any:
-    """Remove and return the engine's own routing field of one choice."""
-    if engine == "vllm":
-        return choice.pop("routed_experts", None)
-    payload = pop_ext_routing(choice, "sgl_ext")
-    if payload is ABSENT or payload is None:
-        payload = choice.pop("routed_experts", None)
-    return payload
-
-
-def _sglext_payload(answer: dict[str, Any]) -> Any:
-    """Remove and return SGLang's response-level ``sglext.routed_experts`` (its first request's routing)."""
-    payload = pop_ext_routing(answer, "sglext")
-    return None if payload is ABSENT else payload
 
 
 def _rows(prompt_ids: Sequence[int] | None, output_ids: Sequence[int] | None, usage: Any, n_choices: int,
@@ -183,64 +234,97 @@ def routing_payload_size(answer: Any) -> int:
     return total + (len(p) if isinstance(p, str) else 0)
 
 
-def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine, drop_rows: int = 0,
-                  payload_rows_counted: bool = True) -> Any:
+def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine | EngineOpenAI, drop_rows: int = 0,
+                  payload_rows_counted: bool = True,
+                  checked: Sequence[CheckedRouting | str | None] | None = None) -> Any:
     """Put rr's checked routing fields and token ids on every choice of a non-streaming answer (in place).
 
     A choice whose routing fails the check carries ``routed_experts: null`` and ``routed_experts_error``
-    (the client raises on it); its other fields are untouched. A choice the server side already refused (its
-    ``routed_experts_error`` set by rr's SGLang patch, no payload) keeps that reason. On SGLang, the response-level
+    (the client raises on it); its other fields are untouched. On SGLang, the response-level
     ``sglext.routed_experts`` (SGLang's own place: the first choice's routing) is removed, or with
     ``routed_experts_format="sglang"`` replaced by the first choice's checked int32 payload for clients that
     read it there. SGLang's chat ``response_token_ids`` count as the choice's output ids.
 
-    ``drop_rows``: leading rows to remove first (the sidecar asks SGLang for every row: its OpenAI serving
-    before 0.5.12 drops ``routed_experts_start_len``). ``payload_rows_counted=False`` (the sidecar): a choice
-    whose rows cannot be counted from token ids or usage is refused instead of trusting the payload's length.
+    ``checked``: one entry per choice from an engine-side collector that already ran the check (rr's SGLang
+    patch): a :class:`CheckedRouting` is encoded as it is, a string is the check's refusal, None is missing;
+    the rows are never checked twice. Without it each choice's native payload goes through
+    :func:`rr_client.codec.check_payload` once. ``drop_rows``: leading rows to remove first (the sidecar asks
+    SGLang for every row: its OpenAI serving before 0.5.12 drops ``routed_experts_start_len``).
+    ``payload_rows_counted=False`` (the sidecar): a choice whose rows cannot be counted from token ids or usage
+    is refused instead of trusting the payload's length.
     """
     if not r.want or not isinstance(answer, dict):
         return answer
     choices = answer.get("choices")
     if not isinstance(choices, list):
         return answer
+    eng = openai_engine(engine)
     top_prompt = _int_ids(answer.get("prompt_token_ids"))  # vLLM chat: one prompt for all choices
-    first = _sglext_payload(answer) if engine == "sglang" else None
+    first = eng.pop_answer_payload(answer)
+    if checked is not None and len(checked) != len(choices):
+        checked = None  # counts do not add up: never pair a choice with another's rows
     for i, choice in enumerate(choices):
         if not isinstance(choice, dict):
             continue
-        payload = _native_payload(choice, engine)
+        payload = eng.pop_choice_payload(choice)
         if payload is None and i == 0:
             payload = first  # SGLang's sglext holds the first request's routing, i.e. choice 0's
         prompt_ids = _int_ids(choice.get("prompt_token_ids")) or top_prompt
-        output_ids = _int_ids(choice.get("token_ids"))
-        if output_ids is None and engine == "sglang":
-            output_ids = _int_ids(choice.get("response_token_ids"))  # SGLang 0.5.23 chat
+        output_ids = eng.output_ids(choice)
         if prompt_ids is not None:
             choice["prompt_token_ids"] = prompt_ids
         rows = _rows(prompt_ids, output_ids, answer.get("usage"), len(choices), r.start)
-        refused = choice.get("routed_experts_error")  # the engine-side check's reason (rr's SGLang patch)
-        if payload is None and isinstance(refused, str):
-            choice["routed_experts"] = None
-            continue
         try:
-            if payload is None and engine == "sglang" and i > 0 and first is not None:
-                raise MissingRoutingError("SGLang's OpenAI answer carries routing for its first choice only "
-                                          "(rr's SGLang patch gives every choice its own)")
-            if payload is None:
-                raise MissingRoutingError(
-                    "the engine returned no routing for this choice (was it started with --enable-return-routed-experts?)")
-            arr = decode_routed_experts(payload, num_layers=info.num_hidden_layers, topk=info.topk, validate=False)
-            arr = arr[drop_rows:]
-            if rows is None:
-                if engine != "sglang" or not payload_rows_counted:
-                    raise MissingRoutingError("the engine's answer has no token ids to count this choice's rows by")
-                rows = int(arr.shape[0])  # SGLang < 0.5.23 without token ids: rr's patch counted the rows already
-            fields = routing_meta_fields(check_routing(arr, info, rows=rows, start=r.start), r.fmt)
+            fields = routing_meta_fields(_choice_routing(eng, i, payload, first, checked, info, rows, r.start,
+                                                         drop_rows, payload_rows_counted), r.fmt)
         except RoutedExpertsError as e:
             fields = routing_error_fields(e)
+        except _Refused as e:
+            fields = {"routed_experts": None, "routed_experts_error": e.reason}
         choice.update(fields)
-        if engine == "sglang" and r.fmt == "sglang" and i == 0 and fields.get("routed_experts") is not None:
-            ext = answer.setdefault("sglext", {})
+        if eng.answer_routing_ext and r.fmt == "sglang" and i == 0 and fields.get("routed_experts") is not None:
+            ext = answer.setdefault(eng.answer_routing_ext, {})
             if isinstance(ext, dict):
                 ext["routed_experts"] = fields["routed_experts"]
     return answer
+
+
+class _Refused(Exception):
+    """An engine-side check already refused this choice; ``reason`` is its typed message, kept as it is."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _choice_routing(eng: EngineOpenAI, i: int, payload: Any, first: Any,
+                    checked: Sequence[CheckedRouting | str | None] | None, info: RRInfo, rows: int | None,
+                    start: int, drop_rows: int, payload_rows_counted: bool) -> CheckedRouting:
+    """One choice's routing, checked exactly once (here, or already by the engine-side collector)."""
+    if checked is not None:
+        done = checked[i]
+        if isinstance(done, CheckedRouting):
+            return done
+        if isinstance(done, str):
+            raise _Refused(done)
+        raise MissingRoutingError("the engine returned no routing for this choice")
+    if payload is None and eng.answer_routing_ext and i > 0 and first is not None:
+        raise MissingRoutingError(f"{eng.name}'s OpenAI answer carries routing for its first choice only "
+                                  f"(rr's {eng.name} patch gives every choice its own)")
+    if payload is None:
+        raise MissingRoutingError(
+            "the engine returned no routing for this choice (was it started with --enable-return-routed-experts?)")
+    if rows is None:
+        if not (eng.rows_from_payload and payload_rows_counted):
+            raise MissingRoutingError("the engine's answer has no token ids to count this choice's rows by")
+        # SGLang < 0.5.23 without token ids: rr's patch counted the rows already; the payload's own count then
+        rows = _payload_rows(payload, info) - drop_rows
+    return check_payload(payload, info, rows=rows, start=start, drop_rows=drop_rows)
+
+
+def _payload_rows(payload: Any, info: RRInfo) -> int:
+    """Rows a payload holds (decoded without the check: the caller checks it next, once)."""
+    from rr_client.codec import decode_routed_experts
+
+    return int(decode_routed_experts(payload, num_layers=info.num_hidden_layers, topk=info.topk,
+                                     validate=False).shape[0])

@@ -1,7 +1,7 @@
 """What serving rr's ``/generate`` from vLLM needs, shared by the vLLM plugin and the sidecar's vLLM backend.
 
 SGLang sampling names to vLLM's, vLLM finish reasons to SGLang's, and the routing fields of one
-vLLM sample: checked once with :func:`rr_client.check_routing`, then encoded.
+vLLM sample: checked once through :func:`rr_client.codec.check_payload`, then encoded.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rr_client.codec import check_routing, expected_rows, routing_meta_fields
+from rr_client.codec import check_payload, expected_rows, routing_meta_fields
 from rr_client.info import RRInfo
 from rr_server.serving.generate_protocol import BadRequest, SamplingParamsIn
 
@@ -76,4 +76,4 @@ def checked_routing_fields(
     through a forward pass.
     """
     rows = expected_rows(len(prompt_ids), len(output_ids), start)
-    return routing_meta_fields(check_routing(routing, info, rows=rows, start=start), fmt)
+    return routing_meta_fields(check_payload(routing, info, rows=rows, start=start), fmt)

@@ -19,6 +19,7 @@ import orjson
 import pytest
 
 from rr_client import RoutedExpertsClient, decode_meta_info
+from rr_client import errors as rr_errors
 from rr_server.process import free_port
 from rr_server.proxy.app import ProxyConfig
 from tests.support import bad_requests
@@ -174,9 +175,15 @@ CORPUS_MESSAGES = {
 }
 
 
+# the upstream itself failed: no sample to answer, a 502 naming the problem
+UPSTREAM_FAILURES = {"non_json", "http_500"}
+
+
 @pytest.mark.parametrize("mode", CORRUPTIONS)
 def test_malformed_upstream_corpus(mode: str, http: httpx.Client, stack: tuple[str, object, SidecarServer]) -> None:
-    """Every malformed upstream answer -> 502 naming the problem; no routing ever passes; sidecar keeps serving."""
+    """The sidecar's one policy: routing that fails the check -> that sample carries routed_experts null and the
+    typed reason (the client raises it); an upstream failure -> 502 naming it; no routing ever passes unchecked;
+    the sidecar keeps serving."""
     fake = stack[1]
     fake.corrupt = mode  # type: ignore[attr-defined]
     try:
@@ -184,13 +191,23 @@ def test_malformed_upstream_corpus(mode: str, http: httpx.Client, stack: tuple[s
                                          "return_routed_experts": True})
     finally:
         fake.corrupt = "none"  # type: ignore[attr-defined]
-    assert r.status_code == 502, r.text
-    msg = r.json()["error"]["message"]
+    if mode in UPSTREAM_FAILURES:
+        assert r.status_code == 502, r.text
+        msg = r.json()["error"]["message"]
+        assert set(r.json()) == {"error", "message"}  # an error body, never a payload
+    else:
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        assert meta["routed_experts"] is None and "routed_experts_shape" not in meta
+        msg = meta["routed_experts_error"]
+        name = msg.split(":", 1)[0]
+        with pytest.raises(getattr(rr_errors, name)):  # the client raises the typed error the sample names
+            decode_meta_info(meta)
+        assert len(r.json()["output_ids"]) == 4  # the rest of the sample is the engine's answer
     assert CORPUS_MESSAGES[mode] in msg, msg
-    assert set(r.json()) == {"error", "message"}  # an error body, never a payload
     ok = http.post("/generate", json={"input_ids": [5, 6, 7], "return_routed_experts": True,
                                       "sampling_params": {"max_new_tokens": 2}})
-    assert ok.status_code == 200 and "routed_experts" in ok.json()["meta_info"]
+    assert ok.status_code == 200 and ok.json()["meta_info"]["routed_experts"] is not None
 
 
 @pytest.mark.parametrize("case", bad_requests.params())
@@ -222,12 +239,13 @@ def _metric(text: str, sample: str) -> float:
 
 
 def test_metrics(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -> None:
-    """Self-contained: causes one malformed-routing 502, one bad request and one success, then reads them back."""
+    """Self-contained: causes one malformed-routing sample, one bad request and one success, then reads them back."""
     fake = stack[1]
     before = http.get("/metrics").text
     fake.corrupt = "duplicate_ids"  # type: ignore[attr-defined]
     try:
-        assert http.post("/generate", json={"input_ids": [5, 6, 7], "return_routed_experts": True}).status_code == 502
+        refused = http.post("/generate", json={"input_ids": [5, 6, 7], "return_routed_experts": True})
+        assert refused.status_code == 200 and refused.json()["meta_info"]["routed_experts"] is None
     finally:
         fake.corrupt = "none"  # type: ignore[attr-defined]
     assert http.post("/generate", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
@@ -243,7 +261,7 @@ def test_metrics(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -
         'rr_proxy_requests_total{route="/generate",status="200"}', "rr_proxy_routing_rows_total")}
     assert delta == {'rr_proxy_errors_total{kind="malformed_routing"}': 1.0,
                      'rr_proxy_errors_total{kind="bad_request"}': 1.0,
-                     'rr_proxy_requests_total{route="/generate",status="200"}': 1.0,
+                     'rr_proxy_requests_total{route="/generate",status="200"}': 2.0,
                      "rr_proxy_routing_rows_total": 3.0 + 3 - 1}, delta
     assert _metric(after, "rr_proxy_routing_bytes_total") - _metric(before, "rr_proxy_routing_bytes_total") == \
         len(ok.json()["meta_info"]["routed_experts"])

@@ -18,8 +18,9 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from rr_client.codec import check_routing, encode_routed_experts, expected_rows, routing_meta_fields, wire_dtype
+from rr_client.codec import check_routing, expected_rows, routing_meta_fields, wire_dtype
 from rr_client.info import RRInfo
+from tests.support.routing_data import npy_payload
 from tests.support.threaded_server import ThreadedServer
 
 
@@ -54,7 +55,7 @@ class Behaviour:
 def _unchecked_fields(routing: np.ndarray, num_experts: int, start: int) -> dict[str, Any]:
     """Routing fields for a deliberately corrupt array (only the id range is enforced by the encoder)."""
     return {
-        "routed_experts": encode_routed_experts(routing, num_experts=num_experts),
+        "routed_experts": npy_payload(routing, num_experts=num_experts),
         "routed_experts_shape": [int(s) for s in routing.shape],
         "routed_experts_dtype": wire_dtype(num_experts).name,
         "routed_experts_format": "npy",
@@ -159,4 +160,4 @@ class ProtocolTestServer(ThreadedServer):
         return app
 
 
-__all__ = ["ProtocolTestServer", "synthetic_routing", "encode_routed_experts"]
+__all__ = ["ProtocolTestServer", "synthetic_routing"]

@@ -17,3 +17,17 @@ def make_routing(
         dense = [i for i in range(layers) if i not in set(moe_layers)]
         ids[:, dense, :] = 0
     return ids
+
+
+def npy_payload(array: np.ndarray, *, num_experts: int) -> str:
+    """Base64 ``.npy`` of ``array`` in the wire dtype, NOT checked (numpy's own writer): how a test sends a
+    deliberately corrupt payload, or one the engines send, to the decoder and the check."""
+    import io
+
+    import pybase64
+
+    dtype = np.uint8 if num_experts <= 256 else np.dtype("<u2")
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, np.ascontiguousarray(np.asarray(array).astype(dtype)), version=(1, 0),
+                              allow_pickle=False)
+    return pybase64.b64encode(buf.getvalue()).decode("ascii")

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from rr_client import _rowcheck
 from rr_client.codec import (
     CheckedRouting,
+    check_payload,
     check_routing,
     decode_meta_info,
     decode_routed_experts,
@@ -33,7 +34,7 @@ from rr_client.errors import (
     UnrecordedRoutingError,
 )
 from rr_client.info import RRInfo
-from tests.support.routing_data import make_routing
+from tests.support.routing_data import make_routing, npy_payload
 
 L, K, E = 4, 2, 8
 ROWS = 7
@@ -70,7 +71,7 @@ def test_expected_rows() -> None:
 
 def test_encoded_payload_is_np_load_compatible_and_compact() -> None:
     ids = make_routing(ROWS, L, K, E)
-    payload = encode_routed_experts(ids, num_experts=E)
+    payload = encode_routed_experts(check_routing(ids, INFO, rows=ROWS))
     loaded = np.load(io.BytesIO(base64.b64decode(payload)))
     assert loaded.dtype == np.uint8 and loaded.shape == (ROWS, L, K)
     np.testing.assert_array_equal(loaded, ids)
@@ -78,28 +79,56 @@ def test_encoded_payload_is_np_load_compatible_and_compact() -> None:
     buf = io.BytesIO()
     np.save(buf, ids.astype(np.uint8))
     assert base64.b64decode(payload) == buf.getvalue()
+    assert payload == npy_payload(ids, num_experts=E)
 
 
-def test_encode_accepts_torch_and_int64_and_picks_uint16() -> None:
+def test_check_payload_accepts_torch_and_int64_and_picks_uint16() -> None:
     ids = make_routing(ROWS, L, K, 300)
-    payload = encode_routed_experts(torch.from_numpy(ids.astype(np.int64)), num_experts=300)
+    info300 = INFO.model_copy(update={"num_experts": 300})
+    payload = encode_routed_experts(check_payload(torch.from_numpy(ids.astype(np.int64)), info300, rows=ROWS))
     out = decode_routed_experts(payload, rows=ROWS, num_layers=L, topk=K, num_experts=300)
     assert out.dtype == np.uint16
     np.testing.assert_array_equal(out, ids)
 
 
-def test_encode_refuses_out_of_range_and_bad_input() -> None:
+def test_encoder_takes_only_checked_routing() -> None:
+    """The only public encoder refuses a raw array: nothing reaches the wire without the check."""
+    with pytest.raises(TypeError, match="CheckedRouting"):
+        encode_routed_experts(make_routing(ROWS, L, K, E))  # type: ignore[arg-type]
+
+
+def test_check_payload_refuses_out_of_range_and_bad_input() -> None:
     ids = make_routing(ROWS, L, K, E)
     ids[3, 1, 0] = E
     with pytest.raises(ExpertIdOutOfRangeError, match=r"expert id 8 .* outside \[0, 8\)"):
-        encode_routed_experts(ids, num_experts=E)
+        check_payload(ids, INFO, rows=ROWS)
     ids[3, 1, 0] = -1
     with pytest.raises(ExpertIdOutOfRangeError):
-        encode_routed_experts(ids, num_experts=E)
-    with pytest.raises(ShapeMismatchError, match="3-D"):
-        encode_routed_experts(np.zeros((3, 4), np.int32), num_experts=E)
+        check_payload(ids, INFO, rows=ROWS)
     with pytest.raises(MalformedPayloadError, match="integer"):
-        encode_routed_experts(np.zeros((3, 4, 2), np.float32), num_experts=E)
+        check_payload(np.zeros((ROWS, L, K), np.float32), INFO, rows=ROWS)
+    with pytest.raises(MissingRoutingError):
+        check_payload(None, INFO, rows=ROWS)
+
+
+def test_check_payload_one_door_for_every_format() -> None:
+    """rr/vLLM .npy, SGLang's headerless int32, lists and arrays all give the same checked routing."""
+    ids = make_routing(ROWS, L, K, E)
+    want = check_routing(ids, INFO, rows=ROWS).array
+    int32 = pybase64.b64encode(ids.astype("<i4").tobytes()).decode()
+    for payload, kw in ((npy_payload(ids, num_experts=E), {}), (int32, {}), (ids.tolist(), {}),
+                        (torch.from_numpy(ids), {}), (ids.astype(np.uint8).tobytes(), {"dtype": "uint8"})):
+        got = check_payload(payload, INFO, rows=ROWS, **kw)
+        assert isinstance(got, CheckedRouting)
+        np.testing.assert_array_equal(got.array, want)
+    # drop_rows: an engine that ignores routed_experts_start returns every row; the door drops them first
+    started = check_payload(int32, INFO, rows=ROWS - 2, start=2, drop_rows=2)
+    np.testing.assert_array_equal(started.array, want[2:])
+    assert started.start == 2
+    with pytest.raises(ShapeMismatchError, match="exceeds the 7 rows"):
+        check_payload(int32, INFO, rows=0, start=9, drop_rows=9)
+    with pytest.raises(ShapeMismatchError, match="stated routed_experts_shape"):
+        check_payload(int32, INFO, rows=ROWS, stated_shape=[ROWS + 1, L, K])
 
 
 def test_routing_meta_fields_states_shape_dtype_start() -> None:
@@ -110,7 +139,7 @@ def test_routing_meta_fields_states_shape_dtype_start() -> None:
     assert meta["routed_experts_dtype"] == "uint8"
     assert meta["routed_experts_format"] == "npy"
     assert meta["routed_experts_start"] == 3
-    assert meta["routed_experts"] == encode_routed_experts(ids, num_experts=E)  # the same bytes as the encoder
+    assert meta["routed_experts"] == encode_routed_experts(checked)  # the same bytes as the encoder
     np.testing.assert_array_equal(decode_meta_info(meta, num_experts=E), ids)
 
 
@@ -133,7 +162,7 @@ def test_routing_meta_fields_takes_only_checked_routing() -> None:
 def test_round_trip_property(rows: int, layers: int, topk: int, extra: int, seed: int) -> None:
     num_experts = topk + extra
     ids = make_routing(rows, layers, topk, num_experts, seed=seed)
-    payload = encode_routed_experts(ids, num_experts=num_experts)
+    payload = npy_payload(ids, num_experts=num_experts)
     out = decode_routed_experts(payload, rows=rows, num_layers=layers, topk=topk, num_experts=num_experts)
     assert out.dtype == wire_dtype(num_experts)
     assert out.shape == (rows, layers, topk)
@@ -193,7 +222,7 @@ def test_all_formats_agree() -> None:
     ids = make_routing(ROWS, L, K, E)
     kw = dict(rows=ROWS, num_layers=L, topk=K, num_experts=E)
     outs = [
-        decode_routed_experts(encode_routed_experts(ids, num_experts=E), **kw),
+        decode_routed_experts(npy_payload(ids, num_experts=E), **kw),
         decode_routed_experts(pybase64.b64encode(ids.tobytes()).decode(), **kw),
         decode_routed_experts(npy_b64(ids.astype(np.uint8)), **kw),
         decode_routed_experts(ids.tolist(), **kw),
@@ -206,34 +235,34 @@ def test_all_formats_agree() -> None:
 
 def test_dense_layers_checked_with_moe_layers() -> None:
     ids = make_routing(ROWS, L, K, E, moe_layers=[1, 2, 3])
-    out = decode_routed_experts(encode_routed_experts(ids, num_experts=E), num_experts=E, moe_layers=[1, 2, 3])
+    out = decode_routed_experts(npy_payload(ids, num_experts=E), num_experts=E, moe_layers=[1, 2, 3])
     assert not out[:, 0].any()
     with pytest.raises(UnrecordedRoutingError):  # dense zero rows are not real routing if called MoE
-        decode_routed_experts(encode_routed_experts(ids, num_experts=E), num_experts=E)
+        decode_routed_experts(npy_payload(ids, num_experts=E), num_experts=E)
     shifted = make_routing(ROWS, L, K, E, moe_layers=[0, 1, 2])  # layer axis off by one
     with pytest.raises(ShapeMismatchError, match="dense layer"):
-        decode_routed_experts(encode_routed_experts(shifted, num_experts=E), num_experts=E, moe_layers=[1, 2, 3])
+        decode_routed_experts(npy_payload(shifted, num_experts=E), num_experts=E, moe_layers=[1, 2, 3])
 
 
 def test_extra_rows_only_behind_option() -> None:
     ids = make_routing(ROWS + 1, L, K, E)
-    payload = encode_routed_experts(ids, num_experts=E)
+    payload = npy_payload(ids, num_experts=E)
     with pytest.raises(ShapeMismatchError, match=r"8 rows, expected 7"):
         decode_routed_experts(payload, rows=ROWS, num_experts=E)
     out = decode_routed_experts(payload, rows=ROWS, num_experts=E, allow_extra_rows=1)
     np.testing.assert_array_equal(out, ids[:ROWS])
     with pytest.raises(ShapeMismatchError):  # two extra rows exceed the allowance
-        decode_routed_experts(encode_routed_experts(make_routing(ROWS + 2, L, K, E), num_experts=E),
+        decode_routed_experts(npy_payload(make_routing(ROWS + 2, L, K, E), num_experts=E),
                               rows=ROWS, num_experts=E, allow_extra_rows=1)
 
 
 def test_validate_false_still_checks_shape() -> None:
     ids = make_routing(ROWS, L, K, E)
     ids[0, 0] = 0
-    out = decode_routed_experts(encode_routed_experts(ids, num_experts=E), rows=ROWS, num_experts=E, validate=False)
+    out = decode_routed_experts(npy_payload(ids, num_experts=E), rows=ROWS, num_experts=E, validate=False)
     assert not out[0, 0].any()
     with pytest.raises(ShapeMismatchError):
-        decode_routed_experts(encode_routed_experts(ids, num_experts=E), rows=ROWS + 1, num_experts=E, validate=False)
+        decode_routed_experts(npy_payload(ids, num_experts=E), rows=ROWS + 1, num_experts=E, validate=False)
 
 
 # ------------------------------------------------------------------ the bad-payload corpus
@@ -255,7 +284,7 @@ def _npy_with_header(header: str, data: bytes) -> str:
     return base64.b64encode(b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h + data).decode()
 
 
-GOOD_NPY = encode_routed_experts(_good(), num_experts=E)
+GOOD_NPY = npy_payload(_good(), num_experts=E)
 KW = dict(rows=ROWS, num_layers=L, topk=K, num_experts=E)
 
 BAD_CORPUS: list[tuple[str, object, dict[str, object], type[RoutedExpertsError], str]] = [
@@ -279,9 +308,9 @@ BAD_CORPUS: list[tuple[str, object, dict[str, object], type[RoutedExpertsError],
     ("stated dtype disagrees", {"routed_experts": GOOD_NPY, "routed_experts_dtype": "int32"}, KW, MalformedPayloadError, "stated"),
     ("int32 decoded as uint8 width", pybase64.b64encode(_good().astype(np.uint8).tobytes()).decode(), KW, ShapeMismatchError, "divide"),
     ("headerless odd bytes", pybase64.b64encode(b"\x01\x02\x03").decode(), KW, MalformedPayloadError, "whole number"),
-    ("wrong rows", encode_routed_experts(make_routing(ROWS - 1, L, K, E), num_experts=E), KW, ShapeMismatchError, "6 rows, expected 7"),
-    ("wrong layers", encode_routed_experts(make_routing(ROWS, L + 1, K, E), num_experts=E), KW, ShapeMismatchError, "5 layers"),
-    ("wrong topk", encode_routed_experts(make_routing(ROWS, L, K + 1, E), num_experts=E), KW, ShapeMismatchError, "top-k 3"),
+    ("wrong rows", npy_payload(make_routing(ROWS - 1, L, K, E), num_experts=E), KW, ShapeMismatchError, "6 rows, expected 7"),
+    ("wrong layers", npy_payload(make_routing(ROWS, L + 1, K, E), num_experts=E), KW, ShapeMismatchError, "5 layers"),
+    ("wrong topk", npy_payload(make_routing(ROWS, L, K + 1, E), num_experts=E), KW, ShapeMismatchError, "top-k 3"),
     ("2-D without dims", npy_b64(_good().reshape(ROWS, -1).astype(np.uint8)), {"num_experts": E}, ShapeMismatchError, "states no"),
     ("4-D", npy_b64(_good()[None].astype(np.uint8)), KW, ShapeMismatchError, "4-D"),
     ("id out of range", npy_b64(_with(2, 1, [1, E]).astype(np.uint8)), KW, ExpertIdOutOfRangeError, "row 2 layer 1"),
