@@ -22,12 +22,17 @@ from rr_patches.sglang.openai import Collector, collector, requested_format
 from rr_patches.sglang.routes import bind_tokenizer_manager
 from rr_patches.sglang.state import RRState, rr_enabled, state_of
 
-__all__ = ["around_handle_batch_output", "around_send", "around_init", "ALWAYS_ENV"]
+__all__ = ["around_handle_batch_output", "around_send", "around_init", "ALWAYS_ENV", "always_return_routing"]
 
 logger = logging.getLogger("rr.sglang")
 # Give routing to every answer, asked or not: for callers behind sglang-router 0.3.2, which drops the flag.
 ALWAYS_ENV = "RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS"
 _MAX_REMEMBERED = 65536
+
+
+def always_return_routing() -> bool:
+    """``RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS`` is on (:func:`rr_client.settings.flag`'s rule, as for vLLM's)."""
+    return settings.flag(ALWAYS_ENV)
 
 
 def around_init(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -65,7 +70,7 @@ def around_send(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
     """
     if rr_enabled(self):
         st = state_of(self)
-        always = settings.flag(ALWAYS_ENV)
+        always = always_return_routing()
         col, fmt = collector(), requested_format()
         for t in _tokenized_generate_objs(args + tuple(kwargs.values())):
             rid = str(t.rid)

@@ -12,7 +12,6 @@ from rr_client import settings
 import argparse
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Sequence
 

@@ -271,3 +271,35 @@ async def test_refused_routing_keeps_its_reason(tiny_moe: Path, patched: None, s
     choice = (sse_events(resp.text)[-2] if stream else resp.json())["choices"][0]
     assert choice["routed_experts"] is None
     assert choice["routed_experts_error"].startswith("ExpertIdOutOfRangeError"), choice["routed_experts_error"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_checks_each_request_once(tiny_moe: Path, patched: None, stream: bool,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """One door, one check: on patched SGLang's chat path with n=2 every request the TokenizerManager sent is
+    checked exactly once (in the output handler), and the OpenAI finish encodes that checked routing without
+    checking the rows again (before, it decoded and checked every choice a second time)."""
+    import rr_client.codec as codec
+
+    h = _harness(tiny_moe)
+    body = _chat(h, n=2, temperature=0.7, return_routed_experts=True, stream=stream)
+    calls: list[tuple[int, ...]] = []
+    real = codec.check_routing
+
+    def counting(array: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(tuple(array.shape))
+        return real(array, *args, **kwargs)
+
+    monkeypatch.setattr(codec, "check_routing", counting)
+    sent_before = len(h.sched.arrivals)
+    resp = await h.serve("/v1/chat/completions", body)
+    assert resp.status_code == 200, resp.text
+    if stream:  # rr's routing event, just before [DONE], carries every choice
+        choices = sse_events(resp.text)[-2]["choices"]
+    else:
+        choices = resp.json()["choices"]
+    sent = len(h.sched.arrivals) - sent_before
+    assert len(choices) == 2
+    for choice, rid in zip(sorted(choices, key=lambda c: c["index"]), _choice_rids(h, 2)):
+        _assert_choice(tiny_moe, h, choice, rid, 0)
+    assert sent >= 2 and len(calls) == sent, f"{len(calls)} checks for {sent} requests sent: {calls}"

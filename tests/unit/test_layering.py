@@ -145,3 +145,90 @@ def test_proxy_help_is_light() -> None:
             "assert '--upstream' in out.getvalue()")
     loaded = _loaded_after(code)
     assert loaded == {"torch": False, "httpx": False, "fastapi": False}, loaded
+
+
+# ----------------------------------------------------------------------------- direction: every arrow points down
+# engine -> one full check -> wire -> client -> layout -> replay; the folders, bottom to top:
+#   client (rr_client) < serving (rr_server.serving) < adapters (rr_patches, the sidecar rr_server.proxy) < commands
+ALLOWED = {
+    "client": {"client"},
+    "serving": {"client", "serving"},
+    "patches": {"client", "serving", "patches"},
+    "sidecar": {"client", "serving", "sidecar"},
+    "commands": {"client", "serving", "sidecar", "commands"},  # never rr_patches: launchers use entry points
+}
+
+
+def layer_of(module: str) -> str:
+    """The layer a module of rr belongs to (``rr_server`` itself is an empty namespace, checked apart)."""
+    if module.startswith("rr_client"):
+        return "client"
+    if module.startswith("rr_patches"):
+        return "patches"
+    if module.startswith("rr_server.serving"):
+        return "serving"
+    if module.startswith("rr_server.proxy"):
+        return "sidecar"
+    return "commands"
+
+
+def direction_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` edges where b's layer is not below or beside a's, plus package-level arrows back up."""
+    bad = [f"{a} ({layer_of(a)}) -> {b} ({layer_of(b)})" for a, targets in sorted(graph.items())
+           for b in sorted(targets) if b != "rr_server" and layer_of(b) not in ALLOWED[layer_of(a)]]
+    # package level: every top-level package's imports, as sets; rr_client imports neither other, rr_server never
+    # imports rr_patches (rr_patches -> rr_server.serving is the only arrow between them)
+    tops: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        tops.setdefault(a.split(".")[0], set()).update(b.split(".")[0] for b in targets)
+    if tops.get("rr_client", set()) - {"rr_client"}:
+        bad.append(f"package rr_client imports {sorted(tops['rr_client'] - {'rr_client'})}")
+    if "rr_patches" in tops.get("rr_server", set()):
+        bad.append("package rr_server imports rr_patches")
+    return bad
+
+
+def private_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Edges into a ``_private`` module from outside the package that holds it."""
+    bad = []
+    for a, targets in sorted(graph.items()):
+        for b in sorted(targets):
+            parts = b.split(".")
+            private = [i for i, p in enumerate(parts) if p.startswith("_") and not p.startswith("__")]
+            if not private:
+                continue
+            owner = ".".join(parts[: private[0]])
+            if a != owner and not a.startswith(owner + "."):
+                bad.append(f"{a} -> {b}")
+    return bad
+
+
+def test_every_arrow_points_down() -> None:
+    """rr_client imports nothing of rr_server/rr_patches; serving nothing of adapters or commands; rr_patches only
+    rr_client and serving; commands never rr_patches."""
+    bad = direction_violations(import_graph())
+    assert not bad, "imports running back up:\n" + "\n".join(bad)
+
+
+def test_rr_server_namespace_is_empty() -> None:
+    """``rr_server/__init__`` imports nothing, so ``import rr_server.serving`` loads no launcher, sidecar or patch."""
+    assert import_graph()["rr_server"] == set()
+
+
+def test_no_package_imports_anothers_private_module() -> None:
+    bad = private_imports(import_graph())
+    assert not bad, "private modules imported from outside their package:\n" + "\n".join(bad)
+
+
+def test_the_direction_checks_can_fail() -> None:
+    """The checks see what they must: an arrow up at module and package level, and a foreign private module."""
+    graph = {"rr_client.codec": {"rr_server.serving.auth"}, "rr_server.serving.auth": {"rr_server.proxy.app"},
+             "rr_patches.vllm.plugin": {"rr_server.launch_vllm"}, "rr_server.launch_sglang": {"rr_patches.sglang.apply"},
+             "rr_server.proxy.upstream": {"rr_client._tensors"}, "rr_client.codec2": {"rr_client._rowcheck"}}
+    bad = direction_violations(graph)
+    assert "rr_client.codec (client) -> rr_server.serving.auth (serving)" in bad
+    assert "rr_server.serving.auth (serving) -> rr_server.proxy.app (sidecar)" in bad
+    assert "rr_patches.vllm.plugin (patches) -> rr_server.launch_vllm (commands)" in bad
+    assert "rr_server.launch_sglang (commands) -> rr_patches.sglang.apply (patches)" in bad
+    assert "package rr_server imports rr_patches" in bad and "package rr_client imports ['rr_server']" in bad
+    assert private_imports(graph) == ["rr_server.proxy.upstream -> rr_client._tensors"]
