@@ -397,5 +397,11 @@ def test_c_extension_is_built() -> None:
 def test_server_withheld_routing_reason_is_surfaced() -> None:
     with pytest.raises(MissingRoutingError, match="withheld routed_experts: rows 3 != 4"):
         decode_meta_info({"routed_experts_error": "rows 3 != 4"}, num_experts=E)
-    with pytest.raises(MissingRoutingError, match="withheld routed_experts: ShapeMismatchError"):
+    # a reason naming rr's typed error is raised as that type, so a trainer can catch it precisely
+    with pytest.raises(ShapeMismatchError, match="withheld routed_experts: ShapeMismatchError: x"):
         decode_meta_info({"routed_experts": None, "routed_experts_error": "ShapeMismatchError: x"}, num_experts=E)
+    with pytest.raises(UnrecordedRoutingError):
+        decode_meta_info({"routed_experts": None, "routed_experts_error": "UnrecordedRoutingError: y"}, num_experts=E)
+    # a name that is not one of rr's routing errors is never looked up as something else
+    with pytest.raises(MissingRoutingError, match="KeyError: z"):
+        decode_meta_info({"routed_experts": None, "routed_experts_error": "KeyError: z"}, num_experts=E)

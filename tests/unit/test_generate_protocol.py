@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from rr_client.codec import decode_meta_info, routing_error_fields
-from rr_client.errors import MissingRoutingError, ShapeMismatchError
+from rr_client.errors import ShapeMismatchError
 from rr_client.info import RRInfo
 from rr_server.serving.generate_protocol import (
     SSE_DONE,
@@ -101,7 +101,7 @@ def test_failed_check_becomes_error_marker() -> None:
     meta = item["meta_info"]
     assert meta["routed_experts"] is None and meta["routed_experts_error"].startswith("ShapeMismatchError: ")  # type: ignore[index]
     assert "prompt_token_ids" not in meta  # type: ignore[operator]
-    with pytest.raises(MissingRoutingError, match="withheld routed_experts: ShapeMismatchError"):
+    with pytest.raises(ShapeMismatchError, match="withheld routed_experts: ShapeMismatchError"):
         decode_meta_info(meta, num_experts=300)  # type: ignore[arg-type]
 
 
