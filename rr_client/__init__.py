@@ -48,6 +48,7 @@ from rr_client.info import RRInfo
 
 if TYPE_CHECKING:
     from rr_client._client import Prompt, RoutedExpertsClient
+    from rr_client._replicas import ReplicaStats
     from rr_client.trajectory import ChatTrajectory, Trajectory
     from rr_client._tensors import PackedRouting, RoutingTensors, tensor_dtype, to_packed, to_tensors
 
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "RoutedExpertsClient": "rr_client._client",
     "Prompt": "rr_client._client",
+    "ReplicaStats": "rr_client._replicas",
     "RoutingTensors": "rr_client._tensors",
     "to_tensors": "rr_client._tensors",
     "tensor_dtype": "rr_client._tensors",
@@ -76,7 +78,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "RoutedExpertsClient", "Prompt", "Trajectory", "ChatTrajectory", "GenerateBatch", "GenerateResult", "parse_sample",
+    "RoutedExpertsClient", "Prompt", "ReplicaStats", "Trajectory", "ChatTrajectory", "GenerateBatch", "GenerateResult", "parse_sample",
     "RoutingTensors", "to_tensors", "tensor_dtype", "PackedRouting", "to_packed",
     "encode_routed_experts", "decode_routed_experts", "decode_meta_info", "routing_meta_fields",
     "routing_error_fields", "check_payload", "check_routing", "CheckedRouting", "wire_dtype", "expected_rows",
