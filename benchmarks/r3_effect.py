@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from rr_client import RoutedExpertsClient
+from rr_client.agreement import set_matches
 from rr_client.metrics import r3_metrics, routing_agreement, token_logprobs
 from rr_client.replay import record_routing, replay_routing
 from rr_server.demo import DEFAULT_PROMPTS
@@ -124,10 +125,8 @@ def measure(model: Any, t: Any, lp_rollout: torch.Tensor, moe_layers: list[int])
     agree = routing_agreement(rec.routed_experts, t.routed_experts, rows, layers=moe_layers)
     # response tokens whose own routing differs from the rollout's in some MoE layer *before* the token
     # (a flip at position p changes the log-prob of tokens p+1..; here: any flip at the previous position)
-    idx = torch.as_tensor(moe_layers)
-    own = rec.routed_experts[:, :, idx].sort(-1).values
-    roll = t.routed_experts[:, :, idx].long().sort(-1).values
-    flip_prev = ((own != roll).any(-1).any(-1) & t.routed_experts_mask)
+    same = torch.from_numpy(set_matches(rec.routed_experts, t.routed_experts, layers=moe_layers))  # [B, T, MoE]
+    flip_prev = ~same.all(-1) & t.routed_experts_mask
     flipped = torch.zeros_like(mask)
     flipped[:, 1:] = flip_prev[:, :-1]
     flipped &= mask

@@ -3,13 +3,13 @@
 With ``d = logp_train - logp_rollout`` over response tokens (AReaL PR #1207's set): ``mean|d|``, ``mean d^2``,
 k3 KL ``mean(exp(d) - 1 - d)`` (an estimator of KL(rollout || train)), the fraction of tokens with
 ``|d| > ln 2`` and ``|d| > ln 5``, plus routing agreement: the share of (token, MoE layer) top-k *sets*
-the trainer's own router would have chosen identically. Imports torch (optional extra), never transformers.
+the trainer's own router would have chosen identically (:mod:`rr_client.agreement`). Imports torch (optional
+extra), never transformers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,6 +17,9 @@ try:
     import torch
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("rr_client.metrics needs torch: pip install 'rr-replay[torch]'") from e
+
+# the one implementation (numpy), re-exported for trainers
+from rr_client.agreement import routing_agreement
 
 __all__ = ["R3Metrics", "r3_metrics", "routing_agreement", "token_logprobs"]
 
@@ -71,32 +74,6 @@ def r3_metrics(
         frac_gt_ln5=float((ad > math.log(5)).double().mean()),
         routing_agreement=routing_agreement,
     )
-
-
-def routing_agreement(
-    own: Any, replayed: Any, mask: Any = None, *, layers: Sequence[int] | None = None
-) -> float:
-    """Share of (token, layer) cells whose top-k id *sets* are equal (order inside a set does not matter).
-
-    ``own`` and ``replayed``: ``[..., L, K]`` expert ids (e.g. what ``record_routing`` saw vs. the rollout's);
-    ``mask``: ``[...]`` rows to count (e.g. ``routed_experts_mask`` & response); ``layers``: positions of the
-    layer axis to count (pass the MoE layers with an absolute layer axis: dense layers are zero on both sides).
-    """
-    a, b = _t(own).long(), _t(replayed).long()
-    if a.shape != b.shape:
-        raise ValueError(f"routing shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-    if layers is not None:
-        idx = torch.as_tensor(list(layers), dtype=torch.long)
-        a, b = a.index_select(-2, idx), b.index_select(-2, idx)
-    same = (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)  # [..., L]
-    if mask is not None:
-        m = _t(mask).bool()
-        if m.shape != same.shape[:-1]:
-            raise ValueError(f"mask {tuple(m.shape)} does not match routing rows {tuple(same.shape[:-1])}")
-        same = same[m]
-    if same.numel() == 0:
-        raise ValueError("no (token, layer) cells selected")
-    return float(same.double().mean())
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -104,11 +104,8 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from rr_client.codec import check_payload, encode_routed_experts, expected_rows
-    from rr_server.tiny_moe import (
-        build_tiny_moe,
-        reference_routing,
-        routing_set_agreement,
-    )
+    from rr_client.agreement import count_matches
+    from rr_server.tiny_moe import build_tiny_moe, reference_routing
 
     t0 = time.perf_counter()
     model_dir = build_tiny_moe(args.model_dir, arch=args.arch, num_layers=args.num_layers,
@@ -150,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{r.index:>4}  {r.prompt_tokens:>6}  {r.completion_tokens:>10}  {str(r.finish_reason):<7}  "
                   f"{str(tuple(arr.shape)):<17}  {str(arr.dtype):<6}  {payload:>9}  {int32_b64:>11}")
             ref = reference_routing(model_dir, ids + list(r.output_ids))[:-1]
-            m, t = routing_set_agreement(arr, ref, layers=info.moe_layers)
+            m, t = count_matches(arr, ref, layers=info.moe_layers)
             dense = [i for i in range(info.num_hidden_layers) if i not in info.moe_layers]
             if dense and arr[:, dense, :].any():
                 m = 0  # dense layers must be all zero

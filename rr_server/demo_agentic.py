@@ -86,7 +86,8 @@ def run_agentic(base_url: str, model_dir: str, *, turns: int = 3, batch: int = 4
     from transformers import AutoTokenizer
 
     from rr_client import RoutedExpertsClient, to_tensors
-    from rr_server.tiny_moe import reference_routing, routing_set_agreement
+    from rr_client.agreement import count_matches
+    from rr_server.tiny_moe import reference_routing
 
     tok = AutoTokenizer.from_pretrained(model_dir)
 
@@ -114,7 +115,7 @@ def run_agentic(base_url: str, model_dir: str, *, turns: int = 3, batch: int = 4
         ids = t.input_ids
         got = tensors.routed_experts[i, : len(ids) - 1].numpy()
         ref = reference_routing(model_dir, ids)[:-1]
-        m, n = routing_set_agreement(got, ref, layers=info.moe_layers)
+        m, n = count_matches(got, ref, layers=info.moe_layers)
         match, total = match + m, total + n
     print(f"trajectory routing vs transformers' router top-k over the whole sequence: {match}/{total} = "
           f"{100.0 * match / max(1, total):.2f}%")

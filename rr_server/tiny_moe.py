@@ -18,9 +18,8 @@ __all__ = [
     "ARCHS",
     "build_tiny_moe",
     "moe_layer_indices",
+    "load_model",
     "reference_routing",
-    "routing_set_agreement",
-    "assert_routing_sets_equal",
 ]
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
@@ -244,68 +243,31 @@ def moe_layer_indices(cfg: Any) -> list[int]:
 _MODEL_CACHE: dict[str, Any] = {}
 
 
-def _load_model(model_dir: str) -> Any:
+def load_model(model_dir: str | os.PathLike[str]) -> Any:
     """Load (once per process) a tiny checkpoint in float32 eval mode."""
     import torch
     import transformers
 
-    if model_dir not in _MODEL_CACHE:
+    key = str(Path(model_dir).resolve())
+    if key not in _MODEL_CACHE:
         transformers.utils.logging.disable_progress_bar()
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
         model.eval()
-        _MODEL_CACHE[model_dir] = model
-    return _MODEL_CACHE[model_dir]
+        _MODEL_CACHE[key] = model
+    return _MODEL_CACHE[key]
 
 
 def reference_routing(model_dir: str | os.PathLike[str], token_ids: Sequence[int]) -> np.ndarray:
-    """Transformers' router top-k ids, shape (tokens, num_hidden_layers, topk); dense layers 0."""
-    import torch
+    """Transformers' router top-k ids, shape (tokens, num_hidden_layers, topk); dense layers 0.
 
-    model = _load_model(str(Path(model_dir).resolve()))
+    The doctor's reference (:func:`rr_server.doctor.truth.router_topk`) on the cached float32 CPU model.
+    """
+    from rr_server.doctor.truth import router_forward, router_topk
+
+    model = load_model(model_dir)
     cfg = model.config
-    k = int(cfg.num_experts_per_tok)
-    moe_layers = moe_layer_indices(cfg)
-    ids = torch.tensor([list(token_ids)], dtype=torch.long)
-    with torch.no_grad():
-        out = model(ids, output_router_logits=True)
-    logits = out.router_logits
-    if logits is None or len(logits) != len(moe_layers):
-        got = None if logits is None else len(logits)
-        raise RuntimeError(f"expected {len(moe_layers)} router_logits tensors (MoE layers {moe_layers}), got {got}")
-    result = np.zeros((len(token_ids), int(cfg.num_hidden_layers), k), dtype=np.int64)
-    for layer, lg in zip(moe_layers, logits, strict=True):
-        lg = lg.reshape(-1, lg.shape[-1])[: len(token_ids)]
-        result[:, layer, :] = torch.topk(lg.float(), k, dim=-1).indices.numpy()
-    return result
-
-
-def routing_set_agreement(
-    got: np.ndarray, ref: np.ndarray, layers: Sequence[int] | None = None
-) -> tuple[int, int]:
-    """Count (matching, total) (row, layer) cells whose top-k id SETS agree."""
-    if got.shape != ref.shape:
-        raise ValueError(f"shape mismatch: got {got.shape}, reference {ref.shape}")
-    layer_list = list(range(got.shape[1])) if layers is None else list(layers)
-    g = np.sort(got[:, layer_list, :].astype(np.int64), axis=-1)
-    r = np.sort(ref[:, layer_list, :].astype(np.int64), axis=-1)
-    same = np.all(g == r, axis=-1)
-    return int(same.sum()), int(same.size)
-
-
-def assert_routing_sets_equal(got: np.ndarray, ref: np.ndarray, layers: Sequence[int] | None = None) -> None:
-    """Raise AssertionError naming the first differing (row, layer) when top-k sets differ."""
-    if got.shape != ref.shape:
-        raise AssertionError(f"shape mismatch: got {got.shape}, reference {ref.shape}")
-    layer_list = list(range(got.shape[1])) if layers is None else list(layers)
-    g = np.sort(got[:, layer_list, :].astype(np.int64), axis=-1)
-    r = np.sort(ref[:, layer_list, :].astype(np.int64), axis=-1)
-    bad = np.argwhere(np.any(g != r, axis=-1))
-    if bad.size:
-        row, li = (int(x) for x in bad[0])
-        raise AssertionError(
-            f"{len(bad)} of {g.shape[0] * g.shape[1]} (row, layer) top-k sets differ; first at row {row}, "
-            f"layer {layer_list[li]}: got {sorted(g[row, li].tolist())}, expected {sorted(r[row, li].tolist())}"
-        )
+    _, logits = router_forward(model, token_ids, moe_layer_indices(cfg))
+    return router_topk(logits, int(cfg.num_hidden_layers), int(cfg.num_experts_per_tok))
 
 
 if __name__ == "__main__":  # pragma: no cover - manual helper

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 
 from rr_client import GenerateResult, RoutedExpertsClient, RRError, RRInfo
+from rr_client.agreement import routing_agreement
 from rr_server.doctor.known_bugs import BugStatus, known_bugs_for
 
 __all__ = ["Check", "DoctorReport", "run_doctor", "ROW_AGREEMENT_MIN", "TRUTH_AGREEMENT_MIN"]
@@ -81,9 +82,7 @@ def _agreement(a: np.ndarray, b: np.ndarray, moe_layers: Sequence[int]) -> float
         return 0.0
     if not len(moe_layers) or not a.shape[0]:
         return 1.0
-    sa = np.sort(a[:, list(moe_layers)].astype(np.int64), -1)
-    sb = np.sort(b[:, list(moe_layers)].astype(np.int64), -1)
-    return float(np.all(sa == sb, -1).mean())
+    return routing_agreement(a, b, layers=moe_layers)
 
 
 class _Doctor:

@@ -17,7 +17,8 @@ import pytest
 
 from rr_client import RoutedExpertsClient, TokenMismatchError, to_tensors
 from rr_client.hf_config import load_config, moe_layers_from_config, routing_dims_from_config
-from rr_server.tiny_moe import assert_routing_sets_equal, reference_routing
+from rr_server.tiny_moe import reference_routing
+from tests.support.routing_asserts import assert_routing_sets_equal
 from tests.support.sse import sse_events
 from tests.vllm.test_vllm_e2e import tokenize
 

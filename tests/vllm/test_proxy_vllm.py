@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from rr_client import GenerateResult, RoutedExpertsClient
+from rr_client.agreement import count_matches
 from rr_server.proxy.app import ProxyConfig
-from rr_server.tiny_moe import reference_routing, routing_set_agreement
+from rr_server.tiny_moe import reference_routing
 from tests.support.proxy_harness import SidecarServer
 
 pytestmark = pytest.mark.vllm_server
@@ -45,7 +46,7 @@ def check_against_reference(model_dir: Any, res: GenerateResult, moe: list[int],
     got = res.routed_experts
     dense = [i for i in range(layers) if i not in moe]
     assert not got[:, dense, :].any(), "dense layers must carry zero rows"
-    same, total = routing_set_agreement(got, ref, layers=moe)
+    same, total = count_matches(got, ref, layers=moe)
     return total - same
 
 

@@ -13,8 +13,9 @@ reaches the end of the sequence, and hands back the routing rows the real worker
 ``AuxRequestOutput(emit_start, rows)`` with rows = transformers' router top-k for the not-yet-emitted
 positions ``[emit_start, tokens_forwarded)``, ``emit_start`` beginning at the request's
 ``routed_experts_prompt_start`` (shape ``(rows, num_hidden_layers, topk)``, dense layers zero, uint8/uint16
-as vLLM's capturer). The worker-side capturer itself is NOT exercised; rr's tests check every routing
-value against :func:`rr_server.tiny_moe.reference_routing`.
+as vLLM's capturer), computed by the one reference top-k (:func:`rr_server.doctor.truth.router_topk`). The
+worker-side capturer itself is NOT exercised; rr's tests check every routing value against
+:func:`rr_server.tiny_moe.reference_routing`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import ModelRunnerOutput
 
-from rr_server.tiny_moe import _load_model, moe_layer_indices
+from rr_server.doctor.truth import router_forward, router_topk
+from rr_server.tiny_moe import load_model, moe_layer_indices
 
 _FIRST_ORDINARY_ID = 10  # ids below this are never chosen (special tokens of the tiny tokenizer live there)
 
@@ -50,7 +52,7 @@ class StandInGPUModelRunnerWorker:
     def __init__(self, vllm_config: Any) -> None:
         self.vllm_config = vllm_config
         self.model_dir = str(vllm_config.model_config.model)
-        self.model = _load_model(self.model_dir)
+        self.model = load_model(self.model_dir)
         cfg = self.model.config
         self.num_layers = int(cfg.num_hidden_layers)
         self.topk = int(cfg.num_experts_per_tok)
@@ -111,14 +113,10 @@ class StandInGPUModelRunnerWorker:
     # ---------------------------------------------------------------- one engine step
     def _forward(self, tokens: list[int]) -> tuple[int, np.ndarray]:
         """Greedy next token after ``tokens`` and the router top-k rows of every position."""
-        with torch.no_grad():
-            out = self.model(torch.tensor([tokens], dtype=torch.long), output_router_logits=True)
+        out, router_logits = router_forward(self.model, tokens, self.moe_layers)
         logits = out.logits[0, -1].float().clone()
         logits[self.banned] = float("-inf")
-        rows = np.zeros((len(tokens), self.num_layers, self.topk), dtype=self.dtype)
-        for layer, lg in zip(self.moe_layers, out.router_logits, strict=True):
-            lg = lg.reshape(-1, lg.shape[-1])[: len(tokens)]
-            rows[:, layer, :] = torch.topk(lg.float(), self.topk, dim=-1).indices.numpy().astype(self.dtype)
+        rows = router_topk(router_logits, self.num_layers, self.topk).astype(self.dtype)
         return int(torch.argmax(logits)), rows
 
     def execute_model(self, so: Any) -> ModelRunnerOutput:
