@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import httpx
@@ -55,19 +55,32 @@ class Upstream:
             raise ProxyError(code, "upstream_rejected",
                              f"upstream rejected the request ({path}, HTTP {code}): {response_message(resp, 300)}")
 
+    @contextmanager
+    def _mapped(self, path: str) -> Iterator[None]:
+        """httpx transport failures inside the block -> the sidecar's ProxyError (httpx's ``map_httpcore_exceptions``)."""
+        try:
+            yield
+        except httpx.HTTPError as e:
+            raise upstream_transport_error(self.url, map_httpx_error(e, path)) from None
+
+    @asynccontextmanager
+    async def _exchange(self, path: str) -> AsyncIterator[None]:
+        """One upstream exchange: a concurrency slot, its latency in the metrics, transport failures mapped."""
+        async with self._sem:
+            t0 = time.perf_counter()
+            try:
+                with self._mapped(path):
+                    yield
+            finally:
+                self._metrics.upstream_latency.labels(path).observe(time.perf_counter() - t0)
+
     async def call(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
         """One JSON call; returns the decoded JSON body or raises ProxyError."""
         content = orjson.dumps(body) if body is not None else None
         headers = {"content-type": "application/json"} if content is not None else None
         extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        async with self._sem:
-            t0 = time.perf_counter()
-            try:
-                resp = await self._http.request(method, path, content=content, headers=headers, **extra)
-            except httpx.HTTPError as e:
-                raise upstream_transport_error(self.url, map_httpx_error(e, path)) from None
-            finally:
-                self._metrics.upstream_latency.labels(path).observe(time.perf_counter() - t0)
+        async with self._exchange(path):
+            resp = await self._http.request(method, path, content=content, headers=headers, **extra)
         self._check(resp, path)
         try:
             return orjson.loads(resp.content)
@@ -76,60 +89,39 @@ class Upstream:
 
     async def forward(self, path: str, content: bytes) -> httpx.Response:
         """POST bytes as they came and return the engine's answer whatever its status (pass-through)."""
-        async with self._sem:
-            t0 = time.perf_counter()
-            try:
-                return await self._http.post(path, content=content, headers={"content-type": "application/json"})
-            except httpx.HTTPError as e:
-                raise upstream_transport_error(self.url, map_httpx_error(e, path)) from None
-            finally:
-                self._metrics.upstream_latency.labels(path).observe(time.perf_counter() - t0)
+        async with self._exchange(path):
+            return await self._http.post(path, content=content, headers={"content-type": "application/json"})
 
     @asynccontextmanager
     async def forward_stream(self, path: str, content: bytes) -> AsyncIterator[httpx.Response]:
         """POST bytes and hand back the open streaming answer, whatever its status (pass-through)."""
-        async with self._sem:
-            t0 = time.perf_counter()
-            try:
-                async with self._http.stream("POST", path, content=content,
-                                             headers={"content-type": "application/json"}) as resp:
-                    yield resp
-            except httpx.HTTPError as e:
-                raise upstream_transport_error(self.url, map_httpx_error(e, path)) from None
-            finally:
-                self._metrics.upstream_latency.labels(path).observe(time.perf_counter() - t0)
+        async with self._exchange(path), self._http.stream(
+                "POST", path, content=content, headers={"content-type": "application/json"}) as resp:
+            yield resp
 
     @asynccontextmanager
     async def stream_lines(self, path: str, body: Any) -> AsyncIterator[AsyncIterator[str]]:
         """POST and iterate the answer's lines (SSE); transport failures while reading raise ProxyError."""
-        async with self._sem:
-            t0 = time.perf_counter()
-            try:
-                async with self._http.stream("POST", path, content=orjson.dumps(body),
-                                             headers={"content-type": "application/json"}) as resp:
-                    if resp.status_code >= 400:
-                        await resp.aread()
-                        self._check(resp, path)
-                    yield self._lines(resp, path)
-            except httpx.HTTPError as e:
-                raise upstream_transport_error(self.url, map_httpx_error(e, path)) from None
-            finally:
-                self._metrics.upstream_latency.labels(path).observe(time.perf_counter() - t0)
+        async with self._exchange(path), self._http.stream(
+                "POST", path, content=orjson.dumps(body), headers={"content-type": "application/json"}) as resp:
+            if resp.status_code >= 400:
+                await resp.aread()
+                self._check(resp, path)
+            yield self._lines(resp, path)
 
     async def _lines(self, resp: httpx.Response, path: str) -> AsyncIterator[str]:
         """Lines of a streaming answer, with transport errors mapped."""
-        try:
+        with self._mapped(path):
             async for line in resp.aiter_lines():
                 yield line
-        except httpx.HTTPError as e:
-            raise upstream_transport_error(self.url, map_httpx_error(e, path)) from None
 
     async def healthy(self, timeout: float = 3.0) -> tuple[bool, str]:
         """Probe ``GET /health`` (outside the semaphore, so a busy upstream still reports)."""
         try:
-            resp = await self._http.get("/health", timeout=timeout)
-        except httpx.HTTPError as e:
-            return False, upstream_transport_error(self.url, map_httpx_error(e, "GET /health")).message
+            with self._mapped("GET /health"):
+                resp = await self._http.get("/health", timeout=timeout)
+        except ProxyError as e:
+            return False, e.message
         if resp.status_code != 200:
             return False, f"upstream /health answered HTTP {resp.status_code}: {response_message(resp, 300)}"
         return True, "ok"
