@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -61,55 +61,17 @@ class GenerateBatch:
     def __iter__(self) -> Iterator[GenerateResult]:
         return iter(self.results)
 
-    def to_tensors(
-        self,
-        *,
-        pad_side: Literal["left", "right", "split"] = "left",
-        layout: Literal["token_major", "layer_major"] = "token_major",
-        moe_layers_only: bool = False,
-        pad_token_id: int = 0,
-        pad_to: int | None = None,
-        prompt_length: int | None = None,
-        response_length: int | None = None,
-        pad_experts: Literal["zero", "distinct", "minus_one"] = "zero",
-    ) -> "RoutingTensors":
-        """Pad into trainer-ready torch tensors; see :func:`rr_client.to_tensors`."""
+    def to_tensors(self, **options: Any) -> RoutingTensors:
+        """Pad into trainer-ready torch tensors: :func:`rr_client.to_tensors` of these samples, same options."""
         from rr_client._tensors import to_tensors
 
-        return to_tensors(
-            self.results,
-            self.info,
-            pad_side=pad_side,
-            layout=layout,
-            moe_layers_only=moe_layers_only,
-            pad_token_id=pad_token_id,
-            pad_to=pad_to,
-            prompt_length=prompt_length,
-            response_length=response_length,
-            pad_experts=pad_experts,
-        )
+        return to_tensors(self.results, self.info, **options)
 
-    def to_packed(
-        self,
-        *,
-        moe_layers_only: bool = False,
-        append_row: bool = True,
-        pad_to_multiple_of: int | None = None,
-        pad_token_id: int = 0,
-        pad_experts: Literal["zero", "distinct", "minus_one"] = "zero",
-    ) -> "PackedRouting":
-        """Pack into THD torch tensors; see :func:`rr_client.to_packed`."""
+    def to_packed(self, **options: Any) -> PackedRouting:
+        """Pack into THD torch tensors: :func:`rr_client.to_packed` of these samples, same options."""
         from rr_client._tensors import to_packed
 
-        return to_packed(
-            self.results,
-            self.info,
-            moe_layers_only=moe_layers_only,
-            append_row=append_row,
-            pad_to_multiple_of=pad_to_multiple_of,
-            pad_token_id=pad_token_id,
-            pad_experts=pad_experts,
-        )
+        return to_packed(self.results, self.info, **options)
 
 
 def _int_field(meta: Mapping[str, Any], key: str, where: str) -> int:

@@ -190,17 +190,8 @@ def build_tiny_moe(
     tokenizer = _build_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     pad_id = tokenizer.convert_tokens_to_ids("<|pad|>")
-    cfg = _make_config(
-        arch,
-        vocab_size=len(tokenizer),
-        eos_id=eos_id,
-        pad_id=pad_id,
-        num_layers=num_layers,
-        num_experts=num_experts,
-        topk=topk,
-        mlp_only_layers=spec["mlp_only_layers"],
-        hidden=hidden,
-    )
+    dims = {k: spec[k] for k in ("num_layers", "num_experts", "topk", "mlp_only_layers", "hidden")}
+    cfg = _make_config(arch, vocab_size=len(tokenizer), eos_id=eos_id, pad_id=pad_id, **dims)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _spread_router_weights(model, seed)

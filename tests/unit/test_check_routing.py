@@ -6,15 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from rr_client import errors
 from rr_client.codec import CheckedRouting, check_routing, decode_meta_info, routing_meta_fields
-from rr_client.errors import (
-    ExpertIdOutOfRangeError,
-    MalformedPayloadError,
-    MissingRoutingError,
-    RoutedExpertsError,
-    ShapeMismatchError,
-    UnrecordedRoutingError,
-)
 from rr_client.info import RRInfo
 from tests.support.routing_data import make_routing
 
@@ -75,35 +68,35 @@ def _with(row: int, layer: int, values: list[int]) -> np.ndarray:
     return ids
 
 
-FAILURES: list[tuple[str, object, dict[str, int], type[RoutedExpertsError], str]] = [
-    ("too few rows", good(rows=ROWS - 1), {}, ShapeMismatchError, "5 rows, expected 6"),
-    ("too many rows", good(rows=ROWS + 1), {}, ShapeMismatchError, "7 rows, expected 6"),
-    ("extra row beyond allowance", good(rows=ROWS + 2), {"allow_extra_rows": 1}, ShapeMismatchError, "8 rows"),
-    ("wrong layers", make_routing(ROWS, L + 1, K, 8), {}, ShapeMismatchError, "4 layers"),
-    ("wrong top-k", make_routing(ROWS, L, K + 1, 8, moe_layers=MOE), {}, ShapeMismatchError, "top-k 3"),
-    ("2-D", good().reshape(ROWS, -1), {}, ShapeMismatchError, "3-D"),
-    ("id == num_experts", _with(2, 0, [1, 8]), {}, ExpertIdOutOfRangeError, r"expert id 8 .* outside \[0, 8\)"),
-    ("id > 255 in int32", _with(2, 0, [1, 259]), {}, ExpertIdOutOfRangeError, "259"),
-    ("negative id", _with(2, 2, [-1, 3]), {}, ExpertIdOutOfRangeError, "-1"),
-    ("all-zero MoE row", _with(4, 2, [0, 0]), {}, UnrecordedRoutingError, "row 4 layer 2 has all-zero"),
-    ("repeated ids", _with(1, 0, [5, 5]), {}, UnrecordedRoutingError, "row 1 layer 0 has repeated ids"),
-    ("all-zero payload", np.zeros((ROWS, L, K), np.int32), {}, UnrecordedRoutingError, "all-zero"),
-    ("non-zero dense layer", _with(3, 1, [1, 2]), {}, ShapeMismatchError, "row 3 layer 1 is a dense layer"),
-    ("float ids", good().astype(np.float32), {}, MalformedPayloadError, "integer"),
-    ("not an array", good().tolist(), {}, MalformedPayloadError, "numpy array or torch tensor"),
-    ("negative start", good(), {"start": -1}, ShapeMismatchError, "routed_experts_start"),
+FAILURES: list[tuple[str, object, dict[str, int], type[errors.RoutedExpertsError], str]] = [
+    ("too few rows", good(rows=ROWS - 1), {}, errors.ShapeMismatchError, "5 rows, expected 6"),
+    ("too many rows", good(rows=ROWS + 1), {}, errors.ShapeMismatchError, "7 rows, expected 6"),
+    ("extra row beyond allowance", good(rows=ROWS + 2), {"allow_extra_rows": 1}, errors.ShapeMismatchError, "8 rows"),
+    ("wrong layers", make_routing(ROWS, L + 1, K, 8), {}, errors.ShapeMismatchError, "4 layers"),
+    ("wrong top-k", make_routing(ROWS, L, K + 1, 8, moe_layers=MOE), {}, errors.ShapeMismatchError, "top-k 3"),
+    ("2-D", good().reshape(ROWS, -1), {}, errors.ShapeMismatchError, "3-D"),
+    ("id == num_experts", _with(2, 0, [1, 8]), {}, errors.ExpertIdOutOfRangeError, r"expert id 8 .* outside \[0, 8\)"),
+    ("id > 255 in int32", _with(2, 0, [1, 259]), {}, errors.ExpertIdOutOfRangeError, "259"),
+    ("negative id", _with(2, 2, [-1, 3]), {}, errors.ExpertIdOutOfRangeError, "-1"),
+    ("all-zero MoE row", _with(4, 2, [0, 0]), {}, errors.UnrecordedRoutingError, "row 4 layer 2 has all-zero"),
+    ("repeated ids", _with(1, 0, [5, 5]), {}, errors.UnrecordedRoutingError, "row 1 layer 0 has repeated ids"),
+    ("all-zero payload", np.zeros((ROWS, L, K), np.int32), {}, errors.UnrecordedRoutingError, "all-zero"),
+    ("non-zero dense layer", _with(3, 1, [1, 2]), {}, errors.ShapeMismatchError, "row 3 layer 1 is a dense layer"),
+    ("float ids", good().astype(np.float32), {}, errors.MalformedPayloadError, "integer"),
+    ("not an array", good().tolist(), {}, errors.MalformedPayloadError, "numpy array or torch tensor"),
+    ("negative start", good(), {"start": -1}, errors.ShapeMismatchError, "routed_experts_start"),
 ]
 
 
 @pytest.mark.parametrize("name,value,kw,err,msg", FAILURES, ids=[f[0] for f in FAILURES])
 def test_each_failure_raises_its_typed_error(name: str, value: object, kw: dict[str, int],
-                                             err: type[RoutedExpertsError], msg: str) -> None:
+                                             err: type[errors.RoutedExpertsError], msg: str) -> None:
     with pytest.raises(err, match=msg):
         check_routing(value, info(), rows=ROWS, **kw)
 
 
 def test_missing_routing() -> None:
-    with pytest.raises(MissingRoutingError, match="no routing"):
+    with pytest.raises(errors.MissingRoutingError, match="no routing"):
         check_routing(None, info(), rows=ROWS)
 
 

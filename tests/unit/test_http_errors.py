@@ -5,17 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from rr_client import errors
 from rr_client.http_errors import error_for_status, map_httpx_error, response_message
-from rr_client.errors import (
-    AuthenticationError,
-    ConnectError,
-    ConnectionLostError,
-    RequestRejectedError,
-    RequestTimeoutError,
-    RRError,
-    ServerError,
-    TransportError,
-)
 from rr_server.proxy.errors import upstream_transport_error
 
 REQ = httpx.Request("POST", "http://127.0.0.1:1/generate")
@@ -27,16 +18,17 @@ def _resp(status: int, body: object = None, text: str | None = None) -> httpx.Re
     return httpx.Response(status, json=body if body is not None else {"message": f"status {status}"}, request=REQ)
 
 
-@pytest.mark.parametrize("status,err", [(401, AuthenticationError), (403, AuthenticationError),
-                                        (404, RequestRejectedError), (400, RequestRejectedError),
-                                        (422, RequestRejectedError), (500, ServerError), (503, ServerError)])
-def test_error_for_status(status: int, err: type[RRError]) -> None:
+@pytest.mark.parametrize("status,err", [
+    (401, errors.AuthenticationError), (403, errors.AuthenticationError), (404, errors.RequestRejectedError),
+    (400, errors.RequestRejectedError), (422, errors.RequestRejectedError), (500, errors.ServerError),
+    (503, errors.ServerError)])
+def test_error_for_status(status: int, err: type[errors.RRError]) -> None:
     e = error_for_status(_resp(status, {"error": {"message": "engine says no"}}), "POST /generate")
     assert type(e) is err
     assert e.status_code == status  # type: ignore[union-attr]
     assert str(e).startswith(f"POST /generate: HTTP {status}: engine says no")
-    if err is AuthenticationError:
-        assert isinstance(e, RequestRejectedError)  # never retried, like every 4xx
+    if err is errors.AuthenticationError:
+        assert isinstance(e, errors.RequestRejectedError)  # never retried, like every 4xx
         assert "API key" in str(e)
 
 
@@ -46,17 +38,17 @@ def test_error_for_status_none_below_400(status: int) -> None:
 
 
 @pytest.mark.parametrize("exc,err,words", [
-    (httpx.ConnectError("refused"), ConnectError, "unreachable"),
-    (httpx.ConnectTimeout("slow connect"), ConnectError, "unreachable"),  # a connect timeout is unreachable
-    (httpx.ReadTimeout("slow answer"), RequestTimeoutError, "timed out"),
-    (httpx.WriteTimeout("slow send"), RequestTimeoutError, "timed out"),
-    (httpx.PoolTimeout("pool"), RequestTimeoutError, "timed out"),
-    (httpx.RemoteProtocolError("peer closed connection"), ConnectionLostError, "connection lost"),
-    (httpx.ReadError("reset by peer"), ConnectionLostError, "connection lost"),
+    (httpx.ConnectError("refused"), errors.ConnectError, "unreachable"),
+    (httpx.ConnectTimeout("slow connect"), errors.ConnectError, "unreachable"),  # a connect timeout is unreachable
+    (httpx.ReadTimeout("slow answer"), errors.RequestTimeoutError, "timed out"),
+    (httpx.WriteTimeout("slow send"), errors.RequestTimeoutError, "timed out"),
+    (httpx.PoolTimeout("pool"), errors.RequestTimeoutError, "timed out"),
+    (httpx.RemoteProtocolError("peer closed connection"), errors.ConnectionLostError, "connection lost"),
+    (httpx.ReadError("reset by peer"), errors.ConnectionLostError, "connection lost"),
 ])
-def test_map_httpx_error(exc: httpx.HTTPError, err: type[TransportError], words: str) -> None:
+def test_map_httpx_error(exc: httpx.HTTPError, err: type[errors.TransportError], words: str) -> None:
     e = map_httpx_error(exc, "POST /generate")
-    assert type(e) is err and isinstance(e, TransportError)
+    assert type(e) is err and isinstance(e, errors.TransportError)
     assert str(e).startswith(f"POST /generate: {words} ({type(exc).__name__}: ")
 
 
