@@ -1,7 +1,7 @@
 # One command each: `make demo` (set up + main job), `make test` (set up + every test).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-core test-fast test-sglang test-vllm032 bench clean
+.PHONY: setup demo test test-core test-fast test-sglang test-vllm-standin bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -19,11 +19,12 @@ test-fast: setup
 test-sglang: setup
 	bash scripts/test_sglang.sh
 
-# vLLM 0.31, 0.32 and 0.33 real code in .venvs/vllm-0.31, -0.32, -0.33 (scripts/setup_vllm032.sh): version gate, launcher, endpoint plugin
-test-vllm032: setup
-	bash scripts/test_vllm032.sh
+# vLLM 0.31, 0.32 and 0.33 real code with a stand-in GPU model runner, in .venvs/vllm-0.31, -0.32, -0.33
+# (scripts/setup_vllm_standin.sh): version gate, launcher, endpoint plugin, tests/vllm_standin
+test-vllm-standin: setup
+	bash scripts/test_vllm_standin.sh
 
-test: test-core test-sglang test-vllm032
+test: test-core test-sglang test-vllm-standin
 
 bench: setup
 	$(PY) benchmarks/codec.py

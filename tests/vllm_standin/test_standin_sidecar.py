@@ -1,5 +1,5 @@
-"""The rr sidecar in front of vLLM 0.32's real API server (stand-in GPU model runner, see conftest): the
-sidecar reads 0.32's ``choices[].routed_experts`` from ``/v1/completions``, checks it and re-encodes it.
+"""The rr sidecar in front of vLLM 0.31-0.33's real API server (stand-in GPU model runner, see conftest): the
+sidecar reads ``choices[].routed_experts`` from ``/v1/completions``, checks it and re-encodes it.
 Every routing value is checked against transformers' router top-k.
 """
 
@@ -15,8 +15,8 @@ import pytest
 from rr_client import RoutedExpertsClient
 from rr_server.proxy.app import ProxyConfig
 from tests.support.proxy_harness import SidecarServer
-from tests.vllm032.conftest import HAVE
-from tests.vllm032.test_vllm032_standin_server import (
+from tests.vllm_standin.conftest import HAVE
+from tests.vllm_standin.test_standin_server import (
     PROMPTS,
     check_item,
     check_rows,
@@ -30,7 +30,7 @@ def sidecar(server: Any) -> Iterator[SidecarServer]:
         yield sc
 
 
-def test_sidecar_info_names_vllm_032(sidecar: SidecarServer) -> None:
+def test_sidecar_info_names_the_vllm_version(sidecar: SidecarServer) -> None:
     info = httpx.get(sidecar.url + "/rr/info", timeout=30).json()
     assert info["engine_version"] == HAVE and info["sidecar"] is True
     assert (info["num_hidden_layers"], info["num_experts"], info["topk"], info["moe_layers"]) == (3, 8, 2, [0, 2])
