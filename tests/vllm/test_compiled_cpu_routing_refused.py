@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rr_client import MissingRoutingError, RoutedExpertsClient
+from rr_client import RoutedExpertsClient, UnrecordedRoutingError
 from rr_server.launch_vllm import CPU_KV_CACHE_BYTES, build_command
 from tests.support.vllm_process import VLLMProcess, server_args
 
@@ -58,7 +58,7 @@ def test_client_raises_on_the_refused_sample(compiled_server: CompiledCPUServer)
         async with RoutedExpertsClient(compiled_server.base_url) as c:
             await c.generate([[5, 6, 7, 8]], {"max_new_tokens": 3, "ignore_eos": True})
 
-    with pytest.raises(MissingRoutingError, match="UnrecordedRoutingError"):
+    with pytest.raises(UnrecordedRoutingError, match="withheld routed_experts: UnrecordedRoutingError"):
         asyncio.run(run())
 
 
@@ -70,5 +70,5 @@ def test_doctor_fails_naming_the_all_zero_rows(compiled_server: CompiledCPUServe
     rc = cli(["doctor", compiled_server.base_url, "--model-path", str(compiled_server.model_dir)])
     out = capsys.readouterr().out.splitlines()
     assert rc == 1 and out[0].startswith("FAIL")
-    assert out[1].startswith("  FAIL single: MissingRoutingError") and "UnrecordedRoutingError" in out[1]
+    assert out[1].startswith("  FAIL single: UnrecordedRoutingError") and "all-zero" in out[1]
     assert "all-zero" in out[1]
