@@ -17,8 +17,10 @@ Imports nothing heavy. The hierarchy::
     ├── ServerError                       5xx (after retries)
     ├── RequestRejectedError              4xx with the server's message (never retried)
     │   └── AuthenticationError           401 / 403: missing or wrong API key
-    └── ProtocolError                     2xx but not the protocol
-        └── ReplicaMismatchError          replicas of one client serve different models / routing dims
+    ├── ProtocolError                     2xx but not the protocol
+    │   └── ReplicaMismatchError          replicas of one client serve different models / routing dims
+    └── ReplayError                       replay/recording in the trainer did not (provably) take effect
+        └── UnsupportedModelError (TypeError)  a model family or router rr cannot replay exactly, with the reason
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ __all__ = [
     "AuthenticationError",
     "ProtocolError",
     "ReplicaMismatchError",
+    "ReplayError",
+    "UnsupportedModelError",
 ]
 
 
@@ -127,3 +131,21 @@ class ProtocolError(RRError):
 
 class ReplicaMismatchError(ProtocolError):
     """The replicas given to one client do not serve the same model (their ``/rr/info`` disagree)."""
+
+
+class ReplayError(RRError):
+    """Routing cannot be replayed or recorded correctly on this model, or the replay audit found that it was not.
+
+    Raised by :mod:`rr_client.replay`: an orphan router (in the model, never ran), replayed rows no router
+    consumed, replayed ids that did not reach the experts, a checkpointed forward left without its backward.
+    ``report`` holds the audit's numbers when the audit raised it (else None).
+    """
+
+    def __init__(self, message: str, *, report: dict | None = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class UnsupportedModelError(ReplayError, TypeError):
+    """A model family or router rr cannot replay exactly (named, with the reason), or a kernel that replaces
+    the whole MoE block so its router never runs."""
