@@ -1,0 +1,184 @@
+"""Every supported MoE family replays on a tiny random model; every refused one is refused with its reason;
+docs/replay-coverage.md equals what the code generates and lists every MoE family of the installed transformers."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+
+from rr_client.replay import UnsupportedModelError, coverage, find_routers, replay_routing, survey
+from rr_client.replay.coverage import FAMILY_ROUTERS, REFUSED, TESTED, coverage_markdown, installed_moe_families
+
+from .tiny_families import VOCAB, forward, tiny_family_model
+
+B, T = 2, 5
+SUPPORTED = sorted(f.model_type for f in coverage() if f.status == "supported")
+REFUSED_FAMILIES = sorted(f.model_type for f in coverage() if f.status == "refused")
+_MODELS: dict[str, Any] = {}
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def model_for(mt: str) -> Any:
+    if mt not in _MODELS:
+        _MODELS[mt] = tiny_family_model(mt)
+    m = _MODELS[mt]
+    m.eval()
+    m.zero_grad(set_to_none=True)
+    m.gradient_checkpointing_disable()
+    return m
+
+
+def ids() -> torch.Tensor:
+    return torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(3))
+
+
+class Spy:
+    """Independent of rr's hooks: what each MoE layer's router returned and what its experts received."""
+
+    def __init__(self, model: Any) -> None:
+        self.router: dict[int, torch.Tensor] = {}
+        self.experts: dict[int, torch.Tensor] = {}
+        self.handles = []
+        for r in find_routers(model):
+            self.handles.append(r.module.register_forward_hook(
+                lambda _m, _a, out, i=r.layer: self.router.__setitem__(i, out[2].detach().clone())))
+            self.handles.append(r.block.experts.register_forward_pre_hook(
+                lambda _m, a, i=r.layer: self.experts.__setitem__(i, a[1].detach().clone())))
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def dims(model: Any) -> tuple[int, int, int, list[int]]:
+    routers = find_routers(model)
+    n = int(model.config.get_text_config().num_hidden_layers)
+    return n, routers[0].top_k, routers[0].num_experts, [r.layer for r in routers]
+
+
+def own_choice(model: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k, _, moe = dims(model)
+    spy = Spy(model)
+    try:
+        with torch.no_grad():
+            out = forward(model, x)
+    finally:
+        spy.close()
+    routing = torch.zeros(B * T, n, k, dtype=torch.long)
+    for layer, got in spy.router.items():
+        routing[:, layer] = got
+    assert sorted(spy.router) == moe
+    return out, routing.reshape(B, T, n, k)
+
+
+def other_ids(model: Any, seed: int) -> torch.Tensor:
+    n, k, e, moe = dims(model)
+    g = torch.Generator().manual_seed(seed)
+    out = torch.zeros(B * T, n, k, dtype=torch.long)
+    for layer in moe:
+        out[:, layer] = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(B * T)])
+    return out.reshape(B, T, n, k)
+
+
+def test_coverage_lists_every_installed_moe_family_and_the_doc_is_generated() -> None:
+    assert installed_moe_families() == sorted(FAMILY_ROUTERS)
+    assert TESTED <= set(FAMILY_ROUTERS) and not TESTED & set(REFUSED)
+    assert (ROOT / "docs" / "replay-coverage.md").read_text(encoding="utf-8") == coverage_markdown()
+    named = {"qwen3_5_moe", "glm4_moe_lite", "minimax_m2", "deepseek_v32", "deepseek_v4", "ernie4_5_moe",
+             "hunyuan_v1_moe", "llama4", "dbrx", "granitemoe"}
+    status = {f.model_type: f for f in coverage()}
+    for mt in named:  # supported, or refused with a reason
+        assert status[mt].status == "supported" or len(status[mt].reason) > 40, mt
+
+
+@pytest.mark.parametrize("mt", SUPPORTED)
+def test_own_choice_replayed_reproduces_output_and_audit_is_100(mt: str) -> None:
+    model = model_for(mt)
+    x = ids()
+    out, routing = own_choice(model, x)
+    with torch.no_grad(), replay_routing(model, routing, audit=True) as rep:
+        again = forward(model, x)
+    assert torch.equal(again, out)
+    assert rep["r3/applied_share"] == 1.0 and rep["r3/agreement"] == 1.0
+    assert rep["r3/replayed_rows"] == B * T * len(dims(model)[3])
+
+
+@pytest.mark.parametrize("mt", SUPPORTED)
+def test_other_ids_run_exactly_those_experts(mt: str) -> None:
+    model = model_for(mt)
+    x = ids()
+    out, _ = own_choice(model, x)
+    forced = other_ids(model, 5)
+    n, k, _, moe = dims(model)
+    spy = Spy(model)
+    try:
+        with torch.no_grad(), replay_routing(model, forced, audit=True) as rep:
+            changed = forward(model, x)
+    finally:
+        spy.close()
+    assert not torch.equal(changed, out)
+    assert rep["r3/applied_share"] == 1.0
+    flat = forced.reshape(-1, n, k)
+    for layer in moe:
+        assert torch.equal(spy.experts[layer], flat[:, layer]), layer
+
+
+def _grads(model: Any, x: torch.Tensor, routing: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with replay_routing(model, routing):
+        out = forward(model, x)
+        torch.log_softmax(out, -1)[..., 5].sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("mt", SUPPORTED)
+def test_router_grad_and_checkpointing(mt: str) -> None:
+    model = model_for(mt)
+    x = ids()
+    routing = other_ids(model, 11)
+    model.train()
+    try:
+        plain = _grads(model, x, routing)
+        for r in find_routers(model):
+            g = [plain.get(f"{r.name}.{n}") for n, p in r.module.named_parameters() if p.dim() == 2]
+            assert any(t is not None and t.abs().sum() > 0 for t in g), r.name
+        model.gradient_checkpointing_enable()
+        ckpt = _grads(model, x, routing)
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+    assert plain.keys() == ckpt.keys()
+    for n in plain:
+        assert torch.equal(plain[n], ckpt[n]), n
+
+
+def test_deepseek_v4_hash_layers_are_left_to_the_model() -> None:
+    model = model_for("deepseek_v4")
+    routers, left = survey(model)
+    hashed = [x.layer for x in left if x.why == "hash"]
+    assert hashed and not set(hashed) & {r.layer for r in routers}
+    x = ids()
+    _, routing = own_choice(model, x)
+    with torch.no_grad(), replay_routing(model, routing, audit=True) as rep:
+        forward(model, x)
+    assert rep["r3/left_layers_hash"] == len(hashed)
+    assert all(f"r3/layer{h}/left_rows_hash" in rep for h in hashed)
+
+
+@pytest.mark.parametrize("mt", [m for m in REFUSED_FAMILIES if FAMILY_ROUTERS[m]])
+def test_refused_family_is_refused_with_its_reason(mt: str) -> None:
+    from rr_client.replay._core import survey as _survey
+
+    reason = next(f.reason for f in coverage() if f.model_type == mt)
+    router_cls = FAMILY_ROUTERS[mt][0]
+    fake = torch.nn.Module()
+    fake.config = None
+    fake.layers = torch.nn.ModuleList([torch.nn.Module()])
+    fake.layers[0].mlp = torch.nn.Module()
+    fake.layers[0].mlp.gate = type(router_cls, (torch.nn.Module,), {})()  # a module of the refused class' name
+    with pytest.raises(UnsupportedModelError) as e:
+        _survey(fake)
+    assert mt in str(e.value) and reason in str(e.value)
