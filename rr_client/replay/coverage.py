@@ -131,7 +131,7 @@ TESTED: frozenset[str] = frozenset({
 })
 
 UNTESTED_REASON = ("the router's weight formula is in rr but no tiny {family} model has passed rr's replay tests "
-                   "yet (it needs a multimodal or per-layer config); pass allow_untested=True to replay it (the bit-"
+                   "yet (its tiny config does not build in rr's test harness: multimodal, MLA or per-layer configs); pass allow_untested=True to replay it (the bit-"
                    "for-bit formula check still runs at every forward)")
 
 NOTES: dict[str, str] = {
