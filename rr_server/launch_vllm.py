@@ -1,7 +1,8 @@
 """``rr-server launch vllm ...``: start vLLM's OpenAI API server with the rr plugin switched on.
 
 Adds ``--enable-return-routed-experts``, checks the vLLM version, corrects the CPU settings
-known to return all-zero routing, and forwards Ctrl-C/SIGTERM to the whole process group.
+known to return all-zero routing, and forwards Ctrl-C/SIGTERM to the whole process group. The engine lives
+and dies with the launcher, SIGKILL included (:mod:`rr_server.lifeline`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
+from rr_server import lifeline
 from rr_server.serving.vllm_facts import UnsupportedVLLMVersion, check_vllm_version, facts_for, installed_version
 
 __all__ = ["main", "build_command", "is_cpu_platform", "SERVE_ONLY_FLAGS"]
@@ -212,7 +214,9 @@ def main(argv: list[str]) -> int:
     if allow:
         env["RR_ALLOW_UNSUPPORTED_VERSION"] = "1"
     logger.info("rr: vLLM %s: %s", version, " ".join(cmd[1:]))
+    guard = lifeline.start()  # the engine dies with this process, even by SIGKILL (rr_server.lifeline)
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    guard.guard(proc.pid)
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         try:
@@ -230,6 +234,7 @@ def main(argv: list[str]) -> int:
             os.killpg(proc.pid, signal.SIGKILL)  # stragglers (engine core/workers), if any
         except ProcessLookupError:
             pass
+        guard.release()
     return 128 + (-rc) if rc < 0 else rc
 
 
