@@ -32,6 +32,7 @@ from rr_client.errors import (
     MalformedPayloadError,
     MissingRoutingError,
     ProtocolError,
+    ReplayError,
     ReplicaMismatchError,
     RequestRejectedError,
     RequestTimeoutError,
@@ -42,6 +43,7 @@ from rr_client.errors import (
     TokenMismatchError,
     TransportError,
     UnrecordedRoutingError,
+    UnsupportedModelError,
 )
 from rr_client.hf_config import load_config, moe_layers_from_config, routing_dims_from_config
 from rr_client.info import RRInfo
@@ -86,7 +88,7 @@ __all__ = [
     "ExpertIdOutOfRangeError", "UnrecordedRoutingError", "MissingRoutingError", "TokenMismatchError",
     "TransportError", "ConnectError", "RequestTimeoutError", "ConnectionLostError",
     "ServerError", "RequestRejectedError", "AuthenticationError", "ProtocolError",
-    "ReplicaMismatchError",
+    "ReplicaMismatchError", "ReplayError", "UnsupportedModelError",
     "RRInfo", "load_config", "moe_layers_from_config", "routing_dims_from_config",
     "__version__",
 ]
