@@ -1,1 +1,1 @@
-"""rr package."""
+"""rr's engine adapters: the vLLM plugin (``rr_patches.vllm``) and the SGLang patch (``rr_patches.sglang``)."""

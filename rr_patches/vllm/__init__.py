@@ -1,1 +1,1 @@
-"""rr package."""
+"""rr's vLLM plugin: ``/generate``, ``/rr/info`` and rr's fields on the OpenAI endpoints, through vLLM's plugin hooks."""
