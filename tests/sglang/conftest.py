@@ -33,6 +33,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Without SGLang (the main venv), deselect the tests that need it; with it, run everything."""
     if HAVE is None:
         deselect(config, items, lambda i: i.get_closest_marker("sglang") is not None)
+        return
+
+    def other_release(item: pytest.Item) -> bool:
+        """``@pytest.mark.sglang_releases(...)``: a slow test whose SGLang code is the same in every release runs on
+        the releases it names (the oldest and newest), not 17 times."""
+        marker = item.get_closest_marker("sglang_releases")
+        return marker is not None and HAVE not in marker.args
+
+    deselect(config, items, other_release)
 
 
 @pytest.fixture(scope="session")
