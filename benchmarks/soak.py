@@ -7,7 +7,7 @@ clients that disconnect mid-request. Every answer passes the client's full check
 with transformers' router top-k (sets per row and MoE layer). Resident memory of each server's process tree is
 read at start, after warm-up and at the end.
 
-    python benchmarks/soak.py --requests 2000 --concurrency 16 --prompt-tokens 2048
+    python benchmarks/soak.py --requests 2000 --concurrency 16 --prompt-tokens 1536
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -45,6 +44,7 @@ class SoakReport:
     ok: int = 0
     disconnected: int = 0
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    first_error: dict[str, str] = field(default_factory=dict)  # the first message of each error type, to diagnose
     checked_rows: int = 0
     mismatched_sets: int = 0
     hung: int = 0
@@ -156,8 +156,13 @@ async def soak(url: str, model_dir: Path, *, target: str, requests: int, concurr
                     work.cancel()
                 except RRError as e:
                     report.errors[type(e).__name__] += 1
+                    report.first_error.setdefault(type(e).__name__, f"request {i}: {e}")
                 except Exception as e:  # noqa: BLE001 - counted by type: the soak's goal is 0 of them
+                    import traceback
+
                     report.errors[f"untyped {type(e).__name__}"] += 1
+                    report.first_error.setdefault(f"untyped {type(e).__name__}",
+                                                  f"request {i} (kind {i % 4}): " + traceback.format_exc(limit=-4))
 
         await asyncio.gather(*(unit(i) for i in range(warmup)))
         report.rss_mb["warm-up"] = rss()
@@ -240,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=2000, help="per target, after the warm-up")
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--prompt-tokens", type=int, default=1536)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--disconnect-every", type=int, default=25)
     p.add_argument("--check-every", type=int, default=10, help="compare every Nth answer with transformers")
@@ -251,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     from rr_server.tiny_moe import build_tiny_moe
 
     model = build_tiny_moe(a.model_dir, **MODEL_SPEC)  # type: ignore[arg-type]
-    targets = Targets(model, a.prompt_tokens * 2 + 64, REPO / ".cache" / "soak-logs")
+    if a.prompt_tokens + 2 * a.max_new_tokens + 16 > 2048:
+        p.error("--prompt-tokens: the tiny model has 2048 positions (prompt + new tokens must fit)")
+    targets = Targets(model, 2048, REPO / ".cache" / "soak-logs")
     reports = []
     try:
         targets.wait()
@@ -269,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.concurrency}; every {a.disconnect_every}th client leaves mid-request; every {a.check_every}th answer vs "
           f"transformers; {os.cpu_count()} CPUs\n")
     print(table(reports))
+    for r in reports:
+        for kind, msg in r.first_error.items():
+            print(f"\n{r.target}: first {kind}:\n{msg}")
     bad = sum(sum(r.errors.values()) + r.mismatched_sets + r.hung for r in reports)
     return 1 if bad else 0
 

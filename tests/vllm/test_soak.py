@@ -52,7 +52,7 @@ def test_short_soak(targets: Any, which: str) -> None:
                                    prompt_tokens=768, max_new=8, disconnect_every=10, check_every=4, timeout=120,
                                    warmup=16))
     assert report.requests == 176
-    assert dict(report.errors) == {} and report.hung == 0
+    assert dict(report.errors) == {} and report.hung == 0, report.first_error
     assert report.disconnected >= 10 and report.ok + report.disconnected == report.requests
     assert report.checked_rows > 0 and report.mismatched_sets == 0
     assert SOAK.table([report]).count("\n") == 2
