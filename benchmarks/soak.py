@@ -7,7 +7,13 @@ clients that disconnect mid-request. Every answer passes the client's full check
 with transformers' router top-k (sets per row and MoE layer). Resident memory of each server's process tree is
 read at start, after warm-up and at the end.
 
-    python benchmarks/soak.py --requests 2000 --concurrency 16 --prompt-tokens 1536
+    python benchmarks/soak.py --requests 2000 --concurrency 16 --tokens 3072 --duration-limit 600
+
+The tiny model uses RoPE, so its checkpoint's position limit is raised (:func:`soak_model`) to let prompts of
+several thousand tokens through (``--max-model-len``, default 8192). A (row, MoE layer) whose top-k set differs from
+transformers' counts as a mismatch unless it is a near-tie: every expert vLLM chose has a transformers router
+probability within ``rr_server.doctor.truth.NEAR_TIE`` of the k-th largest (the doctor's own rule); those are
+counted apart, with their largest gap.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -27,12 +34,25 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from rr_client import RoutedExpertsClient  # noqa: E402
-from rr_client.agreement import count_matches  # noqa: E402
-from rr_client.errors import RRError  # noqa: E402
+from rr_client import RoutedExpertsClient
+from rr_client.errors import RRError
 
-MODEL_SPEC = dict(arch="qwen3_moe", num_layers=3, num_experts=16, topk=4, mlp_only_layers=(1,))
+MODEL_SPEC = {"arch": "qwen3_moe", "num_layers": 3, "num_experts": 16, "topk": 4, "mlp_only_layers": (1,)}
 MOE_LAYERS = [0, 2]
+
+
+def soak_model(model_dir: str | Path, positions: int = 8192) -> Path:
+    """The soak's tiny Qwen3-MoE (``MODEL_SPEC``), with its position limit raised to ``positions`` (RoPE: no table)."""
+    from rr_server.tiny_moe import build_tiny_moe
+
+    out = build_tiny_moe(model_dir, **MODEL_SPEC)  # type: ignore[arg-type]
+    for name, key in (("config.json", "max_position_embeddings"), ("tokenizer_config.json", "model_max_length")):
+        path = out / name
+        cfg = json.loads(path.read_text())
+        if cfg.get(key) != positions:
+            cfg[key] = positions
+            path.write_text(json.dumps(cfg, indent=2))
+    return out
 
 
 @dataclass
@@ -46,16 +66,31 @@ class SoakReport:
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
     first_error: dict[str, str] = field(default_factory=dict)  # the first message of each error type, to diagnose
     checked_rows: int = 0
-    mismatched_sets: int = 0
+    mismatched_sets: int = 0  # beyond near-ties, plus every row missing or extra (partial routing)
+    near_ties: int = 0  # differing sets where vLLM's choice is a top-k within NEAR_TIE of transformers' k-th
+    max_tie_gap: float = 0.0
+    first_mismatch: str = ""
     hung: int = 0
     seconds: float = 0.0
-    rss_mb: dict[str, float] = field(default_factory=dict)
+    stopped_at_limit: bool = False
+    rss_mb: dict[str, dict[str, float]] = field(default_factory=dict)  # process -> stage -> MiB
+    samples: list[tuple[int, float]] = field(default_factory=list)  # (units done, total MiB) during the run
+
+    def total_rss(self, stage: str) -> float:
+        """All of the target's processes at ``stage`` (MiB)."""
+        return sum(v.get(stage, 0.0) for v in self.rss_mb.values())
+
+    def growth(self, proc: str | None = None) -> float:
+        """Resident memory growth from after warm-up to the end, in % (all processes, or one)."""
+        if proc is None:
+            warm, end = self.total_rss("warm-up"), self.total_rss("end")
+        else:
+            warm, end = self.rss_mb[proc].get("warm-up", 0.0), self.rss_mb[proc].get("end", 0.0)
+        return 100.0 * (end - warm) / warm if warm and end else float("nan")
 
     @property
     def growth_pct(self) -> float:
-        """Resident memory growth from after warm-up to the end, in %."""
-        warm, end = self.rss_mb.get("warm-up"), self.rss_mb.get("end")
-        return 100.0 * (end - warm) / warm if warm and end else float("nan")
+        return self.growth()
 
 
 def tree_rss_mb(pid: int) -> float:
@@ -88,17 +123,70 @@ class Checker:
 
     def __init__(self, model_dir: Path, every: int) -> None:
         self.model_dir, self.every, self.n = model_dir, every, 0
+        self.lock = asyncio.Lock()  # one transformers forward at a time (2 threads racing transformers' lazy
+        # imports once raised AttributeError: module 'transformers' has no attribute 'AutoModelForCausalLM')
+
+    async def load(self) -> None:
+        """Load the transformers model once, before any request (in a worker thread)."""
+        from rr_server.tiny_moe import load_model
+
+        await asyncio.to_thread(load_model, self.model_dir)
 
     async def check(self, report: SoakReport, tokens: list[int], routing: np.ndarray | None) -> None:
+        """Every ``every``-th answer: its rows (one per token but the last) against transformers' router."""
         self.n += 1
         if routing is None or self.n % self.every:
             return
-        from rr_server.tiny_moe import reference_routing
+        async with self.lock:
+            rows, bad, ties, gap, first = await asyncio.to_thread(compare_with_transformers, self.model_dir, tokens,
+                                                                  routing)
+        report.checked_rows += rows
+        report.mismatched_sets += bad
+        report.near_ties += ties
+        report.max_tie_gap = max(report.max_tie_gap, gap)
+        if first and not report.first_mismatch:
+            report.first_mismatch = first
 
-        ref = await asyncio.to_thread(reference_routing, self.model_dir, tokens[:-1])
-        same, total = count_matches(routing, ref[: routing.shape[0]], layers=MOE_LAYERS)
-        report.checked_rows += routing.shape[0]
-        report.mismatched_sets += total - same + abs(ref.shape[0] - routing.shape[0]) * len(MOE_LAYERS)
+
+def compare_with_transformers(model_dir: Path, tokens: list[int], routing: np.ndarray
+                              ) -> tuple[int, int, int, float, str]:
+    """``(rows, mismatched sets, near-ties, largest near-tie gap, first mismatch)`` of ``routing`` for ``tokens``.
+
+    ``routing`` must have exactly ``len(tokens) - 1`` rows: each missing or extra row counts as a mismatch on
+    every MoE layer (partial routing). A differing set is a near-tie when every expert it holds has a transformers
+    router probability within ``NEAR_TIE`` of the k-th largest (vLLM's batched forward may break such a tie the
+    other way); anything else is a mismatch.
+    """
+    import torch
+
+    from rr_server.doctor.truth import NEAR_TIE, router_forward
+    from rr_server.tiny_moe import load_model
+
+    want = len(tokens) - 1
+    bad = abs(routing.shape[0] - want) * len(MOE_LAYERS)
+    n = min(routing.shape[0], want)
+    _, logits = router_forward(load_model(model_dir), tokens[:n], MOE_LAYERS)
+    ties, gap, first = 0, 0.0, ""
+    for layer in MOE_LAYERS:
+        probs = torch.softmax(logits[layer], -1).numpy()
+        k = routing.shape[2]
+        kth = np.sort(probs, axis=-1)[:, ::-1][:, k - 1]
+        ref = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+        got = routing[:n, layer, :].astype(np.int64)
+        differ = np.any(np.sort(got, -1) != np.sort(ref, -1), axis=-1)
+        for row in np.flatnonzero(differ):
+            chosen = probs[row, got[row]]
+            worst = float(kth[row] - chosen.min())
+            if got[row].min() >= 0 and got[row].max() < probs.shape[1] and len(set(got[row].tolist())) == k \
+                    and worst < NEAR_TIE:
+                ties += 1
+                gap = max(gap, worst)
+            else:
+                bad += 1
+                first = first or (f"row {row} layer {layer}: vLLM {sorted(got[row].tolist())} vs transformers "
+                                  f"{sorted(ref[row].tolist())} (k-th prob {kth[row]:.6f}, vLLM's lowest "
+                                  f"{chosen.min():.6f})")
+    return n, bad, ties, gap, first
 
 
 async def _one(client: RoutedExpertsClient, i: int, report: SoakReport, checker: Checker, prompt_tokens: int,
@@ -129,18 +217,34 @@ async def _one(client: RoutedExpertsClient, i: int, report: SoakReport, checker:
 
 async def soak(url: str, model_dir: Path, *, target: str, requests: int, concurrency: int, prompt_tokens: int,
                max_new: int, disconnect_every: int = 25, check_every: int = 10, timeout: float = 300.0,
-               pids: dict[str, int] | None = None, warmup: int = 32) -> SoakReport:
-    """Run the mix against ``url``; every request ends ok, disconnected (by us), or with a typed error counted."""
+               pids: dict[str, int] | None = None, warmup: int = 32, duration_limit: float | None = None,
+               sample_every: int = 100) -> SoakReport:
+    """Run the mix against ``url``; every unit ends ok, disconnected (by us), or with its error counted by type.
+
+    ``pids``: process name -> pid whose process tree's RSS is read at start, after the ``warmup`` units, every
+    ``sample_every`` units and at the end. ``duration_limit``: no unit starts after that many seconds (those begun
+    finish; ``stopped_at_limit`` says so). A unit that outlives ``timeout`` + 30 s counts as hung.
+    """
     report = SoakReport(target=target)
     checker = Checker(model_dir, check_every)
-    rss = (lambda: sum(tree_rss_mb(p) for p in (pids or {}).values()))
+    await checker.load()
+    pids = pids or {}
+
+    def rss(stage: str) -> None:
+        for name, pid in pids.items():
+            report.rss_mb.setdefault(name, {})[stage] = tree_rss_mb(pid)
 
     async with RoutedExpertsClient(url, max_concurrency=concurrency, timeout=timeout, retries=0) as client:
-        report.rss_mb["start"] = rss()
+        rss("start")
         sem = asyncio.Semaphore(concurrency)
+        deadline = time.monotonic() + duration_limit if duration_limit else float("inf")
+        done = [0]
 
         async def unit(i: int) -> None:
             async with sem:
+                if time.monotonic() > deadline:
+                    report.stopped_at_limit = True
+                    return
                 report.requests += 1
                 work = asyncio.ensure_future(_one(client, i, report, checker, prompt_tokens, max_new))
                 if disconnect_every and i % disconnect_every == disconnect_every - 1:
@@ -151,40 +255,51 @@ async def soak(url: str, model_dir: Path, *, target: str, requests: int, concurr
                     report.ok += 1
                 except asyncio.CancelledError:
                     report.disconnected += 1
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     report.hung += 1
                     work.cancel()
                 except RRError as e:
                     report.errors[type(e).__name__] += 1
-                    report.first_error.setdefault(type(e).__name__, f"request {i}: {e}")
+                    report.first_error.setdefault(type(e).__name__, f"request {i} (kind {i % 4}): {e}")
                 except Exception as e:  # noqa: BLE001 - counted by type: the soak's goal is 0 of them
                     import traceback
 
                     report.errors[f"untyped {type(e).__name__}"] += 1
                     report.first_error.setdefault(f"untyped {type(e).__name__}",
-                                                  f"request {i} (kind {i % 4}): " + traceback.format_exc(limit=-4))
+                                                  f"request {i} (kind {i % 4}): " + traceback.format_exc(limit=-6))
+                done[0] += 1
+                if pids and sample_every and done[0] % sample_every == 0:
+                    report.samples.append((done[0], sum(tree_rss_mb(p) for p in pids.values())))
 
         await asyncio.gather(*(unit(i) for i in range(warmup)))
-        report.rss_mb["warm-up"] = rss()
+        rss("warm-up")
         t0 = time.perf_counter()
         await asyncio.gather(*(unit(i) for i in range(warmup, warmup + requests)))
         report.seconds = time.perf_counter() - t0
-        report.rss_mb["end"] = rss()
+        rss("end")
         # still serving after the disconnects
         await client.generate([_prompt(7, 32)], {"max_new_tokens": 2})
     return report
 
 
 def table(reports: list[SoakReport]) -> str:
-    """Markdown table of the runs."""
-    rows = ["| target | requests | ok | disconnected | errors | hung | sampled rows vs transformers | mismatched sets "
-            "| req/s | RSS MiB start / warm-up / end | growth after warm-up |", "|" + "---|" * 11]
+    """Markdown tables of the runs: outcomes, then resident memory per process."""
+    rows = [("| target | units | ok | disconnected | errors | hung | sampled rows vs transformers | mismatched sets "
+             "| near-ties (largest gap) | units/s |"), "|" + "---|" * 10]
     for r in reports:
         errs = ", ".join(f"{k} {v}" for k, v in r.errors.items()) or "0"
-        rows.append(f"| {r.target} | {r.requests} | {r.ok} | {r.disconnected} | {errs} | {r.hung} | {r.checked_rows} "
-                    f"| {r.mismatched_sets} | {r.requests / max(r.seconds, 1e-9):.1f} | "
-                    f"{r.rss_mb.get('start', 0):.0f} / {r.rss_mb.get('warm-up', 0):.0f} / {r.rss_mb.get('end', 0):.0f} "
-                    f"| {r.growth_pct:+.2f}% |")
+        rows.append(f"| {r.target} | {r.requests}{' (time limit)' if r.stopped_at_limit else ''} | {r.ok} "
+                    f"| {r.disconnected} | {errs} | {r.hung} | {r.checked_rows:,} | {r.mismatched_sets} "
+                    f"| {r.near_ties} ({r.max_tie_gap:.1e}) | {r.requests / max(r.seconds, 1e-9):.1f} |")
+    rows += ["", "| target | process (tree) | RSS MiB start | after warm-up | end | growth after warm-up |",
+             "|" + "---|" * 6]
+    for r in reports:
+        for proc, st in r.rss_mb.items():
+            rows.append(f"| {r.target} | {proc} | {st.get('start', 0):.0f} | {st.get('warm-up', 0):.0f} "
+                        f"| {st.get('end', 0):.0f} | {r.growth(proc):+.2f}% |")
+        if len(r.rss_mb) > 1:
+            rows.append(f"| {r.target} | all | {r.total_rss('start'):.0f} | {r.total_rss('warm-up'):.0f} "
+                        f"| {r.total_rss('end'):.0f} | {r.growth():+.2f}% |")
     return "\n".join(rows)
 
 
@@ -243,42 +358,53 @@ class Targets:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=2000, help="per target, after the warm-up")
+    p.add_argument("--requests", type=int, default=2000, help="units per target, after the warm-up")
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--prompt-tokens", type=int, default=1536)
+    p.add_argument("--tokens", "--prompt-tokens", dest="tokens", type=int, default=3072,
+                   help="prompt length of a single /generate or completion (batched: 1/2 and 1/3 of it)")
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--warmup", type=int, default=200, help="units per target before the 'after warm-up' RSS")
     p.add_argument("--disconnect-every", type=int, default=25)
     p.add_argument("--check-every", type=int, default=10, help="compare every Nth answer with transformers")
-    p.add_argument("--duration-limit", type=float, default=1800, help="seconds per target at most")
+    p.add_argument("--duration-limit", type=float, default=1800, help="seconds per target at most (then it stops "
+                   "starting units)")
     p.add_argument("--model-dir", default=str(REPO / ".cache" / "bench-soak-qwen3-moe"))
     a = p.parse_args(argv)
 
-    from rr_server.tiny_moe import build_tiny_moe
-
-    model = build_tiny_moe(a.model_dir, **MODEL_SPEC)  # type: ignore[arg-type]
-    if a.prompt_tokens + 2 * a.max_new_tokens + 16 > 2048:
-        p.error("--prompt-tokens: the tiny model has 2048 positions (prompt + new tokens must fit)")
-    targets = Targets(model, 2048, REPO / ".cache" / "soak-logs")
+    if a.tokens + 2 * a.max_new_tokens + 16 > a.max_model_len:
+        p.error("--tokens: prompt + new tokens of a 2-turn trajectory must fit --max-model-len")
+    model = soak_model(a.model_dir, a.max_model_len)
+    targets = Targets(model, a.max_model_len, REPO / ".cache" / "soak-logs")
     reports = []
     try:
         targets.wait()
-        for name, url, pids in (("patched vLLM", targets.patched_url, {"vllm": targets.patched.pid}),
+        assert targets.sidecar is not None
+        for name, url, pids in (("patched vLLM", targets.patched_url,
+                                 {"rr-server launch vllm (launcher, API server, EngineCore)": targets.patched.pid}),
                                 ("sidecar + unpatched vLLM", targets.sidecar_url,
-                                 {"sidecar": targets.sidecar.pid, "vllm": targets.vanilla.pid})):  # type: ignore[union-attr]
-            reports.append(asyncio.run(asyncio.wait_for(soak(
-                url, model, target=name, requests=a.requests, concurrency=a.concurrency, prompt_tokens=a.prompt_tokens,
+                                 {"rr-server proxy": targets.sidecar.pid,
+                                  "unpatched vLLM (API server, EngineCore)": targets.vanilla.pid})):
+            reports.append(asyncio.run(soak(
+                url, model, target=name, requests=a.requests, concurrency=a.concurrency, prompt_tokens=a.tokens,
                 max_new=a.max_new_tokens, disconnect_every=a.disconnect_every, check_every=a.check_every,
-                pids=pids), a.duration_limit)))
+                pids=pids, warmup=a.warmup, duration_limit=a.duration_limit)))
+            print(f"{name}: done in {reports[-1].seconds:.0f}s", flush=True)
     finally:
         targets.stop()
     spec = ", ".join(f"{k}={v}" for k, v in MODEL_SPEC.items())
-    print(f"\ntiny MoE ({spec}); prompts ~{a.prompt_tokens} tokens, {a.max_new_tokens} new; concurrency "
-          f"{a.concurrency}; every {a.disconnect_every}th client leaves mid-request; every {a.check_every}th answer vs "
-          f"transformers; {os.cpu_count()} CPUs\n")
+    print(f"\ntiny MoE ({spec}), max-model-len {a.max_model_len}; prompts ~{a.tokens} tokens, {a.max_new_tokens} new "
+          f"per turn; {a.warmup} warm-up units, then up to {a.requests} per target; concurrency {a.concurrency}; every "
+          f"{a.disconnect_every}th client leaves mid-request; every {a.check_every}th answer vs transformers; "
+          f"{os.cpu_count()} CPUs\n")
     print(table(reports))
     for r in reports:
+        print(f"\n{r.target}: RSS MiB (all processes) every 100 units: "
+              + ", ".join(f"{n}: {mb:.0f}" for n, mb in r.samples))
         for kind, msg in r.first_error.items():
             print(f"\n{r.target}: first {kind}:\n{msg}")
+        if r.first_mismatch:
+            print(f"\n{r.target}: first mismatch: {r.first_mismatch}")
     bad = sum(sum(r.errors.values()) + r.mismatched_sets + r.hung for r in reports)
     return 1 if bad else 0
 
