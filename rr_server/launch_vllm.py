@@ -1,7 +1,8 @@
 """``rr-server launch vllm ...``: start vLLM's OpenAI API server with the rr plugin switched on.
 
 Adds ``--enable-return-routed-experts``, checks the vLLM version, corrects the CPU settings
-known to return all-zero routing, and forwards Ctrl-C/SIGTERM to the whole process group. The engine lives
+known to return all-zero routing, and forwards Ctrl-C/SIGTERM to vLLM's API server, which drains and stops its
+engine; stragglers of its process group are killed once it exits. The engine lives
 and dies with the launcher, SIGKILL included (:mod:`rr_server.lifeline`).
 """
 
@@ -220,7 +221,9 @@ def main(argv: list[str]) -> int:
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         try:
-            os.killpg(proc.pid, signum)
+            # the API server only: it drains what is running and shuts its engine down itself (a signal to the
+            # whole group killed the engine under requests the server was still serving: they hung until timeout)
+            os.kill(proc.pid, signum)
         except ProcessLookupError:
             pass
 

@@ -1,8 +1,8 @@
 """Shutdown without loss (issue 20): SIGTERM to ``rr-server launch vllm`` with requests in flight.
 
-Every request either completes with whole, checked routing (vLLM drains in-flight requests on SIGTERM, so most
-or all complete) (rows = prompt + completion - 1, values equal to
-transformers' router top-k) or fails with a typed rr_client error; none hangs past the client's timeout, none
+Every request either completes with whole, checked routing (vLLM drains the requests it is running on SIGTERM;
+queued ones are aborted) (rows = prompt + completion - 1; every top-k set equal to transformers' router's, or a near-tie
+there by the doctor's NEAR_TIE rule) or fails with a typed rr_client error; none hangs past the client's timeout, none
 returns partial rows. The launcher exits and leaves no engine process. (The sidecar's upstream going away and
 coming back is tests/vllm/test_proxy_upstream_kill.py.)
 """
@@ -16,35 +16,30 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from rr_client import RoutedExpertsClient
 from rr_client.errors import RRError
-from rr_server.tiny_moe import reference_routing
-from tests.support.routing_asserts import assert_routing_sets_equal
 from tests.support.vllm_process import VLLMProcess
 from tests.vllm.test_launcher_lifetime import _children, _group
+from tests.vllm.test_soak import SOAK
 
 pytestmark = pytest.mark.vllm_server
 
 IN_FLIGHT = 16
 CLIENT_TIMEOUT_S = 60.0
-
-
-def _generating(url: str) -> float:
-    """vLLM's running-request gauge (0 when unreadable)."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=5).text
-    except httpx.HTTPError:
-        return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_requests_running"))
+MAX_MODEL_LEN = 2048  # the tiny model's positions
+MAX_NEW_TOKENS = MAX_MODEL_LEN - 64
+# The engine runs RUNNING at a time and queues the rest: 16 requests of ~2000 tokens take several waves, so most
+# are still in flight at SIGTERM even on an idle machine, where one wave of this tiny model takes a few seconds.
+RUNNING = 4
+ADMIT_S = 1.0
 
 
 def test_sigterm_with_requests_in_flight(tiny_models: dict[str, Path]) -> None:
     model = tiny_models["qwen3_dense"]
-    server = VLLMProcess(model, name="shutdown", extra=["--max-num-seqs", "64"]).start()
+    server = VLLMProcess(model, name="shutdown", max_model_len=MAX_MODEL_LEN, 
+                         extra=["--max-num-seqs", str(RUNNING)]).start()
     assert server.proc is not None
     launcher = server.proc.pid
     engine_pgids = {os.getpgid(c) for c in _children(launcher)
@@ -58,10 +53,10 @@ def test_sigterm_with_requests_in_flight(tiny_models: dict[str, Path]) -> None:
                                            timeout=CLIENT_TIMEOUT_S) as client:
                 await client.info()
                 tasks = [asyncio.ensure_future(client.generate(
-                    [p], {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0.0})) for p in prompts]
-                t0 = time.monotonic()
-                while _generating(server.base_url) < 1 and time.monotonic() - t0 < 60:
-                    await asyncio.sleep(0.1)
+                    [p], {"max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, "temperature": 0.0})) for p in prompts]
+                # SIGTERM once they have reached the engine (loopback: well under ADMIT_S). Not read from /metrics:
+                # vLLM's API server answers it only between output batches, seconds late under this load.
+                await asyncio.sleep(ADMIT_S)
                 pending_at_sigterm.append(sum(not t.done() for t in tasks))
                 os.kill(launcher, signal.SIGTERM)  # what a supervisor's stop does; the launcher forwards it
                 return list(await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True),
@@ -81,11 +76,17 @@ def test_sigterm_with_requests_in_flight(tiny_models: dict[str, Path]) -> None:
         (r,) = batch.results
         assert r.routed_experts is not None
         assert r.routed_experts.shape[0] == len(r.prompt_ids) + len(r.output_ids) - 1  # whole, never partial
-        assert_routing_sets_equal(r.routed_experts, reference_routing(model, [*r.prompt_ids, *r.output_ids][:-1]),
-                                  layers=[0, 2])
+        # every top-k set equals transformers' or is a near-tie there (the doctor's NEAR_TIE rule, as the soak):
+        # long batched decodes meet a few sets that fp32 batched and single forwards break differently
+        rows, bad, _ties, _gap, first = SOAK.compare_with_transformers(model, [*r.prompt_ids, *r.output_ids],
+                                                                       r.routed_experts)
+        assert rows == len(r.prompt_ids) + len(r.output_ids) - 1 and bad == 0, first
     assert len(completed) + len(failed) == IN_FLIGHT
+    print(f"shutdown: {pending_at_sigterm[0]} in flight at SIGTERM, {len(completed)} completed, "
+          f"{[type(e).__name__ for e in failed]} failed")
     # vLLM drains on SIGTERM (uvicorn's graceful shutdown): requests in flight may all complete, whole
-    assert pending_at_sigterm[0] >= IN_FLIGHT // 2, f"only {pending_at_sigterm} in flight at SIGTERM"
+    assert pending_at_sigterm[0] >= IN_FLIGHT // 2, (
+        f"only {pending_at_sigterm} in flight at SIGTERM; {len(completed)} completed, failed: {failed[:2]}")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(_group(g) for g in engine_pgids):
         time.sleep(0.2)
