@@ -501,10 +501,23 @@ def _refusal(why: str) -> RoutedExpertsError:
     return cls(f"the server withheld routed_experts: {why}")
 
 
+def _aborted(meta_info: Mapping[str, Any]) -> str:
+    """``finish_reason``'s abort message when the engine aborted the request (SGLang's and rr's ``/generate``
+    shape ``{"type": "abort", "message": ...}``), else ``""``."""
+    fr = meta_info.get("finish_reason")
+    if isinstance(fr, Mapping) and fr.get("type") == "abort":
+        return f"finish_reason abort: {fr.get('message') or 'no message'}"
+    return ""
+
+
 def decode_meta_info(meta_info: Mapping[str, Any], **kwargs: Any) -> np.ndarray:
     """Decode ``meta_info["routed_experts"]``, honouring its stated ``routed_experts_dtype``/``_shape``."""
     payload = meta_info.get("routed_experts", meta_info.get("output_routed_experts"))
     why = meta_info.get("routed_experts_error")
+    if payload is None:
+        aborted = _aborted(meta_info)
+        if aborted:  # e.g. queued when the server shut down: say so, not "was routing enabled?"
+            raise MissingRoutingError(f"the engine aborted this request ({aborted}); it has no routing")
     if payload is None and why:
         raise _refusal(str(why))
     if "routed_experts" not in meta_info and "output_routed_experts" not in meta_info:

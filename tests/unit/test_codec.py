@@ -389,3 +389,23 @@ def test_server_withheld_routing_reason_is_surfaced() -> None:
     # a name that is not one of rr's routing errors is never looked up as something else
     with pytest.raises(errors.MissingRoutingError, match="KeyError: z"):
         codec.decode_meta_info({"routed_experts": None, "routed_experts_error": "KeyError: z"}, num_experts=E)
+
+
+def test_aborted_request_says_so() -> None:
+    # a request the engine aborted (queued when the server shut down) has no routing: the error names the abort
+    aborted = {"type": "abort", "message": "Abort before prompt prefill"}
+    with pytest.raises(errors.MissingRoutingError, match="engine aborted this request .*Abort before prompt prefill"):
+        codec.decode_meta_info({"finish_reason": aborted, "routed_experts": None,
+                                "routed_experts_error": "MissingRoutingError: no routing"}, num_experts=E)
+    with pytest.raises(errors.MissingRoutingError, match="engine aborted this request"):
+        codec.decode_meta_info({"finish_reason": aborted}, num_experts=E)
+    # routing that is there is decoded whatever the finish reason says
+    import base64
+    import io
+
+    arr = np.array([[[1, 2]]], dtype=np.uint8)
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    got = codec.decode_meta_info({"finish_reason": aborted, "routed_experts": base64.b64encode(buf.getvalue()).decode()},
+                                 num_experts=E)
+    assert got.tolist() == arr.tolist()
