@@ -515,11 +515,10 @@ def decode_meta_info(meta_info: Mapping[str, Any], **kwargs: Any) -> np.ndarray:
     payload = meta_info.get("routed_experts", meta_info.get("output_routed_experts"))
     why = meta_info.get("routed_experts_error")
     if payload is None:
-        aborted = _aborted(meta_info)
-        if aborted:  # e.g. queued when the server shut down: say so, not "was routing enabled?"
+        if aborted := _aborted(meta_info):  # e.g. queued when the server shut down: say so, not "was routing enabled?"
             raise MissingRoutingError(f"the engine aborted this request ({aborted}); it has no routing")
-    if payload is None and why:
-        raise _refusal(str(why))
+        if why:
+            raise _refusal(str(why))
     if "routed_experts" not in meta_info and "output_routed_experts" not in meta_info:
         raise MissingRoutingError("meta_info has no 'routed_experts' field (was routing enabled on the server?)")
     if kwargs.get("dtype") is None and meta_info.get("routed_experts_dtype") is not None:

@@ -38,7 +38,7 @@ ADMIT_S = 1.0
 
 def test_sigterm_with_requests_in_flight(tiny_models: dict[str, Path]) -> None:
     model = tiny_models["qwen3_dense"]
-    server = VLLMProcess(model, name="shutdown", max_model_len=MAX_MODEL_LEN, 
+    server = VLLMProcess(model, name="shutdown", max_model_len=MAX_MODEL_LEN,
                          extra=["--max-num-seqs", str(RUNNING)]).start()
     assert server.proc is not None
     launcher = server.proc.pid
