@@ -44,6 +44,7 @@ from rr_client.errors import (
     TransportError,
     UnrecordedRoutingError,
     UnsupportedModelError,
+    WeightSyncError,
 )
 from rr_client.hf_config import load_config, moe_layers_from_config, routing_dims_from_config
 from rr_client.info import RRInfo
@@ -88,7 +89,7 @@ __all__ = [
     "ExpertIdOutOfRangeError", "UnrecordedRoutingError", "MissingRoutingError", "TokenMismatchError",
     "TransportError", "ConnectError", "RequestTimeoutError", "ConnectionLostError",
     "ServerError", "RequestRejectedError", "AuthenticationError", "ProtocolError",
-    "ReplicaMismatchError", "ReplayError", "UnsupportedModelError",
+    "ReplicaMismatchError", "ReplayError", "UnsupportedModelError", "WeightSyncError",
     "RRInfo", "load_config", "moe_layers_from_config", "routing_dims_from_config",
     "__version__",
 ]

@@ -19,8 +19,9 @@ Imports nothing heavy. The hierarchy::
     │   └── AuthenticationError           401 / 403: missing or wrong API key
     ├── ProtocolError                     2xx but not the protocol
     │   └── ReplicaMismatchError          replicas of one client serve different models / routing dims
-    └── ReplayError                       replay/recording in the trainer did not (provably) take effect
-        └── UnsupportedModelError (TypeError)  a model family or router rr cannot replay exactly, with the reason
+    ├── ReplayError                       replay/recording in the trainer did not (provably) take effect
+    │   └── UnsupportedModelError (TypeError)  a model family or router rr cannot replay exactly, with the reason
+    └── WeightSyncError                   the trained weights did not reach the engine (training must stop)
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ __all__ = [
     "ReplicaMismatchError",
     "ReplayError",
     "UnsupportedModelError",
+    "WeightSyncError",
 ]
 
 
@@ -149,3 +151,8 @@ class ReplayError(RRError):
 class UnsupportedModelError(ReplayError, TypeError):
     """A model family or router rr cannot replay exactly (named, with the reason), or a kernel that replaces
     the whole MoE block so its router never runs."""
+
+
+class WeightSyncError(RRError):
+    """Pushing the trainer's weights to the engine failed (save, reload route missing or refused, engine error):
+    the next rollout would come from stale weights, so the trainer stops instead of training on them."""

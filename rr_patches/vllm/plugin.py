@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from rr_server.serving.vllm_facts import SUPPORTED, UnsupportedVLLMVersion, check_vllm_version
+from rr_server.serving.vllm_facts import SUPPORTED, UnsupportedVLLMVersion, check_vllm_version, facts_for
 
 __all__ = ["register", "SUPPORTED", "check_vllm_version", "UnsupportedVLLMVersion", "uses_endpoint_plugin"]
 
@@ -134,6 +134,11 @@ def register() -> None:
     top = multiprocessing.parent_process() is None
     allow = settings.flag("RR_ALLOW_UNSUPPORTED_VERSION")
     version = check_vllm_version(allow_unsupported=allow)
+    if facts_for(version).cpu_reload_unpacked_experts:
+        from rr_patches.vllm.reload_fix import install as install_reload_fix
+
+        # every process (the worker runs in EngineCore, or here without multiprocessing); acts on CPU MoE layers only
+        install_reload_fix()
     if uses_endpoint_plugin():
         # 0.30+: rr_patches.vllm.endpoint adds the routes through vLLM's own hook; no build_app wrap.
         if top and not _endpoint_allowed():

@@ -46,6 +46,12 @@ _BUGS = (
              "covered: the launcher forces --enforce-eager on CPU and the full check refuses all-zero rows",
              "covered: the full check refuses all-zero MoE rows (502)",
              "detected: the full check refuses all-zero MoE rows"),
+    KnownBug("vllm", "cpu_reload_unpacked_experts",
+             "on CPU, reload_weights (weight sync) leaves the MoE experts' weights unpacked: the engine then serves "
+             "wrong experts and wrong routing, with only a log warning ('weights were not loaded')",
+             "covered: the plugin re-runs the CPU experts' prepack after every reload",
+             "not covered: the sidecar cannot reach the engine's weights",
+             "not detected here: rr's trainer weight sync checks the engine's log-probs after each sync"),
     KnownBug("sglang", "tensor_lost_as_json",
              "with --skip-tokenizer-init the raw tensor is JSON-encoded as {} (routing lost)",
              "covered: the patch encodes the tensor before FastAPI sees it",

@@ -34,6 +34,7 @@ class Facts:
     all_zero_routing: bool = False  # returns all-zero routing (0.15; fixed by PR #33013 in 0.16)
     nested_json_lists: bool = False  # sends nested JSON lists, ~40 MB per 30k-token sample (0.21)
     cpu_compile_zeros: bool = False  # on CPU, torch.compile returns all-zero routing with the right shape (0.14+)
+    cpu_reload_unpacked_experts: bool = False  # CPU: reload_weights skips the MoE experts' prepack (0.30, found by rr)
 
     @property
     def supported(self) -> bool:
@@ -68,7 +69,8 @@ def facts_for(version: str) -> Facts:
     return Facts(version=version, release=rel, endpoint_plugins=minor >= (0, 30),
                  aux_output_connector=minor >= (0, 31), cpu_capture=minor == (0, 30),
                  eplb_physical_ids=(0, 14) <= minor <= (0, 15), all_zero_routing=minor == (0, 15),
-                 nested_json_lists=minor == (0, 21), cpu_compile_zeros=minor >= (0, 14))
+                 nested_json_lists=minor == (0, 21), cpu_compile_zeros=minor >= (0, 14),
+                 cpu_reload_unpacked_experts=minor == (0, 30))
 
 
 def check_vllm_version(version: str | None = None, *, allow_unsupported: bool = False) -> str:
