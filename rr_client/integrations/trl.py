@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rr_client import settings
-from rr_client.errors import ReplayError
+from rr_client.errors import ReplayError, WeightSyncError
 
 try:
     import torch
@@ -182,7 +182,10 @@ class R3GRPOTrainer(GRPOTrainer):
     optimizer step (and before the first); ``sync_dir`` holds them (default: ``<output_dir>/rr-weights``; it
     must be readable by the engines). ``audit``: the replay audit (rows reaching the experts) on every forward,
     raising :class:`rr_client.ReplayError` when replay did not take effect. ``log_layers``: per-layer
-    ``r3/layer<i>/...`` keys too.
+    ``r3/layer<i>/...`` keys too. ``verify_sync``: after each push, the engine's log-probs of a probe
+    completion must match the trainer's (replaying the engine's routing) within this tolerance, else
+    :class:`rr_client.WeightSyncError` (1e-4 suits an fp32 engine; a bf16 engine needs ~0.1 and then only
+    catches gross failures). ``sync_log`` keeps one record per push (step, seconds, probe log-probs, gap).
 
     Refused (clear error, never trained unreplayed): tools / environments (their tokens were not routed
     by the engine in this request), multimodal inputs, ``use_vllm=True`` (TRL's own vLLM generates then), a
@@ -190,8 +193,8 @@ class R3GRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args: Any, rollout_func: RRRollout, r3: bool = True, sync_weights: bool = True,
-                 sync_dir: str | Path | None = None, audit: bool = True, log_layers: bool = False,
-                 **kwargs: Any) -> None:
+                 sync_dir: str | Path | None = None, verify_sync: float | None = None, audit: bool = True,
+                 log_layers: bool = False, **kwargs: Any) -> None:
         check_trl_version()
         if not isinstance(rollout_func, RRRollout):
             raise TypeError(f"R3GRPOTrainer needs rollout_func=RRRollout(...), got {type(rollout_func).__name__}")
@@ -211,6 +214,8 @@ class R3GRPOTrainer(GRPOTrainer):
         self._rr_open_reports: list[dict[str, float]] = []
         self._rr_loss_logps: torch.Tensor | None = None
         self._rr_sync: DiskWeightSync | None = None
+        self.verify_sync = verify_sync
+        self.sync_log: list[dict[str, Any]] = []
         self._rr_synced_step: int | None = None
         if sync_weights:
             if hasattr(self.accelerator.unwrap_model(self.model), "peft_config"):
@@ -232,8 +237,41 @@ class R3GRPOTrainer(GRPOTrainer):
             seconds = self._rr_sync.push(self.accelerator.unwrap_model(self.model), self.state.global_step,
                                          state_dict=state_dict)
         self.accelerator.wait_for_everyone()
+        record: dict[str, Any] = {"step": self.state.global_step, "seconds": seconds}
+        if self.verify_sync is not None:
+            record.update(self._probe_engine())
+            self._metrics["train"]["r3/weight_sync_probe_gap"].append(record["probe_gap"])
+            if not record["probe_gap"] <= self.verify_sync:
+                raise WeightSyncError(
+                    f"after pushing step {self.state.global_step}'s weights the engine's log-probs differ from the "
+                    f"trainer's by {record['probe_gap']:.3g} > verify_sync={self.verify_sync:g}: the engine does "
+                    "not serve the trained weights (a reload that dropped weights? see the engine's log)")
+        self.sync_log.append(record)
         self._rr_synced_step = self.state.global_step
         self._metrics["train"]["r3/weight_sync_seconds"].append(seconds)
+
+    def _probe_engine(self) -> dict[str, Any]:
+        """Greedy probe on the engine; the trainer's log-probs of the same tokens under the engine's routing."""
+        prompt = [int(t) for t in self._tokenizer("Routing replay weight sync probe.")["input_ids"]]
+        rollout = self.rr_rollout
+        batch = rollout._loop.run(rollout.client.generate([prompt], {"n": 1, "max_new_tokens": 4,
+                                                                     "temperature": 0.0}, return_logprob=True))
+        r = batch[0]
+        engine = torch.tensor(_sampled_logprobs(r), dtype=torch.float64)
+        model = self.accelerator.unwrap_model(self.model)
+        seq = torch.tensor([list(r.prompt_ids or []) + list(r.output_ids)], device=self.accelerator.device)
+        rt = to_tensors([r], batch.info, pad_side="right")
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), replay_routing(model, rt):
+                logits = model(seq).logits[0, :-1].double()
+        finally:
+            model.train(was_training)
+        mine = torch.log_softmax(logits, -1).gather(-1, seq[0, 1:, None].to(logits.device))[:, 0]
+        mine = mine[len(prompt) - 1:].cpu()
+        return {"probe_tokens": list(r.output_ids), "probe_engine_logprobs": engine.tolist(),
+                "probe_trainer_logprobs": mine.tolist(), "probe_gap": float((mine - engine).abs().max())}
 
     # ------------------------------------------------------------------ TRL hooks
 

@@ -1,0 +1,144 @@
+"""R3 in TRL: TRL 1.16's real GRPOTrainer trains the tiny MoE against a real rr vLLM CPU server with weight sync.
+
+The server runs with ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc reload_weights``), on its own: its weights change.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import transformers
+from datasets import Dataset
+from trl import GRPOConfig
+
+from rr_client.integrations.trl import R3GRPOTrainer, RRRollout
+from rr_client.replay import record_routing
+from tests.support.vllm_process import VLLMProcess
+
+pytestmark = pytest.mark.vllm_server
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+MOE_LAYERS = [0, 2]  # qwen3_dense: layer 1 is dense
+PROMPTS = ["the quick brown fox", "hello world and", "one two three four five six", "a b"]
+
+
+@pytest.fixture(scope="module")
+def dev_server(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
+    server = VLLMProcess(tiny_models["qwen3_dense"], name="trl-grpo", env={"VLLM_SERVER_DEV_MODE": "1"}).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def length_reward(completions: list[str], **_: Any) -> list[float]:
+    """Toy reward: longer completions score higher (varies across a group, so advantages are non-zero)."""
+    return [len(c) / 10.0 for c in completions]
+
+
+class LossBothWays(R3GRPOTrainer):
+    """Test-only: also computes each batch's loss without replay (no grad), to compare with the replayed loss."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.loss_pairs: list[tuple[float, float]] = []
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        loss = super()._compute_loss(model, inputs)
+        self.r3 = False
+        try:
+            with torch.no_grad():
+                plain = super()._compute_loss(model, inputs)
+        finally:
+            self.r3 = True
+        self.loss_pairs.append((float(loss.detach()), float(plain)))
+        return loss
+
+
+def make_trainer(cls: type, server: VLLMProcess, model_dir: Path, out: Path, **kw: Any) -> Any:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    cfg = GRPOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                     max_steps=3, learning_rate=2e-2, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
+                     save_strategy="no", seed=0, beta=0.0)
+    return cls(model=model, reward_funcs=length_reward, args=cfg, processing_class=tok,
+               train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), rollout_func=RRRollout(server.base_url), **kw)
+
+
+def test_grpo_r3_three_steps_with_weight_sync(dev_server: VLLMProcess, tiny_models: dict[str, Path],
+                                              tmp_path: Path) -> None:
+    trainer = make_trainer(LossBothWays, dev_server, tiny_models["qwen3_dense"], tmp_path, verify_sync=1e-4)
+    gate0 = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n.endswith("mlp.gate.weight")}
+    trainer.train()
+    assert trainer.state.global_step == 3
+
+    # a push before each of the 3 rollouts (steps 0, 1, 2); the engine then serves the trainer's weights ...
+    log = trainer.sync_log
+    assert [r["step"] for r in log] == [0, 1, 2]
+    assert all(r["probe_gap"] < 1e-4 for r in log), [r["probe_gap"] for r in log]
+    # ... which changed every step: the probe's log-probs (or its greedy tokens) differ from the previous push's
+    for prev, cur in zip(log, log[1:]):
+        same_tokens = prev["probe_tokens"] == cur["probe_tokens"]
+        gap = np.abs(np.array(prev["probe_engine_logprobs"]) - np.array(cur["probe_engine_logprobs"])).max()
+        assert not same_tokens or gap > 1e-4, f"step {cur['step']}: the engine serves the previous step's weights"
+
+    steps = [h for h in trainer.state.log_history if "loss" in h and "r3/applied_share_min_layer" in h]
+    assert len(steps) == 3
+    for h in steps:
+        assert h["r3/applied_share_min_layer"] == 1.0 and h["r3/applied_share"] == 1.0  # every MoE layer replayed
+        assert h["r3/replayed_rows"] > 0 and h["r3/forwards"] >= 1
+        assert h["r3/agreement"] == 1.0  # fp32, weights synced: the trainer's own choice equals the engine's
+        assert h["r3/mean_abs_logp_diff"] < 1e-4 and h["r3/frac_abs_diff_gt_ln2"] == 0.0
+        assert h["r3/weight_sync_probe_gap"] < 1e-4 and "r3/weight_sync_seconds" in h and "r3/k3_kl" in h
+    # the loss with replay equals the loss without it (each row sits under its own token) ...
+    assert len(trainer.loss_pairs) == 3
+    for with_r3, plain in trainer.loss_pairs:
+        assert abs(with_r3 - plain) <= 1e-6 * max(1.0, abs(plain)), trainer.loss_pairs
+    # ... and the routers were trained through the replayed choice
+    for n, p in trainer.model.named_parameters():
+        if n in gate0:
+            assert not torch.equal(p.detach(), gate0[n]), f"{n} did not change"
+
+
+def test_trl_batch_rows_sit_under_their_tokens(dev_server: VLLMProcess, tiny_models: dict[str, Path],
+                                               tmp_path: Path) -> None:
+    """TRL's own batch (left-padded prompts of different lengths + right-padded completions) from a real rollout:
+    the rows rr places under each token equal (a) an independent alignment and (b) transformers' own top-k for
+    that token in an unpadded forward."""
+    trainer = make_trainer(R3GRPOTrainer, dev_server, tiny_models["qwen3_dense"], tmp_path)  # syncs: the engine may hold trained weights
+    inputs = [{"prompt": p} for p in PROMPTS for _ in range(4)]
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(inputs)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    c = batch["completion_ids"].size(1)
+    rt = trainer._rows_for(ids, c)
+    rollout = trainer._rr_batch
+    assert rollout is not None and len({len(r.prompt_ids or []) for r in rollout.results}) > 1  # really padded
+    model = trainer.model.eval()
+    for b, r in enumerate(rollout.results):
+        cols = [t for t in range(ids.size(1)) if mask[b, t]]  # independent: the real tokens' columns, in order
+        tokens = list(r.prompt_ids or []) + list(r.output_ids)
+        assert ids[b, cols].tolist() == tokens
+        rows = np.asarray(r.routed_experts, dtype=np.int64)
+        assert rows.shape[0] == len(tokens) - 1
+        for j, col in enumerate(cols):
+            if j < len(tokens) - 1:
+                assert bool(rt.routed_experts_mask[b, col])
+                assert np.array_equal(rt.routed_experts[b, col].numpy().astype(np.int64), rows[j])
+            else:  # the last token routed nothing in the engine
+                assert not bool(rt.routed_experts_mask[b, col])
+        with torch.no_grad(), record_routing(model) as rec:
+            model(torch.tensor([tokens]))
+        own = rec.routed_experts[0, :-1].numpy()
+        placed = rt.routed_experts[b, cols[:-1]].numpy().astype(np.int64)
+        for layer in MOE_LAYERS:
+            assert np.array_equal(np.sort(own[:, layer], -1), np.sort(placed[:, layer], -1)), (b, layer)
+    pad_cols = ~mask.bool()
+    assert not bool(rt.routed_experts_mask[pad_cols].any())
