@@ -142,3 +142,19 @@ def test_trl_batch_rows_sit_under_their_tokens(dev_server: VLLMProcess, tiny_mod
             assert np.array_equal(np.sort(own[:, layer], -1), np.sort(placed[:, layer], -1)), (b, layer)
     pad_cols = ~mask.bool()
     assert not bool(rt.routed_experts_mask[pad_cols].any())
+
+
+def test_sync_to_an_engine_without_dev_mode_stops_with_a_clear_error(qwen_server: VLLMProcess,
+                                                                     tiny_models: dict[str, Path],
+                                                                     tmp_path: Path) -> None:
+    from rr_client import WeightSyncError
+    from rr_client.integrations.weight_sync import DiskWeightSync
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_models["qwen3_dense"], dtype=torch.float32)
+    sync = DiskWeightSync(qwen_server.base_url, tmp_path)
+    try:
+        with pytest.raises(WeightSyncError, match="VLLM_SERVER_DEV_MODE=1"):
+            sync.push(model, 0)
+    finally:
+        sync.close()
+    assert (tmp_path / "step-0" / "model.safetensors").exists()  # saved completely before any engine was asked
