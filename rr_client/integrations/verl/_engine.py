@@ -1,0 +1,216 @@
+"""rr's replay inside verl's FSDP actor engine (``FSDPEngineWithLMHead``, verl 0.9.1).
+
+Mirrors verl's VeOmni replay: the engine carries ``routed_experts`` in the micro-batch like ``input_ids``;
+``prepare_model_inputs`` arms the replay with the rows laid out the way the model sees the tokens (packed
+``[1, N + pad]`` with remove-padding, right-padded ``[B, T]`` without), ``prepare_model_outputs`` hands back
+what an R2 record pass saw. The replay block of a micro-batch stays open until the next micro-batch starts
+(or the batch ends), so backward and its gradient-checkpointing recompute run replayed too.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+
+from rr_client.errors import MissingRoutingError, ReplayError, UnsupportedModelError
+from rr_client.info import RRInfo
+from rr_client.metrics import R3Metrics, r3_metrics
+from rr_client.replay import find_routers, record_routing, replay_routing
+
+from ._rows import packed_rows, unpack_recorded
+
+MODES = ("disabled", "R2", "R3")
+
+
+def replay_mode(engine_config: Any) -> str:
+    """verl's own setting ``<engine config>.router_replay.mode`` (dataclass or plain mapping): disabled/R2/R3."""
+    rr = getattr(engine_config, "router_replay", None)
+    mode = rr.get("mode", "disabled") if isinstance(rr, dict) else getattr(rr, "mode", "disabled")
+    mode = str(mode or "disabled")
+    if mode not in MODES:
+        raise ValueError(f"router_replay.mode={mode!r}; verl accepts {', '.join(MODES)}")
+    return mode
+
+
+def _combine_gaps(gaps: list[R3Metrics]) -> dict[str, float]:
+    """Token-weighted mean of per-micro-batch gap statistics."""
+    n = sum(g.tokens for g in gaps)
+    if not n:
+        return {}
+    mean = lambda f: sum(getattr(g, f) * g.tokens for g in gaps) / n  # noqa: E731
+    return {"r3/mean_abs_logp_diff": mean("mean_abs_diff"), "r3/k3_kl": mean("k3_kl"),
+            "r3/frac_abs_diff_gt_ln2": mean("frac_gt_ln2"), "r3/logp_tokens": float(n)}
+
+
+def combine_reports(reports: list[dict[str, float]]) -> dict[str, float]:
+    """One step's audit from its micro-batches: sums of rows, the worst applied share, weighted agreement."""
+    if not reports:
+        return {}
+    replayed = sum(r["r3/replayed_rows"] for r in reports)
+    out = {"r3/replayed_rows": replayed, "r3/left_rows": sum(r["r3/left_rows"] for r in reports),
+           "r3/forwards": sum(r["r3/forwards"] for r in reports)}
+    applied = [r["r3/applied_share"] for r in reports if not math.isnan(r["r3/applied_share"])]
+    out["r3/applied_share"] = min(applied) if applied else float("nan")
+    layer_keys = {k for r in reports for k in r if k.startswith("r3/layer") and k.endswith("/applied_share")}
+    shares = [r[k] for r in reports for k in layer_keys if k in r and not math.isnan(r[k])]
+    out["r3/applied_share_min_layer"] = min(shares) if shares else float("nan")
+    agree = sum(r["r3/agreement"] * r["r3/replayed_rows"] for r in reports if r["r3/replayed_rows"])
+    out["r3/agreement"] = agree / replayed if replayed else float("nan")
+    return out
+
+
+def _valid(width: int, offsets: torch.Tensor) -> torch.Tensor:
+    """``[B, width]``: True on the real tokens of verl's right-padded input (no remove-padding)."""
+    lengths = offsets[1:] - offsets[:-1]
+    return torch.arange(width, device=offsets.device)[None, :] < lengths[:, None]
+
+
+def make_engine_class(base: type) -> type:
+    """``base`` (verl's ``FSDPEngineWithLMHead``) with rr's R2/R3 replay; verl's mode setting switches it."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    class RRFSDPEngineWithLMHead(base):  # type: ignore[misc, valid-type]
+        """verl's FSDP actor engine with routing replay: R3 replays the rollout's rows in every actor forward,
+        R2 records the log-prob recompute's own routing and replays it in the update epochs."""
+
+        def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any):
+            self.rr_mode = replay_mode(engine_config)
+            sp = int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1)
+            if self.rr_mode != "disabled":
+                from . import check_verl_version
+
+                check_verl_version()
+                if sp > 1:
+                    raise ReplayError(
+                        f"router_replay.mode={self.rr_mode} with ulysses_sequence_parallel_size={sp}: rr does not "
+                        "replay a sequence-parallel shard (its rows would land under other ranks' tokens); set it to "
+                        "1 or router_replay.mode=disabled")
+            super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+            self.rr_info: RRInfo | None = None
+            self.rr_last_metrics: dict[str, float] = {}
+            self._rr_action: str | None = None
+            self._rr_stack: ExitStack | None = None
+            self._rr_record: Any = None
+            self._rr_reports: list[dict[str, float]] = []
+            self._rr_gaps: list[R3Metrics] = []
+
+        def initialize(self) -> None:
+            super().initialize()
+            if self.rr_mode == "disabled":
+                return
+            cfg = self.model_config.hf_config
+            import verl
+
+            self.rr_info = RRInfo.from_hf_config(cfg.to_dict(), engine="verl", engine_version=verl.__version__)
+            if not find_routers(self.module):
+                raise UnsupportedModelError(f"router_replay.mode={self.rr_mode}: rr finds no replayable MoE router in "
+                                            f"{type(self.module).__name__}")
+
+        # -- per batch
+        def _rr_action_for(self, data: Any, forward_only: bool) -> str | None:
+            if self.rr_mode == "disabled":
+                return None
+            if tu.get_non_tensor_data(data, "enable_routing_replay", default=True) is False:
+                return None  # verl's worker: the reference model's log-probs run unreplayed
+            has = "routed_experts" in data.keys()
+            if self.rr_mode == "R2" and forward_only and not has:
+                return "record"
+            if not has:
+                raise MissingRoutingError(
+                    f"router_replay.mode={self.rr_mode}: the batch carries no routed_experts ("
+                    + ("R3 needs actor_rollout_ref.rollout.enable_rollout_routing_replay=True" if self.rr_mode == "R3"
+                       else "R2 replays what compute_log_prob recorded; it was not in the update batch") + ")")
+            return "replay"
+
+        def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+            self._rr_action = self._rr_action_for(data, forward_only)
+            self._rr_reports, self._rr_gaps = [], []
+            if self._rr_action is None:
+                return super().forward_backward_batch(data, loss_function, forward_only)
+            try:
+                out = super().forward_backward_batch(data, loss_function, forward_only)
+                self._rr_close()
+            except BaseException:
+                self._rr_close(abandon=True)
+                raise
+            finally:
+                self._rr_action = None
+            met = {**combine_reports(self._rr_reports), **_combine_gaps(self._rr_gaps)}
+            self.rr_last_metrics = met
+            if isinstance(out, dict) and isinstance(out.get("metrics"), dict):
+                for k, v in met.items():
+                    out["metrics"][f"actor/{k}"] = [v]
+            return out
+
+        def _rr_close(self, abandon: bool = False) -> None:
+            """Leave the open micro-batch's block (its backward has run); the audit report is filled here."""
+            stack, self._rr_stack = self._rr_stack, None
+            if stack is None:
+                return
+            if abandon:
+                try:
+                    stack.close()
+                except Exception:  # already failing: keep the first error
+                    pass
+                return
+            stack.close()
+
+        # -- per micro-batch
+        def prepare_model_inputs(self, micro_batch: Any) -> Any:
+            model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+            if self._rr_action is None:
+                return model_inputs, output_args
+            self._rr_close()
+            rmpad = tu.get_non_tensor_data(micro_batch, "use_remove_padding", default=True)
+            offsets = micro_batch["input_ids"].offsets()
+            pad = int(output_args.get("pad_size", 0)) if rmpad else 0
+            stack = ExitStack()
+            if self._rr_action == "record":
+                self._rr_record = stack.enter_context(record_routing(self.module))
+            else:
+                assert self.rr_info is not None
+                rows, mask = packed_rows(micro_batch["routed_experts"], offsets, self.rr_info)
+                if rmpad:
+                    if pad:
+                        rows = torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))])
+                        mask = torch.cat([mask, mask.new_zeros(pad)])
+                else:
+                    valid = _valid(model_inputs["input_ids"].shape[-1], offsets)
+                    dense = rows.new_zeros((*valid.shape, *rows.shape[1:]))
+                    dense[valid] = rows
+                    dmask = mask.new_zeros(valid.shape)
+                    dmask[valid] = mask
+                    rows, mask = dense, dmask
+                self._rr_reports.append(
+                    stack.enter_context(replay_routing(self.module, rows, mask, audit=True)))  # type: ignore[arg-type]
+            self._rr_stack = stack
+            output_args["rr_pad"] = pad
+            return model_inputs, output_args
+
+        def prepare_model_outputs(self, output: Any, output_args: Any, micro_batch: Any, logits_processor_func: Any) -> Any:
+            model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+            if self._rr_action == "record":
+                rec = self._rr_record.routed_experts
+                offsets = micro_batch["input_ids"].offsets()
+                if tu.get_non_tensor_data(micro_batch, "use_remove_padding", default=True):
+                    flat = rec.reshape(-1, *rec.shape[-2:])
+                    model_output["routed_experts"] = unpack_recorded(flat, offsets.cpu(), output_args.get("rr_pad", 0))
+                else:
+                    valid = _valid(rec.shape[1], offsets.cpu())
+                    model_output["routed_experts"] = unpack_recorded(rec[valid], offsets.cpu())
+            elif self._rr_action == "replay" and "rollout_log_probs" in micro_batch.keys():
+                lp = model_output.get("log_probs")
+                if lp is not None:
+                    lp = no_padding_2_padding(lp.detach(), micro_batch)
+                    ref = micro_batch.select("rollout_log_probs", "response_mask").to_padded_tensor()
+                    mask = ref["response_mask"].bool()
+                    if bool(mask.any()):
+                        self._rr_gaps.append(r3_metrics(lp.float(), ref["rollout_log_probs"].float(), mask))
+            return model_output
+
+    RRFSDPEngineWithLMHead.__qualname__ = RRFSDPEngineWithLMHead.__name__
+    return RRFSDPEngineWithLMHead

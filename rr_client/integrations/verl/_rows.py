@@ -1,0 +1,104 @@
+"""verl's routing rows -> what ``replay_routing`` takes, with rr's full check; and the multi-turn row rule.
+
+No verl import here: verl hands the engine ``routed_experts`` as a jagged nested tensor ``[B, j, L, K]`` whose
+values line up with ``input_ids.values()`` (``left_right_2_no_padding``), zero rows where the rollout recorded
+nothing (the last token, tool tokens after the last turn). These functions turn that into packed rows and a
+replay mask, and refuse what would replay wrong instead of leaving it to the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from rr_client.codec import check_routing
+from rr_client.errors import MissingRoutingError, ShapeMismatchError, UnrecordedRoutingError
+from rr_client.info import RRInfo
+
+__all__ = ["packed_rows", "accumulate_turn_rows", "unpack_recorded"]
+
+
+def _sample_of_rows(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """Sample index of every packed row, from the jagged ``offsets`` (``[B + 1]``)."""
+    return torch.searchsorted(offsets[1:], torch.arange(n, device=offsets.device), right=True)
+
+
+def packed_rows(routed: torch.Tensor, offsets: torch.Tensor, info: RRInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows [N, L, K] int64, replay mask [N])`` of one micro-batch, checked once.
+
+    Rows are recorded where any id is non-zero (verl's convention: zero rows are unrecorded). In every sample
+    the recorded rows must be a prefix of its tokens and not empty: a zero row between recorded ones, or a
+    sample without any, is an error, never a silent native forward. The recorded rows then pass
+    :func:`rr_client.codec.check_routing` (layers, top-k, id range, distinct ids, zero dense layers).
+    """
+    values = routed.values() if routed.is_nested else routed
+    if values.dim() != 3:
+        raise ShapeMismatchError(f"routed_experts must be [tokens, layers, topk] per sample, got {tuple(values.shape)}")
+    n, layers, k = (int(s) for s in values.shape)
+    if int(offsets[-1]) != n:
+        raise ShapeMismatchError(f"routed_experts has {n} rows but input_ids has {int(offsets[-1])} tokens")
+    if k != info.topk:
+        raise ShapeMismatchError(f"routed_experts has top-{k}, the model routes top-{info.topk}")
+    if k == 1:
+        raise ShapeMismatchError("top-1 routing: an all-zero row (unrecorded) cannot be told from expert 0; rr "
+                                 "refuses to replay verl's zero-padded layout for top-1 models")
+    recorded = (values != 0).flatten(1).any(dim=1)
+    sample = _sample_of_rows(offsets.to(values.device), n)
+    counts = torch.zeros(offsets.numel() - 1, dtype=torch.long, device=values.device)
+    counts.index_add_(0, sample, recorded.long())
+    pos = torch.arange(n, device=values.device) - offsets.to(values.device)[sample]
+    prefix = pos < counts[sample]
+    if not torch.equal(prefix, recorded):
+        row = int((prefix != recorded).nonzero()[0, 0])
+        i = int(sample[row])
+        raise UnrecordedRoutingError(
+            f"sample {i}: token {int(pos[row])} has an all-zero routing row after {int(counts[i])} recorded ones "
+            "are counted from its start; verl's rows must cover a prefix of the sample (the rollout lost rows?)")
+    lengths = offsets[1:] - offsets[:-1]
+    empty = ((counts == 0) & (lengths.to(counts.device) > 1)).nonzero()
+    if empty.numel():
+        raise MissingRoutingError(
+            f"sample {int(empty[0, 0])} carries no routing rows (all zero): the rollout returned none for it "
+            "(is actor_rollout_ref.rollout.enable_rollout_routing_replay=True?)")
+    if layers == info.num_hidden_layers:
+        num_layers, moe = info.num_hidden_layers, info.moe_layers
+    elif layers == len(info.moe_layers):
+        num_layers, moe = layers, list(range(layers))
+    else:
+        raise ShapeMismatchError(f"routed_experts has {layers} layers; the model has {info.num_hidden_layers} "
+                                 f"decoder layers ({len(info.moe_layers)} MoE)")
+    dims = info.model_copy(update={"num_hidden_layers": num_layers, "moe_layers": moe})
+    chosen = values[recorded]
+    check_routing(chosen.cpu().numpy(), dims, rows=int(chosen.shape[0]))
+    return values.long(), recorded
+
+
+def unpack_recorded(rows: torch.Tensor, offsets: torch.Tensor, pad: int = 0) -> torch.Tensor:
+    """R2: the rows a record pass saw (``[N + pad, L, K]``, packed order) -> jagged int16 ``[B, j, L, K]``."""
+    if pad:
+        rows = rows[:-pad]
+    if rows.shape[0] != int(offsets[-1]):
+        raise ShapeMismatchError(f"recorded {rows.shape[0]} rows for {int(offsets[-1])} tokens")
+    return torch.nested.nested_tensor_from_jagged(rows.to(torch.int16).contiguous(), offsets)
+
+
+def accumulate_turn_rows(held: Any, new: Any) -> Any:
+    """Multi-turn: keep every row already held, take from ``new`` only the rows after them.
+
+    Each turn's engine output covers the whole conversation so far (its prompt includes the earlier turns),
+    but re-prefilled rows of earlier turns are not the routing those tokens were generated with. rr's
+    ``Trajectory`` rule: a turn adds only rows it did not hold. ``new`` must cover at least the held rows.
+    """
+    if held is None:
+        return new
+    if new is None:
+        raise MissingRoutingError("a later turn returned no routing while earlier turns did")
+    if tuple(held.shape[1:]) != tuple(new.shape[1:]):
+        raise ShapeMismatchError(f"turn routing shape {tuple(new.shape)} differs from the held {tuple(held.shape)}")
+    if new.shape[0] < held.shape[0]:
+        raise ShapeMismatchError(f"a turn returned {new.shape[0]} rows, fewer than the {held.shape[0]} already held")
+    if isinstance(held, torch.Tensor):
+        return torch.cat([held, torch.as_tensor(new)[held.shape[0]:].to(held.dtype)])
+    return np.concatenate([np.asarray(held), np.asarray(new)[held.shape[0]:].astype(np.asarray(held).dtype)])
