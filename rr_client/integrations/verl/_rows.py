@@ -54,13 +54,14 @@ def packed_rows(routed: torch.Tensor, offsets: torch.Tensor, info: RRInfo) -> tu
         row = int((prefix != recorded).nonzero()[0, 0])
         i = int(sample[row])
         raise UnrecordedRoutingError(
-            f"sample {i}: token {int(pos[row])} has an all-zero routing row after {int(counts[i])} recorded ones "
-            "are counted from its start; verl's rows must cover a prefix of the sample (the rollout lost rows?)")
+            f"micro-batch sample {i} ({int(offsets[i + 1] - offsets[i])} tokens): token {int(pos[row])} has an "
+            f"all-zero routing row, yet {int(counts[i])} rows are recorded; verl's rows must cover a prefix of the "
+            "sample (the rollout lost rows?)")
     lengths = offsets[1:] - offsets[:-1]
     empty = ((counts == 0) & (lengths.to(counts.device) > 1)).nonzero()
     if empty.numel():
         raise MissingRoutingError(
-            f"sample {int(empty[0, 0])} carries no routing rows (all zero): the rollout returned none for it "
+            f"micro-batch sample {int(empty[0, 0])} carries no routing rows (all zero): the rollout returned none for it "
             "(is actor_rollout_ref.rollout.enable_rollout_routing_replay=True?)")
     if layers == info.num_hidden_layers:
         num_layers, moe = info.num_hidden_layers, info.moe_layers

@@ -1,0 +1,78 @@
+"""verl session (scripts/test_verl.sh, in ``.venvs/verl``): verl 0.9.1's real FSDP actor engine, worker, agent-loop
+layout and trainer data steps on this CPU machine, with rr's plugin installed from its ``verl.plugins`` entry point.
+
+Under any other environment (the main ``.venv`` has no verl) every test here is deselected, not skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.versions import deselect, imported_version
+
+HAVE = imported_version("verl")
+WANT = "0.9.1"
+MODEL_SPEC: dict[str, Any] = {"arch": "qwen3_moe", "num_layers": 3, "num_experts": 8, "topk": 2, "mlp_only_layers": (1,)}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect this directory's tests unless verl 0.9.1 is importable."""
+    if HAVE == WANT:
+        return
+    here = str(Path(__file__).parent)
+    deselect(config, items, lambda item: str(item.fspath).startswith(here))
+
+
+@pytest.fixture(scope="session")
+def verl_process() -> None:
+    """The process group and CPU platform every verl test shares."""
+    from tests.verl import harness
+
+    harness.init_process()
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """Tiny Qwen3-MoE (3 layers, layer 1 dense, 8 experts, top-2) with its tokenizer."""
+    from rr_server.tiny_moe import build_tiny_moe
+    from tests.support.vllm_process import CACHE
+
+    return build_tiny_moe(CACHE / "verl-qwen3", **MODEL_SPEC)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir: Path) -> Any:
+    """transformers' own model from the same checkpoint: the reference routing."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                             attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> Any:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="session")
+def workers(verl_process: None, model_dir: Path) -> Iterator[dict[tuple[str, bool], Any]]:
+    """verl actor workers built on first use, keyed by (router_replay.mode, use_remove_padding)."""
+    from tests.verl import harness
+
+    cache: dict[tuple[str, bool], Any] = {}
+
+    class _Workers(dict):  # type: ignore[type-arg]
+        def __missing__(self, key: tuple[str, bool]) -> Any:
+            mode, rmpad = key
+            cfg = harness.ppo_config(model_dir, mode=mode, remove_padding=rmpad)
+            self[key] = (cfg, harness.actor_worker(cfg))
+            return self[key]
+
+    yield _Workers(cache)
