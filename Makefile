@@ -1,7 +1,7 @@
 # One command each: `make demo` (set up + main job), `make test` (set up + every test).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-core test-fast test-sglang test-vllm-standin bench clean
+.PHONY: setup demo test test-core test-fast test-sglang test-vllm-standin test-verl bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -24,7 +24,11 @@ test-sglang: setup
 test-vllm-standin: setup
 	bash scripts/test_vllm_standin.sh
 
-test: test-core test-sglang test-vllm-standin
+# verl 0.9.1 (its own .venvs/verl, scripts/setup_verl.sh): R3 in verl's FSDP actor, verl's SGLang read
+test-verl: setup
+	bash scripts/test_verl.sh
+
+test: test-core test-sglang test-vllm-standin test-verl
 
 bench: setup
 	$(PY) benchmarks/codec.py

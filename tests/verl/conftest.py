@@ -1,7 +1,8 @@
 """verl session (scripts/test_verl.sh, in ``.venvs/verl``): verl 0.9.1's real FSDP actor engine, worker, agent-loop
 layout and trainer data steps on this CPU machine, with rr's plugin installed from its ``verl.plugins`` entry point.
 
-Under any other environment (the main ``.venv`` has no verl) every test here is deselected, not skipped.
+Under any other environment (the main ``.venv`` has no verl) every test here is deselected, not skipped;
+test_sglang_read.py is deselected unless SGLang is importable too (the script's second run).
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ from tests.support.versions import deselect, imported_version
 
 HAVE = imported_version("verl")
 WANT = "0.9.1"
+SGLANG = imported_version("sglang")  # only in scripts/test_verl.sh's second run (SGLang 0.5.13 overlay)
 MODEL_SPEC: dict[str, Any] = {"arch": "qwen3_moe", "num_layers": 3, "num_experts": 8, "topk": 2, "mlp_only_layers": (1,)}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect this directory's tests unless verl 0.9.1 is importable."""
-    if HAVE == WANT:
-        return
+    """Deselect this directory's tests unless verl 0.9.1 is importable; the SGLang read needs SGLang too."""
     here = str(Path(__file__).parent)
-    deselect(config, items, lambda item: str(item.fspath).startswith(here))
+    if HAVE != WANT:
+        deselect(config, items, lambda item: str(item.fspath).startswith(here))
+    elif SGLANG is None:
+        deselect(config, items, lambda item: str(item.fspath).endswith("test_sglang_read.py"))
 
 
 @pytest.fixture(scope="session")
