@@ -233,3 +233,10 @@ def test_worker_turns_replay_on_for_fsdp(workers: Any) -> None:
     from rr_client.integrations import verl as rr_verl
 
     assert rr_verl.installed()  # by verl's own plugin loader (the rr entry point), not by this test
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    init, engines = ActorRolloutRefWorker.__init__, dict(EngineRegistry._engines["language_model"]["fsdp2"])
+    rr_verl.install()  # re-entrant: nothing is wrapped twice
+    assert ActorRolloutRefWorker.__init__ is init and EngineRegistry._engines["language_model"]["fsdp2"] == engines
+    assert all(c.__name__ == "RRFSDPEngineWithLMHead" for c in engines.values())

@@ -17,33 +17,17 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rr_client import settings
-
+from ._gate import TESTED_VERL, check_verl_version
 from ._patches import PATCHES
 from ._rows import accumulate_turn_rows, packed_rows, unpack_recorded
 
 __all__ = ["TESTED_VERL", "check_verl_version", "install", "installed", "accumulate_turn_rows", "packed_rows",
            "unpack_recorded"]
 
-TESTED_VERL = ("0.9.1",)
 logger = logging.getLogger("rr_client.integrations.verl")
 
 
-def check_verl_version(version: str | None = None) -> None:
-    """Refuse a verl release this integration was not tested on (names the tested ones and the override)."""
-    if version is None:
-        import verl
-
-        version = str(verl.__version__)
-    if version in TESTED_VERL or settings.flag("RR_ALLOW_UNSUPPORTED_VERSION"):
-        return
-    raise ImportError(f"rr_client.integrations.verl was tested with verl {', '.join(TESTED_VERL)}; this is verl "
-                      f"{version}. It subclasses FSDPEngineWithLMHead and wraps worker internals that change between "
-                      "releases: pin verl==0.9.1, set router_replay.mode=disabled, or set "
-                      "RR_ALLOW_UNSUPPORTED_VERSION=1 at your own risk")
-
-
-class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs a patch right after one named module executes (a post-import hook; no verl import of ours)."""
 
     def __init__(self, patches: dict[str, Callable[[types.ModuleType], None]]) -> None:

@@ -20,6 +20,7 @@ from rr_client.info import RRInfo
 from rr_client.metrics import R3Metrics, r3_metrics
 from rr_client.replay import find_routers, record_routing, replay_routing
 
+from ._gate import check_verl_version
 from ._rows import packed_rows, unpack_recorded
 
 MODES = ("disabled", "R2", "R3")
@@ -81,8 +82,6 @@ def make_engine_class(base: type) -> type:
             self.rr_mode = replay_mode(engine_config)
             sp = int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1)
             if self.rr_mode != "disabled":
-                from . import check_verl_version
-
                 check_verl_version()
                 if sp > 1:
                     raise ReplayError(

@@ -21,15 +21,13 @@ FSDP_STRATEGIES = ("fsdp", "fsdp2")
 _DONE = "__rr_patched__"
 
 
-def _once(obj: Any, name: str) -> bool:
-    """True the first time for ``obj.name`` (re-entrant installs patch nothing twice)."""
-    fn = getattr(obj, name)
-    if getattr(fn, _DONE, False):
-        return False
-    return True
+def _patched(obj: Any, name: str) -> bool:
+    """Whether ``obj.name`` is rr's wrapper already (re-entrant installs patch nothing twice)."""
+    return bool(getattr(getattr(obj, name), _DONE, False))
 
 
 def _mark(fn: Any) -> Any:
+    """Tag ``fn`` as rr's wrapper (see :func:`_patched`)."""
     setattr(fn, _DONE, True)
     return fn
 
@@ -64,7 +62,7 @@ def worker_replay_mode(config: Any) -> str:
 def patch_engine_workers(mod: types.ModuleType) -> None:
     """verl sets ``enable_routing_replay`` only for megatron/veomni; rr's engine replays FSDP too."""
     cls = mod.ActorRolloutRefWorker
-    if not _once(cls, "__init__"):
+    if _patched(cls, "__init__"):
         return
     orig = cls.__init__
 
@@ -83,7 +81,7 @@ def patch_tool_agent_loop(mod: types.ModuleType) -> None:
     from ._rows import accumulate_turn_rows
 
     cls = mod.ToolAgentLoop
-    if not _once(cls, "_handle_generating_state"):
+    if _patched(cls, "_handle_generating_state"):
         return
     orig = cls._handle_generating_state
 
@@ -189,7 +187,7 @@ def _install_extract_shim() -> None:
 def patch_sglang_server(mod: types.ModuleType) -> None:
     """verl's ``SGLangHttpServer.generate`` reads routing that broke on SGLang 0.5.11 (base64) and 0.5.23 (moved)."""
     cls = mod.SGLangHttpServer
-    if not _once(cls, "generate"):
+    if _patched(cls, "generate"):
         return
     orig = cls.generate
     _install_extract_shim()
