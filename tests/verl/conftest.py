@@ -66,15 +66,15 @@ def tokenizer(model_dir: Path) -> Any:
 
 @pytest.fixture(scope="session")
 def workers(verl_process: None, model_dir: Path) -> Iterator[dict[tuple[str, bool], Any]]:
-    """verl actor workers built on first use, keyed by (router_replay.mode, use_remove_padding)."""
+    """verl actor workers built on first use, keyed by (router_replay.mode, use_remove_padding[, dynamic_bsz])."""
     from tests.verl import harness
 
     cache: dict[tuple[str, bool], Any] = {}
 
     class _Workers(dict):  # type: ignore[type-arg]
-        def __missing__(self, key: tuple[str, bool]) -> Any:
-            mode, rmpad = key
-            cfg = harness.ppo_config(model_dir, mode=mode, remove_padding=rmpad)
+        def __missing__(self, key: tuple[Any, ...]) -> Any:
+            mode, rmpad, *dyn = key
+            cfg = harness.ppo_config(model_dir, mode=mode, remove_padding=rmpad, dynamic_bsz=bool(dyn and dyn[0]))
             self[key] = (cfg, harness.actor_worker(cfg))
             return self[key]
 

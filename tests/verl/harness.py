@@ -44,7 +44,7 @@ def init_process() -> None:
 
 
 def ppo_config(model_dir: Path, *, mode: str = "R3", remove_padding: bool = True, strategy: str = "fsdp2",
-               micro_batch: int = 2, mini_batch: int = 4, lr: float = 1e-2) -> Any:
+               micro_batch: int = 2, mini_batch: int = 4, lr: float = 1e-2, dynamic_bsz: bool = False) -> Any:
     """verl's generated PPO trainer config, for a tiny fp32 run on this machine."""
     import verl
     from omegaconf import OmegaConf
@@ -66,6 +66,9 @@ def ppo_config(model_dir: Path, *, mode: str = "R3", remove_padding: bool = True
     a.actor.shuffle = False
     a.rollout.log_prob_micro_batch_size_per_gpu = micro_batch
     a.rollout.n = 1
+    if dynamic_bsz:  # micro-batches by a token budget: verl regroups (and reorders) the samples
+        a.actor.use_dynamic_bsz = a.rollout.log_prob_use_dynamic_bsz = True
+        a.actor.ppo_max_token_len_per_gpu = a.rollout.log_prob_max_token_len_per_gpu = 24
     a.rollout.prompt_length, a.rollout.response_length = PROMPT_LEN, RESPONSE_LEN
     a.rollout.enable_rollout_routing_replay = mode == "R3"
     OmegaConf.set_struct(f, False)

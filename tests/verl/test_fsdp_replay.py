@@ -102,15 +102,17 @@ def assert_rows_ran(seen: dict[int, list[torch.Tensor]], rows: list[np.ndarray],
     return checked
 
 
-@pytest.mark.parametrize("rmpad", [True, False], ids=["remove_padding", "padded"])
+@pytest.mark.parametrize("rmpad,dyn", [(True, False), (False, False), (True, True)],
+                         ids=["remove_padding", "padded", "remove_padding-dynamic_bsz"])
 def test_replaying_the_models_own_choice_reproduces_verls_log_probs(workers: Any, tokenizer: Any, hf_model: Any,
-                                                                    rmpad: bool) -> None:
+                                                                    rmpad: bool, dyn: bool) -> None:
+    """Bit-equal log-probs; with dynamic batch size verl regroups the samples, and the rows travel with them."""
     toks = sample_tokens(1)
     rows = [h.own_routing(hf_model, p + r) for p, r in toks]
-    cfg, w = workers[("R3", rmpad)]
+    cfg, w = workers[("R3", rmpad, dyn)]
     replayed = h.compute_log_prob(h.trainer(cfg, w), batch_of(tokenizer, toks, rows))
     met = w.actor.engine.rr_last_metrics
-    cfg0, w0 = workers[("disabled", rmpad)]
+    cfg0, w0 = workers[("disabled", rmpad, dyn)]
     native = h.compute_log_prob(h.trainer(cfg0, w0), batch_of(tokenizer, toks, None))
     assert not w0.actor.engine.rr_last_metrics  # disabled: verl's engine path, nothing replayed
     assert torch.equal(replayed.batch["old_log_probs"], native.batch["old_log_probs"])
