@@ -47,7 +47,7 @@ from rr_client.agreement import routing_agreement
 from rr_client.info import RRInfo
 from rr_client.integrations._loop import LoopThread
 from rr_client.integrations.weight_sync import DiskWeightSync
-from rr_client.metrics import r3_metrics
+from rr_client.metrics import r3_metrics, token_logprobs
 from rr_client.replay import record_routing, replay_routing
 
 __all__ = ["R3GRPOTrainer", "RRRollout", "TESTED_TRL", "ROUTING_KEY"]
@@ -265,11 +265,10 @@ class R3GRPOTrainer(GRPOTrainer):
         model.eval()
         try:
             with torch.no_grad(), replay_routing(model, rt):
-                logits = model(seq).logits[0, :-1].double()
+                logits = model(seq).logits[0].double()
         finally:
             model.train(was_training)
-        mine = torch.log_softmax(logits, -1).gather(-1, seq[0, 1:, None].to(logits.device))[:, 0]
-        mine = mine[len(prompt) - 1:].cpu()
+        mine = token_logprobs(logits, seq[0].to(logits.device))[len(prompt):].cpu()
         return {"probe_tokens": list(r.output_ids), "probe_engine_logprobs": engine.tolist(),
                 "probe_trainer_logprobs": mine.tolist(), "probe_gap": float((mine - engine).abs().max())}
 
