@@ -48,7 +48,8 @@ def render(report: object) -> str:
         out.append("known routing bugs of this version:" if report.known_bugs else "known routing bugs: none listed")
         out += [f"  - {b.what}: {b.coverage}" for b in report.known_bugs]
     out.append("\nchecks:")
-    out += [f"  {'ok  ' if c.ok else 'FAIL'} {c.name:<22} {c.detail}" for c in report.checks]
+    out += [f"  {'n/a ' if not c.exercised else 'ok  ' if c.ok else 'FAIL'} {c.name:<22} {c.detail}"
+            for c in report.checks]
     gt = report.ground_truth
     if gt:
         out.append(f"\nground truth ({gt['model_path']}, {gt['samples']} samples): {100 * gt['agreement']:.2f}% agree")

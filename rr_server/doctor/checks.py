@@ -22,21 +22,29 @@ from rr_client import GenerateResult, RoutedExpertsClient, RRError, RRInfo
 from rr_client.agreement import routing_agreement
 from rr_server.doctor.known_bugs import BugStatus, known_bugs_for
 
-__all__ = ["Check", "DoctorReport", "run_doctor", "ROW_AGREEMENT_MIN", "TRUTH_AGREEMENT_MIN"]
+__all__ = ["Check", "DoctorReport", "run_doctor", "ROW_AGREEMENT_MIN", "TRUTH_AGREEMENT_MIN", "PREFIX_CACHE_TOKENS"]
 
 # Rows of one prompt recomputed in another request may differ only by numerics (batch shape, bf16 near-ties).
 ROW_AGREEMENT_MIN = 0.99
 # Below this share of (token, MoE layer) sets equal to the checkpoint's router, routing is not the model's.
 TRUTH_AGREEMENT_MIN = 0.90
+# The prefix-cache check's prompt: long enough to fill whole KV blocks (vLLM CPU caches in blocks of 128 tokens,
+# GPU vLLM and SGLang in 16 or 1), so a repeat can be served from the cache.
+PREFIX_CACHE_TOKENS = 300
 
 
 @dataclass
 class Check:
-    """One check: its name, whether it passed, and what it found (the cause when it failed)."""
+    """One check: its name, whether it passed, and what it found (the cause when it failed).
+
+    ``exercised=False``: the deployment could not be made to show what the check looks at (e.g. no prefix-cache
+    hit); reported as "not exercised", neither ok nor a failure of the verdict.
+    """
 
     name: str
     ok: bool
     detail: str
+    exercised: bool = True
 
 
 @dataclass
@@ -64,10 +72,10 @@ class DoctorReport:
         return d
 
 
-def _prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """Distinct token-id prompts of 12-27 tokens, ids in [1, vocab)."""
+def _prompts(count: int, vocab: int, seed: int = 0, length: int | None = None) -> list[list[int]]:
+    """Distinct token-id prompts of 12-27 tokens (or ``length``), ids in [1, vocab)."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(1, max(2, vocab), size=12 + (5 * i) % 16).tolist() for i in range(count)]
+    return [rng.integers(1, max(2, vocab), size=length or 12 + (5 * i) % 16).tolist() for i in range(count)]
 
 
 def _prompt_rows(r: GenerateResult) -> np.ndarray:
@@ -88,13 +96,14 @@ def _agreement(a: np.ndarray, b: np.ndarray, moe_layers: Sequence[int]) -> float
 class _Doctor:
     """State of one doctor run: the client, the server's info, and every sample seen."""
 
-    def __init__(self, client: RoutedExpertsClient, info: RRInfo, report: DoctorReport, max_new_tokens: int) -> None:
-        self.client, self.info, self.report = client, info, report
+    def __init__(self, client: RoutedExpertsClient, info: RRInfo, report: DoctorReport, max_new_tokens: int,
+                 vocab: int = 200) -> None:
+        self.client, self.info, self.report, self.vocab = client, info, report, vocab
         self.params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
         self.samples: list[GenerateResult] = []
 
-    def add(self, name: str, ok: bool, detail: str) -> None:
-        self.report.checks.append(Check(name, ok, detail))
+    def add(self, name: str, ok: bool, detail: str, exercised: bool = True) -> None:
+        self.report.checks.append(Check(name, ok, detail, exercised))
 
     async def gen(self, prompts: list[list[int]], params: dict[str, Any] | None = None, **kw: Any) -> list[GenerateResult]:
         batch = await self.client.generate(prompts, {**self.params, **(params or {})}, **kw)
@@ -121,7 +130,7 @@ class _Doctor:
         await self._guard("batch", self._batch(single, [p0, p1, p2]))
         await self._guard("n=2", self._n2(p1))
         await self._guard("routed_experts_start", self._start(single, p0))
-        await self._guard("prefix-cache hit", self._repeat(single, p0))
+        await self._guard("prefix-cache hit", self._repeat(_prompts(1, self.vocab, seed=99, length=PREFIX_CACHE_TOKENS)[0]))
         await self._guard("mixed batch", self._mixed(p2, p3))
 
     async def _guard(self, name: str, coro: Any) -> None:
@@ -144,11 +153,18 @@ class _Doctor:
         full = _prompt_rows(single)[s:]
         self.rows_agree("routed_experts_start", _prompt_rows(r), full, f"start={s} vs the same rows of a full request")
 
-    async def _repeat(self, single: GenerateResult, prompt: list[int]) -> None:
-        (r,) = await self.gen([prompt])
-        cached = r.meta.get("cached_tokens")
-        self.rows_agree("prefix-cache hit", _prompt_rows(r), _prompt_rows(single),
-                        f"repeated prompt (cached_tokens={cached}) vs first time")
+    async def _repeat(self, prompt: list[int]) -> None:
+        """A long prompt twice: the second must be served (partly) from the prefix cache, with the same rows."""
+        (first,) = await self.gen([prompt])
+        (again,) = await self.gen([prompt])
+        cached = int(again.meta.get("cached_tokens") or 0)
+        if cached <= 0:
+            self.add("prefix-cache hit", True, f"not exercised: a repeated {len(prompt)}-token prompt reported "
+                     f"cached_tokens={again.meta.get('cached_tokens')} (prefix caching off, or the engine does not "
+                     "report it); rows served from the cache were not checked", exercised=False)
+            return
+        self.rows_agree("prefix-cache hit", _prompt_rows(again), _prompt_rows(first),
+                        f"repeated {len(prompt)}-token prompt, {cached} tokens from the prefix cache, vs first time")
 
     async def _mixed(self, asked: list[int], unasked: list[int]) -> None:
         """Requests with and without routing in flight together: each must keep its own rows."""
@@ -265,7 +281,7 @@ async def run_doctor(
             return report
         vocab = _vocab(model_path) if model_path else 200
         plist = _prompts(max(4, prompts), vocab)
-        doc = _Doctor(client, info, report, max_new_tokens)
+        doc = _Doctor(client, info, report, max_new_tokens, vocab)
         await doc.live(plist)
         if model_path and doc.samples:
             doc.truth(model_path, device)

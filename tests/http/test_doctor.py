@@ -34,6 +34,20 @@ def test_healthy_synthetic_server_passes(server: ProtocolTestServer, capsys: pyt
     for name in ("single", "batch", "n=2", "routed_experts_start", "prefix-cache hit", "mixed batch"):
         assert f"ok   {name}" in out
     assert "B/token with routing" in out
+    assert "repeated 300-token prompt, 288 tokens from the prefix cache" in out
+
+
+def test_a_prefix_cache_that_never_hits_is_not_exercised(server: ProtocolTestServer,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """cached_tokens=0 on a repeat is reported as "not exercised", never as ok (the rows from the cache were not seen)."""
+    server.behaviour.prefix_cache = False
+    rc, out = _doctor(server.url, capsys, "--json")
+    report = json.loads(out)
+    (pc,) = [c for c in report["checks"] if c["name"] == "prefix-cache hit"]
+    assert pc["exercised"] is False and pc["detail"].startswith("not exercised: a repeated 300-token prompt")
+    assert rc == 0 and report["verdict"] == "PASS"  # the other checks passed; nothing was shown wrong
+    rc, text = _doctor(server.url, capsys)
+    assert "  n/a  prefix-cache hit" in text and "ok   prefix-cache hit" not in text
 
 
 def test_all_zero_rows_fail_with_their_cause(server: ProtocolTestServer, capsys: pytest.CaptureFixture[str]) -> None:

@@ -311,6 +311,40 @@ def test_sglang_0_5_7_field_and_dtype(cfg_dir: Path) -> None:
         np.testing.assert_array_equal(decode_meta_info(out), r)
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "uint16"])
+def test_sglang_main_compact_wire_through_the_sidecar(cfg_dir: Path, dtype: str) -> None:
+    """SGLang main after 0.5.23 (SGLANG_ROUTED_EXPERTS_DTYPE): headerless base64 of uint8/uint16 with
+    ``meta_info.routed_experts_dtype``. The sidecar decodes it by the stated dtype, checks it and sends rr's .npy;
+    the same payload without the field (a reader assuming int32) is refused, never read as other rows."""
+    with FakeSGLangUpstream(cfg_dir) as fake:
+        fake.wire_dtype = dtype
+        with SidecarServer(ProxyConfig(upstream=fake.url, engine="sglang", timeout=10)) as sc:
+            with httpx.Client(base_url=sc.url, timeout=20) as c:
+                body = c.post("/generate", json={"input_ids": [1, 2, 3, 4, 5], "return_routed_experts": True,
+                                                 "sampling_params": {"max_new_tokens": 3}}).json()
+            meta = body["meta_info"]
+            assert meta["routed_experts_format"] == "npy" and meta["routed_experts_dtype"] == "uint8"
+            np.testing.assert_array_equal(decode_meta_info(meta), expected([1, 2, 3, 4, 5], 3))
+
+            async def gen() -> list[object]:
+                async with RoutedExpertsClient(sc.url) as cl:
+                    return list(await cl.generate([[1, 2, 3, 4, 5]], {"max_new_tokens": 3}))
+
+            (res,) = asyncio.run(gen())
+            np.testing.assert_array_equal(res.routed_experts, expected([1, 2, 3, 4, 5], 3))  # type: ignore[attr-defined]
+            fake.state_dtype = False  # the same bytes read as int32: a different row count, refused
+            with httpx.Client(base_url=sc.url, timeout=20) as c:
+                bad = c.post("/generate", json={"input_ids": [1, 2, 3, 4, 5], "return_routed_experts": True,
+                                                "sampling_params": {"max_new_tokens": 3}}).json()["meta_info"]
+            assert bad["routed_experts"] is None and bad["routed_experts_error"].split(":")[0] in (
+                "ShapeMismatchError", "MalformedPayloadError")
+    # the client's own decode of SGLang's payload, as verl/slime/miles read it from SGLang directly
+    r = expected([1, 2, 3, 4, 5], 3)
+    payload = {"routed_experts": base64.b64encode(r.astype(dtype).tobytes()).decode(), "routed_experts_dtype": dtype}
+    np.testing.assert_array_equal(decode_meta_info(payload, rows=r.shape[0], num_layers=LAYERS, topk=TOPK,
+                                                   num_experts=EXPERTS, moe_layers=MOE), r)
+
+
 def test_cli_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     from rr_server.cli import main
 

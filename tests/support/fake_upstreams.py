@@ -98,17 +98,24 @@ class _FakeServer(ThreadedServer):
 
 
 class FakeSGLangUpstream(_FakeServer):
-    """FAKE SGLang server (``/generate``, ``/health``, ``/get_model_info``, ``/get_server_info``): int32 routing."""
+    """FAKE SGLang server (``/generate``, ``/health``, ``/get_model_info``, ``/get_server_info``): int32 routing, or
+    with ``wire_dtype`` uint8/uint16 SGLang main's compact wire (``SGLANG_ROUTED_EXPERTS_DTYPE``, PR #31219):
+    headerless base64 of that dtype plus ``meta_info.routed_experts_dtype``; ``state_dtype=False`` omits the field."""
+
+    wire_dtype = "int32"
+    state_dtype = True
 
     def sample(self, prompt: list[int], params: dict[str, Any], j: int, want: bool) -> dict[str, Any]:
-        """One SGLang reply item, routing as base64 raw int32 when ``want``."""
+        """One SGLang reply item, routing as base64 raw ``wire_dtype`` when ``want``."""
         out = fake_completion(prompt, int(params.get("max_new_tokens", 4)), j)
         meta: dict[str, Any] = {"id": f"sg-{j}", "finish_reason": {"type": "length", "length": len(out)},
                                 "prompt_tokens": len(prompt), "completion_tokens": len(out), "cached_tokens": 0,
                                 "e2e_latency": 0.001}
         if want:
-            r = corrupt_routing(self.routing((prompt + out)[:-1]), self.corrupt).astype(np.int32)
+            r = corrupt_routing(self.routing((prompt + out)[:-1]), self.corrupt).astype(self.wire_dtype)
             b64 = base64.b64encode(r.tobytes()).decode()
+            if self.wire_dtype != "int32" and self.state_dtype:
+                meta["routed_experts_dtype"] = self.wire_dtype
             if self.corrupt == "truncated_b64":
                 b64 = b64[: len(b64) // 2 + 1]
             meta["routed_experts"] = {} if self.corrupt == "empty_dict" else b64

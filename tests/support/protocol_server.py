@@ -43,6 +43,7 @@ class Behaviour:
     reject_status: int = 0  # answer every /generate with this 4xx (e.g. 401: missing API key)
     delay: float = 0.0  # seconds before answering /generate
     corrupt: str = "none"  # none|dup|rows|missing|count|unasked|bad_info|zero|mixed
+    prefix_cache: bool = True  # a repeated prompt reports its whole 16-token blocks as cached_tokens
     info_status: int = 200  # answer /rr/info with this status (404: a router that does not forward it)
     info_calls: int = 0
     calls: int = 0
@@ -70,6 +71,7 @@ class ProtocolTestServer(ThreadedServer):
         self.layers, self.topk, self.num_experts = layers, topk, num_experts
         self.moe_layers = list(range(layers)) if moe_layers is None else moe_layers
         self.behaviour = Behaviour()
+        self._seen: set[tuple[int, ...]] = set()
         super().__init__(self._build_app(), name="protocol test server")
 
     def info(self) -> dict[str, Any]:
@@ -87,6 +89,9 @@ class ProtocolTestServer(ThreadedServer):
             "cached_tokens": 0, "finish_reason": {"type": "length", "length": n_new}, "prompt_token_ids": prompt,
         }
         b = self.behaviour
+        if b.prefix_cache and tuple(prompt) in self._seen:
+            meta["cached_tokens"] = len(prompt) // 16 * 16
+        self._seen.add(tuple(prompt))
         if want or b.corrupt == "unasked":
             routing = synthetic_routing((prompt + out)[start:-1], self.layers, self.topk, self.num_experts, self.moe_layers)
             if b.corrupt == "zero":  # what a compiled CPU graph or vLLM 0.15.x returns
