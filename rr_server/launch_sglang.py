@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rr_server.serving.sglang_facts import UnsupportedSGLangError
+from rr_server.serving.speculative import draft_pollution_refusal, speculative_flags
 
 __all__ = ["main", "prepare_argv", "install_patch", "take_format_flag", "FORMAT_FLAG"]
 
@@ -113,6 +114,13 @@ def main(argv: Sequence[str]) -> int:
             "rr format. Use one tokenizer worker, or run the rr sidecar in front of SGLang.\n"
         )
         return 2
+    if speculative_flags(args):
+        from rr_server.serving.sglang_facts import installed_version
+
+        why = draft_pollution_refusal("sglang", installed_version(), args)
+        if why:
+            sys.stderr.write(f"rr-server: {why}\n")
+            return 2
     try:
         how = install_patch()
     except UnsupportedSGLangError as e:

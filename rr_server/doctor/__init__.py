@@ -46,7 +46,7 @@ def render(report: object) -> str:
                    f"{ident.get('num_hidden_layers')} layers, MoE layers {ident.get('moe_layers')}, "
                    f"{ident.get('num_experts')} experts, top-{ident.get('topk')}, wire {ident.get('wire_dtype')}")
         out.append("known routing bugs of this version:" if report.known_bugs else "known routing bugs: none listed")
-        out += [f"  - {b.what}: {b.coverage}" for b in report.known_bugs]
+        out += [f"  - {b.what}: {b.coverage}" + (f" [{b.source}]" if b.source else "") for b in report.known_bugs]
     out.append("\nchecks:")
     out += [f"  {'n/a ' if not c.exercised else 'ok  ' if c.ok else 'FAIL'} {c.name:<22} {c.detail}"
             for c in report.checks]

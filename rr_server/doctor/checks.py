@@ -273,10 +273,16 @@ async def run_doctor(
         if engine is None and info.model_extra and info.model_extra.get("sidecar"):
             report.deployment = "sidecar"
         report.identity = info.model_dump()
-        report.known_bugs = known_bugs_for(info.engine, info.engine_version, deployment=report.deployment)
+        extra = info.model_extra or {}
+        report.known_bugs = known_bugs_for(info.engine, info.engine_version, deployment=report.deployment,
+                                           platform=extra.get("platform"))
+        spec = extra.get("speculative")
         report.checks.append(Check("identity", True, f"{info.engine} {info.engine_version}, {info.num_hidden_layers} "
                                    f"layers ({len(info.moe_layers)} MoE), {info.num_experts} experts, top-{info.topk}, "
-                                   f"wire {info.wire_dtype}"))
+                                   f"wire {info.wire_dtype}"
+                                   + (f", platform {extra['platform']}" if extra.get("platform") else "")
+                                   + (f", speculative decoding {spec} (ground truth below runs with it)" if spec
+                                      else "")))
         if model_path and not _same_model(report, info, model_path):
             return report
         vocab = _vocab(model_path) if model_path else 200

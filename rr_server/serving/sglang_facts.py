@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from rr_server.serving.release import parse_release
 
-__all__ = ["MIN_VERSION", "MAX_VERSION", "Profile", "UnsupportedSGLangError", "installed_version", "profile_for",
-           "facts_for"]
+__all__ = ["MIN_VERSION", "MAX_VERSION", "DRAFT_FIX_RELEASE", "Profile", "UnsupportedSGLangError",
+           "installed_version", "profile_for", "facts_for"]
 
 MIN_VERSION = (0, 5, 7)
 MAX_VERSION = (0, 5, 23)
@@ -36,6 +36,8 @@ class Profile:
     detok_encodes: bool = False  # plugins load in the detokenizer, which base64-encodes routing (0.5.22+)
     tensor_lost_as_json: bool = False  # --skip-tokenizer-init JSON-encodes the raw tensor as {} (0.5.7-0.5.9)
     drops_last_prompt_row: bool = False  # max_new_tokens=0 loses the last prompt row (#20964, every release)
+    draft_pollutes_routing: bool = False  # speculative draft MoE layers write the target's rows (#26980, < 0.5.23)
+    hash_layers_uncaptured: bool = False  # HashTopK (DeepSeek-V4) layers never write the buffer: zero rows (0.5.23+)
 
     @property
     def ignores_start(self) -> bool:
@@ -81,7 +83,13 @@ def facts_for(version: str) -> Profile:
         detok_encodes=rel >= (0, 5, 22),
         tensor_lost_as_json=rel <= (0, 5, 9),
         drops_last_prompt_row=rel >= (0, 5, 7),
+        draft_pollutes_routing=rel < (0, 5, 23),
+        hash_layers_uncaptured=rel >= (0, 5, 23),
     )
+
+
+# The first release with SGLang's draft opt-out (``disable_routed_experts_capture_for_draft``, #26980).
+DRAFT_FIX_RELEASE = "0.5.23"
 
 
 def profile_for(version: str | None = None) -> Profile:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from rr_server.serving.release import parse_release
 
-__all__ = ["SUPPORTED", "Facts", "UnsupportedVLLMVersion", "check_vllm_version", "facts_for", "installed_version"]
+__all__ = ["SUPPORTED", "DRAFT_FIX_RELEASE", "Facts", "UnsupportedVLLMVersion", "check_vllm_version", "facts_for", "installed_version"]
 
 # Versions whose routed-experts path returns base64 .npy (see docs/engines.md); inclusive (major, minor) bounds.
 SUPPORTED = ((0, 22), (0, 33))
@@ -35,6 +35,8 @@ class Facts:
     nested_json_lists: bool = False  # sends nested JSON lists, ~40 MB per 30k-token sample (0.21)
     cpu_compile_zeros: bool = False  # on CPU, torch.compile returns all-zero routing with the right shape (0.14+)
     cpu_reload_unpacked_experts: bool = False  # CPU: reload_weights skips the MoE experts' prepack (0.30, found by rr)
+    fused_moe_zero_routing: bool = False  # FlashInfer monolithic MoE kernels return all-zero routing (< 0.30)
+    draft_pollutes_routing: bool = False  # speculative draft (MTP/EAGLE) MoE layers overwrite the target's rows (< 0.30)
 
     @property
     def supported(self) -> bool:
@@ -70,7 +72,12 @@ def facts_for(version: str) -> Facts:
                  aux_output_connector=minor >= (0, 31), cpu_capture=minor == (0, 30),
                  eplb_physical_ids=(0, 14) <= minor <= (0, 15), all_zero_routing=minor == (0, 15),
                  nested_json_lists=minor == (0, 21), cpu_compile_zeros=minor >= (0, 14),
-                 cpu_reload_unpacked_experts=minor == (0, 30))
+                 cpu_reload_unpacked_experts=minor == (0, 30), fused_moe_zero_routing=minor < (0, 30),
+                 draft_pollutes_routing=minor < (0, 30))
+
+
+# The first release with each fix, named in refusals and the doctor's table.
+DRAFT_FIX_RELEASE = "0.30"
 
 
 def check_vllm_version(version: str | None = None, *, allow_unsupported: bool = False) -> str:

@@ -44,6 +44,7 @@ class Behaviour:
     delay: float = 0.0  # seconds before answering /generate
     corrupt: str = "none"  # none|dup|rows|missing|count|unasked|bad_info|zero|mixed
     prefix_cache: bool = True  # a repeated prompt reports its whole 16-token blocks as cached_tokens
+    identity: dict[str, Any] = field(default_factory=dict)  # /rr/info overrides (engine, engine_version, platform, ...)
     info_status: int = 200  # answer /rr/info with this status (404: a router that does not forward it)
     info_calls: int = 0
     calls: int = 0
@@ -79,6 +80,7 @@ class ProtocolTestServer(ThreadedServer):
             "engine": "protocol-test-server", "engine_version": "0", "rr_version": "0.1.0", "model": "synthetic",
             "num_hidden_layers": self.layers, "num_experts": self.num_experts, "topk": self.topk,
             "moe_layers": self.moe_layers, "wire_dtype": wire_dtype(self.num_experts).name,
+            **self.behaviour.identity,
         }
 
     def _sample(self, prompt: list[int], j: int, params: dict[str, Any], want: bool, start: int) -> dict[str, Any]:

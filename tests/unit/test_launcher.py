@@ -138,3 +138,40 @@ def test_launcher_refuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("must not launch"))
     assert launch_vllm.main(["--model", "m"]) == 2
     assert version in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", [["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+                                  ['--speculative_config={"method": "eagle"}']])
+def test_launcher_refuses_speculative_decoding_where_drafts_pollute_routing(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], spec: list[str]) -> None:
+    """vLLM < 0.30 (#48622): draft layers overwrite the target's rows; the launcher refuses, naming the fix release."""
+    from rr_server import launch_vllm
+
+    monkeypatch.setattr(launch_vllm, "installed_version", lambda: "0.29.0")
+    monkeypatch.setattr(launch_vllm, "is_cpu_platform", lambda: False)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("must not launch"))
+    assert launch_vllm.main(["--model", "m", *spec]) == 2
+    err = capsys.readouterr().err
+    assert "vllm-project/vllm#48622" in err and "vllm >= 0.30" in err and "--speculative" in err
+
+
+def test_launcher_keeps_speculative_decoding_where_it_is_fixed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.30+: capture is bound to the target model; the flags reach vLLM untouched."""
+    from rr_server import launch_vllm
+
+    launched: list[list[str]] = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(cmd: list[str], **_: object) -> None:
+        launched.append(cmd)
+        raise Stop
+
+    monkeypatch.setattr(launch_vllm, "installed_version", lambda: "0.30.0")
+    monkeypatch.setattr(launch_vllm, "is_cpu_platform", lambda: False)
+    monkeypatch.setattr(launch_vllm.lifeline, "start", lambda: pytest.fail("lifeline after the vLLM command"))
+    monkeypatch.setattr(launch_vllm, "build_command", lambda argv, **kw: popen(argv))
+    with pytest.raises(Stop):
+        launch_vllm.main(["--model", "m", "--speculative-config", '{"method": "ngram"}'])
+    assert launched and '{"method": "ngram"}' in launched[0]
