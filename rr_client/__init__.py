@@ -46,7 +46,7 @@ from rr_client.errors import (
     UnsupportedModelError,
     WeightSyncError,
 )
-from rr_client.hf_config import load_config, moe_layers_from_config, routing_dims_from_config
+from rr_client.hf_config import hash_layers_from_config, load_config, moe_layers_from_config, routing_dims_from_config
 from rr_client.info import RRInfo
 
 if TYPE_CHECKING:
@@ -90,6 +90,6 @@ __all__ = [
     "TransportError", "ConnectError", "RequestTimeoutError", "ConnectionLostError",
     "ServerError", "RequestRejectedError", "AuthenticationError", "ProtocolError",
     "ReplicaMismatchError", "ReplayError", "UnsupportedModelError", "WeightSyncError",
-    "RRInfo", "load_config", "moe_layers_from_config", "routing_dims_from_config",
+    "RRInfo", "load_config", "moe_layers_from_config", "hash_layers_from_config", "routing_dims_from_config",
     "__version__",
 ]

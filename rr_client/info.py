@@ -13,7 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rr_client._version import __version__
 from rr_client.codec import wire_dtype
-from rr_client.hf_config import moe_layers_from_config, routing_dims_from_config
+from rr_client.hf_config import hash_layers_from_config, moe_layers_from_config, routing_dims_from_config
+
+# Engines whose capture skips hash-routed MoE layers (their rows come back all zero).
+_HASH_UNCAPTURED = frozenset({"sglang"})
+_HASH_REASON = "hash-routed (token-id table; the engine does not capture it)"
 
 __all__ = ["RRInfo", "WIRE_FORMAT"]
 
@@ -35,14 +39,21 @@ class RRInfo(BaseModel):
     moe_layers: list[int]
     wire_dtype: Literal["uint8", "uint16"]
     wire_format: str = WIRE_FORMAT
+    # MoE layers the engine never writes routing for, with the reason: their rows are all zero, exactly like a dense
+    # layer's (the full check expects that there and refuses all-zero rows in every layer of ``moe_layers``);
+    # replay leaves them to the model. E.g. DeepSeek-V4's hash-routed layers on SGLang (sglang#29040).
+    uncaptured_layers: dict[int, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> "RRInfo":
         if self.topk > self.num_experts:
             raise ValueError(f"topk={self.topk} exceeds num_experts={self.num_experts}")
-        bad = [i for i in self.moe_layers if not 0 <= i < self.num_hidden_layers]
+        bad = [i for i in [*self.moe_layers, *self.uncaptured_layers] if not 0 <= i < self.num_hidden_layers]
         if bad:
-            raise ValueError(f"moe_layers {bad} outside [0, {self.num_hidden_layers})")
+            raise ValueError(f"moe_layers / uncaptured_layers {bad} outside [0, {self.num_hidden_layers})")
+        both = sorted(set(self.moe_layers) & set(self.uncaptured_layers))
+        if both:
+            raise ValueError(f"layers {both} are both captured (moe_layers) and uncaptured_layers")
         expected = wire_dtype(self.num_experts).name
         if self.wire_dtype != expected:
             raise ValueError(f"wire_dtype {self.wire_dtype} but num_experts={self.num_experts} needs {expected}")
@@ -54,9 +65,14 @@ class RRInfo(BaseModel):
     ) -> "RRInfo":
         """The one builder: routing dims and MoE layers from an HF ``config.json`` dict plus the engine's facts.
 
+        Hash-routed layers (DeepSeek-V4) are captured routing on vLLM (0.33 captures every router's ids, hash tables
+        included) and ``uncaptured_layers`` on SGLang (0.5.23's ``HashTopK`` never writes the buffer, sglang#29040).
         ``extra`` lands in the info as-is (e.g. ``routing_enabled``, ``sidecar``, ``upstream``).
         """
         layers, experts, topk = routing_dims_from_config(cfg)
+        hashed = hash_layers_from_config(cfg)
+        uncaptured = {i: _HASH_REASON for i in hashed} if engine in _HASH_UNCAPTURED else {}
+        moe = sorted(set(moe_layers_from_config(cfg)) | {i for i in hashed if i not in uncaptured})
         return cls(
             engine=engine,
             engine_version=str(engine_version),
@@ -65,7 +81,8 @@ class RRInfo(BaseModel):
             num_hidden_layers=layers,
             num_experts=experts,
             topk=topk,
-            moe_layers=moe_layers_from_config(cfg),
+            moe_layers=moe,
+            uncaptured_layers=uncaptured,
             wire_dtype=wire_dtype(experts).name,  # type: ignore[arg-type]
             **extra,
         )

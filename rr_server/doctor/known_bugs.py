@@ -104,8 +104,10 @@ _BUGS = (
     KnownBug("sglang", "hash_layers_uncaptured",
              "DeepSeek-V4: hash-routed MoE layers (HashTopK) never write the capture buffer: all-zero rows there",
              "sgl-project/sglang#29040 (capture PR #29588 closed)",
-             "refused: the full check refuses the all-zero rows, so DeepSeek-V4 answers carry routed_experts_error",
-             "refused: the full check refuses the all-zero rows", "detected: the full check refuses all-zero rows"),
+             "covered: /rr/info states them in uncaptured_layers; the full check expects their zero rows exactly "
+             "there (and refuses zero rows in every captured layer); replay leaves them to the model",
+             "covered: the sidecar's /rr/info states them in uncaptured_layers; the full check expects zeros there",
+             "covered: checked through the in-process sidecar, which knows the uncaptured layers"),
 )
 
 

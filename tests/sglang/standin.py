@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from rr_server.tiny_moe import reference_routing
+from tests.sglang.deepseek_v4 import capture_buffer_rows, is_deepseek_v4
 
 _SURR = 5  # INIT_INCREMENTAL_DETOKENIZATION_OFFSET in SGLang
 
@@ -97,6 +98,7 @@ class StandInScheduler:
         # True: a step that finishes fresh requests is built by SGLang's own scheduler code
         # (:func:`sglang_stream_output`), not by :meth:`step`'s rebuild
         self.sglang_builds_output = False
+        self.zero_rows: Any = None  # index into the rows to zero (rows, or (rows, layers)), simulating a lost capture
 
     # ---- the zmq socket the TokenizerManager sends to
     def send_pyobj(self, obj: Any, flags: int = 0, protocol: int = pickle.HIGHEST_PROTOCOL) -> None:
@@ -138,7 +140,12 @@ class StandInScheduler:
     def routing_rows(self, req: StandInReq) -> torch.Tensor:
         """Rows the capturer returns at finish: tokens [0, P+R-1) (from start on, 0.5.12+), int32."""
         ids = req.prompt + req.completion
-        rows = reference_routing(self.model_dir, ids[:-1]).astype(np.int32)
+        if is_deepseek_v4(self.model_dir):  # HashTopK layers never write the buffer: their rows stay zero
+            rows = capture_buffer_rows(self.model_dir, ids[:-1]).astype(np.int32)
+        else:
+            rows = reference_routing(self.model_dir, ids[:-1]).astype(np.int32)
+        if self.zero_rows is not None:  # a captured row lost (what the full check must refuse)
+            rows[self.zero_rows] = 0
         if self.release >= (0, 5, 12):
             rows = rows[req.start :]
         req.rows = rows

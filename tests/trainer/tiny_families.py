@@ -38,11 +38,13 @@ def tiny_family_config(model_type: str) -> Any:
     return cls(**{**kw, **OVERRIDES.get(model_type, {})})
 
 
-def tiny_family_model(model_type: str, seed: int = 0) -> Any:
+def tiny_family_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
     import transformers
 
     torch.manual_seed(seed)
     cfg = tiny_family_config(model_type)
+    for k, v in overrides.items():  # e.g. a vocabulary as large as a test tokenizer's
+        setattr(cfg, k, v)
     cfg._attn_implementation = "eager"
     try:
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
