@@ -33,6 +33,11 @@ def test_doctor_passes_with_full_agreement(qwen_server: Any, engine: str | None,
     assert rep["ground_truth"]["agreement"] == 1.0 and rep["ground_truth"]["compared"] > 100
     assert {c["name"] for c in rep["checks"]} >= {"identity", "single", "batch", "n=2", "routed_experts_start",
                                                    "prefix-cache hit", "mixed batch", "ground truth"}
+    (pc,) = [c for c in rep["checks"] if c["name"] == "prefix-cache hit"]
+    if engine is None:  # a real hit: vLLM CPU caches 128-token blocks, rr's /generate reports them
+        assert pc["ok"] and pc["exercised"] and "256 tokens from the prefix cache" in pc["detail"], pc
+    else:  # vLLM's OpenAI usage carries cached tokens only with --enable-prompt-tokens-details: said, not claimed ok
+        assert not pc["exercised"] and pc["detail"].startswith("not exercised: a repeated 300-token prompt"), pc
     cost = rep["cost"]
     assert cost["bytes_per_token_with"] > cost["bytes_per_token_without"] > 0
     assert any("torch.compile" in b["what"] for b in rep["known_bugs"])
