@@ -7,6 +7,7 @@ one), every server the session will need at once to overlap their ~30-80 s start
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +24,22 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
     "mixtral_300": dict(arch="mixtral", num_layers=2, num_experts=300, topk=4),
 }
 
+# n-gram speculative decoding (3 draft tokens) on the Qwen3 checkpoint. vLLM's greedy rejection sampler
+# is a Triton kernel with no CPU backend here: the named stand-in in triton_standin/ replaces that one
+# kernel in every vLLM process (PYTHONPATH sitecustomize); everything else is vLLM's own.
+NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+TRITON_STANDIN = Path(__file__).with_name("triton_standin")
+
+# Servers that are not one model each: the checkpoint they serve and their extra launch arguments.
+SERVER_MODEL: dict[str, str] = {"qwen3_ngram": "qwen3_dense"}
+SERVER_EXTRA: dict[str, list[str]] = {"qwen3_ngram": ["--speculative-config", json.dumps(NGRAM_CONFIG)]}
+
 # The 300-expert server builds every routed reply in a worker thread (the path large payloads take).
-SERVER_ENV: dict[str, dict[str, str]] = {"mixtral_300": {"RR_ENCODE_THREAD_MIN_ELEMS": "0"}}
+SERVER_ENV: dict[str, dict[str, str]] = {
+    "mixtral_300": {"RR_ENCODE_THREAD_MIN_ELEMS": "0"},
+    "qwen3_ngram": {"PYTHONPATH": os.pathsep.join(p for p in (str(TRITON_STANDIN), os.environ.get("PYTHONPATH"))
+                                                  if p)},
+}
 
 
 def start_server(name: str, model_dir: Path, *, core: int) -> VLLMProcess:
@@ -32,7 +47,7 @@ def start_server(name: str, model_dir: Path, *, core: int) -> VLLMProcess:
     env = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
                                                        str(core % max(1, os.cpu_count() or 1))),
            **SERVER_ENV.get(name, {})}
-    return VLLMProcess(model_dir, name=name, plugin=True, env=env).launch()
+    return VLLMProcess(model_dir, name=name, plugin=True, env=env, extra=SERVER_EXTRA.get(name, ())).launch()
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +72,8 @@ class ServerPool:
         if name not in self.servers:
             for i, other in enumerate(sorted(self.needed | {name})):
                 if other not in self.servers:
-                    self.servers[other] = start_server(other, self.models[other], core=i)
+                    model = self.models[SERVER_MODEL.get(other, other)]
+                    self.servers[other] = start_server(other, model, core=i)
         server = self.servers[name]
         if name not in self.healthy:
             server.wait_healthy()
@@ -81,6 +97,8 @@ def _needed_models(session: pytest.Session) -> set[str]:
             names.add("qwen3_dense")
         if "mixtral_server" in fixtures:
             names.add("mixtral_300")
+        if "ngram_server" in fixtures:
+            names.add("qwen3_ngram")
     return names
 
 
@@ -110,6 +128,12 @@ def qwen_server(server_pool: ServerPool) -> VLLMProcess:
 def mixtral_server(server_pool: ServerPool) -> VLLMProcess:
     """Mixtral server with 300 experts, top-4 (uint16 wire dtype)."""
     return server_pool.get("mixtral_300")
+
+
+@pytest.fixture(scope="session")
+def ngram_server(server_pool: ServerPool) -> VLLMProcess:
+    """The Qwen3-MoE checkpoint served with n-gram speculative decoding (NGRAM_CONFIG)."""
+    return server_pool.get("qwen3_ngram")
 
 
 @pytest.fixture(scope="session", params=list(MODEL_SPECS))

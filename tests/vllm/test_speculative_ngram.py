@@ -1,0 +1,140 @@
+"""Speculative decoding on the real vLLM 0.30 CPU server (n-gram, 3 draft tokens): routing is the target
+model's on every token and MoE layer, with drafts both accepted and rejected.
+
+vLLM 0.30 is past the draft-pollution fix (vllm#48622), so ``rr-server launch vllm`` passes
+``--speculative-config`` through. The greedy rejection-sampling Triton kernel is the one stood-in part
+(``triton_standin/sitecustomize.py``, named in conftest); the n-gram proposer, the scheduler's
+spec-decode bookkeeping, the model runner's verify forward and rr's capture are vLLM's and rr's own.
+Greedy only: sampled requests with drafts would run the random rejection kernel, which is not stood in.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from typing import Any
+
+import httpx
+import pytest
+
+from rr_server.cli import main as cli
+from tests.vllm.conftest import TRITON_STANDIN
+from tests.vllm.test_vllm_e2e import _sse, check_item, no_routing, tokenize
+
+pytestmark = pytest.mark.vllm_server
+
+# Repetitive prompts: the n-gram proposer finds matches in them, so drafts are proposed from the first step.
+PROMPTS = [
+    "a b c d a b c d a b c d a b c d a b c d",
+    "one two three one two three one two three one two",
+    "x = x + 1; x = x + 1; x = x + 1; x = x + 1;",
+]
+_METRIC = re.compile(r"^vllm:spec_decode_num_(draft_tokens|accepted_tokens)_total\{[^}]*\} ([0-9.e+]+)$", re.M)
+
+
+def spec_counts(server: Any) -> dict[str, float]:
+    """vLLM's own spec-decode counters: draft tokens proposed and accepted so far."""
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in _METRIC.finditer(text)}
+
+
+class DraftsSeen:
+    """Counter deltas over a block: the routing below is only proof if drafts were accepted and rejected."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+
+    def __enter__(self) -> DraftsSeen:
+        self.before = spec_counts(self.server)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = spec_counts(self.server)
+        self.drafted = after["draft_tokens"] - self.before["draft_tokens"]
+        self.accepted = after["accepted_tokens"] - self.before["accepted_tokens"]
+
+    def assert_accepted_and_rejected(self) -> None:
+        assert self.accepted > 0, f"no draft token was accepted ({self.drafted} drafted): nothing was verified"
+        assert self.drafted > self.accepted, f"every one of {self.drafted} drafts was accepted: no rejection tested"
+
+
+def _standin() -> Any:
+    spec = importlib.util.spec_from_file_location("greedy_rejection", TRITON_STANDIN / "greedy_rejection.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.greedy_reject
+
+
+def test_standin_follows_the_kernels_rule() -> None:
+    """The stand-in does what ``rejection_greedy_sample_kernel`` does: argmax up to and including the first
+    disagreeing draft, the bonus token when all agree, nothing for a non-greedy request, placeholders after."""
+    import torch
+
+    ph = -1
+    out = torch.full((4, 4), ph, dtype=torch.int32)
+    cu = torch.tensor([3, 6, 6, 8], dtype=torch.int32)  # request 2 has no drafts
+    drafts = torch.tensor([5, 6, 7, 1, 2, 3, 4, 4], dtype=torch.int32)
+    argmax = torch.tensor([5, 9, 7, 1, 2, 3, 8, 8], dtype=torch.int64)
+    bonus = torch.tensor([[50], [60], [70], [80]], dtype=torch.int64)
+    greedy = torch.tensor([True, True, True, False])
+    _standin()(out, cu, drafts, argmax, bonus, greedy, 3, None, None)
+    assert out.tolist() == [[5, 9, ph, ph], [1, 2, 3, 60], [70, ph, ph, ph], [ph, ph, ph, ph]]
+
+
+def test_rr_info_states_speculative_method(ngram_server: Any) -> None:
+    info = httpx.get(ngram_server.base_url + "/rr/info", timeout=30).json()
+    assert info["speculative"] == "ngram" and info["routing_enabled"] and info["engine_version"] == "0.30.0"
+
+
+def test_batch_routing_equals_transformers_with_drafts(ngram_server: Any) -> None:
+    prompts = [tokenize(ngram_server.model_dir, p) for p in PROMPTS]
+    with DraftsSeen(ngram_server) as seen:
+        r = httpx.post(ngram_server.base_url + "/generate", timeout=300, json={
+            "input_ids": prompts, "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
+            "return_routed_experts": True})
+    assert r.status_code == 200, r.text
+    items = r.json()
+    assert len(items) == len(prompts)
+    for ids, item in zip(prompts, items):
+        assert len(item["output_ids"]) == 40
+        check_item(ngram_server, item, ids)  # every row and MoE layer = transformers' top-k on the final tokens
+    seen.assert_accepted_and_rejected()
+
+
+def test_streaming_routing_with_drafts(ngram_server: Any) -> None:
+    """A step can emit several tokens at once; the final chunk's rows still cover every token exactly once."""
+    ids = tokenize(ngram_server.model_dir, PROMPTS[0])
+    with DraftsSeen(ngram_server) as seen:
+        chunks = _sse(ngram_server, {"input_ids": ids, "stream": True, "return_routed_experts": True,
+                                     "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}})
+    for c in chunks[:-1]:
+        no_routing(c)
+    lens = [len(c["output_ids"]) for c in chunks]
+    assert lens[-1] == 32 and len(chunks) < 32, f"accepted drafts emit several tokens per chunk: {lens}"
+    check_item(ngram_server, chunks[-1], ids)
+    seen.assert_accepted_and_rejected()
+
+
+def test_routed_experts_start_with_drafts(ngram_server: Any) -> None:
+    ids = tokenize(ngram_server.model_dir, PROMPTS[1])
+    start = len(ids) - 2
+    r = httpx.post(ngram_server.base_url + "/generate", timeout=300, json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+        "return_routed_experts": True, "routed_experts_start": start})
+    assert r.status_code == 200, r.text
+    check_item(ngram_server, r.json(), ids, start=start)
+
+
+def test_doctor_ground_truth_runs_with_the_deployments_drafts(ngram_server: Any,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with DraftsSeen(ngram_server) as seen:
+        rc = cli(["doctor", ngram_server.base_url, "--model-path", str(ngram_server.model_dir), "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0 and rep["verdict"] == "PASS", [c for c in rep["checks"] if not c["ok"]]
+    (identity,) = [c for c in rep["checks"] if c["name"] == "identity"]
+    assert "speculative decoding ngram (ground truth below runs with it)" in identity["detail"]
+    assert rep["ground_truth"]["agreement"] == 1.0 and rep["ground_truth"]["compared"] > 100
+    assert not any("draft" in b["what"] for b in rep["known_bugs"]), "vLLM 0.30 is past the draft-pollution fix"
+    assert seen.accepted > 0, "the doctor's requests were verified from drafts"
