@@ -24,11 +24,11 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
     "mixtral_300": dict(arch="mixtral", num_layers=2, num_experts=300, topk=4),
 }
 
-# n-gram speculative decoding (3 draft tokens) on the Qwen3 checkpoint. vLLM's greedy rejection sampler
-# is a Triton kernel with no CPU backend here: the named stand-in in triton_standin/ replaces that one
-# kernel in every vLLM process (PYTHONPATH sitecustomize); everything else is vLLM's own.
+# n-gram speculative decoding (3 draft tokens) on the Qwen3 checkpoint. Stock vLLM 0.30 CPU dies on the first
+# verified draft: its CPU runner never points the rejection sampler's dispatchers at its own CPU kernels.
+# cpu_spec_decode_fix/ (a PYTHONPATH sitecustomize in every vLLM process) re-points them; every kernel is vLLM's.
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
-TRITON_STANDIN = Path(__file__).with_name("triton_standin")
+CPU_SPEC_DECODE_FIX = Path(__file__).with_name("cpu_spec_decode_fix")
 
 # Servers that are not one model each: the checkpoint they serve and their extra launch arguments.
 SERVER_MODEL: dict[str, str] = {"qwen3_ngram": "qwen3_dense"}
@@ -37,7 +37,7 @@ SERVER_EXTRA: dict[str, list[str]] = {"qwen3_ngram": ["--speculative-config", js
 # The 300-expert server builds every routed reply in a worker thread (the path large payloads take).
 SERVER_ENV: dict[str, dict[str, str]] = {
     "mixtral_300": {"RR_ENCODE_THREAD_MIN_ELEMS": "0"},
-    "qwen3_ngram": {"PYTHONPATH": os.pathsep.join(p for p in (str(TRITON_STANDIN), os.environ.get("PYTHONPATH"))
+    "qwen3_ngram": {"PYTHONPATH": os.pathsep.join(p for p in (str(CPU_SPEC_DECODE_FIX), os.environ.get("PYTHONPATH"))
                                                   if p)},
 }
 
