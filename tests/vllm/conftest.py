@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.support.vllm_process import CACHE, VLLMProcess
+from tests.vllm.tiny_mtp import MTP_CONFIG, build_tiny_glm4_mtp
 
 # Two architectures: Qwen3-MoE with a dense middle layer (uint8 path) and a >256-expert
 # Mixtral (uint16 path).
@@ -30,15 +31,19 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 CPU_SPEC_DECODE_FIX = Path(__file__).with_name("cpu_spec_decode_fix")
 
+_SPEC_FIX_PATH = os.pathsep.join(p for p in (str(CPU_SPEC_DECODE_FIX), os.environ.get("PYTHONPATH")) if p)
+
 # Servers that are not one model each: the checkpoint they serve and their extra launch arguments.
+# glm4_mtp: a GLM-4.5-style checkpoint with one MTP layer (tests/vllm/tiny_mtp.py), drafting with it.
 SERVER_MODEL: dict[str, str] = {"qwen3_ngram": "qwen3_dense"}
-SERVER_EXTRA: dict[str, list[str]] = {"qwen3_ngram": ["--speculative-config", json.dumps(NGRAM_CONFIG)]}
+SERVER_EXTRA: dict[str, list[str]] = {"qwen3_ngram": ["--speculative-config", json.dumps(NGRAM_CONFIG)],
+                                      "glm4_mtp": ["--speculative-config", json.dumps(MTP_CONFIG)]}
 
 # The 300-expert server builds every routed reply in a worker thread (the path large payloads take).
 SERVER_ENV: dict[str, dict[str, str]] = {
     "mixtral_300": {"RR_ENCODE_THREAD_MIN_ELEMS": "0"},
-    "qwen3_ngram": {"PYTHONPATH": os.pathsep.join(p for p in (str(CPU_SPEC_DECODE_FIX), os.environ.get("PYTHONPATH"))
-                                                  if p)},
+    "qwen3_ngram": {"PYTHONPATH": _SPEC_FIX_PATH},
+    "glm4_mtp": {"PYTHONPATH": _SPEC_FIX_PATH},
 }
 
 
@@ -55,7 +60,8 @@ def tiny_models() -> dict[str, Path]:
     """Build (or reuse from .cache/) the tiny checkpoints used by the e2e tests."""
     from rr_server.tiny_moe import build_tiny_moe
 
-    return {name: build_tiny_moe(CACHE / name, **spec) for name, spec in MODEL_SPECS.items()}
+    models = {name: build_tiny_moe(CACHE / name, **spec) for name, spec in MODEL_SPECS.items()}
+    return {**models, "glm4_mtp": build_tiny_glm4_mtp(CACHE / "glm4_mtp", models["qwen3_dense"])}
 
 
 class ServerPool:
@@ -99,6 +105,8 @@ def _needed_models(session: pytest.Session) -> set[str]:
             names.add("mixtral_300")
         if "ngram_server" in fixtures:
             names.add("qwen3_ngram")
+        if "mtp_server" in fixtures:
+            names.add("glm4_mtp")
     return names
 
 
@@ -134,6 +142,12 @@ def mixtral_server(server_pool: ServerPool) -> VLLMProcess:
 def ngram_server(server_pool: ServerPool) -> VLLMProcess:
     """The Qwen3-MoE checkpoint served with n-gram speculative decoding (NGRAM_CONFIG)."""
     return server_pool.get("qwen3_ngram")
+
+
+@pytest.fixture(scope="session")
+def mtp_server(server_pool: ServerPool) -> VLLMProcess:
+    """The GLM-4.5-style checkpoint served with its MTP layer drafting (MTP_CONFIG)."""
+    return server_pool.get("glm4_mtp")
 
 
 @pytest.fixture(scope="session", params=list(MODEL_SPECS))

@@ -1,5 +1,6 @@
-"""Speculative decoding on the real vLLM 0.30 CPU server (n-gram, 3 draft tokens): routing is the target
-model's on every token and MoE layer, with drafts both accepted and rejected.
+"""Speculative decoding on the real vLLM 0.30 CPU server: routing is the target model's on every token and MoE
+layer, with n-gram drafts (3 tokens, accepted and rejected) and with an MTP draft layer that has its own MoE
+router (GLM-4.5-style checkpoint, tests/vllm/tiny_mtp.py): the draft-pollution case (vllm#48622).
 
 vLLM 0.30 is past the draft-pollution fix (vllm#48622), so ``rr-server launch vllm`` passes
 ``--speculative-config`` through. Stock vLLM 0.30 CPU cannot verify a draft (its CPU runner leaves the
@@ -20,7 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
+from rr_client.codec import decode_meta_info
 from rr_server.cli import main as cli
+from rr_server.doctor.truth import LayerAgreement, RouterReference
 from tests.vllm.test_vllm_e2e import _sse, check_item, no_routing, tokenize
 
 pytestmark = pytest.mark.vllm_server
@@ -115,3 +118,56 @@ def test_doctor_ground_truth_runs_with_the_deployments_drafts(ngram_server: Any,
     assert rep["ground_truth"]["agreement"] == 1.0 and rep["ground_truth"]["compared"] > 100
     assert not any("draft" in b["what"] for b in rep["known_bugs"]), "vLLM 0.30 is past the draft-pollution fix"
     assert seen.accepted > 0, "the doctor's requests were verified from drafts"
+
+
+# ------------------------------------------------------------------------------------------- MTP
+
+
+def assert_target_routing(server: Any, item: dict[str, Any], prompt_ids: list[int]) -> None:
+    """Every row and MoE layer equals the target routers' own selection (the doctor's ground truth)."""
+    info = httpx.get(server.base_url + "/rr/info", timeout=30).json()
+    layers, moe, topk = info["num_hidden_layers"], info["moe_layers"], info["topk"]
+    tokens = prompt_ids + list(item["output_ids"])
+    got = decode_meta_info(item["meta_info"], rows=len(tokens) - 1, num_layers=layers, topk=topk,
+                           num_experts=info["num_experts"], moe_layers=moe)
+    assert not got[:, [i for i in range(layers) if i not in moe]].any(), "dense layers must be all-zero rows"
+    agg: dict[int, LayerAgreement] = {}
+    _reference(str(server.model_dir)).compare(got, tokens, 0, moe, agg)
+    assert {layer: a.share for layer, a in agg.items()} == {layer: 1.0 for layer in moe}, \
+        {layer: a.first_diff for layer, a in agg.items()}
+
+
+_REFS: dict[str, RouterReference] = {}
+
+
+def _reference(path: str) -> RouterReference:
+    if path not in _REFS:
+        _REFS[path] = RouterReference(path)
+    return _REFS[path]
+
+
+def test_mtp_rr_info_counts_only_the_target_layers(mtp_server: Any) -> None:
+    info = httpx.get(mtp_server.base_url + "/rr/info", timeout=30).json()
+    assert info["speculative"] == "mtp"
+    assert info["num_hidden_layers"] == 3 and info["moe_layers"] == [1, 2], "the MTP layer (3) is no target layer"
+
+
+def test_mtp_draft_layer_leaves_the_target_rows(mtp_server: Any) -> None:
+    prompts = [tokenize(mtp_server.model_dir, p) for p in [*PROMPTS, "Hello world, this is a tiny test."]]
+    with DraftsSeen(mtp_server) as seen:
+        r = httpx.post(mtp_server.base_url + "/generate", timeout=300, json={
+            "input_ids": prompts, "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True},
+            "return_routed_experts": True})
+    assert r.status_code == 200, r.text
+    for ids, item in zip(prompts, r.json(), strict=True):
+        assert len(item["output_ids"]) == 30
+        assert_target_routing(mtp_server, item, ids)
+    assert seen.drafted >= 4 * 29, f"the MTP layer (and its MoE router) drafted only {seen.drafted} tokens"
+
+
+def test_mtp_streaming(mtp_server: Any) -> None:
+    ids = tokenize(mtp_server.model_dir, PROMPTS[2])
+    chunks = _sse(mtp_server, {"input_ids": ids, "stream": True, "return_routed_experts": True,
+                               "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}})
+    assert len(chunks[-1]["output_ids"]) == 20
+    assert_target_routing(mtp_server, chunks[-1], ids)
