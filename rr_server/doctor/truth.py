@@ -92,7 +92,7 @@ def router_choice(model: Any, token_ids: Sequence[int], moe_layers: Sequence[int
         with torch.no_grad(), record_routing(model) as rec:
             out = model(ids, output_router_logits=True)
         chosen: np.ndarray | None = rec.routed_experts[0].numpy()
-        seen = set(rec._layers)
+        seen = set(rec.moe_layers)
     except UnsupportedModelError:
         with torch.no_grad():
             out = model(ids, output_router_logits=True)
