@@ -170,7 +170,7 @@ def test_deepseek_v4_hash_layers_are_left_to_the_model() -> None:
 
 @pytest.mark.parametrize("mt", [m for m in REFUSED_FAMILIES if FAMILY_ROUTERS[m]])
 def test_refused_family_is_refused_with_its_reason(mt: str) -> None:
-    from rr_client.replay._core import survey as _survey
+    from rr_client.replay import survey as _survey
 
     reason = next(f.reason for f in coverage() if f.model_type == mt)
     router_cls = FAMILY_ROUTERS[mt][0]

@@ -1,0 +1,159 @@
+"""The replay audit: proof, per layer, that the replayed ids reached the experts, read once per block.
+
+Counts that follow from the block's rows (replayed, left) are Python integers. Counts that need the
+tensors (agreement of the model's own choice, ids seen at the experts' input) are 0-d device tensors kept in
+a :class:`DeviceTally` and read with one ``tolist()`` per device when the block exits: no host sync inside
+a forward or a backward. An experts module that receives the very tensor the replay hook returned is proven
+without any op.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from rr_client.replay._routers import LeftRouter, Router
+from rr_client.replay._rows import BlockRows
+
+__all__ = ["DeviceTally", "Audit"]
+
+
+class DeviceTally:
+    """0-d integer tensors under string keys, summed and read in one host transfer per device at the end."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        self._parts[key].append(value)
+
+    def __bool__(self) -> bool:
+        return bool(self._parts)
+
+    def read(self) -> dict[str, int]:
+        """Every key's total; one ``tolist()`` per device holding parts."""
+        by_dev: dict[torch.device, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+        for key, parts in self._parts.items():
+            for t in parts:
+                by_dev[t.device].append((key, t))
+        out: dict[str, int] = dict.fromkeys(self._parts, 0)
+        for items in by_dev.values():
+            values = torch.stack([t.reshape(()).long() for _, t in items]).tolist()
+            for (key, _), v in zip(items, values):
+                out[key] += int(v)
+        self._parts.clear()
+        return out
+
+
+class Audit:
+    """Counters of one ``replay_routing`` block; ``report()`` is the plain dict a trainer logs."""
+
+    def __init__(self, routers: list[Router], left: list[LeftRouter], rows: BlockRows, tally: DeviceTally) -> None:
+        self.routers = routers
+        self.left = left
+        self.rows = rows
+        self.tally = tally
+        z = dict.fromkeys([r.layer for r in routers], 0)
+        self.replayed, self.left_rows, self.checked = dict(z), dict(z), dict(z)
+        self.applied_direct = dict(z)
+        self.router_runs, self.expert_runs = dict(z), dict(z)
+        self.expect: dict[int, torch.Tensor] = {}
+        self.bad_experts: dict[int, str] = {}
+        self.forwards = 0
+        self.counts: dict[str, int] = {}
+
+    def on_router(self, r: Router, own: torch.Tensor, new_ids: torch.Tensor, recompute: bool) -> None:
+        """After the replay hook: remember what the experts must receive; count agreement (forwards only)."""
+        self.router_runs[r.layer] += 1
+        self.expect[r.layer] = new_ids
+        if recompute:
+            return
+        lr = self.rows.layers[r.layer]
+        self.replayed[r.layer] += lr.n_use
+        self.left_rows[r.layer] += self.rows.n_rows - lr.n_use
+        if lr.n_use:
+            assert lr.ids_sorted is not None
+            same = (own.sort(dim=-1).values == lr.ids_sorted).all(dim=-1, keepdim=True)
+            self.tally.add(f"agree/{r.layer}", (same if lr.use is None else same & lr.use).sum())
+
+    def on_experts(self, r: Router, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """At the experts' input: the ids there must be the replayed ones (the same tensor proves it for free)."""
+        self.expert_runs[r.layer] += 1
+        want = self.expect.pop(r.layer, None)
+        if want is None:
+            self.bad_experts[r.layer] = "the experts ran without their router running first"
+            return
+        lr = self.rows.layers[r.layer]
+        self.checked[r.layer] += lr.n_use
+        inputs = list(args) + list(kwargs.values())
+        if any(a is want for a in inputs):
+            self.applied_direct[r.layer] += lr.n_use
+            return
+        got = next((a for a in inputs if isinstance(a, torch.Tensor) and not a.is_floating_point()
+                    and a.dim() == 2 and a.shape == want.shape), None)
+        if got is None:
+            self.bad_experts[r.layer] = "no [N, K] expert-id tensor among the experts module's inputs"
+            return
+        same = (got.sort(dim=-1).values == want.sort(dim=-1).values).all(dim=-1, keepdim=True)
+        self.tally.add(f"applied/{r.layer}", (same if lr.use is None else same & lr.use).sum())
+
+    def finish(self, counts: dict[str, int]) -> None:
+        """Take the device counts read when the block exits."""
+        self.counts = counts
+
+    def _agree(self, layer: int) -> int:
+        return self.counts.get(f"agree/{layer}", 0)
+
+    def _applied(self, layer: int) -> int:
+        return self.applied_direct[layer] + self.counts.get(f"applied/{layer}", 0)
+
+    def report(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        rep = sum(self.replayed.values())
+        chk = sum(self.checked.values())
+        out["r3/forwards"] = float(self.forwards)
+        out["r3/moe_layers"] = float(len(self.routers))
+        out["r3/replayed_rows"] = float(rep)
+        out["r3/left_rows"] = float(sum(self.left_rows.values()))
+        out["r3/applied_share"] = sum(self._applied(r.layer) for r in self.routers) / chk if chk else float("nan")
+        out["r3/agreement"] = sum(self._agree(r.layer) for r in self.routers) / rep if rep else float("nan")
+        out["r3/left_layers_hash"] = float(sum(x.why == "hash" for x in self.left))
+        out["r3/left_routers_outside_decoder"] = float(sum(x.why == "outside_decoder" for x in self.left))
+        out["r3/orphan_routers"] = float(sum(self.router_runs[r.layer] == 0 for r in self.routers))
+        out["r3/unconsumed_layers"] = float(len(self.rows.unconsumed))
+        for r in self.routers:
+            i = r.layer
+            out[f"r3/layer{i}/replayed_rows"] = float(self.replayed[i])
+            out[f"r3/layer{i}/left_rows"] = float(self.left_rows[i])
+            out[f"r3/layer{i}/applied_share"] = self._applied(i) / self.checked[i] if self.checked[i] else float("nan")
+            out[f"r3/layer{i}/agreement"] = self._agree(i) / self.replayed[i] if self.replayed[i] else float("nan")
+        for x in self.left:
+            if x.why == "hash" and x.layer is not None:
+                out[f"r3/layer{x.layer}/left_rows_hash"] = float(self.rows.n_rows * self.forwards)
+        return out
+
+    def problems(self) -> list[str]:
+        msgs = []
+        if self.forwards == 0:
+            msgs.append("no forward pass ran inside replay_routing(audit=True)")
+            return msgs
+        orphans = [r for r in self.routers if self.router_runs[r.layer] == 0]
+        if orphans:
+            msgs.append("orphan routers (in the model, never ran in the forward; a rebuilt or bypassed decoder "
+                        "layer?): " + ", ".join(f"layer {r.layer} {r.name}" for r in orphans))
+        if self.rows.unconsumed:
+            msgs.append(f"replayed rows at layers {self.rows.unconsumed} were consumed by no router (the model has "
+                        "no replayable router there: layers shifted, or dense/MoE layer mapping wrong?)")
+        for r in self.routers:
+            i = r.layer
+            if i in self.bad_experts:
+                msgs.append(f"layer {i}: {self.bad_experts[i]} ({r.name})")
+            elif self.router_runs[i] and self.expert_runs[i] == 0 and self.replayed[i]:
+                msgs.append(f"layer {i}: the experts module never ran after {r.name} (the block bypasses it)")
+            elif self.checked[i] and self._applied(i) != self.checked[i]:
+                msgs.append(f"layer {i}: only {self._applied(i)}/{self.checked[i]} replayed rows reached the experts "
+                            f"with the replayed ids (the MoE block {type(r.block).__name__} does not pass its "
+                            "router's choice to its experts)")
+        return msgs

@@ -1,0 +1,192 @@
+"""``replay_routing`` (R3): force recorded top-k ids in every MoE router; weights stay differentiable.
+
+Cost model (what ``tests/trainer/test_replay_cost.py`` holds): opening a block validates every layer's rows
+with one host read (:mod:`rr_client.replay._rows`) and moves them to the routers' devices once; inside the
+forward and backward a router hook runs the layer's weight formula on the replayed ids (plus one ``where``
+when some rows keep the model's own choice) and never syncs. The bit-for-bit formula check and the audit
+keep their verdicts on the device and are read once when the block exits.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from rr_client.errors import ReplayError, ShapeMismatchError, UnsupportedModelError
+from rr_client.replay._audit import Audit, DeviceTally
+from rr_client.replay._routers import Router, in_backward, num_hidden_layers, router_hooks, survey
+from rr_client.replay._rows import layer_positions, prepare_rows
+
+__all__ = ["replay_routing", "CHECK_EVERY"]
+
+#: default sampling of the bit-for-bit formula check: a router's 1st, 17th, 33rd, ... replayed forward
+#: (per model, across blocks), so a changed transformers router is caught on the first step.
+CHECK_EVERY = 16
+
+# per model: how many (non-recompute) forwards each router layer has replayed, for the formula check's sampling
+_REPLAYED_FORWARDS: weakref.WeakKeyDictionary[nn.Module, dict[int, int]] = weakref.WeakKeyDictionary()
+
+
+def _unwrap(routed_experts: Any, mask: Any, layers: Sequence[int] | None) -> tuple[Any, Any, Sequence[int] | None]:
+    """A :class:`RoutingTensors` / :class:`PackedRouting` gives its rows, mask and layer axis."""
+    if hasattr(routed_experts, "routed_experts") and hasattr(routed_experts, "routed_experts_mask"):
+        if mask is None:
+            mask = routed_experts.routed_experts_mask
+        if layers is None:
+            layers = routed_experts.layers
+        routed_experts = routed_experts.routed_experts
+    return routed_experts, mask, layers
+
+
+@contextmanager
+def replay_routing(
+    model: nn.Module,
+    routed_experts: Any,
+    mask: torch.Tensor | None = None,
+    *,
+    layers: Sequence[int] | None = None,
+    check_formula: bool = True,
+    check_every: int = CHECK_EVERY,
+    audit: bool = False,
+    allow_untested: bool = False,
+) -> Iterator[dict[str, float] | None]:
+    """Force ``routed_experts`` as every MoE router's top-k choice inside the block; weights stay differentiable.
+
+    ``routed_experts``: ``[B, T, L, K]`` (padded, token-major) or ``[N, L, K]`` (packed) expert ids, rows in
+    the order the router sees tokens (batch-major flatten of ``input_ids``), on any device (the CPU or the
+    model's); or a :class:`rr_client.RoutingTensors` / :class:`rr_client.PackedRouting`, whose
+    ``routed_experts_mask`` and ``layers`` are then used. ``mask`` (same leading shape, any device): rows
+    where it is False keep the model's own choice; rows with a negative id (the ``-1`` pad) too. The layer
+    axis is absolute (``L`` = decoder layers) or MoE ordinals (``L`` = MoE layers), or as ``layers`` says.
+    Errors: :class:`ShapeMismatchError` (token or layer count, top-k), :class:`ExpertIdOutOfRangeError`,
+    :class:`UnrecordedRoutingError` (repeated ids in a replayed row: pass the mask),
+    :class:`UnsupportedModelError` (a refused family, with the reason: docs/replay-coverage.md). The rows are
+    validated once, when the block opens, for all layers at once (one host read), and moved to the routers'
+    devices once.
+
+    ``check_formula``: the router's weight formula is re-applied to the router's own ids and compared with
+    the router's own weights bit for bit, so a changed transformers router is refused
+    (:class:`UnsupportedModelError`) instead of replayed wrong. The check is *sampled*: each router's 1st,
+    then every ``check_every``-th replayed forward of this model (1 = every forward); its verdict is read
+    when the block exits, so leave the block before ``optimizer.step()``. Hash-routed layers (DeepSeek-V4) and
+    routers outside the decoder's layer list (MTP/draft layers, towers) are left to the model.
+
+    ``audit=True`` yields a dict, filled when the block exits, that a trainer logs as is: ``r3/forwards``,
+    ``r3/moe_layers``, ``r3/replayed_rows``, ``r3/left_rows`` (mask, pads), ``r3/applied_share`` (replayed
+    rows whose experts module received exactly the replayed ids, observed at the experts' input),
+    ``r3/agreement`` (replayed rows the model's own router chose too), the same per layer
+    (``r3/layer<i>/...``) and the layers left to the model. Leaving the block raises :class:`ReplayError`
+    (with ``.report``) for an orphan router (never ran), replayed rows no router consumed, or any replayed row
+    that did not reach its experts. The audit's counts stay on the device until the block exits (one read).
+
+    With gradient checkpointing, backward re-runs the forwards: call ``backward()`` inside the block (the
+    rows are keyed by decoder layer, so the recompute replays the same rows); leaving the block with a
+    checkpointed forward whose backward has not run is a :class:`ReplayError`.
+    """
+    if check_every < 1:
+        raise ValueError(f"check_every must be >= 1, got {check_every}")
+    routed_experts, mask, layers = _unwrap(routed_experts, mask, layers)
+    routers, left = survey(model, allow_untested=allow_untested)
+    if not routers:
+        raise UnsupportedModelError(f"no replayable MoE router in {type(model).__name__}'s decoder layers")
+    re_t = torch.as_tensor(routed_experts)
+    if re_t.dim() < 3:
+        raise ShapeMismatchError(f"routed_experts must be [..., L, K], got shape {tuple(re_t.shape)}")
+    k = re_t.shape[-1]
+    bad_k = [r.layer for r in routers if r.top_k != k]
+    if bad_k:
+        raise ShapeMismatchError(f"routed_experts has top-{k}; routers of layers {bad_k} pick top-{routers[0].top_k}")
+    lead = tuple(re_t.shape[:-2])
+    flat = re_t.reshape(-1, re_t.shape[-2], k)
+    hash_layers = [x.layer for x in left if x.why == "hash" and x.layer is not None]
+    pos, axis = layer_positions(flat.shape[1], num_hidden_layers(model, routers), routers, layers, hash_layers)
+    m: torch.Tensor | None = None
+    if mask is not None:
+        m = torch.as_tensor(mask)
+        if tuple(m.shape) != lead:
+            raise ShapeMismatchError(f"mask shape {tuple(m.shape)} does not match routed_experts rows {lead}")
+        m = m.reshape(-1).to(device=flat.device, dtype=torch.bool)  # the mask goes to the rows' side
+    spare = None
+    if audit:
+        consumed = set(pos.values()) | {axis.index(h) for h in hash_layers if h in axis}
+        spare = {layer: p for p, layer in enumerate(axis) if p not in consumed}
+    rows = prepare_rows(flat, m, routers, pos, spare, audit=audit)
+    n_rows = rows.n_rows
+
+    tally = DeviceTally()
+    aud = Audit(routers, left, rows, tally) if audit else None
+    ckpt = any(getattr(mod, "gradient_checkpointing", False) is True for mod in model.modules())
+    pending: dict[int, int] = {}  # checkpointed forwards whose recompute (in backward) has not run yet
+    seen = _REPLAYED_FORWARDS.setdefault(model, {})
+    checked_layers: set[int] = set()
+
+    def hook(r: Router, out: Any) -> Any:
+        logits, weights, own = out[0], out[1], out[2]
+        recompute = in_backward()
+        if ckpt:
+            if recompute:
+                pending[r.layer] = pending.get(r.layer, 0) - 1
+            elif torch.is_grad_enabled():
+                pending[r.layer] = pending.get(r.layer, 0) + 1
+        if logits.shape[0] != n_rows:
+            raise ShapeMismatchError(
+                f"layer {r.layer}: the router sees {logits.shape[0]} tokens but routed_experts has {n_rows} rows "
+                "(rows must follow the flattened input_ids, batch-major)")
+        lr = rows.layers[r.layer]
+        if lr.ids.device != own.device:  # the router ran elsewhere than its parameters: move once, keep
+            lr.ids = lr.ids.to(own.device)
+            lr.use = None if lr.use is None else lr.use.to(own.device)
+            lr.ids_sorted = None if lr.ids_sorted is None else lr.ids_sorted.to(own.device)
+        if check_formula and not recompute:
+            n = seen.get(r.layer, 0)
+            seen[r.layer] = n + 1
+            if n % check_every == 0:
+                again = r.weights(r.module, logits, own).to(weights.dtype)
+                tally.add(f"formula/{r.layer}", (again != weights).any())
+                checked_layers.add(r.layer)
+        new_ids = lr.ids if lr.use is None else torch.where(lr.use, lr.ids, own)
+        if aud is not None:
+            aud.on_router(r, own, new_ids, recompute)
+        return (logits, r.weights(r.module, logits, new_ids).to(weights.dtype), new_ids, *out[3:])
+
+    extra = []
+    if aud is not None:
+        def on_model(_m: nn.Module, _a: Any) -> None:
+            if not in_backward():
+                aud.forwards += 1
+        extra.append(model.register_forward_pre_hook(on_model))
+        for r in routers:
+            if r.experts is not None:
+                extra.append(r.experts.register_forward_pre_hook(
+                    (lambda rr_: lambda _m, a, kw: aud.on_experts(rr_, a, kw))(r), with_kwargs=True))
+            else:
+                aud.bad_experts[r.layer] = "its MoE block has no experts module where rr can observe the ids"
+    report: dict[str, float] | None = {} if audit else None
+    try:
+        with router_hooks(routers, hook):
+            yield report
+    finally:
+        for h in extra:
+            h.remove()
+    counts = tally.read() if tally else {}  # the block's one host read of what the hooks kept on the device
+    bad = sorted(layer for layer in checked_layers if counts.get(f"formula/{layer}"))
+    if bad:
+        r0 = next(r for r in routers if r.layer == bad[0])
+        raise UnsupportedModelError(
+            f"layers {bad}: {type(r0.module).__name__}'s weights differ from rr's formula for it (transformers "
+            "changed the router, or a dtype path rr does not know?); refusing to replay")
+    if any(v > 0 for v in pending.values()):
+        raise ReplayError(
+            "gradient checkpointing is on and a forward ran inside replay_routing whose backward has not: the "
+            "recompute in backward would route with the model's own choice. Call backward() inside the block.")
+    if aud is not None and report is not None:
+        aud.finish(counts)
+        report.update(aud.report())
+        problems = aud.problems()
+        if problems:
+            raise ReplayError("replay audit: " + "; ".join(problems), report=report)

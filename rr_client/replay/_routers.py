@@ -1,0 +1,194 @@
+"""Find the MoE routers rr replays in a Hugging Face transformers 5.x model, and hook them.
+
+Routers are recognised by class name (transformers is never imported), keyed by their decoder-layer index
+(``...layers.<i>...``) so a gradient-checkpointing recompute finds the same rows. :func:`survey` also lists
+the routers rr leaves to the model (hash-routed layers, MTP/draft layers, towers) and refuses unknown ones.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from rr_client.errors import UnsupportedModelError
+
+try:
+    import torch
+    from torch import nn
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("rr_client.replay needs torch: pip install 'rr-replay[torch]'") from e
+
+from rr_client.replay.coverage import TESTED, family_status, router_family
+from rr_client.replay.formulas import HASH_ROUTERS, SUPPORTED_ROUTERS, WeightFn
+
+__all__ = ["Router", "LeftRouter", "survey", "find_routers", "num_hidden_layers", "router_hooks", "router_device",
+           "in_backward"]
+
+_ROUTER_LIKE = re.compile(r"(router|topk.?gate|moegate|topk.?gating)$", re.IGNORECASE)
+
+
+@dataclass
+class Router:
+    """One replayable MoE router: its decoder layer, module, MoE block, weight formula and size."""
+
+    layer: int
+    name: str
+    module: nn.Module
+    block: nn.Module
+    weights: WeightFn
+    num_experts: int
+    top_k: int
+
+    @property
+    def experts(self) -> nn.Module | None:
+        return getattr(self.block, "experts", None) if self.block is not self.module else None
+
+
+@dataclass
+class LeftRouter:
+    """A router rr leaves to the model: hash-routed, or outside the decoder's layer list (MTP/draft, towers)."""
+
+    name: str
+    cls: str
+    why: str  # "hash" | "outside_decoder"
+    layer: int | None
+
+
+def _text_config(model: nn.Module) -> Any:
+    cfg = getattr(model, "config", None)
+    get = getattr(cfg, "get_text_config", None)
+    return get() if callable(get) else cfg
+
+
+def _decoder_lists(model: nn.Module, n_hidden: int | None) -> list[str]:
+    """Names of the decoder's layer lists: ModuleLists named ``...layers`` of ``num_hidden_layers`` entries."""
+    found = [name for name, mod in model.named_modules()
+             if isinstance(mod, nn.ModuleList) and name.split(".")[-1] == "layers"
+             and (n_hidden is None or len(mod) == n_hidden)]
+    # the outermost lists only (a layer list nested in another is not the decoder's)
+    return [n for n in found if not any(n != o and n.startswith(o + ".") for o in found)]
+
+
+def survey(model: nn.Module, *, allow_untested: bool = False) -> tuple[list[Router], list[LeftRouter]]:
+    """Replayable decoder routers (layer order) and the routers left to the model; refuses unknown ones."""
+    if getattr(model, "_use_kernels", False) or getattr(model, "use_kernels", False) is True:
+        raise UnsupportedModelError(
+            "the model uses hub kernels (use_kernels=True), which can replace a whole MoE block so its router "
+            "never runs; load it without kernels to replay routing")
+    cfg = _text_config(model)
+    n_hidden = getattr(cfg, "num_hidden_layers", None)
+    lists = _decoder_lists(model, int(n_hidden) if isinstance(n_hidden, int) else None)
+    modules = dict(model.named_modules())
+    routers: list[Router] = []
+    left: list[LeftRouter] = []
+    for name, mod in modules.items():
+        cls = type(mod).__name__
+        family = router_family(cls)
+        if family is not None:
+            st = family_status(family)
+            if st.status == "refused" and not (allow_untested and family not in TESTED
+                                               and cls in SUPPORTED_ROUTERS):
+                raise UnsupportedModelError(f"{name}: model family {family!r} ({cls}) is refused: {st.reason}")
+        fn = SUPPORTED_ROUTERS.get(cls)
+        if fn is None and cls not in HASH_ROUTERS:
+            if family is None and _ROUTER_LIKE.search(cls) and not isinstance(mod, nn.Linear):
+                raise UnsupportedModelError(
+                    f"{name}: router class {cls} is not supported by rr_client.replay "
+                    f"(supported: {len(SUPPORTED_ROUTERS)} router classes, see docs/replay-coverage.md)")
+            continue
+        prefix = next((lst for lst in lists if name.startswith(lst + ".")), None)
+        layer = int(name[len(prefix) + 1:].split(".")[0]) if prefix is not None else None
+        if cls in HASH_ROUTERS:
+            left.append(LeftRouter(name, cls, "hash", layer))
+            continue
+        if prefix is None:
+            left.append(LeftRouter(name, cls, "outside_decoder", None))
+            continue
+        block = modules[name.rsplit(".", 1)[0]] if "." in name else model
+        routers.append(Router(layer, name, mod, block, fn, int(mod.num_experts), int(mod.top_k)))
+    if not routers:
+        if left:
+            return [], left
+        classes = sorted({type(m).__name__ for m in modules.values() if "moe" in type(m).__name__.lower()
+                          or "expert" in type(m).__name__.lower()})
+        raise UnsupportedModelError(
+            f"no supported MoE router found in {type(model).__name__}"
+            + (f" (MoE-looking modules: {classes})" if classes else ""))
+    layers = [r.layer for r in routers]
+    if len(set(layers)) != len(layers):
+        raise UnsupportedModelError(f"more than one router per decoder layer: {layers}")
+    return sorted(routers, key=lambda r: r.layer), left
+
+
+def find_routers(model: nn.Module, *, allow_untested: bool = False) -> list[Router]:
+    """Every replayable MoE router of ``model``'s decoder with its layer index, in layer order.
+
+    Refuses unknown routers and refused families (:class:`UnsupportedModelError`, with the reason).
+    Hash-routed routers and routers outside the decoder's layer list (MTP/draft, towers) are not returned:
+    :func:`survey` lists them; replay leaves them to the model and the audit reports them."""
+    routers, _ = survey(model, allow_untested=allow_untested)
+    if not routers:
+        raise UnsupportedModelError(f"no replayable MoE router in {type(model).__name__}'s decoder layers")
+    return routers
+
+
+def num_hidden_layers(model: nn.Module, routers: list[Router]) -> int:
+    """The decoder's layer count from the (text) config, else one past the last router's layer."""
+    cfg = _text_config(model)
+    n = getattr(cfg, "num_hidden_layers", None)
+    return int(n) if n else max(r.layer for r in routers) + 1
+
+
+# ---------------------------------------------------------------- kernel guard shared by both modes
+
+
+@contextmanager
+def router_hooks(routers: list[Router], router_hook: Callable[[Router, tuple[Any, ...]], Any]) -> Iterator[None]:
+    """Install ``router_hook`` on every router, plus a guard that each MoE block's forward ran its router."""
+    handles = []
+    fired: dict[int, int] = {}
+
+    def on_router(r: Router) -> Callable[..., Any]:
+        def hook(_m: nn.Module, _args: Any, out: Any) -> Any:
+            fired[r.layer] = fired.get(r.layer, 0) + 1
+            return router_hook(r, out)
+        return hook
+
+    def on_block_pre(r: Router) -> Callable[..., Any]:
+        def hook(_m: nn.Module, _args: Any) -> None:
+            fired[r.layer] = 0
+        return hook
+
+    def on_block(r: Router) -> Callable[..., Any]:
+        def hook(_m: nn.Module, _args: Any, _out: Any) -> None:
+            if not fired.get(r.layer):
+                raise UnsupportedModelError(
+                    f"layer {r.layer}: the MoE block {type(r.block).__name__} ran without calling its router "
+                    f"{r.name} (a kernel or a patched forward replaced the block); routing cannot be replayed")
+        return hook
+
+    try:
+        for r in routers:
+            handles.append(r.module.register_forward_hook(on_router(r)))
+            if r.block is not r.module:
+                handles.append(r.block.register_forward_pre_hook(on_block_pre(r)))
+                handles.append(r.block.register_forward_hook(on_block(r)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def router_device(r: Router) -> torch.device | None:
+    """Where the router runs (its first parameter's device), or None for a parameter-free router."""
+    p = next(r.module.parameters(), None)
+    return None if p is None else p.device
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (where checkpointing recomputes forwards)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1

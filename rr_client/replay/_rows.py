@@ -1,0 +1,135 @@
+"""The replayed rows of one ``replay_routing`` block: validated once, for every layer at once, then on the device.
+
+Validation runs where the rows live (CPU rows: no GPU sync at all; GPU rows: one sync) and reads every
+layer's verdict with a single ``tolist()``: id range, repeated ids, rows used, and (for the audit) rows at
+layers no router consumes. The rows then move to each router's device once, as one contiguous ``[N, K]``
+int64 tensor per layer, so the router hooks do no validation, no transfer and no sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rr_client.errors import ExpertIdOutOfRangeError, ShapeMismatchError, UnrecordedRoutingError
+from rr_client.replay._routers import Router, router_device
+
+__all__ = ["LayerRows", "BlockRows", "layer_positions", "prepare_rows"]
+
+
+@dataclass
+class LayerRows:
+    """One MoE layer's replayed rows on its router's device.
+
+    ``ids``: ``[N, K]`` int64, negatives clamped to 0; ``use``: ``[N, 1]`` bool, or None when every row is
+    replayed (the hook then needs no ``where``); ``ids_sorted``: ``ids`` sorted along K, for the audit's set
+    comparisons (None without the audit); ``n_use``: how many rows are replayed.
+    """
+
+    ids: torch.Tensor
+    use: torch.Tensor | None
+    ids_sorted: torch.Tensor | None
+    n_use: int
+
+
+@dataclass
+class BlockRows:
+    """Every MoE layer's rows for one block, and the layers whose rows no router consumes (audit only)."""
+
+    n_rows: int
+    layers: dict[int, LayerRows]
+    unconsumed: list[int]
+
+
+def layer_positions(
+    n_axis: int, n_hidden: int, routers: list[Router], layers: Sequence[int] | None, extra: Sequence[int] = ()
+) -> tuple[dict[int, int], list[int]]:
+    """Absolute decoder layer -> position on the layer axis of the replayed tensor; and the axis' layers."""
+    moe = [r.layer for r in routers]
+    if layers is None:
+        if n_axis == n_hidden:
+            layers = list(range(n_hidden))
+        elif n_axis == len(moe):
+            layers = moe
+        elif n_axis == len(moe) + len(extra):
+            layers = sorted(set(moe) | set(extra))
+        else:
+            raise ShapeMismatchError(
+                f"routed_experts has {n_axis} layers; the model has {n_hidden} decoder layers, {len(moe)} MoE "
+                f"layers ({moe}); pass layers=")
+    layers = [int(x) for x in layers]
+    if len(layers) != n_axis:
+        raise ShapeMismatchError(f"layers lists {len(layers)} layers but routed_experts has {n_axis}")
+    missing = [layer for layer in moe if layer not in layers]
+    if missing:
+        raise ShapeMismatchError(f"routed_experts has no rows for MoE layers {missing} (layers={layers})")
+    return {layer: layers.index(layer) for layer in moe}, layers
+
+
+def _recorded(rows: torch.Tensor) -> torch.Tensor:
+    """``[N, ...]``: rows that look like recorded routing (no negative id, not all zero, no repeated id)."""
+    srt = rows.sort(dim=-1).values
+    distinct = (srt[..., 1:] != srt[..., :-1]).all(dim=-1)
+    return (rows >= 0).all(dim=-1) & distinct & (rows != 0).any(dim=-1)
+
+
+def prepare_rows(
+    flat: torch.Tensor,
+    mask: torch.Tensor | None,
+    routers: list[Router],
+    pos: dict[int, int],
+    unconsumed_positions: dict[int, int] | None,
+    *,
+    audit: bool = False,
+) -> BlockRows:
+    """Validate ``flat`` (``[N, L_axis, K]``) for every router at once (one host read), then place each layer's
+    rows on its router's device. ``mask`` (``[N]`` bool, on ``flat``'s device) keeps the model's own choice
+    where False; rows with a negative id do too. ``unconsumed_positions`` (layer -> axis position) are the
+    axis layers no router reads: the audit reports those holding recorded rows. ``audit`` also places the
+    sorted rows."""
+    n, k = int(flat.shape[0]), int(flat.shape[-1])
+    cols = torch.tensor([pos[r.layer] for r in routers], device=flat.device)
+    sel = flat.index_select(1, cols).long()  # [N, M, K]
+    use = (sel >= 0).all(dim=-1)  # [N, M]
+    if mask is not None:
+        use &= mask[:, None]
+    srt = sel.sort(dim=-1).values
+    limit = torch.tensor([r.num_experts for r in routers], device=flat.device)
+    parts = [((srt[..., -1] >= limit) & use).any(dim=0), use.sum(dim=0)]
+    if k > 1:
+        parts.append(((srt[..., 1:] == srt[..., :-1]).any(dim=-1) & use).any(dim=0))
+    spare = list((unconsumed_positions or {}).items())
+    if spare:
+        extra = flat[:, [p for _, p in spare]]
+        rec = _recorded(extra)
+        parts.append((rec & mask[:, None] if mask is not None else rec).any(dim=0))
+    stats = torch.cat([p.long() for p in parts]).tolist()  # the block's one host read
+    m = len(routers)
+    over, n_use = stats[:m], stats[m:2 * m]
+    dup = stats[2 * m:3 * m] if k > 1 else [0] * m
+    tail = stats[(3 if k > 1 else 2) * m:]
+    for i, r in enumerate(routers):
+        if over[i]:
+            chosen = sel[:, i][use[:, i]]
+            raise ExpertIdOutOfRangeError(
+                f"layer {r.layer}: replayed expert ids span [{int(chosen.min())}, {int(chosen.max())}], "
+                f"model has {r.num_experts} experts")
+        if dup[i]:
+            raise UnrecordedRoutingError(
+                f"layer {r.layer}: a replayed row repeats an expert id (zero padding without its mask?); "
+                "pass mask=routed_experts_mask or use pad_experts='distinct'")
+    ids = sel.clamp_min(0)
+    placed: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+    layers: dict[int, LayerRows] = {}
+    for i, r in enumerate(routers):
+        dev = router_device(r) or flat.device
+        if dev not in placed:  # one transfer per device, layer-major so each layer's [N, K] is contiguous
+            placed[dev] = (ids.transpose(0, 1).contiguous().to(dev),
+                           srt.transpose(0, 1).contiguous().to(dev) if audit else None,
+                           use.transpose(0, 1).contiguous().to(dev))
+        ids_d, srt_d, use_d = placed[dev]
+        layers[r.layer] = LayerRows(ids_d[i], None if n_use[i] == n else use_d[i][:, None],
+                                    None if srt_d is None else srt_d[i], int(n_use[i]))
+    return BlockRows(n, layers, [layer for (layer, _), hit in zip(spare, tail) if hit])
