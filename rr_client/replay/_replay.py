@@ -20,9 +20,9 @@ from torch import nn
 from rr_client.errors import ReplayError, ShapeMismatchError, UnsupportedModelError
 from rr_client.replay._audit import Audit, DeviceTally
 from rr_client.replay._routers import Router, in_backward, num_hidden_layers, router_hooks, survey
-from rr_client.replay._rows import layer_positions, prepare_rows
+from rr_client.replay._rows import BlockRows, layer_positions, prepare_rows
 
-__all__ = ["replay_routing", "CHECK_EVERY"]
+__all__ = ["replay_routing", "ReplayHook", "CHECK_EVERY"]
 
 #: default sampling of the bit-for-bit formula check: a router's 1st, 17th, 33rd, ... replayed forward
 #: (per model, across blocks), so a changed transformers router is caught on the first step.
@@ -41,6 +41,55 @@ def _unwrap(routed_experts: Any, mask: Any, layers: Sequence[int] | None) -> tup
             layers = routed_experts.layers
         routed_experts = routed_experts.routed_experts
     return routed_experts, mask, layers
+
+
+class ReplayHook:
+    """The router hook of one block: replayed ids in, the formula's weights for them out; no sync, no copy.
+
+    Called with a router and its output ``(logits, weights, ids, ...)``; returns the output to use instead.
+    ``check_every`` (None: no formula check) samples the bit-for-bit formula check by the model's per-layer
+    forward count in ``seen``; ``ckpt`` counts forwards whose checkpoint recompute is still owed."""
+
+    def __init__(self, rows: BlockRows, tally: DeviceTally, audit: Audit | None, seen: dict[int, int],
+                 check_every: int | None, ckpt: bool) -> None:
+        self.rows = rows
+        self.tally = tally
+        self.audit = audit
+        self.seen = seen
+        self.check_every = check_every
+        self.ckpt = ckpt
+        self.pending: dict[int, int] = {}  # checkpointed forwards whose recompute (in backward) has not run yet
+        self.checked_layers: set[int] = set()
+
+    def __call__(self, r: Router, out: Any) -> Any:
+        logits, weights, own = out[0], out[1], out[2]
+        recompute = in_backward()
+        if self.ckpt:
+            if recompute:
+                self.pending[r.layer] = self.pending.get(r.layer, 0) - 1
+            elif torch.is_grad_enabled():
+                self.pending[r.layer] = self.pending.get(r.layer, 0) + 1
+        n_rows = self.rows.n_rows
+        if logits.shape[0] != n_rows:
+            raise ShapeMismatchError(
+                f"layer {r.layer}: the router sees {logits.shape[0]} tokens but routed_experts has {n_rows} rows "
+                "(rows must follow the flattened input_ids, batch-major)")
+        lr = self.rows.layers[r.layer]
+        if lr.ids.device != own.device:  # the router ran elsewhere than its parameters: move once, keep
+            lr.ids = lr.ids.to(own.device)
+            lr.use = None if lr.use is None else lr.use.to(own.device)
+            lr.ids_sorted = None if lr.ids_sorted is None else lr.ids_sorted.to(own.device)
+        if self.check_every is not None and not recompute:
+            n = self.seen.get(r.layer, 0)
+            self.seen[r.layer] = n + 1
+            if n % self.check_every == 0:
+                again = r.weights(r.module, logits, own).to(weights.dtype)
+                self.tally.add(f"formula/{r.layer}", (again != weights).any())
+                self.checked_layers.add(r.layer)
+        new_ids = lr.ids if lr.use is None else torch.where(lr.use, lr.ids, own)
+        if self.audit is not None:
+            self.audit.on_router(r, own, new_ids, recompute)
+        return (logits, r.weights(r.module, logits, new_ids).to(weights.dtype), new_ids, *out[3:])
 
 
 @contextmanager
@@ -116,43 +165,12 @@ def replay_routing(
         consumed = set(pos.values()) | {axis.index(h) for h in hash_layers if h in axis}
         spare = {layer: p for p, layer in enumerate(axis) if p not in consumed}
     rows = prepare_rows(flat, m, routers, pos, spare, audit=audit)
-    n_rows = rows.n_rows
 
     tally = DeviceTally()
     aud = Audit(routers, left, rows, tally) if audit else None
     ckpt = any(getattr(mod, "gradient_checkpointing", False) is True for mod in model.modules())
-    pending: dict[int, int] = {}  # checkpointed forwards whose recompute (in backward) has not run yet
-    seen = _REPLAYED_FORWARDS.setdefault(model, {})
-    checked_layers: set[int] = set()
-
-    def hook(r: Router, out: Any) -> Any:
-        logits, weights, own = out[0], out[1], out[2]
-        recompute = in_backward()
-        if ckpt:
-            if recompute:
-                pending[r.layer] = pending.get(r.layer, 0) - 1
-            elif torch.is_grad_enabled():
-                pending[r.layer] = pending.get(r.layer, 0) + 1
-        if logits.shape[0] != n_rows:
-            raise ShapeMismatchError(
-                f"layer {r.layer}: the router sees {logits.shape[0]} tokens but routed_experts has {n_rows} rows "
-                "(rows must follow the flattened input_ids, batch-major)")
-        lr = rows.layers[r.layer]
-        if lr.ids.device != own.device:  # the router ran elsewhere than its parameters: move once, keep
-            lr.ids = lr.ids.to(own.device)
-            lr.use = None if lr.use is None else lr.use.to(own.device)
-            lr.ids_sorted = None if lr.ids_sorted is None else lr.ids_sorted.to(own.device)
-        if check_formula and not recompute:
-            n = seen.get(r.layer, 0)
-            seen[r.layer] = n + 1
-            if n % check_every == 0:
-                again = r.weights(r.module, logits, own).to(weights.dtype)
-                tally.add(f"formula/{r.layer}", (again != weights).any())
-                checked_layers.add(r.layer)
-        new_ids = lr.ids if lr.use is None else torch.where(lr.use, lr.ids, own)
-        if aud is not None:
-            aud.on_router(r, own, new_ids, recompute)
-        return (logits, r.weights(r.module, logits, new_ids).to(weights.dtype), new_ids, *out[3:])
+    hook = ReplayHook(rows, tally, aud, _REPLAYED_FORWARDS.setdefault(model, {}),
+                      check_every if check_formula else None, ckpt)
 
     extra = []
     if aud is not None:
@@ -174,13 +192,13 @@ def replay_routing(
         for h in extra:
             h.remove()
     counts = tally.read() if tally else {}  # the block's one host read of what the hooks kept on the device
-    bad = sorted(layer for layer in checked_layers if counts.get(f"formula/{layer}"))
+    bad = sorted(layer for layer in hook.checked_layers if counts.get(f"formula/{layer}"))
     if bad:
         r0 = next(r for r in routers if r.layer == bad[0])
         raise UnsupportedModelError(
             f"layers {bad}: {type(r0.module).__name__}'s weights differ from rr's formula for it (transformers "
             "changed the router, or a dtype path rr does not know?); refusing to replay")
-    if any(v > 0 for v in pending.values()):
+    if any(v > 0 for v in hook.pending.values()):
         raise ReplayError(
             "gradient checkpointing is on and a forward ran inside replay_routing whose backward has not: the "
             "recompute in backward would route with the model's own choice. Call backward() inside the block.")

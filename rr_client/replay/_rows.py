@@ -16,7 +16,8 @@ import torch
 from rr_client.errors import ExpertIdOutOfRangeError, ShapeMismatchError, UnrecordedRoutingError
 from rr_client.replay._routers import Router, router_device
 
-__all__ = ["LayerRows", "BlockRows", "layer_positions", "prepare_rows"]
+__all__ = ["LayerRows", "BlockRows", "RowStats", "layer_positions", "row_stats", "check_rows", "place_rows",
+           "prepare_rows"]
 
 
 @dataclass
@@ -75,6 +76,91 @@ def _recorded(rows: torch.Tensor) -> torch.Tensor:
     return (rows >= 0).all(dim=-1) & distinct & (rows != 0).any(dim=-1)
 
 
+@dataclass
+class RowStats:
+    """The device side of a block's validation, before its one host read (all on the rows' device).
+
+    ``sel``: ``[N, M, K]`` int64 rows of the M MoE layers; ``srt``: sorted along K; ``use``: ``[N, M]``
+    replayed rows; ``stats``: one int64 vector holding every layer's verdict (out of range, rows used,
+    repeated ids, and for the audit the spare layers holding recorded rows)."""
+
+    sel: torch.Tensor
+    srt: torch.Tensor
+    use: torch.Tensor
+    stats: torch.Tensor
+    spare: list[int]
+
+
+def row_stats(
+    flat: torch.Tensor,
+    mask: torch.Tensor | None,
+    routers: list[Router],
+    pos: dict[int, int],
+    unconsumed_positions: dict[int, int] | None,
+) -> RowStats:
+    """Every layer's verdict on ``flat`` (``[N, L_axis, K]``) as device tensors, with no host read.
+
+    ``mask`` (``[N]`` bool, any device: it is moved to ``flat``'s) keeps the model's own choice where
+    False; rows with a negative id do too. ``unconsumed_positions`` (layer -> axis position) are the axis
+    layers no router reads: the audit reports those holding recorded rows."""
+    k = int(flat.shape[-1])
+    cols = torch.tensor([pos[r.layer] for r in routers], device=flat.device)
+    sel = flat.index_select(1, cols).long()  # [N, M, K]
+    use = (sel >= 0).all(dim=-1)  # [N, M]
+    m = None if mask is None else mask.to(device=flat.device, dtype=torch.bool)
+    if m is not None:
+        use &= m[:, None]
+    srt = sel.sort(dim=-1).values
+    limit = torch.tensor([r.num_experts for r in routers], device=flat.device)
+    parts = [((srt[..., -1] >= limit) & use).any(dim=0), use.sum(dim=0)]
+    parts.append(((srt[..., 1:] == srt[..., :-1]).any(dim=-1) & use).any(dim=0) if k > 1
+                 else torch.zeros_like(parts[0]))
+    spare = list((unconsumed_positions or {}).items())
+    if spare:
+        rec = _recorded(flat[:, [p for _, p in spare]])
+        parts.append((rec & m[:, None] if m is not None else rec).any(dim=0))
+    return RowStats(sel, srt, use, torch.cat([p.long() for p in parts]), [layer for layer, _ in spare])
+
+
+def check_rows(st: RowStats, routers: list[Router]) -> tuple[list[int], list[int]]:
+    """The block's one host read: raise on out-of-range or repeated ids; ``(rows used per layer, unconsumed
+    layers)``."""
+    stats = st.stats.tolist()
+    m = len(routers)
+    over, n_use, dup, tail = stats[:m], stats[m:2 * m], stats[2 * m:3 * m], stats[3 * m:]
+    for i, r in enumerate(routers):
+        if over[i]:
+            chosen = st.sel[:, i][st.use[:, i]]
+            raise ExpertIdOutOfRangeError(
+                f"layer {r.layer}: replayed expert ids span [{int(chosen.min())}, {int(chosen.max())}], "
+                f"model has {r.num_experts} experts")
+        if dup[i]:
+            raise UnrecordedRoutingError(
+                f"layer {r.layer}: a replayed row repeats an expert id (zero padding without its mask?); "
+                "pass mask=routed_experts_mask or use pad_experts='distinct'")
+    return [int(x) for x in n_use], [layer for layer, hit in zip(st.spare, tail) if hit]
+
+
+def place_rows(st: RowStats, n_use: list[int], unconsumed: list[int], routers: list[Router], *,
+               audit: bool = False) -> BlockRows:
+    """Each layer's rows on its router's device: one transfer per device, layer-major so every layer's
+    ``[N, K]`` is contiguous. ``audit`` also places the sorted rows."""
+    n = int(st.sel.shape[0])
+    ids = st.sel.clamp_min(0)
+    placed: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+    layers: dict[int, LayerRows] = {}
+    for i, r in enumerate(routers):
+        dev = router_device(r) or st.sel.device
+        if dev not in placed:
+            placed[dev] = (ids.transpose(0, 1).contiguous().to(dev),
+                           st.srt.transpose(0, 1).contiguous().to(dev) if audit else None,
+                           st.use.transpose(0, 1).contiguous().to(dev))
+        ids_d, srt_d, use_d = placed[dev]
+        layers[r.layer] = LayerRows(ids_d[i], None if n_use[i] == n else use_d[i][:, None],
+                                    None if srt_d is None else srt_d[i], n_use[i])
+    return BlockRows(n, layers, unconsumed)
+
+
 def prepare_rows(
     flat: torch.Tensor,
     mask: torch.Tensor | None,
@@ -84,52 +170,8 @@ def prepare_rows(
     *,
     audit: bool = False,
 ) -> BlockRows:
-    """Validate ``flat`` (``[N, L_axis, K]``) for every router at once (one host read), then place each layer's
-    rows on its router's device. ``mask`` (``[N]`` bool, on ``flat``'s device) keeps the model's own choice
-    where False; rows with a negative id do too. ``unconsumed_positions`` (layer -> axis position) are the
-    axis layers no router reads: the audit reports those holding recorded rows. ``audit`` also places the
-    sorted rows."""
-    n, k = int(flat.shape[0]), int(flat.shape[-1])
-    cols = torch.tensor([pos[r.layer] for r in routers], device=flat.device)
-    sel = flat.index_select(1, cols).long()  # [N, M, K]
-    use = (sel >= 0).all(dim=-1)  # [N, M]
-    if mask is not None:
-        use &= mask[:, None]
-    srt = sel.sort(dim=-1).values
-    limit = torch.tensor([r.num_experts for r in routers], device=flat.device)
-    parts = [((srt[..., -1] >= limit) & use).any(dim=0), use.sum(dim=0)]
-    if k > 1:
-        parts.append(((srt[..., 1:] == srt[..., :-1]).any(dim=-1) & use).any(dim=0))
-    spare = list((unconsumed_positions or {}).items())
-    if spare:
-        extra = flat[:, [p for _, p in spare]]
-        rec = _recorded(extra)
-        parts.append((rec & mask[:, None] if mask is not None else rec).any(dim=0))
-    stats = torch.cat([p.long() for p in parts]).tolist()  # the block's one host read
-    m = len(routers)
-    over, n_use = stats[:m], stats[m:2 * m]
-    dup = stats[2 * m:3 * m] if k > 1 else [0] * m
-    tail = stats[(3 if k > 1 else 2) * m:]
-    for i, r in enumerate(routers):
-        if over[i]:
-            chosen = sel[:, i][use[:, i]]
-            raise ExpertIdOutOfRangeError(
-                f"layer {r.layer}: replayed expert ids span [{int(chosen.min())}, {int(chosen.max())}], "
-                f"model has {r.num_experts} experts")
-        if dup[i]:
-            raise UnrecordedRoutingError(
-                f"layer {r.layer}: a replayed row repeats an expert id (zero padding without its mask?); "
-                "pass mask=routed_experts_mask or use pad_experts='distinct'")
-    ids = sel.clamp_min(0)
-    placed: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
-    layers: dict[int, LayerRows] = {}
-    for i, r in enumerate(routers):
-        dev = router_device(r) or flat.device
-        if dev not in placed:  # one transfer per device, layer-major so each layer's [N, K] is contiguous
-            placed[dev] = (ids.transpose(0, 1).contiguous().to(dev),
-                           srt.transpose(0, 1).contiguous().to(dev) if audit else None,
-                           use.transpose(0, 1).contiguous().to(dev))
-        ids_d, srt_d, use_d = placed[dev]
-        layers[r.layer] = LayerRows(ids_d[i], None if n_use[i] == n else use_d[i][:, None],
-                                    None if srt_d is None else srt_d[i], int(n_use[i]))
-    return BlockRows(n, layers, [layer for (layer, _), hit in zip(spare, tail) if hit])
+    """Validate ``flat`` for every router at once (one host read, where the rows live), then place each
+    layer's rows on its router's device: :func:`row_stats`, :func:`check_rows`, :func:`place_rows`."""
+    st = row_stats(flat, mask, routers, pos, unconsumed_positions)
+    n_use, unconsumed = check_rows(st, routers)
+    return place_rows(st, n_use, unconsumed, routers, audit=audit)
