@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Literal, Protocol
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -45,6 +45,12 @@ def _routing_of(sample: Sample) -> np.ndarray:
     return sample.routed_experts
 
 
+def _moved(obj: Any, device: torch.device | str, non_blocking: bool) -> Any:
+    """A copy of a layout dataclass with every tensor field on ``device`` (one transfer each)."""
+    return replace(obj, **{f.name: getattr(obj, f.name).to(device, non_blocking=non_blocking)
+                           for f in fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor)})
+
+
 PadExperts = Literal["zero", "distinct", "minus_one"]
 LayerAxis = Literal["absolute", "moe"]
 
@@ -69,6 +75,10 @@ class RoutingTensors:
     layers: list[int]
     layer_axis: LayerAxis = "absolute"
     position_ids: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> RoutingTensors:
+        """The same batch with every tensor on ``device``, moved once per batch (replay then moves nothing)."""
+        return _moved(self, device, non_blocking)
 
     def as_dict(self) -> dict[str, object]:
         """Plain dict, e.g. to merge into a trainer's batch."""
@@ -98,6 +108,10 @@ class PackedRouting:
     layers: list[int]
     layer_axis: LayerAxis = "absolute"
     num_pad_tokens: int = 0
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> PackedRouting:
+        """The same batch with every tensor on ``device``, moved once per batch (replay then moves nothing)."""
+        return _moved(self, device, non_blocking)
 
     def as_dict(self) -> dict[str, object]:
         """Plain dict, e.g. to merge into a trainer's batch."""

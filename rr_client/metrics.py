@@ -21,7 +21,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 # the one implementation (numpy), re-exported for trainers
 from rr_client.agreement import routing_agreement
 
-__all__ = ["R3Metrics", "r3_metrics", "routing_agreement", "token_logprobs"]
+__all__ = ["R3Metrics", "gap_stats", "r3_metrics", "routing_agreement", "token_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -44,34 +44,47 @@ def _t(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
 
 
+def gap_stats(logp_train: Any, logp_rollout: Any, mask: Any = None) -> torch.Tensor:
+    """The device side of :func:`r3_metrics`: ``[tokens, sum|d|, sum d^2, sum k3, n(|d|>ln2), n(|d|>ln5),
+    non-finite]`` as one float64 tensor on ``logp_train``'s device, with no host read (``mask`` and
+    ``logp_rollout`` may live elsewhere: they are moved there once)."""
+    lt = _t(logp_train).double()
+    lr = _t(logp_rollout).to(device=lt.device, dtype=torch.float64)
+    if lt.shape != lr.shape:
+        raise ValueError(f"logp_train {tuple(lt.shape)} and logp_rollout {tuple(lr.shape)} differ in shape")
+    if mask is None:
+        m = torch.ones_like(lt, dtype=torch.bool)
+    else:
+        m = _t(mask).to(device=lt.device, dtype=torch.bool)
+    if m.shape != lt.shape:
+        raise ValueError(f"mask {tuple(m.shape)} does not match the log-probs {tuple(lt.shape)}")
+    d = torch.where(m, lt - lr, 0.0)
+    ad = d.abs()
+    return torch.stack([m.sum(), ad.sum(), (d * d).sum(), (torch.expm1(d) - d).sum(),
+                        ((ad > math.log(2)) & m).sum(), ((ad > math.log(5)) & m).sum(),
+                        (~torch.isfinite(d) & m).sum()]).double()
+
+
 def r3_metrics(
     logp_train: Any, logp_rollout: Any, mask: Any = None, *, routing_agreement: float | None = None
 ) -> R3Metrics:
     """Gap statistics over the tokens where ``mask`` is true (all tokens if None), computed in float64.
 
-    ``logp_train`` and ``logp_rollout`` have the same shape (e.g. ``[B, T]``); ``mask`` is usually the
-    response mask. NaN in an unmasked position is an error; masked positions are ignored whatever they hold.
-    """
-    lt, lr = _t(logp_train).double(), _t(logp_rollout).double()
-    if lt.shape != lr.shape:
-        raise ValueError(f"logp_train {tuple(lt.shape)} and logp_rollout {tuple(lr.shape)} differ in shape")
-    m = torch.ones_like(lt, dtype=torch.bool) if mask is None else _t(mask).bool()
-    if m.shape != lt.shape:
-        raise ValueError(f"mask {tuple(m.shape)} does not match the log-probs {tuple(lt.shape)}")
-    d = (lt - lr)[m]
-    n = int(d.numel())
+    ``logp_train`` and ``logp_rollout`` have the same shape (e.g. ``[B, T]``), on any devices; ``mask`` is
+    usually the response mask. NaN in an unmasked position is an error; masked positions are ignored whatever
+    they hold. One host read (:func:`gap_stats` does the rest on the device)."""
+    n, s_abs, s_sq, s_k3, n2, n5, bad = gap_stats(logp_train, logp_rollout, mask).tolist()
     if n == 0:
         raise ValueError("no tokens selected by the mask")
-    if not torch.isfinite(d).all():
+    if bad:
         raise ValueError("non-finite log-prob difference in a selected token")
-    ad = d.abs()
     return R3Metrics(
-        tokens=n,
-        mean_abs_diff=float(ad.mean()),
-        mean_sq_diff=float((d * d).mean()),
-        k3_kl=float((torch.expm1(d) - d).mean()),
-        frac_gt_ln2=float((ad > math.log(2)).double().mean()),
-        frac_gt_ln5=float((ad > math.log(5)).double().mean()),
+        tokens=int(n),
+        mean_abs_diff=s_abs / n,
+        mean_sq_diff=s_sq / n,
+        k3_kl=s_k3 / n,
+        frac_gt_ln2=n2 / n,
+        frac_gt_ln5=n5 / n,
         routing_agreement=routing_agreement,
     )
 

@@ -21,7 +21,7 @@ from rr_client.metrics import R3Metrics, r3_metrics
 from rr_client.replay import find_routers, record_routing, replay_routing
 
 from ._gate import check_verl_version
-from ._rows import packed_rows, unpack_recorded
+from ._rows import packed_rows, padded_rows, unpack_recorded
 
 MODES = ("disabled", "R2", "R3")
 
@@ -178,12 +178,7 @@ def make_engine_class(base: type) -> type:
                         rows = torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))])
                         mask = torch.cat([mask, mask.new_zeros(pad)])
                 else:
-                    valid = _valid(model_inputs["input_ids"].shape[-1], offsets)
-                    dense = rows.new_zeros((*valid.shape, *rows.shape[1:]))
-                    dense[valid] = rows
-                    dmask = mask.new_zeros(valid.shape)
-                    dmask[valid] = mask
-                    rows, mask = dense, dmask
+                    rows, mask = padded_rows(rows, mask, offsets, model_inputs["input_ids"].shape[-1])
                 self._rr_reports.append(
                     stack.enter_context(replay_routing(self.module, rows, mask, audit=True)))  # type: ignore[arg-type]
             self._rr_stack = stack

@@ -17,7 +17,7 @@ from rr_client.codec import check_routing
 from rr_client.errors import MissingRoutingError, ShapeMismatchError, UnrecordedRoutingError
 from rr_client.info import RRInfo
 
-__all__ = ["packed_rows", "accumulate_turn_rows", "unpack_recorded"]
+__all__ = ["packed_rows", "padded_rows", "accumulate_turn_rows", "unpack_recorded"]
 
 
 def _sample_of_rows(offsets: torch.Tensor, n: int) -> torch.Tensor:
@@ -26,39 +26,42 @@ def _sample_of_rows(offsets: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def packed_rows(routed: torch.Tensor, offsets: torch.Tensor, info: RRInfo) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows [N, L, K] int64, replay mask [N])`` of one micro-batch, checked once.
+    """``(rows [N, L, K] int64, replay mask [N])`` of one micro-batch, checked once, on the rows' device.
 
     Rows are recorded where any id is non-zero (verl's convention: zero rows are unrecorded). In every sample
     the recorded rows must be a prefix of its tokens and not empty: a zero row between recorded ones, or a
     sample without any, is an error, never a silent native forward. The recorded rows then pass
-    :func:`rr_client.codec.check_routing` (layers, top-k, id range, distinct ids, zero dense layers).
+    :func:`rr_client.codec.check_routing` (layers, top-k, id range, distinct ids, zero dense layers). The
+    checks read one CPU copy of the micro-batch (one transfer); the returned rows and mask stay where verl
+    put them, so the GPU path has no other host read here.
     """
     values = routed.values() if routed.is_nested else routed
     if values.dim() != 3:
         raise ShapeMismatchError(f"routed_experts must be [tokens, layers, topk] per sample, got {tuple(values.shape)}")
     n, layers, k = (int(s) for s in values.shape)
-    if int(offsets[-1]) != n:
-        raise ShapeMismatchError(f"routed_experts has {n} rows but input_ids has {int(offsets[-1])} tokens")
     if k != info.topk:
         raise ShapeMismatchError(f"routed_experts has top-{k}, the model routes top-{info.topk}")
     if k == 1:
         raise ShapeMismatchError("top-1 routing: an all-zero row (unrecorded) cannot be told from expert 0; rr "
                                  "refuses to replay verl's zero-padded layout for top-1 models")
-    recorded = (values != 0).flatten(1).any(dim=1)
-    sample = _sample_of_rows(offsets.to(values.device), n)
-    counts = torch.zeros(offsets.numel() - 1, dtype=torch.long, device=values.device)
+    host, off = values.cpu(), offsets.cpu()  # the micro-batch's one device-to-host copy
+    if int(off[-1]) != n:
+        raise ShapeMismatchError(f"routed_experts has {n} rows but input_ids has {int(off[-1])} tokens")
+    recorded = (host != 0).flatten(1).any(dim=1)
+    sample = _sample_of_rows(off, n)
+    counts = torch.zeros(off.numel() - 1, dtype=torch.long)
     counts.index_add_(0, sample, recorded.long())
-    pos = torch.arange(n, device=values.device) - offsets.to(values.device)[sample]
+    pos = torch.arange(n) - off[sample]
     prefix = pos < counts[sample]
     if not torch.equal(prefix, recorded):
         row = int((prefix != recorded).nonzero()[0, 0])
         i = int(sample[row])
         raise UnrecordedRoutingError(
-            f"micro-batch sample {i} ({int(offsets[i + 1] - offsets[i])} tokens): token {int(pos[row])} has an "
+            f"micro-batch sample {i} ({int(off[i + 1] - off[i])} tokens): token {int(pos[row])} has an "
             f"all-zero routing row, yet {int(counts[i])} rows are recorded; verl's rows must cover a prefix of the "
             "sample (the rollout lost rows?)")
-    lengths = offsets[1:] - offsets[:-1]
-    empty = ((counts == 0) & (lengths.to(counts.device) > 1)).nonzero()
+    lengths = off[1:] - off[:-1]
+    empty = ((counts == 0) & (lengths > 1)).nonzero()
     if empty.numel():
         raise MissingRoutingError(
             f"micro-batch sample {int(empty[0, 0])} carries no routing rows (all zero): the rollout returned none for it "
@@ -71,9 +74,24 @@ def packed_rows(routed: torch.Tensor, offsets: torch.Tensor, info: RRInfo) -> tu
         raise ShapeMismatchError(f"routed_experts has {layers} layers; the model has {info.num_hidden_layers} "
                                  f"decoder layers ({len(info.moe_layers)} MoE)")
     dims = info.model_copy(update={"num_hidden_layers": num_layers, "moe_layers": moe})
-    chosen = values[recorded]
-    check_routing(chosen.cpu().numpy(), dims, rows=int(chosen.shape[0]))
-    return values.long(), recorded
+    chosen = host[recorded]
+    check_routing(chosen.numpy(), dims, rows=int(chosen.shape[0]))
+    return values.long(), (values != 0).flatten(1).any(dim=1)
+
+
+def padded_rows(rows: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor, width: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed rows ``[N, L, K]`` and mask ``[N]`` -> verl's right-padded ``[B, width, L, K]`` and ``[B, width]``,
+    on the rows' device, with integer indices (no boolean indexing: no host sync)."""
+    off = offsets.to(rows.device)
+    n = int(rows.shape[0])
+    sample = _sample_of_rows(off, n)
+    col = torch.arange(n, device=rows.device) - off[sample]
+    dense = rows.new_zeros((off.numel() - 1, width, *rows.shape[1:]))
+    dense[sample, col] = rows
+    dmask = mask.new_zeros((off.numel() - 1, width))
+    dmask[sample, col] = mask
+    return dense, dmask
 
 
 def unpack_recorded(rows: torch.Tensor, offsets: torch.Tensor, pad: int = 0) -> torch.Tensor:
