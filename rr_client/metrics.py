@@ -62,7 +62,7 @@ def gap_stats(logp_train: Any, logp_rollout: Any, mask: Any = None) -> torch.Ten
     ad = d.abs()
     return torch.stack([m.sum(), ad.sum(), (d * d).sum(), (torch.expm1(d) - d).sum(),
                         ((ad > math.log(2)) & m).sum(), ((ad > math.log(5)) & m).sum(),
-                        (~torch.isfinite(d) & m).sum()]).double()
+                        (torch.isfinite(d).logical_not() & m).sum()]).double()
 
 
 def r3_metrics(
@@ -96,5 +96,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     directly. Computed in float32 (or the logits' dtype if wider).
     """
     lf = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    lp = torch.log_softmax(lf[..., :-1, :], dim=-1).gather(-1, input_ids[..., 1:, None]).squeeze(-1)
-    return torch.cat([torch.zeros_like(lp[..., :1]), lp], dim=-1)
+    t = input_ids.shape[-1]
+    nxt = input_ids.narrow(-1, 1, t - 1).unsqueeze(-1)
+    lp = torch.log_softmax(lf.narrow(-2, 0, t - 1), dim=-1).gather(-1, nxt).squeeze(-1)
+    return torch.cat([torch.zeros_like(lp.narrow(-1, 0, 1)), lp], dim=-1)

@@ -38,11 +38,9 @@ class RoutingRecord:
         if not self._layers:
             raise ReplayError("no forward pass ran inside record_routing")
         first = next(iter(self._layers.values()))
-        n = first.shape[0]
-        out = torch.zeros((self.num_hidden_layers, n, self.topk), dtype=torch.long, device=first.device)
-        for layer, ids in self._layers.items():
-            out[layer] = ids.to(first.device)
-        out = out.transpose(0, 1)
+        dense = torch.zeros((first.shape[0], self.topk), dtype=torch.long, device=first.device)
+        out = torch.stack([self._layers[i].to(device=first.device, dtype=torch.long) if i in self._layers else dense
+                           for i in range(self.num_hidden_layers)], dim=1)
         if self.shape is not None and len(self.shape) >= 1:
             out = out.reshape(*self.shape, self.num_hidden_layers, self.topk)
         out = out.contiguous()

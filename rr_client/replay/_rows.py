@@ -72,8 +72,15 @@ def layer_positions(
 def _recorded(rows: torch.Tensor) -> torch.Tensor:
     """``[N, ...]``: rows that look like recorded routing (no negative id, not all zero, no repeated id)."""
     srt = rows.sort(dim=-1).values
-    distinct = (srt[..., 1:] != srt[..., :-1]).all(dim=-1)
-    return (rows >= 0).all(dim=-1) & distinct & (rows != 0).any(dim=-1)
+    return (rows >= 0).all(dim=-1) & _distinct(srt) & (rows != 0).any(dim=-1)
+
+
+def _distinct(srt: torch.Tensor) -> torch.Tensor:
+    """``[..., K]`` sorted ids -> ``[...]``: no id repeated (``narrow``, not slicing: no device guard)."""
+    k = srt.shape[-1]
+    if k < 2:
+        return torch.ones(srt.shape[:-1], dtype=torch.bool, device=srt.device)
+    return (srt.narrow(-1, 1, k - 1) != srt.narrow(-1, 0, k - 1)).all(dim=-1)
 
 
 @dataclass
@@ -104,21 +111,20 @@ def row_stats(
     False; rows with a negative id do too. ``unconsumed_positions`` (layer -> axis position) are the axis
     layers no router reads: the audit reports those holding recorded rows."""
     k = int(flat.shape[-1])
-    cols = torch.tensor([pos[r.layer] for r in routers], device=flat.device)
+    cols = torch.tensor([pos[r.layer] for r in routers]).to(flat.device)
     sel = flat.index_select(1, cols).long()  # [N, M, K]
     use = (sel >= 0).all(dim=-1)  # [N, M]
     m = None if mask is None else mask.to(device=flat.device, dtype=torch.bool)
     if m is not None:
-        use &= m[:, None]
+        use &= m.unsqueeze(1)
     srt = sel.sort(dim=-1).values
-    limit = torch.tensor([r.num_experts for r in routers], device=flat.device)
-    parts = [((srt[..., -1] >= limit) & use).any(dim=0), use.sum(dim=0)]
-    parts.append(((srt[..., 1:] == srt[..., :-1]).any(dim=-1) & use).any(dim=0) if k > 1
-                 else torch.zeros_like(parts[0]))
+    limit = torch.tensor([r.num_experts for r in routers]).to(flat.device)
+    parts = [((srt.select(-1, k - 1) >= limit) & use).any(dim=0), use.sum(dim=0),
+             (_distinct(srt).logical_not() & use).any(dim=0)]
     spare = list((unconsumed_positions or {}).items())
     if spare:
-        rec = _recorded(flat[:, [p for _, p in spare]])
-        parts.append((rec & m[:, None] if m is not None else rec).any(dim=0))
+        rec = _recorded(flat.index_select(1, torch.tensor([p for _, p in spare]).to(flat.device)))
+        parts.append((rec & m.unsqueeze(1) if m is not None else rec).any(dim=0))
     return RowStats(sel, srt, use, torch.cat([p.long() for p in parts]), [layer for layer, _ in spare])
 
 
@@ -130,7 +136,7 @@ def check_rows(st: RowStats, routers: list[Router]) -> tuple[list[int], list[int
     over, n_use, dup, tail = stats[:m], stats[m:2 * m], stats[2 * m:3 * m], stats[3 * m:]
     for i, r in enumerate(routers):
         if over[i]:
-            chosen = st.sel[:, i][st.use[:, i]]
+            chosen = st.sel.select(1, i)[st.use.select(1, i)]
             raise ExpertIdOutOfRangeError(
                 f"layer {r.layer}: replayed expert ids span [{int(chosen.min())}, {int(chosen.max())}], "
                 f"model has {r.num_experts} experts")
@@ -147,16 +153,17 @@ def place_rows(st: RowStats, n_use: list[int], unconsumed: list[int], routers: l
     ``[N, K]`` is contiguous. ``audit`` also places the sorted rows."""
     n = int(st.sel.shape[0])
     ids = st.sel.clamp_min(0)
-    placed: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+    placed: dict[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor] | None,
+                                     Sequence[torch.Tensor]]] = {}
     layers: dict[int, LayerRows] = {}
     for i, r in enumerate(routers):
         dev = router_device(r) or st.sel.device
         if dev not in placed:
-            placed[dev] = (ids.transpose(0, 1).contiguous().to(dev),
-                           st.srt.transpose(0, 1).contiguous().to(dev) if audit else None,
-                           st.use.transpose(0, 1).contiguous().to(dev))
+            placed[dev] = (ids.transpose(0, 1).contiguous().to(dev).unbind(0),
+                           st.srt.transpose(0, 1).contiguous().to(dev).unbind(0) if audit else None,
+                           st.use.transpose(0, 1).contiguous().to(dev).unsqueeze(-1).unbind(0))
         ids_d, srt_d, use_d = placed[dev]
-        layers[r.layer] = LayerRows(ids_d[i], None if n_use[i] == n else use_d[i][:, None],
+        layers[r.layer] = LayerRows(ids_d[i], None if n_use[i] == n else use_d[i],
                                     None if srt_d is None else srt_d[i], n_use[i])
     return BlockRows(n, layers, unconsumed)
 

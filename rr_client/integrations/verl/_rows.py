@@ -22,7 +22,8 @@ __all__ = ["packed_rows", "padded_rows", "accumulate_turn_rows", "unpack_recorde
 
 def _sample_of_rows(offsets: torch.Tensor, n: int) -> torch.Tensor:
     """Sample index of every packed row, from the jagged ``offsets`` (``[B + 1]``)."""
-    return torch.searchsorted(offsets[1:], torch.arange(n, device=offsets.device), right=True)
+    return torch.searchsorted(offsets.narrow(0, 1, offsets.numel() - 1), torch.arange(n, device=offsets.device),
+                              right=True)
 
 
 def packed_rows(routed: torch.Tensor, offsets: torch.Tensor, info: RRInfo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,11 +87,9 @@ def padded_rows(rows: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor, w
     off = offsets.to(rows.device)
     n = int(rows.shape[0])
     sample = _sample_of_rows(off, n)
-    col = torch.arange(n, device=rows.device) - off[sample]
-    dense = rows.new_zeros((off.numel() - 1, width, *rows.shape[1:]))
-    dense[sample, col] = rows
-    dmask = mask.new_zeros((off.numel() - 1, width))
-    dmask[sample, col] = mask
+    col = torch.arange(n, device=rows.device) - off.index_select(0, sample)
+    dense = rows.new_zeros((off.numel() - 1, width, *rows.shape[1:])).index_put_((sample, col), rows)
+    dmask = mask.new_zeros((off.numel() - 1, width)).index_put_((sample, col), mask)
     return dense, dmask
 
 
