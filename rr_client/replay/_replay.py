@@ -83,8 +83,9 @@ class ReplayHook:
             n = self.seen.get(r.layer, 0)
             self.seen[r.layer] = n + 1
             if n % self.check_every == 0:
-                again = r.weights(r.module, logits, own).to(weights.dtype)
-                self.tally.add(f"formula/{r.layer}", (again != weights).any())
+                with torch.no_grad():  # saves nothing for backward: a checkpoint recompute (unsampled) matches
+                    again = r.weights(r.module, logits, own).to(weights.dtype)
+                    self.tally.add(f"formula/{r.layer}", (again != weights).any())
                 self.checked_layers.add(r.layer)
         new_ids = lr.ids if lr.use is None else torch.where(lr.use, lr.ids, own)
         if self.audit is not None:

@@ -147,3 +147,14 @@ def test_the_sampled_check_refuses_a_wrong_formula_on_its_first_forward(monkeypa
     with pytest.raises(UnsupportedModelError, match="differ from rr's formula"):
         with replay_routing(model, rows, check_every=3):  # forward 4: sampled again
             _step(model, x)
+
+
+def test_a_sampled_check_keeps_non_reentrant_checkpointing_consistent() -> None:
+    """The check runs on the forward only; it saves nothing for backward, so torch's non-reentrant checkpoint
+    (verl's default) sees the same saved tensors when backward recomputes the layer unsampled."""
+    model, x, rows, mask, _ = _setup("qwen3_moe")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with replay_routing(model, rows, mask, check_every=1, audit=True) as report:
+        _step(model, x)
+    assert report is not None and report["r3/applied_share"] == 1.0
+    assert all(p.grad is not None for n, p in model.named_parameters() if n.endswith("mlp.gate.weight"))
