@@ -10,7 +10,7 @@
    ``RoutedExpertsClient`` with ``return_logprob`` and routing.
 3. The trainer is the same checkpoint in transformers, at three settings: the same weights (fp32); weights
    one Adam step (lr ``--lr``) away, as a stale rollout policy in async RL; and bf16.
-4. For each it prints, over response tokens, the R3 metrics (rr_client.metrics) without replay and with
+4. For each it prints, over response tokens, the R3 metrics (rr_client.trainer.metrics) without replay and with
    ``replay_routing`` of the rollout's routing, and the routing agreement of the trainer's own router with
    the rollout's choice; the last column repeats mean|d| and k3 over the response tokens right after a
    position where the trainer's own router disagrees with the rollout in some MoE layer (without replay).
@@ -32,8 +32,8 @@ import torch
 
 from rr_client import RoutedExpertsClient
 from rr_client.agreement import set_matches
-from rr_client.metrics import r3_metrics, routing_agreement, token_logprobs
-from rr_client.replay import record_routing, replay_routing
+from rr_client.trainer.metrics import r3_metrics, routing_agreement, token_logprobs
+from rr_client.trainer.replay import record_routing, replay_routing
 from rr_server.demo import DEFAULT_PROMPTS
 from rr_server.process import free_port, stop_process_group, wait_healthy
 from rr_server.tiny_moe import build_tiny_moe

@@ -2,7 +2,7 @@
 
 Two tables. **Time** (median of interleaved reps, so drift hits every mode alike): no replay; replay with the
 sampled formula check on (default ``check_every``); with it off; with the audit; ``record_routing`` against a
-plain forward. **Ops and host syncs per MoE layer** inside the forward+backward (``rr_client.replay.cost``),
+plain forward. **Ops and host syncs per MoE layer** inside the forward+backward (``rr_client.trainer.replay.cost``),
 plus the block's opening and exit: the same on every device, and what a GPU pays in kernel launches and stalls.
 
 Shapes: ``small`` (CPU, default), and the per-layer shapes of production models for a GPU: ``qwen3-30b-a3b``
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import transformers
 
-from rr_client.replay import find_routers, record_routing, replay_routing
-from rr_client.replay.cost import count_ops
+from rr_client.trainer.replay import find_routers, record_routing, replay_routing
+from rr_client.trainer.replay.cost import count_ops
 
 SHAPES: dict[str, dict[str, Any]] = {
     # arch, layers, hidden, experts, top-k, moe_intermediate, batch, seq

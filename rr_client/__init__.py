@@ -45,6 +45,10 @@ from rr_client.errors import (
     UnrecordedRoutingError,
     UnsupportedModelError,
     WeightSyncError,
+    UnsupportedVersionError,
+    MissingDependencyError,
+    ConfigurationError,
+    SettingError,
 )
 from rr_client.hf_config import hash_layers_from_config, load_config, moe_layers_from_config, routing_dims_from_config
 from rr_client.info import RRInfo
@@ -53,18 +57,18 @@ if TYPE_CHECKING:
     from rr_client._client import Prompt, RoutedExpertsClient
     from rr_client._replicas import ReplicaStats
     from rr_client.trajectory import ChatTrajectory, Trajectory
-    from rr_client._tensors import PackedRouting, RoutingTensors, tensor_dtype, to_packed, to_tensors
+    from rr_client.trainer.layouts import PackedRouting, RoutingTensors, tensor_dtype, to_packed, to_tensors
 
 # name -> module that defines it; imported on first attribute access (httpx / torch stay unloaded until then)
 _LAZY = {
     "RoutedExpertsClient": "rr_client._client",
     "Prompt": "rr_client._client",
     "ReplicaStats": "rr_client._replicas",
-    "RoutingTensors": "rr_client._tensors",
-    "to_tensors": "rr_client._tensors",
-    "tensor_dtype": "rr_client._tensors",
-    "PackedRouting": "rr_client._tensors",
-    "to_packed": "rr_client._tensors",
+    "RoutingTensors": "rr_client.trainer.layouts",
+    "to_tensors": "rr_client.trainer.layouts",
+    "tensor_dtype": "rr_client.trainer.layouts",
+    "PackedRouting": "rr_client.trainer.layouts",
+    "to_packed": "rr_client.trainer.layouts",
     "Trajectory": "rr_client.trajectory",
     "ChatTrajectory": "rr_client.trajectory",
 }
@@ -90,6 +94,7 @@ __all__ = [
     "TransportError", "ConnectError", "RequestTimeoutError", "ConnectionLostError",
     "ServerError", "RequestRejectedError", "AuthenticationError", "ProtocolError",
     "ReplicaMismatchError", "ReplayError", "UnsupportedModelError", "WeightSyncError",
+    "UnsupportedVersionError", "MissingDependencyError", "ConfigurationError", "SettingError",
     "RRInfo", "load_config", "moe_layers_from_config", "hash_layers_from_config", "routing_dims_from_config",
     "__version__",
 ]

@@ -13,7 +13,7 @@ from rr_client.errors import ProtocolError, RoutedExpertsError
 from rr_client.info import RRInfo
 
 if TYPE_CHECKING:
-    from rr_client._tensors import PackedRouting, RoutingTensors
+    from rr_client.trainer.layouts import PackedRouting, RoutingTensors
 
 __all__ = ["GenerateResult", "GenerateBatch", "parse_sample", "decode_sample_routing"]
 
@@ -63,13 +63,13 @@ class GenerateBatch:
 
     def to_tensors(self, **options: Any) -> RoutingTensors:
         """Pad into trainer-ready torch tensors: :func:`rr_client.to_tensors` of these samples, same options."""
-        from rr_client._tensors import to_tensors
+        from rr_client.trainer.layouts import to_tensors
 
         return to_tensors(self.results, self.info, **options)
 
     def to_packed(self, **options: Any) -> PackedRouting:
         """Pack into THD torch tensors: :func:`rr_client.to_packed` of these samples, same options."""
-        from rr_client._tensors import to_packed
+        from rr_client.trainer.layouts import to_packed
 
         return to_packed(self.results, self.info, **options)
 

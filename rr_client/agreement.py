@@ -1,6 +1,6 @@
 """Routing agreement: which (token, layer) top-k expert-id *sets* two routings share (order inside a set ignored).
 
-The one implementation: the trainer metric (:func:`rr_client.metrics.routing_agreement`), ``rr-server doctor``,
+The one implementation: the trainer metric (:func:`rr_client.trainer.metrics.routing_agreement`), ``rr-server doctor``,
 the demo and the tests all count with it. numpy only; torch tensors are accepted (copied to the CPU).
 """
 

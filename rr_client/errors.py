@@ -21,7 +21,12 @@ Imports nothing heavy. The hierarchy::
     │   └── ReplicaMismatchError          replicas of one client serve different models / routing dims
     ├── ReplayError                       replay/recording in the trainer did not (provably) take effect
     │   └── UnsupportedModelError (TypeError)  a model family or router rr cannot replay exactly, with the reason
-    └── WeightSyncError                   the trained weights did not reach the engine (training must stop)
+    ├── WeightSyncError                   the trained weights did not reach the engine (training must stop)
+    ├── UnsupportedVersionError (RuntimeError)  an engine / trainer release rr was not tested on, or code that
+    │                                     no longer has the shape rr wraps (one override: RR_ALLOW_UNSUPPORTED_VERSION)
+    ├── MissingDependencyError (ImportError)  an optional dependency of the part you use is not installed
+    ├── ConfigurationError (ValueError)   a trainer / launcher setting rr refuses (named, with what to do instead)
+    └── SettingError (ValueError)         an ``RR_*`` environment variable holds a value it cannot parse
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ __all__ = [
     "ReplayError",
     "UnsupportedModelError",
     "WeightSyncError",
+    "UnsupportedVersionError",
+    "MissingDependencyError",
+    "ConfigurationError",
+    "SettingError",
 ]
 
 
@@ -138,7 +147,7 @@ class ReplicaMismatchError(ProtocolError):
 class ReplayError(RRError):
     """Routing cannot be replayed or recorded correctly on this model, or the replay audit found that it was not.
 
-    Raised by :mod:`rr_client.replay`: an orphan router (in the model, never ran), replayed rows no router
+    Raised by :mod:`rr_client.trainer.replay`: an orphan router (in the model, never ran), replayed rows no router
     consumed, replayed ids that did not reach the experts, a checkpointed forward left without its backward.
     ``report`` holds the audit's numbers when the audit raised it (else None).
     """
@@ -156,3 +165,27 @@ class UnsupportedModelError(ReplayError, TypeError):
 class WeightSyncError(RRError):
     """Pushing the trainer's weights to the engine failed (save, reload route missing or refused, engine error):
     the next rollout would come from stale weights, so the trainer stops instead of training on them."""
+
+
+class UnsupportedVersionError(RRError, RuntimeError):
+    """An engine or trainer release outside what rr was tested on, or code whose shape rr no longer recognises.
+
+    ``package`` and ``version`` name what was found; ``tested`` says what rr was tested on. The one override is
+    ``RR_ALLOW_UNSUPPORTED_VERSION=1`` (and the launchers' ``--rr-allow-unsupported-version``).
+    """
+
+    def __init__(self, message: str, *, package: str = "", version: str = "", tested: str = "") -> None:
+        super().__init__(message)
+        self.package, self.version, self.tested = package, version, tested
+
+
+class MissingDependencyError(RRError, ImportError):
+    """An optional dependency the part of rr you use needs is not installed (names the extra to install)."""
+
+
+class ConfigurationError(RRError, ValueError):
+    """A setting rr refuses because it would train unreplayed or insecurely (names the setting and what to do)."""
+
+
+class SettingError(RRError, ValueError):
+    """An ``RR_*`` variable holds a value its reader cannot parse (names the variable and what it accepts)."""

@@ -11,14 +11,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from rr_client.errors import SettingError
+
 __all__ = ["Setting", "SETTINGS", "SettingError", "flag", "text", "integer", "TRUE_WORDS", "FALSE_WORDS"]
 
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off"})
-
-
-class SettingError(ValueError):
-    """An ``RR_*`` variable holds a value its reader cannot parse (names the variable and what it accepts)."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +30,7 @@ class Setting:
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("RR_ENABLE", "flag", "switches the rr vLLM plugin on (set by `rr-server launch vllm`)"),
-    Setting("RR_ALLOW_UNSUPPORTED_VERSION", "flag", "let the vLLM plugin or the TRL integration run on a version outside the tested range"),
+    Setting("RR_ALLOW_UNSUPPORTED_VERSION", "flag", "the one override of every version gate: vLLM and SGLang patches, launchers, TRL and verl integrations run on a release outside the tested range"),
     Setting("RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched vLLM: every /generate answer carries routing"),
     Setting("RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched SGLang: every answer carries routing"),
     Setting("RR_ROUTED_EXPERTS_FORMAT", "text", "server default routed_experts_format: npy (default) or sglang"),

@@ -11,7 +11,7 @@ prompt's ``num_generations`` samples as one ``n`` request to rr's ``/generate`` 
 returns ``prompt_ids``, ``completion_ids``, ``logprobs`` plus the checked routing. TRL 1.16 hands extra keys
 to the reward functions only, so :class:`R3GRPOTrainer` takes the routing out, carries each sample's index
 through TRL's shuffle and split, and runs every log-prob forward (the loss, the old-policy and the reference
-forwards) under :func:`rr_client.replay.replay_routing` with the rows placed under TRL's own left-padded prompt
+forwards) under :func:`rr_client.trainer.replay.replay_routing` with the rows placed under TRL's own left-padded prompt
 + right-padded completion batch; the tokens under the rows are compared with TRL's before any forward.
 Before each rollout after an optimizer step it pushes the weights to the engine
 (:class:`rr_client.integrations.weight_sync.DiskWeightSync`). It logs ``r3/...`` metrics in TRL's log.
@@ -42,13 +42,13 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from rr_client._client import RoutedExpertsClient
 from rr_client._results import GenerateResult
-from rr_client._tensors import to_tensors
+from rr_client.trainer.layouts import to_tensors
 from rr_client.agreement import routing_agreement
 from rr_client.info import RRInfo
 from rr_client.integrations._loop import LoopThread
 from rr_client.integrations.weight_sync import DiskWeightSync
-from rr_client.metrics import r3_metrics, token_logprobs
-from rr_client.replay import record_routing, replay_routing
+from rr_client.trainer.metrics import r3_metrics, token_logprobs
+from rr_client.trainer.replay import record_routing, replay_routing
 
 __all__ = ["R3GRPOTrainer", "RRRollout", "TESTED_TRL", "ROUTING_KEY"]
 

@@ -1,33 +1,8 @@
-"""Routing replay (R3), recording (R2) and the replay audit for Hugging Face transformers 5.x MoE models.
+"""``rr_client.replay``, kept where users import it: the trainer layer's :mod:`rr_client.trainer.replay`.
 
-``replay_routing`` lives in :mod:`rr_client.replay._replay` (rows validated once per block by ``_rows``, the
-audit in ``_audit``), ``record_routing`` in ``_record``, router discovery and hooks in ``_routers``, the
-routers' weight formulas in :mod:`rr_client.replay.formulas`, the family coverage table in
-:mod:`rr_client.replay.coverage` (``python -m rr_client.replay.coverage`` writes ``docs/replay-coverage.md``).
-``ReplayError`` and ``UnsupportedModelError`` are defined in :mod:`rr_client.errors` and re-exported here.
+Replay (R3), recording (R2) and the audit live in :mod:`rr_client.trainer.replay`; this package re-exports its
+public names, and ``rr_client.replay.coverage`` / ``.cost`` / ``.formulas`` re-export those modules.
 """
 
-from rr_client.errors import ReplayError, UnsupportedModelError
-from rr_client.replay._record import RoutingRecord, record_routing
-from rr_client.replay._replay import CHECK_EVERY, replay_routing
-from rr_client.replay._routers import LeftRouter, Router, find_routers, survey
-from rr_client.replay.coverage import Family, coverage, family_status
-from rr_client.replay.formulas import HASH_ROUTERS, SUPPORTED_ROUTERS
-
-__all__ = [
-    "ReplayError",
-    "UnsupportedModelError",
-    "RoutingRecord",
-    "replay_routing",
-    "record_routing",
-    "CHECK_EVERY",
-    "find_routers",
-    "survey",
-    "Router",
-    "LeftRouter",
-    "SUPPORTED_ROUTERS",
-    "HASH_ROUTERS",
-    "Family",
-    "coverage",
-    "family_status",
-]
+from rr_client.trainer.replay import *  # noqa: F401,F403
+from rr_client.trainer.replay import __all__ as __all__  # noqa: F401

@@ -85,7 +85,7 @@ def router_choice(model: Any, token_ids: Sequence[int], moe_layers: Sequence[int
     import torch
 
     from rr_client.errors import UnsupportedModelError
-    from rr_client.replay import record_routing
+    from rr_client.trainer.replay import record_routing
 
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
     try:

@@ -61,7 +61,7 @@ def load(model_dir: Path) -> Any:
 
 def capture_buffer_rows(model_dir: Path, token_ids: Sequence[int]) -> np.ndarray:
     """``(tokens, layers, topk)``: the learned routers' own top-k; zero in hash-routed layers (never written)."""
-    from rr_client.replay import record_routing
+    from rr_client.trainer.replay import record_routing
 
     model = load(model_dir)
     with torch.no_grad(), record_routing(model) as rec:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from rr_client.replay import record_routing
+from rr_client.trainer.replay import record_routing
 from rr_server.doctor.truth import LayerAgreement, RouterReference, router_forward, router_topk
 from tests.trainer.tiny_families import tiny_family_model
 

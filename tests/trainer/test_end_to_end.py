@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rr_client import GenerateBatch, GenerateResult, RRInfo
-from rr_client.metrics import r3_metrics, routing_agreement, token_logprobs
-from rr_client.replay import record_routing, replay_routing
+from rr_client.trainer.metrics import r3_metrics, routing_agreement, token_logprobs
+from rr_client.trainer.replay import record_routing, replay_routing
 
 from .tiny_models import EXPERTS, LAYERS, TOPK, VOCAB, moe_layers, tiny_model
 

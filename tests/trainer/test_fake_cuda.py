@@ -13,12 +13,12 @@ import torch
 
 from rr_client import to_packed, to_tensors
 from rr_client.integrations.verl._rows import padded_rows
-from rr_client.metrics import gap_stats
-from rr_client.replay import RoutingRecord, survey
-from rr_client.replay._audit import Audit, DeviceTally
-from rr_client.replay._replay import ReplayHook
-from rr_client.replay._rows import check_rows, layer_positions, place_rows, row_stats
-from rr_client.replay._routers import num_hidden_layers
+from rr_client.trainer.metrics import gap_stats
+from rr_client.trainer.replay import RoutingRecord, survey
+from rr_client.trainer.replay._audit import Audit, DeviceTally
+from rr_client.trainer.replay._replay import ReplayHook
+from rr_client.trainer.replay._rows import check_rows, layer_positions, place_rows, row_stats
+from rr_client.trainer.replay._routers import num_hidden_layers
 from tests.support.fake_cuda import CUDA, FakeTensorDeviceMismatchError, fake_mode, on_cuda, to_fake_cuda
 from tests.trainer.test_layouts import info as layout_info
 from tests.trainer.test_layouts import sample as layout_sample

@@ -1,4 +1,4 @@
-"""rr_client.metrics against straightforward per-token Python arithmetic."""
+"""rr_client.trainer.metrics against straightforward per-token Python arithmetic."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rr_client.metrics import r3_metrics, routing_agreement, token_logprobs
+from rr_client.trainer.metrics import r3_metrics, routing_agreement, token_logprobs
 
 
 def test_r3_metrics_reference() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rr_client import ExpertIdOutOfRangeError, ShapeMismatchError, UnrecordedRoutingError
-from rr_client.replay import ReplayError, UnsupportedModelError, find_routers, record_routing, replay_routing
+from rr_client.trainer.replay import ReplayError, UnsupportedModelError, find_routers, record_routing, replay_routing
 
 from .tiny_models import ARCHS, EXPERTS, LAYERS, TOPK, VOCAB, moe_layers, tiny_model
 

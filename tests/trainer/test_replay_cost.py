@@ -1,4 +1,4 @@
-"""Replay's cost model, counted on the CPU (rr_client.replay.cost): aten ops and host syncs per MoE layer.
+"""Replay's cost model, counted on the CPU (rr_client.trainer.replay.cost): aten ops and host syncs per MoE layer.
 
 Budgets (issue 28): inside forward + backward, replay adds 0 host syncs and at most 8 ops per MoE layer when the
 sampled formula check does not run, and the check adds at most one formula and 2 ops on the forwards it samples;
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from rr_client.errors import UnsupportedModelError
-from rr_client.replay import SUPPORTED_ROUTERS, find_routers, record_routing, replay_routing
-from rr_client.replay.cost import count_ops
-from rr_client.replay.formulas import softmax_gather
+from rr_client.trainer.replay import SUPPORTED_ROUTERS, find_routers, record_routing, replay_routing
+from rr_client.trainer.replay.cost import count_ops
+from rr_client.trainer.replay.formulas import softmax_gather
 from tests.trainer.tiny_models import tiny_config
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss")

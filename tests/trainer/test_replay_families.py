@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from rr_client.replay import UnsupportedModelError, coverage, find_routers, replay_routing, survey
-from rr_client.replay.coverage import FAMILY_ROUTERS, REFUSED, TESTED, coverage_markdown, installed_moe_families
+from rr_client.trainer.replay import UnsupportedModelError, coverage, find_routers, replay_routing, survey
+from rr_client.trainer.replay.coverage import FAMILY_ROUTERS, REFUSED, TESTED, coverage_markdown, installed_moe_families
 
 from .tiny_families import VOCAB, forward, tiny_family_model
 
@@ -170,7 +170,7 @@ def test_deepseek_v4_hash_layers_are_left_to_the_model() -> None:
 
 @pytest.mark.parametrize("mt", [m for m in REFUSED_FAMILIES if FAMILY_ROUTERS[m]])
 def test_refused_family_is_refused_with_its_reason(mt: str) -> None:
-    from rr_client.replay import survey as _survey
+    from rr_client.trainer.replay import survey as _survey
 
     reason = next(f.reason for f in coverage() if f.model_type == mt)
     router_cls = FAMILY_ROUTERS[mt][0]

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from rr_client.replay import survey
+from rr_client.trainer.replay import survey
 
 from .tiny_models import ARCHS, tiny_config
 

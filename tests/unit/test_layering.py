@@ -224,11 +224,11 @@ def test_the_direction_checks_can_fail() -> None:
     """The checks see what they must: an arrow up at module and package level, and a foreign private module."""
     graph = {"rr_client.codec": {"rr_server.serving.auth"}, "rr_server.serving.auth": {"rr_server.proxy.app"},
              "rr_patches.vllm.plugin": {"rr_server.launch_vllm"}, "rr_server.launch_sglang": {"rr_patches.sglang.apply"},
-             "rr_server.proxy.upstream": {"rr_client._tensors"}, "rr_client.codec2": {"rr_client._rowcheck"}}
+             "rr_server.proxy.upstream": {"rr_client.trainer.layouts"}, "rr_client.codec2": {"rr_client._rowcheck"}}
     bad = direction_violations(graph)
     assert "rr_client.codec (client) -> rr_server.serving.auth (serving)" in bad
     assert "rr_server.serving.auth (serving) -> rr_server.proxy.app (sidecar)" in bad
     assert "rr_patches.vllm.plugin (patches) -> rr_server.launch_vllm (commands)" in bad
     assert "rr_server.launch_sglang (commands) -> rr_patches.sglang.apply (patches)" in bad
     assert "package rr_server imports rr_patches" in bad and "package rr_client imports ['rr_server']" in bad
-    assert private_imports(graph) == ["rr_server.proxy.upstream -> rr_client._tensors"]
+    assert private_imports(graph) == ["rr_server.proxy.upstream -> rr_client.trainer.layouts"]

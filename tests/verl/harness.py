@@ -142,7 +142,7 @@ def update_actor(t: Any, batch: Any) -> dict[str, Any]:
 
 def own_routing(model: Any, tokens: Sequence[int]) -> np.ndarray:
     """transformers' own top-k of one unpadded sequence, ``[len - 1, L, K]`` like an engine returns."""
-    from rr_client.replay import record_routing
+    from rr_client.trainer.replay import record_routing
 
     with torch.no_grad(), record_routing(model) as rec:
         model(input_ids=torch.tensor([list(tokens)]))

@@ -19,7 +19,7 @@ from datasets import Dataset
 from trl import GRPOConfig
 
 from rr_client.integrations.trl import R3GRPOTrainer, RRRollout
-from rr_client.replay import record_routing
+from rr_client.trainer.replay import record_routing
 from tests.support.vllm_process import VLLMProcess
 
 pytestmark = pytest.mark.vllm_server

@@ -17,8 +17,8 @@ import torch
 
 from rr_client.errors import MissingRoutingError, ReplayError, UnsupportedModelError
 from rr_client.info import RRInfo
-from rr_client.metrics import R3Metrics, r3_metrics
-from rr_client.replay import find_routers, record_routing, replay_routing
+from rr_client.trainer.metrics import R3Metrics, r3_metrics
+from rr_client.trainer.replay import find_routers, record_routing, replay_routing
 
 from ._gate import check_verl_version
 from ._rows import packed_rows, padded_rows, unpack_recorded

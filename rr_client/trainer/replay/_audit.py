@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from rr_client.replay._routers import LeftRouter, Router
-from rr_client.replay._rows import BlockRows
+from rr_client.trainer.replay._routers import LeftRouter, Router
+from rr_client.trainer.replay._rows import BlockRows
 
 __all__ = ["DeviceTally", "Audit"]
 

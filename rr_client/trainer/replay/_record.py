@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from rr_client.errors import ReplayError
-from rr_client.replay._routers import Router, find_routers, num_hidden_layers, router_hooks
+from rr_client.trainer.replay._routers import Router, find_routers, num_hidden_layers, router_hooks
 
 __all__ = ["RoutingRecord", "record_routing"]
 

@@ -1,7 +1,7 @@
 """``replay_routing`` (R3): force recorded top-k ids in every MoE router; weights stay differentiable.
 
 Cost model (what ``tests/trainer/test_replay_cost.py`` holds): opening a block validates every layer's rows
-with one host read (:mod:`rr_client.replay._rows`) and moves them to the routers' devices once; inside the
+with one host read (:mod:`rr_client.trainer.replay._rows`) and moves them to the routers' devices once; inside the
 forward and backward a router hook runs the layer's weight formula on the replayed ids (plus one ``where``
 when some rows keep the model's own choice) and never syncs. The bit-for-bit formula check and the audit
 keep their verdicts on the device and are read once when the block exits.
@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from rr_client.errors import ReplayError, ShapeMismatchError, UnsupportedModelError
-from rr_client.replay._audit import Audit, DeviceTally
-from rr_client.replay._routers import Router, in_backward, num_hidden_layers, router_hooks, survey
-from rr_client.replay._rows import BlockRows, layer_positions, prepare_rows
+from rr_client.trainer.replay._audit import Audit, DeviceTally
+from rr_client.trainer.replay._routers import Router, in_backward, num_hidden_layers, router_hooks, survey
+from rr_client.trainer.replay._rows import BlockRows, layer_positions, prepare_rows
 
 __all__ = ["replay_routing", "ReplayHook", "CHECK_EVERY"]
 

@@ -19,10 +19,10 @@ try:
     import torch
     from torch import nn
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("rr_client.replay needs torch: pip install 'rr-replay[torch]'") from e
+    raise ImportError("rr_client.trainer.replay needs torch: pip install 'rr-replay[torch]'") from e
 
-from rr_client.replay.coverage import TESTED, family_status, router_family
-from rr_client.replay.formulas import HASH_ROUTERS, SUPPORTED_ROUTERS, WeightFn
+from rr_client.trainer.replay.coverage import TESTED, family_status, router_family
+from rr_client.trainer.replay.formulas import HASH_ROUTERS, SUPPORTED_ROUTERS, WeightFn
 
 __all__ = ["Router", "LeftRouter", "survey", "find_routers", "num_hidden_layers", "router_hooks", "router_device",
            "in_backward"]
@@ -96,7 +96,7 @@ def survey(model: nn.Module, *, allow_untested: bool = False) -> tuple[list[Rout
         if fn is None and cls not in HASH_ROUTERS:
             if family is None and _ROUTER_LIKE.search(cls) and not isinstance(mod, nn.Linear):
                 raise UnsupportedModelError(
-                    f"{name}: router class {cls} is not supported by rr_client.replay "
+                    f"{name}: router class {cls} is not supported by rr_client.trainer.replay "
                     f"(supported: {len(SUPPORTED_ROUTERS)} router classes, see docs/replay-coverage.md)")
             continue
         prefix = next((lst for lst in lists if name.startswith(lst + ".")), None)

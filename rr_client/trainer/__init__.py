@@ -1,0 +1,43 @@
+"""rr's trainer layer: routing laid out for a trainer, replayed (R3) or recorded (R2) in a transformers model,
+measured, and driven per micro-batch by one :class:`ReplaySession` behind every trainer integration.
+
+Imports torch. Sits above the wire core and the client (it reads their checked samples) and below
+:mod:`rr_client.integrations` (TRL, verl), which adapt a trainer's loop to the session.
+
+- :mod:`rr_client.trainer.layouts`: :func:`to_tensors` / :func:`to_packed` (padded and packed batches).
+- :mod:`rr_client.trainer.replay`: :func:`replay_routing`, :func:`record_routing`, the audit, the coverage table.
+- :mod:`rr_client.trainer.metrics`: the log-prob gap and routing agreement.
+- :mod:`rr_client.trainer.session`: :class:`ReplaySession`; :mod:`rr_client.trainer.keys`: its metric names.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["ReplaySession", "StepMetrics", "to_tensors", "to_packed", "RoutingTensors", "PackedRouting",
+           "replay_routing", "record_routing", "r3_metrics", "keys"]
+
+_LAZY = {
+    "ReplaySession": "rr_client.trainer.session",
+    "StepMetrics": "rr_client.trainer.session",
+    "to_tensors": "rr_client.trainer.layouts",
+    "to_packed": "rr_client.trainer.layouts",
+    "RoutingTensors": "rr_client.trainer.layouts",
+    "PackedRouting": "rr_client.trainer.layouts",
+    "replay_routing": "rr_client.trainer.replay",
+    "record_routing": "rr_client.trainer.replay",
+    "r3_metrics": "rr_client.trainer.metrics",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name's module on first use (``import rr_client.trainer.keys`` stays torch-free)."""
+    if name == "keys":
+        return importlib.import_module("rr_client.trainer.keys")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rr_client.trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
