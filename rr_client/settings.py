@@ -35,6 +35,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched SGLang: every answer carries routing"),
     Setting("RR_ROUTED_EXPERTS_FORMAT", "text", "server default routed_experts_format: npy (default) or sglang"),
     Setting("RR_ENCODE_THREAD_MIN_ELEMS", "int", "patched vLLM: encode routing off the event loop above this size"),
+    Setting("RR_AUDIT_EVERY", "int", "verl: steps between audited replay steps (default 10; 0 = never; the first step always)"),
+    Setting("RR_ALLOW_UNTESTED_MODEL", "flag", "verl: replay a MoE family whose router formula is in rr but untested"),
     Setting("RR_API_KEY", "text", "client (and doctor): the key sent as Authorization: Bearer"),
     Setting("RR_UPSTREAM_API_KEY", "text", "sidecar: the key sent to the engine (its --api-key)"),
 )}

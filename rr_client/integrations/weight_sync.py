@@ -3,10 +3,12 @@
 The path that works everywhere (CPU included): save the model as safetensors, then ask each engine to reload
 from that folder. vLLM: ``POST /collective_rpc`` ``reload_weights(weights_path=...)`` (the API server must run
 with ``VLLM_SERVER_DEV_MODE=1``), then ``POST /reset_prefix_cache`` (cached KV came from the old weights).
-SGLang: ``POST /update_weights_from_disk`` then ``POST /flush_cache``. Which one is chosen by the server's
-``/rr/info`` ``engine``. Any failure is a :class:`rr_client.WeightSyncError`: a trainer must stop, not train on
-rollouts from stale weights. GPU engines also have faster in-memory paths (vLLM's NCCL weight transfer,
-SGLang's ``update_weights_from_distributed``); rr does not drive them (see docs/trainer.md).
+SGLang: ``POST /update_weights_from_disk`` then ``POST /flush_cache``. Which one is chosen by a
+:class:`WeightEngine`'s ``kind``, or for a plain URL by the server's ``/rr/info`` ``engine`` (an rr-patched
+engine); an engine without rr's plugin (e.g. behind rr's sidecar) must be named with a :class:`WeightEngine`.
+Any failure is a :class:`rr_client.WeightSyncError`: a trainer must stop, not train on rollouts from stale
+weights. GPU engines also have faster in-memory paths (vLLM's NCCL weight transfer, SGLang's
+``update_weights_from_distributed``); rr does not drive them (see docs/trainer.md).
 """
 
 from __future__ import annotations
@@ -14,15 +16,19 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Self, get_args
 
 import httpx
 
 from rr_client import settings
-from rr_client.errors import WeightSyncError
+from rr_client.errors import ConfigurationError, WeightSyncError
 
-__all__ = ["DiskWeightSync", "ENGINE_ROUTES"]
+__all__ = ["DiskWeightSync", "ENGINE_ROUTES", "EngineKind", "WeightEngine"]
+
+EngineKind = Literal["vllm", "sglang"]
+"""The engines rr can make reload weights from disk."""
 
 # engine -> (reload route, how its JSON body names the folder, cache-reset route)
 ENGINE_ROUTES: dict[str, tuple[str, str, str]] = {
@@ -30,38 +36,120 @@ ENGINE_ROUTES: dict[str, tuple[str, str, str]] = {
     "sglang": ("/update_weights_from_disk", "model_path", "/flush_cache"),
 }
 
+_KEY_ENV = "RR_API_KEY"
+_KINDS: tuple[str, ...] = get_args(EngineKind)
 
-class DiskWeightSync:
-    """Save weights under ``directory`` and make every engine URL reload them; ``push`` returns the seconds taken.
 
-    ``urls`` are the engines themselves (each replica), not a router or rr's sidecar in front of them: those
-    forward generation only. ``engines`` may name each URL's engine up front; otherwise ``/rr/info`` says.
-    Each push writes ``directory/step-<n>`` (complete before any engine reads it) and removes the previous one
-    after every engine has reloaded.
+def _check_url(url: object, where: str) -> str:
+    """``url`` without its trailing slash; ConfigurationError unless it is an http(s) URL."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ConfigurationError(f"{where}: {url!r} is not an http:// or https:// URL of an engine")
+    return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class WeightEngine:
+    """One engine to reload and which engine it is, so rr need not ask its ``/rr/info``.
+
+    Needed for an engine that does not serve ``/rr/info``: vLLM or SGLang without rr's plugin, e.g. the
+    engine behind rr's sidecar (``rr-server proxy``). ``url`` is the engine itself, never a router or the sidecar
+    (they forward generation only). An unknown ``kind`` raises :class:`rr_client.errors.ConfigurationError`.
     """
 
-    def __init__(self, urls: str | Sequence[str], directory: str | Path, *, engines: Mapping[str, str] | None = None,
+    url: str
+    kind: EngineKind
+
+    def __post_init__(self) -> None:
+        _check_url(self.url, "WeightEngine")
+        if self.kind not in _KINDS:
+            raise ConfigurationError(f"WeightEngine({self.url!r}, {self.kind!r}): kind must be one of "
+                                     f"{', '.join(map(repr, _KINDS))}")
+
+
+EngineSpec = str | WeightEngine
+"""A plain URL (its kind comes from ``/rr/info``) or a :class:`WeightEngine`."""
+
+
+def _engine_list(engines: EngineSpec | Sequence[EngineSpec] | Mapping[str, str]
+                 ) -> list[tuple[str, str | None]]:
+    """``(url, kind or None)`` per engine, in order, duplicates dropped; ConfigurationError on a bad entry."""
+    if isinstance(engines, (str, WeightEngine)):
+        items: list[Any] = [engines]
+    elif isinstance(engines, Mapping):  # {url: kind}, the older way to name kinds
+        items = [WeightEngine(u, k) for u, k in engines.items()]  # type: ignore[arg-type]
+    elif isinstance(engines, Sequence):
+        items = list(engines)
+    else:
+        raise ConfigurationError(f"DiskWeightSync: engines must be a URL, a WeightEngine or a sequence of them, "
+                                 f"got {type(engines).__name__}")
+    if not items:
+        raise ConfigurationError("DiskWeightSync needs at least one engine (a URL or a WeightEngine)")
+    out: dict[str, str | None] = {}
+    for item in items:
+        if isinstance(item, WeightEngine):
+            url, kind = item.url.rstrip("/"), item.kind
+        else:
+            url, kind = _check_url(item, "DiskWeightSync"), None
+        known = out.get(url)
+        if known is not None and kind is not None and known != kind:
+            raise ConfigurationError(f"DiskWeightSync: {url} is named both {known!r} and {kind!r}")
+        out[url] = kind or known
+    return list(out.items())
+
+
+class DiskWeightSync:
+    """Save weights under ``directory`` and make every engine reload them; ``push`` returns the seconds taken.
+
+    ``engines``: each engine (each replica) as a URL, a :class:`WeightEngine`, or a sequence of either (a
+    ``{url: kind}`` mapping is accepted too). A plain URL's kind comes from its ``/rr/info`` (an rr-patched
+    engine); name the others with ``WeightEngine(url, "vllm" | "sglang")``. Routers and rr's sidecar forward
+    generation only: pass the engines behind them. ``api_key`` is sent as ``Authorization: Bearer`` on every
+    call (default: env ``RR_API_KEY``). Each push writes ``directory/step-<n>`` (complete before any engine
+    reads it) and removes the previous one after every engine has reloaded.
+    """
+
+    def __init__(self, engines: EngineSpec | Sequence[EngineSpec] | Mapping[str, str], directory: str | Path, *,
                  api_key: str | None = None, timeout: float = 600.0) -> None:
-        self.urls = [urls] if isinstance(urls, str) else list(urls)
-        if not self.urls:
-            raise ValueError("DiskWeightSync needs at least one engine URL")
-        self.urls = [u.rstrip("/") for u in self.urls]
+        pairs = _engine_list(engines)
+        self.urls: list[str] = [u for u, _ in pairs]
+        self._engines: dict[str, str] = {u: k for u, k in pairs if k is not None}
         self.directory = Path(directory)
-        key = api_key if api_key is not None else settings.text("RR_API_KEY")
+        if api_key is not None:
+            key: str | None = api_key
+            self._key_source: str | None = "the api_key argument"
+        else:
+            key = settings.text(_KEY_ENV)
+            self._key_source = _KEY_ENV if key else None
         self._http = httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
                                   headers={"authorization": f"Bearer {key}"} if key else None)
-        self._engines: dict[str, str] = {u.rstrip("/"): e for u, e in (engines or {}).items()}
         self._current: Path | None = None
 
     def close(self) -> None:
         """Close the HTTP client."""
         self._http.close()
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def engines(self) -> list[WeightEngine]:
+        """Every engine with its kind (asking ``/rr/info`` for the URLs not named yet)."""
+        return [WeightEngine(u, self.engine(u)) for u in self.urls]  # type: ignore[arg-type]
+
     def engine(self, url: str) -> str:
-        """``vllm`` or ``sglang`` for ``url`` (from ``/rr/info``, asked once)."""
+        """``vllm`` or ``sglang`` for ``url``: as named, else from ``/rr/info`` (asked once)."""
+        url = url.rstrip("/")
         if url not in self._engines:
             body = self._call("GET", url, "/rr/info", None, "asking which engine serves it")
             name = body.get("engine") if isinstance(body, dict) else None
+            if isinstance(body, dict) and body.get("sidecar"):
+                upstream = body.get("upstream") or "the engine's URL"
+                raise WeightSyncError(
+                    f"{url} is rr's sidecar in front of {upstream}: it forwards generation only, weights are "
+                    f"reloaded on the engine itself; pass WeightEngine({upstream!r}, {name!r}) for each engine")
             if name not in ENGINE_ROUTES:
                 raise WeightSyncError(f"{url}/rr/info names engine {name!r}; rr can reload weights on "
                                       f"{sorted(ENGINE_ROUTES)} only")
@@ -70,8 +158,13 @@ class DiskWeightSync:
 
     def push(self, model: Any, step: int, *, state_dict: Mapping[str, Any] | None = None) -> float:
         """Save ``model`` (a transformers ``PreTrainedModel``; ``state_dict`` if the caller gathered a sharded one)
-        and reload it on every engine. Raises :class:`WeightSyncError` naming the engine and what failed."""
+        and reload it on every engine. Raises :class:`WeightSyncError` naming the engine and what failed.
+
+        Every engine's kind is settled first (``/rr/info``), so a wrong URL or key fails before the save.
+        """
         t0 = time.perf_counter()
+        for url in self.urls:
+            self.engine(url)
         target = self.directory / f"step-{step}"
         partial = self.directory / f".step-{step}.partial"
         shutil.rmtree(partial, ignore_errors=True)
@@ -106,12 +199,25 @@ class DiskWeightSync:
             resp = self._http.request(method, url + route, json=body)
         except httpx.HTTPError as e:
             raise WeightSyncError(f"{url}{route} ({what}): {type(e).__name__}: {e}") from e
-        if resp.status_code == 404 and route in ("/collective_rpc", "/reset_prefix_cache"):
+        code = resp.status_code
+        if code in (401, 403):  # the body is left out: it could echo what was sent
+            if self._key_source is None:
+                why = (f"no API key was sent (api_key=None and {_KEY_ENV} unset): pass DiskWeightSync(..., "
+                       f"api_key=...) or set {_KEY_ENV}")
+            else:
+                why = f"the API key from {self._key_source} was refused: it is not one of this server's keys"
+            raise WeightSyncError(f"{url}{route} answered {code} ({what}): {why}")
+        if code == 404 and route == "/rr/info":
+            raise WeightSyncError(
+                f"{url}/rr/info is 404 ({what}): {url} is not an rr server (an engine without rr's plugin, or a "
+                f"router/sidecar), so its engine is unknown; pass WeightEngine({url!r}, 'vllm') or "
+                f"WeightEngine({url!r}, 'sglang') for each engine")
+        if code == 404 and route in ("/collective_rpc", "/reset_prefix_cache"):
             raise WeightSyncError(f"{url}{route} is 404 ({what}): vLLM serves it only with VLLM_SERVER_DEV_MODE=1 "
                                   "in the server's environment, and only on the engine itself (not a router or "
                                   "rr's sidecar)")
-        if resp.status_code >= 400:
-            raise WeightSyncError(f"{url}{route} answered {resp.status_code} ({what}): {resp.text[:500]}")
+        if code >= 400:
+            raise WeightSyncError(f"{url}{route} answered {code} ({what}): {resp.text[:500]}")
         if not resp.content:
             return None
         try:

@@ -1,9 +1,17 @@
-"""rr_client.integrations.trl without a server: version gate and the refusals that keep replay from being skipped."""
+"""rr_client.integrations.trl without a server: version gate, refusals before TRL's own __init__ (no connection
+attempted), TRL's importance-sampling correction on the engine's log-probs."""
 
 from __future__ import annotations
 
-import pytest
+import math
+import socket
+import time
+from typing import Any
 
+import pytest
+import torch
+
+from rr_client import ConfigurationError, RRError, UnsupportedVersionError
 from rr_client.integrations import trl as rr_trl
 
 
@@ -12,7 +20,7 @@ def test_tested_trl_release_is_accepted_and_others_refused(monkeypatch: pytest.M
     rr_trl.check_trl_version("1.16.0")
     rr_trl.check_trl_version("1.16.3")
     for other in ("1.17.0", "1.1.6", "0.16.0", "1.160.0"):
-        with pytest.raises(ImportError, match=r"tested with TRL 1\.16"):
+        with pytest.raises(UnsupportedVersionError, match=r"tested with trl 1\.16; found trl " + other):
             rr_trl.check_trl_version(other)
     monkeypatch.setenv("RR_ALLOW_UNSUPPORTED_VERSION", "1")
     rr_trl.check_trl_version("1.17.0")
@@ -27,15 +35,67 @@ def test_installed_trl_is_the_tested_one() -> None:
 def test_rollout_refuses_plain_grpo_trainer() -> None:
     rollout = rr_trl.RRRollout("http://127.0.0.1:9")  # nothing is sent before the trainer check
     try:
-        with pytest.raises(TypeError, match="only R3GRPOTrainer replays"):
+        with pytest.raises(ConfigurationError, match="only R3GRPOTrainer replays"):
             rollout(["a prompt"], object())
     finally:
         rollout.close()
 
 
+@pytest.fixture()
+def connections(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every TCP connect attempted in the test (none may be: refusals come before TRL reaches a server)."""
+    seen: list[Any] = []
+    real = socket.socket.connect
+
+    def connect(self: socket.socket, address: Any) -> Any:
+        seen.append(address)
+        return real(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    return seen
+
+
+def _trainer(**kw: Any) -> Any:
+    from trl import GRPOConfig
+
+    args = kw.pop("args", GRPOConfig(output_dir="/tmp/rr-unused", report_to=[], use_cpu=True))
+    return rr_trl.R3GRPOTrainer(model=kw.pop("model", "unused"), reward_funcs=[], args=args, **kw)
+
+
+def test_use_vllm_is_refused_before_trl_connects(connections: list[Any]) -> None:
+    """Nothing listens on port 8000: TRL's own __init__ would try to connect for ~20 s; rr refuses first."""
+    from trl import GRPOConfig
+
+    cfg = GRPOConfig(output_dir="/tmp/rr-unused", report_to=[], use_cpu=True, use_vllm=True, vllm_mode="server")
+    rollout = rr_trl.RRRollout("http://127.0.0.1:8000")
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(ConfigurationError, match="use_vllm=True") as e:
+            _trainer(args=cfg, rollout_func=rollout)
+        assert time.perf_counter() - t0 < 5
+    finally:
+        rollout.close()
+    assert isinstance(e.value, RRError) and connections == []
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"tools": [lambda x: x]}, "tools"),
+    ({"environment_factory": lambda: None}, "environment_factory"),
+    ({"peft_config": object()}, "PEFT"),
+])
+def test_refusals_come_before_trls_init(kw: dict[str, Any], match: str, connections: list[Any]) -> None:
+    rollout = rr_trl.RRRollout("http://127.0.0.1:9")
+    try:
+        with pytest.raises(ConfigurationError, match=match):
+            _trainer(rollout_func=rollout, **kw)
+    finally:
+        rollout.close()
+    assert connections == []
+
+
 def test_trainer_refuses_a_rollout_that_is_not_rr() -> None:
-    with pytest.raises(TypeError, match=r"rollout_func=RRRollout"):
-        rr_trl.R3GRPOTrainer(model="unused", reward_funcs=[], rollout_func=lambda prompts, trainer: {})
+    with pytest.raises(ConfigurationError, match=r"rollout_func=RRRollout"):
+        _trainer(rollout_func=lambda prompts, trainer: {})
 
 
 def test_sampling_params_follow_grpo_config() -> None:
@@ -46,3 +106,55 @@ def test_sampling_params_follow_grpo_config() -> None:
     sp = rr_trl.sampling_params_from(cfg, 4)
     assert sp == {"n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.1,
                   "max_new_tokens": 12, "seed": 3}
+
+
+def test_rollout_carries_the_api_key_and_engines() -> None:
+    from rr_client.integrations.weight_sync import WeightEngine
+
+    eng = WeightEngine("http://10.0.0.2:8000", "vllm")
+    rollout = rr_trl.RRRollout("http://127.0.0.1:9", engines=[eng], api_key="K")
+    try:
+        assert rollout.engines == [eng] and rollout.api_key == "K" and rollout.engine_urls == ["http://10.0.0.2:8000"]
+    finally:
+        rollout.close()
+    with pytest.raises(ConfigurationError, match="not both"):
+        rr_trl.RRRollout("http://127.0.0.1:9", engines=["a"], engine_urls=["b"])
+
+
+# ----------------------------------------------------------------------------- importance sampling (TRL's rules)
+OLD = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.2, -0.1, -4.0, -1.0]], dtype=torch.float64)
+ENGINE = torch.tensor([[-1.5, -1.0, -0.5, float("nan")], [-0.2, -3.5, -1.0, -9.0]], dtype=torch.float64)
+MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float64)
+
+
+def _ratio(mode: str, lo: float | None = None, hi: float | None = 3.0) -> torch.Tensor:
+    return rr_trl.importance_sampling_ratio(OLD, ENGINE, MASK, mode=mode, clip_min=lo, clip_max=hi)
+
+
+def test_token_ratio_is_exp_of_trainer_minus_engine() -> None:
+    r = _ratio("token_truncate", hi=None)
+    expect = torch.exp(torch.nan_to_num((OLD - ENGINE) * MASK, nan=0.0))
+    assert torch.allclose(r, expect)
+    assert r[0, 0] == pytest.approx(math.exp(0.5)) and r[0, 3] == 1.0  # masked / NaN engine log-prob: ratio 1
+
+
+def test_truncate_clamps_and_mask_zeroes_as_trl_does() -> None:
+    raw = torch.exp(torch.nan_to_num((OLD - ENGINE) * MASK, nan=0.0))
+    trunc = _ratio("token_truncate", lo=0.5, hi=3.0)
+    assert torch.equal(trunc, raw.clamp(0.5, 3.0))
+    masked = _ratio("token_mask", lo=0.5, hi=3.0)
+    assert torch.equal(masked, torch.where((raw < 0.5) | (raw > 3.0), torch.zeros_like(raw), raw))
+    assert masked[1, 1] == 0.0 and masked[1, 3] == 0.0 and masked[0, 0] == pytest.approx(math.exp(0.5))
+
+
+def test_sequence_modes_use_the_summed_log_ratio() -> None:
+    seq = torch.nan_to_num((OLD - ENGINE) * MASK, nan=0.0).sum(-1, keepdim=True)
+    r = _ratio("sequence_truncate", hi=None)
+    assert r.shape == (2, 1) and torch.allclose(r, torch.exp(seq))
+    m = _ratio("sequence_mask", hi=3.0)
+    assert m[0, 0] == pytest.approx(math.exp(seq[0, 0].item())) and m[1, 0] == 0.0  # exp(3.4) > 3: masked
+
+
+def test_unknown_mode_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="vllm_importance_sampling_mode"):
+        _ratio("tokens")

@@ -9,16 +9,15 @@ what an R2 record pass saw. The replay block of a micro-batch stays open until t
 
 from __future__ import annotations
 
-import math
-from contextlib import ExitStack
 from typing import Any
 
 import torch
 
-from rr_client.errors import MissingRoutingError, ReplayError, UnsupportedModelError
+from rr_client import settings
+from rr_client.errors import ConfigurationError, MissingRoutingError, UnsupportedModelError
 from rr_client.info import RRInfo
-from rr_client.trainer.metrics import R3Metrics, r3_metrics
-from rr_client.trainer.replay import find_routers, record_routing, replay_routing
+from rr_client.trainer.replay import find_routers
+from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
 from ._gate import check_verl_version
 from ._rows import packed_rows, padded_rows, unpack_recorded
@@ -26,41 +25,18 @@ from ._rows import packed_rows, padded_rows, unpack_recorded
 MODES = ("disabled", "R2", "R3")
 
 
+def _setting(engine_config: Any, name: str, default: Any) -> Any:
+    """``<engine config>.router_replay.<name>`` (dataclass or plain mapping)."""
+    rr = getattr(engine_config, "router_replay", None)
+    return rr.get(name, default) if isinstance(rr, dict) else getattr(rr, name, default)
+
+
 def replay_mode(engine_config: Any) -> str:
     """verl's own setting ``<engine config>.router_replay.mode`` (dataclass or plain mapping): disabled/R2/R3."""
-    rr = getattr(engine_config, "router_replay", None)
-    mode = rr.get("mode", "disabled") if isinstance(rr, dict) else getattr(rr, "mode", "disabled")
-    mode = str(mode or "disabled")
+    mode = str(_setting(engine_config, "mode", "disabled") or "disabled")
     if mode not in MODES:
-        raise ValueError(f"router_replay.mode={mode!r}; verl accepts {', '.join(MODES)}")
+        raise ConfigurationError(f"router_replay.mode={mode!r}; verl accepts {', '.join(MODES)}")
     return mode
-
-
-def _combine_gaps(gaps: list[R3Metrics]) -> dict[str, float]:
-    """Token-weighted mean of per-micro-batch gap statistics."""
-    n = sum(g.tokens for g in gaps)
-    if not n:
-        return {}
-    mean = lambda f: sum(getattr(g, f) * g.tokens for g in gaps) / n  # noqa: E731
-    return {"r3/mean_abs_logp_diff": mean("mean_abs_diff"), "r3/k3_kl": mean("k3_kl"),
-            "r3/frac_abs_diff_gt_ln2": mean("frac_gt_ln2"), "r3/logp_tokens": float(n)}
-
-
-def combine_reports(reports: list[dict[str, float]]) -> dict[str, float]:
-    """One step's audit from its micro-batches: sums of rows, the worst applied share, weighted agreement."""
-    if not reports:
-        return {}
-    replayed = sum(r["r3/replayed_rows"] for r in reports)
-    out = {"r3/replayed_rows": replayed, "r3/left_rows": sum(r["r3/left_rows"] for r in reports),
-           "r3/forwards": sum(r["r3/forwards"] for r in reports)}
-    applied = [r["r3/applied_share"] for r in reports if not math.isnan(r["r3/applied_share"])]
-    out["r3/applied_share"] = min(applied) if applied else float("nan")
-    layer_keys = {k for r in reports for k in r if k.startswith("r3/layer") and k.endswith("/applied_share")}
-    shares = [r[k] for r in reports for k in layer_keys if k in r and not math.isnan(r[k])]
-    out["r3/applied_share_min_layer"] = min(shares) if shares else float("nan")
-    agree = sum(r["r3/agreement"] * r["r3/replayed_rows"] for r in reports if r["r3/replayed_rows"])
-    out["r3/agreement"] = agree / replayed if replayed else float("nan")
-    return out
 
 
 def _valid(width: int, offsets: torch.Tensor) -> torch.Tensor:
@@ -84,18 +60,16 @@ def make_engine_class(base: type) -> type:
             if self.rr_mode != "disabled":
                 check_verl_version()
                 if sp > 1:
-                    raise ReplayError(
+                    raise ConfigurationError(
                         f"router_replay.mode={self.rr_mode} with ulysses_sequence_parallel_size={sp}: rr does not "
                         "replay a sequence-parallel shard (its rows would land under other ranks' tokens); set it to "
                         "1 or router_replay.mode=disabled")
             super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
             self.rr_info: RRInfo | None = None
+            self.rr_session: ReplaySession | None = None
             self.rr_last_metrics: dict[str, float] = {}
             self._rr_action: str | None = None
-            self._rr_stack: ExitStack | None = None
             self._rr_record: Any = None
-            self._rr_reports: list[dict[str, float]] = []
-            self._rr_gaps: list[R3Metrics] = []
 
         def initialize(self) -> None:
             super().initialize()
@@ -108,6 +82,11 @@ def make_engine_class(base: type) -> type:
             if not find_routers(self.module):
                 raise UnsupportedModelError(f"router_replay.mode={self.rr_mode}: rr finds no replayable MoE router in "
                                             f"{type(self.module).__name__}")
+            # verl's RouterReplayConfig takes no extra fields: rr's own knobs come from the environment (Ray's
+            # runtime_env env_vars reach every worker)
+            self.rr_session = ReplaySession(
+                self.module, audit_every=settings.integer("RR_AUDIT_EVERY", default=AUDIT_EVERY),
+                allow_untested=settings.flag("RR_ALLOW_UNTESTED_MODEL"), moe_layers=self.rr_info.moe_layers)
 
         # -- per batch
         def _rr_action_for(self, data: Any, forward_only: bool) -> str | None:
@@ -127,49 +106,33 @@ def make_engine_class(base: type) -> type:
 
         def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
             self._rr_action = self._rr_action_for(data, forward_only)
-            self._rr_reports, self._rr_gaps = [], []
             if self._rr_action is None:
                 return super().forward_backward_batch(data, loss_function, forward_only)
+            session = self.rr_session
+            assert session is not None
             try:
-                out = super().forward_backward_batch(data, loss_function, forward_only)
-                self._rr_close()
-            except BaseException:
-                self._rr_close(abandon=True)
-                raise
+                with session.step() as met:  # closes the last micro-batch's block after its backward
+                    out = super().forward_backward_batch(data, loss_function, forward_only)
             finally:
                 self._rr_action = None
-            met = {**combine_reports(self._rr_reports), **_combine_gaps(self._rr_gaps)}
-            self.rr_last_metrics = met
+            self.rr_last_metrics = dict(met)
             if isinstance(out, dict) and isinstance(out.get("metrics"), dict):
                 for k, v in met.items():
                     out["metrics"][f"actor/{k}"] = [v]
             return out
-
-        def _rr_close(self, abandon: bool = False) -> None:
-            """Leave the open micro-batch's block (its backward has run); the audit report is filled here."""
-            stack, self._rr_stack = self._rr_stack, None
-            if stack is None:
-                return
-            if abandon:
-                try:
-                    stack.close()
-                except Exception:  # already failing: keep the first error
-                    pass
-                return
-            stack.close()
 
         # -- per micro-batch
         def prepare_model_inputs(self, micro_batch: Any) -> Any:
             model_inputs, output_args = super().prepare_model_inputs(micro_batch)
             if self._rr_action is None:
                 return model_inputs, output_args
-            self._rr_close()
+            session = self.rr_session
+            assert session is not None
             rmpad = tu.get_non_tensor_data(micro_batch, "use_remove_padding", default=True)
             offsets = micro_batch["input_ids"].offsets()
             pad = int(output_args.get("pad_size", 0)) if rmpad else 0
-            stack = ExitStack()
             if self._rr_action == "record":
-                self._rr_record = stack.enter_context(record_routing(self.module))
+                self._rr_record = session.open_record()  # closes the previous micro-batch's block first
             else:
                 assert self.rr_info is not None
                 rows, mask = packed_rows(micro_batch["routed_experts"], offsets, self.rr_info)
@@ -179,9 +142,7 @@ def make_engine_class(base: type) -> type:
                         mask = torch.cat([mask, mask.new_zeros(pad)])
                 else:
                     rows, mask = padded_rows(rows, mask, offsets, model_inputs["input_ids"].shape[-1])
-                self._rr_reports.append(
-                    stack.enter_context(replay_routing(self.module, rows, mask, audit=True)))  # type: ignore[arg-type]
-            self._rr_stack = stack
+                session.open_replay(rows, mask)  # kept open until the next micro-batch: its backward runs replayed
             output_args["rr_pad"] = pad
             return model_inputs, output_args
 
@@ -201,9 +162,8 @@ def make_engine_class(base: type) -> type:
                 if lp is not None:
                     lp = no_padding_2_padding(lp.detach(), micro_batch)
                     ref = micro_batch.select("rollout_log_probs", "response_mask").to_padded_tensor()
-                    mask = ref["response_mask"].bool()
-                    if bool(mask.any()):
-                        self._rr_gaps.append(r3_metrics(lp.float(), ref["rollout_log_probs"].float(), mask))
+                    assert self.rr_session is not None
+                    self.rr_session.add_gap(lp.float(), ref["rollout_log_probs"].float(), ref["response_mask"].bool())
             return model_output
 
     RRFSDPEngineWithLMHead.__qualname__ = RRFSDPEngineWithLMHead.__name__

@@ -1,21 +1,35 @@
-"""The verl releases this integration was tested on, and the refusal of any other."""
+"""The verl releases this integration was tested on, and the refusal of any other (through :mod:`rr_client.versions`).
+
+The version is read from the package metadata, never by importing verl's modules: :func:`install` runs inside
+``import verl`` (verl's plugin loader) and must stay cheap there.
+"""
 
 from __future__ import annotations
 
-from rr_client import settings
+import importlib.metadata
+import sys
 
-TESTED_VERL = ("0.9.1",)
+from rr_client.versions import Tested, check_version
+
+__all__ = ["TESTED_VERL", "WHY", "installed_verl_version", "check_verl_version"]
+
+TESTED_VERL = Tested("0.9.1")
+WHY = ("rr subclasses verl's FSDPEngineWithLMHead and wraps ActorRolloutRefWorker.__init__, "
+       "ToolAgentLoop._handle_generating_state and SGLangHttpServer.generate, which change between releases")
 
 
-def check_verl_version(version: str | None = None) -> None:
-    """Refuse a verl release this integration was not tested on (names the tested ones and the override)."""
-    if version is None:
-        import verl
+def installed_verl_version() -> str | None:
+    """verl's version from its distribution metadata; else the ``__version__`` of a (partly) imported verl (a
+    source checkout without metadata: verl sets it before it loads plugins); None when neither is there."""
+    try:
+        return importlib.metadata.version("verl")
+    except importlib.metadata.PackageNotFoundError:
+        version = getattr(sys.modules.get("verl"), "__version__", None)
+        return str(version) if version else None
 
-        version = str(verl.__version__)
-    if version in TESTED_VERL or settings.flag("RR_ALLOW_UNSUPPORTED_VERSION"):
-        return
-    raise ImportError(f"rr_client.integrations.verl was tested with verl {', '.join(TESTED_VERL)}; this is verl "
-                      f"{version}. It subclasses FSDPEngineWithLMHead and wraps worker internals that change between "
-                      "releases: pin verl==0.9.1, set router_replay.mode=disabled, or set "
-                      "RR_ALLOW_UNSUPPORTED_VERSION=1 at your own risk")
+
+def check_verl_version(version: str | None = None) -> str:
+    """Return ``version`` (default: the installed verl's) when rr was tested on it, else raise
+    :class:`rr_client.errors.UnsupportedVersionError` naming the tested release and ``RR_ALLOW_UNSUPPORTED_VERSION``."""
+    found = version if version is not None else installed_verl_version()
+    return check_version("verl", TESTED_VERL, found, why=WHY)

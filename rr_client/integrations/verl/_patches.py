@@ -1,92 +1,239 @@
-"""What rr changes in verl, one function per verl module, each applied when that module is imported.
+"""What rr changes in verl 0.9.1, one patch per verl module, each applied when that module is imported.
 
-- ``verl.workers.engine.fsdp.transformer_impl``: the FSDP actor engine in verl's registry becomes rr's subclass.
-- ``verl.workers.engine_workers``: the worker stops forcing ``router_replay`` to "disabled" for FSDP strategies.
-- ``verl.experimental.agent_loop.tool_agent_loop``: a turn adds only the rows the trajectory did not hold.
-- ``verl.workers.rollout.sglang_rollout.async_sglang_server``: SGLang's ``meta_info.routed_experts`` (a tensor
-  before 0.5.11, base64 after, rr's ``.npy`` with the rr patch) is decoded and checked by rr before verl reads it.
+- ``verl.workers.engine.fsdp.transformer_impl`` (:func:`patch_fsdp_engine`): checks the shape of what rr's engine
+  overrides and builds rr's subclass of ``FSDPEngineWithLMHead``; it changes nothing in verl.
+- ``verl.workers.engine_workers`` (:func:`patch_engine_workers`): ``ActorRolloutRefWorker.__init__`` reads
+  ``actor.fsdp_config.router_replay.mode``; only with ``actor.strategy=fsdp2`` and R2/R3 it registers rr's engine
+  through ``EngineRegistry.register`` and turns ``enable_routing_replay`` on (verl forces it off for FSDP).
+  FSDP1 (``strategy=fsdp``) with R2/R3 is refused.
+- ``verl.experimental.agent_loop.tool_agent_loop`` (:func:`patch_tool_agent_loop`): with rr's FSDP replay on, a
+  turn adds only the rows the trajectory did not hold (verl #5825, #6054).
+- ``verl.workers.rollout.sglang_rollout.async_sglang_server`` (:func:`patch_sglang_server`): SGLang routing verl's
+  own read would crash on (base64 since SGLang 0.5.11, the module it imports moved in 0.5.12) is decoded and
+  checked by rr.
+
+Each patch is contained (:func:`apply_patch`): one that fails (a renamed verl method, a shape rr does not wrap)
+logs one error naming it and leaves its module as verl ships it; the import of verl goes on.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
+import os
 import sys
 import types
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from rr_client.errors import ConfigurationError, UnsupportedVersionError
+from rr_client.patching import parameters, wrap_once
+
+from ._gate import TESTED_VERL
 
 logger = logging.getLogger("rr_client.integrations.verl")
 
+WHAT = f"verl {TESTED_VERL}"
+REPLAY_STRATEGY = "fsdp2"
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
-_DONE = "__rr_patched__"
+REPLAY_MODES = ("R2", "R3")
+
+# the shapes rr wraps or subclasses (parameter names, as rr_client.patching.parameters reads them)
+WORKER_INIT = ["self", "config", "role", "distillation_config", "kwargs"]
+TOOL_STEP = ["self", "agent_data", "sampling_params", "ignore_termination"]
+SGLANG_GENERATE = ["self", "prompt_ids", "sampling_params", "request_id", "image_data", "video_data",
+                   "bootstrap_host", "bootstrap_port", "bootstrap_room"]
+ENGINE_SHAPES: dict[str, list[str]] = {
+    "__init__": ["self", "model_config", "engine_config", "optimizer_config", "checkpoint_config"],
+    "initialize": ["self"],
+    "forward_backward_batch": ["self", "data", "loss_function", "forward_only"],
+    "prepare_model_inputs": ["self", "micro_batch"],
+    "prepare_model_outputs": ["self", "output", "output_args", "micro_batch", "logits_processor_func"],
+}
+REGISTRY_SHAPES: dict[str, list[str]] = {
+    "register": ["model_type", "backend", "device", "vendor"],
+    "get_engine_cls": ["model_type", "backend"],
+}
+
+_ENGINES: dict[str, type] = {}  # model type -> rr's engine class (built by patch_fsdp_engine)
+FAILED: dict[str, str] = {}  # module -> why its patch failed (logged once)
 
 
-def _patched(obj: Any, name: str) -> bool:
-    """Whether ``obj.name`` is rr's wrapper already (re-entrant installs patch nothing twice)."""
-    return bool(getattr(getattr(obj, name), _DONE, False))
+# -- the mode, from what each patched object can see
+
+def _get(cfg: Any, key: str) -> Any:
+    """``cfg[key]`` of an omegaconf config, a mapping or a dataclass; None when absent."""
+    if cfg is None:
+        return None
+    if isinstance(cfg, Mapping) or hasattr(cfg, "get"):
+        try:
+            return cfg.get(key, None)
+        except Exception:  # noqa: BLE001 - a dataclass config's get() may not take a default
+            pass
+    return getattr(cfg, key, None)
 
 
-def _mark(fn: Any) -> Any:
-    """Tag ``fn`` as rr's wrapper (see :func:`_patched`)."""
-    setattr(fn, _DONE, True)
-    return fn
+def configured_replay(actor_rollout_ref: Any) -> tuple[str, str]:
+    """``(actor.strategy, actor.fsdp_config.router_replay.mode)`` of verl's ``actor_rollout_ref`` config."""
+    actor = _get(actor_rollout_ref, "actor")
+    strategy = str(_get(actor, "strategy") or "")
+    mode = _get(_get(_get(actor, "fsdp_config"), "router_replay"), "mode")
+    return strategy, str(mode or "disabled")
 
 
-def patch_engine_registry(mod: types.ModuleType) -> None:
-    """Swap verl's ``FSDPEngineWithLMHead`` for rr's subclass under every (backend, device) it is registered for."""
-    from verl.workers.engine.base import EngineRegistry
-
-    from ._engine import make_engine_class
-
-    base = mod.FSDPEngineWithLMHead
-    if getattr(mod, "RRFSDPEngineWithLMHead", None) is None:
-        mod.RRFSDPEngineWithLMHead = make_engine_class(base)  # type: ignore[attr-defined]
-    ours = mod.RRFSDPEngineWithLMHead
-    for backend in FSDP_STRATEGIES:
-        registry = EngineRegistry._engines.get("language_model", {}).get(backend, {})
-        for key, cls in list(registry.items()):
-            if cls is base:
-                registry[key] = ours
+def fsdp_replay_on(actor_rollout_ref: Any) -> bool:
+    """Whether rr's FSDP replay is on: ``actor.strategy=fsdp2`` and ``fsdp_config.router_replay.mode`` R2/R3."""
+    strategy, mode = configured_replay(actor_rollout_ref)
+    return strategy == REPLAY_STRATEGY and mode in REPLAY_MODES
 
 
 def worker_replay_mode(config: Any) -> str:
-    """``actor.fsdp_config.router_replay.mode`` of a worker's omegaconf config, for the FSDP strategies."""
-    actor = config.get("actor", None) if hasattr(config, "get") else None
-    if actor is None or actor.get("strategy", None) not in FSDP_STRATEGIES:
+    """rr's mode for a worker's ``actor_rollout_ref`` config: R2/R3 on fsdp2, "disabled" for every other strategy
+    (verl's own engines handle megatron and veomni). FSDP1 with R2/R3 is refused: rr never ran on it."""
+    strategy, mode = configured_replay(config)
+    if strategy not in FSDP_STRATEGIES or mode == "disabled":
         return "disabled"
-    fsdp = actor.get("fsdp_config", None) or {}
-    rr = fsdp.get("router_replay", None) or {}
-    return str(rr.get("mode", "disabled") or "disabled")
+    if strategy != REPLAY_STRATEGY:
+        raise ConfigurationError(
+            f"actor_rollout_ref.actor.strategy={strategy} with fsdp_config.router_replay.mode={mode}: rr replays "
+            f"routing only in verl's FSDP2 engine; set actor_rollout_ref.actor.strategy={REPLAY_STRATEGY} "
+            "(or router_replay.mode=disabled)")
+    return mode
+
+
+# -- containment
+
+class Patch(NamedTuple):
+    """One verl module's patch: what it wraps, the function, and what the user loses when it cannot apply."""
+
+    target: str
+    apply: Callable[[types.ModuleType], None]
+    if_failed: str
+
+
+def check_shapes(owner: Any, shapes: Mapping[str, Sequence[str]]) -> None:
+    """Raise :class:`UnsupportedVersionError` unless every ``owner.name`` exists with the parameters in ``shapes``."""
+    label = getattr(owner, "__qualname__", owner)
+    for name, want in shapes.items():
+        fn = getattr(owner, name, None)
+        if fn is None:
+            raise UnsupportedVersionError(f"{label}.{name} is missing in {WHAT}: rr cannot use it")
+        got = parameters(fn)
+        if got != list(want):
+            raise UnsupportedVersionError(f"{label}.{name}({', '.join(got)}) does not have the shape rr uses "
+                                          f"({list(want)}) in {WHAT}: refusing to patch it")
+
+
+def apply_patch(name: str, module: types.ModuleType) -> bool:
+    """Apply ``PATCHES[name]`` to ``module``; on any failure log one error naming it and leave the module as it is.
+
+    Never raises: it runs inside verl's own import. A patch that failed once is not retried (nor logged again).
+    """
+    patch = PATCHES[name]
+    if name in FAILED:
+        return False
+    try:
+        patch.apply(module)
+    except Exception as e:  # noqa: BLE001 - contained: verl's import must go on
+        FAILED[name] = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        logger.error("rr: verl patch %s (%s) failed, %s is left as verl ships it and %s: %s",
+                     patch.apply.__name__, patch.target, name, patch.if_failed, FAILED[name])
+        logger.debug("rr: %s failed", patch.apply.__name__, exc_info=True)
+        return False
+    return True
+
+
+# -- verl.workers.engine.fsdp.transformer_impl
+
+def patch_fsdp_engine(mod: types.ModuleType) -> None:
+    """Check the shape of what rr's engine overrides and build rr's subclass of ``FSDPEngineWithLMHead``.
+
+    Nothing in verl changes here: the worker patch registers the class, and only where rr's FSDP mode is on.
+    """
+    from verl.workers.engine.base import EngineRegistry
+
+    base = mod.FSDPEngineWithLMHead
+    ours = _ENGINES.get("language_model")
+    if ours is not None and base in ours.__bases__:
+        return
+    check_shapes(base, ENGINE_SHAPES)
+    check_shapes(EngineRegistry, REGISTRY_SHAPES)
+    from ._engine import make_engine_class
+
+    _ENGINES["language_model"] = make_engine_class(base)
+
+
+def rr_engine_class() -> type:
+    """rr's engine class (imports verl's FSDP engine module if needed); UnsupportedVersionError when its patch failed."""
+    name = "verl.workers.engine.fsdp.transformer_impl"
+    importlib.import_module(name)
+    ours = _ENGINES.get("language_model")
+    if ours is None:
+        raise UnsupportedVersionError(
+            f"router_replay is on but rr's FSDP engine is not available ({FAILED.get(name, 'its patch did not run')}); "
+            f"rr was tested with {WHAT}: set router_replay.mode=disabled or pin a tested verl")
+    return ours
+
+
+def use_rr_engine(strategy: str) -> type:
+    """Make verl's ``EngineRegistry`` hand out rr's engine for ``strategy`` on this process's device and vendor.
+
+    Through verl's public ``EngineRegistry.register``: its (device, vendor) key is looked up before the device-only
+    key verl registers ``FSDPEngineWithLMHead`` under. Any other engine registered there is refused (rr replays in
+    verl's FSDP engine only), never replaced silently.
+    """
+    from verl.utils.device import get_device_name, get_vendor
+    from verl.workers.engine.base import EngineRegistry
+
+    ours = rr_engine_class()
+    current = EngineRegistry.get_engine_cls("language_model", strategy)
+    if current is ours:
+        return ours
+    base = ours.__bases__[0]
+    device = os.getenv("VERL_ENGINE_DEVICE") or get_device_name()  # verl's own lookup order (get_engine_cls)
+    vendor = os.getenv("VERL_ENGINE_VENDOR") or get_vendor()
+    if current is not base or not vendor:
+        raise ConfigurationError(
+            f"router_replay is on with actor.strategy={strategy}, but verl uses {current.__qualname__} on "
+            f"device={device!r}, vendor={vendor!r}: rr replays only in verl's {base.__qualname__}; set "
+            "router_replay.mode=disabled or use verl's FSDP engine")
+    EngineRegistry.register(model_type="language_model", backend=strategy, device=device, vendor=vendor)(ours)
+    if EngineRegistry.get_engine_cls("language_model", strategy) is not ours:
+        raise UnsupportedVersionError(f"EngineRegistry.register did not make verl pick rr's engine in {WHAT}")
+    return ours
+
+
+# -- verl.workers.engine_workers
+
+def _worker_init(orig: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(orig)
+    def __init__(self: Any, config: Any, role: str, *args: Any, **kwargs: Any) -> None:
+        mode = worker_replay_mode(config)  # refuses FSDP1 + R2/R3 before verl builds anything
+        orig(self, config, role, *args, **kwargs)
+        if mode != "disabled":
+            use_rr_engine(configured_replay(config)[0])
+            self.enable_routing_replay = True
+
+    return __init__
 
 
 def patch_engine_workers(mod: types.ModuleType) -> None:
-    """verl sets ``enable_routing_replay`` only for megatron/veomni; rr's engine replays FSDP too."""
-    cls = mod.ActorRolloutRefWorker
-    if _patched(cls, "__init__"):
-        return
-    orig = cls.__init__
-
-    @functools.wraps(orig)
-    def __init__(self: Any, config: Any, role: str, *args: Any, **kwargs: Any) -> None:
-        orig(self, config, role, *args, **kwargs)
-        mode = worker_replay_mode(self.config)
-        if mode != "disabled":
-            self.enable_routing_replay = True
-
-    cls.__init__ = _mark(__init__)
+    """``ActorRolloutRefWorker.__init__``: verl enables routing replay only for megatron/veomni; with
+    ``actor.strategy=fsdp2`` and ``fsdp_config.router_replay.mode`` R2/R3 rr's engine replays it. Every other
+    strategy, and the disabled mode, run verl's ``__init__`` unchanged."""
+    wrap_once(mod.ActorRolloutRefWorker, "__init__", _worker_init, params=WORKER_INIT, what=WHAT)
 
 
-def patch_tool_agent_loop(mod: types.ModuleType) -> None:
-    """verl's ``ToolAgentLoop`` overwrites the rows with each turn's (verl #5825, #6054); keep the held ones."""
+# -- verl.experimental.agent_loop.tool_agent_loop
+
+def _tool_step(orig: Callable[..., Any]) -> Callable[..., Any]:
     from ._rows import accumulate_turn_rows
-
-    cls = mod.ToolAgentLoop
-    if _patched(cls, "_handle_generating_state"):
-        return
-    orig = cls._handle_generating_state
 
     @functools.wraps(orig)
     async def _handle_generating_state(self: Any, agent_data: Any, *args: Any, **kwargs: Any) -> Any:
+        if not fsdp_replay_on(_get(getattr(self, "config", None), "actor_rollout_ref")):
+            return await orig(self, agent_data, *args, **kwargs)
         held = agent_data.routed_experts
         try:
             return await orig(self, agent_data, *args, **kwargs)
@@ -94,7 +241,24 @@ def patch_tool_agent_loop(mod: types.ModuleType) -> None:
             if held is not None and agent_data.routed_experts is not held:
                 agent_data.routed_experts = accumulate_turn_rows(held, agent_data.routed_experts)
 
-    cls._handle_generating_state = _mark(_handle_generating_state)
+    return _handle_generating_state
+
+
+def patch_tool_agent_loop(mod: types.ModuleType) -> None:
+    """``ToolAgentLoop._handle_generating_state``: verl overwrites the rows with each turn's (verl #5825, #6054);
+    with rr's FSDP replay on, the rows already held are kept.
+
+    The loop sees the whole trainer config (``AgentLoopBase.config``), so it acts only where the worker patch
+    does: ``actor_rollout_ref.actor.strategy=fsdp2`` with ``fsdp_config.router_replay.mode`` R2/R3. For megatron,
+    veomni or the disabled mode verl's own step runs, unchanged.
+    """
+    wrap_once(mod.ToolAgentLoop, "_handle_generating_state", _tool_step, params=TOOL_STEP, what=WHAT)
+
+
+# -- verl.workers.rollout.sglang_rollout.async_sglang_server
+
+_CAPTURER = "sglang.srt.layers.moe.routed_experts_capturer"  # the module verl's tokenizer branch imports
+_SHIM = "__rr_shim__"
 
 
 def _dims(hf_config: Any) -> dict[str, Any]:
@@ -135,76 +299,122 @@ class _Checked:
         return self.tensor.numpy()
 
 
-class _CheckingTokenizerManager:
-    """SGLang's ``TokenizerManager`` as verl's server holds it; ``generate_request`` outputs leave checked."""
+def _sglang_capturer_present() -> bool:
+    """Whether SGLang's own module is at the path verl's tokenizer branch imports (moved in SGLang 0.5.12)."""
+    mod = sys.modules.get(_CAPTURER)
+    if mod is not None:
+        return not getattr(mod, _SHIM, False)
+    try:
+        importlib.import_module(_CAPTURER)
+    except ImportError:
+        return False
+    return True
 
-    def __init__(self, inner: Any, hf_config: Any) -> None:
-        self._rr_inner = inner
-        self._rr_hf_config = hf_config
+
+def verl_reads(output: Mapping[str, Any], skip_tokenizer_init: bool) -> bool:
+    """Whether verl's own read of this SGLang output works: its skip_tokenizer_init branch calls ``.numpy()`` on
+    ``meta_info.routed_experts`` (a tensor before SGLang 0.5.11, a base64 string after); its tokenizer branch
+    imports SGLang's ``extract_routed_experts_from_meta_info`` from a module SGLang 0.5.12 moved."""
+    if not skip_tokenizer_init:
+        return _sglang_capturer_present()
+    meta = output.get("meta_info")
+    routing = meta.get("routed_experts") if isinstance(meta, Mapping) else None
+    return routing is None or (hasattr(routing, "numpy") and not isinstance(routing, (str, bytes, Mapping)))
+
+
+class _CheckingTokenizerManager:
+    """SGLang's ``TokenizerManager`` as verl's server holds it; ``generate_request`` outputs verl's own read would
+    crash on leave decoded and checked by rr, every other output unchanged. Attributes pass through both ways."""
+
+    _OWN = ("_rr_inner", "_rr_hf_config", "_rr_skip")
+
+    def __init__(self, inner: Any, hf_config: Any, skip_tokenizer_init: bool) -> None:
+        object.__setattr__(self, "_rr_inner", inner)
+        object.__setattr__(self, "_rr_hf_config", hf_config)
+        object.__setattr__(self, "_rr_skip", skip_tokenizer_init)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._rr_inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:  # e.g. verl's ``tokenizer_manager.server_status = ...``
+            setattr(self._rr_inner, name, value)
 
     async def generate_request(self, obj: Any, request: Any = None) -> Any:
         ids = getattr(obj, "input_ids", None)
         prompt_len = len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], int) else None
         async for out in self._rr_inner.generate_request(obj, request):
-            if getattr(obj, "return_routed_experts", False) and isinstance(out, dict):
+            if (getattr(obj, "return_routed_experts", False) and isinstance(out, dict)
+                    and not verl_reads(out, self._rr_skip)):
                 checked_meta_routing(out, prompt_len, self._rr_hf_config)
             yield out
 
 
-def _extract_shim(orig: Any) -> Any:
-    """verl's other branch calls SGLang's ``extract_routed_experts_from_meta_info``: read rr's checked rows."""
+def _extract_shim() -> Any:
+    """What verl's tokenizer branch imports, where SGLang no longer has it: rr's checked rows."""
 
     def extract_routed_experts_from_meta_info(output: Any) -> Any:
         re = output.get("meta_info", {}).get("routed_experts")
         if isinstance(re, _Checked):
             return re.numpy()
-        if orig is None:
-            raise ImportError("sglang.srt.layers.moe.routed_experts_capturer is gone in this SGLang and rr did not "
-                              "check this output")
-        return orig(output)
+        raise ImportError(f"{_CAPTURER} is gone in this SGLang and rr did not check this output")
 
-    return _mark(extract_routed_experts_from_meta_info)
+    return extract_routed_experts_from_meta_info
 
 
 def _install_extract_shim() -> None:
-    name = "sglang.srt.layers.moe.routed_experts_capturer"
-    try:
-        import importlib
+    """Put rr's stand-in at the module path verl imports, only where SGLang has no module there (>= 0.5.12)."""
+    if _sglang_capturer_present():
+        return
+    m = sys.modules.get(_CAPTURER)
+    if m is None:
+        m = types.ModuleType(_CAPTURER)
+        m.__doc__ = "rr shim: verl imports this path; SGLang >= 0.5.12 moved the module to sglang.srt.state_capturer"
+        setattr(m, _SHIM, True)
+        m.extract_routed_experts_from_meta_info = _extract_shim()  # type: ignore[attr-defined]
+        sys.modules[_CAPTURER] = m
 
-        m = importlib.import_module(name)
-    except ImportError:  # SGLang 0.5.23 moved it to sglang.srt.state_capturer.routed_experts
-        m = types.ModuleType(name)
-        m.__doc__ = "rr shim: verl imports this path; SGLang >= 0.5.23 moved the module"
-        sys.modules[name] = m
-    orig = getattr(m, "extract_routed_experts_from_meta_info", None)
-    if orig is None or not getattr(orig, _DONE, False):
-        m.extract_routed_experts_from_meta_info = _extract_shim(orig)  # type: ignore[attr-defined]
+
+def _sglang_generate(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    async def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cfg = self.config
+        if getattr(cfg, "enable_rollout_routing_replay", False):
+            skip = bool(getattr(cfg, "skip_tokenizer_init", False))
+            if not skip:
+                _install_extract_shim()
+            tm = getattr(self, "tokenizer_manager", None)
+            if tm is not None and not isinstance(tm, _CheckingTokenizerManager):
+                self.tokenizer_manager = _CheckingTokenizerManager(tm, self.model_config.hf_config, skip)
+        return await orig(self, *args, **kwargs)
+
+    return generate
 
 
 def patch_sglang_server(mod: types.ModuleType) -> None:
-    """verl's ``SGLangHttpServer.generate`` reads routing that broke on SGLang 0.5.11 (base64) and 0.5.23 (moved)."""
-    cls = mod.SGLangHttpServer
-    if _patched(cls, "generate"):
-        return
-    orig = cls.generate
-    _install_extract_shim()
+    """``SGLangHttpServer.generate``: verl's routing read broke on SGLang 0.5.11 (base64) and 0.5.12 (moved module).
 
-    @functools.wraps(orig)
-    async def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        tm = getattr(self, "tokenizer_manager", None)
-        if tm is not None and not isinstance(tm, _CheckingTokenizerManager) and self.config.enable_rollout_routing_replay:
-            self.tokenizer_manager = _CheckingTokenizerManager(tm, self.model_config.hf_config)
-        return await orig(self, *args, **kwargs)
-
-    cls.generate = _mark(generate)
+    The server cannot know the actor strategy: it is a Ray actor built from ``actor_rollout_ref.rollout``
+    (``RolloutConfig``: no actor, no ``router_replay``) and the HF config. So it decides from what it sees: with
+    ``rollout.enable_rollout_routing_replay`` off nothing changes; with it on, every output verl's own read can
+    read (a tensor payload of SGLang < 0.5.11, SGLang's own extract function) goes to verl's read unchanged, for
+    every strategy; rr decodes and checks only the outputs verl's read would crash on (base64 string, SGLang
+    0.5.7-0.5.9's ``{}``, the moved module). For Megatron that replaces verl's crash, nothing verl could read.
+    """
+    wrap_once(mod.SGLangHttpServer, "generate", _sglang_generate, params=SGLANG_GENERATE, what=WHAT)
 
 
-PATCHES = {
-    "verl.workers.engine.fsdp.transformer_impl": patch_engine_registry,
-    "verl.workers.engine_workers": patch_engine_workers,
-    "verl.experimental.agent_loop.tool_agent_loop": patch_tool_agent_loop,
-    "verl.workers.rollout.sglang_rollout.async_sglang_server": patch_sglang_server,
+PATCHES: dict[str, Patch] = {
+    "verl.workers.engine.fsdp.transformer_impl": Patch(
+        "FSDPEngineWithLMHead", patch_fsdp_engine, "router_replay R2/R3 on FSDP is refused at worker start"),
+    "verl.workers.engine_workers": Patch(
+        "ActorRolloutRefWorker.__init__", patch_engine_workers,
+        "verl keeps router_replay disabled on FSDP (R2/R3 there will not replay)"),
+    "verl.experimental.agent_loop.tool_agent_loop": Patch(
+        "ToolAgentLoop._handle_generating_state", patch_tool_agent_loop,
+        "multi-turn routing rows are verl's own (each turn overwrites the earlier ones)"),
+    "verl.workers.rollout.sglang_rollout.async_sglang_server": Patch(
+        "SGLangHttpServer.generate", patch_sglang_server, "verl reads SGLang's routing itself, unchecked"),
 }

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from rr_client.trainer import keys as K
 from rr_client.trainer.replay._routers import LeftRouter, Router
 from rr_client.trainer.replay._rows import BlockRows
 
@@ -113,25 +114,25 @@ class Audit:
         out: dict[str, float] = {}
         rep = sum(self.replayed.values())
         chk = sum(self.checked.values())
-        out["r3/forwards"] = float(self.forwards)
-        out["r3/moe_layers"] = float(len(self.routers))
-        out["r3/replayed_rows"] = float(rep)
-        out["r3/left_rows"] = float(sum(self.left_rows.values()))
-        out["r3/applied_share"] = sum(self._applied(r.layer) for r in self.routers) / chk if chk else float("nan")
-        out["r3/agreement"] = sum(self._agree(r.layer) for r in self.routers) / rep if rep else float("nan")
-        out["r3/left_layers_hash"] = float(sum(x.why == "hash" for x in self.left))
-        out["r3/left_routers_outside_decoder"] = float(sum(x.why == "outside_decoder" for x in self.left))
-        out["r3/orphan_routers"] = float(sum(self.router_runs[r.layer] == 0 for r in self.routers))
-        out["r3/unconsumed_layers"] = float(len(self.rows.unconsumed))
+        out[K.FORWARDS] = float(self.forwards)
+        out[K.MOE_LAYERS] = float(len(self.routers))
+        out[K.REPLAYED_ROWS] = float(rep)
+        out[K.LEFT_ROWS] = float(sum(self.left_rows.values()))
+        out[K.APPLIED_SHARE] = sum(self._applied(r.layer) for r in self.routers) / chk if chk else float("nan")
+        out[K.AGREEMENT] = sum(self._agree(r.layer) for r in self.routers) / rep if rep else float("nan")
+        out[K.LEFT_LAYERS_HASH] = float(sum(x.why == "hash" for x in self.left))
+        out[K.LEFT_ROUTERS_OUTSIDE_DECODER] = float(sum(x.why == "outside_decoder" for x in self.left))
+        out[K.ORPHAN_ROUTERS] = float(sum(self.router_runs[r.layer] == 0 for r in self.routers))
+        out[K.UNCONSUMED_LAYERS] = float(len(self.rows.unconsumed))
         for r in self.routers:
             i = r.layer
-            out[f"r3/layer{i}/replayed_rows"] = float(self.replayed[i])
-            out[f"r3/layer{i}/left_rows"] = float(self.left_rows[i])
-            out[f"r3/layer{i}/applied_share"] = self._applied(i) / self.checked[i] if self.checked[i] else float("nan")
-            out[f"r3/layer{i}/agreement"] = self._agree(i) / self.replayed[i] if self.replayed[i] else float("nan")
+            out[K.layer(i, "replayed_rows")] = float(self.replayed[i])
+            out[K.layer(i, "left_rows")] = float(self.left_rows[i])
+            out[K.layer(i, "applied_share")] = self._applied(i) / self.checked[i] if self.checked[i] else float("nan")
+            out[K.layer(i, "agreement")] = self._agree(i) / self.replayed[i] if self.replayed[i] else float("nan")
         for x in self.left:
             if x.why == "hash" and x.layer is not None:
-                out[f"r3/layer{x.layer}/left_rows_hash"] = float(self.rows.n_rows * self.forwards)
+                out[K.layer(x.layer, "left_rows_hash")] = float(self.rows.n_rows * self.forwards)
         return out
 
     def problems(self) -> list[str]:

@@ -53,11 +53,12 @@ class RoutingRecord:
 
 
 @contextmanager
-def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
+def record_routing(model: nn.Module, *, allow_untested: bool = False) -> Iterator[RoutingRecord]:
     """Record the model's own top-k choice per MoE layer (R2); a recompute under gradient checkpointing
     re-records the same rows. ``rec.routed_experts`` (CPU) or ``rec.tensor(None)`` (the model's device) is
-    filled after the forward inside the block; nothing is copied inside the forward."""
-    routers = find_routers(model)
+    filled after the forward inside the block; nothing is copied inside the forward. ``allow_untested``: a
+    family whose router formula is in rr but untested (as for :func:`replay_routing`)."""
+    routers = find_routers(model, allow_untested=allow_untested)
     rec = RoutingRecord(num_hidden_layers(model, routers), [r.layer for r in routers], routers[0].top_k)
 
     def on_model(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

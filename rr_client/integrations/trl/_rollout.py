@@ -1,0 +1,140 @@
+"""``RRRollout``: TRL's ``rollout_func`` over :class:`rr_client.RoutedExpertsClient`: samples, the engine's
+sampling log-probs and the checked routing, one ``n`` request per prompt group."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rr_client.errors import ConfigurationError, ReplayError
+from rr_client.info import RRInfo
+from rr_client.integrations._loop import LoopThread
+from rr_client.integrations.trl._gate import check_trl_version
+from rr_client.integrations.weight_sync import WeightEngine
+
+__all__ = ["RRRollout", "Rollout", "ROUTING_KEY", "sampling_params_from", "sampled_logprobs"]
+
+ROUTING_KEY = "rr_rollout"
+"""The extra key :class:`RRRollout` returns its routing under (TRL would pass it to reward functions)."""
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One generation's samples (TRL's order) and the routing dimensions they were checked against."""
+
+    results: list[Any]  # rr_client.GenerateResult
+    info: RRInfo
+
+
+def sampling_params_from(args: Any, n: int) -> dict[str, Any]:
+    """rr ``/generate`` sampling params from a ``GRPOConfig`` (its ``generation_kwargs`` win), ``n`` samples."""
+    sp: dict[str, Any] = {
+        "n": n,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k if args.top_k else -1,  # TRL: 0 = off; rr/SGLang: -1 = off
+        "repetition_penalty": args.repetition_penalty,
+    }
+    if args.max_completion_length is not None:
+        sp["max_new_tokens"] = args.max_completion_length
+    if args.min_p is not None:
+        sp["min_p"] = args.min_p
+    extra = args.generation_kwargs or {}
+    if isinstance(extra, str):
+        raise ConfigurationError("GRPOConfig.generation_kwargs must be a dict for RRRollout")
+    sp.update(extra)
+    return sp
+
+
+def sampled_logprobs(r: Any) -> list[float]:
+    """The sampled tokens' log-probs (``[logprob, token_id, _]`` per token), checked against the tokens."""
+    rows = r.meta.get("output_token_logprobs")
+    if not isinstance(rows, list) or len(rows) != len(r.output_ids):
+        got = len(rows) if isinstance(rows, list) else type(rows).__name__
+        raise ReplayError(f"sample {r.index}: {got} output_token_logprobs for {len(r.output_ids)} tokens")
+    if [int(x[1]) for x in rows] != [int(t) for t in r.output_ids]:
+        raise ReplayError(f"sample {r.index}: output_token_logprobs name other tokens than output_ids")
+    return [float(x[0]) for x in rows]
+
+
+class RRRollout:
+    """TRL ``rollout_func`` over :class:`rr_client.RoutedExpertsClient`: samples, their log-probs and routing.
+
+    ``base_url``: one rr server or a list of replicas (load-balanced by the client). ``engines``: where the
+    trainer pushes weights, when ``base_url`` is a router or rr's sidecar (default: ``base_url``): URLs of rr
+    servers, or :class:`rr_client.integrations.weight_sync.WeightEngine` ``(url, "vllm"|"sglang")`` for an
+    unpatched engine behind the sidecar. ``api_key`` is sent on every call, generation and weight sync alike
+    (default: ``RR_API_KEY``). ``sampling_params`` override those taken from the ``GRPOConfig``;
+    ``client_options`` go to the client (``timeout``, ``max_concurrency``, ...). Use it with
+    :class:`R3GRPOTrainer` only: TRL's own ``GRPOTrainer`` would hand the routing to the reward functions.
+    """
+
+    def __init__(self, base_url: str | Sequence[str], *, engines: str | WeightEngine | Sequence[str | WeightEngine]
+                 | None = None, engine_urls: str | Sequence[str] | None = None, api_key: str | None = None,
+                 sampling_params: Mapping[str, Any] | None = None, **client_options: Any) -> None:
+        check_trl_version()
+        from rr_client._client import RoutedExpertsClient
+
+        if engines is not None and engine_urls is not None:
+            raise ConfigurationError("RRRollout: pass engines= (engine_urls= is its older name), not both")
+        self.urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not self.urls:
+            raise ConfigurationError("RRRollout needs at least one server URL")
+        eng = engines if engines is not None else engine_urls if engine_urls is not None else self.urls
+        self.engines: list[str | WeightEngine] = [eng] if isinstance(eng, (str, WeightEngine)) else list(eng)
+        self.api_key = api_key
+        self.sampling_params = dict(sampling_params or {})
+        self._loop = LoopThread()
+        target = self.urls if len(self.urls) > 1 else self.urls[0]
+
+        async def make() -> RoutedExpertsClient:
+            return RoutedExpertsClient(target, api_key=api_key, **client_options)
+
+        self.client = self._loop.run(make())
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """The URLs weights are pushed to."""
+        return [e.url if isinstance(e, WeightEngine) else e for e in self.engines]
+
+    def info(self) -> RRInfo:
+        """The served model's ``/rr/info`` (cached by the client)."""
+        return self._loop.run(self.client.info())
+
+    def generate(self, prompts: list[list[int]], sampling_params: Mapping[str, Any]) -> Any:
+        """``client.generate`` with the sampling log-probs, on the rollout's loop (a :class:`GenerateBatch`)."""
+        return self._loop.run(self.client.generate(prompts, dict(sampling_params), return_logprob=True))
+
+    def close(self) -> None:
+        """Close the client and its loop thread."""
+        self._loop.run(self.client.aclose())
+        self._loop.close()
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        if not getattr(type(trainer), "replays_rr_rollouts", False):  # R3GRPOTrainer (no import: it imports us)
+            raise ConfigurationError("RRRollout returns routing that only R3GRPOTrainer replays; with "
+                                     f"{type(trainer).__name__} TRL would pass it to the reward functions and train "
+                                     "without replay. Use rr_client.integrations.trl.R3GRPOTrainer (r3=False for "
+                                     "plain GRPO)")
+        prompt_ids, images, mm = trainer._tokenize_prompts(prompts)
+        if images is not None or mm:
+            raise ReplayError("RRRollout: multimodal prompts are not supported (rr's /generate takes token ids only)")
+        n = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+        prompt_ids = [list(map(int, p)) for p in prompt_ids]
+        groups = len(prompt_ids) // n if n and len(prompt_ids) % n == 0 else 0
+        if groups and all(prompt_ids[g * n + j] == prompt_ids[g * n] for g in range(groups) for j in range(n)):
+            unique, per = [prompt_ids[g * n] for g in range(groups)], n  # TRL repeats each prompt n times in a row
+        else:
+            unique, per = prompt_ids, 1
+        sp = {**sampling_params_from(trainer.args, per), **self.sampling_params, "n": per}
+        batch = self.generate(unique, sp)
+        results = list(batch)
+        if len(results) != len(prompt_ids):
+            raise ReplayError(f"RRRollout: {len(results)} samples for {len(prompt_ids)} prompts")
+        return {
+            "prompt_ids": [r.prompt_ids for r in results],
+            "completion_ids": [list(r.output_ids) for r in results],
+            "logprobs": [sampled_logprobs(r) for r in results],
+            ROUTING_KEY: Rollout(results, batch.info),
+        }

@@ -1,0 +1,299 @@
+"""``R3GRPOTrainer``: TRL's ``GRPOTrainer`` as a thin adapter over :class:`rr_client.trainer.ReplaySession`.
+
+What is TRL-specific lives here: refusing settings before ``GRPOTrainer.__init__`` runs, carrying each sample's
+index through TRL's shuffle and split, placing the rows under TRL's left-padded prompt + right-padded completion
+batch, TRL's importance-sampling correction with the engine's log-probs, weight sync. The replay lifecycle
+(open until backward, audit every N steps, merged metrics) is the session's.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from rr_client.errors import ConfigurationError, ReplayError, WeightSyncError
+from rr_client.integrations.trl._correction import importance_sampling_ratio
+from rr_client.integrations.trl._gate import check_trl_version, trl
+from rr_client.integrations.trl._rollout import ROUTING_KEY, Rollout, RRRollout, sampled_logprobs
+from rr_client.integrations.weight_sync import DiskWeightSync
+from rr_client.trainer import keys as K
+from rr_client.trainer.layouts import RoutingTensors, to_tensors
+from rr_client.trainer.metrics import token_logprobs
+from rr_client.trainer.replay import replay_routing
+from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
+
+__all__ = ["R3GRPOTrainer", "GenerateOutput"]
+
+GRPOTrainer = trl.GRPOTrainer
+_SAMPLE_KEY = "rr_sample"  # per-sample index into the rollout, carried through TRL's shuffle/split
+
+
+class GenerateOutput(NamedTuple):
+    """``GRPOTrainer._generate``'s tuple in TRL 1.16, by name (a different length is refused, never guessed)."""
+
+    prompt_ids: Any
+    completion_ids: Any
+    tool_mask: Any
+    completions: Any
+    logprobs: Any
+    extra_fields: dict[str, Any]
+    images: Any
+    tool_images: Any
+
+
+def _refuse_before_init(args: Any, model: Any, rollout_func: Any, sync_weights: bool, kwargs: dict[str, Any]) -> None:
+    """Every refusal that does not need TRL's trainer, before ``GRPOTrainer.__init__`` reaches any server."""
+    if not isinstance(rollout_func, RRRollout):
+        raise ConfigurationError(f"R3GRPOTrainer needs rollout_func=RRRollout(...), got {type(rollout_func).__name__}")
+    if args is not None and getattr(args, "use_vllm", False):
+        raise ConfigurationError("R3GRPOTrainer: use_vllm=True makes TRL's own vLLM generate (and TRL connects to "
+                                 "it now); RRRollout is the generator: set use_vllm=False")
+    if kwargs.get("tools") or kwargs.get("environment_factory") is not None:
+        raise ConfigurationError("R3GRPOTrainer: tools / environment_factory append tokens the engine did not route "
+                                 "in this request; multi-turn R3 needs rr's Trajectory (not wired into TRL 1.16's "
+                                 "tool loop)")
+    peft = kwargs.get("peft_config") is not None or hasattr(model, "peft_config")
+    if sync_weights and peft:
+        raise ConfigurationError("R3GRPOTrainer(sync_weights=True) with a PEFT model: the engine needs merged "
+                                 "weights; merge the adapter or sync yourself and pass sync_weights=False")
+
+
+class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
+    """``GRPOTrainer`` that replays the rollout's routing in the loss, old-policy and reference forwards.
+
+    ``rollout_func`` must be an :class:`RRRollout`. ``r3=False``: plain GRPO on the same rollouts (the
+    agreement and log-prob gap are still logged). ``audit_every``: the replay audit (ids proven to reach the
+    experts, :class:`rr_client.ReplayError` if not) on the first step and every N-th after (0: never).
+    ``allow_untested``: replay a family whose formula is in rr but untested. ``log_layers``: per-layer keys too.
+    TRL's importance-sampling correction runs with the engine's log-probs under TRL's own settings
+    (``GRPOConfig.vllm_importance_sampling_correction``, on by default, its ``_mode`` / ``_clip_min`` /
+    ``_clip_max``). ``sync_weights``: push the weights to the rollout's engines (with its API key) before every
+    rollout that follows an optimizer step; ``sync_dir`` holds them (default ``<output_dir>/rr-weights``).
+    ``verify_sync``: after each push, the engine's log-probs of a probe completion must match the trainer's
+    within this tolerance, else :class:`rr_client.WeightSyncError`. ``sync_log``: one record per push.
+
+    Refused before TRL's own ``__init__`` (:class:`rr_client.ConfigurationError`): ``use_vllm=True``, tools /
+    environments, a PEFT model with ``sync_weights``, a ``rollout_func`` that is not an :class:`RRRollout`;
+    multimodal inputs when they arrive.
+    """
+
+    replays_rr_rollouts = True  #: what RRRollout checks before generating for a trainer
+
+    def __init__(self, *args: Any, rollout_func: RRRollout, r3: bool = True, sync_weights: bool = True,
+                 sync_dir: str | Path | None = None, verify_sync: float | None = None,
+                 audit_every: int = AUDIT_EVERY, allow_untested: bool = False, log_layers: bool = False,
+                 **kwargs: Any) -> None:
+        check_trl_version()
+        model = kwargs.get("model", args[0] if args else None)
+        _refuse_before_init(kwargs.get("args", args[2] if len(args) > 2 else None), model, rollout_func,
+                            sync_weights, kwargs)
+        super().__init__(*args, rollout_func=rollout_func, **kwargs)
+        self.r3 = r3
+        self.rr_rollout: RRRollout = rollout_func
+        self.rr_session = ReplaySession(self.accelerator.unwrap_model(self.model), audit_every=audit_every,
+                                        allow_untested=allow_untested, log_layers=log_layers)
+        self._rr_batch: Rollout | None = None  # the latest generation's samples
+        self._rr_current: list[int] | None = None  # which samples the next forward holds (None: all, in order)
+        self._rr_loss_logps: torch.Tensor | None = None
+        self._rr_sync: DiskWeightSync | None = None
+        self.verify_sync = verify_sync
+        self.sync_log: list[dict[str, Any]] = []
+        self._rr_synced_step: int | None = None
+        if sync_weights:
+            directory = Path(sync_dir) if sync_dir is not None else Path(self.args.output_dir or
+                                                                          tempfile.mkdtemp()) / "rr-weights"
+            self._rr_sync = DiskWeightSync(rollout_func.engines, directory, api_key=rollout_func.api_key)
+
+    def _log(self, metrics: dict[str, float], mode: str) -> None:
+        """The session's metrics into TRL's per-step log."""
+        for k, v in metrics.items():
+            self._metrics[mode][k].append(v)
+
+    # ------------------------------------------------------------------ weight sync
+
+    def sync_weights(self) -> None:
+        """Push the current weights to the engines unless this optimizer step's are there already."""
+        if self._rr_sync is None or self._rr_synced_step == self.state.global_step:
+            return
+        state_dict = self.accelerator.get_state_dict(self.model)  # gathers sharded (FSDP/ZeRO-3) weights
+        seconds = 0.0
+        if self.accelerator.is_main_process:
+            seconds = self._rr_sync.push(self.accelerator.unwrap_model(self.model), self.state.global_step,
+                                         state_dict=state_dict)
+        self.accelerator.wait_for_everyone()
+        record: dict[str, Any] = {"step": self.state.global_step, "seconds": seconds}
+        if self.verify_sync is not None:
+            record.update(self._probe_engine())
+            self._log({K.WEIGHT_SYNC_PROBE_GAP: record["probe_gap"]}, "train")
+            if not record["probe_gap"] <= self.verify_sync:
+                raise WeightSyncError(
+                    f"after pushing step {self.state.global_step}'s weights the engine's log-probs differ from the "
+                    f"trainer's by {record['probe_gap']:.3g} > verify_sync={self.verify_sync:g}: the engine does "
+                    "not serve the trained weights (a reload that dropped weights? see the engine's log)")
+        self.sync_log.append(record)
+        self._rr_synced_step = self.state.global_step
+        self._log({K.WEIGHT_SYNC_SECONDS: seconds}, "train")
+
+    def _probe_engine(self) -> dict[str, Any]:
+        """Greedy probe on the engine; the trainer's log-probs of the same tokens under the engine's routing."""
+        prompt = [int(t) for t in self._tokenizer("Routing replay weight sync probe.")["input_ids"]]
+        batch = self.rr_rollout.generate([prompt], {"n": 1, "max_new_tokens": 4, "temperature": 0.0})
+        r = batch[0]
+        engine = torch.tensor(sampled_logprobs(r), dtype=torch.float64)
+        model = self.accelerator.unwrap_model(self.model)
+        seq = torch.tensor([list(r.prompt_ids or []) + list(r.output_ids)], device=self.accelerator.device)
+        rt = to_tensors([r], batch.info, pad_side="right")
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), replay_routing(model, rt):
+                logits = model(seq).logits[0].double()
+        finally:
+            model.train(was_training)
+        mine = token_logprobs(logits, seq[0].to(logits.device))[len(prompt):].cpu()
+        return {"probe_tokens": list(r.output_ids), "probe_engine_logprobs": engine.tolist(),
+                "probe_trainer_logprobs": mine.tolist(), "probe_gap": float((mine - engine).abs().max())}
+
+    # ------------------------------------------------------------------ TRL hooks
+
+    def _generate(self, prompts: list[Any]) -> Any:
+        self.sync_weights()
+        raw = super()._generate(prompts)
+        if not isinstance(raw, tuple) or len(raw) != len(GenerateOutput._fields):
+            raise ReplayError(f"GRPOTrainer._generate returned {type(raw).__name__} of "
+                              f"{len(raw) if isinstance(raw, tuple) else '?'} items; TRL 1.16 returns "
+                              f"{len(GenerateOutput._fields)}: this TRL is not the one rr was tested with")
+        out = GenerateOutput(*raw)
+        rollout = out.extra_fields.pop(ROUTING_KEY, None)
+        if not isinstance(rollout, Rollout):
+            raise ReplayError(f"the rollout returned no {ROUTING_KEY!r}: R3GRPOTrainer needs RRRollout's output")
+        if out.tool_mask is not None:
+            raise ReplayError("R3GRPOTrainer: an env_mask marks tokens the engine did not route in this request")
+        got = [(list(r.prompt_ids or []), list(r.output_ids)) for r in rollout.results]
+        if got != [(list(p), list(c)) for p, c in zip(out.prompt_ids, out.completion_ids)]:
+            raise ReplayError("the rollout's routing belongs to other samples than the prompt/completion ids TRL got")
+        self._rr_batch = rollout
+        self.rr_session.moe_layers = list(rollout.info.moe_layers)  # agreement over MoE layers only (r3=False)
+        return raw
+
+    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+        self._rr_current = None
+        output = super()._generate_and_score_completions(inputs)
+        if self.vllm_importance_sampling_correction and output.get("sampling_per_token_logps") is not None:
+            self._correct(output)
+        output[_SAMPLE_KEY] = torch.arange(output["prompt_ids"].shape[0], device=output["prompt_ids"].device)
+        return output
+
+    def _correct(self, output: dict[str, Any]) -> None:
+        """TRL's importance-sampling correction (its vLLM path's settings) with the engine's log-probs: the old
+        policy's log-probs (replayed) are computed when TRL skipped them, as TRL does on its vLLM path."""
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        keep = output["completion_ids"].size(1)
+        old = output.get("old_per_token_logps")
+        if old is None:
+            bs = self.args.per_device_train_batch_size if self.model.training else self.args.per_device_eval_batch_size
+            with torch.no_grad():
+                old, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, attention, keep, batch_size=bs)
+            output["old_per_token_logps"] = old
+        mask = output["completion_mask"]
+        ratio = importance_sampling_ratio(old, output["sampling_per_token_logps"], mask,
+                                          mode=self.vllm_importance_sampling_mode,
+                                          clip_min=self.vllm_importance_sampling_clip_min,
+                                          clip_max=self.vllm_importance_sampling_clip_max)
+        output["importance_sampling_ratio"] = ratio
+        flat = ratio.flatten() if ratio.shape[-1] == 1 else ratio[mask.bool()]
+        if flat.numel():
+            mode = "train" if self.model.training else "eval"
+            self._log({K.IS_RATIO_MIN: float(flat.min()), K.IS_RATIO_MEAN: float(flat.mean()),
+                       K.IS_RATIO_MAX: float(flat.max())}, mode)
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        if _SAMPLE_KEY not in inputs:
+            raise ReplayError(f"the batch has no {_SAMPLE_KEY!r}: it did not come from R3GRPOTrainer's generation")
+        self._rr_current = [int(i) for i in inputs[_SAMPLE_KEY].tolist()]
+        self._rr_loss_logps = None
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._rr_current = None
+        engine = inputs.get("sampling_per_token_logps")
+        if self._rr_loss_logps is not None and engine is not None:
+            mask = inputs["completion_mask"].bool() & ~torch.isnan(engine)
+            self.rr_session.add_gap(self._rr_loss_logps.float(), engine.float(), mask)
+        return loss
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        try:
+            out = super().training_step(model, inputs, num_items_in_batch)
+        except BaseException:
+            self.rr_session.abandon()
+            raise
+        self._log(self.rr_session.flush(), "train")  # after backward: audit verdicts raise here
+        return out
+
+    def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                           logits_to_keep: int, batch_size: int | None = None,
+                                           compute_entropy: bool = False, compute_aux_loss: bool = False,
+                                           **multimodal: Any) -> Any:
+        if any(v is not None for v in multimodal.values()):
+            names = sorted(k for k, v in multimodal.items() if v is not None)
+            raise ReplayError(f"R3GRPOTrainer: multimodal inputs ({', '.join(names)}) are not supported")
+        rt = self._rows_for(input_ids, logits_to_keep)
+        session = self.rr_session
+        if torch.is_grad_enabled():  # the loss forward: one block, open until backward has run (checkpointing)
+            if self.r3:
+                session.open_replay(rt)
+            else:
+                session.open_record(rt.routed_experts, rt.routed_experts_mask)
+            out = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=input_ids.size(0),
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss)
+            self._rr_loss_logps = out[0].detach()
+            return out
+        bs = batch_size or input_ids.size(0)
+        logps, ents, auxes = [], [], []
+        for s in range(0, input_ids.size(0), bs):
+            e = min(s + bs, input_ids.size(0))
+            rows, mask = rt.routed_experts[s:e], rt.routed_experts_mask[s:e]
+            ctx = (session.forward(rows, mask, layers=rt.layers) if self.r3
+                   else session.recording(rows, mask))
+            with ctx:
+                out = super()._get_per_token_logps_and_entropies(
+                    model, input_ids[s:e], attention_mask[s:e], logits_to_keep, batch_size=e - s,
+                    compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss)
+            logps.append(out[0])
+            ents.append(out[1])
+            auxes.append(out[2])
+        lp = torch.cat(logps, dim=0)
+        if self._rr_current is not None:
+            self._rr_loss_logps = lp.detach()
+        if not self.model.training:
+            self._log(session.flush(), "eval")
+        return lp, torch.cat(ents, dim=0) if compute_entropy else None, \
+            torch.stack(auxes).mean() if compute_aux_loss else None
+
+    # ------------------------------------------------------------------ rows under TRL's tokens
+
+    def _rows_for(self, input_ids: torch.Tensor, logits_to_keep: int) -> RoutingTensors:
+        """The rollout's routing placed under ``input_ids`` (TRL: prompts left-padded, completions right-padded)."""
+        if self._rr_batch is None:
+            raise ReplayError("a log-prob forward ran before any rollout: no routing to replay")
+        idx = self._rr_current if self._rr_current is not None else list(range(input_ids.size(0)))
+        if len(idx) != input_ids.size(0):
+            raise ReplayError(f"the batch has {input_ids.size(0)} samples but {len(idx)} routing indices")
+        results = [self._rr_batch.results[i] for i in idx]
+        width = input_ids.size(1)
+        pad = self._tokenizer.pad_token_id
+        rt = to_tensors(results, self._rr_batch.info, pad_side="split", prompt_length=width - logits_to_keep,
+                        response_length=logits_to_keep, pad_token_id=pad if pad is not None else 0)
+        real = rt.attention_mask.bool()
+        ids = input_ids.detach().cpu()
+        if not torch.equal(rt.input_ids[real], ids[real]):
+            bad = next(b for b in range(len(results)) if not torch.equal(rt.input_ids[b][real[b]], ids[b][real[b]]))
+            raise ReplayError(f"row {bad} of the batch (rollout sample {idx[bad]}) holds other tokens than the "
+                              "routing was recorded for: the rows would sit under the wrong tokens")
+        return rt

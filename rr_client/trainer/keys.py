@@ -1,0 +1,60 @@
+"""The names of every metric rr logs in a trainer: one module, so the audit, the session and each integration
+write the same keys (a dashboard built on one trainer reads another). Torch-free.
+
+Per-step keys (what :meth:`rr_client.trainer.ReplaySession.flush` returns, and TRL / verl log under their own
+prefix) and per-layer keys (:func:`layer`, with ``log_layers=True``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PREFIX", "FORWARDS", "MOE_LAYERS", "REPLAYED_ROWS", "LEFT_ROWS", "APPLIED_SHARE", "APPLIED_SHARE_MIN_LAYER",
+    "AGREEMENT", "LEFT_LAYERS_HASH", "LEFT_ROUTERS_OUTSIDE_DECODER", "ORPHAN_ROUTERS", "UNCONSUMED_LAYERS",
+    "AUDITED", "MEAN_ABS_LOGP_DIFF", "K3_KL", "FRAC_ABS_DIFF_GT_LN2", "LOGP_TOKENS", "WEIGHT_SYNC_SECONDS",
+    "WEIGHT_SYNC_PROBE_GAP", "IS_RATIO_MIN", "IS_RATIO_MEAN", "IS_RATIO_MAX", "layer", "is_layer_key",
+    "LAYER_SHARE_SUFFIXES",
+]
+
+PREFIX = "r3/"
+
+# the replay audit (one block; summed / worst-of over a step by the session)
+FORWARDS = "r3/forwards"  #: forwards (and checkpoint recomputes) that ran replayed
+MOE_LAYERS = "r3/moe_layers"  #: MoE routers rr replays in the model
+REPLAYED_ROWS = "r3/replayed_rows"  #: (token, layer) rows forced to the rollout's experts
+LEFT_ROWS = "r3/left_rows"  #: rows left to the model's own choice (mask False, pads)
+APPLIED_SHARE = "r3/applied_share"  #: replayed rows whose experts received exactly the replayed ids (worst block)
+APPLIED_SHARE_MIN_LAYER = "r3/applied_share_min_layer"  #: the worst layer's applied share
+AGREEMENT = "r3/agreement"  #: replayed rows the trainer's own router chose too (row-weighted)
+LEFT_LAYERS_HASH = "r3/left_layers_hash"  #: hash-routed layers (DeepSeek-V4) left to the model
+LEFT_ROUTERS_OUTSIDE_DECODER = "r3/left_routers_outside_decoder"  #: MTP / tower routers left to the model
+ORPHAN_ROUTERS = "r3/orphan_routers"  #: routers that never ran (the audit raises on them)
+UNCONSUMED_LAYERS = "r3/unconsumed_layers"  #: layers of rows no router consumed (the audit raises on them)
+AUDITED = "r3/audited"  #: 1 when this step's forwards ran under the audit (every ``audit_every``-th step)
+
+# the log-prob gap between the trainer and the engine's sampling log-probs (token-weighted over a step)
+MEAN_ABS_LOGP_DIFF = "r3/mean_abs_logp_diff"
+K3_KL = "r3/k3_kl"
+FRAC_ABS_DIFF_GT_LN2 = "r3/frac_abs_diff_gt_ln2"
+LOGP_TOKENS = "r3/logp_tokens"  #: tokens the gap was measured on
+
+# weight sync (TRL)
+WEIGHT_SYNC_SECONDS = "r3/weight_sync_seconds"
+WEIGHT_SYNC_PROBE_GAP = "r3/weight_sync_probe_gap"
+
+# the importance-sampling correction with the engine's log-probs (TRL's own modes)
+IS_RATIO_MIN = "r3/is_ratio_min"
+IS_RATIO_MEAN = "r3/is_ratio_mean"
+IS_RATIO_MAX = "r3/is_ratio_max"
+
+#: per-layer keys whose step value is the worst block's (the others are summed)
+LAYER_SHARE_SUFFIXES = ("applied_share", "agreement")
+
+
+def layer(index: int, name: str) -> str:
+    """The per-layer key ``r3/layer<index>/<name>`` (``name``: replayed_rows, left_rows, applied_share, ...)."""
+    return f"{PREFIX}layer{index}/{name}"
+
+
+def is_layer_key(key: str) -> bool:
+    """Whether ``key`` is a per-layer key."""
+    return key.startswith(PREFIX + "layer")
