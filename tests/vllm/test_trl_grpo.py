@@ -48,8 +48,12 @@ class LossBothWays(R3GRPOTrainer):
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.loss_pairs: list[tuple[float, float]] = []
+        self.is_inputs: list[dict[str, torch.Tensor]] = []
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        self.is_inputs.append({k: inputs[k].detach().clone() for k in (
+            "importance_sampling_ratio", "old_per_token_logps", "sampling_per_token_logps", "completion_mask")
+            if inputs.get(k) is not None})
         loss = super()._compute_loss(model, inputs)
         self.r3 = False
         try:
@@ -73,7 +77,8 @@ def make_trainer(cls: type, server: VLLMProcess, model_dir: Path, out: Path, **k
 
 def test_grpo_r3_three_steps_with_weight_sync(dev_server: VLLMProcess, tiny_models: dict[str, Path],
                                               tmp_path: Path) -> None:
-    trainer = make_trainer(LossBothWays, dev_server, tiny_models["qwen3_dense"], tmp_path, verify_sync=1e-4)
+    trainer = make_trainer(LossBothWays, dev_server, tiny_models["qwen3_dense"], tmp_path, verify_sync=1e-4,
+                           audit_every=1)
     gate0 = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n.endswith("mlp.gate.weight")}
     trainer.train()
     assert trainer.state.global_step == 3
@@ -96,6 +101,17 @@ def test_grpo_r3_three_steps_with_weight_sync(dev_server: VLLMProcess, tiny_mode
         assert h["r3/agreement"] == 1.0  # fp32, weights synced: the trainer's own choice equals the engine's
         assert h["r3/mean_abs_logp_diff"] < 1e-4 and h["r3/frac_abs_diff_gt_ln2"] == 0.0
         assert h["r3/weight_sync_probe_gap"] < 1e-4 and "r3/weight_sync_seconds" in h and "r3/k3_kl" in h
+    # TRL's importance-sampling correction ran on the engine's log-probs, under TRL's default (sequence_mask, 3.0):
+    # ratio = exp(sum over the completion of (trainer old log-prob - engine log-prob)), 0 above 3
+    assert len(trainer.is_inputs) == 3
+    for got in trainer.is_inputs:
+        assert {"importance_sampling_ratio", "old_per_token_logps", "sampling_per_token_logps"} <= got.keys()
+        diff = torch.nan_to_num((got["old_per_token_logps"] - got["sampling_per_token_logps"])
+                                * got["completion_mask"], nan=0.0).sum(-1, keepdim=True)
+        expect = torch.where(torch.exp(diff) > 3.0, torch.zeros_like(diff), torch.exp(diff))
+        assert torch.allclose(got["importance_sampling_ratio"], expect)
+        assert torch.allclose(got["importance_sampling_ratio"], torch.ones_like(expect), atol=1e-3)  # synced fp32
+    assert all(abs(h["r3/is_ratio_mean"] - 1.0) < 1e-3 for h in steps)
     # the loss with replay equals the loss without it (each row sits under its own token) ...
     assert len(trainer.loss_pairs) == 3
     for with_r3, plain in trainer.loss_pairs:
