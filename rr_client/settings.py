@@ -30,7 +30,7 @@ class Setting:
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("RR_ENABLE", "flag", "switches the rr vLLM plugin on (set by `rr-server launch vllm`)"),
-    Setting("RR_ALLOW_UNSUPPORTED_VERSION", "flag", "the one override of every version gate: vLLM and SGLang patches, launchers, TRL and verl integrations run on a release outside the tested range"),
+    Setting("RR_ALLOW_UNSUPPORTED_VERSION", "flag", "the one override of the version gates of the vLLM plugin and launcher and the TRL and verl integrations (SGLang's patch refuses untested releases: use the sidecar)"),
     Setting("RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched vLLM: every /generate answer carries routing"),
     Setting("RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched SGLang: every answer carries routing"),
     Setting("RR_ROUTED_EXPERTS_FORMAT", "text", "server default routed_experts_format: npy (default) or sglang"),

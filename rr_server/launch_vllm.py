@@ -1,31 +1,38 @@
 """``rr-server launch vllm ...``: start vLLM's OpenAI API server with the rr plugin switched on.
 
-Adds ``--enable-return-routed-experts``, checks the vLLM version, corrects the CPU settings
-known to return all-zero routing, and forwards Ctrl-C/SIGTERM to vLLM's API server, which drains and stops its
-engine; stragglers of its process group are killed once it exits. The engine lives
-and dies with the launcher, SIGKILL included (:mod:`rr_server.lifeline`).
+Adds ``--enable-return-routed-experts``, checks the vLLM version, corrects the CPU settings known to return
+all-zero routing, refuses vLLM's dev mode (``VLLM_SERVER_DEV_MODE``) reachable from the network without an API
+key (:func:`check_dev_mode_exposure`), and forwards Ctrl-C/SIGTERM to vLLM's API server, which drains and stops
+its engine; stragglers of its process group are killed once it exits. The engine lives and dies with the
+launcher, SIGKILL included (:mod:`rr_server.lifeline`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
+from collections.abc import Mapping
 from types import FrameType
 
+from rr_client.errors import ConfigurationError
 from rr_server import lifeline
 from rr_server.serving.speculative import draft_pollution_refusal
 from rr_server.serving.vllm_facts import UnsupportedVLLMVersion, check_vllm_version, facts_for, installed_version
 
-__all__ = ["main", "build_command", "is_cpu_platform", "SERVE_ONLY_FLAGS"]
+__all__ = ["main", "build_command", "is_cpu_platform", "is_loopback_host", "check_dev_mode_exposure",
+           "SERVE_ONLY_FLAGS", "OPEN_DEV_MODE_FLAG"]
 
 logger = logging.getLogger("rr.launch")
 CPU_KV_CACHE_BYTES = 268435456
 _ALLOW_FLAG = "--rr-allow-unsupported-version"
 _CPU_FLAG = "--rr-cpu"
+OPEN_DEV_MODE_FLAG = "--rr-allow-open-dev-mode"
+_RR_FLAGS = (_ALLOW_FLAG, _CPU_FLAG, OPEN_DEV_MODE_FLAG)
 # Arguments only vLLM's `serve` command honours (several API server processes, headless and data-parallel
 # load-balancing modes); with any of them the launcher runs `serve` (rr_server.vllm_serve) instead of the
 # single-process api_server module, and rr's plugin is loaded in every API server process.
@@ -87,6 +94,86 @@ def _drop(args: list[str], flag: str, takes_value: bool) -> list[str]:
     return out
 
 
+def _last_values(args: Sequence[str], flag: str) -> list[str] | None:
+    """Values of the last ``--flag V [V ...]`` / ``--flag=V`` (argparse keeps the last); None if absent."""
+    names = (flag, "--" + flag[2:].replace("-", "_"))
+    found: list[str] | None = None
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name not in names:
+            continue
+        if eq:
+            found = [value]
+            continue
+        found = []
+        for v in args[i + 1:]:
+            if v.startswith("-"):
+                break
+            found.append(v)
+    return found
+
+
+def is_loopback_host(host: str | None) -> bool:
+    """True for addresses only this machine reaches (127.0.0.0/8, ::1, localhost).
+
+    vLLM's default host (None, or an empty ``--host``) binds every interface, as ``0.0.0.0`` and ``::`` do.
+    """
+    name = (host or "").strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _dev_mode(env: Mapping[str, str]) -> bool:
+    """``VLLM_SERVER_DEV_MODE`` as vLLM reads it (an integer, non-zero = on); one vLLM cannot read counts as on."""
+    raw = env.get("VLLM_SERVER_DEV_MODE", "0").strip() or "0"
+    try:
+        return int(raw) != 0
+    except ValueError:
+        return True
+
+
+def _has_api_key(args: Sequence[str], env: Mapping[str, str]) -> bool:
+    """vLLM will enforce a key: ``--api-key`` (which wins) or else ``VLLM_API_KEY``, empty values ignored."""
+    cli = _last_values(args, "--api-key")
+    return any(cli) if cli else bool(env.get("VLLM_API_KEY"))
+
+
+def _served_on_network(args: Sequence[str]) -> tuple[bool, str]:
+    """(whether the HTTP server is reachable from other machines, how it listens) from vLLM's arguments."""
+    if _has(args, "--headless"):
+        return False, "--headless (no API server)"
+    if _last_values(args, "--uds"):
+        return False, "--uds (a Unix socket; host and port ignored)"
+    host = (_last_values(args, "--host") or [None])[0]
+    if is_loopback_host(host):
+        return False, f"--host {host}"
+    if host is None:
+        return True, "no --host (vLLM's default: every interface)"
+    return True, f"--host {host or repr(host)}"
+
+
+def check_dev_mode_exposure(args: Sequence[str], env: Mapping[str, str]) -> None:
+    """Refuse vLLM dev mode reachable from the network without an API key (:class:`ConfigurationError`).
+
+    ``VLLM_SERVER_DEV_MODE=1`` opens ``/collective_rpc`` (runs any worker method) and vLLM's other dev-mode
+    routes; with a key rr puts them behind it (rr_patches.vllm.auth), without one anyone reaching the port can
+    call them. Loopback hosts, Unix sockets and headless engines are fine without a key.
+    """
+    if not _dev_mode(env) or OPEN_DEV_MODE_FLAG in args or _has_api_key(args, env):
+        return
+    exposed, how = _served_on_network(args)
+    if exposed:
+        raise ConfigurationError(
+            f"VLLM_SERVER_DEV_MODE=1 opens /collective_rpc (runs any worker method) and vLLM's other dev-mode "
+            f"routes, and with {how} and no --api-key / VLLM_API_KEY anyone who reaches this port could call "
+            f"them. Pass --api-key KEY (rr puts the dev-mode routes behind it; the trainer sends the same key), "
+            f"or bind --host 127.0.0.1, or pass {OPEN_DEV_MODE_FLAG} to start it open anyway")
+
+
 def _aux_output_settings(args: list[str], env: dict[str, str] | None) -> tuple[list[str], list[str]]:
     """vLLM 0.31+ (AuxOutput connector): capture needs prefix caching and Model Runner V2; (args, what was set)."""
     fixed: list[str] = []
@@ -110,7 +197,7 @@ def build_command(argv: Sequence[str], *, cpu: bool, version: str | None = None,
     ``version`` (default: the installed vLLM) selects what capture needs: on 0.31+ prefix caching and
     Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``, set in ``env`` when given and unset there).
     """
-    args = [a for a in argv if a not in (_ALLOW_FLAG, _CPU_FLAG)]
+    args = [a for a in argv if a not in _RR_FLAGS]
     notes: list[str] = []
     if not _has(args, "--enable-return-routed-experts"):
         args.append("--enable-return-routed-experts")
@@ -175,9 +262,10 @@ def main(argv: list[str]) -> int:
     from rr_server.launch_sglang import FORMAT_FLAG
 
     allow = _ALLOW_FLAG in argv
-    if "-h" in argv or "--help" in argv:
-        print(f"rr-server launch vllm [{_ALLOW_FLAG}] [{_CPU_FLAG}] [{FORMAT_FLAG} npy|sglang] "
-              "<vLLM api_server arguments>: starts vLLM's "
+    wants_help = "-h" in argv or "--help" in argv
+    if wants_help:
+        print(f"rr-server launch vllm [{_ALLOW_FLAG}] [{_CPU_FLAG}] [{OPEN_DEV_MODE_FLAG}] "
+              f"[{FORMAT_FLAG} npy|sglang] <vLLM api_server arguments>: starts vLLM's "
               "API server with the rr plugin (POST /generate, GET /rr/info) and --enable-return-routed-experts;\n"
               "on CPU also --enforce-eager --dtype float32 --kv-cache-memory-bytes 268435456. vLLM's own help:\n")
     version = installed_version()
@@ -205,6 +293,15 @@ def main(argv: list[str]) -> int:
     if facts is not None and (why := draft_pollution_refusal("vllm", version, argv)):
         print(f"rr: {why}", file=sys.stderr)
         return 2
+    try:
+        if not wants_help:  # vLLM only prints its help: nothing listens
+            check_dev_mode_exposure(argv, os.environ)
+    except ConfigurationError as e:
+        print(f"rr: {e}", file=sys.stderr)
+        return 2
+    if OPEN_DEV_MODE_FLAG in argv and _dev_mode(os.environ) and not _has_api_key(argv, os.environ):
+        logger.warning("rr: %s: vLLM's dev-mode routes (/collective_rpc ...) are served without a key",
+                       OPEN_DEV_MODE_FLAG)
     env = _child_env()
     try:
         argv, fmt = take_format_flag(argv)

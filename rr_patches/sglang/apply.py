@@ -6,14 +6,16 @@ import functools
 import inspect
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from rr_client.errors import UnsupportedVersionError
+from rr_client.patching import MARKER, parameters, wrap_once
 from rr_patches.sglang.batch_items import apply_item_start_fix
 from rr_patches.sglang.hooks import around_handle_batch_output, around_init, around_send
 from rr_server.serving.sglang_facts import Profile, UnsupportedSGLangError, profile_for
 
-__all__ = ["TARGETS", "TM_PATH", "apply", "check_shapes", "is_applied", "install_for_launcher"]
+__all__ = ["TARGETS", "TM_PATH", "apply", "check_shapes", "is_applied", "install_for_launcher", "wrap_hook"]
 
 logger = logging.getLogger("rr.sglang")
 TM_PATH = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
@@ -25,12 +27,13 @@ TARGETS: dict[str, Callable[..., Any]] = {
     "_handle_batch_output": around_handle_batch_output,
 }
 _SEND_ONE_SHAPES = (["self", "obj", "tokenized_obj", "created_time"], ["self", "tokenized_obj"])
-_MARK = "_rr_hook"
-
-
-def _params(fn: Any) -> list[str]:
-    """Parameter names of the unwrapped function."""
-    return list(inspect.signature(inspect.unwrap(fn)).parameters)
+# method -> the parameter names (or accepted lists) rr wraps; None: any (the hook passes every argument on)
+_PARAMS: dict[str, list[str] | Sequence[list[str]] | None] = {
+    "__init__": None,
+    "_send_one_request": _SEND_ONE_SHAPES,
+    "_send_batch_request": None,
+    "_handle_batch_output": ["self", "recv_obj"],
+}
 
 
 def _fields(cls: type) -> set[str]:
@@ -39,17 +42,21 @@ def _fields(cls: type) -> set[str]:
 
 
 def check_shapes(profile: Profile) -> None:
-    """Refuse (UnsupportedSGLangError) unless every function and field rr relies on looks as expected."""
+    """Refuse (UnsupportedSGLangError) unless every function and field rr relies on looks as expected.
+
+    The full pre-check, run before anything is patched (directly or through HookRegistry); :func:`wrap_hook`
+    checks each wrapped signature again as it wraps.
+    """
     from sglang.srt.managers import io_struct
     from sglang.srt.managers.tokenizer_manager import ReqState, TokenizerManager
 
     problems: list[str] = []
     hbo = inspect.unwrap(TokenizerManager._handle_batch_output)
-    if _params(hbo) != ["self", "recv_obj"]:
+    if parameters(hbo) != _PARAMS["_handle_batch_output"]:
         problems.append(f"_handle_batch_output{inspect.signature(hbo)} is not (self, recv_obj)")
     if inspect.iscoroutinefunction(hbo) != profile.handle_is_async:
         problems.append(f"_handle_batch_output async={inspect.iscoroutinefunction(hbo)}, expected {profile.handle_is_async}")
-    if _params(TokenizerManager._send_one_request) not in _SEND_ONE_SHAPES:
+    if parameters(TokenizerManager._send_one_request) not in _SEND_ONE_SHAPES:
         problems.append(f"_send_one_request{inspect.signature(TokenizerManager._send_one_request)} is unknown")
     if not callable(getattr(TokenizerManager, "_send_batch_request", None)):
         problems.append("TokenizerManager._send_batch_request is missing")
@@ -65,23 +72,39 @@ def check_shapes(profile: Profile) -> None:
         raise UnsupportedSGLangError(f"SGLang {profile.version} does not look as rr expects: " + "; ".join(problems))
 
 
-def _wrap(original: Callable[..., Any], hook: Callable[..., Any]) -> Callable[..., Any]:
-    """AROUND wrapper that keeps ``async def`` originals awaitable as coroutine functions."""
-    if inspect.iscoroutinefunction(original):
+def _around(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Wrapper factory for :func:`rr_client.patching.wrap_once`: HookRegistry's AROUND call shape, and
+    ``async def`` originals stay coroutine functions."""
 
-        @functools.wraps(original)
-        async def awrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return await hook(original, self, *args, **kwargs)
+    def factory(original: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(original):
 
-        wrapper: Callable[..., Any] = awrapper
-    else:
+            @functools.wraps(original)
+            async def awrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+                return await hook(original, self, *args, **kwargs)
+
+            return awrapper
 
         @functools.wraps(original)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             return hook(original, self, *args, **kwargs)
 
-    setattr(wrapper, _MARK, hook)
-    return wrapper
+        return wrapper
+
+    return factory
+
+
+def wrap_hook(owner: type, name: str, hook: Callable[..., Any], *, version: str,
+              params: list[str] | Sequence[list[str]] | None = None) -> bool:
+    """Install ``hook`` AROUND ``owner.name`` once (:func:`rr_client.patching.wrap_once`); True when wrapped now.
+
+    A missing method or one of another shape is UnsupportedSGLangError (what the launcher and SGLang's plugin
+    loader report), and nothing is changed.
+    """
+    try:
+        return wrap_once(owner, name, _around(hook), params=params, what=f"SGLang {version}")
+    except UnsupportedVersionError as e:
+        raise UnsupportedSGLangError(str(e), package="sglang", version=version) from None
 
 
 def is_applied() -> bool:
@@ -98,12 +121,13 @@ def is_applied() -> bool:
     def hooked(name: str) -> bool:
         fn = TokenizerManager.__dict__.get(name)
         while fn is not None:
-            if getattr(fn, _MARK, None) is not None:
+            if getattr(fn, MARKER, None) is not None:
                 return True
             fn = getattr(fn, "__wrapped__", None)
         return name in via_registry
 
     return all(hooked(name) for name in TARGETS)
+
 
 def apply(profile: Profile | None = None) -> Profile:
     """Monkeypatch TokenizerManager in this process (idempotent); the launcher's path on 0.5.7-0.5.10."""
@@ -116,7 +140,7 @@ def apply(profile: Profile | None = None) -> Profile:
         return profile
     check_shapes(profile)
     for name, hook in TARGETS.items():
-        setattr(TokenizerManager, name, _wrap(TokenizerManager.__dict__[name], hook))
+        wrap_hook(TokenizerManager, name, hook, version=profile.version, params=_PARAMS[name])
     logger.info("rr: patched SGLang %s TokenizerManager (%s)", profile.version, ", ".join(TARGETS))
     return profile
 
@@ -129,9 +153,8 @@ def _apply_detokenizer(profile: Profile) -> None:
 
     from rr_patches.sglang.detok import DETOK_METHOD, around_handle_batch_token_id_out
 
-    fn = DetokenizerManager.__dict__[DETOK_METHOD]
-    if getattr(fn, _MARK, None) is None:
-        setattr(DetokenizerManager, DETOK_METHOD, _wrap(fn, around_handle_batch_token_id_out))
+    wrap_hook(DetokenizerManager, DETOK_METHOD, around_handle_batch_token_id_out, version=profile.version,
+              params=["self", "recv_obj"])
 
 
 def install_for_launcher() -> str:

@@ -8,13 +8,14 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
-from rr_server.serving.sglang_facts import Profile
+from rr_client.errors import UnsupportedVersionError
+from rr_client.patching import wrap_once
+from rr_server.serving.sglang_facts import Profile, UnsupportedSGLangError
 
 __all__ = ["needs_item_start_fix", "apply_item_start_fix"]
-
-_MARK = "_rr_copies_start"
 
 
 def needs_item_start_fix(profile: Profile) -> bool:
@@ -22,15 +23,8 @@ def needs_item_start_fix(profile: Profile) -> bool:
     return profile.has_start_field and profile.release < (0, 5, 12)
 
 
-def apply_item_start_fix(profile: Profile) -> bool:
-    """Wrap ``GenerateReqInput.__getitem__`` once where needed; True if it is (now) wrapped."""
-    if not needs_item_start_fix(profile):
-        return False
-    from sglang.srt.managers.io_struct import GenerateReqInput
-
-    original = GenerateReqInput.__getitem__
-    if getattr(original, _MARK, False):
-        return True
+def _copies_start(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``GenerateReqInput.__getitem__`` that gives each item the batch's ``routed_experts_start_len``."""
 
     @functools.wraps(original)
     def getitem(self: Any, i: Any) -> Any:
@@ -40,6 +34,21 @@ def apply_item_start_fix(profile: Profile) -> bool:
             item.routed_experts_start_len = start
         return item
 
-    setattr(getitem, _MARK, True)
-    GenerateReqInput.__getitem__ = getitem  # type: ignore[method-assign]
+    return getitem
+
+
+def apply_item_start_fix(profile: Profile) -> bool:
+    """Wrap ``GenerateReqInput.__getitem__`` once where needed; True if it is (now) wrapped.
+
+    An ``__getitem__`` of another shape is UnsupportedSGLangError, and nothing is changed.
+    """
+    if not needs_item_start_fix(profile):
+        return False
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    try:
+        wrap_once(GenerateReqInput, "__getitem__", _copies_start, params=["self", "i"],
+                  what=f"SGLang {profile.version}")
+    except UnsupportedVersionError as e:
+        raise UnsupportedSGLangError(str(e), package="sglang", version=profile.version) from None
     return True

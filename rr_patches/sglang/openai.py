@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rr_client.codec import CheckedRouting, check_format
+from rr_client.errors import ConfigurationError
 from rr_server.serving.generate_protocol import error_body
 from rr_server.serving.openai_middleware import (
     install_openai_routing,
@@ -164,11 +165,11 @@ class GenerateFormatMiddleware:
 
 
 def install_http(app: Any, info: Callable[[Any], Any]) -> None:
-    """Add rr's middlewares to SGLang's app once; RuntimeError when the app is already serving (too late)."""
+    """Add rr's middlewares to SGLang's app once; ConfigurationError when the app is already serving (too late)."""
     if getattr(app.state, "rr_openai_routing", False):
         return
     if getattr(app, "middleware_stack", None) is not None:
-        raise RuntimeError(
+        raise ConfigurationError(
             "rr: SGLang's HTTP app started before its TokenizerManager was built (multi-tokenizer/granian "
             "worker?); rr cannot add its /generate and OpenAI routing there. Run one tokenizer worker.")
     app.add_middleware(GenerateFormatMiddleware)

@@ -54,7 +54,8 @@ def served_info(app: Any = None) -> Any:
 def bind_tokenizer_manager(tm: Any) -> None:
     """Remember ``tm`` for ``/rr/info``; add the route and rr's middlewares to SGLang's app when it is loaded here.
 
-    Raises RuntimeError when the app already serves (middlewares can no longer be added): never serve without.
+    Raises ConfigurationError when the app already serves (middlewares can no longer be added): never serve
+    without them.
     """
     global _TM
     _TM = weakref.ref(tm)

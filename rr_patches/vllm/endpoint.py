@@ -15,6 +15,7 @@ once vLLM's middleware is on the app).
 from __future__ import annotations
 
 from rr_client import settings
+from rr_client.errors import ConfigurationError
 
 import logging
 from typing import Any
@@ -63,7 +64,7 @@ class RREndpointPlugin:
         if self._app is None:
             return
         if engine_client is None:
-            raise RuntimeError("rr: the endpoint plugin needs an engine (not a render-only server)")
+            raise ConfigurationError("rr: the endpoint plugin needs an engine (not a render-only server)")
         from rr_patches.vllm.auth import protect_rr_routes
 
         how = protect_rr_routes(self._app, args)

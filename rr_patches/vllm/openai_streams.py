@@ -17,6 +17,8 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from rr_client.patching import wrap_once
+
 __all__ = ["StreamCollector", "collecting", "wrap_engine_generate", "fill_answer"]
 
 _COLLECTOR: contextvars.ContextVar["StreamCollector | None"] = contextvars.ContextVar(
@@ -68,14 +70,8 @@ async def _collected(gen: AsyncGenerator[Any, None], col: StreamCollector, slot:
         await gen.aclose()
 
 
-def wrap_engine_generate(engine_client: Any) -> bool:
-    """Let a streaming OpenAI request's collector see its outputs (once per engine client); True if wrapped now.
-
-    Without a collector in the calling context (every other request), ``generate`` is vLLM's own, untouched.
-    """
-    if engine_client is None or getattr(engine_client, "_rr_generate_wrapped", False):
-        return False
-    original = engine_client.generate
+def _collecting_generate(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``engine_client.generate`` that hands its outputs to the calling context's collector, if any."""
 
     def generate(*args: Any, **kwargs: Any) -> Any:
         col = _COLLECTOR.get()
@@ -84,9 +80,17 @@ def wrap_engine_generate(engine_client: Any) -> bool:
             return gen
         return _collected(gen, col, col.new_prompt())
 
-    engine_client.generate = generate
-    engine_client._rr_generate_wrapped = True
-    return True
+    return generate
+
+
+def wrap_engine_generate(engine_client: Any) -> bool:
+    """Let a streaming OpenAI request's collector see its outputs (once per engine client); True if wrapped now.
+
+    Without a collector in the calling context (every other request), ``generate`` is vLLM's own, untouched.
+    """
+    if engine_client is None:
+        return False
+    return wrap_once(engine_client, "generate", _collecting_generate, what="vLLM's engine client")
 
 
 def fill_answer(answer: Any, col: StreamCollector) -> None:

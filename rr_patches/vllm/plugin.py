@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from rr_client.patching import is_wrapped, wrap_once
 from rr_server.serving.vllm_facts import SUPPORTED, UnsupportedVLLMVersion, check_vllm_version, facts_for
 
 __all__ = ["register", "SUPPORTED", "check_vllm_version", "UnsupportedVLLMVersion", "uses_endpoint_plugin"]
@@ -33,7 +34,6 @@ _HOOK_SITES: tuple[tuple[str, str], ...] = (
     ("vllm.entrypoints.launchers.api_server.entry", "build_app"),  # 0.29-0.33 (from launchers/app.py)
     ("vllm.entrypoints.openai.api_server", "build_app"),  # <= 0.28 (defines and calls it)
 )
-_MARK = "__rr_patched__"
 _state: dict[str, Any] = {"registered": False}
 
 
@@ -48,7 +48,6 @@ def _wrap_build_app(orig: Callable[..., Any]) -> Callable[..., Any]:
         return app
 
     build_app.__wrapped__ = orig  # type: ignore[attr-defined]
-    setattr(build_app, _MARK, True)
     build_app.__name__ = getattr(orig, "__name__", "build_app")
     build_app.__doc__ = getattr(orig, "__doc__", None)
     return build_app
@@ -62,13 +61,13 @@ def _check_shape(fn: Callable[..., Any]) -> None:
 
 
 def _patch(mod: Any, attr: str) -> bool:
-    """Wrap ``mod.attr`` (a build_app) once; True if it is (now) patched."""
+    """Wrap ``mod.attr`` (a build_app) once (:func:`rr_client.patching.wrap_once`); True if it is (now) patched."""
     fn = getattr(mod, attr, None)
     if fn is None:
         return False
-    if not getattr(fn, _MARK, False):
-        _check_shape(fn)
-        setattr(mod, attr, _wrap_build_app(fn))
+    if not is_wrapped(mod, attr):
+        _check_shape(fn)  # only the leading ``args``: later parameters vary between releases
+        wrap_once(mod, attr, _wrap_build_app, what="vLLM")
     return True
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
+
+from rr_client.patching import wrap_once
 
 __all__ = ["install", "repack_cpu_experts"]
 
 logger = logging.getLogger("rr.vllm")
-_MARK = "__rr_repacks_cpu_experts__"
 
 
 def repack_cpu_experts(model: Any) -> int:
@@ -34,17 +36,8 @@ def repack_cpu_experts(model: Any) -> int:
     return done
 
 
-def install() -> bool:
-    """Wrap ``Worker.reload_weights`` (the CPU worker inherits it); False when this vLLM has no such method."""
-    try:
-        from vllm.v1.worker.gpu_worker import Worker
-    except Exception:  # noqa: BLE001 - a layout this fix does not know: leave vLLM alone
-        return False
-    orig = getattr(Worker, "reload_weights", None)
-    if orig is None:
-        return False
-    if getattr(orig, _MARK, False):
-        return True
+def _repacking(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``reload_weights`` that re-packs the CPU experts after vLLM's own reload."""
 
     @functools.wraps(orig)
     def reload_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -54,6 +47,16 @@ def install() -> bool:
             logger.info("rr: re-packed the CPU experts of %d MoE layers after reload_weights", n)
         return out
 
-    setattr(reload_weights, _MARK, True)
-    Worker.reload_weights = reload_weights  # type: ignore[method-assign]
+    return reload_weights
+
+
+def install() -> bool:
+    """Wrap ``Worker.reload_weights`` once (the CPU worker inherits it); False when this vLLM has no such method."""
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+    except Exception:  # noqa: BLE001 - a layout this fix does not know: leave vLLM alone
+        return False
+    if getattr(Worker, "reload_weights", None) is None:
+        return False
+    wrap_once(Worker, "reload_weights", _repacking, what="vLLM")
     return True

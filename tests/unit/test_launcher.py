@@ -111,6 +111,7 @@ def test_plugin_noop_without_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_plugin_hooks_build_app_idempotently(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rr_client.patching import MARKER, is_wrapped
     from rr_patches.vllm import plugin
 
     monkeypatch.setenv("RR_ENABLE", "1")
@@ -121,11 +122,11 @@ def test_plugin_hooks_build_app_idempotently(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(entry, "build_app", entry.build_app)  # restored after the test
     plugin.register()
     plugin.register()  # re-entrant
-    assert getattr(entry.build_app, "__rr_patched__", False)
-    assert not getattr(entry.build_app.__wrapped__, "__rr_patched__", False), "wrapped exactly once"
+    assert is_wrapped(entry, "build_app")
+    assert not getattr(entry.build_app.__wrapped__, MARKER, None), "wrapped exactly once"
     monkeypatch.setitem(plugin._state, "registered", False)
     plugin.register()  # a second registration pass must not wrap twice
-    assert not getattr(entry.build_app.__wrapped__, "__rr_patched__", False)
+    assert not getattr(entry.build_app.__wrapped__, MARKER, None)
 
 
 @pytest.mark.parametrize("version,cpu", [("0.29.0", True), ("0.21.0", False), ("0.34.0", False), ("0.32.0", True)])

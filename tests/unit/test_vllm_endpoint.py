@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from rr_client.patching import is_wrapped
+
 pytest.importorskip("vllm")
 
 
@@ -42,7 +44,7 @@ def test_general_plugin_skips_the_wrap_where_the_group_exists(monkeypatch: pytes
     plugin.register()
     plugin.register()
     assert plugin._state["registered"]
-    assert not getattr(entry.build_app, "__rr_patched__", False), "0.30+: no build_app wrap"
+    assert not is_wrapped(entry, "build_app"), "0.30+: no build_app wrap"
 
 
 @pytest.mark.parametrize("value", [None, "", "other"])
