@@ -1,10 +1,11 @@
-"""rr's routes behind vLLM's own ``--api-key`` check.
+"""rr's routes and vLLM's dev-mode routes behind vLLM's own ``--api-key`` check.
 
 vLLM's ``AuthenticationMiddleware`` guards only paths under ``GUARDED_PREFIX`` (``/v1``, ``/v2``,
-``/inference``, ``/cohere`` in 0.30), so ``/generate`` and ``/rr/*`` would be open. rr adds its
-prefixes to that tuple, so the keys, the Bearer rule, the constant-time compare and the 401 body are
-vLLM's own. Where a vLLM has no such tuple, rr guards its paths with the same rule itself. Either way
-:func:`protect_rr_routes` verifies the result and refuses to serve an unprotected route.
+``/inference``, ``/cohere`` in 0.30-0.33), so ``/generate`` and ``/rr/*`` would be open, and so would the
+routes ``VLLM_SERVER_DEV_MODE=1`` opens (``/collective_rpc`` runs any worker method). rr adds its prefixes
+and the dev-mode paths to that tuple, so the keys, the Bearer rule, the constant-time compare and the 401
+body are vLLM's own. Where a vLLM has no such tuple, rr guards those paths with the same rule itself.
+Either way :func:`protect_rr_routes` verifies the result and refuses to serve an unprotected route.
 """
 
 from __future__ import annotations
@@ -15,15 +16,31 @@ import logging
 import secrets
 from typing import Any
 
-__all__ = ["RR_PREFIXES", "vllm_api_keys", "protect_rr_routes", "UnprotectedRoutesError"]
+from rr_client.errors import ConfigurationError
+
+__all__ = ["RR_PREFIXES", "DEV_MODE_PATHS", "vllm_api_keys", "dev_route_paths", "guarded_paths",
+           "protect_rr_routes", "UnprotectedRoutesError"]
 
 logger = logging.getLogger("rr.vllm")
 # Every route rr adds to vLLM's app lives under one of these.
 RR_PREFIXES = ("/generate", "/rr/")
+# The routes vLLM 0.30-0.33 serve only with VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/serve/dev/*, and from
+# 0.32 vllm/entrypoints/rl/online, which took over the weight-transfer routes): none under vLLM's prefixes.
+DEV_MODE_PATHS = (
+    "/collective_rpc", "/server_info",
+    "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache",
+    "/sleep", "/wake_up", "/is_sleeping", "/release_kv_cache_memory",
+    "/pause", "/resume", "/abort_requests", "/is_paused",
+    "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine", "/start_weight_update",
+    "/start_draft_weight_update", "/update_weights", "/finish_weight_update", "/update_weight_version",
+    "/weight_info", "/weight_checker", "/get_world_size",
+)
+# Modules whose routes exist only in dev mode: a route a later vLLM adds there is guarded too.
+_DEV_MODULES = ("vllm.entrypoints.serve.dev.", "vllm.entrypoints.rl.")
 _AUTH_MODULE = "vllm.entrypoints.serve.middleware.authenticate"
 
 
-class UnprotectedRoutesError(RuntimeError):
+class UnprotectedRoutesError(ConfigurationError, RuntimeError):
     """vLLM was given API keys but rr cannot put its routes behind them: the server must not start."""
 
 
@@ -35,8 +52,28 @@ def vllm_api_keys(args: Any) -> list[str]:
     return [k for k in (cli or [envs.VLLM_API_KEY]) if k]
 
 
-def _extend_vllm_prefixes() -> Any | None:
-    """Add rr's prefixes to vLLM's guarded tuple (re-entrant); the middleware class, or None if absent."""
+def dev_route_paths(app: Any) -> tuple[str, ...]:
+    """Paths of ``app``'s routes defined in vLLM's dev-mode modules (whatever this vLLM calls them)."""
+    found: list[str] = []
+    for route in getattr(app, "routes", ()):
+        module = getattr(getattr(route, "endpoint", None), "__module__", "") or ""
+        path = (getattr(route, "path", None) or "").split("{", 1)[0]  # a path parameter: guard its prefix
+        if path and module.startswith(_DEV_MODULES) and path not in found:
+            found.append(path)
+    return tuple(found)
+
+
+def guarded_paths(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Every path (prefix) rr puts behind the keys: rr's own, the dev-mode paths, and ``extra``."""
+    out: list[str] = []
+    for p in (*RR_PREFIXES, *DEV_MODE_PATHS, *extra):
+        if p not in out:
+            out.append(p)
+    return tuple(out)
+
+
+def _extend_vllm_prefixes(extra: tuple[str, ...] = ()) -> Any | None:
+    """Add :func:`guarded_paths` to vLLM's guarded tuple (re-entrant); the middleware class, or None if absent."""
     import importlib
 
     try:
@@ -47,7 +84,7 @@ def _extend_vllm_prefixes() -> Any | None:
     cls = getattr(mod, "AuthenticationMiddleware", None)
     if not isinstance(prefixes, tuple) or cls is None:
         return None
-    mod.GUARDED_PREFIX = prefixes + tuple(p for p in RR_PREFIXES if p not in prefixes)
+    mod.GUARDED_PREFIX = prefixes + tuple(p for p in guarded_paths(extra) if p not in prefixes)
     return cls
 
 
@@ -55,8 +92,20 @@ def _is_rr_path(path: str) -> bool:
     return path.startswith(RR_PREFIXES)
 
 
-async def _probe(middleware_cls: Any, keys: list[str], kwargs_name: str) -> dict[tuple[str, str], int]:
-    """Drive one instance of the middleware over rr's paths: no key, a wrong key, the first real key."""
+def _guard(extra: tuple[str, ...]) -> Any:
+    """``protect(path)`` for rr's own middleware: rr's paths and the dev-mode paths (prefix match, like vLLM)."""
+    prefixes = guarded_paths(extra)
+    return lambda path: path.startswith(prefixes)
+
+
+def _probe_paths(extra: tuple[str, ...]) -> tuple[str, ...]:
+    """One concrete request path per guarded entry (rr's ``/rr/`` prefix probed as ``/rr/info``)."""
+    return tuple("/rr/info" if p == "/rr/" else p for p in guarded_paths(extra))
+
+
+async def _probe(middleware_cls: Any, keys: list[str], kwargs_name: str,
+                 paths: tuple[str, ...]) -> dict[tuple[str, str], int]:
+    """Drive one instance of the middleware over ``paths``: no key, a wrong key, the first real key."""
     statuses: dict[tuple[str, str], int] = {}
 
     async def inner(scope: Any, receive: Any, send: Any) -> None:
@@ -65,7 +114,7 @@ async def _probe(middleware_cls: Any, keys: list[str], kwargs_name: str) -> dict
 
     mw = middleware_cls(inner, **{kwargs_name: keys})
     wrong = "rr-probe-" + secrets.token_hex(16)
-    for path in ("/generate", "/rr/info"):
+    for path in paths:
         for label, header in (("none", None), ("wrong", f"Bearer {wrong}"), ("right", f"Bearer {keys[0]}")):
             sent: list[int] = []
 
@@ -84,32 +133,51 @@ async def _probe(middleware_cls: Any, keys: list[str], kwargs_name: str) -> dict
     return statuses
 
 
-def _self_test(middleware_cls: Any, keys: list[str], kwargs_name: str) -> None:
-    """Refuse to start unless the middleware, as configured, refuses rr's paths without the key and admits it."""
+def _self_test(middleware_cls: Any, keys: list[str], kwargs_name: str, paths: tuple[str, ...]) -> None:
+    """Refuse to start unless the middleware, as configured, refuses ``paths`` without the key and admits it."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # build_app may run inside vLLM's event loop
-        statuses = pool.submit(asyncio.run, _probe(middleware_cls, keys, kwargs_name)).result()
+        statuses = pool.submit(asyncio.run, _probe(middleware_cls, keys, kwargs_name, paths)).result()
     bad = {k: v for k, v in statuses.items() if v != (200 if k[1] == "right" else 401)}
     if bad:
         raise UnprotectedRoutesError(
-            f"rr's routes are not protected by {middleware_cls.__name__} as expected: {bad}; refusing to start")
+            f"rr's routes or vLLM's dev-mode routes are not protected by {middleware_cls.__name__} as expected: "
+            f"{bad}; refusing to start")
+
+
+def _dev_mode_on() -> bool:
+    from vllm import envs
+
+    return bool(envs.VLLM_SERVER_DEV_MODE)
 
 
 def protect_rr_routes(app: Any, args: Any) -> str:
-    """Put rr's routes behind vLLM's keys; return how (for the log). Raises UnprotectedRoutesError."""
+    """Put rr's routes and vLLM's dev-mode routes behind vLLM's keys; return how (for the log).
+
+    Raises :class:`UnprotectedRoutesError` when keys are set and a guarded path would still answer without one.
+    """
     keys = vllm_api_keys(args)
-    vllm_cls = _extend_vllm_prefixes()
+    dev = dev_route_paths(app)
+    vllm_cls = _extend_vllm_prefixes(dev)
     if not keys:
+        if _dev_mode_on():
+            logger.warning("rr: VLLM_SERVER_DEV_MODE=1 without --api-key / VLLM_API_KEY: /collective_rpc and "
+                           "vLLM's other dev-mode routes answer anyone who reaches this server")
         return "no --api-key / VLLM_API_KEY: rr routes are open, like vLLM's own"
+    paths = _probe_paths(dev)
     if vllm_cls is not None:
         if not any(getattr(m, "cls", None) is vllm_cls for m in app.user_middleware):
             raise UnprotectedRoutesError(
                 "vLLM was given an API key but its AuthenticationMiddleware is not on the app; "
-                "refusing to serve rr's routes unprotected")
-        _self_test(vllm_cls, keys, "tokens")
-        return "vLLM's AuthenticationMiddleware (rr prefixes added to GUARDED_PREFIX; self-test passed)"
+                "refusing to serve rr's routes and vLLM's dev-mode routes unprotected")
+        _self_test(vllm_cls, keys, "tokens", paths)
+        return ("vLLM's AuthenticationMiddleware (rr prefixes and dev-mode paths added to GUARDED_PREFIX; "
+                "self-test passed)")
     from rr_server.serving.auth import ApiKeyMiddleware, ApiKeys
 
-    app.add_middleware(ApiKeyMiddleware, keys=ApiKeys.of(keys), protect=_is_rr_path)
-    _self_test(lambda inner, keys: ApiKeyMiddleware(inner, keys=ApiKeys.of(keys), protect=_is_rr_path), keys, "keys")
-    logger.warning("rr: vLLM has no %s.GUARDED_PREFIX; rr guards its own routes with the same keys", _AUTH_MODULE)
+    protect = _guard(dev)
+    app.add_middleware(ApiKeyMiddleware, keys=ApiKeys.of(keys), protect=protect)
+    _self_test(lambda inner, keys: ApiKeyMiddleware(inner, keys=ApiKeys.of(keys), protect=protect), keys, "keys",
+               paths)
+    logger.warning("rr: vLLM has no %s.GUARDED_PREFIX; rr guards its own and the dev-mode routes with the same "
+                   "keys", _AUTH_MODULE)
     return "rr's ApiKeyMiddleware with vLLM's keys (self-test passed)"
