@@ -52,7 +52,7 @@ def merge_reports(reports: Sequence[dict[str, float]], *, log_layers: bool = Fal
         return {}
     replayed = sum(r[K.REPLAYED_ROWS] for r in reports)
     out = {K.FORWARDS: sum(r[K.FORWARDS] for r in reports), K.REPLAYED_ROWS: replayed,
-           K.LEFT_ROWS: sum(r[K.LEFT_ROWS] for r in reports), K.MOE_LAYERS: max(r[K.MOE_LAYERS] for r in reports)}
+           K.LEFT_ROWS: sum(r[K.LEFT_ROWS] for r in reports), K.MOE_LAYERS: max(r.get(K.MOE_LAYERS, 0.0) for r in reports)}
     applied = [r[K.APPLIED_SHARE] for r in reports if not math.isnan(r[K.APPLIED_SHARE])]
     out[K.APPLIED_SHARE] = min(applied) if applied else math.nan
     shares = [v for r in reports for k, v in r.items()

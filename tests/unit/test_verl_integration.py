@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from rr_client.errors import (ExpertIdOutOfRangeError, MissingRoutingError, ShapeMismatchError,
-                              UnrecordedRoutingError)
+from rr_client.errors import (ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError, ShapeMismatchError,
+                              UnrecordedRoutingError, UnsupportedVersionError)
 from rr_client.info import RRInfo
 from rr_client.integrations.verl import accumulate_turn_rows, check_verl_version, packed_rows, unpack_recorded
-from rr_client.integrations.verl._engine import combine_reports, replay_mode
-from rr_client.integrations.verl._patches import _Checked, _install_extract_shim, checked_meta_routing, worker_replay_mode
+from rr_client.integrations.verl._engine import replay_mode
+from rr_client.integrations.verl._patches import (_Checked, _install_extract_shim, checked_meta_routing, fsdp_replay_on,
+                                                  verl_reads, worker_replay_mode)
 from tests.support.routing_data import make_routing
 
 CFG = {"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
@@ -106,12 +107,21 @@ def test_modes_and_worker_setting() -> None:
     # verl's worker config is an omegaconf DictConfig (tests/verl builds the real one); mappings read the same
     c = {"actor": {"strategy": "fsdp2", "fsdp_config": {"router_replay": {"mode": "R3"}}}}
     assert worker_replay_mode(c) == "R3"
+    assert fsdp_replay_on(c)
     c["actor"]["strategy"] = "megatron"  # verl's own engines handle megatron and veomni
-    assert worker_replay_mode(c) == "disabled"
+    assert worker_replay_mode(c) == "disabled" and not fsdp_replay_on(c)
     assert worker_replay_mode({"actor": {"strategy": "fsdp", "fsdp_config": {}}}) == "disabled"
+    c["actor"]["strategy"] = "fsdp"  # FSDP1 never ran with rr: refused, naming the setting that works
+    with pytest.raises(ConfigurationError, match="actor_rollout_ref.actor.strategy=fsdp2"):
+        worker_replay_mode(c)
+    assert not fsdp_replay_on(c)
+    c["actor"]["fsdp_config"]["router_replay"]["mode"] = "disabled"
+    assert worker_replay_mode(c) == "disabled"
 
 
 def test_combine_reports_takes_the_worst_share() -> None:
+    from rr_client.trainer.session import merge_reports as combine_reports
+
     a = {"r3/replayed_rows": 10.0, "r3/left_rows": 2.0, "r3/forwards": 1.0, "r3/applied_share": 1.0,
          "r3/agreement": 0.9, "r3/layer0/applied_share": 1.0}
     b = {**a, "r3/replayed_rows": 30.0, "r3/applied_share": 0.5, "r3/agreement": 0.5, "r3/layer0/applied_share": 0.5}
@@ -139,6 +149,16 @@ def test_sglang_base64_payload_is_decoded_and_checked() -> None:
         checked_meta_routing({"output_ids": [1], "meta_info": {"routed_experts": {}}}, 7, _Cfg())
 
 
+def test_rr_takes_over_only_what_verls_own_read_crashes_on() -> None:
+    """verl's skip_tokenizer_init branch calls ``.numpy()``: a tensor (SGLang < 0.5.11) or no routing stays verl's;
+    a base64 string (>= 0.5.11) or SGLang 0.5.7-0.5.9's ``{}`` is rr's. Its tokenizer branch imports SGLang's
+    module, absent here (as in SGLang >= 0.5.12)."""
+    out = lambda r: {"meta_info": {"routed_experts": r}}  # noqa: E731
+    assert verl_reads(out(torch.zeros(3, 3, 2)), True) and verl_reads({"meta_info": {}}, True)
+    assert not verl_reads(out("AAAA"), True) and not verl_reads(out({}), True)
+    assert not verl_reads(out(torch.zeros(3, 3, 2)), False)
+
+
 def test_extract_shim_stands_in_for_the_moved_sglang_module() -> None:
     name = "sglang.srt.layers.moe.routed_experts_capturer"
     saved = sys.modules.pop(name, None)
@@ -159,7 +179,9 @@ def test_extract_shim_stands_in_for_the_moved_sglang_module() -> None:
 def test_version_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     check_verl_version("0.9.1")
     monkeypatch.delenv("RR_ALLOW_UNSUPPORTED_VERSION", raising=False)
-    with pytest.raises(ImportError, match="tested with verl 0.9.1; this is verl 0.8.0"):
+    with pytest.raises(UnsupportedVersionError, match="tested with verl 0.9.1; found verl 0.8.0") as e:
         check_verl_version("0.8.0")
+    assert e.value.version == "0.8.0" and "RR_ALLOW_UNSUPPORTED_VERSION=1" in str(e.value)
+    assert check_verl_version("0.9.1.post1") == "0.9.1.post1"
     monkeypatch.setenv("RR_ALLOW_UNSUPPORTED_VERSION", "1")
-    check_verl_version("0.8.0")
+    assert check_verl_version("0.8.0") == "0.8.0"

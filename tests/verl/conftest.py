@@ -2,10 +2,16 @@
 layout and trainer data steps on this CPU machine, with rr's plugin installed from its ``verl.plugins`` entry point.
 
 Under any other environment (the main ``.venv`` has no verl) every test here is deselected, not skipped;
-test_sglang_read.py is deselected unless SGLang is importable too (the script's second run).
+test_sglang_read.py and the tests marked ``sglang`` are deselected unless SGLang is importable too (the script's
+second run).
 """
 
 from __future__ import annotations
+
+import os
+
+# every step audited here, so each test can read the audit of the step it ran (production default: every 10th)
+os.environ.setdefault("RR_AUDIT_EVERY", "1")
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +33,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if HAVE != WANT:
         deselect(config, items, lambda item: str(item.fspath).startswith(here))
     elif SGLANG is None:
-        deselect(config, items, lambda item: str(item.fspath).endswith("test_sglang_read.py"))
+        deselect(config, items, lambda item: str(item.fspath).startswith(here) and (
+            str(item.fspath).endswith("test_sglang_read.py") or item.get_closest_marker("sglang") is not None))
 
 
 @pytest.fixture(scope="session")

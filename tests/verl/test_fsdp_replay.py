@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from rr_client.errors import ExpertIdOutOfRangeError, MissingRoutingError, ReplayError, UnrecordedRoutingError
+from rr_client.errors import (ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError, ReplayError,
+                              UnrecordedRoutingError)
 from tests.verl import harness as h
 
 MOE_LAYERS = [0, 2]
@@ -224,21 +225,30 @@ def test_refusals(workers: Any, tokenizer: Any, model_dir: Any) -> None:
     assert w.actor.engine.rr_last_metrics["r3/applied_share"] == 1.0
     sp = h.ppo_config(model_dir, mode="R3")
     sp.actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size = 2
-    with pytest.raises(ReplayError, match="ulysses_sequence_parallel_size=2"):
+    with pytest.raises(ConfigurationError, match="ulysses_sequence_parallel_size=2"):
         h.actor_worker(sp)
 
 
 def test_worker_turns_replay_on_for_fsdp(workers: Any) -> None:
-    """verl forces replay "disabled" for every strategy but megatron/veomni; with rr its FSDP setting counts."""
+    """verl forces replay "disabled" for every strategy but megatron/veomni; with rr its fsdp2 setting counts, and
+    rr's engine is registered through verl's ``EngineRegistry.register`` under this process's (device, vendor)."""
     assert workers[("R3", True)][1].enable_routing_replay is True
     assert workers[("disabled", True)][1].enable_routing_replay is False
     from rr_client.integrations import verl as rr_verl
+    from rr_client.integrations.verl._patches import use_rr_engine
+    from rr_client.patching import is_wrapped
 
-    assert rr_verl.installed()  # by verl's own plugin loader (the rr entry point), not by this test
+    assert rr_verl.installed() and not rr_verl.failed_patches()  # by verl's own plugin loader (the rr entry point)
     from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    init, engines = ActorRolloutRefWorker.__init__, dict(EngineRegistry._engines["language_model"]["fsdp2"])
-    rr_verl.install()  # re-entrant: nothing is wrapped twice
+    assert is_wrapped(ActorRolloutRefWorker, "__init__")
+    ours = EngineRegistry.get_engine_cls("language_model", "fsdp2")
+    assert ours.__name__ == "RRFSDPEngineWithLMHead" and ours.__bases__ == (FSDPEngineWithLMHead,)
+    engines = dict(EngineRegistry._engines["language_model"]["fsdp2"])
+    assert engines["cuda"] is FSDPEngineWithLMHead  # verl's own registration is left as it is
+    init = ActorRolloutRefWorker.__init__
+    rr_verl.install()  # re-entrant: nothing is wrapped or registered twice
+    assert use_rr_engine("fsdp2") is ours  # a second R3 worker in this process registers nothing
     assert ActorRolloutRefWorker.__init__ is init and EngineRegistry._engines["language_model"]["fsdp2"] == engines
-    assert all(c.__name__ == "RRFSDPEngineWithLMHead" for c in engines.values())

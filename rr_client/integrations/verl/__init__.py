@@ -1,40 +1,55 @@
-"""R3 in verl's FSDP actor (verl 0.9.1): routing replay where verl offers none, and its SGLang read fixed.
+"""R3 in verl's FSDP2 actor (verl 0.9.1): routing replay where verl offers none, and its SGLang read fixed.
 
 Switched on by verl's own setting, as for Megatron: ``actor_rollout_ref.actor.fsdp_config.router_replay.mode``
 = ``R3`` (replay the rollout's rows; with ``actor_rollout_ref.rollout.enable_rollout_routing_replay=True``) or
-``R2`` (replay the log-prob recompute's own routing in the update epochs). Installing ``rr-replay[verl]``
-registers a ``verl.plugins`` entry point, so every verl process (driver and Ray workers) runs :func:`install`
-on ``import verl``; nothing else changes while the mode is ``disabled``. See docs/trainer.md.
+``R2`` (replay the log-prob recompute's own routing in the update epochs), with ``actor_rollout_ref.actor.strategy
+=fsdp2`` (FSDP1 with R2/R3 is refused). Installing rr-replay registers a ``verl.plugins`` entry point, so every verl
+process (driver and Ray workers) runs :func:`install` on ``import verl``. On a verl release rr was not tested with it
+logs one warning and patches nothing (``RR_ALLOW_UNSUPPORTED_VERSION=1`` patches anyway); each patch is contained
+(a failing one logs an error and leaves its module as verl ships it); nothing acts while the mode is ``disabled`` or
+the strategy is not fsdp2. See docs/trainer.md.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import logging
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ._gate import TESTED_VERL, check_verl_version
-from ._patches import PATCHES
-from ._rows import accumulate_turn_rows, packed_rows, unpack_recorded
+from rr_client.errors import UnsupportedVersionError
+from rr_client.versions import OVERRIDE
 
-__all__ = ["TESTED_VERL", "check_verl_version", "install", "installed", "accumulate_turn_rows", "packed_rows",
-           "unpack_recorded"]
+from ._gate import TESTED_VERL, check_verl_version
+from ._patches import FAILED, PATCHES, apply_patch
+
+__all__ = ["TESTED_VERL", "check_verl_version", "install", "installed", "failed_patches", "accumulate_turn_rows",
+           "packed_rows", "unpack_recorded"]
 
 logger = logging.getLogger("rr_client.integrations.verl")
+
+_ROWS = ("accumulate_turn_rows", "packed_rows", "unpack_recorded")  # torch: loaded on first use, not on import verl
+
+
+def __getattr__(name: str) -> Any:
+    """The row helpers, imported on first use (they need torch; the plugin import must stay cheap)."""
+    if name in _ROWS:
+        return getattr(importlib.import_module("._rows", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs a patch right after one named module executes (a post-import hook; no verl import of ours)."""
 
-    def __init__(self, patches: dict[str, Callable[[types.ModuleType], None]]) -> None:
-        self.patches = patches
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = set(names)
 
     def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> Any:
-        if name not in self.patches:
+        if name not in self.names:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -42,7 +57,6 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(name, path, target)
             if spec is not None and spec.loader is not None:
                 orig_loader = spec.loader
-                patch = self.patches[name]
 
                 class _Loader(importlib.abc.Loader):
                     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
@@ -50,7 +64,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
                     def exec_module(self, module: types.ModuleType) -> None:
                         orig_loader.exec_module(module)
-                        patch(module)
+                        apply_patch(name, module)  # contained: logs, never raises
+
+                    def __getattr__(self, attr: str) -> Any:  # get_source, is_package, ... of the real loader
+                        return getattr(orig_loader, attr)
 
                 spec.loader = _Loader()
                 return spec
@@ -58,20 +75,40 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 _finder: _AfterImport | None = None
+_turned_off: str | None = None  # the version gate's reason, warned once
 
 
 def install() -> None:
-    """Patch verl where rr plugs in: now for modules already imported, at import for the rest. Re-entrant."""
-    global _finder
+    """Patch verl where rr plugs in: now for modules already imported, at import for the rest. Re-entrant.
+
+    On a verl release rr was not tested with: one warning, nothing patched (unless ``RR_ALLOW_UNSUPPORTED_VERSION``).
+    The version comes from verl's metadata; no verl module is imported here.
+    """
+    global _finder, _turned_off
     if _finder is None:
+        try:
+            check_verl_version()
+        except UnsupportedVersionError as e:
+            if _turned_off is None:
+                _turned_off = str(e)
+                found = f"verl {e.version}" if e.version else "no installed verl version"
+                logger.warning("rr: %s is not what rr was tested with (verl %s): rr's FSDP routing replay is off and "
+                               "verl is left unpatched (router_replay R2/R3 on FSDP will not replay); set %s=1 to "
+                               "patch it anyway, at your own risk", found, e.tested or TESTED_VERL, OVERRIDE)
+            return
         _finder = _AfterImport(PATCHES)
         sys.meta_path.insert(0, _finder)
-    for name, patch in PATCHES.items():
+    for name in PATCHES:
         mod = sys.modules.get(name)
         if mod is not None:
-            patch(mod)
+            apply_patch(name, mod)
 
 
 def installed() -> bool:
-    """Whether :func:`install` ran in this process (the plugin entry point runs it on ``import verl``)."""
+    """Whether :func:`install` patched this process (the plugin entry point runs it on ``import verl``)."""
     return _finder is not None and _finder in sys.meta_path
+
+
+def failed_patches() -> dict[str, str]:
+    """verl modules whose patch failed in this process (each was logged once), with why."""
+    return dict(FAILED)

@@ -1,17 +1,26 @@
-"""verl's ``verl.plugins`` entry point: importing this module installs rr's verl patches (verl loads it on import).
+"""verl's ``verl.plugins`` entry point (registered for every install of rr-replay; verl loads it on ``import verl``).
 
-verl swallows a failing plugin at debug level, so a failure here is logged as an error before it is re-raised.
+Cheap and harmless where rr's replay is not used: it imports rr's small core and the version gate (no torch, no
+verl module), and :func:`rr_client.integrations.verl.install` only hooks the four verl modules rr patches, each
+acting only with ``router_replay`` R2/R3 on fsdp2. It never raises out of verl's import: verl would swallow the
+error at debug level, so a failure is logged here as an error (router_replay on FSDP will then not run).
 """
 
 from __future__ import annotations
 
 import logging
 
-try:
-    from rr_client.integrations.verl import install
 
-    install()
-except Exception:  # pragma: no cover - logged for the user, then verl's loader sees it too
-    logging.getLogger("rr_client.integrations.verl").exception("rr: installing the verl patches failed; "
-                                                               "router_replay on FSDP will not run")
-    raise
+def _load() -> None:
+    """Install rr's verl patches; log, never raise."""
+    try:
+        from rr_client.integrations.verl import install
+
+        install()
+    except Exception:  # noqa: BLE001 - never out of verl's import
+        logging.getLogger("rr_client.integrations.verl").error(
+            "rr: installing the verl patches failed; verl runs unpatched (router_replay R2/R3 on FSDP will not "
+            "replay)", exc_info=True)
+
+
+_load()
