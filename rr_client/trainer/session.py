@@ -109,14 +109,17 @@ class ReplaySession:
         return self._stack is not None
 
     # ------------------------------------------------------------------ per micro-batch
-    def open_replay(self, routed_experts: Any, mask: Any = None, *, layers: Sequence[int] | None = None) -> None:
+    def open_replay(self, routed_experts: Any, mask: Any = None, *, layers: Sequence[int] | None = None,
+                    tokens: Any = None) -> None:
         """Close the previous micro-batch's block, then replay ``routed_experts`` (rows, or a
-        :class:`rr_client.RoutingTensors` / :class:`rr_client.PackedRouting`) in the next forwards."""
+        :class:`rr_client.RoutingTensors` / :class:`rr_client.PackedRouting`) in the next forwards. ``tokens``:
+        which rows are real tokens (pads are counted neither replayed nor left; a RoutingTensors' own
+        ``attention_mask`` by default), so every trainer's layout counts the same rows."""
         self.close()
         stack = ExitStack()
         report = stack.enter_context(replay_routing(
             self.model, routed_experts, mask, layers=layers if layers is not None else self.layers,
-            check_every=self.check_every, audit=self.audited, allow_untested=self.allow_untested))
+            check_every=self.check_every, audit=self.audited, allow_untested=self.allow_untested, tokens=tokens))
         if report is not None:
             self._reports.append(report)  # the audit fills it when the block closes
         self._stack = stack
@@ -133,13 +136,13 @@ class ReplaySession:
         return rec
 
     @contextmanager
-    def forward(self, routed_experts: Any, mask: Any = None, *, layers: Sequence[int] | None = None
-                ) -> Iterator[None]:
+    def forward(self, routed_experts: Any, mask: Any = None, *, layers: Sequence[int] | None = None,
+                tokens: Any = None) -> Iterator[None]:
         """A replay block closed when the ``with`` ends, for forwards without a backward (old-policy, reference);
-        the block kept open for a backward, if any, stays open."""
+        the block kept open for a backward, if any, stays open. ``tokens``: as in :meth:`open_replay`."""
         with replay_routing(self.model, routed_experts, mask, layers=layers if layers is not None else self.layers,
                             check_every=self.check_every, audit=self.audited,
-                            allow_untested=self.allow_untested) as report:
+                            allow_untested=self.allow_untested, tokens=tokens) as report:
             yield
         if report is not None:
             self._reports.append(report)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from rr_client.errors import ShapeMismatchError
 from rr_client.trainer.replay import ReplayError, record_routing, replay_routing
 
 from .tiny_models import EXPERTS, LAYERS, TOPK, VOCAB, tiny_model
@@ -58,6 +59,28 @@ def test_correct_replay_reports_100_percent(qwen: Any) -> None:
         assert rep[f"r3/layer{layer}/applied_share"] == 1.0
     assert "r3/layer1/replayed_rows" not in rep  # dense layer
     assert all(isinstance(v, float) for v in rep.values())  # a plain dict of numbers a trainer logs as is
+
+
+def test_pad_tokens_count_neither_replayed_nor_left(qwen: Any) -> None:
+    """With ``tokens`` (a RoutingTensors' attention_mask by default), the rows of pad tokens are in no count, so a
+    padded layout (TRL) and a packed one (verl) of the same samples report the same rows."""
+    x = ids()
+    forced = other_ids(6)
+    tokens = torch.ones(B, T, dtype=torch.bool)
+    tokens[0, :3] = False  # left padding
+    tokens[1, -2:] = False  # right padding
+    mask = tokens.clone()
+    mask[1, -3] = False  # a real token without a recorded row (the last sampled token)
+    with torch.no_grad(), replay_routing(qwen, forced, mask, tokens=tokens, audit=True) as rep:
+        qwen(x)
+    assert rep["r3/replayed_rows"] == 2 * int(mask.sum())
+    assert rep["r3/left_rows"] == 2 * 1
+    with torch.no_grad(), replay_routing(qwen, forced, mask, audit=True) as rep:  # without tokens: pads are left
+        qwen(x)
+    assert rep["r3/left_rows"] == 2 * (B * T - int(mask.sum()))
+    with pytest.raises(ShapeMismatchError, match="tokens shape"):
+        with replay_routing(qwen, forced, mask, tokens=tokens[:, :-1], audit=True):
+            pass
 
 
 def test_forced_ids_mask_and_pads_are_counted(qwen: Any) -> None:

@@ -232,7 +232,13 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         except BaseException:
             self.rr_session.abandon()
             raise
-        self._log(self.rr_session.flush(), "train")  # after backward: audit verdicts raise here
+        # after backward: audit verdicts raise here. One flush per optimizer step (TRL's gradient-accumulation
+        # boundary), so the step's metrics merge its micro-batches by the session's rules (token-weighted gaps,
+        # worst share), as verl's do per mini-batch, not as a mean of per-micro-batch values.
+        if self.accelerator.sync_gradients:
+            self._log(self.rr_session.flush(), "train")
+        else:
+            self.rr_session.close()
         return out
 
     def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -259,7 +265,7 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         for s in range(0, input_ids.size(0), bs):
             e = min(s + bs, input_ids.size(0))
             rows, mask = rt.routed_experts[s:e], rt.routed_experts_mask[s:e]
-            ctx = (session.forward(rows, mask, layers=rt.layers) if self.r3
+            ctx = (session.forward(rows, mask, layers=rt.layers, tokens=rt.attention_mask[s:e]) if self.r3
                    else session.recording(rows, mask))
             with ctx:
                 out = super()._get_per_token_logps_and_entropies(

@@ -136,13 +136,18 @@ def make_engine_class(base: type) -> type:
             else:
                 assert self.rr_info is not None
                 rows, mask = packed_rows(micro_batch["routed_experts"], offsets, self.rr_info)
+                tokens = None  # which rows are real tokens: pads count neither replayed nor left
                 if rmpad:
                     if pad:
+                        tokens = torch.cat([mask.new_ones(rows.shape[0]), mask.new_zeros(pad)])
                         rows = torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))])
                         mask = torch.cat([mask, mask.new_zeros(pad)])
                 else:
-                    rows, mask = padded_rows(rows, mask, offsets, model_inputs["input_ids"].shape[-1])
-                session.open_replay(rows, mask)  # kept open until the next micro-batch: its backward runs replayed
+                    width = model_inputs["input_ids"].shape[-1]
+                    rows, mask = padded_rows(rows, mask, offsets, width)
+                    tokens = _valid(width, offsets.to(mask.device))
+                # kept open until the next micro-batch: its backward runs replayed
+                session.open_replay(rows, mask, tokens=tokens)
             output_args["rr_pad"] = pad
             return model_inputs, output_args
 

@@ -57,13 +57,14 @@ class Audit:
         self.rows = rows
         self.tally = tally
         z = dict.fromkeys([r.layer for r in routers], 0)
-        self.replayed, self.left_rows, self.checked = dict(z), dict(z), dict(z)
+        self.replayed, self.runs, self.checked = dict(z), dict(z), dict(z)  # runs: forwards, recomputes not
         self.applied_direct = dict(z)
         self.router_runs, self.expert_runs = dict(z), dict(z)
         self.expect: dict[int, torch.Tensor] = {}
         self.bad_experts: dict[int, str] = {}
         self.forwards = 0
         self.counts: dict[str, int] = {}
+        self.n_tokens: int = rows.n_rows  #: real tokens among the rows (pads excluded; the tally's "tokens")
 
     def on_router(self, r: Router, own: torch.Tensor, new_ids: torch.Tensor, recompute: bool) -> None:
         """After the replay hook: remember what the experts must receive; count agreement (forwards only)."""
@@ -73,7 +74,7 @@ class Audit:
             return
         lr = self.rows.layers[r.layer]
         self.replayed[r.layer] += lr.n_use
-        self.left_rows[r.layer] += self.rows.n_rows - lr.n_use
+        self.runs[r.layer] += 1
         if lr.n_use:
             assert lr.ids_sorted is not None
             same = (own.sort(dim=-1).values == lr.ids_sorted).all(dim=-1, keepdim=True)
@@ -103,6 +104,12 @@ class Audit:
     def finish(self, counts: dict[str, int]) -> None:
         """Take the device counts read when the block exits."""
         self.counts = counts
+        if "tokens" in counts:
+            self.n_tokens = counts["tokens"]
+
+    def left_rows(self, layer: int) -> int:
+        """Rows of real tokens left to the model's own choice in ``layer`` (pads count neither way)."""
+        return self.runs[layer] * self.n_tokens - self.replayed[layer]
 
     def _agree(self, layer: int) -> int:
         return self.counts.get(f"agree/{layer}", 0)
@@ -117,7 +124,7 @@ class Audit:
         out[K.FORWARDS] = float(self.forwards)
         out[K.MOE_LAYERS] = float(len(self.routers))
         out[K.REPLAYED_ROWS] = float(rep)
-        out[K.LEFT_ROWS] = float(sum(self.left_rows.values()))
+        out[K.LEFT_ROWS] = float(sum(self.left_rows(r.layer) for r in self.routers))
         out[K.APPLIED_SHARE] = sum(self._applied(r.layer) for r in self.routers) / chk if chk else float("nan")
         out[K.AGREEMENT] = sum(self._agree(r.layer) for r in self.routers) / rep if rep else float("nan")
         out[K.LEFT_LAYERS_HASH] = float(sum(x.why == "hash" for x in self.left))
@@ -127,12 +134,12 @@ class Audit:
         for r in self.routers:
             i = r.layer
             out[K.layer(i, "replayed_rows")] = float(self.replayed[i])
-            out[K.layer(i, "left_rows")] = float(self.left_rows[i])
+            out[K.layer(i, "left_rows")] = float(self.left_rows(i))
             out[K.layer(i, "applied_share")] = self._applied(i) / self.checked[i] if self.checked[i] else float("nan")
             out[K.layer(i, "agreement")] = self._agree(i) / self.replayed[i] if self.replayed[i] else float("nan")
         for x in self.left:
             if x.why == "hash" and x.layer is not None:
-                out[K.layer(x.layer, "left_rows_hash")] = float(self.rows.n_rows * self.forwards)
+                out[K.layer(x.layer, "left_rows_hash")] = float(self.n_tokens * self.forwards)
         return out
 
     def problems(self) -> list[str]:

@@ -32,15 +32,19 @@ CHECK_EVERY = 16
 _REPLAYED_FORWARDS: weakref.WeakKeyDictionary[nn.Module, dict[int, int]] = weakref.WeakKeyDictionary()
 
 
-def _unwrap(routed_experts: Any, mask: Any, layers: Sequence[int] | None) -> tuple[Any, Any, Sequence[int] | None]:
-    """A :class:`RoutingTensors` / :class:`PackedRouting` gives its rows, mask and layer axis."""
+def _unwrap(routed_experts: Any, mask: Any, layers: Sequence[int] | None, tokens: Any
+            ) -> tuple[Any, Any, Sequence[int] | None, Any]:
+    """A :class:`RoutingTensors` / :class:`PackedRouting` gives its rows, mask, layer axis and (padded layout)
+    which rows are real tokens (its ``attention_mask``)."""
     if hasattr(routed_experts, "routed_experts") and hasattr(routed_experts, "routed_experts_mask"):
         if mask is None:
             mask = routed_experts.routed_experts_mask
         if layers is None:
             layers = routed_experts.layers
+        if tokens is None:
+            tokens = getattr(routed_experts, "attention_mask", None)
         routed_experts = routed_experts.routed_experts
-    return routed_experts, mask, layers
+    return routed_experts, mask, layers, tokens
 
 
 class ReplayHook:
@@ -104,6 +108,7 @@ def replay_routing(
     check_every: int = CHECK_EVERY,
     audit: bool = False,
     allow_untested: bool = False,
+    tokens: torch.Tensor | None = None,
 ) -> Iterator[dict[str, float] | None]:
     """Force ``routed_experts`` as every MoE router's top-k choice inside the block; weights stay differentiable.
 
@@ -127,7 +132,9 @@ def replay_routing(
     routers outside the decoder's layer list (MTP/draft layers, towers) are left to the model.
 
     ``audit=True`` yields a dict, filled when the block exits, that a trainer logs as is: ``r3/forwards``,
-    ``r3/moe_layers``, ``r3/replayed_rows``, ``r3/left_rows`` (mask, pads), ``r3/applied_share`` (replayed
+    ``r3/moe_layers``, ``r3/replayed_rows``, ``r3/left_rows`` (rows of real tokens left to
+    the model: mask False; pad tokens count neither way when ``tokens`` says which rows are real, by default a
+    :class:`RoutingTensors`' ``attention_mask``), ``r3/applied_share`` (replayed
     rows whose experts module received exactly the replayed ids, observed at the experts' input),
     ``r3/agreement`` (replayed rows the model's own router chose too), the same per layer
     (``r3/layer<i>/...``) and the layers left to the model. Leaving the block raises :class:`ReplayError`
@@ -140,7 +147,7 @@ def replay_routing(
     """
     if check_every < 1:
         raise ValueError(f"check_every must be >= 1, got {check_every}")
-    routed_experts, mask, layers = _unwrap(routed_experts, mask, layers)
+    routed_experts, mask, layers, tokens = _unwrap(routed_experts, mask, layers, tokens)
     routers, left = survey(model, allow_untested=allow_untested)
     if not routers:
         raise UnsupportedModelError(f"no replayable MoE router in {type(model).__name__}'s decoder layers")
@@ -169,6 +176,11 @@ def replay_routing(
 
     tally = DeviceTally()
     aud = Audit(routers, left, rows, tally) if audit else None
+    if aud is not None and tokens is not None:
+        tok = torch.as_tensor(tokens)
+        if tuple(tok.shape) != lead:
+            raise ShapeMismatchError(f"tokens shape {tuple(tok.shape)} does not match routed_experts rows {lead}")
+        tally.add("tokens", tok.bool().sum())  # read with the audit's counts at exit: no extra host read
     ckpt = any(getattr(mod, "gradient_checkpointing", False) is True for mod in model.modules())
     hook = ReplayHook(rows, tally, aud, _REPLAYED_FORWARDS.setdefault(model, {}),
                       check_every if check_formula else None, ckpt)
