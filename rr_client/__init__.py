@@ -47,6 +47,7 @@ from rr_client.errors import (
     WeightSyncError,
     UnsupportedVersionError,
     MissingDependencyError,
+    ArgumentTypeError,
     ConfigurationError,
     SettingError,
 )
@@ -94,7 +95,7 @@ __all__ = [
     "TransportError", "ConnectError", "RequestTimeoutError", "ConnectionLostError",
     "ServerError", "RequestRejectedError", "AuthenticationError", "ProtocolError",
     "ReplicaMismatchError", "ReplayError", "UnsupportedModelError", "WeightSyncError",
-    "UnsupportedVersionError", "MissingDependencyError", "ConfigurationError", "SettingError",
+    "UnsupportedVersionError", "MissingDependencyError", "ConfigurationError", "ArgumentTypeError", "SettingError",
     "RRInfo", "load_config", "moe_layers_from_config", "hash_layers_from_config", "routing_dims_from_config",
     "__version__",
 ]

@@ -17,7 +17,7 @@ from rr_client.http_errors import error_for_status, map_httpx_error
 from rr_client._openai import CHAT_PATH, COMPLETIONS_PATH, openai_body, parse_choices
 from rr_client._replicas import Replica, ReplicaPool, ReplicaStats
 from rr_client._results import GenerateBatch, GenerateResult, parse_sample
-from rr_client.errors import ProtocolError, RequestRejectedError, RRError, ServerError, TransportError
+from rr_client.errors import ArgumentTypeError, ConfigurationError, ProtocolError, RRError, RequestRejectedError, ServerError, TransportError
 from rr_client.info import RRInfo
 
 if TYPE_CHECKING:
@@ -72,15 +72,15 @@ class RoutedExpertsClient:
         info: RRInfo | None = None,
     ) -> None:
         if max_concurrency < 1 or batch_size < 1 or retries < 0:
-            raise ValueError("max_concurrency and batch_size must be >= 1, retries >= 0")
+            raise ConfigurationError("max_concurrency and batch_size must be >= 1, retries >= 0")
         if probe_interval <= 0:
-            raise ValueError("probe_interval must be > 0")
+            raise ConfigurationError("probe_interval must be > 0")
         for name, path in (("generate_path", generate_path), ("health_path", health_path)):
             if not path.startswith("/"):
-                raise ValueError(f"{name} must start with '/', got {path!r}")
+                raise ConfigurationError(f"{name} must start with '/', got {path!r}")
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not all(isinstance(u, str) and u for u in urls):
-            raise TypeError("base_url must be a URL or a list of URLs")
+            raise ArgumentTypeError("base_url must be a URL or a list of URLs")
         key = api_key if api_key is not None else settings.text(API_KEY_ENV)
         all_headers = dict(headers or {})
         if key:
@@ -107,7 +107,7 @@ class RoutedExpertsClient:
         self._validate = validate
         self._generate_path = generate_path
         if info is not None and not isinstance(info, RRInfo):
-            raise TypeError(f"info must be an RRInfo, got {type(info).__name__}")
+            raise ArgumentTypeError(f"info must be an RRInfo, got {type(info).__name__}")
         self._info: RRInfo | None = info  # given: /rr/info is never asked (servers behind sglang-router 404 it)
         self._info_lock = asyncio.Lock()
 
@@ -242,10 +242,10 @@ class RoutedExpertsClient:
         params = dict(sampling_params or {})
         n = params.get("n", 1)
         if not isinstance(n, int) or n < 1:
-            raise ValueError(f"sampling_params.n must be a positive int, got {n!r}")
+            raise ConfigurationError(f"sampling_params.n must be a positive int, got {n!r}")
         start = routed_experts_start or 0
         if start < 0:
-            raise ValueError(f"routed_experts_start must be >= 0, got {start}")
+            raise ConfigurationError(f"routed_experts_start must be >= 0, got {start}")
         info = await self.info()
         chunks = [range(i, min(i + self._batch_size, len(plist))) for i in range(0, len(plist), self._batch_size)]
         tasks = [
@@ -273,7 +273,7 @@ class RoutedExpertsClient:
         sub = [prompts[i] for i in idx]
         key = "input_ids" if isinstance(sub[0], list) else "text"
         if any(isinstance(p, list) != (key == "input_ids") for p in sub):
-            raise ValueError("a batch must be all text prompts or all token-id prompts")
+            raise ConfigurationError("a batch must be all text prompts or all token-id prompts")
         body: dict[str, Any] = {key: sub, "sampling_params": params, "return_routed_experts": want}
         if start is not None:
             body["routed_experts_start"] = start
@@ -323,7 +323,7 @@ class RoutedExpertsClient:
         """
         plist = _normalize_prompts(prompt)
         if len(plist) != 1:
-            raise ValueError("complete() takes one prompt; call it once per prompt (or use generate for a batch)")
+            raise ConfigurationError("complete() takes one prompt; call it once per prompt (or use generate for a batch)")
         p = plist[0]
         return await self._openai(COMPLETIONS_PATH, {"prompt": p}, sampling_params, want=return_routed_experts,
                                   start=routed_experts_start, affinity=affinity, extra=extra_body,
@@ -347,7 +347,7 @@ class RoutedExpertsClient:
         start`` rows.
         """
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+            raise ConfigurationError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
         payload: dict[str, Any] = {"messages": [dict(m) for m in messages]}
         if tools is not None:
             payload["tools"] = [dict(t) for t in tools]
@@ -359,7 +359,7 @@ class RoutedExpertsClient:
                       sent_ids: list[int] | None) -> GenerateBatch:
         """One OpenAI-endpoint call, every choice checked."""
         if start is not None and start < 0:
-            raise ValueError(f"routed_experts_start must be >= 0, got {start}")
+            raise ConfigurationError(f"routed_experts_start must be >= 0, got {start}")
         info = await self.info()
         model = (extra or {}).get("model") or info.model
         body = openai_body(params, model=model, want=want, start=start, extra=extra)
@@ -396,12 +396,12 @@ def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[str | list[in
     elif isinstance(prompts, Sequence):
         plist = [p if isinstance(p, str) else list(p) for p in prompts]
     else:
-        raise TypeError(f"prompts must be a string, a token-id list, or a list of them; got {type(prompts).__name__}")
+        raise ArgumentTypeError(f"prompts must be a string, a token-id list, or a list of them; got {type(prompts).__name__}")
     if not plist:
-        raise ValueError("no prompts given")
+        raise ConfigurationError("no prompts given")
     for i, p in enumerate(plist):
         if isinstance(p, list) and not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
-            raise TypeError(f"prompt {i}: token-id prompts must be lists of non-negative ints")
+            raise ArgumentTypeError(f"prompt {i}: token-id prompts must be lists of non-negative ints")
         if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty")
+            raise ConfigurationError(f"prompt {i} is empty")
     return plist

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import orjson
 
-from rr_client.errors import ReplicaMismatchError
+from rr_client.errors import ConfigurationError, ReplicaMismatchError
 from rr_client.info import RRInfo
 
 __all__ = ["Replica", "ReplicaPool", "ReplicaStats", "INFO_KEYS", "info_mismatch"]
@@ -77,9 +77,9 @@ class ReplicaPool:
     def __init__(self, urls: list[str], make_http: Callable[[str], httpx.AsyncClient], *, health_path: str = "/health",
                  probe_interval: float = 1.0) -> None:
         if not urls:
-            raise ValueError("no replica URL given")
+            raise ConfigurationError("no replica URL given")
         if len(set(urls)) != len(urls):
-            raise ValueError(f"replica URLs must be distinct: {urls}")
+            raise ConfigurationError(f"replica URLs must be distinct: {urls}")
         self.replicas = [Replica(u, make_http(u)) for u in urls]
         self.health_path = health_path
         self.probe_interval = probe_interval

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from rr_client.errors import ConfigurationError
+
 __all__ = ["count_matches", "routing_agreement", "set_matches"]
 
 
@@ -30,7 +32,7 @@ def set_matches(a: Any, b: Any, *, layers: Sequence[int] | None = None) -> np.nd
     """
     x, y = _ids(a), _ids(b)
     if x.shape != y.shape:
-        raise ValueError(f"routing shapes differ: {x.shape} vs {y.shape}")
+        raise ConfigurationError(f"routing shapes differ: {x.shape} vs {y.shape}")
     if layers is not None:
         idx = list(layers)
         x, y = x[..., idx, :], y[..., idx, :]
@@ -54,8 +56,8 @@ def routing_agreement(own: Any, replayed: Any, mask: Any = None, *, layers: Sequ
     if mask is not None:
         m = _ids(mask).astype(bool)
         if m.shape != same.shape[:-1]:
-            raise ValueError(f"mask {m.shape} does not match routing rows {same.shape[:-1]}")
+            raise ConfigurationError(f"mask {m.shape} does not match routing rows {same.shape[:-1]}")
         same = same[m]
     if same.size == 0:
-        raise ValueError("no (token, layer) cells selected")
+        raise ConfigurationError("no (token, layer) cells selected")
     return float(same.mean())

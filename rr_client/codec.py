@@ -19,6 +19,8 @@ import pybase64
 
 import rr_client._rowcheck as _rowcheck
 from rr_client.errors import (
+    ArgumentTypeError,
+    ConfigurationError,
     ExpertIdOutOfRangeError,
     MalformedPayloadError,
     MissingRoutingError,
@@ -58,9 +60,9 @@ _DTYPE_NAMES = {"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64",
 def wire_dtype(num_experts: int) -> np.dtype[Any]:
     """``uint8`` for up to 256 experts (vLLM's rule, inclusive), ``uint16`` up to 65536."""
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        raise ConfigurationError(f"num_experts must be a positive int, got {num_experts!r}")
     if num_experts > MAX_EXPERTS:
-        raise ValueError(f"num_experts={num_experts} exceeds the wire format's limit of {MAX_EXPERTS}")
+        raise ConfigurationError(f"num_experts={num_experts} exceeds the wire format's limit of {MAX_EXPERTS}")
     return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.uint16)
 
 
@@ -186,16 +188,16 @@ def encode_routed_experts(checked: CheckedRouting) -> str:
     The only public encoder, and it takes only :class:`CheckedRouting`: nothing reaches the wire unchecked.
     """
     if not isinstance(checked, CheckedRouting):
-        raise TypeError(f"encode_routed_experts takes a CheckedRouting from check_payload/check_routing, "
+        raise ArgumentTypeError(f"encode_routed_experts takes a CheckedRouting from check_payload/check_routing, "
                         f"got {type(checked).__name__}")
     arr = checked.array
     return pybase64.b64encode(b"".join((_npy_header(arr.dtype, arr.shape), arr.data))).decode("ascii")
 
 
 def check_format(fmt: Any) -> str:
-    """A ``routed_experts_format`` value: ``"npy"`` (rr's) or ``"sglang"``; raises ValueError naming the field."""
+    """A ``routed_experts_format`` value: ``"npy"`` (rr's) or ``"sglang"``; raises ConfigurationError (a ValueError) naming the field."""
     if fmt not in FORMATS:
-        raise ValueError(f"routed_experts_format must be one of {list(FORMATS)}, got {fmt!r}")
+        raise ConfigurationError(f"routed_experts_format must be one of {list(FORMATS)}, got {fmt!r}")
     return str(fmt)
 
 
@@ -206,7 +208,7 @@ def routing_meta_fields(checked: "CheckedRouting", fmt: str = "npy") -> dict[str
     ``fmt="sglang"`` gives SGLang's own payload (headerless int32 base64) for clients that decode it themselves.
     """
     if not isinstance(checked, CheckedRouting):
-        raise TypeError(f"routing_meta_fields takes a CheckedRouting from check_routing, got {type(checked).__name__}")
+        raise ArgumentTypeError(f"routing_meta_fields takes a CheckedRouting from check_routing, got {type(checked).__name__}")
     arr = checked.array
     if check_format(fmt) == "sglang":
         wide = arr.astype("<i4")  # C-contiguous copy: SGLang sends int32 ids with no header

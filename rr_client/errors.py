@@ -25,7 +25,8 @@ Imports nothing heavy. The hierarchy::
     ├── UnsupportedVersionError (RuntimeError)  an engine / trainer release rr was not tested on, or code that
     │                                     no longer has the shape rr wraps (one override: RR_ALLOW_UNSUPPORTED_VERSION)
     ├── MissingDependencyError (ImportError)  an optional dependency of the part you use is not installed
-    ├── ConfigurationError (ValueError)   a trainer / launcher setting rr refuses (named, with what to do instead)
+    ├── ConfigurationError (ValueError)   a setting or argument rr refuses (named, with what to do instead)
+    │   └── ArgumentTypeError (TypeError) an argument of a type rr does not take
     └── SettingError (ValueError)         an ``RR_*`` environment variable holds a value it cannot parse
 """
 
@@ -55,6 +56,7 @@ __all__ = [
     "UnsupportedVersionError",
     "MissingDependencyError",
     "ConfigurationError",
+    "ArgumentTypeError",
     "SettingError",
 ]
 
@@ -184,7 +186,11 @@ class MissingDependencyError(RRError, ImportError):
 
 
 class ConfigurationError(RRError, ValueError):
-    """A setting rr refuses because it would train unreplayed or insecurely (names the setting and what to do)."""
+    """A setting or argument rr refuses (names it, what it holds and what rr accepts or what to do instead)."""
+
+
+class ArgumentTypeError(ConfigurationError, TypeError):
+    """An argument of a type rr does not take (names the argument and the types it takes)."""
 
 
 class SettingError(RRError, ValueError):

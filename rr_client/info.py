@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rr_client.errors import ConfigurationError
 from rr_client._version import __version__
 from rr_client.codec import wire_dtype
 from rr_client.hf_config import hash_layers_from_config, moe_layers_from_config, routing_dims_from_config
@@ -47,16 +48,16 @@ class RRInfo(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "RRInfo":
         if self.topk > self.num_experts:
-            raise ValueError(f"topk={self.topk} exceeds num_experts={self.num_experts}")
+            raise ConfigurationError(f"topk={self.topk} exceeds num_experts={self.num_experts}")
         bad = [i for i in [*self.moe_layers, *self.uncaptured_layers] if not 0 <= i < self.num_hidden_layers]
         if bad:
-            raise ValueError(f"moe_layers / uncaptured_layers {bad} outside [0, {self.num_hidden_layers})")
+            raise ConfigurationError(f"moe_layers / uncaptured_layers {bad} outside [0, {self.num_hidden_layers})")
         both = sorted(set(self.moe_layers) & set(self.uncaptured_layers))
         if both:
-            raise ValueError(f"layers {both} are both captured (moe_layers) and uncaptured_layers")
+            raise ConfigurationError(f"layers {both} are both captured (moe_layers) and uncaptured_layers")
         expected = wire_dtype(self.num_experts).name
         if self.wire_dtype != expected:
-            raise ValueError(f"wire_dtype {self.wire_dtype} but num_experts={self.num_experts} needs {expected}")
+            raise ConfigurationError(f"wire_dtype {self.wire_dtype} but num_experts={self.num_experts} needs {expected}")
         return self
 
     @classmethod

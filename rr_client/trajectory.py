@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rr_client._results import GenerateResult
-from rr_client.errors import ShapeMismatchError, TokenMismatchError
+from rr_client.errors import ArgumentTypeError, ConfigurationError, ShapeMismatchError, TokenMismatchError
 
 if TYPE_CHECKING:
     from rr_client._client import RoutedExpertsClient
@@ -29,7 +29,7 @@ def _token_list(token_ids: Sequence[int], what: str) -> list[int]:
     """Validated non-negative int token ids."""
     if isinstance(token_ids, (str, bytes)) or not all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in token_ids):
-        raise TypeError(f"{what} must be a list of non-negative int token ids")
+        raise ArgumentTypeError(f"{what} must be a list of non-negative int token ids")
     return [int(t) for t in token_ids]
 
 
@@ -164,13 +164,13 @@ class Trajectory(_Rollout):
                  affinity: Hashable | None = None) -> None:
         super().__init__(client, prompt_ids, affinity)
         if not self._tokens:
-            raise ValueError("prompt_ids is empty")
+            raise ConfigurationError("prompt_ids is empty")
 
     async def generate(self, sampling_params: Mapping[str, Any] | None = None) -> GenerateResult:
         """One model turn on every token so far, asking only for the rows not held yet."""
         params = dict(sampling_params or {})
         if params.get("n", 1) != 1:
-            raise ValueError("a trajectory turn samples one continuation (n=1)")
+            raise ConfigurationError("a trajectory turn samples one continuation (n=1)")
         start = self._rows
         batch = await self._client.generate([list(self._tokens)], params, routed_experts_start=start,
                                             affinity=self.affinity)
@@ -205,7 +205,7 @@ class ChatTrajectory(_Rollout):
         """One model turn; the assistant message is appended to ``messages``."""
         params = dict(sampling_params or {})
         if params.get("n", 1) != 1:
-            raise ValueError("a trajectory turn samples one continuation (n=1)")
+            raise ConfigurationError("a trajectory turn samples one continuation (n=1)")
         start = self._rows
         batch = await self._client.chat(self.messages, params, tools=self.tools, routed_experts_start=start,
                                         affinity=self.affinity)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rr_client import settings
-from rr_client.errors import UnsupportedVersionError
+from rr_client.errors import ConfigurationError, UnsupportedVersionError
 
 __all__ = ["Tested", "check_version", "installed_version", "parse_release", "OVERRIDE"]
 
@@ -26,7 +26,7 @@ def parse_release(version: str) -> tuple[int, ...]:
     """``"0.30.0+cpu"`` -> ``(0, 30, 0)``, ``"0.5.10.post1"`` -> ``(0, 5, 10)``; ValueError if not a release."""
     m = _RELEASE.match(version.strip()) if isinstance(version, str) else None
     if m is None:
-        raise ValueError(f"cannot parse version {version!r}")
+        raise ConfigurationError(f"cannot parse version {version!r}")
     return tuple(int(x) for x in m.group(1).split("."))
 
 

@@ -8,13 +8,13 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from rr_client.errors import MissingRoutingError, ShapeMismatchError
+from rr_client.errors import ConfigurationError, MissingDependencyError, MissingRoutingError, ShapeMismatchError
 from rr_client.info import RRInfo
 
 try:
     import torch
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("rr_client.to_tensors needs torch: pip install 'rr-replay[torch]'") from e
+    raise MissingDependencyError("rr_client.to_tensors needs torch: pip install 'rr-replay[torch]'") from e
 
 __all__ = ["PackedRouting", "RoutingTensors", "Sample", "to_packed", "to_tensors", "tensor_dtype"]
 
@@ -124,7 +124,7 @@ def tensor_dtype(num_experts: int) -> np.dtype[np.generic]:
         return np.dtype(np.uint8)
     if num_experts <= 32768:
         return np.dtype(np.int16)
-    raise ValueError(f"num_experts={num_experts} does not fit int16 expert ids")
+    raise ConfigurationError(f"num_experts={num_experts} does not fit int16 expert ids")
 
 
 def _routing_dtype(num_experts: int, pad_experts: str) -> np.dtype[np.generic]:
@@ -143,7 +143,7 @@ def _pad_row(pad_experts: str, n_layers: int, k: int, num_experts: int) -> np.nd
         return np.broadcast_to(np.arange(k) % num_experts, (n_layers, k))
     if pad_experts == "minus_one":
         return np.full((n_layers, k), -1)
-    raise ValueError(f"pad_experts must be 'zero', 'distinct' or 'minus_one', got {pad_experts!r}")
+    raise ConfigurationError(f"pad_experts must be 'zero', 'distinct' or 'minus_one', got {pad_experts!r}")
 
 
 def _sequences(results: Sequence[Sample]) -> list[tuple[list[int], list[int]]]:
@@ -210,17 +210,17 @@ def to_tensors(
     token; padding is 0.
     """
     if pad_side not in ("left", "right", "split"):
-        raise ValueError(f"pad_side must be 'left', 'right' or 'split', got {pad_side!r}")
+        raise ConfigurationError(f"pad_side must be 'left', 'right' or 'split', got {pad_side!r}")
     if layout not in ("token_major", "layer_major"):
-        raise ValueError(f"layout must be 'token_major' or 'layer_major', got {layout!r}")
+        raise ConfigurationError(f"layout must be 'token_major' or 'layer_major', got {layout!r}")
     split = pad_side == "split"
     if split:
         if prompt_length is None or response_length is None:
-            raise ValueError("pad_side='split' needs prompt_length and response_length")
+            raise ConfigurationError("pad_side='split' needs prompt_length and response_length")
         if pad_to is not None:
-            raise ValueError("pad_to does not apply to pad_side='split' (the width is prompt_length + response_length)")
+            raise ConfigurationError("pad_to does not apply to pad_side='split' (the width is prompt_length + response_length)")
     elif prompt_length is not None or response_length is not None:
-        raise ValueError("prompt_length / response_length apply only to pad_side='split'")
+        raise ConfigurationError("prompt_length / response_length apply only to pad_side='split'")
     seqs = _sequences(results)
     lengths = [len(p) + len(o) for p, o in seqs]
     if split:
@@ -304,7 +304,7 @@ def to_packed(
     ``append_row=False`` the routing rows get the same number of pad rows.
     """
     if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+        raise ConfigurationError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
     seqs = _sequences(results)
     lengths = [len(p) + len(o) for p, o in seqs]
     if not append_row and any(n == 0 for n in lengths):

@@ -13,10 +13,12 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rr_client.errors import ConfigurationError, MissingDependencyError
+
 try:
     import torch
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("rr_client.trainer.metrics needs torch: pip install 'rr-replay[torch]'") from e
+    raise MissingDependencyError("rr_client.trainer.metrics needs torch: pip install 'rr-replay[torch]'") from e
 
 # the one implementation (numpy), re-exported for trainers
 from rr_client.agreement import routing_agreement
@@ -51,13 +53,13 @@ def gap_stats(logp_train: Any, logp_rollout: Any, mask: Any = None) -> torch.Ten
     lt = _t(logp_train).double()
     lr = _t(logp_rollout).to(device=lt.device, dtype=torch.float64)
     if lt.shape != lr.shape:
-        raise ValueError(f"logp_train {tuple(lt.shape)} and logp_rollout {tuple(lr.shape)} differ in shape")
+        raise ConfigurationError(f"logp_train {tuple(lt.shape)} and logp_rollout {tuple(lr.shape)} differ in shape")
     if mask is None:
         m = torch.ones_like(lt, dtype=torch.bool)
     else:
         m = _t(mask).to(device=lt.device, dtype=torch.bool)
     if m.shape != lt.shape:
-        raise ValueError(f"mask {tuple(m.shape)} does not match the log-probs {tuple(lt.shape)}")
+        raise ConfigurationError(f"mask {tuple(m.shape)} does not match the log-probs {tuple(lt.shape)}")
     d = torch.where(m, lt - lr, 0.0)
     ad = d.abs()
     return torch.stack([m.sum(), ad.sum(), (d * d).sum(), (torch.expm1(d) - d).sum(),
@@ -75,9 +77,9 @@ def r3_metrics(
     they hold. One host read (:func:`gap_stats` does the rest on the device)."""
     n, s_abs, s_sq, s_k3, n2, n5, bad = gap_stats(logp_train, logp_rollout, mask).tolist()
     if n == 0:
-        raise ValueError("no tokens selected by the mask")
+        raise ConfigurationError("no tokens selected by the mask")
     if bad:
-        raise ValueError("non-finite log-prob difference in a selected token")
+        raise ConfigurationError("non-finite log-prob difference in a selected token")
     return R3Metrics(
         tokens=int(n),
         mean_abs_diff=s_abs / n,

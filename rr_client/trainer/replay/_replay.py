@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rr_client.errors import ReplayError, ShapeMismatchError, UnsupportedModelError
+from rr_client.errors import ConfigurationError, ReplayError, ShapeMismatchError, UnsupportedModelError
 from rr_client.trainer.replay._audit import Audit, DeviceTally
 from rr_client.trainer.replay._routers import Router, in_backward, num_hidden_layers, router_hooks, survey
 from rr_client.trainer.replay._rows import BlockRows, layer_positions, prepare_rows
@@ -146,7 +146,7 @@ def replay_routing(
     checkpointed forward whose backward has not run is a :class:`ReplayError`.
     """
     if check_every < 1:
-        raise ValueError(f"check_every must be >= 1, got {check_every}")
+        raise ConfigurationError(f"check_every must be >= 1, got {check_every}")
     routed_experts, mask, layers, tokens = _unwrap(routed_experts, mask, layers, tokens)
     routers, left = survey(model, allow_untested=allow_untested)
     if not routers:

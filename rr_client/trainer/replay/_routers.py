@@ -13,13 +13,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from rr_client.errors import UnsupportedModelError
+from rr_client.errors import MissingDependencyError, UnsupportedModelError
 
 try:
     import torch
     from torch import nn
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("rr_client.trainer.replay needs torch: pip install 'rr-replay[torch]'") from e
+    raise MissingDependencyError("rr_client.trainer.replay needs torch: pip install 'rr-replay[torch]'") from e
 
 from rr_client.trainer.replay.coverage import TESTED, family_status, router_family
 from rr_client.trainer.replay.formulas import HASH_ROUTERS, SUPPORTED_ROUTERS, WeightFn
