@@ -41,6 +41,8 @@ from rr_client.errors import (
     ServerError,
     ShapeMismatchError,
     TokenMismatchError,
+    RoutingExpiredError,
+    RoutingChecksumError,
     TransportError,
     UnrecordedRoutingError,
     UnsupportedModelError,
@@ -53,6 +55,7 @@ from rr_client.errors import (
 )
 from rr_client.hf_config import hash_layers_from_config, load_config, moe_layers_from_config, routing_dims_from_config
 from rr_client.info import RRInfo
+from rr_client.reference import RoutingRef
 
 if TYPE_CHECKING:
     from rr_client._client import Prompt, RoutedExpertsClient
@@ -92,6 +95,7 @@ __all__ = [
     "routing_error_fields", "check_payload", "check_routing", "CheckedRouting", "wire_dtype", "expected_rows",
     "RRError", "RoutedExpertsError", "MalformedPayloadError", "ShapeMismatchError",
     "ExpertIdOutOfRangeError", "UnrecordedRoutingError", "MissingRoutingError", "TokenMismatchError",
+    "RoutingExpiredError", "RoutingChecksumError", "RoutingRef",
     "TransportError", "ConnectError", "RequestTimeoutError", "ConnectionLostError",
     "ServerError", "RequestRejectedError", "AuthenticationError", "ProtocolError",
     "ReplicaMismatchError", "ReplayError", "UnsupportedModelError", "WeightSyncError",

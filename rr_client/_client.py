@@ -11,14 +11,17 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import numpy as np
 import orjson
 
 from rr_client.http_errors import error_for_status, map_httpx_error
 from rr_client._openai import CHAT_PATH, COMPLETIONS_PATH, openai_body, parse_choices
 from rr_client._replicas import Replica, ReplicaPool, ReplicaStats
+from rr_client._resolve import RefResolver
 from rr_client._results import GenerateBatch, GenerateResult, parse_sample
 from rr_client.errors import ArgumentTypeError, ConfigurationError, ProtocolError, RRError, RequestRejectedError, ServerError, TransportError
 from rr_client.info import RRInfo
+from rr_client.reference import RoutingRef
 
 if TYPE_CHECKING:
     from rr_client.trajectory import ChatTrajectory, Trajectory
@@ -99,6 +102,9 @@ class RoutedExpertsClient:
 
         self._pool = ReplicaPool([u.rstrip("/") for u in urls], make_http, health_path=health_path,
                                  probe_interval=probe_interval)
+        self._make_http = make_http
+        self._ref_http: dict[str, httpx.AsyncClient] = {}  # servers refs name that are not replicas of this client
+        self._resolver = RefResolver(self._http_for, max_concurrency=max_concurrency)
         self._sem = asyncio.Semaphore(max_concurrency)
         self._retries = retries
         self._backoff = backoff
@@ -122,6 +128,42 @@ class RoutedExpertsClient:
     async def aclose(self) -> None:
         """Stop the health probes and close every replica's connection pool."""
         await self._pool.aclose()
+        for http in self._ref_http.values():
+            await http.aclose()
+        self._ref_http.clear()
+
+    def _http_for(self, url: str) -> httpx.AsyncClient:
+        """The HTTP client for a server a ref names: the replica's own, or one made for it (same key, limits)."""
+        url = url.rstrip("/")
+        for r in self._pool.replicas:
+            if r.url == url:
+                return r.http
+        if url not in self._ref_http:
+            self._ref_http[url] = self._make_http(url)
+        return self._ref_http[url]
+
+    # ------------------------------------------------------------------ routing by reference
+
+    async def resolve(self, refs: Sequence[RoutingRef]) -> list[np.ndarray]:
+        """The rows of each :class:`RoutingRef` (in order), read from the server (or Ray store) that holds them,
+        many per call, concurrency-limited, checksum-verified and checked as an inline answer is. A ref whose
+        rows are gone raises :class:`RoutingExpiredError`; bytes that differ, :class:`RoutingChecksumError`."""
+        return await self._resolver.resolve(list(refs), await self.info())
+
+    async def resolve_results(self, results: Sequence[GenerateResult]) -> list[GenerateResult]:
+        """``results`` with every ``routing_ref`` resolved into ``routed_experts`` (others as they are): what
+        a trainer rank calls on its own micro-batches only."""
+        todo = [i for i, r in enumerate(results) if r.routing_ref is not None and r.routed_experts is None]
+        rows = await self.resolve([results[i].routing_ref for i in todo])  # type: ignore[misc]
+        out = list(results)
+        for i, a in zip(todo, rows):
+            out[i] = results[i].with_routing(a)
+        return out
+
+    @property
+    def routing_bytes_resolved(self) -> int:
+        """Routing bytes this client has read by reference (frame data, excluding headers)."""
+        return self._resolver.bytes_read
 
     # ------------------------------------------------------------------ replicas
 
@@ -230,8 +272,13 @@ class RoutedExpertsClient:
         routed_experts_start: int | None = None,
         return_logprob: bool = False,
         affinity: Hashable | None = None,
+        by_reference: bool = False,
     ) -> GenerateBatch:
         """Generate for each prompt (text or token ids); results in prompt order, ``n`` per prompt.
+
+        ``by_reference``: the server keeps each sample's checked routing and answers a :class:`RoutingRef`
+        (``result.routing_ref``, a few hundred bytes) instead of the rows; :meth:`resolve_results` reads them
+        where they are needed (a trainer rank: its own micro-batches only).
 
         ``return_logprob`` asks for the sampled tokens' log-probs: each result's
         ``meta["output_token_logprobs"]`` (SGLang's ``[logprob, token_id, None]`` per generated token).
@@ -250,7 +297,7 @@ class RoutedExpertsClient:
         chunks = [range(i, min(i + self._batch_size, len(plist))) for i in range(0, len(plist), self._batch_size)]
         tasks = [
             self._generate_chunk(plist, c, params, n, info, return_routed_experts, routed_experts_start, return_logprob,
-                                 affinity)
+                                 affinity, by_reference)
             for c in chunks
         ]
         parts = await asyncio.gather(*tasks)
@@ -268,6 +315,7 @@ class RoutedExpertsClient:
         start: int | None,
         return_logprob: bool = False,
         affinity: Hashable | None = None,
+        by_reference: bool = False,
     ) -> list[GenerateResult]:
         """One ``/generate`` request for prompts ``idx``; checks count and every sample."""
         sub = [prompts[i] for i in idx]
@@ -280,6 +328,8 @@ class RoutedExpertsClient:
             body["routed_experts_start_len"] = start  # SGLang's own name: its request parser drops rr's
         if return_logprob:
             body["return_logprob"] = True
+        if want and by_reference:
+            body["routed_experts_format"] = "ref"
         reply = await self._request("POST", self._generate_path, body, affinity=affinity)
         if not isinstance(reply, list) or len(reply) != len(sub) * n:
             got = len(reply) if isinstance(reply, list) else type(reply).__name__
@@ -299,6 +349,7 @@ class RoutedExpertsClient:
                     start=start or 0,
                     allow_extra_rows=self._allow_extra_rows,
                     validate=self._validate,
+                    by_reference=by_reference,
                 )
             )
         return out

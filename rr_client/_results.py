@@ -3,26 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rr_client.codec import decode_meta_info, expected_rows
-from rr_client.errors import ProtocolError, RoutedExpertsError
+from rr_client.codec import decode_meta_info, expected_rows, wire_dtype
+from rr_client.errors import MissingRoutingError, ProtocolError, RoutedExpertsError, ShapeMismatchError
 from rr_client.info import RRInfo
+from rr_client.reference import RoutingRef
 
 if TYPE_CHECKING:
     from rr_client.trainer.layouts import PackedRouting, RoutingTensors
 
 __all__ = ["GenerateResult", "GenerateBatch", "parse_sample", "decode_sample_routing"]
 
-_PAYLOAD_KEYS = ("routed_experts", "output_routed_experts")
+_PAYLOAD_KEYS = ("routed_experts", "output_routed_experts", "routed_experts_ref")
 
 
 @dataclass(frozen=True, slots=True)
 class GenerateResult:
-    """One generated sample: tokens, text, finish reason, and its checked routing ``(rows, layers, topk)``."""
+    """One generated sample: tokens, text, finish reason, and its checked routing ``(rows, layers, topk)``;
+    asked by reference, ``routing_ref`` instead (``routed_experts`` None until resolved)."""
 
     index: int
     prompt_index: int
@@ -33,6 +35,11 @@ class GenerateResult:
     routed_experts: np.ndarray | None
     routed_experts_start: int
     meta: dict[str, Any] = field(repr=False)
+    routing_ref: RoutingRef | None = None
+
+    def with_routing(self, rows: np.ndarray) -> "GenerateResult":
+        """This sample with its routing resolved (the ref kept for the record)."""
+        return replace(self, routed_experts=rows)
 
     @property
     def prompt_tokens(self) -> int:
@@ -112,6 +119,21 @@ def decode_sample_routing(
         raise type(e)(f"{where}: {e}") from e
 
 
+def sample_ref(fields: Mapping[str, Any], info: RRInfo, *, prompt_tokens: int, completion_tokens: int,
+               start: int, where: str) -> RoutingRef:
+    """One sample's ``routed_experts_ref``, held to the request and ``info`` like an inline payload: rows
+    (``prompt + completion - 1 - start``), layers, top-k, wire dtype and start."""
+    if fields.get("routed_experts_error"):
+        raise MissingRoutingError(f"{where}: the server refused this sample's routing: {fields['routed_experts_error']}")
+    ref = RoutingRef.from_dict(fields.get("routed_experts_ref"), f"{where}: routed_experts_ref")
+    rows = expected_rows(prompt_tokens, completion_tokens, start)
+    want = (rows, info.num_hidden_layers, info.topk, wire_dtype(info.num_experts).name, start)
+    got = (ref.rows, ref.layers, ref.topk, ref.dtype, ref.start)
+    if got != want:
+        raise ShapeMismatchError(f"{where}: routing ref for (rows, layers, topk, dtype, start) {got}, expected {want}")
+    return ref
+
+
 def parse_sample(
     reply: Any,
     *,
@@ -123,8 +145,10 @@ def parse_sample(
     start: int = 0,
     allow_extra_rows: int = 0,
     validate: bool = True,
+    by_reference: bool = False,
 ) -> GenerateResult:
-    """Check one reply dict of ``/generate`` against the request and ``info``; decode its routing."""
+    """Check one reply dict of ``/generate`` against the request and ``info``; decode its routing (or, asked
+    ``by_reference``, parse and check its :class:`RoutingRef`)."""
     where = f"sample {index}"
     if not isinstance(reply, Mapping) or not isinstance(reply.get("meta_info"), Mapping):
         raise ProtocolError(f"{where}: reply must be an object with a meta_info object")
@@ -140,7 +164,11 @@ def parse_sample(
     if ids is not None and len(ids) != prompt_tokens:
         raise ProtocolError(f"{where}: prompt has {len(ids)} tokens but the server counted {prompt_tokens}")
     routing: np.ndarray | None = None
-    if want_routing:
+    ref: RoutingRef | None = None
+    if want_routing and by_reference:
+        ref = sample_ref(meta, info, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, start=start,
+                         where=where)
+    elif want_routing:
         routing = decode_sample_routing(meta, info, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                         start=start, allow_extra_rows=allow_extra_rows, validate=validate, where=where)
     elif any(k in meta for k in _PAYLOAD_KEYS):
@@ -160,4 +188,5 @@ def parse_sample(
         routed_experts=routing,
         routed_experts_start=start,
         meta=meta,
+        routing_ref=ref,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import binascii
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,6 +42,7 @@ __all__ = [
     "FORMATS",
     "check_format",
     "routing_error_fields",
+    "install_reference_store",
     "decode_routed_experts",
     "decode_meta_info",
     "expected_rows",
@@ -51,7 +52,7 @@ NPY_MAGIC = b"\x93NUMPY"
 MAX_EXPERTS = 65536
 _MAX_HEADER = 4096
 # routed_experts_format values: rr's .npy (the default) or SGLang's headerless int32
-FORMATS = ("npy", "sglang")
+FORMATS = ("npy", "sglang", "ref")
 # integer dtypes a routing payload may carry (little-endian or single byte); anything else is refused
 _INT_DESCRS = {"|u1", "|i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8"}
 _DTYPE_NAMES = {"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"}
@@ -205,11 +206,19 @@ def routing_meta_fields(checked: "CheckedRouting", fmt: str = "npy") -> dict[str
     """The ``meta_info`` entries a server adds for one request: payload plus its stated shape and dtype.
 
     Takes only :class:`CheckedRouting` (made by :func:`check_routing`), so nothing reaches the wire unchecked.
-    ``fmt="sglang"`` gives SGLang's own payload (headerless int32 base64) for clients that decode it themselves.
+    ``fmt="sglang"`` gives SGLang's own payload (headerless int32 base64) for clients that decode it themselves;
+    ``fmt="ref"`` keeps the rows in the server's routing store and gives ``routed_experts_ref`` instead
+    (:func:`install_reference_store`, :class:`rr_client.RoutingRef`).
     """
     if not isinstance(checked, CheckedRouting):
         raise ArgumentTypeError(f"routing_meta_fields takes a CheckedRouting from check_routing, got {type(checked).__name__}")
     arr = checked.array
+    if check_format(fmt) == "ref":
+        if _reference_store is None:
+            raise MissingRoutingError("routed_experts_format='ref': this server holds no routing store")
+        return {"routed_experts_ref": _reference_store(checked), "routed_experts_shape": [int(s) for s in arr.shape],
+                "routed_experts_dtype": arr.dtype.name, "routed_experts_format": fmt,
+                "routed_experts_start": checked.start}
     if check_format(fmt) == "sglang":
         wide = arr.astype("<i4")  # C-contiguous copy: SGLang sends int32 ids with no header
         payload, dtype_name = pybase64.b64encode(wide.data).decode("ascii"), "int32"
@@ -222,6 +231,18 @@ def routing_meta_fields(checked: "CheckedRouting", fmt: str = "npy") -> dict[str
         "routed_experts_format": fmt,
         "routed_experts_start": checked.start,
     }
+
+
+_reference_store: Callable[[CheckedRouting], dict[str, Any]] | None = None
+
+
+def install_reference_store(put: Callable[[CheckedRouting], dict[str, Any]] | None) -> None:
+    """The server's routing store for ``routed_experts_format="ref"``: ``put(checked)`` keeps the checked rows
+    and returns the :class:`rr_client.RoutingRef` dict the answer carries instead (None: no store). Every
+    rr server installs one at startup (rr_server.serving.routing_store), so each producer's one call to
+    :func:`routing_meta_fields` serves the ref format too."""
+    global _reference_store
+    _reference_store = put
 
 
 def routing_error_fields(exc: RoutedExpertsError) -> dict[str, Any]:

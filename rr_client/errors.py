@@ -9,7 +9,9 @@ Imports nothing heavy. The hierarchy::
     │   ├── ExpertIdOutOfRangeError       id >= num_experts (or negative)
     │   ├── UnrecordedRoutingError        all-zero or repeated ids in an MoE row
     │   ├── MissingRoutingError           asked for routing, got none (incl. SGLang's ``{}``)
-    │   └── TokenMismatchError            a turn's prompt does not begin with the trajectory's tokens
+    │   ├── TokenMismatchError            a turn's prompt does not begin with the trajectory's tokens
+    │   ├── RoutingExpiredError           a routing ref's rows are gone (evicted, retired, server restarted)
+    │   └── RoutingChecksumError          rows read by reference differ from what their ref promised
     ├── TransportError                    no usable answer from the server (after retries)
     │   ├── ConnectError                  refused / unreachable
     │   ├── RequestTimeoutError           connect, read or write timed out
@@ -41,6 +43,8 @@ __all__ = [
     "UnrecordedRoutingError",
     "MissingRoutingError",
     "TokenMismatchError",
+    "RoutingExpiredError",
+    "RoutingChecksumError",
     "TransportError",
     "ConnectError",
     "RequestTimeoutError",
@@ -100,6 +104,15 @@ class TokenMismatchError(RoutedExpertsError):
     def __init__(self, message: str, *, position: int, expected: int, got: int | None) -> None:
         super().__init__(message)
         self.position, self.expected, self.got = position, expected, got
+
+
+class RoutingExpiredError(RoutedExpertsError):
+    """A :class:`rr_client.RoutingRef`'s rows are no longer held (evicted by the store's byte cap, retired with
+    their weight version, or the server restarted): never answered with zeros or another request's rows."""
+
+
+class RoutingChecksumError(RoutedExpertsError):
+    """Rows read by reference do not match the checksum their ref or frame promised."""
 
 
 class TransportError(RRError):

@@ -66,7 +66,9 @@ class RREndpointPlugin:
         if engine_client is None:
             raise ConfigurationError("rr: the endpoint plugin needs an engine (not a render-only server)")
         from rr_patches.vllm.auth import protect_rr_routes
+        from rr_patches.vllm.routes import name_store
 
+        name_store(args)
         how = protect_rr_routes(self._app, args)
         state.rr_auth = how
         logger.info("rr: /generate and /rr/info auth: %s", how)

@@ -44,13 +44,15 @@ from rr_server.serving.generate_protocol import (
     sse_line,
 )
 from rr_server.serving.openai_middleware import install_openai_routing
+from rr_server.serving.routing_store import STORE_ROUTES, advertised_url, current_store, install_store
 from rr_server.serving.vllm_translate import (
     checked_routing_fields,
     finish_reason_dict,
     to_vllm_sampling_kwargs,
 )
 
-__all__ = ["install_routes", "add_rr_routes", "rr_info_dict", "RR_ROUTES", "ALWAYS_ENV", "always_return_routing"]
+__all__ = ["install_routes", "add_rr_routes", "rr_info_dict", "RR_ROUTES", "ALWAYS_ENV", "always_return_routing",
+           "name_store"]
 
 logger = logging.getLogger("rr.vllm")
 # Give routing to every answer, asked or not: for callers behind a router that drops the flag.
@@ -133,8 +135,12 @@ def _speculative(app: FastAPI) -> str | None:
 
 
 def rr_info_dict(app: FastAPI) -> dict[str, Any]:
-    """``/rr/info`` body."""
-    return rr_info(app).model_dump()
+    """``/rr/info`` body: the model's routing dims, and the routing store's counters (refs)."""
+    body = rr_info(app).model_dump()
+    store = current_store()
+    if store is not None:
+        body["routing_store"] = store.stats()
+    return body
 
 
 def _routing_enabled(app: FastAPI) -> bool:
@@ -338,6 +344,7 @@ RR_ROUTES: tuple[tuple[str, Callable[[Request], Any], tuple[str, ...]], ...] = (
     ("/generate", generate, ("POST",)),
     ("/rr/generate", generate, ("POST",)),
     ("/rr/info", rr_info_endpoint, ("GET",)),
+    *STORE_ROUTES,  # routing by reference: read rows by key, retire per weight version
 )
 _ROUTES = tuple(path for path, _, _ in RR_ROUTES)
 
@@ -350,6 +357,7 @@ def add_rr_routes(app: FastAPI) -> None:
     taken = [r.path for r in app.routes if getattr(r, "path", None) in _ROUTES]
     if taken:
         raise RuntimeError(f"rr: vLLM already serves {taken}; refusing to shadow them")
+    install_store()  # the routing store behind routed_experts_format="ref" (its URL: name_store)
     router = APIRouter()
     for path, handler, methods in RR_ROUTES:
         router.add_api_route(path, handler, methods=list(methods), include_in_schema=True)
@@ -360,11 +368,17 @@ def add_rr_routes(app: FastAPI) -> None:
                            native=functools.partial(collecting, app))
 
 
+def name_store(args: Any) -> None:
+    """The URL this server's routing refs name: ``RR_ADVERTISE_URL``, else vLLM's ``--host``/``--port``."""
+    install_store(advertised_url(getattr(args, "host", None) or "127.0.0.1", getattr(args, "port", None)))
+
+
 def install_routes(app: FastAPI, args: Any = None) -> None:
     """Add rr's routes to a vLLM app once, behind vLLM's API keys; refuse loudly if vLLM owns those paths."""
     if getattr(app.state, "rr_routes_installed", False):
         return
     add_rr_routes(app)
+    name_store(args)
     how = protect_rr_routes(app, args)
     app.state.rr_routes_installed = True
     logger.info("rr: added POST /generate, POST /rr/generate and GET /rr/info; auth: %s", how)

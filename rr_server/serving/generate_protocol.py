@@ -111,7 +111,7 @@ class GenerateRequest(BaseModel):
     return_routed_experts: StrictBool = False
     routed_experts_start: StrictInt | None = Field(default=None, ge=0)
     routed_experts_start_len: StrictInt | None = Field(default=None, ge=0)
-    routed_experts_format: Literal["npy", "sglang"] | None = None
+    routed_experts_format: Literal["npy", "sglang", "ref"] | None = None
     return_logprob: StrictBool | list[StrictBool] = False
     rid: str | list[str] | None = None
 
@@ -289,7 +289,7 @@ def build_item(
         meta["output_token_logprobs"] = output_token_logprobs
     if routing_fields is not None:
         meta.update(routing_fields)
-        if prompt_token_ids is not None and meta.get("routed_experts") is not None:
+        if prompt_token_ids is not None and (meta.get("routed_experts") is not None or "routed_experts_ref" in meta):
             meta["prompt_token_ids"] = list(prompt_token_ids)
     item: dict[str, Any] = {"output_ids": list(output_ids), "meta_info": meta}
     if text is not None:

@@ -1,0 +1,179 @@
+"""Routing by reference: :class:`RoutingRef` (a few hundred bytes that point at checked rows held where they were
+made) and the binary frame the read route answers with. Torch- and httpx-free (core).
+
+A server asked for ``routed_experts_format="ref"`` keeps the checked rows in its bounded store and answers
+``meta_info["routed_experts_ref"]`` instead of the array; a trainer rank resolves only its own samples' refs,
+straight from the server (``POST /rr/routing/read``) or from Ray's object store. Spec: docs/wire-format.md.
+
+The frame (``application/x-rr-routing``), safetensors-style::
+
+    8 bytes   little-endian u64: N, the header's length
+    N bytes   UTF-8 JSON: {"schema": "rr.routing_rows/1", "parts": [{"key", "start", "stop", "shape", "dtype",
+              "offset", "nbytes", "checksum"}, ...]}   (offsets into the data, parts in request order)
+    data      each part's rows, C order, raw (1 byte per routing entry as uint8: no base64)
+
+Every header field is checked before any byte of data is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from rr_client.errors import MalformedPayloadError, RoutingChecksumError
+
+__all__ = ["REF_SCHEMA", "ROWS_SCHEMA", "FRAME_MEDIA_TYPE", "RoutingRef", "checksum", "encode_frame",
+           "decode_frame", "FramePart"]
+
+REF_SCHEMA = "rr.routing_ref/1"
+ROWS_SCHEMA = "rr.routing_rows/1"
+FRAME_MEDIA_TYPE = "application/x-rr-routing"
+_DTYPES = ("uint8", "uint16")
+_MAX_HEADER = 64 * 1024 * 1024
+
+
+def checksum(rows: np.ndarray) -> str:
+    """``blake2b-128:<hex>`` of the rows' bytes in C order (what a ref promises and the frame carries)."""
+    return "blake2b-128:" + hashlib.blake2b(np.ascontiguousarray(rows).data, digest_size=16).hexdigest()
+
+
+def _field(d: Mapping[str, Any], name: str, kind: type, where: str) -> Any:
+    v = d.get(name)
+    if not isinstance(v, kind) or isinstance(v, bool) or (kind is int and v < 0):
+        raise MalformedPayloadError(f"{where}: field {name!r} must be a{' non-negative' if kind is int else ''} "
+                                    f"{kind.__name__}, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRef:
+    """Where one sample's checked routing rows are held, and what they must be.
+
+    ``store``: the id of the store instance that holds them (a restarted server has a new one, so its old refs
+    are refused, never answered with other rows); ``url``: where to read them (``http(s)://`` an rr server,
+    ``ray://<actor>`` a Ray store actor); ``key``: the rows' key in that store; ``rows`` x ``layers`` x ``topk``
+    in ``dtype``; ``start``: the request's ``routed_experts_start`` (row 0 is token row ``start``);
+    ``weight_version``: the server's weight version when the rows were made (retired with it);
+    ``checksum``: of the rows' bytes (:func:`checksum`).
+    """
+
+    store: str
+    url: str
+    key: str
+    rows: int
+    layers: int
+    topk: int
+    dtype: str
+    start: int
+    weight_version: int
+    checksum: str
+    schema: str = REF_SCHEMA
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.rows, self.layers, self.topk)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows it points at (1 per entry as uint8, 2 as uint16)."""
+        return self.rows * self.layers * self.topk * np.dtype(self.dtype).itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object an answer carries as ``routed_experts_ref``."""
+        return asdict(self)
+
+    def with_url(self, url: str) -> "RoutingRef":
+        """The same ref read from ``url`` (a client fills in the URL it asked when the server gave none)."""
+        return RoutingRef(**{**asdict(self), "url": url})
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "routed_experts_ref") -> "RoutingRef":
+        """Parse and check every field (schema, types, dtype); :class:`MalformedPayloadError` names the field."""
+        if not isinstance(d, Mapping):
+            raise MalformedPayloadError(f"{where} must be an object, got {type(d).__name__}")
+        if d.get("schema") != REF_SCHEMA:
+            raise MalformedPayloadError(f"{where}: schema {d.get('schema')!r}, this client reads {REF_SCHEMA!r}")
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise MalformedPayloadError(f"{where}: unknown fields {unknown}")
+        kw = {n: _field(d, n, str, where) for n in ("store", "url", "key", "dtype", "checksum")}
+        kw.update({n: _field(d, n, int, where) for n in ("rows", "layers", "topk", "start", "weight_version")})
+        if kw["dtype"] not in _DTYPES:
+            raise MalformedPayloadError(f"{where}: dtype {kw['dtype']!r}, expected one of {list(_DTYPES)}")
+        if not kw["key"] or not kw["store"]:
+            raise MalformedPayloadError(f"{where}: empty key or store")
+        return cls(**kw)
+
+
+@dataclass(frozen=True, slots=True)
+class FramePart:
+    """One part of a frame: rows ``[start, stop)`` of ``key``, as held, and their :func:`checksum`."""
+
+    key: str
+    start: int
+    stop: int
+    rows: np.ndarray
+    digest: str = ""
+
+
+def encode_frame(parts: Sequence[FramePart]) -> bytes:
+    """The read route's body: header (shapes, dtypes, offsets, checksums) then each part's raw rows."""
+    header: list[dict[str, Any]] = []
+    offset = 0
+    for p in parts:
+        a = np.ascontiguousarray(p.rows)
+        header.append({"key": p.key, "start": p.start, "stop": p.stop, "shape": list(a.shape),
+                       "dtype": a.dtype.name, "offset": offset, "nbytes": a.nbytes, "checksum": checksum(a)})
+        offset += a.nbytes
+    head = json.dumps({"schema": ROWS_SCHEMA, "parts": header}, separators=(",", ":")).encode()
+    return b"".join([struct.pack("<Q", len(head)), head, *(np.ascontiguousarray(p.rows).data for p in parts)])
+
+
+def decode_frame(body: bytes | bytearray | memoryview) -> list[FramePart]:
+    """Parse a frame; every header field and every part's checksum is checked before the rows are returned
+    (zero-copy views into ``body``). :class:`MalformedPayloadError` or :class:`RoutingChecksumError`."""
+    buf = memoryview(body)
+    if len(buf) < 8:
+        raise MalformedPayloadError(f"routing frame of {len(buf)} bytes: shorter than its 8-byte header length")
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    if n > min(_MAX_HEADER, len(buf) - 8):
+        raise MalformedPayloadError(f"routing frame header length {n} exceeds the {len(buf) - 8} bytes after it")
+    try:
+        head = json.loads(bytes(buf[8:8 + n]))
+    except ValueError as e:
+        raise MalformedPayloadError(f"routing frame header is not JSON: {e}") from None
+    if not isinstance(head, dict) or head.get("schema") != ROWS_SCHEMA or not isinstance(head.get("parts"), list):
+        raise MalformedPayloadError(f"routing frame header: expected schema {ROWS_SCHEMA!r} with a parts list")
+    data = buf[8 + n:]
+    out = []
+    for i, p in enumerate(head["parts"]):
+        where = f"routing frame part {i}"
+        if not isinstance(p, dict):
+            raise MalformedPayloadError(f"{where} must be an object")
+        key = _field(p, "key", str, where)
+        start, stop = _field(p, "start", int, where), _field(p, "stop", int, where)
+        offset, nbytes = _field(p, "offset", int, where), _field(p, "nbytes", int, where)
+        dtype, digest = _field(p, "dtype", str, where), _field(p, "checksum", str, where)
+        shape = p.get("shape")
+        if (not isinstance(shape, list) or len(shape) != 3
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
+            raise MalformedPayloadError(f"{where}: shape must be 3 non-negative ints, got {shape!r}")
+        if dtype not in _DTYPES:
+            raise MalformedPayloadError(f"{where}: dtype {dtype!r}, expected one of {list(_DTYPES)}")
+        if stop < start or shape[0] != stop - start:
+            raise MalformedPayloadError(f"{where}: rows [{start}, {stop}) but shape {shape}")
+        if nbytes != shape[0] * shape[1] * shape[2] * np.dtype(dtype).itemsize or offset + nbytes > len(data):
+            raise MalformedPayloadError(f"{where}: {nbytes} bytes at offset {offset} do not fit shape {shape} "
+                                        f"{dtype} in {len(data)} bytes of data")
+        rows = np.frombuffer(data[offset:offset + nbytes], dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+        if checksum(rows) != digest:
+            raise RoutingChecksumError(f"{where} (key {key!r}, rows [{start}, {stop})): checksum mismatch: the "
+                                       "bytes changed on the way")
+        out.append(FramePart(key, start, stop, rows, digest))
+    return out

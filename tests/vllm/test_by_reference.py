@@ -1,0 +1,84 @@
+"""Routing by reference on the real vLLM 0.30 CPU server (``rr-server launch vllm``): the answer carries a
+:class:`RoutingRef`, the rows stay in the server's store, and resolving them gives exactly the inline answer's
+rows, which are transformers' own router top-k; retired and restarted refs are typed errors, never other rows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from rr_client import RoutedExpertsClient, RoutingExpiredError, RoutingRef
+from rr_client.hf_config import load_config, moe_layers_from_config
+from rr_server.tiny_moe import reference_routing
+from tests.support.routing_asserts import assert_routing_sets_equal
+
+pytestmark = pytest.mark.vllm_server
+
+PROMPTS = ["Hello world, this is a tiny test.", "Once upon a time there was a router.", "1 2 3 4 5"]
+GREEDY = {"max_new_tokens": 10, "temperature": 0.0}
+
+
+def store_stats(server: Any) -> dict[str, Any]:
+    return httpx.get(server.base_url + "/rr/info", timeout=30).json()["routing_store"]
+
+
+def test_rows_by_reference_equal_the_inline_answer_and_transformers(qwen_server: Any) -> None:
+    moe = moe_layers_from_config(load_config(qwen_server.model_dir))
+
+    async def run() -> tuple[Any, Any, list[Any], int]:
+        async with RoutedExpertsClient(qwen_server.base_url) as c:
+            inline = await c.generate(PROMPTS, GREEDY)
+            by_ref = await c.generate(PROMPTS, GREEDY, by_reference=True)
+            resolved = await c.resolve_results(by_ref.results)
+            return inline, by_ref, resolved, c.routing_bytes_resolved
+
+    before = store_stats(qwen_server)
+    inline, by_ref, resolved, nbytes = asyncio.run(run())
+    for a, r, b in zip(inline, by_ref, resolved):
+        assert r.routed_experts is None and isinstance(r.routing_ref, RoutingRef)
+        assert r.routing_ref.url == qwen_server.base_url  # the server names itself
+        assert len(json.dumps(r.routing_ref.to_dict())) <= 512  # what the controller moves per sample
+        assert b.output_ids == a.output_ids and b.prompt_ids == a.prompt_ids
+        assert np.array_equal(b.routed_experts, a.routed_experts) and b.routed_experts.dtype == np.uint8
+        truth = reference_routing(qwen_server.model_dir, list(a.prompt_ids) + list(a.output_ids))[:-1]
+        assert_routing_sets_equal(b.routed_experts, truth, layers=moe)
+    # transport: exactly the rows' bytes (1 byte per uint8 entry) in the frames' data
+    assert nbytes == sum(r.routing_ref.nbytes for r in by_ref) == sum(a.routed_experts.size for a in inline)
+    after = store_stats(qwen_server)
+    assert after["stored"] - before["stored"] == len(PROMPTS)
+    assert after["read_bytes"] - before["read_bytes"] == nbytes
+
+
+def test_retired_refs_are_refused_and_later_ones_read(qwen_server: Any) -> None:
+    async def run() -> None:
+        async with RoutedExpertsClient(qwen_server.base_url) as c:
+            old = await c.generate(PROMPTS[:1], GREEDY, by_reference=True)
+            version = old[0].routing_ref.weight_version
+            r = httpx.post(qwen_server.base_url + "/rr/routing/retire", json={"through": version}, timeout=30)
+            assert r.status_code == 200 and r.json()["weight_version"] == version + 1
+            with pytest.raises(RoutingExpiredError, match="retired with weight version"):
+                await c.resolve_results(old.results)
+            new = await c.generate(PROMPTS[:1], GREEDY, by_reference=True)
+            assert new[0].routing_ref.weight_version == version + 1
+            (rows,) = await c.resolve([new[0].routing_ref])
+            assert rows.shape[0] == new[0].routing_ref.rows
+            gone = RoutingRef.from_dict({**new[0].routing_ref.to_dict(), "store": "0" * 32})  # a restarted server
+            with pytest.raises(RoutingExpiredError, match="restarted"):
+                await c.resolve([gone])
+
+    asyncio.run(run())
+    assert store_stats(qwen_server)["expired_reads"] >= 2
+
+
+def test_read_route_refuses_bad_requests_and_keeps_serving(qwen_server: Any) -> None:
+    r = httpx.post(qwen_server.base_url + "/rr/routing/read", content=b"{}", timeout=30)
+    assert r.status_code == 400 and "refs" in r.json()["error"]["message"]
+    r = httpx.post(qwen_server.base_url + "/generate", json={"text": "hi", "return_routed_experts": True,
+                                                             "routed_experts_format": "base64"}, timeout=60)
+    assert r.status_code == 400
+    assert httpx.get(qwen_server.base_url + "/health", timeout=30).status_code == 200
