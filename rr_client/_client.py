@@ -146,9 +146,13 @@ class RoutedExpertsClient:
 
     async def resolve(self, refs: Sequence[RoutingRef]) -> list[np.ndarray]:
         """The rows of each :class:`RoutingRef` (in order), read from the server (or Ray store) that holds them,
-        many per call, concurrency-limited, checksum-verified and checked as an inline answer is. A ref whose
+        many per call, concurrency-limited, checksum-verified and checked as an inline answer is (a ref that
+        names no URL is read from this client's server, when it has one). A ref whose
         rows are gone raises :class:`RoutingExpiredError`; bytes that differ, :class:`RoutingChecksumError`."""
-        return await self._resolver.resolve(list(refs), await self.info())
+        refs = list(refs)
+        if any(isinstance(r, RoutingRef) and not r.url for r in refs) and len(self.urls) == 1:
+            refs = [r.with_url(self.urls[0]) if isinstance(r, RoutingRef) and not r.url else r for r in refs]
+        return await self._resolver.resolve(refs, await self.info())
 
     async def resolve_results(self, results: Sequence[GenerateResult]) -> list[GenerateResult]:
         """``results`` with every ``routing_ref`` resolved into ``routed_experts`` (others as they are): what

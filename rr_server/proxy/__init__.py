@@ -49,9 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close /metrics behind --api-key too (open by default)")
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help="refuse larger request bodies with 413 before parsing (default 64 MiB)")
-    p.add_argument("--routed-experts-format", choices=("npy", "sglang"), default=None,
+    p.add_argument("--routed-experts-format", choices=("npy", "sglang", "ref"), default=None,
                    help="routing format for requests that do not say (default npy, rr's; sglang = SGLang's "
-                        "headerless int32 for clients that decode it themselves); env RR_ROUTED_EXPERTS_FORMAT")
+                        "headerless int32 for clients that decode it themselves; ref = a RoutingRef, rows kept "
+                        "here); env RR_ROUTED_EXPERTS_FORMAT")
+    p.add_argument("--advertise-url", default=None,
+                   help="the URL routing refs name for reading their rows (default: http://HOST:PORT; env "
+                        "RR_ADVERTISE_URL)")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -67,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     from rr_server.serving.auth import keys_from
+    from rr_server.serving.routing_store import advertised_url
     from rr_server.proxy.app import DEFAULT_MAX_BODY_BYTES, ProxyConfig, create_app
 
     if args.routed_experts_format:
@@ -81,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       timeout=args.timeout, model_path=args.model_path,
                       api_keys=tuple(keys_from(args.api_key, "RR_API_KEY")),
                       upstream_api_key=args.upstream_api_key or settings.text("RR_UPSTREAM_API_KEY"),
-                      metrics_require_key=args.metrics_require_key, max_body_bytes=max_body)
+                      metrics_require_key=args.metrics_require_key, max_body_bytes=max_body,
+                      advertise_url=args.advertise_url or advertised_url(args.host, args.port))
     # keep-alive well above clients' idle expiry (httpx: 5 s), so the client always closes first
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_keep_alive=KEEP_ALIVE_S)

@@ -30,6 +30,7 @@ from rr_server.serving.generate_protocol import (
     sse_line,
 )
 from rr_server.serving.openai_routing import OPENAI_PATHS
+from rr_server.serving.routing_store import STORE_ROUTES, install_store
 from rr_server.proxy.backend import Backend
 from rr_server.proxy.errors import ProxyError, error_payload
 from rr_server.proxy.info import fetch_info
@@ -58,6 +59,7 @@ class ProxyConfig:
     timeout: float = 600.0
     model_path: str | None = None
     api_keys: tuple[str, ...] = ()  # clients must send one as ``Authorization: Bearer``; empty = open
+    advertise_url: str = ""  # what routing refs name as the place to read their rows (default: host and port)
     upstream_api_key: str | None = None  # sent to the engine as ``Authorization: Bearer``
     metrics_require_key: bool = False  # /metrics is open unless this is set
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -137,6 +139,10 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
 
     app = FastAPI(title="rr sidecar", lifespan=lifespan)
     app.state.sidecar = sc
+    store = install_store(cfg.advertise_url)  # routed_experts_format="ref": rows held here, read by key
+    sc.metrics.watch_store(store.stats)
+    for path, handler, methods in STORE_ROUTES:
+        app.add_api_route(path, handler, methods=list(methods))
     open_paths = OPEN_PATHS if cfg.metrics_require_key else OPEN_PATHS | {"/metrics"}
     app.add_middleware(ApiKeyMiddleware, keys=ApiKeys.of(cfg.api_keys),
                        protect=lambda path: path not in open_paths, max_body_bytes=cfg.max_body_bytes)
@@ -188,7 +194,7 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
         except ProxyError as e:
             return sc.fail("/rr/info", e)
         sc.metrics.requests.labels("/rr/info", "200").inc()
-        return _json(info.model_dump())
+        return _json({**info.model_dump(), "routing_store": store.stats()})
 
     @app.get("/health")
     async def health() -> Response:

@@ -133,5 +133,5 @@ async def serve_openai(sc: "Sidecar", path: str, raw: bytes) -> Response:
     for choice in answer.get("choices", ()) if isinstance(answer, dict) else ():
         shape = choice.get("routed_experts_shape") if isinstance(choice, dict) else None
         if shape:
-            sc.metrics.routing_sent(int(shape[0]), choice["routed_experts"])
+            sc.metrics.routing_sent(int(shape[0]), choice.get("routed_experts"))
     return Response(orjson.dumps(answer), media_type="application/json")

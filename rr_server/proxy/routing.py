@@ -46,6 +46,11 @@ def upstream_routing_fields(
         metrics.errors.labels("malformed_routing").inc()
         logger.warning("rr: upstream sent invalid routing for %s: %s: %s%s", where, type(e).__name__, e, extra)
         return routing_error_fields(type(e)(f"upstream sent invalid routing for {where}: {e}{extra}"))
-    fields = routing_meta_fields(checked, fmt)
-    metrics.routing_sent(checked.array.shape[0], fields["routed_experts"])
+    try:
+        fields = routing_meta_fields(checked, fmt)
+    except RoutedExpertsError as e:  # the ref format: the routing store could not hold it
+        metrics.errors.labels("routing_store").inc()
+        logger.warning("rr: %s: %s: %s", where, type(e).__name__, e)
+        return routing_error_fields(e)
+    metrics.routing_sent(checked.array.shape[0], fields.get("routed_experts"))
     return fields

@@ -82,3 +82,28 @@ def test_read_route_refuses_bad_requests_and_keeps_serving(qwen_server: Any) -> 
                                                              "routed_experts_format": "base64"}, timeout=60)
     assert r.status_code == 400
     assert httpx.get(qwen_server.base_url + "/health", timeout=30).status_code == 200
+
+
+def test_through_the_sidecar_in_front_of_the_engine(qwen_server: Any) -> None:
+    """The sidecar checks the engine's inline routing once, keeps it and answers refs; its /metrics count them."""
+    from rr_server.proxy.app import ProxyConfig
+    from tests.support.proxy_harness import SidecarServer
+
+    cfg = ProxyConfig(upstream=qwen_server.base_url, engine="vllm", timeout=120, model_path=str(qwen_server.model_dir))
+
+    async def run(url: str) -> tuple[Any, list[Any]]:
+        async with RoutedExpertsClient(url) as c:
+            inline = await c.generate(PROMPTS, GREEDY)
+            by_ref = await c.generate(PROMPTS, GREEDY, by_reference=True)
+            assert all(r.routing_ref is not None and r.routed_experts is None for r in by_ref)
+            return inline, await c.resolve_results(by_ref.results)
+
+    with SidecarServer(cfg) as sc:
+        inline, resolved = asyncio.run(run(sc.url))
+        for a, b in zip(inline, resolved):
+            assert b.output_ids == a.output_ids and np.array_equal(b.routed_experts, a.routed_experts)
+        metrics = httpx.get(sc.url + "/metrics", timeout=30).text
+        info = httpx.get(sc.url + "/rr/info", timeout=30).json()
+    assert info["routing_store"]["read_bytes"] >= sum(a.routed_experts.size for a in inline)
+    read = next(line for line in metrics.splitlines() if line.startswith("rr_routing_store_read_bytes_total"))
+    assert float(read.split()[-1]) >= sum(a.routed_experts.size for a in inline)
