@@ -8,6 +8,7 @@ import weakref
 from typing import Any
 
 from rr_patches.sglang.state import state_of
+from rr_server.serving.routing_store import STORE_ROUTES, advertised_url, current_store, install_store
 
 __all__ = ["bind_tokenizer_manager", "rr_info_dict", "install_route", "served_info"]
 
@@ -20,7 +21,11 @@ def rr_info_dict(tm: Any) -> dict[str, Any]:
     st = state_of(tm)
     if st.info is None:
         raise RuntimeError("the model config gives no routing dims")
-    return st.info.model_dump()
+    body = st.info.model_dump()
+    store = current_store()
+    if store is not None:
+        body["routing_store"] = store.stats()
+    return body
 
 
 async def _rr_info_endpoint() -> Any:
@@ -37,9 +42,13 @@ async def _rr_info_endpoint() -> Any:
 
 
 def install_route(app: Any) -> None:
-    """Add ``GET /rr/info`` to a FastAPI app once."""
-    if not any(getattr(r, "path", None) == "/rr/info" for r in app.router.routes):
+    """Add ``GET /rr/info`` and the routing store's routes (refs) to a FastAPI app once."""
+    have = {getattr(r, "path", None) for r in app.router.routes}
+    if "/rr/info" not in have:
         app.add_api_route("/rr/info", _rr_info_endpoint, methods=["GET"])
+    for path, handler, methods in STORE_ROUTES:
+        if path not in have:
+            app.add_api_route(path, handler, methods=list(methods))
 
 
 def served_info(app: Any = None) -> Any:
@@ -59,6 +68,8 @@ def bind_tokenizer_manager(tm: Any) -> None:
     """
     global _TM
     _TM = weakref.ref(tm)
+    args = getattr(tm, "server_args", None)  # the URL refs name: RR_ADVERTISE_URL, else SGLang's --host/--port
+    install_store(advertised_url(getattr(args, "host", None) or "127.0.0.1", getattr(args, "port", None)))
     mod = sys.modules.get(_HTTP_MODULE)
     if mod is not None and hasattr(mod, "app"):
         from rr_patches.sglang.openai import install_http

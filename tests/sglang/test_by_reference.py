@@ -1,0 +1,52 @@
+"""Routing by reference on SGLang's real TokenizerManager and HTTP app under rr's patch: ``/generate`` with
+``routed_experts_format: "ref"`` answers a RoutingRef, the checked rows stay in the process's store, and resolving
+them through SGLang's own app (``/rr/routing/read``) gives transformers' rows, as the inline answer does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from rr_client import RoutedExpertsClient, RoutingExpiredError, RoutingRef
+from rr_server.tiny_moe import reference_routing
+from tests.sglang.harness import Harness
+
+pytestmark = pytest.mark.sglang
+PROMPT = [3, 17, 29, 41, 53, 67, 71]
+
+
+def _reference(model: Path, h: Harness, rid: str, start: int) -> np.ndarray:
+    r = h.sched.reqs[rid]
+    return reference_routing(model, (r.prompt + r.completion)[:-1])[start:].astype(np.uint8)
+
+
+@pytest.mark.parametrize("start", [0, 3])
+async def test_ref_resolves_to_the_inline_rows(tiny_moe: Path, patched: None, start: int) -> None:
+    h = Harness(tiny_moe)
+    body: dict[str, Any] = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0.0},
+                            "return_routed_experts": True, "routed_experts_start_len": start}
+    status, inline = await h.post(body)
+    assert status == 200
+    status, answer = await h.post({**body, "routed_experts_format": "ref"})
+    assert status == 200, answer
+    meta = answer["meta_info"]
+    start = start if h.profile.has_start_field else 0  # 0.5.7 has no routed_experts_start_len
+    assert "routed_experts" not in meta and meta["routed_experts_format"] == "ref"
+    ref = RoutingRef.from_dict(meta["routed_experts_ref"])
+    assert ref.start == start and ref.url.startswith("http://")
+    app = httpx.ASGITransport(app=h.http.app)  # SGLang's own app serves the read route
+    async with RoutedExpertsClient(ref.url, transport=app) as c:
+        (rows,) = await c.resolve([ref])
+        np.testing.assert_array_equal(rows, _reference(tiny_moe, h, meta["id"], start))
+        info = (await c._http_for(ref.url).get(ref.url + "/rr/info")).json()
+        assert info["routing_store"]["read_bytes"] >= rows.nbytes
+        r = await c._http_for(ref.url).post(ref.url + "/rr/routing/retire", json={"through": ref.weight_version})
+        assert r.status_code == 200
+        with pytest.raises(RoutingExpiredError, match="retired"):
+            await c.resolve([ref])
+    got_inline = inline["meta_info"]
+    assert got_inline["routed_experts_format"] == "npy"  # the inline answer of the same request, for contrast
