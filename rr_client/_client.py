@@ -427,11 +427,13 @@ class RoutedExpertsClient:
 
     # ------------------------------------------------------------------ multi-turn
 
-    def trajectory(self, prompt_ids: Sequence[int], *, affinity: Hashable | None = None) -> "Trajectory":
-        """A multi-turn rollout by token ids that asks each turn only for the routing rows it does not hold."""
+    def trajectory(self, prompt_ids: Sequence[int], *, affinity: Hashable | None = None,
+                   by_reference: bool = False) -> "Trajectory":
+        """A multi-turn rollout by token ids that asks each turn only for the routing rows it does not hold
+        (``by_reference``: each turn's new rows as a ref, resolved later)."""
         from rr_client.trajectory import Trajectory
 
-        return Trajectory(self, prompt_ids, affinity=affinity)
+        return Trajectory(self, prompt_ids, affinity=affinity, by_reference=by_reference)
 
     def chat_trajectory(self, messages: Sequence[Mapping[str, Any]], *,
                         tools: Sequence[Mapping[str, Any]] | None = None,

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rr_client._results import GenerateResult
-from rr_client.errors import ArgumentTypeError, ConfigurationError, ShapeMismatchError, TokenMismatchError
+from rr_client.errors import (ArgumentTypeError, ConfigurationError, MissingRoutingError, ShapeMismatchError,
+                              TokenMismatchError)
+from rr_client.reference import RoutingRef
 
 if TYPE_CHECKING:
     from rr_client._client import RoutedExpertsClient
@@ -46,12 +48,14 @@ def _first_difference(held: Sequence[int], prompt: Sequence[int]) -> int | None:
 class _Rollout:
     """Tokens, loss mask and routing rows of one conversation; what both trajectory kinds share."""
 
-    def __init__(self, client: "RoutedExpertsClient", prompt_ids: Sequence[int], affinity: Hashable | None) -> None:
+    def __init__(self, client: "RoutedExpertsClient", prompt_ids: Sequence[int], affinity: Hashable | None,
+                 by_reference: bool = False) -> None:
         self._client = client
         self._tokens = _token_list(prompt_ids, "prompt_ids")
         self._prompt_len = len(self._tokens)
         self._mask = [False] * len(self._tokens)
-        self._chunks: list[np.ndarray] = []
+        self.by_reference = by_reference
+        self._chunks: list[np.ndarray | RoutingRef] = []  # each turn's new rows, or their ref until resolved
         self._rows = 0
         self._cache: np.ndarray | None = None
         self.affinity: Hashable = affinity if affinity is not None else f"rr-trajectory-{next(_ids)}"
@@ -80,9 +84,27 @@ class _Rollout:
         if self._cache is None or self._cache.shape[0] != self._rows:
             if not self._chunks:
                 raise ShapeMismatchError("the trajectory holds no routing yet: run a turn first")
-            self._cache = np.concatenate(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
+            if self.routing_refs:
+                raise MissingRoutingError(f"trajectory {self.index}: {len(self.routing_refs)} turns' routing is held "
+                                          "by reference: await traj.resolve() (or resolve routing_refs) first")
+            arrays = [c for c in self._chunks if isinstance(c, np.ndarray)]
+            self._cache = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
             self._chunks = [self._cache]
         return self._cache
+
+    @property
+    def routing_refs(self) -> list[RoutingRef]:
+        """The turns' routing refs not resolved yet, in turn order: each covers only that turn's new rows, so
+        whoever resolves them (a trainer rank) reads every row of the conversation exactly once."""
+        return [c for c in self._chunks if isinstance(c, RoutingRef)]
+
+    async def resolve(self) -> np.ndarray:
+        """Read the rows of every turn held by reference (one call per server) and return :attr:`routed_experts`."""
+        refs = self.routing_refs
+        if refs:
+            rows = iter(await self._client.resolve(refs))
+            self._chunks = [next(rows) if isinstance(c, RoutingRef) else c for c in self._chunks]
+        return self.routed_experts
 
     # -- the Sample protocol of rr_client.to_tensors / to_packed
     @property
@@ -127,19 +149,20 @@ class _Rollout:
         """Append one checked turn: template/tool tokens between held and prompt end, then the output."""
         prompt = res.prompt_ids or []
         self._check_prompt(prompt, len(self.turns))
-        if res.routed_experts is None or res.routed_experts_start != start:
+        held: np.ndarray | RoutingRef | None = res.routed_experts if res.routed_experts is not None else res.routing_ref
+        if held is None or res.routed_experts_start != start:
             raise ShapeMismatchError(f"turn {len(self.turns)}: no routing from row {start}")
-        rows = res.routed_experts
+        n = held.rows if isinstance(held, RoutingRef) else held.shape[0]
         want = len(prompt) + len(res.output_ids) - 1 - start
-        if rows.shape[0] != want:  # parse already checked this; kept as the invariant this class relies on
-            raise ShapeMismatchError(f"turn {len(self.turns)}: {rows.shape[0]} rows, expected {want}")
+        if n != want:  # parse already checked this; kept as the invariant this class relies on
+            raise ShapeMismatchError(f"turn {len(self.turns)}: {n} rows, expected {want}")
         added = prompt[len(self._tokens):]
         self._tokens.extend(added)
         self._mask.extend([False] * len(added))
         self._tokens.extend(res.output_ids)
         self._mask.extend([True] * len(res.output_ids))
-        self._chunks.append(rows)
-        self._rows += rows.shape[0]
+        self._chunks.append(held)
+        self._rows += n
         self.turns.append(res)
 
     def extend(self, token_ids: Sequence[int]) -> None:
@@ -158,11 +181,13 @@ class Trajectory(_Rollout):
     ``await traj.generate(params)`` runs one model turn; ``traj.extend(tool_ids)`` adds environment tokens.
     ``traj.input_ids``, ``traj.routed_experts`` (``len(input_ids) - 1`` rows after a turn) and
     ``traj.loss_mask`` are trainer-ready; ``rr_client.to_tensors([traj, ...], info)`` pads trajectories.
+    ``by_reference``: each turn's new rows stay on the server; :attr:`routing_refs` holds one ref per turn and
+    ``await traj.resolve()`` reads them.
     """
 
     def __init__(self, client: "RoutedExpertsClient", prompt_ids: Sequence[int], *,
-                 affinity: Hashable | None = None) -> None:
-        super().__init__(client, prompt_ids, affinity)
+                 affinity: Hashable | None = None, by_reference: bool = False) -> None:
+        super().__init__(client, prompt_ids, affinity, by_reference)
         if not self._tokens:
             raise ConfigurationError("prompt_ids is empty")
 
@@ -173,7 +198,7 @@ class Trajectory(_Rollout):
             raise ConfigurationError("a trajectory turn samples one continuation (n=1)")
         start = self._rows
         batch = await self._client.generate([list(self._tokens)], params, routed_experts_start=start,
-                                            affinity=self.affinity)
+                                            affinity=self.affinity, by_reference=self.by_reference)
         res = batch[0]
         reported = res.meta.get("prompt_token_ids")
         if isinstance(reported, list):

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from rr_client import RoutedExpertsClient, RoutingExpiredError, RoutingRef
+from rr_client import MissingRoutingError, RoutedExpertsClient, RoutingExpiredError, RoutingRef
 from rr_client.hf_config import load_config, moe_layers_from_config
 from rr_server.tiny_moe import reference_routing
 from tests.support.routing_asserts import assert_routing_sets_equal
@@ -107,3 +107,69 @@ def test_through_the_sidecar_in_front_of_the_engine(qwen_server: Any) -> None:
     assert info["routing_store"]["read_bytes"] >= sum(a.routed_experts.size for a in inline)
     read = next(line for line in metrics.splitlines() if line.startswith("rr_routing_store_read_bytes_total"))
     assert float(read.split()[-1]) >= sum(a.routed_experts.size for a in inline)
+
+
+def _tool_ids(server: Any, turn: int) -> list[int]:
+    from tests.vllm.test_openai_agentic import _tool_tokens
+
+    return _tool_tokens(server, f" tool says {turn}: 1 2 3 4 5")
+
+
+def test_multi_turn_trajectory_by_reference_reads_each_turns_new_rows_once(qwen_server: Any) -> None:
+    """Per-turn refs, each covering only that turn's new rows; resolved, the conversation's rows equal the inline
+    trajectory's (same seeds) and transformers' top-k of the whole conversation."""
+    from tests.vllm.test_vllm_e2e import tokenize
+
+    params = {"max_new_tokens": 8, "temperature": 0.8, "seed": 11}
+    prompt = tokenize(qwen_server.model_dir, "Once upon a time there was a router.")
+    moe = moe_layers_from_config(load_config(qwen_server.model_dir))
+
+    async def run(by_reference: bool) -> tuple[Any, int]:
+        async with RoutedExpertsClient(qwen_server.base_url) as c:
+            traj = c.trajectory(prompt, by_reference=by_reference)
+            for turn in range(3):
+                await traj.generate(params)
+                if turn < 2:
+                    traj.extend(_tool_ids(qwen_server, turn))
+            if by_reference:
+                refs = traj.routing_refs
+                assert len(refs) == 3 and sum(r.rows for r in refs) == len(traj.input_ids) - 1
+                with pytest.raises(MissingRoutingError, match="held by reference"):
+                    traj.routed_experts  # noqa: B018 - not readable before resolve
+                await traj.resolve()
+                assert not traj.routing_refs
+            return traj, c.routing_bytes_resolved
+
+    inline, _ = asyncio.run(run(False))
+    by_ref, nbytes = asyncio.run(run(True))
+    assert by_ref.input_ids == inline.input_ids and by_ref.loss_mask == inline.loss_mask
+    assert np.array_equal(by_ref.routed_experts, inline.routed_experts)
+    assert nbytes == by_ref.routed_experts.size  # every row of the conversation read exactly once
+    truth = reference_routing(qwen_server.model_dir, by_ref.input_ids)[:-1]
+    assert_routing_sets_equal(by_ref.routed_experts, truth, layers=moe)
+
+
+def test_two_replicas_each_ref_read_from_the_replica_that_made_it(qwen_server: Any) -> None:
+    """Two engine replicas behind one client: each ref names its own server, resolves from it, and a ref sent to
+    the other replica is refused (another store instance), never answered with that replica's rows."""
+    from tests.vllm.conftest import start_server
+
+    second = start_server("qwen3_dense", qwen_server.model_dir, core=1).wait_healthy()
+    try:
+        async def run() -> None:
+            async with RoutedExpertsClient([qwen_server.base_url, second.base_url], batch_size=1) as c:
+                inline = await c.generate(PROMPTS * 2, GREEDY)
+                by_ref = await c.generate(PROMPTS * 2, GREEDY, by_reference=True)
+                urls = {r.routing_ref.url for r in by_ref}
+                assert urls == {qwen_server.base_url, second.base_url}, urls  # both replicas served
+                resolved = await c.resolve_results(by_ref.results)
+                for a, b in zip(inline, resolved):
+                    assert a.output_ids == b.output_ids and np.array_equal(a.routed_experts, b.routed_experts)
+                ref = by_ref[0].routing_ref
+                wrong = ref.with_url(second.base_url if ref.url == qwen_server.base_url else qwen_server.base_url)
+                with pytest.raises(RoutingExpiredError, match="another server"):
+                    await c.resolve([wrong])
+
+        asyncio.run(run())
+    finally:
+        second.stop()
