@@ -28,11 +28,18 @@ from rr_client.trainer.metrics import token_logprobs
 PROMPTS = ["The capital of France is", "Mixture of experts models route each token", "1, 2, 3, 4,"]
 
 
-async def rollout(url: str, prompts: list[list[int]], samples: int, max_new_tokens: int) -> GenerateBatch:
-    """One rollout: ``samples`` completions per prompt with routing and the engine's sampling log-probs."""
+async def rollout(url: str, prompts: list[list[int]], samples: int, max_new_tokens: int,
+                  by_reference: bool = False) -> GenerateBatch:
+    """One rollout: ``samples`` completions per prompt with routing and the engine's sampling log-probs.
+
+    ``by_reference``: the server keeps the rows and answers refs (what a controller would hand to trainer ranks);
+    each rank then resolves only its own samples' rows, here the one rank all of them."""
     async with RoutedExpertsClient(url) as client:
         params = {"n": samples, "max_new_tokens": max_new_tokens, "temperature": 1.0}
-        return await client.generate(prompts, params, return_logprob=True)
+        batch = await client.generate(prompts, params, return_logprob=True, by_reference=by_reference)
+        if by_reference:
+            batch = GenerateBatch(await client.resolve_results(batch.results), batch.info)
+        return batch
 
 
 def engine_logprobs(batch: GenerateBatch, response_mask: torch.Tensor) -> torch.Tensor:
@@ -50,6 +57,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--by-reference", action="store_true", help="routing by reference (rows read from the server)")
     args = ap.parse_args(argv)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
@@ -61,7 +69,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
 
     # ---------------------------------------------------------------- the loop
     for step in range(args.steps):
-        batch = asyncio.run(rollout(args.url, prompts, args.samples, args.max_new_tokens))
+        batch = asyncio.run(rollout(args.url, prompts, args.samples, args.max_new_tokens, args.by_reference))
         rt = batch.to_tensors(pad_side="right")
         response = rt.response_mask.bool()
         reward = torch.tensor([float(len(r.output_ids)) for r in batch])

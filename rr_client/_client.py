@@ -164,6 +164,12 @@ class RoutedExpertsClient:
             out[i] = results[i].with_routing(a)
         return out
 
+    async def retire(self, through: int) -> list[dict[str, int]]:
+        """``POST /rr/routing/retire`` on every replica: free rows made under weight versions <= ``through``
+        (after a weight push); refs made later carry ``through + 1`` or more. One answer per replica."""
+        return [await self._request("POST", "/rr/routing/retire", {"through": int(through)}, only=r)
+                for r in self._pool.replicas]
+
     @property
     def routing_bytes_resolved(self) -> int:
         """Routing bytes this client has read by reference (frame data, excluding headers)."""

@@ -65,14 +65,15 @@ class LossBothWays(R3GRPOTrainer):
         return loss
 
 
-def make_trainer(cls: type, server: VLLMProcess, model_dir: Path, out: Path, **kw: Any) -> Any:
+def make_trainer(cls: type, server: VLLMProcess, model_dir: Path, out: Path, *, max_steps: int = 3,
+                 rollout_kw: dict[str, Any] | None = None, **kw: Any) -> Any:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     cfg = GRPOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-                     max_steps=3, learning_rate=2e-2, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
+                     max_steps=max_steps, learning_rate=2e-2, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
                      save_strategy="no", seed=0, beta=0.0)
     return cls(model=model, reward_funcs=length_reward, args=cfg, processing_class=tok,
-               train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), rollout_func=RRRollout(server.base_url), **kw)
+               train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), rollout_func=RRRollout(server.base_url, **(rollout_kw or {})), **kw)
 
 
 def test_grpo_r3_three_steps_with_weight_sync(dev_server: VLLMProcess, tiny_models: dict[str, Path],
@@ -120,6 +121,28 @@ def test_grpo_r3_three_steps_with_weight_sync(dev_server: VLLMProcess, tiny_mode
     for n, p in trainer.model.named_parameters():
         if n in gate0:
             assert not torch.equal(p.detach(), gate0[n]), f"{n} did not change"
+
+
+def test_grpo_r3_by_reference(dev_server: VLLMProcess, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """RRRollout(by_reference=True): the engine keeps the rows, each micro-batch's rows are read when it runs, the
+    rows of replaced weights are retired after each push; replay and the gap are as inline."""
+    import httpx
+
+    def store() -> dict[str, Any]:
+        return httpx.get(dev_server.base_url + "/rr/info", timeout=30).json()["routing_store"]
+
+    before = store()
+    trainer = make_trainer(R3GRPOTrainer, dev_server, tiny_models["qwen3_dense"], tmp_path, max_steps=2,
+                           audit_every=1, verify_sync=1e-4, rollout_kw={"by_reference": True})
+    trainer.train()
+    after = store()
+    steps = [h for h in trainer.state.log_history if "loss" in h and "r3/applied_share" in h]
+    assert len(steps) == 2
+    for h in steps:
+        assert h["r3/applied_share"] == 1.0 and h["r3/agreement"] == 1.0 and h["r3/mean_abs_logp_diff"] < 1e-4
+    assert after["stored"] - before["stored"] >= 2 * 4  # every sample's rows stayed on the server
+    assert after["read_bytes"] > before["read_bytes"]  # ... and were read by reference
+    assert after["retired"] > before["retired"]  # the first rollout's rows were retired after the second push
 
 
 def test_trl_batch_rows_sit_under_their_tokens(dev_server: VLLMProcess, tiny_models: dict[str, Path],

@@ -68,11 +68,14 @@ class RRRollout:
     (default: ``RR_API_KEY``). ``sampling_params`` override those taken from the ``GRPOConfig``;
     ``client_options`` go to the client (``timeout``, ``max_concurrency``, ...). Use it with
     :class:`R3GRPOTrainer` only: TRL's own ``GRPOTrainer`` would hand the routing to the reward functions.
+    ``by_reference``: the servers keep the rows and answer refs; the trainer reads each micro-batch's rows when
+    it runs it (a rank reads only its own), and retires the rows of older weights after each weight push.
     """
 
     def __init__(self, base_url: str | Sequence[str], *, engines: str | WeightEngine | Sequence[str | WeightEngine]
                  | None = None, engine_urls: str | Sequence[str] | None = None, api_key: str | None = None,
-                 sampling_params: Mapping[str, Any] | None = None, **client_options: Any) -> None:
+                 sampling_params: Mapping[str, Any] | None = None, by_reference: bool = False,
+                 **client_options: Any) -> None:
         check_trl_version()
         from rr_client._client import RoutedExpertsClient
 
@@ -84,7 +87,9 @@ class RRRollout:
         eng = engines if engines is not None else engine_urls if engine_urls is not None else self.urls
         self.engines: list[str | WeightEngine] = [eng] if isinstance(eng, (str, WeightEngine)) else list(eng)
         self.api_key = api_key
+        self.by_reference = by_reference
         self.sampling_params = dict(sampling_params or {})
+        self._weight_version = -1  # the newest weight version seen in a ref (retired after the next push)
         self._loop = LoopThread()
         target = self.urls if len(self.urls) > 1 else self.urls[0]
 
@@ -104,7 +109,20 @@ class RRRollout:
 
     def generate(self, prompts: list[list[int]], sampling_params: Mapping[str, Any]) -> Any:
         """``client.generate`` with the sampling log-probs, on the rollout's loop (a :class:`GenerateBatch`)."""
-        return self._loop.run(self.client.generate(prompts, dict(sampling_params), return_logprob=True))
+        batch = self._loop.run(self.client.generate(prompts, dict(sampling_params), return_logprob=True,
+                                                    by_reference=self.by_reference))
+        versions = [r.routing_ref.weight_version for r in batch if r.routing_ref is not None]
+        self._weight_version = max([self._weight_version, *versions])
+        return batch
+
+    def resolve(self, results: Sequence[Any]) -> list[Any]:
+        """``results`` with their refs' rows read (by reference); the others as they are."""
+        return self._loop.run(self.client.resolve_results(list(results)))
+
+    def retire(self) -> None:
+        """After a weight push: free every server's rows made under the weights seen so far (by reference)."""
+        if self.by_reference and self._weight_version >= 0:
+            self._loop.run(self.client.retire(self._weight_version))
 
     def close(self) -> None:
         """Close the client and its loop thread."""

@@ -135,13 +135,15 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                     "not serve the trained weights (a reload that dropped weights? see the engine's log)")
         self.sync_log.append(record)
         self._rr_synced_step = self.state.global_step
+        if self.accelerator.is_main_process:
+            self.rr_rollout.retire()  # by reference: the rows of the weights just replaced are no longer read
         self._log({K.WEIGHT_SYNC_SECONDS: seconds}, "train")
 
     def _probe_engine(self) -> dict[str, Any]:
         """Greedy probe on the engine; the trainer's log-probs of the same tokens under the engine's routing."""
         prompt = [int(t) for t in self._tokenizer("Routing replay weight sync probe.")["input_ids"]]
         batch = self.rr_rollout.generate([prompt], {"n": 1, "max_new_tokens": 4, "temperature": 0.0})
-        r = batch[0]
+        r = self.rr_rollout.resolve([batch[0]])[0]
         engine = torch.tensor(sampled_logprobs(r), dtype=torch.float64)
         model = self.accelerator.unwrap_model(self.model)
         seq = torch.tensor([list(r.prompt_ids or []) + list(r.output_ids)], device=self.accelerator.device)
@@ -292,6 +294,10 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         if len(idx) != input_ids.size(0):
             raise ReplayError(f"the batch has {input_ids.size(0)} samples but {len(idx)} routing indices")
         results = [self._rr_batch.results[i] for i in idx]
+        if any(r.routed_experts is None for r in results):  # by reference: this micro-batch's rows, read now
+            results = self.rr_rollout.resolve(results)
+            for i, r in zip(idx, results):
+                self._rr_batch.results[i] = r
         width = input_ids.size(1)
         pad = self._tokenizer.pad_token_id
         rt = to_tensors(results, self._rr_batch.info, pad_side="split", prompt_length=width - logits_to_keep,
