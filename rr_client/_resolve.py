@@ -76,7 +76,7 @@ class RefResolver:
     async def _one_call(self, url: str, refs: list[RoutingRef], idx: list[int], out: list[np.ndarray | None],
                         info: RRInfo) -> None:
         if url.startswith(RAY_SCHEME):
-            from rr_client.stores.ray import read_parts
+            from rr_client._ray_refs import read_parts
 
             async with self._sem:
                 parts = await asyncio.to_thread(read_parts, url, refs)

@@ -35,6 +35,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched SGLang: every answer carries routing"),
     Setting("RR_ROUTED_EXPERTS_FORMAT", "text", "server default routed_experts_format: npy (default), sglang or ref"),
     Setting("RR_ROUTING_STORE_BYTES", "int", "rr servers: byte cap of the routing store that holds rows for refs (default 2 GiB; oldest evicted first)"),
+    Setting("RR_ROUTING_STORE", "text", "rr servers: where rows for refs are held: memory (default, in the server) or ray (Ray's object store, one actor per node; rr-replay[ray])"),
+    Setting("RR_RAY_ADDRESS", "text", "the Ray cluster the ray routing store and ray:// ref readers join (default: auto)"),
     Setting("RR_ADVERTISE_URL", "text", "rr servers: the URL a routing ref names for reading its rows (default: the server's own host and port)"),
     Setting("RR_ENCODE_THREAD_MIN_ELEMS", "int", "patched vLLM: encode routing off the event loop above this size"),
     Setting("RR_AUDIT_EVERY", "int", "verl: steps between audited replay steps (default 10; 0 = never; the first step always)"),

@@ -166,9 +166,17 @@ def install_store(url: str = "", max_bytes: int | None = None) -> RoutingStore:
     with _INSTALL_LOCK:
         if _STORE is None:
             cap = max_bytes or settings.integer("RR_ROUTING_STORE_BYTES", default=DEFAULT_MAX_BYTES)
-            _STORE = RoutingStore(cap, url)
-            install_reference_store(_STORE.put)
-        elif url and not _STORE.url:
+            backend = (settings.text("RR_ROUTING_STORE") or "memory").lower()
+            if backend == "ray":
+                from rr_server.serving.ray_store import RayRoutingStore
+
+                _STORE = RayRoutingStore(cap)  # type: ignore[assignment]
+            elif backend == "memory":
+                _STORE = RoutingStore(cap, url)
+            else:
+                raise ConfigurationError(f"RR_ROUTING_STORE={backend!r}: expected memory or ray")
+            install_reference_store(_STORE.put)  # type: ignore[union-attr]
+        elif url and not _STORE.url:  # a Ray store's URL is its actor's, always set
             _STORE.url = url
         return _STORE
 

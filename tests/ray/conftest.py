@@ -1,0 +1,30 @@
+"""A local Ray cluster for tests/ray, started by the test session itself (CPU only, loopback)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[str]:
+    """A one-node Ray cluster this process started; yields its GCS address (engine servers join it there)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, namespace="rr", log_to_driver=False,
+             _system_config={"automatic_object_spilling_enabled": False})
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> dict[str, object]:
+    """The tiny checkpoint tests/vllm serves (built or reused from .cache/)."""
+    from rr_server.tiny_moe import build_tiny_moe
+    from tests.support.vllm_process import CACHE
+    from tests.vllm.conftest import MODEL_SPECS
+
+    return {"qwen3_dense": build_tiny_moe(CACHE / "qwen3_dense", **MODEL_SPECS["qwen3_dense"])}
