@@ -376,11 +376,13 @@ class RoutedExpertsClient:
         routed_experts_start: int | None = None,
         affinity: Hashable | None = None,
         extra_body: Mapping[str, Any] | None = None,
+        by_reference: bool = False,
     ) -> GenerateBatch:
         """``POST /v1/completions`` for one prompt (text or token ids); one result per choice (``n``).
 
         ``sampling_params`` take ``generate``'s SGLang names (``max_new_tokens`` ...) or OpenAI's;
-        ``extra_body`` is merged into the request last (e.g. ``{"logprobs": 1}``).
+        ``extra_body`` is merged into the request last (e.g. ``{"logprobs": 1}``); ``by_reference`` as in
+        :meth:`generate`.
         """
         plist = _normalize_prompts(prompt)
         if len(plist) != 1:
@@ -388,7 +390,7 @@ class RoutedExpertsClient:
         p = plist[0]
         return await self._openai(COMPLETIONS_PATH, {"prompt": p}, sampling_params, want=return_routed_experts,
                                   start=routed_experts_start, affinity=affinity, extra=extra_body,
-                                  sent_ids=p if isinstance(p, list) else None)
+                                  sent_ids=p if isinstance(p, list) else None, by_reference=by_reference)
 
     async def chat(
         self,
@@ -400,8 +402,10 @@ class RoutedExpertsClient:
         routed_experts_start: int | None = None,
         affinity: Hashable | None = None,
         extra_body: Mapping[str, Any] | None = None,
+        by_reference: bool = False,
     ) -> GenerateBatch:
-        """``POST /v1/chat/completions``; the engine applies the model's chat template.
+        """``POST /v1/chat/completions``; the engine applies the model's chat template (``by_reference``: as in
+        :meth:`generate`).
 
         Each result carries the templated ``prompt_ids`` the engine reported, the generated ``output_ids``,
         the message in ``meta["message"]`` (tool calls included) and routing for ``prompt + output - 1 -
@@ -413,22 +417,23 @@ class RoutedExpertsClient:
         if tools is not None:
             payload["tools"] = [dict(t) for t in tools]
         return await self._openai(CHAT_PATH, payload, sampling_params, want=return_routed_experts,
-                                  start=routed_experts_start, affinity=affinity, extra=extra_body, sent_ids=None)
+                                  start=routed_experts_start, affinity=affinity, extra=extra_body, sent_ids=None,
+                                  by_reference=by_reference)
 
     async def _openai(self, path: str, payload: dict[str, Any], params: Mapping[str, Any] | None, *, want: bool,
                       start: int | None, affinity: Hashable | None, extra: Mapping[str, Any] | None,
-                      sent_ids: list[int] | None) -> GenerateBatch:
+                      sent_ids: list[int] | None, by_reference: bool = False) -> GenerateBatch:
         """One OpenAI-endpoint call, every choice checked."""
         if start is not None and start < 0:
             raise ConfigurationError(f"routed_experts_start must be >= 0, got {start}")
         info = await self.info()
         model = (extra or {}).get("model") or info.model
-        body = openai_body(params, model=model, want=want, start=start, extra=extra)
+        body = openai_body(params, model=model, want=want, start=start, extra=extra, by_reference=by_reference)
         body.update(payload)
         answer = await self._request("POST", path, body, affinity=affinity)
         results = parse_choices(answer, path=path, info=info, want_routing=want, start=start or 0,
                                 sent_prompt_ids=sent_ids, allow_extra_rows=self._allow_extra_rows,
-                                validate=self._validate)
+                                validate=self._validate, by_reference=by_reference)
         return GenerateBatch(results=results, info=info)
 
     # ------------------------------------------------------------------ multi-turn

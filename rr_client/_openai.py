@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rr_client._results import GenerateResult, decode_sample_routing
+from rr_client._results import GenerateResult, decode_sample_routing, sample_ref
 from rr_client.errors import ProtocolError
 from rr_client.info import RRInfo
 
@@ -23,17 +23,18 @@ CHAT_PATH = "/v1/chat/completions"
 _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
             "no_stop_trim": "include_stop_str_in_output"}
 _ROUTING_KEYS = ("routed_experts", "routed_experts_shape", "routed_experts_dtype", "routed_experts_format",
-                 "routed_experts_start", "routed_experts_error")
+                 "routed_experts_start", "routed_experts_error", "routed_experts_ref")
 
 
 def openai_body(params: Mapping[str, Any] | None, *, model: str, want: bool, start: int | None,
-                extra: Mapping[str, Any] | None) -> dict[str, Any]:
+                extra: Mapping[str, Any] | None, by_reference: bool = False) -> dict[str, Any]:
     """An OpenAI request body: sampling params in OpenAI names, rr's fields, token ids always asked for."""
     body: dict[str, Any] = {"model": model, "stream": False, "return_token_ids": True}
     for k, v in (params or {}).items():
         body[_RENAMES.get(k, k)] = v
     body["return_routed_experts"] = want
-    body["routed_experts_format"] = "npy"  # rr_client always asks explicitly (servers may default to "sglang")
+    # rr_client always asks explicitly (servers may default to "sglang"); "ref": the rows stay on the server
+    body["routed_experts_format"] = "ref" if by_reference and want else "npy"
     if start is not None:
         body["routed_experts_start"] = start
     body.update(extra or {})
@@ -59,6 +60,7 @@ def parse_choices(
     first_index: int = 0,
     allow_extra_rows: int = 0,
     validate: bool = True,
+    by_reference: bool = False,
 ) -> list[GenerateResult]:
     """Every choice of one answer as a GenerateResult (choice order), each checked like a ``/generate`` sample."""
     if not isinstance(answer, Mapping) or not isinstance(answer.get("choices"), list) or not answer["choices"]:
@@ -74,7 +76,11 @@ def parse_choices(
         if sent_prompt_ids is not None and list(sent_prompt_ids) != prompt_ids:
             raise ProtocolError(f"{where}: the engine's prompt_token_ids differ from the token ids sent")
         routing = None
-        if want_routing:
+        ref = None
+        if want_routing and by_reference:
+            ref = sample_ref(choice, info, prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids),
+                             start=start, where=where)
+        elif want_routing:
             routing = decode_sample_routing(choice, info, prompt_tokens=len(prompt_ids),
                                             completion_tokens=len(output_ids), start=start,
                                             allow_extra_rows=allow_extra_rows, validate=validate, where=where)
@@ -96,5 +102,6 @@ def parse_choices(
             routed_experts=routing,
             routed_experts_start=start,
             meta=meta,
+            routing_ref=ref,
         ))
     return out

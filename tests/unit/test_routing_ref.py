@@ -81,6 +81,8 @@ def test_store_evicts_oldest_first_and_says_why() -> None:
     with pytest.raises(RoutingExpiredError, match="exceeds the routing store's cap"):
         store.put(checked(40))
     assert store.stats()["refused"] == 1
+    with pytest.raises(RoutingExpiredError, match="no such key"):  # a key this store never held
+        store.read(store.instance, "0" * 32)
 
 
 def test_retire_frees_a_weight_version_and_new_refs_carry_the_next() -> None:

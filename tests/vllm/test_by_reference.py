@@ -173,3 +173,19 @@ def test_two_replicas_each_ref_read_from_the_replica_that_made_it(qwen_server: A
         asyncio.run(run())
     finally:
         second.stop()
+
+
+def test_openai_endpoints_by_reference(qwen_server: Any) -> None:
+    """``routed_experts_format: "ref"`` on vLLM's own /v1/completions and /v1/chat/completions (rr's middleware)."""
+    async def run() -> None:
+        async with RoutedExpertsClient(qwen_server.base_url) as c:
+            for call in (lambda **kw: c.complete(PROMPTS[0], GREEDY, **kw),
+                         lambda **kw: c.chat([{"role": "user", "content": PROMPTS[1]}], GREEDY, **kw)):
+                inline = await call()
+                by_ref = await call(by_reference=True)
+                assert by_ref[0].routed_experts is None and by_ref[0].routing_ref is not None
+                (b,) = await c.resolve_results(by_ref.results)
+                assert b.output_ids == inline[0].output_ids
+                assert np.array_equal(b.routed_experts, inline[0].routed_experts)
+
+    asyncio.run(run())
