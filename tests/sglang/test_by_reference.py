@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from rr_client import RoutedExpertsClient, RoutingExpiredError, RoutingRef
+from rr_client.codec import decode_meta_info
 from rr_server.tiny_moe import reference_routing
 from tests.sglang.harness import Harness
 
@@ -48,5 +49,8 @@ async def test_ref_resolves_to_the_inline_rows(tiny_moe: Path, patched: None, st
         assert r.status_code == 200
         with pytest.raises(RoutingExpiredError, match="retired"):
             await c.resolve([ref])
-    got_inline = inline["meta_info"]
-    assert got_inline["routed_experts_format"] == "npy"  # the inline answer of the same request, for contrast
+    m = inline["meta_info"]  # the inline answer of the same request: the same tokens, the same rows
+    assert m["routed_experts_format"] == "npy" and inline["output_ids"] == answer["output_ids"]
+    got = decode_meta_info(m, rows=ref.rows, num_layers=ref.layers, topk=ref.topk, num_experts=8,
+                           moe_layers=[0, 2])
+    np.testing.assert_array_equal(got, rows)
