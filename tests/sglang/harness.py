@@ -139,6 +139,17 @@ class Harness:
             await asyncio.sleep(0.01)
         raise TimeoutError(f"only {len(self.sched.arrivals)} of {n} requests reached the scheduler")
 
+    async def _listening(self, rids: list[str], timeout: float = 5.0) -> None:
+        """Wait until the TokenizerManager's coroutine of every rid waits for its answer. SGLang's batch path
+        creates them after the last send and starts them only when it gathers them; an answer delivered before
+        that (possible on a loaded machine) deletes the request's state first (``KeyError`` in
+        ``_wait_one_response``), which a real scheduler, answering after a forward, never does this fast."""
+        for _ in range(int(timeout / 0.005)):
+            states = [self.tm.rid_to_state.get(r) for r in rids]
+            if all(s is not None and getattr(getattr(s, "event", None), "_waiters", True) for s in states):
+                return
+            await asyncio.sleep(0.005)
+
     async def _drained(self, rids: list[str], timeout: float = 10.0) -> None:
         """Let the request coroutines read their chunk before the next one (streaming reads only the last)."""
         for _ in range(int(timeout / 0.005)):
@@ -207,6 +218,7 @@ class Harness:
             call = asyncio.ensure_future(client.post("/generate", json=body, timeout=60))
             try:
                 rids = await self._wait_for(n_requests, call)
+                await self._listening(rids)
             except BaseException:
                 call.cancel()
                 raise
