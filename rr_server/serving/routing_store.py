@@ -22,8 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+
+try:  # the HTTP half; a bare install (no server extra) loads the store and rr's engine plugins without it
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+except ImportError:  # pragma: no cover - depends on the environment
+    Request = Response = JSONResponse = Any  # type: ignore[misc, assignment]
 
 from rr_client import settings
 from rr_client.codec import CheckedRouting, install_reference_store
