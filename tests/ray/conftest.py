@@ -7,17 +7,25 @@ from collections.abc import Iterator
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[str]:
-    """A one-node Ray cluster this process started; yields its GCS address (engine servers join it there)."""
+    """A one-node Ray cluster this process started; yields its GCS address (engine servers join it there).
+
+    Shut down after the module, and the environment restored (``ray.init`` exports ``RAY_ADDRESS``, which every
+    later child process, vLLM servers included, would inherit and join)."""
+    import os
+
     import ray
 
+    saved = dict(os.environ)
     ray.init(num_cpus=2, include_dashboard=False, namespace="rr", log_to_driver=False,
              _system_config={"automatic_object_spilling_enabled": False})
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")
