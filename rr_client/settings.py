@@ -38,10 +38,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("RR_ROUTING_STORE", "text", "rr servers: where rows for refs are held: memory (default, in the server) or ray (Ray's object store, one actor per node; rr-replay[ray])"),
     Setting("RR_RAY_ADDRESS", "text", "the Ray cluster the ray routing store and ray:// ref readers join (default: auto)"),
     Setting("RR_ADVERTISE_URL", "text", "rr servers: the URL a routing ref names for reading its rows (default: the server's own host and port)"),
-    Setting("RR_ENCODE_THREAD_MIN_ELEMS", "int", "patched vLLM: encode routing off the event loop above this size"),
+    Setting("RR_ENCODE_THREAD_MIN_ELEMS", "int", "patched vLLM: encode routing off the event loop above this many elements (default 1048576)"),
     Setting("RR_AUDIT_EVERY", "int", "verl: steps between audited replay steps (default 10; 0 = never; the first step always)"),
     Setting("RR_ALLOW_UNTESTED_MODEL", "flag", "verl: replay a MoE family whose router formula is in rr but untested"),
-    Setting("RR_API_KEY", "text", "client (and doctor): the key sent as Authorization: Bearer"),
+    Setting("RR_API_KEY", "text", "client, doctor and weight sync: the key sent as Authorization: Bearer; sidecar: a key it requires (with --api-key)"),
     Setting("RR_UPSTREAM_API_KEY", "text", "sidecar: the key sent to the engine (its --api-key)"),
 )}
 

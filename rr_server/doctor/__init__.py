@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url", help="an rr server (patched vLLM/SGLang or the sidecar), or an engine with --engine")
     p.add_argument("--engine", choices=("vllm", "sglang"), default=None,
                    help="URL is an unpatched engine with capture on; it is checked through an in-process sidecar")
-    p.add_argument("--model-path", default=None, help="the served HF checkpoint: compare with its own router top-k")
+    p.add_argument("--model-path", default=None, help="the served HF checkpoint: compare with each MoE layer's own selection in "
+                                                         "transformers (what the engine should have routed)")
     p.add_argument("--device", default="cpu", help="where the ground-truth forward runs (cpu, cuda)")
     p.add_argument("--prompts", type=int, default=4, help="distinct prompts used by the checks (>= 4)")
     p.add_argument("--max-new-tokens", type=int, default=8)
