@@ -21,7 +21,7 @@ from rr_client._resolve import RefResolver
 from rr_client._results import GenerateBatch, GenerateResult, parse_sample
 from rr_client.errors import ArgumentTypeError, ConfigurationError, ProtocolError, RRError, RequestRejectedError, ServerError, TransportError
 from rr_client.info import RRInfo
-from rr_client.reference import RoutingRef
+from rr_client.reference import RETIRE_PATH, RoutingRef
 
 if TYPE_CHECKING:
     from rr_client.trajectory import ChatTrajectory, Trajectory
@@ -167,7 +167,7 @@ class RoutedExpertsClient:
     async def retire(self, through: int) -> list[dict[str, int]]:
         """``POST /rr/routing/retire`` on every replica: free rows made under weight versions <= ``through``
         (after a weight push); refs made later carry ``through + 1`` or more. One answer per replica."""
-        return [await self._request("POST", "/rr/routing/retire", {"through": int(through)}, only=r)
+        return [await self._request("POST", RETIRE_PATH, {"through": int(through)}, only=r)
                 for r in self._pool.replicas]
 
     @property

@@ -20,11 +20,10 @@ from rr_client.codec import check_routing
 from rr_client.errors import ProtocolError, RoutingChecksumError, RoutingExpiredError, ShapeMismatchError
 from rr_client.http_errors import error_for_status, map_httpx_error
 from rr_client.info import RRInfo
-from rr_client.reference import FRAME_MEDIA_TYPE, FramePart, RoutingRef, decode_frame
+from rr_client.reference import FRAME_MEDIA_TYPE, READ_PATH, FramePart, RoutingRef, decode_frame
 
 __all__ = ["RefResolver", "READ_PATH", "RAY_SCHEME", "checked_part"]
 
-READ_PATH = "/rr/routing/read"
 RAY_SCHEME = "ray://"
 
 

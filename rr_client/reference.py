@@ -28,12 +28,14 @@ import numpy as np
 
 from rr_client.errors import MalformedPayloadError, RoutingChecksumError
 
-__all__ = ["REF_SCHEMA", "ROWS_SCHEMA", "FRAME_MEDIA_TYPE", "RoutingRef", "checksum", "encode_frame",
+__all__ = ["REF_SCHEMA", "ROWS_SCHEMA", "FRAME_MEDIA_TYPE", "READ_PATH", "RETIRE_PATH", "RoutingRef", "checksum", "encode_frame",
            "decode_frame", "FramePart"]
 
 REF_SCHEMA = "rr.routing_ref/1"
 ROWS_SCHEMA = "rr.routing_rows/1"
 FRAME_MEDIA_TYPE = "application/x-rr-routing"
+READ_PATH = "/rr/routing/read"  #: every rr server's read route (POST, JSON refs -> frame)
+RETIRE_PATH = "/rr/routing/retire"  #: every rr server's retire route (POST {"through": V})
 _DTYPES = ("uint8", "uint16")
 _MAX_HEADER = 64 * 1024 * 1024
 

@@ -11,7 +11,6 @@ bytes (oldest first) and retired per weight version, with the same errors and co
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Any
 
 from rr_client import settings
@@ -19,11 +18,11 @@ from rr_client.codec import CheckedRouting
 from rr_client.errors import RoutingExpiredError
 from rr_client.optional import require
 from rr_client.reference import FramePart, RoutingRef, checksum
+from rr_server.serving.store_ledger import Held, StoreLedger, row_range
 
 __all__ = ["RayStoreActor", "RayRoutingStore", "NAMESPACE", "actor_name"]
 
 NAMESPACE = "rr"
-_GONE_REMEMBERED = 1 << 16
 
 
 def actor_name(node_id: str) -> str:
@@ -32,84 +31,44 @@ def actor_name(node_id: str) -> str:
 
 
 class RayStoreActor:
-    """The Ray actor (``ray.remote`` at install): rows by key as object refs, bounded, retired per version."""
+    """The Ray actor (``ray.remote`` at install): rows by key as object refs, bounded and retired per weight
+    version by the same :class:`StoreLedger` as the in-memory store."""
 
     def __init__(self, max_bytes: int) -> None:
-        import uuid
-
-        self.max_bytes = int(max_bytes)
-        self.instance = uuid.uuid4().hex
-        self.weight_version = 0
-        self._entries: OrderedDict[str, tuple[Any, int, int, str]] = OrderedDict()  # key -> (ref, nbytes, v, sum)
-        self._gone: OrderedDict[str, str] = OrderedDict()
-        self._bytes = 0
-        self.counts = dict.fromkeys(("stored", "stored_bytes", "reads", "read_rows", "read_bytes", "evicted",
-                                     "evicted_bytes", "retired", "retired_bytes", "expired_reads", "refused"), 0)
+        self.ledger = StoreLedger(max_bytes, what="Ray routing store",
+                                  moved="restarted, or sent to another node's store")
 
     def identity(self) -> tuple[str, int]:
         """(store instance id, the weight version new rows get)."""
-        return self.instance, self.weight_version
-
-    def _forget(self, key: str, why: str) -> None:
-        self._gone[key] = why
-        while len(self._gone) > _GONE_REMEMBERED:
-            self._gone.popitem(last=False)
+        return self.ledger.instance, self.ledger.weight_version
 
     def put(self, key: str, rows: Any, digest: str) -> int:
         """Hold ``rows`` (numpy) with ``ray.put``; returns the weight version they were stored under."""
         import ray
 
-        n = int(rows.nbytes)
-        if n > self.max_bytes:
-            self.counts["refused"] += 1
-            raise RoutingExpiredError(f"routing of {n} bytes exceeds the Ray routing store's cap of "
-                                      f"{self.max_bytes} bytes (RR_ROUTING_STORE_BYTES): it could not be held")
-        while self._entries and self._bytes + n > self.max_bytes:
-            old, (_, m, _, _) = self._entries.popitem(last=False)
-            self._bytes -= m
-            self.counts["evicted"] += 1
-            self.counts["evicted_bytes"] += m
-            self._forget(old, f"evicted by the Ray routing store's byte cap ({self.max_bytes} bytes)")
-        self._entries[key] = (ray.put(rows), n, self.weight_version, digest)
-        self._bytes += n
-        self.counts["stored"] += 1
-        self.counts["stored_bytes"] += n
-        return self.weight_version
+        self.ledger.admit(int(rows.nbytes))
+        version = self.ledger.weight_version
+        self.ledger.add(key, Held(ray.put(rows), int(rows.shape[0]), int(rows.nbytes), version, digest))
+        return version
 
     def locate(self, asks: list[tuple[str, str]]) -> list[Any]:
         """For each (store, key): ``[object ref, digest]`` or ``[None, why it is gone]`` (no raise over Ray)."""
         out: list[Any] = []
         for store, key in asks:
-            e = self._entries.get(key) if store == self.instance else None
-            if e is None:
-                self.counts["expired_reads"] += 1
-                why = (f"it was made by routing store {store}, this Ray store is {self.instance} (restarted, or "
-                       "sent to another node's store)" if store != self.instance
-                       else self._gone.get(key, "no such key in this Ray routing store"))
-                out.append([None, f"routing ref {key}: {why}"])
+            try:
+                e = self.ledger.find(store, key)
+            except RoutingExpiredError as why:
+                out.append([None, str(why)])
                 continue
-            self.counts["reads"] += 1
-            self.counts["read_bytes"] += e[1]
-            out.append([e[0], e[3]])
+            self.ledger.note_read(e.n_rows, e.nbytes)
+            out.append([e.rows, e.digest])
         return out
 
     def retire(self, through: int) -> dict[str, int]:
-        gone = [k for k, e in self._entries.items() if e[2] <= through]
-        freed = 0
-        for k in gone:
-            _, n, v, _ = self._entries.pop(k)
-            freed += n
-            self._forget(k, f"retired with weight version {v} (retire through {through})")
-        self._bytes -= freed
-        self.counts["retired"] += len(gone)
-        self.counts["retired_bytes"] += freed
-        self.weight_version = max(self.weight_version, through + 1)
-        return {"retired": len(gone), "freed_bytes": freed, "weight_version": self.weight_version}
+        return self.ledger.retire(through)
 
     def stats(self) -> dict[str, Any]:
-        return {"instance": self.instance, "entries": len(self._entries), "bytes": self._bytes,
-                "max_bytes": self.max_bytes, "weight_version": self.weight_version, "backend": "ray",
-                **self.counts}
+        return {**self.ledger.stats(), "backend": "ray"}
 
 
 class RayRoutingStore:
@@ -148,10 +107,7 @@ class RayRoutingStore:
         if ref is None:
             raise RoutingExpiredError(why)
         rows = self._ray.get(ref)
-        n = int(rows.shape[0])
-        a, b = (0 if start is None else start), (n if stop is None else stop)
-        if not 0 <= a <= b <= n:
-            raise ValueError(f"routing ref {key}: rows [{a}, {b}) outside its {n} rows")
+        a, b = row_range(key, int(rows.shape[0]), start, stop)
         return FramePart(key, a, b, rows[a:b])
 
     def retire(self, through: int) -> dict[str, int]:

@@ -17,11 +17,7 @@ import json
 import socket
 import threading
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 try:  # the HTTP half; a bare install (no server extra) loads the store and rr's engine plugins without it
     from starlette.requests import Request
@@ -32,117 +28,64 @@ except ImportError:  # pragma: no cover - depends on the environment
 from rr_client import settings
 from rr_client.codec import CheckedRouting, install_reference_store
 from rr_client.errors import ConfigurationError, RoutingExpiredError
-from rr_client.reference import FRAME_MEDIA_TYPE, FramePart, RoutingRef, checksum, encode_frame
+from rr_client.reference import (FRAME_MEDIA_TYPE, READ_PATH, RETIRE_PATH, FramePart, RoutingRef, checksum,
+                                 encode_frame)
+from rr_server.serving.store_ledger import Held, StoreLedger, row_range
 
 __all__ = ["RoutingStore", "install_store", "current_store", "DEFAULT_MAX_BYTES", "READ_PATH", "RETIRE_PATH",
            "read_endpoint", "retire_endpoint", "STORE_ROUTES", "advertised_url"]
 
 DEFAULT_MAX_BYTES = 2 << 30
-READ_PATH = "/rr/routing/read"
-RETIRE_PATH = "/rr/routing/retire"
-_GONE_REMEMBERED = 1 << 16  # keys whose reason (evicted / retired) is kept for the error message
-
-
-@dataclass
-class _Entry:
-    rows: np.ndarray
-    weight_version: int
 
 
 class RoutingStore:
-    """Checked rows by key, bounded by ``max_bytes`` (oldest evicted first), retired per weight version.
-
-    Thread-safe (vLLM builds large answers in a worker thread). ``url``: what refs name as the place to read.
-    """
+    """Checked rows by key in this process, bounded by ``max_bytes`` (oldest evicted first), retired per weight
+    version (:class:`StoreLedger`). Thread-safe (vLLM builds large answers in a worker thread). ``url``: what refs
+    name as the place to read."""
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, url: str = "", instance: str | None = None) -> None:
-        if max_bytes <= 0:
-            raise ConfigurationError(f"routing store byte cap must be > 0, got {max_bytes} (RR_ROUTING_STORE_BYTES)")
-        self.max_bytes = int(max_bytes)
+        self.ledger = StoreLedger(max_bytes, instance)
         self.url = url
-        self.instance = instance or uuid.uuid4().hex
-        self.weight_version = 0
         self._lock = threading.Lock()
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        self._gone: OrderedDict[str, str] = OrderedDict()
-        self._bytes = 0
-        self.counts = dict.fromkeys(("stored", "stored_bytes", "reads", "read_rows", "read_bytes", "evicted",
-                                     "evicted_bytes", "retired", "retired_bytes", "expired_reads", "refused"), 0)
 
-    # ------------------------------------------------------------------ write
+    @property
+    def instance(self) -> str:
+        return self.ledger.instance
+
+    @property
+    def max_bytes(self) -> int:
+        return self.ledger.max_bytes
+
     def put(self, checked: CheckedRouting) -> dict[str, Any]:
         """Keep checked rows; return the :class:`RoutingRef` dict the answer carries instead of them."""
         arr = checked.array
-        if arr.nbytes > self.max_bytes:
-            with self._lock:
-                self.counts["refused"] += 1
-            raise RoutingExpiredError(f"routing of {arr.nbytes} bytes exceeds the routing store's cap of "
-                                      f"{self.max_bytes} bytes (RR_ROUTING_STORE_BYTES): it could not be held")
-        key = uuid.uuid4().hex
-        ref = RoutingRef(store=self.instance, url=self.url, key=key, rows=int(arr.shape[0]),
-                         layers=int(arr.shape[1]), topk=int(arr.shape[2]), dtype=arr.dtype.name,
-                         start=checked.start, weight_version=self.weight_version, checksum=checksum(arr))
+        key, digest = uuid.uuid4().hex, checksum(arr)
         with self._lock:
-            while self._entries and self._bytes + arr.nbytes > self.max_bytes:
-                old, e = self._entries.popitem(last=False)
-                self._bytes -= e.rows.nbytes
-                self.counts["evicted"] += 1
-                self.counts["evicted_bytes"] += e.rows.nbytes
-                self._forget(old, f"evicted by the routing store's byte cap ({self.max_bytes} bytes)")
-            self._entries[key] = _Entry(arr, ref.weight_version)
-            self._bytes += arr.nbytes
-            self.counts["stored"] += 1
-            self.counts["stored_bytes"] += arr.nbytes
-        return ref.to_dict()
-
-    def _forget(self, key: str, why: str) -> None:
-        self._gone[key] = why
-        while len(self._gone) > _GONE_REMEMBERED:
-            self._gone.popitem(last=False)
+            self.ledger.admit(arr.nbytes)
+            version = self.ledger.weight_version
+            self.ledger.add(key, Held(arr, int(arr.shape[0]), arr.nbytes, version, digest))
+        return RoutingRef(store=self.instance, url=self.url, key=key, rows=int(arr.shape[0]),
+                          layers=int(arr.shape[1]), topk=int(arr.shape[2]), dtype=arr.dtype.name,
+                          start=checked.start, weight_version=version, checksum=digest).to_dict()
 
     def retire(self, through: int) -> dict[str, int]:
         """Free every row made under weight version <= ``through``; later refs carry ``through + 1`` or more."""
         with self._lock:
-            gone = [k for k, e in self._entries.items() if e.weight_version <= through]
-            freed = 0
-            for k in gone:
-                e = self._entries.pop(k)
-                freed += e.rows.nbytes
-                self._forget(k, f"retired with weight version {e.weight_version} (retire through {through})")
-            self._bytes -= freed
-            self.counts["retired"] += len(gone)
-            self.counts["retired_bytes"] += freed
-            self.weight_version = max(self.weight_version, through + 1)
-            return {"retired": len(gone), "freed_bytes": freed, "weight_version": self.weight_version}
+            return self.ledger.retire(through)
 
-    # ------------------------------------------------------------------ read
     def read(self, store: str, key: str, start: int | None = None, stop: int | None = None) -> FramePart:
         """Rows ``[start, stop)`` of ``key`` (default: all); :class:`RoutingExpiredError` if not held here."""
         with self._lock:
-            e = self._entries.get(key) if store == self.instance else None
-            if e is None:
-                self.counts["expired_reads"] += 1
-                if store != self.instance:
-                    why = (f"it was made by routing store {store}, this server's is {self.instance} (the server "
-                           "restarted, or the ref was sent to another server)")
-                else:
-                    why = self._gone.get(key, "no such key in this routing store")
-                raise RoutingExpiredError(f"routing ref {key}: {why}")
-            n = int(e.rows.shape[0])
-            a, b = (0 if start is None else start), (n if stop is None else stop)
-            if not 0 <= a <= b <= n:
-                raise ValueError(f"routing ref {key}: rows [{a}, {b}) outside its {n} rows")
+            e = self.ledger.find(store, key)
+            a, b = row_range(key, e.n_rows, start, stop)
             rows = e.rows[a:b]
-            self.counts["reads"] += 1
-            self.counts["read_rows"] += b - a
-            self.counts["read_bytes"] += rows.nbytes
+            self.ledger.note_read(b - a, rows.nbytes)
         return FramePart(key, a, b, rows)
 
     def stats(self) -> dict[str, Any]:
-        """Counters for ``/rr/info`` and metrics: entries and bytes held, cap, weight version, lifetime counts."""
+        """Counters for ``/rr/info`` and metrics (:meth:`StoreLedger.stats`)."""
         with self._lock:
-            return {"instance": self.instance, "entries": len(self._entries), "bytes": self._bytes,
-                    "max_bytes": self.max_bytes, "weight_version": self.weight_version, **self.counts}
+            return self.ledger.stats()
 
 
 _STORE: RoutingStore | None = None
