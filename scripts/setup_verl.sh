@@ -9,15 +9,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=".venvs/verl"
-stamp="$VENV/.rr-setup-$(cat scripts/setup_verl.sh pyproject.toml | sha1sum | cut -c1-12)"
+stamp="$VENV/.rr-setup-$(cat scripts/setup_verl.sh scripts/_env.sh pyproject.toml | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then echo "setup_verl: $VENV is up to date"; exit 0; fi
 mkdir -p .venvs
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+. scripts/_env.sh  # rr_setup_python (3.11/3.12), rr_torch_source (local CPU torch wheels or the PyTorch CPU index)
+if [ ! -x "$VENV/bin/python" ]; then py=$(rr_setup_python); "$py" -m venv "$VENV"; fi
 "$VENV/bin/python" -m pip install -q --upgrade uv
+torch_source=$(rr_torch_source "$VENV/bin/python"); mapfile -t TORCH_SOURCE <<< "$torch_source"
+rr_check_torch_source "$VENV/bin/python" "${TORCH_SOURCE[@]}"
 SGLANG_READ=("uvloop==0.23.0" "pyzmq==27.3.0" "openai==3.57.0" "partial_json_parser==0.2.1.1.post7"
              "sentencepiece==0.2.3" "einops==0.8.2" "compressed_tensors==0.17.0" "msgspec==0.22.0"
              "python-multipart==0.0.34")
-"$VENV/bin/uv" pip install --python "$VENV/bin/python" --find-links /opt/wheels --index-strategy unsafe-best-match \
+"$VENV/bin/uv" pip install --python "$VENV/bin/python" "${TORCH_SOURCE[@]}" --index-strategy unsafe-best-match \
   "torch==2.13.0+cpu" "transformers==5.10.4" "tensordict==0.10.0" "ray==2.60.0" "cachetools==8.0.2" \
   "${SGLANG_READ[@]}" -e ".[test,verl]"
 rm -f "$VENV"/.rr-setup-*

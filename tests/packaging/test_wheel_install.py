@@ -90,3 +90,25 @@ def test_vllm_own_plugin_loader_finds_rr_next_to_a_foreign_patches_package(tmp_p
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_PLUGINS", "RR_ENABLE")}
     loaded = json.loads(_run([sys.executable, "-c", probe], cwd=tmp_path, env=env).strip().splitlines()[-1])
     assert loaded.get("rr") == "rr_patches.vllm.plugin"
+
+
+META = textwrap.dedent("""
+    import json
+    from importlib.metadata import distribution
+    import rr_client
+    d = distribution("rr-replay")
+    print(json.dumps({"version": d.version, "code_version": rr_client.__version__,
+                      "urls": d.metadata.get_all("Project-URL") or [],
+                      "license_files": sorted(str(f) for f in d.files if "LICENSE" in str(f)),
+                      "extras": d.metadata.get_all("Provides-Extra") or []}))
+""")
+
+
+def test_wheel_metadata_one_version_license_urls_no_empty_extra(fresh_venv: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = json.loads(_run([str(fresh_venv / "bin" / "python"), "-c", META], cwd=fresh_venv, env=env))
+    from rr_client._version import __version__
+    assert out["version"] == out["code_version"] == __version__  # one version source: rr_client/_version.py
+    assert any(f.endswith("LICENSE") for f in out["license_files"]), out["license_files"]
+    assert {u.split(",")[0] for u in out["urls"]} >= {"Homepage", "Documentation", "Changelog", "Issues"}
+    assert "bench" not in out["extras"] and {"torch", "trl", "verl", "docs", "plot"} <= set(out["extras"])
