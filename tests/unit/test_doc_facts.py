@@ -432,3 +432,21 @@ def test_engines_doc_states_the_pyproject_extras() -> None:
     for extra in ("vllm", "sglang"):
         req = next(r for r in extras[extra] if not r.startswith("rr-replay"))
         assert f"`rr-replay[{extra}]` = `{req}`" in text, extra
+
+
+# --- the /generate request fields ---------------------------------------------------------------------------------
+
+
+def test_protocol_doc_names_every_request_field_and_sampling_param() -> None:
+    from rr_server.serving.generate_protocol import GenerateRequest, SamplingParamsIn
+
+    text = _read("docs/protocol.md").split("## Reply", 1)[0]
+    rows = {n.strip("` ") for row in _table(text, "## Request") for n in row[0].split(" or ")}
+    assert set(GenerateRequest.model_fields) - {"routed_experts_start_len"} == rows
+    assert "`routed_experts_start_len`" in text
+    fmt = next(r for r in _table(text, "## Request") if r[0] == "`routed_experts_format`")[1]
+    for value in GenerateRequest.model_fields["routed_experts_format"].annotation.__args__[0].__args__:
+        assert f'`"{value}"`' in fmt, value
+    params = text.split("`sampling_params` accepts", 1)[1].split("; they are translated", 1)[0]
+    documented = {n for n in re.findall(r"`(\w+)`", params)}
+    assert documented == set(SamplingParamsIn.model_fields)
