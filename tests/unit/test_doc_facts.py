@@ -94,12 +94,19 @@ def _replay() -> Callable[..., Any]:
     return inspect.unwrap(replay_routing)
 
 
+def _weight_sync() -> type:
+    from rr_client.integrations.weight_sync import DiskWeightSync
+
+    return DiskWeightSync
+
+
 SIGNATURES = [  # (doc, name as written, the function)
     ("docs/trainer.md", "replay_routing", _replay),
     ("docs/client.md", "RoutedExpertsClient", lambda: _client().__init__),
     ("docs/client.md", "generate", lambda: _client().generate),
     ("docs/client.md", "chat", lambda: _client().chat),
     ("docs/client.md", "complete", lambda: _client().complete),
+    ("docs/trainer.md", "DiskWeightSync", lambda: _weight_sync().__init__),
 ]
 
 
