@@ -107,6 +107,7 @@ SIGNATURES = [  # (doc, name as written, the function)
     ("docs/client.md", "chat", lambda: _client().chat),
     ("docs/client.md", "complete", lambda: _client().complete),
     ("docs/trainer.md", "DiskWeightSync", lambda: _weight_sync().__init__),
+    ("docs/wire-format.md", "check_payload", lambda: __import__("rr_client").check_payload),
 ]
 
 
