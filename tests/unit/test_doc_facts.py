@@ -58,7 +58,7 @@ def documented_signatures(text: str, name: str) -> list[list[tuple[str, str | No
     with ``("*", None)`` where keyword-only parameters start. Backticks and line breaks are ignored."""
     flat = re.sub(r"`|\n\s*(#[^\n]*)?", " ", re.sub(r"#[^\n]*", "", text))
     found = []
-    for m in re.finditer(r"(?<![\w.])(?:\w+\.)?" + re.escape(name) + r"\(", flat):
+    for m in re.finditer(r"(?<![\w.])(?:\w+\.)*" + re.escape(name) + r"\(", flat):
         depth, i = 1, m.end()
         while depth and i < len(flat):
             depth += {"(": 1, ")": -1}.get(flat[i], 0)
