@@ -1,7 +1,7 @@
 # One command each: `make demo` (set up + main job), `make test` (set up + every test).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-core test-fast test-sglang test-vllm-standin test-verl bench clean
+.PHONY: setup demo test test-core test-fast test-sglang test-vllm-standin test-verl docs bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -29,6 +29,20 @@ test-verl: setup
 	bash scripts/test_verl.sh
 
 test: test-core test-sglang test-vllm-standin test-verl
+
+# the Python API reference (pdoc) of rr_client's public modules -> build/api/index.html; any warning fails it.
+# Left out: rr_client.integrations.trl (importing TRL raises torch's own DeprecationWarnings) and
+# rr_client.integrations.verl (verl lives in .venvs/verl); both are described in docs/trainer.md.
+# tests/unit/test_api_docs.py builds the same list.
+API_MODULES := rr_client rr_client.codec rr_client.errors rr_client.info rr_client.reference rr_client.settings \
+	rr_client.versions rr_client.agreement rr_client.hf_config rr_client.http_errors rr_client.metrics \
+	rr_client.trajectory rr_client.replay rr_client.trainer rr_client.trainer.layouts rr_client.trainer.metrics \
+	rr_client.trainer.session rr_client.trainer.replay rr_client.integrations.weight_sync
+
+docs: setup
+	rm -rf build/api
+	$(PY) -W error -m pdoc -o build/api $(API_MODULES)
+	@echo "API reference: build/api/index.html"
 
 bench: setup
 	$(PY) benchmarks/codec.py

@@ -196,7 +196,8 @@ def encode_routed_experts(checked: CheckedRouting) -> str:
 
 
 def check_format(fmt: Any) -> str:
-    """A ``routed_experts_format`` value: ``"npy"`` (rr's) or ``"sglang"``; raises ConfigurationError (a ValueError) naming the field."""
+    """A ``routed_experts_format`` value: ``"npy"`` (rr's), ``"sglang"`` or ``"ref"`` (:data:`FORMATS`); raises
+    ConfigurationError (a ValueError) naming the field."""
     if fmt not in FORMATS:
         raise ConfigurationError(f"routed_experts_format must be one of {list(FORMATS)}, got {fmt!r}")
     return str(fmt)

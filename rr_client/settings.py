@@ -21,28 +21,30 @@ FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
 @dataclass(frozen=True)
 class Setting:
-    """One ``RR_*`` variable: its name, kind (flag, text, int) and what it does."""
+    """One ``RR_*`` variable: its name, kind (flag, text, int), what it does, and its value when unset (as
+    docs/engines.md's table states it; a test keeps that table equal to this one)."""
 
     name: str
     kind: str
     doc: str
+    default: str = "unset"
 
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
-    Setting("RR_ENABLE", "flag", "switches the rr vLLM plugin on (set by `rr-server launch vllm`)"),
-    Setting("RR_ALLOW_UNSUPPORTED_VERSION", "flag", "the one override of the version gates of the vLLM plugin and launcher and the TRL and verl integrations (SGLang's patch refuses untested releases: use the sidecar)"),
-    Setting("RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched vLLM: every /generate answer carries routing"),
-    Setting("RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched SGLang: every answer carries routing"),
-    Setting("RR_ROUTED_EXPERTS_FORMAT", "text", "server default routed_experts_format: npy (default), sglang or ref"),
-    Setting("RR_ROUTING_STORE_BYTES", "int", "rr servers: byte cap of the routing store that holds rows for refs (default 2 GiB; oldest evicted first)"),
-    Setting("RR_ROUTING_STORE", "text", "rr servers: where rows for refs are held: memory (default, in the server) or ray (Ray's object store, one actor per node; rr-replay[ray])"),
-    Setting("RR_RAY_ADDRESS", "text", "the Ray cluster the ray routing store and ray:// ref readers join (default: auto)"),
-    Setting("RR_ADVERTISE_URL", "text", "rr servers: the URL a routing ref names for reading its rows (default: the server's own host and port)"),
-    Setting("RR_ENCODE_THREAD_MIN_ELEMS", "int", "patched vLLM: encode routing off the event loop above this many elements (default 1048576)"),
-    Setting("RR_AUDIT_EVERY", "int", "verl: steps between audited replay steps (default 10; 0 = never; the first step always)"),
-    Setting("RR_ALLOW_UNTESTED_MODEL", "flag", "verl: replay a MoE family whose router formula is in rr but untested"),
-    Setting("RR_API_KEY", "text", "client, doctor and weight sync: the key sent as Authorization: Bearer; sidecar: a key it requires (with --api-key)"),
-    Setting("RR_UPSTREAM_API_KEY", "text", "sidecar: the key sent to the engine (its --api-key)"),
+    Setting("RR_ENABLE", "flag", "switches the rr vLLM plugin on (set by `rr-server launch vllm`)", "off"),
+    Setting("RR_ALLOW_UNSUPPORTED_VERSION", "flag", "the one override of the version gates (`rr_client.versions.check_version`) of the vLLM plugin and launcher and of rr's TRL and verl integrations: an untested vLLM, TRL or verl release is tried instead of refused (SGLang's patch refuses untested releases: use the sidecar)", "off"),
+    Setting("RR_AUDIT_EVERY", "int", "verl: steps between audited replay steps (the first step always; 0 = never)", "10"),
+    Setting("RR_ALLOW_UNTESTED_MODEL", "flag", "verl: replay a MoE family whose router formula is in rr but untested", "off"),
+    Setting("RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched vLLM: every /generate answer carries routing", "off"),
+    Setting("RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched SGLang: every answer carries routing", "off"),
+    Setting("RR_ROUTED_EXPERTS_FORMAT", "text", "server default `routed_experts_format`: `npy`, `sglang` or `ref`", "npy"),
+    Setting("RR_ROUTING_STORE", "text", "rr servers: where rows for refs are held: `memory` (in the server) or `ray` (Ray's object store, one actor per node; `rr-replay[ray]`)", "memory"),
+    Setting("RR_ROUTING_STORE_BYTES", "int", "rr servers: byte cap of the routing store that holds rows for refs (oldest evicted first)", "2147483648 (2 GiB)"),
+    Setting("RR_ADVERTISE_URL", "text", "rr servers: the URL a routing ref names for reading its rows", "the server's own host and port"),
+    Setting("RR_RAY_ADDRESS", "text", "the Ray cluster the Ray routing store and `ray://` ref readers join", "auto"),
+    Setting("RR_ENCODE_THREAD_MIN_ELEMS", "int", "patched vLLM: encode routing off the event loop above this many elements", "1048576"),
+    Setting("RR_API_KEY", "text", "client, doctor and weight sync: the key sent as `Authorization: Bearer`; sidecar: a key it requires (with `--api-key`)"),
+    Setting("RR_UPSTREAM_API_KEY", "text", "sidecar: the key sent to the engine (its `--api-key`)"),
 )}
 
 

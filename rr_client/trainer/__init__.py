@@ -15,12 +15,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ReplaySession", "StepMetrics", "to_tensors", "to_packed", "RoutingTensors", "PackedRouting",
+__all__ = ["ReplaySession", "to_tensors", "to_packed", "RoutingTensors", "PackedRouting",
            "replay_routing", "record_routing", "r3_metrics", "keys"]
 
 _LAZY = {
     "ReplaySession": "rr_client.trainer.session",
-    "StepMetrics": "rr_client.trainer.session",
     "to_tensors": "rr_client.trainer.layouts",
     "to_packed": "rr_client.trainer.layouts",
     "RoutingTensors": "rr_client.trainer.layouts",

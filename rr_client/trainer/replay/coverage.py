@@ -5,7 +5,7 @@
 that file equal to what this module generates and the family list equal to the installed transformers.
 
 Statuses: ``supported`` (the router's weight formula is in :data:`SUPPORTED_ROUTERS`, checked bit for bit
-at every forward, and a tiny random model of the family passes rr's replay tests), ``refused`` (replay
+on sampled forwards (``check_every``), and a tiny random model of the family passes rr's replay tests), ``refused`` (replay
 raises :class:`UnsupportedModelError` with the reason). Hash-routed layers (DeepSeek-V4) and routers
 outside the decoder's layer list (MTP/draft, vision or talker towers) are reported by the audit and left to
 the model.
@@ -135,7 +135,7 @@ TESTED: frozenset[str] = frozenset({
 
 UNTESTED_REASON = ("the router's weight formula is in rr but no tiny {family} model has passed rr's replay tests "
                    "yet (its tiny config does not build in rr's test harness: multimodal, MLA or per-layer configs); pass allow_untested=True to replay it (the bit-"
-                   "for-bit formula check still runs at every forward)")
+                   "for-bit formula check still runs, as for every family)")
 
 NOTES: dict[str, str] = {
     "deepseek_v4": "hash-routed layers (DeepseekV4HashRouter: tid2eid lookup) are reported and left to the model",
