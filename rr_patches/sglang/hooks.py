@@ -21,6 +21,8 @@ from rr_patches.sglang.convert import checked_value
 from rr_patches.sglang.openai import Collector, collector, requested_format
 from rr_patches.sglang.routes import bind_tokenizer_manager
 from rr_patches.sglang.state import RRState, rr_enabled, state_of
+from rr_server.serving.routing_metrics import count_sample
+from rr_server.serving.routing_metrics import declare as declare_counters
 
 __all__ = ["around_handle_batch_output", "around_send", "around_init", "ALWAYS_ENV", "always_return_routing"]
 
@@ -46,6 +48,7 @@ def around_init(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
                 "the rr patch does not reach; their answers are NOT in rr format. Use 1 worker."
             )
         bind_tokenizer_manager(self)
+        declare_counters()  # rr's counters on SGLang's /metrics (--enable-metrics: PROMETHEUS_MULTIPROC_DIR is set)
     return result
 
 
@@ -172,6 +175,8 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
             else:
                 rows = expected_rows(int(recv_obj.prompt_tokens[i]), int(recv_obj.completion_tokens[i]), start)
                 fields, checked = _answer_fields(st, values[i], rows=rows, start=start, fmt=fmt)
+            if col is None:  # an OpenAI request's choices are counted when rr finishes its answer
+                count_sample(fields)
         state.out_list = _RRList(state.out_list, fields, (col, rid) if finished and col is not None else None, checked)
     if values:
         setattr(recv_obj, field, None)

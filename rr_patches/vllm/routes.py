@@ -44,6 +44,8 @@ from rr_server.serving.generate_protocol import (
     sse_line,
 )
 from rr_server.serving.openai_middleware import install_openai_routing
+from rr_server.serving.routing_metrics import count_sample
+from rr_server.serving.routing_metrics import declare as declare_counters
 from rr_server.serving.routing_store import STORE_ROUTES, advertised_url, current_store, install_store
 from rr_server.serving.vllm_translate import (
     checked_routing_fields,
@@ -188,6 +190,7 @@ def _items_for(ro: Any, req: NormalizedGenerate, i: int, rid: str, t0: float, in
         fields = None
         if req.return_routed_experts and final and info is not None:
             fields = _routing_fields(c, ro, req, sample_rid, info)
+            count_sample(fields)
         items.append(build_item(
             rid=sample_rid,
             text=c.text,
@@ -358,6 +361,7 @@ def add_rr_routes(app: FastAPI) -> None:
     if taken:
         raise RuntimeError(f"rr: vLLM already serves {taken}; refusing to shadow them")
     install_store()  # the routing store behind routed_experts_format="ref" (its URL: name_store)
+    declare_counters()  # rr's counters on vLLM's /metrics (this API server process; after vLLM's metrics setup)
     router = APIRouter()
     for path, handler, methods in RR_ROUTES:
         router.add_api_route(path, handler, methods=list(methods), include_in_schema=True)

@@ -14,6 +14,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from rr_server.serving.routing_metrics import RoutingCounters
+
 __all__ = ["ProxyMetrics"]
 
 _STORE_GAUGES = {"entries": "Routing entries held for refs", "bytes": "Routing bytes held for refs",
@@ -60,6 +62,8 @@ class ProxyMetrics:
         )
         self.in_flight = Gauge("rr_proxy_in_flight", "Client requests being served", registry=r)
         self.upstream_up = Gauge("rr_proxy_upstream_up", "1 if the last upstream health probe succeeded", registry=r)
+        # the same per-sample counters as a patched engine's /metrics (rr_routing_*_total)
+        self.routing = RoutingCounters(r)
 
     def routing_sent(self, rows: int, payload: str | None) -> None:
         """Count one validated routing payload going out (a ref's rows stay in the store: no payload bytes)."""

@@ -134,4 +134,5 @@ async def serve_openai(sc: "Sidecar", path: str, raw: bytes) -> Response:
         shape = choice.get("routed_experts_shape") if isinstance(choice, dict) else None
         if shape:
             sc.metrics.routing_sent(int(shape[0]), choice.get("routed_experts"))
+    sc.metrics.routing.count_answer(answer)
     return Response(orjson.dumps(answer), media_type="application/json")

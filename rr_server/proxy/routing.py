@@ -3,8 +3,9 @@
 Policy, the same on ``/generate`` and on the OpenAI endpoints, and the same as the patched engines': a sample
 whose upstream routing fails the check is answered with ``routed_experts: null`` and ``routed_experts_error``
 (``"<ErrorType>: message"``; the client raises that typed error for that sample), counted as
-``rr_proxy_errors_total{kind="malformed_routing"}``; the other samples keep their routing. Routing never passes
-unchecked. A failure of the upstream itself (unreachable, non-2xx, not JSON, wrong item count) is a 502/504.
+``rr_proxy_errors_total{kind="malformed_routing"}`` and ``rr_routing_refused_total{error}`` (the name a patched
+engine counts it under, :mod:`rr_server.serving.routing_metrics`); the other samples keep their routing. Routing
+never passes unchecked. A failure of the upstream itself (unreachable, non-2xx, not JSON, wrong item count) is a 502/504.
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ def upstream_routing_fields(
     Decodes whatever the upstream sent (SGLang int32 with its stated dtype, vLLM ``.npy``), drops ``drop_rows``
     leading rows (upstreams that return every row), and checks once against ``rows``/``start``.
     """
+    fields = _checked_fields(meta, info, rows=rows, start=start, fmt=fmt, metrics=metrics, drop_rows=drop_rows,
+                             where=where, hint=hint)
+    metrics.routing.count_sample(fields)
+    return fields
+
+
+def _checked_fields(
+    meta: Mapping[str, Any], info: RRInfo, *, rows: int, start: int, fmt: str, metrics: ProxyMetrics,
+    drop_rows: int, where: str, hint: str,
+) -> dict[str, Any]:
+    """:func:`upstream_routing_fields` before counting: the checked fields, or the refusal (counted by kind)."""
     payload = meta.get("routed_experts", meta.get("output_routed_experts"))
     try:
         if payload is None and isinstance(meta.get("routed_experts_error"), str):

@@ -28,6 +28,7 @@ from rr_server.serving.openai_routing import (
     parse_openai_routing,
     pop_ext_routing,
 )
+from rr_server.serving.routing_metrics import count_answer
 
 __all__ = ["OpenAIRoutingMiddleware", "install_openai_routing", "read_body", "replay_receive", "send_json"]
 
@@ -117,13 +118,16 @@ class OpenAIRoutingMiddleware:
             answer = await asyncio.to_thread(finish_answer, answer, r, info, engine=self.engine, checked=checked)
         else:
             answer = finish_answer(answer, r, info, engine=self.engine, checked=checked)
+        count_answer(answer)
         await send_json(send, answer, 200, captured.headers)
 
 
     def _finish_stream(self, answer: dict[str, Any], r: OpenAIRouting, fill: Callable[[Any], Sequence[Any] | None], app: Any) -> Any:
         """The routing event of a stream: every choice's checked rr fields and token ids."""
         checked = fill(answer)
-        return finish_answer(answer, r, self.info(app), engine=self.engine, checked=checked)
+        answer = finish_answer(answer, r, self.info(app), engine=self.engine, checked=checked)
+        count_answer(answer)
+        return answer
 
 
 async def read_body(receive: Receive) -> bytes | None:

@@ -265,6 +265,15 @@ def test_metrics(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -
                      "rr_proxy_routing_rows_total": 3.0 + 3 - 1}, delta
     assert _metric(after, "rr_proxy_routing_bytes_total") - _metric(before, "rr_proxy_routing_bytes_total") == \
         len(ok.json()["meta_info"]["routed_experts"])
+    # the per-sample counters a patched engine's /metrics has too (rr_server.serving.routing_metrics)
+    shared = {k: _metric(after, k) - _metric(before, k) for k in (
+        'rr_routing_refused_total{error="UnrecordedRoutingError"}', 'rr_routing_samples_total{format="npy"}',
+        'rr_routing_rows_total{format="npy"}', 'rr_routing_bytes_total{format="npy"}')}
+    assert shared == {'rr_routing_refused_total{error="UnrecordedRoutingError"}': 1.0,
+                      'rr_routing_samples_total{format="npy"}': 1.0,
+                      'rr_routing_rows_total{format="npy"}': 3.0 + 3 - 1,
+                      'rr_routing_bytes_total{format="npy"}': len(ok.json()["meta_info"]["routed_experts"])}, shared
+    assert refused.json()["meta_info"]["routed_experts_error"].startswith("UnrecordedRoutingError")
 
 
 def test_upstream_down_is_503(cfg_dir: Path) -> None:

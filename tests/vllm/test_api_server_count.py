@@ -20,6 +20,7 @@ import pytest
 from rr_client import RoutedExpertsClient
 from rr_client.hf_config import load_config, moe_layers_from_config
 from rr_server.tiny_moe import reference_routing
+from tests.support.prom import rr_samples
 from tests.support.routing_asserts import assert_routing_sets_equal
 from tests.support.vllm_process import VLLMProcess
 
@@ -74,3 +75,42 @@ def test_every_api_server_process_serves_rr(two_api_servers: VLLMProcess) -> Non
                 "input_ids": p, "sampling_params": {"max_new_tokens": 2}, "return_routed_experts": True,
             }).status_code == 200
     assert served() == {"ApiServer_0", "ApiServer_1"}, "both API server processes answer rr's /generate"
+
+
+def test_rr_counters_sum_over_both_api_server_processes(two_api_servers: VLLMProcess) -> None:
+    """With two API servers vLLM serves ``/metrics`` from ``PROMETHEUS_MULTIPROC_DIR`` (the sum over processes):
+    rr's counters, made in each process after vLLM set that directory, move by exactly the samples both sent."""
+    url = two_api_servers.base_url
+
+    def metrics() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        r = httpx.get(url + "/metrics", timeout=30)
+        assert r.status_code == 200 and "vllm:" in r.text
+        return rr_samples(r.text)
+
+    def answered() -> dict[str, int]:
+        """POST /generate answered 200, per API server process, from the access log."""
+        text = two_api_servers.log_path.read_text(errors="replace")
+        found = re.findall(r"\((ApiServer_\d) pid=\d+\).*\"POST /generate HTTP/1.1\" 200", text)
+        return {k: found.count(k) for k in ("ApiServer_0", "ApiServer_1")}
+
+    def both_served(start: dict[str, int]) -> bool:
+        now = answered()
+        return all(now[k] > start[k] for k in start)
+
+    before, start = metrics(), answered()
+    metas = []
+    for i in range(40):  # fresh connections: the kernel hands them to either process
+        r = httpx.post(url + "/generate", timeout=60, json={
+            "input_ids": [11 + i % 7, 19, 23], "sampling_params": {"max_new_tokens": 2}, "return_routed_experts": True})
+        assert r.status_code == 200, r.text
+        metas.append(r.json()["meta_info"])
+        if i >= 7 and both_served(start):
+            break
+    assert both_served(start), "both API server processes answered"
+    after = metrics()
+    moved = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    assert moved == {
+        ("rr_routing_samples_total", (("format", "npy"),)): len(metas),
+        ("rr_routing_rows_total", (("format", "npy"),)): sum(m["routed_experts_shape"][0] for m in metas),
+        ("rr_routing_bytes_total", (("format", "npy"),)): sum(len(m["routed_experts"]) for m in metas),
+    }

@@ -17,6 +17,7 @@ import pytest
 
 from rr_client import RoutedExpertsClient, UnrecordedRoutingError
 from rr_server.launch_vllm import CPU_KV_CACHE_BYTES, build_command
+from tests.support.prom import rr_samples
 from tests.support.vllm_process import VLLMProcess, server_args
 
 pytestmark = pytest.mark.vllm_server
@@ -72,3 +73,27 @@ def test_doctor_fails_naming_the_all_zero_rows(compiled_server: CompiledCPUServe
     assert rc == 1 and out[0].startswith("FAIL")
     assert out[1].startswith("  FAIL single: UnrecordedRoutingError") and "all-zero" in out[1]
     assert "all-zero" in out[1]
+
+
+def test_refusals_are_counted_on_vllms_metrics(compiled_server: CompiledCPUServer) -> None:
+    """Each refused sample moves ``rr_routing_refused_total{error="UnrecordedRoutingError"}`` on vLLM's own
+    ``/metrics`` by one, on ``/generate`` and ``/v1/completions`` alike; nothing is counted as sent."""
+    def metrics() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        r = httpx.get(compiled_server.base_url + "/metrics", timeout=30)
+        assert r.status_code == 200 and "vllm:" in r.text
+        return rr_samples(r.text)
+
+    before = metrics()
+    body = {"input_ids": [[5, 6, 7, 8], [9, 10, 11]], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+            "return_routed_experts": True}
+    r = httpx.post(compiled_server.base_url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    assert all(item["meta_info"]["routed_experts_error"].startswith("UnrecordedRoutingError") for item in r.json())
+    c = httpx.post(compiled_server.base_url + "/v1/completions", json={
+        "model": compiled_server.name, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0,
+        "return_routed_experts": True}, timeout=300)
+    assert c.status_code == 200, c.text
+    assert c.json()["choices"][0]["routed_experts_error"].startswith("UnrecordedRoutingError")
+    after = metrics()
+    moved = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    assert moved == {("rr_routing_refused_total", (("error", "UnrecordedRoutingError"),)): 3}
