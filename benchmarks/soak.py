@@ -387,6 +387,7 @@ def plot_memory(reports: list[SoakReport], path: Path, *, title: str = "") -> Pa
         ax.text(min(warmups), 0.02, " end of warm-up", color="grey", fontsize="small", transform=ax.get_xaxis_transform())
     ax.set(xlabel="units done (requests, batches, trajectories)", ylabel="resident memory, MiB (process trees)",
            title=title or "soak: resident memory of each target")
+    ax.title.set_fontsize("medium")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
@@ -511,7 +512,9 @@ def main(argv: list[str] | None = None) -> int:
         if r.first_mismatch:
             print(f"\n{r.target}: first mismatch: {r.first_mismatch}")
     if a.plot:
-        print(f"\nmemory plot: {plot_memory(reports, Path(a.plot), title=f'soak: {spec}, concurrency {a.concurrency}')}")
+        title = (f"soak: tiny {MODEL_SPEC['arch']} ({MODEL_SPEC['num_experts']} experts, top-{MODEL_SPEC['topk']}), "
+                 f"prompts ~{a.tokens} tokens, concurrency {a.concurrency}")
+        print(f"\nmemory plot: {plot_memory(reports, Path(a.plot), title=title)}")
     bad = sum(sum(r.errors.values()) + r.mismatched_sets + r.hung for r in reports)
     return 1 if bad else 0
 
