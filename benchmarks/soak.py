@@ -14,6 +14,10 @@ several thousand tokens through (``--max-model-len``, default 8192). A (row, MoE
 transformers' counts as a mismatch unless it is a near-tie: every expert vLLM chose has a transformers router
 probability within ``rr_server.doctor.truth.NEAR_TIE`` of the k-th largest (the doctor's own rule); those are
 counted apart, with their largest gap.
+
+Progress goes to stderr while a target runs: a tqdm bar on a terminal, a plain line every ``--progress-every`` units
+otherwise (a log, CI). ``--plot PATH`` (default ``soak_memory.png``; needs ``pip install 'rr-replay[plot]'``) draws
+each target's resident memory against units done; ``--plot ''`` draws nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -39,6 +44,8 @@ from rr_client.errors import RRError
 
 MODEL_SPEC = {"arch": "qwen3_moe", "num_layers": 3, "num_experts": 16, "topk": 4, "mlp_only_layers": (1,)}
 MOE_LAYERS = [0, 2]
+PLOT_SIZE = (8.0, 4.0)  # inches; at PLOT_DPI: 800 x 400 pixels
+PLOT_DPI = 100
 
 
 def soak_model(model_dir: str | Path, positions: int = 8192) -> Path:
@@ -75,6 +82,7 @@ class SoakReport:
     stopped_at_limit: bool = False
     rss_mb: dict[str, dict[str, float]] = field(default_factory=dict)  # process -> stage -> MiB
     samples: list[tuple[int, float]] = field(default_factory=list)  # (units done, total MiB) during the run
+    warmup: int = 0  # units before the "after warm-up" reading
 
     def total_rss(self, stage: str) -> float:
         """All of the target's processes at ``stage`` (MiB)."""
@@ -110,6 +118,54 @@ def tree_rss_mb(pid: int) -> float:
         except OSError:
             continue
     return total / 1024
+
+
+class Progress:
+    """Units done against one target: a tqdm bar when ``stream`` is a terminal (and tqdm is installed), else one
+    plain line every ``every`` units and at the end, so a log shows the soak moving without a bar's redraws."""
+
+    def __init__(self, target: str, total: int, *, every: int = 100, stream: TextIO | None = None) -> None:
+        from rr_client.optional import available
+
+        self.target, self.total, self.every = target, total, every
+        self.stream = stream if stream is not None else sys.stderr
+        self.t0 = time.monotonic()
+        self.done, self.printed, self.rss = 0, 0, None
+        self.bar = None
+        if self.stream.isatty() and available("tqdm"):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=target, unit="unit", file=self.stream, dynamic_ncols=True)
+
+    def update(self, done: int, rss_mb: float | None = None) -> None:
+        """``done`` units finished so far; ``rss_mb``: the latest memory reading, if one was just taken."""
+        step, self.done = done - self.done, done
+        if rss_mb is not None:
+            self.rss = rss_mb
+        if self.bar is not None:
+            self.bar.update(step)
+            if rss_mb is not None:
+                self.bar.set_postfix(rss_mib=f"{rss_mb:.0f}", refresh=False)
+        elif self.every and (done % self.every == 0 or done == self.total):
+            self._print()
+
+    def _print(self) -> None:
+        print(self.line(), file=self.stream, flush=True)
+        self.printed = self.done
+
+    def line(self) -> str:
+        """``target: done/total units, seconds, units/s[, RSS]``."""
+        secs = time.monotonic() - self.t0
+        rss = f", RSS {self.rss:.0f} MiB" if self.rss is not None else ""
+        return (f"{self.target}: {self.done}/{self.total} units, {secs:.0f}s, "
+                f"{self.done / max(secs, 1e-9):.1f} units/s{rss}")
+
+    def close(self) -> None:
+        """Close the bar, or print the last line if the run stopped short of ``total`` (``--duration-limit``)."""
+        if self.bar is not None:
+            self.bar.close()
+        elif self.every and self.printed != self.done:
+            self._print()
 
 
 def _prompt(i: int, n: int, vocab: int = 440) -> list[int]:
@@ -218,14 +274,15 @@ async def _one(client: RoutedExpertsClient, i: int, report: SoakReport, checker:
 async def soak(url: str, model_dir: Path, *, target: str, requests: int, concurrency: int, prompt_tokens: int,
                max_new: int, disconnect_every: int = 25, check_every: int = 10, timeout: float = 300.0,
                pids: dict[str, int] | None = None, warmup: int = 32, duration_limit: float | None = None,
-               sample_every: int = 100) -> SoakReport:
+               sample_every: int = 100, progress: Progress | None = None) -> SoakReport:
     """Run the mix against ``url``; every unit ends ok, disconnected (by us), or with its error counted by type.
 
     ``pids``: process name -> pid whose process tree's RSS is read at start, after the ``warmup`` units, every
     ``sample_every`` units and at the end. ``duration_limit``: no unit starts after that many seconds (those begun
-    finish; ``stopped_at_limit`` says so). A unit that outlives ``timeout`` + 30 s counts as hung.
+    finish; ``stopped_at_limit`` says so). A unit that outlives ``timeout`` + 30 s counts as hung. ``progress``
+    hears of every unit done (and of each memory reading).
     """
-    report = SoakReport(target=target)
+    report = SoakReport(target=target, warmup=warmup)
     checker = Checker(model_dir, check_every)
     await checker.load()
     pids = pids or {}
@@ -268,8 +325,12 @@ async def soak(url: str, model_dir: Path, *, target: str, requests: int, concurr
                     report.first_error.setdefault(f"untyped {type(e).__name__}",
                                                   f"request {i} (kind {i % 4}): " + traceback.format_exc(limit=-6))
                 done[0] += 1
+                sampled = None
                 if pids and sample_every and done[0] % sample_every == 0:
-                    report.samples.append((done[0], sum(tree_rss_mb(p) for p in pids.values())))
+                    sampled = sum(tree_rss_mb(p) for p in pids.values())
+                    report.samples.append((done[0], sampled))
+                if progress is not None:
+                    progress.update(done[0], sampled)
 
         await asyncio.gather(*(unit(i) for i in range(warmup)))
         rss("warm-up")
@@ -301,6 +362,39 @@ def table(reports: list[SoakReport]) -> str:
             rows.append(f"| {r.target} | all | {r.total_rss('start'):.0f} | {r.total_rss('warm-up'):.0f} "
                         f"| {r.total_rss('end'):.0f} | {r.growth():+.2f}% |")
     return "\n".join(rows)
+
+
+def plot_memory(reports: list[SoakReport], path: Path, *, title: str = "") -> Path:
+    """PNG of each target's resident memory (all its processes) against units done, the warm-up marked."""
+    from rr_client.optional import require
+
+    mpl = require("matplotlib", for_what="the soak's --plot")
+    mpl.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=PLOT_SIZE, dpi=PLOT_DPI)
+    for r in reports:
+        points = [(0, r.total_rss("start"))] if r.total_rss("start") else []
+        points += r.samples
+        if not points:
+            continue
+        ax.plot([n for n, _ in points], [mb for _, mb in points], marker=".", label=f"{r.target} ({r.growth():+.1f}% "
+                "after warm-up)")
+    warmups = {r.warmup for r in reports if r.warmup}
+    for w in warmups:
+        ax.axvline(w, color="grey", linestyle=":", linewidth=1)
+    if warmups:
+        ax.text(min(warmups), 0.02, " end of warm-up", color="grey", fontsize="small", transform=ax.get_xaxis_transform())
+    ax.set(xlabel="units done (requests, batches, trajectories)", ylabel="resident memory, MiB (process trees)",
+           title=title or "soak: resident memory of each target")
+    ax.title.set_fontsize("medium")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=PLOT_DPI)
+    plt.close(fig)
+    return path
 
 
 class Targets:
@@ -370,10 +464,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration-limit", type=float, default=1800, help="seconds per target at most (then it stops "
                    "starting units)")
     p.add_argument("--model-dir", default=str(REPO / ".cache" / "bench-soak-qwen3-moe"))
+    p.add_argument("--sample-every", type=int, default=100, help="read the memory every N units")
+    p.add_argument("--progress-every", type=int, default=100, help="without a terminal: a progress line every N units")
+    p.add_argument("--plot", default="soak_memory.png", help="PNG of memory against units done ('' = none)")
     a = p.parse_args(argv)
 
     if a.tokens + 2 * a.max_new_tokens + 16 > a.max_model_len:
         p.error("--tokens: prompt + new tokens of a 2-turn trajectory must fit --max-model-len")
+    if a.plot:  # before the servers start, not after the run
+        from rr_client.optional import require
+
+        require("matplotlib", for_what="the soak's --plot")
     model = soak_model(a.model_dir, a.max_model_len)
     targets = Targets(model, a.max_model_len, REPO / ".cache" / "soak-logs")
     reports = []
@@ -385,10 +486,15 @@ def main(argv: list[str] | None = None) -> int:
                                 ("sidecar + unpatched vLLM", targets.sidecar_url,
                                  {"rr-server proxy": targets.sidecar.pid,
                                   "unpatched vLLM (API server, EngineCore)": targets.vanilla.pid})):
-            reports.append(asyncio.run(soak(
-                url, model, target=name, requests=a.requests, concurrency=a.concurrency, prompt_tokens=a.tokens,
-                max_new=a.max_new_tokens, disconnect_every=a.disconnect_every, check_every=a.check_every,
-                pids=pids, warmup=a.warmup, duration_limit=a.duration_limit)))
+            progress = Progress(name, a.warmup + a.requests, every=a.progress_every)
+            try:
+                reports.append(asyncio.run(soak(
+                    url, model, target=name, requests=a.requests, concurrency=a.concurrency, prompt_tokens=a.tokens,
+                    max_new=a.max_new_tokens, disconnect_every=a.disconnect_every, check_every=a.check_every,
+                    pids=pids, warmup=a.warmup, duration_limit=a.duration_limit, sample_every=a.sample_every,
+                    progress=progress)))
+            finally:
+                progress.close()
             print(f"{name}: done in {reports[-1].seconds:.0f}s", flush=True)
     finally:
         targets.stop()
@@ -399,12 +505,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.cpu_count()} CPUs\n")
     print(table(reports))
     for r in reports:
-        print(f"\n{r.target}: RSS MiB (all processes) every 100 units: "
+        print(f"\n{r.target}: RSS MiB (all processes) every {a.sample_every} units: "
               + ", ".join(f"{n}: {mb:.0f}" for n, mb in r.samples))
         for kind, msg in r.first_error.items():
             print(f"\n{r.target}: first {kind}:\n{msg}")
         if r.first_mismatch:
             print(f"\n{r.target}: first mismatch: {r.first_mismatch}")
+    if a.plot:
+        title = (f"soak: tiny {MODEL_SPEC['arch']} ({MODEL_SPEC['num_experts']} experts, top-{MODEL_SPEC['topk']}), "
+                 f"prompts ~{a.tokens} tokens, concurrency {a.concurrency}")
+        print(f"\nmemory plot: {plot_memory(reports, Path(a.plot), title=title)}")
     bad = sum(sum(r.errors.values()) + r.mismatched_sets + r.hung for r in reports)
     return 1 if bad else 0
 

@@ -22,6 +22,7 @@ EXTRAS: dict[str, str] = {
     "accelerate": "trl",
     "verl": "verl",
     "ray": "ray",
+    "matplotlib": "plot",
 }
 
 

@@ -5,7 +5,11 @@ The server runs with ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc reload_weight
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,11 +24,13 @@ from trl import GRPOConfig
 
 from rr_client.integrations.trl import R3GRPOTrainer, RRRollout
 from rr_client.trainer.replay import record_routing
+from tests.support.png import png_size
 from tests.support.vllm_process import VLLMProcess
 
 pytestmark = pytest.mark.vllm_server
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 MOE_LAYERS = [0, 2]  # qwen3_dense: layer 1 is dense
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo_r3.py"
 PROMPTS = ["the quick brown fox", "hello world and", "one two three four five six", "a b"]
 
 
@@ -143,6 +149,29 @@ def test_grpo_r3_by_reference(dev_server: VLLMProcess, tiny_models: dict[str, Pa
     assert after["stored"] - before["stored"] >= 2 * 4  # every sample's rows stayed on the server
     assert after["read_bytes"] > before["read_bytes"]  # ... and were read by reference
     assert after["retired"] > before["retired"]  # the first rollout's rows were retired after the second push
+
+
+def test_example_plots_both_arms(dev_server: VLLMProcess, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """examples/trl_grpo_r3.py for 2 steps against the dev-mode server: exit 0, a whole 800x340 PNG, and next to it
+    the per-step numbers of both arms (bf16 trainer vs fp32 engine: a real, small gap; replay only in its arm)."""
+    png = tmp_path / "out" / "r3.png"
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "2", "--url",
+                           dev_server.base_url, "--model-dir", str(tiny_models["qwen3_dense"]), "--plot", str(png)],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "replay reached the experts on every MoE layer in every step: yes" in proc.stdout
+    assert png_size(png) == (800, 340) and png.stat().st_size > 15_000  # two panels drawn, not an empty canvas
+    data = json.loads(png.with_suffix(".json").read_text())
+    assert data["trainer_dtype"] == "bf16 autocast" and set(data["arms"]) == {"replay", "no_replay"}
+    for arm, rows in data["arms"].items():
+        assert [r["step"] for r in rows] == [1, 2], arm
+        for r in rows:
+            assert math.isfinite(r["loss"]) and r["weight_sync_seconds"] > 0
+            # bf16 autocast vs the fp32 engine: never equal, never a different policy (|d| < ln 2 per token)
+            assert 0.0 < r["mean_abs_logp_diff"] < math.log(2) and r["k3_kl"] >= 0.0, (arm, r)
+            assert 0.5 < r["agreement"] <= 1.0, (arm, r)  # the trainer's own router, measured in both arms
+            # replay reached every MoE layer in its arm; the other arm replayed nothing
+            assert r["applied_share_min_layer"] == (1.0 if arm == "replay" else None), (arm, r)
 
 
 def test_trl_batch_rows_sit_under_their_tokens(dev_server: VLLMProcess, tiny_models: dict[str, Path],

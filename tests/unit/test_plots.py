@@ -1,0 +1,104 @@
+"""The TRL example's and the soak's plots, without a server: matplotlib stays out of every module until a plot is
+drawn, a missing matplotlib names the ``rr-replay[plot]`` extra, the PNGs are whole and of the stated size, and the
+soak's progress falls back to plain lines when its stream is not a terminal."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from rr_client.errors import MissingDependencyError
+from tests.support.png import png_size
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "trl_grpo_r3.py"
+SOAK = REPO / "benchmarks" / "soak.py"
+
+
+def _load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the module runs
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _runs() -> dict[bool, list[dict[str, float]]]:
+    """Two arms of three steps, as TRL's log_history holds them (the no-replay arm has no applied share)."""
+    return {on: [{"step": s, "loss": 0.01, "reward": 3.0, "r3/mean_abs_logp_diff": (1.0 if on else 1.5) * 1e-3 * s,
+                  "r3/k3_kl": 1e-6 * s, "r3/agreement": 0.99, "r3/weight_sync_seconds": 0.1,
+                  **({"r3/applied_share_min_layer": 1.0} if on else {})} for s in (1, 2, 3)] for on in (True, False)}
+
+
+def test_no_module_imports_matplotlib() -> None:
+    code = ("import sys, importlib.util\n"
+            "import rr_client, rr_server, rr_client.optional\n"
+            f"for name, path in (('ex', {str(EXAMPLE)!r}), ('soak', {str(SOAK)!r})):\n"
+            "    spec = importlib.util.spec_from_file_location(name, path)\n"
+            "    mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'tqdm')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_missing_matplotlib_names_the_plot_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    example, soak = _load(EXAMPLE, "rr_example_trl"), _load(SOAK, "rr_bench_soak_plots")
+    with pytest.raises(MissingDependencyError, match=r"--plot needs matplotlib: pip install 'rr-replay\[plot\]'"):
+        example.plot(_runs(), tmp_path / "x.png", title="t")
+    with pytest.raises(MissingDependencyError, match=r"pip install 'rr-replay\[plot\]'"):
+        soak.plot_memory([soak.SoakReport(target="t")], tmp_path / "y.png")
+    with pytest.raises(MissingDependencyError, match=r"rr-replay\[plot\]"):
+        example.main(["--url", "http://127.0.0.1:9", "--plot", str(tmp_path / "z.png")])  # before any training
+    assert not any(tmp_path.iterdir())
+
+
+def test_example_plot_and_numbers(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    example = _load(EXAMPLE, "rr_example_trl")
+    png = example.plot(_runs(), tmp_path / "sub" / "r3.png", title="t")
+    assert png_size(png) == (800, 340) and png.stat().st_size > 15_000
+    data = example.metrics(_runs(), bf16=True)
+    assert data["trainer_dtype"] == "bf16 autocast"
+    assert [r["mean_abs_logp_diff"] for r in data["arms"]["no_replay"]] == pytest.approx([1.5e-3, 3e-3, 4.5e-3])
+    assert [r["applied_share_min_layer"] for r in data["arms"]["replay"]] == [1.0] * 3
+    assert [r["applied_share_min_layer"] for r in data["arms"]["no_replay"]] == [None] * 3
+
+
+def test_soak_plot_and_plain_progress(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    soak = _load(SOAK, "rr_bench_soak_plots")
+    reports = []
+    for target, base in (("patched", 1900.0), ("sidecar", 1950.0)):
+        r = soak.SoakReport(target=target, warmup=20, rss_mb={"tree": {"start": base, "warm-up": base + 5,
+                                                                       "end": base + 30}})
+        r.samples = [(n, base + n / 4) for n in range(20, 140, 20)]
+        reports.append(r)
+    png = soak.plot_memory(reports, tmp_path / "soak.png", title="t")
+    assert png_size(png) == (800, 400) and png.stat().st_size > 10_000
+
+    log = io.StringIO()
+    progress = soak.Progress("patched", 10, every=4, stream=log)
+    assert progress.bar is None  # a StringIO is no terminal
+    for done in range(1, 11):
+        progress.update(done, 123.0 if done == 6 else None)
+    progress.close()
+    lines = log.getvalue().splitlines()
+    assert [line.split(" units")[0] for line in lines] == ["patched: 4/10", "patched: 8/10", "patched: 10/10"]
+    assert "RSS" not in lines[0] and lines[1].endswith("RSS 123 MiB") and lines[2].endswith("RSS 123 MiB")
+
+    short = io.StringIO()  # stopped by --duration-limit before its total: the last count is still printed, once
+    progress = soak.Progress("sidecar", 10, every=4, stream=short)
+    for done in range(1, 7):
+        progress.update(done)
+    progress.close()
+    progress.close()
+    assert [line.split(" units")[0] for line in short.getvalue().splitlines()] == ["sidecar: 4/10", "sidecar: 6/10"]
