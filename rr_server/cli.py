@@ -30,7 +30,7 @@ runs the doctor. Docs: README.md and docs/ (engines.md, sidecar.md, doctor.md).
 
 
 def _version() -> str:
-    from rr_client._version import __version__
+    from rr_client import __version__
 
     return f"rr-server {__version__}"
 

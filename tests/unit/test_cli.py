@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rr_client._version import __version__
+from rr_client import __version__
 from rr_server import launch_sglang, launch_vllm
 
 REPO = Path(__file__).resolve().parents[2]
