@@ -90,11 +90,13 @@ async def _generate(base_url: str, prompts: list[str], max_new_tokens: int, seed
 
 def _doctor(base_url: str, model_dir: Path) -> bool:
     """``rr-server doctor BASE_URL --model-path MODEL_DIR`` on the demo's server; print its report."""
-    from rr_server.doctor import render
+    from rr_server.doctor import CheckPrinter, render
     from rr_server.doctor.checks import run_doctor
+    from rr_server.progress import Steps
 
-    print(f"\n$ rr-server doctor {base_url} --model-path {model_dir}")
-    report = asyncio.run(run_doctor(base_url, model_path=str(model_dir)))
+    print(f"\n$ rr-server doctor {base_url} --model-path {model_dir}", flush=True)
+    with Steps() as steps:  # each check's line on stderr as it finishes; the report below
+        report = asyncio.run(run_doctor(base_url, model_path=str(model_dir), progress=CheckPrinter(steps)))
     print(render(report))
     return report.ok
 
@@ -122,8 +124,9 @@ def run(args: argparse.Namespace) -> int:
             base_url = f"http://127.0.0.1:{port}"
             t1 = time.perf_counter()
             proc = _launch(model_dir, port, log_path)
-            print(f"launching: rr-server launch vllm --model {model_dir} --port {port}  (log: {log_path})")
-            _wait_healthy(base_url, proc, log_path, args.startup_timeout)
+            print(f"launching: rr-server launch vllm --model {model_dir} --port {port}  (log: {log_path})",
+                  flush=True)
+            _wait_healthy(base_url, proc, log_path, args.startup_timeout)  # elapsed + the log's last line, on stderr
             print(f"server healthy in {time.perf_counter() - t1:.1f}s at {base_url}")
         prompts = DEFAULT_PROMPTS[: args.num_prompts]
         t2 = time.perf_counter()
