@@ -7,7 +7,7 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rr_server.serving.sglang_facts import UnsupportedSGLangError
@@ -45,7 +45,7 @@ def wants_help(argv: Sequence[str]) -> bool:
     return any(a in ("-h", "--help") or a.startswith("--help=") for a in argv)
 
 
-def engine_help(parser: argparse.ArgumentParser, engine: str, dist: str, show: Any) -> int:
+def engine_help(parser: argparse.ArgumentParser, engine: str, dist: str, show: Callable[[], object]) -> int:
     """rr's options first, then the engine's own help by ``show()`` (its exit code); a line if it is missing."""
     sys.stdout.write(parser.format_help() + f"\n{engine}'s own arguments:\n")
     sys.stdout.flush()
@@ -53,7 +53,8 @@ def engine_help(parser: argparse.ArgumentParser, engine: str, dist: str, show: A
         print(f"  {engine}'s help is unavailable: {dist} is not installed (pip install 'rr-replay[{dist}]')")
         return 0
     try:
-        return int(show() or 0)
+        rc = show()
+        return rc if isinstance(rc, int) else 0
     except SystemExit as e:  # argparse's --help ends with sys.exit(0)
         return e.code if isinstance(e.code, int) else 0
     except ImportError as e:

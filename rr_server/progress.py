@@ -94,7 +94,7 @@ class Steps:
         self._depth -= 1
         if self._depth == 0 and self._progress is not None:
             self._progress.stop()
-            self._progress = None
+            self._progress, self._task = None, None
 
     def start(self, label: str) -> None:
         """Begin a step (the previous one, if any, is dropped from the live line)."""
@@ -113,7 +113,7 @@ class Steps:
         """The running step's detail: redrawn on a terminal, a heartbeat line elsewhere (see ``every``)."""
         if self._progress is not None and self._task is not None:
             text = f"{self._label} | {detail}" if detail else self._label
-            self._progress.update(self._task, description=self._fit(text))
+            self._progress.update(self._task, description=self._fit(text), refresh=True)
         elif not self.live and time.monotonic() - self._last_beat >= self.every:
             self._last_beat = time.monotonic()
             self.line(f"{self._label}: {self.elapsed():.0f}s" + (f" | {detail}" if detail else ""))

@@ -24,7 +24,7 @@ PRINTS_THEN_EXITS = "import sys, time\nfor i in range(40):\n    print('line', i,
 PRINTS_FOREVER = "import time\ni = 0\nwhile True:\n    print('loading shard', i, flush=True)\n    i += 1\n    time.sleep(0.05)"
 SERVES_HEALTH = """import http.server, sys, time
 print('starting', flush=True)
-time.sleep(0.5)
+time.sleep(1.5)
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers()
@@ -92,3 +92,14 @@ def test_log_lines_are_shown_clean(tmp_path: Path) -> None:
     log.write_bytes(b"first\n\x1b[32mINFO\x1b[0m loaded\nweights 10%\rweights 50%\rweights 100%\n\n")
     assert last_log_line(log) == "weights 100%"
     assert log_tail(log, 2) == "INFO loaded\nweights 100%"
+
+
+def test_steps_can_be_entered_again_after_they_stopped() -> None:
+    out = io.StringIO()
+    steps = Steps(Console(file=out, force_terminal=True, width=80), every=0.1)
+    for label in ("first", "second"):
+        with steps:
+            steps.start(label)
+            steps.update("detail")
+            steps.line(f"{label} done")
+    assert "first done" in out.getvalue() and "second done" in out.getvalue()
