@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import os
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def _launch(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen[byte
     cmd = [sys.executable, "-m", "rr_server", "launch", "vllm", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", "1024", "--served-model-name", "tiny-moe"]
     env = dict(os.environ)
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # the log's last line is the start's progress shown meanwhile
     with open(log_path, "wb") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -94,7 +95,7 @@ def _doctor(base_url: str, model_dir: Path) -> bool:
     from rr_server.doctor.checks import run_doctor
     from rr_server.progress import Steps
 
-    print(f"\n$ rr-server doctor {base_url} --model-path {model_dir}", flush=True)
+    print(f"\n$ rr-server doctor {base_url} --model-path {model_dir}")
     with Steps() as steps:  # each check's line on stderr as it finishes; the report below
         report = asyncio.run(run_doctor(base_url, model_path=str(model_dir), progress=CheckPrinter(steps)))
     print(render(report))
@@ -124,8 +125,7 @@ def run(args: argparse.Namespace) -> int:
             base_url = f"http://127.0.0.1:{port}"
             t1 = time.perf_counter()
             proc = _launch(model_dir, port, log_path)
-            print(f"launching: rr-server launch vllm --model {model_dir} --port {port}  (log: {log_path})",
-                  flush=True)
+            print(f"launching: rr-server launch vllm --model {model_dir} --port {port}  (log: {log_path})")
             _wait_healthy(base_url, proc, log_path, args.startup_timeout)  # elapsed + the log's last line, on stderr
             print(f"server healthy in {time.perf_counter() - t1:.1f}s at {base_url}")
         prompts = DEFAULT_PROMPTS[: args.num_prompts]
@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", default=None, help="use an already running rr vLLM server")
     p.add_argument("--startup-timeout", type=float, default=600)
     args = p.parse_args(argv)
+    if isinstance(sys.stdout, io.TextIOWrapper):  # piped (| tee, CI): lines in order with stderr's progress
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         return run(args)
     except Exception as e:  # noqa: BLE001 - top-level: one clear line, non-zero exit

@@ -22,7 +22,8 @@ from rr_client import GenerateResult, RoutedExpertsClient, RRError, RRInfo
 from rr_client.agreement import routing_agreement
 from rr_server.doctor.known_bugs import BugStatus, known_bugs_for
 
-__all__ = ["Check", "DoctorReport", "DoctorProgress", "run_doctor", "ROW_AGREEMENT_MIN", "TRUTH_AGREEMENT_MIN", "PREFIX_CACHE_TOKENS"]
+__all__ = ["Check", "DoctorReport", "DoctorProgress", "run_doctor", "ROW_AGREEMENT_MIN", "TRUTH_AGREEMENT_MIN",
+           "PREFIX_CACHE_TOKENS"]
 
 # Rows of one prompt recomputed in another request may differ only by numerics (batch shape, bf16 near-ties).
 ROW_AGREEMENT_MIN = 0.99
@@ -81,6 +82,8 @@ class DoctorProgress(Protocol):
 
 
 class _Quiet:
+    """No one listening (a caller of :func:`run_doctor` without ``progress``)."""
+
     def started(self, name: str) -> None:
         pass
 
@@ -308,11 +311,10 @@ async def run_doctor(
                                            platform=extra.get("platform"))
         spec = extra.get("speculative")
         add(Check("identity", True, f"{info.engine} {info.engine_version}, {info.num_hidden_layers} "
-                                   f"layers ({len(info.moe_layers)} MoE), {info.num_experts} experts, top-{info.topk}, "
-                                   f"wire {info.wire_dtype}"
-                                   + (f", platform {extra['platform']}" if extra.get("platform") else "")
-                                   + (f", speculative decoding {spec} (ground truth below runs with it)" if spec
-                                      else "")))
+                  f"layers ({len(info.moe_layers)} MoE), {info.num_experts} experts, top-{info.topk}, "
+                  f"wire {info.wire_dtype}"
+                  + (f", platform {extra['platform']}" if extra.get("platform") else "")
+                  + (f", speculative decoding {spec} (ground truth below runs with it)" if spec else "")))
         if model_path and (refused := _same_model(info, model_path)):
             add(refused)
             return report

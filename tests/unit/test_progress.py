@@ -20,8 +20,20 @@ from rr_client.errors import RRError, TransportError
 from rr_server.process import ServerStartError, free_port, stop_process_group, wait_healthy
 from rr_server.progress import Steps, last_log_line, log_tail
 
-PRINTS_THEN_EXITS = "import sys, time\nfor i in range(40):\n    print('line', i, flush=True)\n    time.sleep(0.02)\ntime.sleep(0.6)\nsys.exit(3)"
-PRINTS_FOREVER = "import time\ni = 0\nwhile True:\n    print('loading shard', i, flush=True)\n    i += 1\n    time.sleep(0.05)"
+PRINTS_THEN_EXITS = """import sys, time
+for i in range(40):
+    print('line', i, flush=True)
+    time.sleep(0.02)
+time.sleep(0.6)
+sys.exit(3)
+"""
+PRINTS_FOREVER = """import time
+i = 0
+while True:
+    print('loading shard', i, flush=True)
+    i += 1
+    time.sleep(0.05)
+"""
 SERVES_HEALTH = """import http.server, sys, time
 print('starting', flush=True)
 time.sleep(1.5)
