@@ -1,20 +1,42 @@
-"""``rr-server``: launch a patched engine, or run the sidecar in front of an unpatched one."""
+"""``rr-server``: launch a patched engine, run the sidecar in front of an unpatched one, or check a server."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
 
-USAGE = """usage:
-  rr-server launch vllm   <vLLM api_server arguments...>
-  rr-server launch sglang <SGLang launch_server arguments...>
-  rr-server proxy --upstream URL --engine sglang|vllm [--host H] [--port P]
-  rr-server doctor URL [--model-path DIR] [--prompts N] [--json] [--engine vllm|sglang]
+HELP = """usage: rr-server <command> [arguments...]
+       rr-server <command> --help     (a command's own options; the launchers then show the engine's)
+
+Routed-experts replay (R3): every token's routed experts from SGLang or vLLM, checked and compact.
+
+commands:
+  launch vllm ARGS...    start vLLM's OpenAI API server with rr's plugin: POST /generate, GET /rr/info and
+                         routing on /v1/completions and /v1/chat/completions; ARGS are vLLM's own
+  launch sglang ARGS...  start SGLang's server with rr's patch (rr's wire format on /generate and the OpenAI
+                         endpoints); ARGS are SGLang's own launch_server arguments
+  proxy                  the sidecar: rr's endpoints in front of an unpatched vLLM or SGLang started with
+                         --enable-return-routed-experts (--upstream URL --engine vllm|sglang)
+  doctor URL             check, in seconds, that a running server's routing is right (live checks, ground
+                         truth against the checkpoint with --model-path, cost); exit 0 on PASS, 1 on FAIL
+
+options:
+  -h, --help             this help
+  --version              print rr-server's version and exit
+
+Try it without a GPU: `make demo` (python -m rr_server.demo) builds a tiny MoE, serves it with vLLM on CPU and
+runs the doctor. Docs: README.md and docs/ (engines.md, sidecar.md, doctor.md).
 """
 
 
+def _version() -> str:
+    from rr_client import __version__
+
+    return f"rr-server {__version__}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Dispatch to the launcher or the sidecar; engine arguments pass through untouched."""
+    """Dispatch to the launcher, the sidecar or the doctor; engine arguments pass through untouched."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) >= 2 and args[0] == "launch" and args[1] == "vllm":
         from rr_server.launch_vllm import main as launch_vllm
@@ -32,8 +54,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rr_server.proxy import main as proxy
 
         return proxy(args[1:])
-    sys.stderr.write(USAGE)
-    return 0 if args[:1] in (["-h"], ["--help"]) else 2
+    if args[:1] == ["--version"]:
+        print(_version())
+        return 0
+    if args[:1] in (["-h"], ["--help"]):
+        sys.stdout.write(HELP)
+        return 0
+    what = "no command" if not args else f"unknown command {' '.join(args[:2])!r}"
+    sys.stderr.write(HELP.split("\n\n", 1)[0] + f"\nrr-server: {what} (rr-server --help lists them)\n")
+    return 2
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import os
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def _launch(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen[byte
     cmd = [sys.executable, "-m", "rr_server", "launch", "vllm", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", "1024", "--served-model-name", "tiny-moe"]
     env = dict(os.environ)
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # the log's last line is the start's progress shown meanwhile
     with open(log_path, "wb") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -90,11 +91,13 @@ async def _generate(base_url: str, prompts: list[str], max_new_tokens: int, seed
 
 def _doctor(base_url: str, model_dir: Path) -> bool:
     """``rr-server doctor BASE_URL --model-path MODEL_DIR`` on the demo's server; print its report."""
-    from rr_server.doctor import render
+    from rr_server.doctor import CheckPrinter, render
     from rr_server.doctor.checks import run_doctor
+    from rr_server.progress import Steps
 
     print(f"\n$ rr-server doctor {base_url} --model-path {model_dir}")
-    report = asyncio.run(run_doctor(base_url, model_path=str(model_dir)))
+    with Steps() as steps:  # each check's line on stderr as it finishes; the report below
+        report = asyncio.run(run_doctor(base_url, model_path=str(model_dir), progress=CheckPrinter(steps)))
     print(render(report))
     return report.ok
 
@@ -123,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             t1 = time.perf_counter()
             proc = _launch(model_dir, port, log_path)
             print(f"launching: rr-server launch vllm --model {model_dir} --port {port}  (log: {log_path})")
-            _wait_healthy(base_url, proc, log_path, args.startup_timeout)
+            _wait_healthy(base_url, proc, log_path, args.startup_timeout)  # elapsed + the log's last line, on stderr
             print(f"server healthy in {time.perf_counter() - t1:.1f}s at {base_url}")
         prompts = DEFAULT_PROMPTS[: args.num_prompts]
         t2 = time.perf_counter()
@@ -185,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", default=None, help="use an already running rr vLLM server")
     p.add_argument("--startup-timeout", type=float, default=600)
     args = p.parse_args(argv)
+    if isinstance(sys.stdout, io.TextIOWrapper):  # piped (| tee, CI): lines in order with stderr's progress
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         return run(args)
     except Exception as e:  # noqa: BLE001 - top-level: one clear line, non-zero exit

