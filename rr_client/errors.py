@@ -15,7 +15,8 @@ Imports nothing heavy. The hierarchy::
     ├── TransportError                    no usable answer from the server (after retries)
     │   ├── ConnectError                  refused / unreachable
     │   ├── RequestTimeoutError           connect, read or write timed out
-    │   └── ConnectionLostError           the connection broke mid-request
+    │   ├── ConnectionLostError           the connection broke mid-request
+    │   └── ServerStartError (RuntimeError)  a server rr started never became healthy (with its log's tail)
     ├── ServerError                       5xx (after retries)
     ├── RequestRejectedError              4xx with the server's message (never retried)
     │   └── AuthenticationError           401 / 403: missing or wrong API key
@@ -49,6 +50,7 @@ __all__ = [
     "ConnectError",
     "RequestTimeoutError",
     "ConnectionLostError",
+    "ServerStartError",
     "ServerError",
     "RequestRejectedError",
     "AuthenticationError",
@@ -129,6 +131,11 @@ class RequestTimeoutError(TransportError):
 
 class ConnectionLostError(TransportError):
     """The connection broke after the request was sent (server died, reset, protocol error)."""
+
+
+class ServerStartError(TransportError, RuntimeError):
+    """A server rr started (demo, examples, test servers) never answered ``/health``: its process exited, or the
+    wait timed out. The message names the URL, the exit code or the time waited, and ends with the log's tail."""
 
 
 class ServerError(RRError):

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rr_client.codec import FORMATS
 from rr_server.serving.sglang_facts import UnsupportedSGLangError
 from rr_server.serving.speculative import draft_pollution_refusal, speculative_flags
 
@@ -33,9 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                     f"{FLAG} when missing. Refuses an SGLang outside 0.5.7 - 0.5.23, --tokenizer-worker-num > 1 "
                     "and --speculative-* where drafts pollute the routing (exit 2).")
     g = p.add_argument_group("rr's options (every other argument goes to SGLang untouched)")
-    g.add_argument(FORMAT_FLAG, choices=("npy", "sglang"),
-                   help="the server's default routed_experts_format: npy (rr's compact .npy, the default) or sglang "
-                        "(SGLang's own int32 base64); a request's own field wins")
+    g.add_argument(FORMAT_FLAG, choices=FORMATS,
+                   help="the server's default routed_experts_format: npy (rr's compact .npy, the default), sglang "
+                        "(SGLang's own int32 base64) or ref (a RoutingRef; the rows stay in the server's routing store); "
+                        "a request's own field wins")
     g.add_argument("-h", "--help", action="store_true", help="rr's options, then SGLang's own help")
     return p
 
@@ -70,8 +72,10 @@ def _sglang_help() -> None:
 
 
 def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
-    """Remove ``--routed-experts-format {npy,sglang}`` (SGLang's parser would refuse it); ValueError on a bad value."""
+    """Remove ``--routed-experts-format {npy,sglang,ref}`` (SGLang's parser would refuse it); ConfigurationError (a
+    ValueError) on a missing or bad value."""
     from rr_client.codec import check_format
+    from rr_client.errors import ConfigurationError
 
     args, fmt, i = list(argv), None, 0
     out: list[str] = []
@@ -79,7 +83,7 @@ def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
         a = args[i]
         if a == FORMAT_FLAG:
             if i + 1 >= len(args):
-                raise ValueError(f"{FORMAT_FLAG} needs a value (npy or sglang)")
+                raise ConfigurationError(f"{FORMAT_FLAG} needs a value (one of {', '.join(FORMATS)})")
             fmt, i = args[i + 1], i + 2
         elif a.startswith(FORMAT_FLAG + "="):
             fmt, i = a.split("=", 1)[1], i + 1

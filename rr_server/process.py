@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from rr_client.errors import TransportError
+from rr_client.errors import ServerStartError
 from rr_server.progress import Steps, last_log_line, log_tail
 
 __all__ = ["ServerStartError", "free_port", "wait_healthy", "stop_process_group"]
@@ -22,13 +22,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class ServerStartError(TransportError, RuntimeError):
-    """A server rr started never answered ``/health``: its process exited, or the wait timed out.
-
-    The message names the URL, the exit code or the time waited, and ends with the last lines of the server's log.
-    """
 
 
 def wait_healthy(base_url: str, proc: subprocess.Popen[bytes] | None, log_path: Path | None, timeout: float,

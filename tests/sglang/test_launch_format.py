@@ -1,4 +1,4 @@
-"""``rr-server launch sglang --routed-experts-format {npy,sglang}``: rr's flag, taken out of SGLang's arguments and
+"""``rr-server launch sglang --routed-experts-format {npy,sglang,ref}``: rr's flag, taken out of SGLang's arguments and
 handed to the server process as RR_ROUTED_EXPERTS_FORMAT (no SGLang needed: runs under the main pytest)."""
 
 from __future__ import annotations

@@ -20,6 +20,6 @@ def test_rr_options_come_before_sglangs_help() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
     assert text.startswith("usage: rr-server launch sglang [rr options]")
-    rr_flag, engine = text.index("--routed-experts-format {npy,sglang}"), text.index("SGLang's own arguments:")
+    rr_flag, engine = text.index("--routed-experts-format {npy,sglang,ref}"), text.index("SGLang's own arguments:")
     assert rr_flag < engine < text.index("--model-path MODEL_PATH")  # SGLang's own parser printed its help
     assert "unavailable" not in text and "Traceback" not in out.stderr

@@ -52,7 +52,7 @@ def test_launch_sglang_help_without_sglang_shows_rr_options_then_says_why_no_mor
     assert out.returncode == 0 and "Traceback" not in out.stdout + out.stderr, out.stderr
     text = out.stdout
     assert text.startswith("usage: rr-server launch sglang [rr options] <SGLang launch_server arguments...>")
-    assert re.search(r"--routed-experts-format \{npy,sglang\}\s+the server's default routed_experts_format", text)
+    assert re.search(r"--routed-experts-format \{npy,sglang,ref\}\s+the server's default routed_experts_format", text)
     assert text.index("rr's options") < text.index("SGLang's own arguments:") < text.index(
         "SGLang's help is unavailable: sglang is not installed (pip install 'rr-replay[sglang]')")
 

@@ -17,7 +17,8 @@ import pytest
 from rich.console import Console
 
 from rr_client.errors import RRError, TransportError
-from rr_server.process import ServerStartError, free_port, stop_process_group, wait_healthy
+from rr_client.errors import ServerStartError
+from rr_server.process import free_port, stop_process_group, wait_healthy
 from rr_server.progress import Steps, last_log_line, log_tail
 
 PRINTS_THEN_EXITS = """import sys, time
