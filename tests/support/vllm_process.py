@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Self
 
 from rr_server.launch_vllm import build_command, is_cpu_platform
+from rr_client.errors import ServerStartError
 from rr_server.process import free_port, stop_process_group, wait_healthy
 
 __all__ = ["VLLMProcess", "server_args", "launcher_command", "unpatched_command", "STARTUP_TIMEOUT_S", "LOG_DIR"]
@@ -97,12 +98,13 @@ class VLLMProcess:
         return self
 
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> Self:
-        """Wait for ``/health``; on death or timeout stop the server and raise with its log tail."""
+        """Wait for ``/health``; on death or timeout stop the server and raise ServerStartError (it carries the
+        log's last 60 lines)."""
         try:
-            wait_healthy(self.base_url, self.proc, self.log_path, timeout)
-        except RuntimeError as e:
+            wait_healthy(self.base_url, self.proc, self.log_path, timeout, tail_lines=60)
+        except ServerStartError as e:
             self.stop()
-            raise RuntimeError(f"vLLM server {self.name}: {e}\n--- log tail ---\n{self.log_tail()}") from None
+            raise ServerStartError(f"vLLM server {self.name}: {e}") from None
         return self
 
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> Self:
@@ -112,13 +114,6 @@ class VLLMProcess:
     def alive(self) -> bool:
         """True while the launched process runs."""
         return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self, n: int = 60) -> str:
-        """Last lines of the server log, for failure messages."""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "<no log>"
 
     def stop(self) -> None:
         """SIGTERM the process group (the launcher forwards it to vLLM's), SIGKILL after 30 s."""
