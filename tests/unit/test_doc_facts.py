@@ -457,19 +457,3 @@ def test_protocol_doc_names_every_request_field_and_sampling_param() -> None:
 
 
 # --- links into a heading ------------------------------------------------------------------------------------------
-
-
-def _slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation but ``-``/``_`` dropped, spaces to ``-``."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
-def test_heading_links_resolve() -> None:
-    docs = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
-    anchors = {d.resolve(): {_slug(h) for h in re.findall(r"^#+ (.*)$", re.sub(r"```.*?```", "", d.read_text(),
-                                                                                 flags=re.S), re.M)} for d in docs}
-    broken = [f"{d.relative_to(REPO)} -> {target}#{anchor}" for d in docs
-              for target, anchor in re.findall(r"\]\(([^)#:]*)#([^)]+)\)", d.read_text())
-              if anchor not in anchors.get(((d.parent / target) if target else d).resolve(), {anchor})]
-    assert broken == []
-    assert _slug("By reference: `rr.routing_ref/1`") == "by-reference-rrrouting_ref1"

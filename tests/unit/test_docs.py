@@ -85,11 +85,23 @@ def test_every_rr_setting_is_in_the_engines_doc() -> None:
     assert [n for n in SETTINGS if f"`{n}`" not in text] == []
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but ``-``/``_`` dropped, spaces to ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
 def test_doc_links_resolve() -> None:
-    """Relative links in README and docs point at files that exist."""
+    """Relative links in README, CHANGELOG and docs point at files that exist, and into headings that exist."""
+    docs = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
+    anchors = {d.resolve(): {_slug(h) for h in re.findall(r"^#+ (.*)$", re.sub(r"```.*?```", "", d.read_text(),
+                                                                                 flags=re.S), re.M)} for d in docs}
     broken = []
-    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
-        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
-            if not (doc.parent / target).exists():
+    for doc in docs:
+        for target, anchor in re.findall(r"\]\(([^)#:]*)(?:#([^)]+))?\)", doc.read_text()):
+            path = (doc.parent / target) if target else doc
+            if not path.exists():
                 broken.append(f"{doc.relative_to(REPO)} -> {target}")
+            elif anchor and anchor not in anchors.get(path.resolve(), {anchor}):
+                broken.append(f"{doc.relative_to(REPO)} -> {target}#{anchor}")
     assert broken == []
+    assert _slug("By reference: `rr.routing_ref/1`") == "by-reference-rrrouting_ref1"
