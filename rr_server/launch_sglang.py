@@ -33,13 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "rr's wire format on /generate and the OpenAI endpoints, GET /rr/info; adds "
                     f"{FLAG} when missing. Refuses an SGLang outside 0.5.7 - 0.5.23, --tokenizer-worker-num > 1 "
                     "and --speculative-* where drafts pollute the routing (exit 2).")
-    g = p.add_argument_group("rr's options (every other argument goes to SGLang untouched)")
-    g.add_argument(FORMAT_FLAG, choices=FORMATS,
-                   help="the server's default routed_experts_format: npy (rr's compact .npy, the default), sglang "
-                        "(SGLang's own int32 base64) or ref (a RoutingRef; the rows stay in the server's routing store); "
-                        "a request's own field wins")
-    g.add_argument("-h", "--help", action="store_true", help="rr's options, then SGLang's own help")
+    add_shared_options(p.add_argument_group("rr's options (every other argument goes to SGLang untouched)"), "SGLang")
     return p
+
+
+def add_shared_options(group: argparse._ArgumentGroup, engine: str) -> None:
+    """The options both launchers take (listed last in their help): ``--routed-experts-format`` and ``--help``."""
+    group.add_argument(FORMAT_FLAG, choices=FORMATS,
+                       help="the server's default routed_experts_format: npy (rr's compact .npy, the default), sglang "
+                            "(SGLang's own int32 base64) or ref (a RoutingRef; the rows stay in the server's routing "
+                            "store); a request's own field wins")
+    group.add_argument("-h", "--help", action="store_true", help=f"rr's options, then {engine}'s own help")
 
 
 def wants_help(argv: Sequence[str]) -> bool:

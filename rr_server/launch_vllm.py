@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from collections.abc import Mapping
 from types import FrameType
 
-from rr_client.codec import FORMATS
 from rr_client.errors import ConfigurationError
 from rr_server import lifeline
 from rr_server.serving.speculative import draft_pollution_refusal
@@ -46,7 +45,7 @@ SERVE_ONLY_FLAGS = ("--api-server-count", "-asc", "--headless", "--data-parallel
 
 def build_parser() -> argparse.ArgumentParser:
     """rr's own options of ``rr-server launch vllm``, for ``--help`` and the docs (vLLM's pass through)."""
-    from rr_server.launch_sglang import FORMAT_FLAG
+    from rr_server.launch_sglang import add_shared_options
 
     p = argparse.ArgumentParser(
         prog="rr-server launch vllm", add_help=False,
@@ -63,11 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(OPEN_DEV_MODE_FLAG, action="store_true",
                    help="with VLLM_SERVER_DEV_MODE=1, serve the dev-mode routes on a non-loopback host without "
                         "an API key (refused otherwise)")
-    g.add_argument(FORMAT_FLAG, choices=FORMATS,
-                   help="the server's default routed_experts_format: npy (rr's compact .npy, the default), sglang "
-                        "(SGLang's int32 base64) or ref (a RoutingRef; the rows stay in the server's routing store); "
-                        "a request's own field wins")
-    g.add_argument("-h", "--help", action="store_true", help="rr's options, then vLLM's own help")
+    add_shared_options(g, "vLLM")
     return p
 
 
