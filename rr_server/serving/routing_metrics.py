@@ -121,21 +121,21 @@ def declare() -> None:
     _engine_counters()
 
 
-def count_sample(fields: Mapping[str, Any] | None) -> None:
-    """Count one sample's rr fields on this engine's ``/metrics`` (never raises: a counter must not cost an answer)."""
+def _count(method: str, what: Any) -> None:
+    """Call this engine's counters' ``method`` on ``what``; never raises (a counter must not cost an answer)."""
     counters = _engine_counters()
     if counters is not None:
         try:
-            counters.count_sample(fields)
+            getattr(counters, method)(what)
         except Exception:  # noqa: BLE001
-            logger.debug("rr: counting a sample failed", exc_info=True)
+            logger.debug("rr: %s failed", method, exc_info=True)
+
+
+def count_sample(fields: Mapping[str, Any] | None) -> None:
+    """Count one sample's rr fields on this engine's ``/metrics`` (never raises)."""
+    _count("count_sample", fields)
 
 
 def count_answer(answer: Any) -> None:
-    """Count every choice of an OpenAI answer rr finished on this engine's ``/metrics``."""
-    counters = _engine_counters()
-    if counters is not None:
-        try:
-            counters.count_answer(answer)
-        except Exception:  # noqa: BLE001
-            logger.debug("rr: counting an answer failed", exc_info=True)
+    """Count every choice of an OpenAI answer rr finished on this engine's ``/metrics`` (never raises)."""
+    _count("count_answer", answer)
