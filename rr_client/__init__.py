@@ -51,6 +51,8 @@ from rr_client.errors import (
     MissingDependencyError,
     ArgumentTypeError,
     ConfigurationError,
+    LogprobsModeError,
+    UntrustedHostError,
     SettingError,
 )
 from rr_client.hf_config import hash_layers_from_config, load_config, moe_layers_from_config, routing_dims_from_config
@@ -99,7 +101,8 @@ __all__ = [
     "TransportError", "ConnectError", "RequestTimeoutError", "ConnectionLostError",
     "ServerError", "RequestRejectedError", "AuthenticationError", "ProtocolError",
     "ReplicaMismatchError", "ReplayError", "UnsupportedModelError", "WeightSyncError",
-    "UnsupportedVersionError", "MissingDependencyError", "ConfigurationError", "ArgumentTypeError", "SettingError",
+    "UnsupportedVersionError", "MissingDependencyError", "ConfigurationError", "ArgumentTypeError",
+    "LogprobsModeError", "UntrustedHostError", "SettingError",
     "RRInfo", "load_config", "moe_layers_from_config", "hash_layers_from_config", "routing_dims_from_config",
     "__version__",
 ]

@@ -29,7 +29,9 @@ Imports nothing heavy. The hierarchy::
     │                                     no longer has the shape rr wraps (one override: RR_ALLOW_UNSUPPORTED_VERSION)
     ├── MissingDependencyError (ImportError)  an optional dependency of the part you use is not installed
     ├── ConfigurationError (ValueError)   a setting or argument rr refuses (named, with what to do instead)
-    │   └── ArgumentTypeError (TypeError) an argument of a type rr does not take
+    │   ├── ArgumentTypeError (TypeError) an argument of a type rr does not take
+    │   ├── LogprobsModeError             engine and trainer log-probs mean different things (names the flag)
+    │   └── UntrustedHostError            a ref names a host the client does not send its key to
     └── SettingError (ValueError)         an ``RR_*`` environment variable holds a value it cannot parse
 """
 
@@ -63,6 +65,8 @@ __all__ = [
     "MissingDependencyError",
     "ConfigurationError",
     "ArgumentTypeError",
+    "LogprobsModeError",
+    "UntrustedHostError",
     "SettingError",
 ]
 
@@ -211,6 +215,17 @@ class ConfigurationError(RRError, ValueError):
 
 class ArgumentTypeError(ConfigurationError, TypeError):
     """An argument of a type rr does not take (names the argument and the types it takes)."""
+
+
+class LogprobsModeError(ConfigurationError):
+    """The engine's sampled log-probs and the trainer's would not mean the same thing (e.g. vLLM's pre-temperature
+    ``raw_logprobs`` sampled at temperature != 1): gaps and importance ratios would be wrong, so rr refuses and names
+    the flag that fixes it (``--logprobs-mode processed_logprobs``)."""
+
+
+class UntrustedHostError(ConfigurationError):
+    """A routing ref (or another URL from data) names a host the client does not trust with its API key: neither one
+    of its replicas nor in ``RR_TRUSTED_HOSTS``; or an ``http://`` ref while the client's own servers are ``https://``."""
 
 
 class SettingError(RRError, ValueError):
