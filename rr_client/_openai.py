@@ -13,6 +13,7 @@ from typing import Any
 from rr_client._results import GenerateResult, decode_sample_routing, sample_ref
 from rr_client.errors import ProtocolError
 from rr_client.info import RRInfo
+from rr_client.logprobs import parse_openai_logprobs
 
 __all__ = ["COMPLETIONS_PATH", "CHAT_PATH", "openai_body", "parse_choices"]
 
@@ -91,6 +92,7 @@ def parse_choices(
         meta = {k: v for k, v in choice.items() if k not in _ROUTING_KEYS}
         meta.update(prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids), id=answer.get("id"),
                     usage=answer.get("usage"))
+        logprobs = parse_openai_logprobs(choice.get("logprobs"), output_ids, where=where)
         fr = choice.get("finish_reason")
         out.append(GenerateResult(
             index=first_index + j,
@@ -103,5 +105,7 @@ def parse_choices(
             routed_experts_start=start,
             meta=meta,
             routing_ref=ref,
+            logprobs=logprobs,
+            logprobs_mode=info.logprobs_mode if logprobs is not None else None,
         ))
     return out

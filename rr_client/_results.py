@@ -11,6 +11,7 @@ import numpy as np
 from rr_client.codec import decode_meta_info, expected_rows, wire_dtype
 from rr_client.errors import MissingRoutingError, ProtocolError, RoutedExpertsError, ShapeMismatchError
 from rr_client.info import RRInfo
+from rr_client.logprobs import parse_token_logprobs
 from rr_client.reference import RoutingRef
 
 if TYPE_CHECKING:
@@ -24,7 +25,9 @@ _PAYLOAD_KEYS = ("routed_experts", "output_routed_experts", "routed_experts_ref"
 @dataclass(frozen=True, slots=True)
 class GenerateResult:
     """One generated sample: tokens, text, finish reason, and its checked routing ``(rows, layers, topk)``;
-    asked by reference, ``routing_ref`` instead (``routed_experts`` None until resolved)."""
+    asked by reference, ``routing_ref`` instead (``routed_experts`` None until resolved). ``logprobs``: the sampled
+    tokens' log-probs (float64, one per output token, NaN where the engine gave none; None unless asked for), of
+    ``logprobs_mode`` (the server's ``/rr/info``: "processed" after temperature, "raw" before, None unknown)."""
 
     index: int
     prompt_index: int
@@ -36,6 +39,8 @@ class GenerateResult:
     routed_experts_start: int
     meta: dict[str, Any] = field(repr=False)
     routing_ref: RoutingRef | None = None
+    logprobs: np.ndarray | None = field(default=None, repr=False)
+    logprobs_mode: str | None = None
 
     def with_routing(self, rows: np.ndarray) -> "GenerateResult":
         """This sample with its routing resolved (the ref kept for the record)."""
@@ -175,6 +180,8 @@ def parse_sample(
         raise ProtocolError(f"{where}: routing was not requested but the server sent some")
     for k in _PAYLOAD_KEYS:
         meta.pop(k, None)
+    lp_rows = meta.get("output_token_logprobs")
+    logprobs = None if lp_rows is None else parse_token_logprobs(lp_rows, output_ids, where=where)
     fr = meta.get("finish_reason")
     finish = fr.get("type") if isinstance(fr, Mapping) else (fr if isinstance(fr, str) else None)
     text = reply.get("text")
@@ -189,4 +196,6 @@ def parse_sample(
         routed_experts_start=start,
         meta=meta,
         routing_ref=ref,
+        logprobs=logprobs,
+        logprobs_mode=info.logprobs_mode if logprobs is not None else None,
     )

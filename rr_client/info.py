@@ -44,6 +44,9 @@ class RRInfo(BaseModel):
     # layer's (the full check expects that there and refuses all-zero rows in every layer of ``moe_layers``);
     # replay leaves them to the model. E.g. DeepSeek-V4's hash-routed layers on SGLang (sglang#29040).
     uncaptured_layers: dict[int, str] = Field(default_factory=dict)
+    # What the sampled tokens' log-probs mean (rr_client.logprobs): "processed" (after temperature), "raw" (before:
+    # vLLM's default raw_logprobs), None (the server does not say).
+    logprobs_mode: Literal["processed", "raw"] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "RRInfo":

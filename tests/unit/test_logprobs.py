@@ -1,0 +1,123 @@
+"""Sampled log-probs: parsed once into ``GenerateResult.logprobs`` (NaN for a missing one, checked against the
+tokens), their mode from ``/rr/info``, and the one check that refuses comparing pre-temperature log-probs."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rr_client import RRInfo
+from rr_client._openai import parse_choices
+from rr_client._results import parse_sample
+from rr_client.errors import LogprobsModeError, ProtocolError, RRError
+from rr_client.logprobs import check_comparable_logprobs, mode_from_vllm
+
+INFO = RRInfo(engine="vllm", engine_version="0.30.0", rr_version="0", model="m", num_hidden_layers=2,
+              num_experts=4, topk=2, moe_layers=[0, 1], wire_dtype="uint8", logprobs_mode="processed")
+
+
+def _reply(lp: Any, out: list[int] | None = None) -> dict[str, Any]:
+    out = [5, 6, 7] if out is None else out
+    meta: dict[str, Any] = {"prompt_tokens": 2, "completion_tokens": len(out)}
+    if lp is not None:
+        meta["output_token_logprobs"] = lp
+    return {"output_ids": out, "meta_info": meta}
+
+
+def _sample(reply: dict[str, Any], info: RRInfo = INFO) -> Any:
+    return parse_sample(reply, index=0, prompt_index=0, prompt_ids=[1, 2], info=info, want_routing=False)
+
+
+def test_generate_logprobs_parsed_once_with_nan_for_missing() -> None:
+    r = _sample(_reply([[-0.5, 5, None], [None, 6, None], [-1, 7, "x"]]))
+    assert r.logprobs.dtype == np.float64 and r.logprobs.shape == (3,)
+    assert r.logprobs[0] == -0.5 and math.isnan(r.logprobs[1]) and r.logprobs[2] == -1.0
+    assert r.logprobs_mode == "processed"
+
+
+def test_no_logprobs_asked_is_none() -> None:
+    r = _sample(_reply(None))
+    assert r.logprobs is None and r.logprobs_mode is None
+
+
+def test_mode_is_none_when_the_server_does_not_say() -> None:
+    info = RRInfo(**{**INFO.model_dump(), "logprobs_mode": None})
+    assert _sample(_reply([[-0.5, 5], [-1, 6], [-2, 7]]), info).logprobs_mode is None
+
+
+@pytest.mark.parametrize(("lp", "err", "needle"), [
+    ([[-0.5, 5, None], [-1, 6, None]], ProtocolError, "2 output_token_logprobs for 3"),
+    ([[-0.5, 5, None], [-1, 9, None], [-1, 7, None]], ProtocolError, "names token 9"),
+    ([[-0.5, 5], [-1, 6], ["-1", 7]], ProtocolError, "log-prob 2 is str"),
+    ([[-0.5, 5], [-1, 6], [True, 7]], ProtocolError, "log-prob 2 is bool"),
+    ([[-0.5, 5], [-1, 6], 3], ProtocolError, "output_token_logprobs[2]"),
+    ({"a": 1}, ProtocolError, "must be a list"),
+])
+def test_generate_logprobs_that_disagree_with_the_tokens_are_typed(lp: Any, err: type, needle: str) -> None:
+    with pytest.raises(err, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        _sample(_reply(lp))
+
+
+def _answer(choice_lp: Any, token_ids: list[int] | None = None) -> dict[str, Any]:
+    return {"id": "x", "choices": [{"index": 0, "text": "abc", "prompt_token_ids": [1, 2],
+                                    "token_ids": token_ids or [5, 6, 7], "finish_reason": "length",
+                                    "logprobs": choice_lp}]}
+
+
+def _choices(answer: dict[str, Any]) -> Any:
+    return parse_choices(answer, path="/v1/completions", info=INFO, want_routing=False, start=0,
+                         sent_prompt_ids=None)
+
+
+def test_openai_completions_and_chat_logprobs() -> None:
+    r = _choices(_answer({"tokens": ["a", "b", "c"], "token_logprobs": [-0.1, None, -0.3]}))[0]
+    assert r.logprobs[0] == -0.1 and math.isnan(r.logprobs[1]) and r.logprobs[2] == -0.3
+    assert r.logprobs_mode == "processed"
+    chat = {"content": [{"token": "a", "logprob": -0.25}, {"token": "b", "logprob": -1.0},
+                        {"token": "c", "logprob": -2.0}]}
+    assert _choices(_answer(chat))[0].logprobs.tolist() == [-0.25, -1.0, -2.0]
+    assert _choices(_answer(None))[0].logprobs is None
+
+
+@pytest.mark.parametrize(("block", "err"), [
+    ({"token_logprobs": [-0.1, -0.2]}, ProtocolError),
+    ({"content": [{"logprob": -0.1}]}, ProtocolError),
+    ({"token_logprobs": [-0.1, "x", -0.3]}, ProtocolError),
+    ({"tokens": []}, ProtocolError),
+    ([1, 2, 3], ProtocolError),
+])
+def test_openai_logprobs_that_disagree_are_typed(block: Any, err: type) -> None:
+    with pytest.raises(err):
+        _choices(_answer(block))
+
+
+@pytest.mark.parametrize(("mode", "temperature"), [
+    ("processed", 0.7), ("processed", None), ("raw", 1.0), ("raw", None), (None, 1), (None, None)])
+def test_comparable_logprobs_pass(mode: str | None, temperature: float | None) -> None:
+    check_comparable_logprobs(mode, temperature, consumer="test")
+
+
+@pytest.mark.parametrize("mode", ["raw", None])
+def test_pre_temperature_or_unknown_logprobs_are_refused_naming_the_flag(mode: str | None) -> None:
+    with pytest.raises(LogprobsModeError, match="--logprobs-mode processed_logprobs") as e:
+        check_comparable_logprobs(mode, 0.7, consumer="ReplaySession.gap")
+    assert "ReplaySession.gap" in str(e.value) and "0.7" in str(e.value)
+    assert isinstance(e.value, RRError)
+
+
+def test_an_unknown_mode_name_is_refused_at_any_temperature() -> None:
+    with pytest.raises(LogprobsModeError, match="raw_logits"):
+        check_comparable_logprobs("raw_logits", 1.0, consumer="x")
+
+
+def test_vllm_modes_map_to_rrs() -> None:
+    assert mode_from_vllm("processed_logprobs") == "processed" and mode_from_vllm("raw_logprobs") == "raw"
+    assert mode_from_vllm("raw_logits") is None and mode_from_vllm(None) is None
+
+
+def test_info_states_only_known_modes() -> None:
+    with pytest.raises(ValueError):
+        RRInfo(**{**INFO.model_dump(), "logprobs_mode": "raw_logprobs"})
