@@ -65,6 +65,9 @@ class RoutingTensors:
     tokens before ``routed_experts_start``) hold the pad value of ``pad_experts``. ``layers[i]`` is the
     absolute decoder layer of position ``i`` of the layer axis; ``layer_axis`` says whether that axis is
     every decoder layer (``"absolute"``) or the MoE layers only (``"moe"``, Megatron's router ordinals).
+    ``logprobs`` (``[B, T]`` float32, when the samples carry the engine's sampled log-probs): ``logprobs[b, t]``
+    is token ``t``'s, NaN outside the completion and where the engine gave none; ``logprobs_mode`` says what
+    they mean (:mod:`rr_client.logprobs`).
     """
 
     input_ids: torch.Tensor
@@ -75,6 +78,8 @@ class RoutingTensors:
     layers: list[int]
     layer_axis: LayerAxis = "absolute"
     position_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    logprobs_mode: str | None = None
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> RoutingTensors:
         """The same batch with every tensor on ``device``, moved once per batch (replay then moves nothing)."""
@@ -95,7 +100,8 @@ class PackedRouting:
     ``routed_experts``: ``[N, L, K]`` with ``append_row=True`` (row ``n`` is token ``n``'s routing; each
     sample's last token holds an appended, masked placeholder row), or ``[N - B, L, K]`` with
     ``append_row=False`` (each sample's ``len - 1`` rows, as engines return them; ``routing_cu_seqlens``
-    gives their boundaries and ``routed_experts_mask`` then has the rows' length).
+    gives their boundaries and ``routed_experts_mask`` then has the rows' length). ``logprobs``: ``[N]``
+    float32 beside ``input_ids`` as in :class:`RoutingTensors` (None when the samples carry none).
     """
 
     input_ids: torch.Tensor
@@ -108,6 +114,8 @@ class PackedRouting:
     layers: list[int]
     layer_axis: LayerAxis = "absolute"
     num_pad_tokens: int = 0
+    logprobs: torch.Tensor | None = None
+    logprobs_mode: str | None = None
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> PackedRouting:
         """The same batch with every tensor on ``device``, moved once per batch (replay then moves nothing)."""
@@ -168,6 +176,25 @@ def _response_values(r: Sample, n_out: int) -> np.ndarray | int:
     if arr.shape != (n_out,):
         raise ShapeMismatchError(f"sample {r.index}: loss mask has {arr.shape} entries for {n_out} output tokens")
     return arr
+
+
+def _logprobs_of(results: Sequence[Sample], seqs: list[tuple[list[int], list[int]]]) -> tuple[bool, str | None]:
+    """Whether the samples carry sampled log-probs (all or none, one per output token) and their one mode."""
+    have = [getattr(r, "logprobs", None) is not None for r in results]
+    if not any(have):
+        return False, None
+    if not all(have):
+        missing = [r.index for r, h in zip(results, have) if not h][:8]
+        raise ConfigurationError(f"samples {missing} carry no log-probs while others do: generate all of them "
+                                 "with return_logprob=True (or none)")
+    for r, (_, o) in zip(results, seqs):
+        if np.shape(getattr(r, "logprobs")) != (len(o),):
+            raise ShapeMismatchError(f"sample {r.index}: {np.shape(getattr(r, 'logprobs'))} log-probs for "
+                                     f"{len(o)} output tokens")
+    modes = {getattr(r, "logprobs_mode", None) for r in results}
+    if len(modes) > 1:
+        raise ConfigurationError(f"samples carry log-probs of different modes {sorted(map(str, modes))}")
+    return True, modes.pop()
 
 
 def _layer_axis(info: RRInfo, moe_layers_only: bool) -> tuple[list[int], np.ndarray | None, LayerAxis]:
@@ -252,6 +279,8 @@ def to_tensors(
     routing = np.zeros((b, width, n_layers, k), dtype=dt)  # calloc: pad rows cost no writes
     if pad_row is not None:
         routing[...] = pad_row
+    has_lp, lp_mode = _logprobs_of(results, seqs)
+    lps = np.full((b, width), np.nan, dtype=np.float32) if has_lp else None
 
     for i, (r, (p, o), n) in enumerate(zip(results, seqs, lengths)):
         # pos[j]: column of token j of the sample
@@ -265,6 +294,8 @@ def to_tensors(
         ids[i, pos] = p + o
         attn[i, pos] = 1
         resp[i, pos[len(p):]] = _response_values(r, len(o))
+        if lps is not None:
+            lps[i, pos[len(p):]] = getattr(r, "logprobs")
         if pos_ids is not None:
             pos_ids[i, pos] = np.arange(n)
         arr = _sample_rows(r, n, layer_index)
@@ -284,6 +315,8 @@ def to_tensors(
         layers=layers,
         layer_axis=axis,
         position_ids=None if pos_ids is None else torch.from_numpy(pos_ids),
+        logprobs=None if lps is None else torch.from_numpy(lps),
+        logprobs_mode=lp_mode,
     )
 
 
@@ -334,11 +367,15 @@ def to_packed(
     routing = np.zeros((n_rows, n_layers, k), dtype=dt)
     if pad_row is not None:
         routing[...] = pad_row
+    has_lp, lp_mode = _logprobs_of(results, seqs)
+    lps = np.full(n_total, np.nan, dtype=np.float32) if has_lp else None
     for i, (r, (p, o), n) in enumerate(zip(results, seqs, lengths)):
         s = int(cu[i])
         ids[s : s + n] = p + o
         pos_ids[s : s + n] = np.arange(n)
         resp[s + len(p) : s + n] = _response_values(r, len(o))
+        if lps is not None:
+            lps[s + len(p) : s + n] = getattr(r, "logprobs")
         arr = _sample_rows(r, n, layer_index)
         r0 = int(rcu[i]) + r.routed_experts_start
         rmask[r0 : r0 + arr.shape[0]] = True
@@ -355,4 +392,6 @@ def to_packed(
         layers=layers,
         layer_axis=axis,
         num_pad_tokens=n_pad,
+        logprobs=None if lps is None else torch.from_numpy(lps),
+        logprobs_mode=lp_mode,
     )

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from rr_client import RRInfo, ShapeMismatchError, to_packed, to_tensors
+from rr_client import ConfigurationError, RRInfo, ShapeMismatchError, to_packed, to_tensors
 
 L, E, K = 4, 8, 2
 MOE = [0, 2, 3]  # layer 1 dense
@@ -217,3 +217,53 @@ def test_packed_rows_that_do_not_fit_are_refused() -> None:
         to_packed([bad], info())
     with pytest.raises(ShapeMismatchError):
         to_tensors([bad], info(), pad_side="split", prompt_length=3, response_length=3)
+
+
+@dataclass
+class LS(S):
+    logprobs: np.ndarray | None = None
+    logprobs_mode: str | None = "processed"
+
+
+def _with_logprobs(batch: list[S]) -> list[LS]:
+    out = []
+    for s in batch:
+        lp = -np.arange(1, len(s.output_ids) + 1, dtype=np.float64) / (s.index + 1)
+        if len(lp) > 1:
+            lp[1] = np.nan  # a log-prob the engine did not give stays NaN
+        out.append(LS(s.index, s.prompt_ids, s.output_ids, s.routed_experts, s.routed_experts_start, lp))
+    return out
+
+
+@pytest.mark.parametrize("pad_side", ["left", "right", "split"])
+def test_logprobs_sit_beside_their_completion_tokens(pad_side: str) -> None:
+    batch = _with_logprobs(BATCH)
+    opts = {"prompt_length": 5, "response_length": 4} if pad_side == "split" else {}
+    t = to_tensors(batch, info(), pad_side=pad_side, **opts)  # type: ignore[arg-type]
+    assert t.logprobs is not None and t.logprobs.dtype == torch.float32 and t.logprobs_mode == "processed"
+    for i, s in enumerate(batch):
+        resp = t.response_mask[i].bool()
+        assert t.input_ids[i][resp].tolist() == s.output_ids
+        np.testing.assert_array_equal(t.logprobs[i][resp].numpy(), s.logprobs.astype(np.float32))
+        assert torch.isnan(t.logprobs[i][~resp]).all()
+    p = to_packed(batch, info(), pad_to_multiple_of=8)
+    flat = t.attention_mask.bool()
+    assert p.logprobs is not None and p.logprobs_mode == "processed"
+    np.testing.assert_array_equal(p.logprobs[: int(p.cu_seqlens[-1])].numpy(), t.logprobs[flat].numpy())
+    assert torch.isnan(p.logprobs[int(p.cu_seqlens[-1]):]).all()
+
+
+def test_no_logprobs_no_tensor_and_mixed_or_short_refused() -> None:
+    assert to_tensors(BATCH, info()).logprobs is None and to_packed(BATCH, info()).logprobs is None
+    batch = _with_logprobs(BATCH)
+    batch[2].logprobs = None
+    with pytest.raises(ConfigurationError, match=r"samples \[2\] carry no log-probs"):
+        to_tensors(batch, info())
+    batch = _with_logprobs(BATCH)
+    batch[0].logprobs = batch[0].logprobs[:-1]
+    with pytest.raises(ShapeMismatchError, match="sample 0"):
+        to_packed(batch, info())
+    batch = _with_logprobs(BATCH)
+    batch[1].logprobs_mode = "raw"
+    with pytest.raises(ConfigurationError, match="different modes"):
+        to_tensors(batch, info())
