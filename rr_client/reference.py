@@ -10,7 +10,8 @@ The frame (``application/x-rr-routing``), safetensors-style::
     8 bytes   little-endian u64: N, the header's length
     N bytes   UTF-8 JSON: {"schema": "rr.routing_rows/1", "parts": [{"key", "start", "stop", "shape", "dtype",
               "offset", "nbytes", "checksum"}, ...]}   (offsets into the data, parts in request order)
-    data      each part's rows, C order, raw (1 byte per routing entry as uint8: no base64)
+    data      each part's rows, C order, raw (1 byte per routing entry as uint8: no base64); parts that are the
+              same rows (one key asked twice) share one offset
 
 Every header field is checked before any byte of data is used.
 """
@@ -125,16 +126,27 @@ class FramePart:
 
 
 def encode_frame(parts: Sequence[FramePart]) -> bytes:
-    """The read route's body: header (shapes, dtypes, offsets, checksums) then each part's raw rows."""
+    """The read route's body: header (shapes, dtypes, offsets, checksums) then each part's raw rows.
+
+    A part's ``digest`` is used as given (a store keeps it from store time), else computed. The same part object
+    given twice is written once: both header entries name its offset (a request naming one key N times costs
+    one copy of the rows, not N)."""
     header: list[dict[str, Any]] = []
+    data: list[memoryview] = []
+    placed: dict[int, dict[str, Any]] = {}
     offset = 0
     for p in parts:
-        a = np.ascontiguousarray(p.rows)
-        header.append({"key": p.key, "start": p.start, "stop": p.stop, "shape": list(a.shape),
-                       "dtype": a.dtype.name, "offset": offset, "nbytes": a.nbytes, "checksum": checksum(a)})
-        offset += a.nbytes
+        entry = placed.get(id(p))
+        if entry is None:
+            a = np.ascontiguousarray(p.rows)
+            entry = placed[id(p)] = {"key": p.key, "start": p.start, "stop": p.stop, "shape": list(a.shape),
+                                     "dtype": a.dtype.name, "offset": offset, "nbytes": a.nbytes,
+                                     "checksum": p.digest or checksum(a)}
+            data.append(a.data)
+            offset += a.nbytes
+        header.append(entry)
     head = json.dumps({"schema": ROWS_SCHEMA, "parts": header}, separators=(",", ":")).encode()
-    return b"".join([struct.pack("<Q", len(head)), head, *(np.ascontiguousarray(p.rows).data for p in parts)])
+    return b"".join([struct.pack("<Q", len(head)), head, *data])
 
 
 def decode_frame(body: bytes | bytearray | memoryview) -> list[FramePart]:
