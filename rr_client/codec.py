@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import binascii
+import math
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,11 +47,14 @@ __all__ = [
     "decode_routed_experts",
     "decode_meta_info",
     "expected_rows",
+    "checked_count",
 ]
 
 NPY_MAGIC = b"\x93NUMPY"
 MAX_EXPERTS = 65536
 _MAX_HEADER = 4096
+_MAX_NDIM = 32  # numpy's own limit is 64; routing is 1-, 2- or 3-D
+_MAX_DIM = 2**31 - 1  # no routing axis comes near it; keeps numpy's size arithmetic exact
 # routed_experts_format values: rr's .npy (the default) or SGLang's headerless int32
 FORMATS = ("npy", "sglang", "ref")
 # integer dtypes a routing payload may carry (little-endian or single byte); anything else is refused
@@ -291,16 +295,34 @@ def _parse_npy(buf: bytes | bytearray | memoryview) -> np.ndarray:
         raise MalformedPayloadError(f".npy dtype {descr!r} is not a little-endian integer type")
     if fortran is not False:
         raise MalformedPayloadError(".npy payload is Fortran-ordered; the wire format is C-order")
-    if not isinstance(shape, tuple) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise MalformedPayloadError(f".npy shape {shape!r} is not a tuple of non-negative ints")
+    if not isinstance(shape, tuple):
+        raise MalformedPayloadError(f".npy shape {_short(shape)} is not a tuple of non-negative ints")
     dt = np.dtype(descr)
-    count = int(np.prod(shape, dtype=np.int64))
-    data_len = len(mv) - start - hlen
-    if data_len != count * dt.itemsize:
-        raise MalformedPayloadError(
-            f".npy data is {data_len} bytes, shape {shape} of {dt.name} needs {count * dt.itemsize}"
-        )
+    count = checked_count(shape, dt.itemsize, len(mv) - start - hlen, f".npy payload of {dt.name}")
     return np.frombuffer(buf, dtype=dt, count=count, offset=start + hlen).reshape(shape)
+
+
+def checked_count(shape: Any, itemsize: int, nbytes: int, where: str) -> int:
+    """Elements of ``shape`` once every dimension is a bounded non-negative int and the shape needs exactly
+    ``nbytes`` bytes: a hostile shape (``[0, 2**40, 2**40]``, ``[2**70]``) is a :class:`MalformedPayloadError`,
+    never numpy's ValueError or OverflowError."""
+    if (not isinstance(shape, (list, tuple)) or len(shape) > _MAX_NDIM
+            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= _MAX_DIM for s in shape)):
+        raise MalformedPayloadError(f"{where}: shape {_short(shape)} is not at most {_MAX_NDIM} non-negative ints "
+                                    f"up to {_MAX_DIM}")
+    if math.prod(max(s, 1) for s in shape) * itemsize > 2**62:  # numpy could not size it, even when empty
+        raise MalformedPayloadError(f"{where}: shape {list(shape)} is too large for any routing")
+    count = math.prod(shape)
+    if count * itemsize != nbytes:
+        raise MalformedPayloadError(f"{where}: {nbytes} bytes of data, shape {list(shape)} needs "
+                                    f"{count * itemsize}")
+    return count
+
+
+def _short(value: Any) -> str:
+    """``repr`` cut to 200 characters (a hostile field may be huge)."""
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _dtype_from_name(name: Any) -> np.dtype[Any]:
@@ -341,18 +363,12 @@ def _from_swift_dict(d: Mapping[str, Any]) -> np.ndarray:
         if key not in d:
             raise MalformedPayloadError(f"ndarray dict payload is missing field {key!r}")
     shape = d["shape"]
-    if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise MalformedPayloadError(f"ndarray dict 'shape' must be a list of non-negative ints, got {shape!r}")
     dt = _dtype_from_name(d["dtype"])
     data = d["data"]
     raw = _b64decode(data) if isinstance(data, (str, bytes)) else None
     if raw is None:
         raise MalformedPayloadError(f"ndarray dict 'data' must be a base64 string, got {type(data).__name__}")
-    count = int(np.prod(shape, dtype=np.int64))
-    if len(raw) != count * dt.itemsize:
-        raise MalformedPayloadError(
-            f"ndarray dict data is {len(raw)} bytes, shape {list(shape)} of {dt.name} needs {count * dt.itemsize}"
-        )
+    checked_count(shape, dt.itemsize, len(raw), f"ndarray dict of {dt.name}")
     return np.frombuffer(raw, dtype=dt).reshape(shape)
 
 

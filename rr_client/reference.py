@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from rr_client.codec import checked_count
 from rr_client.errors import MalformedPayloadError, RoutingChecksumError
 
 __all__ = ["REF_SCHEMA", "ROWS_SCHEMA", "FRAME_MEDIA_TYPE", "READ_PATH", "RETIRE_PATH", "RoutingRef", "checksum", "encode_frame",
@@ -39,6 +41,19 @@ READ_PATH = "/rr/routing/read"  #: every rr server's read route (POST, JSON refs
 RETIRE_PATH = "/rr/routing/retire"  #: every rr server's retire route (POST {"through": V})
 _DTYPES = ("uint8", "uint16")
 _MAX_HEADER = 64 * 1024 * 1024
+_MAX_DEPTH = 8  #: nesting a frame header may have (its own is 4: object, parts, part, shape)
+_MAX_AXIS = 65536  #: layers and top-k of a part (MAX_EXPERTS bounds top-k; no model has more layers)
+_JSON_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _json_depth(raw: bytes) -> int:
+    """How deep ``raw``'s arrays and objects nest (brackets inside strings not counted), without recursion."""
+    brackets = np.frombuffer(_JSON_STRINGS.sub(b'""', raw).translate(None, _NOT_BRACKETS), dtype=np.uint8)
+    if not brackets.size:
+        return 0
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max())
 
 
 def checksum(rows: np.ndarray) -> str:
@@ -158,9 +173,12 @@ def decode_frame(body: bytes | bytearray | memoryview) -> list[FramePart]:
     (n,) = struct.unpack_from("<Q", buf, 0)
     if n > min(_MAX_HEADER, len(buf) - 8):
         raise MalformedPayloadError(f"routing frame header length {n} exceeds the {len(buf) - 8} bytes after it")
+    raw = bytes(buf[8:8 + n])
+    if (depth := _json_depth(raw)) > _MAX_DEPTH:
+        raise MalformedPayloadError(f"routing frame header nests {depth} deep, more than {_MAX_DEPTH}")
     try:
-        head = json.loads(bytes(buf[8:8 + n]))
-    except ValueError as e:
+        head = json.loads(raw)
+    except (ValueError, RecursionError) as e:
         raise MalformedPayloadError(f"routing frame header is not JSON: {e}") from None
     if not isinstance(head, dict) or head.get("schema") != ROWS_SCHEMA or not isinstance(head.get("parts"), list):
         raise MalformedPayloadError(f"routing frame header: expected schema {ROWS_SCHEMA!r} with a parts list")
@@ -176,15 +194,18 @@ def decode_frame(body: bytes | bytearray | memoryview) -> list[FramePart]:
         dtype, digest = _field(p, "dtype", str, where), _field(p, "checksum", str, where)
         shape = p.get("shape")
         if (not isinstance(shape, list) or len(shape) != 3
-                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
-            raise MalformedPayloadError(f"{where}: shape must be 3 non-negative ints, got {shape!r}")
+                or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape)
+                or not (shape[0] >= 0 and 1 <= shape[1] <= _MAX_AXIS and 1 <= shape[2] <= _MAX_AXIS)):
+            raise MalformedPayloadError(f"{where}: shape must be [rows >= 0, layers, topk] with layers and topk in "
+                                        f"[1, {_MAX_AXIS}], got {str(shape)[:200]}")
         if dtype not in _DTYPES:
             raise MalformedPayloadError(f"{where}: dtype {dtype!r}, expected one of {list(_DTYPES)}")
         if stop < start or shape[0] != stop - start:
             raise MalformedPayloadError(f"{where}: rows [{start}, {stop}) but shape {shape}")
-        if nbytes != shape[0] * shape[1] * shape[2] * np.dtype(dtype).itemsize or offset + nbytes > len(data):
-            raise MalformedPayloadError(f"{where}: {nbytes} bytes at offset {offset} do not fit shape {shape} "
-                                        f"{dtype} in {len(data)} bytes of data")
+        if offset + nbytes > len(data):  # the body bounds every dimension: rows x layers x topk fit in it
+            raise MalformedPayloadError(f"{where}: {nbytes} bytes at offset {offset} do not fit in {len(data)} "
+                                        "bytes of data")
+        checked_count(shape, np.dtype(dtype).itemsize, nbytes, where)
         rows = np.frombuffer(data[offset:offset + nbytes], dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
         if checksum(rows) != digest:
             raise RoutingChecksumError(f"{where} (key {key!r}, rows [{start}, {stop})): checksum mismatch: the "
