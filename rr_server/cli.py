@@ -19,6 +19,8 @@ commands:
                          --enable-return-routed-experts (--upstream URL --engine vllm|sglang)
   doctor URL             check, in seconds, that a running server's routing is right (live checks, ground
                          truth against the checkpoint with --model-path, cost); exit 0 on PASS, 1 on FAIL
+  ray-stores             list the Ray routing store actors (RR_ROUTING_STORE=ray) on a cluster; remove
+                         leftovers (--remove NAME..., --remove-leftovers)
 
 options:
   -h, --help             this help
@@ -54,6 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rr_server.proxy import main as proxy
 
         return proxy(args[1:])
+    if args and args[0] == "ray-stores":
+        from rr_server.ray_stores import main as ray_stores
+
+        return ray_stores(args[1:])
     if args[:1] == ["--version"]:
         print(_version())
         return 0

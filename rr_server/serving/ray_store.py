@@ -1,16 +1,24 @@
 """The routing store on Ray's object store (``RR_ROUTING_STORE=ray``, ``rr-replay[ray]``): for users who already
 run Ray (verl, OpenRLHF, NeMo-RL) and outgrow one server's memory.
 
-One store actor per engine node (``rr-routing-store-<node>``, namespace ``rr``, pinned to the node, detached so
-it outlives an engine restart) holds each sample's checked rows with ``ray.put``; the engine's answer carries a
-:class:`rr_client.RoutingRef` whose URL is ``ray://rr/<actor>``; a trainer rank resolves it with Ray
-(:mod:`rr_client._ray_refs`), zero-copy on the node, through Ray's object manager across nodes. Bounded by
-bytes (oldest first) and retired per weight version, with the same errors and counters as the in-memory store.
+One store actor per engine process (``rr-routing-store-<id>``, namespace ``rr``, pinned to the engine's node),
+with that engine's own byte cap (``RR_ROUTING_STORE_BYTES``) and weight version. It is not detached: it goes
+away with the engine process that made it (Ray reclaims an actor whose owner died; a clean stop kills it first).
+The engine ``ray.put`` s each sample's checked rows once and hands the store actor the object ref; the answer
+carries a :class:`rr_client.RoutingRef` whose URL is ``ray://rr/<actor>``; a trainer rank resolves it with Ray
+(:mod:`rr_client._ray_refs`), zero-copy on the node, through Ray's object manager across nodes. Bounded by bytes
+(oldest first) and retired per weight version, with the same errors and counters as the in-memory store.
+``rr-server ray-stores`` lists the store actors on a cluster and removes leftovers (:func:`list_stores`).
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import socket
 import threading
+import time
+import uuid
 from typing import Any
 
 from rr_client import settings
@@ -19,36 +27,43 @@ from rr_client.errors import RoutingExpiredError
 from rr_client.optional import require
 from rr_client.reference import FramePart, RoutingRef, checksum
 from rr_server.serving.store_ledger import Held, StoreLedger, row_range
+from rr_server.serving.store_siblings import Siblings, merge_stats
 
-__all__ = ["RayStoreActor", "RayRoutingStore", "NAMESPACE", "actor_name"]
+__all__ = ["RayStoreActor", "RayRoutingStore", "NAMESPACE", "PREFIX", "actor_name", "connect", "list_stores",
+           "remove_stores"]
 
 NAMESPACE = "rr"
+PREFIX = "rr-routing-store-"  #: every store actor's name starts so (rr before 0.1: one per node, detached)
 
 
 def actor_name(node_id: str) -> str:
-    """The store actor of one Ray node."""
-    return f"rr-routing-store-{node_id[:16]}"
+    """A new store actor's name: its node, and a part of its own (one actor per engine process)."""
+    return f"{PREFIX}{node_id[:8]}-{uuid.uuid4().hex[:12]}"
 
 
 class RayStoreActor:
     """The Ray actor (``ray.remote`` at install): rows by key as object refs, bounded and retired per weight
-    version by the same :class:`StoreLedger` as the in-memory store."""
+    version by the same :class:`StoreLedger` as the in-memory store. ``engine``: who made it (for the list)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, engine: dict[str, Any] | None = None) -> None:
         self.ledger = StoreLedger(max_bytes, what="Ray routing store",
-                                  moved="restarted, or sent to another node's store")
+                                  moved="its engine restarted, or the ref was sent to another engine's store")
+        self.engine = dict(engine or {})
 
     def identity(self) -> tuple[str, int]:
         """(store instance id, the weight version new rows get)."""
         return self.ledger.instance, self.ledger.weight_version
 
-    def put(self, key: str, rows: Any, digest: str) -> int:
-        """Hold ``rows`` (numpy) with ``ray.put``; returns the weight version they were stored under."""
-        import ray
+    def describe(self) -> dict[str, Any]:
+        """Who made this store, and its counters (``rr-server ray-stores``)."""
+        return {"engine": self.engine, **self.stats()}
 
-        self.ledger.admit(int(rows.nbytes))
+    def put(self, key: str, held: list[Any], nbytes: int, n_rows: int, digest: str) -> int:
+        """Hold the object ``held[0]`` (the engine's one ``ray.put``; in a list, so Ray passes the ref, not the
+        rows); returns the weight version they were stored under."""
+        self.ledger.admit(nbytes)
         version = self.ledger.weight_version
-        self.ledger.add(key, Held(ray.put(rows), int(rows.shape[0]), int(rows.nbytes), version, digest))
+        self.ledger.add(key, Held(held[0], n_rows, nbytes, version, digest))
         return version
 
     def locate(self, asks: list[tuple[str, str]]) -> list[Any]:
@@ -61,7 +76,7 @@ class RayStoreActor:
                 out.append([None, str(why)])
                 continue
             self.ledger.note_read(e.n_rows, e.nbytes)
-            out.append([e.rows, e.digest])
+            out.append([e.rows, e.digest])  # nested: the caller gets the object ref and ray.get s it where it runs
         return out
 
     def retire(self, through: int) -> dict[str, int]:
@@ -71,47 +86,113 @@ class RayStoreActor:
         return {**self.ledger.stats(), "backend": "ray"}
 
 
+def connect(address: str | None = None) -> Any:
+    """Ray, joined at ``address`` (``RR_RAY_ADDRESS``, default ``auto``) unless this process already is."""
+    ray = require("ray", for_what="RR_ROUTING_STORE=ray")
+    if not ray.is_initialized():
+        ray.init(address=address or settings.text("RR_RAY_ADDRESS") or "auto", namespace=NAMESPACE,
+                 log_to_driver=False, ignore_reinit_error=True)
+    return ray
+
+
 class RayRoutingStore:
     """The engine side of the Ray store: the :class:`rr_server.serving.routing_store.RoutingStore` interface
-    over this node's store actor (connects to Ray at ``RR_RAY_ADDRESS``, default ``auto``)."""
+    over this engine's own store actor (connects to Ray at ``RR_RAY_ADDRESS``, default ``auto``)."""
 
     def __init__(self, max_bytes: int, address: str | None = None, name: str | None = None) -> None:
-        ray = require("ray", for_what="RR_ROUTING_STORE=ray")
-        if not ray.is_initialized():
-            ray.init(address=address or settings.text("RR_RAY_ADDRESS") or "auto", namespace=NAMESPACE,
-                     log_to_driver=False, ignore_reinit_error=True)
+        ray = connect(address)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         node = ray.get_runtime_context().get_node_id()
         self.name = name or actor_name(node)
         self.url = f"ray://{NAMESPACE}/{self.name}"
+        self.siblings: Siblings | None = None  #: the server's other API server processes (install_store)
+        engine = {"host": socket.gethostname(), "pid": os.getpid(), "node": node, "started": time.time()}
         self._actor = ray.remote(RayStoreActor).options(
-            name=self.name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(max_bytes)
+            name=self.name, namespace=NAMESPACE, num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(max_bytes, engine)
         self.instance, _ = ray.get(self._actor.identity.remote())
         self._ray = ray
         self._lock = threading.Lock()
+        self._closed = False
+        atexit.register(self.close)
 
     def put(self, checked: CheckedRouting) -> dict[str, Any]:
-        import uuid
-
+        """One ``ray.put`` of the checked rows; the actor keeps the object ref (held before the answer names it)."""
         arr = checked.array
         key, digest = uuid.uuid4().hex, checksum(arr)
-        version = self._ray.get(self._actor.put.remote(key, arr, digest))  # held before the answer names it
+        obj = self._ray.put(arr)
+        version = self._ray.get(self._actor.put.remote(key, [obj], int(arr.nbytes), int(arr.shape[0]), digest))
         return RoutingRef(store=self.instance, url=self.url, key=key, rows=int(arr.shape[0]),
                           layers=int(arr.shape[1]), topk=int(arr.shape[2]), dtype=arr.dtype.name,
                           start=checked.start, weight_version=int(version), checksum=digest).to_dict()
 
     def read(self, store: str, key: str, start: int | None = None, stop: int | None = None) -> FramePart:
-        (ref, why), = self._ray.get(self._actor.locate.remote([(store, key)]))
-        if ref is None:
-            raise RoutingExpiredError(why)
-        rows = self._ray.get(ref)
+        """Rows ``[start, stop)`` of ``key`` (the HTTP read route on a Ray store), with the kept checksum."""
+        (obj, digest_or_why), = self._ray.get(self._actor.locate.remote([(store, key)]))
+        if obj is None:
+            raise RoutingExpiredError(digest_or_why)
+        rows = self._ray.get(obj)
         a, b = row_range(key, int(rows.shape[0]), start, stop)
-        return FramePart(key, a, b, rows[a:b])
+        return FramePart(key, a, b, rows[a:b], digest_or_why if (a, b) == (0, int(rows.shape[0])) else "")
 
-    def retire(self, through: int) -> dict[str, int]:
+    def local_retire(self, through: int) -> dict[str, int]:
         return dict(self._ray.get(self._actor.retire.remote(int(through))))
 
-    def stats(self) -> dict[str, Any]:
+    def retire(self, through: int) -> dict[str, Any]:
+        from rr_server.serving.routing_store import retire_everywhere
+
+        return retire_everywhere(self, through)
+
+    def local_stats(self) -> dict[str, Any]:
         return dict(self._ray.get(self._actor.stats.remote()))
+
+    def stats(self) -> dict[str, Any]:
+        return merge_stats(self.local_stats(), self.siblings.stats() if self.siblings else [])
+
+    def close(self) -> None:
+        """Remove the store actor (its rows with it): the engine stops (also at exit, once)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._ray.is_initialized():
+                self._ray.kill(self._actor)
+        except Exception:  # noqa: BLE001 - at exit Ray may be half down; the actor dies with its owner anyway
+            pass
+
+
+def list_stores(address: str | None = None) -> list[dict[str, Any]]:
+    """Every routing store actor on the cluster: name, namespace, and who made it with its counters, or
+    ``legacy`` (a node-wide detached store of rr before 0.1, never removed) / ``unreachable``."""
+    ray = connect(address)
+    out = []
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if not a["name"].startswith(PREFIX):
+            continue
+        row: dict[str, Any] = {"name": a["name"], "namespace": a["namespace"]}
+        try:
+            actor = ray.get_actor(a["name"], namespace=a["namespace"])
+            if not hasattr(actor, "describe"):
+                row["state"] = "legacy"
+            else:
+                row.update(ray.get(actor.describe.remote(), timeout=10), state="live")
+        except Exception as e:  # noqa: BLE001 - a store that cannot answer is a leftover to list, not a crash
+            row.update(state="unreachable", why=f"{type(e).__name__}: {e}")
+        out.append(row)
+    return out
+
+
+def remove_stores(names: list[str], address: str | None = None) -> list[str]:
+    """Kill the named store actors (namespace ``rr``); the names removed."""
+    ray = connect(address)
+    done = []
+    for name in names:
+        if not name.startswith(PREFIX):
+            raise ValueError(f"{name!r} is not a routing store actor (names start with {PREFIX!r})")
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        except ValueError:
+            continue
+        done.append(name)
+    return done

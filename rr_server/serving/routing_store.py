@@ -7,17 +7,24 @@ first; retired per weight version (``POST /rr/routing/retire`` after a weight pu
 instance: the server restarted), which the client raises as :class:`rr_client.RoutingExpiredError`.
 
 Routes (behind the same auth as every rr route): ``POST /rr/routing/read`` (``{"refs": [{"store", "key",
-"start"?, "stop"?}]}`` -> frame), ``POST /rr/routing/retire`` (``{"through": V}``), counters on ``/rr/info``
-under ``routing_store``.
+"start"?, "stop"?}]}`` -> frame; at most :data:`MAX_REFS_PER_READ` refs, each distinct one read once, the frame
+built in a worker thread, off the engine's event loop, with the checksums kept from store time),
+``POST /rr/routing/retire`` (``{"through": V}``), counters on ``/rr/info`` under ``routing_store``. The API
+server processes of one server (vLLM's ``--api-server-count``) answer for each other's refs
+(:mod:`rr_server.serving.store_siblings`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import json
+import logging
 import socket
 import threading
 import uuid
 from typing import Any
+from urllib.parse import urlsplit
 
 try:  # the HTTP half; a bare install (no server extra) loads the store and rr's engine plugins without it
     from starlette.requests import Request
@@ -31,11 +38,16 @@ from rr_client.errors import ConfigurationError, RoutingExpiredError
 from rr_client.reference import (FRAME_MEDIA_TYPE, READ_PATH, RETIRE_PATH, FramePart, RoutingRef, checksum,
                                  encode_frame)
 from rr_server.serving.store_ledger import Held, StoreLedger, row_range
+from rr_server.serving.store_siblings import Siblings, merge_stats
 
 __all__ = ["RoutingStore", "install_store", "current_store", "DEFAULT_MAX_BYTES", "READ_PATH", "RETIRE_PATH",
-           "read_endpoint", "retire_endpoint", "STORE_ROUTES", "advertised_url"]
+           "read_endpoint", "retire_endpoint", "STORE_ROUTES", "advertised_url", "MAX_REFS_PER_READ",
+           "read_many", "TooManyRefs"]
+
+logger = logging.getLogger("rr.routing_store")
 
 DEFAULT_MAX_BYTES = 2 << 30
+MAX_REFS_PER_READ = 4096  #: refs one ``POST /rr/routing/read`` may name (the client reads 64 per call)
 
 
 class RoutingStore:
@@ -46,6 +58,7 @@ class RoutingStore:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, url: str = "", instance: str | None = None) -> None:
         self.ledger = StoreLedger(max_bytes, instance)
         self.url = url
+        self.siblings: Siblings | None = None  #: the server's other API server processes (install_store)
         self._lock = threading.Lock()
 
     @property
@@ -68,28 +81,65 @@ class RoutingStore:
                           layers=int(arr.shape[1]), topk=int(arr.shape[2]), dtype=arr.dtype.name,
                           start=checked.start, weight_version=version, checksum=digest).to_dict()
 
-    def retire(self, through: int) -> dict[str, int]:
+    def local_retire(self, through: int) -> dict[str, int]:
         """Free every row made under weight version <= ``through``; later refs carry ``through + 1`` or more."""
         with self._lock:
             return self.ledger.retire(through)
 
+    def retire(self, through: int) -> dict[str, Any]:
+        """:meth:`local_retire` here and in every sibling process (:func:`retire_everywhere`)."""
+        return retire_everywhere(self, through)
+
     def read(self, store: str, key: str, start: int | None = None, stop: int | None = None) -> FramePart:
-        """Rows ``[start, stop)`` of ``key`` (default: all); :class:`RoutingExpiredError` if not held here."""
+        """Rows ``[start, stop)`` of ``key`` (default: all) with the checksum kept from store time when whole;
+        :class:`RoutingExpiredError` if not held here."""
         with self._lock:
             e = self.ledger.find(store, key)
             a, b = row_range(key, e.n_rows, start, stop)
             rows = e.rows[a:b]
             self.ledger.note_read(b - a, rows.nbytes)
-        return FramePart(key, a, b, rows)
+        return FramePart(key, a, b, rows, e.digest if (a, b) == (0, e.n_rows) else "")
 
-    def stats(self) -> dict[str, Any]:
-        """Counters for ``/rr/info`` and metrics (:meth:`StoreLedger.stats`)."""
+    def local_stats(self) -> dict[str, Any]:
+        """This process's counters (:meth:`StoreLedger.stats`)."""
         with self._lock:
             return self.ledger.stats()
 
+    def stats(self) -> dict[str, Any]:
+        """Counters for ``/rr/info`` and metrics, summed over the server's processes (:func:`merge_stats`)."""
+        return merge_stats(self.local_stats(), self.siblings.stats() if self.siblings else [])
+
+
+def retire_everywhere(store: Any, through: int) -> dict[str, Any]:
+    """Retire ``through`` in ``store`` and its siblings: freed counts summed, the weight version new refs get;
+    ``unreachable`` lists siblings that did not answer."""
+    out: dict[str, Any] = dict(store.local_retire(through))
+    for r in (store.siblings.retire(through) if store.siblings else []):
+        if "unreachable" in r:
+            out.setdefault("unreachable", []).append(r)
+            continue
+        out["retired"] += r["retired"]
+        out["freed_bytes"] += r["freed_bytes"]
+        out["weight_version"] = max(out["weight_version"], r["weight_version"])
+    return out
+
 
 _STORE: RoutingStore | None = None
+_NAMED = False  # the store was given the server's URL (and met its siblings)
 _INSTALL_LOCK = threading.Lock()
+
+
+def _warn_if_loopback(url: str) -> None:
+    """Say at start that refs name a loopback URL (a trainer on another machine would read its own loopback)."""
+    host = urlsplit(url).hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        logger.warning("rr: routing refs name %s, a loopback address: a trainer rank on another machine would read "
+                       "its own loopback. Serve on a reachable --host, or set RR_ADVERTISE_URL to the URL ranks "
+                       "reach this server at.", url)
 
 
 def advertised_url(host: str | None, port: int | None, scheme: str = "http") -> str:
@@ -107,8 +157,11 @@ def advertised_url(host: str | None, port: int | None, scheme: str = "http") -> 
 
 
 def install_store(url: str = "", max_bytes: int | None = None) -> RoutingStore:
-    """This process's routing store (made once; re-entrant), registered with the codec for the ref format."""
-    global _STORE
+    """This process's routing store (made once; re-entrant), registered with the codec for the ref format.
+
+    Once the server's URL is known (``url``), the store answers for its sibling API server processes
+    (:class:`Siblings`), and a loopback URL is logged."""
+    global _STORE, _NAMED
     url = url or advertised_url(None, None)
     with _INSTALL_LOCK:
         if _STORE is None:
@@ -119,12 +172,16 @@ def install_store(url: str = "", max_bytes: int | None = None) -> RoutingStore:
 
                 _STORE = RayRoutingStore(cap)  # type: ignore[assignment]
             elif backend == "memory":
-                _STORE = RoutingStore(cap, url)
+                _STORE = RoutingStore(cap)
             else:
                 raise ConfigurationError(f"RR_ROUTING_STORE={backend!r}: expected memory or ray")
             install_reference_store(_STORE.put)  # type: ignore[union-attr]
-        elif url and not _STORE.url:  # a Ray store's URL is its actor's, always set
-            _STORE.url = url
+        if url and not _NAMED:  # once: the server's URL, also the siblings' meeting place
+            _NAMED = True
+            if not _STORE.url.startswith("ray://"):  # a Ray store's refs name its actor
+                _STORE.url = url
+                _warn_if_loopback(url)
+            _STORE.siblings = Siblings.join(_STORE, url)
         return _STORE
 
 
@@ -149,36 +206,79 @@ def _int_or_none(v: Any, name: str) -> int | None:
     return v
 
 
-async def read_endpoint(request: Request) -> Response:
-    """``POST /rr/routing/read``: many refs' rows in one binary frame; 410 naming every expired key."""
-    store = current_store()
-    if store is None:
-        return _json_error(404, "NotFoundError", "this server holds no routing store")
+class TooManyRefs(ValueError):
+    """A read naming more refs than :data:`MAX_REFS_PER_READ` (answered 413)."""
+
+
+def parse_read(body: bytes) -> list[tuple[str, str, int | None, int | None]]:
+    """The (store, key, start, stop) a read body asks for; ValueError (a 400) naming what is wrong."""
     try:
-        body = json.loads(await request.body())
-        refs = body.get("refs") if isinstance(body, dict) else None
-        if not isinstance(refs, list) or not refs:
-            raise ValueError('body must be {"refs": [{"store", "key", "start"?, "stop"?}, ...]} with at least one')
-        asks = []
-        for i, r in enumerate(refs):
-            if not isinstance(r, dict) or not isinstance(r.get("key"), str) or not isinstance(r.get("store"), str):
-                raise ValueError(f"refs[{i}] must be an object with string store and key")
-            asks.append((r["store"], r["key"], _int_or_none(r.get("start"), f"refs[{i}].start"),
-                         _int_or_none(r.get("stop"), f"refs[{i}].stop")))
+        body = json.loads(body)
+    except RecursionError:
+        raise ValueError("body is JSON nested too deeply") from None
+    refs = body.get("refs") if isinstance(body, dict) else None
+    if not isinstance(refs, list) or not refs:
+        raise ValueError('body must be {"refs": [{"store", "key", "start"?, "stop"?}, ...]} with at least one')
+    if len(refs) > MAX_REFS_PER_READ:
+        raise TooManyRefs(f"{len(refs)} refs in one read; this server answers at most {MAX_REFS_PER_READ} per call "
+                          "(MAX_REFS_PER_READ): split them over several calls")
+    asks = []
+    for i, r in enumerate(refs):
+        if not isinstance(r, dict) or not isinstance(r.get("key"), str) or not isinstance(r.get("store"), str):
+            raise ValueError(f"refs[{i}] must be an object with string store and key")
+        asks.append((r["store"], r["key"], _int_or_none(r.get("start"), f"refs[{i}].start"),
+                     _int_or_none(r.get("stop"), f"refs[{i}].stop")))
+    return asks
+
+
+def read_many(store: Any, asks: list[tuple[str, str, int | None, int | None]]
+              ) -> tuple[list[FramePart], list[dict[str, str]]]:
+    """Each ask's part, in order (one :class:`FramePart` per distinct ask, however often it is named), read here
+    or from the sibling process that holds it; else ``[]`` and every expired key with why. ValueError: a bad
+    row range."""
+    got: dict[tuple[str, str, int | None, int | None], FramePart] = {}
+    expired: list[dict[str, str]] = []
+    remote: dict[str, list[tuple[str, str, int | None, int | None]]] = {}
+    for ask in dict.fromkeys(asks):
+        if store.siblings is not None and store.siblings.holder(ask[0]) is not None:
+            remote.setdefault(ask[0], []).append(ask)
+            continue
+        try:
+            got[ask] = store.read(*ask)
+        except RoutingExpiredError as e:
+            expired.append({"key": ask[1], "why": str(e)})
+    for instance, group in remote.items():
+        for ask, r in zip(group, store.siblings.read(instance, [a[1:] for a in group])):
+            if isinstance(r, FramePart):
+                got[ask] = r
+            elif isinstance(r, RoutingExpiredError):
+                expired.append({"key": ask[1], "why": str(r)})
+            else:
+                raise r
+    return ([] if expired else [got[a] for a in asks]), expired
+
+
+def _read_answer(store: Any, body: bytes) -> Response:
+    """The read route's whole work (parse, read, hash what has no kept checksum, build the frame): in a thread."""
+    try:
+        parts, expired = read_many(store, parse_read(body))
+    except TooManyRefs as e:
+        return _json_error(413, "BadRequestError", str(e))
     except ValueError as e:
         return _json_error(400, "BadRequestError", str(e))
-    parts, expired = [], []
-    for s, k, a, b in asks:
-        try:
-            parts.append(store.read(s, k, a, b))
-        except RoutingExpiredError as e:
-            expired.append({"key": k, "why": str(e)})
-        except ValueError as e:
-            return _json_error(400, "BadRequestError", str(e))
     if expired:
         return _json_error(410, "RoutingExpiredError", "; ".join(x["why"] for x in expired[:4])
                            + (f" (+{len(expired) - 4} more)" if len(expired) > 4 else ""), expired=expired)
     return Response(encode_frame(parts), media_type=FRAME_MEDIA_TYPE)
+
+
+async def read_endpoint(request: Request) -> Response:
+    """``POST /rr/routing/read``: many refs' rows in one binary frame; 410 naming every expired key. Built in a
+    worker thread: the engine's event loop streams every request."""
+    store = current_store()
+    if store is None:
+        return _json_error(404, "NotFoundError", "this server holds no routing store")
+    return await asyncio.to_thread(_read_answer, store, await request.body())
 
 
 async def retire_endpoint(request: Request) -> Response:
@@ -193,7 +293,7 @@ async def retire_endpoint(request: Request) -> Response:
             raise ValueError(f'body must be {{"through": <non-negative int weight version>}}, got {body!r}')
     except ValueError as e:
         return _json_error(400, "BadRequestError", str(e))
-    return JSONResponse(store.retire(through))
+    return JSONResponse(await asyncio.to_thread(store.retire, through))  # siblings answer over sockets
 
 
 #: (path, handler, methods) of the store's routes, added by every rr server next to ``/rr/info``

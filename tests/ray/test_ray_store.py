@@ -1,10 +1,18 @@
 """The Ray routing store (``RR_ROUTING_STORE=ray``) on a local Ray cluster the test starts: the same contract as
 the in-memory store (rows equal, evicted / retired / restarted / tampered refs are typed errors, never other
-rows), and the real vLLM CPU server answering ``ray://`` refs that resolve to its inline rows."""
+rows), one store per engine (its own cap and weight version, one ``ray.put`` per sample, gone when its engine
+process stops), ``rr-server ray-stores``, and the real vLLM CPU server answering ``ray://`` refs that resolve to
+its inline rows."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from typing import Any
 
 import httpx
@@ -14,7 +22,8 @@ import pytest
 from rr_client import RoutedExpertsClient, RRInfo, RoutingChecksumError, RoutingExpiredError, RoutingRef
 from rr_client.codec import check_routing
 from rr_client.reference import checksum
-from rr_server.serving.ray_store import RayRoutingStore
+from rr_server.ray_stores import main as ray_stores
+from rr_server.serving.ray_store import PREFIX, RayRoutingStore
 from tests.support.routing_data import make_routing
 
 INFO = RRInfo.from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 8,
@@ -95,3 +104,108 @@ def test_real_vllm_server_answers_ray_refs(ray_cluster: str, tiny_models: dict[s
         asyncio.run(run())
     finally:
         server.stop()
+
+
+def test_one_ray_put_per_sample_and_the_actor_keeps_that_object(ray_cluster: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's own ``ray.put`` is the only copy: the object the store actor hands readers is that one."""
+    import ray
+
+    store = RayRoutingStore(1 << 20, name="rr-test-store-put")
+    made: list[Any] = []
+    real_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda value, **kw: made.append(real_put(value, **kw)) or made[-1])
+    refs = [RoutingRef.from_dict(store.put(checked(5, seed=i))) for i in range(3)]
+    assert len(made) == 3
+    located = ray.get(ray.get_actor("rr-test-store-put", namespace="rr").locate.remote([(r.store, r.key) for r in refs]))
+    assert [obj.hex() for obj, _ in located] == [m.hex() for m in made]
+    assert [digest for _, digest in located] == [r.checksum for r in refs]
+    store.close()
+
+
+def test_each_engine_has_its_own_store_cap_and_weight_version(ray_cluster: str) -> None:
+    one = checked(10).array.nbytes
+    a, b = RayRoutingStore(2 * one), RayRoutingStore(8 * one)
+    try:
+        assert a.name != b.name and a.name.startswith(PREFIX) and a.instance != b.instance
+        ra = [RoutingRef.from_dict(a.put(checked(10, seed=i))) for i in range(3)]
+        rb = [RoutingRef.from_dict(b.put(checked(10, seed=i))) for i in range(3)]
+        assert (a.stats()["max_bytes"], b.stats()["max_bytes"]) == (2 * one, 8 * one)
+        assert (a.stats()["evicted"], b.stats()["evicted"]) == (1, 0)  # a's cap evicts only a's rows
+        a.retire(ra[-1].weight_version)
+        assert a.stats()["weight_version"] == 1 and b.stats()["weight_version"] == 0
+        assert RoutingRef.from_dict(b.put(checked(4))).weight_version == 0
+        assert len(resolve(rb)) == 3  # b's rows untouched by a's retire
+    finally:
+        a.close()
+        b.close()
+
+
+def _store_names() -> set[str]:
+    import ray
+
+    return {x["name"] for x in ray.util.list_named_actors(all_namespaces=True) if x["name"].startswith(PREFIX)}
+
+
+def _gone(name: str, deadline_s: float = 60.0) -> bool:
+    """Wait (up to a generous deadline, never asserted on) until Ray no longer lists the actor."""
+    end = time.monotonic() + deadline_s
+    while name in _store_names() and time.monotonic() < end:
+        time.sleep(0.5)
+    return name not in _store_names()
+
+
+ENGINE = """
+import sys, time
+from rr_server.serving.ray_store import RayRoutingStore
+s = RayRoutingStore(1 << 20)
+print(s.name, flush=True)
+time.sleep(0 if sys.argv[1] == "exit" else 600)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_the_store_goes_away_with_its_engine_process(ray_cluster: str, how: str) -> None:
+    """A clean exit removes the store; a SIGKILLed engine's store is reclaimed by Ray (not detached)."""
+    env = {**os.environ, "RR_RAY_ADDRESS": ray_cluster}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, how], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        name = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        assert name.startswith(PREFIX) and name in _store_names()
+        if how == "sigkill":
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=120)
+        assert _gone(name), f"{name} outlived its engine ({how})"
+    finally:
+        proc.kill()
+
+
+class LegacyNodeStore:
+    """Stand-in for rr's pre-0.1 store actor (that code is gone): detached, one per node, no ``describe``."""
+
+    def locate(self, asks: list[Any]) -> list[Any]:
+        return [[None, "legacy"] for _ in asks]
+
+
+def test_ray_stores_command_lists_and_removes_leftovers(ray_cluster: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import ray
+
+    legacy = f"{PREFIX}0123456789abcdef"
+    ray.remote(LegacyNodeStore).options(name=legacy, namespace="rr", lifetime="detached", num_cpus=0).remote()
+    live = RayRoutingStore(1 << 20)
+    try:
+        live.put(checked(3))
+        assert ray_stores(["--address", ray_cluster, "--json"]) == 0
+        listed = {s["name"]: s for s in json.loads(capsys.readouterr().out)["stores"]}
+        assert listed[legacy]["state"] == "legacy"
+        assert listed[live.name]["state"] == "live" and listed[live.name]["entries"] == 1
+        assert listed[live.name]["engine"]["pid"] == os.getpid()
+        assert ray_stores(["--address", ray_cluster, "--remove-leftovers"]) == 0
+        out = capsys.readouterr().out
+        assert f"{legacy}  legacy  REMOVED" in out and f"{live.name}  live" in out
+        assert _gone(legacy) and live.name in _store_names()
+        assert ray_stores(["--address", ray_cluster, "--remove", "rr-routing-store-nope"]) == 1
+        assert ray_stores(["--address", ray_cluster, "--remove", "my-actor"]) == 2  # never another actor
+    finally:
+        live.close()
