@@ -1,18 +1,24 @@
-"""rr_client.integrations.trl without a server: version gate, refusals before TRL's own __init__ (no connection
-attempted), TRL's importance-sampling correction on the engine's log-probs."""
+"""rr_client.integrations.trl without an engine: version gate, refusals before TRL's own __init__ (no connection
+attempted, or only ``/rr/info``), the TRL source rr's correction switch relies on, TRL's importance-sampling rule on
+the engine's log-probs."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
 import socket
+import textwrap
 import time
 from typing import Any
 
 import pytest
 import torch
 
-from rr_client import ConfigurationError, RRError, UnsupportedVersionError
+from rr_client import ConfigurationError, GenerateResult, LogprobsModeError, RRError, UnsupportedVersionError
 from rr_client.integrations import trl as rr_trl
+from rr_client.logprobs import parse_token_logprobs
+from tests.support.protocol_server import ProtocolTestServer
 
 
 def test_tested_trl_release_is_accepted_and_others_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,3 +164,109 @@ def test_sequence_modes_use_the_summed_log_ratio() -> None:
 def test_unknown_mode_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="vllm_importance_sampling_mode"):
         _ratio("tokens")
+
+
+# ----------------------------------------------------------------------------- TRL's source, where rr switches it on
+def _use_vllm_reads() -> dict[str, list[ast.AST]]:
+    """Per GRPOTrainer method: the enclosing test (if/ternary/bool-op) of each ``self.use_vllm`` read."""
+    from trl import GRPOTrainer
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(GRPOTrainer)))
+    reads: dict[str, list[ast.AST]] = {}
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        parents = {c: p for p in ast.walk(fn) for c in ast.iter_child_nodes(p)}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Attribute) and node.attr == "use_vllm" and isinstance(node.ctx, ast.Load) \
+                    and isinstance(node.value, ast.Name) and node.value.id == "self":
+                reads.setdefault(fn.name, []).append(parents.get(node, node))
+    return reads
+
+
+def _guards_correction(test: ast.AST) -> bool:
+    """``self.use_vllm and self.vllm_importance_sampling_correction [and ...]``."""
+    return isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and any(
+        isinstance(v, ast.Attribute) and v.attr == "vllm_importance_sampling_correction" for v in test.values)
+
+
+def test_trl_reads_use_vllm_only_where_rr_switches_it() -> None:
+    """R3GRPOTrainer._trl_correction sets ``use_vllm`` True around TRL's scoring and loss and False around its
+    ``_generate``: in TRL 1.16 every read inside that window guards only the importance-sampling correction, and the
+    loss multiplies the ratio in. A TRL that reads ``use_vllm`` anywhere else, or moves the multiplication, fails
+    here before it could train with the correction silently off or its vLLM client called."""
+    reads = _use_vllm_reads()
+    assert set(reads) == {"__init__", "_generate_single_turn", "_tool_call_loop", "_generate",
+                          "_generate_and_score_completions", "_compute_loss"}, sorted(reads)
+    for method in ("_generate_and_score_completions", "_compute_loss"):
+        assert reads[method] and all(_guards_correction(t) for t in reads[method]), method
+    from trl import GRPOTrainer
+
+    loss_src = inspect.getsource(GRPOTrainer._compute_loss)
+    assert 'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]' in loss_src
+    score_src = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert 'output["importance_sampling_ratio"] = vllm_importance_sampling_ratio' in score_src
+    assert "self._generate(prompts)" in score_src  # rr's _generate switches use_vllm off around TRL's
+    # rr's subclass overrides exactly the methods it switches in
+    for name in ("_generate", "_generate_and_score_completions", "_compute_loss"):
+        assert "_trl_correction" in inspect.getsource(getattr(rr_trl.R3GRPOTrainer, name)), name
+
+
+def test_a_missing_engine_logprob_is_nan() -> None:
+    """An engine log-prob of None reaches TRL as NaN (TRL's ratio is 1 there), read from GenerateResult.logprobs."""
+    r = GenerateResult(index=0, prompt_index=0, prompt_ids=[1], output_ids=[5, 6], text=None, finish_reason=None,
+                       routed_experts=None, routed_experts_start=0, meta={},
+                       logprobs=parse_token_logprobs([[-0.5, 5], [None, 6]], [5, 6], where="t"))
+    got = rr_trl.sampled_logprobs(r)
+    assert got[0] == -0.5 and math.isnan(got[1])
+    with pytest.raises(RRError, match="no log-probs"):
+        rr_trl.sampled_logprobs(GenerateResult(index=0, prompt_index=0, prompt_ids=[1], output_ids=[5],
+                                               text=None, finish_reason=None, routed_experts=None,
+                                               routed_experts_start=0, meta={}))
+
+
+@pytest.mark.parametrize("mode", ["raw", None])
+def test_pre_temperature_logprobs_are_refused_after_one_info_call(mode: str | None) -> None:
+    """A server whose log-probs are before temperature (or of unknown mode), GRPO at temperature 0.7: refused
+    after /rr/info, before TRL's __init__ and before any generation."""
+    from trl import GRPOConfig
+
+    cfg = GRPOConfig(output_dir="/tmp/rr-unused", report_to=[], use_cpu=True, temperature=0.7)
+    with ProtocolTestServer() as server:
+        if mode is not None:
+            server.behaviour.identity = {"logprobs_mode": mode}
+        rollout = rr_trl.RRRollout(server.url)
+        try:
+            with pytest.raises(LogprobsModeError, match="processed_logprobs") as e:
+                _trainer(args=cfg, rollout_func=rollout)
+        finally:
+            rollout.close()
+        assert "temperature 0.7" in str(e.value) and "R3GRPOTrainer" in str(e.value)
+        assert server.behaviour.info_calls == 1 and server.behaviour.calls == 0
+
+
+def test_a_rollout_temperature_other_than_the_trainers_is_refused(connections: list[Any]) -> None:
+    from trl import GRPOConfig
+
+    cfg = GRPOConfig(output_dir="/tmp/rr-unused", report_to=[], use_cpu=True, temperature=0.7)
+    rollout = rr_trl.RRRollout("http://127.0.0.1:9", sampling_params={"temperature": 1.0})
+    try:
+        with pytest.raises(ConfigurationError, match="temperature 1.0 but GRPOConfig.temperature is 0.7"):
+            _trainer(args=cfg, rollout_func=rollout)
+    finally:
+        rollout.close()
+    assert connections == []
+
+
+def test_vespo_with_a_sequence_correction_is_refused_as_trl_does(connections: list[Any]) -> None:
+    from trl import GRPOConfig
+
+    cfg = GRPOConfig(output_dir="/tmp/rr-unused", report_to=[], use_cpu=True, loss_type="vespo",
+                     vllm_importance_sampling_mode="sequence_mask")
+    rollout = rr_trl.RRRollout("http://127.0.0.1:9")
+    try:
+        with pytest.raises(ConfigurationError, match="vespo"):
+            _trainer(args=cfg, rollout_func=rollout)
+    finally:
+        rollout.close()
+    assert connections == []

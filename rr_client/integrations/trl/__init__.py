@@ -9,7 +9,8 @@ Two lines change in a TRL script::
 :class:`RRRollout` (``_rollout.py``) is TRL's ``rollout_func``: samples, the engine's sampling log-probs and the
 checked routing. :class:`R3GRPOTrainer` (``_trainer.py``) is a thin adapter of TRL's trainer over
 :class:`rr_client.trainer.ReplaySession`: the rows placed under TRL's batch, replay kept open until backward,
-TRL's own importance-sampling correction with the engine's log-probs (``_correction.py``), weight sync.
+TRL's own importance-sampling correction with the engine's log-probs, applied in the loss by TRL's code (the same
+rule as a function for plain loops: ``_correction.py``), weight sync.
 Imports TRL (``pip install 'rr-replay[trl]'``), checked against the releases it was tested on.
 """
 

@@ -48,14 +48,15 @@ def sampling_params_from(args: Any, n: int) -> dict[str, Any]:
 
 
 def sampled_logprobs(r: Any) -> list[float]:
-    """The sampled tokens' log-probs (``[logprob, token_id, _]`` per token), checked against the tokens."""
-    rows = r.meta.get("output_token_logprobs")
-    if not isinstance(rows, list) or len(rows) != len(r.output_ids):
-        got = len(rows) if isinstance(rows, list) else type(rows).__name__
-        raise ReplayError(f"sample {r.index}: {got} output_token_logprobs for {len(r.output_ids)} tokens")
-    if [int(x[1]) for x in rows] != [int(t) for t in r.output_ids]:
-        raise ReplayError(f"sample {r.index}: output_token_logprobs name other tokens than output_ids")
-    return [float(x[0]) for x in rows]
+    """The sampled tokens' log-probs from ``GenerateResult.logprobs`` (parsed and checked against the tokens
+    once, by the client), NaN where the engine gave none: what TRL's ``rollout_func`` contract expects."""
+    lp = getattr(r, "logprobs", None)
+    if lp is None:
+        raise ReplayError(f"sample {r.index}: the engine returned no log-probs for its {len(r.output_ids)} tokens "
+                          "(RRRollout asks for them: return_logprob=True)")
+    if len(lp) != len(r.output_ids):
+        raise ReplayError(f"sample {r.index}: {len(lp)} log-probs for {len(r.output_ids)} tokens")
+    return [float(x) for x in lp]
 
 
 class RRRollout:

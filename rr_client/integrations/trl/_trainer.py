@@ -2,22 +2,26 @@
 
 What is TRL-specific lives here: refusing settings before ``GRPOTrainer.__init__`` runs, carrying each sample's
 index through TRL's shuffle and split, placing the rows under TRL's left-padded prompt + right-padded completion
-batch, TRL's importance-sampling correction with the engine's log-probs, weight sync. The replay lifecycle
-(open until backward, audit every N steps, merged metrics) is the session's.
+batch, TRL's importance-sampling correction with the engine's log-probs (run by TRL's own code, see
+:meth:`R3GRPOTrainer._trl_correction`), weight sync. The replay lifecycle (open until backward, audit every N
+steps, merged metrics) is the session's.
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from rr_client.errors import ConfigurationError, ReplayError, WeightSyncError
-from rr_client.integrations.trl._correction import importance_sampling_ratio
+from rr_client.integrations.trl._correction import MODES
 from rr_client.integrations.trl._gate import check_trl_version, trl
-from rr_client.integrations.trl._rollout import ROUTING_KEY, Rollout, RRRollout, sampled_logprobs
+from rr_client.integrations.trl._rollout import ROUTING_KEY, Rollout, RRRollout, sampled_logprobs, sampling_params_from
+from rr_client.logprobs import check_comparable_logprobs
 from rr_client.integrations.weight_sync import DiskWeightSync
 from rr_client.trainer import keys as K
 from rr_client.trainer.layouts import RoutingTensors, to_tensors
@@ -59,6 +63,25 @@ def _refuse_before_init(args: Any, model: Any, rollout_func: Any, sync_weights: 
     if sync_weights and peft:
         raise ConfigurationError("R3GRPOTrainer(sync_weights=True) with a PEFT model: the engine needs merged "
                                  "weights; merge the adapter or sync yourself and pass sync_weights=False")
+    if args is None:
+        return
+    if args.vllm_importance_sampling_correction:
+        mode = args.vllm_importance_sampling_mode
+        if mode not in MODES:
+            raise ConfigurationError(f"vllm_importance_sampling_mode={mode!r}; TRL accepts {', '.join(MODES)}")
+        if args.loss_type == "vespo" and not mode.startswith("token"):  # TRL's own rule on its vLLM path
+            raise ConfigurationError(f"loss_type='vespo' with vllm_importance_sampling_mode={mode!r}: VESPO needs "
+                                     "'token_truncate' or 'token_mask' (as on TRL's vLLM path)")
+    sampled = sampling_temperature(args, rollout_func)
+    if sampled != args.temperature:
+        raise ConfigurationError(f"RRRollout samples at temperature {sampled} but GRPOConfig.temperature is "
+                                 f"{args.temperature}: the trainer's log-probs (logits / {args.temperature}) would "
+                                 "not be those of the sampling policy; set the temperature in one place")
+
+
+def sampling_temperature(args: Any, rollout: RRRollout) -> float:
+    """The temperature ``rollout`` samples at for ``args`` (its ``sampling_params`` and ``generation_kwargs`` win)."""
+    return float({**sampling_params_from(args, 1), **rollout.sampling_params}["temperature"])
 
 
 class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
@@ -70,14 +93,17 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
     ``allow_untested``: replay a family whose formula is in rr but untested. ``log_layers``: per-layer keys too.
     TRL's importance-sampling correction runs with the engine's log-probs under TRL's own settings
     (``GRPOConfig.vllm_importance_sampling_correction``, on by default, its ``_mode`` / ``_clip_min`` /
-    ``_clip_max``). ``sync_weights``: push the weights to the rollout's engines (with its API key) before every
+    ``_clip_max``), by TRL's own code, into the loss as on TRL's vLLM path. A separate reference model
+    (``beta > 0``) replays the same rows. ``sync_weights``: push the weights to the rollout's engines (with its API key) before every
     rollout that follows an optimizer step; ``sync_dir`` holds them (default ``<output_dir>/rr-weights``).
     ``verify_sync``: after each push, the engine's log-probs of a probe completion must match the trainer's
     within this tolerance, else :class:`rr_client.WeightSyncError`. ``sync_log``: one record per push.
 
     Refused before TRL's own ``__init__`` (:class:`rr_client.ConfigurationError`): ``use_vllm=True``, tools /
-    environments, a PEFT model with ``sync_weights``, a ``rollout_func`` that is not an :class:`RRRollout`;
-    multimodal inputs when they arrive.
+    environments, a PEFT model with ``sync_weights``, a ``rollout_func`` that is not an :class:`RRRollout`, a
+    rollout temperature other than ``GRPOConfig.temperature``; then, after one ``/rr/info`` call,
+    :class:`rr_client.LogprobsModeError` when the server's log-probs are pre-temperature (or of unknown mode)
+    and the temperature is not 1. Multimodal inputs are refused when they arrive.
     """
 
     replays_rr_rollouts = True  #: what RRRollout checks before generating for a trainer
@@ -88,8 +114,10 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                  **kwargs: Any) -> None:
         check_trl_version()
         model = kwargs.get("model", args[0] if args else None)
-        _refuse_before_init(kwargs.get("args", args[2] if len(args) > 2 else None), model, rollout_func,
-                            sync_weights, kwargs)
+        cfg = kwargs.get("args", args[2] if len(args) > 2 else None)
+        _refuse_before_init(cfg, model, rollout_func, sync_weights, kwargs)
+        self._rr_temperature = sampling_temperature(cfg, rollout_func) if cfg is not None else 1.0
+        self._check_logprobs(rollout_func.info())  # the one server call before TRL's own __init__
         super().__init__(*args, rollout_func=rollout_func, **kwargs)
         self.r3 = r3
         self.rr_rollout: RRRollout = rollout_func
@@ -107,6 +135,26 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                                                                           tempfile.mkdtemp()) / "rr-weights"
             self._rr_sync = DiskWeightSync(rollout_func.engines, directory, api_key=rollout_func.api_key)
 
+    def _check_logprobs(self, info: Any) -> None:
+        """:class:`rr_client.LogprobsModeError` unless the engine's log-probs mean what the trainer's do."""
+        check_comparable_logprobs(info.logprobs_mode, self._rr_temperature,
+                                  consumer="R3GRPOTrainer (TRL's importance-sampling correction and the r3/ gaps)")
+
+    @contextmanager
+    def _trl_correction(self, on: bool = True) -> Iterator[None]:
+        """The one place TRL's importance-sampling correction is switched on: TRL 1.16 computes the ratio, logs it
+        and multiplies it into the per-token loss only where ``self.use_vllm and
+        self.vllm_importance_sampling_correction`` holds (``_generate_and_score_completions``, ``_compute_loss``),
+        so ``use_vllm`` reads True inside this block when the correction is on, and False (``on=False``) around
+        TRL's ``_generate``, whose ``use_vllm`` means its own vLLM client. tests/unit/test_trl_integration.py
+        checks TRL's source still reads ``use_vllm`` only there."""
+        before = self.use_vllm
+        self.use_vllm = bool(on and self.vllm_importance_sampling_correction)
+        try:
+            yield
+        finally:
+            self.use_vllm = before
+
     def _log(self, metrics: dict[str, float], mode: str) -> None:
         """The session's metrics into TRL's per-step log."""
         for k, v in metrics.items():
@@ -115,14 +163,22 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
     # ------------------------------------------------------------------ weight sync
 
     def sync_weights(self) -> None:
-        """Push the current weights to the engines unless this optimizer step's are there already."""
+        """Push the current weights to the engines unless this optimizer step's are there already.
+
+        By reference, the main process then retires the rows of the replaced weights, between two barriers: every
+        rank has run its micro-batches before (it is here, about to generate), and none generates before the
+        retire (the server's weight version moves at the retire, so rows made after it are never retired by it).
+        Only before a training rollout: an eval rollout may come while training rows are still to be read."""
         if self._rr_sync is None or self._rr_synced_step == self.state.global_step:
             return
         state_dict = self.accelerator.get_state_dict(self.model)  # gathers sharded (FSDP/ZeRO-3) weights
+        self.accelerator.wait_for_everyone()  # every rank is here: its micro-batches (and their rows) ran
         seconds = 0.0
         if self.accelerator.is_main_process:
             seconds = self._rr_sync.push(self.accelerator.unwrap_model(self.model), self.state.global_step,
                                          state_dict=state_dict)
+            if self.model.training:
+                self.rr_rollout.retire()  # by reference: the rows of the weights just replaced are no longer read
         self.accelerator.wait_for_everyone()
         record: dict[str, Any] = {"step": self.state.global_step, "seconds": seconds}
         if self.verify_sync is not None:
@@ -135,8 +191,6 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                     "not serve the trained weights (a reload that dropped weights? see the engine's log)")
         self.sync_log.append(record)
         self._rr_synced_step = self.state.global_step
-        if self.accelerator.is_main_process:
-            self.rr_rollout.retire()  # by reference: the rows of the weights just replaced are no longer read
         self._log({K.WEIGHT_SYNC_SECONDS: seconds}, "train")
 
     def _probe_engine(self) -> dict[str, Any]:
@@ -163,7 +217,8 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
 
     def _generate(self, prompts: list[Any]) -> Any:
         self.sync_weights()
-        raw = super()._generate(prompts)
+        with self._trl_correction(False):
+            raw = super()._generate(prompts)
         if not isinstance(raw, tuple) or len(raw) != len(GenerateOutput._fields):
             raise ReplayError(f"GRPOTrainer._generate returned {type(raw).__name__} of "
                               f"{len(raw) if isinstance(raw, tuple) else '?'} items; TRL 1.16 returns "
@@ -177,41 +232,23 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         got = [(list(r.prompt_ids or []), list(r.output_ids)) for r in rollout.results]
         if got != [(list(p), list(c)) for p, c in zip(out.prompt_ids, out.completion_ids)]:
             raise ReplayError("the rollout's routing belongs to other samples than the prompt/completion ids TRL got")
+        self._check_logprobs(rollout.info)
         self._rr_batch = rollout
         self.rr_session.moe_layers = list(rollout.info.moe_layers)  # agreement over MoE layers only (r3=False)
         return raw
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         self._rr_current = None
-        output = super()._generate_and_score_completions(inputs)
-        if self.vllm_importance_sampling_correction and output.get("sampling_per_token_logps") is not None:
-            self._correct(output)
+        with self._trl_correction():
+            output = super()._generate_and_score_completions(inputs)
+        ratio = output.get("importance_sampling_ratio")
+        if ratio is not None:  # TRL's ratio, on the engine's log-probs: also under rr's keys
+            flat = ratio.flatten() if ratio.shape[-1] == 1 else ratio[output["completion_mask"].bool()]
+            if flat.numel():
+                self._log({K.IS_RATIO_MIN: float(flat.min()), K.IS_RATIO_MEAN: float(flat.mean()),
+                           K.IS_RATIO_MAX: float(flat.max())}, "train" if self.model.training else "eval")
         output[_SAMPLE_KEY] = torch.arange(output["prompt_ids"].shape[0], device=output["prompt_ids"].device)
         return output
-
-    def _correct(self, output: dict[str, Any]) -> None:
-        """TRL's importance-sampling correction (its vLLM path's settings) with the engine's log-probs: the old
-        policy's log-probs (replayed) are computed when TRL skipped them, as TRL does on its vLLM path."""
-        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        keep = output["completion_ids"].size(1)
-        old = output.get("old_per_token_logps")
-        if old is None:
-            bs = self.args.per_device_train_batch_size if self.model.training else self.args.per_device_eval_batch_size
-            with torch.no_grad():
-                old, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, attention, keep, batch_size=bs)
-            output["old_per_token_logps"] = old
-        mask = output["completion_mask"]
-        ratio = importance_sampling_ratio(old, output["sampling_per_token_logps"], mask,
-                                          mode=self.vllm_importance_sampling_mode,
-                                          clip_min=self.vllm_importance_sampling_clip_min,
-                                          clip_max=self.vllm_importance_sampling_clip_max)
-        output["importance_sampling_ratio"] = ratio
-        flat = ratio.flatten() if ratio.shape[-1] == 1 else ratio[mask.bool()]
-        if flat.numel():
-            mode = "train" if self.model.training else "eval"
-            self._log({K.IS_RATIO_MIN: float(flat.min()), K.IS_RATIO_MEAN: float(flat.mean()),
-                       K.IS_RATIO_MAX: float(flat.max())}, mode)
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         if _SAMPLE_KEY not in inputs:
@@ -219,7 +256,8 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         self._rr_current = [int(i) for i in inputs[_SAMPLE_KEY].tolist()]
         self._rr_loss_logps = None
         try:
-            loss = super()._compute_loss(model, inputs)
+            with self._trl_correction():
+                loss = super()._compute_loss(model, inputs)
         finally:
             self._rr_current = None
         engine = inputs.get("sampling_per_token_logps")
@@ -252,6 +290,10 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             raise ReplayError(f"R3GRPOTrainer: multimodal inputs ({', '.join(names)}) are not supported")
         rt = self._rows_for(input_ids, logits_to_keep)
         session = self.rr_session
+        own = self.accelerator.unwrap_model(model)
+        if own is not session.model:  # TRL's separate reference model (beta > 0): the same rows, replayed in it
+            return self._reference_forward(model, own, rt, input_ids, attention_mask, logits_to_keep, batch_size,
+                                           compute_entropy, compute_aux_loss)
         if torch.is_grad_enabled():  # the loss forward: one block, open until backward has run (checkpointing)
             if self.r3:
                 session.open_replay(rt)
@@ -282,6 +324,35 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         if not self.model.training:
             self._log(session.flush(), "eval")
         return lp, torch.cat(ents, dim=0) if compute_entropy else None, \
+            torch.stack(auxes).mean() if compute_aux_loss else None
+
+    def _reference_forward(self, model: Any, own: Any, rt: RoutingTensors, input_ids: torch.Tensor,
+                           attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int | None,
+                           compute_entropy: bool, compute_aux_loss: bool) -> Any:
+        """TRL's reference forward on a model other than the policy: replayed with the rollout's rows (audited in
+        audited steps; ``r3=False``: its own routing, as plain GRPO), never with the policy's hooks."""
+        if torch.is_grad_enabled():
+            raise ReplayError(f"a forward with gradients on {type(own).__name__}, which is not the policy "
+                              "R3GRPOTrainer replays")
+        if not self.r3:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss)
+        session, n = self.rr_session, input_ids.size(0)
+        bs = batch_size or n
+        logps, ents, auxes = [], [], []
+        for s in range(0, n, bs):  # TRL's chunks, each under its own rows
+            e = min(s + bs, n)
+            with replay_routing(own, rt.routed_experts[s:e], rt.routed_experts_mask[s:e], layers=rt.layers,
+                                check_every=session.check_every, audit=session.audited,
+                                allow_untested=session.allow_untested, tokens=rt.attention_mask[s:e]):
+                out = super()._get_per_token_logps_and_entropies(
+                    model, input_ids[s:e], attention_mask[s:e], logits_to_keep, batch_size=e - s,
+                    compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss)
+            logps.append(out[0])
+            ents.append(out[1])
+            auxes.append(out[2])
+        return torch.cat(logps, dim=0), torch.cat(ents, dim=0) if compute_entropy else None, \
             torch.stack(auxes).mean() if compute_aux_loss else None
 
     # ------------------------------------------------------------------ rows under TRL's tokens
