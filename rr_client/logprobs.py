@@ -27,9 +27,12 @@ VLLM_FLAG = "--logprobs-mode processed_logprobs"
 _VLLM_MODES = {"processed_logprobs": PROCESSED, "raw_logprobs": RAW}
 
 
-def mode_from_vllm(logprobs_mode: str | None) -> str | None:
-    """rr's mode for vLLM's ``--logprobs-mode`` value (None when it returns logits or is unknown)."""
-    return _VLLM_MODES.get(str(logprobs_mode)) if logprobs_mode is not None else None
+def mode_from_vllm(logprobs_mode: Any) -> str | None:
+    """rr's mode for vLLM's ``--logprobs-mode`` value, a string or an enum member (None when it returns logits or
+    is unknown)."""
+    if logprobs_mode is None:
+        return None
+    return _VLLM_MODES.get(str(getattr(logprobs_mode, "value", logprobs_mode)))
 
 
 def check_comparable_logprobs(mode: str | None, temperature: float | None, *, consumer: str) -> None:

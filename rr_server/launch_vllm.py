@@ -214,18 +214,39 @@ def _aux_output_settings(args: list[str], env: dict[str, str] | None) -> tuple[l
     return args, fixed
 
 
+def _logprobs_mode(args: list[str], version: str | None) -> tuple[list[str], list[str]]:
+    """``--logprobs-mode processed_logprobs`` added where the release has it and the user chose none (sampled
+    log-probs after temperature, as trainers compute them); a mode the user chose is kept and reported."""
+    chosen = _last_values(args, "--logprobs-mode")
+    if chosen is None:
+        if version is not None and _known(version) and facts_for(version).processed_logprobs:
+            args.append("--logprobs-mode")
+            args.append("processed_logprobs")
+        return args, []
+    mode = chosen[0] if chosen else "?"
+    if mode == "processed_logprobs":
+        return args, []
+    what = ("before temperature: trainers refuse them at temperature != 1 (LogprobsModeError)"
+            if mode == "raw_logprobs" else "logits, not log-probs: do not feed them to a trainer's ratios")
+    return args, [f"rr: --logprobs-mode {mode} kept as given: the sampled log-probs are {what}; rr's default is "
+                  "processed_logprobs (after temperature)"]
+
+
 def build_command(argv: Sequence[str], *, cpu: bool, version: str | None = None,
                   env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
     """Return (command, notes): vLLM's API server command with rr's required flags.
 
     ``version`` (default: the installed vLLM) selects what capture needs: on 0.31+ prefix caching and
-    Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``, set in ``env`` when given and unset there).
+    Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``, set in ``env`` when given and unset there); and
+    ``--logprobs-mode processed_logprobs`` unless ``argv`` chose a mode (kept, and noted unless processed).
     """
     args = [a for a in argv if a not in _RR_FLAGS]
     notes: list[str] = []
     if not _has(args, "--enable-return-routed-experts"):
         args.append("--enable-return-routed-experts")
     version = version if version is not None else installed_version()
+    args, lp_notes = _logprobs_mode(args, version)
+    notes += lp_notes
     if version is not None and _known(version) and facts_for(version).aux_output_connector:
         args, fixed = _aux_output_settings(args, env)
         if fixed:

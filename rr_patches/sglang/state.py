@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from rr_client.info import RRInfo
+from rr_client.logprobs import PROCESSED, RAW
 from rr_server.serving.sglang_facts import Profile, profile_for
 
 __all__ = ["RRState", "state_of", "rr_enabled"]
@@ -35,6 +37,14 @@ def rr_enabled(tm: Any) -> bool:
     return bool(getattr(tm.server_args, "enable_return_routed_experts", False))
 
 
+def logprobs_mode(env: Any = None) -> str:
+    """What SGLang's sampled log-probs mean (every release rr supports, 0.5.7+): after temperature (``log`` of the
+    temperature-scaled softmax, before top-k/top-p), unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is true (then
+    before temperature), read as SGLang's ``get_bool_env_var`` does."""
+    value = (os.environ if env is None else env).get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false")
+    return RAW if str(value).lower() in ("true", "1") else PROCESSED
+
+
 def _info_for(tm: Any, profile: Profile) -> RRInfo | None:
     """The served model's RRInfo, or None (logged) when its config has no routing dims."""
     sa = tm.server_args
@@ -48,6 +58,7 @@ def _info_for(tm: Any, profile: Profile) -> RRInfo | None:
             skip_tokenizer_init=bool(getattr(sa, "skip_tokenizer_init", False)),
             platform=str(getattr(sa, "device", None) or "") or None,
             speculative=(str(sa.speculative_algorithm) if getattr(sa, "speculative_algorithm", None) else None),
+            logprobs_mode=logprobs_mode(),
         )
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         logger.error("rr: cannot read routing dims from the model config (%s); routing will be refused", e)

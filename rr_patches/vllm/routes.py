@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rr_client.codec import routing_error_fields
 from rr_client.errors import RoutedExpertsError
 from rr_client.info import RRInfo
+from rr_client.logprobs import mode_from_vllm
 from rr_patches.vllm.auth import protect_rr_routes
 from rr_patches.vllm.openai_streams import collecting
 from rr_server.serving.fanout import gather_or_cancel, merge_streams, primed
@@ -115,6 +116,7 @@ def rr_info(app: FastAPI) -> RRInfo:
         routing_enabled=_routing_enabled(app),
         platform=_platform(),
         speculative=_speculative(app),
+        logprobs_mode=mode_from_vllm(getattr(model_config, "logprobs_mode", None)),
     )
     app.state.rr_info = info
     return info

@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise-url", default=None,
                    help="the URL routing refs name for reading their rows (default: http://HOST:PORT; env "
                         "RR_ADVERTISE_URL)")
+    p.add_argument("--upstream-logprobs-mode", choices=("processed", "raw"), default=None,
+                   help="what the upstream's sampled log-probs mean, stated in /rr/info: processed = after "
+                        "temperature (vLLM --logprobs-mode processed_logprobs; SGLang's default), raw = before "
+                        "(vLLM's default raw_logprobs; SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB=1). Default: "
+                        "unknown for vLLM (trainers then refuse temperature != 1), processed for SGLang")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -87,7 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       api_keys=tuple(keys_from(args.api_key, "RR_API_KEY")),
                       upstream_api_key=args.upstream_api_key or settings.text("RR_UPSTREAM_API_KEY"),
                       metrics_require_key=args.metrics_require_key, max_body_bytes=max_body,
-                      advertise_url=args.advertise_url or advertised_url(args.host, args.port))
+                      advertise_url=args.advertise_url or advertised_url(args.host, args.port),
+                      upstream_logprobs_mode=args.upstream_logprobs_mode)
     # keep-alive well above clients' idle expiry (httpx: 5 s), so the client always closes first
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_keep_alive=KEEP_ALIVE_S)

@@ -64,6 +64,9 @@ class ProxyConfig:
     metrics_require_key: bool = False  # /metrics is open unless this is set
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     force_routing: bool = True  # SGLang: ask on every request (mixed-batch fix); off only for the doctor
+    # what the upstream's sampled log-probs mean ("processed" / "raw", rr_client.logprobs); None: vLLM unknown,
+    # SGLang "processed" (its default)
+    upstream_logprobs_mode: str | None = None
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -88,7 +91,8 @@ class Sidecar:
         """RRInfo + upstream model name, fetched once (retried on the next request if the upstream was down)."""
         async with self._lock:
             if self._info is None:
-                self._info = await fetch_info(self.up, self.cfg.engine, self.cfg.model_path)
+                self._info = await fetch_info(self.up, self.cfg.engine, self.cfg.model_path,
+                                              self.cfg.upstream_logprobs_mode)
             return self._info
 
     def fail(self, route: str, e: ProxyError) -> Response:

@@ -7,6 +7,7 @@ from typing import Any
 
 from rr_client.hf_config import load_config
 from rr_client.info import RRInfo
+from rr_client.logprobs import PROCESSED
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.upstream import Upstream
 
@@ -24,8 +25,9 @@ def _load(path: str | None, hint: str) -> dict[str, Any]:
         raise ProxyError(503, "config_unavailable", f"cannot read {path}/config.json: {e}") from None
 
 
-async def _vllm(up: Upstream, model_path: str | None) -> tuple[RRInfo, str]:
-    """vLLM: model id and root path from ``/v1/models``, version from ``/version``."""
+async def _vllm(up: Upstream, model_path: str | None, logprobs_mode: str | None) -> tuple[RRInfo, str]:
+    """vLLM: model id and root path from ``/v1/models``, version from ``/version``; the log-prob mode only as told
+    (vLLM's API does not say which ``--logprobs-mode`` it runs)."""
     models = await up.call("GET", "/v1/models", timeout=10.0)
     data = models.get("data") if isinstance(models, dict) else None
     if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
@@ -33,11 +35,13 @@ async def _vllm(up: Upstream, model_path: str | None) -> tuple[RRInfo, str]:
     name, root = str(data[0]["id"]), data[0].get("root")
     version = (await up.call("GET", "/version", timeout=10.0)).get("version", "unknown")
     cfg = _load(model_path or root, "from /v1/models root")
-    return RRInfo.from_hf_config(cfg, engine="vllm", engine_version=str(version), model=name, sidecar=True, upstream=up.url), name
+    return RRInfo.from_hf_config(cfg, engine="vllm", engine_version=str(version), model=name, sidecar=True,
+                                 upstream=up.url, logprobs_mode=logprobs_mode), name
 
 
-async def _sglang(up: Upstream, model_path: str | None) -> tuple[RRInfo, str]:
-    """SGLang: model path from ``/get_model_info``, version from ``/get_server_info``."""
+async def _sglang(up: Upstream, model_path: str | None, logprobs_mode: str | None) -> tuple[RRInfo, str]:
+    """SGLang: model path from ``/get_model_info``, version from ``/get_server_info``; log-probs after temperature
+    (SGLang's default) unless told otherwise (``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` upstream: ``raw``)."""
     minfo = await up.call("GET", "/get_model_info", timeout=10.0)
     path = minfo.get("model_path") if isinstance(minfo, dict) else None
     try:
@@ -47,9 +51,14 @@ async def _sglang(up: Upstream, model_path: str | None) -> tuple[RRInfo, str]:
         version = "unknown"
     cfg = _load(model_path or path, "from /get_model_info model_path")
     name = str(path or model_path)
-    return RRInfo.from_hf_config(cfg, engine="sglang", engine_version=version, model=name, sidecar=True, upstream=up.url), name
+    return RRInfo.from_hf_config(cfg, engine="sglang", engine_version=version, model=name, sidecar=True,
+                                 upstream=up.url, logprobs_mode=logprobs_mode or PROCESSED), name
 
 
-async def fetch_info(up: Upstream, engine: str, model_path: str | None) -> tuple[RRInfo, str]:
-    """Ask the upstream what it serves; return the RRInfo and the upstream's model name."""
-    return await (_vllm(up, model_path) if engine == "vllm" else _sglang(up, model_path))
+async def fetch_info(up: Upstream, engine: str, model_path: str | None,
+                     logprobs_mode: str | None = None) -> tuple[RRInfo, str]:
+    """Ask the upstream what it serves; return the RRInfo (``logprobs_mode``: what the operator says the upstream's
+    sampled log-probs are, ``--upstream-logprobs-mode``) and the upstream's model name."""
+    if engine == "vllm":
+        return await _vllm(up, model_path, logprobs_mode)
+    return await _sglang(up, model_path, logprobs_mode)

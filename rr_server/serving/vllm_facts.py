@@ -45,6 +45,9 @@ class Facts:
     cpu_reload_unpacked_experts: bool = False  # CPU: reload_weights skips the MoE experts' prepack (0.30, found by rr)
     fused_moe_zero_routing: bool = False  # FlashInfer monolithic MoE kernels return all-zero routing (< 0.30)
     draft_pollutes_routing: bool = False  # speculative draft (MTP/EAGLE) MoE layers overwrite the target's rows (< 0.30)
+    # ``--logprobs-mode processed_logprobs`` exists (0.10.1+, vLLM PR #21398): sampled log-probs after temperature
+    # (and after top-k/top-p/min-p); the default ``raw_logprobs`` is before temperature
+    processed_logprobs: bool = False
 
     @property
     def supported(self) -> bool:
@@ -76,7 +79,7 @@ def facts_for(version: str) -> Facts:
                  eplb_physical_ids=(0, 14) <= minor <= (0, 15), all_zero_routing=minor == (0, 15),
                  nested_json_lists=minor == (0, 21), cpu_compile_zeros=minor >= (0, 14),
                  cpu_reload_unpacked_experts=minor == (0, 30), fused_moe_zero_routing=minor < (0, 30),
-                 draft_pollutes_routing=minor < (0, 30))
+                 draft_pollutes_routing=minor < (0, 30), processed_logprobs=rel >= (0, 10, 1))
 
 
 # The first release with each fix, named in refusals and the doctor's table.

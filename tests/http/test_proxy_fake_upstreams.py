@@ -70,7 +70,21 @@ def test_info_and_health(http: httpx.Client, stack: tuple[str, object, SidecarSe
     info = http.get("/rr/info").json()
     assert (info["num_hidden_layers"], info["num_experts"], info["topk"], info["moe_layers"]) == (3, 8, 2, MOE)
     assert info["engine"] == stack[0] and info["wire_dtype"] == "uint8" and info["sidecar"] is True
+    # SGLang's log-probs are after temperature by default; what a vLLM upstream runs is not visible to the sidecar
+    assert info["logprobs_mode"] == ("processed" if stack[0] == "sglang" else None)
     assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_info_states_the_upstream_logprobs_mode_it_is_told(cfg_dir: Path, engine: str) -> None:
+    """``--upstream-logprobs-mode`` reaches ``/rr/info`` (and so the client's check) for either engine."""
+    from rr_server.proxy import build_parser
+
+    told = build_parser().parse_args(["--upstream", "u", "--engine", engine, "--upstream-logprobs-mode", "raw"])
+    fake = (FakeSGLangUpstream if engine == "sglang" else FakeVLLMUpstream)(cfg_dir)
+    with fake, SidecarServer(ProxyConfig(upstream=fake.url, engine=engine, timeout=10,  # type: ignore[arg-type]
+                                         upstream_logprobs_mode=told.upstream_logprobs_mode)) as sc:
+        assert httpx.get(f"{sc.url}/rr/info", timeout=20).json()["logprobs_mode"] == "raw"
 
 
 def test_roundtrip_and_start(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -> None:

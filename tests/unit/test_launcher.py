@@ -176,3 +176,16 @@ def test_launcher_keeps_speculative_decoding_where_it_is_fixed(monkeypatch: pyte
     with pytest.raises(Stop):
         launch_vllm.main(["--model", "m", "--speculative-config", '{"method": "ngram"}'])
     assert launched and '{"method": "ngram"}' in launched[0]
+
+
+def test_launcher_serves_post_temperature_logprobs_unless_told() -> None:
+    """rr's vLLM serves sampled log-probs after temperature (what trainers compute); a mode the user chose is kept."""
+    cmd, notes = build_command(["--model", "m"], cpu=False, version="0.30.0")
+    assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs" and not notes
+    for given in (["--logprobs-mode", "raw_logprobs"], ["--logprobs-mode=raw_logprobs"]):
+        cmd, notes = build_command(["--model", "m", *given], cpu=False, version="0.30.0")
+        assert "processed_logprobs" not in cmd and len(notes) == 1 and "raw_logprobs kept" in notes[0]
+    cmd, notes = build_command(["--model", "m", "--logprobs-mode", "processed_logprobs"], cpu=False, version="0.30.0")
+    assert cmd.count("processed_logprobs") == 1 and not notes
+    cmd, _ = build_command(["--model", "m"], cpu=False, version="0.10.0")  # before vLLM had --logprobs-mode
+    assert "--logprobs-mode" not in cmd
