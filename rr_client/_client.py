@@ -15,6 +15,7 @@ import numpy as np
 import orjson
 
 from rr_client.http_errors import error_for_status, map_httpx_error
+from rr_client._hosts import HostPolicy
 from rr_client._openai import CHAT_PATH, COMPLETIONS_PATH, openai_body, parse_choices
 from rr_client._replicas import Replica, ReplicaPool, ReplicaStats
 from rr_client._resolve import RefResolver
@@ -53,6 +54,12 @@ class RoutedExpertsClient:
     generate route (``"/rr/generate"`` behind routers that rewrite ``/generate``). ``info`` gives the
     served model's routing dimensions up front, for a URL that cannot answer ``/rr/info`` (sglang-router
     404s it): a replica's ``/rr/info`` or ``RRInfo.from_hf_config``; every payload is checked against it.
+
+    Refs are read with the key and ``headers`` only from the replicas (same scheme, host, port) and
+    ``trusted_hosts`` (``host`` or ``host:port`` entries; default env ``RR_TRUSTED_HOSTS``, comma-separated);
+    from ``keyless_hosts`` (``RR_KEYLESS_HOSTS``) without them; a ref naming any other host raises
+    :class:`UntrustedHostError` before anything is sent (a client with no key and no headers reads any host),
+    and so does an ``http://`` ref while a replica is ``https://``.
     """
 
     def __init__(
@@ -73,6 +80,8 @@ class RoutedExpertsClient:
         health_path: str = "/health",
         probe_interval: float = 1.0,
         info: RRInfo | None = None,
+        trusted_hosts: Sequence[str] | str | None = None,
+        keyless_hosts: Sequence[str] | str | None = None,
     ) -> None:
         if max_concurrency < 1 or batch_size < 1 or retries < 0:
             raise ConfigurationError("max_concurrency and batch_size must be >= 1, retries >= 0")
@@ -89,14 +98,14 @@ class RoutedExpertsClient:
         if key:
             all_headers["authorization"] = f"Bearer {key}"
 
-        def make_http(url: str) -> httpx.AsyncClient:
+        def make_http(url: str, credentials: bool = True) -> httpx.AsyncClient:
             return httpx.AsyncClient(
                 base_url=url,
                 timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
                 limits=httpx.Limits(
                     max_connections=max_concurrency, max_keepalive_connections=max_concurrency, keepalive_expiry=2.0
                 ),  # close idle connections before servers (uvicorn: 5 s) do, avoiding a write-on-closing race
-                headers=all_headers,
+                headers=all_headers if credentials else None,
                 transport=transport,
             )
 
@@ -104,6 +113,8 @@ class RoutedExpertsClient:
                                  probe_interval=probe_interval)
         self._make_http = make_http
         self._ref_http: dict[str, httpx.AsyncClient] = {}  # servers refs name that are not replicas of this client
+        self._hosts = HostPolicy.of(self.urls, trusted=trusted_hosts, keyless=keyless_hosts,
+                                    credentials=bool(all_headers))
         self._resolver = RefResolver(self._http_for, max_concurrency=max_concurrency)
         self._sem = asyncio.Semaphore(max_concurrency)
         self._retries = retries
@@ -133,13 +144,15 @@ class RoutedExpertsClient:
         self._ref_http.clear()
 
     def _http_for(self, url: str) -> httpx.AsyncClient:
-        """The HTTP client for a server a ref names: the replica's own, or one made for it (same key, limits)."""
+        """The HTTP client for a server a ref names: the replica's own, or one made for it with the key only where
+        :class:`HostPolicy` allows (UntrustedHostError otherwise)."""
         url = url.rstrip("/")
+        how = self._hosts.decide(url)
         for r in self._pool.replicas:
             if r.url == url:
                 return r.http
         if url not in self._ref_http:
-            self._ref_http[url] = self._make_http(url)
+            self._ref_http[url] = self._make_http(url, how == "key")
         return self._ref_http[url]
 
     # ------------------------------------------------------------------ routing by reference

@@ -64,6 +64,9 @@ class RefResolver:
             if not ref.url:
                 raise ProtocolError(f"routing ref {ref.key} names no URL to read it from")
             by_url[ref.url].append(i)
+        for url in by_url:  # every server's client first: a ref naming an untrusted host is refused before any read
+            if not url.startswith(RAY_SCHEME):
+                self._http_for(url)
         tasks = []
         for url, idx in by_url.items():
             for s in range(0, len(idx), self._batch):

@@ -45,6 +45,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("RR_ENCODE_THREAD_MIN_ELEMS", "int", "patched vLLM: encode routing off the event loop above this many elements", "1048576"),
     Setting("RR_API_KEY", "text", "client, doctor and weight sync: the key sent as `Authorization: Bearer`; sidecar: a key it requires (with `--api-key`)"),
     Setting("RR_UPSTREAM_API_KEY", "text", "sidecar: the key sent to the engine (its `--api-key`)"),
+    Setting("RR_TRUSTED_HOSTS", "text", "client: comma-separated `host` or `host:port` a routing ref may name and that get its key (besides its replicas; `trusted_hosts=`)"),
+    Setting("RR_KEYLESS_HOSTS", "text", "client: comma-separated `host` or `host:port` a routing ref may name, read without the key (`keyless_hosts=`)"),
 )}
 
 

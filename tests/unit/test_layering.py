@@ -160,7 +160,8 @@ CORE = {"rr_client.codec", "rr_client._rowcheck", "rr_client.errors", "rr_client
         "rr_client.versions", "rr_client.patching", "rr_client.optional", "rr_client.reference",
         "rr_client.logprobs"}
 CLIENT = {"rr_client", "rr_client._client", "rr_client._openai", "rr_client._replicas", "rr_client._results",
-          "rr_client.http_errors", "rr_client.trajectory", "rr_client._resolve", "rr_client._ray_refs"}
+          "rr_client.http_errors", "rr_client.trajectory", "rr_client._resolve", "rr_client._ray_refs",
+          "rr_client._hosts"}
 ALLOWED = {
     "core": {"core"},
     "client": {"core", "client"},
