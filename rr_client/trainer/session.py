@@ -15,7 +15,7 @@ share, row-weighted agreement, token-weighted gaps. TRL's and verl's integration
         session.open_replay(batch.routed_experts, batch.routed_experts_mask)
         loss = loss_fn(model(batch.input_ids))
         loss.backward()
-        session.add_gap(trainer_logps.detach(), batch.engine_logps, batch.response_mask)
+        session.add_gap(trainer_logps.detach(), batch, batch.response_mask, temperature=T)  # batch.logprobs
         metrics = session.flush()          # closes the block: audit and formula-check verdicts raise here
         optimizer.step()
 """
@@ -32,6 +32,7 @@ from torch import nn
 
 from rr_client.agreement import count_matches
 from rr_client.errors import ConfigurationError, ReplayError
+from rr_client.logprobs import check_comparable_logprobs
 from rr_client.trainer import keys as K
 from rr_client.trainer.metrics import gap_stats
 from rr_client.trainer.replay import CHECK_EVERY, RoutingRecord, record_routing, replay_routing
@@ -176,9 +177,25 @@ class ReplaySession:
                 pass
 
     # ------------------------------------------------------------------ measurements
-    def add_gap(self, trainer_logps: Any, engine_logps: Any, mask: Any = None) -> None:
+    def add_gap(self, trainer_logps: Any, engine_logps: Any, mask: Any = None, *, temperature: float | None = None,
+                logprobs_mode: str | None = None) -> None:
         """Add a micro-batch's log-prob gap (trainer vs the engine's sampling log-probs, over ``mask``); kept on
-        the device until :meth:`flush`, token-weighted over the step."""
+        the device until :meth:`flush`, token-weighted over the step.
+
+        ``engine_logps``: a tensor, or a :class:`rr_client.RoutingTensors` / :class:`rr_client.PackedRouting`
+        whose ``logprobs`` (and ``logprobs_mode``) are used. ``temperature``: the sampling temperature the trainer's
+        log-probs were computed at; with it, log-probs the engine gave before temperature (``logprobs_mode``
+        "raw") or of unknown mode are refused at a temperature other than 1 (:class:`rr_client.LogprobsModeError`),
+        never turned into wrong gaps."""
+        if hasattr(engine_logps, "logprobs") and hasattr(engine_logps, "logprobs_mode"):
+            if engine_logps.logprobs is None:
+                raise ConfigurationError("add_gap: the batch carries no engine log-probs (generate with "
+                                         "return_logprob=True)")
+            if logprobs_mode is not None and logprobs_mode != engine_logps.logprobs_mode:
+                raise ConfigurationError(f"add_gap: logprobs_mode={logprobs_mode!r} but the batch's log-probs are "
+                                         f"{engine_logps.logprobs_mode!r}")
+            engine_logps, logprobs_mode = engine_logps.logprobs, engine_logps.logprobs_mode
+        check_comparable_logprobs(logprobs_mode, temperature, consumer="ReplaySession.add_gap")
         self._gaps.append(gap_stats(trainer_logps.detach() if hasattr(trainer_logps, "detach") else trainer_logps,
                                     engine_logps, mask))
 

@@ -198,3 +198,40 @@ def test_token_logprobs_gap_with_replay_is_zero_on_the_models_own_choice(qwen: A
         session.add_gap(lp, ref)
         lp.sum().backward()
     assert met[K.MEAN_ABS_LOGP_DIFF] < 1e-6 and met[K.AGREEMENT] == 1.0
+
+
+
+def test_add_gap_refuses_pre_temperature_logprobs_at_another_temperature(qwen: Any) -> None:
+    """The engine's log-probs before temperature (vLLM raw_logprobs) or of unknown mode are refused at T != 1
+    (LogprobsModeError naming the flag), never turned into a gap; after temperature (or at T = 1) they are
+    measured, taken from a layout's ``logprobs`` beside its tokens."""
+    import numpy as np
+
+    from rr_client import LogprobsModeError, RRInfo, to_tensors
+
+    info = RRInfo(engine="t", engine_version="0", rr_version="0", num_hidden_layers=LAYERS, num_experts=EXPERTS,
+                  topk=TOPK, moe_layers=[0, 2], wire_dtype="uint8")
+
+    class Sample:
+        index, prompt_ids, output_ids, routed_experts_start = 0, [1, 2], [3, 4, 5], 0
+        routed_experts = np.zeros((4, LAYERS, TOPK), dtype=np.uint8)
+        logprobs = np.array([-0.25, -1.0, -1.5])
+
+        def __init__(self, mode: str | None) -> None:
+            self.logprobs_mode = mode
+
+    trainer = torch.tensor([[0.0, -9.0, -0.5, -1.0, -1.5]])
+    session = ReplaySession(qwen, audit_every=0)
+    for mode in ("raw", None):
+        rt = to_tensors([Sample(mode)], info, pad_side="right")
+        with pytest.raises(LogprobsModeError, match="--logprobs-mode processed_logprobs"):
+            session.add_gap(trainer, rt, rt.response_mask, temperature=0.7)
+        with pytest.raises(LogprobsModeError, match="ReplaySession.add_gap"):
+            session.add_gap(trainer, rt.logprobs, rt.response_mask, logprobs_mode=mode, temperature=0.7)
+    assert session.flush() == {}  # nothing refused was measured
+    rt = to_tensors([Sample("raw")], info, pad_side="right")
+    session.add_gap(trainer, rt, rt.response_mask, temperature=1.0)  # T = 1: before and after are the same
+    rt = to_tensors([Sample("processed")], info, pad_side="right")
+    session.add_gap(trainer, rt, rt.response_mask, temperature=0.7)
+    out = session.flush()
+    assert out[K.LOGP_TOKENS] == 6 and out[K.MEAN_ABS_LOGP_DIFF] == pytest.approx(0.25 / 3)
