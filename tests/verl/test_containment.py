@@ -1,5 +1,7 @@
 """rr in verl, gated and contained: an untested verl is left unpatched, a patch that no longer fits is left out
-alone, FSDP1 with replay is refused, and the multi-turn and SGLang patches leave every other setting to verl.
+alone, FSDP1 with replay is refused, and the multi-turn and SGLang patches leave every other setting to verl. Where
+rr's replay is not active (an untested verl, a failed patch) a worker asked for R2/R3 on FSDP raises, never trains
+unreplayed.
 
 The gate and the failing patches run in fresh processes that ``import verl`` with rr's ``verl.plugins`` entry point
 active (as every verl process does), so verl's own plugin loader and import are what is tested.
@@ -42,7 +44,8 @@ except ImportError:  # no SGLang in this env: verl's server module does not impo
     sglang = None
 print(json.dumps({
     "records": records, "plugin": "rr_client.integrations.verl._plugin" in sys.modules,
-    "installed": rr.installed(), "failed": rr.failed_patches(),
+    "installed": rr.installed(), "guarded": rr.guarded(), "failed": rr.failed_patches(),
+    "workers": globals().get("workers"),
     "worker": is_wrapped(ActorRolloutRefWorker, "__init__"),
     "tool_loop": is_wrapped(ToolAgentLoop, "_handle_generating_state"), "sglang": sglang,
     "tool_loop_rr_attrs": [k for k, v in vars(ToolAgentLoop).items() if getattr(v, MARKER, None) is not None],
@@ -62,6 +65,33 @@ logging.getLogger("rr_client").addHandler(_Keep())
 '''
 
 
+# verl's ActorRolloutRefWorker (role actor) built from verl's generated config, per case of CASES (ppo_config's
+# arguments, ``rollout`` for enable_rollout_routing_replay): ["built", enable_routing_replay] or [error, message]
+_WORKERS = r'''
+import os as _os
+from pathlib import Path as _Path
+from tests.verl import harness as _h
+_h.init_process()
+from verl.workers.engine_workers import ActorRolloutRefWorker as _W
+def _try(**kw):
+    rollout = kw.pop("rollout", None)
+    cfg = _h.ppo_config(_Path(_os.environ["RR_TEST_MODEL_DIR"]), **kw)
+    if rollout is not None:
+        cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay = rollout
+    try:
+        w = _W(config=cfg.actor_rollout_ref, role="actor")
+    except Exception as e:
+        return [type(e).__name__, " ".join(str(e).split())]
+    return ["built", w.enable_routing_replay]
+workers = {name: _try(**kw) for name, kw in CASES.items()}
+'''
+
+
+def with_workers(setup: str, **cases: dict[str, Any]) -> str:
+    """``setup``, then verl's worker built for each case (reported under ``workers``)."""
+    return setup + f"\nCASES = {cases!r}\n" + _WORKERS
+
+
 def run_fresh(setup: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
     """Run ``setup`` then the report in a fresh interpreter (rr's records kept); (report, stderr)."""
     e = {k: v for k, v in os.environ.items() if k not in ("RR_ALLOW_UNSUPPORTED_VERSION", "VERL_USE_EXTERNAL_PLUGINS")}
@@ -72,74 +102,111 @@ def run_fresh(setup: str, env: dict[str, str] | None = None) -> tuple[dict[str, 
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
-_OLD_VERL = r'''
+_UNTESTED_VERL = r'''
 import importlib.metadata
 _real = importlib.metadata.version
-importlib.metadata.version = lambda dist: "0.8.0" if dist == "verl" else _real(dist)
+importlib.metadata.version = lambda dist: "0.9.2" if dist == "verl" else _real(dist)
 import verl  # rr's plugin runs here, from verl's entry-point loader
 import rr_client.integrations.verl as _rr
 _rr.install()  # re-entrant: still off, no second warning
 '''
 
 
-def test_untested_verl_is_left_unpatched_with_one_warning() -> None:
-    got, err = run_fresh(_OLD_VERL)
-    assert got["plugin"] and not got["installed"] and not got["hooks"] and not got["failed"]
+def test_untested_verl_is_left_unpatched_and_refuses_replay_in_the_worker(model_dir: Path) -> None:
+    """verl 0.9.2 (faked in the metadata): one warning, nothing patched but the worker's guard; a worker asked for
+    R2/R3 (or the rollout's routing) on FSDP raises naming why and the override; every other config is verl's."""
+    got, err = run_fresh(with_workers(
+        _UNTESTED_VERL, R3=dict(mode="R3"), R2=dict(mode="R2"), fsdp1_R3=dict(mode="R3", strategy="fsdp"),
+        rollout_rows=dict(mode="disabled", rollout=True), disabled=dict(mode="disabled")),
+        {"RR_TEST_MODEL_DIR": str(model_dir)})
+    assert got["plugin"] and not got["installed"] and got["guarded"] and not got["failed"]
     assert len(got["records"]) == 1, got["records"]
     level, msg = got["records"][0]
     assert level == "WARNING"
-    for part in ("verl 0.8.0", "verl 0.9.1", "FSDP routing replay is off", "RR_ALLOW_UNSUPPORTED_VERSION=1"):
+    for part in ("verl 0.9.2", "verl 0.9.1", "FSDP routing replay is off", "refuses to start",
+                 "RR_ALLOW_UNSUPPORTED_VERSION=1"):
         assert part in msg, msg
-    assert err.count("rr: verl 0.8.0") == 1  # what the user sees (verl's basic logging config), once
-    assert not got["worker"] and not got["tool_loop"] and got["sglang"] in (None, False)
+    assert err.count("rr: verl 0.9.2") == 1  # what the user sees (verl's basic logging config), once
+    assert got["worker"] and not got["tool_loop"] and got["sglang"] in (None, False)  # the guard only
     assert got["registry"] == {"cuda": "FSDPEngineWithLMHead", "npu": "FSDPEngineWithLMHead"} and not got["rr_engine"]
+    w = got["workers"]
+    assert w["disabled"] == ["built", False], w
+    for case, asked in (("R3", "router_replay.mode=R3"), ("R2", "router_replay.mode=R2"),
+                        ("fsdp1_R3", "router_replay.mode=R3"), ("rollout_rows", "enable_rollout_routing_replay=True")):
+        kind, why = w[case]
+        assert kind == "UnsupportedVersionError", (case, w[case])
+        for part in (asked, "verl 0.9.2 is not a release rr was tested with", "train unreplayed",
+                     "RR_ALLOW_UNSUPPORTED_VERSION=1", "router_replay.mode=disabled"):
+            assert part in why, (case, part, why)
 
 
-def test_the_override_patches_an_untested_verl() -> None:
-    got, _ = run_fresh(_OLD_VERL, {"RR_ALLOW_UNSUPPORTED_VERSION": "1"})
-    assert got["installed"] and not got["records"] and not got["failed"]
+def test_the_override_patches_an_untested_verl(model_dir: Path) -> None:
+    got, _ = run_fresh(with_workers(_UNTESTED_VERL, R3=dict(mode="R3")),
+                       {"RR_ALLOW_UNSUPPORTED_VERSION": "1", "RR_TEST_MODEL_DIR": str(model_dir)})
+    assert got["installed"] and not got["guarded"] and not got["records"] and not got["failed"]
     assert got["worker"] and got["tool_loop"] and got["sglang"] in (None, True)
     assert got["rr_engine"] == ["RRFSDPEngineWithLMHead"]
-    # registered only where a worker turns replay on: verl's registry as it ships until then
-    assert got["registry"] == {"cuda": "FSDPEngineWithLMHead", "npu": "FSDPEngineWithLMHead"}
+    assert got["workers"] == {"R3": ["built", True]}  # rr's replay, at the user's risk
+    # registered by that worker (under this process's (device, vendor) key); verl's own entries as shipped
+    assert got["registry"]["cuda"] == "FSDPEngineWithLMHead" and "RRFSDPEngineWithLMHead" in got["registry"].values()
 
 
-def test_a_renamed_verl_method_leaves_only_its_patch_out() -> None:
-    """verl's ToolAgentLoop step renamed (imported before rr installs): one error naming the patch, the loop as
-    verl ships it, the other patches applied at their modules' import."""
-    got, err = run_fresh(r'''
+def test_failed_patches_are_left_out_alone_and_refuse_replay_in_the_worker(model_dir: Path) -> None:
+    """verl's ToolAgentLoop step renamed (imported before rr installs) and the FSDP engine reshaped: one error per
+    patch naming it, those classes as verl ships them, the worker patch applied at its module's import. A worker
+    asked for R3 raises naming both (multi-turn rows and the engine), R2 naming the engine; disabled is verl's."""
+    got, err = run_fresh(with_workers(r'''
 import verl  # VERL_USE_EXTERNAL_PLUGINS=none: rr not installed yet
 from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop as _T
 _T._handle_generating_state_v2 = _T.__dict__["_handle_generating_state"]
 del _T._handle_generating_state
 import rr_client.integrations.verl as _rr
+from rr_client.integrations.verl import _patches as _P
+_P.ENGINE_SHAPES = {**_P.ENGINE_SHAPES, "initialize": ["self", "device"]}  # as if verl's engine changed
 _rr.install()
 _rr.install()  # a failed patch is not retried, nor logged again
 import verl.workers.engine.fsdp.transformer_impl
-''', {"VERL_USE_EXTERNAL_PLUGINS": "none"})
-    assert got["installed"] and list(got["failed"]) == ["verl.experimental.agent_loop.tool_agent_loop"]
-    assert len(got["records"]) == 1, got["records"]
-    level, msg = got["records"][0]
-    assert level == "ERROR" and "patch_tool_agent_loop" in msg and "ToolAgentLoop._handle_generating_state" in msg
-    assert "is missing" in msg and "left as verl ships it" in msg
+''', R3=dict(mode="R3"), R2=dict(mode="R2"), disabled=dict(mode="disabled")),
+        {"VERL_USE_EXTERNAL_PLUGINS": "none", "RR_TEST_MODEL_DIR": str(model_dir)})
+    assert got["installed"] and sorted(got["failed"]) == ["verl.experimental.agent_loop.tool_agent_loop",
+                                                          "verl.workers.engine.fsdp.transformer_impl"]
+    assert [r[0] for r in got["records"]] == ["ERROR", "ERROR"], got["records"]
+    tool, engine = sorted((r[1] for r in got["records"]), key=lambda m: "patch_fsdp_engine" in m)
+    assert "patch_tool_agent_loop" in tool and "ToolAgentLoop._handle_generating_state" in tool
+    assert "is missing" in tool and "left as verl ships it" in tool and "refuses to start" in tool
+    assert "patch_fsdp_engine" in engine and "does not have the shape rr uses" in engine
     assert err.count("patch_tool_agent_loop") == 1
     assert not got["tool_loop"] and not got["tool_loop_rr_attrs"]
-    assert got["worker"] and got["rr_engine"] == ["RRFSDPEngineWithLMHead"]
+    assert got["worker"] and not got["rr_engine"]
+    w = got["workers"]
+    assert w["disabled"] == ["built", False], w
+    assert w["R3"][0] == w["R2"][0] == "UnsupportedVersionError", w
+    for part in ("router_replay.mode=R3", "rr's FSDP replay is not active", "patch_fsdp_engine",
+                 "patch_tool_agent_loop", "train unreplayed"):
+        assert part in w["R3"][1], (part, w["R3"][1])
+    assert "patch_fsdp_engine" in w["R2"][1] and "patch_tool_agent_loop" not in w["R2"][1]  # R2 takes no rollout rows
 
 
-def test_a_shape_change_inside_verls_import_is_contained() -> None:
+def test_a_shape_change_inside_verls_import_is_contained(model_dir: Path) -> None:
     """``ActorRolloutRefWorker.__init__`` no longer has the shape rr wraps (as a new verl would): the import of
-    ``verl.workers.engine_workers`` still works, one error names the patch, the worker is verl's own."""
-    got, _ = run_fresh(r'''
+    ``verl.workers.engine_workers`` still works, one error names the patch; rr's guard takes its place, so a worker
+    asked for R3 (or the rollout's rows) on FSDP raises naming the failed patch, and every other config is verl's."""
+    got, _ = run_fresh(with_workers(r'''
 from rr_client.integrations.verl import _patches as _P
 _P.WORKER_INIT = ["self", "config", "role", "kwargs"]  # what rr expects no longer matches verl's signature
 import verl
-''')
+''', R3=dict(mode="R3"), rollout_rows=dict(mode="disabled", rollout=True), disabled=dict(mode="disabled")),
+        {"RR_TEST_MODEL_DIR": str(model_dir)})
     assert got["installed"] and list(got["failed"]) == ["verl.workers.engine_workers"]
     assert len(got["records"]) == 1 and got["records"][0][0] == "ERROR", got["records"]
     msg = got["records"][0][1]
-    assert "patch_engine_workers" in msg and "does not have the shape rr wraps" in msg and "will not replay" in msg
-    assert not got["worker"] and got["tool_loop"]
+    assert "patch_engine_workers" in msg and "does not have the shape rr wraps" in msg and "refuses to start" in msg
+    assert got["worker"] and got["tool_loop"]  # the worker: rr's guard, not its patch
+    w = got["workers"]
+    assert w["disabled"] == ["built", False], w
+    for case in ("R3", "rollout_rows"):
+        kind, why = w[case]
+        assert kind == "UnsupportedVersionError" and "patch_engine_workers" in why and "failed" in why, w[case]
 
 
 def test_a_missing_verl_class_is_contained(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,10 +16,12 @@ import torch
 from rr_client import settings
 from rr_client.errors import ConfigurationError, MissingRoutingError, UnsupportedModelError
 from rr_client.info import RRInfo
+from rr_client.logprobs import PROCESSED, check_comparable_logprobs
 from rr_client.trainer.replay import find_routers
 from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
 from ._gate import check_verl_version
+from ._patches import ROLLOUT_LOGPROBS
 from ._rows import packed_rows, padded_rows, unpack_recorded
 
 MODES = ("disabled", "R2", "R3")
@@ -43,6 +45,24 @@ def _valid(width: int, offsets: torch.Tensor) -> torch.Tensor:
     """``[B, width]``: True on the real tokens of verl's right-padded input (no remove-padding)."""
     lengths = offsets[1:] - offsets[:-1]
     return torch.arange(width, device=offsets.device)[None, :] < lengths[:, None]
+
+
+def _check_gap_logprobs(temperature: Any) -> None:
+    """Refuse (LogprobsModeError) a gap between the actor's and the rollout's log-probs that would not mean the
+    same thing: the rollout's mode as the worker read it from its config (unknown without rr's worker), at this
+    micro-batch's temperature (a scalar, or one per sample: the first that is not 1). No host read when the mode
+    is post-temperature."""
+    got = ROLLOUT_LOGPROBS.get("rollout")
+    mode = got.mode if got is not None else None
+    if mode == PROCESSED:
+        return
+    if isinstance(temperature, torch.Tensor):
+        off = temperature.detach().float().flatten().cpu()
+        off = off[off != 1.0]
+        temperature = float(off[0]) if off.numel() else 1.0
+    source = got.source if got is not None else "the rollout's log-prob mode is unknown: rr's worker did not read it"
+    check_comparable_logprobs(mode, None if temperature is None else float(temperature),
+                              consumer=f"verl's R3 log-prob gap ({source})")
 
 
 def make_engine_class(base: type) -> type:
@@ -105,7 +125,10 @@ def make_engine_class(base: type) -> type:
             return "replay"
 
         def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
-            self._rr_action = self._rr_action_for(data, forward_only)
+            action = self._rr_action_for(data, forward_only)
+            if action == "replay" and "rollout_log_probs" in data.keys():  # rr computes the gap: same meaning?
+                _check_gap_logprobs(data["temperature"] if "temperature" in data.keys() else None)
+            self._rr_action = action
             if self._rr_action is None:
                 return super().forward_backward_batch(data, loss_function, forward_only)
             session = self.rr_session

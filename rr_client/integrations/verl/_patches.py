@@ -5,7 +5,7 @@
 - ``verl.workers.engine_workers`` (:func:`patch_engine_workers`): ``ActorRolloutRefWorker.__init__`` reads
   ``actor.fsdp_config.router_replay.mode``; only with ``actor.strategy=fsdp2`` and R2/R3 it registers rr's engine
   through ``EngineRegistry.register`` and turns ``enable_routing_replay`` on (verl forces it off for FSDP).
-  FSDP1 (``strategy=fsdp``) with R2/R3 is refused.
+  FSDP1 (``strategy=fsdp``) with R2/R3 is refused, and so is any replay request rr's patches cannot serve.
 - ``verl.experimental.agent_loop.tool_agent_loop`` (:func:`patch_tool_agent_loop`): with rr's FSDP replay on, a
   turn adds only the rows the trajectory did not hold (verl #5825, #6054).
 - ``verl.workers.rollout.sglang_rollout.async_sglang_server`` (:func:`patch_sglang_server`): SGLang routing verl's
@@ -13,7 +13,9 @@
   checked by rr.
 
 Each patch is contained (:func:`apply_patch`): one that fails (a renamed verl method, a shape rr does not wrap)
-logs one error naming it and leaves its module as verl ships it; the import of verl goes on.
+logs one error naming it and leaves its module as verl ships it; the import of verl goes on. Where rr's replay is
+not active (an untested verl, a failed patch), :func:`guard_engine_workers` still wraps the worker's ``__init__``,
+shape-agnostic, so that a worker asked for R2/R3 on FSDP raises instead of training unreplayed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, NamedTuple
 
 from rr_client.errors import ConfigurationError, UnsupportedVersionError
 from rr_client.patching import parameters, wrap_once
+from rr_client.versions import OVERRIDE
 
 from ._gate import TESTED_VERL
 
@@ -38,6 +41,11 @@ WHAT = f"verl {TESTED_VERL}"
 REPLAY_STRATEGY = "fsdp2"
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
 REPLAY_MODES = ("R2", "R3")
+ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+WORKERS_MODULE = "verl.workers.engine_workers"
+TOOL_LOOP_MODULE = "verl.experimental.agent_loop.tool_agent_loop"
+MODE_KEY = "actor_rollout_ref.actor.fsdp_config.router_replay.mode"
+ROLLOUT_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 
 # the shapes rr wraps or subclasses (parameter names, as rr_client.patching.parameters reads them)
 WORKER_INIT = ["self", "config", "role", "distillation_config", "kwargs"]
@@ -58,6 +66,9 @@ REGISTRY_SHAPES: dict[str, list[str]] = {
 
 _ENGINES: dict[str, type] = {}  # model type -> rr's engine class (built by patch_fsdp_engine)
 FAILED: dict[str, str] = {}  # module -> why its patch failed (logged once)
+# the rollout's log-prob mode, as this process's replaying worker read it from its config (rr's engine reads it
+# at batch time; one actor worker per verl process, as for the engine registry)
+ROLLOUT_LOGPROBS: dict[str, Any] = {}
 
 
 # -- the mode, from what each patched object can see
@@ -88,28 +99,51 @@ def fsdp_replay_on(actor_rollout_ref: Any) -> bool:
     return strategy == REPLAY_STRATEGY and mode in REPLAY_MODES
 
 
+def replay_requested(config: Any) -> str | None:
+    """The setting of a worker's ``actor_rollout_ref`` config that asks verl's FSDP actor (fsdp or fsdp2) for
+    routing replay (``router_replay.mode`` R2/R3, or the rollout's routing with
+    ``rollout.enable_rollout_routing_replay``); None when nothing does or the strategy is not FSDP."""
+    strategy, mode = configured_replay(config)
+    if strategy not in FSDP_STRATEGIES:
+        return None
+    if mode in REPLAY_MODES:
+        return f"{MODE_KEY}={mode}"
+    if _get(_get(config, "rollout"), "enable_rollout_routing_replay"):
+        return f"{ROLLOUT_KEY}=True"
+    return None
+
+
 def worker_replay_mode(config: Any) -> str:
     """rr's mode for a worker's ``actor_rollout_ref`` config: R2/R3 on fsdp2, "disabled" for every other strategy
-    (verl's own engines handle megatron and veomni). FSDP1 with R2/R3 is refused: rr never ran on it."""
+    (verl's own engines handle megatron and veomni). FSDP1 with R2/R3 is refused: rr never ran on it; so is the
+    rollout's routing on FSDP with ``router_replay.mode`` disabled (the rows would reach no replay)."""
     strategy, mode = configured_replay(config)
-    if strategy not in FSDP_STRATEGIES or mode == "disabled":
+    asked = replay_requested(config)
+    if asked is None:
         return "disabled"
     if strategy != REPLAY_STRATEGY:
         raise ConfigurationError(
-            f"actor_rollout_ref.actor.strategy={strategy} with fsdp_config.router_replay.mode={mode}: rr replays "
-            f"routing only in verl's FSDP2 engine; set actor_rollout_ref.actor.strategy={REPLAY_STRATEGY} "
-            "(or router_replay.mode=disabled)")
+            f"actor_rollout_ref.actor.strategy={strategy} with fsdp_config.router_replay.mode={mode}"
+            + (f" and {asked}" if mode not in REPLAY_MODES else "") + ": rr replays routing only in verl's FSDP2 "
+            f"engine; set actor_rollout_ref.actor.strategy={REPLAY_STRATEGY} (or router_replay.mode=disabled and "
+            f"{ROLLOUT_KEY}=False)")
+    if mode not in REPLAY_MODES:
+        raise ConfigurationError(
+            f"{asked} with actor.strategy={strategy} but {MODE_KEY}={mode}: the rollout's routing would reach no "
+            f"replay (verl trains unreplayed); set +{MODE_KEY}=R3, or {ROLLOUT_KEY}=False")
     return mode
 
 
 # -- containment
 
 class Patch(NamedTuple):
-    """One verl module's patch: what it wraps, the function, and what the user loses when it cannot apply."""
+    """One verl module's patch: what it wraps, the function, what the user loses when it cannot apply, and what
+    rr puts in its place then (None: nothing)."""
 
     target: str
     apply: Callable[[types.ModuleType], None]
     if_failed: str
+    fallback: Callable[[types.ModuleType, str], None] | None = None
 
 
 def check_shapes(owner: Any, shapes: Mapping[str, Sequence[str]]) -> None:
@@ -140,6 +174,22 @@ def apply_patch(name: str, module: types.ModuleType) -> bool:
         logger.error("rr: verl patch %s (%s) failed, %s is left as verl ships it and %s: %s",
                      patch.apply.__name__, patch.target, name, patch.if_failed, FAILED[name])
         logger.debug("rr: %s failed", patch.apply.__name__, exc_info=True)
+        if patch.fallback is not None:
+            apply_guard(module, f"rr's patch {patch.apply.__name__} of {patch.target} failed ({FAILED[name]})",
+                        patch.fallback)
+        return False
+    return True
+
+
+def apply_guard(module: types.ModuleType, why: str,
+                guard: Callable[[types.ModuleType, str], None] | None = None) -> bool:
+    """Put ``guard`` (default: :func:`guard_engine_workers`) on ``module``, contained like a patch: a failure logs
+    one error (rr can then not refuse R2/R3 on FSDP there) and never raises."""
+    try:
+        (guard or guard_engine_workers)(module, why)
+    except Exception as e:  # noqa: BLE001 - contained: verl's import must go on
+        logger.error("rr: cannot guard %s either (%s: %s): a worker asked for router_replay R2/R3 on FSDP will train "
+                     "unreplayed, without a word from rr", module.__name__, type(e).__name__, e)
         return False
     return True
 
@@ -166,7 +216,7 @@ def patch_fsdp_engine(mod: types.ModuleType) -> None:
 
 def rr_engine_class() -> type:
     """rr's engine class (imports verl's FSDP engine module if needed); UnsupportedVersionError when its patch failed."""
-    name = "verl.workers.engine.fsdp.transformer_impl"
+    name = ENGINE_MODULE
     importlib.import_module(name)
     ours = _ENGINES.get("language_model")
     if ours is None:
@@ -206,10 +256,51 @@ def use_rr_engine(strategy: str) -> type:
 
 # -- verl.workers.engine_workers
 
+def refuse_inactive(config: Any, why: str) -> None:
+    """Raise :class:`UnsupportedVersionError` when ``config`` asks for routing replay on FSDP while rr's replay is
+    not active in this process (``why``): verl alone maps router_replay to disabled there and trains unreplayed."""
+    asked = replay_requested(config)
+    if asked is None:
+        return
+    raise UnsupportedVersionError(
+        f"{asked} (actor.strategy={configured_replay(config)[0]}) asks for routing replay in verl's FSDP actor, but "
+        f"rr's FSDP replay is not active in this process: {why}. verl alone would train unreplayed (it maps "
+        f"router_replay to disabled on FSDP). Pin verl {TESTED_VERL}, set {OVERRIDE}=1 to patch an untested verl at "
+        f"your own risk, or train without replay ({MODE_KEY}=disabled, {ROLLOUT_KEY}=False)")
+
+
+def inactive_patches(mode: str) -> str | None:
+    """Why rr's replay cannot run as asked in this process (the patches it needs that failed), or None.
+
+    Imports the modules of those patches first (each is patched at import): the engine's, and for R3 the tool
+    loop's (a failed one would leave multi-turn rows to verl's overwrite). A patch fails the same way in every
+    process of one install, so the actor worker's answer holds for the agent-loop workers too.
+    """
+    needed = [ENGINE_MODULE]
+    if mode == "R3":
+        try:
+            importlib.import_module(TOOL_LOOP_MODULE)
+            needed.append(TOOL_LOOP_MODULE)
+        except ImportError:  # no tool loop in this verl install: nothing of it can run
+            pass
+    if ENGINE_MODULE not in FAILED:
+        importlib.import_module(ENGINE_MODULE)
+    failed = [f"rr's patch {PATCHES[n].apply.__name__} of {PATCHES[n].target} failed ({FAILED[n]})"
+              for n in needed if n in FAILED]
+    return "; ".join(failed) or None
+
+
 def _worker_init(orig: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(orig)
     def __init__(self: Any, config: Any, role: str, *args: Any, **kwargs: Any) -> None:
         mode = worker_replay_mode(config)  # refuses FSDP1 + R2/R3 before verl builds anything
+        if mode != "disabled":
+            why = inactive_patches(mode)
+            if why is not None:
+                refuse_inactive(config, why)
+            from ._logprobs import check_rollout_logprobs
+
+            ROLLOUT_LOGPROBS["rollout"] = check_rollout_logprobs(_get(config, "rollout"))
         orig(self, config, role, *args, **kwargs)
         if mode != "disabled":
             use_rr_engine(configured_replay(config)[0])
@@ -223,6 +314,26 @@ def patch_engine_workers(mod: types.ModuleType) -> None:
     ``actor.strategy=fsdp2`` and ``fsdp_config.router_replay.mode`` R2/R3 rr's engine replays it. Every other
     strategy, and the disabled mode, run verl's ``__init__`` unchanged."""
     wrap_once(mod.ActorRolloutRefWorker, "__init__", _worker_init, params=WORKER_INIT, what=WHAT)
+
+
+def _guarded_init(why: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    def wrap(orig: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(orig)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            config = kwargs["config"] if "config" in kwargs else (args[0] if args else None)
+            refuse_inactive(config, why)
+            orig(self, *args, **kwargs)
+
+        return __init__
+
+    return wrap
+
+
+def guard_engine_workers(mod: types.ModuleType, why: str) -> None:
+    """Where rr's replay is not active (``why``: an untested verl, the worker patch failed): wrap
+    ``ActorRolloutRefWorker.__init__`` whatever its parameters (the config is its ``config`` argument or first
+    one), only to refuse R2/R3 on FSDP (:func:`refuse_inactive`); every other config runs verl's ``__init__``."""
+    wrap_once(mod.ActorRolloutRefWorker, "__init__", _guarded_init(why), what=f"verl (guard: {why})")
 
 
 # -- verl.experimental.agent_loop.tool_agent_loop
@@ -407,14 +518,16 @@ def patch_sglang_server(mod: types.ModuleType) -> None:
 
 
 PATCHES: dict[str, Patch] = {
-    "verl.workers.engine.fsdp.transformer_impl": Patch(
+    ENGINE_MODULE: Patch(
         "FSDPEngineWithLMHead", patch_fsdp_engine, "router_replay R2/R3 on FSDP is refused at worker start"),
-    "verl.workers.engine_workers": Patch(
+    WORKERS_MODULE: Patch(
         "ActorRolloutRefWorker.__init__", patch_engine_workers,
-        "verl keeps router_replay disabled on FSDP (R2/R3 there will not replay)"),
-    "verl.experimental.agent_loop.tool_agent_loop": Patch(
+        "rr's FSDP replay is off: a worker asked for router_replay R2/R3 on FSDP refuses to start",
+        guard_engine_workers),
+    TOOL_LOOP_MODULE: Patch(
         "ToolAgentLoop._handle_generating_state", patch_tool_agent_loop,
-        "multi-turn routing rows are verl's own (each turn overwrites the earlier ones)"),
+        "multi-turn routing rows would be verl's own (each turn overwrites the earlier ones): a worker asked for "
+        "R3 on FSDP refuses to start"),
     "verl.workers.rollout.sglang_rollout.async_sglang_server": Patch(
         "SGLangHttpServer.generate", patch_sglang_server, "verl reads SGLang's routing itself, unchecked"),
 }

@@ -1,0 +1,88 @@
+"""What verl's rollout log-probs mean (before or after temperature), and the refusal where rr's gap would be wrong.
+
+verl's actor computes ``log_softmax(logits / temperature)``. Its vLLM rollout serves the engine argument
+``actor_rollout_ref.rollout.logprobs_mode`` (verl's default ``processed_logprobs``: after temperature;
+``raw_logprobs`` is before it, the ``*_logits`` modes are no log-probs at all); its SGLang rollout returns them after
+temperature unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set. rr's R3 gap compares the actor's log-probs with the
+rollout's (``rollout_log_probs``, present with ``rollout.calculate_log_probs=True``), so where they would not mean
+the same thing rr refuses (:func:`rr_client.logprobs.check_comparable_logprobs`) instead of reporting a wrong gap.
+No torch, no verl import.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+from rr_client.errors import LogprobsModeError
+from rr_client.logprobs import PROCESSED, RAW, check_comparable_logprobs, mode_from_vllm
+
+__all__ = ["RolloutLogprobs", "rollout_logprobs", "check_rollout_logprobs", "SGLANG_ORIGINAL", "VERL_KEY"]
+
+SGLANG_ORIGINAL = "SGLANG_RETURN_ORIGINAL_LOGPROB"  # SGLang's switch to pre-temperature log-probs
+VERL_KEY = "actor_rollout_ref.rollout.logprobs_mode"
+_LOGITS = ("raw_logits", "processed_logits")  # vLLM modes that return logits in place of log-probs
+
+
+class RolloutLogprobs(NamedTuple):
+    """The rollout's log-prob mode for rr ("processed", "raw" or None for unknown) and the setting it came from."""
+
+    mode: str | None
+    source: str
+
+
+def _get(cfg: Any, key: str) -> Any:
+    """``cfg[key]`` of an omegaconf config, a mapping or a dataclass; None when absent."""
+    if cfg is None:
+        return None
+    getter = getattr(cfg, "get", None)
+    if callable(getter):
+        try:
+            return getter(key, None)
+        except Exception:  # noqa: BLE001 - a dataclass config's get() may not take a default
+            pass
+    return getattr(cfg, key, None)
+
+
+def _truthy(value: str | None) -> bool:
+    """SGLang's ``get_bool_env_var`` reading ("true" or "1", any case)."""
+    return str(value or "").strip().lower() in ("true", "1")
+
+
+def rollout_logprobs(rollout: Any) -> RolloutLogprobs:
+    """The mode of the log-probs verl's rollout (``actor_rollout_ref.rollout`` config) returns, and why rr thinks so
+    (None for a vLLM ``*_logits`` mode: those are logits, not log-probs)."""
+    name = str(_get(rollout, "name") or "")
+    if name == "vllm":
+        vllm_mode = str(_get(rollout, "logprobs_mode") or "raw_logprobs")  # vLLM's own default when verl passes none
+        what = " (logits, not log-probs)" if vllm_mode in _LOGITS else ""
+        return RolloutLogprobs(mode_from_vllm(vllm_mode), f"rollout.name=vllm, {VERL_KEY}={vllm_mode}{what}")
+    if name == "sglang":
+        if _truthy(os.environ.get(SGLANG_ORIGINAL)):
+            return RolloutLogprobs(RAW, f"rollout.name=sglang with {SGLANG_ORIGINAL} set")
+        return RolloutLogprobs(PROCESSED, "rollout.name=sglang")
+    return RolloutLogprobs(None, f"rollout.name={name or '?'} (rr does not know its log-prob mode)")
+
+
+def _fix(got: RolloutLogprobs) -> str:
+    """What to change in verl's config for post-temperature log-probs."""
+    if got.source.startswith("rollout.name=sglang"):
+        return f"unset {SGLANG_ORIGINAL}"
+    return f"set {VERL_KEY}=processed_logprobs (verl's default)"
+
+
+def check_rollout_logprobs(rollout: Any, temperature: Any = None) -> RolloutLogprobs:
+    """The rollout's log-prob mode; where it returns them (``rollout.calculate_log_probs``), refuse
+    (:class:`LogprobsModeError`) what cannot be compared with verl's actor's at ``temperature`` (default:
+    ``rollout.temperature``): pre-temperature or unknown log-probs away from temperature 1, logits at any."""
+    got = rollout_logprobs(rollout)
+    if not _get(rollout, "calculate_log_probs"):
+        return got  # no rollout log-probs: rr computes no gap (the engine checks again if a batch brings some)
+    if str(_get(rollout, "logprobs_mode")) in _LOGITS:
+        raise LogprobsModeError(
+            f"verl's R3 log-prob gap: {got.source}: vLLM returns logits as rollout_log_probs, which no trainer "
+            f"log-prob matches; {_fix(got)}")
+    t = _get(rollout, "temperature") if temperature is None else temperature
+    check_comparable_logprobs(got.mode, None if t is None else float(t),
+                              consumer=f"verl's R3 log-prob gap ({got.source}; {_fix(got)})")
+    return got
