@@ -19,6 +19,7 @@ from torch import nn
 
 from rr_client.errors import ConfigurationError, ReplayError, ShapeMismatchError, UnsupportedModelError
 from rr_client.trainer.replay._audit import Audit, DeviceTally
+from rr_client.trainer.replay._checkpoint import checkpoint_owner
 from rr_client.trainer.replay._routers import Router, in_backward, num_hidden_layers, router_hooks, survey
 from rr_client.trainer.replay._rows import BlockRows, layer_positions, prepare_rows
 
@@ -52,27 +53,44 @@ class ReplayHook:
 
     Called with a router and its output ``(logits, weights, ids, ...)``; returns the output to use instead.
     ``check_every`` (None: no formula check) samples the bit-for-bit formula check by the model's per-layer
-    forward count in ``seen``; ``ckpt`` counts forwards whose checkpoint recompute is still owed."""
+    forward count in ``seen``; ``ckpt`` watches activation checkpoints (reentrant or not, the model's own or an
+    external wrapper): :meth:`owed` lists the layers of checkpointed forwards whose recompute has not run."""
 
     def __init__(self, rows: BlockRows, tally: DeviceTally, audit: Audit | None, seen: dict[int, int],
-                 check_every: int | None, ckpt: bool) -> None:
+                 check_every: int | None, ckpt: bool = True) -> None:
         self.rows = rows
         self.tally = tally
         self.audit = audit
         self.seen = seen
         self.check_every = check_every
         self.ckpt = ckpt
-        self.pending: dict[int, int] = {}  # checkpointed forwards whose recompute (in backward) has not run yet
+        # checkpoint owner's id -> (weak ref, layers): checkpointed forwards whose recompute has not run yet
+        self.pending: dict[int, tuple[weakref.ref[Any], set[int]]] = {}
         self.checked_layers: set[int] = set()
+
+    def _watch(self, layer: int, recompute: bool) -> None:
+        """Note a checkpointed forward's owner (its recompute is owed) or a recompute (paid)."""
+        owner = checkpoint_owner(recompute)
+        if owner is None:
+            return
+        if recompute:
+            self.pending.pop(id(owner), None)
+            return
+        ref, layers = self.pending.get(id(owner), (None, set()))
+        if ref is None or ref() is not owner:  # a new owner (an id may be reused once its owner died)
+            ref, layers = weakref.ref(owner), set()
+            self.pending[id(owner)] = (ref, layers)
+        layers.add(layer)
+
+    def owed(self) -> list[int]:
+        """Layers of checkpointed forwards whose graph is alive and whose recompute has not run."""
+        return sorted({layer for ref, layers in self.pending.values() if ref() is not None for layer in layers})
 
     def __call__(self, r: Router, out: Any) -> Any:
         logits, weights, own = out[0], out[1], out[2]
         recompute = in_backward()
         if self.ckpt:
-            if recompute:
-                self.pending[r.layer] = self.pending.get(r.layer, 0) - 1
-            elif torch.is_grad_enabled():
-                self.pending[r.layer] = self.pending.get(r.layer, 0) + 1
+            self._watch(r.layer, recompute)
         n_rows = self.rows.n_rows
         if logits.shape[0] != n_rows:
             raise ShapeMismatchError(
@@ -141,9 +159,11 @@ def replay_routing(
     (with ``.report``) for an orphan router (never ran), replayed rows no router consumed, or any replayed row
     that did not reach its experts. The audit's counts stay on the device until the block exits (one read).
 
-    With gradient checkpointing, backward re-runs the forwards: call ``backward()`` inside the block (the
-    rows are keyed by decoder layer, so the recompute replays the same rows); leaving the block with a
-    checkpointed forward whose backward has not run is a :class:`ReplayError`.
+    With activation (gradient) checkpointing, backward re-runs the forwards: call ``backward()`` inside the
+    block (the rows are keyed by decoder layer, so the recompute replays the same rows). Leaving the block with
+    a checkpointed forward whose graph is alive and whose backward has not run is a :class:`ReplayError`,
+    reentrant (``use_reentrant=True``) or not, from ``gradient_checkpointing_enable`` or an external wrapper
+    (``torch.utils.checkpoint``, ``checkpoint_wrapper``, an ``autograd.Function`` re-running the layer).
     """
     if check_every < 1:
         raise ConfigurationError(f"check_every must be >= 1, got {check_every}")
@@ -181,9 +201,8 @@ def replay_routing(
         if tuple(tok.shape) != lead:
             raise ShapeMismatchError(f"tokens shape {tuple(tok.shape)} does not match routed_experts rows {lead}")
         tally.add("tokens", tok.bool().sum())  # read with the audit's counts at exit: no extra host read
-    ckpt = any(getattr(mod, "gradient_checkpointing", False) is True for mod in model.modules())
     hook = ReplayHook(rows, tally, aud, _REPLAYED_FORWARDS.setdefault(model, {}),
-                      check_every if check_formula else None, ckpt)
+                      check_every if check_formula else None)
 
     extra = []
     if aud is not None:
@@ -211,10 +230,12 @@ def replay_routing(
         raise UnsupportedModelError(
             f"layers {bad}: {type(r0.module).__name__}'s weights differ from rr's formula for it (transformers "
             "changed the router, or a dtype path rr does not know?); refusing to replay")
-    if any(v > 0 for v in hook.pending.values()):
+    owed = hook.owed()
+    if owed:
         raise ReplayError(
-            "gradient checkpointing is on and a forward ran inside replay_routing whose backward has not: the "
-            "recompute in backward would route with the model's own choice. Call backward() inside the block.")
+            f"a checkpointed forward (activation/gradient checkpointing, reentrant or not) ran inside "
+            f"replay_routing and its backward has not: the recompute of layers {owed} in backward would route "
+            "with the model's own choice. Call backward() inside the block (or drop the graph before leaving).")
     if aud is not None and report is not None:
         aud.finish(counts)
         report.update(aud.report())
