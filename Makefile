@@ -1,7 +1,7 @@
 # One command each: `make demo` (set up + main job), `make test` (set up + every test).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-core test-fast test-sglang test-vllm-standin test-verl docs bench clean
+.PHONY: setup demo test test-core test-fast test-sglang test-vllm-standin test-verl test-transformers-lowest docs bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -28,7 +28,11 @@ test-vllm-standin: setup
 test-verl: setup
 	bash scripts/test_verl.sh
 
-test: test-core test-sglang test-vllm-standin test-verl
+# the low end of the declared transformers range (5.10.4, verl's env): tests/trainer; test-core is the high end (5.23.0)
+test-transformers-lowest: setup
+	bash scripts/test_transformers_lowest.sh
+
+test: test-core test-sglang test-vllm-standin test-verl test-transformers-lowest
 
 # the Python API reference (pdoc) of rr_client's public modules -> build/api/index.html; any warning fails it.
 # Left out: rr_client.integrations.trl (importing TRL raises torch's own DeprecationWarnings) and

@@ -92,7 +92,7 @@ def test_replay_and_audit_hooks_with_cpu_rows(arch: str) -> None:
     _drive(model, rows, mode, routers, left)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", [a for a in ("qwen3_moe", "deepseek_v3") if a in ARCHS])  # 5.10 refuses deepseek_v3
 def test_replay_and_audit_hooks_with_gpu_rows_and_cpu_mask(arch: str) -> None:
     """GPU rows (verl's micro-batch) with a CPU mask: the mask moves to the rows, validation stays on the GPU."""
     mode = fake_mode()

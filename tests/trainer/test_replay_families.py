@@ -1,5 +1,9 @@
 """Every supported MoE family replays on a tiny random model; every refused one is refused with its reason;
-docs/replay-coverage.md equals what the code generates and lists every MoE family of the installed transformers."""
+docs/replay-coverage.md equals what the code generates and lists every MoE family of the installed transformers.
+
+Runs at both ends of the declared transformers range: 5.23 (.venv) and 5.10 (.venvs/verl, scripts/test_verl.sh).
+On 5.10 the families refused there (``REFUSED_IN_LOWEST``) must be refused naming the release, and the families
+5.10 does not have are skipped with that reason."""
 
 from __future__ import annotations
 
@@ -10,18 +14,26 @@ import pytest
 import torch
 
 from rr_client.trainer.replay import UnsupportedModelError, coverage, find_routers, replay_routing, survey
-from rr_client.trainer.replay.coverage import FAMILY_ROUTERS, REFUSED, TESTED, coverage_markdown, installed_moe_families
+from rr_client.trainer.replay._routers import transformers_version
+from rr_client.trainer.replay.coverage import (ABSENT_IN_LOWEST, FAMILY_ROUTERS, HIGHEST, LOWEST, REFUSED,
+                                               REFUSED_IN_LOWEST, TESTED, coverage_markdown, installed_moe_families)
 
-from .tiny_families import VOCAB, forward, tiny_family_model
+from .tiny_families import VOCAB, forward, tiny_family_model, tiny_family_raw
 
 B, T = 2, 5
-SUPPORTED = sorted(f.model_type for f in coverage() if f.status == "supported")
+_MINOR = transformers_version().split(".")[:2]
+AT_LOWEST = _MINOR == LOWEST.split(".")[:2]
+# at 5.10: the families it has whose router replays there (the others are checked by the refusal test below)
+SUPPORTED = sorted(f.model_type for f in coverage() if f.status == "supported"
+                   and not (AT_LOWEST and f.model_type in REFUSED_IN_LOWEST))
 REFUSED_FAMILIES = sorted(f.model_type for f in coverage() if f.status == "refused")
 _MODELS: dict[str, Any] = {}
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def model_for(mt: str) -> Any:
+    if AT_LOWEST and mt in ABSENT_IN_LOWEST:
+        pytest.skip(f"model family {mt} does not exist in transformers {transformers_version()}")
     if mt not in _MODELS:
         _MODELS[mt] = tiny_family_model(mt)
     m = _MODELS[mt]
@@ -84,7 +96,10 @@ def other_ids(model: Any, seed: int) -> torch.Tensor:
 
 
 def test_coverage_lists_every_installed_moe_family_and_the_doc_is_generated() -> None:
-    assert installed_moe_families() == sorted(FAMILY_ROUTERS)
+    # the tests run at the ends of the declared range only: the range is what passed
+    assert _MINOR in (LOWEST.split(".")[:2], HIGHEST.split(".")[:2]), transformers_version()
+    assert installed_moe_families() == sorted(set(FAMILY_ROUTERS) - (ABSENT_IN_LOWEST if AT_LOWEST else set()))
+    assert set(REFUSED_IN_LOWEST) <= TESTED and not set(REFUSED_IN_LOWEST) & ABSENT_IN_LOWEST
     assert TESTED <= set(FAMILY_ROUTERS) and not TESTED & set(REFUSED)
     assert (ROOT / "docs" / "replay-coverage.md").read_text(encoding="utf-8") == coverage_markdown()
     named = {"qwen3_5_moe", "glm4_moe_lite", "minimax_m2", "deepseek_v32", "deepseek_v4", "ernie4_5_moe",
@@ -166,6 +181,21 @@ def test_deepseek_v4_hash_layers_are_left_to_the_model() -> None:
         forward(model, x)
     assert rep["r3/left_layers_hash"] == len(hashed)
     assert all(f"r3/layer{h}/left_rows_hash" in rep for h in hashed)
+
+
+@pytest.mark.parametrize("mt", sorted(REFUSED_IN_LOWEST))
+def test_family_whose_router_changed_is_refused_at_5_10_naming_it_and_replays_at_5_23(mt: str) -> None:
+    model = tiny_family_raw(mt)
+    if AT_LOWEST:
+        with pytest.raises(UnsupportedModelError) as e:
+            survey(model)
+        assert mt in str(e.value) and transformers_version() in str(e.value)
+        with pytest.raises(UnsupportedModelError):  # replay refuses before any forward
+            with replay_routing(model, torch.zeros(B, T, 3, 2, dtype=torch.long)):
+                pass
+    else:  # the facts read from the installed router
+        routers, _ = survey(model)
+        assert routers and {(r.num_experts, r.top_k) for r in routers} == {(8, 2)}
 
 
 @pytest.mark.parametrize("mt", [m for m in REFUSED_FAMILIES if FAMILY_ROUTERS[m]])

@@ -1,4 +1,5 @@
-"""A tiny random model of any MoE family of transformers 5.23, built from its config class (no hub download)."""
+"""A tiny random model of any MoE family of the installed transformers (5.10 or 5.23), built from its config class
+(no hub download)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "beam": dict(mlp_layer_types=["dense", "sparse", "sparse"]),
     "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe", "moe"]),  # one hash-routed layer, left to the model
     "mimo_v2_flash": dict(num_key_value_heads=1),
+    "glm_moe_dsa": dict(mlp_layer_types=["dense", "sparse", "sparse"]),  # 5.10 ignores first_k_dense_replace
 }
 
 
@@ -38,7 +40,8 @@ def tiny_family_config(model_type: str) -> Any:
     return cls(**{**kw, **OVERRIDES.get(model_type, {})})
 
 
-def tiny_family_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
+def tiny_family_raw(model_type: str, seed: int = 0, **overrides: Any) -> Any:
+    """The family's tiny model as transformers builds it (random init), before rr looks at its routers."""
     import transformers
 
     torch.manual_seed(seed)
@@ -47,9 +50,13 @@ def tiny_family_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
         setattr(cfg, k, v)
     cfg._attn_implementation = "eager"
     try:
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     except ValueError:
-        model = transformers.AutoModel.from_config(cfg, dtype=torch.float32)
+        return transformers.AutoModel.from_config(cfg, dtype=torch.float32)
+
+
+def tiny_family_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
+    model = tiny_family_raw(model_type, seed, **overrides)
     g = torch.Generator().manual_seed(seed + 1)
     routers, left = survey(model)
     with torch.no_grad():

@@ -1,4 +1,7 @@
-"""Tiny random MoE models of each supported architecture (transformers 5.x), built in memory in well under a second."""
+"""Tiny random MoE models of each supported architecture (transformers 5.x), built in memory in well under a second.
+
+``ARCHS`` is what replays on the installed transformers: on 5.10 (the low end of the declared range) DeepSeek-V3's
+router returns logits only and rr refuses it (tests/trainer/test_replay_families.py checks that refusal)."""
 
 from __future__ import annotations
 
@@ -6,7 +9,19 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
+ALL_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
+
+
+def _archs() -> tuple[str, ...]:
+    from importlib.metadata import version
+
+    from rr_client.trainer.replay.coverage import LOWEST, REFUSED_IN_LOWEST
+
+    at_lowest = version("transformers").split(".")[:2] == LOWEST.split(".")[:2]
+    return tuple(a for a in ALL_ARCHS if not (at_lowest and a in REFUSED_IN_LOWEST))
+
+
+ARCHS = _archs()
 VOCAB, HIDDEN, LAYERS, EXPERTS, TOPK = 64, 32, 3, 8, 2
 
 

@@ -3,6 +3,8 @@
 Routers are recognised by class name (transformers is never imported), keyed by their decoder-layer index
 (``...layers.<i>...``) so a gradient-checkpointing recompute finds the same rows. :func:`survey` also lists
 the routers rr leaves to the model (hash-routed layers, MTP/draft layers, towers) and refuses unknown ones.
+A router's facts (expert count, top-k, output order) are read from the router that is installed, so one
+family replays across the declared transformers range or is refused naming the installed release.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise MissingDependencyError("rr_client.trainer.replay needs torch: pip install 'rr-replay[torch]'") from e
 
-from rr_client.trainer.replay.coverage import TESTED, family_status, router_family
+from rr_client.trainer.replay.coverage import FAMILY_ROUTERS, HIGHEST, TESTED, family_status, router_family
 from rr_client.trainer.replay.formulas import HASH_ROUTERS, SUPPORTED_ROUTERS, WeightFn
 
 __all__ = ["Router", "LeftRouter", "survey", "find_routers", "num_hidden_layers", "router_hooks", "router_device",
-           "in_backward"]
+           "in_backward", "transformers_version"]
 
 _ROUTER_LIKE = re.compile(r"(router|topk.?gate|moegate|topk.?gating)$", re.IGNORECASE)
 
@@ -63,6 +65,65 @@ def _text_config(model: nn.Module) -> Any:
     return get() if callable(get) else cfg
 
 
+def transformers_version() -> str:
+    """The installed transformers release, from its metadata (not imported), for refusals that name it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def _model_family(model: nn.Module) -> str | None:
+    """The model's family (model type) as rr's coverage table names it, or None if rr does not know it."""
+    for cfg in (_text_config(model), getattr(model, "config", None)):
+        mt = str(getattr(cfg, "model_type", "") or "")
+        for cand in (mt, mt.removesuffix("_text")):
+            if cand in FAMILY_ROUTERS:
+                return cand
+    return None
+
+
+def _family_without_router(model: nn.Module) -> UnsupportedModelError | None:
+    """A supported family whose router classes the installed transformers does not have (an older layout)."""
+    family = _model_family(model)
+    if family is None or not FAMILY_ROUTERS[family] or family_status(family).status != "supported":
+        return None
+    names = {type(m).__name__ for m in model.modules()}
+    if names & set(FAMILY_ROUTERS[family]):
+        return None
+    return UnsupportedModelError(
+        f"model family {family!r} ({type(model).__name__}) has no {' / '.join(FAMILY_ROUTERS[family])} on "
+        f"transformers {transformers_version()}: this release routes inside the MoE block (no router module "
+        f"that returns its top-k choice), which rr cannot replay; rr replays {family} on transformers "
+        f"{HIGHEST} (see docs/replay-coverage.md)")
+
+
+def _int_attr(objs: tuple[Any, ...], names: tuple[str, ...]) -> int | None:
+    for obj in objs:
+        for n in names:
+            v = getattr(obj, n, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
+def _facts(name: str, mod: nn.Module, block: nn.Module, cfg: Any) -> tuple[int, int]:
+    """(expert count, top-k) of the installed router: its attributes, its weight's rows, its block, the config."""
+    n = _int_attr((mod,), ("num_experts", "n_routed_experts"))
+    w = getattr(mod, "weight", None)
+    if n is None and isinstance(w, torch.Tensor) and w.dim() == 2:
+        n = int(w.shape[0])
+    n = n or _int_attr((block, cfg), ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"))
+    k = _int_attr((mod, block), ("top_k",)) or _int_attr((cfg,), ("num_experts_per_tok", "moe_k", "moe_topk"))
+    if n is None or k is None:
+        raise UnsupportedModelError(
+            f"{name}: cannot read the {'expert count' if n is None else 'top-k'} of {type(mod).__name__} on "
+            f"transformers {transformers_version()} (not on the router, its block or the config)")
+    return n, k
+
+
 def _decoder_lists(model: nn.Module, n_hidden: int | None) -> list[str]:
     """Names of the decoder's layer lists: ModuleLists named ``...layers`` of ``num_hidden_layers`` entries."""
     found = [name for name, mod in model.named_modules()
@@ -95,6 +156,9 @@ def survey(model: nn.Module, *, allow_untested: bool = False) -> tuple[list[Rout
         fn = SUPPORTED_ROUTERS.get(cls)
         if fn is None and cls not in HASH_ROUTERS:
             if family is None and _ROUTER_LIKE.search(cls) and not isinstance(mod, nn.Linear):
+                changed = _family_without_router(model)
+                if changed is not None:
+                    raise changed
                 raise UnsupportedModelError(
                     f"{name}: router class {cls} is not supported by rr_client.trainer.replay "
                     f"(supported: {len(SUPPORTED_ROUTERS)} router classes, see docs/replay-coverage.md)")
@@ -108,10 +172,20 @@ def survey(model: nn.Module, *, allow_untested: bool = False) -> tuple[list[Rout
             left.append(LeftRouter(name, cls, "outside_decoder", None))
             continue
         block = modules[name.rsplit(".", 1)[0]] if "." in name else model
-        routers.append(Router(layer, name, mod, block, fn, int(mod.num_experts), int(mod.top_k)))
+        if callable(getattr(block, "route_tokens_to_experts", None)):
+            raise UnsupportedModelError(
+                f"{name}: on transformers {transformers_version()}, {cls} returns router logits only and "
+                f"{type(block).__name__}.route_tokens_to_experts picks the top-k inside the MoE block, which rr "
+                f"cannot replay; rr replays model family {family!r} on transformers {HIGHEST}, whose router "
+                "returns its choice (see docs/replay-coverage.md)")
+        n_experts, top_k = _facts(name, mod, block, cfg)
+        routers.append(Router(layer, name, mod, block, fn, n_experts, top_k))
     if not routers:
         if left:
             return [], left
+        changed = _family_without_router(model)
+        if changed is not None:
+            raise changed
         classes = sorted({type(m).__name__ for m in modules.values() if "moe" in type(m).__name__.lower()
                           or "expert" in type(m).__name__.lower()})
         raise UnsupportedModelError(
@@ -154,7 +228,10 @@ def router_hooks(routers: list[Router], router_hook: Callable[[Router, tuple[Any
     def on_router(r: Router) -> Callable[..., Any]:
         def hook(_m: nn.Module, _args: Any, out: Any) -> Any:
             fired[r.layer] = fired.get(r.layer, 0) + 1
-            return router_hook(r, out)
+            if not _ids_first(r, out):
+                return router_hook(r, out)
+            got = router_hook(r, (out[0], out[2], out[1], *out[3:]))  # (logits, ids, weights): an older release
+            return None if got is None else (got[0], got[2], got[1], *got[3:])
         return hook
 
     def on_block_pre(r: Router) -> Callable[..., Any]:
@@ -180,6 +257,19 @@ def router_hooks(routers: list[Router], router_hook: Callable[[Router, tuple[Any
     finally:
         for h in handles:
             h.remove()
+
+
+def _ids_first(r: Router, out: Any) -> bool:
+    """Whether the router returned ``(logits, ids, weights)`` (False: ``(logits, weights, ids)``); refuses any
+    other output, naming the installed transformers (dtype checks only: no sync)."""
+    if isinstance(out, tuple) and len(out) >= 3 and all(isinstance(t, torch.Tensor) for t in out[:3]):
+        w_float, i_float = out[1].is_floating_point(), out[2].is_floating_point()
+        if w_float != i_float:
+            return i_float
+    got = (f"a {len(out)}-tuple" if isinstance(out, tuple) else type(out).__name__)
+    raise UnsupportedModelError(
+        f"{r.name}: {type(r.module).__name__} on transformers {transformers_version()} returned {got}, not "
+        "(logits, weights, ids) with integer ids: rr cannot replay this router (see docs/replay-coverage.md)")
 
 
 def router_device(r: Router) -> torch.device | None:

@@ -1,8 +1,9 @@
-"""Which MoE families of transformers 5.23 rr replays, and why the others are refused.
+"""Which MoE families rr replays at both ends of the declared transformers range, and why the others are refused.
 
-``coverage()`` lists every MoE family (model type) of the installed transformers 5.23 with its status;
+``coverage()`` lists every MoE family (model type) of transformers 5.23 (:data:`HIGHEST`) with its status;
+:data:`ABSENT_IN_LOWEST` and :data:`REFUSED_IN_LOWEST` say how transformers 5.10 (:data:`LOWEST`) differs.
 ``python -m rr_client.trainer.replay.coverage [PATH]`` writes the table (``docs/replay-coverage.md``); a test keeps
-that file equal to what this module generates and the family list equal to the installed transformers.
+that file equal to what this module generates and the family list equal to the installed transformers (either end).
 
 Statuses: ``supported`` (the router's weight formula is in :data:`SUPPORTED_ROUTERS`, checked bit for bit
 on sampled forwards (``check_every``), and a tiny random model of the family passes rr's replay tests), ``refused`` (replay
@@ -16,8 +17,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-__all__ = ["FAMILY_ROUTERS", "REFUSED", "TESTED", "UNTESTED_REASON", "NOTES", "Family", "family_status", "coverage",
-           "router_family", "installed_moe_families", "coverage_markdown", "main"]
+__all__ = ["LOWEST", "HIGHEST", "ABSENT_IN_LOWEST", "REFUSED_IN_LOWEST", "FAMILY_ROUTERS", "REFUSED", "TESTED", "UNTESTED_REASON", "NOTES", "Family", "family_status", "coverage",
+           "router_family", "lowest_status", "installed_moe_families", "coverage_markdown", "main"]
+
+#: the two ends of the declared transformers range (pyproject's ``[torch]`` extra) that rr's tests run on:
+#: .venvs/verl (scripts/test_verl.sh) and .venv (scripts/setup.sh).
+LOWEST, HIGHEST = "5.10.4", "5.23.0"
 
 #: model type -> its router classes (transformers 5.23); every family with a router or an experts block.
 FAMILY_ROUTERS: dict[str, tuple[str, ...]] = {
@@ -133,6 +138,28 @@ TESTED: frozenset[str] = frozenset({
     "qwen4_exp", "solar_open",
 })
 
+#: families of transformers 5.23 that transformers 5.10 does not have (nothing to replay there).
+ABSENT_IN_LOWEST: frozenset[str] = frozenset({
+    "axk1", "axk2", "bailing_hybrid", "beam", "deepseek_v32", "diffusion_gemma", "dots3_note", "flint", "glm5_next",
+    "granite_docling", "granitemoe_swa", "hy_v4", "inkling", "inkling2", "kimi_linear", "kolibri1", "mimo_v2_flash",
+    "minimax_m3_vl", "mistral_large4", "muse_spark", "qwen4_exp", "step3p7", "unlimited_ocr", "zaya",
+})
+
+_LOGITS_ONLY = ("on transformers 5.10 the router returns logits only and the MoE block picks the top-k "
+                "(route_tokens_to_experts): nothing for rr's router hook to replace")
+_NO_ROUTER = ("on transformers 5.10 there is no router module: the block's gate is a plain Linear and the block "
+              "picks the top-k (route_tokens_to_experts)")
+#: supported families (5.23) that replay raises :class:`UnsupportedModelError` for on transformers 5.10, naming
+#: the installed release: their router there has another shape (survey detects it; this table is for the doc).
+REFUSED_IN_LOWEST: dict[str, str] = {
+    **dict.fromkeys(["deepseek_v3", "dots1", "exaone_moe", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
+                     "hunyuan_v1_moe", "mistral4", "nemotron_h", "solar_open"], _LOGITS_ONLY),
+    **dict.fromkeys(["aria", "deepseek_v2", "jamba"], _NO_ROUTER),
+    **dict.fromkeys(["granitemoe", "granitemoeshared"],
+                    "on transformers 5.10 the router is GraniteMoeTopKGating, which returns an expert-sorted "
+                    "dispatch (as JetMoe's), not per-token ids"),
+}
+
 UNTESTED_REASON = ("the router's weight formula is in rr but no tiny {family} model has passed rr's replay tests "
                    "yet (its tiny config does not build in rr's test harness: multimodal, MLA or per-layer configs); pass allow_untested=True to replay it (the bit-"
                    "for-bit formula check still runs, as for every family)")
@@ -162,8 +189,17 @@ def family_status(model_type: str) -> Family:
 
 
 def coverage() -> list[Family]:
-    """Every MoE family of transformers 5.23, with its status and reason, sorted by model type."""
+    """Every MoE family of transformers 5.23, with its status and reason (at 5.23), sorted by model type."""
     return [family_status(mt) for mt in sorted(FAMILY_ROUTERS)]
+
+
+def lowest_status(model_type: str) -> str:
+    """The family on transformers 5.10 (:data:`LOWEST`): "absent", "refused" or "supported" (as on 5.23)."""
+    if model_type in ABSENT_IN_LOWEST:
+        return "absent"
+    if model_type in REFUSED_IN_LOWEST or family_status(model_type).status == "refused":
+        return "refused"
+    return "supported"
 
 
 def router_family(router_class: str) -> str | None:
@@ -196,8 +232,11 @@ def installed_moe_families() -> list[str]:
 def coverage_markdown() -> str:
     fams = coverage()
     n_sup = sum(f.status == "supported" for f in fams)
+    low = {f.model_type: lowest_status(f.model_type) for f in fams}
+    n_low = sum(v == "supported" for v in low.values())
+    n_absent = sum(v == "absent" for v in low.values())
     lines = [
-        "# Routing replay coverage (transformers 5.23)",
+        f"# Routing replay coverage (transformers {LOWEST} and {HIGHEST})",
         "",
         "Generated by `python -m rr_client.trainer.replay.coverage` from `rr_client/trainer/replay/coverage.py` and",
         "`rr_client/trainer/replay/formulas.py`; `tests/trainer/test_replay_families.py` keeps this file equal to the code",
@@ -205,16 +244,27 @@ def coverage_markdown() -> str:
         "ids run exactly those experts, router gradients are non-zero, gradient checkpointing gives identical",
         "gradients, the audit reports 100%).",
         "",
-        f"{len(fams)} MoE families: {n_sup} supported, {len(fams) - n_sup} refused. Replaying a refused family raises",
-        "`UnsupportedModelError` with the reason below. Hash-routed layers and routers outside the decoder's layer",
-        "list (MTP/draft layers, vision or talker towers) are reported by the audit and left to the model.",
+        f"The declared range (`[torch]`: transformers `>=5.10,<5.24`) is tested at both ends: {HIGHEST} (`.venv`,",
+        f"`make test-core`) and {LOWEST} (`.venvs/verl`, `scripts/test_verl.sh`). On each, the family tests run every",
+        "family supported there and check every family refused there is refused naming the installed release;",
+        f"a family absent from {LOWEST} is skipped there with that reason. A router's expert count and top-k are",
+        "read from the router that is installed (its attributes, its weight's rows, its block, the config).",
         "",
-        "| family (model_type) | router classes | status | reason / note |",
-        "|---|---|---|---|",
+        f"{len(fams)} MoE families (transformers {HIGHEST}): {n_sup} supported, {len(fams) - n_sup} refused. On",
+        f"transformers {LOWEST}: {n_low} supported, {n_absent} absent, {len(fams) - n_low - n_absent} refused (the",
+        f"5.10 column). Replaying a refused family raises `UnsupportedModelError` with the reason below (at {LOWEST},",
+        "naming the installed release). Hash-routed layers and routers outside the decoder's layer list (MTP/draft",
+        "layers, vision or talker towers) are reported by the audit and left to the model.",
+        "",
+        f"| family (model_type) | router classes | status ({HIGHEST}) | {LOWEST} | reason / note |",
+        "|---|---|---|---|---|",
     ]
     for f in fams:
         routers = ", ".join(f"`{r}`" for r in f.routers) or "-"
-        lines.append(f"| `{f.model_type}` | {routers} | {f.status} | {f.reason or '-'} |")
+        reason = f.reason
+        if f.model_type in REFUSED_IN_LOWEST:
+            reason = (reason + "; " if reason else "") + REFUSED_IN_LOWEST[f.model_type]
+        lines.append(f"| `{f.model_type}` | {routers} | {f.status} | {low[f.model_type]} | {reason or '-'} |")
     return "\n".join(lines) + "\n"
 
 
