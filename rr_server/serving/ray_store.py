@@ -27,7 +27,7 @@ from rr_client.errors import RoutingExpiredError
 from rr_client.optional import require
 from rr_client.reference import FramePart, RoutingRef, checksum
 from rr_server.serving.store_ledger import Held, StoreLedger, row_range
-from rr_server.serving.store_siblings import Siblings, merge_stats
+from rr_server.serving.store_siblings import Siblings, merge_stats, retire_everywhere
 
 __all__ = ["RayStoreActor", "RayRoutingStore", "NAMESPACE", "PREFIX", "actor_name", "connect", "list_stores",
            "remove_stores"]
@@ -140,12 +140,11 @@ class RayRoutingStore:
         return dict(self._ray.get(self._actor.retire.remote(int(through))))
 
     def retire(self, through: int) -> dict[str, Any]:
-        from rr_server.serving.routing_store import retire_everywhere
-
         return retire_everywhere(self, through)
 
     def local_stats(self) -> dict[str, Any]:
-        return dict(self._ray.get(self._actor.stats.remote()))
+        return {**self._ray.get(self._actor.stats.remote()),
+                "sibling_reads": self.siblings.forwarded if self.siblings else 0}
 
     def stats(self) -> dict[str, Any]:
         return merge_stats(self.local_stats(), self.siblings.stats() if self.siblings else [])

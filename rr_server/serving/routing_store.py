@@ -38,7 +38,7 @@ from rr_client.errors import ConfigurationError, RoutingExpiredError
 from rr_client.reference import (FRAME_MEDIA_TYPE, READ_PATH, RETIRE_PATH, FramePart, RoutingRef, checksum,
                                  encode_frame)
 from rr_server.serving.store_ledger import Held, StoreLedger, row_range
-from rr_server.serving.store_siblings import Siblings, merge_stats
+from rr_server.serving.store_siblings import Siblings, merge_stats, retire_everywhere
 
 __all__ = ["RoutingStore", "install_store", "current_store", "DEFAULT_MAX_BYTES", "READ_PATH", "RETIRE_PATH",
            "read_endpoint", "retire_endpoint", "STORE_ROUTES", "advertised_url", "MAX_REFS_PER_READ",
@@ -101,27 +101,13 @@ class RoutingStore:
         return FramePart(key, a, b, rows, e.digest if (a, b) == (0, e.n_rows) else "")
 
     def local_stats(self) -> dict[str, Any]:
-        """This process's counters (:meth:`StoreLedger.stats`)."""
+        """This process's counters (:meth:`StoreLedger.stats`; ``sibling_reads``: asks read from a sibling)."""
         with self._lock:
-            return self.ledger.stats()
+            return {**self.ledger.stats(), "sibling_reads": self.siblings.forwarded if self.siblings else 0}
 
     def stats(self) -> dict[str, Any]:
         """Counters for ``/rr/info`` and metrics, summed over the server's processes (:func:`merge_stats`)."""
         return merge_stats(self.local_stats(), self.siblings.stats() if self.siblings else [])
-
-
-def retire_everywhere(store: Any, through: int) -> dict[str, Any]:
-    """Retire ``through`` in ``store`` and its siblings: freed counts summed, the weight version new refs get;
-    ``unreachable`` lists siblings that did not answer."""
-    out: dict[str, Any] = dict(store.local_retire(through))
-    for r in (store.siblings.retire(through) if store.siblings else []):
-        if "unreachable" in r:
-            out.setdefault("unreachable", []).append(r)
-            continue
-        out["retired"] += r["retired"]
-        out["freed_bytes"] += r["freed_bytes"]
-        out["weight_version"] = max(out["weight_version"], r["weight_version"])
-    return out
 
 
 _STORE: RoutingStore | None = None

@@ -34,7 +34,7 @@ import numpy as np
 from rr_client.errors import RoutingExpiredError
 from rr_client.reference import FramePart
 
-__all__ = ["Siblings", "group_dir", "merge_stats"]
+__all__ = ["Siblings", "group_dir", "merge_stats", "retire_everywhere"]
 
 logger = logging.getLogger("rr.routing_store")
 
@@ -138,6 +138,7 @@ class Siblings:
         self._server = _Server(str(self.path), _Handler)
         self._server.answer = self._answer
         self._closed = False
+        self.forwarded = 0  #: asks this process read from a sibling (``sibling_reads`` in the counters)
         threading.Thread(target=self._server.serve_forever, name="rr-store-siblings", daemon=True).start()
         atexit.register(self.close)
 
@@ -223,6 +224,7 @@ class Siblings:
              ) -> list[FramePart | RoutingExpiredError | ValueError]:
         """Rows of ``asks`` (key, start, stop) held by sibling ``instance``: a part, or why not, for each."""
         path = self.dir / f"{instance}.sock"
+        self.forwarded += len(asks)
         try:
             head, data = self._call(path, {"op": "read", "asks": [list(a) for a in asks]})
             return self._parts(head, data)
@@ -287,4 +289,18 @@ def merge_stats(local: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict
     out["weight_version"] = max([local["weight_version"], *(o.get("weight_version", 0) for o in others)])
     out["processes"] = 1 + len(others)
     out["instances"] = [local["instance"], *(o.get("instance") for o in others)]
+    return out
+
+
+def retire_everywhere(store: Any, through: int) -> dict[str, Any]:
+    """Retire ``through`` in ``store`` and its siblings: freed counts summed, the weight version new refs get;
+    ``unreachable`` lists siblings that did not answer."""
+    out: dict[str, Any] = dict(store.local_retire(through))
+    for r in (store.siblings.retire(through) if store.siblings else []):
+        if "unreachable" in r:
+            out.setdefault("unreachable", []).append(r)
+            continue
+        out["retired"] += r["retired"]
+        out["freed_bytes"] += r["freed_bytes"]
+        out["weight_version"] = max(out["weight_version"], r["weight_version"])
     return out

@@ -1,5 +1,6 @@
 """``rr-server launch vllm ... --api-server-count 2`` on a real vLLM CPU server: vLLM's own ``serve`` runs two API
-server processes in front of one engine, and rr's routes are in both.
+server processes in front of one engine, and rr's routes are in both; refs made by either process resolve
+through either (the processes answer for each other's routing stores).
 
 vLLM's ``api_server`` module (the launcher's default command) serves one process and ignores the flag; the
 launcher therefore runs vLLM's ``serve`` for it (``rr_server.vllm_serve``). Routing values are compared with
@@ -12,12 +13,13 @@ import asyncio
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 
-from rr_client import RoutedExpertsClient
+from rr_client import RoutedExpertsClient, RoutingExpiredError
 from rr_client.hf_config import load_config, moe_layers_from_config
 from rr_server.tiny_moe import reference_routing
 from tests.support.prom import rr_samples
@@ -114,3 +116,54 @@ def test_rr_counters_sum_over_both_api_server_processes(two_api_servers: VLLMPro
         ("rr_routing_rows_total", (("format", "npy"),)): sum(m["routed_experts_shape"][0] for m in metas),
         ("rr_routing_bytes_total", (("format", "npy"),)): sum(len(m["routed_experts"]) for m in metas),
     }
+
+
+def test_every_ref_resolves_through_either_api_server_process(two_api_servers: VLLMProcess) -> None:
+    """A 16-sample batch by reference, made by both processes: every ref resolves, twice, in one read per call
+    and one read per ref (fresh connections: the kernel hands each to either process), to transformers' top-k;
+    the rows retire from both processes at once."""
+    url = two_api_servers.base_url
+    prompts = [[3 + i, 17, 29 + i, 41] for i in range(16)]
+
+    async def made() -> list[Any]:
+        async def one(p: list[int]) -> Any:
+            async with RoutedExpertsClient(url) as c:  # a fresh connection each: both processes make refs
+                return (await c.generate([p], {"max_new_tokens": 3, "temperature": 0.0}, by_reference=True)).results[0]
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    async def resolve(results: list[Any], per_ref: bool) -> list[np.ndarray]:
+        if not per_ref:
+            async with RoutedExpertsClient(url) as c:
+                return [r.routed_experts for r in await c.resolve_results(results)]
+        out = []
+        for r in results:
+            async with RoutedExpertsClient(url) as c:
+                out.append((await c.resolve_results([r]))[0].routed_experts)
+        return out
+
+    results = asyncio.run(made())
+    for _ in range(5):  # the kernel picks the process per connection: more batches until both made refs
+        if len({r.routing_ref.store for r in results}) == 2:
+            break
+        results = asyncio.run(made())
+    assert len({r.routing_ref.store for r in results}) == 2, "both API server processes made refs"
+    moe = moe_layers_from_config(load_config(two_api_servers.model_dir))
+    want = [reference_routing(two_api_servers.model_dir, p + list(r.output_ids))[:-1] for p, r in zip(prompts, results)]
+    for per_ref in (False, True):
+        for _ in range(2):
+            for got, ref in zip(asyncio.run(resolve(results, per_ref)), want):
+                assert_routing_sets_equal(np.asarray(got), ref, layers=moe)
+    store = httpx.get(url + "/rr/info", timeout=30).json()["routing_store"]
+    assert store["processes"] == 2 and store["sibling_reads"] > 0 and store["entries"] >= 16
+
+    async def retire() -> None:
+        async with RoutedExpertsClient(url) as c:
+            await c.retire(max(r.routing_ref.weight_version for r in results))
+            with pytest.raises(RoutingExpiredError, match="retired"):
+                await c.resolve_results(results)
+
+    asyncio.run(retire())
+    assert httpx.get(url + "/rr/info", timeout=30).json()["routing_store"]["entries"] == 0
+    log = two_api_servers.log_path.read_text(errors="replace")
+    assert "routing refs name http://127.0.0.1:" in log and "RR_ADVERTISE_URL" in log  # the loopback, said
