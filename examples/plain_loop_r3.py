@@ -3,7 +3,9 @@
 No trainer framework: generate with :class:`rr_client.RoutedExpertsClient`, lay the samples out with
 ``to_tensors``, and let :class:`rr_client.trainer.ReplaySession` replay the engine's routing in the forward and
 the backward, audit it and measure the log-prob gap to the engine. A REINFORCE-style loss with a toy reward
-(longer completions score higher) stands in for your objective.
+(longer completions score higher) stands in for your objective; TRL's importance-sampling correction (its
+default, ``sequence_mask`` at 3: ``importance_sampling_ratio``) weighs each sample by how far the trainer's
+policy is from the engine's that sampled it.
 
     rr-server launch vllm --model <moe checkpoint> --port 8000 ...      # or sglang, or the sidecar
     python examples/plain_loop_r3.py --url http://127.0.0.1:8000 --model-path <the same checkpoint>
@@ -23,6 +25,7 @@ import transformers
 
 from rr_client import GenerateBatch, RoutedExpertsClient
 from rr_client.trainer import ReplaySession, keys
+from rr_client.trainer.correction import importance_sampling_ratio
 from rr_client.trainer.metrics import token_logprobs
 
 PROMPTS = ["The capital of France is", "Mixture of experts models route each token", "1, 2, 3, 4,"]
@@ -43,9 +46,10 @@ async def rollout(url: str, prompts: list[list[int]], samples: int, max_new_toke
 
 
 def engine_logprobs(batch: GenerateBatch, response_mask: torch.Tensor) -> torch.Tensor:
-    """The engine's log-prob of each response token, at that token's position of the padded batch."""
+    """The engine's log-prob of each response token (``GenerateResult.logprobs``, NaN where it gave none), at that
+    token's position of the padded batch."""
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    out[response_mask.bool()] = torch.tensor([row[0] for r in batch for row in r.meta["output_token_logprobs"]])
+    out[response_mask.bool()] = torch.tensor([float(x) for r in batch for x in r.logprobs])
     return out
 
 
@@ -80,14 +84,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
             session.open_replay(rt)  # the engine's routing, replayed in forward and backward
             logits = model(rt.input_ids, attention_mask=rt.attention_mask).logits
             logps = token_logprobs(logits, rt.input_ids)
-            per_sample = (logps * response).sum(-1) / response.sum(-1).clamp(min=1)
+            engine = engine_logprobs(batch, rt.response_mask)
+            # TRL's correction: exp(sum of (trainer - engine) log-probs) per sample, 0 above 3 (detached)
+            ratio = importance_sampling_ratio(logps.detach(), engine, response, mode="sequence_mask",
+                                              clip_min=None, clip_max=3.0)
+            per_sample = (ratio * logps * response).sum(-1) / response.sum(-1).clamp(min=1)
             loss = -(advantage * per_sample).mean()
             loss.backward()
-            session.add_gap(logps, engine_logprobs(batch, rt.response_mask), response)
+            session.add_gap(logps, engine, response)
         optimizer.step()
         optimizer.zero_grad()
 
-        history.append({"step": step, "loss": loss.item(), **metrics})
+        history.append({"step": step, "loss": loss.item(), keys.IS_RATIO_MEAN: ratio.mean().item(), **metrics})
         print(f"step {step}: loss {loss.item():+.4f}  applied {metrics[keys.APPLIED_SHARE]:.3f}  "
               f"agreement {metrics[keys.AGREEMENT]:.3f}  |logp gap| {metrics[keys.MEAN_ABS_LOGP_DIFF]:.2e}")
     # ---------------------------------------------------------------- end of the loop

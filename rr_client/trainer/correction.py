@@ -1,7 +1,7 @@
-"""TRL's importance-sampling correction (TIS / MIS) as a function, for loops that are not TRL's.
+"""TRL's importance-sampling correction (TIS / MIS) as a function, for loops that are not TRL's (no TRL import).
 
-``R3GRPOTrainer`` lets TRL's own code compute and apply the correction (``_trainer.R3GRPOTrainer._trl_correction``);
-this is the same rule for a plain loop (examples/plain_loop_r3.py), checked equal to TRL's on the real server:
+``R3GRPOTrainer`` lets TRL's own code compute and apply the correction (``R3GRPOTrainer._trl_correction``); this is
+the same rule for a plain loop (examples/plain_loop_r3.py), checked equal to TRL 1.16's on the real server:
 the ratio is ``exp(old - engine)`` per token (summed per sequence in the ``sequence_*`` modes), ``*_truncate``
 clamps it into ``[clip_min, clip_max]``, ``*_mask`` sets it to 0 outside; tokens with no engine log-prob (NaN)
 get ratio 1. The loss multiplies its per-token terms by it (detached, it carries no gradient).

@@ -20,9 +20,10 @@ import torch
 
 import transformers
 from datasets import Dataset
+from transformers import TrainerCallback
 from trl import GRPOConfig
 
-from rr_client.integrations.trl import R3GRPOTrainer, RRRollout
+from rr_client.integrations.trl import R3GRPOTrainer, RRRollout, importance_sampling_ratio
 from rr_client.trainer.replay import record_routing
 from tests.support.png import png_size
 from tests.support.vllm_process import VLLMProcess
@@ -226,3 +227,101 @@ def test_sync_to_an_engine_without_dev_mode_stops_with_a_clear_error(qwen_server
     finally:
         sync.close()
     assert (tmp_path / "step-0" / "model.safetensors").exists()  # saved completely before any engine was asked
+
+
+# ----------------------------------------------------------------------------- TRL's correction, in the loss
+class ShiftedLogprobs(RRRollout):
+    """TEST DEVICE: the engine's sampled log-probs moved by ``shift`` nats before TRL sees them, so the importance
+    ratio TRL computes is a known ``exp(-shift)`` per token on identical weights (the engine itself is real)."""
+
+    shift = 0.0
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        out = super().__call__(prompts, trainer)
+        out["logprobs"] = [[x + self.shift for x in row] for row in out["logprobs"]]
+        return out
+
+
+class KeepsISInputs(R3GRPOTrainer):
+    """Test-only: keeps each loss batch's ratio, old and engine log-probs and mask (after TRL computed them)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.is_inputs: list[dict[str, torch.Tensor]] = []
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        self.is_inputs.append({k: inputs[k].detach().clone() for k in (
+            "importance_sampling_ratio", "old_per_token_logps", "sampling_per_token_logps", "completion_mask")
+            if inputs.get(k) is not None})
+        return super()._compute_loss(model, inputs)
+
+
+# (correction mode or None = off, engine shift in nats, clip_min, clip_max, expected gradient factor vs step 0)
+IS_PLAN: list[tuple[str | None, float, float | None, float | None, float]] = [
+    (None, 0.0, None, 3.0, 1.0),
+    ("token_truncate", -2.0, None, 3.0, 3.0),  # ratio e^2 per token, clamped to clip_max
+    ("token_truncate", 2.0, 0.5, 3.0, 0.5),  # ratio e^-2, clamped up to clip_min
+    ("sequence_truncate", -2.0, None, 3.0, 3.0),  # e^(2 x tokens), clamped
+    ("sequence_mask", -2.0, None, 3.0, 0.0),  # TRL's default MIS: every sequence above 3 is masked
+    ("token_mask", -2.0, None, 3.0, 0.0),
+    ("token_truncate", -0.5, None, None, math.exp(0.5)),  # no bound: the ratio itself, e^0.5
+]
+
+
+class ISPlan(TrainerCallback):
+    """Before each step's rollout: that step's correction settings and engine shift (TRL reads them per use)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        mode, shift, lo, hi, _factor = IS_PLAN[state.global_step]
+        t = self.trainer
+        t.vllm_importance_sampling_correction = mode is not None
+        t.vllm_importance_sampling_mode = mode or "token_truncate"
+        t.vllm_importance_sampling_clip_min, t.vllm_importance_sampling_clip_max = lo, hi
+        t.rr_rollout.shift = shift
+
+
+def test_trl_correction_reaches_the_loss_at_temperature_07(qwen_server: VLLMProcess, tiny_models: dict[str, Path],
+                                                           tmp_path: Path) -> None:
+    """TRL 1.16's GRPOTrainer.train on the real server (processed log-probs, rr's launcher), identical fp32 weights
+    (lr 0, no sync), one seeded rollout repeated per step at temperature 0.7, with a separate reference model
+    (beta > 0) replayed and audited. Step 0 (no correction): the trainer-engine gap is below 1e-5. Each later
+    step forces a known ratio: the gradient is the step-0 gradient times the clipped ratio (truncate modes, both
+    bounds), zero when MIS masks every sequence, and TRL's ratio per token is exp(old - engine), equal to rr's
+    importance_sampling_ratio for plain loops."""
+    model_dir = tiny_models["qwen3_dense"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    cfg = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                     max_completion_length=6, max_steps=len(IS_PLAN), learning_rate=0.0, logging_steps=1,
+                     report_to=[], use_cpu=True, bf16=False, save_strategy="no", seed=0, beta=0.04,
+                     temperature=0.7, generation_kwargs={"seed": 7})
+    rollout = ShiftedLogprobs(qwen_server.base_url)
+    trainer = KeepsISInputs(model=model, reward_funcs=length_reward, args=cfg, processing_class=tok,
+                            train_dataset=Dataset.from_dict({"prompt": [PROMPTS[0]] * 8}), rollout_func=rollout,
+                            sync_weights=False, audit_every=1)
+    assert trainer.ref_model is not None and trainer.ref_model is not trainer.model  # TRL's own reference copy
+    trainer.add_callback(ISPlan(trainer))
+    trainer.train()
+
+    steps = [h for h in trainer.state.log_history if "grad_norm" in h]
+    assert len(steps) == len(IS_PLAN) and len(trainer.is_inputs) == len(IS_PLAN)
+    g0 = steps[0]["grad_norm"]
+    assert g0 > 0 and steps[0]["r3/mean_abs_logp_diff"] < 1e-5, steps[0]  # T=0.7, processed log-probs
+    assert all(h["r3/applied_share_min_layer"] == 1.0 for h in steps)  # audited: policy and reference replayed
+    for (mode, shift, lo, hi, factor), h, got in zip(IS_PLAN, steps, trainer.is_inputs):
+        assert h["grad_norm"] == pytest.approx(factor * g0, rel=1e-4, abs=1e-9), (mode, shift, h["grad_norm"], g0)
+        if mode is None:
+            assert "importance_sampling_ratio" not in got
+            continue
+        ratio, old, eng = got["importance_sampling_ratio"], got["old_per_token_logps"], got["sampling_per_token_logps"]
+        ours = importance_sampling_ratio(old, eng, got["completion_mask"], mode=mode, clip_min=lo, clip_max=hi)
+        assert torch.equal(ratio, ours), mode  # rr's function for plain loops is TRL's rule
+        if factor == 0.0:
+            assert not ratio.any() and h["r3/is_ratio_max"] == 0.0
+        if hi is None:  # the unclipped token ratio: exp(trainer old log-prob - engine log-prob), ~e^0.5 here
+            m = got["completion_mask"].bool()
+            assert torch.allclose(ratio[m], torch.exp(old - eng)[m])
+            assert torch.allclose(ratio[m], torch.full_like(ratio[m], math.exp(0.5)), rtol=1e-4)
