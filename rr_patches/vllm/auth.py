@@ -1,10 +1,12 @@
-"""rr's routes and vLLM's dev-mode routes behind vLLM's own ``--api-key`` check.
+"""rr's routes and vLLM's dev-mode and engine-control routes behind vLLM's own ``--api-key`` check.
 
 vLLM's ``AuthenticationMiddleware`` guards only paths under ``GUARDED_PREFIX`` (``/v1``, ``/v2``,
 ``/inference``, ``/cohere`` in 0.30-0.33), so ``/generate`` and ``/rr/*`` would be open, and so would the
-routes ``VLLM_SERVER_DEV_MODE=1`` opens (``/collective_rpc`` runs any worker method). rr adds its prefixes
-and the dev-mode paths to that tuple, so the keys, the Bearer rule, the constant-time compare and the 401
-body are vLLM's own. Where a vLLM has no such tuple, rr guards those paths with the same rule itself.
+routes ``VLLM_SERVER_DEV_MODE=1`` opens (``/collective_rpc`` runs any worker method) and those that drive the
+engine outside dev mode (``/scale_elastic_ep``, the profiler, fault tolerance, SageMaker's ``/adapters``). rr
+adds its prefixes, the dev-mode and the engine-control paths to that tuple, so the keys, the Bearer rule, the
+constant-time compare and the 401 body are vLLM's own. Where a vLLM has no such tuple, rr guards those paths
+with the same rule itself.
 Either way :func:`protect_rr_routes` verifies the result and refuses to serve an unprotected route.
 """
 
@@ -18,7 +20,8 @@ from typing import Any
 
 from rr_client.errors import ConfigurationError
 
-__all__ = ["RR_PREFIXES", "DEV_MODE_PATHS", "vllm_api_keys", "dev_route_paths", "guarded_paths",
+__all__ = ["RR_PREFIXES", "DEV_MODE_PATHS", "ENGINE_CONTROL_PATHS", "vllm_api_keys", "dev_route_paths",
+           "engine_route_paths", "guarded_paths",
            "protect_rr_routes", "UnprotectedRoutesError"]
 
 logger = logging.getLogger("rr.vllm")
@@ -35,8 +38,18 @@ DEV_MODE_PATHS = (
     "/start_draft_weight_update", "/update_weights", "/finish_weight_update", "/update_weight_version",
     "/weight_info", "/weight_checker", "/get_world_size",
 )
+# Routes that change the engine outside dev mode, served open by vLLM (none under its prefixes): elastic EP
+# scaling, the profiler (with --profiler-config), fault tolerance (with --enable-fault-tolerance) and SageMaker's
+# LoRA adapter routes (/adapters, with VLLM_ALLOW_RUNTIME_LORA_UPDATING). Read from vLLM 0.30's app.
+ENGINE_CONTROL_PATHS = (
+    "/scale_elastic_ep", "/is_scaling_elastic_ep", "/start_profile", "/stop_profile", "/fault_tolerance/",
+    "/adapters",
+)
 # Modules whose routes exist only in dev mode: a route a later vLLM adds there is guarded too.
 _DEV_MODULES = ("vllm.entrypoints.serve.dev.", "vllm.entrypoints.rl.")
+# Modules whose routes drive the engine (scaling, profiling, fault tolerance, adapters): guarded the same way.
+_ENGINE_MODULES = ("vllm.entrypoints.serve.elastic_ep.", "vllm.entrypoints.serve.profile.",
+                   "vllm.entrypoints.serve.fault_tolerance.", "vllm.entrypoints.serve.lora.")
 _AUTH_MODULE = "vllm.entrypoints.serve.middleware.authenticate"
 
 
@@ -52,21 +65,32 @@ def vllm_api_keys(args: Any) -> list[str]:
     return [k for k in (cli or [envs.VLLM_API_KEY]) if k]
 
 
-def dev_route_paths(app: Any) -> tuple[str, ...]:
-    """Paths of ``app``'s routes defined in vLLM's dev-mode modules (whatever this vLLM calls them)."""
+def _paths_from(app: Any, modules: tuple[str, ...]) -> tuple[str, ...]:
+    """Paths of ``app``'s routes whose handlers are defined in ``modules`` (a path parameter: its prefix)."""
     found: list[str] = []
     for route in getattr(app, "routes", ()):
         module = getattr(getattr(route, "endpoint", None), "__module__", "") or ""
-        path = (getattr(route, "path", None) or "").split("{", 1)[0]  # a path parameter: guard its prefix
-        if path and module.startswith(_DEV_MODULES) and path not in found:
+        path = (getattr(route, "path", None) or "").split("{", 1)[0]
+        if path and module.startswith(modules) and path not in found:
             found.append(path)
     return tuple(found)
 
 
+def dev_route_paths(app: Any) -> tuple[str, ...]:
+    """Paths of ``app``'s routes defined in vLLM's dev-mode modules (whatever this vLLM calls them)."""
+    return _paths_from(app, _DEV_MODULES)
+
+
+def engine_route_paths(app: Any) -> tuple[str, ...]:
+    """Paths of ``app``'s routes defined in vLLM's engine-control modules (elastic EP, profiler, fault tolerance,
+    LoRA), so one a later vLLM adds there is guarded too."""
+    return _paths_from(app, _ENGINE_MODULES)
+
+
 def guarded_paths(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """Every path (prefix) rr puts behind the keys: rr's own, the dev-mode paths, and ``extra``."""
+    """Every path (prefix) rr puts behind the keys: rr's own, the dev-mode and engine-control paths, and ``extra``."""
     out: list[str] = []
-    for p in (*RR_PREFIXES, *DEV_MODE_PATHS, *extra):
+    for p in (*RR_PREFIXES, *DEV_MODE_PATHS, *ENGINE_CONTROL_PATHS, *extra):
         if p not in out:
             out.append(p)
     return tuple(out)
@@ -140,7 +164,8 @@ def _self_test(middleware_cls: Any, keys: list[str], kwargs_name: str, paths: tu
     bad = {k: v for k, v in statuses.items() if v != (200 if k[1] == "right" else 401)}
     if bad:
         raise UnprotectedRoutesError(
-            f"rr's routes or vLLM's dev-mode routes are not protected by {middleware_cls.__name__} as expected: "
+            f"rr's routes or vLLM's dev-mode or engine-control routes are not protected by {middleware_cls.__name__} "
+            "as expected: "
             f"{bad}; refusing to start")
 
 
@@ -151,12 +176,12 @@ def _dev_mode_on() -> bool:
 
 
 def protect_rr_routes(app: Any, args: Any) -> str:
-    """Put rr's routes and vLLM's dev-mode routes behind vLLM's keys; return how (for the log).
+    """Put rr's routes and vLLM's dev-mode and engine-control routes behind vLLM's keys; return how (for the log).
 
     Raises :class:`UnprotectedRoutesError` when keys are set and a guarded path would still answer without one.
     """
     keys = vllm_api_keys(args)
-    dev = dev_route_paths(app)
+    dev = dev_route_paths(app) + engine_route_paths(app)
     vllm_cls = _extend_vllm_prefixes(dev)
     if not keys:
         if _dev_mode_on():
@@ -170,8 +195,8 @@ def protect_rr_routes(app: Any, args: Any) -> str:
                 "vLLM was given an API key but its AuthenticationMiddleware is not on the app; "
                 "refusing to serve rr's routes and vLLM's dev-mode routes unprotected")
         _self_test(vllm_cls, keys, "tokens", paths)
-        return ("vLLM's AuthenticationMiddleware (rr prefixes and dev-mode paths added to GUARDED_PREFIX; "
-                "self-test passed)")
+        return ("vLLM's AuthenticationMiddleware (rr prefixes, engine-control and dev-mode paths added to "
+                "GUARDED_PREFIX; self-test passed)")
     from rr_server.serving.auth import ApiKeyMiddleware, ApiKeys
 
     protect = _guard(dev)

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from rr_client import RRInfo
 from rr_client.codec import check_routing, decode_routed_experts
 from rr_client.errors import MalformedPayloadError, RRError
-from rr_client.reference import FRAME_MEDIA_TYPE, READ_PATH, ROWS_SCHEMA, FramePart, RoutingRef, checksum, decode_frame, encode_frame
+from rr_client.reference import (FRAME_MEDIA_TYPE, READ_PATH, ROWS_SCHEMA, FramePart, RoutingRef, checksum,
+                                 decode_frame, encode_frame)
 from rr_server.serving import routing_store as rs
 from rr_server.serving.routing_store import RoutingStore
 from tests.support.routing_data import make_routing
