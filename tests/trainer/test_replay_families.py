@@ -47,6 +47,11 @@ def ids() -> torch.Tensor:
     return torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(3))
 
 
+def _own_ids(out: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The router's integer ids: ``(logits, weights, ids)``, or ``(logits, ids, weights)`` (ERNIE-4.5 on 5.10)."""
+    return out[1] if out[2].is_floating_point() else out[2]
+
+
 class Spy:
     """Independent of rr's hooks: what each MoE layer's router returned and what its experts received."""
 
@@ -56,7 +61,7 @@ class Spy:
         self.handles = []
         for r in find_routers(model):
             self.handles.append(r.module.register_forward_hook(
-                lambda _m, _a, out, i=r.layer: self.router.__setitem__(i, out[2].detach().clone())))
+                lambda _m, _a, out, i=r.layer: self.router.__setitem__(i, _own_ids(out).detach().clone())))
             self.handles.append(r.block.experts.register_forward_pre_hook(
                 lambda _m, a, i=r.layer: self.experts.__setitem__(i, a[1].detach().clone())))
 
