@@ -262,7 +262,10 @@ class Siblings:
         for path in self._others():
             try:
                 out.append(self._call(path, {"op": "retire", "through": through})[0]["retired"])
+            except (ConnectionRefusedError, FileNotFoundError):  # died: its rows went with it
+                path.unlink(missing_ok=True)
             except OSError as e:
+                logger.warning("rr: retire through %d did not reach sibling store %s: %s", through, path.stem, e)
                 out.append({"instance": path.stem, "unreachable": f"{type(e).__name__}: {e}"})
         return out
 

@@ -87,7 +87,7 @@ def test_real_vllm_server_answers_ray_refs(ray_cluster: str, tiny_models: dict[s
     prompts = ["Hello world, this is a tiny test.", "1 2 3 4 5"]
     greedy = {"max_new_tokens": 8, "temperature": 0.0}
     try:
-        async def run() -> None:
+        async def run() -> str:
             async with RoutedExpertsClient(server.base_url) as c:
                 inline = await c.generate(prompts, greedy)
                 by_ref = await c.generate(prompts, greedy, by_reference=True)
@@ -100,10 +100,13 @@ def test_real_vllm_server_answers_ray_refs(ray_cluster: str, tiny_models: dict[s
                 await c.retire(by_ref[0].routing_ref.weight_version)  # the server's route retires on the actor
                 with pytest.raises(RoutingExpiredError, match="retired"):
                     await c.resolve_results(by_ref.results)
+                return by_ref[0].routing_ref.url.rsplit("/", 1)[1]
 
-        asyncio.run(run())
+        name = asyncio.run(run())
+        assert name in _store_names()
     finally:
         server.stop()
+    assert _gone(name), "the engine's store actor outlived the engine"
 
 
 def test_one_ray_put_per_sample_and_the_actor_keeps_that_object(ray_cluster: str,

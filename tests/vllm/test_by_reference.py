@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 from typing import Any
 
 import httpx
@@ -14,6 +15,8 @@ import pytest
 
 from rr_client import MissingRoutingError, RoutedExpertsClient, RoutingExpiredError, RoutingRef
 from rr_client.hf_config import load_config, moe_layers_from_config
+from rr_client.reference import decode_frame
+from rr_server.serving.routing_store import MAX_REFS_PER_READ
 from rr_server.tiny_moe import reference_routing
 from tests.support.routing_asserts import assert_routing_sets_equal
 
@@ -52,6 +55,13 @@ def test_rows_by_reference_equal_the_inline_answer_and_transformers(qwen_server:
     after = store_stats(qwen_server)
     assert after["stored"] - before["stored"] == len(PROMPTS)
     assert after["read_bytes"] - before["read_bytes"] == nbytes
+    # one key named 500 times in one read: its rows sent once, every entry the same checked rows
+    ref = by_ref[0].routing_ref
+    r = httpx.post(qwen_server.base_url + "/rr/routing/read", timeout=60,
+                   json={"refs": [{"store": ref.store, "key": ref.key}] * 500})
+    parts = decode_frame(r.content)
+    assert len(parts) == 500 and len(r.content) == 8 + struct.unpack_from("<Q", r.content)[0] + ref.nbytes
+    assert all(p.digest == ref.checksum and np.array_equal(p.rows, inline[0].routed_experts) for p in parts)
 
 
 def test_retired_refs_are_refused_and_later_ones_read(qwen_server: Any) -> None:
@@ -78,6 +88,9 @@ def test_retired_refs_are_refused_and_later_ones_read(qwen_server: Any) -> None:
 def test_read_route_refuses_bad_requests_and_keeps_serving(qwen_server: Any) -> None:
     r = httpx.post(qwen_server.base_url + "/rr/routing/read", content=b"{}", timeout=30)
     assert r.status_code == 400 and "refs" in r.json()["error"]["message"]
+    r = httpx.post(qwen_server.base_url + "/rr/routing/read", timeout=30,
+                   json={"refs": [{"store": "s", "key": "k"}] * (MAX_REFS_PER_READ + 1)})
+    assert r.status_code == 413 and f"at most {MAX_REFS_PER_READ}" in r.json()["error"]["message"]
     r = httpx.post(qwen_server.base_url + "/generate", json={"text": "hi", "return_routed_experts": True,
                                                              "routed_experts_format": "base64"}, timeout=60)
     assert r.status_code == 400
