@@ -85,7 +85,7 @@ def test_any_bytes(body: bytes) -> None:
     _refused_or_rows(body)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(shape=st.one_of(st.lists(dims, min_size=3, max_size=3), st.lists(dims, max_size=5), hostile),
        fields=st.dictionaries(st.sampled_from(["key", "start", "stop", "dtype", "offset", "nbytes", "checksum"]),
                               hostile, max_size=3),
@@ -178,7 +178,7 @@ def test_read_route_refuses_bad_bodies_and_keeps_serving(read_client: Any, body:
     _still_serves(client, ref)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(refs=st.one_of(hostile, st.lists(st.dictionaries(st.sampled_from(["store", "key", "start", "stop"]), hostile,
                                                          max_size=4), max_size=3)),
        raw=st.binary(max_size=40), as_raw=st.booleans())
