@@ -32,25 +32,17 @@ PROMPTS = ["The capital of France is", "Mixture of experts models route each tok
 
 
 async def rollout(url: str, prompts: list[list[int]], samples: int, max_new_tokens: int,
-                  by_reference: bool = False) -> GenerateBatch:
+                  by_reference: bool = False, temperature: float = 1.0) -> GenerateBatch:
     """One rollout: ``samples`` completions per prompt with routing and the engine's sampling log-probs.
 
     ``by_reference``: the server keeps the rows and answers refs (what a controller would hand to trainer ranks);
     each rank then resolves only its own samples' rows, here the one rank all of them."""
     async with RoutedExpertsClient(url) as client:
-        params = {"n": samples, "max_new_tokens": max_new_tokens, "temperature": 1.0}
+        params = {"n": samples, "max_new_tokens": max_new_tokens, "temperature": temperature}
         batch = await client.generate(prompts, params, return_logprob=True, by_reference=by_reference)
         if by_reference:
             batch = GenerateBatch(await client.resolve_results(batch.results), batch.info)
         return batch
-
-
-def engine_logprobs(batch: GenerateBatch, response_mask: torch.Tensor) -> torch.Tensor:
-    """The engine's log-prob of each response token (``GenerateResult.logprobs``, NaN where it gave none), at that
-    token's position of the padded batch."""
-    out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    out[response_mask.bool()] = torch.tensor([float(x) for r in batch for x in r.logprobs])
-    return out
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
@@ -62,6 +54,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--by-reference", action="store_true", help="routing by reference (rows read from the server)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the trainer's too)")
     args = ap.parse_args(argv)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
@@ -73,7 +66,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
 
     # ---------------------------------------------------------------- the loop
     for step in range(args.steps):
-        batch = asyncio.run(rollout(args.url, prompts, args.samples, args.max_new_tokens, args.by_reference))
+        batch = asyncio.run(rollout(args.url, prompts, args.samples, args.max_new_tokens, args.by_reference,
+                                    args.temperature))
         rt = batch.to_tensors(pad_side="right")
         response = rt.response_mask.bool()
         reward = torch.tensor([float(len(r.output_ids)) for r in batch])
@@ -83,15 +77,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         with session.step() as metrics:  # closes the replay block after backward; audit verdicts raise here
             session.open_replay(rt)  # the engine's routing, replayed in forward and backward
             logits = model(rt.input_ids, attention_mask=rt.attention_mask).logits
-            logps = token_logprobs(logits, rt.input_ids)
-            engine = engine_logprobs(batch, rt.response_mask)
+            logps = token_logprobs(logits / args.temperature, rt.input_ids)  # what the engine sampled from
+            engine = rt.logprobs  # the engine's log-probs beside the tokens (after temperature: rr's launchers)
             # TRL's correction: exp(sum of (trainer - engine) log-probs) per sample, 0 above 3 (detached)
             ratio = importance_sampling_ratio(logps.detach(), engine, response, mode="sequence_mask",
                                               clip_min=None, clip_max=3.0)
             per_sample = (ratio * logps * response).sum(-1) / response.sum(-1).clamp(min=1)
             loss = -(advantage * per_sample).mean()
             loss.backward()
-            session.add_gap(logps, engine, response)
+            session.add_gap(logps, rt, response, temperature=args.temperature)  # refuses pre-temperature ones
         optimizer.step()
         optimizer.zero_grad()
 

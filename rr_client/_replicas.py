@@ -26,8 +26,10 @@ from rr_client.info import RRInfo
 
 __all__ = ["Replica", "ReplicaPool", "ReplicaStats", "INFO_KEYS", "info_mismatch"]
 
-# /rr/info fields every replica of one pool must agree on (the routing every payload is checked against).
-INFO_KEYS = ("model", "num_hidden_layers", "num_experts", "topk", "moe_layers", "wire_dtype", "wire_format")
+# /rr/info fields every replica of one pool must agree on (the routing every payload is checked against, and what
+# the sampled log-probs mean: every result is labelled with the pool's logprobs_mode).
+INFO_KEYS = ("model", "num_hidden_layers", "num_experts", "topk", "moe_layers", "wire_dtype", "wire_format",
+             "logprobs_mode")
 _MAX_AFFINITY_KEYS = 65536
 
 

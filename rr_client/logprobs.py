@@ -43,7 +43,7 @@ def check_comparable_logprobs(mode: str | None, temperature: float | None, *, co
     if mode == PROCESSED or temperature is None or float(temperature) == 1.0:
         return
     what = "before temperature (vLLM's default raw_logprobs)" if mode == RAW else "of unknown mode (the server's " \
-        "/rr/info states no logprobs_mode)"
+        "/rr/info states no logprobs_mode; rr's sidecar: --upstream-logprobs-mode)"
     raise LogprobsModeError(
         f"{consumer}: the engine's log-probs are {what} but sampling ran at temperature {temperature}, so they do "
         f"not mean what the trainer's log_softmax(logits / {temperature}) means; serve vLLM with {VLLM_FLAG} "

@@ -121,3 +121,12 @@ def test_vllm_modes_map_to_rrs() -> None:
 def test_info_states_only_known_modes() -> None:
     with pytest.raises(ValueError):
         RRInfo(**{**INFO.model_dump(), "logprobs_mode": "raw_logprobs"})
+
+
+def test_replicas_must_agree_on_the_logprobs_mode() -> None:
+    """Every result is labelled with the pool's mode, so a replica stating another one is a mismatch."""
+    from rr_client._replicas import info_mismatch
+
+    raw = RRInfo(**{**INFO.model_dump(), "logprobs_mode": "raw"})
+    assert info_mismatch(INFO, raw) == {"logprobs_mode": ("processed", "raw")}
+    assert info_mismatch(INFO, RRInfo(**INFO.model_dump())) == {}

@@ -21,7 +21,8 @@ def test_the_loop_is_under_60_lines() -> None:
     assert 5 < end - start - 1 < 60
 
 
-@pytest.mark.parametrize("how", [[], ["--by-reference"]], ids=["inline", "by_reference"])
+# by reference at temperature 0.7: the trainer's log_softmax(logits / 0.7) against the engine's processed log-probs
+@pytest.mark.parametrize("how", [[], ["--by-reference", "--temperature", "0.7"]], ids=["inline", "by_reference_t07"])
 def test_plain_loop_replays_every_step(qwen_server: VLLMProcess, tiny_models: dict[str, Path], how: list[str]) -> None:
     spec = importlib.util.spec_from_file_location("plain_loop_r3", EXAMPLE)
     assert spec is not None and spec.loader is not None
