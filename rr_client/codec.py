@@ -139,9 +139,10 @@ def check_payload(
     if drop_rows < 0:
         raise ShapeMismatchError(f"routed_experts_start must be >= 0, got {drop_rows}")
     arr = _shape3(_to_array(payload, dtype), dims.num_hidden_layers, dims.topk)
-    if stated_shape is not None and [int(s) for s in arr.shape] != [int(s) for s in stated_shape]:
+    if stated_shape is not None and (not isinstance(stated_shape, (list, tuple))
+                                     or [int(s) for s in arr.shape] != list(stated_shape)):
         raise ShapeMismatchError(f"payload shape {list(arr.shape)} differs from stated routed_experts_shape "
-                                 f"{list(stated_shape)}")
+                                 f"{_short(stated_shape)}")
     if drop_rows:
         if drop_rows > arr.shape[0]:
             raise ShapeMismatchError(f"routed_experts_start={drop_rows} exceeds the {arr.shape[0]} rows returned")
@@ -565,6 +566,8 @@ def decode_meta_info(meta_info: Mapping[str, Any], **kwargs: Any) -> np.ndarray:
         kwargs["dtype"] = meta_info["routed_experts_dtype"]
     arr = decode_routed_experts(payload, **kwargs)
     stated = meta_info.get("routed_experts_shape")
-    if stated is not None and kwargs.get("allow_extra_rows", 0) == 0 and list(arr.shape) != list(stated):
-        raise ShapeMismatchError(f"payload shape {list(arr.shape)} differs from stated routed_experts_shape {stated}")
+    if stated is not None and kwargs.get("allow_extra_rows", 0) == 0 and (
+            not isinstance(stated, (list, tuple)) or list(arr.shape) != list(stated)):
+        raise ShapeMismatchError(f"payload shape {list(arr.shape)} differs from stated routed_experts_shape "
+                                 f"{_short(stated)}")
     return arr

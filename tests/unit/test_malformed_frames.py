@@ -194,3 +194,19 @@ def test_read_route_rows_of_the_held_key_with_hostile_ranges(read_client: Any) -
         r = client.post(READ_PATH, content=body)
         assert r.status_code == 400 and r.json()["error"]["message"], (start, stop, r.status_code)
     _still_serves(client, ref)
+
+
+@settings(max_examples=150, deadline=None)
+@given(stated=hostile, dtype=hostile)
+def test_stated_shape_and_dtype_of_any_kind(stated: Any, dtype: Any) -> None:
+    """What a sender states next to the payload (``routed_experts_shape`` / ``_dtype``) is compared, never trusted."""
+    from rr_client.codec import check_payload, decode_meta_info, encode_routed_experts
+
+    good = check_routing(make_routing(2, 3, 2, 8, moe_layers=INFO.moe_layers, seed=4), INFO, rows=2)
+    for call in (lambda: check_payload(good.array, INFO, rows=2, stated_shape=stated),
+                 lambda: decode_meta_info({"routed_experts": encode_routed_experts(good), "routed_experts_shape": stated,
+                                           "routed_experts_dtype": dtype})):
+        try:
+            call()
+        except RRError:
+            pass
