@@ -45,6 +45,8 @@ __all__ = ["RoutingStore", "install_store", "current_store", "DEFAULT_MAX_BYTES"
            "read_many", "TooManyRefs"]
 
 logger = logging.getLogger("rr.routing_store")
+if logger.level == logging.NOTSET:  # the engines' imports raise the root logger to ERROR: keep rr's warnings heard
+    logger.setLevel(logging.WARNING)
 
 DEFAULT_MAX_BYTES = 2 << 30
 MAX_REFS_PER_READ = 4096  #: refs one ``POST /rr/routing/read`` may name (the client reads 64 per call)

@@ -125,7 +125,10 @@ class _Handler(socketserver.BaseRequestHandler):
             head, data = self.server.answer(_recv(self.request)[0])  # type: ignore[attr-defined]
         except Exception as e:  # noqa: BLE001 - reported to the asking sibling, never raised into the thread
             head, data = {"error": f"{type(e).__name__}: {e}"}, []
-        _send(self.request, head, data)
+        try:
+            _send(self.request, head, data)
+        except OSError:  # the asking sibling gave up (timed out, or exited): nothing to answer
+            pass
 
 
 class Siblings:
@@ -145,6 +148,8 @@ class Siblings:
     @classmethod
     def join(cls, store: LocalStore, url: str, base: str | None = None) -> "Siblings | None":
         """Listen for ``store``'s siblings; None (logged) where no private socket directory can be made."""
+        if not _INSTANCE.fullmatch(store.instance):  # only rr's own ids name a socket
+            return None
         d = group_dir(url, base)
         try:
             _prune_dead_groups(d.parent) if d.parent.is_dir() else None
