@@ -18,8 +18,15 @@ def ray_cluster() -> Iterator[str]:
     import ray
 
     saved = dict(os.environ)
-    ray.init(num_cpus=2, include_dashboard=False, namespace="rr", log_to_driver=False,
-             _system_config={"automatic_object_spilling_enabled": False})
+    for attempt in range(3):  # Ray gives its raylet 30 s to come up: on a loaded machine, try again
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, namespace="rr", log_to_driver=False,
+                     _system_config={"automatic_object_spilling_enabled": False})
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for it
+            ray.shutdown()
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
