@@ -231,6 +231,18 @@ def test_fsdp1_with_replay_is_refused(verl_process: None, model_dir: Path, mode:
     assert ActorRolloutRefWorker(config=plain.actor_rollout_ref, role="actor").enable_routing_replay is False
 
 
+def test_the_rollouts_rows_without_replay_are_refused_on_fsdp(verl_process: None, model_dir: Path) -> None:
+    """``enable_rollout_routing_replay=True`` with ``router_replay.mode`` disabled on fsdp2: the rows would reach no
+    replay (R3 silently off), so the worker refuses, naming the mode to set."""
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    cfg = h.ppo_config(model_dir, mode="disabled")
+    cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay = True
+    with pytest.raises(ConfigurationError, match=r"enable_rollout_routing_replay=True with actor\.strategy=fsdp2 but "
+                       r".*router_replay\.mode=disabled.*\+actor_rollout_ref\.actor\.fsdp_config\.router_replay\.mode=R3"):
+        ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
+
+
 def _loop(model_dir: Path, tokenizer: Any, server: ScriptedServer, strategy: str, mode: str) -> Any:
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
     from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
