@@ -5,6 +5,11 @@ sampled formula check does not run, and the check adds at most one formula and 2
 opening a block costs at most 2 host syncs whatever the layer count; the audit at most 16 ops per layer and one
 host read at exit; record_routing 0 ops and 0 syncs in the forward. On a GPU each op is a kernel launch and each
 sync a stall; the time ratios are in docs/benchmarks.md (benchmarks/replay_overhead.py).
+
+On a CPU a ``.cpu()`` or a host-to-device copy is invisible (the tensors already live there), so the hooks also run
+on fake CUDA tensors (tests/support/fake_cuda.py): replay's and the audit's router hooks and record_routing's copy
+nothing between host and device and read nothing; opening a block places the rows with one non-blocking upload per
+device; reading a record is one device-to-host copy.
 """
 
 from __future__ import annotations
@@ -15,9 +20,14 @@ import pytest
 import torch
 
 from rr_client.errors import UnsupportedModelError
-from rr_client.trainer.replay import SUPPORTED_ROUTERS, find_routers, record_routing, replay_routing
+from rr_client.trainer.replay import SUPPORTED_ROUTERS, find_routers, record_routing, replay_routing, survey
+from rr_client.trainer.replay._audit import Audit, DeviceTally
+from rr_client.trainer.replay._replay import ReplayHook
+from rr_client.trainer.replay._routers import Router, num_hidden_layers, router_hooks
+from rr_client.trainer.replay._rows import check_rows, layer_positions, place_rows, row_stats
 from rr_client.trainer.replay.cost import count_ops
 from rr_client.trainer.replay.formulas import softmax_gather
+from tests.support.fake_cuda import CUDA, fake_mode, on_cuda, to_fake_cuda
 from tests.trainer.tiny_models import ARCHS, tiny_config
 
 FAMILIES = tuple(a for a in ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss") if a in ARCHS)  # 5.10: no deepseek_v3
@@ -158,3 +168,79 @@ def test_a_sampled_check_keeps_non_reentrant_checkpointing_consistent() -> None:
         _step(model, x)
     assert report is not None and report["r3/applied_share"] == 1.0
     assert all(p.grad is not None for n, p in model.named_parameters() if n.endswith("mlp.gate.weight"))
+
+
+def test_the_counter_sees_copies_and_allclose() -> None:
+    """Negative controls on fake CUDA tensors: each transfer a hook could hide is counted."""
+    mode = fake_mode()
+    host = torch.ones(4)
+    with mode:
+        dev = torch.ones(4, device=CUDA)
+        with count_ops() as c:
+            dev.cpu()
+            host.to(CUDA)
+            host.to(CUDA, non_blocking=True)
+            dev.to(torch.device("cuda", 1))
+        with count_ops() as same:
+            dev.to(CUDA)
+            host.cpu()
+    assert c.copies == 4 and c.syncs == 2, (c.copy_names, c.sync_names)  # the non-blocking upload does not sync
+    assert same.copies == 0 and same.syncs == 0
+    with count_ops() as c:
+        torch.allclose(host, host)
+    assert c.syncs == 1, c.sync_names
+
+
+def _stub_routers(routers: list[Router], mode: Any) -> dict[int, tuple[torch.Tensor, ...]]:
+    """Stand-in, named: each router's ``forward`` returns fixed fake CUDA outputs (transformers' router forwards
+    need a CUDA device guard on fake tensors); calling the module still runs its real hooks."""
+    outs = {}
+    with mode:
+        for r in routers:
+            outs[r.layer] = (torch.randn(B * T, r.num_experts, device=CUDA), torch.rand(B * T, r.top_k, device=CUDA),
+                             torch.randint(0, r.num_experts, (B * T, r.top_k), device=CUDA))
+            r.module.forward = (lambda o: lambda *_a, **_k: o)(outs[r.layer])
+    return outs
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_hooks_on_a_fake_gpu_copy_nothing(arch: str) -> None:
+    """A ``.cpu()``, ``.to(device)``, ``.item()`` or ``tolist()`` put into a hook fails here (on a CPU they are
+    free, so the CPU budgets above cannot see them)."""
+    mode = fake_mode()
+    model = to_fake_cuda(_model(arch), mode)
+    routers, left = survey(model)
+    n_hidden = num_hidden_layers(model, routers)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.stack([torch.randperm(8, generator=g)[:routers[0].top_k] for _ in range(B * T * n_hidden)])
+    rows = rows.reshape(B * T, n_hidden, -1).to(torch.int16)
+    mask = torch.ones(B * T, dtype=torch.bool)
+    mask[-1] = False
+    pos, _ = layer_positions(n_hidden, n_hidden, routers, None)
+    st = row_stats(rows, mask, routers, pos, None)  # real CPU rows: the block's one host read
+    n_use, _ = check_rows(st, routers)
+    with mode, count_ops() as opening:
+        placed = place_rows(st, n_use, [], routers, audit=True)
+    assert opening.copies == 1 and opening.syncs == 0, (opening.copy_names, opening.sync_names)
+    assert all(on_cuda(lr.ids, lr.use, lr.ids_sorted) for lr in placed.layers.values())
+    outs = _stub_routers(routers, mode)
+    h = torch.zeros(B * T, 4)
+    tally = DeviceTally()
+    aud = Audit(routers, left, placed, tally)
+    hook = ReplayHook(placed, tally, aud, {}, 1)  # the formula check on every forward, the audit on
+    with mode:
+        h = torch.zeros(B * T, 4, device=CUDA)
+        with router_hooks(routers, hook), count_ops() as inside:
+            for r in routers:
+                out = r.module(h)
+                aud.on_experts(r, (h, out[2].clone(), out[1]), {})
+        assert inside.copies == 0 and inside.syncs == 0, (inside.copy_names, inside.sync_names)
+        with record_routing(model) as rec, count_ops() as recorded:
+            for r in routers:
+                r.module(h)
+        assert recorded.ops == 0 and recorded.copies == 0 and recorded.syncs == 0, recorded.names
+        with count_ops() as read:
+            got = rec.routed_experts
+    assert read.copies == 1 and read.syncs == 1, read.copy_names  # reading the record: one transfer
+    assert got.device.type == "cpu" and tuple(got.shape) == (B * T, n_hidden, routers[0].top_k)
+    assert set(outs) == {r.layer for r in routers}

@@ -1,9 +1,10 @@
 """``replay_routing`` (R3): force recorded top-k ids in every MoE router; weights stay differentiable.
 
-Cost model (what ``tests/trainer/test_replay_cost.py`` holds): opening a block validates every layer's rows
-with one host read (:mod:`rr_client.trainer.replay._rows`) and moves them to the routers' devices once; inside the
-forward and backward a router hook runs the layer's weight formula on the replayed ids (plus one ``where``
-when some rows keep the model's own choice) and never syncs. The bit-for-bit formula check and the audit
+Cost model (what ``tests/trainer/test_replay_cost.py`` holds, on the CPU and on fake CUDA tensors): opening a
+block validates every layer's rows with one host read (:mod:`rr_client.trainer.replay._rows`) and moves them to
+the routers' devices in one non-blocking upload per device; inside the forward and backward a router hook runs
+the layer's weight formula on the replayed ids (plus one ``where`` when some rows keep the model's own choice)
+and never syncs nor copies between host and device. The bit-for-bit formula check and the audit
 keep their verdicts on the device and are read once when the block exits.
 """
 
@@ -21,7 +22,7 @@ from rr_client.errors import ConfigurationError, ReplayError, ShapeMismatchError
 from rr_client.trainer.replay._audit import Audit, DeviceTally
 from rr_client.trainer.replay._checkpoint import checkpoint_owner
 from rr_client.trainer.replay._routers import Router, in_backward, num_hidden_layers, router_hooks, survey
-from rr_client.trainer.replay._rows import BlockRows, layer_positions, prepare_rows
+from rr_client.trainer.replay._rows import BlockRows, layer_positions, prepare_rows, upload
 
 __all__ = ["replay_routing", "ReplayHook", "CHECK_EVERY"]
 
@@ -98,9 +99,9 @@ class ReplayHook:
                 "(rows must follow the flattened input_ids, batch-major)")
         lr = self.rows.layers[r.layer]
         if lr.ids.device != own.device:  # the router ran elsewhere than its parameters: move once, keep
-            lr.ids = lr.ids.to(own.device)
-            lr.use = None if lr.use is None else lr.use.to(own.device)
-            lr.ids_sorted = None if lr.ids_sorted is None else lr.ids_sorted.to(own.device)
+            lr.ids = upload(lr.ids, own.device)
+            lr.use = None if lr.use is None else upload(lr.use, own.device)
+            lr.ids_sorted = None if lr.ids_sorted is None else upload(lr.ids_sorted, own.device)
         if self.check_every is not None and not recompute:
             n = self.seen.get(r.layer, 0)
             self.seen[r.layer] = n + 1
@@ -187,7 +188,7 @@ def replay_routing(
         m = torch.as_tensor(mask)
         if tuple(m.shape) != lead:
             raise ShapeMismatchError(f"mask shape {tuple(m.shape)} does not match routed_experts rows {lead}")
-        m = m.reshape(-1).to(device=flat.device, dtype=torch.bool)  # the mask goes to the rows' side
+        m = upload(m.reshape(-1), flat.device).bool()  # the mask goes to the rows' side
     spare = None
     if audit:
         consumed = set(pos.values()) | {axis.index(h) for h in hash_layers if h in axis}

@@ -3,7 +3,8 @@
 Validation runs where the rows live (CPU rows: no GPU sync at all; GPU rows: one sync) and reads every
 layer's verdict with a single ``tolist()``: id range, repeated ids, rows used, and (for the audit) rows at
 layers no router consumes. The rows then move to each router's device once, as one contiguous ``[N, K]``
-int64 tensor per layer, so the router hooks do no validation, no transfer and no sync.
+int64 tensor per layer (one non-blocking upload per device, from pinned memory), so the router hooks do no
+validation, no transfer and no sync.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from rr_client.errors import ExpertIdOutOfRangeError, ShapeMismatchError, UnrecordedRoutingError
 from rr_client.trainer.replay._routers import Router, router_device
 
-__all__ = ["LayerRows", "BlockRows", "RowStats", "layer_positions", "row_stats", "check_rows", "place_rows",
+__all__ = ["LayerRows", "BlockRows", "RowStats", "layer_positions", "row_stats", "check_rows", "upload", "place_rows",
            "prepare_rows"]
 
 
@@ -111,19 +112,19 @@ def row_stats(
     False; rows with a negative id do too. ``unconsumed_positions`` (layer -> axis position) are the axis
     layers no router reads: the audit reports those holding recorded rows."""
     k = int(flat.shape[-1])
-    cols = torch.tensor([pos[r.layer] for r in routers]).to(flat.device)
+    cols = upload(torch.tensor([pos[r.layer] for r in routers]), flat.device)
     sel = flat.index_select(1, cols).long()  # [N, M, K]
     use = (sel >= 0).all(dim=-1)  # [N, M]
-    m = None if mask is None else mask.to(device=flat.device, dtype=torch.bool)
+    m = None if mask is None else upload(mask, flat.device).bool()
     if m is not None:
         use &= m.unsqueeze(1)
     srt = sel.sort(dim=-1).values
-    limit = torch.tensor([r.num_experts for r in routers]).to(flat.device)
+    limit = upload(torch.tensor([r.num_experts for r in routers]), flat.device)
     parts = [((srt.select(-1, k - 1) >= limit) & use).any(dim=0), use.sum(dim=0),
              (_distinct(srt).logical_not() & use).any(dim=0)]
     spare = list((unconsumed_positions or {}).items())
     if spare:
-        rec = _recorded(flat.index_select(1, torch.tensor([p for _, p in spare]).to(flat.device)))
+        rec = _recorded(flat.index_select(1, upload(torch.tensor([p for _, p in spare]), flat.device)))
         parts.append((rec & m.unsqueeze(1) if m is not None else rec).any(dim=0))
     return RowStats(sel, srt, use, torch.cat([p.long() for p in parts]), [layer for layer, _ in spare])
 
@@ -147,24 +148,40 @@ def check_rows(st: RowStats, routers: list[Router]) -> tuple[list[int], list[int
     return [int(x) for x in n_use], [layer for layer, hit in zip(st.spare, tail) if hit]
 
 
+def upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``t`` on ``dev`` in one copy that does not block the host: from pinned memory and ``non_blocking`` when it
+    goes from the host to a GPU (the caching host allocator keeps the pinned buffer until the copy ran)."""
+    if t.device == dev:
+        return t
+    if dev.type == "cpu":
+        return t.to(dev)
+    if t.device.type == "cpu" and dev.type == "cuda" and torch.cuda.is_available():
+        t = t.pin_memory()
+    return t.to(dev, non_blocking=True)
+
+
 def place_rows(st: RowStats, n_use: list[int], unconsumed: list[int], routers: list[Router], *,
                audit: bool = False) -> BlockRows:
-    """Each layer's rows on its router's device: one transfer per device, layer-major so every layer's
-    ``[N, K]`` is contiguous. ``audit`` also places the sorted rows."""
-    n = int(st.sel.shape[0])
-    ids = st.sel.clamp_min(0)
-    placed: dict[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor] | None,
-                                     Sequence[torch.Tensor]]] = {}
+    """Each layer's rows on its router's device: one non-blocking upload per device of one layer-major buffer
+    (ids, sorted ids with ``audit``, and the rows used), split on the device into contiguous ``[N, K]`` views."""
+    n, m, k = (int(x) for x in st.sel.shape)
+    nk = n * k
+    parts = [st.sel.clamp_min(0).transpose(0, 1).reshape(m, nk)]
+    if audit:
+        parts.append(st.srt.transpose(0, 1).reshape(m, nk))
+    parts.append(st.use.transpose(0, 1).long())
+    packed = torch.cat(parts, dim=1)  # [M, NK (+ NK) + N] int64, contiguous
+    placed: dict[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] = {}
     layers: dict[int, LayerRows] = {}
     for i, r in enumerate(routers):
         dev = router_device(r) or st.sel.device
         if dev not in placed:
-            placed[dev] = (ids.transpose(0, 1).contiguous().to(dev).unbind(0),
-                           st.srt.transpose(0, 1).contiguous().to(dev).unbind(0) if audit else None,
-                           st.use.transpose(0, 1).contiguous().to(dev).unsqueeze(-1).unbind(0))
-        ids_d, srt_d, use_d = placed[dev]
-        layers[r.layer] = LayerRows(ids_d[i], None if n_use[i] == n else use_d[i],
-                                    None if srt_d is None else srt_d[i], n_use[i])
+            up = upload(packed, dev)
+            placed[dev] = up.unbind(0), up.narrow(1, up.shape[1] - n, n).bool().unsqueeze(-1).unbind(0)
+        rows_d, use_d = placed[dev]
+        row = rows_d[i]
+        layers[r.layer] = LayerRows(row.narrow(0, 0, nk).view(n, k), None if n_use[i] == n else use_d[i],
+                                    row.narrow(0, nk, nk).view(n, k) if audit else None, n_use[i])
     return BlockRows(n, layers, unconsumed)
 
 

@@ -1,12 +1,15 @@
-"""Count the aten ops and host syncs a piece of torch code runs: the cost model of replay, measurable anywhere.
+"""Count the aten ops, host syncs and cross-device copies a piece of torch code runs: replay's cost model.
 
-On a GPU each aten op is (at least) a kernel launch and each host sync stalls the stream until the device
-catches up; both can be counted on a CPU. ``with count_ops() as c: ...`` counts every op the dispatcher
-runs (views included) and every host read: the ops that need device data on the host
-(``_local_scalar_dense`` behind ``int()``/``bool()``/``item()``, ``nonzero``, ``equal``, boolean indexing,
-``masked_select``, ``unique``, ...), device-to-CPU copies, and ``tolist()``/``numpy()``, which on a CPU
-tensor never reach the dispatcher. ``benchmarks/replay_overhead.py`` prints it per MoE layer and
-``tests/trainer/test_replay_cost.py`` holds the budget.
+On a GPU each aten op is (at least) a kernel launch, each host sync stalls the stream until the device catches
+up, and each copy between host and device moves bytes over PCIe; all three can be counted on a CPU, the copies
+with device tensors (real ones on a GPU, or the fake CUDA tensors of PyTorch's ``FakeTensorMode`` on a CPU).
+``with count_ops() as c: ...`` counts every op the dispatcher runs (views included); every host read: the ops
+that need device data on the host (``_local_scalar_dense`` behind ``int()``/``bool()``/``item()``, ``nonzero``,
+``equal``, ``allclose``, boolean indexing, ``masked_select``, ``unique``, ...), ``tolist()``/``numpy()`` (which
+on a CPU tensor never reach the dispatcher) and every *blocking* cross-device copy (device to host always:
+``.cpu()``, ``.to("cpu")``; host to device unless ``non_blocking=True``: torch then synchronizes the stream);
+and in ``copies`` every copy between devices, blocking or not. ``benchmarks/replay_overhead.py`` prints it per
+MoE layer and ``tests/trainer/test_replay_cost.py`` holds the budgets, on CPU and on fake CUDA tensors.
 """
 
 from __future__ import annotations
@@ -28,23 +31,32 @@ SYNC_OPS = frozenset({
     "aten._local_scalar_dense", "aten.nonzero", "aten.nonzero_static", "aten.equal", "aten.is_nonzero",
     "aten.masked_select", "aten.unique", "aten._unique", "aten._unique2", "aten.unique_consecutive",
     "aten.unique_dim", "aten.bincount", "aten.histc", "aten.repeat_interleave", "aten.item",
-    "aten._assert_async",
+    "aten._assert_async", "aten.allclose",
 })
 _HOST_READS = frozenset({"tolist", "numpy"})
 
 
 @dataclass
 class OpCount:
-    """What ran inside ``count_ops``: ``ops`` aten ops, ``syncs`` host reads, each by name."""
+    """What ran inside ``count_ops``: ``ops`` aten ops, ``syncs`` host reads (blocking copies included),
+    ``copies`` cross-device copies (blocking or not), each by name."""
 
     ops: int = 0
     syncs: int = 0
+    copies: int = 0
     names: Counter[str] = field(default_factory=Counter)
     sync_names: Counter[str] = field(default_factory=Counter)
+    copy_names: Counter[str] = field(default_factory=Counter)
 
     def sync(self, name: str) -> None:
+        """Count one host read (or blocking copy) named ``name``."""
         self.syncs += 1
         self.sync_names[name] += 1
+
+    def copy(self, name: str) -> None:
+        """Count one cross-device copy named ``name``."""
+        self.copies += 1
+        self.copy_names[name] += 1
 
 
 def _packet(func: Any) -> str:
@@ -75,12 +87,28 @@ class _Dispatch(TorchDispatchMode):
                 and _bool_index(args):
             c.sync(f"{name}(bool)")
         elif name in ("aten._to_copy", "aten.copy_"):
-            src = args[1] if name == "aten.copy_" else args[0]
-            dst = kwargs.get("device") if name == "aten._to_copy" else args[0].device
-            if isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst is not None \
-                    and torch.device(dst).type == "cpu":
-                c.sync(f"{name}(to cpu)")
+            _count_copy(c, name, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _count_copy(c: OpCount, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A ``_to_copy``/``copy_`` between two devices: a copy; a sync too when it blocks the host."""
+    if name == "aten.copy_":
+        dst_t, src = args[0], args[1] if len(args) > 1 else None
+        dst = dst_t.device if isinstance(dst_t, torch.Tensor) else None
+        non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    else:
+        src, dst = args[0] if args else None, kwargs.get("device")
+        non_blocking = bool(kwargs.get("non_blocking", False))
+    if not isinstance(src, torch.Tensor) or dst is None:
+        return
+    a, b = src.device, torch.device(dst)
+    if a.type == b.type and (a.index == b.index or None in (a.index, b.index)):
+        return
+    label = f"{name}({a.type}->{b.type})"
+    c.copy(label)
+    if b.type == "cpu" or (a.type == "cpu" and not non_blocking):  # read by the host / stream synchronized
+        c.sync(label)
 
 
 class _Function(TorchFunctionMode):
@@ -96,7 +124,7 @@ class _Function(TorchFunctionMode):
 
 @contextmanager
 def count_ops() -> Iterator[OpCount]:
-    """Count aten ops and host syncs of the code inside the block (forward and backward alike)."""
+    """Count aten ops, host syncs and cross-device copies of the code inside the block (forward and backward)."""
     c = OpCount()
     with _Function(c), _Dispatch(c):
         yield c
