@@ -228,3 +228,26 @@ def test_before_0_5_8_there_is_no_admin_key_to_bypass() -> None:
 
     assert "admin_api_key" not in ServerArgs.__dataclass_fields__
     assert importlib.util.find_spec("sglang.srt.utils.auth") is None
+
+
+async def test_every_route_but_health_metrics_ready_needs_the_key(tiny_moe: Path, patched: None,
+                                                                  launcher_auth: Any) -> None:
+    """Issue 36: with ``--api-key`` every route of SGLang's real app (its weight, cache, profiler, LoRA and other
+    engine-changing routes, and rr's) refuses a request without the key; only ``/health*``, ``/metrics*`` and
+    (0.5.20+) ``/ready*`` pass, as docs/security.md says. The middleware answers before any handler runs."""
+    h = Harness(tiny_moe, api_key=KEY)
+    assert launcher_auth(h)
+    open_prefixes = ("/health", "/metrics", "/ready")
+    routes = [(sorted(getattr(r, "methods", None) or ["GET"]), r.path) for r in h.http.app.router.routes
+              if getattr(r, "path", "").startswith("/")]
+    assert len(routes) > 30 and any(p == "/rr/info" for _, p in routes)
+    wrong = {}
+    async with _client(h) as c:
+        for methods, path in routes:
+            if path.startswith(open_prefixes) or path in ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"):
+                continue
+            method = "POST" if "POST" in methods else methods[0]
+            resp = await c.request(method, path.replace("{", "").replace("}", ""), json={})
+            if resp.status_code not in (401, 403):
+                wrong[f"{method} {path}"] = resp.status_code
+    assert wrong == {}
