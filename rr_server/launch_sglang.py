@@ -185,5 +185,10 @@ def main(argv: Sequence[str]) -> int:
         sys.stderr.write(f"rr-server: {e}\n")
         return 2
     logger.info("rr: SGLang patched by %s; arguments: %s", how, " ".join(args))
+    from rr_server.serving.sglang_facts import ORIGINAL_LOGPROB_ENV, logprobs_mode
+
+    if logprobs_mode() == "raw":
+        logger.warning("rr: %s is set: SGLang's sampled log-probs are before temperature (/rr/info logprobs_mode "
+                       "raw); trainers refuse them at temperature != 1", ORIGINAL_LOGPROB_ENV)
     _run(args)
     return 0

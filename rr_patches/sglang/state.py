@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from rr_client.info import RRInfo
-from rr_client.logprobs import PROCESSED, RAW
-from rr_server.serving.sglang_facts import Profile, profile_for
+from rr_server.serving.sglang_facts import Profile, logprobs_mode, profile_for
 
 __all__ = ["RRState", "state_of", "rr_enabled"]
 
@@ -35,14 +33,6 @@ def _hf_config(tm: Any) -> dict[str, Any]:
 def rr_enabled(tm: Any) -> bool:
     """rr acts only on servers started with ``--enable-return-routed-experts``."""
     return bool(getattr(tm.server_args, "enable_return_routed_experts", False))
-
-
-def logprobs_mode(env: Any = None) -> str:
-    """What SGLang's sampled log-probs mean (every release rr supports, 0.5.7+): after temperature (``log`` of the
-    temperature-scaled softmax, before top-k/top-p), unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is true (then
-    before temperature), read as SGLang's ``get_bool_env_var`` does."""
-    value = (os.environ if env is None else env).get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false")
-    return RAW if str(value).lower() in ("true", "1") else PROCESSED
 
 
 def _info_for(tm: Any, profile: Profile) -> RRInfo | None:

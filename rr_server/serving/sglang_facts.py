@@ -6,14 +6,17 @@ The patch, the launcher, the sidecar and the doctor read these facts; none of th
 from __future__ import annotations
 
 import importlib.metadata
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rr_client.errors import UnsupportedVersionError
+from rr_client.logprobs import PROCESSED, RAW
 from rr_client.versions import Tested, check_version
 from rr_server.serving.release import parse_release
 
 __all__ = ["MIN_VERSION", "MAX_VERSION", "TESTED", "DRAFT_FIX_RELEASE", "Profile", "UnsupportedSGLangError",
-           "installed_version", "profile_for", "facts_for"]
+           "installed_version", "profile_for", "facts_for", "ORIGINAL_LOGPROB_ENV", "logprobs_mode"]
 
 # The SGLang releases rr's patch was tested on, each bound compared at patch precision.
 TESTED = Tested("0.5.7", "0.5.23")
@@ -113,3 +116,15 @@ def profile_for(version: str | None = None) -> Profile:
             "it was not tested against (pin a tested SGLang, or use the rr sidecar in front of it).",
             package=e.package, version=e.version, tested=e.tested) from None
     return profile
+
+
+# SGLang's switch to pre-temperature sampled log-probs (its sampler, every release 0.5.7 - 0.5.23)
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+
+
+def logprobs_mode(env: Mapping[str, str] | None = None) -> str:
+    """What SGLang's sampled log-probs mean (0.5.7 - 0.5.23): after temperature (``log`` of the temperature-scaled
+    softmax, before top-k/top-p/min-p), or before it when ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is true (read as
+    SGLang's ``get_bool_env_var`` reads it)."""
+    value = (os.environ if env is None else env).get(ORIGINAL_LOGPROB_ENV, "false")
+    return RAW if str(value).lower() in ("true", "1") else PROCESSED

@@ -135,15 +135,6 @@ async def test_rr_info_route(tiny_moe: Path, patched: None) -> None:
     assert info["logprobs_mode"] == "processed"  # SGLang's sampled log-probs are after temperature by default
 
 
-def test_sglang_logprobs_mode_follows_its_original_logprob_switch() -> None:
-    """``SGLANG_RETURN_ORIGINAL_LOGPROB`` (read as SGLang reads it) turns SGLang's log-probs pre-temperature."""
-    from rr_patches.sglang.state import logprobs_mode
-
-    assert logprobs_mode({}) == "processed" and logprobs_mode({"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}) == "processed"
-    assert logprobs_mode({"SGLANG_RETURN_ORIGINAL_LOGPROB": "True"}) == "raw"
-    assert logprobs_mode({"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}) == "raw"
-
-
 def test_launcher_adds_flag_and_patches(monkeypatch: pytest.MonkeyPatch) -> None:
     """``rr-server launch sglang`` adds the flag, patches, and hands SGLang's own parser the arguments."""
     import rr_server.launch_sglang as ls
