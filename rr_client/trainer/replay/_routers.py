@@ -101,6 +101,7 @@ def _family_without_router(model: nn.Module) -> UnsupportedModelError | None:
 
 
 def _int_attr(objs: tuple[Any, ...], names: tuple[str, ...]) -> int | None:
+    """The first positive int attribute among ``names`` on the first object that has one (releases move them)."""
     for obj in objs:
         for n in names:
             v = getattr(obj, n, None)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-__all__ = ["LOWEST", "HIGHEST", "ABSENT_IN_LOWEST", "REFUSED_IN_LOWEST", "FAMILY_ROUTERS", "REFUSED", "TESTED", "UNTESTED_REASON", "NOTES", "Family", "family_status", "coverage",
+__all__ = ["LOWEST", "HIGHEST", "ABSENT_IN_LOWEST", "REFUSED_IN_LOWEST", "FAMILY_ROUTERS", "REFUSED", "TESTED",
+           "UNTESTED_REASON", "NOTES", "Family", "family_status", "coverage",
            "router_family", "lowest_status", "installed_moe_families", "coverage_markdown", "main"]
 
 #: the two ends of the declared transformers range (pyproject's ``[torch]`` extra) that rr's tests run on:
