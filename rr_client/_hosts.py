@@ -42,7 +42,7 @@ def _entry(text: str) -> tuple[str, int | None]:
     if not raw:
         raise ConfigurationError("empty entry in a host list")
     if "://" in raw:
-        scheme, host, port = _origin(raw, "host-list entry")
+        _, host, port = _origin(raw, "host-list entry")
         return host, port
     try:
         parts = urlsplit("//" + raw)
@@ -66,7 +66,7 @@ def host_list(given: Iterable[str] | str | None, env: str) -> frozenset[tuple[st
 class HostPolicy:
     """Who gets the client's credentials: the replicas (same scheme, host and port) and ``trusted`` hosts; the
     ``keyless`` hosts are read without them; a client holding no credentials reads any host (nothing to leak).
-    An ``http://`` ref is refused when any of the client's own servers is ``https://``."""
+    An ``http://`` ref to another server is refused when any of the client's own servers is ``https://``."""
 
     replicas: tuple[tuple[str, str, int], ...]
     trusted: frozenset[tuple[str, int | None]]
@@ -89,10 +89,12 @@ class HostPolicy:
     def decide(self, url: str) -> Literal["key", "keyless"]:
         """How a ref naming ``url`` is read; :class:`UntrustedHostError` naming the host and the settings."""
         scheme, host, port = _origin(url, "routing ref URL")
+        if (scheme, host, port) in self.replicas:
+            return "key"
         if scheme == "http" and any(r[0] == "https" for r in self.replicas):
             raise UntrustedHostError(f"routing ref URL {url!r} is http:// while this client's servers are https://: "
                                      "refused (its key and the rows would travel in clear)")
-        if (scheme, host, port) in self.replicas or _listed(self.trusted, host, port):
+        if _listed(self.trusted, host, port):
             return "key"
         if _listed(self.keyless, host, port) or not self.credentials:
             return "keyless"

@@ -9,6 +9,7 @@ the client's replica, and a "foreign" one a ref can be pointed at (its checksum 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -150,3 +151,18 @@ def test_bad_host_lists_and_ref_urls_are_typed(fresh: Any, monkeypatch: pytest.M
     for url in ("file:///etc/passwd", "gopher://127.0.0.1:70", "http://"):
         with pytest.raises(UntrustedHostError, match="not an http"):
             _read(replica.url, [ref.with_url(url)], api_key=KEY)
+
+
+def test_the_policy_on_ipv6_case_ports_and_mixed_schemes() -> None:
+    """Pure rules: the same origin whatever its spelling; an http replica of a mixed pool keeps its key; another
+    http server under an https replica is refused even when trusted."""
+    from rr_client._hosts import HostPolicy
+
+    p = HostPolicy.of(["http://[::1]:8000", "https://a.test"], trusted="[::1]:9000, b.test",
+                      keyless=["https://c.test:444"], credentials=True)
+    assert [p.decide(u) for u in ("http://[::1]:8000/x", "https://A.TEST:443", "https://[::1]:9000",
+                                  "https://b.test:1", "https://c.test:444")] == ["key"] * 4 + ["keyless"]
+    for url, why in (("http://[::1]:9000", "travel in clear"), ("https://c.test", "none of this client's replicas"),
+                     ("http://[::1", "not a URL"), ("http://h:99999", "not a URL"), ("ray://ns/actor", "not an http")):
+        with pytest.raises(UntrustedHostError, match=re.escape(why)):
+            p.decide(url)
