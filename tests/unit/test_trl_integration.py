@@ -270,3 +270,4 @@ def test_vespo_with_a_sequence_correction_is_refused_as_trl_does(connections: li
     finally:
         rollout.close()
     assert connections == []
+

@@ -152,6 +152,32 @@ def test_grpo_r3_by_reference(dev_server: VLLMProcess, tiny_models: dict[str, Pa
     assert after["retired"] > before["retired"]  # the first rollout's rows were retired after the second push
 
 
+def test_two_ranks_by_reference(dev_server: VLLMProcess, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """2 processes (torchrun, CPU, gloo), TRL 1.16 by reference with weight sync: every rank trains its 3 steps with
+    its rows read when its micro-batches run (no RoutingExpiredError: the main process retires only between two
+    barriers), and the replaced weights' rows are retired."""
+    import httpx
+
+    from rr_server.process import free_port
+
+    before = httpx.get(dev_server.base_url + "/rr/info", timeout=30).json()["routing_store"]
+    script = Path(__file__).with_name("trl_two_ranks.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
+                           dev_server.base_url, str(tiny_models["qwen3_dense"]), str(tmp_path), "3"],
+                          capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[2],
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')),
+                   key=lambda r: r["rank"])
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks), proc.stdout[-2000:]
+    for r in ranks:
+        assert r["global_step"] == 3 and r["pushes"] == 3 and r["applied_share"] and \
+            all(a == 1.0 for a in r["applied_share"]), r
+    after = httpx.get(dev_server.base_url + "/rr/info", timeout=30).json()["routing_store"]
+    assert after["read_bytes"] > before["read_bytes"] and after["retired"] > before["retired"]
+
+
 def test_example_plots_both_arms(dev_server: VLLMProcess, tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """examples/trl_grpo_r3.py for 2 steps against the dev-mode server: exit 0, a whole 800x340 PNG, and next to it
     the per-step numbers of both arms (bf16 trainer vs fp32 engine: a real, small gap; replay only in its arm)."""
@@ -264,7 +290,7 @@ IS_PLAN: list[tuple[str | None, float, float | None, float | None, float]] = [
     ("sequence_truncate", -2.0, None, 3.0, 3.0),  # e^(2 x tokens), clamped
     ("sequence_mask", -2.0, None, 3.0, 0.0),  # TRL's default MIS: every sequence above 3 is masked
     ("token_mask", -2.0, None, 3.0, 0.0),
-    ("token_truncate", -0.5, None, None, math.exp(0.5)),  # no bound: the ratio itself, e^0.5
+    ("token_truncate", -0.5, None, 100.0, math.exp(0.5)),  # inside the bounds: the ratio itself, e^0.5
 ]
 
 
@@ -287,7 +313,7 @@ def test_trl_correction_reaches_the_loss_at_temperature_07(qwen_server: VLLMProc
                                                            tmp_path: Path) -> None:
     """TRL 1.16's GRPOTrainer.train on the real server (processed log-probs, rr's launcher), identical fp32 weights
     (lr 0, no sync), one seeded rollout repeated per step at temperature 0.7, with a separate reference model
-    (beta > 0) replayed and audited. Step 0 (no correction): the trainer-engine gap is below 1e-5. Each later
+    (beta > 0) replayed and audited, the MoE aux loss off (its gradient does not pass through the ratio). Step 0 (no correction): the trainer-engine gap is below 1e-5. Each later
     step forces a known ratio: the gradient is the step-0 gradient times the clipped ratio (truncate modes, both
     bounds), zero when MIS masks every sequence, and TRL's ratio per token is exp(old - engine), equal to rr's
     importance_sampling_ratio for plain loops."""
@@ -297,7 +323,7 @@ def test_trl_correction_reaches_the_loss_at_temperature_07(qwen_server: VLLMProc
     cfg = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                      max_completion_length=6, max_steps=len(IS_PLAN), learning_rate=0.0, logging_steps=1,
                      report_to=[], use_cpu=True, bf16=False, save_strategy="no", seed=0, beta=0.04,
-                     temperature=0.7, generation_kwargs={"seed": 7})
+                     temperature=0.7, generation_kwargs={"seed": 7}, router_aux_loss_coef=0.0)  # policy loss only
     rollout = ShiftedLogprobs(qwen_server.base_url)
     trainer = KeepsISInputs(model=model, reward_funcs=length_reward, args=cfg, processing_class=tok,
                             train_dataset=Dataset.from_dict({"prompt": [PROMPTS[0]] * 8}), rollout_func=rollout,
@@ -321,7 +347,7 @@ def test_trl_correction_reaches_the_loss_at_temperature_07(qwen_server: VLLMProc
         assert torch.equal(ratio, ours), mode  # rr's function for plain loops is TRL's rule
         if factor == 0.0:
             assert not ratio.any() and h["r3/is_ratio_max"] == 0.0
-        if hi is None:  # the unclipped token ratio: exp(trainer old log-prob - engine log-prob), ~e^0.5 here
+        if hi == 100.0:  # the unclipped token ratio: exp(trainer old log-prob - engine log-prob), ~e^0.5 here
             m = got["completion_mask"].bool()
             assert torch.allclose(ratio[m], torch.exp(old - eng)[m])
             assert torch.allclose(ratio[m], torch.full_like(ratio[m], math.exp(0.5)), rtol=1e-4)
