@@ -38,6 +38,10 @@ def main(samples_path: str, model_dir: str, out_path: str) -> None:
         """Stand-in for the engine (named): the scripted samples, two per prompt in TRL's order. Nothing listens
         at the URL; the client is never used."""
 
+        def info(self) -> RRInfo:
+            """The scripted server's facts (what R3GRPOTrainer reads before TRL's __init__)."""
+            return info
+
         def generate(self, prompt_ids: list[list[int]], sampling_params: Any) -> GenerateBatch:
             want = [samples[i]["prompt_ids"] for i in range(0, len(samples), 2)]
             if prompt_ids != want or sampling_params["n"] != 2:
@@ -45,7 +49,7 @@ def main(samples_path: str, model_dir: str, out_path: str) -> None:
             return GenerateBatch([GenerateResult(
                 index=i, prompt_index=i // 2, prompt_ids=s["prompt_ids"], output_ids=s["response_ids"], text=None,
                 finish_reason="length", routed_experts=np.asarray(s["routed_experts"], dtype=np.uint8),
-                routed_experts_start=0,
+                routed_experts_start=0, logprobs=np.asarray(s["response_logprobs"], dtype=np.float64),
                 meta={"output_token_logprobs": [[lp, t, None] for lp, t in zip(s["response_logprobs"],
                                                                                  s["response_ids"])]})
                 for i, s in enumerate(samples)], info)
