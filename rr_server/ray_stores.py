@@ -25,7 +25,9 @@ def _line(s: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """List the store actors; ``--remove NAME`` / ``--remove-leftovers`` (legacy or unreachable) kill them."""
-    p = argparse.ArgumentParser(prog="rr-server ray-stores", description=__doc__)
+    p = argparse.ArgumentParser(prog="rr-server ray-stores", description=(
+        "List the Ray routing store actors (RR_ROUTING_STORE=ray) on a cluster and remove leftovers: a store goes "
+        "away with its engine, but rr before 0.1 made one detached store per node that nothing removed."))
     p.add_argument("--address", help="the Ray cluster (default: RR_RAY_ADDRESS, else auto)")
     p.add_argument("--remove", nargs="+", default=[], metavar="NAME", help="kill these store actors")
     p.add_argument("--remove-leftovers", action="store_true",
