@@ -22,7 +22,7 @@ __all__ = ["LOWEST", "HIGHEST", "ABSENT_IN_LOWEST", "REFUSED_IN_LOWEST", "FAMILY
            "router_family", "lowest_status", "installed_moe_families", "coverage_markdown", "main"]
 
 #: the two ends of the declared transformers range (pyproject's ``[torch]`` extra) that rr's tests run on:
-#: .venvs/verl (scripts/test_verl.sh) and .venv (scripts/setup.sh).
+#: .venvs/verl (scripts/test_transformers_lowest.sh) and .venv (make test-core).
 LOWEST, HIGHEST = "5.10.4", "5.23.0"
 
 #: model type -> its router classes (transformers 5.23); every family with a router or an experts block.
@@ -246,8 +246,9 @@ def coverage_markdown() -> str:
         "gradients, the audit reports 100%).",
         "",
         f"The declared range (`[torch]`: transformers `>=5.10,<5.24`) is tested at both ends: {HIGHEST} (`.venv`,",
-        f"`make test-core`) and {LOWEST} (`.venvs/verl`, `scripts/test_verl.sh`). On each, the family tests run every",
-        "family supported there and check every family refused there is refused naming the installed release;",
+        f"`make test-core`) and {LOWEST} (`.venvs/verl`, `scripts/test_transformers_lowest.sh`). On each, the family",
+        "tests run every family supported there and check every family refused there is refused naming the installed",
+        "release;",
         f"a family absent from {LOWEST} is skipped there with that reason. A router's expert count and top-k are",
         "read from the router that is installed (its attributes, its weight's rows, its block, the config).",
         "",
