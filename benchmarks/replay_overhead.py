@@ -2,8 +2,10 @@
 
 Two tables. **Time** (median of interleaved reps, so drift hits every mode alike): no replay; replay with the
 sampled formula check on (default ``check_every``); with it off; with the audit; ``record_routing`` against a
-plain forward. **Ops and host syncs per MoE layer** inside the forward+backward (``rr_client.trainer.replay.cost``),
-plus the block's opening and exit: the same on every device, and what a GPU pays in kernel launches and stalls.
+plain forward. **Ops, host syncs and cross-device copies** inside the forward+backward
+(``rr_client.trainer.replay.cost``), plus the block's opening and exit: what a GPU pays in kernel launches, stalls
+and transfers. The ops are the same on every device; copies exist only where rows and model live apart (on a
+CPU-only run there are none: ``tests/trainer/test_replay_cost.py`` counts them on fake CUDA tensors).
 
 Shapes: ``small`` (CPU, default), and the per-layer shapes of production models for a GPU: ``qwen3-30b-a3b``
 (hidden 2048, 128 experts top-8, 8 layers, 4 x 2048 tokens), ``qwen3-235b-a22b`` (hidden 4096, 128 experts top-8,
@@ -84,10 +86,13 @@ def op_table(model: Any, x: torch.Tensor, routing: torch.Tensor, mask: torch.Ten
         with count_ops() as closing:
             ctx.__exit__(None, None, None)
         rows.append(f"| {name} | {(inside.ops - base.ops) / n_moe:.1f} | {(inside.syncs - base.syncs) / n_moe:.1f} "
-                    f"| {opening.ops} / {opening.syncs} | {closing.ops} / {closing.syncs} |")
-    return [f"MoE layers: {n_moe}; the model's own forward+backward: {base.ops} ops, {base.syncs} syncs",
-            "| mode | ops / MoE layer | syncs / MoE layer | opening: ops / syncs | exit: ops / syncs |",
-            "|---|---|---|---|---|", *rows]
+                    f"| {inside.copies - base.copies} | {opening.ops} / {opening.syncs} / {opening.copies} "
+                    f"| {closing.ops} / {closing.syncs} / {closing.copies} |")
+    return [f"MoE layers: {n_moe}; the model's own forward+backward: {base.ops} ops, {base.syncs} syncs, "
+            f"{base.copies} cross-device copies",
+            "| mode | ops / MoE layer | syncs / MoE layer | copies inside | opening: ops / syncs / copies "
+            "| exit: ops / syncs / copies |",
+            "|---|---|---|---|---|---|", *rows]
 
 
 def bench(shape: str, device: str, dtype: torch.dtype, reps: int) -> None:
