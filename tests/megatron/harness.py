@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
+import types
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -53,7 +54,27 @@ def patch_cpu() -> None:
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
     moe_utils.te_general_gemm = None  # test-side patch: 0.16.1 imports Transformer Engine's GEMM when present
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _CpuTokenCounterTorch()  # test-side patch: the schedules' token counter is made on "cuda"
     _PATCHED = True
+
+
+class _CpuTokenCounterTorch(types.ModuleType):
+    """``torch`` for Megatron's schedules module, except ``zeros(device="cuda")`` (its token counter) on the CPU."""
+
+    def __init__(self) -> None:
+        """Stand in for ``torch`` in one module."""
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        """Everything else is torch's own."""
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        """``torch.zeros`` with ``device="cuda"`` read as the CPU."""
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
 def seed_rng_tracker(seed: int = 1234) -> None:
@@ -137,6 +158,9 @@ def transformer_config(spec: ModelSpec) -> Any:
         apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         context_parallel_size=1,  # stand-in: the local attention has no CP (module docstring)
     )
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        # plain send / recv (gloo has no batched P2P); fixed shapes, so none are exchanged
+        kwargs.update(pipeline_dtype=torch.float32, batch_p2p_comm=False, variable_seq_lengths=False)
     if spec.mtp_layers:
         kwargs.update(mtp_num_layers=spec.mtp_layers, mtp_loss_scaling_factor=0.1)
     if spec.recompute:
