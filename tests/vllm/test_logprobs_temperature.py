@@ -49,9 +49,11 @@ def test_logprobs_at_temperature_07_match_the_trainers(qwen_server: VLLMProcess,
             logits = model(rt.input_ids, attention_mask=rt.attention_mask).logits
         mine = token_logprobs(logits / T, rt.input_ids)
         gap = (mine - rt.logprobs)[resp].abs().max().item()
+        print(f"T={T}: max |trainer - engine| over {int(resp.sum())} tokens: {gap:.2e}")
         assert gap < 1e-5, gap  # fp32, identical weights: the same number on both sides
         # what the gap was before rr served processed log-probs: the trainer's at T=0.7 vs the pre-temperature ones
         raw = token_logprobs(logits, rt.input_ids)
+        print(f"T={T}: mean |pre-temperature - processed|: {(raw - mine)[resp].abs().mean().item():.2e}")
         assert (raw - mine)[resp].abs().max().item() > 1e-2
         session.add_gap(mine, rt, rt.response_mask, temperature=T)
     out = session.flush()
