@@ -72,6 +72,7 @@ def test_evicted_retired_restarted_and_tampered_refs_are_refused(ray_cluster: st
     ray.kill(ray.get_actor("rr-test-store-b", namespace="rr"))  # the store actor goes away ...
     with pytest.raises(RoutingExpiredError, match="no such Ray routing store actor"):
         resolve(refs[1:2])
+    assert _gone("rr-test-store-b")
     again = RayRoutingStore(2 * one, name="rr-test-store-b")  # ... and a new one takes its name
     assert again.instance != store.instance
     with pytest.raises(RoutingExpiredError, match="restarted"):
