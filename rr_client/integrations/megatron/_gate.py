@@ -1,0 +1,21 @@
+"""The megatron-core releases this integration was tested on, and the refusal of any other (one version gate).
+
+The version is read from the distribution metadata, never by importing megatron (its import takes 10-60 s).
+"""
+
+from __future__ import annotations
+
+from rr_client.versions import Tested, check_version, installed_version
+
+__all__ = ["TESTED_MEGATRON", "WHY", "check_megatron_version"]
+
+TESTED_MEGATRON = Tested("0.16")
+WHY = ("rr feeds megatron.core.transformer.moe.router_replay.RouterReplay per TopKRouter and reads "
+       "TopKRouter.layer_number and TransformerConfig's MoE settings, which change between releases")
+
+
+def check_megatron_version(version: str | None = None) -> str:
+    """The megatron-core version (default: the installed one), or :class:`rr_client.errors.UnsupportedVersionError`
+    outside :data:`TESTED_MEGATRON` (one override: ``RR_ALLOW_UNSUPPORTED_VERSION=1``)."""
+    found = version if version is not None else installed_version(("megatron-core", "megatron_core"))
+    return check_version("megatron-core", TESTED_MEGATRON, found, why=WHY)
