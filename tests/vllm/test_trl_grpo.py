@@ -338,7 +338,8 @@ def test_trl_correction_reaches_the_loss_at_temperature_07(qwen_server: VLLMProc
     assert g0 > 0 and steps[0]["r3/mean_abs_logp_diff"] < 1e-5, steps[0]  # T=0.7, processed log-probs
     assert all(h["r3/applied_share_min_layer"] == 1.0 for h in steps)  # audited: policy and reference replayed
     for (mode, shift, lo, hi, factor), h, got in zip(IS_PLAN, steps, trainer.is_inputs):
-        assert h["grad_norm"] == pytest.approx(factor * g0, rel=1e-4, abs=1e-9), (mode, shift, h["grad_norm"], g0)
+        # masked: zero but for the KL term's, ~1e-8 of g0 (reference and policy agree to rounding, not bitwise)
+        assert h["grad_norm"] == pytest.approx(factor * g0, rel=1e-4, abs=1e-6 * g0), (mode, shift, h["grad_norm"])
         if mode is None:
             assert "importance_sampling_ratio" not in got
             continue
