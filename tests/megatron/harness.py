@@ -13,13 +13,17 @@ Test-side patches, named as such (what cannot run on a CPU as shipped; none of t
 ``torch.cuda.current_device`` -> ``"cpu"``; Megatron's CUDA RNG get/set pointed at the CPU RNG, with CPU states
 registered in its RNG tracker (recompute and dropout fork it); ``moe_utils.te_general_gemm = None`` (0.16.1 reaches
 for Transformer Engine's GEMM when it imports); an explicit causal mask (:func:`causal_mask`), since the local
-attention has no implicit one. Megatron's local attention has no context parallelism: with CP > 1 the model is built
-with ``context_parallel_size=1`` so each rank attends within its own slice (a stand-in for the attention only; the
-batch is sliced by Megatron's own ``get_batch_on_this_cp_rank`` and the routers see exactly the CP-local tokens).
+attention has no implicit one; the schedules' token counter (``torch.zeros(device="cuda")``) on the CPU. Megatron's
+local attention has no context parallelism: with CP > 1 the model's config says CP = 2 but its attention modules are
+built with a copy saying 1, so each rank attends within its own slice (a stand-in for the attention only; the batch
+is sliced by Megatron's own ``get_batch_on_this_cp_rank`` and the routers see exactly the CP-local tokens). Under
+sequence parallel the norms are torch's own LayerNorm, built as without SP (Megatron's local norm refuses SP; Apex's
+is not installed): the forward is the same, their grads are not summed over TP ranks.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import types
@@ -57,6 +61,30 @@ def patch_cpu() -> None:
     from megatron.core.pipeline_parallel import schedules
 
     schedules.torch = _CpuTokenCounterTorch()  # test-side patch: the schedules' token counter is made on "cuda"
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    local_init = DotProductAttention.__init__
+
+    def init_without_cp(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        """Stand-in: the local attention (no CP support) attends within its rank's CP slice."""
+        if config.context_parallel_size > 1:
+            config = copy.copy(config)
+            config.context_parallel_size = 1
+        local_init(self, config, *args, **kwargs)
+
+    DotProductAttention.__init__ = init_without_cp  # test-side patch: attention stand-in under CP (docstring)
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    torch_norm_new = WrappedTorchNorm.__new__
+
+    def norm_under_sp(cls: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+        """Stand-in: torch's LayerNorm under sequence parallel (forward identical; grads not summed over TP)."""
+        if config.sequence_parallel:
+            config = copy.copy(config)
+            config.sequence_parallel = False
+        return torch_norm_new(cls, config, *args, **kwargs)
+
+    WrappedTorchNorm.__new__ = norm_under_sp  # test-side patch: Apex's SP-aware norm is not installed here
     _PATCHED = True
 
 
@@ -156,7 +184,7 @@ def transformer_config(spec: ModelSpec) -> Any:
         params_dtype=torch.float32, use_cpu_initialization=True, bf16=False, fp16=False,
         add_bias_linear=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        context_parallel_size=1,  # stand-in: the local attention has no CP (module docstring)
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
     )
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         # plain send / recv (gloo has no batched P2P); fixed shapes, so none are exchanged

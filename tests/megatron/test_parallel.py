@@ -1,0 +1,167 @@
+"""Two gloo ranks, real megatron-core: PP=2 (1F1B), TP=2 with sequence parallel, CP=2 (zigzag), rows fed by rr.
+
+Every router on every rank is hooked (tests/megatron/harness.py, independent of the feeder); each case asserts on the
+rank that every router chose exactly the rollout's experts for every token that has rows, the rows the test itself
+cuts out of the rollout with Megatron's own slicing (``get_batch_on_this_cp_rank``, the sequence-parallel split of
+the first dimension, the stage's ``layer_number``). The three layouts share one spawn (each rank imports
+megatron-core once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.megatron import harness as H
+from tests.megatron.launcher import results_of, run_cases
+
+B, S, E, K = 2, 8, 8, 2
+PATTERN = (0, 1, 1, 1)  # layer 1 dense, layers 2-4 MoE; PP=2: stage 0 holds layers 1-2, stage 1 layers 3-4
+
+
+def rollout(seed: int) -> Any:
+    """A padded rollout batch as rr's trainer layer gives it: rows for every decoder layer, none for the last token."""
+    from rr_client.trainer.layouts import RoutingTensors
+
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[:, -1] = False  # the last token has no routing (nothing was generated from it)
+    rows = H.random_rows(B, S, len(PATTERN), E, K, seed=seed)
+    rows[~mask] = 0
+    return RoutingTensors(input_ids=torch.randint(0, H.VOCAB, (B, S), generator=g),
+                          attention_mask=torch.ones(B, S, dtype=torch.long), response_mask=mask.long(),
+                          routed_experts=rows, routed_experts_mask=mask, layers=list(range(len(PATTERN))))
+
+
+def check(choices: H.RouterChoices, expected: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> dict[int, int]:
+    """Assert every hooked call of each router chose its expected rows (in call order); ``{layer: calls}``."""
+    seen: dict[int, int] = {}
+    for router in choices.routers:
+        layer = int(router.layer_number)
+        calls, want = choices.calls[router], expected[layer]
+        assert len(calls) == len(want), f"layer {layer}: {len(calls)} router calls, {len(want)} expected"
+        for i, (call, (rows, mask)) in enumerate(zip(calls, want)):
+            what = f"rank {torch.distributed.get_rank()} layer {layer} call {i}"
+            H.assert_chose(H.RouterCall(call.routing_map[mask], call.grad_enabled), rows[mask], what)
+            pads = call.routing_map[~mask]
+            assert bool((pads.sum(dim=1) == K).all()), f"{what}: a pad token without {K} distinct experts"
+        seen[layer] = len(calls)
+    return seen
+
+
+def local_rows(routing: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch's rows of decoder ``layer`` (1-based) and their mask, in the router's token order."""
+    rows = routing.routed_experts[:, :, layer - 1]
+    return H.sequence_first(rows), H.sequence_first(routing.routed_experts_mask.unsqueeze(-1)).squeeze(-1)
+
+
+def pp2_1f1b(rank: int) -> dict[int, int]:
+    """PP=2, 1F1B over two micro-batches: each stage's routers replay their own layers' rows, micro-batch by micro-batch."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from rr_client.integrations.megatron import MegatronReplay
+
+    H.init_parallel(rank=rank, world_size=2, pp=2)
+    H.new_model_state()
+    model = H.build_gpt(H.ModelSpec(moe_pattern=PATTERN))
+    replay = MegatronReplay([model])
+    batches = [rollout(seed=11), rollout(seed=12)]
+    position_ids = torch.arange(S).unsqueeze(0).expand(B, S)
+
+    def forward_step(data: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
+        """Feed this micro-batch's rows right before its forward."""
+        routing = batches[next(data)]
+        replay.set_micro_batch(routing)
+        out = chunk(routing.input_ids, position_ids, H.causal_mask(S), labels=routing.input_ids)
+        return out, lambda o: (o.float().mean(), {})
+
+    with H.hooked([model]) as choices:
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(2)), model=[model],
+                                    num_microbatches=2, seq_length=S, micro_batch_size=B, forward_only=False)
+    replay.close()
+    layers = [int(r.layer_number) for r in choices.routers]
+    return check(choices, {layer: [local_rows(b, layer) for b in batches] for layer in layers})
+
+
+def tp2_sequence_parallel(rank: int) -> dict[int, int]:
+    """TP=2 with sequence parallel: each TP rank's routers see (and replay) only their own sequence shard."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import _split_along_first_dim
+
+    from rr_client.integrations.megatron import MegatronReplay
+
+    H.init_parallel(rank=rank, world_size=2, tp=2)
+    H.new_model_state()
+    model = H.build_gpt(H.ModelSpec(moe_pattern=PATTERN, sequence_parallel=True))
+    replay = MegatronReplay([model])
+    routing = rollout(seed=21)
+    position_ids = torch.arange(S).unsqueeze(0).expand(B, S)
+    with H.hooked([model]) as choices:
+        replay.set_micro_batch(routing)  # the whole batch: the feeder cuts this rank's part
+        out = model(routing.input_ids, position_ids, H.causal_mask(S), labels=routing.input_ids)
+        out.float().mean().backward()
+    replay.close()
+
+    def shard(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Megatron's own sequence-parallel split of ``[s, b, ...]`` on this rank, then flattened."""
+        group = parallel_state.get_tensor_model_parallel_group()
+        rows = _split_along_first_dim(routing.routed_experts[:, :, layer - 1].transpose(0, 1).contiguous(), group)
+        mask = _split_along_first_dim(routing.routed_experts_mask.transpose(0, 1).contiguous(), group)
+        return rows.reshape(-1, K), mask.reshape(-1)
+
+    return check(choices, {layer: [shard(layer)] for layer in (2, 3, 4)})
+
+
+def cp2_zigzag(rank: int) -> dict[int, int]:
+    """CP=2: each rank routes the two zigzag chunks ``get_batch_on_this_cp_rank`` gives it, and replays exactly those."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from rr_client.integrations.megatron import MegatronReplay
+
+    H.init_parallel(rank=rank, world_size=2, cp=2)
+    H.new_model_state()
+    model = H.build_gpt(H.ModelSpec(moe_pattern=PATTERN))
+    replay = MegatronReplay([model])
+    routing = rollout(seed=31)
+    position_ids = torch.arange(S).unsqueeze(0).expand(B, S).contiguous()
+    local = get_batch_on_this_cp_rank({"tokens": routing.input_ids.clone(), "position_ids": position_ids.clone(),
+                                       "rows": routing.routed_experts.clone(),
+                                       "mask": routing.routed_experts_mask.clone()})
+    s_local = local["tokens"].shape[1]
+    with H.hooked([model]) as choices:
+        replay.set_micro_batch(routing)  # the whole batch: the feeder cuts this rank's part
+        out = model(local["tokens"], local["position_ids"], H.causal_mask(s_local), labels=local["tokens"])
+        out.float().mean().backward()
+    replay.close()
+
+    def sliced(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This CP rank's rows of ``layer``, as Megatron sliced the batch, in the router's order."""
+        return H.sequence_first(local["rows"][:, :, layer - 1]), H.sequence_first(local["mask"].unsqueeze(-1))[:, 0]
+
+    return check(choices, {layer: [sliced(layer)] for layer in (2, 3, 4)})
+
+
+CASES = [pp2_1f1b, tp2_sequence_parallel, cp2_zigzag]
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, list[tuple[bool, Any]]]:
+    """Every case on two spawned gloo ranks (one spawn)."""
+    return run_cases(CASES)
+
+
+def test_pp2_each_stage_replays_its_own_layers(outcomes: dict[str, list[tuple[bool, Any]]]) -> None:
+    """Stage 0 routes MoE layer 2, stage 1 layers 3 and 4, each twice (two micro-batches), all as the rollout did."""
+    assert results_of(outcomes, pp2_1f1b) == [{2: 2}, {3: 2, 4: 2}]
+
+
+def test_tp2_sequence_parallel_shards_replay_their_tokens(outcomes: dict[str, list[tuple[bool, Any]]]) -> None:
+    """Both TP ranks route every MoE layer on their own half of the sequence, as the rollout did."""
+    assert results_of(outcomes, tp2_sequence_parallel) == [{2: 1, 3: 1, 4: 1}] * 2
+
+
+def test_cp2_zigzag_slices_replay_their_tokens(outcomes: dict[str, list[tuple[bool, Any]]]) -> None:
+    """Both CP ranks route every MoE layer on their zigzag chunks, as the rollout did."""
+    assert results_of(outcomes, cp2_zigzag) == [{2: 1, 3: 1, 4: 1}] * 2
