@@ -66,6 +66,7 @@ def test_every_router_chooses_its_own_layers_rows(megatron_process: None) -> Non
     fed = replay.set_micro_batch(batch)
     assert sorted(int(m.layer_number) for m in fed.targets) == [2, 3]
     assert all(t.dtype == torch.int64 and t.shape == (S * B, K) for t in fed.targets.values())
+    assert fed.tokens == S * B and torch.equal(fed.have, H.sequence_first(batch.routed_experts_mask[..., None])[:, 0])
     with H.hooked([model]) as choices:
         forward(model, batch.input_ids, backward=True)
     replay.step_done()

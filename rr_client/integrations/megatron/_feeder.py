@@ -119,12 +119,15 @@ def as_batch(routing: Any, *, mask: torch.Tensor | None = None, attention_mask: 
 
 @dataclass
 class Feed:
-    """One micro-batch's targets: ``targets`` (router module -> ``[local_tokens, topk]`` int64 on its device) and
-    the MTP routers left to the model on purpose (``left``), with the local token count."""
+    """One micro-batch's targets: ``targets`` (router module -> ``[local_tokens, topk]`` int64 on its device), the
+    MTP routers left to the model on purpose (``left``), the local token count, and ``have`` (``[local_tokens]``
+    bool on the CPU, the router's token order: tokens with a rollout row; the others are pads given distinct
+    experts)."""
 
     targets: dict[Any, torch.Tensor]
     left: list[MegatronRouter] = field(default_factory=list)
     tokens: int = 0
+    have: torch.Tensor | None = None
 
 
 def _plan(routers: Sequence[MegatronRouter], layers: list[int], mtp: MtpPolicy) -> tuple[list[MegatronRouter],
@@ -227,8 +230,9 @@ def feed(routers: Sequence[MegatronRouter], routing: Any, *, parallel: Parallel 
         if not torch.equal(cu_seqlens_padded, batch.cu_seqlens):
             batch = _to_padded(batch, cu_seqlens_padded)
     take, cols, left = _plan(routers, batch.layers, mtp)
+    have = _local(batch.have[..., None], batch, par, cu_seqlens_padded)[:, 0]
     if not take:
-        return Feed({}, left, 0)
+        return Feed({}, left, int(have.numel()), have)
     sel = batch.rows.index_select(2, torch.tensor(cols)).long()  # [b, s, M, K]
     _check(sel, batch, take)
     k = int(sel.shape[-1])
@@ -236,7 +240,7 @@ def feed(routers: Sequence[MegatronRouter], routing: Any, *, parallel: Parallel 
     sel = torch.where(batch.have[..., None, None], sel, pads)
     local = _local(sel, batch, par, cu_seqlens_padded)  # [tokens, M, K]
     targets = {r.module: local[:, i].contiguous().to(r.device) for i, r in enumerate(take)}
-    return Feed(targets, left, int(local.shape[0]))
+    return Feed(targets, left, int(local.shape[0]), have)
 
 
 def router_targets(model_chunks: Any, routing: Any, *, cp_size: int | None = None, cp_rank: int | None = None,
