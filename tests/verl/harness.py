@@ -70,6 +70,7 @@ def ppo_config(model_dir: Path, *, mode: str = "R3", remove_padding: bool = True
         a.actor.use_dynamic_bsz = a.rollout.log_prob_use_dynamic_bsz = True
         a.actor.ppo_max_token_len_per_gpu = a.rollout.log_prob_max_token_len_per_gpu = 24
     a.rollout.prompt_length, a.rollout.response_length = PROMPT_LEN, RESPONSE_LEN
+    a.rollout.name = "vllm"  # the rollout these tests' rows and log-probs come from (verl's yaml leaves it "???")
     a.rollout.enable_rollout_routing_replay = mode == "R3"
     OmegaConf.set_struct(f, False)
     f.router_replay = {"mode": mode}  # the key verl reads for megatron/veomni (`+...fsdp_config.router_replay.mode=R3`)

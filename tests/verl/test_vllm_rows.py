@@ -1,6 +1,8 @@
 """Rows from a real rr vLLM CPU server (vLLM 0.30 in the main ``.venv``, launched with ``rr-server launch vllm``)
 laid out by verl's agent loop and replayed by verl's FSDP engine: under every token the experts that ran are
-transformers' own top-k of that token, from an unpadded forward of the sample (the independent reference).
+transformers' own top-k of that token, from an unpadded forward of the sample (the independent reference). Sampled
+at temperature 0.7: the server's post-temperature log-probs (the launcher's ``processed_logprobs``) match verl's
+actor's, and rr refuses the gap where verl's config says they are pre-temperature.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rr_client.errors import LogprobsModeError
+from rr_client.integrations.verl import _patches
+from rr_client.integrations.verl._logprobs import RolloutLogprobs
 from tests.support.vllm_process import REPO, VLLMProcess
 from tests.verl import harness as h
 from tests.verl.test_fsdp_replay import MOE_LAYERS, assert_rows_ran, experts_seen
 
 MAIN_VENV = Path(os.environ.get("RR_MAIN_VENV", REPO / ".venv"))
+TEMPERATURE = 0.7  # most GRPO recipes sample below 1: log-probs mean the same only after temperature on both sides
 
 
 class MainVenvVLLM(VLLMProcess):
@@ -44,8 +50,8 @@ def rollout(base_url: str, prompts: list[list[int]]) -> list[Any]:
 
     async def run() -> list[Any]:
         async with RoutedExpertsClient(base_url) as c:
-            batch = await c.generate(prompts, {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "seed": 7},
-                                     return_logprob=True)
+            batch = await c.generate(prompts, {"max_new_tokens": 6, "temperature": TEMPERATURE, "ignore_eos": True,
+                                               "seed": 7}, return_logprob=True)
             return list(batch.results)
 
     return asyncio.run(run())
@@ -59,9 +65,11 @@ def test_vllm_rows_land_under_their_tokens_in_verls_layout(vllm_server: VLLMProc
     samples = []
     for r in results:
         assert r.routed_experts is not None and r.routed_experts.shape[0] == len(r.prompt_ids) + len(r.output_ids) - 1
+        assert r.logprobs_mode == "processed" and r.logprobs is not None  # rr's launcher: after temperature
         samples.append(dict(prompt_ids=r.prompt_ids, response_ids=r.output_ids, routed_experts=r.routed_experts,
-                            response_logprobs=[float(x[0]) for x in r.meta["output_token_logprobs"]]))
+                            response_logprobs=r.logprobs.tolist()))
     batch = h.agent_loop_batch(tokenizer, samples)
+    batch.meta_info["temperature"] = TEMPERATURE  # what RayPPOTrainer sets from rollout.temperature
     # verl's own layout: the engine's row t sits at the left-pad offset + t, the rest stays zero
     re = batch.batch["routed_experts"].numpy()
     for i, s in enumerate(samples):
@@ -82,9 +90,22 @@ def test_vllm_rows_land_under_their_tokens_in_verls_layout(vllm_server: VLLMProc
         assert assert_rows_ran(seen, ref, lengths, rmpad) == sum(n - 1 for n in lengths) * len(MOE_LAYERS)
         met = w.actor.engine.rr_last_metrics
         assert met["r3/applied_share"] == 1.0 and met["r3/agreement"] == 1.0
-    # the update logs rr's gap metrics against the engine's own log-probs (verl's rollout_log_probs)
+    # the update logs rr's gap metrics against the engine's own log-probs (verl's rollout_log_probs), which the
+    # worker's config says are vLLM's processed_logprobs (verl's default); said to be raw, rr refuses before the
+    # first micro-batch's forward (nothing is stepped)
     cfg, w = workers[("R3", True)]
-    upd = h.update_actor(h.trainer(cfg, w), batch.union(old))
+    assert _patches.ROLLOUT_LOGPROBS["rollout"].mode == "processed"
+    said, temperature = _patches.ROLLOUT_LOGPROBS["rollout"], cfg.actor_rollout_ref.rollout.temperature
+    cfg.actor_rollout_ref.rollout.temperature = TEMPERATURE  # verl's _update_actor takes it from the config
+    try:
+        _patches.ROLLOUT_LOGPROBS["rollout"] = RolloutLogprobs("raw", "rollout.name=vllm, logprobs_mode=raw_logprobs")
+        with pytest.raises(LogprobsModeError, match="temperature 0.7"):
+            h.update_actor(h.trainer(cfg, w), batch.union(old))
+        _patches.ROLLOUT_LOGPROBS["rollout"] = said
+        upd = h.update_actor(h.trainer(cfg, w), batch.union(old))
+    finally:
+        _patches.ROLLOUT_LOGPROBS["rollout"] = said
+        cfg.actor_rollout_ref.rollout.temperature = temperature
     assert upd["actor/r3/applied_share"] == [1.0]
     assert upd["actor/r3/logp_tokens"] == [float(sum(len(s["response_ids"]) for s in samples))]
     assert upd["actor/r3/mean_abs_logp_diff"][0] < 1e-4, upd["actor/r3/mean_abs_logp_diff"]

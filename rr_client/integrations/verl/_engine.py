@@ -125,10 +125,7 @@ def make_engine_class(base: type) -> type:
             return "replay"
 
         def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
-            action = self._rr_action_for(data, forward_only)
-            if action == "replay" and "rollout_log_probs" in data.keys():  # rr computes the gap: same meaning?
-                _check_gap_logprobs(data["temperature"] if "temperature" in data.keys() else None)
-            self._rr_action = action
+            self._rr_action = self._rr_action_for(data, forward_only)
             if self._rr_action is None:
                 return super().forward_backward_batch(data, loss_function, forward_only)
             session = self.rr_session
@@ -158,6 +155,8 @@ def make_engine_class(base: type) -> type:
                 self._rr_record = session.open_record()  # closes the previous micro-batch's block first
             else:
                 assert self.rr_info is not None
+                if "rollout_log_probs" in micro_batch.keys():  # rr computes the gap: do both sides mean the same?
+                    _check_gap_logprobs(micro_batch["temperature"])  # the temperature verl's forward divides by
                 rows, mask = packed_rows(micro_batch["routed_experts"], offsets, self.rr_info)
                 tokens = None  # which rows are real tokens: pads count neither replayed nor left
                 if rmpad:

@@ -188,7 +188,7 @@ def apply_guard(module: types.ModuleType, why: str,
     try:
         (guard or guard_engine_workers)(module, why)
     except Exception as e:  # noqa: BLE001 - contained: verl's import must go on
-        logger.error("rr: cannot guard %s either (%s: %s): a worker asked for router_replay R2/R3 on FSDP will train "
+        logger.error("rr: cannot guard %s (%s: %s): a worker asked for router_replay R2/R3 on FSDP will train "
                      "unreplayed, without a word from rr", module.__name__, type(e).__name__, e)
         return False
     return True
