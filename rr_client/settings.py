@@ -32,7 +32,7 @@ class Setting:
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("RR_ENABLE", "flag", "switches the rr vLLM plugin on (set by `rr-server launch vllm`)", "off"),
-    Setting("RR_ALLOW_UNSUPPORTED_VERSION", "flag", "the one override of the version gates (`rr_client.versions.check_version`) of the vLLM plugin and launcher and of rr's TRL and verl integrations: an untested vLLM, TRL or verl release is tried instead of refused (SGLang's patch refuses untested releases: use the sidecar)", "off"),
+    Setting("RR_ALLOW_UNSUPPORTED_VERSION", "flag", "the one override of the version gates (`rr_client.versions.check_version`) of the vLLM plugin and launcher and of rr's TRL, verl and Megatron-core integrations: an untested vLLM, TRL, verl or megatron-core release is tried instead of refused (SGLang's patch refuses untested releases: use the sidecar)", "off"),
     Setting("RR_AUDIT_EVERY", "int", "verl: steps between audited replay steps (the first step always; 0 = never)", "10"),
     Setting("RR_ALLOW_UNTESTED_MODEL", "flag", "verl: replay a MoE family whose router formula is in rr but untested", "off"),
     Setting("RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched vLLM: every /generate answer carries routing", "off"),

@@ -106,6 +106,8 @@ SIGNATURES = [  # (doc, name as written, the function)
     ("docs/client.md", "generate", lambda: _client().generate),
     ("docs/trainer.md", "DiskWeightSync", lambda: _weight_sync().__init__),
     ("docs/wire-format.md", "check_payload", lambda: __import__("rr_client").check_payload),
+    ("docs/trainer.md", "router_targets",
+     lambda: __import__("rr_client.integrations.megatron", fromlist=["router_targets"]).router_targets),
 ]
 
 
