@@ -3,7 +3,8 @@
 Built on the model chunks of this rank: the routers are found by walking them (:mod:`._routers`), configurations that
 bypass replay are refused, and every router gets a forward pre-hook that refuses a forward whose replay targets do
 not have one row per token the router sees (Megatron would route the rest to no expert, silently). Targets are set
-on each router's own ``RouterReplay`` instance, never through the positional global list.
+on each router's own ``RouterReplay`` instance, never through the positional global list. Which action each router
+call runs (a forward, a recompute in the backward, R2's recording) and the audit are :mod:`._lifecycle`'s.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from typing import Any, Literal
 
 import torch
 
-from rr_client.errors import ConfigurationError, ReplayError, ShapeMismatchError
+from rr_client.errors import ArgumentTypeError, ConfigurationError, ReplayError, ShapeMismatchError
 from rr_client.integrations.megatron._feeder import Feed, MtpPolicy, Parallel, feed, parallel_from_state
 from rr_client.integrations.megatron._gate import check_megatron_version
+from rr_client.integrations.megatron._lifecycle import AUDIT_EVERY, Lifecycle, local_have
 from rr_client.integrations.megatron._routers import MegatronRouter, check_config, check_registered, find_routers
 
 __all__ = ["MegatronReplay", "Mode"]
@@ -28,11 +30,13 @@ class MegatronReplay:
 
     ``model_chunks``: this rank's model (or its virtual-stage chunks); ``mtp``: MTP routers take rows
     (``"rows"``), are left to the model on purpose (``"skip"``), or take them when the rows hold their layer
-    (``"auto"``); ``parallel``: this rank's layout (default: Megatron's ``parallel_state``).
+    (``"auto"``); ``parallel``: this rank's layout (default: Megatron's ``parallel_state``); ``audit_every``: steps
+    between audited steps (the first always; 0 = never): what each router chose against its rows, raised on in
+    :meth:`step_done`; ``log_layers``: per-layer ``r3/layer<i>/...`` keys in its report.
     """
 
     def __init__(self, model_chunks: Any, *, mode: Mode = "R3", mtp: MtpPolicy = "auto",
-                 parallel: Parallel | None = None) -> None:
+                 parallel: Parallel | None = None, audit_every: int = AUDIT_EVERY, log_layers: bool = False) -> None:
         check_megatron_version()
         if mode not in ("R3", "R2"):
             raise ConfigurationError(f"mode must be 'R3' or 'R2', got {mode!r}")
@@ -49,10 +53,17 @@ class MegatronReplay:
         self.parallel = parallel if parallel is not None else parallel_from_state(self.routers)
         self.left: list[MegatronRouter] = []  #: MTP routers the last feed left to the model
         self._hooks = [r.module.register_forward_pre_hook(self._check_tokens) for r in self.routers]
+        self.lifecycle = Lifecycle(self.routers, audit_every=audit_every, log_layers=log_layers)
 
     # ------------------------------------------------------------------ targets
-    def routers_of(self, chunk: int | None = None) -> list[MegatronRouter]:
-        """The routers of model chunk ``chunk`` (a virtual stage), or all of them."""
+    def routers_of(self, chunk: Any = None) -> list[MegatronRouter]:
+        """The routers of model chunk ``chunk`` (its index, or the chunk module ``forward_step_func`` is given), or
+        all of them."""
+        if chunk is not None and not isinstance(chunk, int):
+            found = [i for i, c in enumerate(self.chunks) if c is chunk]
+            if not found:
+                raise ArgumentTypeError(f"chunk {type(chunk).__name__} is none of this MegatronReplay's model chunks")
+            chunk = found[0]
         return [r for r in self.routers if chunk is None or r.chunk == chunk]
 
     def targets_for(self, routing: Any, *, chunk: int | None = None, **layout: Any) -> Feed:
@@ -61,9 +72,10 @@ class MegatronReplay:
         return feed(self.routers_of(chunk), routing, parallel=layout.pop("parallel", self.parallel),
                     mtp=layout.pop("mtp", self.mtp), **layout)
 
-    def set_targets(self, targets: dict[Any, torch.Tensor]) -> None:
+    def set_targets(self, targets: dict[Any, torch.Tensor], *, have: dict[Any, torch.Tensor] | None = None) -> None:
         """Put ``targets`` (router module -> ``[tokens, topk]``) on each router's ``RouterReplay`` and replay them in
-        the next forward (``REPLAY_FORWARD``); each set also queues them for a recompute (``REPLAY_BACKWARD``)."""
+        the next forward (``REPLAY_FORWARD``); each set also queues them for a recompute (``REPLAY_BACKWARD``).
+        ``have``: per router, which tokens have a rollout row (the audit's counts; default all)."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         check_registered(self.routers)
@@ -74,26 +86,60 @@ class MegatronReplay:
                                   f"({type(module).__name__}): targets of another (rebuilt?) model")
             module.router_replay.set_target_indices(rows)
             module.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        self.lifecycle.fed(list(targets), have)
 
-    def set_micro_batch(self, routing: Any, *, chunk: int | None = None, **layout: Any) -> Feed:
+    def set_micro_batch(self, routing: Any = None, *, chunk: Any = None, key: Any = None, **layout: Any) -> Feed:
         """Lay out ``routing`` for this rank and replay it in the next forward of the routers of ``chunk`` (or all);
-        MTP routers the feed leaves get no action (they route themselves) and are listed in :attr:`left`."""
+        MTP routers the feed leaves get no action (they route themselves) and are listed in :attr:`left`. Call it
+        inside ``forward_step_func``, once per micro-batch (and per model chunk under interleaving). R2: no
+        ``routing``; the record of micro-batch ``key`` (:meth:`record`) is replayed."""
+        if self.mode == "R2":
+            if routing is not None:
+                raise ConfigurationError("R2 replays the model's own record (set_micro_batch(key=...)), not rows")
+            mods = [r.module for r in self.routers_of(chunk) if r.mtp is False or self.mtp != "skip"]
+            got = Feed(self.lifecycle.recorded(key, mods), [], 0)
+            self.set_targets(got.targets)
+            return got
+        if routing is None:
+            raise ConfigurationError("R3 needs the micro-batch's routing (RoutingTensors, PackedRouting or rows)")
         got = self.targets_for(routing, chunk=chunk, **layout)
         for r in got.left:
             r.replay.clear_router_replay_action()
         self.left = got.left
-        self.set_targets(got.targets)
+        layout.pop("mtp", None)
+        where = local_have(routing, layout.pop("parallel", self.parallel), **layout)
+        self.set_targets(got.targets, have={m: where for m in got.targets})
+        self.lifecycle.fed([], left=got.left)
         return got
 
-    def step_done(self) -> None:
-        """After the step's last backward: every router's targets, queue and action cleared."""
-        for r in self.routers:
-            r.replay.clear_indices()
-            r.replay.clear_router_replay_action()
+    def record(self, key: Any, *, chunk: Any = None) -> None:
+        """R2's old-log-prob pass: the next forward of the routers of ``chunk`` (or all) records their own choice
+        under ``key`` (a micro-batch id), for :meth:`set_micro_batch` ``(key=key)`` in the update. Inside
+        ``forward_step_func``, once per micro-batch."""
+        if self.mode != "R2":
+            raise ConfigurationError("record() is R2's recording pass; this MegatronReplay is R3")
+        self.lifecycle.record([r.module for r in self.routers_of(chunk)], key)
+
+    def forget_records(self) -> None:
+        """Drop R2's records (after the update epochs that replay them)."""
+        self.lifecycle.records.clear()
+
+    def step_done(self, *, check: bool = True) -> dict[str, float]:
+        """After the step's last backward: every router's targets, queue and action cleared; returns the step's
+        ``r3/`` metrics (:mod:`rr_client.trainer.keys`). With ``check``, the audit's verdicts raise
+        :class:`rr_client.ReplayError` (a fed router that never ran; on audited steps, a router that chose other
+        experts than its rows)."""
+        try:
+            return self.lifecycle.step_done(check=check)
+        finally:
+            for r in self.routers:
+                r.replay.clear_indices()
+                r.replay.clear_router_replay_action()
 
     def close(self) -> None:
         """Clear the routers' replay state and remove the token-count hooks."""
-        self.step_done()
+        self.step_done(check=False)
+        self.lifecycle.remove()
         for h in self._hooks:
             h.remove()
         self._hooks = []
