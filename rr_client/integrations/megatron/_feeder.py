@@ -68,21 +68,23 @@ def _packed_grid(p: PackedRouting) -> Batch:
     """A :class:`PackedRouting` on its token axis as a ``b = 1`` grid (rows of ``append_row=False`` moved to the
     token they route)."""
     n = int(p.input_ids.shape[0])
-    cu = p.cu_seqlens.long()
-    rows, mask = p.routed_experts, p.routed_experts_mask.bool()
+    cu = p.cu_seqlens.long().cpu()
+    rows = p.routed_experts
+    dev = rows.device
+    mask = p.routed_experts_mask.to(dev).bool()
     if rows.shape[0] != n:  # append_row=False: sample i's rows rcu[i]..rcu[i+1] route tokens cu[i]..
-        rcu = p.routing_cu_seqlens.long()
-        grid = torch.zeros((n, *rows.shape[1:]), dtype=rows.dtype)
-        have = torch.zeros(n, dtype=torch.bool)
+        rcu = p.routing_cu_seqlens.long().cpu()
+        grid = torch.zeros((n, *rows.shape[1:]), dtype=rows.dtype, device=dev)
+        have = torch.zeros(n, dtype=torch.bool, device=dev)
         for i in range(cu.numel() - 1):
             r0, r1, t0 = int(rcu[i]), int(rcu[i + 1]), int(cu[i])
             grid[t0:t0 + r1 - r0], have[t0:t0 + r1 - r0] = rows[r0:r1], mask[r0:r1]
         rows, mask = grid, have
-    real = torch.zeros(n, dtype=torch.bool)
+    real = torch.zeros(n, dtype=torch.bool, device=dev)
     real[: int(cu[-1])] = True
-    last = torch.zeros(n, dtype=torch.bool)
+    last = torch.zeros(n, dtype=torch.bool, device=dev)
     ends = cu[1:][cu[1:] > cu[:-1]] - 1
-    last[ends] = True
+    last[ends.to(dev)] = True
     return Batch(rows.unsqueeze(0), mask.unsqueeze(0), (real & ~last).unsqueeze(0), list(p.layers), cu)
 
 
@@ -98,8 +100,9 @@ def as_batch(routing: Any, *, mask: torch.Tensor | None = None, attention_mask: 
                 raise ShapeMismatchError(f"routed_experts {tuple(rows.shape)} fits input_ids {b_s} neither "
                                          "token-major nor layer-major")
             rows = rows.permute(1, 2, 0, 3)
-        real = routing.attention_mask.bool()
-        return Batch(rows, routing.routed_experts_mask.bool(), real & ~last_tokens(real), list(routing.layers))
+        real = routing.attention_mask.to(rows.device).bool()
+        return Batch(rows, routing.routed_experts_mask.to(rows.device).bool(), real & ~last_tokens(real),
+                     list(routing.layers))
     if not isinstance(routing, torch.Tensor):
         raise ArgumentTypeError(f"routing must be RoutingTensors, PackedRouting or a [b, s, layers, topk] tensor, "
                                 f"got {type(routing).__name__}")
@@ -111,8 +114,10 @@ def as_batch(routing: Any, *, mask: torch.Tensor | None = None, attention_mask: 
     for name, m in (("mask", mask), ("attention_mask", attention_mask)):
         if m is not None and tuple(m.shape) != shape:
             raise ShapeMismatchError(f"{name} {tuple(m.shape)} does not match the rows' [b, s] = {shape}")
-    have = mask.bool() if mask is not None else torch.ones(shape, dtype=torch.bool)
-    real = attention_mask.bool() if attention_mask is not None else torch.ones(shape, dtype=torch.bool)
+    dev = routing.device
+    have = mask.to(dev).bool() if mask is not None else torch.ones(shape, dtype=torch.bool, device=dev)
+    real = attention_mask.to(dev).bool() if attention_mask is not None else \
+        torch.ones(shape, dtype=torch.bool, device=dev)
     need = real & ~last_tokens(real) if mask is not None else have
     return Batch(routing, have, need, [int(x) for x in layers])
 
@@ -121,8 +126,8 @@ def as_batch(routing: Any, *, mask: torch.Tensor | None = None, attention_mask: 
 class Feed:
     """One micro-batch's targets: ``targets`` (router module -> ``[local_tokens, topk]`` int64 on its device), the
     MTP routers left to the model on purpose (``left``), the local token count, and ``have`` (``[local_tokens]``
-    bool on the CPU, the router's token order: tokens with a rollout row; the others are pads given distinct
-    experts)."""
+    bool on the rows' device, the router's token order: tokens with a rollout row; the others are pads given
+    distinct experts). The layout runs where the rows are; each router's targets then move to its device once."""
 
     targets: dict[Any, torch.Tensor]
     left: list[MegatronRouter] = field(default_factory=list)
@@ -167,7 +172,7 @@ def _check(sel: torch.Tensor, batch: Batch, routers: Sequence[MegatronRouter]) -
     if rows.numel() == 0:
         return
     srt = rows.sort(dim=-1).values
-    limit = torch.tensor([r.num_experts for r in routers])
+    limit = torch.tensor([r.num_experts for r in routers], device=sel.device)
     low, high = srt[..., 0] < 0, srt[..., -1] >= limit
     dup = (srt[..., 1:] == srt[..., :-1]).any(dim=-1) if k > 1 else torch.zeros_like(low)
     verdict = torch.stack([low.any(0), high.any(0), dup.any(0)]).tolist()
@@ -191,7 +196,7 @@ def _local(t: torch.Tensor, batch: Batch, par: Parallel, cu_seqlens_padded: Any)
             idx = cp_thd_index(bounds, s, par.cp_size, par.cp_rank)
         else:
             idx = cp_zigzag_index(s, par.cp_size, par.cp_rank)
-        t = t.index_select(1, idx)
+        t = t.index_select(1, idx.to(t.device))
     if par.sequence_parallel and par.tp_size > 1:
         t = t[:, sp_shard(int(t.shape[1]), par.tp_size, par.tp_rank)]
     return sequence_first(t)
@@ -201,6 +206,7 @@ def _to_padded(batch: Batch, cu_padded: torch.Tensor) -> Batch:
     """A packed batch moved onto Megatron's per-sample padded THD axis (sample i from ``cu_padded[i]``)."""
     cu = batch.cu_seqlens
     assert cu is not None
+    dev = batch.rows.device
     if cu_padded.numel() != cu.numel():
         raise ShapeMismatchError(f"cu_seqlens_padded has {cu_padded.numel() - 1} samples, the rows "
                                  f"{cu.numel() - 1}")
@@ -211,8 +217,9 @@ def _to_padded(batch: Batch, cu_padded: torch.Tensor) -> Batch:
                                  f"{cu.tolist()}")
     src = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])])
     dst = torch.cat([torch.arange(int(a), int(a) + int(ln)) for a, ln in zip(cu_padded[:-1], lengths)])
-    rows = torch.zeros((1, n, *batch.rows.shape[2:]), dtype=batch.rows.dtype)
-    have, need = torch.zeros(1, n, dtype=torch.bool), torch.zeros(1, n, dtype=torch.bool)
+    src, dst = src.to(dev), dst.to(dev)
+    rows = torch.zeros((1, n, *batch.rows.shape[2:]), dtype=batch.rows.dtype, device=dev)
+    have, need = torch.zeros(1, n, dtype=torch.bool, device=dev), torch.zeros(1, n, dtype=torch.bool, device=dev)
     rows[0, dst], have[0, dst], need[0, dst] = batch.rows[0, src], batch.have[0, src], batch.need[0, src]
     return Batch(rows, have, need, batch.layers, cu_padded)
 
@@ -233,10 +240,11 @@ def feed(routers: Sequence[MegatronRouter], routing: Any, *, parallel: Parallel 
     have = _local(batch.have[..., None], batch, par, cu_seqlens_padded)[:, 0]
     if not take:
         return Feed({}, left, int(have.numel()), have)
-    sel = batch.rows.index_select(2, torch.tensor(cols)).long()  # [b, s, M, K]
+    dev = batch.rows.device
+    sel = batch.rows.index_select(2, torch.tensor(cols, device=dev)).long()  # [b, s, M, K]
     _check(sel, batch, take)
     k = int(sel.shape[-1])
-    pads = torch.stack([distinct_pad_row(k, r.num_experts) for r in take])  # [M, K]
+    pads = torch.stack([distinct_pad_row(k, r.num_experts) for r in take]).to(dev)  # [M, K]
     sel = torch.where(batch.have[..., None, None], sel, pads)
     local = _local(sel, batch, par, cu_seqlens_padded)  # [tokens, M, K]
     targets = {r.module: local[:, i].contiguous().to(r.device) for i, r in enumerate(take)}

@@ -83,10 +83,7 @@ def last_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
     real = attention_mask.bool()
     idx = torch.arange(real.shape[1], device=real.device).expand_as(real)
     last = torch.where(real, idx, torch.full_like(idx, -1)).amax(dim=1)
-    out = torch.zeros_like(real)
-    has = last >= 0
-    out[has.nonzero().flatten(), last[has]] = True
-    return out
+    return torch.zeros_like(real).scatter_(1, last.clamp_min(0).unsqueeze(1), (last >= 0).unsqueeze(1))
 
 
 def _check_cp(cp_size: int, cp_rank: int) -> None:
