@@ -35,18 +35,24 @@ def rollout(seed: int) -> Any:
                           routed_experts=rows, routed_experts_mask=mask, layers=list(range(len(PATTERN))))
 
 
-def check(choices: H.RouterChoices, expected: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> dict[int, int]:
-    """Assert every hooked call of each router chose its expected rows (in call order); ``{layer: calls}``."""
+def check(choices: H.RouterChoices, expected: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], *,
+          recompute: bool = False) -> dict[int, int]:
+    """Assert each router's forwards chose its expected rows per micro-batch, in order, and so did its recomputes
+    (a recompute runs in the backward with grad on; the forward it repeats ran under ``no_grad``); ``{layer: calls}``.
+    """
     seen: dict[int, int] = {}
     for router in choices.routers:
         layer = int(router.layer_number)
         calls, want = choices.calls[router], expected[layer]
-        assert len(calls) == len(want), f"layer {layer}: {len(calls)} router calls, {len(want)} expected"
-        for i, (call, (rows, mask)) in enumerate(zip(calls, want)):
-            what = f"rank {torch.distributed.get_rank()} layer {layer} call {i}"
-            H.assert_chose(H.RouterCall(call.routing_map[mask], call.grad_enabled), rows[mask], what)
-            pads = call.routing_map[~mask]
-            assert bool((pads.sum(dim=1) == K).all()), f"{what}: a pad token without {K} distinct experts"
+        runs = ([("forward", [c for c in calls if not c.grad_enabled]), ("recompute", [c for c in calls if c.grad_enabled])]
+                if recompute else [("forward", calls)])
+        for kind, got in runs:
+            assert len(got) == len(want), f"layer {layer}: {len(got)} router {kind}s, {len(want)} micro-batches"
+            for i, (call, (rows, mask)) in enumerate(zip(got, want)):
+                what = f"rank {torch.distributed.get_rank()} layer {layer} {kind} of micro-batch {i}"
+                H.assert_chose(H.RouterCall(call.routing_map[mask], call.grad_enabled), rows[mask], what)
+                pads = call.routing_map[~mask]
+                assert bool((pads.sum(dim=1) == K).all()), f"{what}: a pad token without {K} distinct experts"
         seen[layer] = len(calls)
     return seen
 
@@ -58,14 +64,15 @@ def local_rows(routing: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pp2_1f1b(rank: int) -> dict[int, int]:
-    """PP=2, 1F1B over two micro-batches: each stage's routers replay their own layers' rows, micro-batch by micro-batch."""
+    """PP=2, 1F1B over two micro-batches with full recompute: each stage's routers replay their own layers' rows,
+    micro-batch by micro-batch, in the forwards and in the recomputes (stage 0 has both micro-batches in flight)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from rr_client.integrations.megatron import MegatronReplay
 
     H.init_parallel(rank=rank, world_size=2, pp=2)
     H.new_model_state()
-    model = H.build_gpt(H.ModelSpec(moe_pattern=PATTERN))
+    model = H.build_gpt(H.ModelSpec(moe_pattern=PATTERN, recompute=True))
     replay = MegatronReplay([model])
     batches = [rollout(seed=11), rollout(seed=12)]
     position_ids = torch.arange(S).unsqueeze(0).expand(B, S)
@@ -82,7 +89,7 @@ def pp2_1f1b(rank: int) -> dict[int, int]:
                                     num_microbatches=2, seq_length=S, micro_batch_size=B, forward_only=False)
     replay.close()
     layers = [int(r.layer_number) for r in choices.routers]
-    return check(choices, {layer: [local_rows(b, layer) for b in batches] for layer in layers})
+    return check(choices, {layer: [local_rows(b, layer) for b in batches] for layer in layers}, recompute=True)
 
 
 def tp2_sequence_parallel(rank: int) -> dict[int, int]:
@@ -153,8 +160,8 @@ def outcomes() -> dict[str, list[tuple[bool, Any]]]:
 
 
 def test_pp2_each_stage_replays_its_own_layers(outcomes: dict[str, list[tuple[bool, Any]]]) -> None:
-    """Stage 0 routes MoE layer 2, stage 1 layers 3 and 4, each twice (two micro-batches), all as the rollout did."""
-    assert results_of(outcomes, pp2_1f1b) == [{2: 2}, {3: 2, 4: 2}]
+    """Stage 0 routes MoE layer 2, stage 1 layers 3 and 4, each in two forwards and two recomputes, as the rollout did."""
+    assert results_of(outcomes, pp2_1f1b) == [{2: 4}, {3: 4, 4: 4}]
 
 
 def test_tp2_sequence_parallel_shards_replay_their_tokens(outcomes: dict[str, list[tuple[bool, Any]]]) -> None:
