@@ -29,8 +29,6 @@ import torch
 from rr_client.errors import MissingRoutingError, ReplayError
 from rr_client.integrations.megatron._routers import MegatronRouter
 from rr_client.trainer import keys as K
-from rr_client.trainer.replay._audit import DeviceTally
-from rr_client.trainer.replay._routers import in_backward
 from rr_client.trainer.session import AUDIT_EVERY, merge_reports
 
 __all__ = ["Lifecycle", "RouterState", "AUDIT_EVERY"]
@@ -58,6 +56,36 @@ class RouterState:
     checked: int = 0  #: tokens whose applied experts were compared (forwards and recomputes)
 
 
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (where Megatron's checkpointing recomputes the forward)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+class _Tally:
+    """0-d device counts under string keys, read with one host transfer at the step's end (no sync in a hook)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[torch.Tensor]] = {}
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        """Add a 0-d count."""
+        self.parts.setdefault(key, []).append(value)
+
+    def read(self) -> dict[str, int]:
+        """Every key's total, one host read per device, then forgotten."""
+        items = [(k, t) for k, ts in self.parts.items() for t in ts]
+        self.parts = {}
+        if not items:
+            return {}
+        out: dict[str, int] = {}
+        for dev in {t.device for _, t in items}:  # one stack and one host read per device
+            mine = [(k, t) for k, t in items if t.device == dev]
+            for (k, _), v in zip(mine, torch.stack([t.reshape(()).long() for _, t in mine]).tolist()):
+                out[k] = out.get(k, 0) + int(v)
+        return out
+
+
 class Lifecycle:
     """The per-call action driver and audit over ``routers`` (hooks installed until :meth:`remove`).
 
@@ -73,7 +101,7 @@ class Lifecycle:
         self.log_layers = log_layers
         self.steps = 0  #: steps done
         self.records: dict[Any, dict[Any, torch.Tensor]] = {}  #: R2: micro-batch key -> router module -> rows
-        self._tally = DeviceTally()
+        self._tally = _Tally()
         self._hooks = [h for r in routers for h in (
             r.module.register_forward_pre_hook(self._pre, prepend=True),
             r.module.register_forward_hook(self._post))]
@@ -200,7 +228,7 @@ class Lifecycle:
         keys`). With ``check``, the audit's verdicts raise :class:`ReplayError`: rows fed to a router that never ran
         (an orphan), and, on audited steps, a router that chose other experts than it was given."""
         audited = self.audited
-        counts = self._tally.read() if self._tally else {}
+        counts = self._tally.read()
         states = list(self.states.values())
         replaying = [s for s in states if s.driven and not s.left and s.record_key is None]
         problems = []
@@ -276,17 +304,3 @@ def _own_choice(module: Any, hidden: torch.Tensor) -> torch.Tensor:
             score_function=module.score_function, expert_bias=module.expert_bias, fused=False, router_replay=None)
     return own.bool()
 
-
-def local_have(routing: Any, parallel: Any, *, mask: torch.Tensor | None = None,
-               attention_mask: torch.Tensor | None = None, layers: Sequence[int] | None = None,
-               cu_seqlens_padded: Any = None, **_: Any) -> torch.Tensor:
-    """``[local_tokens]`` bool: which of this rank's tokens (in the router's order) have a rollout row, laid out
-    as the feeder lays out the rows (the rest are pads given distinct experts: counted neither replayed nor left)."""
-    from rr_client.integrations.megatron import _feeder as F
-
-    batch = F.as_batch(routing, mask=mask, attention_mask=attention_mask, layers=layers)
-    if cu_seqlens_padded is not None and batch.cu_seqlens is not None:
-        cu_seqlens_padded = torch.as_tensor(cu_seqlens_padded).long().flatten().cpu()
-        if not torch.equal(cu_seqlens_padded, batch.cu_seqlens):
-            batch = F._to_padded(batch, cu_seqlens_padded)
-    return F._local(batch.have[..., None], batch, parallel, cu_seqlens_padded)[:, 0]

@@ -17,7 +17,7 @@ import torch
 from rr_client.errors import ArgumentTypeError, ConfigurationError, ReplayError, ShapeMismatchError
 from rr_client.integrations.megatron._feeder import Feed, MtpPolicy, Parallel, feed, parallel_from_state
 from rr_client.integrations.megatron._gate import check_megatron_version
-from rr_client.integrations.megatron._lifecycle import AUDIT_EVERY, Lifecycle, local_have
+from rr_client.integrations.megatron._lifecycle import AUDIT_EVERY, Lifecycle
 from rr_client.integrations.megatron._routers import MegatronRouter, check_config, check_registered, find_routers
 
 __all__ = ["MegatronReplay", "Mode"]
@@ -106,9 +106,7 @@ class MegatronReplay:
         for r in got.left:
             r.replay.clear_router_replay_action()
         self.left = got.left
-        layout.pop("mtp", None)
-        where = local_have(routing, layout.pop("parallel", self.parallel), **layout)
-        self.set_targets(got.targets, have={m: where for m in got.targets})
+        self.set_targets(got.targets, have={m: got.have for m in got.targets} if got.have is not None else None)
         self.lifecycle.fed([], left=got.left)
         return got
 
