@@ -180,14 +180,15 @@ def test_mtp_router_takes_rows_when_the_rollout_has_them_else_is_left(megatron_p
     H.assert_chose(H.RouterCall(call.routing_map[mask], False), want[mask], "MTP router")
 
 
-def test_virtual_stage_chunks_are_fed_per_chunk(megatron_process: None) -> None:
-    """With several model chunks, ``chunk=`` feeds only that chunk's routers (the interleaved schedule's stage)."""
+def test_two_chunks_holding_one_layer_are_refused(megatron_process: None) -> None:
+    """Chunks of one rank (virtual stages) hold disjoint layers: two routers on one layer_number cannot be told
+    apart and are refused rather than fed the same rows."""
     from rr_client.integrations.megatron import MegatronReplay
 
     H.new_model_state()
     first, second = H.build_gpt(H.ModelSpec(moe_pattern=PATTERN)), H.build_gpt(H.ModelSpec(moe_pattern=PATTERN))
     with pytest.raises(ReplayError, match="share layer_number 2"):
-        MegatronReplay([first, second])  # two chunks of one rank never hold the same layer
+        MegatronReplay([first, second])
 
 
 # ---------------------------------------------------------------- what Megatron takes silently, refused
