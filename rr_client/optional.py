@@ -21,6 +21,7 @@ EXTRAS: dict[str, str] = {
     "trl": "trl",
     "accelerate": "trl",
     "verl": "verl",
+    "megatron.core": "megatron",
     "ray": "ray",
     "matplotlib": "plot",
 }

@@ -72,3 +72,21 @@ def test_last_tokens_follow_the_attention_mask() -> None:
     """Left, right and split padding: the last real token of each sample; an empty sample has none."""
     attn = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [0, 1, 1, 0], [0, 0, 0, 0]])
     assert last_tokens(attn).long().tolist() == [[0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 1, 0], [0, 0, 0, 0]]
+
+
+def test_megatron_core_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.16.x passes; other releases are refused naming the tested one; none installed names the extra (the
+    absence is faked by the metadata reader returning None: megatron-core is installed here)."""
+    from rr_client.errors import MissingDependencyError, UnsupportedVersionError
+    from rr_client.integrations.megatron import _gate
+
+    monkeypatch.delenv("RR_ALLOW_UNSUPPORTED_VERSION", raising=False)
+    assert _gate.check_megatron_version("0.16.1") == "0.16.1"
+    for other in ("0.17.0", "0.15.3", "0.19.2"):
+        with pytest.raises(UnsupportedVersionError, match=f"tested with megatron-core 0.16; found megatron-core {other}"):
+            _gate.check_megatron_version(other)
+    monkeypatch.setenv("RR_ALLOW_UNSUPPORTED_VERSION", "1")
+    assert _gate.check_megatron_version("0.19.2") == "0.19.2"
+    monkeypatch.setattr(_gate, "installed_version", lambda dists: None)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'rr-replay\[megatron\]'"):
+        _gate.check_megatron_version()

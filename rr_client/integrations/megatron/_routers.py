@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from rr_client.errors import ConfigurationError, ReplayError
+from rr_client.optional import require
 
 __all__ = ["MegatronRouter", "find_routers", "check_config", "check_registered", "moe_layers_of", "REFUSED"]
 
@@ -70,6 +71,7 @@ def _unwrap(chunk: Any) -> Any:
 def find_routers(model_chunks: Any) -> list[MegatronRouter]:
     """Every ``TopKRouter`` of ``model_chunks`` (one module or this rank's list of virtual-stage chunks), in chunk
     then module order; refuses a router without ``layer_number`` and two routers of one chunk on one layer."""
+    require("megatron.core", for_what="rr_client.integrations.megatron")
     from megatron.core.transformer.moe.router import TopKRouter
 
     chunks = list(model_chunks) if isinstance(model_chunks, Sequence) else [model_chunks]
