@@ -237,6 +237,21 @@ def test_malformed_rows_raise_typed_errors(megatron_process: None) -> None:
         router_targets(model, replace(batch, routed_experts=batch.routed_experts[:, :, :2], layers=[0, 1]))
 
 
+def test_an_moe_layer_without_a_topk_router_is_refused(megatron_process: None) -> None:
+    """An MoE layer whose router is not a TopKRouter (no RouterReplay) would train unreplayed: refused by name."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from torch import nn
+
+    from rr_client.errors import UnsupportedModelError
+    from rr_client.integrations.megatron import find_routers
+
+    model = gpt()
+    layer = next(m for m in model.modules() if isinstance(m, MoELayer))
+    layer.router = nn.Linear(H.HIDDEN, E)  # a router type Megatron's replay does not know
+    with pytest.raises(UnsupportedModelError, match="MoE layer decoder.layers.1.mlp of chunk 0 routes with Linear"):
+        find_routers(model)
+
+
 def test_orphan_routers_of_a_rebuilt_model_are_refused(megatron_process: None) -> None:
     """A model built again without clearing Megatron's global list leaves orphans there: refused; a replay held on
     a model whose instances were cleared (the model rebuilt) refuses to set targets."""

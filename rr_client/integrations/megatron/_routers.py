@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rr_client.errors import ConfigurationError, ReplayError
+from rr_client.errors import ConfigurationError, ReplayError, UnsupportedModelError
 from rr_client.optional import require
 
 __all__ = ["MegatronRouter", "find_routers", "check_config", "check_registered", "moe_layers_of", "REFUSED"]
@@ -70,8 +70,10 @@ def _unwrap(chunk: Any) -> Any:
 
 def find_routers(model_chunks: Any) -> list[MegatronRouter]:
     """Every ``TopKRouter`` of ``model_chunks`` (one module or this rank's list of virtual-stage chunks), in chunk
-    then module order; refuses a router without ``layer_number`` and two routers of one chunk on one layer."""
+    then module order; refuses an MoE layer whose router is no ``TopKRouter``, a router without ``layer_number``
+    and two routers of one chunk on one layer."""
     require("megatron.core", for_what="rr_client.integrations.megatron")
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
     from megatron.core.transformer.moe.router import TopKRouter
 
     chunks = list(model_chunks) if isinstance(model_chunks, Sequence) else [model_chunks]
@@ -79,6 +81,10 @@ def find_routers(model_chunks: Any) -> list[MegatronRouter]:
     seen: dict[tuple[bool, int], str] = {}
     for c, chunk in enumerate(chunks):
         for name, mod in _unwrap(chunk).named_modules():
+            if isinstance(mod, BaseMoELayer) and not isinstance(getattr(mod, "router", None), TopKRouter):
+                raise UnsupportedModelError(f"MoE layer {name} of chunk {c} routes with "
+                                            f"{type(getattr(mod, 'router', None)).__name__}, not a TopKRouter: "
+                                            "Megatron's RouterReplay (and rr) cannot replay it")
             if not isinstance(mod, TopKRouter):
                 continue
             if mod.layer_number is None:
