@@ -188,7 +188,8 @@ def transformer_config(spec: ModelSpec) -> Any:
     )
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         # plain send / recv (gloo has no batched P2P); fixed shapes, so none are exchanged
-        kwargs.update(pipeline_dtype=torch.float32, batch_p2p_comm=False, variable_seq_lengths=False)
+        kwargs.update(pipeline_dtype=torch.float32, batch_p2p_comm=False, variable_seq_lengths=False,
+                      virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size())
     if spec.mtp_layers:
         kwargs.update(mtp_num_layers=spec.mtp_layers, mtp_loss_scaling_factor=0.1)
     if spec.recompute:

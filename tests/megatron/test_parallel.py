@@ -1,10 +1,11 @@
-"""Two gloo ranks, real megatron-core: PP=2 (1F1B), TP=2 with sequence parallel, CP=2 (zigzag), rows fed by rr.
+"""Two gloo ranks, real megatron-core: PP=2 (1F1B, and interleaved with two virtual stages), TP=2 with sequence
+parallel, CP=2 (zigzag), rows fed by rr's ``MegatronReplay``.
 
 Every router on every rank is hooked (tests/megatron/harness.py, independent of the feeder); each case asserts on the
 rank that every router chose exactly the rollout's experts for every token that has rows, the rows the test itself
 cuts out of the rollout with Megatron's own slicing (``get_batch_on_this_cp_rank``, the sequence-parallel split of
-the first dimension, the stage's ``layer_number``). The three layouts share one spawn (each rank imports
-megatron-core once).
+the first dimension, the stage's ``layer_number``). The layouts share one spawn (each rank imports megatron-core
+once).
 """
 
 from __future__ import annotations
@@ -92,6 +93,37 @@ def pp2_1f1b(rank: int) -> dict[int, int]:
     return check(choices, {layer: [local_rows(b, layer) for b in batches] for layer in layers}, recompute=True)
 
 
+def pp2_interleaved(rank: int) -> dict[int, int]:
+    """PP=2 with two virtual stages (interleaved 1F1B), full recompute: each chunk's routers replay their own layers'
+    rows (rank 0 holds layers 1 and 3, rank 1 layers 2 and 4), fed per chunk inside ``forward_step_func``."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from rr_client.integrations.megatron import MegatronReplay
+
+    H.init_parallel(rank=rank, world_size=2, pp=2, vpp=2)
+    H.new_model_state()
+    chunks = [H.build_gpt(H.ModelSpec(moe_pattern=PATTERN, recompute=True), vp_stage=v) for v in range(2)]
+    replay = MegatronReplay(chunks)
+    batches = [rollout(seed=41), rollout(seed=42)]
+    position_ids = torch.arange(S).unsqueeze(0).expand(B, S)
+
+    def forward_step(data: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
+        """Feed this micro-batch's rows to this chunk's routers right before its forward."""
+        routing = batches[next(data)]
+        replay.set_micro_batch(routing, chunk=chunk)
+        out = chunk(routing.input_ids, position_ids, H.causal_mask(S), labels=routing.input_ids)
+        return out, lambda o: (o.float().mean(), {})
+
+    with H.hooked(chunks) as choices:
+        # one iterator per chunk: each chunk's forward_step draws micro-batches 0, 1 in its own order
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=[iter(range(2)), iter(range(2))],
+                                    model=chunks, num_microbatches=2, seq_length=S, micro_batch_size=B,
+                                    forward_only=False)
+    replay.close()
+    layers = [int(r.layer_number) for r in choices.routers]
+    return check(choices, {layer: [local_rows(b, layer) for b in batches] for layer in layers}, recompute=True)
+
+
 def tp2_sequence_parallel(rank: int) -> dict[int, int]:
     """TP=2 with sequence parallel: each TP rank's routers see (and replay) only their own sequence shard."""
     from megatron.core import parallel_state
@@ -150,7 +182,7 @@ def cp2_zigzag(rank: int) -> dict[int, int]:
     return check(choices, {layer: [sliced(layer)] for layer in (2, 3, 4)})
 
 
-CASES = [pp2_1f1b, tp2_sequence_parallel, cp2_zigzag]
+CASES = [pp2_1f1b, pp2_interleaved, tp2_sequence_parallel, cp2_zigzag]
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +194,12 @@ def outcomes() -> dict[str, list[tuple[bool, Any]]]:
 def test_pp2_each_stage_replays_its_own_layers(outcomes: dict[str, list[tuple[bool, Any]]]) -> None:
     """Stage 0 routes MoE layer 2, stage 1 layers 3 and 4, each in two forwards and two recomputes, as the rollout did."""
     assert results_of(outcomes, pp2_1f1b) == [{2: 4}, {3: 4, 4: 4}]
+
+
+def test_pp2_interleaved_each_chunk_replays_its_own_layers(outcomes: dict[str, list[tuple[bool, Any]]]) -> None:
+    """Rank 0's chunks route MoE layer 3 (layer 1 is dense), rank 1's layers 2 and 4: two forwards and two
+    recomputes each, as the rollout did."""
+    assert results_of(outcomes, pp2_interleaved) == [{3: 4}, {2: 4, 4: 4}]
 
 
 def test_tp2_sequence_parallel_shards_replay_their_tokens(outcomes: dict[str, list[tuple[bool, Any]]]) -> None:

@@ -111,4 +111,4 @@ def test_wheel_metadata_one_version_license_urls_no_empty_extra(fresh_venv: Path
     assert out["version"] == out["code_version"] == __version__  # one version source: rr_client/_version.py
     assert any(f.endswith("LICENSE") for f in out["license_files"]), out["license_files"]
     assert {u.split(",")[0] for u in out["urls"]} >= {"Homepage", "Documentation", "Changelog", "Issues"}
-    assert "bench" not in out["extras"] and {"torch", "trl", "verl", "docs", "plot"} <= set(out["extras"])
+    assert "bench" not in out["extras"] and {"torch", "trl", "verl", "megatron", "docs", "plot"} <= set(out["extras"])
