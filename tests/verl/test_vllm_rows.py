@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from rr_client.errors import LogprobsModeError
-from rr_client.integrations.verl import _patches
+from rr_client.integrations.verl import _logprobs
 from rr_client.integrations.verl._logprobs import RolloutLogprobs
 from tests.support.vllm_process import REPO, VLLMProcess
 from tests.verl import harness as h
@@ -94,17 +94,17 @@ def test_vllm_rows_land_under_their_tokens_in_verls_layout(vllm_server: VLLMProc
     # worker's config says are vLLM's processed_logprobs (verl's default); said to be raw, rr refuses before the
     # first micro-batch's forward (nothing is stepped)
     cfg, w = workers[("R3", True)]
-    assert _patches.ROLLOUT_LOGPROBS["rollout"].mode == "processed"
-    said, temperature = _patches.ROLLOUT_LOGPROBS["rollout"], cfg.actor_rollout_ref.rollout.temperature
+    assert _logprobs.ROLLOUT_LOGPROBS["rollout"].mode == "processed"
+    said, temperature = _logprobs.ROLLOUT_LOGPROBS["rollout"], cfg.actor_rollout_ref.rollout.temperature
     cfg.actor_rollout_ref.rollout.temperature = TEMPERATURE  # verl's _update_actor takes it from the config
     try:
-        _patches.ROLLOUT_LOGPROBS["rollout"] = RolloutLogprobs("raw", "rollout.name=vllm, logprobs_mode=raw_logprobs")
+        _logprobs.ROLLOUT_LOGPROBS["rollout"] = RolloutLogprobs("raw", "rollout.name=vllm, logprobs_mode=raw_logprobs")
         with pytest.raises(LogprobsModeError, match="temperature 0.7"):
             h.update_actor(h.trainer(cfg, w), batch.union(old))
-        _patches.ROLLOUT_LOGPROBS["rollout"] = said
+        _logprobs.ROLLOUT_LOGPROBS["rollout"] = said
         upd = h.update_actor(h.trainer(cfg, w), batch.union(old))
     finally:
-        _patches.ROLLOUT_LOGPROBS["rollout"] = said
+        _logprobs.ROLLOUT_LOGPROBS["rollout"] = said
         cfg.actor_rollout_ref.rollout.temperature = temperature
     assert upd["actor/r3/applied_share"] == [1.0]
     assert upd["actor/r3/logp_tokens"] == [float(sum(len(s["response_ids"]) for s in samples))]

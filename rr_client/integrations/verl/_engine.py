@@ -21,7 +21,7 @@ from rr_client.trainer.replay import find_routers
 from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
 from ._gate import check_verl_version
-from ._patches import ROLLOUT_LOGPROBS
+from ._logprobs import ROLLOUT_LOGPROBS
 from ._rows import packed_rows, padded_rows, unpack_recorded
 
 MODES = ("disabled", "R2", "R3")

@@ -17,7 +17,12 @@ from typing import Any, NamedTuple
 from rr_client.errors import LogprobsModeError
 from rr_client.logprobs import PROCESSED, RAW, check_comparable_logprobs, mode_from_vllm
 
-__all__ = ["RolloutLogprobs", "rollout_logprobs", "check_rollout_logprobs", "SGLANG_ORIGINAL", "VERL_KEY"]
+__all__ = ["RolloutLogprobs", "rollout_logprobs", "check_rollout_logprobs", "SGLANG_ORIGINAL", "VERL_KEY",
+           "ROLLOUT_LOGPROBS"]
+
+# the rollout's log-prob mode, as this process's replaying worker read it from its config (rr's engine reads it
+# at batch time; one actor worker per verl process, as for the engine registry)
+ROLLOUT_LOGPROBS: dict[str, Any] = {}
 
 SGLANG_ORIGINAL = "SGLANG_RETURN_ORIGINAL_LOGPROB"  # SGLang's switch to pre-temperature log-probs
 VERL_KEY = "actor_rollout_ref.rollout.logprobs_mode"

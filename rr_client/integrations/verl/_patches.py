@@ -66,9 +66,6 @@ REGISTRY_SHAPES: dict[str, list[str]] = {
 
 _ENGINES: dict[str, type] = {}  # model type -> rr's engine class (built by patch_fsdp_engine)
 FAILED: dict[str, str] = {}  # module -> why its patch failed (logged once)
-# the rollout's log-prob mode, as this process's replaying worker read it from its config (rr's engine reads it
-# at batch time; one actor worker per verl process, as for the engine registry)
-ROLLOUT_LOGPROBS: dict[str, Any] = {}
 
 
 # -- the mode, from what each patched object can see
@@ -298,7 +295,7 @@ def _worker_init(orig: Callable[..., None]) -> Callable[..., None]:
             why = inactive_patches(mode)
             if why is not None:
                 refuse_inactive(config, why)
-            from ._logprobs import check_rollout_logprobs
+            from ._logprobs import ROLLOUT_LOGPROBS, check_rollout_logprobs
 
             ROLLOUT_LOGPROBS["rollout"] = check_rollout_logprobs(_get(config, "rollout"))
         orig(self, config, role, *args, **kwargs)
