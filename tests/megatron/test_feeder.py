@@ -237,6 +237,23 @@ def test_malformed_rows_raise_typed_errors(megatron_process: None) -> None:
         router_targets(model, replace(batch, routed_experts=batch.routed_experts[:, :, :2], layers=[0, 1]))
 
 
+def test_a_dense_only_stage_is_fed_nothing_and_a_foreign_model_refused(megatron_process: None) -> None:
+    """A pipeline stage holding dense layers only has no router: accepted, fed nothing; chunks with no Megatron
+    TransformerLayer at all (another library's model) are refused rather than silently replaying nothing."""
+    from torch import nn
+
+    from rr_client.integrations.megatron import MegatronReplay
+
+    dense = gpt(moe_pattern=(0, 0, 0))
+    replay = MegatronReplay(dense)
+    fed = replay.set_micro_batch(rollout(seed=10))
+    assert replay.routers == [] and fed.targets == {} and fed.tokens == S * B
+    forward(dense, rollout(seed=10).input_ids)
+    replay.step_done()
+    with pytest.raises(ReplayError, match="hold no Megatron TransformerLayer"):
+        MegatronReplay(nn.Sequential(nn.Linear(4, 4)))
+
+
 def test_an_moe_layer_without_a_topk_router_is_refused(megatron_process: None) -> None:
     """An MoE layer whose router is not a TopKRouter (no RouterReplay) would train unreplayed: refused by name."""
     from megatron.core.transformer.moe.moe_layer import MoELayer

@@ -18,7 +18,8 @@ from rr_client.errors import ArgumentTypeError, ConfigurationError, ReplayError,
 from rr_client.integrations.megatron._feeder import Feed, MtpPolicy, Parallel, feed, parallel_from_state
 from rr_client.integrations.megatron._gate import check_megatron_version
 from rr_client.integrations.megatron._lifecycle import AUDIT_EVERY, Lifecycle
-from rr_client.integrations.megatron._routers import MegatronRouter, check_config, check_registered, find_routers
+from rr_client.integrations.megatron._routers import (MegatronRouter, check_config, check_registered, find_routers,
+                                                      has_transformer_layers)
 
 __all__ = ["MegatronReplay", "Mode"]
 
@@ -45,9 +46,9 @@ class MegatronReplay:
         self.chunks = list(model_chunks) if isinstance(model_chunks, Sequence) else [model_chunks]
         self.mode, self.mtp = mode, mtp
         self.routers: list[MegatronRouter] = find_routers(self.chunks)
-        if not self.routers:
-            raise ReplayError("no TopKRouter in the given model chunks: nothing to replay on this rank "
-                              "(pass the MoE model's chunks; a stage with dense layers only needs no MegatronReplay)")
+        if not self.routers and not has_transformer_layers(self.chunks):
+            raise ReplayError("the given model chunks hold no Megatron TransformerLayer: pass this rank's Megatron "
+                              "model chunks (a pipeline stage of dense layers only is accepted and fed nothing)")
         check_config(self.routers)
         check_registered(self.routers)
         self.parallel = parallel if parallel is not None else parallel_from_state(self.routers)

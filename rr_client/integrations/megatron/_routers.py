@@ -19,7 +19,8 @@ import torch
 from rr_client.errors import ConfigurationError, ReplayError, UnsupportedModelError
 from rr_client.optional import require
 
-__all__ = ["MegatronRouter", "find_routers", "check_config", "check_registered", "moe_layers_of", "REFUSED"]
+__all__ = ["MegatronRouter", "find_routers", "has_transformer_layers", "check_config", "check_registered",
+           "moe_layers_of", "REFUSED"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,6 +100,14 @@ def find_routers(model_chunks: Any) -> list[MegatronRouter]:
             seen[key] = r.describe()
             found.append(r)
     return found
+
+
+def has_transformer_layers(model_chunks: Sequence[Any]) -> bool:
+    """Whether the chunks hold any Megatron ``TransformerLayer`` (a pipeline stage of dense layers does; a model
+    of another library does not)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return any(isinstance(m, TransformerLayer) for c in model_chunks for m in _unwrap(c).modules())
 
 
 #: (setting, why replay does not hold under it); each refused with R2 / R3 when set
