@@ -42,25 +42,36 @@ HEADS = 2
 MAX_SEQ = 64
 TIMEOUT_MINUTES = 3  # gloo's wait in a collective a peer rank never reaches (a deadlock guard, not an assertion)
 
-_PATCHED = False
+_SAVED: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) of every test-side patch, in patch order
+
+
+_MISSING = object()  # an attribute the patch creates (0.16.1 without Transformer Engine has no te_general_gemm)
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    """Set ``owner.name`` to ``value``, keeping the original (raw, from a class's own dict) for :func:`unpatch_cpu`."""
+    original = vars(owner).get(name, _MISSING)
+    _SAVED.append((owner, name, original))
+    setattr(owner, name, value)
 
 
 def patch_cpu() -> None:
     """Apply the CPU test-side patches (idempotent): CUDA device and RNG to the CPU, no Transformer Engine GEMM."""
-    global _PATCHED
-    if _PATCHED:
+    if _SAVED:
         return
-    torch.cuda.current_device = lambda: "cpu"  # test-side patch: tensors Megatron puts on "the GPU" go to the CPU
+    # test-side patch: tensors Megatron puts on "the GPU" go to the CPU
+    _patch(torch.cuda, "current_device", lambda: "cpu")
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import moe_utils
 
     # test-side patch: Megatron's CUDA RNG state is the CPU RNG's (recompute restores it, dropout forks it)
-    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
-    moe_utils.te_general_gemm = None  # test-side patch: 0.16.1 imports Transformer Engine's GEMM when present
+    _patch(mrandom, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state())
+    _patch(mrandom, "_set_cuda_rng_state", lambda new_state, *args, **kwargs: torch.set_rng_state(new_state))
+    # test-side patch: 0.16.1's router GEMM names te_general_gemm, defined only when Transformer Engine imports
+    _patch(moe_utils, "te_general_gemm", None)
     from megatron.core.pipeline_parallel import schedules
 
-    schedules.torch = _CpuTokenCounterTorch()  # test-side patch: the schedules' token counter is made on "cuda"
+    _patch(schedules, "torch", _CpuTokenCounterTorch())  # test-side patch: the schedules' token counter on "cuda"
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     local_init = DotProductAttention.__init__
@@ -72,7 +83,7 @@ def patch_cpu() -> None:
             config.context_parallel_size = 1
         local_init(self, config, *args, **kwargs)
 
-    DotProductAttention.__init__ = init_without_cp  # test-side patch: attention stand-in under CP (docstring)
+    _patch(DotProductAttention, "__init__", init_without_cp)  # test-side patch: attention stand-in under CP
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     torch_norm_new = WrappedTorchNorm.__new__
@@ -84,8 +95,30 @@ def patch_cpu() -> None:
             config.sequence_parallel = False
         return torch_norm_new(cls, config, *args, **kwargs)
 
-    WrappedTorchNorm.__new__ = norm_under_sp  # test-side patch: Apex's SP-aware norm is not installed here
-    _PATCHED = True
+    _patch(WrappedTorchNorm, "__new__", norm_under_sp)  # test-side patch: Apex's SP-aware norm is not installed
+
+
+def unpatch_cpu() -> None:
+    """Undo every test-side patch (latest first): the rest of a pytest session sees torch and Megatron as shipped."""
+    while _SAVED:
+        owner, name, original = _SAVED.pop()
+        if original is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+
+
+def close_parallel() -> None:
+    """Tear down what :func:`init_parallel` set up: Megatron's parallel state, the process group, the patches."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    new_model_state()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    unpatch_cpu()
 
 
 class _CpuTokenCounterTorch(types.ModuleType):

@@ -63,3 +63,17 @@ def test_hooks_catch_short_rows_megatron_accepts(gpt: object) -> None:
         assert call.chosen()[-1] == []  # the token without a row: zero experts, silently
         with pytest.raises(AssertionError, match="1 of 12 tokens differ"):
             H.assert_chose(call, want)
+
+
+def test_patches_are_undone_for_the_rest_of_the_session(megatron_process: None) -> None:
+    """unpatch_cpu (the package fixture's teardown) gives torch and Megatron back as shipped; patch_cpu redoes it."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer.moe import moe_utils
+
+    H.unpatch_cpu()
+    try:
+        assert torch.cuda.current_device.__module__ == "torch.cuda"
+        assert schedules.torch is torch and not hasattr(moe_utils, "te_general_gemm")
+    finally:
+        H.patch_cpu()
+    assert torch.cuda.current_device() == "cpu" and moe_utils.te_general_gemm is None
