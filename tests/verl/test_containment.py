@@ -94,7 +94,9 @@ def with_workers(setup: str, **cases: dict[str, Any]) -> str:
 
 def run_fresh(setup: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
     """Run ``setup`` then the report in a fresh interpreter (rr's records kept); (report, stderr)."""
-    e = {k: v for k, v in os.environ.items() if k not in ("RR_ALLOW_UNSUPPORTED_VERSION", "VERL_USE_EXTERNAL_PLUGINS")}
+    # the parent's process group (harness.init_process in an earlier test) holds MASTER_PORT: the child picks its own
+    skip = ("RR_ALLOW_UNSUPPORTED_VERSION", "VERL_USE_EXTERNAL_PLUGINS", "MASTER_ADDR", "MASTER_PORT")
+    e = {k: v for k, v in os.environ.items() if k not in skip}
     e.update(env or {})
     proc = subprocess.run([sys.executable, "-c", _RECORD + setup + _REPORT], cwd=ROOT, env=e, capture_output=True,
                           text=True, timeout=300)
