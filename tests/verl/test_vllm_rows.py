@@ -94,8 +94,11 @@ def test_vllm_rows_land_under_their_tokens_in_verls_layout(vllm_server: VLLMProc
     # worker's config says are vLLM's processed_logprobs (verl's default); said to be raw, rr refuses before the
     # first micro-batch's forward (nothing is stepped)
     cfg, w = workers[("R3", True)]
-    assert _logprobs.ROLLOUT_LOGPROBS["rollout"].mode == "processed"
-    said, temperature = _logprobs.ROLLOUT_LOGPROBS["rollout"], cfg.actor_rollout_ref.rollout.temperature
+    # the mode is per process (the last worker built sets it; the session's workers are cached across test files):
+    # read what this worker's own config says
+    said = _logprobs.check_rollout_logprobs(cfg.actor_rollout_ref.rollout)
+    assert said.mode == "processed"
+    before, temperature = _logprobs.ROLLOUT_LOGPROBS.get("rollout"), cfg.actor_rollout_ref.rollout.temperature
     cfg.actor_rollout_ref.rollout.temperature = TEMPERATURE  # verl's _update_actor takes it from the config
     try:
         _logprobs.ROLLOUT_LOGPROBS["rollout"] = RolloutLogprobs("raw", "rollout.name=vllm, logprobs_mode=raw_logprobs")
@@ -104,7 +107,7 @@ def test_vllm_rows_land_under_their_tokens_in_verls_layout(vllm_server: VLLMProc
         _logprobs.ROLLOUT_LOGPROBS["rollout"] = said
         upd = h.update_actor(h.trainer(cfg, w), batch.union(old))
     finally:
-        _logprobs.ROLLOUT_LOGPROBS["rollout"] = said
+        _logprobs.ROLLOUT_LOGPROBS["rollout"] = before if before is not None else said
         cfg.actor_rollout_ref.rollout.temperature = temperature
     assert upd["actor/r3/applied_share"] == [1.0]
     assert upd["actor/r3/logp_tokens"] == [float(sum(len(s["response_ids"]) for s in samples))]
