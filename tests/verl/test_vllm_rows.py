@@ -84,6 +84,9 @@ def test_vllm_rows_land_under_their_tokens_in_verls_layout(vllm_server: VLLMProc
     lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
     for rmpad in (True, False):
         cfg, w = workers[("R3", rmpad)]
+        # the log-prob mode is per process, set by the last worker built (the session's workers are cached across
+        # files): this worker's own config says which, and compute_log_prob checks it at temperature 0.7
+        _logprobs.ROLLOUT_LOGPROBS["rollout"] = _logprobs.check_rollout_logprobs(cfg.actor_rollout_ref.rollout)
         t = h.trainer(cfg, w)
         with experts_seen(w) as seen:
             old = h.compute_log_prob(t, batch)

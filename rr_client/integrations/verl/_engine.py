@@ -21,7 +21,7 @@ from rr_client.trainer.replay import find_routers
 from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
 from ._gate import check_verl_version
-from ._logprobs import ROLLOUT_LOGPROBS
+from . import _logprobs
 from ._rows import packed_rows, padded_rows, unpack_recorded
 
 MODES = ("disabled", "R2", "R3")
@@ -52,7 +52,7 @@ def _check_gap_logprobs(temperature: Any) -> None:
     same thing: the rollout's mode as the worker read it from its config (unknown without rr's worker), at this
     micro-batch's temperature (a scalar, or one per sample: the first that is not 1). No host read when the mode
     is post-temperature."""
-    got = ROLLOUT_LOGPROBS.get("rollout")
+    got = _logprobs.ROLLOUT_LOGPROBS.get("rollout")  # read through the module: the dict a reload rebinds
     mode = got.mode if got is not None else None
     if mode == PROCESSED:
         return
