@@ -159,12 +159,23 @@ def _gone(name: str, deadline_s: float = 60.0) -> bool:
     return name not in _store_names()
 
 
+def _listed(name: str, deadline_s: float = 60.0) -> bool:
+    """Wait (up to a generous deadline) until Ray lists the actor: a named actor registers asynchronously."""
+    end = time.monotonic() + deadline_s
+    while name not in _store_names() and time.monotonic() < end:
+        time.sleep(0.2)
+    return name in _store_names()
+
+
 ENGINE = """
 import sys, time
 from rr_server.serving.ray_store import RayRoutingStore
 s = RayRoutingStore(1 << 20)
 print(s.name, flush=True)
-time.sleep(0 if sys.argv[1] == "exit" else 600)
+if sys.argv[1] == "exit":
+    sys.stdin.readline()  # exit once the test has seen the live store (exiting at once raced its check)
+else:
+    time.sleep(600)
 """
 
 
@@ -173,12 +184,15 @@ def test_the_store_goes_away_with_its_engine_process(ray_cluster: str, how: str)
     """A clean exit removes the store; a SIGKILLed engine's store is reclaimed by Ray (not detached)."""
     env = {**os.environ, "RR_RAY_ADDRESS": ray_cluster}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([sys.executable, "-c", ENGINE, how], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
     try:
         name = proc.stdout.readline().strip()  # type: ignore[union-attr]
-        assert name.startswith(PREFIX) and name in _store_names()
+        assert name.startswith(PREFIX) and _listed(name)
         if how == "sigkill":
             os.kill(proc.pid, signal.SIGKILL)
+        else:
+            proc.stdin.close()  # type: ignore[union-attr]
         proc.wait(timeout=120)
         assert _gone(name), f"{name} outlived its engine ({how})"
     finally:
