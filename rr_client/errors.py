@@ -48,6 +48,7 @@ __all__ = [
     "TokenMismatchError",
     "RoutingExpiredError",
     "RoutingChecksumError",
+    "StaleRoutingError",
     "TransportError",
     "ConnectError",
     "RequestTimeoutError",
@@ -119,6 +120,13 @@ class RoutingExpiredError(RoutedExpertsError):
 
 class RoutingChecksumError(RoutedExpertsError):
     """Rows read by reference do not match the checksum their ref or frame promised."""
+
+
+class StaleRoutingError(RoutedExpertsError):
+    """Rows that pass every check but may come from another forward than the sample's tokens: the request was
+    preempted / retracted across a weight update (re-prefilled under the new weights while its tokens and log-probs
+    keep the old), or a ref is bound to other tokens than the sample it was paired with. Names the sample and its
+    :class:`rr_client.provenance.Provenance`; ``stale_rows="mask"`` keeps such samples with replay masked off."""
 
 
 class TransportError(RRError):

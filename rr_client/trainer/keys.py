@@ -12,7 +12,8 @@ __all__ = [
     "AGREEMENT", "LEFT_LAYERS_HASH", "LEFT_ROUTERS_OUTSIDE_DECODER", "ORPHAN_ROUTERS", "UNCONSUMED_LAYERS",
     "AUDITED", "MEAN_ABS_LOGP_DIFF", "K3_KL", "FRAC_ABS_DIFF_GT_LN2", "LOGP_TOKENS", "WEIGHT_SYNC_SECONDS",
     "WEIGHT_SYNC_PROBE_GAP", "IS_RATIO_MIN", "IS_RATIO_MEAN", "IS_RATIO_MAX", "layer", "is_layer_key",
-    "LAYER_SHARE_SUFFIXES",
+    "LAYER_SHARE_SUFFIXES", "STALE_MASKED", "SPANS_UPDATE", "PROVENANCE_UNKNOWN", "CACHED_TOKENS", "SEGMENTS",
+    "segment",
 ]
 
 PREFIX = "r3/"
@@ -45,6 +46,24 @@ WEIGHT_SYNC_PROBE_GAP = "r3/weight_sync_probe_gap"
 IS_RATIO_MIN = "r3/is_ratio_min"
 IS_RATIO_MEAN = "r3/is_ratio_mean"
 IS_RATIO_MAX = "r3/is_ratio_max"
+
+# provenance (rr_client.provenance.check_provenance, summed over a step)
+STALE_MASKED = "r3/stale_masked"  #: samples that may have been recomputed across a weight update, kept unreplayed
+SPANS_UPDATE = "r3/spans_update"  #: samples that span a weight update without a recompute (kept, flagged)
+PROVENANCE_UNKNOWN = "r3/provenance_unknown"  #: samples whose server gave no provenance
+CACHED_TOKENS = "r3/cached_tokens"  #: prompt tokens served from the engine's prefix cache
+
+# the audit by token segment: agreement and log-prob gap of cached prompt, computed prompt and generated tokens
+SEGMENTS = ("cached_prompt", "computed_prompt", "generated")
+
+
+def segment(name: str, metric: str, turn: int | None = None) -> str:
+    """``r3/<segment>/<metric>`` (``r3/turn<t>/<segment>/<metric>`` for turn ``t`` of a trajectory); ``name`` one
+    of :data:`SEGMENTS`, ``metric`` e.g. ``agreement``, ``mean_abs_logp_diff``, ``tokens``."""
+    if name not in SEGMENTS:
+        raise ValueError(f"segment {name!r}: expected one of {SEGMENTS}")
+    return f"{PREFIX}{name}/{metric}" if turn is None else f"{PREFIX}turn{turn}/{name}/{metric}"
+
 
 #: per-layer keys whose step value is the worst block's (the others are summed)
 LAYER_SHARE_SUFFIXES = ("applied_share", "agreement")
