@@ -54,15 +54,17 @@ from rr_client.errors import (
     LogprobsModeError,
     UntrustedHostError,
     SettingError,
+    StaleRoutingError,
 )
 from rr_client.hf_config import hash_layers_from_config, load_config, moe_layers_from_config, routing_dims_from_config
 from rr_client.info import RRInfo
+from rr_client.provenance import Provenance, ProvenanceCheck, check_provenance, tokens_digest
 from rr_client.reference import RoutingRef
 
 if TYPE_CHECKING:
     from rr_client._client import Prompt, RoutedExpertsClient
     from rr_client._replicas import ReplicaStats
-    from rr_client.trajectory import ChatTrajectory, Trajectory
+    from rr_client.trajectory import ChatTrajectory, Trajectory, TurnSpan
     from rr_client.trainer.layouts import PackedRouting, RoutingTensors, tensor_dtype, to_packed, to_tensors
 
 # name -> module that defines it; imported on first attribute access (httpx / torch stay unloaded until then)
@@ -77,6 +79,7 @@ _LAZY = {
     "to_packed": "rr_client.trainer.layouts",
     "Trajectory": "rr_client.trajectory",
     "ChatTrajectory": "rr_client.trajectory",
+    "TurnSpan": "rr_client.trajectory",
 }
 
 
@@ -102,7 +105,8 @@ __all__ = [
     "ServerError", "RequestRejectedError", "AuthenticationError", "ProtocolError",
     "ReplicaMismatchError", "ReplayError", "UnsupportedModelError", "WeightSyncError",
     "UnsupportedVersionError", "MissingDependencyError", "ConfigurationError", "ArgumentTypeError",
-    "LogprobsModeError", "UntrustedHostError", "SettingError",
+    "LogprobsModeError", "UntrustedHostError", "SettingError", "StaleRoutingError",
+    "Provenance", "ProvenanceCheck", "check_provenance", "tokens_digest", "TurnSpan",
     "RRInfo", "load_config", "moe_layers_from_config", "hash_layers_from_config", "routing_dims_from_config",
     "__version__",
 ]

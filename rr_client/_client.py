@@ -18,7 +18,7 @@ from rr_client.http_errors import error_for_status, map_httpx_error
 from rr_client._hosts import HostPolicy
 from rr_client._openai import CHAT_PATH, COMPLETIONS_PATH, openai_body, parse_choices
 from rr_client._replicas import Replica, ReplicaPool, ReplicaStats
-from rr_client._resolve import RefResolver
+from rr_client._resolve import RefResolver, RefTokens
 from rr_client._results import GenerateBatch, GenerateResult, parse_sample
 from rr_client.errors import ArgumentTypeError, ConfigurationError, ProtocolError, RRError, RequestRejectedError, ServerError, TransportError
 from rr_client.info import RRInfo
@@ -157,21 +157,26 @@ class RoutedExpertsClient:
 
     # ------------------------------------------------------------------ routing by reference
 
-    async def resolve(self, refs: Sequence[RoutingRef]) -> list[np.ndarray]:
+    async def resolve(self, refs: Sequence[RoutingRef], *,
+                      tokens: Sequence[RefTokens] | None = None) -> list[np.ndarray]:
         """The rows of each :class:`RoutingRef` (in order), read from the server (or Ray store) that holds them,
         many per call, concurrency-limited, checksum-verified and checked as an inline answer is (a ref that
         names no URL is read from this client's server, when it has one). A ref whose
-        rows are gone raises :class:`RoutingExpiredError`; bytes that differ, :class:`RoutingChecksumError`."""
+        rows are gone raises :class:`RoutingExpiredError`; bytes that differ, :class:`RoutingChecksumError`.
+        ``tokens`` (one per ref: ``(prompt_ids, output_ids)``, the sample itself, or None) binds each ref to its
+        sample before any read: a ref whose provenance digest is another sample's raises
+        :class:`StaleRoutingError` naming it."""
         refs = list(refs)
         if any(isinstance(r, RoutingRef) and not r.url for r in refs) and len(self.urls) == 1:
             refs = [r.with_url(self.urls[0]) if isinstance(r, RoutingRef) and not r.url else r for r in refs]
-        return await self._resolver.resolve(refs, await self.info())
+        return await self._resolver.resolve(refs, await self.info(), tokens)
 
     async def resolve_results(self, results: Sequence[GenerateResult]) -> list[GenerateResult]:
-        """``results`` with every ``routing_ref`` resolved into ``routed_experts`` (others as they are): what
-        a trainer rank calls on its own micro-batches only."""
+        """``results`` with every ``routing_ref`` resolved into ``routed_experts`` (others as they are), each
+        ref bound to its own result's tokens: what a trainer rank calls on its own micro-batches only."""
         todo = [i for i, r in enumerate(results) if r.routing_ref is not None and r.routed_experts is None]
-        rows = await self.resolve([results[i].routing_ref for i in todo])  # type: ignore[misc]
+        rows = await self.resolve([results[i].routing_ref for i in todo],  # type: ignore[misc]
+                                  tokens=[results[i] for i in todo])
         out = list(results)
         for i, a in zip(todo, rows):
             out[i] = results[i].with_routing(a)

@@ -2,7 +2,8 @@
 
 rr servers put on every choice of ``/v1/completions`` and ``/v1/chat/completions`` the same routing fields as
 ``/generate`` (``routed_experts`` ``.npy``, ``routed_experts_shape/_dtype/_format/_start``) plus
-``prompt_token_ids`` and ``token_ids``; a choice is checked exactly like a ``/generate`` sample.
+``prompt_token_ids`` and ``token_ids``, and ``rr_provenance``; a choice is checked exactly like a ``/generate``
+sample. A stream carries them on its routing event (the last before ``[DONE]``): :func:`parse_stream`.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rr_client._results import GenerateResult, decode_sample_routing, sample_ref
+from rr_client._results import GenerateResult, decode_sample_routing, sample_provenance, sample_ref
 from rr_client.errors import ProtocolError
 from rr_client.info import RRInfo
 from rr_client.logprobs import parse_openai_logprobs
 
-__all__ = ["COMPLETIONS_PATH", "CHAT_PATH", "openai_body", "parse_choices"]
+__all__ = ["COMPLETIONS_PATH", "CHAT_PATH", "openai_body", "parse_choices", "parse_stream"]
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
@@ -93,6 +94,7 @@ def parse_choices(
         meta.update(prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids), id=answer.get("id"),
                     usage=answer.get("usage"))
         logprobs = parse_openai_logprobs(choice.get("logprobs"), output_ids, where=where)
+        provenance = sample_provenance(choice, prompt_ids=prompt_ids, output_ids=output_ids, ref=ref, where=where)
         fr = choice.get("finish_reason")
         out.append(GenerateResult(
             index=first_index + j,
@@ -107,5 +109,34 @@ def parse_choices(
             routing_ref=ref,
             logprobs=logprobs,
             logprobs_mode=info.logprobs_mode if logprobs is not None else None,
+            provenance=provenance,
         ))
     return out
+
+
+def parse_stream(events: Sequence[Any], *, path: str, info: RRInfo, want_routing: bool, start: int,
+                 sent_prompt_ids: Sequence[int] | None, **options: Any) -> list[GenerateResult]:
+    """A streamed answer's decoded ``data:`` events (``"[DONE]"`` allowed): its routing event (the last whose
+    choices carry ``token_ids``) parsed by :func:`parse_choices`, each choice's text joined from the chunks'
+    deltas; ``options`` as :func:`parse_choices` takes them."""
+    body = [e for e in events if e != "[DONE]"]
+    if not body or not all(isinstance(e, Mapping) for e in body):
+        raise ProtocolError(f"{path}: a stream must be a non-empty list of event objects")
+    final = body[-1]
+    choices = final.get("choices")
+    if not isinstance(choices, list) or not all(isinstance(c, Mapping) and "token_ids" in c for c in choices):
+        raise ProtocolError(f"{path}: the stream's last event carries no token_ids (not an rr server's routing "
+                            "event: is the server rr-patched?)")
+    texts: dict[int, list[str]] = {}
+    for e in body[:-1]:
+        for c in e.get("choices") or []:
+            if not isinstance(c, Mapping):
+                continue
+            delta = c.get("delta")
+            piece = c.get("text") if "text" in c else (delta.get("content") if isinstance(delta, Mapping) else None)
+            if isinstance(piece, str) and isinstance(c.get("index"), int):
+                texts.setdefault(c["index"], []).append(piece)
+    merged = [{**c, "text": c["text"]} if isinstance(c.get("text"), str) else
+              {**c, "text": "".join(texts.get(c.get("index", j), []))} for j, c in enumerate(choices)]
+    return parse_choices({**final, "choices": merged}, path=path, info=info, want_routing=want_routing, start=start,
+                         sent_prompt_ids=sent_prompt_ids, **options)

@@ -2,7 +2,8 @@
 call, concurrency-limited, checksum-verified and checked exactly as an inline answer is.
 
 HTTP refs go to ``POST <url>/rr/routing/read`` (one binary frame per call, grouped by server); ``ray://`` refs
-to the Ray store actor they name (:mod:`rr_client.stores.ray`, ``rr-replay[ray]``).
+to the Ray store actor they name (:mod:`rr_client.stores.ray`, ``rr-replay[ray]``). Given each ref's tokens, every
+ref is bound to them (:func:`rr_client.reference.check_ref_tokens`) before any read, HTTP and Ray alike.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-
+from typing import Any, Union
 
 import httpx
 import numpy as np
@@ -20,11 +21,41 @@ from rr_client.codec import check_routing
 from rr_client.errors import ProtocolError, RoutingChecksumError, RoutingExpiredError, ShapeMismatchError
 from rr_client.http_errors import error_for_status, map_httpx_error
 from rr_client.info import RRInfo
-from rr_client.reference import FRAME_MEDIA_TYPE, READ_PATH, FramePart, RoutingRef, decode_frame
+from rr_client.reference import FRAME_MEDIA_TYPE, READ_PATH, FramePart, RoutingRef, check_ref_tokens, decode_frame
 
-__all__ = ["RefResolver", "READ_PATH", "RAY_SCHEME", "checked_part"]
+__all__ = ["RefResolver", "READ_PATH", "RAY_SCHEME", "checked_part", "RefTokens", "bind_tokens"]
 
 RAY_SCHEME = "ray://"
+
+RefTokens = Union[tuple[Sequence[int], Sequence[int]], Any, None]
+"""One ref's tokens: ``(prompt_ids, output_ids)``, a sample with ``prompt_ids`` and ``output_ids`` (a
+:class:`rr_client.GenerateResult`), or None (not bound)."""
+
+
+def _ids(value: Any, what: str, where: str) -> Sequence[int]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ProtocolError(f"{where}: {what} must be a sequence of token ids, got {type(value).__name__}")
+    return value
+
+
+def bind_tokens(refs: Sequence[RoutingRef], tokens: Sequence[RefTokens]) -> None:
+    """Hold every ref to its sample's tokens (``tokens[i]`` for ``refs[i]``): :class:`StaleRoutingError` naming
+    the first ref whose provenance digest is another sample's."""
+    if len(tokens) != len(refs):
+        raise ProtocolError(f"{len(tokens)} token entries for {len(refs)} refs: give one per ref (None to skip)")
+    for i, (ref, t) in enumerate(zip(refs, tokens)):
+        if t is None:
+            continue
+        where = f"refs[{i}]"
+        if isinstance(t, tuple):
+            if len(t) != 2:
+                raise ProtocolError(f"{where}: tokens must be (prompt_ids, output_ids), got {len(t)} items")
+            prompt, output = t
+        else:
+            prompt, output = getattr(t, "prompt_ids", None), getattr(t, "output_ids", None)
+            if prompt is None:  # a text prompt the server did not echo: nothing to bind to
+                continue
+        check_ref_tokens(ref, _ids(prompt, "prompt_ids", where), _ids(output, "output_ids", where), where=where)
 
 
 def checked_part(ref: RoutingRef, part: FramePart, info: RRInfo) -> np.ndarray:
@@ -54,8 +85,10 @@ class RefResolver:
         self._batch = batch
         self.bytes_read = 0  #: routing bytes received (frame data), for the benchmark and the curious
 
-    async def resolve(self, refs: Sequence[RoutingRef], info: RRInfo) -> list[np.ndarray]:
-        """The checked rows of every ref, in order."""
+    async def resolve(self, refs: Sequence[RoutingRef], info: RRInfo,
+                      tokens: Sequence[RefTokens] | None = None) -> list[np.ndarray]:
+        """The checked rows of every ref, in order; with ``tokens`` (one per ref), each ref bound to its sample's
+        tokens first (:func:`bind_tokens`)."""
         out: list[np.ndarray | None] = [None] * len(refs)
         by_url: dict[str, list[int]] = defaultdict(list)
         for i, ref in enumerate(refs):
@@ -64,6 +97,8 @@ class RefResolver:
             if not ref.url:
                 raise ProtocolError(f"routing ref {ref.key} names no URL to read it from")
             by_url[ref.url].append(i)
+        if tokens is not None:
+            bind_tokens(refs, tokens)
         for url in by_url:  # every server's client first: a ref naming an untrusted host is refused before any read
             if not url.startswith(RAY_SCHEME):
                 self._http_for(url)

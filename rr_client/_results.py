@@ -12,12 +12,14 @@ from rr_client.codec import decode_meta_info, expected_rows, wire_dtype
 from rr_client.errors import MissingRoutingError, ProtocolError, RoutedExpertsError, ShapeMismatchError
 from rr_client.info import RRInfo
 from rr_client.logprobs import parse_token_logprobs
+from rr_client.provenance import PROVENANCE_FIELD, Provenance, ProvenanceCheck, StalePolicy, check_provenance, \
+    tokens_digest
 from rr_client.reference import RoutingRef
 
 if TYPE_CHECKING:
     from rr_client.trainer.layouts import PackedRouting, RoutingTensors
 
-__all__ = ["GenerateResult", "GenerateBatch", "parse_sample", "decode_sample_routing"]
+__all__ = ["GenerateResult", "GenerateBatch", "parse_sample", "decode_sample_routing", "sample_provenance"]
 
 _PAYLOAD_KEYS = ("routed_experts", "output_routed_experts", "routed_experts_ref")
 
@@ -27,7 +29,9 @@ class GenerateResult:
     """One generated sample: tokens, text, finish reason, and its checked routing ``(rows, layers, topk)``;
     asked by reference, ``routing_ref`` instead (``routed_experts`` None until resolved). ``logprobs``: the sampled
     tokens' log-probs (float64, one per output token, NaN where the engine gave none; None unless asked for), of
-    ``logprobs_mode`` (the server's ``/rr/info``: "processed" after temperature, "raw" before, None unknown)."""
+    ``logprobs_mode`` (the server's ``/rr/info``: "processed" after temperature, "raw" before, None unknown).
+    ``provenance``: which cache and weights made the rows (:class:`rr_client.provenance.Provenance`, its digest
+    checked against these tokens), None from a server that does not say."""
 
     index: int
     prompt_index: int
@@ -41,6 +45,7 @@ class GenerateResult:
     routing_ref: RoutingRef | None = None
     logprobs: np.ndarray | None = field(default=None, repr=False)
     logprobs_mode: str | None = None
+    provenance: Provenance | None = None
 
     def with_routing(self, rows: np.ndarray) -> "GenerateResult":
         """This sample with its routing resolved (the ref kept for the record)."""
@@ -72,6 +77,16 @@ class GenerateBatch:
 
     def __iter__(self) -> Iterator[GenerateResult]:
         return iter(self.results)
+
+    @property
+    def provenances(self) -> list[Provenance | None]:
+        """Each sample's provenance, in order (None where the server gave none): what
+        :func:`rr_client.provenance.check_provenance` takes."""
+        return [r.provenance for r in self.results]
+
+    def check_provenance(self, stale_rows: StalePolicy = "refuse") -> ProvenanceCheck:
+        """:func:`rr_client.provenance.check_provenance` of these samples (``StaleRoutingError`` names the sample)."""
+        return check_provenance(self.provenances, stale_rows)
 
     def to_tensors(self, **options: Any) -> RoutingTensors:
         """Pad into trainer-ready torch tensors: :func:`rr_client.to_tensors` of these samples, same options."""
@@ -122,6 +137,25 @@ def decode_sample_routing(
         )
     except RoutedExpertsError as e:
         raise type(e)(f"{where}: {e}") from e
+
+
+def sample_provenance(fields: Mapping[str, Any], *, prompt_ids: Sequence[int] | None, output_ids: Sequence[int],
+                      ref: RoutingRef | None, where: str) -> Provenance | None:
+    """One sample's ``rr_provenance`` (else its ref's ``provenance``; None when the server gave neither), every
+    field checked and its ``tokens_digest`` held to the sample's tokens (:class:`ProtocolError` naming the sample:
+    the server paired it with another sample). Unchecked only when the prompt's ids are unknown (a text prompt
+    the server did not echo)."""
+    raw = fields.get(PROVENANCE_FIELD)
+    prov = None if raw is None else Provenance.from_dict(raw, f"{where}: {PROVENANCE_FIELD}")
+    if prompt_ids is None:
+        return prov if prov is not None else (ref.provenance if ref is not None else None)
+    digest = tokens_digest(prompt_ids, output_ids)
+    for what, p in ((PROVENANCE_FIELD, prov), ("routed_experts_ref.provenance", ref and ref.provenance)):
+        if p is not None and p.tokens_digest is not None and p.tokens_digest != digest:
+            raise ProtocolError(f"{where}: {what}.tokens_digest {p.tokens_digest} is not the digest of this sample's "
+                                f"{len(prompt_ids)} prompt + {len(output_ids)} output ids ({digest}): the server "
+                                "paired it with another sample")
+    return prov if prov is not None else (ref.provenance if ref is not None else None)
 
 
 def sample_ref(fields: Mapping[str, Any], info: RRInfo, *, prompt_tokens: int, completion_tokens: int,
@@ -185,6 +219,7 @@ def parse_sample(
     fr = meta.get("finish_reason")
     finish = fr.get("type") if isinstance(fr, Mapping) else (fr if isinstance(fr, str) else None)
     text = reply.get("text")
+    provenance = sample_provenance(meta, prompt_ids=ids, output_ids=output_ids, ref=ref, where=where)
     return GenerateResult(
         index=index,
         prompt_index=prompt_index,
@@ -198,4 +233,5 @@ def parse_sample(
         routing_ref=ref,
         logprobs=logprobs,
         logprobs_mode=info.logprobs_mode if logprobs is not None else None,
+        provenance=provenance,
     )

@@ -23,16 +23,17 @@ import json
 import re
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from rr_client.codec import checked_count
-from rr_client.errors import MalformedPayloadError, RoutingChecksumError
+from rr_client.errors import MalformedPayloadError, RoutingChecksumError, StaleRoutingError
+from rr_client.provenance import Provenance, tokens_digest
 
 __all__ = ["REF_SCHEMA", "ROWS_SCHEMA", "FRAME_MEDIA_TYPE", "READ_PATH", "RETIRE_PATH", "RoutingRef", "checksum", "encode_frame",
-           "decode_frame", "FramePart"]
+           "decode_frame", "FramePart", "check_ref_tokens"]
 
 REF_SCHEMA = "rr.routing_ref/1"
 ROWS_SCHEMA = "rr.routing_rows/1"
@@ -78,7 +79,9 @@ class RoutingRef:
     ``ray://<actor>`` a Ray store actor); ``key``: the rows' key in that store; ``rows`` x ``layers`` x ``topk``
     in ``dtype``; ``start``: the request's ``routed_experts_start`` (row 0 is token row ``start``);
     ``weight_version``: the server's weight version when the rows were made (retired with it);
-    ``checksum``: of the rows' bytes (:func:`checksum`).
+    ``checksum``: of the rows' bytes (:func:`checksum`); ``provenance``: which cache and weights made the rows and
+    the digest of the tokens they belong to (:class:`rr_client.provenance.Provenance`; None from a server without
+    it), what :func:`check_ref_tokens` binds the ref to its sample with.
     """
 
     store: str
@@ -92,6 +95,7 @@ class RoutingRef:
     weight_version: int
     checksum: str
     schema: str = REF_SCHEMA
+    provenance: Provenance | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -103,12 +107,16 @@ class RoutingRef:
         return self.rows * self.layers * self.topk * np.dtype(self.dtype).itemsize
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object an answer carries as ``routed_experts_ref``."""
-        return asdict(self)
+        """The JSON object an answer carries as ``routed_experts_ref`` (``provenance`` only when known)."""
+        d = asdict(replace(self, provenance=None))
+        del d["provenance"]
+        if self.provenance is not None:
+            d["provenance"] = self.provenance.to_dict()
+        return d
 
     def with_url(self, url: str) -> "RoutingRef":
         """The same ref read from ``url`` (a client fills in the URL it asked when the server gave none)."""
-        return RoutingRef(**{**asdict(self), "url": url})
+        return replace(self, url=url)
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "routed_experts_ref") -> "RoutingRef":
@@ -126,7 +134,25 @@ class RoutingRef:
             raise MalformedPayloadError(f"{where}: dtype {kw['dtype']!r}, expected one of {list(_DTYPES)}")
         if not kw["key"] or not kw["store"]:
             raise MalformedPayloadError(f"{where}: empty key or store")
+        prov = d.get("provenance")
+        kw["provenance"] = None if prov is None else Provenance.from_dict(prov, f"{where}: provenance")
         return cls(**kw)
+
+
+def check_ref_tokens(ref: RoutingRef, prompt_ids: Sequence[int], output_ids: Sequence[int], *,
+                     where: str = "") -> None:
+    """:class:`StaleRoutingError` naming the ref when its provenance's ``tokens_digest`` is not the digest of
+    ``prompt_ids`` + ``output_ids``: the rows belong to another sample (a trainer's bookkeeping paired them wrong).
+    A ref without a digest (a server without provenance) binds to nothing and passes."""
+    want = ref.provenance.tokens_digest if ref.provenance is not None else None
+    if want is None:
+        return
+    got = tokens_digest(prompt_ids, output_ids)
+    if got != want:
+        raise StaleRoutingError(
+            f"routing ref {ref.key}{f' ({where})' if where else ''}: its rows belong to other tokens than the sample it was paired with "
+            f"(the ref's tokens digest {want}, the sample's {got} over {len(prompt_ids)} prompt + "
+            f"{len(output_ids)} output ids): the rows of another sample would be replayed")
 
 
 @dataclass(frozen=True, slots=True)

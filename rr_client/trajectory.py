@@ -3,13 +3,15 @@
 Every turn sends the whole conversation and asks only for the rows not held yet (``routed_experts_start`` =
 rows held), so routing bytes grow with the new tokens, not with the conversation. Every turn is checked:
 the engine's prompt must begin with the tokens held (else :class:`TokenMismatchError` at the first
-differing position, never a shifted array) and it must send exactly ``tokens - 1 - start`` rows.
+differing position, never a shifted array) and it must send exactly ``tokens - 1 - start`` rows. Each turn keeps
+its provenance and where its segments lie in the trajectory's rows (:class:`TurnSpan`), for the audit by turn.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,14 +19,42 @@ import numpy as np
 from rr_client._results import GenerateResult
 from rr_client.errors import (ArgumentTypeError, ConfigurationError, MissingRoutingError, ShapeMismatchError,
                               TokenMismatchError)
+from rr_client.provenance import Provenance
 from rr_client.reference import RoutingRef
 
 if TYPE_CHECKING:
     from rr_client._client import RoutedExpertsClient
 
-__all__ = ["Trajectory", "ChatTrajectory"]
+__all__ = ["Trajectory", "ChatTrajectory", "TurnSpan"]
 
 _ids = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class TurnSpan:
+    """Where one turn's rows lie in the trajectory's rows (row ``t``: the routing of token ``t``), as ``[start,
+    stop)`` ranges, and its provenance: ``rows`` what this turn sent (from the rows held before it); of those,
+    ``cached_prompt`` (prompt tokens the engine served from its prefix cache), ``computed_prompt`` (the rest of its
+    prompt: the tool / template tokens added since the last turn and the previous turn's last token), and
+    ``generated`` (its output tokens but the last, whose row comes with the next turn). ``cached_prompt`` is empty
+    when the provenance is None (not known)."""
+
+    turn: int
+    provenance: Provenance | None
+    rows: tuple[int, int]
+    cached_prompt: tuple[int, int]
+    computed_prompt: tuple[int, int]
+    generated: tuple[int, int]
+
+    @classmethod
+    def of(cls, turn: int, provenance: Provenance | None, start: int, prompt_len: int,
+           output_len: int) -> "TurnSpan":
+        """The spans of a turn whose rows begin at ``start`` over a prompt of ``prompt_len`` tokens."""
+        stop = max(start, prompt_len + output_len - 1)
+        cached = provenance.cached_tokens if provenance is not None else 0
+        p = min(max(prompt_len, start), stop)
+        c = min(max(cached, start), p)
+        return cls(turn, provenance, (start, stop), (start, c), (c, p), (p, stop))
 
 
 def _token_list(token_ids: Sequence[int], what: str) -> list[int]:
@@ -60,6 +90,8 @@ class _Rollout:
         self._cache: np.ndarray | None = None
         self.affinity: Hashable = affinity if affinity is not None else f"rr-trajectory-{next(_ids)}"
         self.turns: list[GenerateResult] = []
+        self._spans: list[TurnSpan] = []
+        self._ref_tokens: dict[str, tuple[list[int], list[int]]] = {}  # ref key -> its turn's (prompt, output)
         self.index = 0  # sample index in error messages of to_tensors
 
     # -- what trainers read
@@ -98,11 +130,22 @@ class _Rollout:
         whoever resolves them (a trainer rank) reads every row of the conversation exactly once."""
         return [c for c in self._chunks if isinstance(c, RoutingRef)]
 
+    @property
+    def turn_spans(self) -> list[TurnSpan]:
+        """Each turn's provenance and the row ranges of its cached prompt, computed prompt and generated tokens."""
+        return list(self._spans)
+
+    @property
+    def provenances(self) -> list[Provenance | None]:
+        """Each turn's provenance, in turn order (None where the server gave none)."""
+        return [t.provenance for t in self._spans]
+
     async def resolve(self) -> np.ndarray:
-        """Read the rows of every turn held by reference (one call per server) and return :attr:`routed_experts`."""
+        """Read the rows of every turn held by reference (one call per server, each ref bound to its turn's
+        tokens) and return :attr:`routed_experts`."""
         refs = self.routing_refs
         if refs:
-            rows = iter(await self._client.resolve(refs))
+            rows = iter(await self._client.resolve(refs, tokens=[self._ref_tokens.get(r.key) for r in refs]))
             self._chunks = [next(rows) if isinstance(c, RoutingRef) else c for c in self._chunks]
         return self.routed_experts
 
@@ -162,6 +205,9 @@ class _Rollout:
         self._tokens.extend(res.output_ids)
         self._mask.extend([True] * len(res.output_ids))
         self._chunks.append(held)
+        if isinstance(held, RoutingRef):
+            self._ref_tokens[held.key] = (list(prompt), list(res.output_ids))
+        self._spans.append(TurnSpan.of(len(self.turns), res.provenance, start, len(prompt), len(res.output_ids)))
         self._rows += n
         self.turns.append(res)
 
