@@ -13,7 +13,7 @@ __all__ = [
     "AUDITED", "MEAN_ABS_LOGP_DIFF", "K3_KL", "FRAC_ABS_DIFF_GT_LN2", "LOGP_TOKENS", "WEIGHT_SYNC_SECONDS",
     "WEIGHT_SYNC_PROBE_GAP", "IS_RATIO_MIN", "IS_RATIO_MEAN", "IS_RATIO_MAX", "layer", "is_layer_key",
     "LAYER_SHARE_SUFFIXES", "STALE_MASKED", "SPANS_UPDATE", "PROVENANCE_UNKNOWN", "CACHED_TOKENS", "SEGMENTS",
-    "segment",
+    "segment", "is_segment_key",
 ]
 
 PREFIX = "r3/"
@@ -77,3 +77,13 @@ def layer(index: int, name: str) -> str:
 def is_layer_key(key: str) -> bool:
     """Whether ``key`` is a per-layer key."""
     return key.startswith(PREFIX + "layer")
+
+
+def is_segment_key(key: str) -> bool:
+    """Whether ``key`` is a per-segment key (``r3/<segment>/...`` or ``r3/turn<t>/<segment>/...``)."""
+    parts = key.split("/")
+    if len(parts) < 3 or parts[0] + "/" != PREFIX:
+        return False
+    if parts[1].startswith("turn") and parts[1][4:].isdigit():
+        return len(parts) >= 4 and parts[2] in SEGMENTS
+    return parts[1] in SEGMENTS

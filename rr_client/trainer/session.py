@@ -33,8 +33,10 @@ from torch import nn
 from rr_client.agreement import count_matches
 from rr_client.errors import ConfigurationError, ReplayError
 from rr_client.logprobs import check_comparable_logprobs
+from rr_client.provenance import ProvenanceCheck, StalePolicy, check_stale_policy
 from rr_client.trainer import keys as K
-from rr_client.trainer.metrics import gap_stats
+from rr_client.trainer.metrics import gap_stats, segment_gap_stats
+from rr_client.trainer.provenance import Segments, check_samples, merge_checks, provenance_metrics
 from rr_client.trainer.replay import CHECK_EVERY, RoutingRecord, record_routing, replay_routing
 
 __all__ = ["ReplaySession", "AUDIT_EVERY", "merge_reports"]
@@ -61,11 +63,39 @@ def merge_reports(reports: Sequence[dict[str, float]], *, log_layers: bool = Fal
     out[K.APPLIED_SHARE_MIN_LAYER] = min(shares) if shares else math.nan
     agree = sum(r[K.AGREEMENT] * r[K.REPLAYED_ROWS] for r in reports if r[K.REPLAYED_ROWS])
     out[K.AGREEMENT] = agree / replayed if replayed else math.nan
+    for k in sorted({k for r in reports for k in r if K.is_segment_key(k) and k.endswith("/replayed_rows")}):
+        base = k[:-len("replayed_rows")]
+        rows = sum(r.get(k, 0.0) for r in reports)
+        out[k] = rows
+        if rows:
+            out[base + "agreement"] = sum(r[base + "agreement"] * r[k] for r in reports if r.get(k)) / rows
     if log_layers:
         for k in sorted({k for r in reports for k in r if K.is_layer_key(k)}):
             vals = [r[k] for r in reports if k in r and not math.isnan(r[k])]
             if vals:
                 out[k] = min(vals) if k.endswith(K.LAYER_SHARE_SUFFIXES) else sum(vals)
+    return out
+
+
+def _segment_gaps(seg_gaps: Sequence[tuple[tuple[tuple[str, int | None], ...], Any]], flat: list[float]
+                  ) -> dict[str, float]:
+    """The step's gap per segment key (and per segment over all turns) from the read values of ``seg_gaps``."""
+    sums: dict[tuple[str, int | None], list[float]] = {}
+    at = 0
+    for names, _ in seg_gaps:
+        for name in names:
+            row, at = flat[at:at + 7], at + 7
+            for key in {name, (name[0], None)}:
+                acc = sums.setdefault(key, [0.0] * 7)
+                for i, v in enumerate(row):
+                    acc[i] += v
+    out: dict[str, float] = {}
+    for (name, turn), (n, s_abs, _sq, s_k3, n2, _n5, _bad) in sums.items():
+        out[K.segment(name, K.LOGP_TOKENS[len(K.PREFIX):], turn)] = n
+        if n:
+            out[K.segment(name, K.MEAN_ABS_LOGP_DIFF[len(K.PREFIX):], turn)] = s_abs / n
+            out[K.segment(name, K.K3_KL[len(K.PREFIX):], turn)] = s_k3 / n
+            out[K.segment(name, K.FRAC_ABS_DIFF_GT_LN2[len(K.PREFIX):], turn)] = n2 / n
     return out
 
 
@@ -76,12 +106,15 @@ class ReplaySession:
     the sampled bit-for-bit formula check (:func:`rr_client.trainer.replay.replay_routing`). ``allow_untested``:
     replay a family whose formula is in rr but untested (docs/replay-coverage.md). ``layers``: the rows' layer
     axis when it is not absolute (e.g. MoE ordinals). ``moe_layers``: the MoE layers of an absolute layer axis,
-    for the agreement of recorded routing. ``log_layers``: per-layer keys in :meth:`flush` too.
+    for the agreement of recorded routing. ``log_layers``: per-layer keys in :meth:`flush` too. ``stale_rows``:
+    what :meth:`check_samples` does with a sample that may have been recomputed across a weight update
+    (``"refuse"``: :class:`rr_client.StaleRoutingError`; ``"mask"``: kept unreplayed and counted).
     """
 
     def __init__(self, model: nn.Module, *, audit_every: int = AUDIT_EVERY, check_every: int = CHECK_EVERY,
                  allow_untested: bool = False, layers: Sequence[int] | None = None,
-                 moe_layers: Sequence[int] | None = None, log_layers: bool = False) -> None:
+                 moe_layers: Sequence[int] | None = None, log_layers: bool = False,
+                 stale_rows: StalePolicy = "refuse") -> None:
         if audit_every < 0 or check_every < 1:
             raise ConfigurationError(f"audit_every={audit_every} must be >= 0 and check_every={check_every} >= 1")
         self.model = model
@@ -91,12 +124,15 @@ class ReplaySession:
         self.layers = list(layers) if layers is not None else None
         self.moe_layers = list(moe_layers) if moe_layers is not None else None
         self.log_layers = log_layers
+        self.stale_rows: StalePolicy = check_stale_policy(stale_rows)
         self.steps = 0  #: flushed steps
         self._stack: ExitStack | None = None
         self._after_close: list[Any] = []
         self._reports: list[dict[str, float]] = []
         self._gaps: list[torch.Tensor] = []
         self._agree = [0, 0]  # recorded rows equal to the compared rows, rows compared
+        self._seg_gaps: list[tuple[tuple[tuple[str, int | None], ...], torch.Tensor]] = []
+        self._checks: list[ProvenanceCheck] = []
 
     # ------------------------------------------------------------------ state
     @property
@@ -111,16 +147,18 @@ class ReplaySession:
 
     # ------------------------------------------------------------------ per micro-batch
     def open_replay(self, routed_experts: Any, mask: Any = None, *, layers: Sequence[int] | None = None,
-                    tokens: Any = None) -> None:
+                    tokens: Any = None, segments: Segments | None = None) -> None:
         """Close the previous micro-batch's block, then replay ``routed_experts`` (rows, or a
         :class:`rr_client.RoutingTensors` / :class:`rr_client.PackedRouting`) in the next forwards. ``tokens``:
         which rows are real tokens (pads are counted neither replayed nor left; a RoutingTensors' own
-        ``attention_mask`` by default), so every trainer's layout counts the same rows."""
+        ``attention_mask`` by default), so every trainer's layout counts the same rows. ``segments``
+        (:func:`rr_client.trainer.provenance.build_segments`): the audit per token segment too."""
         self.close()
         stack = ExitStack()
         report = stack.enter_context(replay_routing(
             self.model, routed_experts, mask, layers=layers if layers is not None else self.layers,
-            check_every=self.check_every, audit=self.audited, allow_untested=self.allow_untested, tokens=tokens))
+            check_every=self.check_every, audit=self.audited, allow_untested=self.allow_untested, tokens=tokens,
+            segments=segments))
         if report is not None:
             self._reports.append(report)  # the audit fills it when the block closes
         self._stack = stack
@@ -138,12 +176,12 @@ class ReplaySession:
 
     @contextmanager
     def forward(self, routed_experts: Any, mask: Any = None, *, layers: Sequence[int] | None = None,
-                tokens: Any = None) -> Iterator[None]:
+                tokens: Any = None, segments: Segments | None = None) -> Iterator[None]:
         """A replay block closed when the ``with`` ends, for forwards without a backward (old-policy, reference);
         the block kept open for a backward, if any, stays open. ``tokens``: as in :meth:`open_replay`."""
         with replay_routing(self.model, routed_experts, mask, layers=layers if layers is not None else self.layers,
                             check_every=self.check_every, audit=self.audited,
-                            allow_untested=self.allow_untested, tokens=tokens) as report:
+                            allow_untested=self.allow_untested, tokens=tokens, segments=segments) as report:
             yield
         if report is not None:
             self._reports.append(report)
@@ -178,7 +216,7 @@ class ReplaySession:
 
     # ------------------------------------------------------------------ measurements
     def add_gap(self, trainer_logps: Any, engine_logps: Any, mask: Any = None, *, temperature: float | None = None,
-                logprobs_mode: str | None = None) -> None:
+                logprobs_mode: str | None = None, segments: Segments | None = None) -> None:
         """Add a micro-batch's log-prob gap (trainer vs the engine's sampling log-probs, over ``mask``); kept on
         the device until :meth:`flush`, token-weighted over the step.
 
@@ -186,7 +224,8 @@ class ReplaySession:
         whose ``logprobs`` (and ``logprobs_mode``) are used. ``temperature``: the sampling temperature the trainer's
         log-probs were computed at; with it, log-probs the engine gave before temperature (``logprobs_mode``
         "raw") or of unknown mode are refused at a temperature other than 1 (:class:`rr_client.LogprobsModeError`),
-        never turned into wrong gaps."""
+        never turned into wrong gaps. ``segments``: the gap per token segment too (its ``logps`` codes, shaped
+        like the log-probs), under ``r3/[turn<t>/]<segment>/mean_abs_logp_diff`` etc."""
         if hasattr(engine_logps, "logprobs") and hasattr(engine_logps, "logprobs_mode"):
             if engine_logps.logprobs is None:
                 raise ConfigurationError("add_gap: the batch carries no engine log-probs (generate with "
@@ -196,8 +235,22 @@ class ReplaySession:
                                          f"{engine_logps.logprobs_mode!r}")
             engine_logps, logprobs_mode = engine_logps.logprobs, engine_logps.logprobs_mode
         check_comparable_logprobs(logprobs_mode, temperature, consumer="ReplaySession.add_gap")
-        self._gaps.append(gap_stats(trainer_logps.detach() if hasattr(trainer_logps, "detach") else trainer_logps,
-                                    engine_logps, mask))
+        mine = trainer_logps.detach() if hasattr(trainer_logps, "detach") else trainer_logps
+        self._gaps.append(gap_stats(mine, engine_logps, mask))
+        if segments is not None:
+            self._seg_gaps.append((segments.names, segment_gap_stats(mine, engine_logps, mask, segments.logps,
+                                                                     len(segments.names))))
+
+    def check_samples(self, samples: Sequence[Any]) -> ProvenanceCheck:
+        """The stale-rows policy on a batch's samples (:func:`rr_client.trainer.provenance.check_samples` with
+        this session's ``stale_rows``), counted into the step; ``replay[i]`` False: mask sample ``i``'s rows."""
+        check = check_samples(samples, self.stale_rows)
+        self._checks.append(check)
+        return check
+
+    def add_provenance(self, check: ProvenanceCheck) -> None:
+        """Count a batch's provenance check (made elsewhere) into the step's ``r3/stale_masked`` etc."""
+        self._checks.append(check)
 
     def _add_agreement(self, own: Any, rows: Any, mask: Any) -> None:
         """Recorded vs compared rows: (equal, counted) (row, MoE layer) cells where ``mask`` holds."""
@@ -222,7 +275,10 @@ class ReplaySession:
             out[K.AUDITED] = float(audited)
         if self._gaps:
             dev = self._gaps[0].device
-            n, s_abs, _s_sq, s_k3, n2, _n5, bad = torch.stack([g.to(dev) for g in self._gaps]).sum(0).tolist()
+            parts = [torch.stack([g.to(dev) for g in self._gaps]).sum(0)] + [t.to(dev).reshape(-1)
+                                                                             for _, t in self._seg_gaps]
+            flat = torch.cat(parts).tolist()  # the step's one host read of the gaps
+            n, s_abs, _s_sq, s_k3, n2, _n5, bad = flat[:7]
             if bad:
                 self._reset()
                 raise ReplayError("non-finite log-prob difference in a measured token (trainer or engine log-prob "
@@ -230,6 +286,9 @@ class ReplaySession:
             if n:
                 out.update({K.MEAN_ABS_LOGP_DIFF: s_abs / n, K.K3_KL: s_k3 / n, K.FRAC_ABS_DIFF_GT_LN2: n2 / n,
                             K.LOGP_TOKENS: float(n)})
+            out.update(_segment_gaps(self._seg_gaps, flat[7:]))
+        if self._checks:
+            out.update(provenance_metrics(merge_checks(self._checks)))
         if self._agree[1]:
             out[K.AGREEMENT] = self._agree[0] / self._agree[1]
         self._reset()
@@ -237,7 +296,7 @@ class ReplaySession:
         return out
 
     def _reset(self) -> None:
-        self._reports, self._gaps, self._agree = [], [], [0, 0]
+        self._reports, self._gaps, self._agree, self._seg_gaps, self._checks = [], [], [0, 0], [], []
 
     @contextmanager
     def step(self) -> Iterator[dict[str, float]]:

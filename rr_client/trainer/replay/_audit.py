@@ -22,28 +22,41 @@ __all__ = ["DeviceTally", "Audit"]
 
 
 class DeviceTally:
-    """0-d integer tensors under string keys, summed and read in one host transfer per device at the end."""
+    """0-d integer tensors (or 1-D count vectors, :meth:`add_vector`) under string keys, summed and read in one
+    host transfer per device at the end."""
 
     def __init__(self) -> None:
         self._parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.vectors: dict[str, list[int]] = {}  #: the vector keys' totals, filled by :meth:`read`
 
     def add(self, key: str, value: torch.Tensor) -> None:
         self._parts[key].append(value)
+
+    def add_vector(self, key: str, value: torch.Tensor) -> None:
+        """A 1-D count vector summed elementwise under ``key`` (its total lands in :attr:`vectors`)."""
+        self._parts["vec:" + key].append(value)
 
     def __bool__(self) -> bool:
         return bool(self._parts)
 
     def read(self) -> dict[str, int]:
-        """Every key's total; one ``tolist()`` per device holding parts."""
+        """Every scalar key's total (vector keys' go to :attr:`vectors`); one ``tolist()`` per device."""
         by_dev: dict[torch.device, list[tuple[str, torch.Tensor]]] = defaultdict(list)
         for key, parts in self._parts.items():
             for t in parts:
                 by_dev[t.device].append((key, t))
-        out: dict[str, int] = dict.fromkeys(self._parts, 0)
+        out: dict[str, int] = {k: 0 for k in self._parts if not k.startswith("vec:")}
         for items in by_dev.values():
-            values = torch.stack([t.reshape(()).long() for _, t in items]).tolist()
-            for (key, _), v in zip(items, values):
-                out[key] += int(v)
+            flat = [t.reshape(-1).long() for _, t in items]
+            values = torch.cat(flat).tolist()
+            at = 0
+            for (key, _), f in zip(items, flat):
+                part, at = values[at:at + f.numel()], at + f.numel()
+                if key.startswith("vec:"):
+                    old = self.vectors.setdefault(key[4:], [0] * len(part))
+                    self.vectors[key[4:]] = [a + int(b) for a, b in zip(old, part)]
+                else:
+                    out[key] += int(part[0])
         self._parts.clear()
         return out
 
@@ -51,8 +64,11 @@ class DeviceTally:
 class Audit:
     """Counters of one ``replay_routing`` block; ``report()`` is the plain dict a trainer logs."""
 
-    def __init__(self, routers: list[Router], left: list[LeftRouter], rows: BlockRows, tally: DeviceTally) -> None:
+    def __init__(self, routers: list[Router], left: list[LeftRouter], rows: BlockRows, tally: DeviceTally,
+                 segments: Any = None) -> None:
         self.routers = routers
+        self.segments = segments  #: rr_client.trainer.provenance.Segments of the block's rows, or None
+        self._seg: dict[torch.device, torch.Tensor] = {}  # the rows' codes (-1 -> the discarded bin) per device
         self.left = left
         self.rows = rows
         self.tally = tally
@@ -78,7 +94,22 @@ class Audit:
         if lr.n_use:
             assert lr.ids_sorted is not None
             same = (own.sort(dim=-1).values == lr.ids_sorted).all(dim=-1, keepdim=True)
-            self.tally.add(f"agree/{r.layer}", (same if lr.use is None else same & lr.use).sum())
+            hit = same if lr.use is None else same & lr.use
+            self.tally.add(f"agree/{r.layer}", hit.sum())
+            if self.segments is not None:
+                self._by_segment(hit, lr.use, own.device)
+
+    def _by_segment(self, hit: torch.Tensor, use: torch.Tensor | None, dev: torch.device) -> None:
+        """Agreeing and replayed rows per segment code, as one device vector (no host read)."""
+        s = len(self.segments.names)
+        seg = self._seg.get(dev)
+        if seg is None:
+            codes = self.segments.rows.reshape(-1).long()
+            seg = self._seg[dev] = torch.where(codes < 0, s, codes).to(dev, non_blocking=True)
+        used = torch.ones_like(hit) if use is None else use
+        vec = torch.zeros(2 * (s + 1), dtype=torch.long, device=dev)
+        vec.index_add_(0, seg, hit.reshape(-1).long()).index_add_(0, seg + s + 1, used.reshape(-1).long())
+        self.tally.add_vector("segments", vec)
 
     def on_experts(self, r: Router, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """At the experts' input: the ids there must be the replayed ones (the same tensor proves it for free)."""
@@ -140,6 +171,25 @@ class Audit:
         for x in self.left:
             if x.why == "hash" and x.layer is not None:
                 out[K.layer(x.layer, "left_rows_hash")] = float(self.n_tokens * self.forwards)
+        vec = self.tally.vectors.get("segments")
+        if self.segments is not None:
+            s = len(self.segments.names)
+            vec = vec or [0] * (2 * (s + 1))
+            whole: dict[str, list[int]] = {}  # per segment over every turn (trajectories)
+            for code in range(s):
+                agree, rep = vec[code], vec[s + 1 + code]
+                out[self.segments.key(code, "replayed_rows")] = float(rep)
+                if rep:
+                    out[self.segments.key(code, "agreement")] = agree / rep
+                name, turn = self.segments.names[code]
+                if turn is not None:
+                    tot = whole.setdefault(name, [0, 0])
+                    tot[0] += agree
+                    tot[1] += rep
+            for name, (agree, rep) in whole.items():
+                out[K.segment(name, "replayed_rows")] = float(rep)
+                if rep:
+                    out[K.segment(name, "agreement")] = agree / rep
         return out
 
     def problems(self) -> list[str]:

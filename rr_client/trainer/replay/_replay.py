@@ -128,6 +128,7 @@ def replay_routing(
     audit: bool = False,
     allow_untested: bool = False,
     tokens: torch.Tensor | None = None,
+    segments: Any = None,
 ) -> Iterator[dict[str, float] | None]:
     """Force ``routed_experts`` as every MoE router's top-k choice inside the block; weights stay differentiable.
 
@@ -159,6 +160,9 @@ def replay_routing(
     (``r3/layer<i>/...``) and the layers left to the model. Leaving the block raises :class:`ReplayError`
     (with ``.report``) for an orphan router (never ran), replayed rows no router consumed, or any replayed row
     that did not reach its experts. The audit's counts stay on the device until the block exits (one read).
+    ``segments`` (a :class:`rr_client.trainer.provenance.Segments` whose ``rows`` has the rows' leading shape):
+    the audit also reports each token segment's replayed rows and agreement (cached prompt, computed prompt,
+    generated; per turn), ``r3/[turn<t>/]<segment>/agreement``, so a stale cached prefix stands out.
 
     With activation (gradient) checkpointing, backward re-runs the forwards: call ``backward()`` inside the
     block (the rows are keyed by decoder layer, so the recompute replays the same rows). Leaving the block with
@@ -196,7 +200,10 @@ def replay_routing(
     rows = prepare_rows(flat, m, routers, pos, spare, audit=audit)
 
     tally = DeviceTally()
-    aud = Audit(routers, left, rows, tally) if audit else None
+    if segments is not None and tuple(segments.rows.shape) != lead:
+        raise ShapeMismatchError(f"segments shape {tuple(segments.rows.shape)} does not match routed_experts rows "
+                                 f"{lead}")
+    aud = Audit(routers, left, rows, tally, segments) if audit else None
     if aud is not None and tokens is not None:
         tok = torch.as_tensor(tokens)
         if tuple(tok.shape) != lead:

@@ -1,0 +1,184 @@
+"""The stale-rows policy and the audit's token segments for a trainer's batch of samples.
+
+A sample's provenance (:class:`rr_client.provenance.Provenance`) says which cache and weights made its rows.
+:func:`check_samples` applies the ``stale_rows`` policy to a batch (a refusal raises before the batch trains;
+``"mask"`` keeps a sample with replay off for all its rows) and :func:`provenance_metrics` gives the step's counts.
+:func:`build_segments` cuts every sample's tokens into cached prompt, computed prompt and generated (per turn for a
+:class:`rr_client.Trajectory`), as one device-ready code tensor per batch, so the audit and the log-prob gap are
+reported per segment and a stale cached prefix is not averaged away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from rr_client.errors import ShapeMismatchError
+from rr_client.provenance import (PROVENANCE_FIELD, Provenance, ProvenanceCheck, StalePolicy, check_provenance,
+                                  check_stale_policy)
+from rr_client.trainer import keys as K
+
+__all__ = ["Segments", "provenance_of", "sample_provenances", "check_samples", "provenance_metrics",
+           "build_segments", "mask_samples", "merge_checks"]
+
+CACHED, COMPUTED, GENERATED = range(3)  # positions of keys.SEGMENTS
+
+
+def provenance_of(result: Any) -> Provenance | None:
+    """One generated result's provenance: its ``provenance`` attribute, its routing ref's, or the wire field in its
+    ``meta`` (``rr_provenance``, checked by :meth:`Provenance.from_dict`); None when the server gave none."""
+    p = getattr(result, "provenance", None)
+    if isinstance(p, Provenance):
+        return p
+    ref = getattr(result, "routing_ref", None)
+    p = getattr(ref, "provenance", None) if ref is not None else None
+    if isinstance(p, Provenance):
+        return p
+    meta = getattr(result, "meta", None)
+    raw = meta.get(PROVENANCE_FIELD) if isinstance(meta, dict) else None
+    if raw is None and isinstance(p, dict):
+        raw = p
+    return None if raw is None else Provenance.from_dict(raw, where=f"sample {getattr(result, 'index', '?')}: "
+                                                                    f"{PROVENANCE_FIELD}")
+
+
+def sample_provenances(sample: Any) -> list[Provenance | None]:
+    """Per turn for a trajectory (its ``turns``), else the sample's one provenance."""
+    turns = getattr(sample, "turns", None)
+    if isinstance(turns, list) and turns:
+        return [provenance_of(t) for t in turns]
+    return [provenance_of(sample)]
+
+
+def merge_checks(checks: Sequence[ProvenanceCheck]) -> ProvenanceCheck:
+    """One check from several (batches, or the turns of one trajectory summed per sample by the caller)."""
+    return ProvenanceCheck(tuple(x for c in checks for x in c.replay), sum(c.masked for c in checks),
+                           sum(c.spans_update for c in checks), sum(c.unknown for c in checks),
+                           sum(c.cached_tokens for c in checks))
+
+
+def check_samples(samples: Sequence[Any], policy: StalePolicy = "refuse") -> ProvenanceCheck:
+    """Apply the stale-rows policy to a batch of samples (results or trajectories), one entry per sample:
+    :class:`rr_client.StaleRoutingError` names the first sample (and turn) that may have been recomputed across a
+    weight update (``"refuse"``), or ``replay[i]`` is False for it (``"mask"``). Counts are per sample (a
+    trajectory counts once: masked if any turn is, flagged if any spans an update, unknown if any turn has none)."""
+    check_stale_policy(policy)
+    provs = [sample_provenances(s) for s in samples]
+    if all(len(p) == 1 and not getattr(s, "turns", None) for s, p in zip(samples, provs)):
+        return check_provenance([p[0] for p in provs], policy, where="batch sample")
+    replay: list[bool] = []
+    masked = spans = unknown = cached = 0
+    for i, turns in enumerate(provs):
+        c = check_provenance(turns, policy, where=f"batch sample {i}, turn")
+        ok = all(c.replay)
+        replay.append(ok)
+        masked += not ok
+        spans += int(ok and c.spans_update > 0)
+        unknown += c.unknown > 0
+        cached += c.cached_tokens
+    return ProvenanceCheck(tuple(replay), masked, spans, unknown, cached)
+
+
+def provenance_metrics(check: ProvenanceCheck) -> dict[str, float]:
+    """The step's provenance counts under :mod:`rr_client.trainer.keys`."""
+    return {K.STALE_MASKED: float(check.masked), K.SPANS_UPDATE: float(check.spans_update),
+            K.PROVENANCE_UNKNOWN: float(check.unknown), K.CACHED_TOKENS: float(check.cached_tokens)}
+
+
+def mask_samples(batch: Any, replay: Sequence[bool]) -> Any:
+    """A :class:`RoutingTensors` (``[B, T]`` mask) or :class:`PackedRouting` with every row of the samples whose
+    ``replay`` is False masked off (left to the model's own choice, counted as left rows); the same batch when all
+    replay."""
+    if all(replay):
+        return batch
+    keep = torch.as_tensor(list(replay), dtype=torch.bool)
+    mask = batch.routed_experts_mask
+    if mask.dim() == 2:
+        if keep.numel() != mask.shape[0]:
+            raise ShapeMismatchError(f"{keep.numel()} replay flags for a batch of {mask.shape[0]} samples")
+        return replace(batch, routed_experts_mask=mask & keep.to(mask.device)[:, None])
+    rcu = batch.routing_cu_seqlens
+    if keep.numel() != rcu.numel() - 1:
+        raise ShapeMismatchError(f"{keep.numel()} replay flags for a batch of {rcu.numel() - 1} samples")
+    per_row = torch.repeat_interleave(keep, (rcu[1:] - rcu[:-1]).long().cpu())
+    per_row = torch.cat([per_row, per_row.new_zeros(mask.shape[0] - per_row.numel())])
+    return replace(batch, routed_experts_mask=mask & per_row.to(mask.device))
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Token segments of one batch: ``rows`` and ``logps`` hold a code per row / per log-prob position in the
+    batch's layout (-1: none), ``names[code]`` is its ``(segment, turn)`` (turn None for single results)."""
+
+    rows: torch.Tensor
+    logps: torch.Tensor
+    names: tuple[tuple[str, int | None], ...]
+
+    def key(self, code: int, metric: str) -> str:
+        """The ``r3/[turn<t>/]<segment>/<metric>`` key of ``code``."""
+        name, turn = self.names[code]
+        return K.segment(name, metric, turn)
+
+    def narrow(self, start: int, end: int) -> "Segments":
+        """Samples ``start:end`` of a padded batch (a trainer's chunk)."""
+        return Segments(self.rows[start:end], self.logps[start:end], self.names)
+
+    def to(self, device: torch.device | str) -> "Segments":
+        """On ``device`` (once per batch)."""
+        return Segments(self.rows.to(device), self.logps.to(device), self.names)
+
+
+def _codes(sample: Any, prov: list[Provenance | None], n: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Per token position of one sample: the segment code of its row and of its log-prob; and its turn count."""
+    rows = np.full(n, -1, dtype=np.int64)
+    logps = np.full(n, -1, dtype=np.int64)
+    turns = getattr(sample, "turns", None)
+    parts = turns if isinstance(turns, list) and turns else [sample]
+    for t, (res, p) in enumerate(zip(parts, prov)):
+        n_prompt = len(res.prompt_ids or [])
+        end = min(n_prompt + len(res.output_ids), n)
+        start = int(getattr(res, "routed_experts_start", 0) or 0) if len(parts) > 1 else 0
+        cached = p.cached_tokens if p is not None else 0
+        pos = np.arange(start, max(start, end - 1))  # the last token's row comes with the next turn (or never)
+        code = np.where(pos < cached, CACHED, np.where(pos < n_prompt, COMPUTED, GENERATED)) + 3 * t
+        rows[pos] = code
+        logps[n_prompt:end] = GENERATED + 3 * t
+    return rows, logps, len(parts)
+
+
+def build_segments(samples: Sequence[Any], batch: Any, provenances: Sequence[list[Provenance | None]] | None = None
+                   ) -> Segments:
+    """The segments of ``samples`` laid out like ``batch`` (their :class:`RoutingTensors`: real tokens where
+    ``attention_mask`` is 1, in order; or :class:`PackedRouting`: ``cu_seqlens``), built on the host once per
+    batch. ``provenances``: per sample, per turn (default: read from the samples)."""
+    provs = [sample_provenances(s) for s in samples] if provenances is None else list(provenances)
+    lengths = [len(s.prompt_ids or []) + len(s.output_ids) for s in samples]
+    per = [_codes(s, p, n) for s, p, n in zip(samples, provs, lengths)]
+    n_turns = max((t for *_, t in per), default=1)
+    names = tuple((seg, None if n_turns == 1 else t) for t in range(n_turns) for seg in K.SEGMENTS)
+    if hasattr(batch, "attention_mask"):
+        attn = batch.attention_mask.cpu().bool()
+        rows = torch.full(tuple(attn.shape), -1, dtype=torch.long)
+        logps = rows.clone()
+        for b, (r, lp, _) in enumerate(per):
+            cols = attn[b].nonzero().squeeze(-1)
+            if cols.numel() != r.size:
+                raise ShapeMismatchError(f"sample {b}: {r.size} tokens, the batch holds {cols.numel()}")
+            rows[b, cols] = torch.from_numpy(r)
+            logps[b, cols] = torch.from_numpy(lp)
+        return Segments(rows, logps, names)
+    cu = batch.cu_seqlens.cpu().long()
+    n_total = int(batch.input_ids.shape[0])
+    logps = torch.full((n_total,), -1, dtype=torch.long)
+    for b, (_, lp, _) in enumerate(per):
+        logps[int(cu[b]):int(cu[b + 1])] = torch.from_numpy(lp)
+    rcu = batch.routing_cu_seqlens.cpu().long()
+    rows = torch.full((int(batch.routed_experts_mask.shape[0]),), -1, dtype=torch.long)
+    for b, (r, _, _) in enumerate(per):
+        m = int(rcu[b + 1] - rcu[b])
+        rows[int(rcu[b]):int(rcu[b]) + m] = torch.from_numpy(r[:m])
+    return Segments(rows, logps, names)
