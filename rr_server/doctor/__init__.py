@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=4, help="distinct prompts used by the checks (>= 4)")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--api-key", default=None, help="Bearer key for the server (also env RR_API_KEY)")
+    p.add_argument("--probe-weight-update", metavar="PATH", default=None,
+                   help="the weights the server runs now (a folder the engine can read): the doctor reloads them "
+                        "through the engine's weight route while requests are preempted, and checks the flags")
+    p.add_argument("--probe-requests", type=int, default=None, metavar="N",
+                   help="most concurrent requests a probe sends to force preemption (default 48)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
@@ -102,8 +107,8 @@ def render(report: object) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the doctor and print its report."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.prompts < 4 or args.max_new_tokens < 1:
-        sys.stderr.write("rr-server doctor: --prompts must be >= 4 and --max-new-tokens >= 1\n")
+    if args.prompts < 4 or args.max_new_tokens < 1 or (args.probe_requests is not None and args.probe_requests < 2):
+        sys.stderr.write("rr-server doctor: --prompts must be >= 4, --max-new-tokens >= 1, --probe-requests >= 2\n")
         return 2
     from rr_server.doctor.checks import run_doctor
 
@@ -115,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = asyncio.run(run_doctor(
             args.url, api_key=args.api_key or settings.text("RR_API_KEY"), engine=args.engine,
             model_path=args.model_path, prompts=args.prompts, max_new_tokens=args.max_new_tokens, device=args.device,
-            progress=None if quiet else CheckPrinter(steps)))
+            progress=None if quiet else CheckPrinter(steps), probe_weight_update=args.probe_weight_update,
+            probe_requests=args.probe_requests))
     print(json.dumps(report.as_dict(), indent=2, default=str) if args.json else render(report))
     return 0 if report.ok else 1

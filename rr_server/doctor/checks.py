@@ -3,7 +3,8 @@
 Every answer goes through the client's one full check (row counts, id range, distinct ids, zero dense
 layers, no all-zero MoE rows). On top: rows of the same prompt must agree across requests (a batch, ``n``,
 ``routed_experts_start``, a prefix-cache hit, and next to a request that did not ask for routing), the
-routing must match the checkpoint's own router (``--model-path``), and the cost is measured.
+routing must match the checkpoint's own router (``--model-path``), and the cost is measured. The cache and
+weight-path probes (preemption, a weight update, KV offload / hierarchical cache) are :mod:`rr_server.doctor.probes`.
 """
 
 from __future__ import annotations
@@ -268,12 +269,16 @@ async def run_doctor(
     device: str = "cpu",
     transport: httpx.AsyncBaseTransport | None = None,
     progress: DoctorProgress | None = None,
+    probe_weight_update: str | None = None,
+    probe_requests: int | None = None,
 ) -> DoctorReport:
     """Run every check against ``url`` (an rr server, or with ``engine`` an unpatched engine); return the report.
 
     With ``engine``, the engine is wrapped in an in-process sidecar, so the same checks (and the same full
     check) apply to what that engine sends. ``progress`` hears of each step as it begins and each check as it
-    ends (``rr-server doctor`` prints them as they come).
+    ends (``rr-server doctor`` prints them as they come). Then the cache and weight-path probes
+    (:mod:`rr_server.doctor.probes`): ``probe_weight_update`` (the weights the server runs now) lets the doctor
+    reload them while requests are preempted; ``probe_requests`` caps the concurrent requests a probe sends.
     """
     progress = progress or _Quiet()
 
@@ -322,6 +327,11 @@ async def run_doctor(
         plist = _prompts(max(4, prompts), vocab)
         doc = _Doctor(client, info, report, max_new_tokens, vocab, progress)
         await doc.live(plist)
+        if any(c.name == "single" and c.ok for c in report.checks):
+            from rr_server.doctor.probes import MAX_PROBE_REQUESTS, run_probes
+
+            await run_probes(doc, http, weights_path=probe_weight_update,
+                             max_requests=probe_requests or MAX_PROBE_REQUESTS)
         if model_path and doc.samples:
             doc.truth(model_path, device)
         progress.started("cost")

@@ -67,7 +67,8 @@ def test_json_stays_one_document_and_stderr_quiet_off_a_terminal(server: Protoco
     report = json.loads(out)  # the whole of stdout is one JSON document
     assert out.startswith("{") and out.rstrip().endswith("}") and set(report) == REPORT_KEYS
     assert [c["name"] for c in report["checks"]] == ["identity", "single", "batch", "n=2", "routed_experts_start",
-                                                     "prefix-cache hit", "mixed batch"]
+                                                     "prefix-cache hit", "mixed batch", "preemption", "weight update",
+                                                     "kv offload"]
     assert err == ""
 
 
