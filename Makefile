@@ -1,7 +1,7 @@
 # One command each: `make demo` (set up + main job), `make test` (set up + every test).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-core test-fast test-sglang test-vllm-standin test-verl test-transformers-lowest docs bench clean
+.PHONY: setup demo test test-releases test-core test-fast test-sglang test-vllm-standin test-verl test-transformers-lowest docs bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -33,7 +33,14 @@ test-verl: setup
 test-transformers-lowest: setup
 	bash scripts/test_transformers_lowest.sh
 
-test: test-core test-sglang test-vllm-standin test-verl test-transformers-lowest
+# test-core beside the release stages (each in its own .venvs/, one after another): the two chains overlap on the
+# machine's cores (core's single-threaded tests and server waits leave one idle); each chain's output is printed
+# whole when it ends. A server start may then take longer than on an idle machine (RR_TEST_STARTUP_TIMEOUT).
+test: setup
+	RR_TEST_STARTUP_TIMEOUT=$${RR_TEST_STARTUP_TIMEOUT:-900} $(MAKE) --no-print-directory -j2 -Orecurse test-core test-releases
+
+test-releases: setup
+	$(MAKE) --no-print-directory -j1 test-sglang test-vllm-standin test-verl test-transformers-lowest
 
 # the Python API reference (pdoc) of rr_client's public modules -> build/api/index.html; any warning fails it.
 # Left out: rr_client.integrations.trl (importing TRL raises torch's own DeprecationWarnings) and
