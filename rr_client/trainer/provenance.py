@@ -138,6 +138,14 @@ def _codes(sample: Any, prov: list[Provenance | None], n: int) -> tuple[np.ndarr
     logps = np.full(n, -1, dtype=np.int64)
     turns = getattr(sample, "turns", None)
     parts = turns if isinstance(turns, list) and turns else [sample]
+    spans = getattr(sample, "turn_spans", None) if len(parts) > 1 else None
+    if spans:  # a Trajectory's own row ranges per turn (rr_client.trajectory.TurnSpan)
+        for sp, res in zip(spans, parts):
+            for code, (a, b) in enumerate((sp.cached_prompt, sp.computed_prompt, sp.generated)):
+                rows[a:min(b, n)] = code + 3 * sp.turn
+            n_prompt = len(res.prompt_ids or [])
+            logps[n_prompt:min(n_prompt + len(res.output_ids), n)] = GENERATED + 3 * sp.turn
+        return rows, logps, len(parts)
     for t, (res, p) in enumerate(zip(parts, prov)):
         n_prompt = len(res.prompt_ids or [])
         end = min(n_prompt + len(res.output_ids), n)

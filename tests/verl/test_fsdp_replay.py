@@ -123,6 +123,12 @@ def test_replaying_the_models_own_choice_reproduces_verls_log_probs(workers: Any
     # layouts (and TRL's) report the same rows
     assert met["r3/left_rows"] == len(SHAPES) * len(MOE_LAYERS)
     assert met["r3/applied_share"] == 1.0 and met["r3/agreement"] == 1.0
+    # the audit by token segment (issue 38): every prompt token's row is computed prompt (verl carries no
+    # provenance: nothing known cached), every generated token's but the last generated
+    assert met["r3/computed_prompt/replayed_rows"] == sum(p for p, _ in SHAPES) * len(MOE_LAYERS)
+    assert met["r3/generated/replayed_rows"] == sum(r - 1 for _, r in SHAPES) * len(MOE_LAYERS)
+    assert met["r3/cached_prompt/replayed_rows"] == 0
+    assert met["r3/computed_prompt/agreement"] == 1.0 and met["r3/generated/agreement"] == 1.0
 
 
 @pytest.mark.parametrize("rmpad", [True, False], ids=["remove_padding", "padded"])
@@ -167,6 +173,8 @@ def test_update_with_replay_trains_the_router(model_dir: Any, verl_process: None
         assert not torch.equal(before[layer], gates[layer].full_tensor().detach())
     assert met["actor/r3/applied_share"] == [1.0]
     assert met["actor/r3/replayed_rows"] == [sum(r.shape[0] for r in rows) * len(MOE_LAYERS)]
+    assert met["actor/r3/generated/replayed_rows"] == [sum(len(r) - 1 for _, r in toks) * len(MOE_LAYERS)]
+    assert "actor/r3/computed_prompt/agreement" in met and "actor/r3/cached_prompt/replayed_rows" in met
     assert_rows_ran(seen, rows, [len(p) + len(r) for p, r in toks], rmpad)
     # verl's default gradient checkpointing re-ran every MoE forward in backward, with the same replayed experts
     assert w.actor.engine.module.model.gradient_checkpointing

@@ -17,6 +17,8 @@ from rr_client import settings
 from rr_client.errors import ConfigurationError, MissingRoutingError, UnsupportedModelError
 from rr_client.info import RRInfo
 from rr_client.logprobs import PROCESSED, check_comparable_logprobs
+from rr_client.trainer import keys as K
+from rr_client.trainer.provenance import COMPUTED, GENERATED, Segments
 from rr_client.trainer.replay import find_routers
 from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
@@ -65,6 +67,44 @@ def _check_gap_logprobs(temperature: Any) -> None:
                               consumer=f"verl's R3 log-prob gap ({source})")
 
 
+def _prompt_lengths(micro_batch: Any) -> torch.Tensor | None:
+    """Each sample's prompt length as verl's ``no_padding_2_padding`` reads it (``prompts`` nested, or the
+    ``attention_mask`` over the prompt columns), on the batch's device; None when the batch carries neither."""
+    keys = micro_batch.keys()
+    if "prompts" not in keys:
+        return None
+    prompts = micro_batch["prompts"]
+    if prompts.is_nested:
+        return prompts.offsets().diff()
+    if "attention_mask" not in keys:
+        return None
+    return micro_batch["attention_mask"][:, : prompts.shape[1]].sum(dim=1)
+
+
+_NAMES = tuple((name, None) for name in K.SEGMENTS)
+
+
+def _segments(offsets: torch.Tensor, prompt_lens: torch.Tensor, n_rows: int, width: int | None) -> Segments:
+    """The micro-batch's rows cut into computed prompt and generated, on the device with no host read (verl
+    carries no provenance: no row is known to come from the prefix cache). ``width``: the padded layout's. The
+    gap's codes are set beside the log-probs (:meth:`prepare_model_outputs`)."""
+    off = offsets.to(prompt_lens.device)
+    lens = off[1:] - off[:-1]
+    if width is None:  # packed rows, then pads
+        idx = torch.arange(n_rows, device=off.device)
+        sample = torch.searchsorted(off[1:], idx, right=True).clamp_max(lens.numel() - 1)
+        pos = idx - off.index_select(0, sample)
+        real = idx < off[-1]
+        plen = prompt_lens.index_select(0, sample)
+    else:
+        pos = torch.arange(width, device=off.device)[None, :].expand(lens.numel(), width)
+        real = pos < lens[:, None]
+        plen = prompt_lens[:, None]
+    codes = torch.where(pos < plen, COMPUTED, GENERATED)
+    rows = torch.where(real, codes, -1)
+    return Segments(rows, rows.new_empty(0), _NAMES)
+
+
 def make_engine_class(base: type) -> type:
     """``base`` (verl's ``FSDPEngineWithLMHead``) with rr's R2/R3 replay; verl's mode setting switches it."""
     from verl.utils import tensordict_utils as tu
@@ -90,6 +130,7 @@ def make_engine_class(base: type) -> type:
             self.rr_last_metrics: dict[str, float] = {}
             self._rr_action: str | None = None
             self._rr_record: Any = None
+            self._rr_segments: Segments | None = None  # the open micro-batch's token segments
 
         def initialize(self) -> None:
             super().initialize()
@@ -159,6 +200,7 @@ def make_engine_class(base: type) -> type:
                     _check_gap_logprobs(micro_batch["temperature"])  # the temperature verl's forward divides by
                 rows, mask = packed_rows(micro_batch["routed_experts"], offsets, self.rr_info)
                 tokens = None  # which rows are real tokens: pads count neither replayed nor left
+                width = None
                 if rmpad:
                     if pad:
                         tokens = torch.cat([mask.new_ones(rows.shape[0]), mask.new_zeros(pad)])
@@ -168,8 +210,10 @@ def make_engine_class(base: type) -> type:
                     width = model_inputs["input_ids"].shape[-1]
                     rows, mask = padded_rows(rows, mask, offsets, width)
                     tokens = _valid(width, offsets.to(mask.device))
+                plens = _prompt_lengths(micro_batch)
+                self._rr_segments = None if plens is None else _segments(offsets, plens, rows.shape[0], width)
                 # kept open until the next micro-batch: its backward runs replayed
-                session.open_replay(rows, mask, tokens=tokens)
+                session.open_replay(rows, mask, tokens=tokens, segments=self._rr_segments)
             output_args["rr_pad"] = pad
             return model_inputs, output_args
 
@@ -190,7 +234,12 @@ def make_engine_class(base: type) -> type:
                     lp = no_padding_2_padding(lp.detach(), micro_batch)
                     ref = micro_batch.select("rollout_log_probs", "response_mask").to_padded_tensor()
                     assert self.rr_session is not None
-                    self.rr_session.add_gap(lp.float(), ref["rollout_log_probs"].float(), ref["response_mask"].bool())
+                    seg = self._rr_segments
+                    if seg is not None:  # every response token is generated (verl carries no turns)
+                        seg = Segments(seg.rows, torch.full(tuple(lp.shape), GENERATED, dtype=torch.long,
+                                                            device=lp.device), seg.names)
+                    self.rr_session.add_gap(lp.float(), ref["rollout_log_probs"].float(), ref["response_mask"].bool(),
+                                            segments=seg)
             return model_output
 
     RRFSDPEngineWithLMHead.__qualname__ = RRFSDPEngineWithLMHead.__name__
