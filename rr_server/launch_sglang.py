@@ -14,7 +14,8 @@ from rr_client.codec import FORMATS
 from rr_server.serving.sglang_facts import UnsupportedSGLangError
 from rr_server.serving.speculative import draft_pollution_refusal, speculative_flags
 
-__all__ = ["main", "build_parser", "prepare_argv", "install_patch", "take_format_flag", "wants_help", "FORMAT_FLAG"]
+__all__ = ["main", "build_parser", "prepare_argv", "install_patch", "take_format_flag", "wants_help", "FORMAT_FLAG",
+           "HICACHE_FLAG", "check_hicache"]
 
 logger = logging.getLogger("rr.sglang")
 FLAG = "--enable-return-routed-experts"
@@ -22,6 +23,10 @@ FLAG = "--enable-return-routed-experts"
 FORMAT_FLAG = "--routed-experts-format"
 # entry-point group through which launchers reach rr's engine patches (never by importing rr_patches)
 LAUNCH_PATCHES = "rr.launch_patches"
+HICACHE_FLAG = "--enable-hierarchical-cache"
+# SGLang releases that refuse HiCache + routed experts at startup themselves (the guard that comes with #39027);
+# none of 0.5.7 - 0.5.23 does, so rr refuses it on all of them
+HICACHE_REFUSED_BY_SGLANG: frozenset[str] = frozenset()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         usage="rr-server launch sglang [rr options] <SGLang launch_server arguments...>",
         description="Start SGLang's own server (prepare_server_args + run_server) with rr's patch installed: "
                     "rr's wire format on /generate and the OpenAI endpoints, GET /rr/info; adds "
-                    f"{FLAG} when missing. Refuses an SGLang outside 0.5.7 - 0.5.23, --tokenizer-worker-num > 1 "
-                    "and --speculative-* where drafts pollute the routing (exit 2).")
+                    f"{FLAG} when missing. Refuses an SGLang outside 0.5.7 - 0.5.23, --tokenizer-worker-num > 1, "
+                    f"{HICACHE_FLAG} (sglang#26975) and --speculative-* where drafts pollute the routing (exit 2).")
     add_shared_options(p.add_argument_group("rr's options (every other argument goes to SGLang untouched)"), "SGLang")
     return p
 
@@ -123,6 +128,22 @@ def _tokenizer_workers(args: Sequence[str]) -> int:
     return 1
 
 
+def check_hicache(version: str, argv: Sequence[str]) -> None:
+    """ConfigurationError when ``argv`` turns SGLang's hierarchical cache on with routed experts on a release that
+    does not refuse the pair itself: prompt rows restored from the host tier are other rows (sgl-project/sglang
+    #26975) that keep their shape and id range, until #39027 moves the rows with the KV pages."""
+    from rr_client.errors import ConfigurationError
+
+    if version in HICACHE_REFUSED_BY_SGLANG:
+        return  # SGLang's own startup check refuses it, in its own words
+    if any(a == HICACHE_FLAG or a.startswith(HICACHE_FLAG + "=") and a.split("=", 1)[1].lower() not in ("0", "false")
+           for a in argv):
+        raise ConfigurationError(
+            f"SGLang {version} with {HICACHE_FLAG} and routed experts: prompt rows restored from the host/storage "
+            "tier are other requests' rows, silently - same shape and id range (sgl-project/sglang#26975; the fix, "
+            "#39027, is not in this release). Serve without the hierarchical cache")
+
+
 def install_patch() -> str:
     """Patch this process the way an installed rr reaches SGLang: rr's ``rr.launch_patches`` entry point.
 
@@ -172,6 +193,14 @@ def main(argv: Sequence[str]) -> int:
             "rr format. Use one tokenizer worker, or run the rr sidecar in front of SGLang.\n"
         )
         return 2
+    if any(a.startswith(HICACHE_FLAG) for a in args):
+        from rr_server.serving.sglang_facts import installed_version
+
+        try:
+            check_hicache(installed_version(), args)
+        except ValueError as e:  # ConfigurationError
+            sys.stderr.write(f"rr-server: {e}\n")
+            return 2
     if speculative_flags(args):
         from rr_server.serving.sglang_facts import installed_version
 

@@ -18,10 +18,13 @@ from rr_client.errors import (
     ShapeMismatchError,
 )
 from rr_patches.sglang.convert import checked_value
+from rr_client.provenance import PROVENANCE_FIELD
 from rr_patches.sglang.openai import Collector, collector, requested_format
+from rr_patches.sglang.provenance import batch_provenance, with_digest
 from rr_patches.sglang.routes import bind_tokenizer_manager
 from rr_patches.sglang.state import RRState, rr_enabled, state_of
 from rr_server.serving.routing_metrics import count_sample
+from rr_server.serving.store_ledger import refs_made_under
 from rr_server.serving.routing_metrics import declare as declare_counters
 
 __all__ = ["around_handle_batch_output", "around_send", "around_init", "ALWAYS_ENV", "always_return_routing"]
@@ -86,31 +89,52 @@ def around_send(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
                 st.collectors[rid] = col
                 asked, start = True, start or col.start
             st.asked[rid] = (asked, start, fmt)
+            st.admitted[rid] = (st.epoch.mark(), _ids(t.input_ids))
             t.return_routed_experts = True
         if len(st.asked) > _MAX_REMEMBERED:  # requests that vanished without a final answer
             for rid in [r for r in st.asked if r not in self.rid_to_state]:
                 st.asked.pop(rid, None)
                 st.collectors.pop(rid, None)
+                st.admitted.pop(rid, None)
     return original(self, *args, **kwargs)
+
+
+def _ids(ids: Any) -> list[int] | None:
+    """Token ids as ints (None when SGLang has none here, e.g. an embedding input)."""
+    try:
+        return [int(t) for t in ids] if ids is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 class _RRList(list):  # type: ignore[type-arg]
     """``ReqState.out_list`` stand-in: rewrites routing in each appended answer before anyone can read it."""
 
     def __init__(self, items: Any, fields: dict[str, Any] | None,
-                 collect: tuple[Collector, str] | None = None, checked: CheckedRouting | None = None) -> None:
+                 collect: tuple[Collector, str] | None = None, checked: CheckedRouting | None = None,
+                 provenance: tuple[dict[str, Any], list[int] | None, Any] | None = None) -> None:
         super().__init__(items)
         self.rr_fields = fields  # None: strip routing (the caller did not ask)
         self.collect = collect  # an OpenAI request's collector and this answer's rid
         self.checked = checked  # the request's routing as it passed the check (None: refused or missing)
+        self.provenance = provenance  # the final answer's (rr_provenance, prompt ids, ReqState)
 
     def append(self, out: Any) -> None:
-        """Apply the rr fields (or strip routing) to ``out["meta_info"]``, then append."""
+        """Apply the rr fields (or strip routing) and the final answer's provenance to ``out["meta_info"]``, then
+        append."""
         meta = out.get("meta_info") if isinstance(out, dict) else None
         if isinstance(meta, dict):
             meta.pop("routed_experts", None)
             if self.rr_fields is not None:
                 meta.update(self.rr_fields)
+            if self.provenance is not None:
+                prov, prompt, state = self.provenance
+                outs = getattr(state, "output_ids", None) or out.get("output_ids")
+                prov = with_digest(prov, prompt, outs)
+                meta[PROVENANCE_FIELD] = prov
+                ref = meta.get("routed_experts_ref")
+                if isinstance(ref, dict):  # a by-reference answer's ref carries it too
+                    meta["routed_experts_ref"] = {**ref, "provenance": prov}
         if self.collect is not None and self.rr_fields is not None:
             self.collect[0].finished(self.collect[1], out, self.checked, self.rr_fields.get("routed_experts_error"))
         super().append(out)
@@ -163,6 +187,7 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
             asked, start, fmt = st.asked.pop(rid, (bool(getattr(caller, "return_routed_experts", False)), 0, None))
             start = int(getattr(caller, "routed_experts_start_len", 0) or 0) or start
             col = st.collectors.pop(rid, None)
+            mark, prompt = st.admitted.pop(rid, (None, None))
         if state is None:
             continue
         fields: dict[str, Any] | None = None
@@ -174,10 +199,13 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
                 fields = routing_error_fields(MissingRoutingError("the engine returned no routing for this request"))
             else:
                 rows = expected_rows(int(recv_obj.prompt_tokens[i]), int(recv_obj.completion_tokens[i]), start)
-                fields, checked = _answer_fields(st, values[i], rows=rows, start=start, fmt=fmt)
+                with refs_made_under(mark.version if mark is not None else None):  # a ref: the weights it ran on
+                    fields, checked = _answer_fields(st, values[i], rows=rows, start=start, fmt=fmt)
             if col is None:  # an OpenAI request's choices are counted when rr finishes its answer
                 count_sample(fields)
-        state.out_list = _RRList(state.out_list, fields, (col, rid) if finished and col is not None else None, checked)
+        prov = (batch_provenance(recv_obj, i, st.epoch, mark), prompt, state) if finished else None
+        state.out_list = _RRList(state.out_list, fields, (col, rid) if finished and col is not None else None, checked,
+                                 prov)
     if values:
         setattr(recv_obj, field, None)
 

@@ -26,6 +26,8 @@ from typing import Any
 
 from rr_client.codec import CheckedRouting, check_format
 from rr_client.errors import ConfigurationError
+from rr_client.provenance import PROVENANCE_FIELD
+from rr_server.serving.weight_epoch import WeightEpoch, WeightUpdateMiddleware
 from rr_server.serving.generate_protocol import error_body
 from rr_server.serving.openai_middleware import (
     install_openai_routing,
@@ -60,6 +62,7 @@ class Collector:
     prompts: dict[str, list[int]] = field(default_factory=dict)
     routing: dict[str, CheckedRouting | str] = field(default_factory=dict)
     outputs: dict[str, list[int]] = field(default_factory=dict)
+    provenance: dict[str, dict[str, Any]] = field(default_factory=dict)  # rid -> its rr_provenance
 
     def sent(self, rid: str, input_ids: Any) -> None:
         """A request of this OpenAI call reached ``_send_*`` (called in the request's own task)."""
@@ -78,6 +81,10 @@ class Collector:
         ids = out.get("output_ids") if isinstance(out, dict) else None
         if isinstance(ids, list):
             self.outputs[rid] = [int(t) for t in ids]
+        meta = out.get("meta_info") if isinstance(out, dict) else None
+        prov = meta.get(PROVENANCE_FIELD) if isinstance(meta, dict) else None
+        if isinstance(prov, dict):
+            self.provenance[rid] = prov
 
 
 def collector() -> Collector | None:
@@ -122,6 +129,8 @@ def fill_answer(answer: Any, col: Collector) -> list[CheckedRouting | str | None
             choice["prompt_token_ids"] = col.prompts[rid]
         if rid in col.outputs and choice.get("token_ids") is None and choice.get("response_token_ids") is None:
             choice["token_ids"] = col.outputs[rid]
+        if rid in col.provenance:
+            choice[PROVENANCE_FIELD] = col.provenance[rid]
     return found
 
 
@@ -164,8 +173,9 @@ class GenerateFormatMiddleware:
             _FORMAT.reset(token)
 
 
-def install_http(app: Any, info: Callable[[Any], Any]) -> None:
-    """Add rr's middlewares to SGLang's app once; ConfigurationError when the app is already serving (too late)."""
+def install_http(app: Any, info: Callable[[Any], Any], epoch: WeightEpoch | None = None) -> None:
+    """Add rr's middlewares to SGLang's app once (``epoch``: where its weight routes are counted);
+    ConfigurationError when the app is already serving (too late)."""
     if getattr(app.state, "rr_openai_routing", False):
         return
     if getattr(app, "middleware_stack", None) is not None:
@@ -173,5 +183,7 @@ def install_http(app: Any, info: Callable[[Any], Any]) -> None:
             "rr: SGLang's HTTP app started before its TokenizerManager was built (multi-tokenizer/granian "
             "worker?); rr cannot add its /generate and OpenAI routing there. Run one tokenizer worker.")
     app.add_middleware(GenerateFormatMiddleware)
+    if epoch is not None:
+        app.add_middleware(WeightUpdateMiddleware, epoch=epoch)
     install_openai_routing(app, engine="sglang", info=info, native=collecting)
 

@@ -22,6 +22,7 @@ def rr_info_dict(tm: Any) -> dict[str, Any]:
     if st.info is None:
         raise RuntimeError("the model config gives no routing dims")
     body = st.info.model_dump()
+    body.update(st.epoch.info())  # weight_version: weight updates seen complete on SGLang's weight routes
     store = current_store()
     if store is not None:
         body["routing_store"] = store.stats()
@@ -75,4 +76,4 @@ def bind_tokenizer_manager(tm: Any) -> None:
         from rr_patches.sglang.openai import install_http
 
         install_route(mod.app)
-        install_http(mod.app, served_info)
+        install_http(mod.app, served_info, state_of(tm).epoch)

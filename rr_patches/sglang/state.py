@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from rr_client.info import RRInfo
+from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 from rr_server.serving.sglang_facts import Profile, logprobs_mode, profile_for
 
 __all__ = ["RRState", "state_of", "rr_enabled"]
@@ -22,6 +23,8 @@ class RRState:
         self.info = info
         self.asked: dict[str, tuple[bool, int, str | None]] = {}  # rid -> (asked, start, routed_experts_format)
         self.collectors: dict[str, Any] = {}  # rid -> the OpenAI request's Collector (rr_patches.sglang.openai)
+        self.epoch = WeightEpoch()  # weight updates seen on SGLang's weight routes (/rr/info weight_version)
+        self.admitted: dict[str, tuple[WeightMark, list[int] | None]] = {}  # rid -> (epoch at admission, prompt ids)
 
 
 def _hf_config(tm: Any) -> dict[str, Any]:

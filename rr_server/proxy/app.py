@@ -1,5 +1,5 @@
-"""The sidecar's FastAPI app: ``/generate``, ``/v1/completions``, ``/v1/chat/completions``, ``/rr/info``, ``/health``
-and ``/metrics`` in front of one upstream.
+"""The sidecar's FastAPI app: ``/generate``, ``/v1/completions``, ``/v1/chat/completions``, ``/rr/info``, ``/health``,
+``/metrics`` and the engine's weight routes (forwarded and counted: ``weight_version``) in front of one upstream.
 
 ``/rr/generate`` is ``/generate`` (same handler, same schema) under a path vllm-router forwards intact.
 """
@@ -31,6 +31,7 @@ from rr_server.serving.generate_protocol import (
 )
 from rr_server.serving.openai_routing import OPENAI_PATHS
 from rr_server.serving.routing_store import STORE_ROUTES, install_store
+from rr_server.serving.weight_epoch import WeightEpoch, WeightUpdateMiddleware
 from rr_server.proxy.backend import Backend
 from rr_server.proxy.errors import ProxyError, error_payload
 from rr_server.proxy.info import fetch_info
@@ -47,6 +48,15 @@ __all__ = ["ProxyConfig", "create_app", "DEFAULT_MAX_BODY_BYTES"]
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 # Paths that never need a key (vLLM and SGLang keep /health open too).
 OPEN_PATHS = frozenset({"/health"})
+# The engines' weight routes (and what a weight sync calls around them), forwarded as they are; the updates among
+# them are counted (rr_server.serving.weight_epoch) for /rr/info weight_version and each sample's rr_provenance.
+WEIGHT_ROUTES: dict[str, tuple[str, ...]] = {
+    "sglang": ("/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
+               "/update_weights_from_ipc", "/update_weight_version", "/init_weights_update_group",
+               "/destroy_weights_update_group", "/flush_cache"),
+    "vllm": ("/collective_rpc", "/start_weight_update", "/update_weights", "/finish_weight_update",
+             "/update_weight_version", "/reset_prefix_cache"),
+}
 
 
 @dataclass(frozen=True)
@@ -84,8 +94,11 @@ class Sidecar:
                            metrics=self.metrics, transport=transport, api_key=cfg.upstream_api_key)
         self._info: tuple[RRInfo, str] | None = None
         self._lock = asyncio.Lock()
-        self.backend: Backend = (VLLMBackend(self.up, self.info, self.metrics) if cfg.engine == "vllm" else
-                                 SGLangBackend(self.up, self.info, self.metrics, force_routing=cfg.force_routing))
+        self.epoch = WeightEpoch()  # weight updates forwarded to the upstream through this sidecar
+        self.backend: Backend = (VLLMBackend(self.up, self.info, self.metrics, epoch=self.epoch)
+                                 if cfg.engine == "vllm" else
+                                 SGLangBackend(self.up, self.info, self.metrics, force_routing=cfg.force_routing,
+                                               epoch=self.epoch))
 
     async def info(self) -> tuple[RRInfo, str]:
         """RRInfo + upstream model name, fetched once (retried on the next request if the upstream was down)."""
@@ -148,6 +161,7 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
     for path, handler, methods in STORE_ROUTES:
         app.add_api_route(path, handler, methods=list(methods))
     open_paths = OPEN_PATHS if cfg.metrics_require_key else OPEN_PATHS | {"/metrics"}
+    app.add_middleware(WeightUpdateMiddleware, epoch=sc.epoch)  # inside the key check: refused calls never count
     app.add_middleware(ApiKeyMiddleware, keys=ApiKeys.of(cfg.api_keys),
                        protect=lambda path: path not in open_paths, max_body_bytes=cfg.max_body_bytes)
 
@@ -191,6 +205,20 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
     for path in OPENAI_PATHS:
         app.add_api_route(path, openai, methods=["POST"])
 
+    async def weights(request: Request) -> Response:
+        """An engine weight route: forwarded as it came, the engine's answer returned as it is."""
+        route = request.url.path
+        try:
+            resp = await sc.up.forward(route, await request.body())
+        except ProxyError as e:
+            return sc.fail(route, e)
+        sc.metrics.requests.labels(route, str(resp.status_code)).inc()
+        return Response(resp.content, status_code=resp.status_code,
+                        media_type=resp.headers.get("content-type", "application/json"))
+
+    for path in WEIGHT_ROUTES[cfg.engine]:
+        app.add_api_route(path, weights, methods=["POST"])
+
     @app.get("/rr/info")
     async def rr_info() -> Response:
         try:
@@ -198,7 +226,7 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
         except ProxyError as e:
             return sc.fail("/rr/info", e)
         sc.metrics.requests.labels("/rr/info", "200").inc()
-        return _json({**info.model_dump(), "routing_store": store.stats()})
+        return _json({**info.model_dump(), **sc.epoch.info(), "routing_store": store.stats()})
 
     @app.get("/health")
     async def health() -> Response:

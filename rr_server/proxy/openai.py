@@ -30,6 +30,8 @@ from rr_server.serving.openai_routing import (
     routing_payload_size,
 )
 from rr_server.proxy.errors import ProxyError
+from rr_server.proxy.provenance import answer_provenance
+from rr_server.serving.store_ledger import refs_made_under
 
 if TYPE_CHECKING:
     from rr_server.proxy.app import Sidecar
@@ -123,13 +125,16 @@ async def serve_openai(sc: "Sidecar", path: str, raw: bytes) -> Response:
     # ignores routed_experts_start_len); vLLM applies the start itself
     drop = r.start if openai_engine(engine).sidecar_slices_start else 0
     sent = engine_body(body, dataclasses.replace(r, start=0) if drop else r, engine=engine)
+    mark = sc.epoch.mark()
     answer = await sc.up.call("POST", path, sent)
     finish = functools.partial(finish_answer, r=r, info=info, engine=engine, drop_rows=drop,
                                payload_rows_counted=False)
-    if routing_payload_size(answer) > _THREAD_MIN_CHARS:
-        answer = await asyncio.to_thread(finish, answer)
-    else:
-        answer = finish(answer)
+    with refs_made_under(mark.version):  # refs carry the weight version their request was sent under
+        if routing_payload_size(answer) > _THREAD_MIN_CHARS:
+            answer = await asyncio.to_thread(finish, answer)
+        else:
+            answer = finish(answer)
+    answer_provenance(answer, sc.epoch, mark)
     for choice in answer.get("choices", ()) if isinstance(answer, dict) else ():
         shape = choice.get("routed_experts_shape") if isinstance(choice, dict) else None
         if shape:

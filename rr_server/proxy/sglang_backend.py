@@ -19,8 +19,11 @@ from rr_server.serving.generate_protocol import (
 )
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.metrics import ProxyMetrics
+from rr_server.proxy.provenance import attach, sglang_provenance
 from rr_server.proxy.routing import ROUTING_KEYS, upstream_routing_fields
 from rr_server.proxy.upstream import Upstream
+from rr_server.serving.store_ledger import refs_made_under
+from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
 __all__ = ["SGLangBackend", "validation_view", "upstream_body"]
 
@@ -55,9 +58,10 @@ class SGLangBackend:
     """Serves ``/generate`` from an unpatched SGLang server started with ``--enable-return-routed-experts``."""
 
     def __init__(self, up: Upstream, info: Callable[[], Awaitable[tuple[RRInfo, str]]], metrics: ProxyMetrics,
-                 *, force_routing: bool = True) -> None:
+                 *, force_routing: bool = True, epoch: WeightEpoch | None = None) -> None:
         self._up, self._info, self._metrics = up, info, metrics
         self._force = force_routing
+        self._epoch = epoch or WeightEpoch()  # the sidecar's count of the weight routes it forwards
 
     def _prompt_ids(self, req: NormalizedGenerate, j: int, index: int | None) -> list[int] | None:
         """Token ids of the prompt behind reply item ``j`` (or the stream ``index``), when sent as ids."""
@@ -68,8 +72,9 @@ class SGLangBackend:
         return prompt if isinstance(prompt, list) else None
 
     def transcode(self, item: Any, req: NormalizedGenerate, info: RRInfo, j: int, *, final: bool = True,
-                  index: int | None = None) -> dict[str, Any]:
-        """One SGLang reply item in rr form: routing validated + re-encoded, or removed when not asked."""
+                  index: int | None = None, mark: WeightMark | None = None) -> dict[str, Any]:
+        """One SGLang reply item in rr form: routing validated + re-encoded, or removed when not asked; a final
+        item gets its ``rr_provenance`` (``mark``: the sidecar's weight epoch when the request was sent)."""
         if not isinstance(item, Mapping) or not isinstance(item.get("meta_info"), Mapping):
             raise ProxyError(502, "upstream_protocol", f"upstream /generate item {j} has no meta_info object")
         out = dict(item)
@@ -78,6 +83,10 @@ class SGLangBackend:
         for k in ROUTING_KEYS:
             meta.pop(k, None)
         out["meta_info"] = meta
+        prov = sglang_provenance(upstream_meta, self._epoch, mark, self._prompt_ids(req, j, index),
+                                 item.get("output_ids")) if final else None
+        if prov is not None:
+            attach(meta, prov)
         if not (req.return_routed_experts and final):
             return out
         pt, ct = meta.get("prompt_tokens"), meta.get("completion_tokens")
@@ -88,10 +97,13 @@ class SGLangBackend:
         if ids is not None and len(ids) != pt:
             raise ProxyError(502, "upstream_protocol",
                              f"upstream item {j}: prompt_tokens={pt} but the prompt has {len(ids)} token ids")
-        meta.update(upstream_routing_fields(
-            upstream_meta, info, rows=expected_rows(pt, ct, start), start=start, drop_rows=start, where=f"item {j}",
-            hint="was the upstream started with --enable-return-routed-experts?", fmt=req.routed_experts_format,
-            metrics=self._metrics))
+        with refs_made_under(mark.version if mark is not None else None):  # a ref: the weights it ran on
+            meta.update(upstream_routing_fields(
+                upstream_meta, info, rows=expected_rows(pt, ct, start), start=start, drop_rows=start,
+                where=f"item {j}", hint="was the upstream started with --enable-return-routed-experts?",
+                fmt=req.routed_experts_format, metrics=self._metrics))
+        if prov is not None:
+            attach(meta, prov)  # the ref made just now carries it too
         if ids is not None:
             meta["prompt_token_ids"] = ids
         return out
@@ -99,17 +111,19 @@ class SGLangBackend:
     async def generate(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> Any:
         """Non-streaming: one upstream call, every item transcoded; same shape (dict or list) as SGLang's."""
         info, _ = await self._info()
+        mark = self._epoch.mark()
         reply = await self._up.call("POST", "/generate", upstream_body(body, force_routing=self._force))
         if isinstance(reply, list):
             want = sum(s.n for s in req.sampling)
             if len(reply) != want:
                 raise ProxyError(502, "upstream_protocol", f"upstream /generate returned {len(reply)} items, expected {want}")
-            return [self.transcode(it, req, info, j) for j, it in enumerate(reply)]
-        return self.transcode(reply, req, info, 0)
+            return [self.transcode(it, req, info, j, mark=mark) for j, it in enumerate(reply)]
+        return self.transcode(reply, req, info, 0, mark=mark)
 
     async def stream(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> AsyncIterator[str]:
         """Streaming: pass chunks through; routing (final chunk only) transcoded or stripped; errors as events."""
         info, _ = await self._info()
+        mark = self._epoch.mark()
         async with self._up.stream_lines("/generate", upstream_body(body, force_routing=self._force)) as lines:
             async for line in lines:
                 if not line.startswith("data:"):
@@ -125,7 +139,7 @@ class SGLangBackend:
                     meta = chunk.get("meta_info") if isinstance(chunk, Mapping) else None
                     final = isinstance(meta, Mapping) and meta.get("finish_reason") is not None
                     idx = chunk.get("index") if isinstance(chunk.get("index"), int) else None
-                    yield sse_line(self.transcode(chunk, req, info, idx or 0, final=final, index=idx))
+                    yield sse_line(self.transcode(chunk, req, info, idx or 0, final=final, index=idx, mark=mark))
                 except orjson.JSONDecodeError as e:
                     self._metrics.errors.labels("upstream_protocol").inc()
                     yield sse_line(error_body(f"upstream stream chunk is not JSON: {e}", 502))

@@ -21,8 +21,11 @@ from rr_server.serving.generate_protocol import (
 )
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.metrics import ProxyMetrics
+from rr_server.proxy.provenance import attach, completion_provenance
 from rr_server.proxy.routing import upstream_routing_fields
 from rr_server.proxy.upstream import Upstream
+from rr_server.serving.store_ledger import refs_made_under
+from rr_server.serving.weight_epoch import WeightEpoch
 from rr_server.serving.vllm_translate import finish_reason_dict, to_vllm_sampling_kwargs
 
 __all__ = ["VLLMBackend"]
@@ -63,8 +66,10 @@ def _int_list(v: Any, what: str) -> list[int]:
 class VLLMBackend:
     """Serves ``/generate`` from an unpatched vLLM API server started with ``--enable-return-routed-experts``."""
 
-    def __init__(self, up: Upstream, info: Callable[[], Awaitable[tuple[RRInfo, str]]], metrics: ProxyMetrics) -> None:
+    def __init__(self, up: Upstream, info: Callable[[], Awaitable[tuple[RRInfo, str]]], metrics: ProxyMetrics,
+                 epoch: WeightEpoch | None = None) -> None:
         self._up, self._info, self._metrics = up, info, metrics
+        self._epoch = epoch or WeightEpoch()  # the sidecar's count of the weight routes it forwards
 
     async def generate(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> Any:
         """The reply: one item, or all items in prompt order (``n`` per prompt); any failure fails it all."""
@@ -82,6 +87,7 @@ class VLLMBackend:
         """One upstream completion for prompt ``i``; routing validated before it is re-encoded."""
         t0 = time.perf_counter()
         body = completion_body(req, i, model)
+        mark = self._epoch.mark()
         reply = await self._up.call("POST", "/v1/completions", body)
         choices = reply.get("choices") if isinstance(reply, Mapping) else None
         n = req.sampling[i].n
@@ -104,11 +110,12 @@ class VLLMBackend:
             out_ids = _int_list(ch.get("token_ids"), "token_ids")
             fields = None
             if req.return_routed_experts:
-                fields = upstream_routing_fields(
-                    {"routed_experts": ch.get("routed_experts")}, info, start=start, where=f"prompt {i} sample {j}",
-                    rows=expected_rows(len(prompt_ids), len(out_ids), start), hint=_NO_ROUTING_HINT,
-                    fmt=req.routed_experts_format, metrics=self._metrics)
-            items.append(build_item(
+                with refs_made_under(mark.version):  # a ref: the weights its request ran on
+                    fields = upstream_routing_fields(
+                        {"routed_experts": ch.get("routed_experts")}, info, start=start,
+                        where=f"prompt {i} sample {j}", rows=expected_rows(len(prompt_ids), len(out_ids), start),
+                        hint=_NO_ROUTING_HINT, fmt=req.routed_experts_format, metrics=self._metrics)
+            item = build_item(
                 rid=rid if n == 1 else f"{rid}-{j}",
                 text=ch.get("text") if isinstance(ch.get("text"), str) else None,
                 output_ids=out_ids,
@@ -119,7 +126,10 @@ class VLLMBackend:
                 routing_fields=fields,
                 prompt_token_ids=prompt_ids,
                 output_token_logprobs=_logprobs(ch, out_ids) if req.return_logprob[i] else None,
-            ))
+            )
+            attach(item["meta_info"], completion_provenance(details.get("cached_tokens"), self._epoch, mark, prompt_ids,
+                                                      out_ids))
+            items.append(item)
         return items
 
     async def stream(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> AsyncIterator[str]:

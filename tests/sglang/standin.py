@@ -99,6 +99,9 @@ class StandInScheduler:
         # (:func:`sglang_stream_output`), not by :meth:`step`'s rebuild
         self.sglang_builds_output = False
         self.zero_rows: Any = None  # index into the rows to zero (rows, or (rows, layers)), simulating a lost capture
+        # per request, what the scheduler reports of it in the batch besides tokens and routing (cached_tokens,
+        # cached_tokens_details, retraction_counts, weight_versions): as a real scheduler fills them
+        self.reports: Callable[[StandInReq], dict[str, Any]] | None = None
 
     # ---- the zmq socket the TokenizerManager sends to
     def send_pyobj(self, obj: Any, flags: int = 0, protocol: int = pickle.HIGHEST_PROTOCOL) -> None:
@@ -117,6 +120,12 @@ class StandInScheduler:
 
         if isinstance(obj, GetInternalStateReq):
             self._answer_internal_state()
+            return
+        from sglang.srt.managers import io_struct
+
+        if isinstance(obj, getattr(io_struct, "UpdateWeightVersionReqInput", ())):  # 0.5.19+ asks the scheduler
+            assert self.reply is not None, "the harness did not connect the stand-in's replies"
+            asyncio.get_running_loop().call_soon(self.reply, io_struct.UpdateWeightVersionReqOutput())
             return
         for t in getattr(obj, "batch", None) or [obj]:
             if isinstance(t, TokenizedGenerateReqInput):
@@ -197,12 +206,20 @@ class StandInScheduler:
             "cached_tokens": [0] * n,
             "retraction_counts": [0] * n,
             "http_worker_ipcs": [None] * n,
+            "cached_tokens_details": None,
+            "weight_versions": None,
             "spec_verify_ct": [0] * n,
             "spec_accepted_tokens": [0] * n,
             "spec_num_correct_drafts": [0] * n,
             "spec_acceptance_histogram": [[] for _ in range(n)],
             "spec_correct_drafts_histogram": [[] for _ in range(n)],
         }
+        if self.reports is not None:
+            for j, rid in enumerate(rids):
+                for name, v in self.reports(self.reqs[rid]).items():
+                    if values.get(name) is None:
+                        values[name] = [None] * n
+                    values[name][j] = v
         kwargs: dict[str, Any] = {}
         for name in _fields_of(BatchTokenIDOutput):
             if name in values:

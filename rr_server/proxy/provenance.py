@@ -1,0 +1,104 @@
+"""The sidecar's per-sample ``rr_provenance``: what an unpatched engine's answer says (cached tokens, SGLang's cache
+tier, retractions and weight spans) and the weight versions from the sidecar's own count of the weight routes it
+forwards (:mod:`rr_server.serving.weight_epoch`). Preemptions stay None unless the engine reports them (vLLM does not)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rr_client.provenance import PROVENANCE_FIELD, Provenance, tokens_digest
+from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
+
+__all__ = ["answer_provenance", "sglang_provenance", "completion_provenance", "weights_since", "cache_tier", "attach"]
+
+_RETRACTION_KEYS = ("num_retractions", "total_retractions")  # SGLang meta_info: 0.5.12+ / 0.5.7 - 0.5.11
+
+
+def weights_since(epoch: WeightEpoch, mark: WeightMark | None) -> tuple[int | None, int, bool]:
+    """(version at admission, version now, an update began or ended in between or is under way)."""
+    if mark is None:
+        return None, epoch.version, epoch.active
+    version, during = epoch.since(mark)
+    return mark.version, version, during
+
+
+def _count(v: Any) -> int | None:
+    """A non-negative int from the engine, else None."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _digest(prompt_ids: Sequence[int] | None, output_ids: Any, completion_tokens: Any) -> str | None:
+    """tokens_digest when the prompt ids are known and the output ids are the whole completion."""
+    if prompt_ids is None or not isinstance(output_ids, list):
+        return None
+    if isinstance(completion_tokens, int) and len(output_ids) != completion_tokens:
+        return None  # an incremental stream chunk: not every output id is here
+    try:
+        return tokens_digest(list(prompt_ids), [int(t) for t in output_ids])
+    except (TypeError, ValueError):
+        return None
+
+
+def cache_tier(details: Any, cached: int) -> str | None:
+    """The deepest tier SGLang says served cached tokens (storage > host > device), else None."""
+    if cached and isinstance(details, Mapping):
+        for tier in ("storage", "host", "device"):
+            if (_count(details.get(tier)) or 0) > 0:
+                return tier
+    return None
+
+
+def _spans_two_versions(spans: Any) -> bool:
+    """SGLang 0.5.20+'s ``weight_versions`` spans name more than one version."""
+    if not isinstance(spans, list):
+        return False
+    return len({str(s.get("version")) for s in spans if isinstance(s, Mapping)}) > 1
+
+
+def sglang_provenance(meta: Mapping[str, Any], epoch: WeightEpoch, mark: WeightMark | None,
+                      prompt_ids: Sequence[int] | None, output_ids: Any) -> dict[str, Any]:
+    """``rr_provenance`` of one final SGLang ``/generate`` item, from its ``meta_info`` and the sidecar's count."""
+    cached = _count(meta.get("cached_tokens")) or 0
+    admitted, finished, during = weights_since(epoch, mark)
+    retractions = next((_count(meta[k]) for k in _RETRACTION_KEYS if k in meta), None)
+    return Provenance(cached_tokens=cached, cache_tier=cache_tier(meta.get("cached_tokens_details"), cached),
+                      preemptions=retractions, weight_version_admitted=admitted, weight_version_finished=finished,
+                      weight_update_during=during or _spans_two_versions(meta.get("weight_versions")),
+                      tokens_digest=_digest(prompt_ids, output_ids, meta.get("completion_tokens"))).to_dict()
+
+
+def completion_provenance(cached_tokens: Any, epoch: WeightEpoch, mark: WeightMark | None,
+                    prompt_ids: Sequence[int] | None, output_ids: Sequence[int] | None) -> dict[str, Any]:
+    """``rr_provenance`` of one completion choice (vLLM's /generate backend, the OpenAI endpoints): the usage's cached
+    tokens (no tier), preemptions unknown (an OpenAI answer does not report them)."""
+    admitted, finished, during = weights_since(epoch, mark)
+    return Provenance(cached_tokens=_count(cached_tokens) or 0, preemptions=None, weight_version_admitted=admitted,
+                      weight_version_finished=finished, weight_update_during=during,
+                      tokens_digest=_digest(prompt_ids, list(output_ids) if output_ids is not None else None,
+                                            None)).to_dict()
+
+
+def attach(meta: dict[str, Any], prov: Mapping[str, Any]) -> None:
+    """Answer ``prov`` as ``meta_info["rr_provenance"]`` and in the sample's routing ref, if it has one."""
+    meta[PROVENANCE_FIELD] = dict(prov)
+    ref = meta.get("routed_experts_ref")
+    if isinstance(ref, Mapping):
+        meta["routed_experts_ref"] = {**ref, "provenance": dict(prov)}
+
+
+def answer_provenance(answer: Any, epoch: WeightEpoch, mark: WeightMark | None) -> None:
+    """Give every choice of an OpenAI answer its ``rr_provenance`` (cached tokens from the answer's usage)."""
+    if not isinstance(answer, dict):
+        return
+    usage = answer.get("usage") if isinstance(answer.get("usage"), Mapping) else {}
+    details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), Mapping) else {}
+    for choice in answer.get("choices") or ():
+        if isinstance(choice, dict):
+            ids = choice.get("token_ids")
+            if ids is None:
+                ids = choice.get("response_token_ids")
+            prompt = choice.get("prompt_token_ids")
+            attach(choice, completion_provenance(details.get("cached_tokens"), epoch, mark,
+                                                 prompt if isinstance(prompt, list) else None,
+                                                 ids if isinstance(ids, list) else None))
