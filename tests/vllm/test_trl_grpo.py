@@ -109,6 +109,10 @@ def test_grpo_r3_three_steps_with_weight_sync(dev_server: VLLMProcess, tiny_mode
         assert h["r3/agreement"] == 1.0  # fp32, weights synced: the trainer's own choice equals the engine's
         assert h["r3/mean_abs_logp_diff"] < 1e-4 and h["r3/frac_abs_diff_gt_ln2"] == 0.0
         assert h["r3/weight_sync_probe_gap"] < 1e-4 and "r3/weight_sync_seconds" in h and "r3/k3_kl" in h
+        # the audit and the gap by token segment, and the stale-rows policy's counts (issue 38)
+        assert h["r3/computed_prompt/agreement"] == 1.0 and h["r3/generated/agreement"] == 1.0
+        assert h["r3/generated/mean_abs_logp_diff"] < 1e-4 and "r3/cached_prompt/replayed_rows" in h
+        assert h["r3/stale_masked"] == 0 and "r3/spans_update" in h and "r3/cached_tokens" in h
     # TRL's importance-sampling correction ran on the engine's log-probs, under TRL's default (sequence_mask, 3.0):
     # ratio = exp(sum over the completion of (trainer old log-prob - engine log-prob)), 0 above 3
     assert len(trainer.is_inputs) == 3

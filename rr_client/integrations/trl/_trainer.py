@@ -25,7 +25,9 @@ from rr_client.logprobs import check_comparable_logprobs
 from rr_client.integrations.weight_sync import DiskWeightSync
 from rr_client.trainer import keys as K
 from rr_client.trainer.layouts import RoutingTensors, to_tensors
+from rr_client.provenance import StalePolicy
 from rr_client.trainer.metrics import token_logprobs
+from rr_client.trainer.provenance import Segments, build_segments, check_samples, mask_samples, provenance_metrics
 from rr_client.trainer.replay import replay_routing
 from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
@@ -98,6 +100,11 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
     rollout that follows an optimizer step; ``sync_dir`` holds them (default ``<output_dir>/rr-weights``).
     ``verify_sync``: after each push, the engine's log-probs of a probe completion must match the trainer's
     within this tolerance, else :class:`rr_client.WeightSyncError`. ``sync_log``: one record per push.
+    ``stale_rows``: a sample whose rows may have been recomputed across a weight update (its provenance says it was
+    preempted across one) is refused with :class:`rr_client.StaleRoutingError` when the rollout arrives
+    (``"refuse"``), or trained with its replay masked off (``"mask"``); both, and samples spanning an update
+    without a recompute, are counted in the log (``r3/stale_masked``, ``r3/spans_update``, ...). The audit and the
+    log-prob gap are logged per token segment too (``r3/cached_prompt/agreement``, ...).
 
     Refused before TRL's own ``__init__`` (:class:`rr_client.ConfigurationError`): ``use_vllm=True``, tools /
     environments, a PEFT model with ``sync_weights``, a ``rollout_func`` that is not an :class:`RRRollout`, a
@@ -111,7 +118,7 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
     def __init__(self, *args: Any, rollout_func: RRRollout, r3: bool = True, sync_weights: bool = True,
                  sync_dir: str | Path | None = None, verify_sync: float | None = None,
                  audit_every: int = AUDIT_EVERY, allow_untested: bool = False, log_layers: bool = False,
-                 **kwargs: Any) -> None:
+                 stale_rows: StalePolicy = "refuse", **kwargs: Any) -> None:
         check_trl_version()
         model = kwargs.get("model", args[0] if args else None)
         cfg = kwargs.get("args", args[2] if len(args) > 2 else None)
@@ -122,8 +129,11 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         self.r3 = r3
         self.rr_rollout: RRRollout = rollout_func
         self.rr_session = ReplaySession(self.accelerator.unwrap_model(self.model), audit_every=audit_every,
-                                        allow_untested=allow_untested, log_layers=log_layers)
+                                        allow_untested=allow_untested, log_layers=log_layers,
+                                        stale_rows=stale_rows)
         self._rr_batch: Rollout | None = None  # the latest generation's samples
+        self._rr_replay: tuple[bool, ...] = ()  # per rollout sample: False when the stale-rows policy masked it
+        self._rr_segments: Segments | None = None  # the last loss forward's token segments
         self._rr_current: list[int] | None = None  # which samples the next forward holds (None: all, in order)
         self._rr_loss_logps: torch.Tensor | None = None
         self._rr_sync: DiskWeightSync | None = None
@@ -233,6 +243,9 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         if got != [(list(p), list(c)) for p, c in zip(out.prompt_ids, out.completion_ids)]:
             raise ReplayError("the rollout's routing belongs to other samples than the prompt/completion ids TRL got")
         self._check_logprobs(rollout.info)
+        check = check_samples(rollout.results, self.rr_session.stale_rows)  # refuses before training on the batch
+        self._log(provenance_metrics(check), "train" if self.model.training else "eval")
+        self._rr_replay = check.replay
         self._rr_batch = rollout
         self.rr_session.moe_layers = list(rollout.info.moe_layers)  # agreement over MoE layers only (r3=False)
         return raw
@@ -263,7 +276,11 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         engine = inputs.get("sampling_per_token_logps")
         if self._rr_loss_logps is not None and engine is not None:
             mask = inputs["completion_mask"].bool() & ~torch.isnan(engine)
-            self.rr_session.add_gap(self._rr_loss_logps.float(), engine.float(), mask)
+            seg = self._rr_segments
+            if seg is not None:  # the completion columns' codes, beside TRL's per-token log-probs
+                seg = Segments(seg.rows, seg.logps[:, seg.logps.shape[1] - engine.shape[1]:].to(engine.device),
+                               seg.names)
+            self.rr_session.add_gap(self._rr_loss_logps.float(), engine.float(), mask, segments=seg)
         return loss
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -288,15 +305,16 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         if any(v is not None for v in multimodal.values()):
             names = sorted(k for k, v in multimodal.items() if v is not None)
             raise ReplayError(f"R3GRPOTrainer: multimodal inputs ({', '.join(names)}) are not supported")
-        rt = self._rows_for(input_ids, logits_to_keep)
+        rt, seg = self._rows_for(input_ids, logits_to_keep)
         session = self.rr_session
         own = self.accelerator.unwrap_model(model)
         if own is not session.model:  # TRL's separate reference model (beta > 0): the same rows, replayed in it
             return self._reference_forward(model, own, rt, input_ids, attention_mask, logits_to_keep, batch_size,
                                            compute_entropy, compute_aux_loss)
         if torch.is_grad_enabled():  # the loss forward: one block, open until backward has run (checkpointing)
+            self._rr_segments = seg
             if self.r3:
-                session.open_replay(rt)
+                session.open_replay(rt, segments=seg)
             else:
                 session.open_record(rt.routed_experts, rt.routed_experts_mask)
             out = super()._get_per_token_logps_and_entropies(
@@ -309,8 +327,8 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         for s in range(0, input_ids.size(0), bs):
             e = min(s + bs, input_ids.size(0))
             rows, mask = rt.routed_experts[s:e], rt.routed_experts_mask[s:e]
-            ctx = (session.forward(rows, mask, layers=rt.layers, tokens=rt.attention_mask[s:e]) if self.r3
-                   else session.recording(rows, mask))
+            ctx = (session.forward(rows, mask, layers=rt.layers, tokens=rt.attention_mask[s:e],
+                                   segments=seg.narrow(s, e)) if self.r3 else session.recording(rows, mask))
             with ctx:
                 out = super()._get_per_token_logps_and_entropies(
                     model, input_ids[s:e], attention_mask[s:e], logits_to_keep, batch_size=e - s,
@@ -321,6 +339,7 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         lp = torch.cat(logps, dim=0)
         if self._rr_current is not None:
             self._rr_loss_logps = lp.detach()
+            self._rr_segments = seg
         if not self.model.training:
             self._log(session.flush(), "eval")
         return lp, torch.cat(ents, dim=0) if compute_entropy else None, \
@@ -357,8 +376,9 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
 
     # ------------------------------------------------------------------ rows under TRL's tokens
 
-    def _rows_for(self, input_ids: torch.Tensor, logits_to_keep: int) -> RoutingTensors:
-        """The rollout's routing placed under ``input_ids`` (TRL: prompts left-padded, completions right-padded)."""
+    def _rows_for(self, input_ids: torch.Tensor, logits_to_keep: int) -> tuple[RoutingTensors, Segments]:
+        """The rollout's routing placed under ``input_ids`` (TRL: prompts left-padded, completions right-padded),
+        samples the stale-rows policy masked left to the router, and the batch's token segments (built once)."""
         if self._rr_batch is None:
             raise ReplayError("a log-prob forward ran before any rollout: no routing to replay")
         idx = self._rr_current if self._rr_current is not None else list(range(input_ids.size(0)))
@@ -379,4 +399,6 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             bad = next(b for b in range(len(results)) if not torch.equal(rt.input_ids[b][real[b]], ids[b][real[b]]))
             raise ReplayError(f"row {bad} of the batch (rollout sample {idx[bad]}) holds other tokens than the "
                               "routing was recorded for: the rows would sit under the wrong tokens")
-        return rt
+        if self._rr_replay:
+            rt = mask_samples(rt, [self._rr_replay[i] for i in idx])
+        return rt, build_segments(results, rt)
