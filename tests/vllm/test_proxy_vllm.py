@@ -20,6 +20,7 @@ import pytest
 
 from rr_client import GenerateResult, RoutedExpertsClient
 from rr_client.agreement import count_matches
+from rr_client.provenance import PROVENANCE_FIELD, Provenance, tokens_digest
 from rr_server.proxy.app import ProxyConfig
 from rr_server.tiny_moe import reference_routing
 from tests.support.proxy_harness import SidecarServer
@@ -154,3 +155,23 @@ def test_upstream_rejection_is_4xx(sidecar: SidecarServer) -> None:
     bad = httpx.post(sidecar.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5000}},
                      timeout=60)
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+
+
+def test_sidecar_provenance_and_weight_routes(sidecar: SidecarServer, qwen_server: Any) -> None:
+    """Each sample's rr_provenance from the sidecar: vLLM's cached tokens (usage), preemptions unknown (null), the
+    sidecar's own weight count; a weight route the engine refuses is passed back as it is and not counted."""
+    ids = [10 + (7 * i) % 200 for i in range(40)]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+            "return_routed_experts": True}
+    for _ in range(2):  # the second one may hit vLLM's prefix cache
+        item = httpx.post(sidecar.url + "/generate", json=body, timeout=120).json()
+        p = Provenance.from_dict(item["meta_info"][PROVENANCE_FIELD])
+        assert p.cached_tokens == item["meta_info"]["cached_tokens"] and p.preemptions is None
+        assert (p.weight_version_admitted, p.weight_version_finished, p.weight_update_during) == (0, 0, False)
+        assert p.tokens_digest == tokens_digest(ids, item["output_ids"])
+        assert item["meta_info"]["routed_experts_shape"][0] == len(ids) + len(item["output_ids"]) - 1
+    direct = httpx.post(qwen_server.base_url + "/update_weight_version", json={"new_version": "x"}, timeout=30)
+    via = httpx.post(sidecar.url + "/update_weight_version", json={"new_version": "x"}, timeout=30)
+    assert via.status_code == direct.status_code
+    info = httpx.get(sidecar.url + "/rr/info", timeout=30).json()
+    assert info["weight_version"] == (1 if 200 <= via.status_code < 300 else 0)
