@@ -147,15 +147,15 @@ def sample_provenance(fields: Mapping[str, Any], *, prompt_ids: Sequence[int] | 
     the server did not echo)."""
     raw = fields.get(PROVENANCE_FIELD)
     prov = None if raw is None else Provenance.from_dict(raw, f"{where}: {PROVENANCE_FIELD}")
-    if prompt_ids is None:
-        return prov if prov is not None else (ref.provenance if ref is not None else None)
-    digest = tokens_digest(prompt_ids, output_ids)
-    for what, p in ((PROVENANCE_FIELD, prov), ("routed_experts_ref.provenance", ref and ref.provenance)):
-        if p is not None and p.tokens_digest is not None and p.tokens_digest != digest:
-            raise ProtocolError(f"{where}: {what}.tokens_digest {p.tokens_digest} is not the digest of this sample's "
-                                f"{len(prompt_ids)} prompt + {len(output_ids)} output ids ({digest}): the server "
-                                "paired it with another sample")
-    return prov if prov is not None else (ref.provenance if ref is not None else None)
+    on_ref = ref.provenance if ref is not None else None
+    if prompt_ids is not None:
+        digest = tokens_digest(prompt_ids, output_ids)
+        for what, p in ((PROVENANCE_FIELD, prov), ("routed_experts_ref.provenance", on_ref)):
+            if p is not None and p.tokens_digest is not None and p.tokens_digest != digest:
+                raise ProtocolError(f"{where}: {what}.tokens_digest {p.tokens_digest} is not the digest of this "
+                                    f"sample's {len(prompt_ids)} prompt + {len(output_ids)} output ids ({digest}): "
+                                    "the server paired it with another sample")
+    return prov if prov is not None else on_ref
 
 
 def sample_ref(fields: Mapping[str, Any], info: RRInfo, *, prompt_tokens: int, completion_tokens: int,

@@ -322,3 +322,16 @@ def test_trajectory_turns_carry_provenance_and_row_spans(served: Any, by_referen
         assert s.cached_prompt[0] == s.rows[0] and s.cached_prompt[1] == s.computed_prompt[0]
         assert s.computed_prompt[1] == s.generated[0] and s.generated[1] == s.rows[1]
     assert np.array_equal(traj.routed_experts[7:12], checked(12 - 7, seed=10, start=7).array)
+
+
+def test_a_ref_whose_provenance_is_another_samples_is_refused_at_parse() -> None:
+    store = RoutingStore(1 << 20, URL)
+    rows = checked(expected_rows(len(P), len(O), 0))
+    meta = {"prompt_tokens": len(P), "completion_tokens": len(O), "routed_experts_format": "ref",
+            "routed_experts_ref": {**store.put(rows), "provenance": prov(P, O)}}
+    item = {"output_ids": O, "meta_info": meta}
+    r = parse_sample(item, index=0, prompt_index=0, prompt_ids=P, info=INFO, want_routing=True, by_reference=True)
+    assert r.provenance == r.routing_ref.provenance and r.provenance is not None  # the ref's, when meta has none
+    meta["routed_experts_ref"]["provenance"] = prov(P, [1, 2, 3])
+    with pytest.raises(ProtocolError, match="sample 0: routed_experts_ref.provenance.tokens_digest"):
+        parse_sample(item, index=0, prompt_index=0, prompt_ids=P, info=INFO, want_routing=True, by_reference=True)
