@@ -154,12 +154,12 @@ def test_trajectory_turns_get_their_own_segments(info: RRInfo) -> None:
     traj = Trajectory(None, [5, 6, 7, 8])  # type: ignore[arg-type]  # turns taken as the client would hand them
     t0 = Provenance(cached_tokens=2)
     r0 = GenerateResult(0, 0, [5, 6, 7, 8], [9, 10], None, "stop", np.zeros((5, 3, 2)), 0,
-                        {"rr_provenance": t0.to_dict()})
+                        {"rr_provenance": t0.to_dict()}, provenance=t0)
     traj._take_turn(r0, 0)
     traj.extend([11, 12])
     t1 = Provenance(cached_tokens=6)  # the first turn's prompt and output came from the prefix cache
     r1 = GenerateResult(0, 0, traj.input_ids, [13, 14, 15], None, "stop", np.zeros((5, 3, 2)), 5,
-                        {"rr_provenance": t1.to_dict()})
+                        {"rr_provenance": t1.to_dict()}, provenance=t1)
     traj._take_turn(r1, 5)
     rt = to_tensors([traj], info, pad_side="right")
     sg = build_segments([traj], rt)
