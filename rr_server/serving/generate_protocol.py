@@ -270,12 +270,14 @@ def build_item(
     routing_fields: Mapping[str, Any] | None = None,
     prompt_token_ids: Sequence[int] | None = None,
     output_token_logprobs: list[list[Any]] | None = None,
+    provenance: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One SGLang-shaped reply entry.
 
     ``routing_fields`` comes from :func:`rr_client.routing_meta_fields` (checked routing) or
     :func:`rr_client.routing_error_fields`; with routing, ``prompt_token_ids`` is echoed so clients
-    that sent text can align rows with tokens.
+    that sent text can align rows with tokens. ``provenance``: the sample's
+    :meth:`rr_client.provenance.Provenance.to_dict`, answered as ``meta_info["rr_provenance"]`` (and in its ref).
     """
     meta: dict[str, Any] = {
         "id": rid,
@@ -287,8 +289,13 @@ def build_item(
     }
     if output_token_logprobs is not None:
         meta["output_token_logprobs"] = output_token_logprobs
+    if provenance is not None:
+        meta["rr_provenance"] = dict(provenance)
     if routing_fields is not None:
         meta.update(routing_fields)
+        ref = meta.get("routed_experts_ref")
+        if provenance is not None and isinstance(ref, dict):
+            meta["routed_experts_ref"] = {**ref, "provenance": dict(provenance)}
         if prompt_token_ids is not None and (meta.get("routed_experts") is not None or "routed_experts_ref" in meta):
             meta["prompt_token_ids"] = list(prompt_token_ids)
     item: dict[str, Any] = {"output_ids": list(output_ids), "meta_info": meta}

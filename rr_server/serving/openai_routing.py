@@ -30,7 +30,9 @@ from rr_client.codec import (
 )
 from rr_client.errors import MissingRoutingError, RoutedExpertsError
 from rr_client.info import RRInfo
+from rr_client.provenance import PROVENANCE_FIELD
 from rr_server.serving.generate_protocol import BadRequest, default_routed_experts_format
+from rr_server.serving.store_ledger import refs_made_under
 
 __all__ = [
     "OPENAI_PATHS",
@@ -274,19 +276,29 @@ def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine
         if prompt_ids is not None:
             choice["prompt_token_ids"] = prompt_ids
         rows = _rows(prompt_ids, output_ids, answer.get("usage"), len(choices), r.start)
+        prov = choice.get(PROVENANCE_FIELD)  # the engine side's rr_provenance for this choice, if it gave one
         try:
-            fields = routing_meta_fields(_choice_routing(eng, i, payload, first, checked, info, rows, r.start,
-                                                         drop_rows, payload_rows_counted), r.fmt)
+            with refs_made_under(_admitted(prov)):  # a ref carries the weight version its request was admitted at
+                fields = routing_meta_fields(_choice_routing(eng, i, payload, first, checked, info, rows, r.start,
+                                                             drop_rows, payload_rows_counted), r.fmt)
         except RoutedExpertsError as e:
             fields = routing_error_fields(e)
         except _Refused as e:
             fields = {"routed_experts": None, "routed_experts_error": e.reason}
+        if isinstance(prov, dict) and isinstance(fields.get("routed_experts_ref"), dict):
+            fields["routed_experts_ref"] = {**fields["routed_experts_ref"], "provenance": prov}
         choice.update(fields)
         if eng.answer_routing_ext and r.fmt == "sglang" and i == 0 and fields.get("routed_experts") is not None:
             ext = answer.setdefault(eng.answer_routing_ext, {})
             if isinstance(ext, dict):
                 ext["routed_experts"] = fields["routed_experts"]
     return answer
+
+
+def _admitted(prov: Any) -> int | None:
+    """``weight_version_admitted`` of a choice's provenance (None when it has none)."""
+    v = prov.get("weight_version_admitted") if isinstance(prov, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 class _Refused(Exception):

@@ -27,6 +27,7 @@ from rr_client.errors import RoutingExpiredError
 from rr_client.optional import require
 from rr_client.reference import FramePart, RoutingRef, checksum
 from rr_server.serving.store_ledger import Held, StoreLedger, row_range
+from rr_server.serving.store_ledger import admitted_version
 from rr_server.serving.store_siblings import Siblings, merge_stats, retire_everywhere
 
 __all__ = ["RayStoreActor", "RayRoutingStore", "NAMESPACE", "PREFIX", "actor_name", "connect", "list_stores",
@@ -58,11 +59,12 @@ class RayStoreActor:
         """Who made this store, and its counters (``rr-server ray-stores``)."""
         return {"engine": self.engine, **self.stats()}
 
-    def put(self, key: str, held: list[Any], nbytes: int, n_rows: int, digest: str) -> int:
+    def put(self, key: str, held: list[Any], nbytes: int, n_rows: int, digest: str, version: int | None = None) -> int:
         """Hold the object ``held[0]`` (the engine's one ``ray.put``; in a list, so Ray passes the ref, not the
-        rows); returns the weight version they were stored under."""
+        rows); returns the weight version they were stored under (``version``: the engine's at the request's
+        admission; None: the store's retire counter)."""
         self.ledger.admit(nbytes)
-        version = self.ledger.weight_version
+        version = self.ledger.weight_version if version is None else int(version)
         self.ledger.add(key, Held(held[0], n_rows, nbytes, version, digest))
         return version
 
@@ -122,7 +124,8 @@ class RayRoutingStore:
         arr = checked.array
         key, digest = uuid.uuid4().hex, checksum(arr)
         obj = self._ray.put(arr)
-        version = self._ray.get(self._actor.put.remote(key, [obj], int(arr.nbytes), int(arr.shape[0]), digest))
+        version = self._ray.get(self._actor.put.remote(key, [obj], int(arr.nbytes), int(arr.shape[0]), digest,
+                                                       admitted_version()))
         return RoutingRef(store=self.instance, url=self.url, key=key, rows=int(arr.shape[0]),
                           layers=int(arr.shape[1]), topk=int(arr.shape[2]), dtype=arr.dtype.name,
                           start=checked.start, weight_version=int(version), checksum=digest).to_dict()

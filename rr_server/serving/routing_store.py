@@ -37,7 +37,7 @@ from rr_client.codec import CheckedRouting, install_reference_store
 from rr_client.errors import ConfigurationError, RoutingExpiredError
 from rr_client.reference import (FRAME_MEDIA_TYPE, READ_PATH, RETIRE_PATH, FramePart, RoutingRef, checksum,
                                  encode_frame)
-from rr_server.serving.store_ledger import Held, StoreLedger, row_range
+from rr_server.serving.store_ledger import Held, StoreLedger, admitted_version, row_range
 from rr_server.serving.store_siblings import Siblings, merge_stats, retire_everywhere
 
 __all__ = ["RoutingStore", "install_store", "current_store", "DEFAULT_MAX_BYTES", "READ_PATH", "RETIRE_PATH",
@@ -77,14 +77,15 @@ class RoutingStore:
         key, digest = uuid.uuid4().hex, checksum(arr)
         with self._lock:
             self.ledger.admit(arr.nbytes)
-            version = self.ledger.weight_version
+            made = admitted_version()  # the engine's weight version at admission, else the retire counter
+            version = self.ledger.weight_version if made is None else made
             self.ledger.add(key, Held(arr, int(arr.shape[0]), arr.nbytes, version, digest))
         return RoutingRef(store=self.instance, url=self.url, key=key, rows=int(arr.shape[0]),
                           layers=int(arr.shape[1]), topk=int(arr.shape[2]), dtype=arr.dtype.name,
                           start=checked.start, weight_version=version, checksum=digest).to_dict()
 
     def local_retire(self, through: int) -> dict[str, int]:
-        """Free every row made under weight version <= ``through``; later refs carry ``through + 1`` or more."""
+        """Free every row made under weight version <= ``through`` (the engine's version at the request's admission)."""
         with self._lock:
             return self.ledger.retire(through)
 

@@ -3,16 +3,37 @@ store actor): entries oldest first under a byte cap, why a key is gone, the weig
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from rr_client.errors import ConfigurationError, RoutingExpiredError
 
-__all__ = ["Held", "StoreLedger", "row_range"]
+__all__ = ["Held", "StoreLedger", "row_range", "refs_made_under", "admitted_version"]
 
 _GONE_REMEMBERED = 1 << 16  # keys whose reason (evicted / retired) is kept for the error message
+# The engine weight version at admission of the request whose rows are being stored (None: not known here).
+_ADMITTED: contextvars.ContextVar[int | None] = contextvars.ContextVar("rr_ref_weight_version", default=None)
+
+
+@contextlib.contextmanager
+def refs_made_under(version: int | None) -> Iterator[None]:
+    """Refs stored in this block carry ``version`` (the engine's weight version when their request was admitted),
+    so retiring through V frees exactly the rows made under weights <= V."""
+    token = _ADMITTED.set(version)
+    try:
+        yield
+    finally:
+        _ADMITTED.reset(token)
+
+
+def admitted_version() -> int | None:
+    """The weight version set by :func:`refs_made_under` around this store call, if any."""
+    return _ADMITTED.get()
 
 
 @dataclass
