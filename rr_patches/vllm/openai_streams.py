@@ -6,7 +6,8 @@ non-streaming answers. While a streaming request that asked for routing runs, :f
 hands it every output of that request. The OpenAI middleware then sends one event right before
 ``data: [DONE]`` whose choices carry each choice's routing and token ids, put through rr's one full check
 (:func:`rr_server.serving.openai_routing.finish_answer`). Non-streaming answers are left to vLLM, which already
-carries routing there.
+carries routing there. Both kinds are collected for each choice's ``rr_provenance`` (cached tokens, preemptions,
+weight versions at admission and finish: :mod:`rr_patches.vllm.provenance`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rr_client.patching import wrap_once
+from rr_client.provenance import PROVENANCE_FIELD
+from rr_patches.vllm.provenance import admit, provenance_of
+from rr_server.serving.weight_epoch import WeightMark, current_epoch
 
 __all__ = ["StreamCollector", "collecting", "wrap_engine_generate", "fill_answer"]
 
@@ -33,6 +37,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     routing: Any = None
     finished: bool = False
+    provenance: dict[str, Any] | None = None
 
 
 @dataclass
@@ -40,10 +45,13 @@ class StreamCollector:
     """The outputs of one OpenAI request, per ``engine_client.generate`` call (vLLM makes one per prompt)."""
 
     prompts: list[dict[int, _Choice]] = field(default_factory=list)
+    marks: list[WeightMark] = field(default_factory=list)
+    connector: bool = False  #: vLLM runs a KV connector (cache_tier unknown)
 
     def new_prompt(self) -> int:
-        """A ``generate`` call of this request started; its slot is the prompt index vLLM uses."""
+        """A ``generate`` call of this request started (admitted now); its slot is the prompt index vLLM uses."""
         self.prompts.append({})
+        self.marks.append(admit())
         return len(self.prompts) - 1
 
     def add(self, slot: int, res: Any) -> None:
@@ -58,6 +66,9 @@ class StreamCollector:
             if out.finish_reason is not None:
                 ch.finished = True
                 ch.routing = getattr(out, "routed_experts", None)
+                mark = self.marks[slot]
+                ch.provenance = provenance_of(res, ch.prompt_ids, ch.token_ids, mark, connector=self.connector,
+                                              finish=current_epoch().since(mark)).to_dict()
 
 
 async def _collected(gen: AsyncGenerator[Any, None], col: StreamCollector, slot: int) -> AsyncGenerator[Any, None]:
@@ -93,8 +104,9 @@ def wrap_engine_generate(engine_client: Any) -> bool:
     return wrap_once(engine_client, "generate", _collecting_generate, what="vLLM's engine client")
 
 
-def fill_answer(answer: Any, col: StreamCollector) -> None:
-    """Give every choice of the routing event its routing and token ids (vLLM's own field names).
+def fill_answer(answer: Any, col: StreamCollector, stream: bool = True) -> None:
+    """Give every choice of the routing event its routing and token ids (vLLM's own field names), and every
+    choice (``stream=False``: of vLLM's own answer, which carries its routing) its ``rr_provenance``.
 
     vLLM numbers a choice ``prompt_index * n + output_index``; ``n`` is the number of outputs each prompt made.
     A choice with nothing collected is left bare (rr's finish then reports its routing as missing).
@@ -113,6 +125,10 @@ def fill_answer(answer: Any, col: StreamCollector) -> None:
         ch = col.prompts[slot].get(out_index) if slot < len(col.prompts) else None
         if ch is None or not ch.finished:
             continue
+        if ch.provenance is not None:
+            choice[PROVENANCE_FIELD] = ch.provenance
+        if not stream:
+            continue
         choice["prompt_token_ids"] = ch.prompt_ids
         choice["token_ids"] = ch.token_ids
         choice["routed_experts"] = ch.routing
@@ -120,14 +136,16 @@ def fill_answer(answer: Any, col: StreamCollector) -> None:
 
 @contextlib.contextmanager
 def collecting(app: Any, r: Any) -> Iterator[Callable[[Any], None]]:
-    """For the OpenAI middleware: collect a streaming request's outputs while vLLM serves it, then ``fill``."""
-    if not getattr(r, "stream", False):
-        yield lambda answer: None  # vLLM's non-streaming answer carries the routing itself
-        return
-    wrap_engine_generate(getattr(app.state, "engine_client", None))
-    col = StreamCollector()
+    """For the OpenAI middleware: collect a request's outputs while vLLM serves it, then ``fill`` (a stream's
+    routing event; a non-streaming answer, which carries its routing already, gets only the provenance)."""
+    from rr_patches.vllm.provenance import connector_configured
+
+    engine = getattr(app.state, "engine_client", None)
+    wrap_engine_generate(engine)
+    col = StreamCollector(connector=connector_configured(engine))
+    stream = bool(getattr(r, "stream", False))
     token = _COLLECTOR.set(col)
     try:
-        yield lambda answer: fill_answer(answer, col)
+        yield lambda answer: fill_answer(answer, col, stream)
     finally:
         _COLLECTOR.reset(token)

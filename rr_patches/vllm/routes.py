@@ -34,6 +34,7 @@ from rr_client.info import RRInfo
 from rr_client.logprobs import mode_from_vllm
 from rr_patches.vllm.auth import protect_rr_routes
 from rr_patches.vllm.openai_streams import collecting
+from rr_patches.vllm.provenance import admit, connector_configured, provenance_of
 from rr_server.serving.fanout import gather_or_cancel, merge_streams, primed
 from rr_server.serving.generate_protocol import (
     SSE_DONE,
@@ -48,6 +49,8 @@ from rr_server.serving.openai_middleware import install_openai_routing
 from rr_server.serving.routing_metrics import count_sample
 from rr_server.serving.routing_metrics import declare as declare_counters
 from rr_server.serving.routing_store import STORE_ROUTES, advertised_url, current_store, install_store
+from rr_server.serving.store_ledger import refs_made_under
+from rr_server.serving.weight_epoch import WeightMark, current_epoch, install_weight_epoch
 from rr_server.serving.vllm_translate import (
     checked_routing_fields,
     finish_reason_dict,
@@ -141,6 +144,7 @@ def _speculative(app: FastAPI) -> str | None:
 def rr_info_dict(app: FastAPI) -> dict[str, Any]:
     """``/rr/info`` body: the model's routing dims, and the routing store's counters (refs)."""
     body = rr_info(app).model_dump()
+    body.update(current_epoch().info())  # weight_version: weight updates this server has seen complete
     store = current_store()
     if store is not None:
         body["routing_store"] = store.stats()
@@ -170,28 +174,35 @@ def _token_logprobs(c: Any) -> list[list[Any]] | None:
     return out
 
 
-def _routing_fields(c: Any, ro: Any, req: NormalizedGenerate, rid: str, info: RRInfo) -> dict[str, Any]:
-    """Checked routing fields of one finished sample, or an error marker (logged) when the check fails."""
+def _routing_fields(c: Any, ro: Any, req: NormalizedGenerate, rid: str, info: RRInfo,
+                    version: int | None = None) -> dict[str, Any]:
+    """Checked routing fields of one finished sample (a ref carries ``version``, the engine's weight version at
+    admission), or an error marker (logged) when the check fails."""
     try:
-        return checked_routing_fields(getattr(c, "routed_experts", None), info, prompt_ids=ro.prompt_token_ids or [],
-                                      output_ids=c.token_ids, start=req.routed_experts_start,
-                                      fmt=req.routed_experts_format)
+        with refs_made_under(version):
+            return checked_routing_fields(getattr(c, "routed_experts", None), info,
+                                          prompt_ids=ro.prompt_token_ids or [], output_ids=c.token_ids,
+                                          start=req.routed_experts_start, fmt=req.routed_experts_format)
     except RoutedExpertsError as e:
         logger.error("rr: request %s: %s: %s; routing withheld", rid, type(e).__name__, e)
         return routing_error_fields(e)
 
 
 def _items_for(ro: Any, req: NormalizedGenerate, i: int, rid: str, t0: float, info: RRInfo | None,
-               final: bool = True) -> list[dict[str, Any]]:
-    """SGLang reply entries (one per sample) for the RequestOutput of prompt ``i``."""
+               final: bool = True, mark: WeightMark | None = None, finish: tuple[int, bool] | None = None,
+               connector: bool = False) -> list[dict[str, Any]]:
+    """SGLang reply entries (one per sample) for the RequestOutput of prompt ``i``; a final one carries its
+    provenance (``mark``: the weight epoch at admission, ``finish``: at finish)."""
     items = []
     outs = sorted(ro.outputs, key=lambda c: c.index)
     n = len(outs)
     for c in outs:
         sample_rid = rid if n == 1 else f"{rid}-{c.index}"
         fields = None
+        prov = (provenance_of(ro, ro.prompt_token_ids, c.token_ids, mark, connector=connector, finish=finish)
+                if final and mark is not None else None)
         if req.return_routed_experts and final and info is not None:
-            fields = _routing_fields(c, ro, req, sample_rid, info)
+            fields = _routing_fields(c, ro, req, sample_rid, info, mark.version if mark is not None else None)
             count_sample(fields)
         items.append(build_item(
             rid=sample_rid,
@@ -204,18 +215,20 @@ def _items_for(ro: Any, req: NormalizedGenerate, i: int, rid: str, t0: float, in
             routing_fields=fields,
             prompt_token_ids=ro.prompt_token_ids,
             output_token_logprobs=_token_logprobs(c) if req.return_logprob[i] else None,
+            provenance=prov.to_dict() if prov is not None else None,
         ))
     return items
 
 
-def _start(app: FastAPI, req: NormalizedGenerate) -> tuple[list[Any], list[str]]:
-    """Build SamplingParams and engine generators (lazy; admission errors surface on first step)."""
+def _start(app: FastAPI, req: NormalizedGenerate) -> tuple[list[Any], list[str], list[WeightMark]]:
+    """Build SamplingParams and engine generators (lazy; admission errors surface on first step), each with
+    the weight epoch at its admission."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     engine = app.state.engine_client
     kind = RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY
-    gens, rids = [], []
+    gens, rids, marks = [], [], []
     base = uuid.uuid4().hex
     for i, (p, sp) in enumerate(zip(req.prompts, req.sampling)):
         if req.return_routed_experts and isinstance(p, list) and req.routed_experts_start > len(p):
@@ -229,35 +242,37 @@ def _start(app: FastAPI, req: NormalizedGenerate) -> tuple[list[Any], list[str]]
             raise BadRequest(f"invalid sampling_params: {e}") from None
         internal = f"rr-{base}-{i}"
         rids.append(req.rids[i] or internal)
+        marks.append(admit())
         gens.append(engine.generate(_engine_prompt(p), params, internal))
-    return gens, rids
+    return gens, rids, marks
 
 
-async def _final(gen: Any) -> Any:
-    """Drain one engine generator; return its last RequestOutput."""
+async def _final(gen: Any, mark: WeightMark) -> tuple[Any, tuple[int, bool]]:
+    """Drain one engine generator; return its last RequestOutput and the weight epoch when it finished."""
     last = None
     async for out in gen:
         last = out
-    return last
+    return last, current_epoch().since(mark)
 
 
 async def _run_batch(app: FastAPI, req: NormalizedGenerate) -> Response:
     """Non-streaming /generate: run all prompts concurrently, reply in prompt order."""
     t0 = time.perf_counter()
-    gens, rids = _start(app, req)
+    gens, rids, marks = _start(app, req)
+    connector = connector_configured(app.state.engine_client)
     try:
-        finals = await gather_or_cancel(_final(g) for g in gens)
+        finals = await gather_or_cancel(_final(g, m) for g, m in zip(gens, marks))
     except Exception as e:  # noqa: BLE001 - engine errors become HTTP errors
         return _error(_message(e), _status_of(e))
     info = rr_info(app) if req.return_routed_experts else None
 
     def build() -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
-        for i, ro in enumerate(finals):
-            items.extend(_items_for(ro, req, i, rids[i], t0, info))
+        for i, (ro, finish) in enumerate(finals):
+            items.extend(_items_for(ro, req, i, rids[i], t0, info, mark=marks[i], finish=finish, connector=connector))
         return items
 
-    size = sum(getattr(getattr(c, "routed_experts", None), "size", 0) for ro in finals for c in ro.outputs)
+    size = sum(getattr(getattr(c, "routed_experts", None), "size", 0) for ro, _ in finals for c in ro.outputs)
     # Large payloads (~100 ms to check + base64 a 32k-token sample) must not stall the event loop.
     items = await asyncio.to_thread(build) if req.return_routed_experts and size > _THREAD_MIN_ELEMS else build()
     if not req.is_batch and len(items) == 1:
@@ -275,7 +290,8 @@ def _message(e: BaseException) -> str:
 async def _stream(app: FastAPI, req: NormalizedGenerate) -> Response:
     """Streaming /generate: SSE chunks like SGLang (cumulative text/ids); routing on the final chunk."""
     t0 = time.perf_counter()
-    gens, rids = _start(app, req)
+    gens, rids, marks = _start(app, req)
+    connector = connector_configured(app.state.engine_client)
     info = rr_info(app) if req.return_routed_experts else None
     merged = merge_streams([g.__aiter__() for g in gens])
     try:
@@ -287,7 +303,8 @@ async def _stream(app: FastAPI, req: NormalizedGenerate) -> Response:
     async def events() -> AsyncIterator[str]:
         try:
             async for i, out in outputs:
-                for item in _items_for(out, req, i, rids[i], t0, info, final=out.finished):
+                for item in _items_for(out, req, i, rids[i], t0, info, final=out.finished, mark=marks[i],
+                                       connector=connector):
                     if req.is_batch:
                         item["index"] = i
                     yield sse_line(item)
@@ -363,6 +380,7 @@ def add_rr_routes(app: FastAPI) -> None:
     if taken:
         raise RuntimeError(f"rr: vLLM already serves {taken}; refusing to shadow them")
     install_store()  # the routing store behind routed_experts_format="ref" (its URL: name_store)
+    install_weight_epoch(app)  # counts the weight updates passing through vLLM's weight routes (weight_version)
     declare_counters()  # rr's counters on vLLM's /metrics (this API server process; after vLLM's metrics setup)
     router = APIRouter()
     for path, handler, methods in RR_ROUTES:

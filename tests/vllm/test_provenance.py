@@ -1,0 +1,233 @@
+"""Routing provenance on the real vLLM 0.30 CPU server (issue 38): cached tokens, preemptions, weight versions.
+
+One server of this module's own (its weights change): the tiny Qwen3-MoE in dev mode (``VLLM_SERVER_DEV_MODE=1``)
+with a KV cache of 12 blocks of 32 tokens, so concurrent long requests preempt each other. In order:
+
+1. A cold sample and the same prompt again: the second carries its prefix-cache hit (``cached_tokens``, tier
+   ``device``) and rows equal to the cold run's; both equal transformers' own router top-k, at one weight version
+   at both ends, no preemption, and the digest of their tokens.
+2. One long request decodes alone while rr's weight sync reloads (``/collective_rpc`` ``reload_weights``, the same
+   weights): it spans the update without a recompute, so it is flagged and kept, its rows exact.
+3. Six long requests overflow the KV cache; once vLLM reports a preemption, the reload loads the checkpoint with
+   every router negated. Each sample preempted across the update says so (preemptions > 0, spans it):
+   ``check_provenance`` refuses it, or with ``stale_rows="mask"`` keeps it unreplayed and counts it; a sample that
+   finished before the update is exact against transformers.
+4. ``/rr/info`` answers the new weight version; a new sample's rows equal transformers' with the pushed
+   weights, on ``/generate`` (by reference too: its ref carries the version and the provenance) and on
+   ``/v1/completions`` (``choice["rr_provenance"]``, streamed: on rr's routing event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from rr_client.codec import decode_meta_info
+from rr_client.errors import StaleRoutingError
+from rr_client.provenance import PROVENANCE_FIELD, Provenance, check_provenance, tokens_digest
+from rr_server.doctor.truth import router_forward, router_topk
+from tests.support.routing_asserts import assert_routing_sets_equal
+from tests.support.vllm_process import VLLMProcess
+
+pytestmark = pytest.mark.vllm_server
+
+MOE_LAYERS = [0, 2]  # qwen3_dense: layer 1 is dense
+PROMPT = [int(t) for t in np.random.default_rng(38).integers(2, 440, size=40)]
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+LONG = {"max_new_tokens": 190, "temperature": 0, "ignore_eos": True}
+# 12 blocks x 32 tokens (vLLM CPU wants multiples of 32) = 384 KV slots; six requests of 40 + 190 tokens
+# need 1380: vLLM preempts
+SMALL_KV = ["--block-size", "32", "--num-gpu-blocks-override", "12", "--enable-prefix-caching"]
+
+
+@pytest.fixture(scope="module")
+def dev_server(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
+    """The tiny Qwen3-MoE in dev mode with a small KV cache (this module's own: its weights change)."""
+    server = VLLMProcess(tiny_models["qwen3_dense"], name="provenance", max_model_len=256, extra=SMALL_KV,
+                         env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"})
+    try:
+        yield server.launch().wait_healthy()
+    finally:
+        server.stop()
+
+
+def negated_routers(model_dir: Path, out: Path) -> Any:
+    """The checkpoint with every MoE router negated (routing must change), saved to ``out``; returns the model."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for i in MOE_LAYERS:
+            model.model.layers[i].mlp.gate.weight.neg_()
+    model.save_pretrained(out)
+    return model
+
+
+def reference(model: Any, prompt: list[int], output: list[int]) -> np.ndarray:
+    """Transformers' top-k ids for the rows the engine returns (prompt + completion - 1)."""
+    _, logits = router_forward(model, prompt + output, MOE_LAYERS)
+    return router_topk(logits, model.config.num_hidden_layers, model.config.num_experts_per_tok)[:-1]
+
+
+def provenance(meta: dict[str, Any], prompt: list[int], output: list[int]) -> Provenance:
+    """The sample's parsed provenance; its digest binds it to exactly these tokens."""
+    p = Provenance.from_dict(meta[PROVENANCE_FIELD])
+    assert p.tokens_digest == tokens_digest(prompt, output)
+    return p
+
+
+async def generate(c: httpx.AsyncClient, prompt: list[int], params: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """One /generate answer with routing."""
+    r = await c.post("/generate", json={"input_ids": prompt, "sampling_params": params,
+                                        "return_routed_experts": True, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def preemptions_so_far(url: str) -> float:
+    """vLLM's own preemption counter (/metrics)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(m) for m in re.findall(r"^vllm:num_preemptions_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+async def stream_until_first_chunk(c: httpx.AsyncClient, prompt: list[int], params: dict[str, Any],
+                                   started: asyncio.Event) -> dict[str, Any]:
+    """A streamed /generate with routing: sets ``started`` on its first chunk, returns its final one."""
+    last: dict[str, Any] = {}
+    async with c.stream("POST", "/generate", json={"input_ids": prompt, "sampling_params": params, "stream": True,
+                                                   "return_routed_experts": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                last = json.loads(line[5:])
+                started.set()
+    return last
+
+
+async def reload(c: httpx.AsyncClient, folder: Path) -> None:
+    """rr's weight sync's reload: dev-mode ``/collective_rpc`` ``reload_weights`` from ``folder``."""
+    r = await c.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+    assert r.status_code == 200, r.text
+
+
+def test_provenance_through_prefix_hits_preemption_and_a_weight_update(dev_server: VLLMProcess,
+                                                                        tiny_models: dict[str, Path],
+                                                                        tmp_path: Path) -> None:
+    check_server(dev_server.base_url, dev_server.name, tiny_models["qwen3_dense"], tmp_path)
+
+
+def check_server(url: str, name: str, model_dir: Path, tmp_path: Path) -> None:
+    """Every step of the module docstring against the dev-mode server at ``url`` serving ``model_dir``."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pushed = negated_routers(model_dir, tmp_path / "pushed")
+    v0 = httpx.get(url + "/rr/info", timeout=30).json()["weight_version"]
+
+    def exact(sample: dict[str, Any], model: Any) -> None:
+        meta = sample["meta_info"]
+        got = decode_meta_info(meta)
+        assert_routing_sets_equal(got, reference(model, meta["prompt_token_ids"], sample["output_ids"]),
+                                  layers=MOE_LAYERS)
+
+    async def run() -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+            cold = await generate(c, PROMPT, GREEDY)
+            warm = await generate(c, PROMPT, GREEDY)
+            # an update while one request decodes alone (no KV pressure): it spans the update without a recompute
+            started = asyncio.Event()
+            alone = asyncio.ensure_future(stream_until_first_chunk(c, PROMPT[:30], LONG, started))
+            await started.wait()
+            await reload(c, model_dir)  # the same weights again: a real reload, the rows stay exact
+            spanning = await alone
+            # six long requests overflow the KV cache; the pushed weights load once vLLM has preempted one
+            prompts = [[(t + 7 * k) % 440 + 2 for t in PROMPT] for k in range(1, 7)]
+            before = preemptions_so_far(url)
+            tasks = [asyncio.ensure_future(generate(c, p, LONG)) for p in prompts]
+            while preemptions_so_far(url) == before:  # wait for vLLM to preempt one (the KV cache is full)
+                assert not all(t.done() for t in tasks), "no request was preempted: the KV cache is not small"
+                await asyncio.sleep(0.05)
+            await reload(c, tmp_path / "pushed")
+            busy = list(await asyncio.gather(*tasks))
+            assert (await c.post("/reset_prefix_cache")).status_code == 200  # as rr's weight sync does after a push
+            return [cold, warm], spanning, busy
+
+    (cold, warm), spanning, busy = asyncio.run(run())
+
+    # 1. prefix-cache hit: counted, served from the device cache, same rows as cold; both exact vs transformers
+    pc, pw = (provenance(s["meta_info"], PROMPT, s["output_ids"]) for s in (cold, warm))
+    assert pc.cached_tokens == 0 and pc.cache_tier is None
+    assert pw.cached_tokens == 32 and pw.cache_tier == "device"  # the prompt's one full block of 32
+    assert warm["meta_info"]["cached_tokens"] == 32
+    assert np.array_equal(decode_meta_info(cold["meta_info"]), decode_meta_info(warm["meta_info"]))
+    for s, p in ((cold, pc), (warm, pw)):
+        exact(s, base)
+        assert (p.preemptions, p.weight_version_admitted, p.weight_version_finished) == (0, v0, v0)
+        assert not p.spans_update and not p.weight_update_during
+
+    # 2. spanning an update without a recompute: flagged, kept, its rows exact
+    ps = provenance(spanning["meta_info"], PROMPT[:30], spanning["output_ids"])
+    assert ps.preemptions == 0 and ps.weight_version_admitted == v0 and ps.spans_update, ps
+    assert not ps.may_be_recomputed_across_update
+    flagged = check_provenance([ps], "refuse")
+    assert flagged.replay == (True,) and flagged.spans_update == 1 and flagged.masked == 0
+    exact(spanning, base)
+
+    # 3. preempted across the update: refused, or masked and counted; every other sample exact
+    provs = [provenance(s["meta_info"], s["meta_info"]["prompt_token_ids"], s["output_ids"]) for s in busy]
+    stale = [i for i, p in enumerate(provs) if p.may_be_recomputed_across_update]
+    assert stale and all(provs[i].preemptions and provs[i].weight_version_finished == v0 + 2 for i in stale)
+    with pytest.raises(StaleRoutingError, match=f"sample {stale[0]}: its rows may have been recomputed"):
+        check_provenance(provs, "refuse")
+    masked = check_provenance(provs, "mask")
+    assert masked.masked == len(stale) and [not r for r in masked.replay] == [i in stale for i in range(len(provs))]
+    for s, p in zip(busy, provs):
+        if not p.spans_update:  # finished before the update (preempted or not): the old weights' rows, exact
+            assert p.weight_version_finished == v0 + 1
+            exact(s, base)
+    print(f"\npreemptions / spans update per busy sample: {[(p.preemptions, p.spans_update) for p in provs]}")
+
+    # 4. after the update: its version, and new samples route as transformers does with the pushed weights
+    info = httpx.get(url + "/rr/info", timeout=30).json()
+    assert info["weight_version"] == v0 + 2 and info["weight_update_in_progress"] is False
+
+    async def after() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+            fresh = await generate(c, PROMPT[:20], GREEDY)
+            by_ref = await generate(c, PROMPT[:20], GREEDY, routed_experts_format="ref")
+            r = await c.post("/v1/completions", json={"model": name, "prompt": PROMPT[:20], "max_tokens": 6,
+                                                      "temperature": 0, "ignore_eos": True,
+                                                      "return_routed_experts": True})
+            assert r.status_code == 200, r.text
+            events = []
+            async with c.stream("POST", "/v1/completions", json={
+                    "model": name, "prompt": PROMPT[:20], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "return_routed_experts": True}) as s:
+                async for line in s.aiter_lines():
+                    if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                        events.append(json.loads(line[5:]))
+            routed = [e for e in events if any(PROVENANCE_FIELD in ch for ch in e.get("choices", ()))]
+            assert len(routed) == 1 and routed[0] is events[-1]  # rr's routing event, right before [DONE]
+            return fresh, by_ref, r.json(), routed[0]["choices"][0]
+
+    fresh, by_ref, completion, streamed = asyncio.run(after())
+    pf = provenance(fresh["meta_info"], PROMPT[:20], fresh["output_ids"])
+    assert (pf.weight_version_admitted, pf.weight_version_finished, pf.spans_update) == (v0 + 2, v0 + 2, False)
+    exact(fresh, pushed)
+    ref = by_ref["meta_info"]["routed_experts_ref"]
+    assert ref["weight_version"] == v0 + 2 and ref["provenance"] == by_ref["meta_info"][PROVENANCE_FIELD]
+    assert httpx.post(url + "/rr/routing/retire", json={"through": v0 + 1}, timeout=30).status_code == 200
+    read = httpx.post(url + "/rr/routing/read", json={"refs": [{"store": ref["store"], "key": ref["key"]}]}, timeout=30)
+    assert read.status_code == 200  # rows made under the pushed weights stay through a retire of the older ones
+    assert httpx.post(url + "/rr/routing/retire", json={"through": v0 + 2}, timeout=30).json()["retired"] >= 1
+    choice = completion["choices"][0]
+    pcmp = provenance(choice, PROMPT[:20], choice["token_ids"])
+    assert (pcmp.weight_version_admitted, pcmp.weight_version_finished, pcmp.preemptions) == (v0 + 2, v0 + 2, 0)
+    pst = provenance(streamed, PROMPT[:20], streamed["token_ids"])  # a stream's: on rr's routing event
+    assert pst.weight_version_admitted == v0 + 2 and pst.cached_tokens == 0 and streamed["routed_experts"] is not None
