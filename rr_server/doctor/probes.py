@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from rr_client import GenerateResult
+from rr_client import GenerateResult, RRError, RRInfo
 from rr_server.doctor.engine_state import (EngineCache, engine_cache, preemption_count, provenance_of,
                                            reload_weights, weight_version)
 
 if TYPE_CHECKING:
     from rr_server.doctor.checks import _Doctor
 
-__all__ = ["Load", "plan_load", "comparable_rows", "run_probes", "MAX_PROBE_REQUESTS", "OFFLOAD_TIERS"]
+__all__ = ["Load", "plan_load", "comparable_rows", "offload_state", "run_probes", "MAX_PROBE_REQUESTS", "OFFLOAD_TIERS"]
 
 # The most concurrent requests a probe sends to force preemption (a larger KV cache is reported, not flooded).
 MAX_PROBE_REQUESTS = 48
@@ -50,14 +50,14 @@ class Load:
 
 def plan_load(cache: EngineCache, max_requests: int = MAX_PROBE_REQUESTS) -> Load | str:
     """The load that forces preemption on ``cache``, or why there is none: every request's prompt fills whole
-    blocks but the last quarter of one, its answer crosses into one more block, and two more requests than fit
-    run at once, so decoding runs out of blocks."""
+    blocks but the last quarter of one, its answer crosses into more blocks, and two more requests than the
+    prompts fit run at once, so decoding runs out of blocks."""
     if not cache.num_blocks or not cache.block_size:
         return _NOT_SAID
     block = cache.block_size
     per = max(1, math.ceil(96 / block))  # blocks a prompt starts in (~96 tokens)
     prompt = per * block - max(1, block // 4)
-    new = max(8, block // 2)
+    new = max(48, block // 2)  # decode steps enough for a preempted request to be re-admitted (and a reload to land)
     requests = cache.num_blocks // per + 2
     if requests > max_requests:
         return (f"the KV cache holds {cache.num_blocks} blocks of {block} tokens ({cache.capacity_tokens} tokens); "
@@ -100,8 +100,8 @@ class _Probes:
 
     async def references(self, prompts: list[list[int]], load: Load) -> str | None:
         """Each prompt run where it cannot be preempted (few at a time); why not, if one was preempted anyway."""
-        group = max(1, (self.cache.num_blocks or 2) // (2 * (math.ceil(load.prompt_len / (self.cache.block_size or 1))
-                                                            + 1)))
+        need = math.ceil((load.prompt_len + load.new_tokens) / (self.cache.block_size or 1))
+        group = max(1, (self.cache.num_blocks or need) // need)
         params = {"max_new_tokens": load.new_tokens}
         for i in range(0, len(prompts), group):
             got = await asyncio.gather(*(self.doc.gen([p], params) for p in prompts[i:i + group]))
@@ -271,7 +271,7 @@ class _Probes:
     async def tiered_cache(self, load: Load | str) -> None:
         """vLLM's KV offload connector or SGLang's hierarchical cache: refused, off, or probed."""
         name = "hierarchical cache" if self.engine == "sglang" else "kv offload"
-        tiers = self.offload_state()
+        tiers = offload_state(self.doc.info, self.cache)
         if isinstance(tiers, tuple):
             ok, detail = tiers
             self.doc.add(name, ok, detail, exercised=False)
@@ -296,35 +296,40 @@ class _Probes:
         self.doc.rows_agree(name, _prompt_rows(again), _prompt_rows(cold),
                             f"{tiers}: {p.cached_tokens} prompt tokens restored from the {tier} tier vs the cold run")
 
-    def offload_state(self) -> str | tuple[bool, str]:
-        """What is on, as words (probe it), or (ok, why it is not probed)."""
-        c, info = self.cache, self.doc.info
-        extra = info.model_extra or {}
-        if self.engine == "vllm":
-            from rr_server.serving.vllm_facts import facts_for
 
-            try:
-                facts = facts_for(info.engine_version)
-            except Exception:  # noqa: BLE001 - an unknown version is said, not fatal
-                facts = None
-            if facts is not None and facts.release[:2] == (0, 30):
-                return True, (f"not probed: vLLM {info.engine_version} refuses any KV connector (offload included) "
-                              "together with --enable-return-routed-experts at startup ('incompatible with KV "
-                              "connectors'), so this server serves prefix hits from its device cache only")
-            connector = extra.get("kv_connector") or c.offload
-            if connector:
-                return f"KV connector {connector}"
-            return True, ("not probed: no KV offload connector reported ("
-                          + (f"{c.source}: none" if c.source else "the server does not say") + ")")
-        if self.engine == "sglang":
-            if c.hierarchical:
-                return "hierarchical cache" + (f" (storage {c.hierarchical_storage})" if c.hierarchical_storage else "")
-            if c.hierarchical is False:
-                return True, (f"not probed: off ({c.source}: enable_hierarchical_cache=false); SGLang with routed "
-                              "experts returns other prompts' rows after a host-tier restore (sglang#26975, fix "
-                              "#39027 open), which rr refuses at launch")
-            return True, "not probed: the server does not say whether the hierarchical cache is on (/get_server_info)"
-        return True, f"not probed: {self.engine} has no offload tier rr knows"
+def offload_state(info: RRInfo, c: EngineCache) -> str | tuple[bool, str]:
+    """What offload tier is on, in words (then it is probed), or (ok, why it is not probed)."""
+    extra = info.model_extra or {}
+    if info.engine == "vllm":
+        from rr_server.serving.vllm_facts import facts_for
+
+        try:
+            release = facts_for(info.engine_version).release[:2]
+        except RRError:
+            release = None
+        if release == (0, 30):
+            return True, (f"not probed: vLLM {info.engine_version} refuses any KV connector (offload included) "
+                          "together with --enable-return-routed-experts at startup ('incompatible with KV "
+                          "connectors'), so this server serves prefix hits from its device cache only")
+        connector = extra.get("kv_connector") or c.offload
+        if connector:
+            return f"KV connector {connector}"
+        return True, ("not probed: no KV offload connector reported ("
+                      + (f"{c.source}: none" if c.source else "the server does not say") + ")")
+    if info.engine == "sglang":
+        from rr_server.launch_sglang import HICACHE_REFUSED_BY_SGLANG
+
+        who = (f"SGLang {info.engine_version} refuses it with routed experts itself"
+               if info.engine_version in HICACHE_REFUSED_BY_SGLANG else
+               f"SGLang {info.engine_version} allows it; rr-server launch sglang refuses it (sglang#26975: host-tier "
+               "restores return other prompts' rows; the fix #39027 is not released)")
+        if c.hierarchical:
+            return ("hierarchical cache" + (f" (storage {c.hierarchical_storage})" if c.hierarchical_storage else "")
+                    + f" [{who}]")
+        if c.hierarchical is False:
+            return True, f"not probed: off ({c.source}: enable_hierarchical_cache false); {who}"
+        return True, f"not probed: the server does not say whether the hierarchical cache is on ({who})"
+    return True, f"not probed: {info.engine} has no offload tier rr knows"
 
 
 async def run_probes(doc: _Doctor, http: httpx.AsyncClient, *, weights_path: str | None = None,

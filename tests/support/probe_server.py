@@ -6,7 +6,7 @@ it says it is vLLM 0.31 so the doctor reads its ``/metrics`` (``vllm:cache_confi
 ``vllm:num_preemptions_total``) and ``/rr/info`` ``weight_version``, and it lets a test plant the faults the
 probes exist to catch. A request of ``b`` blocks that arrives while the others in flight hold more than
 ``blocks - b`` is "preempted" once; ``/collective_rpc`` ``reload_weights`` is an update (version + 1). With
-``offload``, a prompt of a whole cache's length seen before and pushed out by more than the cache's worth of other
+``offload``, a prompt of 256+ tokens (the doctor's prefix prompts) seen before and pushed out by more than the cache's worth of other
 tokens comes back from the ``external`` tier.
 """
 
@@ -36,7 +36,7 @@ PROBE_FAULTS = ("drop_preemptions", "preempted_rows", "no_update_flag", "reload_
 class ProbeTestServer(ProtocolTestServer):
     """The TEST-ONLY server: ``blocks`` KV blocks of ``block_size`` tokens; ``faults`` plants :data:`PROBE_FAULTS`."""
 
-    def __init__(self, *, blocks: int = 16, block_size: int = 16, hold: float = 0.1, offload: bool = False) -> None:
+    def __init__(self, *, blocks: int = 24, block_size: int = 16, hold: float = 0.1, offload: bool = False) -> None:
         self.blocks, self.block_size, self.hold, self.offload = blocks, block_size, hold, offload
         self.faults: set[str] = set()
         self.used = 0
@@ -75,7 +75,7 @@ class ProbeTestServer(ProtocolTestServer):
         finally:
             self.used -= need
         key = tuple(prompt)
-        restored = (self.offload and len(prompt) >= self.blocks * self.block_size and key in self.last_seen
+        restored = (self.offload and len(prompt) >= 256 and key in self.last_seen
                     and self.tokens_seen - self.last_seen[key] > self.blocks * self.block_size)
         self.tokens_seen += len(prompt) + n_new
         self.last_seen[key] = self.tokens_seen
