@@ -38,6 +38,7 @@ def _digest(h: Harness, rid: str) -> str:
     return tokens_digest(r.prompt, r.completion)
 
 
+@pytest.mark.sglang_releases("0.5.7", "0.5.9", "0.5.12", "0.5.20", "0.5.23")  # where the batch's fields or wire change
 async def test_cache_and_retractions_as_the_scheduler_reports_them(tiny_moe: Path, patched: None) -> None:
     """cached_tokens, the deepest tier that served them (0.5.9+ details; None before), retractions and the tokens'
     digest on the final answer; no weight update: both versions 0, no overlap; /rr/info weight_version 0."""
