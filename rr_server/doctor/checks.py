@@ -298,8 +298,11 @@ async def run_doctor(
         closers.append(app.state.sidecar.up.aclose)
         base, tr, headers = "http://rr-doctor-sidecar", httpx.ASGITransport(app=app), {}
     report = DoctorReport(url=url, deployment="unpatched" if engine else "patched")
+    from rr_server.doctor.probes import MAX_PROBE_REQUESTS
+
+    # the probes' bursts go out at once (a client-side queue would neither overfill the KV cache nor time them)
     client = RoutedExpertsClient(base, transport=tr, api_key=api_key if engine is None else None,
-                                 retries=1, batch_size=8)
+                                 retries=1, batch_size=8, max_concurrency=max(16, probe_requests or MAX_PROBE_REQUESTS))
     http = httpx.AsyncClient(base_url=base, transport=tr, headers=headers, timeout=600)
     try:
         progress.started("identity")
@@ -328,7 +331,7 @@ async def run_doctor(
         doc = _Doctor(client, info, report, max_new_tokens, vocab, progress)
         await doc.live(plist)
         if any(c.name == "single" and c.ok for c in report.checks):
-            from rr_server.doctor.probes import MAX_PROBE_REQUESTS, run_probes
+            from rr_server.doctor.probes import run_probes
 
             await run_probes(doc, http, weights_path=probe_weight_update,
                              max_requests=probe_requests or MAX_PROBE_REQUESTS)

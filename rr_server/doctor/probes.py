@@ -241,8 +241,8 @@ class _Probes:
             if p is None:
                 problems.append(f"request {i} has no rr_provenance")
                 continue
-            if sent < t0 and answered > t1:
-                across += 1
+            if sent < t0 and answered > t1 and p.weight_version_admitted in (v0, None):
+                across += 1  # admitted under the old weights (the server's word), finished under the new
                 if not p.spans_update:
                     problems.append(f"request {i} ran across the reload but rr_provenance says weight version "
                                     f"{p.weight_version_admitted} -> {p.weight_version_finished}, no update during")

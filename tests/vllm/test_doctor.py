@@ -1,10 +1,13 @@
 """``rr-server doctor`` on the real vLLM CPU server: PASS with 100% agreement against the served checkpoint,
 the same through its in-process sidecar (``--engine vllm``), and FAIL when ``--model-path`` is another model.
+On a dev-mode server with a small KV cache the cache and weight-path probes run for real: preemption, a reload of
+the served weights while requests are preempted, and KV offload (which vLLM 0.30 refuses with routing).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +15,7 @@ import pytest
 
 from rr_server.cli import main as cli
 from rr_server.tiny_moe import build_tiny_moe
-from tests.support.vllm_process import CACHE
+from tests.support.vllm_process import CACHE, VLLMProcess
 from tests.vllm.conftest import MODEL_SPECS
 
 pytestmark = pytest.mark.vllm_server
@@ -59,3 +62,35 @@ def test_doctor_refuses_a_model_path_of_other_dims(qwen_server: Any, tiny_models
     assert rc == 1
     (mp,) = [c for c in rep["checks"] if c["name"] == "model path"]
     assert "is not the served model" in mp["detail"] and "num_experts server 8 vs checkpoint 300" in mp["detail"]
+
+
+# 16 blocks of 32 tokens (vLLM CPU wants multiples of 32; it serves a max-model-len up to 480, room for the 300-token
+# prefix check):
+# vLLM reports 15 of them usable (/metrics num_gpu_blocks): seven concurrent requests of 88 + 48 tokens overflow it.
+SMALL_KV = ["--block-size", "32", "--num-gpu-blocks-override", "16", "--enable-prefix-caching"]
+
+
+@pytest.fixture(scope="module")
+def small_kv_server(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
+    """The tiny Qwen3-MoE in dev mode (the doctor may reload its weights) with a small KV cache."""
+    server = VLLMProcess(tiny_models["qwen3_dense"], name="doctor-small-kv", max_model_len=448, extra=SMALL_KV,
+                         env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"})
+    try:
+        yield server.launch().wait_healthy()
+    finally:
+        server.stop()
+
+
+def test_doctor_probes_preemption_and_a_weight_update(small_kv_server: VLLMProcess,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Preempted samples keep a non-preempted run's rows and say so; reloading the served weights mid-burst bumps
+    weight_version and flags the preempted ones; KV offload is reported as refused by vLLM 0.30 itself."""
+    model = str(small_kv_server.model_dir.resolve())  # no --model-path: the burst rows are checked against each other
+    rc, rep = _report(capsys, small_kv_server.base_url, "--probe-weight-update", model)
+    checks = {c["name"]: c for c in rep["checks"]}
+    assert rc == 0 and rep["verdict"] == "PASS", [c for c in rep["checks"] if not c["ok"]]
+    pre, upd, off = checks["preemption"], checks["weight update"], checks["kv offload"]
+    assert pre["ok"] and pre["exercised"] and "7 concurrent requests of 88+48 tokens" in pre["detail"], pre
+    assert upd["ok"] and upd["exercised"] and "weight_version 0 -> 1" in upd["detail"], upd
+    assert not off["exercised"] and "refuses any KV connector" in off["detail"], off
+    assert "rows after the reload equal those before" in upd["detail"], upd
