@@ -24,17 +24,13 @@ import httpx
 
 from rr_client import settings
 from rr_client.errors import ConfigurationError, WeightSyncError
+from rr_client.weight_routes import ENGINE_ROUTES
 
 __all__ = ["DiskWeightSync", "ENGINE_ROUTES", "EngineKind", "WeightEngine"]
 
 EngineKind = Literal["vllm", "sglang"]
 """The engines rr can make reload weights from disk."""
 
-# engine -> (reload route, how its JSON body names the folder, cache-reset route)
-ENGINE_ROUTES: dict[str, tuple[str, str, str]] = {
-    "vllm": ("/collective_rpc", "weights_path", "/reset_prefix_cache"),
-    "sglang": ("/update_weights_from_disk", "model_path", "/flush_cache"),
-}
 
 _KEY_ENV = "RR_API_KEY"
 _KINDS: tuple[str, ...] = get_args(EngineKind)

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rr_client.provenance import Provenance, tokens_digest
-from rr_server.proxy.provenance import cache_tier, weights_since
+from rr_server.serving.provenance_fields import _count, cache_tier, weights_since
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
 __all__ = ["sglang_spans_update", "batch_provenance", "with_digest"]
@@ -45,11 +45,6 @@ def sglang_spans_update(spans: Any) -> bool:
             v = s[0]  # msgspec array_like span after the wire
         versions.add(str(v))
     return len(versions) > 1
-
-
-def _count(v: Any) -> int | None:
-    """A non-negative int from SGLang, else None (not reported)."""
-    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
 def batch_provenance(recv_obj: Any, i: int, epoch: WeightEpoch, mark: WeightMark | None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import httpx
 
 from rr_client import GenerateResult
 from rr_client.provenance import PROVENANCE_FIELD, Provenance
+from rr_client.weight_routes import ENGINE_ROUTES
 
 __all__ = ["EngineCache", "parse_metrics", "engine_cache", "preemption_count", "weight_version", "reload_weights",
            "provenance_of"]
@@ -133,8 +134,6 @@ async def reload_weights(http: httpx.AsyncClient, engine: str, path: str) -> str
     """Reload the weights in ``path`` through the engine's route (vLLM dev-mode ``/collective_rpc reload_weights``,
     SGLang ``/update_weights_from_disk``, as :class:`rr_client.integrations.weight_sync.DiskWeightSync` does);
     None when it worked, else why not."""
-    from rr_client.integrations.weight_sync import ENGINE_ROUTES
-
     if engine not in ENGINE_ROUTES:
         return f"rr reloads weights on {sorted(ENGINE_ROUTES)} only, the server is {engine!r}"
     route, field, _reset = ENGINE_ROUTES[engine]

@@ -25,6 +25,7 @@ import httpx
 from rr_client import GenerateResult, RRError, RRInfo
 from rr_server.doctor.engine_state import (EngineCache, engine_cache, preemption_count, provenance_of,
                                            reload_weights, weight_version)
+from rr_server.doctor.samples import PREFIX_CACHE_TOKENS, ROW_AGREEMENT_MIN, _agreement, _prompt_rows, _prompts
 
 if TYPE_CHECKING:
     from rr_server.doctor.checks import _Doctor
@@ -94,7 +95,6 @@ class _Probes:
 
     def agreement(self, got: GenerateResult, ref: GenerateResult) -> float:
         """Share of equal (row, MoE layer) sets over the rows both samples share inputs for."""
-        from rr_server.doctor.checks import _agreement
 
         n = comparable_rows(got, ref)
         assert got.routed_experts is not None and ref.routed_experts is not None
@@ -172,7 +172,6 @@ class _Probes:
     async def rows_vs_refs(self, name: str, samples: list[tuple[float, float, GenerateResult]],
                            preempted: list[int], what: str) -> None:
         """Every sample's rows against its prompt's non-preempted run; the preempted ones named when they differ."""
-        from rr_server.doctor.checks import ROW_AGREEMENT_MIN
 
         worst_pre, worst_other, bad = 1.0, 1.0, []
         for i, (_, _, r) in enumerate(samples):
@@ -191,7 +190,6 @@ class _Probes:
         self.doc.add(name, not bad, detail)
 
     def prompts(self, load: Load, seed: int) -> list[list[int]]:
-        from rr_server.doctor.checks import _prompts
 
         return _prompts(load.requests, self.doc.vocab, seed=seed, length=load.prompt_len)
 
@@ -224,7 +222,6 @@ class _Probes:
                 break
         (after,) = await self.doc.gen([prompts[0]], {"max_new_tokens": load.new_tokens})
         share = self.agreement(after, before)
-        from rr_server.doctor.checks import ROW_AGREEMENT_MIN
 
         if share < ROW_AGREEMENT_MIN:
             problems.append(f"after reloading the same weights a prompt's rows equal its rows before in only "
@@ -296,7 +293,6 @@ class _Probes:
         if isinstance(load, str):
             self.doc.add(name, True, f"not probed: {tiers} is on, but {load}", exercised=False)
             return
-        from rr_server.doctor.checks import PREFIX_CACHE_TOKENS, _prompt_rows, _prompts
 
         prompt = _prompts(1, self.doc.vocab, seed=40, length=PREFIX_CACHE_TOKENS)[0]
         (cold,) = await self.doc.gen([prompt])

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rr_client.provenance import PROVENANCE_FIELD, Provenance, tokens_digest
+from rr_server.serving.provenance_fields import _count, cache_tier, weights_since
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
 __all__ = ["answer_provenance", "sglang_provenance", "completion_provenance", "weights_since", "cache_tier", "attach"]
@@ -15,17 +16,6 @@ __all__ = ["answer_provenance", "sglang_provenance", "completion_provenance", "w
 _RETRACTION_KEYS = ("num_retractions", "total_retractions")  # SGLang meta_info: 0.5.12+ / 0.5.7 - 0.5.11
 
 
-def weights_since(epoch: WeightEpoch, mark: WeightMark | None) -> tuple[int | None, int, bool]:
-    """(version at admission, version now, an update began or ended in between or is under way)."""
-    if mark is None:
-        return None, epoch.version, epoch.active
-    version, during = epoch.since(mark)
-    return mark.version, version, during
-
-
-def _count(v: Any) -> int | None:
-    """A non-negative int from the engine, else None."""
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
 def _digest(prompt_ids: Sequence[int] | None, output_ids: Any, completion_tokens: Any) -> str | None:
@@ -40,13 +30,6 @@ def _digest(prompt_ids: Sequence[int] | None, output_ids: Any, completion_tokens
         return None
 
 
-def cache_tier(details: Any, cached: int) -> str | None:
-    """The deepest tier SGLang says served cached tokens (storage > host > device), else None."""
-    if cached and isinstance(details, Mapping):
-        for tier in ("storage", "host", "device"):
-            if (_count(details.get(tier)) or 0) > 0:
-                return tier
-    return None
 
 
 def _spans_two_versions(spans: Any) -> bool:

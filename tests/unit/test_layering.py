@@ -158,7 +158,7 @@ def test_proxy_help_is_light() -> None:
 CORE = {"rr_client.codec", "rr_client._rowcheck", "rr_client.errors", "rr_client.info",
         "rr_client.hf_config", "rr_client.agreement", "rr_client.settings", "rr_client._version",
         "rr_client.versions", "rr_client.patching", "rr_client.optional", "rr_client.reference",
-        "rr_client.logprobs", "rr_client.provenance"}
+        "rr_client.logprobs", "rr_client.provenance", "rr_client.weight_routes"}
 CLIENT = {"rr_client", "rr_client._client", "rr_client._openai", "rr_client._replicas", "rr_client._results",
           "rr_client.http_errors", "rr_client.trajectory", "rr_client._resolve", "rr_client._ray_refs",
           "rr_client._hosts"}
