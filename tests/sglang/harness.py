@@ -197,6 +197,7 @@ class Harness:
                     await asyncio.sleep(0.02)  # let the rest of a batch arrive
                     new = self.sched.arrivals[done:]
                     done += len(new)
+                    await self._listening(new)  # answered before SGLang waits for it: KeyError (see _listening)
                     await self.deliver(self.sched.step(new))
             return await call
 
