@@ -4,8 +4,8 @@
 #   RR_SGLANG_VERSIONS="0.5.9 0.5.23" scripts/test_sglang.sh -x
 # Every release runs the whole tests/sglang on its own overlay. The installs run one after another; the test runs
 # are single-threaded Python, so they run RR_SGLANG_JOBS at a time (default: one per core, at most 2). The first
-# version runs alone (it builds the tiny checkpoints every run shares), then the rest in parallel; each run's
-# output is kept and printed whole, in version order.
+# version runs alone (it builds the tiny checkpoints every run shares), then the rest in parallel, each starting as
+# soon as its overlay is installed; each run's output is kept and printed whole, in version order.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Every version where the behaviour rr relies on changes (see docs/engines.md): ~30-75 s each.
@@ -18,15 +18,6 @@ trap 'rm -rf "$LOGS"' EXIT
 failed=()
 installed=()
 
-t_all=$(date +%s)
-for v in "${VERSIONS[@]}"; do
-  if scripts/setup_sglang.sh "$v"; then
-    installed+=("$v")
-  else
-    echo "test_sglang: SGLang $v: INSTALL FAILED" >&2; failed+=("$v(install)")
-  fi
-done
-echo "test_sglang: ${#installed[@]} overlays ready in $(( $(date +%s) - t_all ))s; testing $JOBS at a time"
 
 run_one() {  # VERSION [pytest args]: the whole tests/sglang on that overlay; output and status to $LOGS
   local v="$1" t0 rc
@@ -42,11 +33,19 @@ run_one() {  # VERSION [pytest args]: the whole tests/sglang on that overlay; ou
   echo "$rc" > "$LOGS/$v.rc"
 }
 
+# Each overlay is installed (one after another) just before its tests start, so the installs (disk-bound) overlap
+# the tests of the releases before (CPU-bound) instead of all coming first.
 t_tests=$(date +%s)
-for i in "${!installed[@]}"; do
-  if [ "$i" -eq 1 ]; then wait; fi  # the first run alone: it builds the shared checkpoints
+first_pid=""
+for v in "${VERSIONS[@]}"; do
+  if ! scripts/setup_sglang.sh "$v"; then
+    echo "test_sglang: SGLang $v: INSTALL FAILED" >&2; failed+=("$v(install)"); continue
+  fi
+  installed+=("$v")
+  if [ "${#installed[@]}" -eq 2 ]; then wait "$first_pid"; fi  # the first run alone: it builds the shared checkpoints
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
-  run_one "${installed[$i]}" "$@" &
+  run_one "$v" "$@" &
+  if [ -z "$first_pid" ]; then first_pid=$!; fi
 done
 wait
 
@@ -54,6 +53,6 @@ for v in "${installed[@]}"; do
   cat "$LOGS/$v.log"
   [ "$(cat "$LOGS/$v.rc" 2>/dev/null)" = "0" ] || failed+=("$v")
 done
-echo "test_sglang: tests of ${#installed[@]} releases took $(( $(date +%s) - t_tests ))s ($JOBS at a time)"
+echo "test_sglang: installs and tests of ${#installed[@]} releases took $(( $(date +%s) - t_tests ))s ($JOBS at a time)"
 if [ ${#failed[@]} -gt 0 ]; then echo "test_sglang: FAILED: ${failed[*]}" >&2; exit 1; fi
 echo "test_sglang: all passed (${VERSIONS[*]})"
