@@ -335,8 +335,8 @@ def _dtype_from_name(name: Any) -> np.dtype[Any]:
     key = name.removeprefix("torch.").removeprefix("np.").removeprefix("numpy.")
     try:
         dt = np.dtype(key)
-    except TypeError as e:
-        raise MalformedPayloadError(f"unknown dtype {name!r}") from e
+    except (TypeError, ValueError, SyntaxError) as e:  # numpy parses comma strings ("0\x1b"): ValueError
+        raise MalformedPayloadError(f"unknown dtype {_short(name)}") from e
     if dt.name not in _DTYPE_NAMES or dt.byteorder == ">":
         raise MalformedPayloadError(f"dtype {name!r} is not a little-endian integer type")
     return dt

@@ -115,7 +115,7 @@ class Router(RouterProcess):
         port = free_port()
         super().__init__("vllm-router", port, [
             router_binary(), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-            "--policy", policy, "--log-level", "warning"])
+            "--policy", policy, "--log-level", "warning", "--prometheus-port", str(free_port())])
 
 
 class SGLangRouter(RouterProcess):

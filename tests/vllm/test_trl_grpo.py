@@ -216,7 +216,7 @@ def test_trl_batch_rows_sit_under_their_tokens(dev_server: VLLMProcess, tiny_mod
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     c = batch["completion_ids"].size(1)
-    rt = trainer._rows_for(ids, c)
+    rt, _segments = trainer._rows_for(ids, c)
     rollout = trainer._rr_batch
     assert rollout is not None and len({len(r.prompt_ids or []) for r in rollout.results}) > 1  # really padded
     model = trainer.model.eval()
