@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Self
 
@@ -135,3 +135,15 @@ class VLLMProcess:
             pass
         self.proc.wait(timeout=30)
         self.proc = None
+
+
+def small_kv_dev_server(model_dir: Path, *, name: str, blocks: int, max_model_len: int, core: int) -> Iterator["VLLMProcess"]:
+    """A dev-mode server (weights reloadable) with ``blocks`` KV blocks of 32 tokens (vLLM CPU wants multiples of
+    32) and prefix caching, so a few long requests force preemption; stopped when the generator closes."""
+    extra = ["--block-size", "32", "--num-gpu-blocks-override", str(blocks), "--enable-prefix-caching"]
+    server = VLLMProcess(model_dir, name=name, max_model_len=max_model_len, extra=extra,
+                         env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)})
+    try:
+        yield server.launch().wait_healthy()
+    finally:
+        server.stop()

@@ -16,7 +16,7 @@ import pytest
 
 from rr_server.cli import main as cli
 from rr_server.tiny_moe import build_tiny_moe
-from tests.support.vllm_process import CACHE, VLLMProcess
+from tests.support.vllm_process import CACHE, VLLMProcess, small_kv_dev_server
 from tests.vllm.conftest import MODEL_SPECS
 
 pytestmark = pytest.mark.vllm_server
@@ -68,18 +68,14 @@ def test_doctor_refuses_a_model_path_of_other_dims(qwen_server: Any, tiny_models
 # 16 blocks of 32 tokens (vLLM CPU wants multiples of 32; it serves a max-model-len up to 480, room for the 300-token
 # prefix check):
 # vLLM reports 15 of them usable (/metrics num_gpu_blocks): seven concurrent requests of 88 + 48 tokens overflow it.
-SMALL_KV = ["--block-size", "32", "--num-gpu-blocks-override", "16", "--enable-prefix-caching"]
+SMALL_KV_BLOCKS = 16
 
 
 @pytest.fixture(scope="module")
 def small_kv_server(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
     """The tiny Qwen3-MoE in dev mode (the doctor may reload its weights) with a small KV cache."""
-    server = VLLMProcess(tiny_models["qwen3_dense"], name="doctor-small-kv", max_model_len=448, extra=SMALL_KV,
-                         env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"})
-    try:
-        yield server.launch().wait_healthy()
-    finally:
-        server.stop()
+    yield from small_kv_dev_server(tiny_models["qwen3_dense"], name="doctor-small-kv", blocks=SMALL_KV_BLOCKS,
+                                   max_model_len=448, core=1)
 
 
 def test_doctor_probes_preemption_and_a_weight_update(small_kv_server: VLLMProcess,

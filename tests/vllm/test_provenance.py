@@ -37,7 +37,7 @@ from rr_client.errors import StaleRoutingError
 from rr_client.provenance import PROVENANCE_FIELD, Provenance, check_provenance, tokens_digest
 from rr_server.doctor.truth import router_forward, router_topk
 from tests.support.routing_asserts import assert_routing_sets_equal
-from tests.support.vllm_process import VLLMProcess
+from tests.support.vllm_process import VLLMProcess, small_kv_dev_server
 
 pytestmark = pytest.mark.vllm_server
 
@@ -47,18 +47,14 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 LONG = {"max_new_tokens": 190, "temperature": 0, "ignore_eos": True}
 # 12 blocks x 32 tokens (vLLM CPU wants multiples of 32) = 384 KV slots; six requests of 40 + 190 tokens
 # need 1380: vLLM preempts
-SMALL_KV = ["--block-size", "32", "--num-gpu-blocks-override", "12", "--enable-prefix-caching"]
+SMALL_KV_BLOCKS = 12
 
 
 @pytest.fixture(scope="module")
 def dev_server(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
     """The tiny Qwen3-MoE in dev mode with a small KV cache (this module's own: its weights change)."""
-    server = VLLMProcess(tiny_models["qwen3_dense"], name="provenance", max_model_len=256, extra=SMALL_KV,
-                         env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"})
-    try:
-        yield server.launch().wait_healthy()
-    finally:
-        server.stop()
+    yield from small_kv_dev_server(tiny_models["qwen3_dense"], name="provenance", blocks=SMALL_KV_BLOCKS,
+                                   max_model_len=256, core=0)
 
 
 def negated_routers(model_dir: Path, out: Path) -> Any:
