@@ -9,12 +9,17 @@ with a KV cache of 12 blocks of 32 tokens, so concurrent long requests preempt e
 2. One long request decodes alone while rr's weight sync reloads (``/collective_rpc`` ``reload_weights``, the same
    weights): it spans the update without a recompute, so it is flagged and kept, its rows exact.
 3. Six long requests overflow the KV cache; once vLLM reports a preemption, the reload loads the checkpoint with
-   every router negated. Each sample preempted across the update says so (preemptions > 0, spans it):
-   ``check_provenance`` refuses it, or with ``stale_rows="mask"`` keeps it unreplayed and counts it; a sample that
-   finished before the update is exact against transformers.
+   every router negated (the pause preempts those still running). Each sample preempted across the update says so
+   (preemptions > 0, spans it): ``check_provenance`` refuses it, or with ``stale_rows="mask"`` keeps it unreplayed
+   and counts it; a sample that finished before the update is exact against transformers.
 4. ``/rr/info`` answers the new weight version; a new sample's rows equal transformers' with the pushed
    weights, on ``/generate`` (by reference too: its ref carries the version and the provenance) and on
    ``/v1/completions`` (``choice["rr_provenance"]``, streamed: on rr's routing event).
+
+Both reloads run as RL frameworks run them on vLLM: ``/pause?mode=keep`` (in-flight requests freeze where they are),
+the reload, ``/resume``; the freeze makes the overlap certain however loaded the machine is. Step 2 pauses with
+``clear_cache=false``; step 3 with the route's default ``clear_cache=true``, which makes vLLM preempt every request
+still running: each is recomputed under the new weights after the resume, and rr flags each.
 """
 
 from __future__ import annotations
@@ -108,9 +113,20 @@ async def stream_until_first_chunk(c: httpx.AsyncClient, prompt: list[int], para
     return last
 
 
-async def reload(c: httpx.AsyncClient, folder: Path) -> None:
-    """rr's weight sync's reload: dev-mode ``/collective_rpc`` ``reload_weights`` from ``folder``."""
+async def pause(c: httpx.AsyncClient, *, clear_cache: bool) -> None:
+    """vLLM's dev-mode ``/pause?mode=keep``: in-flight requests freeze (none finishes) until ``/resume``. With
+    ``clear_cache`` (the route's default), vLLM 0.30 also resets the prefix cache with its running requests: each is
+    preempted, and recomputed under the new weights after the resume."""
+    r = await c.post("/pause", params={"mode": "keep", "clear_cache": str(clear_cache).lower()})
+    assert r.status_code == 200, r.text
+
+
+async def reload_and_resume(c: httpx.AsyncClient, folder: Path) -> None:
+    """rr's weight sync's reload (dev-mode ``/collective_rpc`` ``reload_weights`` from ``folder``) while paused,
+    then ``/resume``."""
     r = await c.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+    assert r.status_code == 200, r.text
+    r = await c.post("/resume")
     assert r.status_code == 200, r.text
 
 
@@ -136,11 +152,18 @@ def check_server(url: str, name: str, model_dir: Path, tmp_path: Path) -> None:
         async with httpx.AsyncClient(base_url=url, timeout=600) as c:
             cold = await generate(c, PROMPT, GREEDY)
             warm = await generate(c, PROMPT, GREEDY)
-            # an update while one request decodes alone (no KV pressure): it spans the update without a recompute
-            started = asyncio.Event()
-            alone = asyncio.ensure_future(stream_until_first_chunk(c, PROMPT[:30], LONG, started))
-            await started.wait()
-            await reload(c, model_dir)  # the same weights again: a real reload, the rows stay exact
+            # an update while one request decodes alone (no KV pressure): it spans the update without a recompute.
+            # Paused at its first chunk; should it have finished before the pause took hold, another one is sent.
+            for _ in range(3):
+                started = asyncio.Event()
+                alone = asyncio.ensure_future(stream_until_first_chunk(c, PROMPT[:30], LONG, started))
+                await started.wait()
+                await pause(c, clear_cache=False)
+                if not alone.done():
+                    break
+                await c.post("/resume")
+            assert not alone.done(), "the long request finished before each pause: nothing spans the update"
+            await reload_and_resume(c, model_dir)  # the same weights again: a real reload, the rows stay exact
             spanning = await alone
             # six long requests overflow the KV cache; the pushed weights load once vLLM has preempted one
             prompts = [[(t + 7 * k) % 440 + 2 for t in PROMPT] for k in range(1, 7)]
@@ -149,7 +172,9 @@ def check_server(url: str, name: str, model_dir: Path, tmp_path: Path) -> None:
             while preemptions_so_far(url) == before:  # wait for vLLM to preempt one (the KV cache is full)
                 assert not all(t.done() for t in tasks), "no request was preempted: the KV cache is not small"
                 await asyncio.sleep(0.05)
-            await reload(c, tmp_path / "pushed")
+            await pause(c, clear_cache=True)  # and every request still running is preempted too
+            assert not all(t.done() for t in tasks), "every busy request finished before the pause"
+            await reload_and_resume(c, tmp_path / "pushed")
             busy = list(await asyncio.gather(*tasks))
             assert (await c.post("/reset_prefix_cache")).status_code == 200  # as rr's weight sync does after a push
             return [cold, warm], spanning, busy
