@@ -10,7 +10,7 @@ demo: setup
 	$(PY) -m rr_server.demo
 
 test-core: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # no vLLM server, no SGLang: tests/unit (no server) and tests/http (loopback against test-only servers and fakes)
 test-fast: setup

@@ -9,6 +9,7 @@
 # Idempotent (stamp files keyed on what each overlay installs); .venv itself is never modified. Fails loudly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/_env.sh  # rr_compile_bytecode
 REPO="$PWD"
 VENV="$(realpath -m "${VENV:-.venv}")"
 ROOT="$(realpath -m "${RR_SGLANG_ROOT:-.venvs}")"
@@ -39,7 +40,7 @@ extra_pkgs() {  # pins a version needs on top of .venv (its transformers pin whe
 }
 
 stamp_key() { printf '%s\n' "$@" | sha1sum | cut -c1-12; }  # a change of what is installed reinstalls
-key="$(stamp_key "${COMMON_PKGS[@]}" "$(sed -n '/cat > "$COMMON\/sitecustomize.py"/,/^PYEOF/p' "$0")")"
+key="$(stamp_key bytecode "${COMMON_PKGS[@]}" "$(sed -n '/cat > "$COMMON\/sitecustomize.py"/,/^PYEOF/p' "$0")")"
 if [ ! -f "$COMMON/.rr-stamp-$key" ]; then
   echo "setup_sglang: common deps -> $COMMON"
   t0=$(date +%s)
@@ -55,6 +56,7 @@ try:
 except Exception:  # torch missing, or the ops already exist (real torchvision ops loaded)
     pass
 PYEOF
+  rr_compile_bytecode "$PY" "$COMMON"
   touch "$COMMON/.rr-stamp-$key"
   echo "setup_sglang: common deps ready in $(( $(date +%s) - t0 ))s ($(du -sh "$COMMON" | cut -f1))"
 fi
@@ -62,7 +64,7 @@ fi
 status=0
 for v in "$@"; do
   dir="$ROOT/sglang-$v"
-  key="$(stamp_key "sglang==$v" "$(extra_pkgs "$v")")"
+  key="$(stamp_key bytecode "sglang==$v" "$(extra_pkgs "$v")")"
   if [ -f "$dir/.rr-stamp-$key" ]; then echo "setup_sglang: SGLang $v is up to date ($dir)"; continue; fi
   t0=$(date +%s)
   rm -rf "$dir"
@@ -74,6 +76,7 @@ for v in "$@"; do
   if [ "$got" != "$v" ]; then
     echo "setup_sglang: ERROR: SGLang $v installed but 'import sglang' gives: $got" >&2; status=1; continue
   fi
+  rr_compile_bytecode "$PY" "$dir"
   touch "$dir/.rr-stamp-$key"
   echo "setup_sglang: SGLang $v ready in $(( $(date +%s) - t0 ))s ($(du -sh "$dir" | cut -f1))"
 done

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from rr_client.hf_config import load_config, moe_layers_from_config
 from rr_server.tiny_moe import reference_routing
 from tests.support.prom import rr_samples
 from tests.support.routing_asserts import assert_routing_sets_equal
-from tests.support.vllm_process import VLLMProcess
+from tests.support.vllm_process import STARTUP_TIMEOUT_S, VLLMProcess
 
 pytestmark = pytest.mark.vllm_server
 
@@ -34,9 +35,24 @@ def two_api_servers(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
     server = VLLMProcess(tiny_models["qwen3_dense"], name="qwen3-asc2", extra=["--api-server-count", "2"],
                          env={"VLLM_LOGGING_LEVEL": "INFO"}).start()
     try:
+        wait_for_both_processes(server)
         yield server
     finally:
         server.stop()
+
+
+def wait_for_both_processes(server: VLLMProcess) -> None:
+    """``/health`` answers once one API server process listens; wait (bounded) until both say they started."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    started: set[str] = set()
+    while time.monotonic() < deadline:
+        log = server.log_path.read_text(errors="replace")
+        started = set(re.findall(r"\((ApiServer_\d) pid=\d+\) INFO:\s+Application startup complete", log))
+        if started == {"ApiServer_0", "ApiServer_1"}:
+            return
+        assert server.proc is not None and server.proc.poll() is None, "the server exited"
+        time.sleep(0.5)
+    pytest.fail(f"only {sorted(started)} of two API server processes started in {STARTUP_TIMEOUT_S:.0f} s")
 
 
 def test_every_api_server_process_serves_rr(two_api_servers: VLLMProcess) -> None:
