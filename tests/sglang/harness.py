@@ -139,7 +139,7 @@ class Harness:
             await asyncio.sleep(0.01)
         raise TimeoutError(f"only {len(self.sched.arrivals)} of {n} requests reached the scheduler")
 
-    async def _listening(self, rids: list[str], timeout: float = 5.0) -> None:
+    async def wait_listening(self, rids: list[str], timeout: float = 5.0) -> None:
         """Wait until the TokenizerManager's coroutine of every rid waits for its answer. SGLang's batch path
         creates them after the last send and starts them only when it gathers them; an answer delivered before
         that (possible on a loaded machine) deletes the request's state first (``KeyError`` in
@@ -197,7 +197,7 @@ class Harness:
                     await asyncio.sleep(0.02)  # let the rest of a batch arrive
                     new = self.sched.arrivals[done:]
                     done += len(new)
-                    await self._listening(new)  # answered before SGLang waits for it: KeyError (see _listening)
+                    await self.wait_listening(new)  # answered before SGLang waits for it: KeyError (see wait_listening)
                     await self.deliver(self.sched.step(new))
             return await call
 
@@ -219,7 +219,7 @@ class Harness:
             call = asyncio.ensure_future(client.post("/generate", json=body, timeout=60))
             try:
                 rids = await self._wait_for(n_requests, call)
-                await self._listening(rids)
+                await self.wait_listening(rids)
             except BaseException:
                 call.cancel()
                 raise

@@ -42,7 +42,7 @@ async def scheduler_loop(h: Harness) -> AsyncIterator[None]:
             if not new:
                 continue
             seen += len(new)
-            await h._listening(new)  # answered before SGLang waits for it: KeyError on a loaded machine (see there)
+            await h.wait_listening(new)  # answered before SGLang waits for it: KeyError on a loaded machine (see there)
             states = {rid: h.tm.rid_to_state.get(rid) for rid in new}
             try:
                 await h.deliver(h.sched.step(new))

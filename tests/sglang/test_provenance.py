@@ -70,7 +70,7 @@ async def test_weight_update_between_admission_and_finish(tiny_moe: Path, patche
     async with h.client() as c:
         call = asyncio.ensure_future(c.post("/generate", json=_body([PROMPT, OTHER]), timeout=60))
         rids = await h._wait_for(2, call)
-        await h._listening(rids)
+        await h.wait_listening(rids)
         upd = await c.post("/update_weight_version", json={"new_version": "v2", "abort_all_requests": False})
         assert upd.status_code == 200, upd.text
         await h.deliver(h.sched.step(rids))

@@ -38,7 +38,7 @@ async def test_sidecar_counts_weight_routes_and_answers_provenance(tiny_moe: Pat
         call = asyncio.ensure_future(c.post("/generate", json=_body([PROMPT, OTHER], return_routed_experts=True),
                                             timeout=60))
         rids = await h._wait_for(2, call)
-        await h._listening(rids)
+        await h.wait_listening(rids)
         upd = await c.post("/update_weight_version", json={"new_version": "v2", "abort_all_requests": False})
         assert upd.status_code == 200 and upd.json()["success"], upd.text
         await h.deliver(h.sched.step(rids))

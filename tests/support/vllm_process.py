@@ -137,7 +137,8 @@ class VLLMProcess:
         self.proc = None
 
 
-def small_kv_dev_server(model_dir: Path, *, name: str, blocks: int, max_model_len: int, core: int) -> Iterator["VLLMProcess"]:
+def small_kv_dev_server(model_dir: Path, *, name: str, blocks: int, max_model_len: int,
+                        core: int) -> Iterator[VLLMProcess]:
     """A dev-mode server (weights reloadable) with ``blocks`` KV blocks of 32 tokens (vLLM CPU wants multiples of
     32) and prefix caching, so a few long requests force preemption; stopped when the generator closes."""
     extra = ["--block-size", "32", "--num-gpu-blocks-override", str(blocks), "--enable-prefix-caching"]

@@ -121,13 +121,18 @@ async def pause(c: httpx.AsyncClient, *, clear_cache: bool) -> None:
     assert r.status_code == 200, r.text
 
 
+async def resume(c: httpx.AsyncClient) -> None:
+    """vLLM's dev-mode ``/resume``: the frozen requests go on."""
+    r = await c.post("/resume")
+    assert r.status_code == 200, r.text
+
+
 async def reload_and_resume(c: httpx.AsyncClient, folder: Path) -> None:
     """rr's weight sync's reload (dev-mode ``/collective_rpc`` ``reload_weights`` from ``folder``) while paused,
     then ``/resume``."""
     r = await c.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
     assert r.status_code == 200, r.text
-    r = await c.post("/resume")
-    assert r.status_code == 200, r.text
+    await resume(c)
 
 
 def test_provenance_through_prefix_hits_preemption_and_a_weight_update(dev_server: VLLMProcess,
@@ -161,7 +166,7 @@ def check_server(url: str, name: str, model_dir: Path, tmp_path: Path) -> None:
                 await pause(c, clear_cache=False)
                 if not alone.done():
                     break
-                await c.post("/resume")
+                await resume(c)
             assert not alone.done(), "the long request finished before each pause: nothing spans the update"
             await reload_and_resume(c, model_dir)  # the same weights again: a real reload, the rows stay exact
             spanning = await alone
