@@ -5,8 +5,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "rr_client._rowcheck_c",
-            sources=["rr_client/_rowcheck.c"],
+            "rr_client.core._rowcheck_c",
+            sources=["rr_client/core/_rowcheck.c"],
             extra_compile_args=["-O3"],
             optional=True,
         )

@@ -117,7 +117,7 @@ def run_mode(mode: str, urls: list[str], prompts: list[list[int]], params: dict[
     if mode == "ref":  # routing through the controller: the ref in the answer, the ref to the rank
         routing_through = 2 * sum(len(json.dumps(r.routing_ref.to_dict())) for r in batch)
     else:  # the payload the engine sent (rr's encoder, byte-identical) and the array to the rank
-        from rr_client.codec import encode_routed_experts, check_routing
+        from rr_client.core.codec import encode_routed_experts, check_routing
 
         routing_through = sum(len(encode_routed_experts(check_routing(r.routed_experts, batch.info,
                                                                       rows=r.routed_experts.shape[0])))
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--micro", type=int, default=4, help="samples per micro-batch")
     args = ap.parse_args(argv)
 
-    from rr_server.tiny_moe import build_tiny_moe
+    from rr_server.demo.tiny_moe import build_tiny_moe
     from tests.support.vllm_process import CACHE, VLLMProcess
 
     model = build_tiny_moe(CACHE / "qwen3_dense", arch="qwen3_moe", num_layers=3, num_experts=8, topk=2,

@@ -18,7 +18,7 @@ import pybase64
 import torch
 
 from rr_client import RRInfo, check_routing, encode_routed_experts, parse_sample, to_tensors
-from rr_client._rowcheck import HAVE_C
+from rr_client.core._rowcheck import HAVE_C
 
 
 def best_of(fn: Callable[[], Any], repeat: int) -> float:

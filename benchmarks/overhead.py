@@ -26,10 +26,10 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from rr_server.launch_vllm import build_command, is_cpu_platform  # noqa: E402
-from rr_server.process import free_port as _free_port
-from rr_server.process import stop_process_group as stop
-from rr_server.process import wait_healthy as _wait_healthy
+from rr_server.launch.vllm import build_command, is_cpu_platform  # noqa: E402
+from rr_server.launch.process import free_port as _free_port
+from rr_server.launch.process import stop_process_group as stop
+from rr_server.launch.process import wait_healthy as _wait_healthy
 
 
 def start(model_dir: Path, *, capture: bool, log: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-baseline", action="store_true", help="skip the server without capture (A)")
     args = p.parse_args(argv)
 
-    from rr_server.tiny_moe import build_tiny_moe
+    from rr_server.demo.tiny_moe import build_tiny_moe
 
     model = build_tiny_moe(args.model_dir, arch="qwen3_moe", num_layers=args.num_layers,
                            num_experts=args.num_experts, topk=args.topk)

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/r3_effect.py [--num-prompts 16] [--max-new-tokens 32]
 
-1. Builds a tiny random Qwen3-MoE (rr_server.tiny_moe: 4 layers, 32 experts, top-4, hidden 64, router gates
+1. Builds a tiny random Qwen3-MoE (rr_server.demo.tiny_moe: 4 layers, 32 experts, top-4, hidden 64, router gates
    spread by the builder), scales ``lm_head`` by ``--lm-head-scale`` (default 8) so next-token
    distributions are not near-uniform, and the routed experts' weights by ``--expert-scale`` (default 4) so
    that which experts run changes the logits (at the builder's init it barely does).
@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from rr_client import RoutedExpertsClient
-from rr_client.agreement import set_matches
+from rr_client.core.agreement import set_matches
 from rr_client.trainer.metrics import r3_metrics, routing_agreement, token_logprobs
 from rr_client.trainer.replay import record_routing, replay_routing
-from rr_server.demo import DEFAULT_PROMPTS
-from rr_server.process import free_port, stop_process_group, wait_healthy
-from rr_server.tiny_moe import build_tiny_moe
+from rr_server.demo.quickstart import DEFAULT_PROMPTS
+from rr_server.launch.process import free_port, stop_process_group, wait_healthy
+from rr_server.demo.tiny_moe import build_tiny_moe
 
 PROMPTS = DEFAULT_PROMPTS  # the demo's prompts
 

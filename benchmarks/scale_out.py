@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from rr_client import RoutedExpertsClient  # noqa: E402
-from rr_server.process import free_port, stop_process_group, wait_healthy  # noqa: E402
+from rr_server.launch.process import free_port, stop_process_group, wait_healthy  # noqa: E402
 
 
 # ------------------------------------------------------------------------------ trivial local server
@@ -131,7 +131,7 @@ def overhead_rows(n: int, log_dir: Path) -> list[tuple[str, str]]:
 
 
 def throughput_rows(rounds: int, requests: int, max_new: int, log_dir: Path) -> list[tuple[str, str]]:
-    from rr_server.tiny_moe import build_tiny_moe
+    from rr_server.demo.tiny_moe import build_tiny_moe
     from tests.support.vllm_process import CACHE, VLLMProcess
 
     model = build_tiny_moe(CACHE / "qwen3_dense", arch="qwen3_moe", num_layers=3, num_experts=8, topk=2,

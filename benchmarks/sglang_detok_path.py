@@ -41,7 +41,7 @@ def best_of(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
 
 async def _captured_batch() -> Any:
     """One real BatchTokenIDOutput for a routed request, as the stand-in scheduler sends it to the detokenizer."""
-    from rr_server.tiny_moe import build_tiny_moe
+    from rr_server.demo.tiny_moe import build_tiny_moe
     from tests.sglang.conftest import CACHE, MODEL_SPEC
     from tests.sglang.harness import Harness
 

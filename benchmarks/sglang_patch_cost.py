@@ -31,7 +31,7 @@ import pybase64
 import torch
 
 from rr_client import RRInfo
-from rr_client.codec import check_routing, routing_meta_fields
+from rr_client.core.codec import check_routing, routing_meta_fields
 from rr_patches.sglang.convert import wire_fields
 
 OPT = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY  # SGLang 0.5.23 ORJSON_RESPONSE_OPTIONS

@@ -23,9 +23,9 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from rr_server.launch_vllm import build_command, is_cpu_platform  # noqa: E402
-from rr_server.process import free_port, wait_healthy
-from rr_server.process import stop_process_group as stop
+from rr_server.launch.vllm import build_command, is_cpu_platform  # noqa: E402
+from rr_server.launch.process import free_port, wait_healthy
+from rr_server.launch.process import stop_process_group as stop
 
 
 def spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=16)
     args = p.parse_args(argv)
 
-    from rr_server.tiny_moe import build_tiny_moe
+    from rr_server.demo.tiny_moe import build_tiny_moe
 
     model = build_tiny_moe(args.model_dir, arch="qwen3_moe", num_layers=4, num_experts=64, topk=8)
     logs = Path(tempfile.mkdtemp(prefix="rr-bench-sidecar-"))

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from rr_client import RoutedExpertsClient
-from rr_client.errors import RRError
+from rr_client.core.errors import RRError
 
 MODEL_SPEC = {"arch": "qwen3_moe", "num_layers": 3, "num_experts": 16, "topk": 4, "mlp_only_layers": (1,)}
 MOE_LAYERS = [0, 2]
@@ -50,7 +50,7 @@ PLOT_DPI = 100
 
 def soak_model(model_dir: str | Path, positions: int = 8192) -> Path:
     """The soak's tiny Qwen3-MoE (``MODEL_SPEC``), with its position limit raised to ``positions`` (RoPE: no table)."""
-    from rr_server.tiny_moe import build_tiny_moe
+    from rr_server.demo.tiny_moe import build_tiny_moe
 
     out = build_tiny_moe(model_dir, **MODEL_SPEC)  # type: ignore[arg-type]
     for name, key in (("config.json", "max_position_embeddings"), ("tokenizer_config.json", "model_max_length")):
@@ -125,7 +125,7 @@ class Progress:
     plain line every ``every`` units and at the end, so a log shows the soak moving without a bar's redraws."""
 
     def __init__(self, target: str, total: int, *, every: int = 100, stream: TextIO | None = None) -> None:
-        from rr_client.optional import available
+        from rr_client.core.optional import available
 
         self.target, self.total, self.every = target, total, every
         self.stream = stream if stream is not None else sys.stderr
@@ -184,7 +184,7 @@ class Checker:
 
     async def load(self) -> None:
         """Load the transformers model once, before any request (in a worker thread)."""
-        from rr_server.tiny_moe import load_model
+        from rr_server.demo.tiny_moe import load_model
 
         await asyncio.to_thread(load_model, self.model_dir)
 
@@ -216,7 +216,7 @@ def compare_with_transformers(model_dir: Path, tokens: list[int], routing: np.nd
     import torch
 
     from rr_server.doctor.truth import NEAR_TIE, router_forward
-    from rr_server.tiny_moe import load_model
+    from rr_server.demo.tiny_moe import load_model
 
     want = len(tokens) - 1
     bad = abs(routing.shape[0] - want) * len(MOE_LAYERS)
@@ -366,7 +366,7 @@ def table(reports: list[SoakReport]) -> str:
 
 def plot_memory(reports: list[SoakReport], path: Path, *, title: str = "") -> Path:
     """PNG of each target's resident memory (all its processes) against units done, the warm-up marked."""
-    from rr_client.optional import require
+    from rr_client.core.optional import require
 
     mpl = require("matplotlib", for_what="the soak's --plot")
     mpl.use("Agg")
@@ -401,8 +401,8 @@ class Targets:
     """The two targets: rr-patched vLLM, and the sidecar in front of an unpatched vLLM (processes, loopback)."""
 
     def __init__(self, model_dir: Path, max_model_len: int, log_dir: Path) -> None:
-        from rr_server.launch_vllm import build_command, is_cpu_platform
-        from rr_server.process import free_port
+        from rr_server.launch.vllm import build_command, is_cpu_platform
+        from rr_server.launch.process import free_port
 
         self.model_dir, self.log_dir = model_dir, log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -431,7 +431,7 @@ class Targets:
 
     def wait(self, timeout: float = 600) -> None:
         """Both engines healthy, then the sidecar started and healthy."""
-        from rr_server.process import wait_healthy
+        from rr_server.launch.process import wait_healthy
 
         wait_healthy(self.patched_url, self.patched, self.log_dir / "patched.log", timeout)
         vanilla_url = f"http://127.0.0.1:{self.vanilla_port}"
@@ -443,7 +443,7 @@ class Targets:
 
     def stop(self) -> None:
         """SIGTERM every process group (the launcher forwards it to vLLM's)."""
-        from rr_server.process import stop_process_group
+        from rr_server.launch.process import stop_process_group
 
         for p in (self.sidecar, self.vanilla, self.patched):
             if p is not None:
@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.tokens + 2 * a.max_new_tokens + 16 > a.max_model_len:
         p.error("--tokens: prompt + new tokens of a 2-turn trajectory must fit --max-model-len")
     if a.plot:  # before the servers start, not after the run
-        from rr_client.optional import require
+        from rr_client.core.optional import require
 
         require("matplotlib", for_what="the soak's --plot")
     model = soak_model(a.model_dir, a.max_model_len)

@@ -71,7 +71,7 @@ def metrics(runs: dict[bool, list[dict[str, Any]]], *, bf16: bool) -> dict[str, 
 
 def plot(runs: dict[bool, list[dict[str, Any]]], path: Path, *, title: str) -> Path:
     """Two panels, one line per arm: mean |logp_trainer - logp_engine| per step (log scale), router agreement."""
-    from rr_client.optional import require
+    from rr_client.core.optional import require
 
     mpl = require("matplotlib", for_what="--plot")
     mpl.use("Agg")
@@ -106,7 +106,7 @@ def _num(v: Any) -> float:
 
 def launch(model_dir: Path) -> tuple[str, subprocess.Popen[bytes]]:
     """``VLLM_SERVER_DEV_MODE=1 rr-server launch vllm`` serving ``model_dir`` on a free port; healthy."""
-    from rr_server.process import free_port, stop_process_group, wait_healthy
+    from rr_server.launch.process import free_port, stop_process_group, wait_healthy
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -136,16 +136,16 @@ def main(argv: list[str] | None = None) -> int:
                     "numbers go next to it as .json")
     args = ap.parse_args(argv)
 
-    from rr_server.process import stop_process_group
+    from rr_server.launch.process import stop_process_group
 
     if args.plot:  # fail before training, not after, when matplotlib is missing
-        from rr_client.optional import require
+        from rr_client.core.optional import require
 
         require("matplotlib", for_what="--plot")
     if args.url:
         model_dir, url, proc = args.model_dir, args.url, None
     else:
-        from rr_server.tiny_moe import build_tiny_moe
+        from rr_server.demo.tiny_moe import build_tiny_moe
 
         model_dir = build_tiny_moe(args.model_dir, num_layers=4, num_experts=16, topk=4)
         url, proc = launch(model_dir)

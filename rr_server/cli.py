@@ -41,11 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch to the launcher, the sidecar or the doctor; engine arguments pass through untouched."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) >= 2 and args[0] == "launch" and args[1] == "vllm":
-        from rr_server.launch_vllm import main as launch_vllm
+        from rr_server.launch.vllm import main as launch_vllm
 
         return launch_vllm(args[2:])
     if len(args) >= 2 and args[0] == "launch" and args[1] == "sglang":
-        from rr_server.launch_sglang import main as launch_sglang
+        from rr_server.launch.sglang import main as launch_sglang
 
         return launch_sglang(args[2:])
     if args and args[0] == "doctor":

@@ -22,9 +22,9 @@ from typing import Any, Literal, Self, get_args
 
 import httpx
 
-from rr_client import settings
-from rr_client.errors import ConfigurationError, WeightSyncError
-from rr_client.weight_routes import ENGINE_ROUTES
+from rr_client.core import settings
+from rr_client.core.errors import ConfigurationError, WeightSyncError
+from rr_client.core.weight_routes import ENGINE_ROUTES
 
 __all__ = ["DiskWeightSync", "ENGINE_ROUTES", "EngineKind", "WeightEngine"]
 
@@ -49,7 +49,7 @@ class WeightEngine:
 
     Needed for an engine that does not serve ``/rr/info``: vLLM or SGLang without rr's plugin, e.g. the
     engine behind rr's sidecar (``rr-server proxy``). ``url`` is the engine itself, never a router or the sidecar
-    (they forward generation only). An unknown ``kind`` raises :class:`rr_client.errors.ConfigurationError`.
+    (they forward generation only). An unknown ``kind`` raises :class:`rr_client.core.errors.ConfigurationError`.
     """
 
     url: str

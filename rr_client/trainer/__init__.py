@@ -13,9 +13,16 @@ Imports torch. Sits above the wire core and the client (it reads their checked s
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ReplaySession", "to_tensors", "to_packed", "RoutingTensors", "PackedRouting",
+if TYPE_CHECKING:
+    from rr_client.trainer import keys
+    from rr_client.trainer.layouts import PackedRouting, RoutingTensors, tensor_dtype, to_packed, to_tensors
+    from rr_client.trainer.metrics import r3_metrics
+    from rr_client.trainer.replay import record_routing, replay_routing
+    from rr_client.trainer.session import ReplaySession
+
+__all__ = ["ReplaySession", "to_tensors", "to_packed", "RoutingTensors", "PackedRouting", "tensor_dtype",
            "replay_routing", "record_routing", "r3_metrics", "keys"]
 
 _LAZY = {
@@ -24,6 +31,7 @@ _LAZY = {
     "to_packed": "rr_client.trainer.layouts",
     "RoutingTensors": "rr_client.trainer.layouts",
     "PackedRouting": "rr_client.trainer.layouts",
+    "tensor_dtype": "rr_client.trainer.layouts",
     "replay_routing": "rr_client.trainer.replay",
     "record_routing": "rr_client.trainer.replay",
     "r3_metrics": "rr_client.trainer.metrics",

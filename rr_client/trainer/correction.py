@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from rr_client.errors import ConfigurationError
+from rr_client.core.errors import ConfigurationError
 
 __all__ = ["MODES", "importance_sampling_ratio"]
 

@@ -47,7 +47,7 @@ IS_RATIO_MIN = "r3/is_ratio_min"
 IS_RATIO_MEAN = "r3/is_ratio_mean"
 IS_RATIO_MAX = "r3/is_ratio_max"
 
-# provenance (rr_client.provenance.check_provenance, summed over a step)
+# provenance (rr_client.core.provenance.check_provenance, summed over a step)
 STALE_MASKED = "r3/stale_masked"  #: samples that may have been recomputed across a weight update, kept unreplayed
 SPANS_UPDATE = "r3/spans_update"  #: samples that span a weight update without a recompute (kept, flagged)
 PROVENANCE_UNKNOWN = "r3/provenance_unknown"  #: samples whose server gave no provenance

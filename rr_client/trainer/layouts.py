@@ -8,8 +8,8 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from rr_client.errors import ConfigurationError, MissingDependencyError, MissingRoutingError, ShapeMismatchError
-from rr_client.info import RRInfo
+from rr_client.core.errors import ConfigurationError, MissingDependencyError, MissingRoutingError, ShapeMismatchError
+from rr_client.core.info import RRInfo
 
 try:
     import torch
@@ -67,7 +67,7 @@ class RoutingTensors:
     every decoder layer (``"absolute"``) or the MoE layers only (``"moe"``, Megatron's router ordinals).
     ``logprobs`` (``[B, T]`` float32, when the samples carry the engine's sampled log-probs): ``logprobs[b, t]``
     is token ``t``'s, NaN outside the completion and where the engine gave none; ``logprobs_mode`` says what
-    they mean (:mod:`rr_client.logprobs`).
+    they mean (:mod:`rr_client.core.logprobs`).
     """
 
     input_ids: torch.Tensor

@@ -3,7 +3,7 @@
 With ``d = logp_train - logp_rollout`` over response tokens (AReaL PR #1207's set): ``mean|d|``, ``mean d^2``,
 k3 KL ``mean(exp(d) - 1 - d)`` (an estimator of KL(rollout || train)), the fraction of tokens with
 ``|d| > ln 2`` and ``|d| > ln 5``, plus routing agreement: the share of (token, MoE layer) top-k *sets*
-the trainer's own router would have chosen identically (:mod:`rr_client.agreement`). Imports torch (optional
+the trainer's own router would have chosen identically (:mod:`rr_client.core.agreement`). Imports torch (optional
 extra), never transformers.
 """
 
@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rr_client.errors import ConfigurationError, MissingDependencyError
+from rr_client.core.errors import ConfigurationError, MissingDependencyError
 
 try:
     import torch
@@ -21,7 +21,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise MissingDependencyError("rr_client.trainer.metrics needs torch: pip install 'rr-replay[torch]'") from e
 
 # the one implementation (numpy), re-exported for trainers
-from rr_client.agreement import routing_agreement
+from rr_client.core.agreement import routing_agreement
 
 __all__ = ["R3Metrics", "gap_stats", "segment_gap_stats", "r3_metrics", "routing_agreement", "token_logprobs"]
 

@@ -1,6 +1,6 @@
 """The stale-rows policy and the audit's token segments for a trainer's batch of samples.
 
-A sample's provenance (:class:`rr_client.provenance.Provenance`) says which cache and weights made its rows.
+A sample's provenance (:class:`rr_client.core.provenance.Provenance`) says which cache and weights made its rows.
 :func:`check_samples` applies the ``stale_rows`` policy to a batch (a refusal raises before the batch trains;
 ``"mask"`` keeps a sample with replay off for all its rows) and :func:`provenance_metrics` gives the step's counts.
 :func:`build_segments` cuts every sample's tokens into cached prompt, computed prompt and generated (per turn for a
@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rr_client.errors import ShapeMismatchError
-from rr_client.provenance import (PROVENANCE_FIELD, Provenance, ProvenanceCheck, StalePolicy, check_provenance,
+from rr_client.core.errors import ShapeMismatchError
+from rr_client.core.provenance import (PROVENANCE_FIELD, Provenance, ProvenanceCheck, StalePolicy, check_provenance,
                                   check_stale_policy)
 from rr_client.trainer import keys as K
 
@@ -139,7 +139,7 @@ def _codes(sample: Any, prov: list[Provenance | None], n: int) -> tuple[np.ndarr
     turns = getattr(sample, "turns", None)
     parts = turns if isinstance(turns, list) and turns else [sample]
     spans = getattr(sample, "turn_spans", None) if len(parts) > 1 else None
-    if spans:  # a Trajectory's own row ranges per turn (rr_client.trajectory.TurnSpan)
+    if spans:  # a Trajectory's own row ranges per turn (rr_client.client.trajectory.TurnSpan)
         for sp, res in zip(spans, parts):
             for code, (a, b) in enumerate((sp.cached_prompt, sp.computed_prompt, sp.generated)):
                 rows[a:min(b, n)] = code + 3 * sp.turn

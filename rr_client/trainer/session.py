@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from rr_client.agreement import count_matches
-from rr_client.errors import ConfigurationError, ReplayError
-from rr_client.logprobs import check_comparable_logprobs
-from rr_client.provenance import ProvenanceCheck, StalePolicy, check_stale_policy
+from rr_client.core.agreement import count_matches
+from rr_client.core.errors import ConfigurationError, ReplayError
+from rr_client.core.logprobs import check_comparable_logprobs
+from rr_client.core.provenance import ProvenanceCheck, StalePolicy, check_stale_policy
 from rr_client.trainer import keys as K
 from rr_client.trainer.metrics import gap_stats, segment_gap_stats
 from rr_client.trainer.provenance import Segments, check_samples, merge_checks, provenance_metrics

@@ -9,8 +9,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rr_client.errors import UnsupportedVersionError
-from rr_client.patching import MARKER, parameters, wrap_once
+from rr_client.core.errors import UnsupportedVersionError
+from rr_client.core.patching import MARKER, parameters, wrap_once
 from rr_patches.sglang.batch_items import apply_item_start_fix
 from rr_patches.sglang.hooks import around_handle_batch_output, around_init, around_send
 from rr_server.serving.sglang_facts import Profile, UnsupportedSGLangError, profile_for
@@ -73,7 +73,7 @@ def check_shapes(profile: Profile) -> None:
 
 
 def _around(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Wrapper factory for :func:`rr_client.patching.wrap_once`: HookRegistry's AROUND call shape, and
+    """Wrapper factory for :func:`rr_client.core.patching.wrap_once`: HookRegistry's AROUND call shape, and
     ``async def`` originals stay coroutine functions."""
 
     def factory(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -96,7 +96,7 @@ def _around(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable
 
 def wrap_hook(owner: type, name: str, hook: Callable[..., Any], *, version: str,
               params: list[str] | Sequence[list[str]] | None = None) -> bool:
-    """Install ``hook`` AROUND ``owner.name`` once (:func:`rr_client.patching.wrap_once`); True when wrapped now.
+    """Install ``hook`` AROUND ``owner.name`` once (:func:`rr_client.core.patching.wrap_once`); True when wrapped now.
 
     A missing method or one of another shape is UnsupportedSGLangError (what the launcher and SGLang's plugin
     loader report), and nothing is changed.

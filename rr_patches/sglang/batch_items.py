@@ -11,8 +11,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from rr_client.errors import UnsupportedVersionError
-from rr_client.patching import wrap_once
+from rr_client.core.errors import UnsupportedVersionError
+from rr_client.core.patching import wrap_once
 from rr_server.serving.sglang_facts import Profile, UnsupportedSGLangError
 
 __all__ = ["needs_item_start_fix", "apply_item_start_fix"]

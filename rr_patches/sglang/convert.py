@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from rr_client.codec import CheckedRouting, check_payload, routing_meta_fields
-from rr_client.info import RRInfo
+from rr_client.core.codec import CheckedRouting, check_payload, routing_meta_fields
+from rr_client.core.info import RRInfo
 
 __all__ = ["checked_value", "wire_fields"]
 
 
 def checked_value(value: Any, info: RRInfo, *, rows: int, start: int = 0, slice_start: bool = False) -> CheckedRouting:
-    """One request's routing through rr's one door (:func:`rr_client.codec.check_payload`), checked once.
+    """One request's routing through rr's one door (:func:`rr_client.core.codec.check_payload`), checked once.
 
     ``value`` is SGLang's per-request routing: a ``torch.Tensor`` (BatchTokenIDOutput, and everything
     before 0.5.11), a base64 string of headerless int32 (detokenizer output from 0.5.11; rr's ``.npy`` from

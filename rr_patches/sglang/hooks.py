@@ -9,16 +9,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rr_client import settings
-from rr_client.codec import CheckedRouting, expected_rows, routing_error_fields, routing_meta_fields
-from rr_client.errors import (
+from rr_client.core import settings
+from rr_client.core.codec import CheckedRouting, expected_rows, routing_error_fields, routing_meta_fields
+from rr_client.core.errors import (
     MalformedPayloadError,
     MissingRoutingError,
     RoutedExpertsError,
     ShapeMismatchError,
 )
 from rr_patches.sglang.convert import checked_value
-from rr_client.provenance import PROVENANCE_FIELD
+from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_patches.sglang.openai import Collector, collector, requested_format
 from rr_patches.sglang.provenance import batch_provenance, with_digest
 from rr_patches.sglang.routes import bind_tokenizer_manager
@@ -36,7 +36,7 @@ _MAX_REMEMBERED = 65536
 
 
 def always_return_routing() -> bool:
-    """``RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS`` is on (:func:`rr_client.settings.flag`'s rule, as for vLLM's)."""
+    """``RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS`` is on (:func:`rr_client.core.settings.flag`'s rule, as for vLLM's)."""
     return settings.flag(ALWAYS_ENV)
 
 

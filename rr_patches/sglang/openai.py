@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rr_client.codec import CheckedRouting, check_format
-from rr_client.errors import ConfigurationError
-from rr_client.provenance import PROVENANCE_FIELD
+from rr_client.core.codec import CheckedRouting, check_format
+from rr_client.core.errors import ConfigurationError
+from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_server.serving.weight_epoch import WeightEpoch, WeightUpdateMiddleware
 from rr_server.serving.generate_protocol import error_body
 from rr_server.serving.openai_middleware import (

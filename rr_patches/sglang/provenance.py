@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rr_client.provenance import Provenance, tokens_digest
+from rr_client.core.provenance import Provenance, tokens_digest
 from rr_server.serving.provenance_fields import _count, cache_tier, weights_since
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rr_client.info import RRInfo
+from rr_client.core.info import RRInfo
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 from rr_server.serving.sglang_facts import Profile, logprobs_mode, profile_for
 

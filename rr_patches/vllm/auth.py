@@ -18,7 +18,7 @@ import logging
 import secrets
 from typing import Any
 
-from rr_client.errors import ConfigurationError
+from rr_client.core.errors import ConfigurationError
 
 __all__ = ["RR_PREFIXES", "DEV_MODE_PATHS", "ENGINE_CONTROL_PATHS", "vllm_api_keys", "dev_route_paths",
            "engine_route_paths", "guarded_paths",

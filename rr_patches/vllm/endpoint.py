@@ -14,8 +14,8 @@ once vLLM's middleware is on the app).
 
 from __future__ import annotations
 
-from rr_client import settings
-from rr_client.errors import ConfigurationError
+from rr_client.core import settings
+from rr_client.core.errors import ConfigurationError
 
 import logging
 from typing import Any

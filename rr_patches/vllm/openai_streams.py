@@ -18,8 +18,8 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rr_client.patching import wrap_once
-from rr_client.provenance import PROVENANCE_FIELD
+from rr_client.core.patching import wrap_once
+from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_patches.vllm.provenance import admit, provenance_of
 from rr_server.serving.weight_epoch import WeightMark, current_epoch
 

@@ -9,7 +9,7 @@ checked against.
 
 from __future__ import annotations
 
-from rr_client import settings
+from rr_client.core import settings
 
 import importlib
 import inspect
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from rr_client.patching import is_wrapped, wrap_once
+from rr_client.core.patching import is_wrapped, wrap_once
 from rr_server.serving.vllm_facts import SUPPORTED, UnsupportedVLLMVersion, check_vllm_version, facts_for
 
 __all__ = ["register", "SUPPORTED", "check_vllm_version", "UnsupportedVLLMVersion", "uses_endpoint_plugin"]
@@ -61,7 +61,7 @@ def _check_shape(fn: Callable[..., Any]) -> None:
 
 
 def _patch(mod: Any, attr: str) -> bool:
-    """Wrap ``mod.attr`` (a build_app) once (:func:`rr_client.patching.wrap_once`); True if it is (now) patched."""
+    """Wrap ``mod.attr`` (a build_app) once (:func:`rr_client.core.patching.wrap_once`); True if it is (now) patched."""
     fn = getattr(mod, attr, None)
     if fn is None:
         return False

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rr_client.provenance import Provenance, tokens_digest
+from rr_client.core.provenance import Provenance, tokens_digest
 from rr_server.serving.weight_epoch import WeightMark, current_epoch
 
 __all__ = ["admit", "provenance_of", "connector_configured"]

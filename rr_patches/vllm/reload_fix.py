@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from rr_client.patching import wrap_once
+from rr_client.core.patching import wrap_once
 
 __all__ = ["install", "repack_cpu_experts"]
 

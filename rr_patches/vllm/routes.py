@@ -13,7 +13,7 @@ protocol lives in :mod:`rr_server.serving.generate_protocol` and the vLLM transl
 
 from __future__ import annotations
 
-from rr_client import settings
+from rr_client.core import settings
 
 import asyncio
 import dataclasses
@@ -28,10 +28,10 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rr_client.codec import routing_error_fields
-from rr_client.errors import RoutedExpertsError
-from rr_client.info import RRInfo
-from rr_client.logprobs import mode_from_vllm
+from rr_client.core.codec import routing_error_fields
+from rr_client.core.errors import RoutedExpertsError
+from rr_client.core.info import RRInfo
+from rr_client.core.logprobs import mode_from_vllm
 from rr_patches.vllm.auth import protect_rr_routes
 from rr_patches.vllm.openai_streams import collecting
 from rr_patches.vllm.provenance import admit, connector_configured, provenance_of
@@ -337,7 +337,7 @@ async def _unless_disconnected(request: Request, req: NormalizedGenerate) -> Res
 
 
 def always_return_routing() -> bool:
-    """``RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS`` is on (:func:`rr_client.settings.flag`'s rule)."""
+    """``RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS`` is on (:func:`rr_client.core.settings.flag`'s rule)."""
     return settings.flag(ALWAYS_ENV)
 
 

@@ -9,7 +9,7 @@ Exit code 0 on PASS, 1 on FAIL, 2 on bad usage.
 
 from __future__ import annotations
 
-from rr_client import settings
+from rr_client.core import settings
 
 import argparse
 import asyncio

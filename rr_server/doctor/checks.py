@@ -325,7 +325,7 @@ async def run_doctor(
 def _same_model(info: RRInfo, model_path: str) -> Check | None:
     """``--model-path`` must describe the served model's routing (layers, experts, top-k, MoE layers): the
     failed check when it does not."""
-    from rr_client.hf_config import load_config
+    from rr_client.core.hf_config import load_config
 
     local = RRInfo.from_hf_config(load_config(model_path), engine=info.engine, engine_version=info.engine_version)
     keys = ("num_hidden_layers", "num_experts", "topk", "moe_layers")
@@ -338,7 +338,7 @@ def _same_model(info: RRInfo, model_path: str) -> Check | None:
 
 def _vocab(model_path: str) -> int:
     """Token ids the prompts may use: the checkpoint's vocabulary size."""
-    from rr_client.hf_config import load_config
+    from rr_client.core.hf_config import load_config
 
     cfg = load_config(model_path)
     text = cfg.get("text_config")

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 
 from rr_client import GenerateResult
-from rr_client.provenance import PROVENANCE_FIELD, Provenance
-from rr_client.weight_routes import ENGINE_ROUTES
+from rr_client.core.provenance import PROVENANCE_FIELD, Provenance
+from rr_client.core.weight_routes import ENGINE_ROUTES
 
 __all__ = ["EngineCache", "parse_metrics", "engine_cache", "preemption_count", "weight_version", "reload_weights",
            "provenance_of"]

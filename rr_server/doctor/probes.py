@@ -36,7 +36,7 @@ __all__ = ["Load", "plan_load", "comparable_rows", "offload_state", "run_probes"
 MAX_PROBE_REQUESTS = 48
 # Bursts with a reload the weight-update probe tries before it says the reload never met a preempted request.
 WEIGHT_UPDATE_ATTEMPTS = 2
-# Tiers a prefix hit can come from outside the device cache (rr_client.provenance.CacheTier).
+# Tiers a prefix hit can come from outside the device cache (rr_client.core.provenance.CacheTier).
 OFFLOAD_TIERS = ("host", "storage", "external")
 _NOT_SAID = ("the server does not say its KV cache size (vLLM: /metrics vllm:cache_config_info; SGLang: "
              "/get_server_info), so the load that forces preemption is unknown")
@@ -330,7 +330,7 @@ def offload_state(info: RRInfo, c: EngineCache) -> str | tuple[bool, str]:
         return True, ("not probed: no KV offload connector reported ("
                       + (f"{c.source}: none" if c.source else "the server does not say") + ")")
     if info.engine == "sglang":
-        from rr_server.launch_sglang import HICACHE_REFUSED_BY_SGLANG
+        from rr_server.launch.sglang import HICACHE_REFUSED_BY_SGLANG
 
         who = (f"SGLang {info.engine_version} refuses it with routed experts itself"
                if info.engine_version in HICACHE_REFUSED_BY_SGLANG else

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from rr_client import GenerateResult
-from rr_client.agreement import routing_agreement
+from rr_client.core.agreement import routing_agreement
 
 __all__ = ["ROW_AGREEMENT_MIN", "TRUTH_AGREEMENT_MIN", "PREFIX_CACHE_TOKENS"]
 

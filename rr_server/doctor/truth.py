@@ -4,7 +4,7 @@ The doctor compares against what the model's routers *select* (:func:`router_cho
 hooks), not the top-k of ``router_logits``: DeepSeek-V3-style routers (GLM-4.5, Kimi-K2, DeepSeek-V3) select
 by sigmoid score plus a correction bias within expert groups, which the logits' top-k does not reproduce.
 :func:`router_forward` and :func:`router_topk` stay the reference for plain softmax top-k routers (the tiny
-MoE's :func:`rr_server.tiny_moe.reference_routing`, the tests' stand-in engines) and the fallback for a family
+MoE's :func:`rr_server.demo.tiny_moe.reference_routing`, the tests' stand-in engines) and the fallback for a family
 rr cannot hook.
 
 Imports torch and transformers, and only when asked; on CPU or GPU.
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from rr_client.agreement import set_matches
+from rr_client.core.agreement import set_matches
 
 __all__ = ["RouterReference", "LayerAgreement", "router_choice", "router_forward", "router_topk"]
 
@@ -84,7 +84,7 @@ def router_choice(model: Any, token_ids: Sequence[int], moe_layers: Sequence[int
     """
     import torch
 
-    from rr_client.errors import UnsupportedModelError
+    from rr_client.core.errors import UnsupportedModelError
     from rr_client.trainer.replay import record_routing
 
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)

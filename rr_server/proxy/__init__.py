@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from rr_client import settings
+from rr_client.core import settings
 
 import argparse
 import sys

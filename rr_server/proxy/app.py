@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from rr_client.info import RRInfo
+from rr_client.core.info import RRInfo
 from rr_server.serving.auth import ApiKeyMiddleware, ApiKeys
 from rr_server.serving.fanout import primed
 from rr_server.serving.generate_protocol import (
@@ -74,7 +74,7 @@ class ProxyConfig:
     metrics_require_key: bool = False  # /metrics is open unless this is set
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     force_routing: bool = True  # SGLang: ask on every request (mixed-batch fix); off only for the doctor
-    # what the upstream's sampled log-probs mean ("processed" / "raw", rr_client.logprobs); None: vLLM unknown,
+    # what the upstream's sampled log-probs mean ("processed" / "raw", rr_client.core.logprobs); None: vLLM unknown,
     # SGLang "processed" (its default)
     upstream_logprobs_mode: str | None = None
 

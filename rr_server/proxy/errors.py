@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rr_client.errors import (
+from rr_client.core.errors import (
     ConnectError,
     ConnectionLostError,
     RequestTimeoutError,
@@ -14,7 +14,7 @@ from rr_server.serving.generate_protocol import error_body
 
 __all__ = ["ProxyError", "error_payload", "upstream_transport_error"]
 
-# rr transport error (mapped from httpx in rr_client.http_errors) -> sidecar status and metrics kind
+# rr transport error (mapped from httpx in rr_client.client.http_errors) -> sidecar status and metrics kind
 _UPSTREAM_STATUS: tuple[tuple[type[TransportError], int, str], ...] = (
     (ConnectError, 503, "upstream_unavailable"),
     (RequestTimeoutError, 504, "upstream_timeout"),

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rr_client.hf_config import load_config
-from rr_client.info import RRInfo
-from rr_client.logprobs import PROCESSED
+from rr_client.core.hf_config import load_config
+from rr_client.core.info import RRInfo
+from rr_client.core.logprobs import PROCESSED
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.upstream import Upstream
 

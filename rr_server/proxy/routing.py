@@ -1,4 +1,4 @@
-"""An upstream's routing through the one door (:func:`rr_client.codec.check_payload`), and the sidecar's one policy.
+"""An upstream's routing through the one door (:func:`rr_client.core.codec.check_payload`), and the sidecar's one policy.
 
 Policy, the same on ``/generate`` and on the OpenAI endpoints, and the same as the patched engines': a sample
 whose upstream routing fails the check is answered with ``routed_experts: null`` and ``routed_experts_error``
@@ -14,9 +14,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from rr_client.codec import check_payload, routing_error_fields, routing_meta_fields
-from rr_client.errors import MissingRoutingError, RoutedExpertsError
-from rr_client.info import RRInfo
+from rr_client.core.codec import check_payload, routing_error_fields, routing_meta_fields
+from rr_client.core.errors import MissingRoutingError, RoutedExpertsError
+from rr_client.core.info import RRInfo
 from rr_server.proxy.metrics import ProxyMetrics
 
 __all__ = ["upstream_routing_fields", "ROUTING_KEYS"]

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import orjson
 
-from rr_client.http_errors import map_httpx_error, response_message
+from rr_client.client.http_errors import map_httpx_error, response_message
 from rr_server.proxy.errors import ProxyError, upstream_transport_error
 from rr_server.proxy.metrics import ProxyMetrics
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import orjson
 
-from rr_client.codec import expected_rows
-from rr_client.info import RRInfo
+from rr_client.core.codec import expected_rows
+from rr_client.core.info import RRInfo
 from rr_server.serving.fanout import gather_or_cancel, merge_streams
 from rr_server.serving.generate_protocol import (
     SSE_DONE,

@@ -8,7 +8,7 @@ own middleware does not cover rr's routes.
 
 from __future__ import annotations
 
-from rr_client import settings
+from rr_client.core import settings
 
 import hashlib
 import hmac

@@ -7,7 +7,7 @@ reply items carry routing fields that the caller made from :class:`rr_client.Che
 
 from __future__ import annotations
 
-from rr_client import settings
+from rr_client.core import settings
 
 import json
 from collections.abc import Mapping, Sequence
@@ -249,7 +249,7 @@ def parse_generate_request(body: bytes | str | Mapping[str, Any]) -> NormalizedG
 def default_routed_experts_format() -> str:
     """The server's default ``routed_experts_format`` (env ``RR_ROUTED_EXPERTS_FORMAT``, set by the launcher/sidecar
     flag ``--routed-experts-format``): ``"npy"`` unless changed; a bad value fails loudly at the first request."""
-    from rr_client.codec import check_format
+    from rr_client.core.codec import check_format
 
     value = settings.text(FORMAT_ENV, default="npy")
     try:
@@ -277,7 +277,7 @@ def build_item(
     ``routing_fields`` comes from :func:`rr_client.routing_meta_fields` (checked routing) or
     :func:`rr_client.routing_error_fields`; with routing, ``prompt_token_ids`` is echoed so clients
     that sent text can align rows with tokens. ``provenance``: the sample's
-    :meth:`rr_client.provenance.Provenance.to_dict`, answered as ``meta_info["rr_provenance"]`` (and in its ref).
+    :meth:`rr_client.core.provenance.Provenance.to_dict`, answered as ``meta_info["rr_provenance"]`` (and in its ref).
     """
     meta: dict[str, Any] = {
         "id": rid,

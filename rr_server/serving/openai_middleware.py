@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from rr_client.info import RRInfo
+from rr_client.core.info import RRInfo
 from rr_server.serving.generate_protocol import BadRequest, error_body
 from rr_server.serving.openai_routing import (
     ABSENT,

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rr_client.codec import (
+from rr_client.core.codec import (
     FORMATS,
     CheckedRouting,
     check_payload,
@@ -28,9 +28,9 @@ from rr_client.codec import (
     routing_error_fields,
     routing_meta_fields,
 )
-from rr_client.errors import MissingRoutingError, RoutedExpertsError
-from rr_client.info import RRInfo
-from rr_client.provenance import PROVENANCE_FIELD
+from rr_client.core.errors import MissingRoutingError, RoutedExpertsError
+from rr_client.core.info import RRInfo
+from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_server.serving.generate_protocol import BadRequest, default_routed_experts_format
 from rr_server.serving.store_ledger import refs_made_under
 
@@ -250,7 +250,7 @@ def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine
     ``checked``: one entry per choice from an engine-side collector that already ran the check (rr's SGLang
     patch): a :class:`CheckedRouting` is encoded as it is, a string is the check's refusal, None is missing;
     the rows are never checked twice. Without it each choice's native payload goes through
-    :func:`rr_client.codec.check_payload` once. ``drop_rows``: leading rows to remove first (the sidecar asks
+    :func:`rr_client.core.codec.check_payload` once. ``drop_rows``: leading rows to remove first (the sidecar asks
     SGLang for every row: its OpenAI serving before 0.5.12 drops ``routed_experts_start_len``).
     ``payload_rows_counted=False`` (the sidecar): a choice whose rows cannot be counted from token ids or usage
     is refused instead of trusting the payload's length.
@@ -336,7 +336,7 @@ def _choice_routing(eng: EngineOpenAI, i: int, payload: Any, first: Any,
 
 def _payload_rows(payload: Any, info: RRInfo) -> int:
     """Rows a payload holds (decoded without the check: the caller checks it next, once)."""
-    from rr_client.codec import decode_routed_experts
+    from rr_client.core.codec import decode_routed_experts
 
     return int(decode_routed_experts(payload, num_layers=info.num_hidden_layers, topk=info.topk,
                                      validate=False).shape[0])

@@ -6,7 +6,7 @@ with that engine's own byte cap (``RR_ROUTING_STORE_BYTES``) and weight version.
 away with the engine process that made it (Ray reclaims an actor whose owner died; a clean stop kills it first).
 The engine ``ray.put`` s each sample's checked rows once and hands the store actor the object ref; the answer
 carries a :class:`rr_client.RoutingRef` whose URL is ``ray://rr/<actor>``; a trainer rank resolves it with Ray
-(:mod:`rr_client._ray_refs`), zero-copy on the node, through Ray's object manager across nodes. Bounded by bytes
+(:mod:`rr_client.client._ray_refs`), zero-copy on the node, through Ray's object manager across nodes. Bounded by bytes
 (oldest first) and retired per weight version, with the same errors and counters as the in-memory store.
 ``rr-server ray-stores`` lists the store actors on a cluster and removes leftovers (:func:`list_stores`).
 """
@@ -21,11 +21,11 @@ import time
 import uuid
 from typing import Any
 
-from rr_client import settings
-from rr_client.codec import CheckedRouting
-from rr_client.errors import RoutingExpiredError
-from rr_client.optional import require
-from rr_client.reference import FramePart, RoutingRef, checksum
+from rr_client.core import settings
+from rr_client.core.codec import CheckedRouting
+from rr_client.core.errors import RoutingExpiredError
+from rr_client.core.optional import require
+from rr_client.core.reference import FramePart, RoutingRef, checksum
 from rr_server.serving.store_ledger import Held, StoreLedger, row_range
 from rr_server.serving.store_ledger import admitted_version
 from rr_server.serving.store_siblings import Siblings, merge_stats, retire_everywhere

@@ -1,12 +1,12 @@
 """Engine version strings to comparable release tuples: vLLM's and SGLang's facts compare these.
 
-The parsing itself is :func:`rr_client.versions.parse_release` (the one version gate's); here a release needs at
+The parsing itself is :func:`rr_client.core.versions.parse_release` (the one version gate's); here a release needs at
 least ``major.minor`` and is padded to three parts, so the engines' facts compare plain 3-tuples.
 """
 
 from __future__ import annotations
 
-from rr_client.versions import parse_release as _parse
+from rr_client.core.versions import parse_release as _parse
 
 __all__ = ["parse_release"]
 

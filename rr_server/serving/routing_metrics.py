@@ -28,7 +28,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-import rr_client.errors as _errors
+import rr_client.core.errors as _errors
 
 __all__ = ["NAMES", "RoutingCounters", "count_sample", "count_answer", "declare", "refusal_class"]
 
@@ -46,7 +46,7 @@ NAMES: dict[str, tuple[str, str]] = {
 
 def refusal_class(why: Any) -> str:
     """The error class a ``routed_experts_error`` (``"<ErrorType>: message"``) names, as the client reads it:
-    ``MissingRoutingError`` when it names no routing error of :mod:`rr_client.errors`."""
+    ``MissingRoutingError`` when it names no routing error of :mod:`rr_client.core.errors`."""
     name = str(why).split(":", 1)[0].strip()
     cls = getattr(_errors, name, None)
     if isinstance(cls, type) and issubclass(cls, _errors.RoutedExpertsError):

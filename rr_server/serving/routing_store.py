@@ -1,7 +1,7 @@
 """The routing store every rr server holds for ``routed_experts_format="ref"``, and its HTTP routes.
 
-Rows enter only as :class:`rr_client.codec.CheckedRouting` (checked once, when stored, as for an inline answer)
-and leave by key and row range as a binary frame (:mod:`rr_client.reference`). Bounded by bytes, oldest evicted
+Rows enter only as :class:`rr_client.core.codec.CheckedRouting` (checked once, when stored, as for an inline answer)
+and leave by key and row range as a binary frame (:mod:`rr_client.core.reference`). Bounded by bytes, oldest evicted
 first; retired per weight version (``POST /rr/routing/retire`` after a weight push). A key never gets other rows
 (keys are random and never reused); a key that is gone answers 410 with why (evicted / retired / another store
 instance: the server restarted), which the client raises as :class:`rr_client.RoutingExpiredError`.
@@ -32,10 +32,10 @@ try:  # the HTTP half; a bare install (no server extra) loads the store and rr's
 except ImportError:  # pragma: no cover - depends on the environment
     Request = Response = JSONResponse = Any  # type: ignore[misc, assignment]
 
-from rr_client import settings
-from rr_client.codec import CheckedRouting, install_reference_store
-from rr_client.errors import ConfigurationError, RoutingExpiredError
-from rr_client.reference import (FRAME_MEDIA_TYPE, READ_PATH, RETIRE_PATH, FramePart, RoutingRef, checksum,
+from rr_client.core import settings
+from rr_client.core.codec import CheckedRouting, install_reference_store
+from rr_client.core.errors import ConfigurationError, RoutingExpiredError
+from rr_client.core.reference import (FRAME_MEDIA_TYPE, READ_PATH, RETIRE_PATH, FramePart, RoutingRef, checksum,
                                  encode_frame)
 from rr_server.serving.store_ledger import Held, StoreLedger, admitted_version, row_range
 from rr_server.serving.store_siblings import Siblings, merge_stats, retire_everywhere

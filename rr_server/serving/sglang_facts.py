@@ -10,9 +10,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rr_client.errors import UnsupportedVersionError
-from rr_client.logprobs import PROCESSED, RAW
-from rr_client.versions import Tested, check_version
+from rr_client.core.errors import UnsupportedVersionError
+from rr_client.core.logprobs import PROCESSED, RAW
+from rr_client.core.versions import Tested, check_version
 from rr_server.serving.release import parse_release
 
 __all__ = ["MIN_VERSION", "MAX_VERSION", "TESTED", "DRAFT_FIX_RELEASE", "Profile", "UnsupportedSGLangError",
@@ -103,7 +103,7 @@ DRAFT_FIX_RELEASE = "0.5.23"
 def profile_for(version: str | None = None) -> Profile:
     """The profile of ``version`` (default: installed); raises UnsupportedSGLangError outside :data:`TESTED`.
 
-    The range decision is :func:`rr_client.versions.check_version`'s; SGLang's patch has no override (it never
+    The range decision is :func:`rr_client.core.versions.check_version`'s; SGLang's patch has no override (it never
     honoured ``RR_ALLOW_UNSUPPORTED_VERSION``): an untested SGLang is served through the rr sidecar instead.
     """
     version = installed_version() if version is None else version

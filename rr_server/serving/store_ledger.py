@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from rr_client.errors import ConfigurationError, RoutingExpiredError
+from rr_client.core.errors import ConfigurationError, RoutingExpiredError
 
 __all__ = ["Held", "StoreLedger", "row_range", "refs_made_under", "admitted_version"]
 

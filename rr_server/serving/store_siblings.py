@@ -31,8 +31,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rr_client.errors import RoutingExpiredError
-from rr_client.reference import FramePart
+from rr_client.core.errors import RoutingExpiredError
+from rr_client.core.reference import FramePart
 
 __all__ = ["Siblings", "group_dir", "merge_stats", "retire_everywhere"]
 

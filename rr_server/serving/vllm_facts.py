@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rr_client import versions
-from rr_client.errors import UnsupportedVersionError
-from rr_client.versions import Tested
+from rr_client.core import versions
+from rr_client.core.errors import UnsupportedVersionError
+from rr_client.core.versions import Tested
 from rr_server.serving.release import parse_release
 
 __all__ = ["SUPPORTED", "TESTED", "DISTRIBUTIONS", "DRAFT_FIX_RELEASE", "Facts", "UnsupportedVLLMVersion",
@@ -89,7 +89,7 @@ DRAFT_FIX_RELEASE = "0.30"
 def check_vllm_version(version: str | None = None, *, allow_unsupported: bool = False) -> str:
     """Return the vLLM version (default: the imported vLLM's); UnsupportedVLLMVersion outside :data:`TESTED`.
 
-    The range decision and the message are :func:`rr_client.versions.check_version`'s (the one gate); this adds
+    The range decision and the message are :func:`rr_client.core.versions.check_version`'s (the one gate); this adds
     the launcher's spelling of the override, ``--rr-allow-unsupported-version``.
     """
     if version is None:

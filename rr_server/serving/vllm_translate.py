@@ -1,7 +1,7 @@
 """What serving rr's ``/generate`` from vLLM needs, shared by the vLLM plugin and the sidecar's vLLM backend.
 
 SGLang sampling names to vLLM's, vLLM finish reasons to SGLang's, and the routing fields of one
-vLLM sample: checked once through :func:`rr_client.codec.check_payload`, then encoded.
+vLLM sample: checked once through :func:`rr_client.core.codec.check_payload`, then encoded.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rr_client.codec import check_payload, expected_rows, routing_meta_fields
-from rr_client.info import RRInfo
+from rr_client.core.codec import check_payload, expected_rows, routing_meta_fields
+from rr_client.core.info import RRInfo
 from rr_server.serving.generate_protocol import BadRequest, SamplingParamsIn
 
 __all__ = ["to_vllm_sampling_kwargs", "finish_reason_dict", "checked_routing_fields"]

@@ -24,7 +24,7 @@ from rr_client import (
     TransportError,
     UnrecordedRoutingError,
 )
-from rr_server.process import free_port
+from rr_server.launch.process import free_port
 from tests.support.protocol_server import ProtocolTestServer, synthetic_routing
 
 

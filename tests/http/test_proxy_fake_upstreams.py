@@ -19,8 +19,8 @@ import orjson
 import pytest
 
 from rr_client import RoutedExpertsClient, decode_meta_info
-from rr_client import errors as rr_errors
-from rr_server.process import free_port
+from rr_client.core import errors as rr_errors
+from rr_server.launch.process import free_port
 from rr_server.proxy.app import ProxyConfig
 from tests.support import bad_requests
 from tests.support.bad_requests import BadRequestCase
@@ -315,7 +315,7 @@ def test_upstream_timeout_is_504(cfg_dir: Path) -> None:
 
 def test_sglang_0_5_7_field_and_dtype(cfg_dir: Path) -> None:
     """SGLang 0.5.7's ``output_routed_experts`` and an explicit ``routed_experts_dtype`` are transcoded too."""
-    from rr_client.info import RRInfo
+    from rr_client.core.info import RRInfo
     from rr_server.serving.generate_protocol import parse_generate_request
     from rr_server.proxy.metrics import ProxyMetrics
     from rr_server.proxy.sglang_backend import SGLangBackend

@@ -20,8 +20,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from rr_client import RoutedExpertsClient, RoutingRef, RRInfo, UntrustedHostError
-from rr_client.codec import check_routing
-from rr_client.errors import ConfigurationError
+from rr_client.core.codec import check_routing
+from rr_client.core.errors import ConfigurationError
 from rr_server.serving import routing_store as rs
 from rr_server.serving.routing_store import RoutingStore
 from tests.support.routing_data import make_routing
@@ -156,7 +156,7 @@ def test_bad_host_lists_and_ref_urls_are_typed(fresh: Any, monkeypatch: pytest.M
 def test_the_policy_on_ipv6_case_ports_and_mixed_schemes() -> None:
     """Pure rules: the same origin whatever its spelling; an http replica of a mixed pool keeps its key; another
     http server under an https replica is refused even when trusted."""
-    from rr_client._hosts import HostPolicy
+    from rr_client.client._hosts import HostPolicy
 
     p = HostPolicy.of(["http://[::1]:8000", "https://a.test"], trusted="[::1]:9000, b.test",
                       keyless=["https://c.test:444"], credentials=True)

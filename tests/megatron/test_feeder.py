@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from rr_client.errors import (ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError, ReplayError,
+from rr_client.core.errors import (ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError, ReplayError,
                               ShapeMismatchError, UnrecordedRoutingError)
 from rr_client.trainer.layouts import PackedRouting, RoutingTensors
 from tests.megatron import harness as H
@@ -259,7 +259,7 @@ def test_an_moe_layer_without_a_topk_router_is_refused(megatron_process: None) -
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from torch import nn
 
-    from rr_client.errors import UnsupportedModelError
+    from rr_client.core.errors import UnsupportedModelError
     from rr_client.integrations.megatron import find_routers
 
     model = gpt()

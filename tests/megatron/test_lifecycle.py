@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from rr_client.errors import ReplayError
+from rr_client.core.errors import ReplayError
 from rr_client.trainer import keys as K
 from tests.megatron import harness as H
 

@@ -107,8 +107,8 @@ META = textwrap.dedent("""
 def test_wheel_metadata_one_version_license_urls_no_empty_extra(fresh_venv: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = json.loads(_run([str(fresh_venv / "bin" / "python"), "-c", META], cwd=fresh_venv, env=env))
-    from rr_client._version import __version__
-    assert out["version"] == out["code_version"] == __version__  # one version source: rr_client/_version.py
+    from rr_client.core._version import __version__
+    assert out["version"] == out["code_version"] == __version__  # one version source: rr_client/core/_version.py
     assert any(f.endswith("LICENSE") for f in out["license_files"]), out["license_files"]
     assert {u.split(",")[0] for u in out["urls"]} >= {"Homepage", "Documentation", "Changelog", "Issues"}
     assert "bench" not in out["extras"] and {"torch", "trl", "verl", "megatron", "docs", "plot"} <= set(out["extras"])

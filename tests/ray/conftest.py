@@ -38,7 +38,7 @@ def ray_cluster() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def tiny_models() -> dict[str, object]:
     """The tiny checkpoint tests/vllm serves (built or reused from .cache/)."""
-    from rr_server.tiny_moe import build_tiny_moe
+    from rr_server.demo.tiny_moe import build_tiny_moe
     from tests.support.vllm_process import CACHE
     from tests.vllm.conftest import MODEL_SPECS
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from rr_client import RoutedExpertsClient, RRInfo, RoutingChecksumError, RoutingExpiredError, RoutingRef
-from rr_client.codec import check_routing
-from rr_client.reference import checksum
+from rr_client.core.codec import check_routing
+from rr_client.core.reference import checksum
 from rr_server.ray_stores import main as ray_stores
 from rr_server.serving.ray_store import PREFIX, RayRoutingStore
 from tests.support.routing_data import make_routing

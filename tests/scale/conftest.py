@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rr_server.process import free_port, stop_process_group
+from rr_server.launch.process import free_port, stop_process_group
 from tests.support.vllm_process import CACHE, LOG_DIR, VLLMProcess
 
 # The same checkpoint as tests/vllm's qwen3_dense (shared cache dir): 3 layers, layer 1 dense, 8 experts, top-2.
@@ -54,7 +54,7 @@ def crash(server: VLLMProcess) -> None:
 
 @pytest.fixture(scope="session")
 def qwen_model() -> Path:
-    from rr_server.tiny_moe import build_tiny_moe
+    from rr_server.demo.tiny_moe import build_tiny_moe
 
     return build_tiny_moe(CACHE / "qwen3_dense", **QWEN_SPEC)  # type: ignore[arg-type]
 

@@ -21,8 +21,8 @@ import httpx
 import numpy as np
 import pytest
 
-from rr_client.errors import RoutingChecksumError
-from rr_client.reference import READ_PATH, RETIRE_PATH, RoutingRef, decode_frame
+from rr_client.core.errors import RoutingChecksumError
+from rr_client.core.reference import READ_PATH, RETIRE_PATH, RoutingRef, decode_frame
 from rr_server.serving import routing_store as rs
 from rr_server.serving.routing_store import MAX_REFS_PER_READ, RoutingStore, read_many
 from rr_server.serving.store_siblings import Siblings
@@ -166,7 +166,7 @@ def test_a_sibling_that_died_answers_410_not_other_rows(two_processes: Any) -> N
 
 def test_a_loopback_url_is_said_at_start(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv("RR_ADVERTISE_URL", raising=False)
-    monkeypatch.setattr("rr_client.codec._reference_store", None)
+    monkeypatch.setattr("rr_client.core.codec._reference_store", None)
     for url, loud in (("http://127.0.0.1:8000", True), ("http://localhost:9", True), ("http://[::1]:9", True),
                       ("http://trainer-node-3:8000", False), ("http://10.1.2.3:8000", False)):
         monkeypatch.setattr(rs, "_STORE", None)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from rr_client import RoutedExpertsClient
-from rr_client.hf_config import load_config, moe_layers_from_config
-from rr_server.tiny_moe import reference_routing
+from rr_client.core.hf_config import load_config, moe_layers_from_config
+from rr_server.demo.tiny_moe import reference_routing
 from tests.scale.conftest import Router, crash
 from tests.support.routing_asserts import assert_routing_sets_equal
 from tests.support.vllm_process import VLLMProcess

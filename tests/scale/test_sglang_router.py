@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from rr_client import RoutedExpertsClient, RRInfo
-from rr_client.codec import decode_meta_info
+from rr_client.core.codec import decode_meta_info
 from tests.scale.conftest import SGLangRouter
 from tests.scale.test_scale_vllm import check_result, token_prompts
 from tests.support.vllm_process import VLLMProcess

@@ -46,8 +46,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_moe() -> Path:
-    """Tiny Qwen3-MoE (3 layers, layer 1 dense, 8 experts, top-2) built locally with rr_server.tiny_moe."""
-    from rr_server.tiny_moe import build_tiny_moe
+    """Tiny Qwen3-MoE (3 layers, layer 1 dense, 8 experts, top-2) built locally with rr_server.demo.tiny_moe."""
+    from rr_server.demo.tiny_moe import build_tiny_moe
 
     return build_tiny_moe(CACHE / "sglang-qwen3-dense", **MODEL_SPEC)
 

@@ -4,7 +4,7 @@ The real scheduler cannot run without a GPU. This object takes its place on both
 TokenizerManager: it is the ``send_to_scheduler`` socket (so it receives the real tokenized
 requests, after SGLang's own wire encoding) and it emits ``BatchTokenIDOutput`` objects. Routing rows
 are transformers' router top-k for the tokens the engine ran a forward on (prompt + completion - 1),
-from :func:`rr_server.tiny_moe.reference_routing` (stands in for the GPU capturer's ``get_topk``).
+from :func:`rr_server.demo.tiny_moe.reference_routing` (stands in for the GPU capturer's ``get_topk``).
 It also answers the control query ``/get_server_info`` makes (every scheduler's internal state), so
 SGLang's own app can serve that route to the rr sidecar.
 
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rr_server.tiny_moe import reference_routing
+from rr_server.demo.tiny_moe import reference_routing
 from tests.sglang.deepseek_v4 import capture_buffer_rows, is_deepseek_v4
 
 _SURR = 5  # INIT_INCREMENTAL_DETOKENIZATION_OFFSET in SGLang

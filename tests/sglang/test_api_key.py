@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rr_client.info import RRInfo
+from rr_client.core.info import RRInfo
 from rr_server.serving.sglang_facts import profile_for
 from tests.sglang.conftest import HAVE
 from tests.sglang.harness import Harness

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from rr_client import RoutedExpertsClient, RoutingExpiredError, RoutingRef
-from rr_client.codec import decode_meta_info
-from rr_server.tiny_moe import reference_routing
+from rr_client.core.codec import decode_meta_info
+from rr_server.demo.tiny_moe import reference_routing
 from tests.sglang.harness import Harness
 
 pytestmark = pytest.mark.sglang

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rr_client import RRInfo
-from rr_client.codec import decode_meta_info
+from rr_client.core.codec import decode_meta_info
 from rr_client.trainer.replay import replay_routing
 from tests.sglang.conftest import CACHE
 from tests.sglang.deepseek_v4 import build_tiny_deepseek_v4, capture_buffer_rows, load

@@ -52,7 +52,7 @@ def test_sglang_docker_run_args_reach_server_args() -> None:
     """rr-sglang: every documented ``docker run`` line parses with SGLang's ServerArgs CLI parser."""
     from sglang.srt.server_args import ServerArgs
 
-    from rr_server.launch_sglang import prepare_argv
+    from rr_server.launch.sglang import prepare_argv
 
     runs = documented_runs("rr-sglang")
     assert runs, "no `docker run ... rr-sglang ...` line documented"
@@ -74,7 +74,7 @@ def test_vllm_docker_run_args_reach_make_arg_parser() -> None:
         from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from rr_server.launch_vllm import build_command
+    from rr_server.launch.vllm import build_command
 
     runs = documented_runs("rr-vllm")
     assert runs, "no `docker run ... rr-vllm ...` line documented"

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rr_server import launch_sglang
+from rr_server.launch import sglang as launch_sglang
 from rr_server.serving.generate_protocol import FORMAT_ENV, default_routed_experts_format
 
 

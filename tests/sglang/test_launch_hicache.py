@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from rr_client.errors import ConfigurationError
-from rr_server import launch_sglang
+from rr_client.core.errors import ConfigurationError
+from rr_server.launch import sglang as launch_sglang
 from rr_server.serving.sglang_facts import installed_version
 
 pytestmark = pytest.mark.sglang

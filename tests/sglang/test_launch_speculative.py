@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rr_server import launch_sglang
+from rr_server.launch import sglang as launch_sglang
 from rr_server.serving.sglang_facts import installed_version
 from rr_server.serving.release import parse_release
 

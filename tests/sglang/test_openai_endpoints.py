@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rr_client.codec import decode_meta_info
-from rr_server.tiny_moe import reference_routing
+from rr_client.core.codec import decode_meta_info
+from rr_server.demo.tiny_moe import reference_routing
 from tests.sglang.conftest import MODEL_SPEC
 from tests.sglang.harness import Harness
 from tests.support.sse import sse_events
@@ -279,7 +279,7 @@ async def test_chat_checks_each_request_once(tiny_moe: Path, patched: None, stre
     """One door, one check: on patched SGLang's chat path with n=2 every request the TokenizerManager sent is
     checked exactly once (in the output handler), and the OpenAI finish encodes that checked routing without
     checking the rows again (before, it decoded and checked every choice a second time)."""
-    import rr_client.codec as codec
+    import rr_client.core.codec as codec
 
     h = _harness(tiny_moe)
     body = _chat(h, n=2, temperature=0.7, return_routed_experts=True, stream=stream)

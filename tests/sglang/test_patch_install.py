@@ -10,14 +10,14 @@ import httpx
 import numpy as np
 import pytest
 
-from rr_client.codec import check_routing, decode_meta_info, routing_meta_fields
-from rr_client.errors import (
+from rr_client.core.codec import check_routing, decode_meta_info, routing_meta_fields
+from rr_client.core.errors import (
     ExpertIdOutOfRangeError,
     MalformedPayloadError,
     ShapeMismatchError,
     UnrecordedRoutingError,
 )
-from rr_client.info import RRInfo
+from rr_client.core.info import RRInfo
 from rr_server.serving.sglang_facts import UnsupportedSGLangError, profile_for
 from tests.sglang.conftest import MODEL_SPEC
 from tests.sglang.harness import Harness
@@ -137,7 +137,7 @@ async def test_rr_info_route(tiny_moe: Path, patched: None) -> None:
 
 def test_launcher_adds_flag_and_patches(monkeypatch: pytest.MonkeyPatch) -> None:
     """``rr-server launch sglang`` adds the flag, patches, and hands SGLang's own parser the arguments."""
-    import rr_server.launch_sglang as ls
+    import rr_server.launch.sglang as ls
     from rr_patches.sglang.apply import TARGETS, is_applied
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
@@ -160,7 +160,7 @@ def test_launcher_adds_flag_and_patches(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_launcher_refuses_unknown_version(monkeypatch: pytest.MonkeyPatch) -> None:
     """An untested SGLang makes the launcher exit 2 before anything starts."""
-    import rr_server.launch_sglang as ls
+    import rr_server.launch.sglang as ls
 
     monkeypatch.setattr("rr_server.serving.sglang_facts.installed_version", lambda: "0.5.99")
     monkeypatch.setattr(ls, "_run", lambda argv: pytest.fail("must not start"))

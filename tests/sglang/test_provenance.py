@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from rr_client.errors import StaleRoutingError
-from rr_client.provenance import PROVENANCE_FIELD, Provenance, check_provenance, tokens_digest
+from rr_client.core.errors import StaleRoutingError
+from rr_client.core.provenance import PROVENANCE_FIELD, Provenance, check_provenance, tokens_digest
 from rr_server.serving.sglang_facts import profile_for
 from tests.sglang.harness import Harness
 from tests.sglang.standin import StandInReq

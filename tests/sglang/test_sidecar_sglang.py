@@ -20,9 +20,9 @@ import httpx
 import numpy as np
 import pytest
 
-from rr_client.codec import decode_meta_info
+from rr_client.core.codec import decode_meta_info
 from rr_server.serving.sglang_facts import profile_for
-from rr_server.tiny_moe import reference_routing
+from rr_server.demo.tiny_moe import reference_routing
 from tests.sglang.conftest import MODEL_SPEC
 from tests.sglang.harness import Harness
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from rr_server.serving.sglang_facts import profile_for
-from rr_client.codec import decode_meta_info
-from rr_client import errors as rr_errors
-from rr_client.errors import MissingRoutingError
-from rr_server.tiny_moe import reference_routing
+from rr_client.core.codec import decode_meta_info
+from rr_client.core import errors as rr_errors
+from rr_client.core.errors import MissingRoutingError
+from rr_server.demo.tiny_moe import reference_routing
 from tests.sglang.conftest import MODEL_SPEC
 from tests.sglang.harness import Harness
 

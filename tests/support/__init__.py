@@ -3,8 +3,8 @@
 - :mod:`~tests.support.threaded_server` — the one helper that runs an ASGI app under uvicorn in a
   thread on a free loopback port (the test-only servers, the fakes and the sidecar all use it).
 - :mod:`~tests.support.vllm_process` — real vLLM CPU API servers as subprocesses, their command built
-  by the launcher's own ``rr_server.launch_vllm.build_command``; ports, health and shutdown from
-  ``rr_server.process``.
+  by the launcher's own ``rr_server.launch.vllm.build_command``; ports, health and shutdown from
+  ``rr_server.launch.process``.
 - :mod:`~tests.support.protocol_server` — ``ProtocolTestServer``, a TEST-ONLY rr protocol server.
 - :mod:`~tests.support.fake_upstreams` — FAKE SGLang / vLLM upstreams for the sidecar's fault corpus.
 - :mod:`~tests.support.proxy_harness` — the real sidecar app in a thread (``SidecarServer``).

@@ -19,9 +19,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from rr_client.codec import check_routing, routing_meta_fields
-from rr_client.info import RRInfo
-from rr_client.provenance import Provenance, tokens_digest
+from rr_client.core.codec import check_routing, routing_meta_fields
+from rr_client.core.info import RRInfo
+from rr_client.core.provenance import Provenance, tokens_digest
 from tests.support.protocol_server import ProtocolTestServer, synthetic_routing
 
 __all__ = ["ProbeTestServer", "PROBE_FAULTS"]

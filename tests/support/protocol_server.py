@@ -18,8 +18,8 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from rr_client.codec import check_routing, expected_rows, routing_meta_fields, wire_dtype
-from rr_client.info import RRInfo
+from rr_client.core.codec import check_routing, expected_rows, routing_meta_fields, wire_dtype
+from rr_client.core.info import RRInfo
 from tests.support.routing_data import npy_payload
 from tests.support.threaded_server import ThreadedServer
 

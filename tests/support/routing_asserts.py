@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rr_client.agreement import set_matches
+from rr_client.core.agreement import set_matches
 
 __all__ = ["assert_routing_sets_equal"]
 

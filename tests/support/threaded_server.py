@@ -12,7 +12,7 @@ from typing import Any, Self
 
 import uvicorn
 
-from rr_server.process import free_port
+from rr_server.launch.process import free_port
 
 __all__ = ["ThreadedServer"]
 

@@ -3,9 +3,9 @@
 Every server gets the arguments ``rr-server launch vllm`` is documented with (model, host, port,
 max-model-len, served-model-name, extras) from :func:`server_args`. With the rr plugin it is started
 through the launcher itself; without it (a truly unpatched upstream for the sidecar) the command comes
-from the launcher's own :func:`rr_server.launch_vllm.build_command`, so the CPU flags (eager mode,
+from the launcher's own :func:`rr_server.launch.vllm.build_command`, so the CPU flags (eager mode,
 float32, KV-cache size) are never repeated here. Ports, health polling and process-group shutdown are
-:mod:`rr_server.process`'s.
+:mod:`rr_server.launch.process`'s.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Self
 
-from rr_server.launch_vllm import build_command, is_cpu_platform
-from rr_client.errors import ServerStartError
-from rr_server.process import free_port, stop_process_group, wait_healthy
+from rr_server.launch.vllm import build_command, is_cpu_platform
+from rr_client.core.errors import ServerStartError
+from rr_server.launch.process import free_port, stop_process_group, wait_healthy
 
 __all__ = ["VLLMProcess", "server_args", "launcher_command", "unpatched_command", "STARTUP_TIMEOUT_S", "LOG_DIR"]
 

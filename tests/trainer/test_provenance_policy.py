@@ -13,17 +13,17 @@ import pytest
 import torch
 
 from rr_client import StaleRoutingError
-from rr_client._results import GenerateResult
-from rr_client.errors import ConfigurationError, MalformedPayloadError
-from rr_client.info import RRInfo
-from rr_client.provenance import Provenance
+from rr_client.client._results import GenerateResult
+from rr_client.core.errors import ConfigurationError, MalformedPayloadError
+from rr_client.core.info import RRInfo
+from rr_client.core.provenance import Provenance
 from rr_client.trainer import keys as K
 from rr_client.trainer.layouts import to_packed, to_tensors
 from rr_client.trainer.metrics import token_logprobs
 from rr_client.trainer.provenance import build_segments, mask_samples
 from rr_client.trainer.replay import record_routing
 from rr_client.trainer.session import ReplaySession
-from rr_client.trajectory import Trajectory
+from rr_client.client.trajectory import Trajectory
 
 from .tiny_models import VOCAB, tiny_config, tiny_model
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from rr_client.errors import ShapeMismatchError
+from rr_client.core.errors import ShapeMismatchError
 from rr_client.trainer.replay import ReplayError, record_routing, replay_routing
 
 from .tiny_models import EXPERTS, LAYERS, TOPK, VOCAB, tiny_model

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from rr_client.errors import UnsupportedModelError
+from rr_client.core.errors import UnsupportedModelError
 from rr_client.trainer.replay import SUPPORTED_ROUTERS, find_routers, record_routing, replay_routing, survey
 from rr_client.trainer.replay._audit import Audit, DeviceTally
 from rr_client.trainer.replay._replay import ReplayHook

@@ -31,7 +31,7 @@ def test_make_docs_renders_the_same_list_with_warnings_as_errors() -> None:
 
 def test_api_reference_builds_without_warnings(tmp_path: Path) -> None:
     modules = api_modules()
-    assert "rr_client" in modules and "rr_client.replay" in modules
+    assert "rr_client" in modules and "rr_client.trainer.replay" in modules
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     p = subprocess.run([sys.executable, "-W", "error", "-m", "pdoc", "-o", str(tmp_path), *modules],
                        capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
@@ -41,5 +41,5 @@ def test_api_reference_builds_without_warnings(tmp_path: Path) -> None:
         assert (tmp_path / (mod.replace(".", "/") + ".html")).is_file(), mod
     top = (tmp_path / "rr_client.html").read_text()
     assert 'id="RoutedExpertsClient"' in top and 'id="RoutedExpertsClient.generate"' in top
-    replay = (tmp_path / "rr_client/replay.html").read_text()
+    replay = (tmp_path / "rr_client/trainer/replay.html").read_text()
     assert 'id="replay_routing"' in replay and "audit" in replay

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from rr_client import errors
-from rr_client.codec import CheckedRouting, check_routing, decode_meta_info, routing_meta_fields
-from rr_client.info import RRInfo
+from rr_client.core import errors
+from rr_client.core.codec import CheckedRouting, check_routing, decode_meta_info, routing_meta_fields
+from rr_client.core.info import RRInfo
 from tests.support.routing_data import make_routing
 
 ROWS, L, K = 6, 3, 2

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rr_client import __version__
-from rr_server import launch_sglang, launch_vllm
+from rr_server.launch import sglang as launch_sglang, vllm as launch_vllm
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rr_client import _rowcheck, codec, errors
-from rr_client.info import RRInfo
+from rr_client.core import _rowcheck, codec, errors
+from rr_client.core.info import RRInfo
 from tests.support.routing_data import make_routing, npy_payload
 
 L, K, E = 4, 2, 8

@@ -12,10 +12,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from rr_client.errors import ConfigurationError, RRError
+from rr_client.core.errors import ConfigurationError, RRError
 from rr_patches.vllm import auth as vllm_auth
-from rr_server import launch_vllm
-from rr_server.launch_vllm import OPEN_DEV_MODE_FLAG, check_dev_mode_exposure, is_loopback_host
+from rr_server.launch import vllm as launch_vllm
+from rr_server.launch.vllm import OPEN_DEV_MODE_FLAG, check_dev_mode_exposure, is_loopback_host
 
 DEV = {"VLLM_SERVER_DEV_MODE": "1"}
 

@@ -18,9 +18,9 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from rr_client import settings
-from rr_client import versions
-from rr_client.versions import parse_release
+from rr_client.core import settings
+from rr_client.core import versions
+from rr_client.core.versions import parse_release
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = ("rr_client", "rr_server", "rr_patches")
@@ -89,7 +89,7 @@ def _client() -> type:
 
 def _replay() -> Callable[..., Any]:
     pytest.importorskip("torch")
-    from rr_client.replay import replay_routing
+    from rr_client.trainer.replay import replay_routing
 
     return inspect.unwrap(replay_routing)
 
@@ -257,7 +257,7 @@ def test_documented_defaults_are_what_the_readers_use() -> None:
 def code_info_keys() -> set[str]:
     """RRInfo's fields, the extra keywords every server passes to ``RRInfo.from_hf_config``, and the keys a server
     adds to ``info.model_dump()`` (``body["k"] = ...``, ``{**info.model_dump(), "k": ...}``)."""
-    from rr_client.info import RRInfo
+    from rr_client.core.info import RRInfo
 
     keys = set(RRInfo.model_fields)
     for pkg in ("rr_server", "rr_patches"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import rr_client
-from rr_client import errors
+from rr_client.core import errors
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,7 @@ def parse_tree(text: str) -> dict[str, str | None]:
 
 
 def code_tree() -> dict[str, str | None]:
-    """``{class name: rr parent}`` for every error class rr_client.errors defines."""
+    """``{class name: rr parent}`` for every error class rr_client.core.errors defines."""
     mine = {name: obj for name, obj in vars(errors).items()
             if isinstance(obj, type) and issubclass(obj, errors.RRError) and obj.__module__ == errors.__name__}
     return {name: next((b.__name__ for b in cls.__bases__ if issubclass(b, errors.RRError)), None)
@@ -79,7 +79,7 @@ def test_readme_fits_two_screens() -> None:
 
 
 def test_every_rr_setting_is_in_the_engines_doc() -> None:
-    from rr_client.settings import SETTINGS
+    from rr_client.core.settings import SETTINGS
 
     text = (REPO / "docs/engines.md").read_text()
     assert [n for n in SETTINGS if f"`{n}`" not in text] == []

@@ -6,9 +6,9 @@ import numpy as np
 import orjson
 import pytest
 
-from rr_client.codec import decode_meta_info, routing_error_fields
-from rr_client.errors import ShapeMismatchError
-from rr_client.info import RRInfo
+from rr_client.core.codec import decode_meta_info, routing_error_fields
+from rr_client.core.errors import ShapeMismatchError
+from rr_client.core.info import RRInfo
 from rr_server.serving.generate_protocol import (
     SSE_DONE,
     BadRequest,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from rr_client import errors
-from rr_client.http_errors import error_for_status, map_httpx_error, response_message
+from rr_client.core import errors
+from rr_client.client.http_errors import error_for_status, map_httpx_error, response_message
 from rr_server.proxy.errors import upstream_transport_error
 
 REQ = httpx.Request("POST", "http://127.0.0.1:1/generate")

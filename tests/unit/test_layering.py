@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("rr_client", "rr_server", "rr_patches")
 
@@ -106,10 +108,10 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_graph_sees_imports_inside_functions() -> None:
     """The parser is not blind: known lazy imports (inside functions) are edges."""
     graph = import_graph()
-    assert "rr_server.launch_vllm" in graph["rr_server.cli"]  # imported inside cli.main
+    assert "rr_server.launch.vllm" in graph["rr_server.cli"]  # imported inside cli.main
     assert "rr_server.proxy.app" in graph["rr_server.proxy"]  # imported inside proxy.main
     assert "rr_patches.vllm.routes" in graph["rr_patches.vllm.plugin"]  # imported inside the build_app wrapper
-    assert "rr_client._rowcheck" in graph["rr_client.codec"]
+    assert "rr_client.core._rowcheck" in graph["rr_client.core.codec"]
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
 
 
@@ -129,9 +131,9 @@ def _loaded_after(code: str) -> dict[str, bool]:
 
 
 def test_client_core_imports_neither_torch_nor_httpx() -> None:
-    core = ("import rr_client.codec, rr_client.errors, rr_client.info, rr_client.hf_config, rr_client._rowcheck, "
-            "rr_client.versions, rr_client.patching, rr_client.optional, rr_client.settings, rr_client.trainer.keys, "
-            "rr_client.reference, rr_client.logprobs, rr_client.provenance, "
+    core = ("import rr_client.core.codec, rr_client.core.errors, rr_client.core.info, rr_client.core.hf_config, rr_client.core._rowcheck, "
+            "rr_client.core.versions, rr_client.core.patching, rr_client.core.optional, rr_client.core.settings, rr_client.trainer.keys, "
+            "rr_client.core.reference, rr_client.core.logprobs, rr_client.core.provenance, "
             "rr_client")
     loaded = _loaded_after(core)
     assert not loaded["torch"] and not loaded["httpx"], loaded
@@ -152,50 +154,42 @@ def test_proxy_help_is_light() -> None:
 
 # ----------------------------------------------------------------------------- direction: every arrow points down
 # engine -> one full check -> wire -> client -> layout -> replay; the folders, bottom to top:
-#   rr_client: core < client (with the package itself, which re-exports both) < trainer < integrations;
-#   rr_server.serving (on the core) < adapters (rr_patches,
-#   the sidecar rr_server.proxy) < commands
-CORE = {"rr_client.codec", "rr_client._rowcheck", "rr_client.errors", "rr_client.info",
-        "rr_client.hf_config", "rr_client.agreement", "rr_client.settings", "rr_client._version",
-        "rr_client.versions", "rr_client.patching", "rr_client.optional", "rr_client.reference",
-        "rr_client.logprobs", "rr_client.provenance", "rr_client.weight_routes"}
-CLIENT = {"rr_client", "rr_client._client", "rr_client._openai", "rr_client._replicas", "rr_client._results",
-          "rr_client.http_errors", "rr_client.trajectory", "rr_client._resolve", "rr_client._ray_refs",
-          "rr_client._hosts"}
+#   rr_client: core/ < client/ < trainer/ < integrations/, and the package root (the facade) above its layers;
+#   rr_server/serving/ (on the core) < adapters (rr_patches, the sidecar rr_server/proxy/) < commands (the rest)
+# A module's layer is the folder it sits in: no name list to keep up to date.
 ALLOWED = {
     "core": {"core"},
     "client": {"core", "client"},
     "trainer": {"core", "client", "trainer"},
     "integrations": {"core", "client", "trainer", "integrations"},
+    "facade": {"core", "client", "trainer"},  # for users; of rr's own code only the commands (its users) import it
     "serving": {"core", "serving"},
     "patches": {"core", "client", "serving", "patches"},
     "sidecar": {"core", "client", "serving", "sidecar"},
-    "commands": {"core", "client", "trainer", "serving", "sidecar", "commands"},  # never rr_patches
+    "commands": {"core", "client", "trainer", "facade", "serving", "sidecar", "commands"},  # never rr_patches
 }
 # the one arrow up, named: ``GenerateBatch.to_tensors()`` / ``.to_packed()`` import the trainer's layouts inside
 # the method (a convenience of the client's result type; the client never imports torch otherwise)
-LAZY_UP = {("rr_client._results", "rr_client.trainer.layouts")}
+LAZY_UP = {("rr_client.client._results", "rr_client.trainer.layouts")}
+FOLDERS = {"rr_client": {"core": "core", "client": "client", "trainer": "trainer", "integrations": "integrations"},
+           "rr_server": {"serving": "serving", "proxy": "sidecar"}}
 
 
 def layer_of(module: str) -> str:
-    """The layer a module of rr belongs to (``rr_server`` itself is an empty namespace, checked apart)."""
-    if module in CORE:
-        return "core"
-    if module in CLIENT:
-        return "client"
-    if module.startswith(("rr_client.trainer", "rr_client.replay", "rr_client.metrics")):
-        return "trainer"
-    if module.startswith("rr_client.integrations"):
-        return "integrations"
-    if module.startswith("rr_client"):
-        raise AssertionError(f"{module}: a new rr_client module must be given a layer in test_layering.py")
-    if module.startswith("rr_patches"):
+    """The layer a module of rr belongs to: the folder it sits in (``rr_server`` itself is an empty namespace,
+    checked apart)."""
+    top, _, rest = module.partition(".")
+    folder = rest.split(".")[0]
+    if top == "rr_patches":
         return "patches"
-    if module.startswith("rr_server.serving"):
-        return "serving"
-    if module.startswith("rr_server.proxy"):
-        return "sidecar"
-    return "commands"
+    if top == "rr_client":
+        if not rest:
+            return "facade"
+        if folder not in FOLDERS["rr_client"]:
+            raise AssertionError(f"{module}: every rr_client module sits in a layer's folder "
+                                 f"({', '.join(FOLDERS['rr_client'])}), never at the root")
+        return FOLDERS["rr_client"][folder]
+    return FOLDERS["rr_server"].get(folder, "commands")
 
 
 def direction_violations(graph: dict[str, set[str]]) -> list[str]:
@@ -249,18 +243,35 @@ def test_no_package_imports_anothers_private_module() -> None:
 
 def test_the_direction_checks_can_fail() -> None:
     """The checks see what they must: an arrow up at module and package level, and a foreign private module."""
-    graph = {"rr_client.codec": {"rr_server.serving.auth"}, "rr_server.serving.auth": {"rr_server.proxy.app"},
-             "rr_client.trajectory": {"rr_client.trainer.session"}, "rr_client.trainer.session": {
-                 "rr_client.integrations.weight_sync"}, "rr_client.info": {"rr_client._client"},
-             "rr_patches.vllm.plugin": {"rr_server.launch_vllm"}, "rr_server.launch_sglang": {"rr_patches.sglang.apply"},
-             "rr_server.proxy.upstream": {"rr_client._results"}, "rr_client.versions": {"rr_client._rowcheck"}}
+    graph = {"rr_client.core.codec": {"rr_server.serving.auth"}, "rr_server.serving.auth": {"rr_server.proxy.app"},
+             "rr_client.client.trajectory": {"rr_client.trainer.session"}, "rr_client.trainer.session": {
+                 "rr_client.integrations.weight_sync"}, "rr_client.core.info": {"rr_client.client._client"},
+             "rr_patches.vllm.plugin": {"rr_server.launch.vllm"}, "rr_server.launch.sglang": {"rr_patches.sglang.apply"},
+             "rr_server.proxy.upstream": {"rr_client.client._results"}, "rr_client.core.versions": {"rr_client.core._rowcheck"},
+             "rr_client.integrations.weight_sync": {"rr_client"}}
     bad = direction_violations(graph)
-    assert "rr_client.codec (core) -> rr_server.serving.auth (serving)" in bad
-    assert "rr_client.trajectory (client) -> rr_client.trainer.session (trainer)" in bad
+    assert "rr_client.integrations.weight_sync (integrations) -> rr_client (facade)" in bad
+    assert "rr_client.core.codec (core) -> rr_server.serving.auth (serving)" in bad
+    assert "rr_client.client.trajectory (client) -> rr_client.trainer.session (trainer)" in bad
     assert "rr_client.trainer.session (trainer) -> rr_client.integrations.weight_sync (integrations)" in bad
-    assert "rr_client.info (core) -> rr_client._client (client)" in bad
+    assert "rr_client.core.info (core) -> rr_client.client._client (client)" in bad
     assert "rr_server.serving.auth (serving) -> rr_server.proxy.app (sidecar)" in bad
-    assert "rr_patches.vllm.plugin (patches) -> rr_server.launch_vllm (commands)" in bad
-    assert "rr_server.launch_sglang (commands) -> rr_patches.sglang.apply (patches)" in bad
+    assert "rr_patches.vllm.plugin (patches) -> rr_server.launch.vllm (commands)" in bad
+    assert "rr_server.launch.sglang (commands) -> rr_patches.sglang.apply (patches)" in bad
     assert "package rr_server imports rr_patches" in bad and "package rr_client imports ['rr_server']" in bad
-    assert private_imports(graph) == ["rr_server.proxy.upstream -> rr_client._results"]
+    assert private_imports(graph) == ["rr_client.core.info -> rr_client.client._client",
+                                      "rr_server.proxy.upstream -> rr_client.client._results"]
+
+
+def test_a_module_outside_the_layer_folders_is_refused() -> None:
+    """The layer is the folder: a module dropped at rr_client's root has none, and the check says so."""
+    assert layer_of("rr_client.core.codec") == "core" and layer_of("rr_server.serving.store.ledger") == "serving"
+    assert layer_of("rr_server.launch.vllm") == "commands" and layer_of("rr_client") == "facade"
+    with pytest.raises(AssertionError, match="sits in a layer's folder"):
+        layer_of("rr_client.codec")
+
+
+def test_the_layers_are_folders() -> None:
+    """rr_client's root holds only the facade; every module lives in core/, client/, trainer/ or integrations/."""
+    root = sorted(p.name for p in (REPO / "rr_client").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists())
+    assert root == ["__init__.py", "client", "core", "integrations", "trainer"], root

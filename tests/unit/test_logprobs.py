@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from rr_client import RRInfo
-from rr_client._openai import parse_choices
-from rr_client._results import parse_sample
-from rr_client.errors import LogprobsModeError, ProtocolError, RRError
-from rr_client.logprobs import check_comparable_logprobs, mode_from_vllm
+from rr_client.client._openai import parse_choices
+from rr_client.client._results import parse_sample
+from rr_client.core.errors import LogprobsModeError, ProtocolError, RRError
+from rr_client.core.logprobs import check_comparable_logprobs, mode_from_vllm
 
 INFO = RRInfo(engine="vllm", engine_version="0.30.0", rr_version="0", model="m", num_hidden_layers=2,
               num_experts=4, topk=2, moe_layers=[0, 1], wire_dtype="uint8", logprobs_mode="processed")
@@ -125,7 +125,7 @@ def test_info_states_only_known_modes() -> None:
 
 def test_replicas_must_agree_on_the_logprobs_mode() -> None:
     """Every result is labelled with the pool's mode, so a replica stating another one is a mismatch."""
-    from rr_client._replicas import info_mismatch
+    from rr_client.client._replicas import info_mismatch
 
     raw = RRInfo(**{**INFO.model_dump(), "logprobs_mode": "raw"})
     assert info_mismatch(INFO, raw) == {"logprobs_mode": ("processed", "raw")}

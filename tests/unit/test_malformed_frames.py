@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rr_client import RRInfo
-from rr_client.codec import check_routing, decode_routed_experts
-from rr_client.errors import MalformedPayloadError, RRError
-from rr_client.reference import (FRAME_MEDIA_TYPE, READ_PATH, ROWS_SCHEMA, FramePart, RoutingRef, checksum,
+from rr_client.core.codec import check_routing, decode_routed_experts
+from rr_client.core.errors import MalformedPayloadError, RRError
+from rr_client.core.reference import (FRAME_MEDIA_TYPE, READ_PATH, ROWS_SCHEMA, FramePart, RoutingRef, checksum,
                                  decode_frame, encode_frame)
 from rr_server.serving import routing_store as rs
 from rr_server.serving.routing_store import RoutingStore
@@ -200,7 +200,7 @@ def test_read_route_rows_of_the_held_key_with_hostile_ranges(read_client: Any) -
 @given(stated=hostile, dtype=hostile)
 def test_stated_shape_and_dtype_of_any_kind(stated: Any, dtype: Any) -> None:
     """What a sender states next to the payload (``routed_experts_shape`` / ``_dtype``) is compared, never trusted."""
-    from rr_client.codec import check_payload, decode_meta_info, encode_routed_experts
+    from rr_client.core.codec import check_payload, decode_meta_info, encode_routed_experts
 
     good = check_routing(make_routing(2, 3, 2, 8, moe_layers=INFO.moe_layers, seed=4), INFO, rows=2)
     for call in (lambda: check_payload(good.array, INFO, rows=2, stated_shape=stated),

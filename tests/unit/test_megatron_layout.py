@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rr_client.errors import ShapeMismatchError
+from rr_client.core.errors import ShapeMismatchError
 from rr_client.integrations.megatron._layout import (cp_thd_index, cp_zigzag_index, distinct_pad_row, last_tokens,
                                                      sequence_first, sp_shard)
 
@@ -77,7 +77,7 @@ def test_last_tokens_follow_the_attention_mask() -> None:
 def test_megatron_core_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     """0.16.x passes; other releases are refused naming the tested one; none installed names the extra (the
     absence is faked by the metadata reader returning None: megatron-core is installed here)."""
-    from rr_client.errors import MissingDependencyError, UnsupportedVersionError
+    from rr_client.core.errors import MissingDependencyError, UnsupportedVersionError
     from rr_client.integrations.megatron import _gate
 
     monkeypatch.delenv("RR_ALLOW_UNSUPPORTED_VERSION", raising=False)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rr_client import RRInfo, decode_meta_info
-from rr_client.codec import check_routing, routing_meta_fields
+from rr_client.core.codec import check_routing, routing_meta_fields
 from rr_server.serving.generate_protocol import BadRequest, parse_generate_request
 from rr_server.serving.openai_routing import engine_body, finish_answer, parse_openai_routing
 

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from rr_client.errors import MissingDependencyError
+from rr_client.core.errors import MissingDependencyError
 from tests.support.png import png_size
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ def _runs() -> dict[bool, list[dict[str, float]]]:
 
 def test_no_module_imports_matplotlib() -> None:
     code = ("import sys, importlib.util\n"
-            "import rr_client, rr_server, rr_client.optional\n"
+            "import rr_client, rr_server, rr_client.core.optional\n"
             f"for name, path in (('ex', {str(EXAMPLE)!r}), ('soak', {str(SOAK)!r})):\n"
             "    spec = importlib.util.spec_from_file_location(name, path)\n"
             "    mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)\n"

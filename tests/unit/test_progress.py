@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from rr_client.errors import RRError, TransportError
-from rr_client.errors import ServerStartError
-from rr_server.process import free_port, stop_process_group, wait_healthy
+from rr_client.core.errors import RRError, TransportError
+from rr_client.core.errors import ServerStartError
+from rr_server.launch.process import free_port, stop_process_group, wait_healthy
 from rr_server.progress import Steps, last_log_line, log_tail
 
 PRINTS_THEN_EXITS = """import sys, time

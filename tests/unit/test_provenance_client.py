@@ -20,10 +20,10 @@ import pytest
 
 from rr_client import (GenerateBatch, Provenance, RoutedExpertsClient, RRInfo, StaleRoutingError, check_provenance,
                        parse_sample, tokens_digest)
-from rr_client._openai import parse_choices, parse_stream
-from rr_client.codec import check_routing, expected_rows, routing_meta_fields
-from rr_client.errors import MalformedPayloadError, ProtocolError
-from rr_client.reference import RoutingRef, check_ref_tokens
+from rr_client.client._openai import parse_choices, parse_stream
+from rr_client.core.codec import check_routing, expected_rows, routing_meta_fields
+from rr_client.core.errors import MalformedPayloadError, ProtocolError
+from rr_client.core.reference import RoutingRef, check_ref_tokens
 from rr_server.serving import routing_store as rs
 from rr_server.serving.routing_store import RoutingStore
 from tests.support.routing_data import make_routing

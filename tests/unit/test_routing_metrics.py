@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from rr_client.codec import check_routing, routing_error_fields, routing_meta_fields
-from rr_client.errors import ShapeMismatchError, UnrecordedRoutingError
-from rr_client.info import RRInfo
+from rr_client.core.codec import check_routing, routing_error_fields, routing_meta_fields
+from rr_client.core.errors import ShapeMismatchError, UnrecordedRoutingError
+from rr_client.core.info import RRInfo
 from rr_server.serving import routing_metrics
 
 INFO = RRInfo.from_hf_config({"num_hidden_layers": 2, "num_experts": 300, "num_experts_per_tok": 2},

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from rr_client import RoutedExpertsClient, RRInfo
-from rr_client.codec import check_routing, routing_meta_fields
-from rr_client.errors import (MalformedPayloadError, RoutingChecksumError, RoutingExpiredError, ShapeMismatchError,
+from rr_client.core.codec import check_routing, routing_meta_fields
+from rr_client.core.errors import (MalformedPayloadError, RoutingChecksumError, RoutingExpiredError, ShapeMismatchError,
                               UnrecordedRoutingError)
-from rr_client.reference import FramePart, RoutingRef, checksum, decode_frame, encode_frame
+from rr_client.core.reference import FramePart, RoutingRef, checksum, decode_frame, encode_frame
 from rr_server.serving import routing_store as rs
 from rr_server.serving.routing_store import RoutingStore
 from tests.support.routing_data import make_routing
@@ -105,13 +105,13 @@ def test_a_restarted_server_refuses_the_old_instances_refs() -> None:
 
 
 def test_ref_format_needs_a_store_and_goes_through_the_codec(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("rr_client.codec._reference_store", None)
-    from rr_client.errors import MissingRoutingError
+    monkeypatch.setattr("rr_client.core.codec._reference_store", None)
+    from rr_client.core.errors import MissingRoutingError
 
     with pytest.raises(MissingRoutingError, match="no routing store"):
         routing_meta_fields(checked(3), "ref")
     store = RoutingStore(1 << 20, URL)
-    monkeypatch.setattr("rr_client.codec._reference_store", store.put)
+    monkeypatch.setattr("rr_client.core.codec._reference_store", store.put)
     fields = routing_meta_fields(checked(3, start=2), "ref")
     assert "routed_experts" not in fields and fields["routed_experts_format"] == "ref"
     assert fields["routed_experts_ref"]["start"] == 2 and fields["routed_experts_shape"] == [3, 3, 2]

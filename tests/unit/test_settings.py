@@ -1,4 +1,4 @@
-"""Every ``RR_*`` environment setting is read by rr_client.settings with one rule, and every reader in rr uses it."""
+"""Every ``RR_*`` environment setting is read by rr_client.core.settings with one rule, and every reader in rr uses it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rr_client import settings
+from rr_client.core import settings
 
 REPO = Path(__file__).resolve().parents[2]
 FLAGS = sorted(n for n, s in settings.SETTINGS.items() if s.kind == "flag")
@@ -60,7 +60,7 @@ def test_every_rr_variable_in_the_code_is_a_registered_setting() -> None:
 
 
 def test_no_module_reads_an_rr_variable_from_os_environ_itself() -> None:
-    """One reader: ``os.environ.get("RR_...")`` / ``os.getenv("RR_...")`` appear nowhere but rr_client.settings."""
+    """One reader: ``os.environ.get("RR_...")`` / ``os.getenv("RR_...")`` appear nowhere but rr_client.core.settings."""
     pattern = re.compile(r"(os\.environ\.get|os\.getenv|os\.environ\[)\(?\s*[\"']RR_")
     offenders = [str(p.relative_to(REPO)) for p in _shipped_sources()
                  if p.name != "settings.py" and pattern.search(p.read_text())]

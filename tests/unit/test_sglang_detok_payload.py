@@ -8,7 +8,7 @@ import io
 import numpy as np
 import torch
 
-from rr_client.codec import decode_routed_experts
+from rr_client.core.codec import decode_routed_experts
 from rr_patches.sglang.detok import compact_payload
 
 

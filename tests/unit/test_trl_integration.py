@@ -17,7 +17,7 @@ import torch
 
 from rr_client import ConfigurationError, GenerateResult, LogprobsModeError, RRError, UnsupportedVersionError
 from rr_client.integrations import trl as rr_trl
-from rr_client.logprobs import parse_token_logprobs
+from rr_client.core.logprobs import parse_token_logprobs
 from tests.support.protocol_server import ProtocolTestServer
 
 

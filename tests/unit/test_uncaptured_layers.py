@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from rr_client import RRInfo
-from rr_client.codec import check_payload
-from rr_client.errors import ShapeMismatchError, UnrecordedRoutingError
-from rr_client.hf_config import hash_layers_from_config, moe_layers_from_config
+from rr_client.core.codec import check_payload
+from rr_client.core.errors import ShapeMismatchError, UnrecordedRoutingError
+from rr_client.core.hf_config import hash_layers_from_config, moe_layers_from_config
 from tests.support.routing_data import make_routing
 
 V4 = {"model_type": "deepseek_v4", "num_hidden_layers": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,

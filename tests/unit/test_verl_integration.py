@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from rr_client.errors import (ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError, ShapeMismatchError,
+from rr_client.core.errors import (ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError, ShapeMismatchError,
                               UnrecordedRoutingError, UnsupportedVersionError)
-from rr_client.info import RRInfo
+from rr_client.core.info import RRInfo
 from rr_client.integrations.verl import accumulate_turn_rows, check_verl_version, packed_rows, unpack_recorded
 from rr_client.integrations.verl._engine import replay_mode
 from rr_client.integrations.verl._patches import (_Checked, _install_extract_shim, checked_meta_routing, fsdp_replay_on,

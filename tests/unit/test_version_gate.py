@@ -1,4 +1,4 @@
-"""The one version gate (:mod:`rr_client.versions`) and the one patch kit (:mod:`rr_client.patching`), and the
+"""The one version gate (:mod:`rr_client.core.versions`) and the one patch kit (:mod:`rr_client.core.patching`), and the
 engine gates built on them (issue 29, item 3): every refusal is an :class:`UnsupportedVersionError`, so an
 ``RRError``, naming the package, what was found, what was tested and the override."""
 
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from rr_client.errors import RRError, UnsupportedVersionError
-from rr_client.patching import MARKER, is_wrapped, parameters, unwrap, wrap_once
-from rr_client import versions
-from rr_client.versions import OVERRIDE, check_version
+from rr_client.core.errors import RRError, UnsupportedVersionError
+from rr_client.core.patching import MARKER, is_wrapped, parameters, unwrap, wrap_once
+from rr_client.core import versions
+from rr_client.core.versions import OVERRIDE, check_version
 
 
 @pytest.mark.parametrize("lo,hi,version,covered", [
@@ -227,7 +227,7 @@ def test_engine_generate_is_wrapped_once() -> None:
 
 def test_server_side_refusals_are_rr_errors() -> None:
     """Every refusal class of rr's engine side is in the RRError tree and still the RuntimeError it was."""
-    from rr_client.errors import ConfigurationError
+    from rr_client.core.errors import ConfigurationError
     from rr_patches.vllm.auth import UnprotectedRoutesError
     from rr_server.serving.sglang_facts import UnsupportedSGLangError
     from rr_server.serving.vllm_facts import UnsupportedVLLMVersion
@@ -240,7 +240,7 @@ def test_server_side_refusals_are_rr_errors() -> None:
 def test_endpoint_plugin_without_an_engine_is_a_configuration_error() -> None:
     import asyncio
 
-    from rr_client.errors import ConfigurationError
+    from rr_client.core.errors import ConfigurationError
     from rr_patches.vllm.endpoint import RREndpointPlugin
 
     plugin = RREndpointPlugin()

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rr_client.patching import is_wrapped
+from rr_client.core.patching import is_wrapped
 
 pytest.importorskip("vllm")
 
@@ -97,7 +97,7 @@ def test_endpoint_plugin_inert_without_rr_enable(monkeypatch: pytest.MonkeyPatch
 
 
 def test_launcher_sets_what_0_31_plus_capture_needs() -> None:
-    from rr_server.launch_vllm import build_command
+    from rr_server.launch.vllm import build_command
 
     env: dict[str, str] = {}
     cmd, notes = build_command(["--model", "m", "--no-enable-prefix-caching"], cpu=False, version="0.32.0", env=env)

@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from rr_client.errors import ConfigurationError, WeightSyncError
+from rr_client.core.errors import ConfigurationError, WeightSyncError
 from rr_client.integrations.weight_sync import DiskWeightSync, WeightEngine
 from tests.support.threaded_server import ThreadedServer
 

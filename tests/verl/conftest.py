@@ -48,7 +48,7 @@ def verl_process() -> None:
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """Tiny Qwen3-MoE (3 layers, layer 1 dense, 8 experts, top-2) with its tokenizer."""
-    from rr_server.tiny_moe import build_tiny_moe
+    from rr_server.demo.tiny_moe import build_tiny_moe
     from tests.support.vllm_process import CACHE
 
     return build_tiny_moe(CACHE / "verl-qwen3", **MODEL_SPEC)

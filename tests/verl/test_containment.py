@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rr_client.errors import ConfigurationError
+from rr_client.core.errors import ConfigurationError
 from tests.verl import harness as h
 from tests.verl.test_multi_turn import ScriptedServer, agent_data, rows, run_turns
 
@@ -36,7 +36,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine_workers import ActorRolloutRefWorker
 import rr_client.integrations.verl as rr
 from rr_client.integrations.verl import _patches
-from rr_client.patching import MARKER, is_wrapped
+from rr_client.core.patching import MARKER, is_wrapped
 try:
     from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer
     sglang = is_wrapped(SGLangHttpServer, "generate")
@@ -262,7 +262,7 @@ def test_tool_loop_is_verls_own_without_rrs_fsdp_replay(verl_process: None, mode
     """Megatron's own R3 (its rows as verl keeps them: the last turn's), the disabled mode, FSDP1: verl's step."""
     from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 
-    from rr_client.patching import is_wrapped
+    from rr_client.core.patching import is_wrapped
 
     assert is_wrapped(ToolAgentLoop, "_handle_generating_state")
     prompt, out1, tool, out2 = [11, 12, 13, 14], [21, 22, 23], [31, 32], [41, 42]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from rr_client.errors import (ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError, ReplayError,
+from rr_client.core.errors import (ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError, ReplayError,
                               UnrecordedRoutingError)
 from tests.verl import harness as h
 
@@ -243,7 +243,7 @@ def test_worker_turns_replay_on_for_fsdp(workers: Any) -> None:
     assert workers[("disabled", True)][1].enable_routing_replay is False
     from rr_client.integrations import verl as rr_verl
     from rr_client.integrations.verl._patches import use_rr_engine
-    from rr_client.patching import is_wrapped
+    from rr_client.core.patching import is_wrapped
 
     assert rr_verl.installed() and not rr_verl.failed_patches()  # by verl's own plugin loader (the rr entry point)
     from verl.workers.engine.base import EngineRegistry

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rr_client.errors import LogprobsModeError
+from rr_client.core.errors import LogprobsModeError
 from rr_client.integrations.verl._logprobs import SGLANG_ORIGINAL, check_rollout_logprobs, rollout_logprobs
 from tests.verl import harness as h
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rr_client.errors import ShapeMismatchError
+from rr_client.core.errors import ShapeMismatchError
 
 
 class ScriptedServer:

@@ -53,7 +53,7 @@ async def generate(harness: Any, server: Any, call: Any) -> Any:
 
 
 def expected(harness: Any, model_dir: Path) -> np.ndarray:
-    from rr_server.tiny_moe import reference_routing
+    from rr_server.demo.tiny_moe import reference_routing
 
     r = harness.sched.reqs["verl-0"]
     return reference_routing(model_dir, (r.prompt + r.completion)[:-1])

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rr_client.errors import LogprobsModeError
+from rr_client.core.errors import LogprobsModeError
 from rr_client.integrations.verl import _logprobs
 from rr_client.integrations.verl._logprobs import RolloutLogprobs
 from tests.support.vllm_process import REPO, VLLMProcess

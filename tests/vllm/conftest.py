@@ -58,7 +58,7 @@ def start_server(name: str, model_dir: Path, *, core: int) -> VLLMProcess:
 @pytest.fixture(scope="session")
 def tiny_models() -> dict[str, Path]:
     """Build (or reuse from .cache/) the tiny checkpoints used by the e2e tests."""
-    from rr_server.tiny_moe import build_tiny_moe
+    from rr_server.demo.tiny_moe import build_tiny_moe
 
     models = {name: build_tiny_moe(CACHE / name, **spec) for name, spec in MODEL_SPECS.items()}
     return {**models, "glm4_mtp": build_tiny_glm4_mtp(CACHE / "glm4_mtp", models["qwen3_dense"])}

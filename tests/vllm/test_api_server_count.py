@@ -3,7 +3,7 @@ server processes in front of one engine, and rr's routes are in both; refs made 
 through either (the processes answer for each other's routing stores).
 
 vLLM's ``api_server`` module (the launcher's default command) serves one process and ignores the flag; the
-launcher therefore runs vLLM's ``serve`` for it (``rr_server.vllm_serve``). Routing values are compared with
+launcher therefore runs vLLM's ``serve`` for it (``rr_server.launch.vllm_serve``). Routing values are compared with
 transformers' router top-k.
 """
 
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from rr_client import RoutedExpertsClient, RoutingExpiredError
-from rr_client.hf_config import load_config, moe_layers_from_config
-from rr_server.tiny_moe import reference_routing
+from rr_client.core.hf_config import load_config, moe_layers_from_config
+from rr_server.demo.tiny_moe import reference_routing
 from tests.support.prom import rr_samples
 from tests.support.routing_asserts import assert_routing_sets_equal
 from tests.support.vllm_process import STARTUP_TIMEOUT_S, VLLMProcess

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from rr_client import MissingRoutingError, RoutedExpertsClient, RoutingExpiredError, RoutingRef
-from rr_client.hf_config import load_config, moe_layers_from_config
-from rr_client.reference import decode_frame
+from rr_client.core.hf_config import load_config, moe_layers_from_config
+from rr_client.core.reference import decode_frame
 from rr_server.serving.routing_store import MAX_REFS_PER_READ
-from rr_server.tiny_moe import reference_routing
+from rr_server.demo.tiny_moe import reference_routing
 from tests.support.routing_asserts import assert_routing_sets_equal
 
 pytestmark = pytest.mark.vllm_server

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from rr_client import RoutedExpertsClient, StaleRoutingError, tokens_digest
-from rr_client.hf_config import load_config, moe_layers_from_config
-from rr_server.tiny_moe import reference_routing
+from rr_client.core.hf_config import load_config, moe_layers_from_config
+from rr_server.demo.tiny_moe import reference_routing
 from tests.support.routing_asserts import assert_routing_sets_equal
 
 pytestmark = pytest.mark.vllm_server

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from rr_client import RoutedExpertsClient, UnrecordedRoutingError
-from rr_server.launch_vllm import CPU_KV_CACHE_BYTES, build_command
+from rr_server.launch.vllm import CPU_KV_CACHE_BYTES, build_command
 from tests.support.prom import rr_samples
 from tests.support.vllm_process import VLLMProcess, server_args
 

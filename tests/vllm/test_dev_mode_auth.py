@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rr_server.launch_vllm import OPEN_DEV_MODE_FLAG
+from rr_server.launch.vllm import OPEN_DEV_MODE_FLAG
 from tests.support.vllm_process import VLLMProcess, launcher_command, server_args
 
 pytestmark = pytest.mark.vllm_server

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from rr_server.cli import main as cli
-from rr_server.tiny_moe import build_tiny_moe
+from rr_server.demo.tiny_moe import build_tiny_moe
 from tests.support.vllm_process import CACHE, VLLMProcess, small_kv_dev_server
 from tests.vllm.conftest import MODEL_SPECS
 

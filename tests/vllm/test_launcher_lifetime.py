@@ -69,7 +69,7 @@ def test_sigkilled_launcher_takes_the_engine_down(tiny_models: dict[str, Path]) 
         assert server.proc is not None
         launcher = server.proc.pid
         kids = {c: Path(f"/proc/{c}/cmdline").read_bytes() for c in _children(launcher)}
-        watchdogs = [c for c, cmd in kids.items() if b"rr_server.lifeline" in cmd]
+        watchdogs = [c for c, cmd in kids.items() if b"rr_server.launch.lifeline" in cmd]
         assert len(watchdogs) == 1, kids
         engine_groups = {os.getpgid(c) for c in kids if c not in watchdogs}
         (engine_pgid,) = engine_groups  # vLLM runs in a process group of its own
@@ -94,14 +94,14 @@ def test_sigkilled_launcher_takes_the_engine_down(tiny_models: dict[str, Path]) 
 
 
 def test_watchdog_takes_down_a_group_when_its_owner_dies() -> None:
-    """rr_server.lifeline on its own: a process group guarded by a short-lived owner is gone after the owner's
+    """rr_server.launch.lifeline on its own: a process group guarded by a short-lived owner is gone after the owner's
     SIGKILL, and a clean release leaves nothing running (no vLLM needed)."""
     import subprocess
     import sys
 
     owner_code = (
         "import subprocess, sys, time\n"
-        "from rr_server import lifeline\n"
+        "from rr_server.launch import lifeline\n"
         "g = lifeline.start(grace_s=1.0)\n"
         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
         "g.guard(p.pid)\n"

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from rr_client import GenerateBatch, LogprobsModeError, RoutedExpertsClient
-from rr_client.logprobs import check_comparable_logprobs
+from rr_client.core.logprobs import check_comparable_logprobs
 from rr_client.trainer import ReplaySession, keys as K
 from rr_client.trainer.metrics import token_logprobs
 from tests.support.vllm_process import VLLMProcess

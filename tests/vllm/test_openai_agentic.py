@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from rr_client import RoutedExpertsClient, TokenMismatchError, to_tensors
-from rr_client.hf_config import load_config, moe_layers_from_config, routing_dims_from_config
-from rr_server.tiny_moe import reference_routing
+from rr_client.core.hf_config import load_config, moe_layers_from_config, routing_dims_from_config
+from rr_server.demo.tiny_moe import reference_routing
 from tests.support.routing_asserts import assert_routing_sets_equal
 from tests.support.sse import sse_events
 from tests.vllm.test_vllm_e2e import tokenize
@@ -184,7 +184,7 @@ _PARAMS = {"max_new_tokens": 12, "temperature": 0.8, "seed": 7}
 
 async def _three_turns(server: Any, transport: httpx.AsyncBaseTransport | None = None) -> Any:
     """A 3-turn token-id rollout with tool tokens in between (the demo's agentic loop)."""
-    from rr_server.demo_agentic import agentic_rollout
+    from rr_server.demo.agentic import agentic_rollout
 
     async with RoutedExpertsClient(server.base_url, transport=transport) as c:
         traj = await agentic_rollout(c, tokenize(server.model_dir, "Once upon a time there was a router."),
@@ -194,7 +194,7 @@ async def _three_turns(server: Any, transport: httpx.AsyncBaseTransport | None =
 
 async def _three_turns_resent(server: Any, transport: httpx.AsyncBaseTransport) -> list[int]:
     """The same conversation asking for every row each turn; its tokens."""
-    from rr_server.demo_agentic import resent_rollout
+    from rr_server.demo.agentic import resent_rollout
 
     async with RoutedExpertsClient(server.base_url, transport=transport) as c:
         return await resent_rollout(c, tokenize(server.model_dir, "Once upon a time there was a router."),
@@ -222,7 +222,7 @@ def test_three_turn_trajectory_matches_transformers(qwen_server: Any) -> None:
 
 def test_incremental_start_sends_one_turns_rows(qwen_server: Any) -> None:
     """Bytes on the wire: incremental turns receive fewer bytes than re-sending every row each turn."""
-    from rr_server.demo_agentic import CountingTransport
+    from rr_server.demo.agentic import CountingTransport
 
     inc, resend = CountingTransport(), CountingTransport()
     traj, _ = asyncio.run(_three_turns(qwen_server, inc))

@@ -17,7 +17,7 @@ import pytest
 
 from rr_client import RoutedExpertsClient, ServerError, TransportError
 from rr_server.proxy.app import ProxyConfig
-from rr_server.tiny_moe import reference_routing
+from rr_server.demo.tiny_moe import reference_routing
 from tests.support.proxy_harness import SidecarServer
 from tests.support.routing_asserts import assert_routing_sets_equal
 from tests.support.vllm_process import VLLMProcess

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from rr_client import GenerateResult, RoutedExpertsClient
-from rr_client.agreement import count_matches
-from rr_client.provenance import PROVENANCE_FIELD, Provenance, tokens_digest
+from rr_client.core.agreement import count_matches
+from rr_client.core.provenance import PROVENANCE_FIELD, Provenance, tokens_digest
 from rr_server.proxy.app import ProxyConfig
-from rr_server.tiny_moe import reference_routing
+from rr_server.demo.tiny_moe import reference_routing
 from tests.support.proxy_harness import SidecarServer
 
 pytestmark = pytest.mark.vllm_server

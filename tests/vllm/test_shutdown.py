@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from rr_client import RoutedExpertsClient
-from rr_client.errors import RRError
+from rr_client.core.errors import RRError
 from tests.support.vllm_process import VLLMProcess
 from tests.vllm.test_launcher_lifetime import _children, _group
 from tests.vllm.test_soak import SOAK
@@ -43,7 +43,7 @@ def test_sigterm_with_requests_in_flight(tiny_models: dict[str, Path]) -> None:
     assert server.proc is not None
     launcher = server.proc.pid
     engine_pgids = {os.getpgid(c) for c in _children(launcher)
-                    if b"rr_server.lifeline" not in Path(f"/proc/{c}/cmdline").read_bytes()}
+                    if b"rr_server.launch.lifeline" not in Path(f"/proc/{c}/cmdline").read_bytes()}
     prompts = [[(7 * i + 3 * j) % 400 + 2 for j in range(24 + i)] for i in range(IN_FLIGHT)]
     try:
         pending_at_sigterm: list[int] = []

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rr_client.codec import decode_meta_info
+from rr_client.core.codec import decode_meta_info
 from rr_server.cli import main as cli
 from rr_server.doctor.truth import LayerAgreement, RouterReference
 from tests.vllm.test_vllm_e2e import _sse, check_item, no_routing, tokenize

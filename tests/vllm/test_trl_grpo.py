@@ -162,7 +162,7 @@ def test_two_ranks_by_reference(dev_server: VLLMProcess, tiny_models: dict[str, 
     barriers), and the replaced weights' rows are retired."""
     import httpx
 
-    from rr_server.process import free_port
+    from rr_server.launch.process import free_port
 
     before = httpx.get(dev_server.base_url + "/rr/info", timeout=30).json()["routing_store"]
     script = Path(__file__).with_name("trl_two_ranks.py")

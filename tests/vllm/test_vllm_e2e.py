@@ -12,9 +12,9 @@ import httpx
 import numpy as np
 import pytest
 
-from rr_client.codec import decode_meta_info, decode_routed_experts
-from rr_client.hf_config import load_config, moe_layers_from_config, routing_dims_from_config
-from rr_server.tiny_moe import reference_routing
+from rr_client.core.codec import decode_meta_info, decode_routed_experts
+from rr_client.core.hf_config import load_config, moe_layers_from_config, routing_dims_from_config
+from rr_server.demo.tiny_moe import reference_routing
 from tests.support import bad_requests
 from tests.support.bad_requests import BadRequestCase
 from tests.support.routing_asserts import assert_routing_sets_equal

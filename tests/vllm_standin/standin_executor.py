@@ -16,7 +16,7 @@ positions ``[emit_start, tokens_forwarded)``, ``emit_start`` beginning at the re
 ``routed_experts_prompt_start`` (shape ``(rows, num_hidden_layers, topk)``, dense layers zero, uint8/uint16
 as vLLM's capturer), computed by the one reference top-k (:func:`rr_server.doctor.truth.router_topk`). The
 worker-side capturer itself is NOT exercised; rr's tests check every routing value against
-:func:`rr_server.tiny_moe.reference_routing`.
+:func:`rr_server.demo.tiny_moe.reference_routing`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import ModelRunnerOutput
 
 from rr_server.doctor.truth import router_forward, router_topk
-from rr_server.tiny_moe import load_model, moe_layer_indices
+from rr_server.demo.tiny_moe import load_model, moe_layer_indices
 
 _FIRST_ORDINARY_ID = 10  # ids below this are never chosen (special tokens of the tiny tokenizer live there)
 

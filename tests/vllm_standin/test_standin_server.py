@@ -18,13 +18,13 @@ from typing import Any
 import httpx
 import numpy as np
 
-from rr_client.codec import decode_meta_info
-from rr_client.hf_config import (
+from rr_client.core.codec import decode_meta_info
+from rr_client.core.hf_config import (
     load_config,
     moe_layers_from_config,
     routing_dims_from_config,
 )
-from rr_server.tiny_moe import reference_routing
+from rr_server.demo.tiny_moe import reference_routing
 from tests.support.routing_asserts import assert_routing_sets_equal
 from tests.support.sse import sse_events
 from tests.vllm_standin.conftest import HAVE

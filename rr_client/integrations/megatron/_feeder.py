@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from rr_client.errors import (ArgumentTypeError, ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError,
+from rr_client.core.errors import (ArgumentTypeError, ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError,
                               ShapeMismatchError, UnrecordedRoutingError)
 from rr_client.integrations.megatron._layout import (cp_thd_index, cp_zigzag_index, distinct_pad_row, last_tokens,
                                                      sequence_first, sp_shard)

@@ -5,8 +5,8 @@ The version is read from the distribution metadata, never by importing megatron 
 
 from __future__ import annotations
 
-from rr_client.errors import MissingDependencyError
-from rr_client.versions import Tested, check_version, installed_version
+from rr_client.core.errors import MissingDependencyError
+from rr_client.core.versions import Tested, check_version, installed_version
 
 __all__ = ["TESTED_MEGATRON", "WHY", "check_megatron_version"]
 
@@ -16,9 +16,9 @@ WHY = ("rr feeds megatron.core.transformer.moe.router_replay.RouterReplay per To
 
 
 def check_megatron_version(version: str | None = None) -> str:
-    """The megatron-core version (default: the installed one), or :class:`rr_client.errors.UnsupportedVersionError`
+    """The megatron-core version (default: the installed one), or :class:`rr_client.core.errors.UnsupportedVersionError`
     outside :data:`TESTED_MEGATRON` (one override: ``RR_ALLOW_UNSUPPORTED_VERSION=1``);
-    :class:`rr_client.errors.MissingDependencyError` naming the extra when none is installed."""
+    :class:`rr_client.core.errors.MissingDependencyError` naming the extra when none is installed."""
     found = version if version is not None else installed_version(("megatron-core", "megatron_core"))
     if found is None:
         raise MissingDependencyError("rr_client.integrations.megatron needs megatron-core: "

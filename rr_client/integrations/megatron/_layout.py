@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from rr_client.errors import ShapeMismatchError
+from rr_client.core.errors import ShapeMismatchError
 
 __all__ = ["cp_zigzag_index", "cp_thd_index", "sp_shard", "sequence_first", "distinct_pad_row", "last_tokens"]
 

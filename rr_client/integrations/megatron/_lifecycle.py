@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rr_client.errors import MissingRoutingError, ReplayError
+from rr_client.core.errors import MissingRoutingError, ReplayError
 from rr_client.integrations.megatron._routers import MegatronRouter
 from rr_client.trainer import keys as K
 from rr_client.trainer.session import AUDIT_EVERY, merge_reports

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from rr_client.errors import ArgumentTypeError, ConfigurationError, ReplayError, ShapeMismatchError
+from rr_client.core.errors import ArgumentTypeError, ConfigurationError, ReplayError, ShapeMismatchError
 from rr_client.integrations.megatron._feeder import Feed, MtpPolicy, Parallel, feed, parallel_from_state
 from rr_client.integrations.megatron._gate import check_megatron_version
 from rr_client.integrations.megatron._lifecycle import AUDIT_EVERY, Lifecycle

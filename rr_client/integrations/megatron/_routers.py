@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from rr_client.errors import ConfigurationError, ReplayError, UnsupportedModelError
-from rr_client.optional import require
+from rr_client.core.errors import ConfigurationError, ReplayError, UnsupportedModelError
+from rr_client.core.optional import require
 
 __all__ = ["MegatronRouter", "find_routers", "has_transformer_layers", "check_config", "check_registered",
            "moe_layers_of", "REFUSED"]

@@ -3,8 +3,8 @@ tested on (it overrides ``GRPOTrainer`` methods that move between releases)."""
 
 from __future__ import annotations
 
-from rr_client.optional import require
-from rr_client.versions import Tested, check_version
+from rr_client.core.optional import require
+from rr_client.core.versions import Tested, check_version
 
 __all__ = ["TESTED_TRL", "check_trl_version", "trl"]
 

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rr_client.errors import ConfigurationError, ReplayError
-from rr_client.info import RRInfo
+from rr_client.core.errors import ConfigurationError, ReplayError
+from rr_client.core.info import RRInfo
 from rr_client.integrations._loop import LoopThread
 from rr_client.integrations.trl._gate import check_trl_version
 from rr_client.integrations.weight_sync import WeightEngine
@@ -78,7 +78,7 @@ class RRRollout:
                  sampling_params: Mapping[str, Any] | None = None, by_reference: bool = False,
                  **client_options: Any) -> None:
         check_trl_version()
-        from rr_client._client import RoutedExpertsClient
+        from rr_client.client import RoutedExpertsClient
 
         if engines is not None and engine_urls is not None:
             raise ConfigurationError("RRRollout: pass engines= (engine_urls= is its older name), not both")

@@ -17,15 +17,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rr_client.errors import ConfigurationError, ReplayError, WeightSyncError
+from rr_client.core.errors import ConfigurationError, ReplayError, WeightSyncError
 from rr_client.integrations.trl._correction import MODES
 from rr_client.integrations.trl._gate import check_trl_version, trl
 from rr_client.integrations.trl._rollout import ROUTING_KEY, Rollout, RRRollout, sampled_logprobs, sampling_params_from
-from rr_client.logprobs import check_comparable_logprobs
+from rr_client.core.logprobs import check_comparable_logprobs
 from rr_client.integrations.weight_sync import DiskWeightSync
 from rr_client.trainer import keys as K
 from rr_client.trainer.layouts import RoutingTensors, to_tensors
-from rr_client.provenance import StalePolicy
+from rr_client.core.provenance import StalePolicy
 from rr_client.trainer.metrics import token_logprobs
 from rr_client.trainer.provenance import Segments, build_segments, check_samples, mask_samples, provenance_metrics
 from rr_client.trainer.replay import replay_routing

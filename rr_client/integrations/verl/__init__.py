@@ -23,8 +23,8 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rr_client.errors import UnsupportedVersionError
-from rr_client.versions import OVERRIDE
+from rr_client.core.errors import UnsupportedVersionError
+from rr_client.core.versions import OVERRIDE
 
 from ._gate import TESTED_VERL, check_verl_version
 from ._patches import FAILED, PATCHES, WORKERS_MODULE, apply_guard, apply_patch

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from rr_client import settings
-from rr_client.errors import ConfigurationError, MissingRoutingError, UnsupportedModelError
-from rr_client.info import RRInfo
-from rr_client.logprobs import PROCESSED, check_comparable_logprobs
+from rr_client.core import settings
+from rr_client.core.errors import ConfigurationError, MissingRoutingError, UnsupportedModelError
+from rr_client.core.info import RRInfo
+from rr_client.core.logprobs import PROCESSED, check_comparable_logprobs
 from rr_client.trainer import keys as K
 from rr_client.trainer.provenance import COMPUTED, GENERATED, Segments
 from rr_client.trainer.replay import find_routers

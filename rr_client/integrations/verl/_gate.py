@@ -1,4 +1,4 @@
-"""The verl releases this integration was tested on, and the refusal of any other (through :mod:`rr_client.versions`).
+"""The verl releases this integration was tested on, and the refusal of any other (through :mod:`rr_client.core.versions`).
 
 The version is read from the package metadata, never by importing verl's modules: :func:`install` runs inside
 ``import verl`` (verl's plugin loader) and must stay cheap there.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 
-from rr_client.versions import Tested, check_version
+from rr_client.core.versions import Tested, check_version
 
 __all__ = ["TESTED_VERL", "WHY", "installed_verl_version", "check_verl_version"]
 
@@ -30,6 +30,6 @@ def installed_verl_version() -> str | None:
 
 def check_verl_version(version: str | None = None) -> str:
     """Return ``version`` (default: the installed verl's) when rr was tested on it, else raise
-    :class:`rr_client.errors.UnsupportedVersionError` naming the tested release and ``RR_ALLOW_UNSUPPORTED_VERSION``."""
+    :class:`rr_client.core.errors.UnsupportedVersionError` naming the tested release and ``RR_ALLOW_UNSUPPORTED_VERSION``."""
     found = version if version is not None else installed_verl_version()
     return check_version("verl", TESTED_VERL, found, why=WHY)

@@ -5,7 +5,7 @@ verl's actor computes ``log_softmax(logits / temperature)``. Its vLLM rollout se
 ``raw_logprobs`` is before it, the ``*_logits`` modes are no log-probs at all); its SGLang rollout returns them after
 temperature unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set. rr's R3 gap compares the actor's log-probs with the
 rollout's (``rollout_log_probs``, present with ``rollout.calculate_log_probs=True``), so where they would not mean
-the same thing rr refuses (:func:`rr_client.logprobs.check_comparable_logprobs`) instead of reporting a wrong gap.
+the same thing rr refuses (:func:`rr_client.core.logprobs.check_comparable_logprobs`) instead of reporting a wrong gap.
 No torch, no verl import.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
-from rr_client.errors import LogprobsModeError
-from rr_client.logprobs import PROCESSED, RAW, check_comparable_logprobs, mode_from_vllm
+from rr_client.core.errors import LogprobsModeError
+from rr_client.core.logprobs import PROCESSED, RAW, check_comparable_logprobs, mode_from_vllm
 
 __all__ = ["RolloutLogprobs", "rollout_logprobs", "check_rollout_logprobs", "SGLANG_ORIGINAL", "VERL_KEY",
            "ROLLOUT_LOGPROBS"]

@@ -29,9 +29,9 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from rr_client.errors import ConfigurationError, UnsupportedVersionError
-from rr_client.patching import parameters, wrap_once
-from rr_client.versions import OVERRIDE
+from rr_client.core.errors import ConfigurationError, UnsupportedVersionError
+from rr_client.core.patching import parameters, wrap_once
+from rr_client.core.versions import OVERRIDE
 
 from ._gate import TESTED_VERL
 
@@ -47,7 +47,7 @@ TOOL_LOOP_MODULE = "verl.experimental.agent_loop.tool_agent_loop"
 MODE_KEY = "actor_rollout_ref.actor.fsdp_config.router_replay.mode"
 ROLLOUT_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 
-# the shapes rr wraps or subclasses (parameter names, as rr_client.patching.parameters reads them)
+# the shapes rr wraps or subclasses (parameter names, as rr_client.core.patching.parameters reads them)
 WORKER_INIT = ["self", "config", "role", "distillation_config", "kwargs"]
 TOOL_STEP = ["self", "agent_data", "sampling_params", "ignore_termination"]
 SGLANG_GENERATE = ["self", "prompt_ids", "sampling_params", "request_id", "image_data", "video_data",
@@ -370,7 +370,7 @@ _SHIM = "__rr_shim__"
 
 
 def _dims(hf_config: Any) -> dict[str, Any]:
-    from rr_client.info import RRInfo
+    from rr_client.core.info import RRInfo
 
     info = RRInfo.from_hf_config(hf_config.to_dict(), engine="sglang", engine_version="")
     return dict(num_layers=info.num_hidden_layers, topk=info.topk, num_experts=info.num_experts,
@@ -382,7 +382,7 @@ def checked_meta_routing(output: dict[str, Any], prompt_len: int | None, hf_conf
     import numpy as np
     import torch
 
-    from rr_client.codec import decode_meta_info
+    from rr_client.core.codec import decode_meta_info
 
     meta = output.get("meta_info")
     if not isinstance(meta, dict) or "routed_experts" not in meta or isinstance(meta.get("routed_experts"), _Checked):

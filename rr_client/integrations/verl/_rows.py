@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from rr_client.codec import check_routing
-from rr_client.errors import MissingRoutingError, ShapeMismatchError, UnrecordedRoutingError
-from rr_client.info import RRInfo
+from rr_client.core.codec import check_routing
+from rr_client.core.errors import MissingRoutingError, ShapeMismatchError, UnrecordedRoutingError
+from rr_client.core.info import RRInfo
 
 __all__ = ["packed_rows", "padded_rows", "accumulate_turn_rows", "unpack_recorded"]
 
@@ -32,7 +32,7 @@ def packed_rows(routed: torch.Tensor, offsets: torch.Tensor, info: RRInfo) -> tu
     Rows are recorded where any id is non-zero (verl's convention: zero rows are unrecorded). In every sample
     the recorded rows must be a prefix of its tokens and not empty: a zero row between recorded ones, or a
     sample without any, is an error, never a silent native forward. The recorded rows then pass
-    :func:`rr_client.codec.check_routing` (layers, top-k, id range, distinct ids, zero dense layers). The
+    :func:`rr_client.core.codec.check_routing` (layers, top-k, id range, distinct ids, zero dense layers). The
     checks read one CPU copy of the micro-batch (one transfer); the returned rows and mask stay where verl
     put them, so the GPU path has no other host read here.
     """

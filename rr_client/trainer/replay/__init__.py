@@ -4,10 +4,10 @@
 audit in ``_audit``), ``record_routing`` in ``_record``, router discovery and hooks in ``_routers``, the
 routers' weight formulas in :mod:`rr_client.trainer.replay.formulas`, the family coverage table in
 :mod:`rr_client.trainer.replay.coverage` (``python -m rr_client.trainer.replay.coverage`` writes ``docs/replay-coverage.md``).
-``ReplayError`` and ``UnsupportedModelError`` are defined in :mod:`rr_client.errors` and re-exported here.
+``ReplayError`` and ``UnsupportedModelError`` are defined in :mod:`rr_client.core.errors` and re-exported here.
 """
 
-from rr_client.errors import ReplayError, UnsupportedModelError
+from rr_client.core.errors import ReplayError, UnsupportedModelError
 from rr_client.trainer.replay._record import RoutingRecord, record_routing
 from rr_client.trainer.replay._replay import CHECK_EVERY, replay_routing
 from rr_client.trainer.replay._routers import LeftRouter, Router, find_routers, survey

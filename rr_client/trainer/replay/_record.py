@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rr_client.errors import ReplayError
+from rr_client.core.errors import ReplayError
 from rr_client.trainer.replay._routers import Router, find_routers, num_hidden_layers, router_hooks
 
 __all__ = ["RoutingRecord", "record_routing"]

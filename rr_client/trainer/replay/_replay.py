@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rr_client.errors import ConfigurationError, ReplayError, ShapeMismatchError, UnsupportedModelError
+from rr_client.core.errors import ConfigurationError, ReplayError, ShapeMismatchError, UnsupportedModelError
 from rr_client.trainer.replay._audit import Audit, DeviceTally
 from rr_client.trainer.replay._checkpoint import checkpoint_owner
 from rr_client.trainer.replay._routers import Router, in_backward, num_hidden_layers, router_hooks, survey

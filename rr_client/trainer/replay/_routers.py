@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from rr_client.errors import MissingDependencyError, UnsupportedModelError
+from rr_client.core.errors import MissingDependencyError, UnsupportedModelError
 
 try:
     import torch

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rr_client.errors import ExpertIdOutOfRangeError, ShapeMismatchError, UnrecordedRoutingError
+from rr_client.core.errors import ExpertIdOutOfRangeError, ShapeMismatchError, UnrecordedRoutingError
 from rr_client.trainer.replay._routers import Router, router_device
 
 __all__ = ["LayerRows", "BlockRows", "RowStats", "layer_positions", "row_stats", "check_rows", "upload", "place_rows",

@@ -1,0 +1,176 @@
+"""Provenance of one sample's routing rows: which KV cache and which weights made them, as the engine says, and the
+policy that refuses (or masks) rows that may come from another forward than the sample's tokens. Torch- and
+httpx-free (core). Spec: docs/wire-format.md, "Provenance".
+
+Every rr server answers, per sample, ``meta_info["rr_provenance"]`` (an OpenAI choice: ``choice["rr_provenance"]``;
+a :class:`rr_client.RoutingRef`: its ``provenance``)::
+
+    {"schema": "rr.provenance/1",
+     "cached_tokens": 12,              # prompt tokens served from the prefix cache (their rows were not recomputed)
+     "cache_tier": "device",           # where those came from, when the engine says: device | host | storage |
+                                       #   external (a KV connector); null when unknown or no hit
+     "preemptions": 0,                 # times the request was preempted / retracted and re-prefilled; null: unknown
+     "weight_version_admitted": 3,     # the server's weight version (weight updates it has seen) at admission ...
+     "weight_version_finished": 3,     # ... and at finish
+     "weight_update_during": false,    # a weight update began or ended while the request ran
+     "tokens_digest": "9f..."}         # tokens_digest(prompt ids, output ids): what the rows belong to
+
+A sample that **spans** a weight update without a recompute keeps rows and log-probs that agree token by token (each
+token's rows and log-prob come from the same forward): it is kept and flagged. A sample that spans an update and was
+preempted (or whose preemptions the engine does not report) **may have been recomputed across it**: its prompt's
+(and earlier tokens') rows were overwritten under the new weights while its tokens and log-probs keep the old. The
+policy (:func:`check_provenance`) refuses it with :class:`StaleRoutingError`, or with ``stale_rows="mask"`` keeps it
+with replay masked off for the whole sample, and counts both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import numpy as np
+
+from rr_client.core.errors import ConfigurationError, MalformedPayloadError, StaleRoutingError
+
+__all__ = ["PROVENANCE_FIELD", "PROVENANCE_SCHEMA", "CacheTier", "StalePolicy", "Provenance", "ProvenanceCheck",
+           "tokens_digest", "check_provenance", "check_stale_policy"]
+
+PROVENANCE_FIELD = "rr_provenance"  #: the key of a sample's provenance in meta_info / an OpenAI choice
+PROVENANCE_SCHEMA = "rr.provenance/1"
+
+CacheTier = Literal["device", "host", "storage", "external"]
+"""Where an engine says a prefix-cache hit came from (``external``: a KV connector, e.g. vLLM's offloading)."""
+
+StalePolicy = Literal["refuse", "mask"]
+"""What to do with a sample that may have been recomputed across a weight update: raise, or keep it unreplayed."""
+
+_TIERS: tuple[str, ...] = get_args(CacheTier)
+_POLICIES: tuple[str, ...] = get_args(StalePolicy)
+
+
+def tokens_digest(prompt_ids: Sequence[int] | np.ndarray, output_ids: Sequence[int] | np.ndarray) -> str:
+    """32 hex chars binding rows to their tokens: blake2b over the prompt length and every id (int64 LE), so the
+    same ids split differently between prompt and output give another digest."""
+    p = np.asarray(prompt_ids, dtype="<i8").ravel()
+    o = np.asarray(output_ids, dtype="<i8").ravel()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.array([p.size], dtype="<i8").tobytes())
+    h.update(p.tobytes())
+    h.update(o.tobytes())
+    return h.hexdigest()
+
+
+def _opt_int(d: Mapping[str, Any], name: str, where: str) -> int | None:
+    v = d.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise MalformedPayloadError(f"{where}: {name} must be a non-negative int or null, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """Which cache and weights made one sample's rows (see the module docstring for each field)."""
+
+    cached_tokens: int = 0
+    cache_tier: str | None = None
+    preemptions: int | None = None
+    weight_version_admitted: int | None = None
+    weight_version_finished: int | None = None
+    weight_update_during: bool = False
+    tokens_digest: str | None = None
+
+    @property
+    def spans_update(self) -> bool:
+        """A weight update began or ended between the request's admission and its finish."""
+        a, f = self.weight_version_admitted, self.weight_version_finished
+        return self.weight_update_during or (a is not None and f is not None and a != f)
+
+    @property
+    def may_be_recomputed_across_update(self) -> bool:
+        """Spans an update and was preempted / retracted (or the engine does not say): rows may be from new weights
+        while tokens and log-probs are from the old."""
+        return self.spans_update and (self.preemptions is None or self.preemptions > 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object a server answers as ``rr_provenance``."""
+        return {"schema": PROVENANCE_SCHEMA, "cached_tokens": self.cached_tokens, "cache_tier": self.cache_tier,
+                "preemptions": self.preemptions, "weight_version_admitted": self.weight_version_admitted,
+                "weight_version_finished": self.weight_version_finished,
+                "weight_update_during": self.weight_update_during, "tokens_digest": self.tokens_digest}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = PROVENANCE_FIELD) -> "Provenance":
+        """Parse and check every field; :class:`MalformedPayloadError` names the one that is wrong."""
+        if not isinstance(d, Mapping):
+            raise MalformedPayloadError(f"{where} must be an object, got {type(d).__name__}")
+        if d.get("schema") != PROVENANCE_SCHEMA:
+            raise MalformedPayloadError(f"{where}: schema {d.get('schema')!r}, this client reads {PROVENANCE_SCHEMA!r}")
+        unknown = sorted(set(d) - {"schema", *cls.__dataclass_fields__})
+        if unknown:
+            raise MalformedPayloadError(f"{where}: unknown fields {unknown}")
+        cached = _opt_int(d, "cached_tokens", where)
+        tier = d.get("cache_tier")
+        if tier is not None and tier not in _TIERS:
+            raise MalformedPayloadError(f"{where}: cache_tier {tier!r}, expected one of {list(_TIERS)} or null")
+        during = d.get("weight_update_during", False)
+        if not isinstance(during, bool):
+            raise MalformedPayloadError(f"{where}: weight_update_during must be a bool, got {during!r}")
+        digest = d.get("tokens_digest")
+        if digest is not None and not (isinstance(digest, str) and len(digest) == 32):
+            raise MalformedPayloadError(f"{where}: tokens_digest must be 32 hex chars or null, got {digest!r}")
+        return cls(cached_tokens=cached or 0, cache_tier=tier, preemptions=_opt_int(d, "preemptions", where),
+                   weight_version_admitted=_opt_int(d, "weight_version_admitted", where),
+                   weight_version_finished=_opt_int(d, "weight_version_finished", where),
+                   weight_update_during=during, tokens_digest=digest)
+
+
+@dataclass(frozen=True, slots=True)
+class ProvenanceCheck:
+    """What :func:`check_provenance` decided for a batch: ``replay[i]`` False for a sample kept with replay masked
+    off; counts of samples masked, flagged (spanning an update without a recompute) and without provenance."""
+
+    replay: tuple[bool, ...]
+    masked: int
+    spans_update: int
+    unknown: int
+    cached_tokens: int
+
+
+def check_stale_policy(policy: object) -> StalePolicy:
+    """``policy`` if it is a :data:`StalePolicy`, else :class:`ConfigurationError` naming what rr accepts."""
+    if policy not in _POLICIES:
+        raise ConfigurationError(f"stale_rows={policy!r}: expected one of {list(_POLICIES)}")
+    return policy  # type: ignore[return-value]
+
+
+def check_provenance(provenances: Sequence[Provenance | None], policy: StalePolicy = "refuse", *,
+                     where: str = "sample") -> ProvenanceCheck:
+    """Apply the stale-rows policy to one batch: a sample that may have been recomputed across a weight update
+    raises :class:`StaleRoutingError` (``"refuse"``, naming it) or is kept unreplayed (``"mask"``); a sample that
+    spans an update without a recompute is kept and counted; ``None`` (a server without provenance) is counted."""
+    check_stale_policy(policy)
+    replay: list[bool] = []
+    masked = spans = unknown = cached = 0
+    for i, p in enumerate(provenances):
+        if p is None:
+            unknown += 1
+            replay.append(True)
+            continue
+        cached += p.cached_tokens
+        if p.may_be_recomputed_across_update:
+            if policy == "refuse":
+                raise StaleRoutingError(
+                    f"{where} {i}: its rows may have been recomputed under other weights than its tokens were "
+                    f"sampled with (preemptions {p.preemptions}, weight version {p.weight_version_admitted} at "
+                    f"admission, {p.weight_version_finished} at finish, update during: {p.weight_update_during}); "
+                    "pass stale_rows='mask' to keep such samples without replay")
+            masked += 1
+            replay.append(False)
+            continue
+        spans += p.spans_update
+        replay.append(True)
+    return ProvenanceCheck(tuple(replay), masked, spans, unknown, cached)

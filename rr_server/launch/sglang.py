@@ -1,0 +1,223 @@
+"""``rr-server launch sglang <SGLang args>``: install rr's patch, then run SGLang's own launch_server."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rr_client.core.codec import FORMATS
+from rr_server.serving.sglang_facts import UnsupportedSGLangError
+from rr_server.serving.speculative import draft_pollution_refusal, speculative_flags
+
+__all__ = ["main", "build_parser", "prepare_argv", "install_patch", "take_format_flag", "wants_help", "FORMAT_FLAG",
+           "HICACHE_FLAG", "check_hicache"]
+
+logger = logging.getLogger("rr.sglang")
+FLAG = "--enable-return-routed-experts"
+# rr's own flag (not SGLang's): the default routed_experts_format of /generate and the OpenAI endpoints
+FORMAT_FLAG = "--routed-experts-format"
+# entry-point group through which launchers reach rr's engine patches (never by importing rr_patches)
+LAUNCH_PATCHES = "rr.launch_patches"
+HICACHE_FLAG = "--enable-hierarchical-cache"
+# SGLang releases that refuse HiCache + routed experts at startup themselves (the guard that comes with #39027);
+# none of 0.5.7 - 0.5.23 does, so rr refuses it on all of them
+HICACHE_REFUSED_BY_SGLANG: frozenset[str] = frozenset()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """rr's own options of ``rr-server launch sglang``, for ``--help`` and the docs (SGLang's pass through)."""
+    p = argparse.ArgumentParser(
+        prog="rr-server launch sglang", add_help=False,
+        usage="rr-server launch sglang [rr options] <SGLang launch_server arguments...>",
+        description="Start SGLang's own server (prepare_server_args + run_server) with rr's patch installed: "
+                    "rr's wire format on /generate and the OpenAI endpoints, GET /rr/info; adds "
+                    f"{FLAG} when missing. Refuses an SGLang outside 0.5.7 - 0.5.23, --tokenizer-worker-num > 1, "
+                    f"{HICACHE_FLAG} (sglang#26975) and --speculative-* where drafts pollute the routing (exit 2).")
+    add_shared_options(p.add_argument_group("rr's options (every other argument goes to SGLang untouched)"), "SGLang")
+    return p
+
+
+def add_shared_options(group: argparse._ArgumentGroup, engine: str) -> None:
+    """The options both launchers take (listed last in their help): ``--routed-experts-format`` and ``--help``."""
+    group.add_argument(FORMAT_FLAG, choices=FORMATS,
+                       help="the server's default routed_experts_format: npy (rr's compact .npy, the default), sglang "
+                            "(SGLang's own int32 base64) or ref (a RoutingRef; the rows stay in the server's routing "
+                            "store); a request's own field wins")
+    group.add_argument("-h", "--help", action="store_true", help=f"rr's options, then {engine}'s own help")
+
+
+def wants_help(argv: Sequence[str]) -> bool:
+    """``-h`` / ``--help`` (or vLLM's ``--help=GROUP``) among the arguments."""
+    return any(a in ("-h", "--help") or a.startswith("--help=") for a in argv)
+
+
+def engine_help(parser: argparse.ArgumentParser, engine: str, dist: str, show: Callable[[], object]) -> int:
+    """rr's options first, then the engine's own help by ``show()`` (its exit code); a line if it is missing."""
+    sys.stdout.write(parser.format_help() + f"\n{engine}'s own arguments:\n")
+    sys.stdout.flush()
+    if importlib.util.find_spec(dist) is None:
+        print(f"  {engine}'s help is unavailable: {dist} is not installed (pip install 'rr-replay[{dist}]')")
+        return 0
+    try:
+        rc = show()
+        return rc if isinstance(rc, int) else 0
+    except SystemExit as e:  # argparse's --help ends with sys.exit(0)
+        return e.code if isinstance(e.code, int) else 0
+    except ImportError as e:
+        print(f"  {engine}'s help is unavailable: importing {dist} failed: {type(e).__name__}: {e}")
+        return 1
+
+
+def _sglang_help() -> None:
+    """SGLang's own ``launch_server --help`` (its parser prints and exits)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    prepare_server_args(["--help"])
+
+
+def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
+    """Remove ``--routed-experts-format {npy,sglang,ref}`` (SGLang's parser would refuse it); ConfigurationError (a
+    ValueError) on a missing or bad value."""
+    from rr_client.core.codec import check_format
+    from rr_client.core.errors import ConfigurationError
+
+    args, fmt, i = list(argv), None, 0
+    out: list[str] = []
+    while i < len(args):
+        a = args[i]
+        if a == FORMAT_FLAG:
+            if i + 1 >= len(args):
+                raise ConfigurationError(f"{FORMAT_FLAG} needs a value (one of {', '.join(FORMATS)})")
+            fmt, i = args[i + 1], i + 2
+        elif a.startswith(FORMAT_FLAG + "="):
+            fmt, i = a.split("=", 1)[1], i + 1
+        else:
+            out.append(a)
+            i += 1
+            continue
+        fmt = check_format(fmt)
+    return out, fmt
+
+
+def prepare_argv(argv: Sequence[str]) -> list[str]:
+    """SGLang's arguments with ``--enable-return-routed-experts`` added when missing."""
+    args = list(argv)
+    if FLAG not in args and not any(a.startswith(FLAG + "=") for a in args):
+        args.append(FLAG)
+    return args
+
+
+def _tokenizer_workers(args: Sequence[str]) -> int:
+    """Value of ``--tokenizer-worker-num`` (1 when absent or unparsable)."""
+    for i, a in enumerate(args):
+        if a == "--tokenizer-worker-num" and i + 1 < len(args):
+            val = args[i + 1]
+        elif a.startswith("--tokenizer-worker-num="):
+            val = a.split("=", 1)[1]
+        else:
+            continue
+        try:
+            return int(val)
+        except ValueError:
+            return 1
+    return 1
+
+
+def check_hicache(version: str, argv: Sequence[str]) -> None:
+    """ConfigurationError when ``argv`` turns SGLang's hierarchical cache on with routed experts on a release that
+    does not refuse the pair itself: prompt rows restored from the host tier are other rows (sgl-project/sglang
+    #26975) that keep their shape and id range, until #39027 moves the rows with the KV pages."""
+    from rr_client.core.errors import ConfigurationError
+
+    if version in HICACHE_REFUSED_BY_SGLANG:
+        return  # SGLang's own startup check refuses it, in its own words
+    if any(a == HICACHE_FLAG or a.startswith(HICACHE_FLAG + "=") and a.split("=", 1)[1].lower() not in ("0", "false")
+           for a in argv):
+        raise ConfigurationError(
+            f"SGLang {version} with {HICACHE_FLAG} and routed experts: prompt rows restored from the host/storage "
+            "tier are other requests' rows, silently - same shape and id range (sgl-project/sglang#26975; the fix, "
+            "#39027, is not in this release). Serve without the hierarchical cache")
+
+
+def install_patch() -> str:
+    """Patch this process the way an installed rr reaches SGLang: rr's ``rr.launch_patches`` entry point.
+
+    The launcher never imports :mod:`rr_patches` (the adapters sit beside it, not below it); returns how it patched.
+    """
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group=LAUNCH_PATCHES) if ep.name == "sglang"]
+    if not found:
+        raise UnsupportedSGLangError(
+            f"rr's SGLang patch is not installed (no '{LAUNCH_PATCHES}: sglang' entry point): pip install rr-replay")
+    return str(found[0].load()())
+
+
+def _run(argv: list[str]) -> None:
+    """SGLang's own ``prepare_server_args`` + ``run_server``, with its own cleanup."""
+    from sglang.launch_server import run_server
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    server_args: Any = prepare_server_args(argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point used by ``rr-server launch sglang``; returns a process exit code."""
+    from rr_server.serving.generate_protocol import FORMAT_ENV
+
+    if wants_help(argv):  # rr's options, then SGLang's: nothing is patched or started
+        return engine_help(build_parser(), "SGLang", "sglang", _sglang_help)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        argv, fmt = take_format_flag(argv)
+    except ValueError as e:
+        sys.stderr.write(f"rr-server: {FORMAT_FLAG}: {e}\n")
+        return 2
+    if fmt is not None:
+        os.environ[FORMAT_ENV] = fmt  # read per request by the patched server (this process)
+    args = prepare_argv(argv)
+    if _tokenizer_workers(args) > 1:
+        sys.stderr.write(
+            "rr-server: --tokenizer-worker-num > 1 is not supported: SGLang then runs its TokenizerManagers "
+            "in spawned uvicorn worker processes that rr's patch does not reach, so answers would not be in "
+            "rr format. Use one tokenizer worker, or run the rr sidecar in front of SGLang.\n"
+        )
+        return 2
+    if any(a.startswith(HICACHE_FLAG) for a in args):
+        from rr_server.serving.sglang_facts import installed_version
+
+        try:
+            check_hicache(installed_version(), args)
+        except ValueError as e:  # ConfigurationError
+            sys.stderr.write(f"rr-server: {e}\n")
+            return 2
+    if speculative_flags(args):
+        from rr_server.serving.sglang_facts import installed_version
+
+        why = draft_pollution_refusal("sglang", installed_version(), args)
+        if why:
+            sys.stderr.write(f"rr-server: {why}\n")
+            return 2
+    try:
+        how = install_patch()
+    except UnsupportedSGLangError as e:
+        sys.stderr.write(f"rr-server: {e}\n")
+        return 2
+    logger.info("rr: SGLang patched by %s; arguments: %s", how, " ".join(args))
+    from rr_server.serving.sglang_facts import ORIGINAL_LOGPROB_ENV, logprobs_mode
+
+    if logprobs_mode() == "raw":
+        logger.warning("rr: %s is set: SGLang's sampled log-probs are before temperature (/rr/info logprobs_mode "
+                       "raw); trainers refuse them at temperature != 1", ORIGINAL_LOGPROB_ENV)
+    _run(args)
+    return 0
