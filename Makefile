@@ -46,10 +46,11 @@ test-releases: setup
 # Left out: rr_client.integrations.trl (importing TRL raises torch's own DeprecationWarnings) and
 # rr_client.integrations.verl (verl lives in .venvs/verl); both are described in docs/trainer.md.
 # tests/unit/test_api_docs.py builds the same list.
-API_MODULES := rr_client rr_client.core.codec rr_client.core.errors rr_client.core.info rr_client.core.reference rr_client.core.settings \
-	rr_client.core.versions rr_client.core.agreement rr_client.core.hf_config rr_client.client.http_errors rr_client.trainer.metrics \
-	rr_client.client.trajectory rr_client.trainer.replay rr_client.trainer rr_client.trainer.layouts rr_client.trainer.metrics \
-	rr_client.trainer.session rr_client.trainer.replay rr_client.integrations.weight_sync
+API_MODULES := rr_client rr_client.core rr_client.core.codec rr_client.core.errors rr_client.core.info \
+	rr_client.core.reference rr_client.core.settings rr_client.core.versions rr_client.core.agreement \
+	rr_client.core.hf_config rr_client.client rr_client.client.http_errors rr_client.client.trajectory \
+	rr_client.trainer rr_client.trainer.layouts rr_client.trainer.metrics rr_client.trainer.session \
+	rr_client.trainer.replay rr_client.integrations.weight_sync
 
 docs: setup
 	rm -rf build/api

@@ -17,6 +17,7 @@ import orjson
 import pybase64
 import torch
 
+from _bench import int_options, synthetic_info  # noqa: I001 - this folder's helpers
 from rr_client import RRInfo, check_routing, encode_routed_experts, parse_sample, to_tensors
 from rr_client.core._rowcheck import HAVE_C
 
@@ -52,12 +53,7 @@ def replies_for(samples: list[np.ndarray], payloads: list[str], info: RRInfo, pr
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=5)
+    int_options(ap, batch=64, tokens=4096, layers=48, topk=8, experts=128, repeat=5)
     ap.add_argument("--json-samples", type=int, default=2, help="JSON is slow: time this many samples and scale")
     ap.add_argument("--quick", action="store_true", help="8 x 1024 tokens")
     a = ap.parse_args()
@@ -66,8 +62,7 @@ def main() -> None:
     b, t, layers, k, e = a.batch, a.tokens, a.layers, a.topk, a.experts
     samples = make_batch(b, t, layers, k, e)
     prompt_len = 16
-    info = RRInfo(engine="bench", engine_version="0", rr_version="0", num_hidden_layers=layers, num_experts=e,
-                  topk=k, moe_layers=list(range(layers)), wire_dtype="uint8" if e <= 256 else "uint16")
+    info = synthetic_info(layers, e, k, engine="bench", version="0")
     prompt_ids = [[1] * prompt_len for _ in samples]
 
     # ---- payloads

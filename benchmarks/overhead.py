@@ -13,20 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from rr_server.launch.vllm import build_command, is_cpu_platform  # noqa: E402
+from _bench import REPO, int_options, load_prompt, rr_vllm_command, spawn, synthetic_info  # noqa: I001 - sys.path
 from rr_server.launch.process import free_port as _free_port
 from rr_server.launch.process import stop_process_group as stop
 from rr_server.launch.process import wait_healthy as _wait_healthy
@@ -35,14 +30,10 @@ from rr_server.launch.process import wait_healthy as _wait_healthy
 def start(model_dir: Path, *, capture: bool, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """Start a vLLM API server with the rr plugin; with or without routing capture."""
     port = _free_port()
-    args = ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-            "--served-model-name", "tiny-moe"]
-    cmd, _ = build_command(args, cpu=is_cpu_platform())
+    cmd, env = rr_vllm_command(model_dir, port, "--served-model-name", "tiny-moe")
     if not capture:
         cmd = [a for a in cmd if a != "--enable-return-routed-experts"]
-    env = dict(os.environ, RR_ENABLE="1", VLLM_PLUGINS="rr", VLLM_LOGGING_LEVEL="WARNING")
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = spawn(cmd, env, log)
     url = f"http://127.0.0.1:{port}"
     _wait_healthy(url, proc, log, 600)
     return proc, url
@@ -58,8 +49,7 @@ async def load(url: str, *, routing: bool, concurrency: int, requests: int, prom
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
         async def one(i: int) -> None:
             nonlocal tokens, nbytes
-            ids = [(seed * 131 + i * 17 + j * 7) % 400 + 2 for j in range(prompt_len)]
-            body = {"input_ids": ids, "return_routed_experts": routing,
+            body = {"input_ids": load_prompt(seed, i, prompt_len), "return_routed_experts": routing,
                     "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 1.0,
                                         "seed": seed + i}}
             async with sem:
@@ -98,15 +88,12 @@ def encode_cost_us(rows: int, layers: int, topk: int, experts: int, reps: int = 
     """Server-side CPU cost (µs) of the full check + encoding one request's routing, measured in-process."""
     import numpy as np
 
-    from rr_client import RRInfo
     from rr_server.serving.generate_protocol import build_item
     from rr_server.serving.vllm_translate import checked_routing_fields
 
     rng = np.random.default_rng(0)
     arr = np.argsort(rng.random((rows, layers, experts)), axis=-1)[..., :topk].astype(np.uint8)  # distinct ids
-    info = RRInfo(engine="vllm", engine_version="bench", rr_version="bench", num_hidden_layers=layers,
-                  num_experts=experts, topk=topk, moe_layers=list(range(layers)),
-                  wire_dtype="uint8" if experts <= 256 else "uint16")
+    info = synthetic_info(layers, experts, topk, engine="vllm", version="bench")
     prompt, output = [0] * (rows - 63), [0] * 64
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -120,14 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=str(REPO / ".cache" / "bench-qwen3-moe"))
-    p.add_argument("--num-experts", type=int, default=64)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--requests", type=int, default=24)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    int_options(p, num_experts=64, topk=8, num_layers=4, rounds=6, requests=24, concurrency=8, prompt_len=128,
+                max_new_tokens=64)
     p.add_argument("--skip-baseline", action="store_true", help="skip the server without capture (A)")
     args = p.parse_args(argv)
 

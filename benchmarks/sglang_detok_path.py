@@ -72,7 +72,7 @@ def main() -> None:
     from rr_client import RRInfo
     from rr_patches.sglang.convert import wire_fields
     from rr_patches.sglang.detok import DETOK_METHOD, around_handle_batch_token_id_out
-    from rr_server.serving.sglang_facts import profile_for
+    from rr_server.serving.engines.sglang import profile_for
     from tests.sglang.standin import wire
 
     profile = profile_for()

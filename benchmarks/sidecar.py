@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,18 +19,9 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from rr_server.launch.vllm import build_command, is_cpu_platform  # noqa: E402
+from _bench import REPO, int_options, load_prompt, rr_vllm_command, spawn  # noqa: I001 - sys.path
 from rr_server.launch.process import free_port, wait_healthy
 from rr_server.launch.process import stop_process_group as stop
-
-
-def spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """Start a process in its own group, output to ``log``."""
-    with open(log, "wb") as fh:
-        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
 
 
 async def load(url: str, *, routing: bool, concurrency: int, requests: int, prompt_len: int, max_new: int,
@@ -41,8 +31,7 @@ async def load(url: str, *, routing: bool, concurrency: int, requests: int, prom
     lat: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
         async def one(i: int) -> None:
-            ids = [(seed * 131 + i * 17 + j * 7) % 400 + 2 for j in range(prompt_len)]
-            body = {"input_ids": ids, "return_routed_experts": routing,
+            body = {"input_ids": load_prompt(seed, i, prompt_len), "return_routed_experts": routing,
                     "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "seed": seed * 1000 + i}}
             async with sem:
                 t0 = time.perf_counter()
@@ -61,11 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=str(REPO / ".cache" / "bench-sidecar-qwen3-moe"))
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    int_options(p, rounds=3, requests=32, concurrency=8, prompt_len=64, max_new_tokens=16)
     args = p.parse_args(argv)
 
     from rr_server.demo.tiny_moe import build_tiny_moe
@@ -73,16 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     model = build_tiny_moe(args.model_dir, arch="qwen3_moe", num_layers=4, num_experts=64, topk=8)
     logs = Path(tempfile.mkdtemp(prefix="rr-bench-sidecar-"))
     port, sport = free_port(), free_port()
-    cmd, _ = build_command(["--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-                            "--max-model-len", "2048"], cpu=is_cpu_platform())
-    env = dict(os.environ, RR_ENABLE="1", VLLM_PLUGINS="rr", VLLM_LOGGING_LEVEL="WARNING")
-    engine = spawn(cmd, env, logs / "vllm.log")
+    cmd, env = rr_vllm_command(model, port)
+    engine = spawn(cmd, env, logs / "vllm.log", cwd=REPO)
     sidecar = None
     try:
         direct = f"http://127.0.0.1:{port}"
         wait_healthy(direct, engine, logs / "vllm.log", 600)
         sidecar = spawn([sys.executable, "-m", "rr_server.cli", "proxy", "--upstream", direct, "--engine", "vllm",
-                         "--port", str(sport), "--model-path", str(model)], dict(os.environ), logs / "sidecar.log")
+                         "--port", str(sport), "--model-path", str(model)], dict(os.environ), logs / "sidecar.log",
+                        cwd=REPO)
         via = f"http://127.0.0.1:{sport}"
         wait_healthy(via, sidecar, logs / "sidecar.log", 120)
         configs = [(name, url, routing) for name, url in (("direct", direct), ("sidecar", via)) for routing in (False, True)]

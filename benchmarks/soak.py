@@ -215,7 +215,8 @@ def compare_with_transformers(model_dir: Path, tokens: list[int], routing: np.nd
     """
     import torch
 
-    from rr_server.doctor.truth import NEAR_TIE, router_forward
+    from rr_client.trainer.router_reference import router_forward
+    from rr_server.doctor.truth import NEAR_TIE
     from rr_server.demo.tiny_moe import load_model
 
     want = len(tokens) - 1

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import Any
 
 import torch
 import transformers

@@ -7,8 +7,9 @@ The facade over rr_client's layers, built from each layer's ``__all__`` so a pub
 - :mod:`rr_client.client`: :class:`RoutedExpertsClient` and its results (httpx; loaded on first use).
 - :mod:`rr_client.trainer`: layouts, replay and :class:`ReplaySession` (torch; loaded on first use).
 
-Every public name reports ``rr_client`` as its module (as httpx does), so reprs, tracebacks and the API reference
-name the import users write, not the file it lives in.
+Every public error class reports ``rr_client`` as its module (as httpx does), so tracebacks, reprs and pickles
+name the import users write, not the file it lives in. Classes and functions with type hints keep their home
+module: ``typing.get_type_hints`` and the API reference resolve a hint in the module named by ``__module__``.
 """
 
 from __future__ import annotations
@@ -33,12 +34,9 @@ __all__ = [*_core_all, *_client_all, *_trainer_all]
 
 
 def _public(value: Any) -> Any:
-    """Name ``rr_client`` as the module of a public class or function (httpx's rule); modules stay as they are."""
-    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
-        try:
-            value.__module__ = "rr_client"
-        except (AttributeError, TypeError):  # a builtin or extension object: leave it
-            pass
+    """Name ``rr_client`` as the module of a public error class (httpx's rule); everything else stays as it is."""
+    if isinstance(value, type) and issubclass(value, BaseException):
+        value.__module__ = "rr_client"
     return value
 
 

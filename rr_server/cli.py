@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from rr_client.core.engines import ENGINES
 
 HELP = """usage: rr-server <command> [arguments...]
        rr-server <command> --help     (a command's own options; the launchers then show the engine's)
@@ -40,14 +43,11 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch to the launcher, the sidecar or the doctor; engine arguments pass through untouched."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) >= 2 and args[0] == "launch" and args[1] == "vllm":
-        from rr_server.launch.vllm import main as launch_vllm
+    if len(args) >= 2 and args[0] == "launch" and args[1] in ENGINES:  # rr_server.launch.<engine> launches it
+        from rr_server.launch import sglang, vllm  # noqa: F401 - imported by name here, so the import graph sees them
 
-        return launch_vllm(args[2:])
-    if len(args) >= 2 and args[0] == "launch" and args[1] == "sglang":
-        from rr_server.launch.sglang import main as launch_sglang
-
-        return launch_sglang(args[2:])
+        launch: Callable[[list[str]], int] = importlib.import_module(f"rr_server.launch.{args[1]}").main
+        return launch(args[2:])
     if args and args[0] == "doctor":
         from rr_server.doctor import main as doctor
 

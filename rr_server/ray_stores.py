@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="kill every store that is legacy (a detached per-node store of rr before 0.1) or unreachable")
     p.add_argument("--json", action="store_true", help="print the list as JSON")
     args = p.parse_args(list(argv or []))
-    from rr_server.serving.ray_store import list_stores, remove_stores
+    from rr_server.serving.store.ray import list_stores, remove_stores
 
     stores = list_stores(args.address)
     doomed = list(args.remove) + [s["name"] for s in stores if args.remove_leftovers and s["state"] != "live"]

@@ -7,8 +7,9 @@ is asked for.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rr_client.core.optional import lazy_getattr
 
 if TYPE_CHECKING:
     from rr_client.client._client import Prompt, RoutedExpertsClient
@@ -31,12 +32,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    """Load a public name's module on first use (httpx stays unloaded until then)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rr_client.client' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -117,8 +117,7 @@ class RoutedExpertsClient:
                                     credentials=bool(all_headers))
         self._resolver = RefResolver(self._http_for, max_concurrency=max_concurrency)
         self._sem = asyncio.Semaphore(max_concurrency)
-        self._retries = retries
-        self._backoff = backoff
+        self._retries, self._backoff = retries, backoff  # per request: tries after the first, first pause (s)
         self._batch_size = batch_size
         self._allow_extra_rows = allow_extra_rows
         self._validate = validate

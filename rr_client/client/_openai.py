@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rr_client.client._results import GenerateResult, decode_sample_routing, sample_provenance, sample_ref
+from rr_client.client._results import GenerateResult, checked_result, decode_sample_routing, sample_ref
 from rr_client.core.errors import ProtocolError
 from rr_client.core.info import RRInfo
 from rr_client.core.logprobs import parse_openai_logprobs
@@ -94,23 +94,11 @@ def parse_choices(
         meta.update(prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids), id=answer.get("id"),
                     usage=answer.get("usage"))
         logprobs = parse_openai_logprobs(choice.get("logprobs"), output_ids, where=where)
-        provenance = sample_provenance(choice, prompt_ids=prompt_ids, output_ids=output_ids, ref=ref, where=where)
         fr = choice.get("finish_reason")
-        out.append(GenerateResult(
-            index=first_index + j,
-            prompt_index=prompt_index,
-            prompt_ids=list(prompt_ids),
-            output_ids=list(output_ids),
-            text=text if isinstance(text, str) else None,
-            finish_reason=fr if isinstance(fr, str) else None,
-            routed_experts=routing,
-            routed_experts_start=start,
-            meta=meta,
-            routing_ref=ref,
-            logprobs=logprobs,
-            logprobs_mode=info.logprobs_mode if logprobs is not None else None,
-            provenance=provenance,
-        ))
+        out.append(checked_result(choice, info, index=first_index + j, prompt_index=prompt_index,
+                                  prompt_ids=prompt_ids, output_ids=output_ids, text=text,
+                                  finish_reason=fr if isinstance(fr, str) else None, routing=routing, start=start,
+                                  meta=meta, ref=ref, logprobs=logprobs, where=where))
     return out
 
 

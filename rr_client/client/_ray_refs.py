@@ -1,5 +1,5 @@
 """Resolving ``ray://`` routing refs: the rows are objects in Ray's object store (the engine's one ``ray.put``),
-held by the store actor of the engine that made them (rr_server.serving.ray_store); a trainer rank asks that actor
+held by the store actor of the engine that made them (rr_server.serving.store.ray); a trainer rank asks that actor
 where they are and ``ray.get`` s them, checksumming what arrived.
 Needs ``rr-replay[ray]`` and a connection to the Ray cluster (joined at ``RR_RAY_ADDRESS``, default ``auto``,
 unless this process is already in it, as a verl / OpenRLHF worker is)."""

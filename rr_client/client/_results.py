@@ -19,7 +19,8 @@ from rr_client.core.reference import RoutingRef
 if TYPE_CHECKING:
     from rr_client.trainer.layouts import PackedRouting, RoutingTensors
 
-__all__ = ["GenerateResult", "GenerateBatch", "parse_sample", "decode_sample_routing", "sample_provenance"]
+__all__ = ["GenerateResult", "GenerateBatch", "parse_sample", "decode_sample_routing", "sample_provenance",
+           "checked_result"]
 
 _PAYLOAD_KEYS = ("routed_experts", "output_routed_experts", "routed_experts_ref")
 
@@ -218,20 +219,21 @@ def parse_sample(
     logprobs = None if lp_rows is None else parse_token_logprobs(lp_rows, output_ids, where=where)
     fr = meta.get("finish_reason")
     finish = fr.get("type") if isinstance(fr, Mapping) else (fr if isinstance(fr, str) else None)
-    text = reply.get("text")
-    provenance = sample_provenance(meta, prompt_ids=ids, output_ids=output_ids, ref=ref, where=where)
+    return checked_result(meta, info, index=index, prompt_index=prompt_index, prompt_ids=ids, output_ids=output_ids,
+                          text=reply.get("text"), finish_reason=finish, routing=routing, start=start, meta=meta,
+                          ref=ref, logprobs=logprobs, where=where)
+
+
+def checked_result(fields: Mapping[str, Any], info: RRInfo, *, index: int, prompt_index: int,
+                   prompt_ids: Sequence[int] | None, output_ids: Sequence[int], text: Any, finish_reason: str | None,
+                   routing: np.ndarray | None, start: int, meta: dict[str, Any], ref: RoutingRef | None,
+                   logprobs: np.ndarray | None, where: str) -> GenerateResult:
+    """One checked sample as a :class:`GenerateResult`, built alike from a ``/generate`` reply and an OpenAI choice:
+    the ids copied, ``text`` kept only when a string, the log-probs' mode from ``info`` when log-probs came, and
+    the provenance read from ``fields`` (the sample's meta_info or choice) and held to its tokens."""
+    provenance = sample_provenance(fields, prompt_ids=prompt_ids, output_ids=output_ids, ref=ref, where=where)
     return GenerateResult(
-        index=index,
-        prompt_index=prompt_index,
-        prompt_ids=list(ids) if ids is not None else None,
-        output_ids=list(output_ids),
-        text=text if isinstance(text, str) else None,
-        finish_reason=finish,
-        routed_experts=routing,
-        routed_experts_start=start,
-        meta=meta,
-        routing_ref=ref,
-        logprobs=logprobs,
-        logprobs_mode=info.logprobs_mode if logprobs is not None else None,
-        provenance=provenance,
-    )
+        index=index, prompt_index=prompt_index, prompt_ids=list(prompt_ids) if prompt_ids is not None else None,
+        output_ids=list(output_ids), text=text if isinstance(text, str) else None, finish_reason=finish_reason,
+        routed_experts=routing, routed_experts_start=start, meta=meta, routing_ref=ref, logprobs=logprobs,
+        logprobs_mode=info.logprobs_mode if logprobs is not None else None, provenance=provenance)

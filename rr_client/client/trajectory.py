@@ -12,18 +12,30 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from rr_client.client._results import GenerateResult
+from rr_client.client._results import GenerateBatch, GenerateResult
 from rr_client.core.errors import (ArgumentTypeError, ConfigurationError, MissingRoutingError, ShapeMismatchError,
                               TokenMismatchError)
 from rr_client.core.provenance import Provenance
 from rr_client.core.reference import RoutingRef
 
-if TYPE_CHECKING:
-    from rr_client.client._client import RoutedExpertsClient
+
+class TurnClient(Protocol):
+    """What a trajectory needs of its client (:class:`RoutedExpertsClient` is one): a turn over ``/generate`` or
+    the chat endpoint, and reading refs. Named here, so the trajectory never imports the client that makes it."""
+
+    async def generate(self, prompts: Any, sampling_params: Mapping[str, Any] | None = None, *,
+                       routed_experts_start: int = 0, affinity: Hashable | None = None,
+                       by_reference: bool = False) -> GenerateBatch: ...
+
+    async def chat(self, messages: Sequence[Mapping[str, Any]], sampling_params: Mapping[str, Any] | None = None,
+                   *, tools: Sequence[Mapping[str, Any]] | None = None, routed_experts_start: int = 0,
+                   affinity: Hashable | None = None) -> GenerateBatch: ...
+
+    async def resolve(self, refs: Sequence[RoutingRef], *, tokens: Any = None) -> list[np.ndarray]: ...
 
 __all__ = ["Trajectory", "ChatTrajectory", "TurnSpan"]
 
@@ -78,7 +90,7 @@ def _first_difference(held: Sequence[int], prompt: Sequence[int]) -> int | None:
 class _Rollout:
     """Tokens, loss mask and routing rows of one conversation; what both trajectory kinds share."""
 
-    def __init__(self, client: "RoutedExpertsClient", prompt_ids: Sequence[int], affinity: Hashable | None,
+    def __init__(self, client: TurnClient, prompt_ids: Sequence[int], affinity: Hashable | None,
                  by_reference: bool = False) -> None:
         self._client = client
         self._tokens = _token_list(prompt_ids, "prompt_ids")
@@ -231,7 +243,7 @@ class Trajectory(_Rollout):
     ``await traj.resolve()`` reads them.
     """
 
-    def __init__(self, client: "RoutedExpertsClient", prompt_ids: Sequence[int], *,
+    def __init__(self, client: TurnClient, prompt_ids: Sequence[int], *,
                  affinity: Hashable | None = None, by_reference: bool = False) -> None:
         super().__init__(client, prompt_ids, affinity, by_reference)
         if not self._tokens:
@@ -262,7 +274,7 @@ class ChatTrajectory(_Rollout):
     trajectory with ``loss_mask`` False. ``traj.add(message)`` appends a tool/user message.
     """
 
-    def __init__(self, client: "RoutedExpertsClient", messages: Sequence[Mapping[str, Any]], *,
+    def __init__(self, client: TurnClient, messages: Sequence[Mapping[str, Any]], *,
                  tools: Sequence[Mapping[str, Any]] | None = None, affinity: Hashable | None = None) -> None:
         super().__init__(client, [], affinity)
         self.messages: list[dict[str, Any]] = [dict(m) for m in messages]

@@ -11,7 +11,7 @@ import ast
 import binascii
 import math
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,6 +19,7 @@ import numpy as np
 import pybase64
 
 import rr_client.core._rowcheck as _rowcheck
+from rr_client.core.engines import SGLANG
 from rr_client.core.errors import (
     ArgumentTypeError,
     ConfigurationError,
@@ -43,7 +44,7 @@ __all__ = [
     "FORMATS",
     "check_format",
     "routing_error_fields",
-    "install_reference_store",
+    "ReferenceStore",
     "decode_routed_experts",
     "decode_meta_info",
     "expected_rows",
@@ -208,24 +209,34 @@ def check_format(fmt: Any) -> str:
     return str(fmt)
 
 
-def routing_meta_fields(checked: "CheckedRouting", fmt: str = "npy") -> dict[str, Any]:
+class ReferenceStore(Protocol):
+    """Where ``routed_experts_format="ref"`` keeps checked rows (every rr server holds one,
+    ``rr_server.serving.store``): ``put`` returns the :class:`rr_client.RoutingRef` dict the answer carries."""
+
+    def put(self, checked: "CheckedRouting") -> dict[str, Any]:
+        """Keep ``checked``'s rows; the ref dict naming them."""
+        ...
+
+
+def routing_meta_fields(checked: "CheckedRouting", fmt: str = "npy", *,
+                        store: ReferenceStore | None = None) -> dict[str, Any]:
     """The ``meta_info`` entries a server adds for one request: payload plus its stated shape and dtype.
 
     Takes only :class:`CheckedRouting` (made by :func:`check_routing`), so nothing reaches the wire unchecked.
     ``fmt="sglang"`` gives SGLang's own payload (headerless int32 base64) for clients that decode it themselves;
-    ``fmt="ref"`` keeps the rows in the server's routing store and gives ``routed_experts_ref`` instead
-    (:func:`install_reference_store`, :class:`rr_client.RoutingRef`).
+    ``fmt="ref"`` keeps the rows in ``store`` (the server's routing store, passed by the producer) and gives
+    ``routed_experts_ref`` instead (:class:`rr_client.RoutingRef`).
     """
     if not isinstance(checked, CheckedRouting):
         raise ArgumentTypeError(f"routing_meta_fields takes a CheckedRouting from check_routing, got {type(checked).__name__}")
     arr = checked.array
     if check_format(fmt) == "ref":
-        if _reference_store is None:
+        if store is None:
             raise MissingRoutingError("routed_experts_format='ref': this server holds no routing store")
-        return {"routed_experts_ref": _reference_store(checked), "routed_experts_shape": [int(s) for s in arr.shape],
+        return {"routed_experts_ref": store.put(checked), "routed_experts_shape": [int(s) for s in arr.shape],
                 "routed_experts_dtype": arr.dtype.name, "routed_experts_format": fmt,
                 "routed_experts_start": checked.start}
-    if check_format(fmt) == "sglang":
+    if check_format(fmt) == SGLANG.native_format:
         wide = arr.astype("<i4")  # C-contiguous copy: SGLang sends int32 ids with no header
         payload, dtype_name = pybase64.b64encode(wide.data).decode("ascii"), "int32"
     else:
@@ -237,18 +248,6 @@ def routing_meta_fields(checked: "CheckedRouting", fmt: str = "npy") -> dict[str
         "routed_experts_format": fmt,
         "routed_experts_start": checked.start,
     }
-
-
-_reference_store: Callable[[CheckedRouting], dict[str, Any]] | None = None
-
-
-def install_reference_store(put: Callable[[CheckedRouting], dict[str, Any]] | None) -> None:
-    """The server's routing store for ``routed_experts_format="ref"``: ``put(checked)`` keeps the checked rows
-    and returns the :class:`rr_client.RoutingRef` dict the answer carries instead (None: no store). Every
-    rr server installs one at startup (rr_server.serving.routing_store), so each producer's one call to
-    :func:`routing_meta_fields` serves the ref format too."""
-    global _reference_store
-    _reference_store = put
 
 
 def routing_error_fields(exc: RoutedExpertsError) -> dict[str, Any]:

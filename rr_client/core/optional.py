@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
+from collections.abc import Callable, Mapping
 from types import ModuleType
+from typing import Any
 
 from rr_client.core.errors import MissingDependencyError
 
-__all__ = ["EXTRAS", "require", "available"]
+__all__ = ["EXTRAS", "require", "available", "lazy_getattr"]
 
 # importable name -> the rr-replay extra that installs it
 EXTRAS: dict[str, str] = {
@@ -43,3 +46,19 @@ def require(name: str, *, for_what: str = "") -> ModuleType:
         extra = EXTRAS.get(name, name)
         need = f"{for_what} needs {name}" if for_what else f"{name} is not installed"
         raise MissingDependencyError(f"{need}: pip install 'rr-replay[{extra}]' ({e})") from e
+
+
+def lazy_getattr(module: str, table: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module-level ``__getattr__`` for a layer's public names: ``table[name]`` (a module) is imported on first
+    access and the value cached in ``module``, so importing the layer loads neither httpx nor torch."""
+
+    def __getattr__(name: str) -> Any:
+        source = table.get(name)
+        if source is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        loaded = importlib.import_module(source)
+        value = loaded if source == f"{module}.{name}" else getattr(loaded, name)  # a submodule, or a name in one
+        setattr(sys.modules[module], name, value)
+        return value
+
+    return __getattr__

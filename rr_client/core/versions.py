@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,14 +52,16 @@ class Tested:
         return self.lo if not self.hi or self.hi == self.lo else f"{self.lo}-{self.hi}"
 
 
-def installed_version(distributions: Sequence[str]) -> str | None:
-    """The version of the first installed distribution of ``distributions`` (metadata only, nothing imported)."""
+def installed_version(distributions: Sequence[str], module: str | None = None) -> str | None:
+    """The version of the first installed distribution of ``distributions`` (metadata only, nothing imported); else
+    the ``__version__`` of ``module`` when it is already imported (a source checkout without metadata); else None."""
     for dist in distributions:
         try:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
-    return None
+    version = getattr(sys.modules.get(module), "__version__", None) if module else None
+    return str(version) if version else None
 
 
 def check_version(package: str, tested: Tested, version: str | None = None, *, why: str = "",

@@ -18,22 +18,19 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Self, get_args
+from typing import Any, Self
 
 import httpx
 
 from rr_client.core import settings
+from rr_client.core.engines import ENGINE_NAMES, ENGINES, EngineName
+from rr_client.core.engines import engine as find_engine
 from rr_client.core.errors import ConfigurationError, WeightSyncError
-from rr_client.core.weight_routes import ENGINE_ROUTES
 
-__all__ = ["DiskWeightSync", "ENGINE_ROUTES", "EngineKind", "WeightEngine"]
-
-EngineKind = Literal["vllm", "sglang"]
-"""The engines rr can make reload weights from disk."""
-
+__all__ = ["DiskWeightSync", "WeightEngine"]
 
 _KEY_ENV = "RR_API_KEY"
-_KINDS: tuple[str, ...] = get_args(EngineKind)
+_DEV_MODE_ROUTES = frozenset(r for e in ENGINES.values() for r in e.dev_mode_routes)  # vLLM's, 404 without dev mode
 
 
 def _check_url(url: object, where: str) -> str:
@@ -53,13 +50,13 @@ class WeightEngine:
     """
 
     url: str
-    kind: EngineKind
+    kind: EngineName
 
     def __post_init__(self) -> None:
         _check_url(self.url, "WeightEngine")
-        if self.kind not in _KINDS:
+        if self.kind not in ENGINES:
             raise ConfigurationError(f"WeightEngine({self.url!r}, {self.kind!r}): kind must be one of "
-                                     f"{', '.join(map(repr, _KINDS))}")
+                                     f"{', '.join(map(repr, ENGINE_NAMES))}")
 
 
 EngineSpec = str | WeightEngine
@@ -146,9 +143,9 @@ class DiskWeightSync:
                 raise WeightSyncError(
                     f"{url} is rr's sidecar in front of {upstream}: it forwards generation only, weights are "
                     f"reloaded on the engine itself; pass WeightEngine({upstream!r}, {name!r}) for each engine")
-            if name not in ENGINE_ROUTES:
+            if name not in ENGINES:
                 raise WeightSyncError(f"{url}/rr/info names engine {name!r}; rr can reload weights on "
-                                      f"{sorted(ENGINE_ROUTES)} only")
+                                      f"{sorted(ENGINES)} only")
             self._engines[url] = name
         return self._engines[url]
 
@@ -179,16 +176,12 @@ class DiskWeightSync:
         return time.perf_counter() - t0
 
     def _reload(self, url: str, folder: Path) -> None:
-        engine = self.engine(url)
-        route, field, reset = ENGINE_ROUTES[engine]
-        if engine == "vllm":
-            body: dict[str, Any] = {"method": "reload_weights", "kwargs": {field: str(folder)}}
-        else:
-            body = {field: str(folder)}
-        reply = self._call("POST", url, route, body, f"reloading weights from {folder}")
-        if engine == "sglang" and isinstance(reply, dict) and reply.get("success") is False:
+        eng = find_engine(self.engine(url))
+        route = eng.reload_route
+        reply = self._call("POST", url, route, eng.reload_body(str(folder)), f"reloading weights from {folder}")
+        if eng.reload_reply_says_success and isinstance(reply, dict) and reply.get("success") is False:
             raise WeightSyncError(f"{url}{route} refused the weights in {folder}: {reply.get('message')}")
-        self._call("POST", url, reset, None, "dropping the KV cache computed with the old weights")
+        self._call("POST", url, eng.cache_reset_route, None, "dropping the KV cache computed with the old weights")
 
     def _call(self, method: str, url: str, route: str, body: Any, what: str) -> Any:
         try:
@@ -208,7 +201,7 @@ class DiskWeightSync:
                 f"{url}/rr/info is 404 ({what}): {url} is not an rr server (an engine without rr's plugin, or a "
                 f"router/sidecar), so its engine is unknown; pass WeightEngine({url!r}, 'vllm') or "
                 f"WeightEngine({url!r}, 'sglang') for each engine")
-        if code == 404 and route in ("/collective_rpc", "/reset_prefix_cache"):
+        if code == 404 and route in _DEV_MODE_ROUTES:
             raise WeightSyncError(f"{url}{route} is 404 ({what}): vLLM serves it only with VLLM_SERVER_DEV_MODE=1 "
                                   "in the server's environment, and only on the engine itself (not a router or "
                                   "rr's sidecar)")

@@ -12,8 +12,9 @@ Imports torch. Sits above the wire core and the client (it reads their checked s
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rr_client.core.optional import lazy_getattr
 
 if TYPE_CHECKING:
     from rr_client.trainer import keys
@@ -37,14 +38,4 @@ _LAZY = {
     "r3_metrics": "rr_client.trainer.metrics",
 }
 
-
-def __getattr__(name: str) -> Any:
-    """Load a public name's module on first use (``import rr_client.trainer.keys`` stays torch-free)."""
-    if name == "keys":
-        return importlib.import_module("rr_client.trainer.keys")
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rr_client.trainer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, {**_LAZY, "keys": "rr_client.trainer.keys"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, Self
 
 import numpy as np
 
@@ -45,10 +45,19 @@ def _routing_of(sample: Sample) -> np.ndarray:
     return sample.routed_experts
 
 
-def _moved(obj: Any, device: torch.device | str, non_blocking: bool) -> Any:
-    """A copy of a layout dataclass with every tensor field on ``device`` (one transfer each)."""
-    return replace(obj, **{f.name: getattr(obj, f.name).to(device, non_blocking=non_blocking)
-                           for f in fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor)})
+class _Layout:
+    """What both layouts' dataclasses offer: one move to a device, a plain dict."""
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Self:
+        """The same batch with every tensor on ``device``, moved once per batch (replay then moves nothing)."""
+        obj: Any = self
+        return replace(obj, **{f.name: getattr(obj, f.name).to(device, non_blocking=non_blocking)
+                               for f in fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor)})
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain dict, e.g. to merge into a trainer's batch."""
+        obj: Any = self
+        return asdict(obj)
 
 
 PadExperts = Literal["zero", "distinct", "minus_one"]
@@ -56,7 +65,7 @@ LayerAxis = Literal["absolute", "moe"]
 
 
 @dataclass(frozen=True)
-class RoutingTensors:
+class RoutingTensors(_Layout):
     """Padded batch. ``routed_experts[b, t]`` is the routing that produced token ``t + 1`` of sample ``b``.
 
     Shapes: ``input_ids``, ``attention_mask``, ``response_mask``, ``routed_experts_mask``: ``[B, T]``;
@@ -81,17 +90,9 @@ class RoutingTensors:
     logprobs: torch.Tensor | None = None
     logprobs_mode: str | None = None
 
-    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> RoutingTensors:
-        """The same batch with every tensor on ``device``, moved once per batch (replay then moves nothing)."""
-        return _moved(self, device, non_blocking)
-
-    def as_dict(self) -> dict[str, object]:
-        """Plain dict, e.g. to merge into a trainer's batch."""
-        return asdict(self)
-
 
 @dataclass(frozen=True)
-class PackedRouting:
+class PackedRouting(_Layout):
     """Packed (THD) batch: every sample's tokens concatenated, no padding between samples.
 
     ``input_ids``, ``position_ids`` (0-based per sample), ``response_mask``, ``routed_experts_mask``:
@@ -116,14 +117,6 @@ class PackedRouting:
     num_pad_tokens: int = 0
     logprobs: torch.Tensor | None = None
     logprobs_mode: str | None = None
-
-    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> PackedRouting:
-        """The same batch with every tensor on ``device``, moved once per batch (replay then moves nothing)."""
-        return _moved(self, device, non_blocking)
-
-    def as_dict(self) -> dict[str, object]:
-        """Plain dict, e.g. to merge into a trainer's batch."""
-        return asdict(self)
 
 
 def tensor_dtype(num_experts: int) -> np.dtype[np.generic]:

@@ -9,13 +9,13 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rr_client.core.errors import UnsupportedVersionError
-from rr_client.core.patching import MARKER, parameters, wrap_once
+from rr_client.core.patching import MARKER, Shape, check_shapes, wrap_once
 from rr_patches.sglang.batch_items import apply_item_start_fix
 from rr_patches.sglang.hooks import around_handle_batch_output, around_init, around_send
-from rr_server.serving.sglang_facts import Profile, UnsupportedSGLangError, profile_for
+from rr_server.serving.engines import ReleaseFacts
+from rr_server.serving.engines.sglang import UnsupportedSGLangError, profile_for
 
-__all__ = ["TARGETS", "TM_PATH", "apply", "check_shapes", "is_applied", "install_for_launcher", "wrap_hook"]
+__all__ = ["TARGETS", "TM_PATH", "apply", "check_sglang_shapes", "is_applied", "install_for_launcher", "wrap_hook"]
 
 logger = logging.getLogger("rr.sglang")
 TM_PATH = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
@@ -36,13 +36,15 @@ _PARAMS: dict[str, list[str] | Sequence[list[str]] | None] = {
 }
 
 
-def _fields(cls: type) -> set[str]:
-    """Field names of an io_struct class (dataclass up to 0.5.22, msgspec.Struct later)."""
-    return set(getattr(cls, "__dataclass_fields__", None) or getattr(cls, "__struct_fields__", ()))
+def _refusal(version: str) -> Callable[[str], UnsupportedSGLangError]:
+    """The error :func:`rr_client.core.patching.check_shapes` raises for SGLang ``version``: UnsupportedSGLangError
+    (what the launcher and SGLang's plugin loader report)."""
+    return functools.partial(UnsupportedSGLangError, package="sglang", version=version)
 
 
-def check_shapes(profile: Profile) -> None:
-    """Refuse (UnsupportedSGLangError) unless every function and field rr relies on looks as expected.
+def check_sglang_shapes(profile: ReleaseFacts) -> None:
+    """Refuse (UnsupportedSGLangError naming every difference) unless each function and field rr relies on has
+    the shape :func:`rr_client.core.patching.check_shapes` is told here.
 
     The full pre-check, run before anything is patched (directly or through HookRegistry); :func:`wrap_hook`
     checks each wrapped signature again as it wraps.
@@ -50,26 +52,15 @@ def check_shapes(profile: Profile) -> None:
     from sglang.srt.managers import io_struct
     from sglang.srt.managers.tokenizer_manager import ReqState, TokenizerManager
 
-    problems: list[str] = []
-    hbo = inspect.unwrap(TokenizerManager._handle_batch_output)
-    if parameters(hbo) != _PARAMS["_handle_batch_output"]:
-        problems.append(f"_handle_batch_output{inspect.signature(hbo)} is not (self, recv_obj)")
-    if inspect.iscoroutinefunction(hbo) != profile.handle_is_async:
-        problems.append(f"_handle_batch_output async={inspect.iscoroutinefunction(hbo)}, expected {profile.handle_is_async}")
-    if parameters(TokenizerManager._send_one_request) not in _SEND_ONE_SHAPES:
-        problems.append(f"_send_one_request{inspect.signature(TokenizerManager._send_one_request)} is unknown")
-    if not callable(getattr(TokenizerManager, "_send_batch_request", None)):
-        problems.append("TokenizerManager._send_batch_request is missing")
-    for name in ("BatchTokenIDOutput", "BatchStrOutput"):
-        for field in (profile.field, "prompt_tokens", "completion_tokens"):
-            if field not in _fields(getattr(io_struct, name)):
-                problems.append(f"io_struct.{name} has no field {field!r}")
-    if "return_routed_experts" not in _fields(io_struct.TokenizedGenerateReqInput):
-        problems.append("TokenizedGenerateReqInput has no return_routed_experts")
-    if "out_list" not in _fields(ReqState):
-        problems.append("ReqState has no out_list")
-    if problems:
-        raise UnsupportedSGLangError(f"SGLang {profile.version} does not look as rr expects: " + "; ".join(problems))
+    routing = (profile.field, "prompt_tokens", "completion_tokens")
+    check_shapes(
+        Shape(TokenizerManager, {name: _PARAMS[name] for name in TARGETS},
+              coroutines={"_handle_batch_output": profile.handle_is_async}),
+        Shape(io_struct.BatchTokenIDOutput, fields=routing),
+        Shape(io_struct.BatchStrOutput, fields=routing),
+        Shape(io_struct.TokenizedGenerateReqInput, fields=("return_routed_experts",)),
+        Shape(ReqState, fields=("out_list",)),
+        what=f"SGLang {profile.version}", error=_refusal(profile.version))
 
 
 def _around(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -101,10 +92,7 @@ def wrap_hook(owner: type, name: str, hook: Callable[..., Any], *, version: str,
     A missing method or one of another shape is UnsupportedSGLangError (what the launcher and SGLang's plugin
     loader report), and nothing is changed.
     """
-    try:
-        return wrap_once(owner, name, _around(hook), params=params, what=f"SGLang {version}")
-    except UnsupportedVersionError as e:
-        raise UnsupportedSGLangError(str(e), package="sglang", version=version) from None
+    return wrap_once(owner, name, _around(hook), params=params, what=f"SGLang {version}", error=_refusal(version))
 
 
 def is_applied() -> bool:
@@ -129,7 +117,7 @@ def is_applied() -> bool:
     return all(hooked(name) for name in TARGETS)
 
 
-def apply(profile: Profile | None = None) -> Profile:
+def apply(profile: ReleaseFacts | None = None) -> ReleaseFacts:
     """Monkeypatch TokenizerManager in this process (idempotent); the launcher's path on 0.5.7-0.5.10."""
     profile = profile or profile_for()
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
@@ -138,14 +126,14 @@ def apply(profile: Profile | None = None) -> Profile:
     _apply_detokenizer(profile)
     if is_applied():
         return profile
-    check_shapes(profile)
+    check_sglang_shapes(profile)
     for name, hook in TARGETS.items():
         wrap_hook(TokenizerManager, name, hook, version=profile.version, params=_PARAMS[name])
     logger.info("rr: patched SGLang %s TokenizerManager (%s)", profile.version, ", ".join(TARGETS))
     return profile
 
 
-def _apply_detokenizer(profile: Profile) -> None:
+def _apply_detokenizer(profile: ReleaseFacts) -> None:
     """0.5.22+: the detokenizer encodes rr's compact payload (see :mod:`rr_patches.sglang.detok`); idempotent."""
     if not profile.detok_encodes:
         return

@@ -11,14 +11,14 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from rr_client.core.errors import UnsupportedVersionError
 from rr_client.core.patching import wrap_once
-from rr_server.serving.sglang_facts import Profile, UnsupportedSGLangError
+from rr_server.serving.engines import ReleaseFacts
+from rr_server.serving.engines.sglang import UnsupportedSGLangError
 
 __all__ = ["needs_item_start_fix", "apply_item_start_fix"]
 
 
-def needs_item_start_fix(profile: Profile) -> bool:
+def needs_item_start_fix(profile: ReleaseFacts) -> bool:
     """True on 0.5.8 - 0.5.11: the field exists but batch items lose it."""
     return profile.has_start_field and profile.release < (0, 5, 12)
 
@@ -37,7 +37,7 @@ def _copies_start(original: Callable[..., Any]) -> Callable[..., Any]:
     return getitem
 
 
-def apply_item_start_fix(profile: Profile) -> bool:
+def apply_item_start_fix(profile: ReleaseFacts) -> bool:
     """Wrap ``GenerateReqInput.__getitem__`` once where needed; True if it is (now) wrapped.
 
     An ``__getitem__`` of another shape is UnsupportedSGLangError, and nothing is changed.
@@ -46,9 +46,6 @@ def apply_item_start_fix(profile: Profile) -> bool:
         return False
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    try:
-        wrap_once(GenerateReqInput, "__getitem__", _copies_start, params=["self", "i"],
-                  what=f"SGLang {profile.version}")
-    except UnsupportedVersionError as e:
-        raise UnsupportedSGLangError(str(e), package="sglang", version=profile.version) from None
+    wrap_once(GenerateReqInput, "__getitem__", _copies_start, params=["self", "i"], what=f"SGLang {profile.version}",
+              error=functools.partial(UnsupportedSGLangError, package="sglang", version=profile.version))
     return True

@@ -6,6 +6,7 @@ from typing import Any
 
 from rr_client.core.codec import CheckedRouting, check_payload, routing_meta_fields
 from rr_client.core.info import RRInfo
+from rr_server.serving.store import current_store
 
 __all__ = ["checked_value", "wire_fields"]
 
@@ -27,4 +28,5 @@ def checked_value(value: Any, info: RRInfo, *, rows: int, start: int = 0, slice_
 def wire_fields(value: Any, info: RRInfo, *, rows: int, start: int = 0, slice_start: bool = False,
                 fmt: str = "npy") -> dict[str, Any]:
     """rr ``meta_info`` fields of :func:`checked_value` in ``fmt`` (``"npy"``, rr's; ``"sglang"``, headerless int32)."""
-    return routing_meta_fields(checked_value(value, info, rows=rows, start=start, slice_start=slice_start), fmt)
+    return routing_meta_fields(checked_value(value, info, rows=rows, start=start, slice_start=slice_start), fmt,
+                               store=current_store())

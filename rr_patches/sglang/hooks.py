@@ -24,7 +24,7 @@ from rr_patches.sglang.provenance import batch_provenance, with_digest
 from rr_patches.sglang.routes import bind_tokenizer_manager
 from rr_patches.sglang.state import RRState, rr_enabled, state_of
 from rr_server.serving.routing_metrics import count_sample
-from rr_server.serving.store_ledger import refs_made_under
+from rr_server.serving.store import current_store, refs_made_under
 from rr_server.serving.routing_metrics import declare as declare_counters
 
 __all__ = ["around_handle_batch_output", "around_send", "around_init", "ALWAYS_ENV", "always_return_routing"]
@@ -147,7 +147,7 @@ def _answer_fields(st: RRState, value: Any, *, rows: int, start: int,
         if st.info is None:
             raise ShapeMismatchError("the model config gives no routing dims (num_hidden_layers/experts/top-k)")
         checked = checked_value(value, st.info, rows=rows, start=start, slice_start=not st.profile.honours_start)
-        return routing_meta_fields(checked, fmt or _server_format()), checked
+        return routing_meta_fields(checked, fmt or _server_format(), store=current_store()), checked
     except RoutedExpertsError as e:
         logger.error("rr: refusing routing payload: %s", e)
         return routing_error_fields(e), None

@@ -28,13 +28,9 @@ from rr_client.core.codec import CheckedRouting, check_format
 from rr_client.core.errors import ConfigurationError
 from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_server.serving.weight_epoch import WeightEpoch, WeightUpdateMiddleware
-from rr_server.serving.generate_protocol import error_body
-from rr_server.serving.openai_middleware import (
-    install_openai_routing,
-    read_body,
-    replay_receive,
-    send_json,
-)
+from rr_server.serving.http import PostBodyMiddleware, Receive, Scope, Send, error_body, replay_receive, send_json
+from rr_server.serving.http import with_body
+from rr_server.serving.openai_middleware import install_openai_routing
 
 __all__ = [
     "Collector",
@@ -134,19 +130,13 @@ def fill_answer(answer: Any, col: Collector) -> list[CheckedRouting | str | None
     return found
 
 
-class GenerateFormatMiddleware:
+class GenerateFormatMiddleware(PostBodyMiddleware):
     """Pure ASGI: ``routed_experts_format`` on ``POST /generate`` is rr's; every other request passes untouched."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    paths = _GENERATE_PATHS
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in _GENERATE_PATHS:
-            await self.app(scope, receive, send)
-            return
-        raw = await read_body(receive)
-        if raw is None:
-            return  # the client left before sending its body
+    async def handle(self, scope: Scope, raw: bytes, receive: Receive, send: Send) -> None:
+        """Take ``routed_experts_format`` out of the body (400 for an unknown value) and run SGLang with it set."""
         body: Any = None
         if _FORMAT_KEY in raw:
             try:
@@ -164,11 +154,9 @@ class GenerateFormatMiddleware:
                 await send_json(send, error_body(str(e), 400), 400)
                 return
         new = json.dumps(body).encode()
-        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(new)).encode()))
         token = _FORMAT.set(fmt)
         try:
-            await self.app(dict(scope, headers=headers), replay_receive(new, receive), send)
+            await self.app(with_body(scope, new), replay_receive(new, receive), send)
         finally:
             _FORMAT.reset(token)
 

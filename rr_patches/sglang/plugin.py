@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 
-from rr_patches.sglang.apply import TARGETS, TM_PATH, apply, check_shapes
+from rr_patches.sglang.apply import TARGETS, TM_PATH, apply, check_sglang_shapes
 from rr_patches.sglang.batch_items import apply_item_start_fix
-from rr_server.serving.sglang_facts import profile_for
+from rr_server.serving.engines.sglang import profile_for
 
 __all__ = ["register"]
 
@@ -34,7 +34,7 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    check_shapes(profile)
+    check_sglang_shapes(profile)
     apply_item_start_fix(profile)  # 0.5.11: batch items lose routed_experts_start_len (no HookRegistry target)
     for name, hook in TARGETS.items():
         HookRegistry.register(f"{TM_PATH}.{name}", hook, HookType.AROUND)

@@ -8,7 +8,8 @@ import weakref
 from typing import Any
 
 from rr_patches.sglang.state import state_of
-from rr_server.serving.routing_store import STORE_ROUTES, advertised_url, current_store, install_store
+from rr_server.serving.http import error_body, json_response
+from rr_server.serving.store import STORE_ROUTES, advertised_url, current_store, install_store
 
 __all__ = ["bind_tokenizer_manager", "rr_info_dict", "install_route", "served_info"]
 
@@ -31,15 +32,13 @@ def rr_info_dict(tm: Any) -> dict[str, Any]:
 
 async def _rr_info_endpoint() -> Any:
     """GET /rr/info."""
-    from fastapi.responses import JSONResponse
-
     tm = _TM() if _TM is not None else None
     if tm is None:
-        return JSONResponse({"error": {"message": "rr: no TokenizerManager in this process"}}, status_code=503)
+        return json_response(error_body("rr: no TokenizerManager in this process", 503), 503)
     try:
-        return JSONResponse(rr_info_dict(tm))
+        return json_response(rr_info_dict(tm))
     except Exception as e:  # noqa: BLE001 - reported to the caller, not raised into uvicorn
-        return JSONResponse({"error": {"message": f"rr: {e}"}}, status_code=500)
+        return json_response(error_body(f"rr: {e}", 500), 500)
 
 
 def install_route(app: Any) -> None:

@@ -7,7 +7,8 @@ from typing import Any
 
 from rr_client.core.info import RRInfo
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
-from rr_server.serving.sglang_facts import Profile, logprobs_mode, profile_for
+from rr_server.serving.engines import ReleaseFacts
+from rr_server.serving.engines.sglang import logprobs_mode, profile_for
 
 __all__ = ["RRState", "state_of", "rr_enabled"]
 
@@ -18,7 +19,7 @@ _STATE_ATTR = "_rr_state"
 class RRState:
     """What rr remembers per TokenizerManager; ``info`` is None when the model config gives no routing dims."""
 
-    def __init__(self, profile: Profile, info: RRInfo | None) -> None:
+    def __init__(self, profile: ReleaseFacts, info: RRInfo | None) -> None:
         self.profile = profile
         self.info = info
         self.asked: dict[str, tuple[bool, int, str | None]] = {}  # rid -> (asked, start, routed_experts_format)
@@ -38,7 +39,7 @@ def rr_enabled(tm: Any) -> bool:
     return bool(getattr(tm.server_args, "enable_return_routed_experts", False))
 
 
-def _info_for(tm: Any, profile: Profile) -> RRInfo | None:
+def _info_for(tm: Any, profile: ReleaseFacts) -> RRInfo | None:
     """The served model's RRInfo, or None (logged) when its config has no routing dims."""
     sa = tm.server_args
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from rr_client.core import settings
 
 import importlib
-import inspect
 import logging
 import multiprocessing
 import os
@@ -20,8 +19,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from rr_client.core.patching import is_wrapped, wrap_once
-from rr_server.serving.vllm_facts import SUPPORTED, UnsupportedVLLMVersion, check_vllm_version, facts_for
+from rr_client.core.patching import wrap_once
+from rr_server.serving.engines.vllm import SUPPORTED, UnsupportedVLLMVersion, check_vllm_version, facts_for
 
 __all__ = ["register", "SUPPORTED", "check_vllm_version", "UnsupportedVLLMVersion", "uses_endpoint_plugin"]
 
@@ -53,25 +52,20 @@ def _wrap_build_app(orig: Callable[..., Any]) -> Callable[..., Any]:
     return build_app
 
 
-def _check_shape(fn: Callable[..., Any]) -> None:
-    """build_app must take ``args`` first and return the app; anything else is a layout we don't know."""
-    params = list(inspect.signature(fn).parameters)
-    if not params or params[0] != "args":
-        raise UnsupportedVLLMVersion(f"vLLM build_app has an unexpected signature {params}; refusing to patch")
+def _patch(mod: Any, attr: str, version: str = "") -> bool:
+    """Wrap ``mod.attr`` (a build_app) once (:func:`rr_client.core.patching.wrap_once`); True if it is (now) patched.
 
-
-def _patch(mod: Any, attr: str) -> bool:
-    """Wrap ``mod.attr`` (a build_app) once (:func:`rr_client.core.patching.wrap_once`); True if it is (now) patched."""
-    fn = getattr(mod, attr, None)
-    if fn is None:
+    build_app must take ``args`` first (later parameters vary between releases) and return the app; any other
+    shape is UnsupportedVLLMVersion naming the vLLM ``version``, and nothing is changed.
+    """
+    if getattr(mod, attr, None) is None:
         return False
-    if not is_wrapped(mod, attr):
-        _check_shape(fn)  # only the leading ``args``: later parameters vary between releases
-        wrap_once(mod, attr, _wrap_build_app, what="vLLM")
+    wrap_once(mod, attr, _wrap_build_app, params=["args", ...], what=f"vLLM {version}".strip(),
+              error=UnsupportedVLLMVersion)
     return True
 
 
-def _install_hooks(*, import_missing: bool) -> list[str]:
+def _install_hooks(*, import_missing: bool, version: str = "") -> list[str]:
     """Patch every known build_app site that exists; return the patched sites.
 
     With ``python -m vllm.entrypoints.openai.api_server`` that module is ``__main__`` (and, up to
@@ -82,7 +76,7 @@ def _install_hooks(*, import_missing: bool) -> list[str]:
     main_name = getattr(getattr(main, "__spec__", None), "name", None)
     for mod_name, attr in _HOOK_SITES:
         if mod_name == main_name:
-            if _patch(main, attr):
+            if _patch(main, attr, version):
                 patched.append(f"__main__({mod_name}).{attr}")
             continue
         if not import_missing and mod_name not in sys.modules:
@@ -91,7 +85,7 @@ def _install_hooks(*, import_missing: bool) -> list[str]:
             mod = importlib.import_module(mod_name)
         except Exception:  # noqa: BLE001 - a layout that does not exist in this version
             continue
-        if _patch(mod, attr):
+        if _patch(mod, attr, version):
             patched.append(f"{mod_name}.{attr}")
     return patched
 
@@ -150,7 +144,7 @@ def register() -> None:
             logger.info("rr: vLLM %s plugin active; /generate and /rr/info come from %s:%s",
                         version, ENDPOINT_GROUP, PLUGIN_NAME)
         return
-    sites = _install_hooks(import_missing=top)
+    sites = _install_hooks(import_missing=top, version=version)
     if not sites and not top:
         return
     if not sites:

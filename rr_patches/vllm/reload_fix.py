@@ -5,7 +5,7 @@ only on the first call"), so after ``/collective_rpc reload_weights`` the CPU ke
 and the engine serves wrong experts (and wrong routing); vLLM only logs that the expert weights "were not
 loaded". rr wraps the worker's ``reload_weights`` to re-run that prepack on every CPU MoE layer afterwards.
 Installed in the engine process by :func:`rr_patches.vllm.plugin.register` on the versions whose facts say
-so (:attr:`rr_server.serving.vllm_facts.Facts.cpu_reload_unpacked_experts`); re-entrant.
+so (:attr:`rr_server.serving.engines.base.ReleaseFacts.cpu_reload_unpacked_experts`); re-entrant.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from rr_client.core.codec import routing_error_fields
 from rr_client.core.errors import RoutedExpertsError
@@ -41,15 +41,14 @@ from rr_server.serving.generate_protocol import (
     BadRequest,
     NormalizedGenerate,
     build_item,
-    error_body,
     parse_generate_request,
     sse_line,
 )
+from rr_server.serving.http import error_body, json_response
 from rr_server.serving.openai_middleware import install_openai_routing
 from rr_server.serving.routing_metrics import count_sample
 from rr_server.serving.routing_metrics import declare as declare_counters
-from rr_server.serving.routing_store import STORE_ROUTES, advertised_url, current_store, install_store
-from rr_server.serving.store_ledger import refs_made_under
+from rr_server.serving.store import STORE_ROUTES, advertised_url, current_store, install_store, refs_made_under
 from rr_server.serving.weight_epoch import WeightMark, current_epoch, install_weight_epoch
 from rr_server.serving.vllm_translate import (
     checked_routing_fields,
@@ -67,19 +66,9 @@ ALWAYS_ENV = "RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS"
 _THREAD_MIN_ELEMS = settings.integer("RR_ENCODE_THREAD_MIN_ELEMS", default=1 << 20)
 
 
-def _json(obj: Any, status: int = 200) -> Response:
-    """Fast JSON response (orjson when available)."""
-    try:
-        import orjson
-
-        return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
-    except ImportError:  # pragma: no cover
-        return JSONResponse(obj, status_code=status)
-
-
 def _error(message: str, status: int) -> Response:
     """4xx/5xx JSON error with a human-readable message."""
-    return _json(error_body(message, status), status)
+    return json_response(error_body(message, status), status)
 
 
 def _status_of(exc: BaseException) -> int:
@@ -276,8 +265,8 @@ async def _run_batch(app: FastAPI, req: NormalizedGenerate) -> Response:
     # Large payloads (~100 ms to check + base64 a 32k-token sample) must not stall the event loop.
     items = await asyncio.to_thread(build) if req.return_routed_experts and size > _THREAD_MIN_ELEMS else build()
     if not req.is_batch and len(items) == 1:
-        return _json(items[0])
-    return _json(items)
+        return json_response(items[0])
+    return json_response(items)
 
 
 def _message(e: BaseException) -> str:
@@ -358,7 +347,7 @@ async def generate(request: Request) -> Response:
 
 async def rr_info_endpoint(request: Request) -> Response:
     """``GET /rr/info``: model routing dimensions and wire dtype (an RRInfo)."""
-    return _json(rr_info_dict(request.app))
+    return json_response(rr_info_dict(request.app))
 
 
 # Every route rr adds: (path, handler, methods). ``/rr/generate`` is ``/generate`` under a path routers forward intact.

@@ -251,9 +251,9 @@ def load_model(model_dir: str | os.PathLike[str]) -> Any:
 def reference_routing(model_dir: str | os.PathLike[str], token_ids: Sequence[int]) -> np.ndarray:
     """Transformers' router top-k ids, shape (tokens, num_hidden_layers, topk); dense layers 0.
 
-    The doctor's reference (:func:`rr_server.doctor.truth.router_topk`) on the cached float32 CPU model.
+    The reference top-k (:func:`rr_client.trainer.router_reference.router_topk`) on the cached float32 CPU model.
     """
-    from rr_server.doctor.truth import router_forward, router_topk
+    from rr_client.trainer.router_reference import router_forward, router_topk
 
     model = load_model(model_dir)
     cfg = model.config

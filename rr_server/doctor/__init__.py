@@ -10,6 +10,7 @@ Exit code 0 on PASS, 1 on FAIL, 2 on bad usage.
 from __future__ import annotations
 
 from rr_client.core import settings
+from rr_client.core.engines import ENGINE_NAMES
 
 import argparse
 import asyncio
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Command-line options of ``rr-server doctor``."""
     p = argparse.ArgumentParser(prog="rr-server doctor", description=(__doc__ or "").splitlines()[0])
     p.add_argument("url", help="an rr server (patched vLLM/SGLang or the sidecar), or an engine with --engine")
-    p.add_argument("--engine", choices=("vllm", "sglang"), default=None,
+    p.add_argument("--engine", choices=ENGINE_NAMES, default=None,
                    help="URL is an unpatched engine with capture on; it is checked through an in-process sidecar")
     p.add_argument("--model-path", default=None, help="the served HF checkpoint: compare with each MoE layer's own selection in "
                                                          "transformers (what the engine should have routed)")

@@ -13,7 +13,7 @@ import httpx
 
 from rr_client import GenerateResult
 from rr_client.core.provenance import PROVENANCE_FIELD, Provenance
-from rr_client.core.weight_routes import ENGINE_ROUTES
+from rr_client.core.engines import ENGINES
 
 __all__ = ["EngineCache", "parse_metrics", "engine_cache", "preemption_count", "weight_version", "reload_weights",
            "provenance_of"]
@@ -77,11 +77,14 @@ async def _get(http: httpx.AsyncClient, path: str) -> httpx.Response | None:
 
 async def engine_cache(http: httpx.AsyncClient, engine: str) -> EngineCache:
     """The server's KV cache facts: vLLM's ``vllm:cache_config_info`` labels, SGLang's server args."""
-    if engine == "vllm":
+    eng = ENGINES.get(engine)
+    if eng is None:
+        return EngineCache("")
+    if eng.cache_metric is not None:
         resp = await _get(http, "/metrics")
         if resp is not None:
             for name, labels, _ in parse_metrics(resp.text):
-                if name == "vllm:cache_config_info":
+                if name == eng.cache_metric:
                     size = labels.get("kv_offloading_size")
                     backend = labels.get("kv_offloading_backend")
                     offload = (f"{backend or 'native'} offloading, {size} GiB"
@@ -90,23 +93,22 @@ async def engine_cache(http: httpx.AsyncClient, engine: str) -> EngineCache:
                                        _int(labels.get("block_size")), _flag(labels.get("enable_prefix_caching")),
                                        offload)
         return EngineCache("")
-    if engine == "sglang":
-        for path in ("/get_server_info", "/server_info"):
-            resp = await _get(http, path)
-            if resp is None:
-                continue
-            try:
-                args = resp.json()
-            except ValueError:
-                continue
-            if isinstance(args, dict):
-                page = _int(args.get("page_size")) or 1
-                tokens = _int(args.get("max_total_num_tokens"))
-                return EngineCache(path, tokens // page if tokens else None, page,
-                                   None if args.get("disable_radix_cache") is None
-                                   else not _flag(args.get("disable_radix_cache")),
-                                   None, _flag(args.get("enable_hierarchical_cache")),
-                                   args.get("hicache_storage_backend"))
+    for path in eng.server_args_routes:
+        resp = await _get(http, path)
+        if resp is None:
+            continue
+        try:
+            args = resp.json()
+        except ValueError:
+            continue
+        if isinstance(args, dict):
+            page = _int(args.get("page_size")) or 1
+            tokens = _int(args.get("max_total_num_tokens"))
+            return EngineCache(path, tokens // page if tokens else None, page,
+                               None if args.get("disable_radix_cache") is None
+                               else not _flag(args.get("disable_radix_cache")),
+                               None, _flag(args.get("enable_hierarchical_cache")),
+                               args.get("hicache_storage_backend"))
     return EngineCache("")
 
 
@@ -134,16 +136,15 @@ async def reload_weights(http: httpx.AsyncClient, engine: str, path: str) -> str
     """Reload the weights in ``path`` through the engine's route (vLLM dev-mode ``/collective_rpc reload_weights``,
     SGLang ``/update_weights_from_disk``, as :class:`rr_client.integrations.weight_sync.DiskWeightSync` does);
     None when it worked, else why not."""
-    if engine not in ENGINE_ROUTES:
-        return f"rr reloads weights on {sorted(ENGINE_ROUTES)} only, the server is {engine!r}"
-    route, field, _reset = ENGINE_ROUTES[engine]
-    body: dict[str, Any] = ({"method": "reload_weights", "kwargs": {field: path}} if engine == "vllm"
-                            else {field: path})
+    eng = ENGINES.get(engine)
+    if eng is None:
+        return f"rr reloads weights on {sorted(ENGINES)} only, the server is {engine!r}"
+    route = eng.reload_route
     try:
-        resp = await http.post(route, json=body)
+        resp = await http.post(route, json=eng.reload_body(path))
     except httpx.HTTPError as e:
         return f"{route}: {type(e).__name__}: {e}"
-    if resp.status_code == 404 and engine == "vllm":
+    if resp.status_code == 404 and route in eng.dev_mode_routes:
         return f"{route} is 404: vLLM serves it only with VLLM_SERVER_DEV_MODE=1 in the server's environment"
     if resp.status_code >= 400:
         return f"{route} answered {resp.status_code}: {resp.text[:300]}"

@@ -1,15 +1,15 @@
 """Known routing bugs by engine version, and whether rr covers each on a given deployment (docs/engines.md).
 
 Which releases have a bug is never written here: each entry names a fact of
-:mod:`rr_server.serving.vllm_facts` or :mod:`rr_server.serving.sglang_facts`, the one place per engine.
+:mod:`rr_server.serving.engines` (one module per engine), the one place per engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from rr_server.serving import sglang_facts, vllm_facts
+from rr_client.core.errors import ConfigurationError, UnsupportedVersionError
+from rr_server.serving.engines import ReleaseFacts, releases
 
 __all__ = ["KnownBug", "BugStatus", "known_bugs_for"]
 
@@ -57,8 +57,9 @@ _BUGS = (
              "covered: the full check refuses all-zero MoE rows (the sample carries routed_experts_error)",
              _ZEROS_SIDECAR, _ZEROS_UNPATCHED),
     KnownBug("vllm", "draft_pollutes_routing",
-             "speculative decoding: draft (MTP/EAGLE) MoE layers overwrite the target's rows, silently (fixed in 0.30)",
-             "vllm-project/vllm#48622",
+             "speculative decoding: draft (MTP/EAGLE) MoE layers overwrite the target's rows, silently "
+             f"(fixed in {releases('vllm').draft_fix_release})",
+             releases("vllm").draft_issue,
              "covered: rr-server launch vllm refuses --speculative-* on this version", _DRAFT_SIDECAR, _TRUTH_ONLY),
     KnownBug("vllm", "cpu_compile_zeros", "on CPU, torch.compile returns all-zero routing with the right shape",
              "found by rr (no upstream issue); docs/engines.md",
@@ -98,8 +99,9 @@ _BUGS = (
              "refused: the row count check fails, never shifted", "refused: the row count check fails",
              "refused by the client's row count check"),
     KnownBug("sglang", "draft_pollutes_routing",
-             "speculative decoding: draft MoE layers write the target's rows, silently (opt-out from 0.5.23)",
-             "sgl-project/sglang#26980",
+             "speculative decoding: draft MoE layers write the target's rows, silently (opt-out from "
+             f"{releases('sglang').draft_fix_release})",
+             releases("sglang").draft_issue,
              "covered: rr-server launch sglang refuses --speculative-* on this version", _DRAFT_SIDECAR, _TRUTH_ONLY),
     KnownBug("sglang", "hash_layers_uncaptured",
              "DeepSeek-V4: hash-routed MoE layers (HashTopK) never write the capture buffer: all-zero rows there",
@@ -111,16 +113,14 @@ _BUGS = (
 )
 
 
-def _facts(engine: str, version: str) -> Any:
+def _facts(engine: str, version: str) -> ReleaseFacts:
     """The engine's version facts (ValueError for an unknown engine or unparsable version)."""
     try:
-        if engine == "vllm":
-            return vllm_facts.facts_for(version)
-        if engine == "sglang":
-            return sglang_facts.facts_for(version)
-    except (vllm_facts.UnsupportedVLLMVersion, sglang_facts.UnsupportedSGLangError) as e:
+        return releases(engine).facts_for(version)
+    except UnsupportedVersionError as e:
         raise ValueError(str(e)) from None
-    raise ValueError(f"unknown engine {engine!r}")
+    except ConfigurationError:
+        raise ValueError(f"unknown engine {engine!r}") from None
 
 
 def known_bugs_for(engine: str, version: str, *, deployment: str, platform: str | None = None) -> list[BugStatus]:

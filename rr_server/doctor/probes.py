@@ -18,17 +18,33 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import Any, Protocol
 
 import httpx
 
 from rr_client import GenerateResult, RRError, RRInfo
+from rr_client.core.engines import ENGINES, offload_name
 from rr_server.doctor.engine_state import (EngineCache, engine_cache, preemption_count, provenance_of,
                                            reload_weights, weight_version)
 from rr_server.doctor.samples import PREFIX_CACHE_TOKENS, ROW_AGREEMENT_MIN, _agreement, _prompt_rows, _prompts
 
-if TYPE_CHECKING:
-    from rr_server.doctor.checks import _Doctor
+
+class DoctorRun(Protocol):
+    """What a probe needs of the doctor run that calls it (``checks._Doctor`` is one): the server's info, the
+    prompt vocabulary, a way to generate and to record a check. Named here, so probes never import the checks."""
+
+    info: RRInfo
+    vocab: int
+
+    def add(self, name: str, ok: bool, detail: str, exercised: bool = True) -> None: ...
+
+    async def gen(self, prompts: list[list[int]], params: dict[str, Any] | None = None,
+                  **kw: Any) -> list[GenerateResult]: ...
+
+    def rows_agree(self, name: str, a: Any, b: Any, what: str) -> None: ...
+
+    async def _guard(self, name: str, probe: Awaitable[None]) -> None: ...
 
 __all__ = ["Load", "plan_load", "comparable_rows", "offload_state", "run_probes", "MAX_PROBE_REQUESTS", "OFFLOAD_TIERS"]
 
@@ -86,7 +102,7 @@ def comparable_rows(a: GenerateResult, b: GenerateResult) -> int:
 class _Probes:
     """The probes of one doctor run, sharing the references (non-preempted runs) of their prompts."""
 
-    def __init__(self, doc: _Doctor, http: httpx.AsyncClient, weights_path: str | None,
+    def __init__(self, doc: DoctorRun, http: httpx.AsyncClient, weights_path: str | None,
                  max_requests: int) -> None:
         self.doc, self.http, self.weights_path, self.max_requests = doc, http, weights_path, max_requests
         self.engine = doc.info.engine
@@ -284,7 +300,7 @@ class _Probes:
 
     async def tiered_cache(self, load: Load | str) -> None:
         """vLLM's KV offload connector or SGLang's hierarchical cache: refused, off, or probed."""
-        name = "hierarchical cache" if self.engine == "sglang" else "kv offload"
+        name = offload_name(self.engine)
         tiers = offload_state(self.doc.info, self.cache)
         if isinstance(tiers, tuple):
             ok, detail = tiers
@@ -313,14 +329,15 @@ class _Probes:
 def offload_state(info: RRInfo, c: EngineCache) -> str | tuple[bool, str]:
     """What offload tier is on, in words (then it is probed), or (ok, why it is not probed)."""
     extra = info.model_extra or {}
-    if info.engine == "vllm":
-        from rr_server.serving.vllm_facts import facts_for
+    eng = ENGINES.get(info.engine)
+    if eng is not None and eng.kv_offload_connector:
+        from rr_server.serving.engines import releases
 
         try:
-            release = facts_for(info.engine_version).release[:2]
+            refused = releases(eng).facts_for(info.engine_version).kv_connector_refused
         except RRError:
-            release = None
-        if release == (0, 30):
+            refused = False
+        if refused:
             return True, (f"not probed: vLLM {info.engine_version} refuses any KV connector (offload included) "
                           "together with --enable-return-routed-experts at startup ('incompatible with KV "
                           "connectors'), so this server serves prefix hits from its device cache only")
@@ -329,7 +346,7 @@ def offload_state(info: RRInfo, c: EngineCache) -> str | tuple[bool, str]:
             return f"KV connector {connector}"
         return True, ("not probed: no KV offload connector reported ("
                       + (f"{c.source}: none" if c.source else "the server does not say") + ")")
-    if info.engine == "sglang":
+    if eng is not None and eng.hierarchical_cache:
         from rr_server.launch.sglang import HICACHE_REFUSED_BY_SGLANG
 
         who = (f"SGLang {info.engine_version} refuses it with routed experts itself"
@@ -345,7 +362,7 @@ def offload_state(info: RRInfo, c: EngineCache) -> str | tuple[bool, str]:
     return True, f"not probed: {info.engine} has no offload tier rr knows"
 
 
-async def run_probes(doc: _Doctor, http: httpx.AsyncClient, *, weights_path: str | None = None,
+async def run_probes(doc: DoctorRun, http: httpx.AsyncClient, *, weights_path: str | None = None,
                      max_requests: int = MAX_PROBE_REQUESTS) -> None:
     """The cache and weight-path probes, each a check on ``doc``'s report (a typed error fails that probe only)."""
     probes = _Probes(doc, http, weights_path, max_requests)
@@ -353,4 +370,4 @@ async def run_probes(doc: _Doctor, http: httpx.AsyncClient, *, weights_path: str
     load = plan_load(probes.cache, max_requests)
     await doc._guard("preemption", probes.preemption(load))
     await doc._guard("weight update", probes.weight_update(load))
-    await doc._guard("hierarchical cache" if doc.info.engine == "sglang" else "kv offload", probes.tiered_cache(load))
+    await doc._guard(offload_name(doc.info.engine), probes.tiered_cache(load))

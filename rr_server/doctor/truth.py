@@ -3,9 +3,9 @@
 The doctor compares against what the model's routers *select* (:func:`router_choice`, rr's ``record_routing``
 hooks), not the top-k of ``router_logits``: DeepSeek-V3-style routers (GLM-4.5, Kimi-K2, DeepSeek-V3) select
 by sigmoid score plus a correction bias within expert groups, which the logits' top-k does not reproduce.
-:func:`router_forward` and :func:`router_topk` stay the reference for plain softmax top-k routers (the tiny
-MoE's :func:`rr_server.demo.tiny_moe.reference_routing`, the tests' stand-in engines) and the fallback for a family
-rr cannot hook.
+The logits' top-k (:mod:`rr_client.trainer.router_reference`) stays the reference for plain softmax top-k
+routers (the tiny MoE's :func:`rr_server.demo.tiny_moe.reference_routing`, the tests' stand-in engines) and the
+fallback for a family rr cannot hook.
 
 Imports torch and transformers, and only when asked; on CPU or GPU.
 """
@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 
 from rr_client.core.agreement import set_matches
+from rr_client.trainer.router_reference import router_topk
 
-__all__ = ["RouterReference", "LayerAgreement", "router_choice", "router_forward", "router_topk"]
+__all__ = ["RouterReference", "LayerAgreement", "router_choice", "NEAR_TIE"]
 
 NEAR_TIE = 1e-3
 
@@ -38,40 +39,6 @@ class LayerAgreement:
     @property
     def share(self) -> float:
         return self.equal / self.total if self.total else 1.0
-
-
-def router_forward(model: Any, token_ids: Sequence[int], moe_layers: Sequence[int], *, device: str = "cpu"
-                   ) -> tuple[Any, dict[int, Any]]:
-    """One transformers forward of ``token_ids``: the model output and each MoE layer's router logits.
-
-    The logits are float32 torch tensors ``[tokens, experts]``, one per entry of ``moe_layers`` (the layers the
-    model's ``router_logits`` come from, in order).
-    """
-    import torch
-
-    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
-    with torch.no_grad():
-        out = model(ids, output_router_logits=True)
-    logits = getattr(out, "router_logits", None)
-    if logits is None or len(logits) != len(moe_layers):
-        got = None if logits is None else len(logits)
-        raise RuntimeError(f"the model returned {got} router_logits tensors for MoE layers {list(moe_layers)}")
-    return out, {layer: lg.reshape(-1, lg.shape[-1])[: len(token_ids)].float()
-                 for layer, lg in zip(moe_layers, logits, strict=True)}
-
-
-def router_topk(logits: dict[int, Any], num_layers: int, k: int) -> np.ndarray:
-    """The reference routing: ``(tokens, num_layers, k)`` int64 ids of each MoE layer's k largest router logits.
-
-    ``logits`` as :func:`router_forward` returns them; layers without a router (dense) stay 0, like the wire's.
-    """
-    import torch
-
-    tokens = next(iter(logits.values())).shape[0] if logits else 0
-    out = np.zeros((tokens, num_layers, k), dtype=np.int64)
-    for layer, lg in logits.items():
-        out[:, layer, :] = torch.topk(lg, k, dim=-1).indices.cpu().numpy()
-    return out
 
 
 def router_choice(model: Any, token_ids: Sequence[int], moe_layers: Sequence[int], num_layers: int, k: int, *,

@@ -3,24 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from rr_client.core.codec import FORMATS
-from rr_server.serving.sglang_facts import UnsupportedSGLangError
+from rr_server.launch.options import (FORMAT_FLAG, add_shared_options, engine_help, launcher_parser, take_format_flag,
+                                      wants_help)
+from rr_server.serving.engines.sglang import RELEASES, UnsupportedSGLangError
 from rr_server.serving.speculative import draft_pollution_refusal, speculative_flags
 
-__all__ = ["main", "build_parser", "prepare_argv", "install_patch", "take_format_flag", "wants_help", "FORMAT_FLAG",
-           "HICACHE_FLAG", "check_hicache"]
+__all__ = ["main", "build_parser", "prepare_argv", "install_patch", "HICACHE_FLAG", "check_hicache"]
 
 logger = logging.getLogger("rr.sglang")
 FLAG = "--enable-return-routed-experts"
-# rr's own flag (not SGLang's): the default routed_experts_format of /generate and the OpenAI endpoints
-FORMAT_FLAG = "--routed-experts-format"
 # entry-point group through which launchers reach rr's engine patches (never by importing rr_patches)
 LAUNCH_PATCHES = "rr.launch_patches"
 HICACHE_FLAG = "--enable-hierarchical-cache"
@@ -31,46 +28,14 @@ HICACHE_REFUSED_BY_SGLANG: frozenset[str] = frozenset()
 
 def build_parser() -> argparse.ArgumentParser:
     """rr's own options of ``rr-server launch sglang``, for ``--help`` and the docs (SGLang's pass through)."""
-    p = argparse.ArgumentParser(
-        prog="rr-server launch sglang", add_help=False,
-        usage="rr-server launch sglang [rr options] <SGLang launch_server arguments...>",
-        description="Start SGLang's own server (prepare_server_args + run_server) with rr's patch installed: "
-                    "rr's wire format on /generate and the OpenAI endpoints, GET /rr/info; adds "
-                    f"{FLAG} when missing. Refuses an SGLang outside 0.5.7 - 0.5.23, --tokenizer-worker-num > 1, "
-                    f"{HICACHE_FLAG} (sglang#26975) and --speculative-* where drafts pollute the routing (exit 2).")
-    add_shared_options(p.add_argument_group("rr's options (every other argument goes to SGLang untouched)"), "SGLang")
+    p, group = launcher_parser(
+        "SGLang", "SGLang launch_server",
+        "Start SGLang's own server (prepare_server_args + run_server) with rr's patch installed: rr's wire format on "
+        f"/generate and the OpenAI endpoints, GET /rr/info; adds {FLAG} when missing. Refuses an SGLang outside "
+        f"{RELEASES.help_range}, --tokenizer-worker-num > 1, {HICACHE_FLAG} (sglang#26975) and --speculative-* where "
+        "drafts pollute the routing (exit 2).")
+    add_shared_options(group, "SGLang")
     return p
-
-
-def add_shared_options(group: argparse._ArgumentGroup, engine: str) -> None:
-    """The options both launchers take (listed last in their help): ``--routed-experts-format`` and ``--help``."""
-    group.add_argument(FORMAT_FLAG, choices=FORMATS,
-                       help="the server's default routed_experts_format: npy (rr's compact .npy, the default), sglang "
-                            "(SGLang's own int32 base64) or ref (a RoutingRef; the rows stay in the server's routing "
-                            "store); a request's own field wins")
-    group.add_argument("-h", "--help", action="store_true", help=f"rr's options, then {engine}'s own help")
-
-
-def wants_help(argv: Sequence[str]) -> bool:
-    """``-h`` / ``--help`` (or vLLM's ``--help=GROUP``) among the arguments."""
-    return any(a in ("-h", "--help") or a.startswith("--help=") for a in argv)
-
-
-def engine_help(parser: argparse.ArgumentParser, engine: str, dist: str, show: Callable[[], object]) -> int:
-    """rr's options first, then the engine's own help by ``show()`` (its exit code); a line if it is missing."""
-    sys.stdout.write(parser.format_help() + f"\n{engine}'s own arguments:\n")
-    sys.stdout.flush()
-    if importlib.util.find_spec(dist) is None:
-        print(f"  {engine}'s help is unavailable: {dist} is not installed (pip install 'rr-replay[{dist}]')")
-        return 0
-    try:
-        rc = show()
-        return rc if isinstance(rc, int) else 0
-    except SystemExit as e:  # argparse's --help ends with sys.exit(0)
-        return e.code if isinstance(e.code, int) else 0
-    except ImportError as e:
-        print(f"  {engine}'s help is unavailable: importing {dist} failed: {type(e).__name__}: {e}")
-        return 1
 
 
 def _sglang_help() -> None:
@@ -78,30 +43,6 @@ def _sglang_help() -> None:
     from sglang.srt.server_args import prepare_server_args
 
     prepare_server_args(["--help"])
-
-
-def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
-    """Remove ``--routed-experts-format {npy,sglang,ref}`` (SGLang's parser would refuse it); ConfigurationError (a
-    ValueError) on a missing or bad value."""
-    from rr_client.core.codec import check_format
-    from rr_client.core.errors import ConfigurationError
-
-    args, fmt, i = list(argv), None, 0
-    out: list[str] = []
-    while i < len(args):
-        a = args[i]
-        if a == FORMAT_FLAG:
-            if i + 1 >= len(args):
-                raise ConfigurationError(f"{FORMAT_FLAG} needs a value (one of {', '.join(FORMATS)})")
-            fmt, i = args[i + 1], i + 2
-        elif a.startswith(FORMAT_FLAG + "="):
-            fmt, i = a.split("=", 1)[1], i + 1
-        else:
-            out.append(a)
-            i += 1
-            continue
-        fmt = check_format(fmt)
-    return out, fmt
 
 
 def prepare_argv(argv: Sequence[str]) -> list[str]:
@@ -151,7 +92,7 @@ def install_patch() -> str:
     """
     from importlib.metadata import entry_points
 
-    found = [ep for ep in entry_points(group=LAUNCH_PATCHES) if ep.name == "sglang"]
+    found = [ep for ep in entry_points(group=LAUNCH_PATCHES) if ep.name == RELEASES.name]
     if not found:
         raise UnsupportedSGLangError(
             f"rr's SGLang patch is not installed (no '{LAUNCH_PATCHES}: sglang' entry point): pip install rr-replay")
@@ -194,7 +135,7 @@ def main(argv: Sequence[str]) -> int:
         )
         return 2
     if any(a.startswith(HICACHE_FLAG) for a in args):
-        from rr_server.serving.sglang_facts import installed_version
+        from rr_server.serving.engines.sglang import installed_version
 
         try:
             check_hicache(installed_version(), args)
@@ -202,9 +143,9 @@ def main(argv: Sequence[str]) -> int:
             sys.stderr.write(f"rr-server: {e}\n")
             return 2
     if speculative_flags(args):
-        from rr_server.serving.sglang_facts import installed_version
+        from rr_server.serving.engines.sglang import installed_version
 
-        why = draft_pollution_refusal("sglang", installed_version(), args)
+        why = draft_pollution_refusal(RELEASES.name, installed_version(), args)
         if why:
             sys.stderr.write(f"rr-server: {why}\n")
             return 2
@@ -214,7 +155,7 @@ def main(argv: Sequence[str]) -> int:
         sys.stderr.write(f"rr-server: {e}\n")
         return 2
     logger.info("rr: SGLang patched by %s; arguments: %s", how, " ".join(args))
-    from rr_server.serving.sglang_facts import ORIGINAL_LOGPROB_ENV, logprobs_mode
+    from rr_server.serving.engines.sglang import ORIGINAL_LOGPROB_ENV, logprobs_mode
 
     if logprobs_mode() == "raw":
         logger.warning("rr: %s is set: SGLang's sampled log-probs are before temperature (/rr/info logprobs_mode "

@@ -23,7 +23,8 @@ from types import FrameType
 from rr_client.core.errors import ConfigurationError
 from rr_server.launch import lifeline
 from rr_server.serving.speculative import draft_pollution_refusal
-from rr_server.serving.vllm_facts import UnsupportedVLLMVersion, check_vllm_version, facts_for, installed_version
+from rr_server.serving.engines.vllm import (RELEASES, UnsupportedVLLMVersion, check_vllm_version, facts_for,
+                                            installed_version)
 
 __all__ = ["main", "build_parser", "build_command", "is_cpu_platform", "is_loopback_host", "check_dev_mode_exposure",
            "SERVE_ONLY_FLAGS", "OPEN_DEV_MODE_FLAG"]
@@ -45,16 +46,14 @@ SERVE_ONLY_FLAGS = ("--api-server-count", "-asc", "--headless", "--data-parallel
 
 def build_parser() -> argparse.ArgumentParser:
     """rr's own options of ``rr-server launch vllm``, for ``--help`` and the docs (vLLM's pass through)."""
-    from rr_server.launch.sglang import add_shared_options
+    from rr_server.launch.options import add_shared_options, launcher_parser
 
-    p = argparse.ArgumentParser(
-        prog="rr-server launch vllm", add_help=False,
-        usage="rr-server launch vllm [rr options] <vLLM api_server arguments...>",
-        description="Start vLLM's OpenAI API server (or vLLM's serve, for its multi-process flags) with rr's "
-                    "plugin: POST /generate, GET /rr/info, routing on the OpenAI endpoints; adds "
-                    "--enable-return-routed-experts; on CPU also --enforce-eager --dtype float32 "
-                    f"--kv-cache-memory-bytes {CPU_KV_CACHE_BYTES}. Refuses vLLM outside 0.22 - 0.33 (exit 2).")
-    g = p.add_argument_group("rr's options (every other argument goes to vLLM untouched)")
+    p, g = launcher_parser(
+        "vLLM", "vLLM api_server",
+        "Start vLLM's OpenAI API server (or vLLM's serve, for its multi-process flags) with rr's plugin: POST "
+        "/generate, GET /rr/info, routing on the OpenAI endpoints; adds --enable-return-routed-experts; on CPU also "
+        f"--enforce-eager --dtype float32 --kv-cache-memory-bytes {CPU_KV_CACHE_BYTES}. Refuses vLLM outside "
+        f"{RELEASES.help_range} (exit 2).")
     g.add_argument(_ALLOW_FLAG, action="store_true",
                    help="start a vLLM release rr was not tested on (or one whose CPU capture is known broken)")
     g.add_argument(_CPU_FLAG, action="store_true",
@@ -282,7 +281,7 @@ def build_command(argv: Sequence[str], *, cpu: bool, version: str | None = None,
 
 def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
     """rr's ``--routed-experts-format`` removed from vLLM's arguments (shared with the SGLang launcher)."""
-    from rr_server.launch.sglang import take_format_flag as take
+    from rr_server.launch.options import take_format_flag as take
 
     return take(argv)
 
@@ -304,7 +303,7 @@ def main(argv: list[str]) -> int:
     """Run vLLM's API server with rr enabled; return its exit code."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from rr_server.serving.generate_protocol import FORMAT_ENV
-    from rr_server.launch.sglang import FORMAT_FLAG, engine_help, wants_help
+    from rr_server.launch.options import FORMAT_FLAG, engine_help, wants_help
 
     if wants_help(argv):  # rr's options, then vLLM's own help (nothing is checked or started)
         return engine_help(build_parser(), "vLLM", "vllm", lambda: subprocess.call(
@@ -333,7 +332,7 @@ def main(argv: list[str]) -> int:
               f"{_ALLOW_FLAG} to start it anyway (e.g. with a custom --distributed-executor-backend)",
               file=sys.stderr)
         return 2
-    if facts is not None and (why := draft_pollution_refusal("vllm", version, argv)):
+    if facts is not None and (why := draft_pollution_refusal(RELEASES.name, version, argv)):
         print(f"rr: {why}", file=sys.stderr)
         return 2
     try:

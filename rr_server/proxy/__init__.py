@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from rr_client.core import settings
+from rr_client.core.engines import ENGINE_NAMES
 
 import argparse
 import sys
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Command-line options of ``rr-server proxy``."""
     p = argparse.ArgumentParser(prog="rr-server proxy", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--upstream", required=True, help="base URL of the engine, e.g. http://127.0.0.1:30000")
-    p.add_argument("--engine", required=True, choices=("vllm", "sglang"))
+    p.add_argument("--engine", required=True, choices=ENGINE_NAMES)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--max-concurrency", type=int, default=64, help="upstream calls in flight at most")
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     from rr_server.serving.auth import keys_from
-    from rr_server.serving.routing_store import advertised_url
+    from rr_server.serving.store import advertised_url
     from rr_server.proxy.app import DEFAULT_MAX_BODY_BYTES, ProxyConfig, create_app
 
     if args.routed_experts_format:

@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import orjson
@@ -19,6 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from rr_client.core.engines import EngineName
+from rr_client.core.engines import engine as find_engine
 from rr_client.core.info import RRInfo
 from rr_server.serving.auth import ApiKeyMiddleware, ApiKeys
 from rr_server.serving.fanout import primed
@@ -29,8 +31,9 @@ from rr_server.serving.generate_protocol import (
     parse_generate_request,
     sse_line,
 )
+from rr_server.serving.http import json_response
 from rr_server.serving.openai_routing import OPENAI_PATHS
-from rr_server.serving.routing_store import STORE_ROUTES, install_store
+from rr_server.serving.store import STORE_ROUTES, install_store
 from rr_server.serving.weight_epoch import WeightEpoch, WeightUpdateMiddleware
 from rr_server.proxy.backend import Backend
 from rr_server.proxy.errors import ProxyError, error_payload
@@ -48,15 +51,6 @@ __all__ = ["ProxyConfig", "create_app", "DEFAULT_MAX_BODY_BYTES"]
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 # Paths that never need a key (vLLM and SGLang keep /health open too).
 OPEN_PATHS = frozenset({"/health"})
-# The engines' weight routes (and what a weight sync calls around them), forwarded as they are; the updates among
-# them are counted (rr_server.serving.weight_epoch) for /rr/info weight_version and each sample's rr_provenance.
-WEIGHT_ROUTES: dict[str, tuple[str, ...]] = {
-    "sglang": ("/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
-               "/update_weights_from_ipc", "/update_weight_version", "/init_weights_update_group",
-               "/destroy_weights_update_group", "/flush_cache"),
-    "vllm": ("/collective_rpc", "/start_weight_update", "/update_weights", "/finish_weight_update",
-             "/update_weight_version", "/reset_prefix_cache"),
-}
 
 
 @dataclass(frozen=True)
@@ -64,7 +58,7 @@ class ProxyConfig:
     """Everything the sidecar needs to know about its upstream and its own clients."""
 
     upstream: str
-    engine: Literal["vllm", "sglang"]
+    engine: EngineName
     max_concurrency: int = 64
     timeout: float = 600.0
     model_path: str | None = None
@@ -79,11 +73,6 @@ class ProxyConfig:
     upstream_logprobs_mode: str | None = None
 
 
-def _json(obj: Any, status: int = 200) -> Response:
-    """orjson response."""
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
-
-
 class Sidecar:
     """Per-app state: upstream client, metrics, cached info, and the engine backend."""
 
@@ -95,10 +84,10 @@ class Sidecar:
         self._info: tuple[RRInfo, str] | None = None
         self._lock = asyncio.Lock()
         self.epoch = WeightEpoch()  # weight updates forwarded to the upstream through this sidecar
-        self.backend: Backend = (VLLMBackend(self.up, self.info, self.metrics, epoch=self.epoch)
-                                 if cfg.engine == "vllm" else
-                                 SGLangBackend(self.up, self.info, self.metrics, force_routing=cfg.force_routing,
-                                               epoch=self.epoch))
+        self.backend: Backend = (SGLangBackend(self.up, self.info, self.metrics, force_routing=cfg.force_routing,
+                                               epoch=self.epoch)
+                                 if find_engine(cfg.engine).native_generate else
+                                 VLLMBackend(self.up, self.info, self.metrics, epoch=self.epoch))
 
     async def info(self) -> tuple[RRInfo, str]:
         """RRInfo + upstream model name, fetched once (retried on the next request if the upstream was down)."""
@@ -112,7 +101,7 @@ class Sidecar:
         """Count and answer one error."""
         self.metrics.errors.labels(e.kind).inc()
         self.metrics.requests.labels(route, str(e.status)).inc()
-        return _json(error_payload(e), e.status)
+        return json_response(error_payload(e), e.status)
 
 
 def _parse(body: bytes, engine: str) -> tuple[NormalizedGenerate, dict[str, Any]]:
@@ -124,7 +113,7 @@ def _parse(body: bytes, engine: str) -> tuple[NormalizedGenerate, dict[str, Any]
     if not isinstance(raw, dict):
         raise ProxyError(400, "bad_request", "request body must be a JSON object")
     try:
-        req = parse_generate_request(validation_view(raw) if engine == "sglang" else raw)
+        req = parse_generate_request(validation_view(raw) if find_engine(engine).native_generate else raw)
     except BadRequest as e:
         raise ProxyError(e.status, "bad_request", str(e)) from None
     return req, raw
@@ -177,7 +166,7 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
                 return StreamingResponse(events, media_type="text/event-stream")
             out = await sc.backend.generate(req, raw)
             sc.metrics.requests.labels("/generate", "200").inc()
-            return _json(out)
+            return json_response(out)
         except ProxyError as e:
             return sc.fail("/generate", e)
         finally:
@@ -216,7 +205,9 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
         return Response(resp.content, status_code=resp.status_code,
                         media_type=resp.headers.get("content-type", "application/json"))
 
-    for path in WEIGHT_ROUTES[cfg.engine]:
+    # the engine's weight routes, forwarded as they are; the updates among them are counted
+    # (rr_server.serving.weight_epoch) for /rr/info weight_version and each sample's rr_provenance
+    for path in find_engine(cfg.engine).weight_routes:
         app.add_api_route(path, weights, methods=["POST"])
 
     @app.get("/rr/info")
@@ -226,7 +217,7 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
         except ProxyError as e:
             return sc.fail("/rr/info", e)
         sc.metrics.requests.labels("/rr/info", "200").inc()
-        return _json({**info.model_dump(), **sc.epoch.info(), "routing_store": store.stats()})
+        return json_response({**info.model_dump(), **sc.epoch.info(), "routing_store": store.stats()})
 
     @app.get("/health")
     async def health() -> Response:
@@ -235,7 +226,7 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
         if not ok:
             return sc.fail("/health", ProxyError(503, "upstream_unhealthy", msg))
         sc.metrics.requests.labels("/health", "200").inc()
-        return _json({"status": "ok", "upstream": cfg.upstream, "engine": cfg.engine})
+        return json_response({"status": "ok", "upstream": cfg.upstream, "engine": cfg.engine})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -10,7 +10,7 @@ from rr_client.core.errors import (
     RequestTimeoutError,
     TransportError,
 )
-from rr_server.serving.generate_protocol import error_body
+from rr_server.serving.http import error_body
 
 __all__ = ["ProxyError", "error_payload", "upstream_transport_error"]
 
@@ -42,6 +42,4 @@ def upstream_transport_error(url: str, err: TransportError) -> ProxyError:
 
 def error_payload(err: ProxyError) -> dict[str, Any]:
     """JSON body of an error answer (vLLM/SGLang shaped, plus the kind)."""
-    body = error_body(err.message, err.status)
-    body["error"]["kind"] = err.kind
-    return body
+    return error_body(err.message, err.status, kind=err.kind)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rr_client.core.engines import engine as find_engine
 from rr_client.core.hf_config import load_config
 from rr_client.core.info import RRInfo
 from rr_client.core.logprobs import PROCESSED
@@ -59,6 +60,6 @@ async def fetch_info(up: Upstream, engine: str, model_path: str | None,
                      logprobs_mode: str | None = None) -> tuple[RRInfo, str]:
     """Ask the upstream what it serves; return the RRInfo (``logprobs_mode``: what the operator says the upstream's
     sampled log-probs are, ``--upstream-logprobs-mode``) and the upstream's model name."""
-    if engine == "vllm":
-        return await _vllm(up, model_path, logprobs_mode)
-    return await _sglang(up, model_path, logprobs_mode)
+    if find_engine(engine).native_generate:  # SGLang: its own /get_model_info and /get_server_info
+        return await _sglang(up, model_path, logprobs_mode)
+    return await _vllm(up, model_path, logprobs_mode)

@@ -14,12 +14,13 @@ import dataclasses
 import functools
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 from fastapi.responses import Response, StreamingResponse
 
 from rr_server.serving.generate_protocol import BadRequest
+from rr_server.serving.http import json_response
 from rr_server.serving.openai_routing import (
     ABSENT,
     engine_body,
@@ -31,10 +32,29 @@ from rr_server.serving.openai_routing import (
 )
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.provenance import answer_provenance
-from rr_server.serving.store_ledger import refs_made_under
+from rr_server.serving.store import refs_made_under
+from rr_client.core.engines import ANSWER_ROUTING_EXTS, CHOICE_ROUTING_EXTS
+from rr_client.core.info import RRInfo
+from rr_server.proxy.metrics import ProxyMetrics
+from rr_server.proxy.upstream import Upstream
+from rr_server.serving.weight_epoch import WeightEpoch
 
-if TYPE_CHECKING:
-    from rr_server.proxy.app import Sidecar
+
+class _Settings(Protocol):
+    engine: str
+    force_routing: bool
+
+
+class SidecarParts(Protocol):
+    """What an OpenAI request needs of the sidecar (``app.Sidecar`` is one): the upstream, its settings, the
+    server's info, the weight epoch and the metrics. Named here, so this module never imports the app."""
+
+    cfg: _Settings
+    up: Upstream
+    epoch: WeightEpoch
+    metrics: ProxyMetrics
+
+    async def info(self) -> tuple[RRInfo, str]: ...
 
 __all__ = ["serve_openai", "strip_forced_routing"]
 
@@ -47,8 +67,9 @@ def strip_forced_routing(answer: Any) -> bool:
     per-choice ``sgl_ext`` one), dropping a container left empty as SGLang would; True if anything went."""
     if not isinstance(answer, dict):
         return False
-    found = [pop_ext_routing(answer, "sglext")]
-    found += [pop_ext_routing(c, "sgl_ext") for c in answer.get("choices", ()) if isinstance(c, dict)]
+    found = [pop_ext_routing(answer, ext) for ext in ANSWER_ROUTING_EXTS]
+    found += [pop_ext_routing(c, ext) for c in answer.get("choices", ()) if isinstance(c, dict)
+              for ext in CHOICE_ROUTING_EXTS]
     return any(f is not ABSENT for f in found)
 
 
@@ -57,7 +78,7 @@ def _headers(resp: Any) -> dict[str, str]:
     return {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
 
 
-async def _pass_through(sc: "Sidecar", path: str, content: bytes, *, stream: bool, strip: bool) -> Response:
+async def _pass_through(sc: SidecarParts, path: str, content: bytes, *, stream: bool, strip: bool) -> Response:
     """Forward to the engine; its answer goes back unchanged (``strip``: minus forced SGLang routing)."""
     if not stream:
         resp = await sc.up.forward(path, content)
@@ -100,7 +121,7 @@ async def _pass_through(sc: "Sidecar", path: str, content: bytes, *, stream: boo
     return StreamingResponse(chunks(), status_code=200, headers=_headers(resp))
 
 
-async def serve_openai(sc: "Sidecar", path: str, raw: bytes) -> Response:
+async def serve_openai(sc: SidecarParts, path: str, raw: bytes) -> Response:
     """One OpenAI-endpoint request through the sidecar."""
     engine = sc.cfg.engine
     try:
@@ -140,4 +161,4 @@ async def serve_openai(sc: "Sidecar", path: str, raw: bytes) -> Response:
         if shape:
             sc.metrics.routing_sent(int(shape[0]), choice.get("routed_experts"))
     sc.metrics.routing.count_answer(answer)
-    return Response(orjson.dumps(answer), media_type="application/json")
+    return json_response(answer)

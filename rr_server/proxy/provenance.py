@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rr_client.core.engines import OUTPUT_ID_KEYS
 from rr_client.core.provenance import PROVENANCE_FIELD, Provenance, tokens_digest
 from rr_server.serving.provenance_fields import _count, cache_tier, weights_since
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
@@ -78,9 +79,7 @@ def answer_provenance(answer: Any, epoch: WeightEpoch, mark: WeightMark | None) 
     details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), Mapping) else {}
     for choice in answer.get("choices") or ():
         if isinstance(choice, dict):
-            ids = choice.get("token_ids")
-            if ids is None:
-                ids = choice.get("response_token_ids")
+            ids = next((choice[k] for k in OUTPUT_ID_KEYS if choice.get(k) is not None), None)
             prompt = choice.get("prompt_token_ids")
             attach(choice, completion_provenance(details.get("cached_tokens"), epoch, mark,
                                                  prompt if isinstance(prompt, list) else None,

@@ -18,6 +18,7 @@ from rr_client.core.codec import check_payload, routing_error_fields, routing_me
 from rr_client.core.errors import MissingRoutingError, RoutedExpertsError
 from rr_client.core.info import RRInfo
 from rr_server.proxy.metrics import ProxyMetrics
+from rr_server.serving.store import current_store
 
 __all__ = ["upstream_routing_fields", "ROUTING_KEYS"]
 
@@ -59,7 +60,7 @@ def _checked_fields(
         logger.warning("rr: upstream sent invalid routing for %s: %s: %s%s", where, type(e).__name__, e, extra)
         return routing_error_fields(type(e)(f"upstream sent invalid routing for {where}: {e}{extra}"))
     try:
-        fields = routing_meta_fields(checked, fmt)
+        fields = routing_meta_fields(checked, fmt, store=current_store())
     except RoutedExpertsError as e:  # the ref format: the routing store could not hold it
         metrics.errors.labels("routing_store").inc()
         logger.warning("rr: %s: %s: %s", where, type(e).__name__, e)

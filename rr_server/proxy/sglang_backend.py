@@ -14,15 +14,15 @@ from rr_server.serving.generate_protocol import (
     GenerateRequest,
     NormalizedGenerate,
     SamplingParamsIn,
-    error_body,
     sse_line,
 )
+from rr_server.serving.http import error_body
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.metrics import ProxyMetrics
 from rr_server.proxy.provenance import attach, sglang_provenance
 from rr_server.proxy.routing import ROUTING_KEYS, upstream_routing_fields
 from rr_server.proxy.upstream import Upstream
-from rr_server.serving.store_ledger import refs_made_under
+from rr_server.serving.store import refs_made_under
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
 __all__ = ["SGLangBackend", "validation_view", "upstream_body"]

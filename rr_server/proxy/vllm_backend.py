@@ -24,7 +24,7 @@ from rr_server.proxy.metrics import ProxyMetrics
 from rr_server.proxy.provenance import attach, completion_provenance
 from rr_server.proxy.routing import upstream_routing_fields
 from rr_server.proxy.upstream import Upstream
-from rr_server.serving.store_ledger import refs_made_under
+from rr_server.serving.store import refs_made_under
 from rr_server.serving.weight_epoch import WeightEpoch
 from rr_server.serving.vllm_translate import finish_reason_dict, to_vllm_sampling_kwargs
 

@@ -12,18 +12,14 @@ from rr_client.core import settings
 
 import hashlib
 import hmac
-import json
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ApiKeys", "ApiKeyMiddleware", "keys_from", "UNAUTHORIZED_BODY"]
+from rr_server.serving.http import ASGIApp, BodyTooLarge, Receive, Scope, Send
+from rr_server.serving.http import error_body, read_body, replay_receive, send_json
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+__all__ = ["ApiKeys", "ApiKeyMiddleware", "keys_from", "UNAUTHORIZED_BODY"]
 
 # vLLM's AuthenticationMiddleware answers exactly this body with 401.
 UNAUTHORIZED_BODY = {"error": "Unauthorized"}
@@ -70,18 +66,10 @@ class ApiKeys:
         return False
 
 
-async def _answer(send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    """Send one small JSON answer."""
-    raw = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
-                            *(headers or [])]})
-    await send({"type": "http.response.body", "body": raw})
-
-
 def _too_large(limit: int) -> dict[str, Any]:
-    msg = f"request body exceeds the sidecar's limit of {limit} bytes (--max-body-bytes)"
-    return {"error": {"message": msg, "type": "RequestTooLarge", "code": 413}, "message": msg}
+    """The 413 body: the limit and the option that sets it."""
+    return error_body(f"request body exceeds the sidecar's limit of {limit} bytes (--max-body-bytes)", 413,
+                      "RequestTooLarge")
 
 
 class ApiKeyMiddleware:
@@ -103,7 +91,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         if self.keys and self.protect(scope["path"]) and not self.keys.accepts_scope(scope):
-            await _answer(send, 401, UNAUTHORIZED_BODY, [(b"www-authenticate", b"Bearer")])
+            await send_json(send, UNAUTHORIZED_BODY, 401, [(b"www-authenticate", b"Bearer")])
             return
         limit = self.max_body_bytes
         if limit is None or scope.get("method") in ("GET", "HEAD"):
@@ -112,7 +100,7 @@ class ApiKeyMiddleware:
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None:
             if not length.isdigit() or int(length) > limit:
-                await _answer(send, 413, _too_large(limit))
+                await send_json(send, _too_large(limit), 413)
                 return
             await self.app(scope, receive, send)
             return
@@ -120,27 +108,11 @@ class ApiKeyMiddleware:
 
     async def _chunked(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
         """A body without content-length: read it up to the limit, then replay it to the app."""
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body = msg.get("body", b"")
-            size += len(body)
-            if size > limit:
-                await _answer(send, 413, _too_large(limit))
-                return
-            chunks.append(body)
-            if not msg.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        try:
+            raw = await read_body(receive, limit)
+        except BodyTooLarge:
+            await send_json(send, _too_large(limit), 413)
+            return
+        if raw is None:
+            return
+        await self.app(scope, replay_receive(raw, receive), send)

@@ -33,7 +33,6 @@ __all__ = [
     "build_item",
     "sse_line",
     "SSE_DONE",
-    "error_body",
     "FORMAT_ENV",
     "default_routed_experts_format",
 ]
@@ -308,10 +307,3 @@ def sse_line(obj: Any) -> str:
     """One SGLang-style server-sent event line."""
     return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
 
-
-def error_body(message: str, status: int) -> dict[str, Any]:
-    """JSON error body, shaped like vLLM's/SGLang's ``{"error": {...}}``."""
-    kind: Literal["BadRequestError", "InternalServerError"] = (
-        "BadRequestError" if status < 500 else "InternalServerError"
-    )
-    return {"error": {"message": message, "type": kind, "code": status}, "message": message}

@@ -12,16 +12,19 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
+from rr_client.core.engines import EngineName
+from rr_client.core.engines import engine as find_engine
 from rr_client.core.info import RRInfo
-from rr_server.serving.generate_protocol import BadRequest, error_body
+from rr_server.serving.generate_protocol import BadRequest
+from rr_server.serving.http import ASGIApp, Message, PostBodyMiddleware, Receive, Scope, Send
+from rr_server.serving.http import error_body, replay_receive, send_json, with_body
 from rr_server.serving.openai_routing import (
     ABSENT,
     OPENAI_PATHS,
-    Engine,
     OpenAIRouting,
     engine_body,
     finish_answer,
@@ -30,15 +33,9 @@ from rr_server.serving.openai_routing import (
 )
 from rr_server.serving.routing_metrics import count_answer
 
-__all__ = ["OpenAIRoutingMiddleware", "install_openai_routing", "read_body", "replay_receive", "send_json"]
+__all__ = ["OpenAIRoutingMiddleware", "install_openai_routing"]
 
 logger = logging.getLogger("rr.openai")
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Routing payload characters above which an answer is finished in a worker thread (keeps the loop serving).
 _THREAD_MIN_CHARS = 1 << 20
@@ -49,30 +46,19 @@ _THREAD_MIN_CHARS = 1 << 20
 Native = Callable[[OpenAIRouting], AbstractContextManager[Callable[[Any], Sequence[Any] | None]]]
 
 
-async def send_json(send: Send, obj: Any, status: int, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    """One complete JSON response."""
-    body = json.dumps(obj, separators=(",", ":")).encode()
-    hdrs = [(k, v) for k, v in (headers or []) if k.lower() not in (b"content-length", b"content-type")]
-    hdrs += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": hdrs})
-    await send({"type": "http.response.body", "body": body})
-
-
-class OpenAIRoutingMiddleware:
+class OpenAIRoutingMiddleware(PostBodyMiddleware):
     """Adds rr's routing fields to the engine's OpenAI endpoints; ``info(app)`` gives the served model's dims."""
 
-    def __init__(self, app: ASGIApp, *, engine: Engine, info: Callable[[Any], RRInfo],
+    paths = OPENAI_PATHS
+
+    def __init__(self, app: ASGIApp, *, engine: EngineName, info: Callable[[Any], RRInfo],
                  routing_enabled: Callable[[Any], bool] | None = None, native: Native | None = None) -> None:
-        self.app, self.engine, self.info, self.routing_enabled = app, engine, info, routing_enabled
+        super().__init__(app)
+        self.engine, self.info, self.routing_enabled = engine, info, routing_enabled
         self.native = native  # with it, streams get rr's routing on their last event (it knows every choice)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in OPENAI_PATHS:
-            await self.app(scope, receive, send)
-            return
-        raw = await read_body(receive)
-        if raw is None:
-            return  # the client left before sending its body
+    async def handle(self, scope: Scope, raw: bytes, receive: Receive, send: Send) -> None:
+        """One OpenAI request with its body read: rr's fields taken out, the engine's answer finished."""
         try:
             body = json.loads(raw) if raw else None
         except ValueError:
@@ -89,15 +75,14 @@ class OpenAIRoutingMiddleware:
             await self.app(scope, replay_receive(raw, receive), send)
             return
         new = json.dumps(engine_body(body, r, engine=self.engine)).encode()  # type: ignore[arg-type]
-        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(new)).encode()))
-        inner = dict(scope, headers=headers)
+        inner = with_body(scope, new)
         if not r.want:
             await self.app(inner, replay_receive(new, receive), send)
             return
         if r.stream and self.native is not None:
             with self.native(r) as fill:
-                stream = _RoutingStream(send, lambda answer: self._finish_stream(answer, r, fill, scope["app"]))
+                stream = _RoutingStream(send, lambda answer: self._finish_stream(answer, r, fill, scope["app"]),
+                                        find_engine(self.engine).answer_routing_ext)
                 await self.app(inner, replay_receive(new, receive), stream.send)
             return
         captured = _Captured(send)
@@ -128,32 +113,6 @@ class OpenAIRoutingMiddleware:
         answer = finish_answer(answer, r, self.info(app), engine=self.engine, checked=checked)
         count_answer(answer)
         return answer
-
-
-async def read_body(receive: Receive) -> bytes | None:
-    """The whole request body, or None when the client disconnects first."""
-    chunks: list[bytes] = []
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return None
-        chunks.append(msg.get("body", b""))
-        if not msg.get("more_body"):
-            return b"".join(chunks)
-
-
-def replay_receive(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that yields ``body`` once, then defers to the real one (so disconnects still arrive)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 class _Captured:
@@ -204,8 +163,8 @@ class _RoutingStream:
     choice index the stream showed) and returns it finished.
     """
 
-    def __init__(self, send: Send, routing_event: Callable[[dict[str, Any]], Any]) -> None:
-        self._send, self._routing_event = send, routing_event
+    def __init__(self, send: Send, routing_event: Callable[[dict[str, Any]], Any], ext: str | None) -> None:
+        self._send, self._routing_event, self._ext = send, routing_event, ext  # ext: the engine's (SGLang: sglext)
         self._sse = False
         self._pending = b""
         self._indices: set[int] = set()
@@ -246,14 +205,15 @@ class _RoutingStream:
         for ch in obj.get("choices") or ():
             if isinstance(ch, dict) and isinstance(ch.get("index"), int):
                 self._indices.add(ch["index"])
-        if pop_ext_routing(obj, "sglext") is ABSENT:  # the engine's partial routing: rr's event replaces it
+        # the engine's partial routing (SGLang's sglext): rr's event replaces it
+        if self._ext is None or pop_ext_routing(obj, self._ext) is ABSENT:
             return event + b"\n\n"
-        if "sglext" not in obj and not obj.get("choices"):
+        if self._ext not in obj and not obj.get("choices"):
             return b""  # the event held nothing else
         return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def install_openai_routing(app: Any, *, engine: Engine, info: Callable[[Any], RRInfo],
+def install_openai_routing(app: Any, *, engine: EngineName, info: Callable[[Any], RRInfo],
                            routing_enabled: Callable[[Any], bool] | None = None, native: Native | None = None) -> bool:
     """Add :class:`OpenAIRoutingMiddleware` to a Starlette/FastAPI app once (re-entrant); True if added now."""
     if getattr(app.state, "rr_openai_routing", False):

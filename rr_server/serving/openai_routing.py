@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from rr_client.core.codec import (
     FORMATS,
@@ -28,18 +28,26 @@ from rr_client.core.codec import (
     routing_error_fields,
     routing_meta_fields,
 )
+from rr_client.core.engines import (
+    ABSENT,
+    ANSWER_ROUTING_EXTS,
+    CHOICE_ROUTING_EXTS,
+    Engine,
+    EngineName,
+    int_ids,
+    pop_ext_routing,
+)
+from rr_client.core.engines import engine as openai_engine
 from rr_client.core.errors import MissingRoutingError, RoutedExpertsError
 from rr_client.core.info import RRInfo
 from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_server.serving.generate_protocol import BadRequest, default_routed_experts_format
-from rr_server.serving.store_ledger import refs_made_under
+from rr_server.serving.store import current_store, refs_made_under
 
 __all__ = [
     "OPENAI_PATHS",
     "RR_OPENAI_FIELDS",
     "OpenAIRouting",
-    "Engine",
-    "EngineOpenAI",
     "openai_engine",
     "parse_openai_routing",
     "engine_body",
@@ -49,82 +57,9 @@ __all__ = [
     "ABSENT",
 ]
 
-Engine = Literal["vllm", "sglang"]
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
 # a body that sets any of these is an rr request; one that sets none gets the engine's exact answer
 RR_OPENAI_FIELDS = ("return_routed_experts", "routed_experts_start", "routed_experts_format")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineOpenAI:
-    """How one engine's OpenAI endpoints differ for rr: the names of its fields and where it puts routing."""
-
-    name: Engine
-    start_keys: tuple[str, ...]  # request fields that set the first routed row (rr's name first)
-    stream_refusal: str  # why a stream cannot carry routing without rr's engine-side collector
-    choice_routing_ext: str | None  # per-choice extension object holding routing (SGLang: sgl_ext), else a field
-    answer_routing_ext: str | None  # response-level extension holding the FIRST choice's routing (SGLang: sglext)
-    output_id_keys: tuple[str, ...]  # where a choice carries its output token ids
-    rows_from_payload: bool  # an answer without token ids may be counted by its payload (rr's patch counted them)
-    start_field: str  # the engine's own name for the first routed row
-    ask_fields: tuple[tuple[str, Any], ...]  # what the engine's body needs to return routing at all
-    sidecar_slices_start: bool  # the sidecar asks for every row and drops ``start`` itself (SGLang < 0.5.12 drops it)
-    sidecar_forces_routing: bool  # the sidecar asks for routing on every request (SGLang's mixed-batch bug)
-
-    def engine_fields(self, r: "OpenAIRouting") -> dict[str, Any]:
-        """rr's fields of ``r`` in this engine's own names (added to the body it gets)."""
-        return {**dict(self.ask_fields), self.start_field: r.start}
-
-    def pop_choice_payload(self, choice: dict[str, Any]) -> Any:
-        """Remove and return the engine's own routing field of one choice (None when absent)."""
-        payload: Any = ABSENT
-        if self.choice_routing_ext is not None:
-            payload = pop_ext_routing(choice, self.choice_routing_ext)
-        if payload is ABSENT or payload is None:
-            payload = choice.pop("routed_experts", None)
-        return payload
-
-    def pop_answer_payload(self, answer: dict[str, Any]) -> Any:
-        """Remove and return the response-level routing (the first choice's), None when the engine has none."""
-        if self.answer_routing_ext is None:
-            return None
-        payload = pop_ext_routing(answer, self.answer_routing_ext)
-        return None if payload is ABSENT else payload
-
-    def output_ids(self, choice: Mapping[str, Any]) -> list[int] | None:
-        """A choice's output token ids, from the first key that has them."""
-        for key in self.output_id_keys:
-            ids = _int_ids(choice.get(key))
-            if ids is not None:
-                return ids
-        return None
-
-
-_ENGINES: dict[str, EngineOpenAI] = {
-    "vllm": EngineOpenAI(
-        name="vllm", start_keys=("routed_experts_start",),
-        stream_refusal="vLLM's streaming chunks carry no routing; rr's vLLM plugin serves streams",
-        choice_routing_ext=None, answer_routing_ext=None, output_id_keys=("token_ids",), rows_from_payload=False,
-        start_field="routed_experts_prompt_start", ask_fields=(), sidecar_slices_start=False,
-        sidecar_forces_routing=False),
-    "sglang": EngineOpenAI(
-        name="sglang", start_keys=("routed_experts_start", "routed_experts_start_len"),
-        stream_refusal="SGLang's streams carry the first request's routing only; rr's SGLang patch serves streams",
-        choice_routing_ext="sgl_ext", answer_routing_ext="sglext",
-        output_id_keys=("token_ids", "response_token_ids"), rows_from_payload=True,  # 0.5.23 chat: response_token_ids
-        start_field="routed_experts_start_len", ask_fields=(("return_routed_experts", True),),
-        sidecar_slices_start=True, sidecar_forces_routing=True),
-}
-
-
-def openai_engine(engine: Engine | EngineOpenAI) -> EngineOpenAI:
-    """The per-engine object for ``"vllm"`` or ``"sglang"`` (ValueError naming the engine otherwise)."""
-    if isinstance(engine, EngineOpenAI):
-        return engine
-    try:
-        return _ENGINES[engine]
-    except KeyError:
-        raise ValueError(f"unknown engine {engine!r}: expected one of {sorted(_ENGINES)}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +72,8 @@ class OpenAIRouting:
     stream: bool
 
 
-def parse_openai_routing(body: Mapping[str, Any], *, engine: Engine, stream_ok: bool = False) -> OpenAIRouting | None:
+def parse_openai_routing(body: Mapping[str, Any], *, engine: EngineName | Engine,
+                         stream_ok: bool = False) -> OpenAIRouting | None:
     """rr's fields of an OpenAI body, or None when it sets none; BadRequest (400) naming the field otherwise.
 
     On SGLang, ``return_routed_experts`` and ``routed_experts_start_len`` are the engine's own names and count too.
@@ -177,38 +113,15 @@ def parse_openai_routing(body: Mapping[str, Any], *, engine: Engine, stream_ok: 
     return OpenAIRouting(want=want, start=start, fmt=str(fmt), stream=stream)
 
 
-def engine_body(body: Mapping[str, Any], r: OpenAIRouting, *, engine: Engine) -> dict[str, Any]:
+def engine_body(body: Mapping[str, Any], r: OpenAIRouting, *, engine: EngineName | Engine) -> dict[str, Any]:
     """The body the engine gets: rr's fields in the engine's own names, token ids asked for when routing is."""
     out = {k: v for k, v in body.items() if k not in RR_OPENAI_FIELDS and k != "routed_experts_start_len"}
     if not r.want:
         return out
     if not r.stream:  # streams: SGLang 0.5.23 chat refuses it there; rr's patch collects the ids itself
         out["return_token_ids"] = True
-    out.update(openai_engine(engine).engine_fields(r))
+    out.update(openai_engine(engine).engine_fields(r.start))
     return out
-
-
-def _int_ids(value: Any) -> list[int] | None:
-    """A token-id list from the answer, or None when absent or not a list of ints."""
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return value
-    return None
-
-
-# what pop_ext_routing returns when there was no routing field (a payload may itself be None)
-ABSENT = object()
-
-
-def pop_ext_routing(container: dict[str, Any], key: str) -> Any:
-    """Remove and return ``container[key]["routed_experts"]`` (SGLang's ``sglext``/``sgl_ext``), dropping the
-    extension object when nothing else is left in it, as SGLang leaves it out then; ``ABSENT`` if absent."""
-    ext = container.get(key)
-    if not isinstance(ext, dict) or "routed_experts" not in ext:
-        return ABSENT
-    payload = ext.pop("routed_experts")
-    if not any(v is not None for v in ext.values()):
-        del container[key]
-    return payload
 
 
 def _rows(prompt_ids: Sequence[int] | None, output_ids: Sequence[int] | None, usage: Any, n_choices: int,
@@ -223,20 +136,23 @@ def _rows(prompt_ids: Sequence[int] | None, output_ids: Sequence[int] | None, us
     return None
 
 
+def _payload_chars(container: Any, ext: str | None) -> int:
+    """Characters of the string payload at ``container["routed_experts"]`` (``ext``: ``container[ext][...]``)."""
+    if ext is not None:
+        container = container.get(ext) if isinstance(container, Mapping) else None
+    p = container.get("routed_experts") if isinstance(container, Mapping) else None
+    return len(p) if isinstance(p, str) else 0
+
+
 def routing_payload_size(answer: Any) -> int:
     """Characters of routing payload in an answer (to decide whether finishing it belongs off the event loop)."""
-    total = 0
-    for ch in answer.get("choices", ()) if isinstance(answer, Mapping) else ():
-        if isinstance(ch, Mapping):
-            for p in (ch.get("routed_experts"), (ch.get("sgl_ext") or {}).get("routed_experts")
-                      if isinstance(ch.get("sgl_ext"), Mapping) else None):
-                total += len(p) if isinstance(p, str) else 0
-    ext = answer.get("sglext") if isinstance(answer, Mapping) else None
-    p = ext.get("routed_experts") if isinstance(ext, Mapping) else None
-    return total + (len(p) if isinstance(p, str) else 0)
+    if not isinstance(answer, Mapping):
+        return 0
+    total = sum(_payload_chars(ch, ext) for ch in answer.get("choices", ()) for ext in (None, *CHOICE_ROUTING_EXTS))
+    return total + sum(_payload_chars(answer, ext) for ext in ANSWER_ROUTING_EXTS)
 
 
-def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine | EngineOpenAI, drop_rows: int = 0,
+def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: EngineName | Engine, drop_rows: int = 0,
                   payload_rows_counted: bool = True,
                   checked: Sequence[CheckedRouting | str | None] | None = None) -> Any:
     """Put rr's checked routing fields and token ids on every choice of a non-streaming answer (in place).
@@ -261,7 +177,7 @@ def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine
     if not isinstance(choices, list):
         return answer
     eng = openai_engine(engine)
-    top_prompt = _int_ids(answer.get("prompt_token_ids"))  # vLLM chat: one prompt for all choices
+    top_prompt = int_ids(answer.get("prompt_token_ids"))  # vLLM chat: one prompt for all choices
     first = eng.pop_answer_payload(answer)
     if checked is not None and len(checked) != len(choices):
         checked = None  # counts do not add up: never pair a choice with another's rows
@@ -271,7 +187,7 @@ def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine
         payload = eng.pop_choice_payload(choice)
         if payload is None and i == 0:
             payload = first  # SGLang's sglext holds the first request's routing, i.e. choice 0's
-        prompt_ids = _int_ids(choice.get("prompt_token_ids")) or top_prompt
+        prompt_ids = int_ids(choice.get("prompt_token_ids")) or top_prompt
         output_ids = eng.output_ids(choice)
         if prompt_ids is not None:
             choice["prompt_token_ids"] = prompt_ids
@@ -280,7 +196,8 @@ def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine
         try:
             with refs_made_under(_admitted(prov)):  # a ref carries the weight version its request was admitted at
                 fields = routing_meta_fields(_choice_routing(eng, i, payload, first, checked, info, rows, r.start,
-                                                             drop_rows, payload_rows_counted), r.fmt)
+                                                             drop_rows, payload_rows_counted), r.fmt,
+                                             store=current_store())
         except RoutedExpertsError as e:
             fields = routing_error_fields(e)
         except _Refused as e:
@@ -288,8 +205,10 @@ def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine
         if isinstance(prov, dict) and isinstance(fields.get("routed_experts_ref"), dict):
             fields["routed_experts_ref"] = {**fields["routed_experts_ref"], "provenance": prov}
         choice.update(fields)
-        if eng.answer_routing_ext and r.fmt == "sglang" and i == 0 and fields.get("routed_experts") is not None:
-            ext = answer.setdefault(eng.answer_routing_ext, {})
+        # the engine's own format: the first choice's rows also where the engine puts them (SGLang's sglext)
+        top = eng.answer_routing_ext if r.fmt == eng.native_format and i == 0 else None
+        if top and fields.get("routed_experts") is not None:
+            ext = answer.setdefault(top, {})
             if isinstance(ext, dict):
                 ext["routed_experts"] = fields["routed_experts"]
     return answer
@@ -309,7 +228,7 @@ class _Refused(Exception):
         self.reason = reason
 
 
-def _choice_routing(eng: EngineOpenAI, i: int, payload: Any, first: Any,
+def _choice_routing(eng: Engine, i: int, payload: Any, first: Any,
                     checked: Sequence[CheckedRouting | str | None] | None, info: RRInfo, rows: int | None,
                     start: int, drop_rows: int, payload_rows_counted: bool) -> CheckedRouting:
     """One choice's routing, checked exactly once (here, or already by the engine-side collector)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rr_server.serving import sglang_facts, vllm_facts
+from rr_server.serving.engines import releases
 
 __all__ = ["speculative_flags", "draft_pollution_refusal"]
 
@@ -27,12 +27,8 @@ def draft_pollution_refusal(engine: str, version: str, argv: Sequence[str]) -> s
     flags = speculative_flags(argv)
     if not flags:
         return None
-    if engine == "vllm":
-        facts, fix, issue = vllm_facts.facts_for(version), vllm_facts.DRAFT_FIX_RELEASE, "vllm-project/vllm#48622"
-    elif engine == "sglang":
-        facts, fix, issue = sglang_facts.facts_for(version), sglang_facts.DRAFT_FIX_RELEASE, "sgl-project/sglang#26980"
-    else:
-        raise ValueError(f"unknown engine {engine!r}")
+    rel = releases(engine)
+    facts, fix, issue = rel.facts_for(version), rel.draft_fix_release, rel.draft_issue
     if not facts.draft_pollutes_routing:
         return None
     return (f"{engine} {version} with speculative decoding ({', '.join(sorted(set(flags)))}): its draft (MTP/EAGLE) "

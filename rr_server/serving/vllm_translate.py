@@ -12,6 +12,7 @@ from typing import Any
 from rr_client.core.codec import check_payload, expected_rows, routing_meta_fields
 from rr_client.core.info import RRInfo
 from rr_server.serving.generate_protocol import BadRequest, SamplingParamsIn
+from rr_server.serving.store import current_store
 
 __all__ = ["to_vllm_sampling_kwargs", "finish_reason_dict", "checked_routing_fields"]
 
@@ -76,4 +77,4 @@ def checked_routing_fields(
     through a forward pass.
     """
     rows = expected_rows(len(prompt_ids), len(output_ids), start)
-    return routing_meta_fields(check_payload(routing, info, rows=rows, start=start), fmt)
+    return routing_meta_fields(check_payload(routing, info, rows=rows, start=start), fmt, store=current_store())

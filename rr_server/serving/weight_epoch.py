@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from rr_server.serving.http import ASGIApp, Message, Receive, Scope, Send, read_body, replay_receive
 
 __all__ = ["WeightEpoch", "WeightMark", "WeightUpdateMiddleware", "current_epoch", "update_kind", "UPDATE_PATHS",
            "install_weight_epoch"]
@@ -132,11 +133,6 @@ def current_epoch() -> WeightEpoch:
     return _EPOCH
 
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
-
-
 class WeightUpdateMiddleware:
     """Counts the weight updates that pass through the app's weight routes in :func:`current_epoch`; every
     request passes through unchanged."""
@@ -144,15 +140,13 @@ class WeightUpdateMiddleware:
     def __init__(self, app: ASGIApp, epoch: WeightEpoch | None = None) -> None:
         self.app, self.epoch = app, epoch or _EPOCH
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope.get("type") != "http" or scope.get("method") != "POST" or not _maybe_update(path):
             await self.app(scope, receive, send)
             return
         body = b""
         if path == "/collective_rpc":  # the method decides; read the body and hand it on unchanged
-            from rr_server.serving.openai_middleware import read_body, replay_receive
-
             raw = await read_body(receive)
             if raw is None:
                 return

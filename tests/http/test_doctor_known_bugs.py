@@ -15,14 +15,14 @@ import pytest
 
 from rr_server.cli import main as cli
 from rr_server.doctor.known_bugs import _BUGS, KnownBug
-from rr_server.serving import sglang_facts, vllm_facts
+from rr_server.serving.engines import releases
 from tests.support.protocol_server import ProtocolTestServer
 
 VERSIONS = {"vllm": [f"0.{m}.0" for m in range(14, 34)], "sglang": [f"0.5.{p}" for p in range(7, 24)]}
 
 
 def _has(bug: KnownBug, version: str) -> bool:
-    facts = (vllm_facts if bug.engine == "vllm" else sglang_facts).facts_for(version)
+    facts = releases(bug.engine).facts_for(version)
     return bug.fact == "always" or bool(getattr(facts, bug.fact))
 
 

@@ -22,8 +22,8 @@ from starlette.routing import Route
 from rr_client import RoutedExpertsClient, RoutingRef, RRInfo, UntrustedHostError
 from rr_client.core.codec import check_routing
 from rr_client.core.errors import ConfigurationError
-from rr_server.serving import routing_store as rs
-from rr_server.serving.routing_store import RoutingStore
+from rr_server.serving.store import install as rs
+from rr_server.serving.store import STORE_ROUTES, MemoryStore
 from tests.support.routing_data import make_routing
 from tests.support.threaded_server import ThreadedServer
 
@@ -52,9 +52,9 @@ def servers() -> Iterator[tuple[ThreadedServer, ThreadedServer, RoutingRef, np.n
     async def info(_: Any) -> JSONResponse:
         return JSONResponse(INFO.model_dump())
 
-    app = Starlette(routes=[Route("/rr/info", info), *(Route(p, h, methods=list(m)) for p, h, m in rs.STORE_ROUTES)])
+    app = Starlette(routes=[Route("/rr/info", info), *(Route(p, h, methods=list(m)) for p, h, m in STORE_ROUTES)])
     with pytest.MonkeyPatch.context() as mp:
-        store = RoutingStore(1 << 20, "http://unused.test")
+        store = MemoryStore(1 << 20, "http://unused.test")
         mp.setattr(rs, "_STORE", store)
         rows = make_routing(5, 3, 2, 8, moe_layers=INFO.moe_layers, seed=3)
         checked = check_routing(rows, INFO, rows=5)

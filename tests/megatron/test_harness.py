@@ -24,16 +24,29 @@ def _forward(model: object) -> None:
     model(tokens, position_ids, H.causal_mask(S), labels=tokens)  # type: ignore[operator]
 
 
-def test_hooks_agree_with_megatrons_own_record(gpt: object) -> None:
-    """With RECORD, each hooked router's per-token choice equals the top-k Megatron itself recorded for it."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+def _hooked_forward(gpt: object, action: object, replay: list[torch.Tensor] | None = None) -> H.RouterChoices:
+    """One forward seen by the harness's hooks, Megatron's routers under ``action`` (with ``replay``: those rows
+    handed to Megatron first); the action, and the rows with them, cleared after."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+    if replay is not None:
+        RouterReplay.set_replay_data(replay)
+    RouterReplay.set_global_router_replay_action(action)
     try:
         with H.hooked([gpt]) as choices:
             _forward(gpt)
     finally:
         RouterReplay.clear_global_router_replay_action()
+        if replay is not None:
+            RouterReplay.clear_global_indices()
+    return choices
+
+
+def test_hooks_agree_with_megatrons_own_record(gpt: object) -> None:
+    """With RECORD, each hooked router's per-token choice equals the top-k Megatron itself recorded for it."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    choices = _hooked_forward(gpt, RouterReplayAction.RECORD)
     assert sorted(choices.layer_numbers().values()) == [2, 3, 4]  # MoE layers 2, 3; the MTP layer's router: 4
     for router in choices.routers:
         (call,) = choices.calls[router]
@@ -44,19 +57,11 @@ def test_hooks_agree_with_megatrons_own_record(gpt: object) -> None:
 
 def test_hooks_catch_short_rows_megatron_accepts(gpt: object) -> None:
     """Megatron replays one row fewer than tokens without a word; the hooks show the last token routed nowhere."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     rows = H.random_rows(B, S, 3, 8, 2, seed=5)
     targets = [H.sequence_first(rows[:, :, i]).long() for i in (1, 2, 2)]  # MTP: layer 3's rows, any valid ids
-    short = [t[:-1] for t in targets]
-    RouterReplay.set_replay_data(short)
-    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-    try:
-        with H.hooked([gpt]) as choices:
-            _forward(gpt)
-    finally:
-        RouterReplay.clear_global_router_replay_action()
-        RouterReplay.clear_global_indices()
+    choices = _hooked_forward(gpt, RouterReplayAction.REPLAY_FORWARD, replay=[t[:-1] for t in targets])
     for router, want in zip(choices.routers, targets):
         (call,) = choices.calls[router]
         H.assert_chose(type(call)(call.routing_map[:-1], call.grad_enabled), want[:-1])  # the rows given: replayed

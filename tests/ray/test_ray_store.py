@@ -15,7 +15,6 @@ import sys
 import time
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 
@@ -23,7 +22,7 @@ from rr_client import RoutedExpertsClient, RRInfo, RoutingChecksumError, Routing
 from rr_client.core.codec import check_routing
 from rr_client.core.reference import checksum
 from rr_server.ray_stores import main as ray_stores
-from rr_server.serving.ray_store import PREFIX, RayRoutingStore
+from rr_server.serving.store.ray import PREFIX, RayStore
 from tests.support.routing_data import make_routing
 
 INFO = RRInfo.from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 8,
@@ -44,7 +43,7 @@ def resolve(refs: list[RoutingRef]) -> list[np.ndarray]:
 
 
 def test_rows_through_rays_object_store(ray_cluster: str) -> None:
-    store = RayRoutingStore(1 << 20, name="rr-test-store-a")
+    store = RayStore(1 << 20, name="rr-test-store-a")
     want = [checked(n, seed=n) for n in (3, 9, 1)]
     refs = [RoutingRef.from_dict(store.put(c)) for c in want]
     assert all(r.url == "ray://rr/rr-test-store-a" for r in refs)
@@ -58,7 +57,7 @@ def test_evicted_retired_restarted_and_tampered_refs_are_refused(ray_cluster: st
     import ray
 
     one = checked(10).array.nbytes
-    store = RayRoutingStore(2 * one, name="rr-test-store-b")
+    store = RayStore(2 * one, name="rr-test-store-b")
     refs = [RoutingRef.from_dict(store.put(checked(10, seed=i))) for i in range(3)]
     with pytest.raises(RoutingExpiredError, match="evicted"):
         resolve(refs[:1])
@@ -73,7 +72,7 @@ def test_evicted_retired_restarted_and_tampered_refs_are_refused(ray_cluster: st
     with pytest.raises(RoutingExpiredError, match="no such Ray routing store actor"):
         resolve(refs[1:2])
     assert _gone("rr-test-store-b")
-    again = RayRoutingStore(2 * one, name="rr-test-store-b")  # ... and a new one takes its name
+    again = RayStore(2 * one, name="rr-test-store-b")  # ... and a new one takes its name
     assert again.instance != store.instance
     with pytest.raises(RoutingExpiredError, match="restarted"):
         resolve(refs[1:2])
@@ -115,7 +114,7 @@ def test_one_ray_put_per_sample_and_the_actor_keeps_that_object(ray_cluster: str
     """The engine's own ``ray.put`` is the only copy: the object the store actor hands readers is that one."""
     import ray
 
-    store = RayRoutingStore(1 << 20, name="rr-test-store-put")
+    store = RayStore(1 << 20, name="rr-test-store-put")
     made: list[Any] = []
     real_put = ray.put
     monkeypatch.setattr(ray, "put", lambda value, **kw: made.append(real_put(value, **kw)) or made[-1])
@@ -129,7 +128,7 @@ def test_one_ray_put_per_sample_and_the_actor_keeps_that_object(ray_cluster: str
 
 def test_each_engine_has_its_own_store_cap_and_weight_version(ray_cluster: str) -> None:
     one = checked(10).array.nbytes
-    a, b = RayRoutingStore(2 * one), RayRoutingStore(8 * one)
+    a, b = RayStore(2 * one), RayStore(8 * one)
     try:
         assert a.name != b.name and a.name.startswith(PREFIX) and a.instance != b.instance
         ra = [RoutingRef.from_dict(a.put(checked(10, seed=i))) for i in range(3)]
@@ -169,8 +168,8 @@ def _listed(name: str, deadline_s: float = 60.0) -> bool:
 
 ENGINE = """
 import sys, time
-from rr_server.serving.ray_store import RayRoutingStore
-s = RayRoutingStore(1 << 20)
+from rr_server.serving.store.ray import RayStore
+s = RayStore(1 << 20)
 print(s.name, flush=True)
 if sys.argv[1] == "exit":
     sys.stdin.readline()  # exit once the test has seen the live store (exiting at once raced its check)
@@ -211,7 +210,7 @@ def test_ray_stores_command_lists_and_removes_leftovers(ray_cluster: str, capsys
 
     legacy = f"{PREFIX}0123456789abcdef"
     ray.remote(LegacyNodeStore).options(name=legacy, namespace="rr", lifetime="detached", num_cpus=0).remote()
-    live = RayRoutingStore(1 << 20)
+    live = RayStore(1 << 20)
     try:
         live.put(checked(3))
         assert ray_stores(["--address", ray_cluster, "--json"]) == 0

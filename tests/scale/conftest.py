@@ -107,6 +107,13 @@ class RouterProcess:
     def stop(self) -> None:
         stop_process_group(self.proc, grace=10.0)  # type: ignore[arg-type]
 
+    def serving(self) -> Iterator[Self]:
+        """This router once ready, for a fixture to yield from; stopped after (also when it never got ready)."""
+        try:
+            yield self.wait_ready()
+        finally:
+            self.stop()
+
 
 class Router(RouterProcess):
     """vllm-router 0.1.17 in front of ``workers``, on a free loopback port."""
@@ -131,8 +138,4 @@ class SGLangRouter(RouterProcess):
 
 @pytest.fixture(scope="session")
 def router(replicas: list[VLLMProcess]) -> Iterator[Router]:
-    r = Router([s.base_url for s in replicas])
-    try:
-        yield r.wait_ready()
-    finally:
-        r.stop()
+    yield from Router([s.base_url for s in replicas]).serving()

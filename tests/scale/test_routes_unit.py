@@ -23,9 +23,9 @@ import pytest
 
 from rr_client.core.errors import RoutingChecksumError
 from rr_client.core.reference import READ_PATH, RETIRE_PATH, RoutingRef, decode_frame
-from rr_server.serving import routing_store as rs
-from rr_server.serving.routing_store import MAX_REFS_PER_READ, RoutingStore, read_many
-from rr_server.serving.store_siblings import Siblings
+from rr_server.serving.store import install as rs
+from rr_server.serving.store import MAX_REFS_PER_READ, MemoryStore, read_many
+from rr_server.serving.store.siblings import Siblings
 from tests.unit.test_routing_ref import URL, checked, store_app
 
 from rr_patches.vllm import routes
@@ -68,13 +68,13 @@ def _post(app: Any, path: str, body: Any) -> httpx.Response:
 
 
 @pytest.fixture()
-def store(monkeypatch: pytest.MonkeyPatch) -> RoutingStore:
-    s = RoutingStore(1 << 20, URL)
+def store(monkeypatch: pytest.MonkeyPatch) -> MemoryStore:
+    s = MemoryStore(1 << 20, URL)
     monkeypatch.setattr(rs, "_STORE", s)
     return s
 
 
-def test_one_key_named_many_times_is_one_copy_and_refs_per_call_are_capped(store: RoutingStore) -> None:
+def test_one_key_named_many_times_is_one_copy_and_refs_per_call_are_capped(store: MemoryStore) -> None:
     ref = store.put(checked(50))
     ask = {"store": ref["store"], "key": ref["key"]}
     r = _post(store_app(store), READ_PATH, {"refs": [ask] * 1000})
@@ -88,7 +88,7 @@ def test_one_key_named_many_times_is_one_copy_and_refs_per_call_are_capped(store
     assert over.status_code == 413 and f"at most {MAX_REFS_PER_READ}" in over.json()["error"]["message"]
 
 
-def test_the_frame_carries_the_checksum_kept_from_store_time(store: RoutingStore) -> None:
+def test_the_frame_carries_the_checksum_kept_from_store_time(store: MemoryStore) -> None:
     """Rows that changed in the store after their ref was made are caught by the client (not re-hashed as they
     are now and sent as if right)."""
     ref = RoutingRef.from_dict(store.put(checked(6)))
@@ -100,7 +100,7 @@ def test_the_frame_carries_the_checksum_kept_from_store_time(store: RoutingStore
         decode_frame(r.content)
 
 
-def test_the_frame_is_built_off_the_event_loop(store: RoutingStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_frame_is_built_off_the_event_loop(store: MemoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
     ref = store.put(checked(4))
     where: dict[str, int] = {}
     real = store.read
@@ -122,10 +122,10 @@ def test_the_frame_is_built_off_the_event_loop(store: RoutingStore, monkeypatch:
 
 
 @pytest.fixture()
-def two_processes() -> Iterator[tuple[RoutingStore, RoutingStore]]:
+def two_processes() -> Iterator[tuple[MemoryStore, MemoryStore]]:
     """Two API server processes' stores of one server (here: one process, each with its own socket)."""
     base = tempfile.mkdtemp(prefix="rr-", dir="/tmp")  # pytest's tmp_path is too long for a socket's path
-    a, b = RoutingStore(1 << 20, URL), RoutingStore(1 << 20, URL)
+    a, b = MemoryStore(1 << 20, URL), MemoryStore(1 << 20, URL)
     a.siblings, b.siblings = Siblings.join(a, URL, base), Siblings.join(b, URL, base)
     yield a, b
     for s in (a, b):
@@ -166,7 +166,6 @@ def test_a_sibling_that_died_answers_410_not_other_rows(two_processes: Any) -> N
 
 def test_a_loopback_url_is_said_at_start(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv("RR_ADVERTISE_URL", raising=False)
-    monkeypatch.setattr("rr_client.core.codec._reference_store", None)
     for url, loud in (("http://127.0.0.1:8000", True), ("http://localhost:9", True), ("http://[::1]:9", True),
                       ("http://trainer-node-3:8000", False), ("http://10.1.2.3:8000", False)):
         monkeypatch.setattr(rs, "_STORE", None)

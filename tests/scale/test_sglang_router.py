@@ -27,11 +27,7 @@ pytestmark = pytest.mark.vllm_server
 
 @pytest.fixture(scope="module")
 def sglang_router(replicas: list[VLLMProcess]) -> Iterator[SGLangRouter]:
-    r = SGLangRouter([s.base_url for s in replicas])
-    try:
-        yield r.wait_ready()
-    finally:
-        r.stop()
+    yield from SGLangRouter([s.base_url for s in replicas]).serving()
 
 
 def test_client_through_sglang_router_with_given_info(sglang_router: SGLangRouter,

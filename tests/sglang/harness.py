@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from rr_server.serving.sglang_facts import profile_for
+from rr_server.serving.engines.sglang import profile_for
 from tests.sglang.standin import StandInScheduler, wire
 
 

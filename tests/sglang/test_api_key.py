@@ -40,7 +40,7 @@ import httpx
 import pytest
 
 from rr_client.core.info import RRInfo
-from rr_server.serving.sglang_facts import profile_for
+from rr_server.serving.engines.sglang import profile_for
 from tests.sglang.conftest import HAVE
 from tests.sglang.harness import Harness
 

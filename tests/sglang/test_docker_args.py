@@ -86,3 +86,20 @@ def test_vllm_docker_run_args_reach_make_arg_parser() -> None:
         assert ns.model == run[run.index("--model") + 1]
         assert ns.enable_return_routed_experts is True
         assert (ns.host, ns.port) == ("0.0.0.0", 8000)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_each_image_runs_the_shared_install_for_its_engine(engine: str) -> None:
+    """Both Dockerfiles copy the repository through ``.dockerignore`` (rr's sources and build files only) and run
+    ``docker/install_rr.sh <engine>``, whose import check names that engine's plugin and launcher."""
+    text = (REPO / "docker" / f"rr-{engine}" / "Dockerfile").read_text()
+    assert re.search(r"^COPY \. \./\s*$", text, flags=re.M), f"rr-{engine}: does not copy the repository root"
+    assert re.search(rf"^RUN sh docker/install_rr\.sh {engine}\s*$", text, flags=re.M), text
+    let_in = {line[1:] for line in (REPO / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    assert {"pyproject.toml", "setup.py", "README.md", "rr_client", "rr_server", "rr_patches",
+            "docker/install_rr.sh"} <= let_in
+    script = (REPO / "docker" / "install_rr.sh").read_text()
+    assert "pip install --no-cache-dir --no-deps ." in script
+    assert "import rr_client, rr_patches.${engine}.plugin, rr_server.launch.${engine};" in script
+    assert (REPO / "rr_patches" / engine / "plugin.py").is_file()
+    assert (REPO / "rr_server" / "launch" / f"{engine}.py").is_file()

@@ -10,7 +10,7 @@ import pytest
 
 from rr_client.core.errors import ConfigurationError
 from rr_server.launch import sglang as launch_sglang
-from rr_server.serving.sglang_facts import installed_version
+from rr_server.serving.engines.sglang import installed_version
 
 pytestmark = pytest.mark.sglang
 

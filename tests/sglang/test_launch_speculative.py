@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from rr_server.launch import sglang as launch_sglang
-from rr_server.serving.sglang_facts import installed_version
-from rr_server.serving.release import parse_release
+from rr_server.serving.engines.sglang import installed_version
+from rr_server.serving.engines import engine_release
 
 pytestmark = pytest.mark.sglang
 
@@ -24,7 +24,7 @@ def test_speculative_decoding_refused_exactly_where_drafts_pollute(monkeypatch: 
     monkeypatch.setattr(launch_sglang, "_run", lambda args: ran.append(args))
     rc = launch_sglang.main(["--model-path", "m", *SPEC])
     version = installed_version()
-    if parse_release(version) < (0, 5, 23):
+    if engine_release(version) < (0, 5, 23):
         err = capsys.readouterr().err
         assert rc == 2 and not ran
         assert "sgl-project/sglang#26980" in err and "sglang >= 0.5.23" in err and version in err

@@ -18,7 +18,7 @@ from rr_client.core.errors import (
     UnrecordedRoutingError,
 )
 from rr_client.core.info import RRInfo
-from rr_server.serving.sglang_facts import UnsupportedSGLangError, profile_for
+from rr_server.serving.engines.sglang import UnsupportedSGLangError, profile_for
 from tests.sglang.conftest import MODEL_SPEC
 from tests.sglang.harness import Harness
 
@@ -44,9 +44,9 @@ def test_profiles(version: str, field: str, is_async: bool, start: bool) -> None
 
 def test_installed_version_matches_its_code() -> None:
     """The installed SGLang's functions and io_struct fields have the shape its profile claims."""
-    from rr_patches.sglang.apply import check_shapes
+    from rr_patches.sglang.apply import check_sglang_shapes
 
-    check_shapes(profile_for())
+    check_sglang_shapes(profile_for())
 
 
 def test_wrong_shape_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,8 +59,11 @@ def test_wrong_shape_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         return None
 
     monkeypatch.setattr(TokenizerManager, "_handle_batch_output", _handle_batch_output)
-    with pytest.raises(UnsupportedSGLangError, match="_handle_batch_output"):
+    with pytest.raises(UnsupportedSGLangError, match=r"TokenizerManager\._handle_batch_output\(self, recv_obj, extra\) "
+                       r"does not have the shape rr relies on \(self, recv_obj\)") as exc:
         apply()
+    assert f" in SGLang {profile_for().version}: " in str(exc.value)
+    assert exc.value.package == "sglang" and exc.value.version == profile_for().version
 
 
 def test_apply_is_idempotent(patched: None) -> None:
@@ -162,7 +165,7 @@ def test_launcher_refuses_unknown_version(monkeypatch: pytest.MonkeyPatch) -> No
     """An untested SGLang makes the launcher exit 2 before anything starts."""
     import rr_server.launch.sglang as ls
 
-    monkeypatch.setattr("rr_server.serving.sglang_facts.installed_version", lambda: "0.5.99")
+    monkeypatch.setattr("rr_server.serving.engines.sglang.installed_version", lambda: "0.5.99")
     monkeypatch.setattr(ls, "_run", lambda argv: pytest.fail("must not start"))
     assert ls.main(["--model-path", "M"]) == 2
 

@@ -12,7 +12,7 @@ import pytest
 
 from rr_client.core.errors import StaleRoutingError
 from rr_client.core.provenance import PROVENANCE_FIELD, Provenance, check_provenance, tokens_digest
-from rr_server.serving.sglang_facts import profile_for
+from rr_server.serving.engines.sglang import profile_for
 from tests.sglang.harness import Harness
 from tests.sglang.standin import StandInReq
 

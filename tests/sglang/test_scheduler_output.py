@@ -37,7 +37,7 @@ def _field(out: object) -> list | None:
 
 def _sched(model: Path, asked: list[bool]) -> StandInScheduler:
     """A stand-in scheduler holding one finished request per flag (distinct prompt lengths)."""
-    from rr_server.serving.sglang_facts import profile_for
+    from rr_server.serving.engines.sglang import profile_for
 
     prof = profile_for()
     s = StandInScheduler(model, prof.release, prof.field)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rr_client.core.provenance import PROVENANCE_FIELD, Provenance, tokens_digest
-from rr_server.serving.sglang_facts import profile_for
+from rr_server.serving.engines.sglang import profile_for
 from tests.sglang.harness import Harness
 from tests.sglang.test_sidecar_sglang import client_of, sidecar_app
 

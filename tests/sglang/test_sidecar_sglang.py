@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from rr_client.core.codec import decode_meta_info
-from rr_server.serving.sglang_facts import profile_for
+from rr_server.serving.engines.sglang import profile_for
 from rr_server.demo.tiny_moe import reference_routing
 from tests.sglang.conftest import MODEL_SPEC
 from tests.sglang.harness import Harness

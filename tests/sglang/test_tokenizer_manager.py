@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rr_server.serving.sglang_facts import profile_for
+from rr_server.serving.engines.sglang import profile_for
 from rr_client.core.codec import decode_meta_info
 from rr_client.core import errors as rr_errors
 from rr_client.core.errors import MissingRoutingError

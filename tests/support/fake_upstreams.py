@@ -80,8 +80,38 @@ class _FakeServer(ThreadedServer):
         self.bodies: list[dict[str, Any]] = []
         super().__init__(self.build_app(), name=type(self).__name__)
 
-    def build_app(self) -> FastAPI:  # pragma: no cover - overridden
+    generate_path = "/generate"  # the engine's generate route
+
+    def info_answers(self) -> dict[str, dict[str, Any]]:  # pragma: no cover - overridden
+        """The engine's GET routes that answer fixed JSON (its model and version info), by path."""
         raise NotImplementedError
+
+    def answer(self, body: dict[str, Any]) -> Response:  # pragma: no cover - overridden
+        """The engine's answer to one generate request's JSON ``body``."""
+        raise NotImplementedError
+
+    def build_app(self) -> FastAPI:
+        """``/health``, :meth:`info_answers`, and the generate route: the body recorded in ``bodies``, ``delay``
+        waited, then a whole-answer corruption (:meth:`special`) or :meth:`answer`."""
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        for path, answer in self.info_answers().items():
+            app.get(path)(_answering(answer))
+
+        @app.post(self.generate_path)
+        async def generate(request: Request) -> Response:
+            body = await request.json()
+            self.bodies.append(body)
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            bad = self.special()
+            return bad if bad is not None else self.answer(body)
+
+        return app
 
     def routing(self, tokens: list[int]) -> np.ndarray:
         """The routing a well-behaved engine reports for ``tokens`` (one row each)."""
@@ -95,6 +125,13 @@ class _FakeServer(ThreadedServer):
             return JSONResponse({"error": {"message": "CUDA error: an illegal memory access", "code": 500}},
                                 status_code=500)
         return None
+
+
+def _answering(answer: dict[str, Any]) -> Any:
+    """A GET endpoint that answers ``answer``."""
+    async def fixed() -> JSONResponse:
+        return JSONResponse(answer)
+    return fixed
 
 
 class FakeSGLangUpstream(_FakeServer):
@@ -123,43 +160,22 @@ class FakeSGLangUpstream(_FakeServer):
                 del meta["routed_experts"]
         return {"text": "y" * len(out), "output_ids": out, "meta_info": meta}
 
-    def build_app(self) -> FastAPI:
-        app = FastAPI()
+    def info_answers(self) -> dict[str, dict[str, Any]]:
+        return {"/get_model_info": {"model_path": str(self.model_dir), "is_generation": True},
+                "/get_server_info": {"version": "0.5.10-fake"}}
 
-        @app.get("/health")
-        async def health() -> Response:
-            return Response(status_code=200)
-
-        @app.get("/get_model_info")
-        async def model_info() -> JSONResponse:
-            return JSONResponse({"model_path": str(self.model_dir), "is_generation": True})
-
-        @app.get("/get_server_info")
-        async def server_info() -> JSONResponse:
-            return JSONResponse({"version": "0.5.10-fake"})
-
-        @app.post("/generate")
-        async def generate(request: Request) -> Response:
-            body = await request.json()
-            self.bodies.append(body)
-            if self.delay:
-                await asyncio.sleep(self.delay)
-            bad = self.special()
-            if bad is not None:
-                return bad
-            key = "text" if "text" in body else "input_ids"
-            raw = body[key]
-            batch = isinstance(raw, list) and (key == "text" or (raw and isinstance(raw[0], list)))
-            prompts = [fake_tokens(p) for p in (raw if batch else [raw])]
-            params = body.get("sampling_params") or {}
-            n = int(params.get("n", 1))
-            want = bool(body.get("return_routed_experts"))
-            items = [self.sample(p, params, j, want) for p in prompts for j in range(n)]
-            if body.get("stream"):
-                return StreamingResponse(self._stream(items, batch), media_type="text/event-stream")
-            return JSONResponse(items if batch or n > 1 else items[0])
-
-        return app
+    def answer(self, body: dict[str, Any]) -> Response:
+        key = "text" if "text" in body else "input_ids"
+        raw = body[key]
+        batch = isinstance(raw, list) and (key == "text" or (raw and isinstance(raw[0], list)))
+        prompts = [fake_tokens(p) for p in (raw if batch else [raw])]
+        params = body.get("sampling_params") or {}
+        n = int(params.get("n", 1))
+        want = bool(body.get("return_routed_experts"))
+        items = [self.sample(p, params, j, want) for p in prompts for j in range(n)]
+        if body.get("stream"):
+            return StreamingResponse(self._stream(items, batch), media_type="text/event-stream")
+        return JSONResponse(items if batch or n > 1 else items[0])
 
     async def _stream(self, items: list[dict[str, Any]], batch: bool) -> Any:
         """SGLang-style SSE: cumulative partial chunks without routing, then the final chunk with it."""
@@ -179,58 +195,39 @@ class FakeSGLangUpstream(_FakeServer):
 class FakeVLLMUpstream(_FakeServer):
     """FAKE vLLM 0.30 API server (``/v1/completions``, ``/v1/models``, ``/version``, ``/health``): .npy routing."""
 
-    def build_app(self) -> FastAPI:
-        app = FastAPI()
+    generate_path = "/v1/completions"
 
-        @app.get("/health")
-        async def health() -> Response:
-            return Response(status_code=200)
+    def info_answers(self) -> dict[str, dict[str, Any]]:
+        return {"/v1/models": {"object": "list", "data": [{"id": "fake-moe", "root": str(self.model_dir)}]},
+                "/version": {"version": "0.30.0-fake"}}
 
-        @app.get("/v1/models")
-        async def models() -> JSONResponse:
-            return JSONResponse({"object": "list", "data": [{"id": "fake-moe", "root": str(self.model_dir)}]})
-
-        @app.get("/version")
-        async def version() -> JSONResponse:
-            return JSONResponse({"version": "0.30.0-fake"})
-
-        @app.post("/v1/completions")
-        async def completions(request: Request) -> Response:
-            body = await request.json()
-            self.bodies.append(body)
-            if self.delay:
-                await asyncio.sleep(self.delay)
-            bad = self.special()
-            if bad is not None:
-                return bad
-            prompt = fake_tokens(body["prompt"])
-            start = int(body.get("routed_experts_prompt_start") or 0)
-            choices = []
-            for j in range(int(body.get("n", 1))):
-                out = fake_completion(prompt, int(body.get("max_tokens") or 16), j)
-                tokens = (prompt + out)[start:-1]
-                if self.corrupt == "swap_rows":  # another request's rows: each answer the routing of other tokens
-                    self.swaps += 1
-                    tokens = [t + self.swaps for t in tokens]
-                r = corrupt_routing(self.routing(tokens), self.corrupt).astype(np.uint8)
-                buf = io.BytesIO()
-                np.save(buf, r)
-                b64: Any = base64.b64encode(buf.getvalue()).decode()
-                if self.corrupt == "truncated_b64":
-                    b64 = b64[: len(b64) // 2 + 1]
-                elif self.corrupt == "missing":
-                    b64 = None
-                elif self.corrupt == "empty_dict":
-                    b64 = {}
-                choices.append({"index": j, "text": "z" * len(out), "finish_reason": "length", "stop_reason": None,
-                                "prompt_token_ids": prompt, "token_ids": out, "routed_experts": b64})
-            if body.get("stream"):
-                return StreamingResponse(self._stream(choices), media_type="text/event-stream")
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(len(c["token_ids"]) for c in choices)}
-            return JSONResponse({"id": "cmpl-fake", "object": "text_completion", "model": "fake-moe",
-                                 "choices": choices, "usage": usage})
-
-        return app
+    def answer(self, body: dict[str, Any]) -> Response:
+        prompt = fake_tokens(body["prompt"])
+        start = int(body.get("routed_experts_prompt_start") or 0)
+        choices = []
+        for j in range(int(body.get("n", 1))):
+            out = fake_completion(prompt, int(body.get("max_tokens") or 16), j)
+            tokens = (prompt + out)[start:-1]
+            if self.corrupt == "swap_rows":  # another request's rows: each answer the routing of other tokens
+                self.swaps += 1
+                tokens = [t + self.swaps for t in tokens]
+            r = corrupt_routing(self.routing(tokens), self.corrupt).astype(np.uint8)
+            buf = io.BytesIO()
+            np.save(buf, r)
+            b64: Any = base64.b64encode(buf.getvalue()).decode()
+            if self.corrupt == "truncated_b64":
+                b64 = b64[: len(b64) // 2 + 1]
+            elif self.corrupt == "missing":
+                b64 = None
+            elif self.corrupt == "empty_dict":
+                b64 = {}
+            choices.append({"index": j, "text": "z" * len(out), "finish_reason": "length", "stop_reason": None,
+                            "prompt_token_ids": prompt, "token_ids": out, "routed_experts": b64})
+        if body.get("stream"):
+            return StreamingResponse(self._stream(choices), media_type="text/event-stream")
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(len(c["token_ids"]) for c in choices)}
+        return JSONResponse({"id": "cmpl-fake", "object": "text_completion", "model": "fake-moe",
+                             "choices": choices, "usage": usage})
 
     async def _stream(self, choices: list[dict[str, Any]]) -> Any:
         """vLLM-style SSE: one delta per token, prompt ids on the first, no routing (as vLLM 0.30)."""

@@ -15,14 +15,15 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Self
+from typing import Self, TypeVar
 
 from rr_server.launch.vllm import build_command, is_cpu_platform
 from rr_client.core.errors import ServerStartError
 from rr_server.launch.process import free_port, stop_process_group, wait_healthy
 
-__all__ = ["VLLMProcess", "server_args", "launcher_command", "unpatched_command", "STARTUP_TIMEOUT_S", "LOG_DIR"]
+__all__ = ["VLLMProcess", "all_launched", "server_args", "launcher_command", "unpatched_command", "STARTUP_TIMEOUT_S", "LOG_DIR"]
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("RR_TEST_CACHE", REPO / ".cache" / "rr-test-models"))
@@ -135,6 +136,25 @@ class VLLMProcess:
             pass
         self.proc.wait(timeout=30)
         self.proc = None
+
+
+P = TypeVar("P", bound=VLLMProcess)
+
+
+@contextmanager
+def all_launched(servers: dict[str, P], *, healthy: bool = False) -> Iterator[dict[str, P]]:
+    """``servers`` launched together (their startups overlap) and, with ``healthy``, each waited for; every one
+    stopped on exit, also when one of them failed to start."""
+    try:
+        for s in servers.values():
+            s.launch()
+        if healthy:
+            for s in servers.values():
+                s.wait_healthy()
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
 
 
 def small_kv_dev_server(model_dir: Path, *, name: str, blocks: int, max_model_len: int,

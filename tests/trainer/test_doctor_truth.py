@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from rr_client.trainer.replay import record_routing
-from rr_server.doctor.truth import LayerAgreement, RouterReference, router_forward, router_topk
+from rr_client.trainer.router_reference import router_forward, router_topk
+from rr_server.doctor.truth import LayerAgreement, RouterReference
 from tests.trainer.tiny_families import tiny_family_model
 
 TOKENS = list(range(3, 43))

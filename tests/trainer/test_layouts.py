@@ -53,6 +53,14 @@ def layer_list(moe_only: bool) -> list[int]:
     return MOE if moe_only else list(range(L))
 
 
+def ref_row(s: S, j: int, layers: list[int], pad: list[list[int]]) -> tuple[bool, list[list[int]]]:
+    """The reference's mask and routing for token ``j`` of ``s``: its row at ``layers``, or ``pad`` without one."""
+    row = j - s.routed_experts_start
+    if 0 <= row < len(s.routed_experts):
+        return True, [[int(x) for x in s.routed_experts[row, layer]] for layer in layers]
+    return False, pad
+
+
 # ---------------------------------------------------------------- split (verl)
 
 def ref_split(batch: list[S], P: int, R: int, policy: str, moe_only: bool) -> dict[str, list]:
@@ -70,12 +78,8 @@ def ref_split(batch: list[S], P: int, R: int, policy: str, moe_only: bool) -> di
                 ids.append(0); attn.append(0); resp.append(0); mask.append(False); routing.append(pad); pos.append(0)
                 continue
             ids.append(tokens[j]); attn.append(1); resp.append(int(j >= len(s.prompt_ids))); pos.append(j)
-            row = j - s.routed_experts_start
-            if 0 <= row < len(s.routed_experts):
-                mask.append(True)
-                routing.append([[int(x) for x in s.routed_experts[row, layer]] for layer in layers])
-            else:
-                mask.append(False); routing.append(pad)
+            has_row, rows = ref_row(s, j, layers, pad)
+            mask.append(has_row); routing.append(rows)
         for k, v in zip(("ids", "attn", "resp", "mask", "routing", "pos"), (ids, attn, resp, mask, routing, pos)):
             out[k].append(v)
     return out
@@ -161,12 +165,8 @@ def ref_packed(batch: list[S], append_row: bool, multiple: int | None, policy: s
         cu.append(cu[-1] + len(tokens))
         n_rows = len(tokens) if append_row else len(tokens) - 1
         for j in range(n_rows):
-            row = j - s.routed_experts_start
-            if 0 <= row < len(s.routed_experts):
-                mask.append(True)
-                routing.append([[int(x) for x in s.routed_experts[row, layer]] for layer in layers])
-            else:
-                mask.append(False); routing.append(pad)
+            has_row, rows = ref_row(s, j, layers, pad)
+            mask.append(has_row); routing.append(rows)
         rcu.append(rcu[-1] + n_rows)
     n_pad = 0
     while multiple and (len(ids) + n_pad) % multiple:

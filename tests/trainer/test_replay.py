@@ -10,70 +10,33 @@ import torch
 from rr_client import ExpertIdOutOfRangeError, ShapeMismatchError, UnrecordedRoutingError
 from rr_client.trainer.replay import ReplayError, UnsupportedModelError, find_routers, record_routing, replay_routing
 
+from .helpers import ExpertsSpy, ModelCache, grads, random_routing, spied_forward, token_ids
 from .tiny_models import ARCHS, EXPERTS, LAYERS, TOPK, VOCAB, moe_layers, tiny_model
 
 B, T = 2, 7
-_MODELS: dict[str, Any] = {}
+_MODELS = ModelCache(tiny_model)
 
 
 def model_for(arch: str) -> Any:
-    if arch not in _MODELS:
-        _MODELS[arch] = tiny_model(arch)
-    m = _MODELS[arch]
-    m.eval()
-    m.zero_grad(set_to_none=True)
-    m.gradient_checkpointing_disable()
-    return m
+    return _MODELS.get(arch)
 
 
 def ids() -> torch.Tensor:
-    return torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(3))
+    return token_ids(VOCAB, B, T)
 
 
-class ExpertsSpy:
-    """Independent of rr: what each MoE layer's router returned and what its experts module received."""
-
-    def __init__(self, model: Any) -> None:
-        self.router_out: dict[int, torch.Tensor] = {}
-        self.experts_in: dict[int, torch.Tensor] = {}
-        self.handles = []
-        for r in find_routers(model):
-            self.handles.append(r.module.register_forward_hook(self._router(r.layer)))
-            self.handles.append(r.block.experts.register_forward_pre_hook(self._experts(r.layer)))
-
-    def _router(self, layer: int) -> Any:
-        def hook(_m: Any, _a: Any, out: Any) -> None:
-            self.router_out[layer] = out[2].detach().clone()
-        return hook
-
-    def _experts(self, layer: int) -> Any:
-        def hook(_m: Any, args: Any) -> None:
-            self.experts_in[layer] = args[1].detach().clone()
-        return hook
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
+def forward_logits(model: Any, x: torch.Tensor) -> torch.Tensor:
+    return model(x).logits
 
 
 def own_choice(model: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and [B, T, L, K] routing (absolute layers, dense zero) from a plain forward, via the spy."""
-    spy = ExpertsSpy(model)
-    try:
-        with torch.no_grad():
-            logits = model(x).logits
-    finally:
-        spy.close()
-    routing = torch.zeros(B * T, LAYERS, TOPK, dtype=torch.long)
-    for layer, got in spy.router_out.items():
-        routing[:, layer] = got
-    return logits, routing.reshape(B, T, LAYERS, TOPK)
+    out, spy = spied_forward(model, x, forward_logits)
+    return out, spy.routing(B, T, LAYERS, TOPK)
 
 
 def other_ids(seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(B * T * LAYERS)]).reshape(
-        B, T, LAYERS, TOPK)
+    return random_routing(seed, B, T)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -97,29 +60,17 @@ def test_other_ids_run_exactly_those_experts(arch: str) -> None:
     logits, own = own_choice(model, x)
     forced = other_ids(5)
     mask = torch.rand(B, T, generator=torch.Generator().manual_seed(9)) > 0.3
-    spy = ExpertsSpy(model)
-    try:
-        with torch.no_grad(), replay_routing(model, forced, mask):
-            changed = model(x).logits
-    finally:
-        spy.close()
+    with ExpertsSpy(model) as spy, torch.no_grad(), replay_routing(model, forced, mask):
+        changed = model(x).logits
     assert not torch.equal(changed, logits)
     flat_mask = mask.reshape(-1)
     for layer in moe_layers(arch):
-        ran = spy.experts_in[layer]
+        ran = spy.experts[layer]
         want_forced = forced.reshape(-1, LAYERS, TOPK)[:, layer]
         assert torch.equal(ran[flat_mask], want_forced[flat_mask])
         # unmasked rows keep the model's own choice (the router's own top-k at this layer's input)
-        assert torch.equal(ran[~flat_mask], spy.router_out[layer][~flat_mask])
-    assert set(spy.experts_in) == set(moe_layers(arch))
-
-
-def _grads(model: Any, x: torch.Tensor, routing: torch.Tensor) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    with replay_routing(model, routing):
-        out = model(x).logits
-        torch.log_softmax(out, -1)[..., 5].sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        assert torch.equal(ran[~flat_mask], spy.router[layer][~flat_mask])
+    assert set(spy.experts) == set(moe_layers(arch))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -128,14 +79,14 @@ def test_router_grad_and_checkpointing(arch: str) -> None:
     x = ids()
     routing = other_ids(11)
     model.train()
-    plain = _grads(model, x, routing)
+    plain = grads(model, x, routing, forward_logits)
     routers = [n for n in plain if n.endswith(("gate.weight", "router.weight")) and plain[n].shape[0] == EXPERTS]
     assert len(routers) == len(moe_layers(arch))
     for n in routers:
         assert plain[n].abs().sum() > 0, n
     model.gradient_checkpointing_enable()
     try:
-        ckpt = _grads(model, x, routing)
+        ckpt = grads(model, x, routing, forward_logits)
     finally:
         model.gradient_checkpointing_disable()
         model.eval()

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from rr_client.core.errors import ShapeMismatchError
-from rr_client.trainer.replay import ReplayError, record_routing, replay_routing
+from rr_client.trainer.replay import ReplayError, replay_routing
 
-from .tiny_models import EXPERTS, LAYERS, TOPK, VOCAB, tiny_model
+from .helpers import random_routing, recorded, token_ids
+from .tiny_models import LAYERS, TOPK, VOCAB, tiny_model
 
 B, T = 2, 7
 
@@ -25,21 +26,14 @@ def qwen() -> Any:
 
 
 def ids() -> torch.Tensor:
-    return torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(3))
+    return token_ids(VOCAB, B, T)
 
 
-def own(model: Any, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad(), record_routing(model) as rec:
-        model(x)
-    return rec.routed_experts
+own = recorded
 
 
 def other_ids(seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    out = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(B * T * LAYERS)]).reshape(
-        B, T, LAYERS, TOPK)
-    out[:, :, 1] = 0  # rr layout: the dense layer's rows are zero
-    return out
+    return random_routing(seed, B, T, dense=(1,))  # rr layout: the dense layer's rows are zero
 
 
 def test_correct_replay_reports_100_percent(qwen: Any) -> None:

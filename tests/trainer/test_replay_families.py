@@ -18,6 +18,7 @@ from rr_client.trainer.replay._routers import transformers_version
 from rr_client.trainer.replay.coverage import (ABSENT_IN_LOWEST, FAMILY_ROUTERS, HIGHEST, LOWEST, REFUSED,
                                                REFUSED_IN_LOWEST, TESTED, coverage_markdown, installed_moe_families)
 
+from .helpers import ExpertsSpy, ModelCache, grads, spied_forward, token_ids
 from .tiny_families import VOCAB, forward, tiny_family_model, tiny_family_raw
 
 B, T = 2, 5
@@ -27,47 +28,23 @@ AT_LOWEST = _MINOR == LOWEST.split(".")[:2]
 SUPPORTED = sorted(f.model_type for f in coverage() if f.status == "supported"
                    and not (AT_LOWEST and f.model_type in REFUSED_IN_LOWEST))
 REFUSED_FAMILIES = sorted(f.model_type for f in coverage() if f.status == "refused")
-_MODELS: dict[str, Any] = {}
+_MODELS = ModelCache(tiny_family_model)
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def model_for(mt: str) -> Any:
     if AT_LOWEST and mt in ABSENT_IN_LOWEST:
         pytest.skip(f"model family {mt} does not exist in transformers {transformers_version()}")
-    if mt not in _MODELS:
-        _MODELS[mt] = tiny_family_model(mt)
-    m = _MODELS[mt]
-    m.eval()
-    m.zero_grad(set_to_none=True)
-    m.gradient_checkpointing_disable()
-    return m
+    return _MODELS.get(mt)
 
 
 def ids() -> torch.Tensor:
-    return torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(3))
+    return token_ids(VOCAB, B, T)
 
 
 def _own_ids(out: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The router's integer ids: ``(logits, weights, ids)``, or ``(logits, ids, weights)`` (ERNIE-4.5 on 5.10)."""
     return out[1] if out[2].is_floating_point() else out[2]
-
-
-class Spy:
-    """Independent of rr's hooks: what each MoE layer's router returned and what its experts received."""
-
-    def __init__(self, model: Any) -> None:
-        self.router: dict[int, torch.Tensor] = {}
-        self.experts: dict[int, torch.Tensor] = {}
-        self.handles = []
-        for r in find_routers(model):
-            self.handles.append(r.module.register_forward_hook(
-                lambda _m, _a, out, i=r.layer: self.router.__setitem__(i, _own_ids(out).detach().clone())))
-            self.handles.append(r.block.experts.register_forward_pre_hook(
-                lambda _m, a, i=r.layer: self.experts.__setitem__(i, a[1].detach().clone())))
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def dims(model: Any) -> tuple[int, int, int, list[int]]:
@@ -78,17 +55,9 @@ def dims(model: Any) -> tuple[int, int, int, list[int]]:
 
 def own_choice(model: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k, _, moe = dims(model)
-    spy = Spy(model)
-    try:
-        with torch.no_grad():
-            out = forward(model, x)
-    finally:
-        spy.close()
-    routing = torch.zeros(B * T, n, k, dtype=torch.long)
-    for layer, got in spy.router.items():
-        routing[:, layer] = got
+    out, spy = spied_forward(model, x, forward, _own_ids)
     assert sorted(spy.router) == moe
-    return out, routing.reshape(B, T, n, k)
+    return out, spy.routing(B, T, n, k)
 
 
 def other_ids(model: Any, seed: int) -> torch.Tensor:
@@ -138,25 +107,13 @@ def test_other_ids_run_exactly_those_experts(mt: str) -> None:
     out, _ = own_choice(model, x)
     forced = other_ids(model, 5)
     n, k, _, moe = dims(model)
-    spy = Spy(model)
-    try:
-        with torch.no_grad(), replay_routing(model, forced, audit=True) as rep:
-            changed = forward(model, x)
-    finally:
-        spy.close()
+    with ExpertsSpy(model, _own_ids) as spy, torch.no_grad(), replay_routing(model, forced, audit=True) as rep:
+        changed = forward(model, x)
     assert not torch.equal(changed, out)
     assert rep["r3/applied_share"] == 1.0
     flat = forced.reshape(-1, n, k)
     for layer in moe:
         assert torch.equal(spy.experts[layer], flat[:, layer]), layer
-
-
-def _grads(model: Any, x: torch.Tensor, routing: torch.Tensor) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    with replay_routing(model, routing):
-        out = forward(model, x)
-        torch.log_softmax(out, -1)[..., 5].sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("mt", SUPPORTED)
@@ -166,12 +123,12 @@ def test_router_grad_and_checkpointing(mt: str) -> None:
     routing = other_ids(model, 11)
     model.train()
     try:
-        plain = _grads(model, x, routing)
+        plain = grads(model, x, routing, forward)
         for r in find_routers(model):
             g = [plain.get(f"{r.name}.{n}") for n, p in r.module.named_parameters() if p.dim() == 2]
             assert any(t is not None and t.abs().sum() > 0 for t in g), r.name
         model.gradient_checkpointing_enable()
-        ckpt = _grads(model, x, routing)
+        ckpt = grads(model, x, routing, forward)
     finally:
         model.gradient_checkpointing_disable()
         model.eval()

@@ -12,9 +12,9 @@ from torch.utils.checkpoint import checkpoint
 from rr_client import ConfigurationError, ReplayError
 from rr_client.trainer import keys as K
 from rr_client.trainer.metrics import r3_metrics, token_logprobs
-from rr_client.trainer.replay import record_routing
 from rr_client.trainer.session import ReplaySession, merge_reports
 
+from .helpers import random_routing, recorded, token_ids
 from .tiny_models import EXPERTS, LAYERS, TOPK, VOCAB, tiny_model
 
 B, T = 2, 6
@@ -26,21 +26,14 @@ def qwen() -> Any:
 
 
 def batch(seed: int) -> torch.Tensor:
-    return torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+    return token_ids(VOCAB, B, T, seed)
 
 
-def own(model: Any, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad(), record_routing(model) as rec:
-        model(x)
-    return rec.routed_experts
+own = recorded
 
 
 def other(seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    out = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(B * T * LAYERS)])
-    out = out.reshape(B, T, LAYERS, TOPK)
-    out[:, :, 1] = 0
-    return out
+    return random_routing(seed, B, T, dense=(1,))
 
 
 def step(session: ReplaySession, model: Any, x: torch.Tensor, rows: torch.Tensor, mask: Any = None) -> dict[str, float]:

@@ -14,6 +14,7 @@ import pytest
 
 from rr_client import __version__
 from rr_server.launch import sglang as launch_sglang, vllm as launch_vllm
+from rr_server.launch.options import FORMAT_FLAG
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,8 +92,8 @@ def test_launch_vllm_help_without_vllm(monkeypatch: pytest.MonkeyPatch, capsys: 
 def test_launcher_options_are_the_ones_it_takes_and_documented(launcher: object) -> None:
     parser = launcher.build_parser()  # type: ignore[attr-defined]
     flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
-    taken = ({*launch_vllm._RR_FLAGS, launch_sglang.FORMAT_FLAG} if launcher is launch_vllm
-             else {launch_sglang.FORMAT_FLAG})
+    taken = ({*launch_vllm._RR_FLAGS, FORMAT_FLAG} if launcher is launch_vllm
+             else {FORMAT_FLAG})
     assert flags == taken
     assert all(a.help for a in parser._actions)  # every option explains itself
     text = (REPO / "docs/engines.md").read_text()

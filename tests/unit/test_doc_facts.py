@@ -325,8 +325,8 @@ def facts_range(path: str, name: str) -> versions.Tested:
 
 
 FACTS = {  # distribution -> where its tested range is stated
-    "vllm": ("rr_server/serving/vllm_facts.py", "TESTED"),
-    "sglang": ("rr_server/serving/sglang_facts.py", "TESTED"),
+    "vllm": ("rr_server/serving/engines/vllm.py", "TESTED"),
+    "sglang": ("rr_server/serving/engines/sglang.py", "TESTED"),
     "trl": ("rr_client/integrations/trl/_gate.py", "TESTED_TRL"),
     "verl": ("rr_client/integrations/verl/_gate.py", "TESTED_VERL"),
 }

@@ -52,8 +52,7 @@ def parse_tree(text: str) -> dict[str, str | None]:
 
 def code_tree() -> dict[str, str | None]:
     """``{class name: rr parent}`` for every error class rr_client.core.errors defines."""
-    mine = {name: obj for name, obj in vars(errors).items()
-            if isinstance(obj, type) and issubclass(obj, errors.RRError) and obj.__module__ == errors.__name__}
+    mine = {name: getattr(errors, name) for name in errors.__all__}
     return {name: next((b.__name__ for b in cls.__bases__ if issubclass(b, errors.RRError)), None)
             for name, cls in mine.items()}
 

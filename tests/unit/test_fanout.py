@@ -18,18 +18,20 @@ async def test_gather_or_cancel_returns_in_order() -> None:
     assert await gather_or_cancel([value(1, 0.03), value(2, 0.0), value(3, 0.01)]) == [1, 2, 3]
 
 
+async def slow(i: int, cancelled: list[int], finished: list[int]) -> int:
+    """Sleeps 30 s unless cancelled; records which it was in ``cancelled`` or ``finished``."""
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        cancelled.append(i)
+        raise
+    finished.append(i)
+    return i
+
+
 async def test_gather_or_cancel_cancels_siblings_on_failure() -> None:
     cancelled: list[int] = []
     finished: list[int] = []
-
-    async def slow(i: int) -> int:
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            cancelled.append(i)
-            raise
-        finished.append(i)
-        return i
 
     async def boom() -> int:
         await asyncio.sleep(0.01)
@@ -37,27 +39,21 @@ async def test_gather_or_cancel_cancels_siblings_on_failure() -> None:
 
     t0 = asyncio.get_running_loop().time()
     with pytest.raises(RuntimeError, match="engine rejected prompt 1"):
-        await gather_or_cancel([slow(0), boom(), slow(2)])
+        await gather_or_cancel([slow(0, cancelled, finished), boom(), slow(2, cancelled, finished)])
     assert sorted(cancelled) == [0, 2] and not finished
     assert asyncio.get_running_loop().time() - t0 < 5
 
 
 async def test_gather_or_cancel_cancelled_from_outside_cancels_all() -> None:
     cancelled: list[int] = []
+    finished: list[int] = []
 
-    async def slow(i: int) -> None:
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            cancelled.append(i)
-            raise
-
-    task = asyncio.ensure_future(gather_or_cancel([slow(0), slow(1)]))
+    task = asyncio.ensure_future(gather_or_cancel([slow(0, cancelled, finished), slow(1, cancelled, finished)]))
     await asyncio.sleep(0.01)
     task.cancel()  # what a client disconnect does to the batch
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert sorted(cancelled) == [0, 1]
+    assert sorted(cancelled) == [0, 1] and not finished
 
 
 class Stream:

@@ -13,7 +13,6 @@ from rr_server.serving.generate_protocol import (
     SSE_DONE,
     BadRequest,
     build_item,
-    error_body,
     parse_generate_request,
     sse_line,
 )
@@ -112,10 +111,7 @@ def test_build_item_without_routing_or_text() -> None:
     assert none["meta_info"]["completion_tokens"] == 1  # type: ignore[index]
 
 
-def test_sse_and_error_body() -> None:
+def test_sse_lines() -> None:
     line = sse_line({"a": 1})
     assert line.startswith("data: ") and line.endswith("\n\n") and orjson.loads(line[6:]) == {"a": 1}
     assert SSE_DONE == "data: [DONE]\n\n"
-    body = error_body("nope", 400)
-    assert body == {"error": {"message": "nope", "type": "BadRequestError", "code": 400}, "message": "nope"}
-    assert error_body("boom", 502)["error"]["type"] == "InternalServerError"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rr_server.serving.release import parse_release
+from rr_server.serving.engines import engine_release
 from rr_server.launch.vllm import build_command
 from tests.support.vllm_process import VLLMProcess, server_args
 
@@ -71,18 +71,18 @@ def test_test_servers_use_the_launcher(tmp_path: Path) -> None:
     ("0.30.0", (0, 30, 0)), ("0.30.0+cpu", (0, 30, 0)), ("0.22.1rc1", (0, 22, 1)), ("0.5.10.post1", (0, 5, 10)),
     ("v1.2", (1, 2, 0)), (" 0.5.7\n", (0, 5, 7)), ("0.5.23.dev4+g1234", (0, 5, 23)), ("10.11.12", (10, 11, 12)),
 ])
-def test_parse_release(version: str, expected: tuple[int, int, int]) -> None:
-    assert parse_release(version) == expected
+def test_engine_release(version: str, expected: tuple[int, int, int]) -> None:
+    assert engine_release(version) == expected
 
 
 @pytest.mark.parametrize("bad", ["", "garbage", "1", "x0.5.7", "latest", None, 5])
-def test_parse_release_refuses(bad: object) -> None:
+def test_engine_release_refuses(bad: object) -> None:
     with pytest.raises(ValueError, match="cannot parse engine version"):
-        parse_release(bad)  # type: ignore[arg-type]
+        engine_release(bad)  # type: ignore[arg-type]
 
 
 def test_version_gate() -> None:
-    from rr_server.serving.vllm_facts import UnsupportedVLLMVersion, check_vllm_version
+    from rr_server.serving.engines.vllm import UnsupportedVLLMVersion, check_vllm_version
 
     assert check_vllm_version("0.30.0") == "0.30.0"
     assert check_vllm_version("0.22.1+cpu") == "0.22.1+cpu"
@@ -94,9 +94,9 @@ def test_version_gate() -> None:
 
 
 def test_sglang_versions_use_the_same_parser() -> None:
-    from rr_server.serving.sglang_facts import UnsupportedSGLangError, profile_for
+    from rr_server.serving.engines.sglang import UnsupportedSGLangError, profile_for
 
-    assert profile_for("0.5.10.post1").release == parse_release("0.5.10.post1") == (0, 5, 10)
+    assert profile_for("0.5.10.post1").release == engine_release("0.5.10.post1") == (0, 5, 10)
     with pytest.raises(UnsupportedSGLangError, match="cannot parse"):
         profile_for("garbage")
 
@@ -189,3 +189,17 @@ def test_launcher_serves_post_temperature_logprobs_unless_told() -> None:
     assert cmd.count("processed_logprobs") == 1 and not notes
     cmd, _ = build_command(["--model", "m"], cpu=False, version="0.10.0")  # before vLLM had --logprobs-mode
     assert "--logprobs-mode" not in cmd
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_launcher_help_states_the_facts_range(engine: str) -> None:
+    """Each launcher's help gives the tested releases of its engine's facts, formatted from them (never typed)."""
+    import importlib
+    import re
+
+    from rr_server.serving.engines import releases
+
+    tested = releases(engine).tested
+    description = importlib.import_module(f"rr_server.launch.{engine}").build_parser().description or ""
+    stated = re.findall(r"outside (\d[\d.]*) - (\d[\d.]*)", description)
+    assert stated == [(tested.lo, tested.hi)], description

@@ -134,7 +134,7 @@ def test_replicas_must_agree_on_the_logprobs_mode() -> None:
 
 def test_sglang_logprobs_mode_follows_its_original_logprob_switch() -> None:
     """``SGLANG_RETURN_ORIGINAL_LOGPROB`` (read as SGLang reads it) turns SGLang's log-probs pre-temperature."""
-    from rr_server.serving.sglang_facts import logprobs_mode
+    from rr_server.serving.engines.sglang import logprobs_mode
 
     assert logprobs_mode({}) == "processed" and logprobs_mode({"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}) == "processed"
     assert logprobs_mode({"SGLANG_RETURN_ORIGINAL_LOGPROB": "True"}) == "raw"

@@ -23,8 +23,8 @@ from rr_client.core.codec import check_routing, decode_routed_experts
 from rr_client.core.errors import MalformedPayloadError, RRError
 from rr_client.core.reference import (FRAME_MEDIA_TYPE, READ_PATH, ROWS_SCHEMA, FramePart, RoutingRef, checksum,
                                  decode_frame, encode_frame)
-from rr_server.serving import routing_store as rs
-from rr_server.serving.routing_store import RoutingStore
+from rr_server.serving.store import install as rs
+from rr_server.serving.store import STORE_ROUTES, MemoryStore
 from tests.support.routing_data import make_routing
 
 INFO = RRInfo.from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 8,
@@ -143,12 +143,12 @@ def read_client() -> Iterator[tuple[Any, RoutingRef]]:
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    store = RoutingStore(1 << 20, "http://rr-store.test")
+    store = MemoryStore(1 << 20, "http://rr-store.test")
     rows = make_routing(4, 3, 2, 8, moe_layers=INFO.moe_layers, seed=2)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rs, "_STORE", store)
         ref = RoutingRef.from_dict(store.put(check_routing(rows, INFO, rows=4)))
-        app = Starlette(routes=[Route(p, h, methods=list(m)) for p, h, m in rs.STORE_ROUTES])
+        app = Starlette(routes=[Route(p, h, methods=list(m)) for p, h, m in STORE_ROUTES])
         with TestClient(app, raise_server_exceptions=False) as client:
             yield client, ref
 

@@ -24,8 +24,8 @@ from rr_client.client._openai import parse_choices, parse_stream
 from rr_client.core.codec import check_routing, expected_rows, routing_meta_fields
 from rr_client.core.errors import MalformedPayloadError, ProtocolError
 from rr_client.core.reference import RoutingRef, check_ref_tokens
-from rr_server.serving import routing_store as rs
-from rr_server.serving.routing_store import RoutingStore
+from rr_server.serving.store import install as rs
+from rr_server.serving.store import STORE_ROUTES, MemoryStore
 from tests.support.routing_data import make_routing
 
 INFO = RRInfo.from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 8,
@@ -168,7 +168,7 @@ def test_stream_provenance_comes_on_the_routing_event() -> None:
 
 
 def test_ref_provenance_round_trips_and_old_refs_parse() -> None:
-    store = RoutingStore(1 << 20, URL)
+    store = MemoryStore(1 << 20, URL)
     old = store.put(checked(6))
     d = {k: v for k, v in old.items() if k != "provenance"}
     assert RoutingRef.from_dict(d).provenance is None
@@ -186,9 +186,9 @@ def test_ref_provenance_round_trips_and_old_refs_parse() -> None:
 
 
 @pytest.fixture()
-def served(monkeypatch: pytest.MonkeyPatch) -> tuple[RoutingStore, Any]:
+def served(monkeypatch: pytest.MonkeyPatch) -> tuple[MemoryStore, Any]:
     """The stand-in server over httpx's ASGI transport, counting reads."""
-    store = RoutingStore(1 << 20, URL)
+    store = MemoryStore(1 << 20, URL)
     monkeypatch.setattr(rs, "_STORE", store)
     app = httpx.ASGITransport(app=stand_in_app(store))
     reads: list[int] = []
@@ -205,7 +205,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> tuple[RoutingStore, Any]:
     return store, transport
 
 
-def stand_in_app(store: RoutingStore) -> Any:
+def stand_in_app(store: MemoryStore) -> Any:
     """rr's routing store routes and ``/rr/info``, and a ``/generate`` (token-id prompts, n=1) that answers checked
     routing from ``routed_experts_start`` (inline or by reference) and the next scripted provenance, bound to the
     request's tokens: outputs are ``[100 + len(prompt), ...]`` (3 tokens)."""
@@ -237,7 +237,7 @@ def stand_in_app(store: RoutingStore) -> Any:
         return JSONResponse(answers)
 
     return Starlette(routes=[Route("/rr/info", info), Route("/generate", generate, methods=["POST"]),
-                             *(Route(p, h, methods=list(m)) for p, h, m in rs.STORE_ROUTES)])
+                             *(Route(p, h, methods=list(m)) for p, h, m in STORE_ROUTES)])
 
 
 def client(transport: Any) -> RoutedExpertsClient:
@@ -325,7 +325,7 @@ def test_trajectory_turns_carry_provenance_and_row_spans(served: Any, by_referen
 
 
 def test_a_ref_whose_provenance_is_another_samples_is_refused_at_parse() -> None:
-    store = RoutingStore(1 << 20, URL)
+    store = MemoryStore(1 << 20, URL)
     rows = checked(expected_rows(len(P), len(O), 0))
     meta = {"prompt_tokens": len(P), "completion_tokens": len(O), "routed_experts_format": "ref",
             "routed_experts_ref": {**store.put(rows), "provenance": prov(P, O)}}

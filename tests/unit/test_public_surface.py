@@ -1,6 +1,6 @@
 """rr_client's public surface: the root facade is exactly the union of its layers' ``__all__`` (so a public name
 cannot go missing), each lazy layer's table agrees with its static TYPE_CHECKING imports (the huggingface_hub rule),
-every public name resolves and names ``rr_client`` as its module (httpx's rule), and no shim package remains."""
+every public name resolves and every error names ``rr_client`` as its module (httpx's rule), and no shim package remains."""
 
 from __future__ import annotations
 
@@ -58,13 +58,17 @@ def test_lazy_layers_table_and_type_checking_imports_agree(layer: object) -> Non
     assert set(lazy) <= set(layer.__all__)  # type: ignore[attr-defined]
 
 
-def test_every_public_name_resolves_and_names_rr_client() -> None:
+def test_every_public_name_resolves_and_errors_name_rr_client() -> None:
+    """Errors name the public import (tracebacks, pickles); hinted classes keep their home so hints resolve."""
+    import typing
+
     for name in sorted(rr_client.__all__):
         value = getattr(rr_client, name)
         assert value is not None, name
-        if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
+        if isinstance(value, type) and issubclass(value, BaseException):
             assert value.__module__ == "rr_client", (name, value.__module__)
     assert repr(rr_client.ShapeMismatchError) == "<class 'rr_client.ShapeMismatchError'>"
+    assert typing.get_type_hints(rr_client.CheckedRouting)["array"].__name__ == "ndarray"
 
 
 def test_public_errors_pickle_by_their_public_name() -> None:

@@ -17,8 +17,8 @@ from rr_client.core.codec import check_routing, routing_meta_fields
 from rr_client.core.errors import (MalformedPayloadError, RoutingChecksumError, RoutingExpiredError, ShapeMismatchError,
                               UnrecordedRoutingError)
 from rr_client.core.reference import FramePart, RoutingRef, checksum, decode_frame, encode_frame
-from rr_server.serving import routing_store as rs
-from rr_server.serving.routing_store import RoutingStore
+from rr_server.serving.store import install as rs
+from rr_server.serving.store import STORE_ROUTES, MemoryStore
 from tests.support.routing_data import make_routing
 
 INFO = RRInfo.from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 8,
@@ -32,7 +32,7 @@ def checked(rows: int, seed: int = 0, start: int = 0) -> Any:
 
 
 def test_ref_is_small_whatever_the_length_and_every_field_is_checked() -> None:
-    store = RoutingStore(1 << 30, URL)
+    store = MemoryStore(1 << 30, URL)
     small, big = store.put(checked(3)), store.put(checked(40_000, seed=1))
     # a few hundred bytes whatever the length (only the row count's digits grow), never rows x L x K
     assert len(json.dumps(small)) <= len(json.dumps(big)) <= 320
@@ -71,7 +71,7 @@ def test_frame_round_trip_and_every_lie_is_refused() -> None:
 
 def test_store_evicts_oldest_first_and_says_why() -> None:
     one = checked(10).array.nbytes
-    store = RoutingStore(3 * one, URL)
+    store = MemoryStore(3 * one, URL)
     keys = [store.put(checked(10, seed=i))["key"] for i in range(4)]
     with pytest.raises(RoutingExpiredError, match="evicted by the routing store's byte cap"):
         store.read(store.instance, keys[0])
@@ -86,7 +86,7 @@ def test_store_evicts_oldest_first_and_says_why() -> None:
 
 
 def test_retire_frees_a_weight_version_and_new_refs_carry_the_next() -> None:
-    store = RoutingStore(1 << 20, URL)
+    store = MemoryStore(1 << 20, URL)
     old = store.put(checked(4))
     assert old["weight_version"] == 0
     assert store.retire(0) == {"retired": 1, "freed_bytes": checked(4).array.nbytes, "weight_version": 1}
@@ -97,22 +97,20 @@ def test_retire_frees_a_weight_version_and_new_refs_carry_the_next() -> None:
 
 
 def test_a_restarted_server_refuses_the_old_instances_refs() -> None:
-    ref = RoutingStore(1 << 20, URL).put(checked(4))
-    restarted = RoutingStore(1 << 20, URL)
+    ref = MemoryStore(1 << 20, URL).put(checked(4))
+    restarted = MemoryStore(1 << 20, URL)
     restarted.put(checked(4))
     with pytest.raises(RoutingExpiredError, match="restarted"):
         restarted.read(ref["store"], ref["key"])
 
 
-def test_ref_format_needs_a_store_and_goes_through_the_codec(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("rr_client.core.codec._reference_store", None)
+def test_ref_format_needs_a_store_and_goes_through_the_codec() -> None:
     from rr_client.core.errors import MissingRoutingError
 
     with pytest.raises(MissingRoutingError, match="no routing store"):
-        routing_meta_fields(checked(3), "ref")
-    store = RoutingStore(1 << 20, URL)
-    monkeypatch.setattr("rr_client.core.codec._reference_store", store.put)
-    fields = routing_meta_fields(checked(3, start=2), "ref")
+        routing_meta_fields(checked(3), "ref")  # the store is passed, never installed in the codec
+    store = MemoryStore(1 << 20, URL)
+    fields = routing_meta_fields(checked(3, start=2), "ref", store=store)
     assert "routed_experts" not in fields and fields["routed_experts_format"] == "ref"
     assert fields["routed_experts_ref"]["start"] == 2 and fields["routed_experts_shape"] == [3, 3, 2]
 
@@ -120,7 +118,7 @@ def test_ref_format_needs_a_store_and_goes_through_the_codec(monkeypatch: pytest
 # ------------------------------------------------------------------ the resolver over the store's HTTP routes
 
 
-def store_app(store: RoutingStore) -> Any:
+def store_app(store: MemoryStore) -> Any:
     from starlette.applications import Starlette
     from starlette.routing import Route
 
@@ -129,12 +127,12 @@ def store_app(store: RoutingStore) -> Any:
 
         return JSONResponse(INFO.model_dump())
 
-    return Starlette(routes=[Route("/rr/info", info), *(Route(p, h, methods=list(m)) for p, h, m in rs.STORE_ROUTES)])
+    return Starlette(routes=[Route("/rr/info", info), *(Route(p, h, methods=list(m)) for p, h, m in STORE_ROUTES)])
 
 
 @pytest.fixture()
-def served(monkeypatch: pytest.MonkeyPatch) -> tuple[RoutingStore, httpx.MockTransport]:
-    store = RoutingStore(1 << 20, URL)
+def served(monkeypatch: pytest.MonkeyPatch) -> tuple[MemoryStore, httpx.MockTransport]:
+    store = MemoryStore(1 << 20, URL)
     monkeypatch.setattr(rs, "_STORE", store)
     calls: list[int] = []
     app = httpx.ASGITransport(app=store_app(store))

@@ -212,6 +212,40 @@ def test_trl_reads_use_vllm_only_where_rr_switches_it() -> None:
         assert "_trl_correction" in inspect.getsource(getattr(rr_trl.R3GRPOTrainer, name)), name
 
 
+def test_every_trl_method_rr_overrides_is_shape_checked() -> None:
+    """Each GRPOTrainer method R3GRPOTrainer overrides is in the shape check run as it is defined, and the installed
+    TRL passes it."""
+    from trl import GRPOTrainer
+
+    from rr_client.integrations.trl._trainer import OVERRIDDEN, check_trl_shapes
+
+    overridden = {name for name, value in vars(rr_trl.R3GRPOTrainer).items()
+                  if callable(value) and hasattr(GRPOTrainer, name)}
+    assert overridden == set(OVERRIDDEN), sorted(overridden ^ set(OVERRIDDEN))
+    check_trl_shapes(GRPOTrainer)
+
+
+def test_a_trl_that_moved_an_overridden_method_is_refused() -> None:
+    """A GRPOTrainer without ``_generate`` and with another ``training_step``: one UnsupportedVersionError naming
+    both, the parameters rr passes, and the installed TRL against the tested one."""
+    import trl
+
+    from rr_client.integrations.trl._trainer import OVERRIDDEN, check_trl_shapes
+
+    def training_step(self: Any, model: Any, inputs: Any) -> None:  # num_items_in_batch gone
+        return None
+
+    methods = {name: getattr(trl.GRPOTrainer, name) for name in OVERRIDDEN if name != "_generate"}
+    moved = type("GRPOTrainer", (), {**methods, "training_step": training_step})
+    with pytest.raises(UnsupportedVersionError) as exc:
+        check_trl_shapes(moved)
+    msg = str(exc.value)
+    assert "GRPOTrainer._generate is missing" in msg, msg
+    assert ("GRPOTrainer.training_step(self, model, inputs) does not have the shape rr relies on "
+            "(self, model, inputs, num_items_in_batch)") in msg, msg
+    assert f"in TRL {trl.__version__} (rr was tested with TRL 1.16)" in msg, msg
+
+
 def test_a_missing_engine_logprob_is_nan() -> None:
     """An engine log-prob of None reaches TRL as NaN (TRL's ratio is 1 there), read from GenerateResult.logprobs."""
     r = GenerateResult(index=0, prompt_index=0, prompt_ids=[1], output_ids=[5, 6], text=None, finish_reason=None,
@@ -245,27 +279,19 @@ def test_pre_temperature_logprobs_are_refused_after_one_info_call(mode: str | No
         assert server.behaviour.info_calls == 1 and server.behaviour.calls == 0
 
 
-def test_a_rollout_temperature_other_than_the_trainers_is_refused(connections: list[Any]) -> None:
+@pytest.mark.parametrize("config, rollout_kw, match", [
+    ({"temperature": 0.7}, {"sampling_params": {"temperature": 1.0}},
+     "temperature 1.0 but GRPOConfig.temperature is 0.7"),
+    ({"loss_type": "vespo", "vllm_importance_sampling_mode": "sequence_mask"}, {}, "vespo"),
+], ids=["a_rollout_temperature_other_than_the_trainers", "vespo_with_a_sequence_correction_as_trl_does"])
+def test_a_grpo_config_the_rollout_cannot_serve_is_refused(config: dict[str, Any], rollout_kw: dict[str, Any],
+                                                           match: str, connections: list[Any]) -> None:
     from trl import GRPOConfig
 
-    cfg = GRPOConfig(output_dir="/tmp/rr-unused", report_to=[], use_cpu=True, temperature=0.7)
-    rollout = rr_trl.RRRollout("http://127.0.0.1:9", sampling_params={"temperature": 1.0})
+    cfg = GRPOConfig(output_dir="/tmp/rr-unused", report_to=[], use_cpu=True, **config)
+    rollout = rr_trl.RRRollout("http://127.0.0.1:9", **rollout_kw)
     try:
-        with pytest.raises(ConfigurationError, match="temperature 1.0 but GRPOConfig.temperature is 0.7"):
-            _trainer(args=cfg, rollout_func=rollout)
-    finally:
-        rollout.close()
-    assert connections == []
-
-
-def test_vespo_with_a_sequence_correction_is_refused_as_trl_does(connections: list[Any]) -> None:
-    from trl import GRPOConfig
-
-    cfg = GRPOConfig(output_dir="/tmp/rr-unused", report_to=[], use_cpu=True, loss_type="vespo",
-                     vllm_importance_sampling_mode="sequence_mask")
-    rollout = rr_trl.RRRollout("http://127.0.0.1:9")
-    try:
-        with pytest.raises(ConfigurationError, match="vespo"):
+        with pytest.raises(ConfigurationError, match=match):
             _trainer(args=cfg, rollout_func=rollout)
     finally:
         rollout.close()

@@ -4,7 +4,10 @@ rule, the R2 unpacking, the mode settings, the SGLang read, the version gate. ve
 from __future__ import annotations
 
 import base64
+import importlib.metadata
 import sys
+import types
+from typing import Any
 
 import numpy as np
 import pytest
@@ -185,3 +188,100 @@ def test_version_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     assert check_verl_version("0.9.1.post1") == "0.9.1.post1"
     monkeypatch.setenv("RR_ALLOW_UNSUPPORTED_VERSION", "1")
     assert check_verl_version("0.8.0") == "0.8.0"
+
+
+class _FSDPEngine:
+    """verl's ``FSDPEngineWithLMHead`` as far as rr's engine relies on its shape."""
+
+    def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
+        self.built = (model_config, optimizer_config, checkpoint_config)
+
+    def initialize(self) -> None:
+        return None
+
+    def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+        return ("verl", data, forward_only)
+
+    def prepare_model_inputs(self, micro_batch: Any) -> Any:
+        return {}, {}
+
+    def prepare_model_outputs(self, output: Any, output_args: Any, micro_batch: Any,
+                              logits_processor_func: Any) -> Any:
+        return {}
+
+
+class _Registry:
+    """verl's ``EngineRegistry`` as far as rr relies on its shape."""
+
+    @staticmethod
+    def register(model_type: str, backend: str, device: str = "cuda", vendor: str | None = None) -> Any:
+        return lambda cls: cls
+
+    @staticmethod
+    def get_engine_cls(model_type: str, backend: str) -> type:
+        return _FSDPEngine
+
+
+def _no_metadata(dist: str) -> str:
+    """``importlib.metadata.version`` where no distribution is installed."""
+    raise importlib.metadata.PackageNotFoundError(dist)
+
+
+@pytest.fixture
+def fake_verl(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``verl.workers.engine.base`` with a registry of verl's shape, and a fresh table of rr's engines."""
+    from rr_client.integrations.verl import _patches
+
+    for name in ("verl", "verl.workers", "verl.workers.engine", "verl.utils", "verl.workers.utils"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    helpers = {"verl.utils.tensordict_utils": ("get_non_tensor_data", lambda data, key, default: default),
+               "verl.workers.utils.padding": ("no_padding_2_padding", lambda tensor, data: tensor)}
+    for name, (fn_name, fn) in helpers.items():
+        module = types.ModuleType(name)
+        setattr(module, fn_name, fn)
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules["verl"].__version__ = "0.9.2"  # type: ignore[attr-defined]  # what a verl without metadata names
+    monkeypatch.setattr(importlib.metadata, "version", _no_metadata)  # no verl distribution: its __version__
+    base = types.ModuleType("verl.workers.engine.base")
+    base.EngineRegistry = _Registry  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+    monkeypatch.setattr(_patches, "_ENGINES", {})
+    return _patches
+
+
+def test_rr_engine_is_its_module_level_mixin_over_verls_class(fake_verl: Any) -> None:
+    """The engine patch checks verl's shapes, then combines rr's mixin with verl's class (built once); with the
+    mode disabled every call is verl's."""
+    from rr_client.integrations.verl._engine import RRFSDPEngineMixin
+
+    mod = types.SimpleNamespace(FSDPEngineWithLMHead=_FSDPEngine)
+    fake_verl.patch_fsdp_engine(mod)
+    ours = fake_verl._ENGINES["language_model"]
+    assert ours.__name__ == ours.__qualname__ == "RRFSDPEngineWithLMHead"
+    assert ours.__bases__ == (RRFSDPEngineMixin, _FSDPEngine) and ours.__module__ == RRFSDPEngineMixin.__module__
+    fake_verl.patch_fsdp_engine(mod)
+    assert fake_verl._ENGINES["language_model"] is ours  # re-entrant: not built twice
+    engine = ours("model", type("Cfg", (), {"router_replay": {"mode": "disabled"}})(), "optim", "ckpt")
+    assert engine.rr_mode == "disabled" and engine.built == ("model", "optim", "ckpt")
+    assert engine.forward_backward_batch("batch", None, forward_only=True) == ("verl", "batch", True)
+
+
+@pytest.mark.parametrize("owner,method,reshaped,found", [
+    (_FSDPEngine, "initialize", lambda self, device: None,
+     "_FSDPEngine.initialize(self, device) does not have the shape rr relies on (self)"),
+    (_Registry, "get_engine_cls", staticmethod(lambda model_type: None),
+     "_Registry.get_engine_cls(model_type) does not have the shape rr relies on (model_type, backend)"),
+    ("verl.workers.utils.padding", "no_padding_2_padding", lambda tensor, data, pad: tensor,
+     "verl.workers.utils.padding.no_padding_2_padding(tensor, data, pad) does not have the shape rr relies on "
+     "(tensor, data)"),
+])
+def test_a_reshaped_verl_engine_is_refused(fake_verl: Any, monkeypatch: pytest.MonkeyPatch, owner: Any, method: str,
+                                           reshaped: Any, found: str) -> None:
+    """verl changed a method rr's engine overrides, the registry call it makes or a helper it calls:
+    UnsupportedVersionError naming it and the verl release, and no engine is built."""
+    monkeypatch.setattr(sys.modules[owner] if isinstance(owner, str) else owner, method, reshaped)
+    with pytest.raises(UnsupportedVersionError) as exc:
+        fake_verl.patch_fsdp_engine(types.SimpleNamespace(FSDPEngineWithLMHead=_FSDPEngine))
+    assert found in str(exc.value), exc.value
+    assert str(exc.value).endswith(" in verl 0.9.2 (rr was tested with verl 0.9.1): refusing to patch or subclass it")
+    assert "language_model" not in fake_verl._ENGINES

@@ -4,13 +4,14 @@ engine gates built on them (issue 29, item 3): every refusal is an :class:`Unsup
 
 from __future__ import annotations
 
+import builtins
 import functools
 from typing import Any
 
 import pytest
 
 from rr_client.core.errors import RRError, UnsupportedVersionError
-from rr_client.core.patching import MARKER, is_wrapped, parameters, unwrap, wrap_once
+from rr_client.core.patching import MARKER, Shape, check_shapes, is_wrapped, parameters, unwrap, wrap_once
 from rr_client.core import versions
 from rr_client.core.versions import OVERRIDE, check_version
 
@@ -75,20 +76,38 @@ def test_missing_package_is_refused_even_with_the_override() -> None:
 
 # ---- the engine gates -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("version", ["0.21.9", "0.34.0", "1.0.0", "garbage"])
-def test_vllm_gate_refuses_in_the_rr_error_tree(version: str) -> None:
-    from rr_server.serving.vllm_facts import UnsupportedVLLMVersion, check_vllm_version
+def _engine_gate(engine: str) -> tuple[Any, type[UnsupportedVersionError]]:
+    """The engine's version gate and the error class it refuses with."""
+    if engine == "vllm":
+        from rr_server.serving.engines.vllm import UnsupportedVLLMVersion, check_vllm_version
 
-    with pytest.raises(UnsupportedVLLMVersion) as exc:
-        check_vllm_version(version)
+        return check_vllm_version, UnsupportedVLLMVersion
+    from rr_server.serving.engines.sglang import UnsupportedSGLangError, profile_for
+
+    return profile_for, UnsupportedSGLangError
+
+
+# engine -> (releases its gate refuses, the tested range the refusal names, what else its message names)
+REFUSED = {
+    "vllm": (["0.21.9", "0.34.0", "1.0.0", "garbage"], "0.22-0.33", [OVERRIDE, "--rr-allow-unsupported-version"]),
+    "sglang": (["0.5.6", "0.5.24", "0.6.0", "garbage"], "0.5.7-0.5.23", []),
+}
+
+
+@pytest.mark.parametrize("engine, version", [(e, v) for e, (versions_, _, _) in REFUSED.items() for v in versions_])
+def test_engine_gate_refuses_in_the_rr_error_tree(engine: str, version: str) -> None:
+    gate, error = _engine_gate(engine)
+    with pytest.raises(error) as exc:
+        gate(version)
     e = exc.value
+    _, tested, named = REFUSED[engine]
     assert isinstance(e, UnsupportedVersionError) and isinstance(e, RRError) and isinstance(e, RuntimeError)
-    assert (e.package, e.version, e.tested) == ("vllm", version, "0.22-0.33")
-    assert version in str(e) and OVERRIDE in str(e) and "--rr-allow-unsupported-version" in str(e)
+    assert (e.package, e.version, e.tested) == (engine, version, tested)
+    assert version in str(e) and all(n in str(e) for n in named), (str(e), named)
 
 
 def test_vllm_gate_range_and_override() -> None:
-    from rr_server.serving.vllm_facts import SUPPORTED, check_vllm_version, facts_for
+    from rr_server.serving.engines.vllm import SUPPORTED, check_vllm_version, facts_for
 
     assert SUPPORTED == ((0, 22), (0, 33))
     for v in ("0.22.0", "0.30.0+cpu", "0.33.2"):
@@ -98,27 +117,15 @@ def test_vllm_gate_range_and_override() -> None:
 
 
 def test_vllm_unparsable_facts_are_in_the_tree() -> None:
-    from rr_server.serving.vllm_facts import facts_for
+    from rr_server.serving.engines.vllm import facts_for
 
     with pytest.raises(UnsupportedVersionError, match="cannot parse vLLM version"):
         facts_for("garbage")
 
 
-@pytest.mark.parametrize("version", ["0.5.6", "0.5.24", "0.6.0", "garbage"])
-def test_sglang_gate_refuses_in_the_rr_error_tree(version: str) -> None:
-    from rr_server.serving.sglang_facts import UnsupportedSGLangError, profile_for
-
-    with pytest.raises(UnsupportedSGLangError) as exc:
-        profile_for(version)
-    e = exc.value
-    assert isinstance(e, UnsupportedVersionError) and isinstance(e, RRError) and isinstance(e, RuntimeError)
-    assert (e.package, e.version, e.tested) == ("sglang", version, "0.5.7-0.5.23")
-    assert version in str(e)
-
-
 def test_sglang_gate_has_no_override(monkeypatch: pytest.MonkeyPatch) -> None:
     """SGLang's patch never honoured the override (an untested SGLang goes through the sidecar): unchanged."""
-    from rr_server.serving.sglang_facts import MAX_VERSION, MIN_VERSION, UnsupportedSGLangError, profile_for
+    from rr_server.serving.engines.sglang import MAX_VERSION, MIN_VERSION, UnsupportedSGLangError, profile_for
 
     assert (MIN_VERSION, MAX_VERSION) == ((0, 5, 7), (0, 5, 23))
     monkeypatch.setenv(OVERRIDE, "1")
@@ -183,12 +190,77 @@ def test_wrap_once_refuses_a_missing_attribute_without_changing_the_owner(engine
     assert dict(vars(engine_cls)) == before
 
 
+class _Struct:
+    """Stands in for a third-party dataclass rr reads fields of."""
+
+    __dataclass_fields__ = {"rows": None, "out_list": None}
+
+    async def handle(self, recv_obj: Any) -> None:
+        return None
+
+
+def test_check_shapes_passes_a_matching_shape(engine_cls: type[_Engine]) -> None:
+    check_shapes(Shape(engine_cls, {"step": ["self", "batch", "scale"]}),
+                 Shape(engine_cls, {"step": [["self", "batch"], ["self", "batch", "scale"]]}),  # any of several
+                 Shape(engine_cls, {"step": ["self", ...]}), Shape(engine_cls, {"step": [..., "scale"]}),
+                 Shape(engine_cls, {"step": ["self", ..., "batch", ..., "scale", ...]}),
+                 Shape(engine_cls, {"step": None}),
+                 Shape(_Struct, fields=["rows", "out_list"], coroutines={"handle": True}), what="engine 1.0")
+
+
+@pytest.mark.parametrize("shape,found", [
+    (Shape(_Engine, {"gone": None}), "_Engine.gone is missing"),
+    (Shape(_Engine, {"step": ["self", "batch"]}),
+     "_Engine.step(self, batch, scale) does not have the shape rr relies on (self, batch)"),
+    (Shape(_Engine, {"step": [["self"], ["batch", ...]]}),
+     "_Engine.step(self, batch, scale) does not have the shape rr relies on (self) or (batch, ...)"),
+    (Shape(_Engine, {"__doc__": None}), "_Engine.__doc__ is a str, not a function"),
+    (Shape(_Struct, fields=["rows", "routed_experts"]), "_Struct has no field 'routed_experts'"),
+    (Shape(_Engine, fields=["rows"]), "_Engine has no field 'rows'"),  # not a dataclass: declares no fields
+    (Shape(_Struct, coroutines={"handle": False}), "_Struct.handle is async def (rr expects def)"),
+    (Shape(_Engine, coroutines={"step": True}), "_Engine.step is not async def (rr expects async def)"),
+    (Shape(_Engine, {"step": ["self", ...]}, coroutines={"step": True}), "_Engine.step is not async def"),
+    (Shape(_Engine, coroutines={"gone": True}), "_Engine.gone is missing"),
+    (Shape(builtins, {"min": ["iterable"]}), "builtins.min has no readable signature"),  # a builtin without one
+])
+def test_check_shapes_names_each_way_a_shape_differs(shape: Shape, found: str) -> None:
+    """Every failure mode raises UnsupportedVersionError naming the object, what rr expects, what it found, and the
+    package with its installed version."""
+    with pytest.raises(UnsupportedVersionError) as exc:
+        check_shapes(shape, what="engine 2.0 (rr was tested with engine 1.0)")
+    msg = str(exc.value)
+    assert found in msg, msg
+    assert msg.endswith(" in engine 2.0 (rr was tested with engine 1.0): refusing to patch or subclass it"), msg
+
+
+def test_check_shapes_reports_every_difference_at_once_in_the_callers_error() -> None:
+    class EngineError(UnsupportedVersionError):
+        pass
+
+    with pytest.raises(EngineError) as exc:
+        check_shapes(Shape(_Engine, {"gone": None, "step": ["self"]}), Shape(_Struct, fields=["nope"]),
+                     error=lambda msg: EngineError(msg, package="engine", version="2.0"))
+    assert str(exc.value) == ("_Engine.gone is missing; _Engine.step(self, batch, scale) does not have the shape rr "
+                              "relies on (self); _Struct has no field 'nope': refusing to patch or subclass it")
+    assert (exc.value.package, exc.value.version) == ("engine", "2.0")
+
+
+def test_wrap_once_raises_the_callers_error(engine_cls: type[_Engine]) -> None:
+    class EngineError(UnsupportedVersionError):
+        pass
+
+    with pytest.raises(EngineError, match=r"step\(self, batch, scale\) does not have the shape rr relies on "
+                                          r"\(args, \.\.\.\)"):
+        wrap_once(engine_cls, "step", _doubling, params=["args", ...], error=EngineError)
+    assert not is_wrapped(engine_cls, "step")
+
+
 def test_vllm_build_app_wrap_uses_the_kit() -> None:
     """The vLLM plugin's build_app wrap is re-entrant through the one marker, and refuses a foreign shape."""
     from types import ModuleType
 
     from rr_patches.vllm import plugin
-    from rr_server.serving.vllm_facts import UnsupportedVLLMVersion
+    from rr_server.serving.engines.vllm import UnsupportedVLLMVersion
 
     mod = ModuleType("fake_vllm_entry")
 
@@ -205,7 +277,8 @@ def test_vllm_build_app_wrap_uses_the_kit() -> None:
         return app
 
     mod.build_app = odd  # type: ignore[attr-defined]
-    with pytest.raises(UnsupportedVLLMVersion, match="unexpected signature"):
+    with pytest.raises(UnsupportedVLLMVersion,
+                       match=r"build_app\(app\) does not have the shape rr relies on \(args, \.\.\.\)"):
         plugin._patch(mod, "build_app")
     assert mod.build_app is odd
 
@@ -229,8 +302,8 @@ def test_server_side_refusals_are_rr_errors() -> None:
     """Every refusal class of rr's engine side is in the RRError tree and still the RuntimeError it was."""
     from rr_client.core.errors import ConfigurationError
     from rr_patches.vllm.auth import UnprotectedRoutesError
-    from rr_server.serving.sglang_facts import UnsupportedSGLangError
-    from rr_server.serving.vllm_facts import UnsupportedVLLMVersion
+    from rr_server.serving.engines.sglang import UnsupportedSGLangError
+    from rr_server.serving.engines.vllm import UnsupportedVLLMVersion
 
     for cls in (UnsupportedVLLMVersion, UnsupportedSGLangError):
         assert issubclass(cls, UnsupportedVersionError) and issubclass(cls, RuntimeError)

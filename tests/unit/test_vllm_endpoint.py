@@ -128,11 +128,11 @@ def test_capture_setting_location_matches_the_installed_vllm() -> None:
     import vllm
     from vllm.config import ModelConfig, VllmConfig
 
-    from rr_server.serving.release import parse_release
+    from rr_server.serving.engines import engine_release
     from rr_patches.vllm.compat import routing_enabled
 
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    if parse_release(vllm.__version__)[:2] >= (0, 31):
+    if engine_release(vllm.__version__)[:2] >= (0, 31):
         from vllm.config.aux_output import AuxOutputConfig
 
         assert "enable_return_routed_experts" not in model_fields

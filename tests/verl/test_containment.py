@@ -176,7 +176,7 @@ import verl.workers.engine.fsdp.transformer_impl
     tool, engine = sorted((r[1] for r in got["records"]), key=lambda m: "patch_fsdp_engine" in m)
     assert "patch_tool_agent_loop" in tool and "ToolAgentLoop._handle_generating_state" in tool
     assert "is missing" in tool and "left as verl ships it" in tool and "refuses to start" in tool
-    assert "patch_fsdp_engine" in engine and "does not have the shape rr uses" in engine
+    assert "patch_fsdp_engine" in engine and "does not have the shape rr relies on" in engine
     assert err.count("patch_tool_agent_loop") == 1
     assert not got["tool_loop"] and not got["tool_loop_rr_attrs"]
     assert got["worker"] and not got["rr_engine"]
@@ -202,7 +202,7 @@ import verl
     assert got["installed"] and list(got["failed"]) == ["verl.workers.engine_workers"]
     assert len(got["records"]) == 1 and got["records"][0][0] == "ERROR", got["records"]
     msg = got["records"][0][1]
-    assert "patch_engine_workers" in msg and "does not have the shape rr wraps" in msg and "refuses to start" in msg
+    assert "patch_engine_workers" in msg and "does not have the shape rr relies on" in msg and "refuses to start" in msg
     assert got["worker"] and got["tool_loop"]  # the worker: rr's guard, not its patch
     w = got["workers"]
     assert w["disabled"] == ["built", False], w

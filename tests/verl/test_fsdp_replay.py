@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from rr_client.core.errors import (ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError, ReplayError,
-                              UnrecordedRoutingError)
+from rr_client.core.errors import (ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError, UnrecordedRoutingError)
 from tests.verl import harness as h
 
 MOE_LAYERS = [0, 2]
@@ -242,6 +241,7 @@ def test_worker_turns_replay_on_for_fsdp(workers: Any) -> None:
     assert workers[("R3", True)][1].enable_routing_replay is True
     assert workers[("disabled", True)][1].enable_routing_replay is False
     from rr_client.integrations import verl as rr_verl
+    from rr_client.integrations.verl._engine import RRFSDPEngineMixin
     from rr_client.integrations.verl._patches import use_rr_engine
     from rr_client.core.patching import is_wrapped
 
@@ -252,7 +252,7 @@ def test_worker_turns_replay_on_for_fsdp(workers: Any) -> None:
 
     assert is_wrapped(ActorRolloutRefWorker, "__init__")
     ours = EngineRegistry.get_engine_cls("language_model", "fsdp2")
-    assert ours.__name__ == "RRFSDPEngineWithLMHead" and ours.__bases__ == (FSDPEngineWithLMHead,)
+    assert ours.__name__ == "RRFSDPEngineWithLMHead" and ours.__bases__ == (RRFSDPEngineMixin, FSDPEngineWithLMHead)
     engines = dict(EngineRegistry._engines["language_model"]["fsdp2"])
     assert engines["cuda"] is FSDPEngineWithLMHead  # verl's own registration is left as it is
     init = ActorRolloutRefWorker.__init__

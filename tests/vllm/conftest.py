@@ -47,6 +47,15 @@ SERVER_ENV: dict[str, dict[str, str]] = {
 }
 
 
+# The fixtures that are one pool server each: fixture -> (server, what it serves).
+SERVED: dict[str, tuple[str, str]] = {
+    "qwen_server": ("qwen3_dense", "Qwen3-MoE server (8 experts, top-2, layer 1 dense)."),
+    "mixtral_server": ("mixtral_300", "Mixtral server with 300 experts, top-4 (uint16 wire dtype)."),
+    "ngram_server": ("qwen3_ngram", "The Qwen3-MoE checkpoint served with n-gram speculative decoding (NGRAM_CONFIG)."),
+    "mtp_server": ("glm4_mtp", "The GLM-4.5-style checkpoint served with its MTP layer drafting (MTP_CONFIG)."),
+}
+
+
 def start_server(name: str, model_dir: Path, *, core: int) -> VLLMProcess:
     """Launch one rr-plugin server (non-blocking); ``VLLMProcess.wait_healthy`` waits for it."""
     env = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
@@ -99,14 +108,7 @@ def _needed_models(session: pytest.Session) -> set[str]:
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & {"any_server", "vllm_servers"}:
             names |= set(MODEL_SPECS)
-        if "qwen_server" in fixtures:
-            names.add("qwen3_dense")
-        if "mixtral_server" in fixtures:
-            names.add("mixtral_300")
-        if "ngram_server" in fixtures:
-            names.add("qwen3_ngram")
-        if "mtp_server" in fixtures:
-            names.add("glm4_mtp")
+        names |= {SERVED[f][0] for f in fixtures & SERVED.keys()}
     return names
 
 
@@ -126,28 +128,21 @@ def vllm_servers(server_pool: ServerPool) -> dict[str, VLLMProcess]:
     return {name: server_pool.get(name) for name in MODEL_SPECS}
 
 
-@pytest.fixture(scope="session")
-def qwen_server(server_pool: ServerPool) -> VLLMProcess:
-    """Qwen3-MoE server (8 experts, top-2, layer 1 dense)."""
-    return server_pool.get("qwen3_dense")
+def _served(fixture: str) -> Any:
+    """The session fixture ``fixture``: the pool's healthy server of its entry in :data:`SERVED`."""
+    name, doc = SERVED[fixture]
+
+    def served(server_pool: ServerPool) -> VLLMProcess:
+        return server_pool.get(name)
+
+    served.__doc__ = doc
+    return pytest.fixture(scope="session", name=fixture)(served)
 
 
-@pytest.fixture(scope="session")
-def mixtral_server(server_pool: ServerPool) -> VLLMProcess:
-    """Mixtral server with 300 experts, top-4 (uint16 wire dtype)."""
-    return server_pool.get("mixtral_300")
-
-
-@pytest.fixture(scope="session")
-def ngram_server(server_pool: ServerPool) -> VLLMProcess:
-    """The Qwen3-MoE checkpoint served with n-gram speculative decoding (NGRAM_CONFIG)."""
-    return server_pool.get("qwen3_ngram")
-
-
-@pytest.fixture(scope="session")
-def mtp_server(server_pool: ServerPool) -> VLLMProcess:
-    """The GLM-4.5-style checkpoint served with its MTP layer drafting (MTP_CONFIG)."""
-    return server_pool.get("glm4_mtp")
+qwen_server = _served("qwen_server")
+mixtral_server = _served("mixtral_server")
+ngram_server = _served("ngram_server")
+mtp_server = _served("mtp_server")
 
 
 @pytest.fixture(scope="session", params=list(MODEL_SPECS))

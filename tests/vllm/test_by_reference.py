@@ -16,7 +16,7 @@ import pytest
 from rr_client import MissingRoutingError, RoutedExpertsClient, RoutingExpiredError, RoutingRef
 from rr_client.core.hf_config import load_config, moe_layers_from_config
 from rr_client.core.reference import decode_frame
-from rr_server.serving.routing_store import MAX_REFS_PER_READ
+from rr_server.serving.store import MAX_REFS_PER_READ
 from rr_server.demo.tiny_moe import reference_routing
 from tests.support.routing_asserts import assert_routing_sets_equal
 

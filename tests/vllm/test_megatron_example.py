@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 

@@ -40,7 +40,7 @@ import transformers
 from rr_client.core.codec import decode_meta_info
 from rr_client.core.errors import StaleRoutingError
 from rr_client.core.provenance import PROVENANCE_FIELD, Provenance, check_provenance, tokens_digest
-from rr_server.doctor.truth import router_forward, router_topk
+from rr_client.trainer.router_reference import router_forward, router_topk
 from tests.support.routing_asserts import assert_routing_sets_equal
 from tests.support.vllm_process import VLLMProcess, small_kv_dev_server
 

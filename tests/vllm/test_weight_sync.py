@@ -27,11 +27,11 @@ import transformers
 
 from rr_client import GenerateResult, RoutedExpertsClient, WeightSyncError
 from rr_client.integrations.weight_sync import DiskWeightSync, WeightEngine
-from rr_server.doctor.truth import router_forward, router_topk
+from rr_client.trainer.router_reference import router_forward, router_topk
 from rr_server.proxy.app import ProxyConfig
 from tests.support.proxy_harness import SidecarServer
 from tests.support.routing_asserts import assert_routing_sets_equal
-from tests.support.vllm_process import VLLMProcess
+from tests.support.vllm_process import VLLMProcess, all_launched
 
 pytestmark = pytest.mark.vllm_server
 
@@ -51,13 +51,8 @@ def engines(tiny_models: dict[str, Path]) -> Iterator[dict[str, VLLMProcess]]:
                              env={**DEV, "VLLM_CPU_OMP_THREADS_BIND": "0"}),
         "bare": VLLMProcess(model, name="sync-bare", plugin=False, env={**DEV, "VLLM_CPU_OMP_THREADS_BIND": "1"}),
     }
-    try:
-        for s in servers.values():
-            s.launch()
+    with all_launched(servers):
         yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 @pytest.fixture(scope="module")

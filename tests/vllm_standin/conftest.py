@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.support.versions import deselect, imported_version
-from tests.support.vllm_process import CACHE, VLLMProcess, server_args
+from tests.support.vllm_process import CACHE, VLLMProcess, all_launched, server_args
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -75,15 +75,8 @@ def tiny_moe() -> Path:
 def servers(tiny_moe: Path) -> Iterator[dict[str, StandInServer]]:
     """Both servers (capture on / off), started in parallel; stopped at session end."""
     started = {"on": StandInServer(tiny_moe, capture=True), "off": StandInServer(tiny_moe, capture=False)}
-    try:
-        for s in started.values():
-            s.launch()
-        for s in started.values():
-            s.wait_healthy()
+    with all_launched(started, healthy=True):
         yield started
-    finally:
-        for s in started.values():
-            s.stop()
 
 
 @pytest.fixture(scope="session")

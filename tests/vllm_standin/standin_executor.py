@@ -14,7 +14,7 @@ reaches the end of the sequence, and hands back the routing rows the real worker
 ``AuxRequestOutput(emit_start, rows)`` with rows = transformers' router top-k for the not-yet-emitted
 positions ``[emit_start, tokens_forwarded)``, ``emit_start`` beginning at the request's
 ``routed_experts_prompt_start`` (shape ``(rows, num_hidden_layers, topk)``, dense layers zero, uint8/uint16
-as vLLM's capturer), computed by the one reference top-k (:func:`rr_server.doctor.truth.router_topk`). The
+as vLLM's capturer), computed by the one reference top-k (:func:`rr_client.trainer.router_reference.router_topk`). The
 worker-side capturer itself is NOT exercised; rr's tests check every routing value against
 :func:`rr_server.demo.tiny_moe.reference_routing`.
 """
@@ -32,7 +32,7 @@ from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import ModelRunnerOutput
 
-from rr_server.doctor.truth import router_forward, router_topk
+from rr_client.trainer.router_reference import router_forward, router_topk
 from rr_server.demo.tiny_moe import load_model, moe_layer_indices
 
 _FIRST_ORDINARY_ID = 10  # ids below this are never chosen (special tokens of the tiny tokenizer live there)

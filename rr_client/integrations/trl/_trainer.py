@@ -10,8 +10,8 @@ steps, merged metrics) is the session's.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -19,9 +19,10 @@ import torch
 
 from rr_client.core.errors import ConfigurationError, ReplayError, WeightSyncError
 from rr_client.integrations.trl._correction import MODES
-from rr_client.integrations.trl._gate import check_trl_version, trl
+from rr_client.integrations.trl._gate import TESTED_TRL, check_trl_version, trl
 from rr_client.integrations.trl._rollout import ROUTING_KEY, Rollout, RRRollout, sampled_logprobs, sampling_params_from
 from rr_client.core.logprobs import check_comparable_logprobs
+from rr_client.core.patching import Params, Shape, check_shapes
 from rr_client.integrations.weight_sync import DiskWeightSync
 from rr_client.trainer import keys as K
 from rr_client.trainer.layouts import RoutingTensors, to_tensors
@@ -31,9 +32,20 @@ from rr_client.trainer.provenance import Segments, build_segments, check_samples
 from rr_client.trainer.replay import replay_routing
 from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
-__all__ = ["R3GRPOTrainer", "GenerateOutput"]
+__all__ = ["R3GRPOTrainer", "GenerateOutput", "OVERRIDDEN", "check_trl_shapes"]
 
 GRPOTrainer = trl.GRPOTrainer
+# the GRPOTrainer methods R3GRPOTrainer overrides, with the parameters rr calls them with (TRL 1.16; ``...``: any
+# names): checked when R3GRPOTrainer is defined, so a TRL that moved one is refused, never run with rr's hook unused
+OVERRIDDEN: dict[str, Params] = {
+    "__init__": ["self", "model", "reward_funcs", "args", ..., "rollout_func", ...],
+    "_generate": ["self", "prompts"],
+    "_generate_and_score_completions": ["self", "inputs"],
+    "_compute_loss": ["self", "model", "inputs"],
+    "training_step": ["self", "model", "inputs", "num_items_in_batch"],
+    "_get_per_token_logps_and_entropies": ["self", "model", "input_ids", "attention_mask", "logits_to_keep",
+                                           "batch_size", "compute_entropy", "compute_aux_loss", ...],
+}
 _SAMPLE_KEY = "rr_sample"  # per-sample index into the rollout, carried through TRL's shuffle/split
 
 
@@ -84,6 +96,15 @@ def _refuse_before_init(args: Any, model: Any, rollout_func: Any, sync_weights: 
 def sampling_temperature(args: Any, rollout: RRRollout) -> float:
     """The temperature ``rollout`` samples at for ``args`` (its ``sampling_params`` and ``generation_kwargs`` win)."""
     return float({**sampling_params_from(args, 1), **rollout.sampling_params}["temperature"])
+
+
+def check_trl_shapes(trainer: type = GRPOTrainer) -> None:
+    """Raise :class:`rr_client.UnsupportedVersionError` unless ``trainer`` (TRL's ``GRPOTrainer``) has every method
+    R3GRPOTrainer overrides (:data:`OVERRIDDEN`) with the parameters rr passes; names the installed TRL."""
+    check_shapes(Shape(trainer, OVERRIDDEN), what=f"TRL {trl.__version__} (rr was tested with TRL {TESTED_TRL})")
+
+
+check_trl_shapes()  # once, as R3GRPOTrainer is created below
 
 
 class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
@@ -322,27 +343,39 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss)
             self._rr_loss_logps = out[0].detach()
             return out
-        bs = batch_size or input_ids.size(0)
-        logps, ents, auxes = [], [], []
-        for s in range(0, input_ids.size(0), bs):
-            e = min(s + bs, input_ids.size(0))
+
+        def chunk_rows(s: int, e: int) -> AbstractContextManager[Any]:
             rows, mask = rt.routed_experts[s:e], rt.routed_experts_mask[s:e]
-            ctx = (session.forward(rows, mask, layers=rt.layers, tokens=rt.attention_mask[s:e],
-                                   segments=seg.narrow(s, e)) if self.r3 else session.recording(rows, mask))
-            with ctx:
+            return (session.forward(rows, mask, layers=rt.layers, tokens=rt.attention_mask[s:e],
+                                    segments=seg.narrow(s, e)) if self.r3 else session.recording(rows, mask))
+
+        out = self._chunked(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                            compute_aux_loss, chunk_rows)
+        if self._rr_current is not None:
+            self._rr_loss_logps = out[0].detach()
+            self._rr_segments = seg
+        if not self.model.training:
+            self._log(session.flush(), "eval")
+        return out
+
+    def _chunked(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                 batch_size: int | None, compute_entropy: bool, compute_aux_loss: bool,
+                 chunk_rows: Callable[[int, int], AbstractContextManager[Any]]) -> Any:
+        """TRL's forward in its chunks of ``batch_size`` samples, samples ``[s, e)`` under ``chunk_rows(s, e)`` (their
+        rows replayed or recorded): the log-probs joined, the entropies and the mean aux loss where asked."""
+        n = input_ids.size(0)
+        bs = batch_size or n
+        logps, ents, auxes = [], [], []
+        for s in range(0, n, bs):
+            e = min(s + bs, n)
+            with chunk_rows(s, e):
                 out = super()._get_per_token_logps_and_entropies(
                     model, input_ids[s:e], attention_mask[s:e], logits_to_keep, batch_size=e - s,
                     compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss)
             logps.append(out[0])
             ents.append(out[1])
             auxes.append(out[2])
-        lp = torch.cat(logps, dim=0)
-        if self._rr_current is not None:
-            self._rr_loss_logps = lp.detach()
-            self._rr_segments = seg
-        if not self.model.training:
-            self._log(session.flush(), "eval")
-        return lp, torch.cat(ents, dim=0) if compute_entropy else None, \
+        return torch.cat(logps, dim=0), torch.cat(ents, dim=0) if compute_entropy else None, \
             torch.stack(auxes).mean() if compute_aux_loss else None
 
     def _reference_forward(self, model: Any, own: Any, rt: RoutingTensors, input_ids: torch.Tensor,
@@ -357,22 +390,15 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss)
-        session, n = self.rr_session, input_ids.size(0)
-        bs = batch_size or n
-        logps, ents, auxes = [], [], []
-        for s in range(0, n, bs):  # TRL's chunks, each under its own rows
-            e = min(s + bs, n)
-            with replay_routing(own, rt.routed_experts[s:e], rt.routed_experts_mask[s:e], layers=rt.layers,
-                                check_every=session.check_every, audit=session.audited,
-                                allow_untested=session.allow_untested, tokens=rt.attention_mask[s:e]):
-                out = super()._get_per_token_logps_and_entropies(
-                    model, input_ids[s:e], attention_mask[s:e], logits_to_keep, batch_size=e - s,
-                    compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss)
-            logps.append(out[0])
-            ents.append(out[1])
-            auxes.append(out[2])
-        return torch.cat(logps, dim=0), torch.cat(ents, dim=0) if compute_entropy else None, \
-            torch.stack(auxes).mean() if compute_aux_loss else None
+        session = self.rr_session
+
+        def chunk_rows(s: int, e: int) -> AbstractContextManager[Any]:  # TRL's chunks, each under its own rows
+            return replay_routing(own, rt.routed_experts[s:e], rt.routed_experts_mask[s:e], layers=rt.layers,
+                                  check_every=session.check_every, audit=session.audited,
+                                  allow_untested=session.allow_untested, tokens=rt.attention_mask[s:e])
+
+        return self._chunked(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                             compute_aux_loss, chunk_rows)
 
     # ------------------------------------------------------------------ rows under TRL's tokens
 

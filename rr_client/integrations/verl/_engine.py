@@ -9,7 +9,7 @@ what an R2 record pass saw. The replay block of a micro-batch stays open until t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -105,142 +105,158 @@ def _segments(offsets: torch.Tensor, prompt_lens: torch.Tensor, n_rows: int, wid
     return Segments(rows, rows.new_empty(0), _NAMES)
 
 
-def make_engine_class(base: type) -> type:
-    """``base`` (verl's ``FSDPEngineWithLMHead``) with rr's R2/R3 replay; verl's mode setting switches it."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import no_padding_2_padding
+if TYPE_CHECKING:  # for a type checker the mixin's super() is verl's engine; at run time the mixin stands alone
+    _EngineBase = Any
+else:
+    _EngineBase = object
 
-    class RRFSDPEngineWithLMHead(base):  # type: ignore[misc, valid-type]
-        """verl's FSDP actor engine with routing replay: R3 replays the rollout's rows in every actor forward,
-        R2 records the log-prob recompute's own routing and replays it in the update epochs."""
 
-        def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any):
-            self.rr_mode = replay_mode(engine_config)
-            sp = int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1)
-            if self.rr_mode != "disabled":
-                check_verl_version()
-                if sp > 1:
-                    raise ConfigurationError(
-                        f"router_replay.mode={self.rr_mode} with ulysses_sequence_parallel_size={sp}: rr does not "
-                        "replay a sequence-parallel shard (its rows would land under other ranks' tokens); set it to "
-                        "1 or router_replay.mode=disabled")
-            super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
-            self.rr_info: RRInfo | None = None
-            self.rr_session: ReplaySession | None = None
-            self.rr_last_metrics: dict[str, float] = {}
-            self._rr_action: str | None = None
-            self._rr_record: Any = None
-            self._rr_segments: Segments | None = None  # the open micro-batch's token segments
+class RRFSDPEngineMixin(_EngineBase):
+    """rr's R2/R3 replay for verl's FSDP actor engine: R3 replays the rollout's rows in every actor forward, R2
+    records the log-prob recompute's own routing and replays it in the update epochs. Combined with verl's
+    ``FSDPEngineWithLMHead`` at patch time (:func:`engine_class`); verl's mode setting switches it."""
 
-        def initialize(self) -> None:
-            super().initialize()
-            if self.rr_mode == "disabled":
-                return
-            cfg = self.model_config.hf_config
-            import verl
+    def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
+        self.rr_mode = replay_mode(engine_config)
+        sp = int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1)
+        if self.rr_mode != "disabled":
+            check_verl_version()
+            if sp > 1:
+                raise ConfigurationError(
+                    f"router_replay.mode={self.rr_mode} with ulysses_sequence_parallel_size={sp}: rr does not "
+                    "replay a sequence-parallel shard (its rows would land under other ranks' tokens); set it to "
+                    "1 or router_replay.mode=disabled")
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+        self.rr_info: RRInfo | None = None
+        self.rr_session: ReplaySession | None = None
+        self.rr_last_metrics: dict[str, float] = {}
+        self._rr_action: str | None = None
+        self._rr_record: Any = None
+        self._rr_segments: Segments | None = None  # the open micro-batch's token segments
 
-            self.rr_info = RRInfo.from_hf_config(cfg.to_dict(), engine="verl", engine_version=verl.__version__)
-            if not find_routers(self.module):
-                raise UnsupportedModelError(f"router_replay.mode={self.rr_mode}: rr finds no replayable MoE router in "
-                                            f"{type(self.module).__name__}")
-            # verl's RouterReplayConfig takes no extra fields: rr's own knobs come from the environment (Ray's
-            # runtime_env env_vars reach every worker)
-            self.rr_session = ReplaySession(
-                self.module, audit_every=settings.integer("RR_AUDIT_EVERY", default=AUDIT_EVERY),
-                allow_untested=settings.flag("RR_ALLOW_UNTESTED_MODEL"), moe_layers=self.rr_info.moe_layers)
+    def initialize(self) -> None:
+        super().initialize()
+        if self.rr_mode == "disabled":
+            return
+        cfg = self.model_config.hf_config
+        import verl
 
-        # -- per batch
-        def _rr_action_for(self, data: Any, forward_only: bool) -> str | None:
-            if self.rr_mode == "disabled":
-                return None
-            if tu.get_non_tensor_data(data, "enable_routing_replay", default=True) is False:
-                return None  # verl's worker: the reference model's log-probs run unreplayed
-            has = "routed_experts" in data.keys()
-            if self.rr_mode == "R2" and forward_only and not has:
-                return "record"
-            if not has:
-                raise MissingRoutingError(
-                    f"router_replay.mode={self.rr_mode}: the batch carries no routed_experts ("
-                    + ("R3 needs actor_rollout_ref.rollout.enable_rollout_routing_replay=True" if self.rr_mode == "R3"
-                       else "R2 replays what compute_log_prob recorded; it was not in the update batch") + ")")
-            return "replay"
+        self.rr_info = RRInfo.from_hf_config(cfg.to_dict(), engine="verl", engine_version=verl.__version__)
+        if not find_routers(self.module):
+            raise UnsupportedModelError(f"router_replay.mode={self.rr_mode}: rr finds no replayable MoE router in "
+                                        f"{type(self.module).__name__}")
+        # verl's RouterReplayConfig takes no extra fields: rr's own knobs come from the environment (Ray's
+        # runtime_env env_vars reach every worker)
+        self.rr_session = ReplaySession(
+            self.module, audit_every=settings.integer("RR_AUDIT_EVERY", default=AUDIT_EVERY),
+            allow_untested=settings.flag("RR_ALLOW_UNTESTED_MODEL"), moe_layers=self.rr_info.moe_layers)
 
-        def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
-            self._rr_action = self._rr_action_for(data, forward_only)
-            if self._rr_action is None:
-                return super().forward_backward_batch(data, loss_function, forward_only)
-            session = self.rr_session
-            assert session is not None
-            try:
-                with session.step() as met:  # closes the last micro-batch's block after its backward
-                    out = super().forward_backward_batch(data, loss_function, forward_only)
-            finally:
-                self._rr_action = None
-            self.rr_last_metrics = dict(met)
-            if isinstance(out, dict) and isinstance(out.get("metrics"), dict):
-                for k, v in met.items():
-                    out["metrics"][f"actor/{k}"] = [v]
-            return out
+    # -- per batch
+    def _rr_action_for(self, data: Any, forward_only: bool) -> str | None:
+        if self.rr_mode == "disabled":
+            return None
+        from verl.utils import tensordict_utils as tu
 
-        # -- per micro-batch
-        def prepare_model_inputs(self, micro_batch: Any) -> Any:
-            model_inputs, output_args = super().prepare_model_inputs(micro_batch)
-            if self._rr_action is None:
-                return model_inputs, output_args
-            session = self.rr_session
-            assert session is not None
-            rmpad = tu.get_non_tensor_data(micro_batch, "use_remove_padding", default=True)
-            offsets = micro_batch["input_ids"].offsets()
-            pad = int(output_args.get("pad_size", 0)) if rmpad else 0
-            if self._rr_action == "record":
-                self._rr_record = session.open_record()  # closes the previous micro-batch's block first
-            else:
-                assert self.rr_info is not None
-                if "rollout_log_probs" in micro_batch.keys():  # rr computes the gap: do both sides mean the same?
-                    _check_gap_logprobs(micro_batch["temperature"])  # the temperature verl's forward divides by
-                rows, mask = packed_rows(micro_batch["routed_experts"], offsets, self.rr_info)
-                tokens = None  # which rows are real tokens: pads count neither replayed nor left
-                width = None
-                if rmpad:
-                    if pad:
-                        tokens = torch.cat([mask.new_ones(rows.shape[0]), mask.new_zeros(pad)])
-                        rows = torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))])
-                        mask = torch.cat([mask, mask.new_zeros(pad)])
-                else:
-                    width = model_inputs["input_ids"].shape[-1]
-                    rows, mask = padded_rows(rows, mask, offsets, width)
-                    tokens = _valid(width, offsets.to(mask.device))
-                plens = _prompt_lengths(micro_batch)
-                self._rr_segments = None if plens is None else _segments(offsets, plens, rows.shape[0], width)
-                # kept open until the next micro-batch: its backward runs replayed
-                session.open_replay(rows, mask, tokens=tokens, segments=self._rr_segments)
-            output_args["rr_pad"] = pad
+        if tu.get_non_tensor_data(data, "enable_routing_replay", default=True) is False:
+            return None  # verl's worker: the reference model's log-probs run unreplayed
+        has = "routed_experts" in data.keys()
+        if self.rr_mode == "R2" and forward_only and not has:
+            return "record"
+        if not has:
+            raise MissingRoutingError(
+                f"router_replay.mode={self.rr_mode}: the batch carries no routed_experts ("
+                + ("R3 needs actor_rollout_ref.rollout.enable_rollout_routing_replay=True" if self.rr_mode == "R3"
+                   else "R2 replays what compute_log_prob recorded; it was not in the update batch") + ")")
+        return "replay"
+
+    def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+        self._rr_action = self._rr_action_for(data, forward_only)
+        if self._rr_action is None:
+            return super().forward_backward_batch(data, loss_function, forward_only)
+        session = self.rr_session
+        assert session is not None
+        try:
+            with session.step() as met:  # closes the last micro-batch's block after its backward
+                out = super().forward_backward_batch(data, loss_function, forward_only)
+        finally:
+            self._rr_action = None
+        self.rr_last_metrics = dict(met)
+        if isinstance(out, dict) and isinstance(out.get("metrics"), dict):
+            for k, v in met.items():
+                out["metrics"][f"actor/{k}"] = [v]
+        return out
+
+    # -- per micro-batch
+    def prepare_model_inputs(self, micro_batch: Any) -> Any:
+        model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+        if self._rr_action is None:
             return model_inputs, output_args
+        from verl.utils import tensordict_utils as tu
 
-        def prepare_model_outputs(self, output: Any, output_args: Any, micro_batch: Any, logits_processor_func: Any) -> Any:
-            model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
-            if self._rr_action == "record":
-                rec = self._rr_record.routed_experts
-                offsets = micro_batch["input_ids"].offsets()
-                if tu.get_non_tensor_data(micro_batch, "use_remove_padding", default=True):
-                    flat = rec.reshape(-1, *rec.shape[-2:])
-                    model_output["routed_experts"] = unpack_recorded(flat, offsets.cpu(), output_args.get("rr_pad", 0))
-                else:
-                    valid = _valid(rec.shape[1], offsets.cpu())
-                    model_output["routed_experts"] = unpack_recorded(rec[valid], offsets.cpu())
-            elif self._rr_action == "replay" and "rollout_log_probs" in micro_batch.keys():
-                lp = model_output.get("log_probs")
-                if lp is not None:
-                    lp = no_padding_2_padding(lp.detach(), micro_batch)
-                    ref = micro_batch.select("rollout_log_probs", "response_mask").to_padded_tensor()
-                    assert self.rr_session is not None
-                    seg = self._rr_segments
-                    if seg is not None:  # every response token is generated (verl carries no turns)
-                        seg = Segments(seg.rows, torch.full(tuple(lp.shape), GENERATED, dtype=torch.long,
-                                                            device=lp.device), seg.names)
-                    self.rr_session.add_gap(lp.float(), ref["rollout_log_probs"].float(), ref["response_mask"].bool(),
-                                            segments=seg)
-            return model_output
+        session = self.rr_session
+        assert session is not None
+        rmpad = tu.get_non_tensor_data(micro_batch, "use_remove_padding", default=True)
+        offsets = micro_batch["input_ids"].offsets()
+        pad = int(output_args.get("pad_size", 0)) if rmpad else 0
+        if self._rr_action == "record":
+            self._rr_record = session.open_record()  # closes the previous micro-batch's block first
+        else:
+            assert self.rr_info is not None
+            if "rollout_log_probs" in micro_batch.keys():  # rr computes the gap: do both sides mean the same?
+                _check_gap_logprobs(micro_batch["temperature"])  # the temperature verl's forward divides by
+            rows, mask = packed_rows(micro_batch["routed_experts"], offsets, self.rr_info)
+            tokens = None  # which rows are real tokens: pads count neither replayed nor left
+            width = None
+            if rmpad:
+                if pad:
+                    tokens = torch.cat([mask.new_ones(rows.shape[0]), mask.new_zeros(pad)])
+                    rows = torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))])
+                    mask = torch.cat([mask, mask.new_zeros(pad)])
+            else:
+                width = model_inputs["input_ids"].shape[-1]
+                rows, mask = padded_rows(rows, mask, offsets, width)
+                tokens = _valid(width, offsets.to(mask.device))
+            plens = _prompt_lengths(micro_batch)
+            self._rr_segments = None if plens is None else _segments(offsets, plens, rows.shape[0], width)
+            # kept open until the next micro-batch: its backward runs replayed
+            session.open_replay(rows, mask, tokens=tokens, segments=self._rr_segments)
+        output_args["rr_pad"] = pad
+        return model_inputs, output_args
 
-    RRFSDPEngineWithLMHead.__qualname__ = RRFSDPEngineWithLMHead.__name__
-    return RRFSDPEngineWithLMHead
+    def prepare_model_outputs(self, output: Any, output_args: Any, micro_batch: Any, logits_processor_func: Any) -> Any:
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+        if self._rr_action == "record":
+            rec = self._rr_record.routed_experts
+            offsets = micro_batch["input_ids"].offsets()
+            if tu.get_non_tensor_data(micro_batch, "use_remove_padding", default=True):
+                flat = rec.reshape(-1, *rec.shape[-2:])
+                model_output["routed_experts"] = unpack_recorded(flat, offsets.cpu(), output_args.get("rr_pad", 0))
+            else:
+                valid = _valid(rec.shape[1], offsets.cpu())
+                model_output["routed_experts"] = unpack_recorded(rec[valid], offsets.cpu())
+        elif self._rr_action == "replay" and "rollout_log_probs" in micro_batch.keys():
+            lp = model_output.get("log_probs")
+            if lp is not None:
+                lp = no_padding_2_padding(lp.detach(), micro_batch)
+                ref = micro_batch.select("rollout_log_probs", "response_mask").to_padded_tensor()
+                assert self.rr_session is not None
+                seg = self._rr_segments
+                if seg is not None:  # every response token is generated (verl carries no turns)
+                    seg = Segments(seg.rows, torch.full(tuple(lp.shape), GENERATED, dtype=torch.long,
+                                                        device=lp.device), seg.names)
+                self.rr_session.add_gap(lp.float(), ref["rollout_log_probs"].float(), ref["response_mask"].bool(),
+                                        segments=seg)
+        return model_output
+
+
+ENGINE_NAME = "RRFSDPEngineWithLMHead"
+
+
+def engine_class(base: type) -> type:
+    """verl's engine class ``base`` (``FSDPEngineWithLMHead``) with rr's replay: ``(RRFSDPEngineMixin, base)``, built
+    when verl's engine module is imported (rr's patch checks ``base``'s shape first)."""
+    return type(ENGINE_NAME, (RRFSDPEngineMixin, base), {"__module__": __name__, "__qualname__": ENGINE_NAME,
+                                                          "__doc__": RRFSDPEngineMixin.__doc__})

@@ -6,10 +6,7 @@ The version is read from the package metadata, never by importing verl's modules
 
 from __future__ import annotations
 
-import importlib.metadata
-import sys
-
-from rr_client.core.versions import Tested, check_version
+from rr_client.core.versions import Tested, check_version, installed_version
 
 __all__ = ["TESTED_VERL", "WHY", "installed_verl_version", "check_verl_version"]
 
@@ -21,11 +18,7 @@ WHY = ("rr subclasses verl's FSDPEngineWithLMHead and wraps ActorRolloutRefWorke
 def installed_verl_version() -> str | None:
     """verl's version from its distribution metadata; else the ``__version__`` of a (partly) imported verl (a
     source checkout without metadata: verl sets it before it loads plugins); None when neither is there."""
-    try:
-        return importlib.metadata.version("verl")
-    except importlib.metadata.PackageNotFoundError:
-        version = getattr(sys.modules.get("verl"), "__version__", None)
-        return str(version) if version else None
+    return installed_version(("verl",), module="verl")
 
 
 def check_verl_version(version: str | None = None) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
+from rr_client.core.engines import ENGINES, SGLANG
 from rr_client.core.errors import LogprobsModeError
 from rr_client.core.logprobs import PROCESSED, RAW, check_comparable_logprobs, mode_from_vllm
 
@@ -24,7 +25,7 @@ __all__ = ["RolloutLogprobs", "rollout_logprobs", "check_rollout_logprobs", "SGL
 # at batch time; one actor worker per verl process, as for the engine registry)
 ROLLOUT_LOGPROBS: dict[str, Any] = {}
 
-SGLANG_ORIGINAL = "SGLANG_RETURN_ORIGINAL_LOGPROB"  # SGLang's switch to pre-temperature log-probs
+SGLANG_ORIGINAL = str(SGLANG.original_logprob_env)  # SGLang's switch to pre-temperature log-probs
 VERL_KEY = "actor_rollout_ref.rollout.logprobs_mode"
 _LOGITS = ("raw_logits", "processed_logits")  # vLLM modes that return logits in place of log-probs
 
@@ -58,14 +59,15 @@ def rollout_logprobs(rollout: Any) -> RolloutLogprobs:
     """The mode of the log-probs verl's rollout (``actor_rollout_ref.rollout`` config) returns, and why rr thinks so
     (None for a vLLM ``*_logits`` mode: those are logits, not log-probs)."""
     name = str(_get(rollout, "name") or "")
-    if name == "vllm":
-        vllm_mode = str(_get(rollout, "logprobs_mode") or "raw_logprobs")  # vLLM's own default when verl passes none
+    eng = ENGINES.get(name)
+    if eng is not None and eng.logprobs_setting is not None:  # vLLM: an engine argument verl passes on
+        vllm_mode = str(_get(rollout, eng.logprobs_setting) or eng.logprobs_default)  # the engine's own default
         what = " (logits, not log-probs)" if vllm_mode in _LOGITS else ""
-        return RolloutLogprobs(mode_from_vllm(vllm_mode), f"rollout.name=vllm, {VERL_KEY}={vllm_mode}{what}")
-    if name == "sglang":
-        if _truthy(os.environ.get(SGLANG_ORIGINAL)):
-            return RolloutLogprobs(RAW, f"rollout.name=sglang with {SGLANG_ORIGINAL} set")
-        return RolloutLogprobs(PROCESSED, "rollout.name=sglang")
+        return RolloutLogprobs(mode_from_vllm(vllm_mode), f"rollout.name={name}, {VERL_KEY}={vllm_mode}{what}")
+    if eng is not None and eng.original_logprob_env is not None:  # SGLang: after temperature unless its switch
+        if _truthy(os.environ.get(eng.original_logprob_env)):
+            return RolloutLogprobs(RAW, f"rollout.name={name} with {eng.original_logprob_env} set")
+        return RolloutLogprobs(PROCESSED, f"rollout.name={name}")
     return RolloutLogprobs(None, f"rollout.name={name or '?'} (rr does not know its log-prob mode)")
 
 

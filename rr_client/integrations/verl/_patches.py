@@ -1,7 +1,7 @@
 """What rr changes in verl 0.9.1, one patch per verl module, each applied when that module is imported.
 
 - ``verl.workers.engine.fsdp.transformer_impl`` (:func:`patch_fsdp_engine`): checks the shape of what rr's engine
-  overrides and builds rr's subclass of ``FSDPEngineWithLMHead``; it changes nothing in verl.
+  overrides and combines rr's mixin with ``FSDPEngineWithLMHead`` (rr's subclass); it changes nothing in verl.
 - ``verl.workers.engine_workers`` (:func:`patch_engine_workers`): ``ActorRolloutRefWorker.__init__`` reads
   ``actor.fsdp_config.router_replay.mode``; only with ``actor.strategy=fsdp2`` and R2/R3 it registers rr's engine
   through ``EngineRegistry.register`` and turns ``enable_routing_replay`` on (verl forces it off for FSDP).
@@ -26,14 +26,14 @@ import logging
 import os
 import sys
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from rr_client.core.errors import ConfigurationError, UnsupportedVersionError
-from rr_client.core.patching import parameters, wrap_once
+from rr_client.core.patching import Shape, check_shapes, wrap_once
 from rr_client.core.versions import OVERRIDE
 
-from ._gate import TESTED_VERL
+from ._gate import TESTED_VERL, installed_verl_version
 
 logger = logging.getLogger("rr_client.integrations.verl")
 
@@ -47,7 +47,7 @@ TOOL_LOOP_MODULE = "verl.experimental.agent_loop.tool_agent_loop"
 MODE_KEY = "actor_rollout_ref.actor.fsdp_config.router_replay.mode"
 ROLLOUT_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 
-# the shapes rr wraps or subclasses (parameter names, as rr_client.core.patching.parameters reads them)
+# the shapes rr wraps or subclasses (parameter names, as rr_client.core.patching.check_shapes reads them)
 WORKER_INIT = ["self", "config", "role", "distillation_config", "kwargs"]
 TOOL_STEP = ["self", "agent_data", "sampling_params", "ignore_termination"]
 SGLANG_GENERATE = ["self", "prompt_ids", "sampling_params", "request_id", "image_data", "video_data",
@@ -62,6 +62,10 @@ ENGINE_SHAPES: dict[str, list[str]] = {
 REGISTRY_SHAPES: dict[str, list[str]] = {
     "register": ["model_type", "backend", "device", "vendor"],
     "get_engine_cls": ["model_type", "backend"],
+}
+HELPER_SHAPES: dict[str, dict[str, list[str]]] = {  # verl's functions rr's engine calls, by module
+    "verl.utils.tensordict_utils": {"get_non_tensor_data": ["data", "key", "default"]},
+    "verl.workers.utils.padding": {"no_padding_2_padding": ["tensor", "data"]},
 }
 
 _ENGINES: dict[str, type] = {}  # model type -> rr's engine class (built by patch_fsdp_engine)
@@ -131,6 +135,11 @@ def worker_replay_mode(config: Any) -> str:
     return mode
 
 
+def _what() -> str:
+    """The installed verl as a shape refusal names it, beside the release rr was tested with."""
+    return f"verl {installed_verl_version() or '(version unknown)'} (rr was tested with {WHAT})"
+
+
 # -- containment
 
 class Patch(NamedTuple):
@@ -141,19 +150,6 @@ class Patch(NamedTuple):
     apply: Callable[[types.ModuleType], None]
     if_failed: str
     fallback: Callable[[types.ModuleType, str], None] | None = None
-
-
-def check_shapes(owner: Any, shapes: Mapping[str, Sequence[str]]) -> None:
-    """Raise :class:`UnsupportedVersionError` unless every ``owner.name`` exists with the parameters in ``shapes``."""
-    label = getattr(owner, "__qualname__", owner)
-    for name, want in shapes.items():
-        fn = getattr(owner, name, None)
-        if fn is None:
-            raise UnsupportedVersionError(f"{label}.{name} is missing in {WHAT}: rr cannot use it")
-        got = parameters(fn)
-        if got != list(want):
-            raise UnsupportedVersionError(f"{label}.{name}({', '.join(got)}) does not have the shape rr uses "
-                                          f"({list(want)}) in {WHAT}: refusing to patch it")
 
 
 def apply_patch(name: str, module: types.ModuleType) -> bool:
@@ -194,7 +190,7 @@ def apply_guard(module: types.ModuleType, why: str,
 # -- verl.workers.engine.fsdp.transformer_impl
 
 def patch_fsdp_engine(mod: types.ModuleType) -> None:
-    """Check the shape of what rr's engine overrides and build rr's subclass of ``FSDPEngineWithLMHead``.
+    """Check the shape of what rr's engine overrides, then combine rr's mixin with ``FSDPEngineWithLMHead``.
 
     Nothing in verl changes here: the worker patch registers the class, and only where rr's FSDP mode is on.
     """
@@ -204,11 +200,11 @@ def patch_fsdp_engine(mod: types.ModuleType) -> None:
     ours = _ENGINES.get("language_model")
     if ours is not None and base in ours.__bases__:
         return
-    check_shapes(base, ENGINE_SHAPES)
-    check_shapes(EngineRegistry, REGISTRY_SHAPES)
-    from ._engine import make_engine_class
+    helpers = [Shape(importlib.import_module(name), fns) for name, fns in HELPER_SHAPES.items()]
+    check_shapes(Shape(base, ENGINE_SHAPES), Shape(EngineRegistry, REGISTRY_SHAPES), *helpers, what=_what())
+    from ._engine import engine_class
 
-    _ENGINES["language_model"] = make_engine_class(base)
+    _ENGINES["language_model"] = engine_class(base)
 
 
 def rr_engine_class() -> type:
@@ -237,7 +233,7 @@ def use_rr_engine(strategy: str) -> type:
     current = EngineRegistry.get_engine_cls("language_model", strategy)
     if current is ours:
         return ours
-    base = ours.__bases__[0]
+    base = ours.__bases__[-1]  # rr's engine is (rr's mixin, verl's engine class)
     device = os.getenv("VERL_ENGINE_DEVICE") or get_device_name()  # verl's own lookup order (get_engine_cls)
     vendor = os.getenv("VERL_ENGINE_VENDOR") or get_vendor()
     if current is not base or not vendor:
@@ -310,7 +306,7 @@ def patch_engine_workers(mod: types.ModuleType) -> None:
     """``ActorRolloutRefWorker.__init__``: verl enables routing replay only for megatron/veomni; with
     ``actor.strategy=fsdp2`` and ``fsdp_config.router_replay.mode`` R2/R3 rr's engine replays it. Every other
     strategy, and the disabled mode, run verl's ``__init__`` unchanged."""
-    wrap_once(mod.ActorRolloutRefWorker, "__init__", _worker_init, params=WORKER_INIT, what=WHAT)
+    wrap_once(mod.ActorRolloutRefWorker, "__init__", _worker_init, params=WORKER_INIT, what=_what())
 
 
 def _guarded_init(why: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
@@ -360,7 +356,7 @@ def patch_tool_agent_loop(mod: types.ModuleType) -> None:
     does: ``actor_rollout_ref.actor.strategy=fsdp2`` with ``fsdp_config.router_replay.mode`` R2/R3. For megatron,
     veomni or the disabled mode verl's own step runs, unchanged.
     """
-    wrap_once(mod.ToolAgentLoop, "_handle_generating_state", _tool_step, params=TOOL_STEP, what=WHAT)
+    wrap_once(mod.ToolAgentLoop, "_handle_generating_state", _tool_step, params=TOOL_STEP, what=_what())
 
 
 # -- verl.workers.rollout.sglang_rollout.async_sglang_server
@@ -511,7 +507,7 @@ def patch_sglang_server(mod: types.ModuleType) -> None:
     every strategy; rr decodes and checks only the outputs verl's read would crash on (base64 string, SGLang
     0.5.7-0.5.9's ``{}``, the moved module). For Megatron that replaces verl's crash, nothing verl could read.
     """
-    wrap_once(mod.SGLangHttpServer, "generate", _sglang_generate, params=SGLANG_GENERATE, what=WHAT)
+    wrap_once(mod.SGLangHttpServer, "generate", _sglang_generate, params=SGLANG_GENERATE, what=_what())
 
 
 PATCHES: dict[str, Patch] = {

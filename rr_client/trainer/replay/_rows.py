@@ -185,15 +185,8 @@ def place_rows(st: RowStats, n_use: list[int], unconsumed: list[int], routers: l
     return BlockRows(n, layers, unconsumed)
 
 
-def prepare_rows(
-    flat: torch.Tensor,
-    mask: torch.Tensor | None,
-    routers: list[Router],
-    pos: dict[int, int],
-    unconsumed_positions: dict[int, int] | None,
-    *,
-    audit: bool = False,
-) -> BlockRows:
+def prepare_rows(flat: torch.Tensor, mask: torch.Tensor | None, routers: list[Router], pos: dict[int, int],
+                 unconsumed_positions: dict[int, int] | None, *, audit: bool = False) -> BlockRows:
     """Validate ``flat`` for every router at once (one host read, where the rows live), then place each
     layer's rows on its router's device: :func:`row_stats`, :func:`check_rows`, :func:`place_rows`."""
     st = row_stats(flat, mask, routers, pos, unconsumed_positions)

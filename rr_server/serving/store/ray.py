@@ -6,7 +6,7 @@ with that engine's own byte cap (``RR_ROUTING_STORE_BYTES``) and weight version.
 away with the engine process that made it (Ray reclaims an actor whose owner died; a clean stop kills it first).
 The engine ``ray.put`` s each sample's checked rows once and hands the store actor the object ref; the answer
 carries a :class:`rr_client.RoutingRef` whose URL is ``ray://rr/<actor>``; a trainer rank resolves it with Ray
-(:mod:`rr_client.client._ray_refs`), zero-copy on the node, through Ray's object manager across nodes. Bounded by bytes
+(``rr_client.client._ray_refs``), zero-copy on the node, through Ray's object manager across nodes. Bounded by bytes
 (oldest first) and retired per weight version, with the same errors and counters as the in-memory store.
 ``rr-server ray-stores`` lists the store actors on a cluster and removes leftovers (:func:`list_stores`).
 """
@@ -25,14 +25,15 @@ from rr_client.core import settings
 from rr_client.core.codec import CheckedRouting
 from rr_client.core.errors import RoutingExpiredError
 from rr_client.core.optional import require
-from rr_client.core.reference import FramePart, RoutingRef, checksum
-from rr_server.serving.store_ledger import Held, StoreLedger, row_range
-from rr_server.serving.store_ledger import admitted_version
-from rr_server.serving.store_siblings import Siblings, merge_stats, retire_everywhere
+from rr_client.core.reference import FramePart
+from rr_server.serving.store.base import NewRows, RowStore
+from rr_server.serving.store.ledger import Held, StoreLedger, admitted_version, row_range
+from rr_server.serving.store.siblings import Siblings
 
-__all__ = ["RayStoreActor", "RayRoutingStore", "NAMESPACE", "PREFIX", "actor_name", "connect", "list_stores",
+__all__ = ["RayStoreActor", "RayStore", "NAMESPACE", "PREFIX", "SCHEME", "actor_name", "connect", "list_stores",
            "remove_stores"]
 
+SCHEME = "ray://"  #: a Ray store's refs name ``ray://<namespace>/<actor>`` (the client parses it in _ray_refs)
 NAMESPACE = "rr"
 PREFIX = "rr-routing-store-"  #: every store actor's name starts so (rr before 0.1: one per node, detached)
 
@@ -97,9 +98,9 @@ def connect(address: str | None = None) -> Any:
     return ray
 
 
-class RayRoutingStore:
-    """The engine side of the Ray store: the :class:`rr_server.serving.routing_store.RoutingStore` interface
-    over this engine's own store actor (connects to Ray at ``RR_RAY_ADDRESS``, default ``auto``)."""
+class RayStore(RowStore):
+    """The engine side of the Ray store: :class:`rr_server.serving.store.base.RowStore` over this engine's own
+    store actor (connects to Ray at ``RR_RAY_ADDRESS``, default ``auto``)."""
 
     def __init__(self, max_bytes: int, address: str | None = None, name: str | None = None) -> None:
         ray = connect(address)
@@ -107,7 +108,7 @@ class RayRoutingStore:
 
         node = ray.get_runtime_context().get_node_id()
         self.name = name or actor_name(node)
-        self.url = f"ray://{NAMESPACE}/{self.name}"
+        self.url = f"{SCHEME}{NAMESPACE}/{self.name}"
         self.siblings: Siblings | None = None  #: the server's other API server processes (install_store)
         engine = {"host": socket.gethostname(), "pid": os.getpid(), "node": node, "started": time.time()}
         self._actor = ray.remote(RayStoreActor).options(
@@ -121,14 +122,12 @@ class RayRoutingStore:
 
     def put(self, checked: CheckedRouting) -> dict[str, Any]:
         """One ``ray.put`` of the checked rows; the actor keeps the object ref (held before the answer names it)."""
+        new = NewRows(checked)
         arr = checked.array
-        key, digest = uuid.uuid4().hex, checksum(arr)
         obj = self._ray.put(arr)
-        version = self._ray.get(self._actor.put.remote(key, [obj], int(arr.nbytes), int(arr.shape[0]), digest,
-                                                       admitted_version()))
-        return RoutingRef(store=self.instance, url=self.url, key=key, rows=int(arr.shape[0]),
-                          layers=int(arr.shape[1]), topk=int(arr.shape[2]), dtype=arr.dtype.name,
-                          start=checked.start, weight_version=int(version), checksum=digest).to_dict()
+        version = self._ray.get(self._actor.put.remote(new.key, [obj], int(arr.nbytes), int(arr.shape[0]),
+                                                       new.digest, admitted_version()))
+        return new.ref(self.instance, self.url, int(version))
 
     def read(self, store: str, key: str, start: int | None = None, stop: int | None = None) -> FramePart:
         """Rows ``[start, stop)`` of ``key`` (the HTTP read route on a Ray store), with the kept checksum."""
@@ -140,17 +139,16 @@ class RayRoutingStore:
         return FramePart(key, a, b, rows[a:b], digest_or_why if (a, b) == (0, int(rows.shape[0])) else "")
 
     def local_retire(self, through: int) -> dict[str, int]:
+        """The actor frees the rows made under weight version <= ``through``."""
         return dict(self._ray.get(self._actor.retire.remote(int(through))))
 
-    def retire(self, through: int) -> dict[str, Any]:
-        return retire_everywhere(self, through)
-
     def local_stats(self) -> dict[str, Any]:
+        """The actor's counters (``backend: ray``), and the asks this process read from a sibling."""
         return {**self._ray.get(self._actor.stats.remote()),
                 "sibling_reads": self.siblings.forwarded if self.siblings else 0}
 
-    def stats(self) -> dict[str, Any]:
-        return merge_stats(self.local_stats(), self.siblings.stats() if self.siblings else [])
+    def advertise(self, url: str) -> None:
+        """Nothing to do: a Ray store's refs name its actor (``ray://``), not the server's URL."""
 
     def close(self) -> None:
         """Remove the store actor (its rows with it): the engine stops (also at exit, once)."""

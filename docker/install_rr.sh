@@ -1,0 +1,16 @@
+#!/bin/sh
+# Installs rr into an engine's official image (run by docker/rr-<engine>/Dockerfile from /opt/rr).
+# Usage: sh docker/install_rr.sh sglang|vllm
+# rr's own dependencies are already in both images (numpy, torch, httpx, pybase64, orjson, pydantic, fastapi,
+# uvicorn); --no-deps keeps the engine's pinned stack untouched. Installing registers rr's plugin entry point
+# (`vllm.general_plugins: rr`, which every vLLM process loads; `sglang.srt.plugins: rr`, which SGLang's
+# load_plugins() picks up). The import check fails the build when the engine's plugin or launcher does not
+# import or the C row checker did not compile.
+set -eu
+engine="$1"
+case "$engine" in
+  sglang|vllm) ;;
+  *) echo "install_rr.sh: unknown engine '$engine' (sglang or vllm)" >&2; exit 2 ;;
+esac
+python3 -m pip install --no-cache-dir --no-deps .
+python3 -c "import rr_client, rr_patches.${engine}.plugin, rr_server.launch.${engine}; from rr_client.core._rowcheck import HAVE_C; assert HAVE_C, 'the C row checker did not compile'"

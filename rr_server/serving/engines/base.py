@@ -1,0 +1,115 @@
+"""What every engine's release facts have in common: one facts type per release, one object per engine.
+
+:class:`ReleaseFacts` is what one release of vLLM or SGLang does with routing (the plugin, the patch, the launchers,
+the sidecar and the doctor read it; none of them compares version numbers itself). :class:`EngineReleases` is one
+engine's releases: the tested range (the gate and the launchers' help), the draft-pollution fix and its upstream
+issue, the facts of any release. Release strings are parsed by :func:`rr_client.core.versions.parse_release`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rr_client.core.engines import Engine
+from rr_client.core.errors import UnsupportedVersionError
+from rr_client.core.versions import Tested, parse_release
+
+__all__ = ["ReleaseFacts", "EngineReleases", "engine_release"]
+
+
+def engine_release(version: str) -> tuple[int, int, int]:
+    """``"0.30.0+cpu"`` -> ``(0, 30, 0)``, ``"0.5.10.post1"`` -> ``(0, 5, 10)``: at least ``major.minor``, padded to
+    three parts so the facts compare plain 3-tuples; ValueError if it is not a release."""
+    try:
+        rel = parse_release(version)
+    except ValueError:
+        rel = ()
+    if len(rel) < 2:
+        raise ValueError(f"cannot parse engine version {version!r}")
+    major, minor, patch = (*rel, 0)[:3]
+    return major, minor, patch
+
+
+@dataclass(frozen=True)
+class ReleaseFacts:
+    """Per-release facts rr relies on, for either engine (docs/engines.md); a fact the engine lacks stays False."""
+
+    engine: str  # "vllm" or "sglang"
+    version: str
+    release: tuple[int, int, int]
+    tested: Tested  # the engine's tested releases (:attr:`supported` asks it)
+    draft_pollutes_routing: bool = False  # speculative draft MoE layers write the target's rows (vLLM < 0.30, #48622;
+    #                                       SGLang < 0.5.23, #26980)
+    # vLLM
+    endpoint_plugins: bool = False  # loads ``vllm.endpoint_plugins`` in the API server (0.30+); older: wraps build_app
+    aux_output_connector: bool = False  # capture through the AuxOutput connector (0.31+): needs prefix caching + MRV2
+    cpu_capture: bool = False  # the CPU build can capture routing (0.30 only: monolithic MoE before, triton-cpu after)
+    eplb_physical_ids: bool = False  # captures physical expert ids after the EPLB remap (0.14-0.15)
+    all_zero_routing: bool = False  # returns all-zero routing (0.15; fixed by PR #33013 in 0.16)
+    nested_json_lists: bool = False  # sends nested JSON lists, ~40 MB per 30k-token sample (0.21)
+    cpu_compile_zeros: bool = False  # on CPU, torch.compile returns all-zero routing with the right shape (0.14+)
+    cpu_reload_unpacked_experts: bool = False  # CPU: reload_weights skips the MoE experts' prepack (0.30, found by rr)
+    fused_moe_zero_routing: bool = False  # FlashInfer monolithic MoE kernels return all-zero routing (< 0.30)
+    kv_connector_refused: bool = False  # refuses any KV connector (offload too) with routed experts at startup (0.30)
+    # ``--logprobs-mode processed_logprobs`` exists (0.10.1+, vLLM PR #21398): sampled log-probs after temperature
+    # (and after top-k/top-p/min-p); the default ``raw_logprobs`` is before temperature
+    processed_logprobs: bool = False
+    # SGLang
+    field: str = "routed_experts"  # BatchTokenIDOutput/BatchStrOutput attribute carrying routing
+    handle_is_async: bool = False  # TokenizerManager._handle_batch_output is ``async def`` (0.5.11+)
+    has_plugins: bool = False  # sglang.srt.plugins + HookRegistry exist (0.5.11+)
+    honours_start: bool = False  # the scheduler slices rows from routed_experts_start_len (0.5.12+)
+    has_start_field: bool = False  # GenerateReqInput.routed_experts_start_len exists (0.5.8+)
+    mixed_batch_bug: bool = False  # scheduler list misaligned when only some requests ask (<= 0.5.12)
+    detok_encodes: bool = False  # plugins load in the detokenizer, which base64-encodes routing (0.5.22+)
+    tensor_lost_as_json: bool = False  # --skip-tokenizer-init JSON-encodes the raw tensor as {} (0.5.7-0.5.9)
+    drops_last_prompt_row: bool = False  # max_new_tokens=0 loses the last prompt row (#20964, every release)
+    hash_layers_uncaptured: bool = False  # HashTopK (DeepSeek-V4) layers never write the buffer: zero rows (0.5.23+)
+
+    @property
+    def supported(self) -> bool:
+        """Inside the engine's tested releases (the version gate's own decision)."""
+        return self.tested.covers(self.version)
+
+    @property
+    def capture_setting(self) -> str:
+        """Where vLLM's ``--enable-return-routed-experts`` lands in its config."""
+        return ("vllm_config.aux_output_config" if self.aux_output_connector else "model_config") \
+            + ".enable_return_routed_experts"
+
+    @property
+    def ignores_start(self) -> bool:
+        """SGLang: ``routed_experts_start_len`` is accepted but ignored (0.5.8-0.5.11): rr slices the rows itself."""
+        return self.has_start_field and not self.honours_start
+
+
+@dataclass(frozen=True)
+class EngineReleases:
+    """One engine's releases as rr knows them: asked by the launchers, the speculative refusal and the doctor."""
+
+    wire: Engine  # the engine's wire object (:mod:`rr_client.core.engines`)
+    tested: Tested  # the releases rr was tested on
+    draft_fix_release: str  # the first release whose speculative draft leaves the target's routing alone
+    draft_issue: str  # the upstream issue of that bug
+    error: type[UnsupportedVersionError]  # what an untested or unparsable release raises
+    facts_for: Callable[[str], ReleaseFacts]  # the facts of any parsable release (supported or not)
+    installed_version: Callable[[], str | None]  # the installed release, without importing the engine when it can
+
+    @property
+    def name(self) -> str:
+        """``vllm`` or ``sglang``: the wire object's name."""
+        return self.wire.name
+
+    @property
+    def help_range(self) -> str:
+        """The tested releases as the launchers' help states them (``0.22 - 0.33``)."""
+        return f"{self.tested.lo} - {self.tested.hi or self.tested.lo}"
+
+    def parse(self, version: str) -> tuple[int, int, int]:
+        """The release tuple of ``version``; an unparsable string is this engine's unsupported-version error."""
+        try:
+            return engine_release(version)
+        except ValueError:
+            raise self.error(f"cannot parse {self.wire.label} version {version!r}", package=self.name,
+                             version=str(version), tested=str(self.tested)) from None

@@ -1,0 +1,98 @@
+"""Which SGLang releases rr knows, and what each one does with routing: the one place for SGLang's version facts.
+
+The patch, the launcher, the sidecar and the doctor read these facts (:data:`RELEASES`); none of them compares
+versions itself.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from collections.abc import Mapping
+
+from rr_client.core import versions
+from rr_client.core.engines import SGLANG
+from rr_client.core.errors import UnsupportedVersionError
+from rr_client.core.logprobs import PROCESSED, RAW
+from rr_client.core.versions import Tested, check_version
+from rr_server.serving.engines.base import EngineReleases, ReleaseFacts, engine_release
+
+__all__ = ["MIN_VERSION", "MAX_VERSION", "TESTED", "DRAFT_FIX_RELEASE", "UnsupportedSGLangError", "RELEASES",
+           "installed_version", "profile_for", "facts_for", "ORIGINAL_LOGPROB_ENV", "logprobs_mode"]
+
+# The SGLang releases rr's patch was tested on, each bound compared at patch precision.
+TESTED = Tested("0.5.7", "0.5.23")
+MIN_VERSION = engine_release(TESTED.lo)
+MAX_VERSION = engine_release(TESTED.hi or TESTED.lo)
+# The first release with SGLang's draft opt-out (``disable_routed_experts_capture_for_draft``, sglang#26980).
+DRAFT_FIX_RELEASE = "0.5.23"
+
+
+class UnsupportedSGLangError(UnsupportedVersionError):
+    """The installed SGLang is outside the tested range, or its code no longer has the shape rr wraps."""
+
+
+def installed_version() -> str:
+    """Version of the installed ``sglang`` (distribution metadata, else an imported ``sglang.__version__``);
+    PackageNotFoundError when there is none."""
+    version = versions.installed_version(("sglang",), module="sglang")
+    if version is None:
+        raise importlib.metadata.PackageNotFoundError("sglang")
+    return version
+
+
+def facts_for(version: str) -> ReleaseFacts:
+    """The facts of any parsable SGLang ``version`` (supported or not: the doctor reports bugs of both)."""
+    rel = RELEASES.parse(version)
+    return ReleaseFacts(
+        engine=SGLANG.name,
+        version=version,
+        release=rel,
+        tested=TESTED,
+        field="output_routed_experts" if rel < (0, 5, 8) else "routed_experts",
+        handle_is_async=rel >= (0, 5, 11),
+        has_plugins=rel >= (0, 5, 11),
+        honours_start=rel >= (0, 5, 12),
+        has_start_field=rel >= (0, 5, 8),
+        mixed_batch_bug=rel <= (0, 5, 12),
+        detok_encodes=rel >= (0, 5, 22),
+        tensor_lost_as_json=rel <= (0, 5, 9),
+        drops_last_prompt_row=rel >= (0, 5, 7),
+        draft_pollutes_routing=rel < (0, 5, 23),
+        hash_layers_uncaptured=rel >= (0, 5, 23),
+    )
+
+
+def profile_for(version: str | None = None) -> ReleaseFacts:
+    """The facts of ``version`` (default: installed); raises UnsupportedSGLangError outside :data:`TESTED`.
+
+    The range decision is :func:`rr_client.core.versions.check_version`'s; SGLang's patch has no override (it never
+    honoured ``RR_ALLOW_UNSUPPORTED_VERSION``): an untested SGLang is served through the rr sidecar instead.
+    """
+    version = installed_version() if version is None else version
+    profile = facts_for(version)
+    try:
+        check_version("sglang", TESTED, version, allow_unsupported=False)
+    except UnsupportedVersionError as e:
+        raise UnsupportedSGLangError(
+            f"rr's SGLang patch was tested with SGLang {TESTED}; found {version}. Refusing to patch code "
+            "it was not tested against (pin a tested SGLang, or use the rr sidecar in front of it).",
+            package=e.package, version=e.version, tested=e.tested) from None
+    return profile
+
+
+# SGLang's switch to pre-temperature sampled log-probs (its sampler, every release 0.5.7 - 0.5.23)
+ORIGINAL_LOGPROB_ENV = str(SGLANG.original_logprob_env)
+
+
+def logprobs_mode(env: Mapping[str, str] | None = None) -> str:
+    """What SGLang's sampled log-probs mean (0.5.7 - 0.5.23): after temperature (``log`` of the temperature-scaled
+    softmax, before top-k/top-p/min-p), or before it when ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is true (read as
+    SGLang's ``get_bool_env_var`` reads it)."""
+    value = (os.environ if env is None else env).get(ORIGINAL_LOGPROB_ENV, "false")
+    return RAW if str(value).lower() in ("true", "1") else PROCESSED
+
+
+RELEASES = EngineReleases(wire=SGLANG, tested=TESTED, draft_fix_release=DRAFT_FIX_RELEASE,
+                          draft_issue="sgl-project/sglang#26980", error=UnsupportedSGLangError, facts_for=facts_for,
+                          installed_version=installed_version)

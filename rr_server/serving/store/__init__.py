@@ -1,0 +1,32 @@
+"""The routing store behind ``routed_experts_format="ref"``: rows held by the server, read later by key.
+
+One row-store protocol (:class:`RowStore`, :mod:`.base`) with two stores behind it: in memory (:mod:`.memory`, the
+default) and on Ray's object store (:mod:`.ray`, ``RR_ROUTING_STORE=ray``). Both keep the same bookkeeping
+(:mod:`.ledger`), make refs one way (:class:`NewRows`), and answer for the server's sibling processes
+(:mod:`.siblings`). This process's store is :func:`current_store` (:mod:`.install`); the HTTP routes are apart
+(:mod:`.routes`).
+"""
+
+from rr_server.serving.store.base import Ask, NewRows, RowStore, read_many
+from rr_server.serving.store.install import advertised_url, current_store, install_store
+from rr_server.serving.store.ledger import admitted_version, refs_made_under
+from rr_server.serving.store.memory import DEFAULT_MAX_BYTES, MemoryStore
+from rr_server.serving.store.routes import MAX_REFS_PER_READ, STORE_ROUTES, TooManyRefs, parse_read
+
+__all__ = [
+    "Ask",
+    "NewRows",
+    "RowStore",
+    "read_many",
+    "advertised_url",
+    "current_store",
+    "install_store",
+    "admitted_version",
+    "refs_made_under",
+    "DEFAULT_MAX_BYTES",
+    "MemoryStore",
+    "MAX_REFS_PER_READ",
+    "STORE_ROUTES",
+    "TooManyRefs",
+    "parse_read",
+]

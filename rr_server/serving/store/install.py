@@ -1,0 +1,72 @@
+"""This process's routing store: made once by the server that starts here (``RR_ROUTING_STORE``: ``memory``, the
+default, or ``ray``), named by the server's URL once it is known, and met by its sibling processes there.
+
+The producers of answers pass it to the codec (``routing_meta_fields(..., store=current_store())``); the routes
+(:mod:`rr_server.serving.store.routes`) read from it.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from rr_client.core import settings
+from rr_client.core.errors import ConfigurationError
+from rr_server.serving.store.base import RowStore
+from rr_server.serving.store.memory import DEFAULT_MAX_BYTES, MemoryStore
+from rr_server.serving.store.siblings import Siblings
+
+__all__ = ["install_store", "current_store", "advertised_url"]
+
+_STORE: RowStore | None = None
+_NAMED = False  # the store was given the server's URL (and met its siblings)
+_INSTALL_LOCK = threading.Lock()
+
+
+def advertised_url(host: str | None, port: int | None, scheme: str = "http") -> str:
+    """``RR_ADVERTISE_URL``, else ``scheme://host:port`` (a wildcard host becomes this machine's name)."""
+    given = settings.text("RR_ADVERTISE_URL")
+    if given:
+        return given.rstrip("/")
+    if host is None or port is None:
+        return ""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}"
+
+
+def _new_store(max_bytes: int | None) -> RowStore:
+    """The store ``RR_ROUTING_STORE`` names, capped at ``max_bytes`` (default ``RR_ROUTING_STORE_BYTES``)."""
+    cap = max_bytes or settings.integer("RR_ROUTING_STORE_BYTES", default=DEFAULT_MAX_BYTES)
+    backend = (settings.text("RR_ROUTING_STORE") or "memory").lower()
+    if backend == "ray":
+        from rr_server.serving.store.ray import RayStore
+
+        return RayStore(cap)
+    if backend == "memory":
+        return MemoryStore(cap)
+    raise ConfigurationError(f"RR_ROUTING_STORE={backend!r}: expected memory or ray")
+
+
+def install_store(url: str = "", max_bytes: int | None = None) -> RowStore:
+    """This process's routing store (made once; re-entrant).
+
+    Once the server's URL is known (``url``), the store's refs name it (:meth:`RowStore.advertise`) and the store
+    answers for its sibling API server processes (:class:`Siblings`)."""
+    global _STORE, _NAMED
+    url = url or advertised_url(None, None)
+    with _INSTALL_LOCK:
+        if _STORE is None:
+            _STORE = _new_store(max_bytes)
+        if url and not _NAMED:  # once: the server's URL, also the siblings' meeting place
+            _NAMED = True
+            _STORE.advertise(url)
+            _STORE.siblings = Siblings.join(_STORE, url)
+        return _STORE
+
+
+def current_store() -> RowStore | None:
+    """The routing store of this process, if a server installed one (what its producers pass to the codec)."""
+    return _STORE
