@@ -17,7 +17,8 @@ with a KV cache of 12 blocks of 32 tokens, so concurrent long requests preempt e
    ``/v1/completions`` (``choice["rr_provenance"]``, streamed: on rr's routing event).
 
 Both reloads run as RL frameworks run them on vLLM: ``/pause?mode=keep`` (in-flight requests freeze where they are),
-the reload, ``/resume``; the freeze makes the overlap certain however loaded the machine is. Step 2 pauses with
+the reload, ``/resume``; the freeze makes the overlap certain once the pause holds (requests that all finished
+before it held, on a loaded machine, are replaced by new ones and the pause retried). Step 2 pauses with
 ``clear_cache=false``; step 3 with the route's default ``clear_cache=true``, which makes vLLM preempt every request
 still running: each is recomputed under the new weights after the resume, and rr flags each.
 """
@@ -159,7 +160,7 @@ def check_server(url: str, name: str, model_dir: Path, tmp_path: Path) -> None:
             warm = await generate(c, PROMPT, GREEDY)
             # an update while one request decodes alone (no KV pressure): it spans the update without a recompute.
             # Paused at its first chunk; should it have finished before the pause took hold, another one is sent.
-            for _ in range(3):
+            for _ in range(8):  # a loaded machine can finish a 190-token decode before the pause holds
                 started = asyncio.Event()
                 alone = asyncio.ensure_future(stream_until_first_chunk(c, PROMPT[:30], LONG, started))
                 await started.wait()
@@ -170,15 +171,20 @@ def check_server(url: str, name: str, model_dir: Path, tmp_path: Path) -> None:
             assert not alone.done(), "the long request finished before each pause: nothing spans the update"
             await reload_and_resume(c, model_dir)  # the same weights again: a real reload, the rows stay exact
             spanning = await alone
-            # six long requests overflow the KV cache; the pushed weights load once vLLM has preempted one
-            prompts = [[(t + 7 * k) % 440 + 2 for t in PROMPT] for k in range(1, 7)]
-            before = preemptions_so_far(url)
-            tasks = [asyncio.ensure_future(generate(c, p, LONG)) for p in prompts]
-            while preemptions_so_far(url) == before:  # wait for vLLM to preempt one (the KV cache is full)
-                assert not all(t.done() for t in tasks), "no request was preempted: the KV cache is not small"
-                await asyncio.sleep(0.05)
-            await pause(c, clear_cache=True)  # and every request still running is preempted too
-            assert not all(t.done() for t in tasks), "every busy request finished before the pause"
+            # six long requests overflow the KV cache; the pushed weights load once vLLM has preempted one. Should
+            # all six finish before the pause took hold (a loaded machine), it is lifted and six others are sent.
+            for attempt in range(4):
+                prompts = [[(t + 7 * k + 61 * attempt) % 440 + 2 for t in PROMPT] for k in range(1, 7)]
+                before = preemptions_so_far(url)
+                tasks = [asyncio.ensure_future(generate(c, p, LONG)) for p in prompts]
+                while preemptions_so_far(url) == before:  # wait for vLLM to preempt one (the KV cache is full)
+                    assert not all(t.done() for t in tasks), "no request was preempted: the KV cache is not small"
+                    await asyncio.sleep(0.05)
+                await pause(c, clear_cache=True)  # and every request still running is preempted too
+                if not all(t.done() for t in tasks):
+                    break
+                await resume(c)
+            assert not all(t.done() for t in tasks), "every busy request finished before each pause"
             await reload_and_resume(c, tmp_path / "pushed")
             busy = list(await asyncio.gather(*tasks))
             assert (await c.post("/reset_prefix_cache")).status_code == 200  # as rr's weight sync does after a push
