@@ -18,7 +18,7 @@ with a KV cache of 12 blocks of 32 tokens, so concurrent long requests preempt e
 
 Both reloads run as RL frameworks run them on vLLM: ``/pause?mode=keep`` (in-flight requests freeze where they are),
 the reload, ``/resume``; the freeze makes the overlap certain once the pause holds (requests that all finished
-before it held, on a loaded machine, are replaced by new ones and the pause retried). Step 2 pauses with
+before it held, or reached the engine one at a time, on a loaded machine, are replaced by new ones). Step 2 pauses with
 ``clear_cache=false``; step 3 with the route's default ``clear_cache=true``, which makes vLLM preempt every request
 still running: each is recomputed under the new weights after the resume, and rr flags each.
 """
@@ -171,19 +171,25 @@ def check_server(url: str, name: str, model_dir: Path, tmp_path: Path) -> None:
             assert not alone.done(), "the long request finished before each pause: nothing spans the update"
             await reload_and_resume(c, model_dir)  # the same weights again: a real reload, the rows stay exact
             spanning = await alone
-            # six long requests overflow the KV cache; the pushed weights load once vLLM has preempted one. Should
-            # all six finish before the pause took hold (a loaded machine), it is lifted and six others are sent.
-            for attempt in range(4):
+            # six long requests overflow the KV cache; the pushed weights load once vLLM has preempted one. On a
+            # loaded machine the six can reach the engine one after another (none preempted), or all finish before
+            # the pause takes hold: then six others are sent (after lifting the pause).
+            preempted = False
+            for attempt in range(5):
                 prompts = [[(t + 7 * k + 61 * attempt) % 440 + 2 for t in PROMPT] for k in range(1, 7)]
                 before = preemptions_so_far(url)
                 tasks = [asyncio.ensure_future(generate(c, p, LONG)) for p in prompts]
-                while preemptions_so_far(url) == before:  # wait for vLLM to preempt one (the KV cache is full)
-                    assert not all(t.done() for t in tasks), "no request was preempted: the KV cache is not small"
+                while not (preempted := preemptions_so_far(url) != before):  # wait for vLLM to preempt one
+                    if all(t.done() for t in tasks):
+                        break
                     await asyncio.sleep(0.05)
+                if not preempted:
+                    continue
                 await pause(c, clear_cache=True)  # and every request still running is preempted too
                 if not all(t.done() for t in tasks):
                     break
                 await resume(c)
+            assert preempted, "no request was preempted: the KV cache is not small"
             assert not all(t.done() for t in tasks), "every busy request finished before each pause"
             await reload_and_resume(c, tmp_path / "pushed")
             busy = list(await asyncio.gather(*tasks))
