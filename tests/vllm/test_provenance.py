@@ -8,8 +8,8 @@ with a KV cache of 12 blocks of 32 tokens, so concurrent long requests preempt e
    at both ends, no preemption, and the digest of their tokens.
 2. One long request decodes alone while rr's weight sync reloads (``/collective_rpc`` ``reload_weights``, the same
    weights): it spans the update without a recompute, so it is flagged and kept, its rows exact.
-3. Six long requests overflow the KV cache; once vLLM reports a preemption, the reload loads the checkpoint with
-   every router negated (the pause preempts those still running). Each sample preempted across the update says so
+3. Six long requests fill the KV cache; once all six decode, the pause preempts every one still running and the
+   reload loads the checkpoint with every router negated. Each sample preempted across the update says so
    (preemptions > 0, spans it): ``check_provenance`` refuses it, or with ``stale_rows="mask"`` keeps it unreplayed
    and counts it; a sample that finished before the update is exact against transformers.
 4. ``/rr/info`` answers the new weight version; a new sample's rows equal transformers' with the pushed
@@ -18,7 +18,7 @@ with a KV cache of 12 blocks of 32 tokens, so concurrent long requests preempt e
 
 Both reloads run as RL frameworks run them on vLLM: ``/pause?mode=keep`` (in-flight requests freeze where they are),
 the reload, ``/resume``; the freeze makes the overlap certain once the pause holds (requests that all finished
-before it held, or reached the engine one at a time, on a loaded machine, are replaced by new ones). Step 2 pauses with
+before it held, on a loaded machine, are replaced by new ones). Step 2 pauses with
 ``clear_cache=false``; step 3 with the route's default ``clear_cache=true``, which makes vLLM preempt every request
 still running: each is recomputed under the new weights after the resume, and rr flags each.
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,12 +91,6 @@ async def generate(c: httpx.AsyncClient, prompt: list[int], params: dict[str, An
                                         "return_routed_experts": True, **extra})
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
-
-
-def preemptions_so_far(url: str) -> float:
-    """vLLM's own preemption counter (/metrics)."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(m) for m in re.findall(r"^vllm:num_preemptions_total\{[^}]*\} (\S+)$", text, re.M))
 
 
 async def stream_until_first_chunk(c: httpx.AsyncClient, prompt: list[int], params: dict[str, Any],
@@ -171,25 +164,19 @@ def check_server(url: str, name: str, model_dir: Path, tmp_path: Path) -> None:
             assert not alone.done(), "the long request finished before each pause: nothing spans the update"
             await reload_and_resume(c, model_dir)  # the same weights again: a real reload, the rows stay exact
             spanning = await alone
-            # six long requests overflow the KV cache; the pushed weights load once vLLM has preempted one. On a
-            # loaded machine the six can reach the engine one after another (none preempted), or all finish before
-            # the pause takes hold: then six others are sent (after lifting the pause).
-            preempted = False
+            # six long requests fill the KV cache; once each has streamed its first token (all six decoding), the
+            # pause (clear_cache=true) preempts every one still running and the pushed weights load. Should all six
+            # finish before the pause takes hold (a loaded machine), it is lifted and six others are sent.
             for attempt in range(5):
                 prompts = [[(t + 7 * k + 61 * attempt) % 440 + 2 for t in PROMPT] for k in range(1, 7)]
-                before = preemptions_so_far(url)
-                tasks = [asyncio.ensure_future(generate(c, p, LONG)) for p in prompts]
-                while not (preempted := preemptions_so_far(url) != before):  # wait for vLLM to preempt one
-                    if all(t.done() for t in tasks):
-                        break
-                    await asyncio.sleep(0.05)
-                if not preempted:
-                    continue
-                await pause(c, clear_cache=True)  # and every request still running is preempted too
+                started = [asyncio.Event() for _ in prompts]
+                tasks = [asyncio.ensure_future(stream_until_first_chunk(c, p, LONG, e))
+                         for p, e in zip(prompts, started, strict=True)]
+                await asyncio.gather(*(e.wait() for e in started))
+                await pause(c, clear_cache=True)
                 if not all(t.done() for t in tasks):
                     break
                 await resume(c)
-            assert preempted, "no request was preempted: the KV cache is not small"
             assert not all(t.done() for t in tasks), "every busy request finished before each pause"
             await reload_and_resume(c, tmp_path / "pushed")
             busy = list(await asyncio.gather(*tasks))
