@@ -21,15 +21,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from rr_server.serving.generate_protocol import BadRequest
 from rr_server.serving.http import json_response
-from rr_server.serving.openai_routing import (
-    ABSENT,
-    engine_body,
-    finish_answer,
-    openai_engine,
-    parse_openai_routing,
-    pop_ext_routing,
-    routing_payload_size,
-)
+from rr_client.core.engines import ABSENT, pop_ext_routing
+from rr_client.core.engines import engine as find_engine
+from rr_server.serving.openai_routing import engine_body, finish_answer, parse_openai_routing, routing_payload_size
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.provenance import answer_provenance
 from rr_server.serving.store import refs_made_under
@@ -132,7 +126,7 @@ async def serve_openai(sc: SidecarParts, path: str, raw: bytes) -> Response:
         r = parse_openai_routing(body, engine=engine) if isinstance(body, dict) else None
     except BadRequest as e:
         raise ProxyError(e.status, "bad_request", str(e)) from None
-    force = openai_engine(engine).sidecar_forces_routing and sc.cfg.force_routing and isinstance(body, dict)
+    force = find_engine(engine).sidecar_forces_routing and sc.cfg.force_routing and isinstance(body, dict)
     if r is None or not r.want:
         if not isinstance(body, dict) or (r is None and not force):
             return await _pass_through(sc, path, raw, stream=isinstance(body, dict) and bool(body.get("stream")),
@@ -144,7 +138,7 @@ async def serve_openai(sc: SidecarParts, path: str, raw: bytes) -> Response:
     info, _ = await sc.info()
     # SGLang is asked for every row and the sidecar drops the first ``start`` (its OpenAI serving before 0.5.12
     # ignores routed_experts_start_len); vLLM applies the start itself
-    drop = r.start if openai_engine(engine).sidecar_slices_start else 0
+    drop = r.start if find_engine(engine).sidecar_slices_start else 0
     sent = engine_body(body, dataclasses.replace(r, start=0) if drop else r, engine=engine)
     mark = sc.epoch.mark()
     answer = await sc.up.call("POST", path, sent)

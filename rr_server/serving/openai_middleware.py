@@ -16,20 +16,18 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from rr_client.core.engines import EngineName
+from rr_client.core.engines import ABSENT, EngineName, pop_ext_routing
 from rr_client.core.engines import engine as find_engine
 from rr_client.core.info import RRInfo
 from rr_server.serving.generate_protocol import BadRequest
 from rr_server.serving.http import ASGIApp, Message, PostBodyMiddleware, Receive, Scope, Send
 from rr_server.serving.http import error_body, replay_receive, send_json, with_body
 from rr_server.serving.openai_routing import (
-    ABSENT,
     OPENAI_PATHS,
     OpenAIRouting,
     engine_body,
     finish_answer,
     parse_openai_routing,
-    pop_ext_routing,
 )
 from rr_server.serving.routing_metrics import count_answer
 

@@ -29,15 +29,13 @@ from rr_client.core.codec import (
     routing_meta_fields,
 )
 from rr_client.core.engines import (
-    ABSENT,
     ANSWER_ROUTING_EXTS,
     CHOICE_ROUTING_EXTS,
     Engine,
     EngineName,
     int_ids,
-    pop_ext_routing,
 )
-from rr_client.core.engines import engine as openai_engine
+from rr_client.core.engines import engine as find_engine
 from rr_client.core.errors import MissingRoutingError, RoutedExpertsError
 from rr_client.core.info import RRInfo
 from rr_client.core.provenance import PROVENANCE_FIELD
@@ -48,13 +46,10 @@ __all__ = [
     "OPENAI_PATHS",
     "RR_OPENAI_FIELDS",
     "OpenAIRouting",
-    "openai_engine",
     "parse_openai_routing",
     "engine_body",
     "finish_answer",
     "routing_payload_size",
-    "pop_ext_routing",
-    "ABSENT",
 ]
 
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -80,7 +75,7 @@ def parse_openai_routing(body: Mapping[str, Any], *, engine: EngineName | Engine
     ``stream_ok``: the server can put routing on a stream's last event (rr's vLLM plugin and SGLang patch); otherwise
     ``stream=true`` with routing is a 400.
     """
-    eng = openai_engine(engine)
+    eng = find_engine(engine)
     starts = eng.start_keys
     if not any(k in body for k in (*RR_OPENAI_FIELDS, *starts)):
         return None
@@ -120,7 +115,7 @@ def engine_body(body: Mapping[str, Any], r: OpenAIRouting, *, engine: EngineName
         return out
     if not r.stream:  # streams: SGLang 0.5.23 chat refuses it there; rr's patch collects the ids itself
         out["return_token_ids"] = True
-    out.update(openai_engine(engine).engine_fields(r.start))
+    out.update(find_engine(engine).engine_fields(r.start))
     return out
 
 
@@ -176,7 +171,7 @@ def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine
     choices = answer.get("choices")
     if not isinstance(choices, list):
         return answer
-    eng = openai_engine(engine)
+    eng = find_engine(engine)
     top_prompt = int_ids(answer.get("prompt_token_ids"))  # vLLM chat: one prompt for all choices
     first = eng.pop_answer_payload(answer)
     if checked is not None and len(checked) != len(choices):
