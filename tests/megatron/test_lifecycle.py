@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from rr_client.core.errors import ReplayError
+from rr_client.core.errors import MissingRoutingError, ReplayError
 from rr_client.trainer import keys as K
 from tests.megatron import harness as H
 
@@ -156,7 +156,7 @@ def test_r2_records_in_the_log_prob_pass_and_replays_in_the_update(gpt: Any) -> 
     batches = [_batch(1)[0], _batch(2)[0]]
     with H.hooked([gpt]) as own, torch.no_grad():
         for key, tokens in enumerate(batches):
-            replay.record(key)
+            replay.record(key, tokens=tokens)
             _forward(gpt, tokens)
     replay.step_done()
     with torch.no_grad():  # the update's weights differ from the recording pass's
@@ -165,7 +165,7 @@ def test_r2_records_in_the_log_prob_pass_and_replays_in_the_update(gpt: Any) -> 
     with H.hooked([gpt]) as choices:
         losses = []
         for key, tokens in enumerate(batches):
-            replay.set_micro_batch(key=key)
+            replay.set_micro_batch(key=key, tokens=tokens)
             losses.append(_forward(gpt, tokens))
         for loss in losses:
             loss.backward()
@@ -175,6 +175,6 @@ def test_r2_records_in_the_log_prob_pass_and_replays_in_the_update(gpt: Any) -> 
         for i, call in enumerate(choices.calls[router]):
             assert torch.equal(call.routing_map, recorded[i % 2].routing_map), f"layer {router.layer_number} call {i}"
     assert report[K.APPLIED_SHARE] == 1.0 and report[K.AGREEMENT] < 1.0  # the moved routers would choose otherwise
-    with pytest.raises(Exception, match="no record of micro-batch 7"):
-        replay.set_micro_batch(key=7)
+    with pytest.raises(MissingRoutingError, match="recorded in no micro-batch"):
+        replay.set_micro_batch(key=7, tokens=_batch(3)[0])
     replay.close()

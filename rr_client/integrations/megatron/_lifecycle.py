@@ -1,20 +1,23 @@
-"""When each router replays what: Megatron's ``RouterReplay`` actions driven per router, per call, and the audit.
+"""When each router replays what: Megatron's ``RouterReplay`` driven per router and per call, checked, and audited.
 
-Megatron switches no action during training, and one global action cannot be right under pipelining with
-recompute: 1F1B (or two micro-batches in flight) runs micro-batch 2's forward before micro-batch 1's backward,
-whose recompute must use micro-batch 1's rows. So a forward pre-hook on every router decides at each call:
+Megatron switches no action during training, and its own recompute queue (``REPLAY_BACKWARD`` pops a FIFO) is right
+only when the backwards run in forward order. So a forward pre-hook on every router decides at each call:
 
-- a forward (outside autograd's backward): ``REPLAY_FORWARD`` on the rows :meth:`Lifecycle.fed` just set for this
-  micro-batch; a second forward without new rows is refused (it would replay the previous micro-batch's rows);
-- a recompute (inside autograd's backward): ``REPLAY_BACKWARD``, which pops the oldest queued rows; backwards run
-  in forward order, so the queue (one entry per forward with grad; a no-grad forward's entry is dropped, since
-  no recompute will pop it: grad off where the rows were set, as in a forward-only pass) gives each recompute its
-  own micro-batch's rows;
-- R2's recording pass: ``RECORD``, and the record is kept per micro-batch key for the update to replay.
+- a forward (outside autograd's backward): the rows :meth:`Lifecycle.fed` set for this micro-batch, refused unless
+  they have one row per token in the router's own ``[s, b]`` order (a flattened or transposed batch is refused) and
+  refused when none were set since the last forward (it would replay the previous micro-batch's rows); a forward
+  with grad (one a recompute may re-run) keeps its rows in the router's :class:`RecomputePool`;
+- a recompute (inside autograd's backward): the rows of the forward whose router input it re-runs, matched on the
+  device by a fingerprint of that input, whatever order the backwards run in (B2 before B1, one backward of summed
+  losses, a grad-on forward-only pass left behind);
+- R2's recording pass: ``RECORD``; the record is kept with the micro-batch's tokens, so the update replays it on
+  the same samples (matched by tokens when reshuffled, refused when a sample has none).
 
-:meth:`Lifecycle.step_done` clears every router's action, targets and queue. On audited steps a forward hook
-compares what each router actually chose (its ``routing_map``) with the rows it was given, and the router's own
-choice on the same logits with them; the report uses :mod:`rr_client.trainer.keys`, as the Hugging Face path does.
+Megatron's own FIFO is never filled (targets go on ``target_topk_idx``, action ``REPLAY_FORWARD``). The hooks read
+nothing from the device: counts and verdicts go into a :class:`DeviceTally` read once in :meth:`Lifecycle.step_done`,
+which raises on a fed router that never ran (also when none ran), a recompute that matched no forward, and, on
+audited steps, a router that chose other experts than it was given; the report uses :mod:`rr_client.trainer.keys`,
+as the Hugging Face path does.
 """
 
 from __future__ import annotations
@@ -26,64 +29,68 @@ from typing import Any
 
 import torch
 
-from rr_client.core.errors import MissingRoutingError, ReplayError
+from rr_client.core.errors import ConfigurationError, MissingRoutingError, ReplayError, ShapeMismatchError
+from rr_client.integrations.megatron._recompute import RecomputePool
 from rr_client.integrations.megatron._routers import MegatronRouter
 from rr_client.trainer import keys as K
+from rr_client.trainer.replay._audit import DeviceTally
+from rr_client.trainer.replay._routers import in_backward
 from rr_client.trainer.session import AUDIT_EVERY, merge_reports
 
-__all__ = ["Lifecycle", "RouterState", "AUDIT_EVERY"]
+__all__ = ["Lifecycle", "RouterState", "R2Record", "AUDIT_EVERY", "recomputes_router"]
+
+
+def recomputes_router(config: Any) -> bool:
+    """Whether Megatron's checkpointing re-runs the router in the backward: full recompute, or selective with the
+    ``moe`` module (``moe_act`` recomputes the experts' activation only)."""
+    gran = getattr(config, "recompute_granularity", None)
+    return gran == "full" or (gran == "selective" and "moe" in (getattr(config, "recompute_modules", None) or []))
 
 
 @dataclass
 class RouterState:
-    """One router's place in the step: fed rows not yet consumed by a forward, the recording key, audit counts."""
+    """One router's place in the step: the rows set for its next forward, the recording key, audit counts."""
 
     router: MegatronRouter
+    recomputable: bool = False  #: Megatron's config re-runs this router in the backward
+    pool: RecomputePool | None = None  #: this step's grad-on forwards, for their recomputes
     driven: bool = False  #: fed (or recording) in this step: the hooks act on it
     fresh: bool = False  #: rows set for a forward that has not run yet
     grad: bool = True  #: grad was on where the rows were set (a backward, and its recompute, may follow)
     left: bool = False  #: an MTP router the feed left to the model on purpose
     record_key: Any = None  #: R2 recording: the micro-batch key its record is kept under
+    pending: torch.Tensor | None = None  #: ``[tokens, topk]`` rows for the next forward
     have: torch.Tensor | None = None  #: which local tokens of the fed micro-batch have a rollout row (audit)
-    have_queue: list[torch.Tensor | None] = field(default_factory=list)  #: ``have`` of queued recompute rows
+    batch: int | None = None  #: the fed micro-batch's ``b`` (the router sees ``[tokens // b, b]``)
     expect: torch.Tensor | None = None  #: the rows this call replays (set by the pre-hook)
     expect_have: torch.Tensor | None = None
     own: torch.Tensor | None = None  #: the router's own routing map on this call's logits (audit, forwards)
     forwards: int = 0
     recomputes: int = 0
-    replayed: int = 0  #: (token, layer) rows with a rollout row, over forwards
     left_rows: int = 0  #: tokens this router routed itself (left MTP router), over forwards
     checked: int = 0  #: tokens whose applied experts were compared (forwards and recomputes)
 
 
-def in_backward() -> bool:
-    """True while autograd runs a backward pass (where Megatron's checkpointing recomputes the forward)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+@dataclass
+class R2Record:
+    """R2: one micro-batch's recorded routing (router module -> ``[s * b, topk]``, sequence-first), the ``[s, b]``
+    the routers saw, and its samples' tokens (``[b, ...]`` on the host), which bind the record to its samples."""
+
+    rows: dict[Any, torch.Tensor] = field(default_factory=dict)
+    grid: tuple[int, int] | None = None
+    tokens: torch.Tensor | None = None
 
 
-class _Tally:
-    """0-d device counts under string keys, read with one host transfer at the step's end (no sync in a hook)."""
-
-    def __init__(self) -> None:
-        self.parts: dict[str, list[torch.Tensor]] = {}
-
-    def add(self, key: str, value: torch.Tensor) -> None:
-        """Add a 0-d count."""
-        self.parts.setdefault(key, []).append(value)
-
-    def read(self) -> dict[str, int]:
-        """Every key's total, one host read per device, then forgotten."""
-        items = [(k, t) for k, ts in self.parts.items() for t in ts]
-        self.parts = {}
-        if not items:
-            return {}
-        out: dict[str, int] = {}
-        for dev in {t.device for _, t in items}:  # one stack and one host read per device
-            mine = [(k, t) for k, t in items if t.device == dev]
-            for (k, _), v in zip(mine, torch.stack([t.reshape(()).long() for _, t in mine]).tolist()):
-                out[k] = out.get(k, 0) + int(v)
-        return out
+def _sample_tokens(tokens: Any) -> torch.Tensor:
+    """The micro-batch's tokens as a ``[b, n]`` host tensor (one row per sample; a packed THD batch is one row)."""
+    if not isinstance(tokens, torch.Tensor):
+        tokens = torch.as_tensor(tokens)
+    if tokens.dim() == 1:
+        tokens = tokens.unsqueeze(0)
+    if tokens.dim() != 2 or tokens.is_floating_point():
+        raise ShapeMismatchError(f"tokens must be the micro-batch's [b, s] integer input_ids (or [b, n] sample ids), "
+                                 f"got {tuple(tokens.shape)} {tokens.dtype}")
+    return tokens.detach().cpu()
 
 
 class Lifecycle:
@@ -96,15 +103,22 @@ class Lifecycle:
                  log_layers: bool = False) -> None:
         if audit_every < 0:
             raise ReplayError(f"audit_every={audit_every} must be >= 0")
-        self.states = {r.module: RouterState(r) for r in routers}
+        self.routers = list(routers)
+        self.states = {r.module: self._fresh_state(r) for r in routers}
         self.audit_every = audit_every
         self.log_layers = log_layers
         self.steps = 0  #: steps done
-        self.records: dict[Any, dict[Any, torch.Tensor]] = {}  #: R2: micro-batch key -> router module -> rows
-        self._tally = _Tally()
+        self.records: dict[Any, R2Record] = {}  #: R2: micro-batch key -> its record
+        self._tally = DeviceTally()
         self._hooks = [h for r in routers for h in (
             r.module.register_forward_pre_hook(self._pre, prepend=True),
             r.module.register_forward_hook(self._post))]
+
+    @staticmethod
+    def _fresh_state(r: MegatronRouter) -> RouterState:
+        """A router's state at the start of a step."""
+        rec = recomputes_router(r.module.config)
+        return RouterState(r, recomputable=rec, pool=RecomputePool(r.describe()) if rec else None)
 
     @property
     def audited(self) -> bool:
@@ -112,43 +126,92 @@ class Lifecycle:
         return self.audit_every > 0 and self.steps % self.audit_every == 0
 
     # ------------------------------------------------------------------ per micro-batch
-    def fed(self, modules: Sequence[Any], have: dict[Any, torch.Tensor] | None = None,
-            left: Sequence[MegatronRouter] = ()) -> None:
-        """Rows were just set on ``modules`` (their ``RouterReplay``) for the next forward; ``have``: per module,
-        which local tokens have a rollout row (the rest are pads); ``left``: MTP routers routing themselves."""
-        for m in modules:
+    def fed(self, targets: dict[Any, torch.Tensor], have: dict[Any, torch.Tensor] | None = None,
+            left: Sequence[MegatronRouter] = (), *, batch: int | None = None) -> None:
+        """Rows ``targets`` (router module -> ``[tokens, topk]``) for the next forward of each router; ``have``: per
+        module, which local tokens have a rollout row (the rest are pads); ``left``: MTP routers routing
+        themselves; ``batch``: the micro-batch's ``b`` (checked against the router's input)."""
+        for m, rows in targets.items():
             st = self.states[m]
             if st.fresh:
                 raise ReplayError(f"{st.router.describe()}: new rows set before its previous micro-batch's forward "
                                   "ran (set_micro_batch once per micro-batch, inside forward_step_func)")
             st.driven, st.fresh, st.left, st.record_key = True, True, False, None
+            st.pending, st.batch = rows, batch
             st.have, st.grad = (have.get(m) if have is not None else None), torch.is_grad_enabled()
         for r in left:
             st = self.states[r.module]
             st.driven, st.fresh, st.left, st.record_key = True, False, True, None
             r.replay.clear_router_replay_action()
 
-    def record(self, modules: Sequence[Any], key: Any) -> None:
-        """R2: the next forward of ``modules`` records its own choice under ``key`` (``RECORD``)."""
-        if key in self.records and any(m in self.records[key] for m in modules):
+    def record(self, modules: Sequence[Any], key: Any, tokens: Any) -> None:
+        """R2: the next forward of ``modules`` records its own choice under ``key`` (``RECORD``), bound to
+        ``tokens`` (the micro-batch's ``[b, s]`` input ids, or ``[b, n]`` sample ids on a stage without them)."""
+        if tokens is None:
+            raise ConfigurationError("R2 binds each record to its samples: record(key, tokens=input_ids) (on a "
+                                     "pipeline stage without input_ids, any [b, n] integer ids of the samples)")
+        rec = self.records.get(key)
+        if rec is not None and any(m in rec.rows for m in modules):
             raise ReplayError(f"R2 record key {key!r} was already recorded this pass: one key per micro-batch")
+        self.records.setdefault(key, R2Record()).tokens = _sample_tokens(tokens)
         for m in modules:
             st = self.states[m]
             st.driven, st.fresh, st.left, st.record_key = True, False, False, key
 
-    def recorded(self, key: Any, modules: Sequence[Any]) -> dict[Any, torch.Tensor]:
-        """R2's record of micro-batch ``key`` for ``modules`` (router module -> ``[tokens, topk]``)."""
-        rec = self.records.get(key)
-        missing = [self.states[m].router.describe() for m in modules if rec is None or m not in rec]
+    def recorded(self, modules: Sequence[Any], *, key: Any = None, tokens: Any = None
+                 ) -> tuple[dict[Any, torch.Tensor], int]:
+        """R2's rows for a micro-batch of ``tokens`` (router module -> ``[s * b, topk]``) and its ``b``: the record
+        of ``key`` when it holds exactly these samples, else the samples gathered from the records by their tokens
+        (an update that reshuffled the samples); a sample no record holds is refused."""
+        if tokens is None:
+            raise ConfigurationError("R2 replays a record on the samples it was recorded on: "
+                                     "set_micro_batch(key=..., tokens=input_ids)")
+        want = _sample_tokens(tokens)
+        rec = self.records.get(key) if key is not None else None
+        if rec is not None and rec.tokens is not None and torch.equal(rec.tokens, want):
+            return self._rows_of(rec, modules, key), int(want.shape[0])
+        return self._gather(want, modules, key), int(want.shape[0])
+
+    def _rows_of(self, rec: R2Record, modules: Sequence[Any], key: Any) -> dict[Any, torch.Tensor]:
+        """The rows of ``rec`` for ``modules``, refusing a router the record pass never ran."""
+        missing = [self.states[m].router.describe() for m in modules if m not in rec.rows]
         if missing:
-            raise MissingRoutingError(f"R2: no record of micro-batch {key!r} for {missing[:4]} (record it in the "
-                                      f"old-log-prob pass with the same key; recorded keys: {list(self.records)[:8]})")
-        assert rec is not None
-        return {m: rec[m] for m in modules}
+            raise MissingRoutingError(f"R2: the record of micro-batch {key!r} has no rows for {missing[:4]} (record "
+                                      "every chunk's routers in the old-log-prob pass)")
+        return {m: rec.rows[m] for m in modules}
+
+    def _gather(self, want: torch.Tensor, modules: Sequence[Any], key: Any) -> dict[Any, torch.Tensor]:
+        """Each sample's recorded rows, found by its tokens across every record (sequence-first columns)."""
+        index: dict[bytes, tuple[Any, int]] = {}
+        for k, rec in self.records.items():
+            if rec.tokens is not None and rec.grid is not None and int(rec.tokens.shape[0]) == rec.grid[1]:
+                for col in range(int(rec.tokens.shape[0])):
+                    index.setdefault(rec.tokens[col].numpy().tobytes(), (k, col))
+        found = [index.get(row.numpy().tobytes()) for row in want]
+        lost = [i for i, f in enumerate(found) if f is None]
+        if lost:
+            what = f"the record of micro-batch {key!r} holds other samples; " if key in self.records else ""
+            raise MissingRoutingError(f"R2: {what}sample(s) {lost[:8]} of this micro-batch were recorded in no "
+                                      f"micro-batch of the old-log-prob pass (recorded keys: {list(self.records)[:8]}):"
+                                      " replay the update on the samples that were recorded")
+        grids = {self.records[k].grid[0] for k, _ in found}  # type: ignore[index,misc]
+        if len(grids) != 1:
+            raise ShapeMismatchError(f"R2: this micro-batch's samples were recorded at sequence lengths "
+                                     f"{sorted(grids)}: replay them in micro-batches of one length")
+        out: dict[Any, torch.Tensor] = {}
+        for m in modules:
+            cols = []
+            for k, col in found:  # type: ignore[misc]
+                rec = self.records[k]
+                rows = self._rows_of(rec, [m], k)[m]
+                s, b = rec.grid  # type: ignore[misc]
+                cols.append(rows.view(s, b, -1)[:, col])
+            out[m] = torch.stack(cols, dim=1).reshape(-1, cols[0].shape[-1])
+        return out
 
     # ------------------------------------------------------------------ the hooks
     def _pre(self, module: Any, args: tuple[Any, ...]) -> None:
-        """Set this call's action: RECORD, REPLAY_FORWARD (fresh rows) or REPLAY_BACKWARD (a recompute)."""
+        """Put this call's rows on the router (``REPLAY_FORWARD``), or ``RECORD``; nothing read from the device."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
 
         st = self.states[module]
@@ -160,29 +223,51 @@ class Lifecycle:
         if st.record_key is not None:
             rep.set_router_replay_action(A.RECORD)
             return
+        hidden = args[0]
+        tokens = hidden.numel() // hidden.shape[-1]
         if recompute:
-            if not rep.replay_backward_list:
-                raise ReplayError(f"{st.router.describe()}: a recompute in the backward with no queued rows (its "
-                                  "forward ran without grad, or the step's rows were cleared before its backward)")
-            rep.set_router_replay_action(A.REPLAY_BACKWARD)
+            if st.pool is None:
+                raise ReplayError(f"{st.router.describe()}: a recompute in the backward, but its config recomputes "
+                                  "no router (recompute_granularity full, or selective with 'moe'): rr keeps no rows "
+                                  "for it; recompute through Megatron's own settings")
+            rows, have = st.pool.take(hidden, tokens)
             st.recomputes += 1
-            st.expect = rep.replay_backward_list[0]
-            st.expect_have = st.have_queue.pop(0) if st.have_queue else None
         else:
             if not st.fresh:
                 raise ReplayError(f"{st.router.describe()}: a forward without new rows: it would replay the previous "
                                   "micro-batch's (call set_micro_batch for every micro-batch, inside "
                                   "forward_step_func, before the model's forward)")
             st.fresh = False
-            rep.set_router_replay_action(A.REPLAY_FORWARD)
+            rows, have = st.pending, st.have
+            assert rows is not None
+            self._check_tokens(st, hidden, rows)
+            if st.grad and st.pool is not None:
+                st.pool.add(rows, have, hidden)
             st.forwards += 1
-            st.expect, st.expect_have = rep.target_topk_idx, st.have
-            if st.grad:  # grad on where the rows were set (inside a checkpointed forward it is off)
-                st.have_queue.append(st.have)
-            elif rep.replay_backward_list and rep.replay_backward_list[-1] is rep.target_topk_idx:
-                rep.replay_backward_list.pop()  # no backward will recompute a no-grad forward: keep the queue aligned
-        if self.audited and st.expect is not None and not recompute:
-            st.own = _own_choice(module, args[0])
+            if have is not None:
+                self._tally.add(f"replayed/{st.router.row_layer}", have.sum())
+            else:
+                self._tally.add(f"replayed/{st.router.row_layer}", torch.tensor(int(rows.shape[0])))
+        rep.target_topk_idx = rows
+        rep.set_router_replay_action(A.REPLAY_FORWARD)
+        st.expect, st.expect_have = rows, have
+        if self.audited and not recompute:
+            st.own = _own_choice(module, hidden)
+
+    @staticmethod
+    def _check_tokens(st: RouterState, hidden: torch.Tensor, rows: torch.Tensor) -> None:
+        """Refuse rows that are not one per token the router sees, in its ``[s, b]`` order."""
+        name, topk = st.router.describe(), int(st.router.module.topk)
+        tokens = hidden.numel() // hidden.shape[-1]
+        if rows.dim() != 2 or int(rows.shape[0]) != tokens or int(rows.shape[1]) != topk:
+            raise ShapeMismatchError(f"{name}: replay targets are {tuple(rows.shape)}, the router sees {tokens} "
+                                     f"tokens with top-k {topk}: Megatron would route the difference silently "
+                                     "(check the context- / sequence-parallel layout and the micro-batch)")
+        if st.batch is not None and hidden.dim() == 3 and int(hidden.shape[1]) != st.batch:
+            raise ShapeMismatchError(f"{name}: the rows are laid out for a batch of {st.batch} sample(s) of "
+                                     f"{tokens // max(st.batch, 1)} tokens, the router sees [s, b] = "
+                                     f"{list(hidden.shape[:2])}: a flattened or transposed batch would replay rows "
+                                     "on other tokens; give the routing the micro-batch's own [b, s]")
 
     def _post(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
         """Keep R2's record; on audited steps count what the router chose against the rows it was given."""
@@ -199,17 +284,21 @@ class Lifecycle:
             rec = module.router_replay.recorded_topk_idx
             if rec is None:
                 raise ReplayError(f"{st.router.describe()}: RECORD ran but Megatron kept no record")
-            self.records.setdefault(st.record_key, {})[module] = rec.detach()
+            hidden = args[0]
+            entry = self.records.setdefault(st.record_key, R2Record())
+            entry.rows[module] = rec.detach()
+            entry.grid = (int(hidden.shape[0]), int(hidden.shape[1])) if hidden.dim() == 3 else \
+                (int(rec.shape[0]), 1)
             st.forwards += 1
             return
         want = st.expect
         if want is None:
             return
-        have = st.expect_have
-        if not recompute:
-            st.replayed += int(have.sum()) if have is not None else int(want.shape[0])
+        st.expect = None
         if not self.audited:
+            st.own = None
             return
+        have = st.expect_have
         routing_map = output[1]
         want_map = torch.zeros_like(routing_map, dtype=torch.bool).scatter_(1, want.to(routing_map.device), True)
         key = st.router.row_layer
@@ -220,22 +309,38 @@ class Lifecycle:
             if have is not None:
                 same = same & have.to(same.device)
             self._tally.add(f"agree/{key}", same.sum())
-        st.expect = st.own = None
+        st.own = None
 
     # ------------------------------------------------------------------ per step
     def step_done(self, *, check: bool = True) -> dict[str, float]:
-        """Clear every router's action, targets and queue; return the step's report (keys: :mod:`rr_client.trainer.
-        keys`). With ``check``, the audit's verdicts raise :class:`ReplayError`: rows fed to a router that never ran
-        (an orphan), and, on audited steps, a router that chose other experts than it was given."""
+        """Clear every router's action, targets and rows; return the step's report (keys: :mod:`rr_client.trainer.
+        keys`). With ``check``, raise :class:`ReplayError` on rows fed to a router that never ran (also when no
+        router ran), a recompute whose input matched none of the step's forwards (or one forward taken twice, or
+        two with one input but other rows), and, on audited steps, a router that chose other experts than it was
+        given."""
         audited = self.audited
-        counts = self._tally.read()
         states = list(self.states.values())
+        for s in states:
+            if s.pool is not None:
+                s.pool.verdicts(self._tally, f"recompute/{s.router.row_layer}")
+        counts = self._tally.read()
         replaying = [s for s in states if s.driven and not s.left and s.record_key is None]
         problems = []
-        if check and any(s.forwards for s in states):
+        if check:
             orphans = [s.router.describe() for s in replaying if s.forwards == 0]
             if orphans:
-                problems.append(f"orphan routers (rows set, never ran): {orphans[:4]}")
+                none = " (no fed router ran in this step)" if not any(s.forwards for s in replaying) else ""
+                problems.append(f"orphan routers (rows set, never ran{none}): {orphans[:4]}")
+            for s in states:
+                layer = s.router.row_layer
+                miss, reused, ambiguous = (counts.get(f"recompute/{layer}/{v}", 0)
+                                           for v in ("miss", "reused", "ambiguous"))
+                if miss or reused or ambiguous:
+                    problems.append(f"{s.router.describe()}: {miss} recompute(s) whose router input matched no "
+                                    f"forward of this step, {reused} forward(s) taken by two recomputes, "
+                                    f"{ambiguous // 2} pair(s) of forwards with one input but other rows: a "
+                                    "recompute may have replayed another micro-batch's rows (a backward run twice, "
+                                    "or the weights changed between a forward and its backward)")
         report: dict[str, float] = {}
         if replaying:
             report = self._report(replaying, [s for s in states if s.left], counts, audited)
@@ -249,7 +354,7 @@ class Lifecycle:
             if s.driven:
                 s.router.replay.clear_indices()
                 s.router.replay.clear_router_replay_action()
-            self.states[s.router.module] = RouterState(s.router)
+            self.states[s.router.module] = self._fresh_state(s.router)
         self.steps += 1
         if problems:
             raise ReplayError("Megatron replay audit: " + "; ".join(problems))
@@ -261,7 +366,8 @@ class Lifecycle:
                 audited: bool) -> dict[str, float]:
         """One step's keys, through the session's merge (worst layer, row-weighted agreement)."""
         nan = math.nan
-        replayed = sum(s.replayed for s in replaying)
+        rows = {s.router.row_layer: counts.get(f"replayed/{s.router.row_layer}", 0) for s in replaying}
+        replayed = sum(rows.values())
         checked = sum(s.checked for s in replaying)
         applied = sum(counts.get(f"applied/{s.router.row_layer}", 0) for s in replaying)
         agree = sum(counts.get(f"agree/{s.router.row_layer}", 0) for s in replaying)
@@ -274,9 +380,9 @@ class Lifecycle:
         for s in replaying:
             i = s.router.row_layer
             got_a, got_g = counts.get(f"applied/{i}", 0), counts.get(f"agree/{i}", 0)
-            out[K.layer(i, "replayed_rows")] = float(s.replayed)
+            out[K.layer(i, "replayed_rows")] = float(rows[i])
             out[K.layer(i, "applied_share")] = got_a / s.checked if audited and s.checked else nan
-            out[K.layer(i, "agreement")] = got_g / s.replayed if audited and s.replayed else nan
+            out[K.layer(i, "agreement")] = got_g / rows[i] if audited and rows[i] else nan
         for s in left:
             out[K.layer(s.router.row_layer, "left_rows")] = float(s.left_rows)
         merged = merge_reports([out], log_layers=self.log_layers)

@@ -1,10 +1,10 @@
 """``MegatronReplay``: this rank's routers, checked once, fed per micro-batch through Megatron's own ``RouterReplay``.
 
 Built on the model chunks of this rank: the routers are found by walking them (:mod:`._routers`), configurations that
-bypass replay are refused, and every router gets a forward pre-hook that refuses a forward whose replay targets do
-not have one row per token the router sees (Megatron would route the rest to no expert, silently). Targets are set
-on each router's own ``RouterReplay`` instance, never through the positional global list. Which action each router
-call runs (a forward, a recompute in the backward, R2's recording) and the audit are :mod:`._lifecycle`'s.
+bypass replay are refused (CUDA graphs over the router, forced balancing, input jitter among them), and targets are
+set per router, never through the positional global list. Which rows each router call replays (a forward, a
+recompute matched to its own forward, R2's recording bound to its samples), the checks of each call against the
+router's input, and the audit are :mod:`._lifecycle`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from rr_client.core.errors import ArgumentTypeError, ConfigurationError, ReplayError, ShapeMismatchError
+from rr_client.core.errors import ArgumentTypeError, ConfigurationError, ReplayError
 from rr_client.integrations.megatron._feeder import Feed, MtpPolicy, Parallel, feed, parallel_from_state
 from rr_client.integrations.megatron._gate import check_megatron_version
 from rr_client.integrations.megatron._lifecycle import AUDIT_EVERY, Lifecycle
@@ -33,11 +33,15 @@ class MegatronReplay:
     (``"rows"``), are left to the model on purpose (``"skip"``), or take them when the rows hold their layer
     (``"auto"``); ``parallel``: this rank's layout (default: Megatron's ``parallel_state``); ``audit_every``: steps
     between audited steps (the first always; 0 = never): what each router chose against its rows, raised on in
-    :meth:`step_done`; ``log_layers``: per-layer ``r3/layer<i>/...`` keys in its report.
+    :meth:`step_done`; ``log_layers``: per-layer ``r3/layer<i>/...`` keys in its report; ``others``: the chunks of
+    other models built in this process with routing replay on (a reference or critic model beside the actor): their
+    routers are known, not orphans, and rr never feeds them (give each its own ``MegatronReplay``, naming this one's
+    chunks in its ``others``).
     """
 
     def __init__(self, model_chunks: Any, *, mode: Mode = "R3", mtp: MtpPolicy = "auto",
-                 parallel: Parallel | None = None, audit_every: int = AUDIT_EVERY, log_layers: bool = False) -> None:
+                 parallel: Parallel | None = None, audit_every: int = AUDIT_EVERY, log_layers: bool = False,
+                 others: Sequence[Any] = ()) -> None:
         check_megatron_version()
         if mode not in ("R3", "R2"):
             raise ConfigurationError(f"mode must be 'R3' or 'R2', got {mode!r}")
@@ -50,10 +54,10 @@ class MegatronReplay:
             raise ReplayError("the given model chunks hold no Megatron TransformerLayer: pass this rank's Megatron "
                               "model chunks (a pipeline stage of dense layers only is accepted and fed nothing)")
         check_config(self.routers)
-        check_registered(self.routers)
+        self.others = [r for chunk in others for r in find_routers(chunk)]
+        check_registered(self.routers, self.others)
         self.parallel = parallel if parallel is not None else parallel_from_state(self.routers)
         self.left: list[MegatronRouter] = []  #: MTP routers the last feed left to the model
-        self._hooks = [r.module.register_forward_pre_hook(self._check_tokens) for r in self.routers]
         self.lifecycle = Lifecycle(self.routers, audit_every=audit_every, log_layers=log_layers)
 
     # ------------------------------------------------------------------ targets
@@ -73,33 +77,36 @@ class MegatronReplay:
         return feed(self.routers_of(chunk), routing, parallel=layout.pop("parallel", self.parallel),
                     mtp=layout.pop("mtp", self.mtp), **layout)
 
-    def set_targets(self, targets: dict[Any, torch.Tensor], *, have: dict[Any, torch.Tensor] | None = None) -> None:
-        """Put ``targets`` (router module -> ``[tokens, topk]``) on each router's ``RouterReplay`` and replay them in
-        the next forward (``REPLAY_FORWARD``); each set also queues them for a recompute (``REPLAY_BACKWARD``).
-        ``have``: per router, which tokens have a rollout row (the audit's counts; default all)."""
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        check_registered(self.routers)
+    def set_targets(self, targets: dict[Any, torch.Tensor], *, have: dict[Any, torch.Tensor] | None = None,
+                    batch: int | None = None) -> None:
+        """Replay ``targets`` (router module -> ``[tokens, topk]``, sequence-first) in each router's next forward
+        (and in the recompute of that forward, whenever it runs). ``have``: per router, which tokens have a rollout
+        row (the audit's counts; default all); ``batch``: the micro-batch's ``b``, checked against the router's
+        ``[s, b]`` (None: the token count alone is checked)."""
+        check_registered(self.routers, self.others)
         known = {r.module for r in self.routers}
-        for module, rows in targets.items():
+        for module in targets:
             if module not in known:
                 raise ReplayError(f"a target is keyed by a router this MegatronReplay does not hold "
                                   f"({type(module).__name__}): targets of another (rebuilt?) model")
-            module.router_replay.set_target_indices(rows)
-            module.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        self.lifecycle.fed(list(targets), have)
+        self.lifecycle.fed(targets, have, batch=batch)
 
-    def set_micro_batch(self, routing: Any = None, *, chunk: Any = None, key: Any = None, **layout: Any) -> Feed:
+    def set_micro_batch(self, routing: Any = None, *, chunk: Any = None, key: Any = None, tokens: Any = None,
+                        **layout: Any) -> Feed:
         """Lay out ``routing`` for this rank and replay it in the next forward of the routers of ``chunk`` (or all);
         MTP routers the feed leaves get no action (they route themselves) and are listed in :attr:`left`. Call it
         inside ``forward_step_func``, once per micro-batch (and per model chunk under interleaving). R2: no
-        ``routing``; the record of micro-batch ``key`` (:meth:`record`) is replayed."""
+        ``routing``; the record of micro-batch ``key`` (:meth:`record`) is replayed when it holds exactly these
+        ``tokens`` (the micro-batch's ``[b, s]`` input ids, as given to :meth:`record`); samples reshuffled across
+        micro-batches are gathered from the records by their tokens; a sample no record holds is refused."""
         if self.mode == "R2":
             if routing is not None:
-                raise ConfigurationError("R2 replays the model's own record (set_micro_batch(key=...)), not rows")
+                raise ConfigurationError("R2 replays the model's own record (set_micro_batch(key=..., tokens=...)), "
+                                         "not rows")
             mods = [r.module for r in self.routers_of(chunk) if r.mtp is False or self.mtp != "skip"]
-            got = Feed(self.lifecycle.recorded(key, mods), [], 0)
-            self.set_targets(got.targets)
+            rows, batch = self.lifecycle.recorded(mods, key=key, tokens=tokens)
+            got = Feed(rows, [], next((int(t.shape[0]) for t in rows.values()), 0), None, batch)
+            self.set_targets(got.targets, batch=batch)
             return got
         if routing is None:
             raise ConfigurationError("R3 needs the micro-batch's routing (RoutingTensors, PackedRouting or rows)")
@@ -107,17 +114,19 @@ class MegatronReplay:
         for r in got.left:
             r.replay.clear_router_replay_action()
         self.left = got.left
-        self.set_targets(got.targets, have={m: got.have for m in got.targets} if got.have is not None else None)
-        self.lifecycle.fed([], left=got.left)
+        self.set_targets(got.targets, have={m: got.have for m in got.targets} if got.have is not None else None,
+                         batch=got.batch)
+        self.lifecycle.fed({}, left=got.left)
         return got
 
-    def record(self, key: Any, *, chunk: Any = None) -> None:
+    def record(self, key: Any, *, tokens: Any = None, chunk: Any = None) -> None:
         """R2's old-log-prob pass: the next forward of the routers of ``chunk`` (or all) records their own choice
-        under ``key`` (a micro-batch id), for :meth:`set_micro_batch` ``(key=key)`` in the update. Inside
-        ``forward_step_func``, once per micro-batch."""
+        under ``key`` (a micro-batch id), bound to ``tokens`` (the micro-batch's ``[b, s]`` input ids; on a pipeline
+        stage without them, any ``[b, n]`` integer ids of its samples), for :meth:`set_micro_batch`
+        ``(key=key, tokens=tokens)`` in the update. Inside ``forward_step_func``, once per micro-batch."""
         if self.mode != "R2":
             raise ConfigurationError("record() is R2's recording pass; this MegatronReplay is R3")
-        self.lifecycle.record([r.module for r in self.routers_of(chunk)], key)
+        self.lifecycle.record([r.module for r in self.routers_of(chunk)], key, tokens)
 
     def forget_records(self) -> None:
         """Drop R2's records (after the update epochs that replay them)."""
@@ -139,29 +148,3 @@ class MegatronReplay:
         """Clear the routers' replay state and remove the token-count hooks."""
         self.step_done(check=False)
         self.lifecycle.remove()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-    # ------------------------------------------------------------------ the check Megatron lacks
-    def _check_tokens(self, module: Any, args: tuple[Any, ...]) -> None:
-        """Before a replayed router forward: refuse targets whose rows are not the tokens the router sees."""
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        rep = module.router_replay
-        action = rep.router_replay_action
-        if action == RouterReplayAction.REPLAY_FORWARD:
-            rows = rep.target_topk_idx
-        elif action == RouterReplayAction.REPLAY_BACKWARD:
-            rows = rep.replay_backward_list[0] if rep.replay_backward_list else None
-        else:
-            return
-        name = next((r.describe() for r in self.routers if r.module is module), type(module).__name__)
-        if rows is None:
-            raise ReplayError(f"{name}: {action.value} with no targets set (set_micro_batch before the forward)")
-        hidden = args[0]
-        tokens = hidden.numel() // hidden.shape[-1]
-        if rows.dim() != 2 or int(rows.shape[0]) != tokens or int(rows.shape[1]) != int(module.topk):
-            raise ShapeMismatchError(f"{name}: replay targets are {tuple(rows.shape)}, the router sees {tokens} "
-                                     f"tokens with top-k {int(module.topk)}: Megatron would route the difference "
-                                     "silently (check the context- / sequence-parallel layout and the micro-batch)")

@@ -116,7 +116,31 @@ REFUSED = {
     "moe_expert_capacity_factor": "token dropping drops replayed tokens after replay",
     "moe_router_fusion": "the fused (Transformer Engine) router skips replay",
     "moe_enable_routing_replay": "without it the routers have no RouterReplay to take targets",
+    "moe_router_force_load_balancing": "forced balancing routes on random logits: replayed ids get gates from noise",
+    "moe_router_force_biased": "forced-biased routing adds a bias the rollout never saw to the replayed gates",
+    "moe_input_jitter_eps": "input jitter perturbs the router input: replayed ids get gates from jittered logits",
+    "cuda_graph_impl": "a CUDA graph over the router replays the capture-time targets and skips the router module "
+                       "(Megatron's maybe_skip_or_early_return_by_cudagraph), so rr's rows and checks never run",
 }
+
+#: CUDA-graph scopes (Transformer Engine graphs) that leave the router out of the graph
+_GRAPH_SCOPES_WITHOUT_ROUTER = {"attn", "mlp", "mamba"}
+
+
+def _graphs_router(cfg: Any) -> bool:
+    """Whether a CUDA graph captures the MoE router: ``local`` graphs whole layers (or the iteration);
+    ``transformer_engine`` the scopes named (empty or "full": the whole layer)."""
+    impl = str(getattr(cfg, "cuda_graph_impl", "none") or "none")
+    if getattr(cfg, "enable_cuda_graph", False) or getattr(cfg, "external_cuda_graph", False):
+        return True
+    if impl == "none":
+        return False
+    if impl != "transformer_engine":
+        return True
+    scope = getattr(cfg, "cuda_graph_scope", None) or []
+    scopes = scope if isinstance(scope, (list, tuple)) else [scope]
+    names = {getattr(s, "name", str(s)) for s in scopes}
+    return not names or "full" in names or not names <= _GRAPH_SCOPES_WITHOUT_ROUTER
 
 
 def _balancing_refused(value: Any) -> list[str]:
@@ -127,7 +151,8 @@ def _balancing_refused(value: Any) -> list[str]:
 
 def check_config(routers: Sequence[MegatronRouter]) -> None:
     """Refuse, with :class:`ConfigurationError` naming the setting, a router configuration under which Megatron
-    would silently not replay: sinkhorn / quantile balancing, a capacity factor, the fused router, replay off."""
+    would silently not replay: sinkhorn / quantile balancing, a capacity factor, the fused router, replay off,
+    forced (or forced-biased) balancing, input jitter, a CUDA graph over the router."""
     for r in routers:
         cfg = r.module.config
         bad = _balancing_refused(getattr(cfg, "moe_router_load_balancing_type", None))
@@ -140,6 +165,15 @@ def check_config(routers: Sequence[MegatronRouter]) -> None:
             _refuse(r, "moe_router_fusion", True, "False")
         if r.replay is None or not getattr(cfg, "moe_enable_routing_replay", False):
             _refuse(r, "moe_enable_routing_replay", getattr(cfg, "moe_enable_routing_replay", None), "True")
+        for flag in ("moe_router_force_load_balancing", "moe_router_force_biased"):
+            if getattr(cfg, flag, False):
+                _refuse(r, flag, getattr(cfg, flag), "False")
+        if getattr(cfg, "moe_input_jitter_eps", None) is not None:
+            _refuse(r, "moe_input_jitter_eps", cfg.moe_input_jitter_eps, "None")
+        if _graphs_router(cfg):
+            _refuse(r, "cuda_graph_impl", f"{getattr(cfg, 'cuda_graph_impl', None)!s} (scope "
+                    f"{getattr(cfg, 'cuda_graph_scope', None)!r})", "'none', or a transformer_engine "
+                    "cuda_graph_scope without the MoE layer (['attn'])")
 
 
 def _refuse(r: MegatronRouter, setting: str, value: Any, instead: str) -> None:
@@ -148,9 +182,10 @@ def _refuse(r: MegatronRouter, setting: str, value: Any, instead: str) -> None:
                              f"R2/R3 would silently not hold; set {setting} to {instead}")
 
 
-def check_registered(routers: Sequence[MegatronRouter]) -> None:
+def check_registered(routers: Sequence[MegatronRouter], others: Sequence[MegatronRouter] = ()) -> None:
     """Refuse orphans: a router whose ``RouterReplay`` left the global list, or listed instances that belong to no
-    router of these chunks (a rebuilt model: Megatron's positional setters would feed them instead)."""
+    router of these chunks nor of ``others`` (the routers of another model built on purpose, a reference model: a
+    rebuilt model's leftovers would be fed by Megatron's positional setters instead)."""
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     listed = RouterReplay.global_router_replay_instances
@@ -160,13 +195,15 @@ def check_registered(routers: Sequence[MegatronRouter]) -> None:
         raise ReplayError(f"orphan routers: {gone[:4]} are no longer in RouterReplay.global_router_replay_instances "
                           "(the list was cleared or the model rebuilt after these chunks were built); pass the "
                           "model chunks that run")
-    mine = {id(r.replay) for r in routers}
+    mine = {id(r.replay) for r in (*routers, *others)}
     stale = [i for i, x in enumerate(listed) if id(x) not in mine]
     if stale:
         raise ReplayError(f"orphan routers: {len(stale)} of {len(listed)} RouterReplay instances (list positions "
                           f"{stale[:8]}) belong to no router of the given model chunks: a model rebuilt without "
                           "RouterReplay.clear_global_router_replay_instances(), or chunks left out; clear the list "
-                          "before building the model and pass every chunk of this rank")
+                          "before building the model and pass every chunk of this rank. A second model built on "
+                          "purpose with replay on (a reference model): name its chunks in others= (or build it with "
+                          "moe_enable_routing_replay=False when it needs no replay)")
 
 
 def moe_layers_of(config: Any) -> list[int]:
