@@ -133,6 +133,7 @@ class Feed:
     left: list[MegatronRouter] = field(default_factory=list)
     tokens: int = 0
     have: torch.Tensor | None = None
+    batch: int = 1  #: the micro-batch's ``b``: the router sees ``[tokens // batch, batch]`` (sequence-first)
 
 
 def _plan(routers: Sequence[MegatronRouter], layers: list[int], mtp: MtpPolicy) -> tuple[list[MegatronRouter],
@@ -239,7 +240,7 @@ def feed(routers: Sequence[MegatronRouter], routing: Any, *, parallel: Parallel 
     take, cols, left = _plan(routers, batch.layers, mtp)
     have = _local(batch.have[..., None], batch, par, cu_seqlens_padded)[:, 0]
     if not take:
-        return Feed({}, left, int(have.numel()), have)
+        return Feed({}, left, int(have.numel()), have, int(batch.rows.shape[0]))
     dev = batch.rows.device
     sel = batch.rows.index_select(2, torch.tensor(cols, device=dev)).long()  # [b, s, M, K]
     _check(sel, batch, take)
@@ -248,7 +249,7 @@ def feed(routers: Sequence[MegatronRouter], routing: Any, *, parallel: Parallel 
     sel = torch.where(batch.have[..., None, None], sel, pads)
     local = _local(sel, batch, par, cu_seqlens_padded)  # [tokens, M, K]
     targets = {r.module: local[:, i].contiguous().to(r.device) for i, r in enumerate(take)}
-    return Feed(targets, left, int(local.shape[0]), have)
+    return Feed(targets, left, int(local.shape[0]), have, int(batch.rows.shape[0]))
 
 
 def router_targets(model_chunks: Any, routing: Any, *, cp_size: int | None = None, cp_rank: int | None = None,
