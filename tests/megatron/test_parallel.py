@@ -182,7 +182,107 @@ def cp2_zigzag(rank: int) -> dict[int, int]:
     return check(choices, {layer: [sliced(layer)] for layer in (2, 3, 4)})
 
 
-CASES = [pp2_1f1b, pp2_interleaved, tp2_sequence_parallel, cp2_zigzag]
+def _reversed_backwards(model: Any, replay: Any, feeds: list[tuple[Any, Any]], position_ids: torch.Tensor,
+                        seq: int) -> H.RouterChoices:
+    """Two micro-batches in flight (``(routing, tokens)`` each), their backwards in reverse order (B2 before B1)."""
+    with H.hooked([model]) as choices:
+        losses = []
+        for routing, tokens in feeds:
+            replay.set_micro_batch(routing)
+            losses.append(model(tokens, position_ids, H.causal_mask(seq), labels=tokens).float().mean())
+        losses[1].backward()
+        losses[0].backward()
+    replay.step_done()
+    replay.close()
+    # the check reads forwards (grad off, checkpointed) then recomputes in call order: B2's recompute ran first
+    for router in choices.routers:
+        calls = choices.calls[router]
+        choices.calls[router] = calls[:2] + calls[2:][::-1]
+    return choices
+
+
+def tp2_sp_reversed_backwards(rank: int) -> dict[int, int]:
+    """TP=2 + SP, full recompute, B2's backward before B1's: every shard's recomputes replay their own micro-batch."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import _split_along_first_dim
+
+    from rr_client.integrations.megatron import MegatronReplay
+
+    H.init_parallel(rank=rank, world_size=2, tp=2)
+    H.new_model_state()
+    model = H.build_gpt(H.ModelSpec(moe_pattern=PATTERN, sequence_parallel=True, recompute=True))
+    batches = [rollout(seed=51), rollout(seed=52)]
+    position_ids = torch.arange(S).unsqueeze(0).expand(B, S)
+    choices = _reversed_backwards(model, MegatronReplay([model]), [(b, b.input_ids) for b in batches], position_ids, S)
+    group = parallel_state.get_tensor_model_parallel_group()
+
+    def shard(routing: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = _split_along_first_dim(routing.routed_experts[:, :, layer - 1].transpose(0, 1).contiguous(), group)
+        mask = _split_along_first_dim(routing.routed_experts_mask.transpose(0, 1).contiguous(), group)
+        return rows.reshape(-1, K), mask.reshape(-1)
+
+    return check(choices, {layer: [shard(b, layer) for b in batches] for layer in (2, 3, 4)}, recompute=True)
+
+
+def cp2_reversed_backwards(rank: int) -> dict[int, int]:
+    """CP=2 (zigzag), full recompute, B2's backward before B1's: each rank's recomputes replay their own slices."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from rr_client.integrations.megatron import MegatronReplay
+
+    H.init_parallel(rank=rank, world_size=2, cp=2)
+    H.new_model_state()
+    model = H.build_gpt(H.ModelSpec(moe_pattern=PATTERN, recompute=True))
+    batches = [rollout(seed=61), rollout(seed=62)]
+    position_ids = torch.arange(S).unsqueeze(0).expand(B, S).contiguous()
+    locals_ = [get_batch_on_this_cp_rank({"tokens": b.input_ids.clone(), "position_ids": position_ids.clone(),
+                                          "rows": b.routed_experts.clone(), "mask": b.routed_experts_mask.clone()})
+               for b in batches]
+    s_local = locals_[0]["tokens"].shape[1]
+    choices = _reversed_backwards(model, MegatronReplay([model]), [(b, loc["tokens"]) for b, loc in zip(batches, locals_)],
+                                  locals_[0]["position_ids"], s_local)
+
+    def sliced(loc: dict[str, torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return H.sequence_first(loc["rows"][:, :, layer - 1]), H.sequence_first(loc["mask"].unsqueeze(-1))[:, 0]
+
+    return check(choices, {layer: [sliced(loc, layer) for loc in locals_] for layer in (2, 3, 4)}, recompute=True)
+
+
+def pp2_forward_only_left_behind(rank: int) -> dict[int, int]:
+    """PP=2: a forward-only schedule run with grad on (a log-prob pass that forgot no_grad) and no step_done, then
+    the 1F1B training schedule with recompute: the training recomputes replay their own micro-batches."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from rr_client.integrations.megatron import MegatronReplay
+
+    H.init_parallel(rank=rank, world_size=2, pp=2)
+    H.new_model_state()
+    model = H.build_gpt(H.ModelSpec(moe_pattern=PATTERN, recompute=True))
+    replay = MegatronReplay([model])
+    position_ids = torch.arange(S).unsqueeze(0).expand(B, S)
+
+    def run(batches: list[Any], forward_only: bool) -> None:
+        def forward_step(data: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
+            routing = batches[next(data)]
+            replay.set_micro_batch(routing)
+            out = chunk(routing.input_ids, position_ids, H.causal_mask(S), labels=routing.input_ids)
+            return out, lambda o: (o.float().mean(), {})
+
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(2)), model=[model],
+                                    num_microbatches=2, seq_length=S, micro_batch_size=B, forward_only=forward_only)
+
+    run([rollout(seed=71), rollout(seed=72)], True)  # grad on, nothing recomputes it, no step_done
+    batches = [rollout(seed=73), rollout(seed=74)]
+    with H.hooked([model]) as choices:
+        run(batches, False)
+    replay.step_done()
+    replay.close()
+    layers = [int(r.layer_number) for r in choices.routers]
+    return check(choices, {layer: [local_rows(b, layer) for b in batches] for layer in layers}, recompute=True)
+
+
+CASES = [pp2_1f1b, pp2_interleaved, tp2_sequence_parallel, cp2_zigzag, tp2_sp_reversed_backwards,
+         cp2_reversed_backwards, pp2_forward_only_left_behind]
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +310,20 @@ def test_tp2_sequence_parallel_shards_replay_their_tokens(outcomes: dict[str, li
 def test_cp2_zigzag_slices_replay_their_tokens(outcomes: dict[str, list[tuple[bool, Any]]]) -> None:
     """Both CP ranks route every MoE layer on their zigzag chunks, as the rollout did."""
     assert results_of(outcomes, cp2_zigzag) == [{2: 1, 3: 1, 4: 1}] * 2
+
+
+def test_tp2_sp_recomputes_replay_their_own_micro_batch_in_reverse_order(
+        outcomes: dict[str, list[tuple[bool, Any]]]) -> None:
+    """TP=2 + SP, B2 before B1: two forwards and two recomputes per router, each on its own micro-batch's shard."""
+    assert results_of(outcomes, tp2_sp_reversed_backwards) == [{2: 4, 3: 4, 4: 4}] * 2
+
+
+def test_cp2_recomputes_replay_their_own_micro_batch_in_reverse_order(
+        outcomes: dict[str, list[tuple[bool, Any]]]) -> None:
+    """CP=2, B2 before B1: two forwards and two recomputes per router, each on its own micro-batch's slices."""
+    assert results_of(outcomes, cp2_reversed_backwards) == [{2: 4, 3: 4, 4: 4}] * 2
+
+
+def test_pp2_a_grad_on_forward_only_pass_does_not_shift_training(outcomes: dict[str, list[tuple[bool, Any]]]) -> None:
+    """PP=2: a grad-on forward-only schedule left behind, then 1F1B: each recompute still takes its own rows."""
+    assert results_of(outcomes, pp2_forward_only_left_behind) == [{2: 4}, {3: 4, 4: 4}]
