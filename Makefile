@@ -1,13 +1,23 @@
 # One command each: `make demo` (set up + main job), `make test` (set up + every test).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-releases test-core test-fast test-sglang test-vllm-standin test-verl test-transformers-lowest docs bench clean
+.PHONY: setup demo lint format test test-releases test-core test-fast test-sglang test-vllm-standin test-verl test-transformers-lowest docs bench clean
 
 setup:
 	bash scripts/setup.sh
 
 demo: setup
 	$(PY) -m rr_server.demo
+
+# the quality gate: lint (pyflakes, pycodestyle, bugbear, pyupgrade), import order and format ([tool.ruff] in
+# pyproject.toml); `make format` applies what it can
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 test-core: setup
 	$(PY) -m pytest -q --durations=25 tests
@@ -36,7 +46,7 @@ test-transformers-lowest: setup
 # test-core beside the release stages (each in its own .venvs/, one after another): the two chains overlap on the
 # machine's cores (core's single-threaded tests and server waits leave one idle); each chain's output is printed
 # whole when it ends. A server start may then take longer than on an idle machine (RR_TEST_STARTUP_TIMEOUT).
-test: setup
+test: setup lint
 	RR_TEST_STARTUP_TIMEOUT=$${RR_TEST_STARTUP_TIMEOUT:-900} $(MAKE) --no-print-directory -j2 -Orecurse test-core test-releases
 
 test-releases: setup

@@ -26,9 +26,16 @@ def synthetic_info(layers: int, experts: int, topk: int, *, engine: str, version
     """The RRInfo of a synthetic MoE model: every layer MoE, the wire dtype its expert count needs."""
     from rr_client import RRInfo
 
-    return RRInfo(engine=engine, engine_version=version, rr_version=version, num_hidden_layers=layers,
-                  num_experts=experts, topk=topk, moe_layers=list(range(layers)),
-                  wire_dtype="uint8" if experts <= 256 else "uint16")
+    return RRInfo(
+        engine=engine,
+        engine_version=version,
+        rr_version=version,
+        num_hidden_layers=layers,
+        num_experts=experts,
+        topk=topk,
+        moe_layers=list(range(layers)),
+        wire_dtype="uint8" if experts <= 256 else "uint16",
+    )
 
 
 def load_prompt(seed: int, i: int, length: int) -> list[int]:

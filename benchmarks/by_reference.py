@@ -69,20 +69,29 @@ def rank_main(conn: Any, urls: list[str]) -> None:  # pragma: no cover - runs in
         counted = Counting()
         resolved_bytes = 0
         if mode == "ref":
+
             async def resolve() -> int:
-                async with RoutedExpertsClient(urls, transport=counted) as c:
-                    rows = await c.resolve([RoutingRef.from_dict(s["ref"]) for s in samples])
+                async with RoutedExpertsClient(urls, transport=counted) as c:  # noqa: B023 - run in this iteration
+                    rows = await c.resolve([RoutingRef.from_dict(s["ref"]) for s in samples])  # noqa: B023
                     return sum(r.nbytes for r in rows)
 
             resolved_bytes = asyncio.run(resolve())
         else:
             resolved_bytes = sum(s["rows"].nbytes for s in samples)
-        conn.send({"received": len(msg), "http_bytes": counted.bytes, "own_bytes": resolved_bytes,
-                   "seconds": time.perf_counter() - t0, "samples": len(samples)})
+        conn.send(
+            {
+                "received": len(msg),
+                "http_bytes": counted.bytes,
+                "own_bytes": resolved_bytes,
+                "seconds": time.perf_counter() - t0,
+                "samples": len(samples),
+            }
+        )
 
 
-async def rollout(urls: list[str], prompts: list[list[int]], params: dict[str, Any], by_reference: bool
-                  ) -> tuple[Any, int, float]:
+async def rollout(
+    urls: list[str], prompts: list[list[int]], params: dict[str, Any], by_reference: bool
+) -> tuple[Any, int, float]:
     counted = Counting()
     async with RoutedExpertsClient(urls, transport=counted, batch_size=4, max_concurrency=8, timeout=600) as c:
         await c.info()
@@ -92,17 +101,23 @@ async def rollout(urls: list[str], prompts: list[list[int]], params: dict[str, A
         return batch, counted.bytes, time.perf_counter() - t0
 
 
-def run_mode(mode: str, urls: list[str], prompts: list[list[int]], params: dict[str, Any], ranks: list[Any],
-             micro: int) -> dict[str, Any]:
+def run_mode(
+    mode: str, urls: list[str], prompts: list[list[int]], params: dict[str, Any], ranks: list[Any], micro: int
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     batch, answer_bytes, gen_s = asyncio.run(rollout(urls, prompts, params, mode == "ref"))
-    samples = [{"prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
-                **({"ref": r.routing_ref.to_dict()} if mode == "ref" else {"rows": r.routed_experts})}
-               for r in batch]
+    samples = [
+        {
+            "prompt_ids": r.prompt_ids,
+            "output_ids": r.output_ids,
+            **({"ref": r.routing_ref.to_dict()} if mode == "ref" else {"rows": r.routed_experts}),
+        }
+        for r in batch
+    ]
     # micro-batches of ``micro`` samples, dealt round-robin to the ranks (a data-parallel split)
     per_rank: list[list[dict[str, Any]]] = [[] for _ in ranks]
     for k, s in enumerate(range(0, len(samples), micro)):
-        per_rank[k % len(ranks)].extend(samples[s:s + micro])
+        per_rank[k % len(ranks)].extend(samples[s : s + micro])
     sent = 0
     for conn, part in zip(ranks, per_rank):
         msg = pickle.dumps((mode, part), protocol=5)
@@ -111,20 +126,39 @@ def run_mode(mode: str, urls: list[str], prompts: list[list[int]], params: dict[
     reports = [conn.recv() for conn in ranks]
     total_s = time.perf_counter() - t0
     entries = sum(int(np.prod(r.routing_ref.shape)) if mode == "ref" else r.routed_experts.size for r in batch)
-    rows_bytes = [sum((s["ref"]["rows"] * s["ref"]["layers"] * s["ref"]["topk"]) if mode == "ref"
-                      else s["rows"].nbytes for s in part) for part in per_rank]
-    ref_json = (np.mean([len(json.dumps(r.routing_ref.to_dict())) for r in batch]) if mode == "ref" else 0.0)
+    rows_bytes = [
+        sum(
+            (s["ref"]["rows"] * s["ref"]["layers"] * s["ref"]["topk"]) if mode == "ref" else s["rows"].nbytes
+            for s in part
+        )
+        for part in per_rank
+    ]
+    ref_json = np.mean([len(json.dumps(r.routing_ref.to_dict())) for r in batch]) if mode == "ref" else 0.0
     if mode == "ref":  # routing through the controller: the ref in the answer, the ref to the rank
         routing_through = 2 * sum(len(json.dumps(r.routing_ref.to_dict())) for r in batch)
     else:  # the payload the engine sent (rr's encoder, byte-identical) and the array to the rank
-        from rr_client.core.codec import encode_routed_experts, check_routing
+        from rr_client.core.codec import check_routing, encode_routed_experts
 
-        routing_through = sum(len(encode_routed_experts(check_routing(r.routed_experts, batch.info,
-                                                                      rows=r.routed_experts.shape[0])))
-                              + r.routed_experts.nbytes for r in batch)
-    return {"mode": mode, "samples": len(samples), "ref_json": ref_json, "routing_through": routing_through, "entries": entries, "answer_bytes": answer_bytes,
-            "scatter_bytes": sent, "gen_s": gen_s, "total_s": total_s, "reports": reports, "own_rows": rows_bytes,
-            "tokens": sum(len(r.output_ids) for r in batch), "outputs": [r.output_ids for r in batch]}
+        routing_through = sum(
+            len(encode_routed_experts(check_routing(r.routed_experts, batch.info, rows=r.routed_experts.shape[0])))
+            + r.routed_experts.nbytes
+            for r in batch
+        )
+    return {
+        "mode": mode,
+        "samples": len(samples),
+        "ref_json": ref_json,
+        "routing_through": routing_through,
+        "entries": entries,
+        "answer_bytes": answer_bytes,
+        "scatter_bytes": sent,
+        "gen_s": gen_s,
+        "total_s": total_s,
+        "reports": reports,
+        "own_rows": rows_bytes,
+        "tokens": sum(len(r.output_ids) for r in batch),
+        "outputs": [r.output_ids for r in batch],
+    }
 
 
 def fmt_bytes(n: float) -> str:
@@ -146,11 +180,16 @@ def main(argv: list[str] | None = None) -> None:
     from rr_server.demo.tiny_moe import build_tiny_moe
     from tests.support.vllm_process import CACHE, VLLMProcess
 
-    model = build_tiny_moe(CACHE / "qwen3_dense", arch="qwen3_moe", num_layers=3, num_experts=8, topk=2,
-                           mlp_only_layers=(1,))
+    model = build_tiny_moe(
+        CACHE / "qwen3_dense", arch="qwen3_moe", num_layers=3, num_experts=8, topk=2, mlp_only_layers=(1,)
+    )
     cores = max(1, os.cpu_count() or 1)
-    servers = [VLLMProcess(model, name="tiny-moe", max_model_len=1024,
-                           env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)}).launch() for i in range(2)]
+    servers = [
+        VLLMProcess(
+            model, name="tiny-moe", max_model_len=1024, env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)}
+        ).launch()
+        for i in range(2)
+    ]
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     try:
@@ -182,50 +221,75 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(inline: dict[str, Any], by_ref: dict[str, Any], args: Any) -> None:
     n = inline["samples"]
-    print(f"\n{n} samples ({inline['tokens']} generated tokens, prompts of 48), 2 replicas, {args.ranks} ranks, "
-          f"micro-batches of {args.micro}; tiny Qwen3-MoE (3 layers, 2 MoE, top-2: 6 routing bytes per token)\n")
+    print(
+        f"\n{n} samples ({inline['tokens']} generated tokens, prompts of 48), 2 replicas, {args.ranks} ranks, "
+        f"micro-batches of {args.micro}; tiny Qwen3-MoE (3 layers, 2 MoE, top-2: 6 routing bytes per token)\n"
+    )
     print("| | inline | by reference |")
     print("|---|---|---|")
-    for name, key in (("bytes into the controller per sample (answers)", "answer_bytes"),
-                      ("bytes out of the controller per sample (scatter to ranks)", "scatter_bytes")):
+    for name, key in (
+        ("bytes into the controller per sample (answers)", "answer_bytes"),
+        ("bytes out of the controller per sample (scatter to ranks)", "scatter_bytes"),
+    ):
         print(f"| {name} | {inline[key] / n:,.0f} | {by_ref[key] / n:,.0f} |")
     for mode in (inline, by_ref):
         mode["through"] = (mode["answer_bytes"] + mode["scatter_bytes"]) / n
     print(f"| bytes through the controller per sample, total | {inline['through']:,.0f} | {by_ref['through']:,.0f} |")
-    print(f"| of which routing (payload or ref, in + out) | {inline['routing_through'] / n:,.0f} "
-          f"| {by_ref['routing_through'] / n:,.0f} |")
+    print(
+        f"| of which routing (payload or ref, in + out) | {inline['routing_through'] / n:,.0f} "
+        f"| {by_ref['routing_through'] / n:,.0f} |"
+    )
     own = [r["own_bytes"] for r in by_ref["reports"]]
-    print(f"| routing bytes each rank took / its own micro-batches' rows | "
-          f"{sum(r['own_bytes'] for r in inline['reports'])} / {sum(inline['own_rows'])} (via controller) | "
-          f"{' + '.join(str(o) for o in own)} = {sum(own)} / {sum(by_ref['own_rows'])} |")
+    print(
+        f"| routing bytes each rank took / its own micro-batches' rows | "
+        f"{sum(r['own_bytes'] for r in inline['reports'])} / {sum(inline['own_rows'])} (via controller) | "
+        f"{' + '.join(str(o) for o in own)} = {sum(own)} / {sum(by_ref['own_rows'])} |"
+    )
     http = sum(r["http_bytes"] for r in by_ref["reports"])
-    print(f"| transport per routing entry (rank side, frame data + headers) | "
-          f"{inline['answer_bytes'] / inline['entries']:.2f} B (base64 .npy in JSON, whole answer) | "
-          f"{sum(own) / by_ref['entries']:.2f} B data, {http / by_ref['entries']:.2f} B with frame headers |")
+    print(
+        f"| transport per routing entry (rank side, frame data + headers) | "
+        f"{inline['answer_bytes'] / inline['entries']:.2f} B (base64 .npy in JSON, whole answer) | "
+        f"{sum(own) / by_ref['entries']:.2f} B data, {http / by_ref['entries']:.2f} B with frame headers |"
+    )
     secs = [r["seconds"] for r in by_ref["reports"]]
     rate = [r["samples"] / r["seconds"] for r in by_ref["reports"] if r["seconds"] > 0]
-    print(f"| resolve per rank (client start, /rr/info, one read per replica) | - | {min(secs):.3f}-{max(secs):.3f} s; "
-          f"{min(rate):.0f}-{max(rate):.0f} samples/s |")
-    print(f"| end to end: rollout start to every rank holding its rows | {inline['total_s']:.2f} s "
-          f"(generation {inline['gen_s']:.2f} s) | {by_ref['total_s']:.2f} s (generation {by_ref['gen_s']:.2f} s) |")
+    print(
+        f"| resolve per rank (client start, /rr/info, one read per replica) | - | {min(secs):.3f}-{max(secs):.3f} s; "
+        f"{min(rate):.0f}-{max(rate):.0f} samples/s |"
+    )
+    print(
+        f"| end to end: rollout start to every rank holding its rows | {inline['total_s']:.2f} s "
+        f"(generation {inline['gen_s']:.2f} s) | {by_ref['total_s']:.2f} s (generation {by_ref['gen_s']:.2f} s) |"
+    )
 
     s = STEP
     samples = s["prompts"] * s["samples"]
     entries = s["tokens"] * s["layers"] * s["topk"]
     ref = by_ref["ref_json"]
-    print(f"\nProjection: one GRPO step, {s['prompts']} prompts x {s['samples']} samples x {s['tokens']} tokens on "
-          f"DeepSeek-V3 ({s['layers']} layers x top-{s['topk']}: {entries / 1e6:.2f} MB of uint8 routing per sample); "
-          f"a ref is {ref:.0f} B of JSON (measured above) whatever the length\n")
-    print("| routing through the controller per step | inline, rr .npy (base64) | inline, SGLang int32 (base64) "
-          "| by reference |")
+    print(
+        f"\nProjection: one GRPO step, {s['prompts']} prompts x {s['samples']} samples x {s['tokens']} tokens on "
+        f"DeepSeek-V3 ({s['layers']} layers x top-{s['topk']}: {entries / 1e6:.2f} MB of uint8 routing per sample); "
+        f"a ref is {ref:.0f} B of JSON (measured above) whatever the length\n"
+    )
+    print(
+        "| routing through the controller per step | inline, rr .npy (base64) | inline, SGLang int32 (base64) "
+        "| by reference |"
+    )
     print("|---|---|---|---|")
     b64 = 4 / 3
-    print(f"| in, from the engines | {fmt_bytes(samples * entries * b64)} | {fmt_bytes(samples * entries * 4 * b64)} "
-          f"| {fmt_bytes(samples * ref)} |")
-    print(f"| out, to the ranks | {fmt_bytes(samples * entries)} | {fmt_bytes(samples * entries * 4)} "
-          f"| {fmt_bytes(samples * ref)} |")
-    print(f"| what a rank reads | its share, via the controller | its share, via the controller "
-          f"| its share only, from the engine that made it: 1.0 B/entry + frame headers |")
+    print(
+        f"| in, from the engines | {fmt_bytes(samples * entries * b64)} | {fmt_bytes(samples * entries * 4 * b64)} "
+        f"| {fmt_bytes(samples * ref)} |"
+    )
+    print(
+        f"| out, to the ranks | {fmt_bytes(samples * entries)} | {fmt_bytes(samples * entries * 4)} "
+        f"| {fmt_bytes(samples * ref)} |"
+    )
+    print(
+        "| what a rank reads | its share, via the controller | its share, via the controller "
+        "| its share only, from the engine that made it: 1.0 B/entry + frame headers |"
+    )
+
 
 if __name__ == "__main__":
     main()

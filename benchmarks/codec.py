@@ -16,8 +16,8 @@ import numpy as np
 import orjson
 import pybase64
 import torch
-
 from _bench import int_options, synthetic_info  # noqa: I001 - this folder's helpers
+
 from rr_client import RRInfo, check_routing, encode_routed_experts, parse_sample, to_tensors
 from rr_client.core._rowcheck import HAVE_C
 
@@ -76,8 +76,9 @@ def main() -> None:
 
     # ---- encode (server side)
     # the server's work per sample: the one full check, then the encoder
-    t_enc_ours = best_of(lambda: [encode_routed_experts(check_routing(s, info, rows=s.shape[0])) for s in samples],
-                         a.repeat)
+    t_enc_ours = best_of(
+        lambda: [encode_routed_experts(check_routing(s, info, rows=s.shape[0])) for s in samples], a.repeat
+    )
     t_enc_sgl = best_of(lambda: [pybase64.b64encode(s.tobytes()) for s in samples], a.repeat)
     t_enc_js = best_of(lambda: [orjson.dumps(s.tolist()) for s in samples[: a.json_samples]], 1) * scale
 
@@ -85,8 +86,12 @@ def main() -> None:
     replies = replies_for(samples, ours, info, prompt_len)
 
     def rr_path(validate: bool) -> torch.Tensor:
-        res = [parse_sample(r, index=i, prompt_index=i, prompt_ids=prompt_ids[i], info=info, want_routing=True,
-                            validate=validate) for i, r in enumerate(replies)]
+        res = [
+            parse_sample(
+                r, index=i, prompt_index=i, prompt_ids=prompt_ids[i], info=info, want_routing=True, validate=validate
+            )
+            for i, r in enumerate(replies)
+        ]
         return to_tensors(res, info).routed_experts
 
     def floor() -> list[bytes]:
@@ -129,16 +134,22 @@ def main() -> None:
     t_js = best_of(json_lists, 1) * scale
 
     mb = 1e6
-    print(f"batch {b} x {t} tokens x {layers} layers x top-{k}, {e} experts; C row checker: {HAVE_C}; "
-          f"best of {a.repeat}; JSON timed on {a.json_samples} samples and scaled")
+    print(
+        f"batch {b} x {t} tokens x {layers} layers x top-{k}, {e} experts; C row checker: {HAVE_C}; "
+        f"best of {a.repeat}; JSON timed on {a.json_samples} samples and scaled"
+    )
     print()
-    print(f"| {'path':<46} | {'payload MB':>10} | {'vs int32':>8} | {'encode s':>8} | {'decode+check+pad s':>18} | "
-          f"{'vs floor':>8} |")
+    print(
+        f"| {'path':<46} | {'payload MB':>10} | {'vs int32':>8} | {'encode s':>8} | {'decode+check+pad s':>18} | "
+        f"{'vs floor':>8} |"
+    )
     print(f"|{'-' * 48}|{'-' * 12}|{'-' * 10}|{'-' * 10}|{'-' * 20}|{'-' * 10}|")
 
     def row(name: str, size: float, enc: float | None, dec: float) -> None:
         enc_s = f"{enc:8.3f}" if enc is not None else f"{'-':>8}"
-        print(f"| {name:<46} | {size / mb:10.1f} | {size / sgl_b:8.3f} | {enc_s} | {dec:18.3f} | {t_floor / dec:8.2f} |")
+        print(
+            f"| {name:<46} | {size / mb:10.1f} | {size / sgl_b:8.3f} | {enc_s} | {dec:18.3f} | {t_floor / dec:8.2f} |"
+        )
 
     row("bare b64decode of rr payload, kept (floor)", ours_b, None, t_floor)
     row("bare b64decode, output discarded at once", ours_b, None, t_floor_discard)
@@ -147,8 +158,10 @@ def main() -> None:
     row("SGLang b64 int32 as slime/AReaL (size check)", sgl_b, t_enc_sgl, t_sgl)
     row("JSON nested lists (vLLM 0.21)", js_b, t_enc_js, t_js)
     print()
-    print(f"rr full validation: {t_floor / t_ours:.2f}x floor throughput, {t_sgl / t_ours:.2f}x faster than the "
-          f"int32 path, payload {ours_b / sgl_b:.3f}x of int32")
+    print(
+        f"rr full validation: {t_floor / t_ours:.2f}x floor throughput, {t_sgl / t_ours:.2f}x faster than the "
+        f"int32 path, payload {ours_b / sgl_b:.3f}x of int32"
+    )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import httpx
-
 from _bench import REPO, int_options, load_prompt, rr_vllm_command, spawn, synthetic_info  # noqa: I001 - sys.path
+
 from rr_server.launch.process import free_port as _free_port
 from rr_server.launch.process import stop_process_group as stop
 from rr_server.launch.process import wait_healthy as _wait_healthy
@@ -39,19 +39,28 @@ def start(model_dir: Path, *, capture: bool, log: Path) -> tuple[subprocess.Pope
     return proc, url
 
 
-async def load(url: str, *, routing: bool, concurrency: int, requests: int, prompt_len: int,
-               max_new: int, seed: int) -> tuple[int, float, int]:
+async def load(
+    url: str, *, routing: bool, concurrency: int, requests: int, prompt_len: int, max_new: int, seed: int
+) -> tuple[int, float, int]:
     """Send ``requests`` /generate calls, ``concurrency`` at a time; return (gen tokens, seconds, bytes)."""
     sem = asyncio.Semaphore(concurrency)
     tokens = 0
     nbytes = 0
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+
         async def one(i: int) -> None:
             nonlocal tokens, nbytes
-            body = {"input_ids": load_prompt(seed, i, prompt_len), "return_routed_experts": routing,
-                    "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 1.0,
-                                        "seed": seed + i}}
+            body = {
+                "input_ids": load_prompt(seed, i, prompt_len),
+                "return_routed_experts": routing,
+                "sampling_params": {
+                    "max_new_tokens": max_new,
+                    "ignore_eos": True,
+                    "temperature": 1.0,
+                    "seed": seed + i,
+                },
+            }
             async with sem:
                 r = await c.post("/generate", json=body)
             r.raise_for_status()
@@ -72,15 +81,34 @@ Run = tuple[int, float, int]
 def measure(targets: list[tuple[str, str, bool]], args: argparse.Namespace) -> dict[str, list[Run]]:
     """Warm every target, then ``args.rounds`` rounds visiting all targets in rotating order."""
     for _, url, routing in targets:
-        asyncio.run(load(url, routing=routing, concurrency=args.concurrency, requests=args.concurrency,
-                         prompt_len=args.prompt_len, max_new=8, seed=999))
+        asyncio.run(
+            load(
+                url,
+                routing=routing,
+                concurrency=args.concurrency,
+                requests=args.concurrency,
+                prompt_len=args.prompt_len,
+                max_new=8,
+                seed=999,
+            )
+        )
     out: dict[str, list[Run]] = {name: [] for name, _, _ in targets}
     for rnd in range(args.rounds):
         k = rnd % len(targets)
         for name, url, routing in targets[k:] + targets[:k]:
-            out[name].append(asyncio.run(load(url, routing=routing, concurrency=args.concurrency,
-                                              requests=args.requests, prompt_len=args.prompt_len,
-                                              max_new=args.max_new_tokens, seed=rnd)))
+            out[name].append(
+                asyncio.run(
+                    load(
+                        url,
+                        routing=routing,
+                        concurrency=args.concurrency,
+                        requests=args.requests,
+                        prompt_len=args.prompt_len,
+                        max_new=args.max_new_tokens,
+                        seed=rnd,
+                    )
+                )
+            )
     return out
 
 
@@ -98,8 +126,17 @@ def encode_cost_us(rows: int, layers: int, topk: int, experts: int, reps: int = 
     t0 = time.perf_counter()
     for _ in range(reps):
         fields = checked_routing_fields(arr, info, prompt_ids=prompt, output_ids=output, start=0)
-        build_item(rid="r", text="", output_ids=output, prompt_tokens=len(prompt), cached_tokens=0,
-                   finish_reason=None, e2e_latency=0.0, routing_fields=fields, prompt_token_ids=prompt)
+        build_item(
+            rid="r",
+            text="",
+            output_ids=output,
+            prompt_tokens=len(prompt),
+            cached_tokens=0,
+            finish_reason=None,
+            e2e_latency=0.0,
+            routing_fields=fields,
+            prompt_token_ids=prompt,
+        )
     return (time.perf_counter() - t0) / reps * 1e6
 
 
@@ -107,15 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=str(REPO / ".cache" / "bench-qwen3-moe"))
-    int_options(p, num_experts=64, topk=8, num_layers=4, rounds=6, requests=24, concurrency=8, prompt_len=128,
-                max_new_tokens=64)
+    int_options(
+        p, num_experts=64, topk=8, num_layers=4, rounds=6, requests=24, concurrency=8, prompt_len=128, max_new_tokens=64
+    )
     p.add_argument("--skip-baseline", action="store_true", help="skip the server without capture (A)")
     args = p.parse_args(argv)
 
     from rr_server.demo.tiny_moe import build_tiny_moe
 
-    model = build_tiny_moe(args.model_dir, arch="qwen3_moe", num_layers=args.num_layers,
-                           num_experts=args.num_experts, topk=args.topk)
+    model = build_tiny_moe(
+        args.model_dir, arch="qwen3_moe", num_layers=args.num_layers, num_experts=args.num_experts, topk=args.topk
+    )
     log_dir = Path(tempfile.mkdtemp(prefix="rr-bench-"))
     procs = []
     try:
@@ -136,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(t / s for t, s, _ in runs)
 
     ref = res["B capture on, routing not requested"]
-    print(f"\nmodel: qwen3_moe {args.num_layers} layers, {args.num_experts} experts, top-{args.topk}; "
-          f"{args.requests} requests x {args.max_new_tokens} new tokens, prompt {args.prompt_len}, "
-          f"concurrency {args.concurrency}, {args.rounds} rotating rounds (median)\n")
+    print(
+        f"\nmodel: qwen3_moe {args.num_layers} layers, {args.num_experts} experts, top-{args.topk}; "
+        f"{args.requests} requests x {args.max_new_tokens} new tokens, prompt {args.prompt_len}, "
+        f"concurrency {args.concurrency}, {args.rounds} rotating rounds (median)\n"
+    )
     print(f"{'configuration':<52} {'tok/s':>9} {'vs B':>8} {'reply KiB/req':>14}")
     for name, runs in rows:
         kib = statistics.median(b / args.requests / 1024 for _, _, b in runs)
@@ -146,17 +187,21 @@ def main(argv: list[str] | None = None) -> int:
     rows_per_req = args.prompt_len + args.max_new_tokens - 1
     us = encode_cost_us(rows_per_req, args.num_layers, args.topk, args.num_experts)
     req_s = statistics.median(s / (t / args.max_new_tokens) for t, s, _ in ref)  # wall s per request slot
-    print(f"\nrouting check + encode in the server: {us:.0f} µs per request ({rows_per_req} rows); the server "
-          f"completes a request every ~{req_s * 1e3:.0f} ms at concurrency {args.concurrency} "
-          f"-> {100 * us / 1e6 / req_s:.3f}% of its time")
+    print(
+        f"\nrouting check + encode in the server: {us:.0f} µs per request ({rows_per_req} rows); the server "
+        f"completes a request every ~{req_s * 1e3:.0f} ms at concurrency {args.concurrency} "
+        f"-> {100 * us / 1e6 / req_s:.3f}% of its time"
+    )
     spread = [t / s for t, s, _ in ref]
     print(f"\nround-to-round spread of B: {min(spread):.1f}..{max(spread):.1f} tok/s")
     for name, runs in rows:
         if runs is ref:
             continue
         paired = [100 * ((t / s) / (tb / sb) - 1) for (t, s, _), (tb, sb, _) in zip(runs, ref)]
-        print(f"paired per-round change vs B, {name[:1]}: median {statistics.median(paired):+.1f}% "
-              f"(rounds: {', '.join(f'{x:+.1f}' for x in paired)})")
+        print(
+            f"paired per-round change vs B, {name[:1]}: median {statistics.median(paired):+.1f}% "
+            f"(rounds: {', '.join(f'{x:+.1f}' for x in paired)})"
+        )
     return 0
 
 

@@ -35,8 +35,8 @@ from rr_client.core.agreement import set_matches
 from rr_client.trainer.metrics import r3_metrics, routing_agreement, token_logprobs
 from rr_client.trainer.replay import record_routing, replay_routing
 from rr_server.demo.quickstart import DEFAULT_PROMPTS
-from rr_server.launch.process import free_port, stop_process_group, wait_healthy
 from rr_server.demo.tiny_moe import build_tiny_moe
+from rr_server.launch.process import free_port, stop_process_group, wait_healthy
 
 PROMPTS = DEFAULT_PROMPTS  # the demo's prompts
 
@@ -65,8 +65,25 @@ def build_model(out: Path, lm_head_scale: float, expert_scale: float) -> Path:
 
 
 def launch(model_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "rr_server", "launch", "vllm", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "512", "--served-model-name", "tiny-moe", "--seed", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rr_server",
+        "launch",
+        "vllm",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny-moe",
+        "--seed",
+        "0",
+    ]
     env = dict(os.environ)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with open(log, "wb") as f:
@@ -75,8 +92,9 @@ def launch(model_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
 
 async def rollout(base_url: str, prompts: list[list[int]], max_new_tokens: int, seed: int) -> Any:
     async with RoutedExpertsClient(base_url, timeout=300) as client:
-        return await client.generate(prompts, {"max_new_tokens": max_new_tokens, "temperature": 1.0, "seed": seed},
-                                     return_logprob=True)
+        return await client.generate(
+            prompts, {"max_new_tokens": max_new_tokens, "temperature": 1.0, "seed": seed}, return_logprob=True
+        )
 
 
 def rollout_logprobs(batch: Any, t: Any) -> torch.Tensor:
@@ -130,8 +148,10 @@ def measure(model: Any, t: Any, lp_rollout: torch.Tensor, moe_layers: list[int])
     flipped = torch.zeros_like(mask)
     flipped[:, 1:] = flip_prev[:, :-1]
     flipped &= mask
-    out = {"no replay": r3_metrics(free, lp_rollout, mask, routing_agreement=agree),
-           "replay": r3_metrics(replayed, lp_rollout, mask, routing_agreement=1.0)}
+    out = {
+        "no replay": r3_metrics(free, lp_rollout, mask, routing_agreement=agree),
+        "replay": r3_metrics(replayed, lp_rollout, mask, routing_agreement=1.0),
+    }
     if flipped.any():
         out["no replay, flipped"] = r3_metrics(free, lp_rollout, flipped)
         out["replay, flipped"] = r3_metrics(replayed, lp_rollout, flipped)
@@ -175,11 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     t = batch.to_tensors(pad_side="right")  # right padding: HF positions need no position_ids
     lp_rollout = rollout_logprobs(batch, t)
     n_resp = int(t.response_mask.sum())
-    print(f"model: tiny Qwen3-MoE, {info.num_hidden_layers} layers, {info.num_experts} experts, top-{info.topk}, "
-          f"hidden 64, lm_head x{args.lm_head_scale:g}, expert weights x{args.expert_scale:g}; rollout: {len(batch)} samples, {n_resp} response tokens, "
-          f"vLLM {info.engine_version} fp32, temperature 1")
-    head = ("| trainer | replay | routing agreement | mean abs d | mean d^2 | k3 KL | frac abs d > ln2 "
-            "| frac abs d > ln5 | after a flip: tokens / mean abs d / k3 |")
+    print(
+        f"model: tiny Qwen3-MoE, {info.num_hidden_layers} layers, {info.num_experts} experts, top-{info.topk}, "
+        f"hidden 64, lm_head x{args.lm_head_scale:g}, expert weights x{args.expert_scale:g}; rollout: {len(batch)} samples, {n_resp} response tokens, "
+        f"vLLM {info.engine_version} fp32, temperature 1"
+    )
+    head = (
+        "| trainer | replay | routing agreement | mean abs d | mean d^2 | k3 KL | frac abs d > ln2 "
+        "| frac abs d > ln5 | after a flip: tokens / mean abs d / k3 |"
+    )
     print()
     print(head)
     print("|" + "---|" * 9)
@@ -191,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             agree = f"{100 * m.routing_agreement:.2f}%" if mode == "no replay" else "(replayed)"
             fm = res.get(f"{mode}, flipped")
             on_flips = f"{fm.tokens} / {fm.mean_abs_diff:.2e} / {fm.k3_kl:.2e}" if fm else "0 / - / -"
-            print(f"| {name} | {mode} | {agree} | {m.mean_abs_diff:.2e} | {m.mean_sq_diff:.2e} | {m.k3_kl:.2e} "
-                  f"| {m.frac_gt_ln2:.4f} | {m.frac_gt_ln5:.4f} | {on_flips} |")
+            print(
+                f"| {name} | {mode} | {agree} | {m.mean_abs_diff:.2e} | {m.mean_sq_diff:.2e} | {m.k3_kl:.2e} "
+                f"| {m.frac_gt_ln2:.4f} | {m.frac_gt_ln5:.4f} | {on_flips} |"
+            )
         del flips
     print(f"\ntotal {time.perf_counter() - t0:.0f}s")
     return 0

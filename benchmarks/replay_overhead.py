@@ -35,25 +35,46 @@ SHAPES: dict[str, dict[str, Any]] = {
     "small": dict(arch="qwen3", layers=8, hidden=256, experts=64, topk=8, inter=64, batch=2, seq=128),
     "qwen3-30b-a3b": dict(arch="qwen3", layers=8, hidden=2048, experts=128, topk=8, inter=768, batch=4, seq=2048),
     "qwen3-235b-a22b": dict(arch="qwen3", layers=4, hidden=4096, experts=128, topk=8, inter=1536, batch=2, seq=2048),
-    "deepseek-v3-router": dict(arch="deepseek_v3", layers=4, hidden=2048, experts=256, topk=8, inter=256, batch=2,
-                               seq=2048),
+    "deepseek-v3-router": dict(
+        arch="deepseek_v3", layers=4, hidden=2048, experts=256, topk=8, inter=256, batch=2, seq=2048
+    ),
 }
 GPU_SHAPES = ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3-router"]
 
 
 def build(s: dict[str, Any], device: str, dtype: torch.dtype) -> transformers.PreTrainedModel:
-    common = dict(vocab_size=1024, hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=16,
-                  max_position_embeddings=4096, tie_word_embeddings=False, num_experts_per_tok=s["topk"],
-                  moe_intermediate_size=s["inter"], intermediate_size=2 * s["hidden"])
+    common = dict(
+        vocab_size=1024,
+        hidden_size=s["hidden"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        num_experts_per_tok=s["topk"],
+        moe_intermediate_size=s["inter"],
+        intermediate_size=2 * s["hidden"],
+    )
     if s["arch"] == "qwen3":
-        cfg = transformers.Qwen3MoeConfig(**common, num_key_value_heads=4, head_dim=128, num_experts=s["experts"],
-                                          norm_topk_prob=True)
+        cfg = transformers.Qwen3MoeConfig(
+            **common, num_key_value_heads=4, head_dim=128, num_experts=s["experts"], norm_topk_prob=True
+        )
     else:
-        cfg = transformers.DeepseekV3Config(**common, num_key_value_heads=16, n_routed_experts=s["experts"],
-                                            n_shared_experts=1, first_k_dense_replace=0, n_group=8, topk_group=4,
-                                            routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=None,
-                                            kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
-                                            v_head_dim=64)
+        cfg = transformers.DeepseekV3Config(
+            **common,
+            num_key_value_heads=16,
+            n_routed_experts=s["experts"],
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            q_lora_rank=None,
+            kv_lora_rank=128,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+        )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).train()
@@ -85,14 +106,19 @@ def op_table(model: Any, x: torch.Tensor, routing: torch.Tensor, mask: torch.Ten
             step()
         with count_ops() as closing:
             ctx.__exit__(None, None, None)
-        rows.append(f"| {name} | {(inside.ops - base.ops) / n_moe:.1f} | {(inside.syncs - base.syncs) / n_moe:.1f} "
-                    f"| {inside.copies - base.copies} | {opening.ops} / {opening.syncs} / {opening.copies} "
-                    f"| {closing.ops} / {closing.syncs} / {closing.copies} |")
-    return [f"MoE layers: {n_moe}; the model's own forward+backward: {base.ops} ops, {base.syncs} syncs, "
-            f"{base.copies} cross-device copies",
-            "| mode | ops / MoE layer | syncs / MoE layer | copies inside | opening: ops / syncs / copies "
-            "| exit: ops / syncs / copies |",
-            "|---|---|---|---|---|---|", *rows]
+        rows.append(
+            f"| {name} | {(inside.ops - base.ops) / n_moe:.1f} | {(inside.syncs - base.syncs) / n_moe:.1f} "
+            f"| {inside.copies - base.copies} | {opening.ops} / {opening.syncs} / {opening.copies} "
+            f"| {closing.ops} / {closing.syncs} / {closing.copies} |"
+        )
+    return [
+        f"MoE layers: {n_moe}; the model's own forward+backward: {base.ops} ops, {base.syncs} syncs, "
+        f"{base.copies} cross-device copies",
+        "| mode | ops / MoE layer | syncs / MoE layer | copies inside | opening: ops / syncs / copies "
+        "| exit: ops / syncs / copies |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def bench(shape: str, device: str, dtype: torch.dtype, reps: int) -> None:
@@ -122,14 +148,21 @@ def bench(shape: str, device: str, dtype: torch.dtype, reps: int) -> None:
             with torch.no_grad(), record_routing(model):
                 model(x)
         else:
-            with replay_routing(model, routing, mask, check_formula=mode != "replay, check off",
-                                audit=mode == "replay + audit"):
+            with replay_routing(
+                model, routing, mask, check_formula=mode != "replay, check off", audit=mode == "replay + audit"
+            ):
                 step()
         sync()
         return time.perf_counter() - t
 
-    modes = ["no replay", "replay, check on", "replay, check off", "replay + audit", "forward",
-             "record_routing forward"]
+    modes = [
+        "no replay",
+        "replay, check on",
+        "replay, check off",
+        "replay + audit",
+        "forward",
+        "record_routing forward",
+    ]
     for m in modes:  # warm-up
         run(m)
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -137,11 +170,16 @@ def bench(shape: str, device: str, dtype: torch.dtype, reps: int) -> None:
         for m in modes:
             times[m].append(run(m))
     med = {m: statistics.median(v) for m, v in times.items()}
-    dev = torch.cuda.get_device_name() if device.startswith("cuda") else f"{platform.processor() or 'cpu'}, " \
-          f"{torch.get_num_threads()} threads"
-    print(f"\n### {shape}: {s['arch']}, {s['layers']} MoE layers, hidden {s['hidden']}, {s['experts']} experts, "
-          f"top-{s['topk']}, {s['batch']} x {s['seq']} tokens, {str(dtype).replace('torch.', '')}; device {dev}; "
-          f"median of {reps} interleaved reps; torch {torch.__version__}, transformers {transformers.__version__}")
+    dev = (
+        torch.cuda.get_device_name()
+        if device.startswith("cuda")
+        else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"\n### {shape}: {s['arch']}, {s['layers']} MoE layers, hidden {s['hidden']}, {s['experts']} experts, "
+        f"top-{s['topk']}, {s['batch']} x {s['seq']} tokens, {str(dtype).replace('torch.', '')}; device {dev}; "
+        f"median of {reps} interleaved reps; torch {torch.__version__}, transformers {transformers.__version__}"
+    )
     print("| mode | median s | ratio |")
     print("|---|---|---|")
     for m in modes:
@@ -159,7 +197,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
-    for shape in (GPU_SHAPES if a.shape == "all" else [a.shape]):
+    for shape in GPU_SHAPES if a.shape == "all" else [a.shape]:
         bench(shape, a.device, dtype, a.reps)
 
 

@@ -39,7 +39,6 @@ sys.path.insert(0, str(REPO))
 from rr_client import RoutedExpertsClient  # noqa: E402
 from rr_server.launch.process import free_port, stop_process_group, wait_healthy  # noqa: E402
 
-
 # ------------------------------------------------------------------------------ trivial local server
 
 
@@ -61,8 +60,13 @@ def serve_trivial(port: int) -> None:  # pragma: no cover - runs in a child proc
 def start_trivial(log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     with open(log, "ab") as fh:
-        proc = subprocess.Popen([sys.executable, __file__, "--serve-trivial", str(port)], stdout=fh,
-                                stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve-trivial", str(port)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, log, 60)
     return proc, url
@@ -81,8 +85,9 @@ async def bare_loop(urls: list[str], prompts: list[list[int]], params: dict[str,
     async def one(i: int) -> None:
         body = orjson.dumps({"input_ids": [prompts[i]], "sampling_params": params, "return_routed_experts": True})
         async with sem:
-            r = await clients[i % len(clients)].post("/generate", content=body,
-                                                     headers={"content-type": "application/json"})
+            r = await clients[i % len(clients)].post(
+                "/generate", content=body, headers={"content-type": "application/json"}
+            )
         orjson.loads(r.content)
 
     await asyncio.gather(*(one(i) for i in range(len(prompts))))
@@ -117,10 +122,14 @@ def overhead_rows(n: int, log_dir: Path) -> list[tuple[str, str]]:
                 timed(client_loop, urls[:k], prompts[:50], params, conc)
                 bw, bc = timed(bare_loop, urls[:k], prompts, params, conc)
                 cw, cc = timed(client_loop, urls[:k], prompts, params, conc)
-                rows.append((f"client overhead, trivial server, {n} requests, {conc} in flight, {k} replica(s)",
-                             f"wall {1e3 * (cw - bw) / n:+.3f} ms/req ({1e3 * cw / n:.3f} vs bare httpx "
-                             f"{1e3 * bw / n:.3f}); client CPU {1e3 * (cc - bc) / n:+.3f} ms/req "
-                             f"({1e3 * cc / n:.3f} vs {1e3 * bc / n:.3f})"))
+                rows.append(
+                    (
+                        f"client overhead, trivial server, {n} requests, {conc} in flight, {k} replica(s)",
+                        f"wall {1e3 * (cw - bw) / n:+.3f} ms/req ({1e3 * cw / n:.3f} vs bare httpx "
+                        f"{1e3 * bw / n:.3f}); client CPU {1e3 * (cc - bc) / n:+.3f} ms/req "
+                        f"({1e3 * cc / n:.3f} vs {1e3 * bc / n:.3f})",
+                    )
+                )
     finally:
         for p, _ in procs:
             stop_process_group(p, grace=5)
@@ -134,11 +143,16 @@ def throughput_rows(rounds: int, requests: int, max_new: int, log_dir: Path) -> 
     from rr_server.demo.tiny_moe import build_tiny_moe
     from tests.support.vllm_process import CACHE, VLLMProcess
 
-    model = build_tiny_moe(CACHE / "qwen3_dense", arch="qwen3_moe", num_layers=3, num_experts=8, topk=2,
-                           mlp_only_layers=(1,))
+    model = build_tiny_moe(
+        CACHE / "qwen3_dense", arch="qwen3_moe", num_layers=3, num_experts=8, topk=2, mlp_only_layers=(1,)
+    )
     cores = max(1, os.cpu_count() or 1)
-    servers = [VLLMProcess(model, name="tiny-moe", max_model_len=512,
-                           env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)}).launch() for i in range(2)]
+    servers = [
+        VLLMProcess(
+            model, name="tiny-moe", max_model_len=512, env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)}
+        ).launch()
+        for i in range(2)
+    ]
     try:
         for s in servers:
             s.wait_healthy()
@@ -165,8 +179,10 @@ def throughput_rows(rounds: int, requests: int, max_new: int, log_dir: Path) -> 
         return [
             ("rollout throughput, 1 replica (client)", f"{one:.1f} gen tok/s (median of {rounds})"),
             ("rollout throughput, 2 replicas (client)", f"{two:.1f} gen tok/s (median of {rounds})"),
-            ("ratio 2 / 1 replicas", f"{two / one:.2f}x ({requests} requests x {max_new} tokens, 16 in flight, "
-                                     f"{cores} cores)"),
+            (
+                "ratio 2 / 1 replicas",
+                f"{two / one:.2f}x ({requests} requests x {max_new} tokens, 16 in flight, {cores} cores)",
+            ),
         ]
     finally:
         for s in servers:

@@ -54,8 +54,9 @@ async def _captured_batch() -> Any:
         return detokenize(recv_obj)
 
     h.detok.handle_batch_token_id_out = spy
-    status, _ = await h.post({"input_ids": [3, 17, 29, 41], "sampling_params": {"max_new_tokens": 4},
-                              "return_routed_experts": True})
+    status, _ = await h.post(
+        {"input_ids": [3, 17, 29, 41], "sampling_params": {"max_new_tokens": 4}, "return_routed_experts": True}
+    )
     assert status == 200 and seen
     del h.detok.handle_batch_token_id_out  # the class's method again (swapped per path below)
     return h, seen[-1]
@@ -77,15 +78,26 @@ def main() -> None:
 
     profile = profile_for()
     h, batch = asyncio.run(_captured_batch())
-    info = RRInfo(engine="sglang", engine_version=profile.version, rr_version="bench", model="bench",
-                  num_hidden_layers=L, num_experts=E, topk=K, moe_layers=list(range(L)), wire_dtype="uint8")
+    info = RRInfo(
+        engine="sglang",
+        engine_version=profile.version,
+        rr_version="bench",
+        model="bench",
+        num_hidden_layers=L,
+        num_experts=E,
+        topk=K,
+        moe_layers=list(range(L)),
+        wire_dtype="uint8",
+    )
     sglang_own = DetokenizerManager.__dict__[DETOK_METHOD]
 
     def hooked(self: Any, recv_obj: Any) -> Any:
         return around_handle_batch_token_id_out(sglang_own, self, recv_obj)
 
-    print(f"SGLang {profile.version}: one request's routing, {L} layers, top-{K}, {E} experts; ms, best of "
-          f"{args.repeat}\n")
+    print(
+        f"SGLang {profile.version}: one request's routing, {L} layers, top-{K}, {E} experts; ms, best of "
+        f"{args.repeat}\n"
+    )
     print("| tokens | path | detokenizer | IPC | TokenizerManager (rr check + encode) | total | payload MB |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     rng = np.random.default_rng(0)
@@ -96,12 +108,14 @@ def main() -> None:
         for name, method in (("SGLang int32 -> rr in TM", sglang_own), ("rr .npy in detokenizer", hooked)):
             setattr(DetokenizerManager, DETOK_METHOD, method)
             t_detok, out = best_of(lambda: h.detok.handle_batch_token_id_out(batch), args.repeat)
-            t_ipc, moved = best_of(lambda: wire(out), args.repeat)
+            t_ipc, moved = best_of(lambda: wire(out), args.repeat)  # noqa: B023 - timed in this iteration
             payload = moved.routed_experts[0]
-            t_tm, _ = best_of(lambda: wire_fields(payload, info, rows=rows), args.repeat)
+            t_tm, _ = best_of(lambda: wire_fields(payload, info, rows=rows), args.repeat)  # noqa: B023
             total = t_detok + t_ipc + t_tm
-            print(f"| {n // 1024}k | {name} | {t_detok:.1f} | {t_ipc:.1f} | {t_tm:.1f} | {total:.1f} | "
-                  f"{len(payload) / 1e6:.1f} |")
+            print(
+                f"| {n // 1024}k | {name} | {t_detok:.1f} | {t_ipc:.1f} | {t_tm:.1f} | {total:.1f} | "
+                f"{len(payload) / 1e6:.1f} |"
+            )
         setattr(DetokenizerManager, DETOK_METHOD, sglang_own)
 
 

@@ -52,21 +52,28 @@ def row(t: int, info: RRInfo, pool: np.ndarray, rng: np.random.Generator, repeat
     rows = t - 1
     tensor = torch.from_numpy(pool[rng.integers(0, 256, size=rows)])
     sg = pybase64.b64encode(tensor.numpy().tobytes()).decode("utf-8")
-    base_meta = {"id": "x", "finish_reason": {"type": "length"}, "prompt_tokens": t // 2,
-                 "completion_tokens": t - t // 2}
+    base_meta = {
+        "id": "x",
+        "finish_reason": {"type": "length"},
+        "prompt_tokens": t // 2,
+        "completion_tokens": t - t // 2,
+    }
     rr_fields = wire_fields(sg, info, rows=rows)
     rr_b64 = rr_fields["routed_experts"]
     t_sg_enc = best_of(lambda: pybase64.b64encode(tensor.numpy().tobytes()).decode("utf-8"), repeat)
-    t_sg_json = best_of(lambda: orjson.dumps({"text": "", "meta_info": {**base_meta, "routed_experts": sg}}, option=OPT),
-                        repeat)
+    t_sg_json = best_of(
+        lambda: orjson.dumps({"text": "", "meta_info": {**base_meta, "routed_experts": sg}}, option=OPT), repeat
+    )
     t_ipc_sg = best_of(lambda: pickle.loads(pickle.dumps(sg, protocol=pickle.HIGHEST_PROTOCOL)), repeat)
     t_rr = best_of(lambda: wire_fields(sg, info, rows=rows), repeat)
     t_rr_json = best_of(lambda: orjson.dumps({"text": "", "meta_info": {**base_meta, **rr_fields}}, option=OPT), repeat)
     t_ipc_rr = best_of(lambda: pickle.loads(pickle.dumps(rr_b64, protocol=pickle.HIGHEST_PROTOCOL)), repeat)
     t_detok = best_of(lambda: routing_meta_fields(check_routing(tensor.numpy(), info, rows=rows)), repeat)
-    return (f"| {t // 1024}k | {t_sg_enc:.2f} | {t_sg_json:.2f} | {t_ipc_sg:.2f} | "
-          f"{t_sg_enc + t_sg_json + t_ipc_sg:.2f} | {t_rr:.2f} | {t_rr_json:.2f} | {t_ipc_rr:.2f} | "
-          f"{t_detok:.2f} | {len(sg) / 1e6:.1f} | {len(rr_b64) / 1e6:.1f} |")
+    return (
+        f"| {t // 1024}k | {t_sg_enc:.2f} | {t_sg_json:.2f} | {t_ipc_sg:.2f} | "
+        f"{t_sg_enc + t_sg_json + t_ipc_sg:.2f} | {t_rr:.2f} | {t_rr_json:.2f} | {t_ipc_rr:.2f} | "
+        f"{t_detok:.2f} | {len(sg) / 1e6:.1f} | {len(rr_b64) / 1e6:.1f} |"
+    )
 
 
 def main() -> None:
@@ -79,17 +86,28 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     lengths = [1024, 4096] if a.quick else a.lengths
-    info = RRInfo(engine="sglang", engine_version="0.5.23", rr_version="bench", num_hidden_layers=a.layers,
-                  num_experts=a.experts, topk=a.topk, moe_layers=list(range(a.layers)), wire_dtype="uint8")
+    info = RRInfo(
+        engine="sglang",
+        engine_version="0.5.23",
+        rr_version="bench",
+        num_hidden_layers=a.layers,
+        num_experts=a.experts,
+        topk=a.topk,
+        moe_layers=list(range(a.layers)),
+        wire_dtype="uint8",
+    )
     rng = np.random.default_rng(0)
     pool = np.argsort(rng.random((256, a.layers, a.experts)), axis=-1)[..., : a.topk].astype(np.int32)
     print(f"{a.layers} layers, top-{a.topk}, {a.experts} experts; ms per request, best of {a.repeat}\n")
-    print("| tokens | SGLang b64 int32 (detok) | SGLang orjson body | IPC pickle int32 b64 | SGLang total "
-          "| rr transcode (TM loop) | rr orjson body | IPC pickle rr b64 | rr-in-detok encode "
-          "| int32 b64 MB | rr b64 MB |")
+    print(
+        "| tokens | SGLang b64 int32 (detok) | SGLang orjson body | IPC pickle int32 b64 | SGLang total "
+        "| rr transcode (TM loop) | rr orjson body | IPC pickle rr b64 | rr-in-detok encode "
+        "| int32 b64 MB | rr b64 MB |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for t in lengths:
         print(row(t, info, pool, rng, a.repeat))
+
 
 if __name__ == "__main__":
     main()

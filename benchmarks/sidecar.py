@@ -18,21 +18,26 @@ import time
 from pathlib import Path
 
 import httpx
-
 from _bench import REPO, int_options, load_prompt, rr_vllm_command, spawn  # noqa: I001 - sys.path
+
 from rr_server.launch.process import free_port, wait_healthy
 from rr_server.launch.process import stop_process_group as stop
 
 
-async def load(url: str, *, routing: bool, concurrency: int, requests: int, prompt_len: int, max_new: int,
-               seed: int) -> tuple[list[float], float]:
+async def load(
+    url: str, *, routing: bool, concurrency: int, requests: int, prompt_len: int, max_new: int, seed: int
+) -> tuple[list[float], float]:
     """``requests`` /generate calls, ``concurrency`` at a time; return per-request latencies and wall seconds."""
     sem = asyncio.Semaphore(concurrency)
     lat: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+
         async def one(i: int) -> None:
-            body = {"input_ids": load_prompt(seed, i, prompt_len), "return_routed_experts": routing,
-                    "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "seed": seed * 1000 + i}}
+            body = {
+                "input_ids": load_prompt(seed, i, prompt_len),
+                "return_routed_experts": routing,
+                "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "seed": seed * 1000 + i},
+            }
             async with sem:
                 t0 = time.perf_counter()
                 r = await c.post("/generate", json=body)
@@ -64,19 +69,38 @@ def main(argv: list[str] | None = None) -> int:
     try:
         direct = f"http://127.0.0.1:{port}"
         wait_healthy(direct, engine, logs / "vllm.log", 600)
-        sidecar = spawn([sys.executable, "-m", "rr_server.cli", "proxy", "--upstream", direct, "--engine", "vllm",
-                         "--port", str(sport), "--model-path", str(model)], dict(os.environ), logs / "sidecar.log",
-                        cwd=REPO)
+        sidecar = spawn(
+            [
+                sys.executable,
+                "-m",
+                "rr_server.cli",
+                "proxy",
+                "--upstream",
+                direct,
+                "--engine",
+                "vllm",
+                "--port",
+                str(sport),
+                "--model-path",
+                str(model),
+            ],
+            dict(os.environ),
+            logs / "sidecar.log",
+            cwd=REPO,
+        )
         via = f"http://127.0.0.1:{sport}"
         wait_healthy(via, sidecar, logs / "sidecar.log", 120)
-        configs = [(name, url, routing) for name, url in (("direct", direct), ("sidecar", via)) for routing in (False, True)]
+        configs = [
+            (name, url, routing) for name, url in (("direct", direct), ("sidecar", via)) for routing in (False, True)
+        ]
         lat1: dict[tuple[str, bool], list[float]] = {(n, r): [] for n, _, r in configs}
         tput: dict[tuple[str, bool], list[float]] = {(n, r): [] for n, _, r in configs}
         for _, url, routing in configs:  # warm-up (and /rr/info fetch)
-            asyncio.run(load(url, routing=routing, concurrency=4, requests=8, prompt_len=args.prompt_len,
-                             max_new=4, seed=99))
+            asyncio.run(
+                load(url, routing=routing, concurrency=4, requests=8, prompt_len=args.prompt_len, max_new=4, seed=99)
+            )
         for rnd in range(args.rounds):
-            for name, url, routing in (configs if rnd % 2 == 0 else configs[::-1]):
+            for name, url, routing in configs if rnd % 2 == 0 else configs[::-1]:
                 kw = dict(routing=routing, prompt_len=args.prompt_len, max_new=args.max_new_tokens, seed=rnd)
                 lat, _ = asyncio.run(load(url, concurrency=1, requests=max(8, args.requests // 4), **kw))  # type: ignore[arg-type]
                 lat1[(name, routing)] += lat
@@ -87,17 +111,23 @@ def main(argv: list[str] | None = None) -> int:
             stop(sidecar)
         stop(engine)
 
-    print(f"\nqwen3_moe 4 layers, 64 experts, top-8; prompt {args.prompt_len}, {args.max_new_tokens} new tokens; "
-          f"{args.rounds} interleaved rounds; latency at concurrency 1, throughput at {args.concurrency}\n")
-    print(f"{'path':<8} {'routing':<8} {'p50 ms':>8} {'p90 ms':>8} {'req/s':>8} {'p50 vs direct':>14} {'req/s vs direct':>16}")
+    print(
+        f"\nqwen3_moe 4 layers, 64 experts, top-8; prompt {args.prompt_len}, {args.max_new_tokens} new tokens; "
+        f"{args.rounds} interleaved rounds; latency at concurrency 1, throughput at {args.concurrency}\n"
+    )
+    print(
+        f"{'path':<8} {'routing':<8} {'p50 ms':>8} {'p90 ms':>8} {'req/s':>8} {'p50 vs direct':>14} {'req/s vs direct':>16}"
+    )
     for name, _, routing in configs:
-        l = sorted(lat1[(name, routing)])
-        p50, p90 = statistics.median(l) * 1e3, l[int(0.9 * (len(l) - 1))] * 1e3
+        lat = sorted(lat1[(name, routing)])
+        p50, p90 = statistics.median(lat) * 1e3, lat[int(0.9 * (len(lat) - 1))] * 1e3
         rps = statistics.median(tput[(name, routing)])
         d50 = statistics.median(lat1[("direct", routing)]) * 1e3
         drps = statistics.median(tput[("direct", routing)])
-        print(f"{name:<8} {'on' if routing else 'off':<8} {p50:>8.1f} {p90:>8.1f} {rps:>8.1f} "
-              f"{p50 / d50:>13.2f}x {rps / drps:>15.2f}x")
+        print(
+            f"{name:<8} {'on' if routing else 'off':<8} {p50:>8.1f} {p90:>8.1f} {rps:>8.1f} "
+            f"{p50 / d50:>13.2f}x {rps / drps:>15.2f}x"
+        )
     return 0
 
 

@@ -39,8 +39,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from rr_client import RoutedExpertsClient
-from rr_client.core.errors import RRError
+from rr_client import RoutedExpertsClient  # noqa: E402 - after the repo is put on sys.path
+from rr_client.core.errors import RRError  # noqa: E402
 
 MODEL_SPEC = {"arch": "qwen3_moe", "num_layers": 3, "num_experts": 16, "topk": 4, "mlp_only_layers": (1,)}
 MOE_LAYERS = [0, 2]
@@ -157,8 +157,10 @@ class Progress:
         """``target: done/total units, seconds, units/s[, RSS]``."""
         secs = time.monotonic() - self.t0
         rss = f", RSS {self.rss:.0f} MiB" if self.rss is not None else ""
-        return (f"{self.target}: {self.done}/{self.total} units, {secs:.0f}s, "
-                f"{self.done / max(secs, 1e-9):.1f} units/s{rss}")
+        return (
+            f"{self.target}: {self.done}/{self.total} units, {secs:.0f}s, "
+            f"{self.done / max(secs, 1e-9):.1f} units/s{rss}"
+        )
 
     def close(self) -> None:
         """Close the bar, or print the last line if the run stopped short of ``total`` (``--duration-limit``)."""
@@ -194,8 +196,9 @@ class Checker:
         if routing is None or self.n % self.every:
             return
         async with self.lock:
-            rows, bad, ties, gap, first = await asyncio.to_thread(compare_with_transformers, self.model_dir, tokens,
-                                                                  routing)
+            rows, bad, ties, gap, first = await asyncio.to_thread(
+                compare_with_transformers, self.model_dir, tokens, routing
+            )
         report.checked_rows += rows
         report.mismatched_sets += bad
         report.near_ties += ties
@@ -204,8 +207,9 @@ class Checker:
             report.first_mismatch = first
 
 
-def compare_with_transformers(model_dir: Path, tokens: list[int], routing: np.ndarray
-                              ) -> tuple[int, int, int, float, str]:
+def compare_with_transformers(
+    model_dir: Path, tokens: list[int], routing: np.ndarray
+) -> tuple[int, int, int, float, str]:
     """``(rows, mismatched sets, near-ties, largest near-tie gap, first mismatch)`` of ``routing`` for ``tokens``.
 
     ``routing`` must have exactly ``len(tokens) - 1`` rows: each missing or extra row counts as a mismatch on
@@ -216,8 +220,8 @@ def compare_with_transformers(model_dir: Path, tokens: list[int], routing: np.nd
     import torch
 
     from rr_client.trainer.router_reference import router_forward
-    from rr_server.doctor.truth import NEAR_TIE
     from rr_server.demo.tiny_moe import load_model
+    from rr_server.doctor.truth import NEAR_TIE
 
     want = len(tokens) - 1
     bad = abs(routing.shape[0] - want) * len(MOE_LAYERS)
@@ -234,20 +238,27 @@ def compare_with_transformers(model_dir: Path, tokens: list[int], routing: np.nd
         for row in np.flatnonzero(differ):
             chosen = probs[row, got[row]]
             worst = float(kth[row] - chosen.min())
-            if got[row].min() >= 0 and got[row].max() < probs.shape[1] and len(set(got[row].tolist())) == k \
-                    and worst < NEAR_TIE:
+            if (
+                got[row].min() >= 0
+                and got[row].max() < probs.shape[1]
+                and len(set(got[row].tolist())) == k
+                and worst < NEAR_TIE
+            ):
                 ties += 1
                 gap = max(gap, worst)
             else:
                 bad += 1
-                first = first or (f"row {row} layer {layer}: vLLM {sorted(got[row].tolist())} vs transformers "
-                                  f"{sorted(ref[row].tolist())} (k-th prob {kth[row]:.6f}, vLLM's lowest "
-                                  f"{chosen.min():.6f})")
+                first = first or (
+                    f"row {row} layer {layer}: vLLM {sorted(got[row].tolist())} vs transformers "
+                    f"{sorted(ref[row].tolist())} (k-th prob {kth[row]:.6f}, vLLM's lowest "
+                    f"{chosen.min():.6f})"
+                )
     return n, bad, ties, gap, first
 
 
-async def _one(client: RoutedExpertsClient, i: int, report: SoakReport, checker: Checker, prompt_tokens: int,
-               max_new: int) -> None:
+async def _one(
+    client: RoutedExpertsClient, i: int, report: SoakReport, checker: Checker, prompt_tokens: int, max_new: int
+) -> None:
     """One unit of the mix: 0 /generate, 1 batched /generate, 2 /v1/completions, 3 a 2-turn trajectory."""
     params = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
     kind = i % 4
@@ -260,8 +271,9 @@ async def _one(client: RoutedExpertsClient, i: int, report: SoakReport, checker:
         for r in batch.results:
             await checker.check(report, [*r.prompt_ids, *r.output_ids], r.routed_experts)
     elif kind == 2:
-        batch = await client.complete(_prompt(i, prompt_tokens), {"max_tokens": max_new, "temperature": 0.0,
-                                                                  "ignore_eos": True})
+        batch = await client.complete(
+            _prompt(i, prompt_tokens), {"max_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
+        )
         for r in batch.results:
             await checker.check(report, [*r.prompt_ids, *r.output_ids], r.routed_experts)
     else:
@@ -272,10 +284,24 @@ async def _one(client: RoutedExpertsClient, i: int, report: SoakReport, checker:
         await checker.check(report, list(traj.input_ids), traj.routed_experts)
 
 
-async def soak(url: str, model_dir: Path, *, target: str, requests: int, concurrency: int, prompt_tokens: int,
-               max_new: int, disconnect_every: int = 25, check_every: int = 10, timeout: float = 300.0,
-               pids: dict[str, int] | None = None, warmup: int = 32, duration_limit: float | None = None,
-               sample_every: int = 100, progress: Progress | None = None) -> SoakReport:
+async def soak(
+    url: str,
+    model_dir: Path,
+    *,
+    target: str,
+    requests: int,
+    concurrency: int,
+    prompt_tokens: int,
+    max_new: int,
+    disconnect_every: int = 25,
+    check_every: int = 10,
+    timeout: float = 300.0,
+    pids: dict[str, int] | None = None,
+    warmup: int = 32,
+    duration_limit: float | None = None,
+    sample_every: int = 100,
+    progress: Progress | None = None,
+) -> SoakReport:
     """Run the mix against ``url``; every unit ends ok, disconnected (by us), or with its error counted by type.
 
     ``pids``: process name -> pid whose process tree's RSS is read at start, after the ``warmup`` units, every
@@ -323,8 +349,9 @@ async def soak(url: str, model_dir: Path, *, target: str, requests: int, concurr
                     import traceback
 
                     report.errors[f"untyped {type(e).__name__}"] += 1
-                    report.first_error.setdefault(f"untyped {type(e).__name__}",
-                                                  f"request {i} (kind {i % 4}): " + traceback.format_exc(limit=-6))
+                    report.first_error.setdefault(
+                        f"untyped {type(e).__name__}", f"request {i} (kind {i % 4}): " + traceback.format_exc(limit=-6)
+                    )
                 done[0] += 1
                 sampled = None
                 if pids and sample_every and done[0] % sample_every == 0:
@@ -346,22 +373,36 @@ async def soak(url: str, model_dir: Path, *, target: str, requests: int, concurr
 
 def table(reports: list[SoakReport]) -> str:
     """Markdown tables of the runs: outcomes, then resident memory per process."""
-    rows = [("| target | units | ok | disconnected | errors | hung | sampled rows vs transformers | mismatched sets "
-             "| near-ties (largest gap) | units/s |"), "|" + "---|" * 10]
+    rows = [
+        (
+            "| target | units | ok | disconnected | errors | hung | sampled rows vs transformers | mismatched sets "
+            "| near-ties (largest gap) | units/s |"
+        ),
+        "|" + "---|" * 10,
+    ]
     for r in reports:
         errs = ", ".join(f"{k} {v}" for k, v in r.errors.items()) or "0"
-        rows.append(f"| {r.target} | {r.requests}{' (time limit)' if r.stopped_at_limit else ''} | {r.ok} "
-                    f"| {r.disconnected} | {errs} | {r.hung} | {r.checked_rows:,} | {r.mismatched_sets} "
-                    f"| {r.near_ties} ({r.max_tie_gap:.1e}) | {r.requests / max(r.seconds, 1e-9):.1f} |")
-    rows += ["", "| target | process (tree) | RSS MiB start | after warm-up | end | growth after warm-up |",
-             "|" + "---|" * 6]
+        rows.append(
+            f"| {r.target} | {r.requests}{' (time limit)' if r.stopped_at_limit else ''} | {r.ok} "
+            f"| {r.disconnected} | {errs} | {r.hung} | {r.checked_rows:,} | {r.mismatched_sets} "
+            f"| {r.near_ties} ({r.max_tie_gap:.1e}) | {r.requests / max(r.seconds, 1e-9):.1f} |"
+        )
+    rows += [
+        "",
+        "| target | process (tree) | RSS MiB start | after warm-up | end | growth after warm-up |",
+        "|" + "---|" * 6,
+    ]
     for r in reports:
         for proc, st in r.rss_mb.items():
-            rows.append(f"| {r.target} | {proc} | {st.get('start', 0):.0f} | {st.get('warm-up', 0):.0f} "
-                        f"| {st.get('end', 0):.0f} | {r.growth(proc):+.2f}% |")
+            rows.append(
+                f"| {r.target} | {proc} | {st.get('start', 0):.0f} | {st.get('warm-up', 0):.0f} "
+                f"| {st.get('end', 0):.0f} | {r.growth(proc):+.2f}% |"
+            )
         if len(r.rss_mb) > 1:
-            rows.append(f"| {r.target} | all | {r.total_rss('start'):.0f} | {r.total_rss('warm-up'):.0f} "
-                        f"| {r.total_rss('end'):.0f} | {r.growth():+.2f}% |")
+            rows.append(
+                f"| {r.target} | all | {r.total_rss('start'):.0f} | {r.total_rss('warm-up'):.0f} "
+                f"| {r.total_rss('end'):.0f} | {r.growth():+.2f}% |"
+            )
     return "\n".join(rows)
 
 
@@ -379,15 +420,24 @@ def plot_memory(reports: list[SoakReport], path: Path, *, title: str = "") -> Pa
         points += r.samples
         if not points:
             continue
-        ax.plot([n for n, _ in points], [mb for _, mb in points], marker=".", label=f"{r.target} ({r.growth():+.1f}% "
-                "after warm-up)")
+        ax.plot(
+            [n for n, _ in points],
+            [mb for _, mb in points],
+            marker=".",
+            label=f"{r.target} ({r.growth():+.1f}% after warm-up)",
+        )
     warmups = {r.warmup for r in reports if r.warmup}
     for w in warmups:
         ax.axvline(w, color="grey", linestyle=":", linewidth=1)
     if warmups:
-        ax.text(min(warmups), 0.02, " end of warm-up", color="grey", fontsize="small", transform=ax.get_xaxis_transform())
-    ax.set(xlabel="units done (requests, batches, trajectories)", ylabel="resident memory, MiB (process trees)",
-           title=title or "soak: resident memory of each target")
+        ax.text(
+            min(warmups), 0.02, " end of warm-up", color="grey", fontsize="small", transform=ax.get_xaxis_transform()
+        )
+    ax.set(
+        xlabel="units done (requests, batches, trajectories)",
+        ylabel="resident memory, MiB (process trees)",
+        title=title or "soak: resident memory of each target",
+    )
     ax.title.set_fontsize("medium")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
@@ -402,25 +452,35 @@ class Targets:
     """The two targets: rr-patched vLLM, and the sidecar in front of an unpatched vLLM (processes, loopback)."""
 
     def __init__(self, model_dir: Path, max_model_len: int, log_dir: Path) -> None:
-        from rr_server.launch.vllm import build_command, is_cpu_platform
         from rr_server.launch.process import free_port
+        from rr_server.launch.vllm import build_command, is_cpu_platform
 
         self.model_dir, self.log_dir = model_dir, log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
-        base = ["--model", str(model_dir), "--host", "127.0.0.1", "--max-model-len", str(max_model_len),
-                "--served-model-name", "soak"]
+        base = [
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--max-model-len",
+            str(max_model_len),
+            "--served-model-name",
+            "soak",
+        ]
         self.patched_port, self.vanilla_port, self.sidecar_port = free_port(), free_port(), free_port()
         env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
-        self.patched = self._spawn([sys.executable, "-m", "rr_server.cli", "launch", "vllm", *base, "--port",
-                                    str(self.patched_port)], env, "patched.log")
+        self.patched = self._spawn(
+            [sys.executable, "-m", "rr_server.cli", "launch", "vllm", *base, "--port", str(self.patched_port)],
+            env,
+            "patched.log",
+        )
         vanilla_cmd, _ = build_command([*base, "--port", str(self.vanilla_port)], cpu=is_cpu_platform())
         self.vanilla = self._spawn(vanilla_cmd, {**env, "VLLM_PLUGINS": "", "RR_ENABLE": "0"}, "vanilla.log")
         self.sidecar: subprocess.Popen[bytes] | None = None
 
     def _spawn(self, cmd: list[str], env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
         with open(self.log_dir / log, "ab") as fh:
-            return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                    start_new_session=True)
+            return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
 
     @property
     def patched_url(self) -> str:
@@ -437,9 +497,24 @@ class Targets:
         wait_healthy(self.patched_url, self.patched, self.log_dir / "patched.log", timeout)
         vanilla_url = f"http://127.0.0.1:{self.vanilla_port}"
         wait_healthy(vanilla_url, self.vanilla, self.log_dir / "vanilla.log", timeout)
-        self.sidecar = self._spawn([sys.executable, "-m", "rr_server.cli", "proxy", "--upstream", vanilla_url,
-                                    "--engine", "vllm", "--port", str(self.sidecar_port), "--model-path",
-                                    str(self.model_dir)], dict(os.environ), "sidecar.log")
+        self.sidecar = self._spawn(
+            [
+                sys.executable,
+                "-m",
+                "rr_server.cli",
+                "proxy",
+                "--upstream",
+                vanilla_url,
+                "--engine",
+                "vllm",
+                "--port",
+                str(self.sidecar_port),
+                "--model-path",
+                str(self.model_dir),
+            ],
+            dict(os.environ),
+            "sidecar.log",
+        )
         wait_healthy(self.sidecar_url, self.sidecar, self.log_dir / "sidecar.log", 120)
 
     def stop(self) -> None:
@@ -455,15 +530,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=2000, help="units per target, after the warm-up")
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--tokens", "--prompt-tokens", dest="tokens", type=int, default=3072,
-                   help="prompt length of a single /generate or completion (batched: 1/2 and 1/3 of it)")
+    p.add_argument(
+        "--tokens",
+        "--prompt-tokens",
+        dest="tokens",
+        type=int,
+        default=3072,
+        help="prompt length of a single /generate or completion (batched: 1/2 and 1/3 of it)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--warmup", type=int, default=200, help="units per target before the 'after warm-up' RSS")
     p.add_argument("--disconnect-every", type=int, default=25)
     p.add_argument("--check-every", type=int, default=10, help="compare every Nth answer with transformers")
-    p.add_argument("--duration-limit", type=float, default=1800, help="seconds per target at most (then it stops "
-                   "starting units)")
+    p.add_argument(
+        "--duration-limit", type=float, default=1800, help="seconds per target at most (then it stops starting units)"
+    )
     p.add_argument("--model-dir", default=str(REPO / ".cache" / "bench-soak-qwen3-moe"))
     p.add_argument("--sample-every", type=int, default=100, help="read the memory every N units")
     p.add_argument("--progress-every", type=int, default=100, help="without a terminal: a progress line every N units")
@@ -482,39 +564,70 @@ def main(argv: list[str] | None = None) -> int:
     try:
         targets.wait()
         assert targets.sidecar is not None
-        for name, url, pids in (("patched vLLM", targets.patched_url,
-                                 {"rr-server launch vllm (launcher, API server, EngineCore)": targets.patched.pid}),
-                                ("sidecar + unpatched vLLM", targets.sidecar_url,
-                                 {"rr-server proxy": targets.sidecar.pid,
-                                  "unpatched vLLM (API server, EngineCore)": targets.vanilla.pid})):
+        for name, url, pids in (
+            (
+                "patched vLLM",
+                targets.patched_url,
+                {"rr-server launch vllm (launcher, API server, EngineCore)": targets.patched.pid},
+            ),
+            (
+                "sidecar + unpatched vLLM",
+                targets.sidecar_url,
+                {
+                    "rr-server proxy": targets.sidecar.pid,
+                    "unpatched vLLM (API server, EngineCore)": targets.vanilla.pid,
+                },
+            ),
+        ):
             progress = Progress(name, a.warmup + a.requests, every=a.progress_every)
             try:
-                reports.append(asyncio.run(soak(
-                    url, model, target=name, requests=a.requests, concurrency=a.concurrency, prompt_tokens=a.tokens,
-                    max_new=a.max_new_tokens, disconnect_every=a.disconnect_every, check_every=a.check_every,
-                    pids=pids, warmup=a.warmup, duration_limit=a.duration_limit, sample_every=a.sample_every,
-                    progress=progress)))
+                reports.append(
+                    asyncio.run(
+                        soak(
+                            url,
+                            model,
+                            target=name,
+                            requests=a.requests,
+                            concurrency=a.concurrency,
+                            prompt_tokens=a.tokens,
+                            max_new=a.max_new_tokens,
+                            disconnect_every=a.disconnect_every,
+                            check_every=a.check_every,
+                            pids=pids,
+                            warmup=a.warmup,
+                            duration_limit=a.duration_limit,
+                            sample_every=a.sample_every,
+                            progress=progress,
+                        )
+                    )
+                )
             finally:
                 progress.close()
             print(f"{name}: done in {reports[-1].seconds:.0f}s", flush=True)
     finally:
         targets.stop()
     spec = ", ".join(f"{k}={v}" for k, v in MODEL_SPEC.items())
-    print(f"\ntiny MoE ({spec}), max-model-len {a.max_model_len}; prompts ~{a.tokens} tokens, {a.max_new_tokens} new "
-          f"per turn; {a.warmup} warm-up units, then up to {a.requests} per target; concurrency {a.concurrency}; every "
-          f"{a.disconnect_every}th client leaves mid-request; every {a.check_every}th answer vs transformers; "
-          f"{os.cpu_count()} CPUs\n")
+    print(
+        f"\ntiny MoE ({spec}), max-model-len {a.max_model_len}; prompts ~{a.tokens} tokens, {a.max_new_tokens} new "
+        f"per turn; {a.warmup} warm-up units, then up to {a.requests} per target; concurrency {a.concurrency}; every "
+        f"{a.disconnect_every}th client leaves mid-request; every {a.check_every}th answer vs transformers; "
+        f"{os.cpu_count()} CPUs\n"
+    )
     print(table(reports))
     for r in reports:
-        print(f"\n{r.target}: RSS MiB (all processes) every {a.sample_every} units: "
-              + ", ".join(f"{n}: {mb:.0f}" for n, mb in r.samples))
+        print(
+            f"\n{r.target}: RSS MiB (all processes) every {a.sample_every} units: "
+            + ", ".join(f"{n}: {mb:.0f}" for n, mb in r.samples)
+        )
         for kind, msg in r.first_error.items():
             print(f"\n{r.target}: first {kind}:\n{msg}")
         if r.first_mismatch:
             print(f"\n{r.target}: first mismatch: {r.first_mismatch}")
     if a.plot:
-        title = (f"soak: tiny {MODEL_SPEC['arch']} ({MODEL_SPEC['num_experts']} experts, top-{MODEL_SPEC['topk']}), "
-                 f"prompts ~{a.tokens} tokens, concurrency {a.concurrency}")
+        title = (
+            f"soak: tiny {MODEL_SPEC['arch']} ({MODEL_SPEC['num_experts']} experts, top-{MODEL_SPEC['topk']}), "
+            f"prompts ~{a.tokens} tokens, concurrency {a.concurrency}"
+        )
         print(f"\nmemory plot: {plot_memory(reports, Path(a.plot), title=title)}")
     bad = sum(sum(r.errors.values()) + r.mismatched_sets + r.hung for r in reports)
     return 1 if bad else 0

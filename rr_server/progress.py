@@ -42,7 +42,7 @@ def _lines_at_end(path: Path | None, size: int) -> list[str]:
             raw = f.read().decode(errors="replace").split("\n")
     except OSError:
         return []
-    lines = [_ANSI.sub("", line).rsplit("\r", 1)[-1].rstrip() for line in raw[1 if start else 0:]]
+    lines = [_ANSI.sub("", line).rsplit("\r", 1)[-1].rstrip() for line in raw[1 if start else 0 :]]
     while lines and not lines[-1]:
         lines.pop()
     return lines
@@ -83,14 +83,19 @@ class Steps:
         """Start drawing (re-entrant: a helper given running steps may enter them again)."""
         self._depth += 1
         if self.live and self._progress is None:
-            self._progress = Progress(SpinnerColumn(), TimeElapsedColumn(),
-                                      TextColumn("{task.description}", markup=False),
-                                      console=self.console, transient=True)
+            self._progress = Progress(
+                SpinnerColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}", markup=False),
+                console=self.console,
+                transient=True,
+            )
             self._progress.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._depth -= 1
         if self._depth == 0 and self._progress is not None:
             self._progress.stop()

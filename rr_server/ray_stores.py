@@ -19,19 +19,28 @@ def _line(s: dict[str, Any]) -> str:
         return f"{s['name']}  {s['state']}" + (f" ({s['why']})" if s.get("why") else "")
     e = s.get("engine", {})
     age = time.time() - float(e.get("started", time.time()))
-    return (f"{s['name']}  live  engine {e.get('host')} pid {e.get('pid')} up {age:.0f}s  entries {s['entries']}  "
-            f"bytes {s['bytes']}/{s['max_bytes']}  weight_version {s['weight_version']}")
+    return (
+        f"{s['name']}  live  engine {e.get('host')} pid {e.get('pid')} up {age:.0f}s  entries {s['entries']}  "
+        f"bytes {s['bytes']}/{s['max_bytes']}  weight_version {s['weight_version']}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """List the store actors; ``--remove NAME`` / ``--remove-leftovers`` (legacy or unreachable) kill them."""
-    p = argparse.ArgumentParser(prog="rr-server ray-stores", description=(
-        "List the Ray routing store actors (RR_ROUTING_STORE=ray) on a cluster and remove leftovers: a store goes "
-        "away with its engine, but rr before 0.1 made one detached store per node that nothing removed."))
+    p = argparse.ArgumentParser(
+        prog="rr-server ray-stores",
+        description=(
+            "List the Ray routing store actors (RR_ROUTING_STORE=ray) on a cluster and remove leftovers: a store goes "
+            "away with its engine, but rr before 0.1 made one detached store per node that nothing removed."
+        ),
+    )
     p.add_argument("--address", help="the Ray cluster (default: RR_RAY_ADDRESS, else auto)")
     p.add_argument("--remove", nargs="+", default=[], metavar="NAME", help="kill these store actors")
-    p.add_argument("--remove-leftovers", action="store_true",
-                   help="kill every store that is legacy (a detached per-node store of rr before 0.1) or unreachable")
+    p.add_argument(
+        "--remove-leftovers",
+        action="store_true",
+        help="kill every store that is legacy (a detached per-node store of rr before 0.1) or unreachable",
+    )
     p.add_argument("--json", action="store_true", help="print the list as JSON")
     args = p.parse_args(list(argv or []))
     from rr_server.serving.store.ray import list_stores, remove_stores

@@ -54,13 +54,18 @@ def check_sglang_shapes(profile: ReleaseFacts) -> None:
 
     routing = (profile.field, "prompt_tokens", "completion_tokens")
     check_shapes(
-        Shape(TokenizerManager, {name: _PARAMS[name] for name in TARGETS},
-              coroutines={"_handle_batch_output": profile.handle_is_async}),
+        Shape(
+            TokenizerManager,
+            {name: _PARAMS[name] for name in TARGETS},
+            coroutines={"_handle_batch_output": profile.handle_is_async},
+        ),
         Shape(io_struct.BatchTokenIDOutput, fields=routing),
         Shape(io_struct.BatchStrOutput, fields=routing),
         Shape(io_struct.TokenizedGenerateReqInput, fields=("return_routed_experts",)),
         Shape(ReqState, fields=("out_list",)),
-        what=f"SGLang {profile.version}", error=_refusal(profile.version))
+        what=f"SGLang {profile.version}",
+        error=_refusal(profile.version),
+    )
 
 
 def _around(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -85,8 +90,14 @@ def _around(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable
     return factory
 
 
-def wrap_hook(owner: type, name: str, hook: Callable[..., Any], *, version: str,
-              params: list[str] | Sequence[list[str]] | None = None) -> bool:
+def wrap_hook(
+    owner: type,
+    name: str,
+    hook: Callable[..., Any],
+    *,
+    version: str,
+    params: list[str] | Sequence[list[str]] | None = None,
+) -> bool:
     """Install ``hook`` AROUND ``owner.name`` once (:func:`rr_client.core.patching.wrap_once`); True when wrapped now.
 
     A missing method or one of another shape is UnsupportedSGLangError (what the launcher and SGLang's plugin
@@ -141,8 +152,13 @@ def _apply_detokenizer(profile: ReleaseFacts) -> None:
 
     from rr_patches.sglang.detok import DETOK_METHOD, around_handle_batch_token_id_out
 
-    wrap_hook(DetokenizerManager, DETOK_METHOD, around_handle_batch_token_id_out, version=profile.version,
-              params=["self", "recv_obj"])
+    wrap_hook(
+        DetokenizerManager,
+        DETOK_METHOD,
+        around_handle_batch_token_id_out,
+        version=profile.version,
+        params=["self", "recv_obj"],
+    )
 
 
 def install_for_launcher() -> str:

@@ -46,6 +46,12 @@ def apply_item_start_fix(profile: ReleaseFacts) -> bool:
         return False
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    wrap_once(GenerateReqInput, "__getitem__", _copies_start, params=["self", "i"], what=f"SGLang {profile.version}",
-              error=functools.partial(UnsupportedSGLangError, package="sglang", version=profile.version))
+    wrap_once(
+        GenerateReqInput,
+        "__getitem__",
+        _copies_start,
+        params=["self", "i"],
+        what=f"SGLang {profile.version}",
+        error=functools.partial(UnsupportedSGLangError, package="sglang", version=profile.version),
+    )
     return True

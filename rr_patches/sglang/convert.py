@@ -25,8 +25,10 @@ def checked_value(value: Any, info: RRInfo, *, rows: int, start: int = 0, slice_
     return check_payload(value, info, rows=rows, start=start, drop_rows=start if slice_start and start > 0 else 0)
 
 
-def wire_fields(value: Any, info: RRInfo, *, rows: int, start: int = 0, slice_start: bool = False,
-                fmt: str = "npy") -> dict[str, Any]:
+def wire_fields(
+    value: Any, info: RRInfo, *, rows: int, start: int = 0, slice_start: bool = False, fmt: str = "npy"
+) -> dict[str, Any]:
     """rr ``meta_info`` fields of :func:`checked_value` in ``fmt`` (``"npy"``, rr's; ``"sglang"``, headerless int32)."""
-    return routing_meta_fields(checked_value(value, info, rows=rows, start=start, slice_start=slice_start), fmt,
-                               store=current_store())
+    return routing_meta_fields(
+        checked_value(value, info, rows=rows, start=start, slice_start=slice_start), fmt, store=current_store()
+    )

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import pybase64
 
-
 __all__ = ["DETOK_PATH", "DETOK_METHOD", "around_handle_batch_token_id_out", "compact_payload"]
 
 logger = logging.getLogger("rr.sglang")
@@ -38,8 +37,12 @@ def compact_payload(tensor: Any) -> str:
         lo, hi = int(arr.min()), int(arr.max())
         if lo >= 0 and hi < 65536:
             buf = io.BytesIO()
-            np.lib.format.write_array(buf, np.ascontiguousarray(arr, dtype=np.uint8 if hi < 256 else "<u2"),
-                                      version=(1, 0), allow_pickle=False)
+            np.lib.format.write_array(
+                buf,
+                np.ascontiguousarray(arr, dtype=np.uint8 if hi < 256 else "<u2"),
+                version=(1, 0),
+                allow_pickle=False,
+            )
             return pybase64.b64encode(buf.getbuffer()).decode("ascii")
         logger.debug("rr: detokenizer leaves routing as SGLang's int32: ids in [%d, %d]", lo, hi)
     return pybase64.b64encode(np.ascontiguousarray(arr).tobytes()).decode("ascii")

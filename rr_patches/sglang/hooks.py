@@ -17,15 +17,15 @@ from rr_client.core.errors import (
     RoutedExpertsError,
     ShapeMismatchError,
 )
-from rr_patches.sglang.convert import checked_value
 from rr_client.core.provenance import PROVENANCE_FIELD
+from rr_patches.sglang.convert import checked_value
 from rr_patches.sglang.openai import Collector, collector, requested_format
 from rr_patches.sglang.provenance import batch_provenance, with_digest
 from rr_patches.sglang.routes import bind_tokenizer_manager
 from rr_patches.sglang.state import RRState, rr_enabled, state_of
 from rr_server.serving.routing_metrics import count_sample
-from rr_server.serving.store import current_store, refs_made_under
 from rr_server.serving.routing_metrics import declare as declare_counters
+from rr_server.serving.store import current_store, refs_made_under
 
 __all__ = ["around_handle_batch_output", "around_send", "around_init", "ALWAYS_ENV", "always_return_routing"]
 
@@ -110,9 +110,14 @@ def _ids(ids: Any) -> list[int] | None:
 class _RRList(list):  # type: ignore[type-arg]
     """``ReqState.out_list`` stand-in: rewrites routing in each appended answer before anyone can read it."""
 
-    def __init__(self, items: Any, fields: dict[str, Any] | None,
-                 collect: tuple[Collector, str] | None = None, checked: CheckedRouting | None = None,
-                 provenance: tuple[dict[str, Any], list[int] | None, Any] | None = None) -> None:
+    def __init__(
+        self,
+        items: Any,
+        fields: dict[str, Any] | None,
+        collect: tuple[Collector, str] | None = None,
+        checked: CheckedRouting | None = None,
+        provenance: tuple[dict[str, Any], list[int] | None, Any] | None = None,
+    ) -> None:
         super().__init__(items)
         self.rr_fields = fields  # None: strip routing (the caller did not ask)
         self.collect = collect  # an OpenAI request's collector and this answer's rid
@@ -140,8 +145,9 @@ class _RRList(list):  # type: ignore[type-arg]
         super().append(out)
 
 
-def _answer_fields(st: RRState, value: Any, *, rows: int, start: int,
-                   fmt: str | None) -> tuple[dict[str, Any], CheckedRouting | None]:
+def _answer_fields(
+    st: RRState, value: Any, *, rows: int, start: int, fmt: str | None
+) -> tuple[dict[str, Any], CheckedRouting | None]:
     """rr fields for one answer that asked, and its checked routing; an error marker (logged) when refused."""
     try:
         if st.info is None:
@@ -204,8 +210,9 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
             if col is None:  # an OpenAI request's choices are counted when rr finishes its answer
                 count_sample(fields)
         prov = (batch_provenance(recv_obj, i, st.epoch, mark), prompt, state) if finished else None
-        state.out_list = _RRList(state.out_list, fields, (col, rid) if finished and col is not None else None, checked,
-                                 prov)
+        state.out_list = _RRList(
+            state.out_list, fields, (col, rid) if finished and col is not None else None, checked, prov
+        )
     if values:
         setattr(recv_obj, field, None)
 

@@ -27,10 +27,18 @@ from typing import Any
 from rr_client.core.codec import CheckedRouting, check_format
 from rr_client.core.errors import ConfigurationError
 from rr_client.core.provenance import PROVENANCE_FIELD
-from rr_server.serving.weight_epoch import WeightEpoch, WeightUpdateMiddleware
-from rr_server.serving.http import PostBodyMiddleware, Receive, Scope, Send, error_body, replay_receive, send_json
-from rr_server.serving.http import with_body
+from rr_server.serving.http import (
+    PostBodyMiddleware,
+    Receive,
+    Scope,
+    Send,
+    error_body,
+    replay_receive,
+    send_json,
+    with_body,
+)
 from rr_server.serving.openai_middleware import install_openai_routing
+from rr_server.serving.weight_epoch import WeightEpoch, WeightUpdateMiddleware
 
 __all__ = [
     "Collector",
@@ -45,7 +53,7 @@ __all__ = [
 _GENERATE_PATHS = ("/generate",)
 _FORMAT_KEY = b"routed_experts_format"
 _FORMAT: contextvars.ContextVar[str | None] = contextvars.ContextVar("rr_routed_experts_format", default=None)
-_COLLECTOR: contextvars.ContextVar["Collector | None"] = contextvars.ContextVar("rr_openai_collector", default=None)
+_COLLECTOR: contextvars.ContextVar[Collector | None] = contextvars.ContextVar("rr_openai_collector", default=None)
 
 
 @dataclass
@@ -117,7 +125,7 @@ def fill_answer(answer: Any, col: Collector) -> list[CheckedRouting | str | None
     if not isinstance(choices, list) or not choices or len(col.rids) < len(choices):
         return None
     found: list[CheckedRouting | str | None] = []
-    for choice, rid in zip(choices, col.rids[-len(choices):]):
+    for choice, rid in zip(choices, col.rids[-len(choices) :]):
         found.append(col.routing.get(rid))
         if not isinstance(choice, dict):
             continue
@@ -169,9 +177,9 @@ def install_http(app: Any, info: Callable[[Any], Any], epoch: WeightEpoch | None
     if getattr(app, "middleware_stack", None) is not None:
         raise ConfigurationError(
             "rr: SGLang's HTTP app started before its TokenizerManager was built (multi-tokenizer/granian "
-            "worker?); rr cannot add its /generate and OpenAI routing there. Run one tokenizer worker.")
+            "worker?); rr cannot add its /generate and OpenAI routing there. Run one tokenizer worker."
+        )
     app.add_middleware(GenerateFormatMiddleware)
     if epoch is not None:
         app.add_middleware(WeightUpdateMiddleware, epoch=epoch)
     install_openai_routing(app, engine="sglang", info=info, native=collecting)
-

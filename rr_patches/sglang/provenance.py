@@ -53,10 +53,14 @@ def batch_provenance(recv_obj: Any, i: int, epoch: WeightEpoch, mark: WeightMark
     cached = _count(_at(recv_obj, "cached_tokens", i)) or 0
     admitted, finished, during = weights_since(epoch, mark)
     during = during or sglang_spans_update(_at(recv_obj, "weight_versions", i))
-    return Provenance(cached_tokens=cached, cache_tier=cache_tier(_at(recv_obj, "cached_tokens_details", i), cached),
-                      preemptions=_count(_at(recv_obj, "retraction_counts", i)),
-                      weight_version_admitted=admitted, weight_version_finished=finished,
-                      weight_update_during=during).to_dict()
+    return Provenance(
+        cached_tokens=cached,
+        cache_tier=cache_tier(_at(recv_obj, "cached_tokens_details", i), cached),
+        preemptions=_count(_at(recv_obj, "retraction_counts", i)),
+        weight_version_admitted=admitted,
+        weight_version_finished=finished,
+        weight_update_during=during,
+    ).to_dict()
 
 
 def with_digest(prov: dict[str, Any], prompt_ids: Sequence[int] | None, output_ids: Any) -> dict[str, Any]:

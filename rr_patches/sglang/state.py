@@ -6,9 +6,9 @@ import logging
 from typing import Any
 
 from rr_client.core.info import RRInfo
-from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 from rr_server.serving.engines import ReleaseFacts
 from rr_server.serving.engines.sglang import logprobs_mode, profile_for
+from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
 __all__ = ["RRState", "state_of", "rr_enabled"]
 

@@ -20,9 +20,17 @@ from typing import Any
 
 from rr_client.core.errors import ConfigurationError
 
-__all__ = ["RR_PREFIXES", "DEV_MODE_PATHS", "ENGINE_CONTROL_PATHS", "vllm_api_keys", "dev_route_paths",
-           "engine_route_paths", "guarded_paths",
-           "protect_rr_routes", "UnprotectedRoutesError"]
+__all__ = [
+    "RR_PREFIXES",
+    "DEV_MODE_PATHS",
+    "ENGINE_CONTROL_PATHS",
+    "vllm_api_keys",
+    "dev_route_paths",
+    "engine_route_paths",
+    "guarded_paths",
+    "protect_rr_routes",
+    "UnprotectedRoutesError",
+]
 
 logger = logging.getLogger("rr.vllm")
 # Every route rr adds to vLLM's app lives under one of these.
@@ -30,26 +38,50 @@ RR_PREFIXES = ("/generate", "/rr/")
 # The routes vLLM 0.30-0.33 serve only with VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/serve/dev/*, and from
 # 0.32 vllm/entrypoints/rl/online, which took over the weight-transfer routes): none under vLLM's prefixes.
 DEV_MODE_PATHS = (
-    "/collective_rpc", "/server_info",
-    "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache",
-    "/sleep", "/wake_up", "/is_sleeping", "/release_kv_cache_memory",
-    "/pause", "/resume", "/abort_requests", "/is_paused",
-    "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine", "/start_weight_update",
-    "/start_draft_weight_update", "/update_weights", "/finish_weight_update", "/update_weight_version",
-    "/weight_info", "/weight_checker", "/get_world_size",
+    "/collective_rpc",
+    "/server_info",
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/reset_encoder_cache",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/release_kv_cache_memory",
+    "/pause",
+    "/resume",
+    "/abort_requests",
+    "/is_paused",
+    "/init_weight_transfer_engine",
+    "/shutdown_weight_transfer_engine",
+    "/start_weight_update",
+    "/start_draft_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/update_weight_version",
+    "/weight_info",
+    "/weight_checker",
+    "/get_world_size",
 )
 # Routes that change the engine outside dev mode, served open by vLLM (none under its prefixes): elastic EP
 # scaling, the profiler (with --profiler-config), fault tolerance (with --enable-fault-tolerance) and SageMaker's
 # LoRA adapter routes (/adapters, with VLLM_ALLOW_RUNTIME_LORA_UPDATING). Read from vLLM 0.30's app.
 ENGINE_CONTROL_PATHS = (
-    "/scale_elastic_ep", "/is_scaling_elastic_ep", "/start_profile", "/stop_profile", "/fault_tolerance/",
+    "/scale_elastic_ep",
+    "/is_scaling_elastic_ep",
+    "/start_profile",
+    "/stop_profile",
+    "/fault_tolerance/",
     "/adapters",
 )
 # Modules whose routes exist only in dev mode: a route a later vLLM adds there is guarded too.
 _DEV_MODULES = ("vllm.entrypoints.serve.dev.", "vllm.entrypoints.rl.")
 # Modules whose routes drive the engine (scaling, profiling, fault tolerance, adapters): guarded the same way.
-_ENGINE_MODULES = ("vllm.entrypoints.serve.elastic_ep.", "vllm.entrypoints.serve.profile.",
-                   "vllm.entrypoints.serve.fault_tolerance.", "vllm.entrypoints.serve.lora.")
+_ENGINE_MODULES = (
+    "vllm.entrypoints.serve.elastic_ep.",
+    "vllm.entrypoints.serve.profile.",
+    "vllm.entrypoints.serve.fault_tolerance.",
+    "vllm.entrypoints.serve.lora.",
+)
 _AUTH_MODULE = "vllm.entrypoints.serve.middleware.authenticate"
 
 
@@ -127,8 +159,9 @@ def _probe_paths(extra: tuple[str, ...]) -> tuple[str, ...]:
     return tuple("/rr/info" if p == "/rr/" else p for p in guarded_paths(extra))
 
 
-async def _probe(middleware_cls: Any, keys: list[str], kwargs_name: str,
-                 paths: tuple[str, ...]) -> dict[tuple[str, str], int]:
+async def _probe(
+    middleware_cls: Any, keys: list[str], kwargs_name: str, paths: tuple[str, ...]
+) -> dict[tuple[str, str], int]:
     """Drive one instance of the middleware over ``paths``: no key, a wrong key, the first real key."""
     statuses: dict[tuple[str, str], int] = {}
 
@@ -144,14 +177,20 @@ async def _probe(middleware_cls: Any, keys: list[str], kwargs_name: str,
 
             async def send(msg: Any) -> None:
                 if msg["type"] == "http.response.start":
-                    sent.append(int(msg["status"]))
+                    sent.append(int(msg["status"]))  # noqa: B023 - awaited in this iteration
 
             async def receive() -> Any:
                 return {"type": "http.request", "body": b"", "more_body": False}
 
             headers = [(b"authorization", header.encode())] if header else []
-            scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": headers,
-                     "query_string": b""}
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "path": path,
+                "root_path": "",
+                "headers": headers,
+                "query_string": b"",
+            }
             await mw(scope, receive, send)
             statuses[(path, label)] = sent[0] if sent else -1
     return statuses
@@ -166,7 +205,8 @@ def _self_test(middleware_cls: Any, keys: list[str], kwargs_name: str, paths: tu
         raise UnprotectedRoutesError(
             f"rr's routes or vLLM's dev-mode or engine-control routes are not protected by {middleware_cls.__name__} "
             "as expected: "
-            f"{bad}; refusing to start")
+            f"{bad}; refusing to start"
+        )
 
 
 def _dev_mode_on() -> bool:
@@ -185,24 +225,29 @@ def protect_rr_routes(app: Any, args: Any) -> str:
     vllm_cls = _extend_vllm_prefixes(dev)
     if not keys:
         if _dev_mode_on():
-            logger.warning("rr: VLLM_SERVER_DEV_MODE=1 without --api-key / VLLM_API_KEY: /collective_rpc and "
-                           "vLLM's other dev-mode routes answer anyone who reaches this server")
+            logger.warning(
+                "rr: VLLM_SERVER_DEV_MODE=1 without --api-key / VLLM_API_KEY: /collective_rpc and "
+                "vLLM's other dev-mode routes answer anyone who reaches this server"
+            )
         return "no --api-key / VLLM_API_KEY: rr routes are open, like vLLM's own"
     paths = _probe_paths(dev)
     if vllm_cls is not None:
         if not any(getattr(m, "cls", None) is vllm_cls for m in app.user_middleware):
             raise UnprotectedRoutesError(
                 "vLLM was given an API key but its AuthenticationMiddleware is not on the app; "
-                "refusing to serve rr's routes and vLLM's dev-mode routes unprotected")
+                "refusing to serve rr's routes and vLLM's dev-mode routes unprotected"
+            )
         _self_test(vllm_cls, keys, "tokens", paths)
-        return ("vLLM's AuthenticationMiddleware (rr prefixes, engine-control and dev-mode paths added to "
-                "GUARDED_PREFIX; self-test passed)")
+        return (
+            "vLLM's AuthenticationMiddleware (rr prefixes, engine-control and dev-mode paths added to "
+            "GUARDED_PREFIX; self-test passed)"
+        )
     from rr_server.serving.auth import ApiKeyMiddleware, ApiKeys
 
     protect = _guard(dev)
     app.add_middleware(ApiKeyMiddleware, keys=ApiKeys.of(keys), protect=protect)
-    _self_test(lambda inner, keys: ApiKeyMiddleware(inner, keys=ApiKeys.of(keys), protect=protect), keys, "keys",
-               paths)
-    logger.warning("rr: vLLM has no %s.GUARDED_PREFIX; rr guards its own and the dev-mode routes with the same "
-                   "keys", _AUTH_MODULE)
+    _self_test(lambda inner, keys: ApiKeyMiddleware(inner, keys=ApiKeys.of(keys), protect=protect), keys, "keys", paths)
+    logger.warning(
+        "rr: vLLM has no %s.GUARDED_PREFIX; rr guards its own and the dev-mode routes with the same keys", _AUTH_MODULE
+    )
     return "rr's ApiKeyMiddleware with vLLM's keys (self-test passed)"

@@ -14,11 +14,11 @@ once vLLM's middleware is on the app).
 
 from __future__ import annotations
 
-from rr_client.core import settings
-from rr_client.core.errors import ConfigurationError
-
 import logging
 from typing import Any
+
+from rr_client.core import settings
+from rr_client.core.errors import ConfigurationError
 
 __all__ = ["RREndpointPlugin", "make_plugin", "ENDPOINT_GROUP"]
 

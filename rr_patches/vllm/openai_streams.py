@@ -25,8 +25,9 @@ from rr_server.serving.weight_epoch import WeightMark, current_epoch
 
 __all__ = ["StreamCollector", "collecting", "wrap_engine_generate", "fill_answer"]
 
-_COLLECTOR: contextvars.ContextVar["StreamCollector | None"] = contextvars.ContextVar(
-    "rr_vllm_stream_collector", default=None)
+_COLLECTOR: contextvars.ContextVar[StreamCollector | None] = contextvars.ContextVar(
+    "rr_vllm_stream_collector", default=None
+)
 
 
 @dataclass
@@ -67,8 +68,9 @@ class StreamCollector:
                 ch.finished = True
                 ch.routing = getattr(out, "routed_experts", None)
                 mark = self.marks[slot]
-                ch.provenance = provenance_of(res, ch.prompt_ids, ch.token_ids, mark, connector=self.connector,
-                                              finish=current_epoch().since(mark)).to_dict()
+                ch.provenance = provenance_of(
+                    res, ch.prompt_ids, ch.token_ids, mark, connector=self.connector, finish=current_epoch().since(mark)
+                ).to_dict()
 
 
 async def _collected(gen: AsyncGenerator[Any, None], col: StreamCollector, slot: int) -> AsyncGenerator[Any, None]:

@@ -9,8 +9,6 @@ checked against.
 
 from __future__ import annotations
 
-from rr_client.core import settings
-
 import importlib
 import logging
 import multiprocessing
@@ -19,6 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from rr_client.core import settings
 from rr_client.core.patching import wrap_once
 from rr_server.serving.engines.vllm import SUPPORTED, UnsupportedVLLMVersion, check_vllm_version, facts_for
 
@@ -60,8 +59,9 @@ def _patch(mod: Any, attr: str, version: str = "") -> bool:
     """
     if getattr(mod, attr, None) is None:
         return False
-    wrap_once(mod, attr, _wrap_build_app, params=["args", ...], what=f"vLLM {version}".strip(),
-              error=UnsupportedVLLMVersion)
+    wrap_once(
+        mod, attr, _wrap_build_app, params=["args", ...], what=f"vLLM {version}".strip(), error=UnsupportedVLLMVersion
+    )
     return True
 
 
@@ -103,8 +103,9 @@ def _rr_endpoint_registered() -> bool:
     """rr's ``vllm.endpoint_plugins`` entry point is installed (an install without it falls back to the wrap)."""
     from importlib.metadata import entry_points
 
-    return any(ep.name == PLUGIN_NAME and ep.value.startswith("rr_patches.")
-               for ep in entry_points(group=ENDPOINT_GROUP))
+    return any(
+        ep.name == PLUGIN_NAME and ep.value.startswith("rr_patches.") for ep in entry_points(group=ENDPOINT_GROUP)
+    )
 
 
 def uses_endpoint_plugin() -> bool:
@@ -138,11 +139,16 @@ def register() -> None:
             raise UnsupportedVLLMVersion(
                 f"vLLM {version} adds rr's /generate and /rr/info through its '{ENDPOINT_GROUP}' plugin, "
                 f"which vLLM loads only when VLLM_PLUGINS names it: set VLLM_PLUGINS={PLUGIN_NAME} "
-                f"(or add {PLUGIN_NAME} to your list)")
+                f"(or add {PLUGIN_NAME} to your list)"
+            )
         _state["registered"] = True
         if top:
-            logger.info("rr: vLLM %s plugin active; /generate and /rr/info come from %s:%s",
-                        version, ENDPOINT_GROUP, PLUGIN_NAME)
+            logger.info(
+                "rr: vLLM %s plugin active; /generate and /rr/info come from %s:%s",
+                version,
+                ENDPOINT_GROUP,
+                PLUGIN_NAME,
+            )
         return
     sites = _install_hooks(import_missing=top, version=version)
     if not sites and not top:

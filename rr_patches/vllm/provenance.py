@@ -35,8 +35,15 @@ def _preemptions(ro: Any) -> int | None:
     return int(n) if isinstance(n, int) and not isinstance(n, bool) else None
 
 
-def provenance_of(ro: Any, prompt_ids: Sequence[int] | None, output_ids: Sequence[int], mark: WeightMark, *,
-                  connector: bool = False, finish: tuple[int, bool] | None = None) -> Provenance:
+def provenance_of(
+    ro: Any,
+    prompt_ids: Sequence[int] | None,
+    output_ids: Sequence[int],
+    mark: WeightMark,
+    *,
+    connector: bool = False,
+    finish: tuple[int, bool] | None = None,
+) -> Provenance:
     """One finished sample's provenance: ``ro`` its RequestOutput, ``mark`` taken at admission, ``finish``
     :meth:`WeightEpoch.since` at its finish (taken now when not given)."""
     cached = int(getattr(ro, "num_cached_tokens", 0) or 0)

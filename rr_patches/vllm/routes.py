@@ -13,8 +13,6 @@ protocol lives in :mod:`rr_server.serving.generate_protocol` and the vLLM transl
 
 from __future__ import annotations
 
-from rr_client.core import settings
-
 import asyncio
 import dataclasses
 import functools
@@ -28,6 +26,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from rr_client.core import settings
 from rr_client.core.codec import routing_error_fields
 from rr_client.core.errors import RoutedExpertsError
 from rr_client.core.info import RRInfo
@@ -49,15 +48,22 @@ from rr_server.serving.openai_middleware import install_openai_routing
 from rr_server.serving.routing_metrics import count_sample
 from rr_server.serving.routing_metrics import declare as declare_counters
 from rr_server.serving.store import STORE_ROUTES, advertised_url, current_store, install_store, refs_made_under
-from rr_server.serving.weight_epoch import WeightMark, current_epoch, install_weight_epoch
 from rr_server.serving.vllm_translate import (
     checked_routing_fields,
     finish_reason_dict,
     to_vllm_sampling_kwargs,
 )
+from rr_server.serving.weight_epoch import WeightMark, current_epoch, install_weight_epoch
 
-__all__ = ["install_routes", "add_rr_routes", "rr_info_dict", "RR_ROUTES", "ALWAYS_ENV", "always_return_routing",
-           "name_store"]
+__all__ = [
+    "install_routes",
+    "add_rr_routes",
+    "rr_info_dict",
+    "RR_ROUTES",
+    "ALWAYS_ENV",
+    "always_return_routing",
+    "name_store",
+]
 
 logger = logging.getLogger("rr.vllm")
 # Give routing to every answer, asked or not: for callers behind a router that drops the flag.
@@ -163,23 +169,38 @@ def _token_logprobs(c: Any) -> list[list[Any]] | None:
     return out
 
 
-def _routing_fields(c: Any, ro: Any, req: NormalizedGenerate, rid: str, info: RRInfo,
-                    version: int | None = None) -> dict[str, Any]:
+def _routing_fields(
+    c: Any, ro: Any, req: NormalizedGenerate, rid: str, info: RRInfo, version: int | None = None
+) -> dict[str, Any]:
     """Checked routing fields of one finished sample (a ref carries ``version``, the engine's weight version at
     admission), or an error marker (logged) when the check fails."""
     try:
         with refs_made_under(version):
-            return checked_routing_fields(getattr(c, "routed_experts", None), info,
-                                          prompt_ids=ro.prompt_token_ids or [], output_ids=c.token_ids,
-                                          start=req.routed_experts_start, fmt=req.routed_experts_format)
+            return checked_routing_fields(
+                getattr(c, "routed_experts", None),
+                info,
+                prompt_ids=ro.prompt_token_ids or [],
+                output_ids=c.token_ids,
+                start=req.routed_experts_start,
+                fmt=req.routed_experts_format,
+            )
     except RoutedExpertsError as e:
         logger.error("rr: request %s: %s: %s; routing withheld", rid, type(e).__name__, e)
         return routing_error_fields(e)
 
 
-def _items_for(ro: Any, req: NormalizedGenerate, i: int, rid: str, t0: float, info: RRInfo | None,
-               final: bool = True, mark: WeightMark | None = None, finish: tuple[int, bool] | None = None,
-               connector: bool = False) -> list[dict[str, Any]]:
+def _items_for(
+    ro: Any,
+    req: NormalizedGenerate,
+    i: int,
+    rid: str,
+    t0: float,
+    info: RRInfo | None,
+    final: bool = True,
+    mark: WeightMark | None = None,
+    finish: tuple[int, bool] | None = None,
+    connector: bool = False,
+) -> list[dict[str, Any]]:
     """SGLang reply entries (one per sample) for the RequestOutput of prompt ``i``; a final one carries its
     provenance (``mark``: the weight epoch at admission, ``finish``: at finish)."""
     items = []
@@ -188,24 +209,29 @@ def _items_for(ro: Any, req: NormalizedGenerate, i: int, rid: str, t0: float, in
     for c in outs:
         sample_rid = rid if n == 1 else f"{rid}-{c.index}"
         fields = None
-        prov = (provenance_of(ro, ro.prompt_token_ids, c.token_ids, mark, connector=connector, finish=finish)
-                if final and mark is not None else None)
+        prov = (
+            provenance_of(ro, ro.prompt_token_ids, c.token_ids, mark, connector=connector, finish=finish)
+            if final and mark is not None
+            else None
+        )
         if req.return_routed_experts and final and info is not None:
             fields = _routing_fields(c, ro, req, sample_rid, info, mark.version if mark is not None else None)
             count_sample(fields)
-        items.append(build_item(
-            rid=sample_rid,
-            text=c.text,
-            output_ids=list(c.token_ids),
-            prompt_tokens=len(ro.prompt_token_ids or []),
-            cached_tokens=int(getattr(ro, "num_cached_tokens", 0) or 0),
-            finish_reason=finish_reason_dict(c.finish_reason, c.stop_reason) if final else None,
-            e2e_latency=time.perf_counter() - t0,
-            routing_fields=fields,
-            prompt_token_ids=ro.prompt_token_ids,
-            output_token_logprobs=_token_logprobs(c) if req.return_logprob[i] else None,
-            provenance=prov.to_dict() if prov is not None else None,
-        ))
+        items.append(
+            build_item(
+                rid=sample_rid,
+                text=c.text,
+                output_ids=list(c.token_ids),
+                prompt_tokens=len(ro.prompt_token_ids or []),
+                cached_tokens=int(getattr(ro, "num_cached_tokens", 0) or 0),
+                finish_reason=finish_reason_dict(c.finish_reason, c.stop_reason) if final else None,
+                e2e_latency=time.perf_counter() - t0,
+                routing_fields=fields,
+                prompt_token_ids=ro.prompt_token_ids,
+                output_token_logprobs=_token_logprobs(c) if req.return_logprob[i] else None,
+                provenance=prov.to_dict() if prov is not None else None,
+            )
+        )
     return items
 
 
@@ -221,10 +247,13 @@ def _start(app: FastAPI, req: NormalizedGenerate) -> tuple[list[Any], list[str],
     base = uuid.uuid4().hex
     for i, (p, sp) in enumerate(zip(req.prompts, req.sampling)):
         if req.return_routed_experts and isinstance(p, list) and req.routed_experts_start > len(p):
-            raise BadRequest(f"routed_experts_start {req.routed_experts_start} is beyond prompt {i} "
-                             f"({len(p)} tokens); it must be <= the prompt length")
-        kw = to_vllm_sampling_kwargs(sp, routed_experts_start=req.routed_experts_start,
-                                     return_logprob=req.return_logprob[i])
+            raise BadRequest(
+                f"routed_experts_start {req.routed_experts_start} is beyond prompt {i} "
+                f"({len(p)} tokens); it must be <= the prompt length"
+            )
+        kw = to_vllm_sampling_kwargs(
+            sp, routed_experts_start=req.routed_experts_start, return_logprob=req.return_logprob[i]
+        )
         try:
             params = SamplingParams(output_kind=kind, **kw)
         except (ValueError, TypeError) as e:
@@ -292,8 +321,9 @@ async def _stream(app: FastAPI, req: NormalizedGenerate) -> Response:
     async def events() -> AsyncIterator[str]:
         try:
             async for i, out in outputs:
-                for item in _items_for(out, req, i, rids[i], t0, info, final=out.finished, mark=marks[i],
-                                       connector=connector):
+                for item in _items_for(
+                    out, req, i, rids[i], t0, info, final=out.finished, mark=marks[i], connector=connector
+                ):
                     if req.is_batch:
                         item["index"] = i
                     yield sse_line(item)
@@ -377,8 +407,9 @@ def add_rr_routes(app: FastAPI) -> None:
     app.include_router(router)
     # rr's fields on vLLM's own /v1/completions and /v1/chat/completions (vLLM's handlers run unchanged);
     # streams get them on one event before [DONE], collected from the engine client's outputs
-    install_openai_routing(app, engine="vllm", info=rr_info, routing_enabled=_routing_enabled,
-                           native=functools.partial(collecting, app))
+    install_openai_routing(
+        app, engine="vllm", info=rr_info, routing_enabled=_routing_enabled, native=functools.partial(collecting, app)
+    )
 
 
 def name_store(args: Any) -> None:

@@ -45,8 +45,9 @@ class CountingTransport(httpx.AsyncBaseTransport):
         await self._inner.aclose()
 
 
-async def agentic_rollout(client: Any, prompt_ids: list[int], tool_ids: Any, *, turns: int,
-                          params: dict[str, Any]) -> Any:
+async def agentic_rollout(
+    client: Any, prompt_ids: list[int], tool_ids: Any, *, turns: int, params: dict[str, Any]
+) -> Any:
     """The agentic loop: model turn, tool tokens, model turn, ...; returns the Trajectory."""
     traj = client.trajectory(prompt_ids)
     for turn in range(turns):
@@ -56,8 +57,9 @@ async def agentic_rollout(client: Any, prompt_ids: list[int], tool_ids: Any, *, 
     return traj
 
 
-async def resent_rollout(client: Any, prompt_ids: list[int], tool_ids: Any, *, turns: int,
-                         params: dict[str, Any]) -> list[int]:
+async def resent_rollout(
+    client: Any, prompt_ids: list[int], tool_ids: Any, *, turns: int, params: dict[str, Any]
+) -> list[int]:
     """The same conversation, asking for every routing row on every turn (what a naive loop does); its tokens."""
     ids = list(prompt_ids)
     for turn in range(turns):
@@ -68,8 +70,9 @@ async def resent_rollout(client: Any, prompt_ids: list[int], tool_ids: Any, *, t
     return ids
 
 
-async def bytes_per_trajectory(base_url: str, prompt_ids: list[int], tool_ids: Any, *, turns: int,
-                               params: dict[str, Any]) -> tuple[int, CountingTransport, CountingTransport]:
+async def bytes_per_trajectory(
+    base_url: str, prompt_ids: list[int], tool_ids: Any, *, turns: int, params: dict[str, Any]
+) -> tuple[int, CountingTransport, CountingTransport]:
     """(tokens, incremental counts, re-asking-every-row counts) for one trajectory."""
     from rr_client import RoutedExpertsClient
 
@@ -98,18 +101,28 @@ def run_agentic(base_url: str, model_dir: str, *, turns: int = 3, batch: int = 4
 
     async def rollouts() -> tuple[list[Any], Any]:
         async with RoutedExpertsClient(base_url) as c:
-            trajs = await asyncio.gather(*(
-                agentic_rollout(c, prompt, tool_ids, turns=turns,
-                                params={"max_new_tokens": max_new_tokens, "temperature": 0.8, "seed": 100 + i})
-                for i in range(batch)))
+            trajs = await asyncio.gather(
+                *(
+                    agentic_rollout(
+                        c,
+                        prompt,
+                        tool_ids,
+                        turns=turns,
+                        params={"max_new_tokens": max_new_tokens, "temperature": 0.8, "seed": 100 + i},
+                    )
+                    for i in range(batch)
+                )
+            )
             return list(trajs), await c.info()
 
     trajs, info = asyncio.run(rollouts())
     tensors = to_tensors(trajs, info, pad_side="right")
     print(f"\nagentic rollouts: {batch} trajectories x {turns} model turns with tool tokens in between")
-    print(f"to_tensors: input_ids {tuple(tensors.input_ids.shape)}, routed_experts {tuple(tensors.routed_experts.shape)} "
-          f"{tensors.routed_experts.dtype}, response_mask (model tokens only) "
-          f"{int(tensors.response_mask.sum())} of {int(tensors.attention_mask.sum())} tokens")
+    print(
+        f"to_tensors: input_ids {tuple(tensors.input_ids.shape)}, routed_experts {tuple(tensors.routed_experts.shape)} "
+        f"{tensors.routed_experts.dtype}, response_mask (model tokens only) "
+        f"{int(tensors.response_mask.sum())} of {int(tensors.attention_mask.sum())} tokens"
+    )
     match = total = 0
     for i, t in enumerate(trajs):
         ids = t.input_ids
@@ -117,18 +130,28 @@ def run_agentic(base_url: str, model_dir: str, *, turns: int = 3, batch: int = 4
         ref = reference_routing(model_dir, ids)[:-1]
         m, n = count_matches(got, ref, layers=info.moe_layers)
         match, total = match + m, total + n
-    print(f"trajectory routing vs transformers' router top-k over the whole sequence: {match}/{total} = "
-          f"{100.0 * match / max(1, total):.2f}%")
+    print(
+        f"trajectory routing vs transformers' router top-k over the whole sequence: {match}/{total} = "
+        f"{100.0 * match / max(1, total):.2f}%"
+    )
     print("\nbytes received per trajectory, incremental routed_experts_start vs every row re-sent each turn")
     print("(routing: base64 payloads only; body: whole /generate answers, token ids and text included)")
     print(" turns  tokens  routing inc B  routing re-sent B  ratio  body inc B  body re-sent B  ratio")
     for n_turns in (2, turns, 2 * turns):
-        n_tok, inc, full = asyncio.run(bytes_per_trajectory(
-            base_url, prompt, tool_ids, turns=n_turns,
-            params={"max_new_tokens": max_new_tokens, "temperature": 0.8, "seed": 7}))
-        print(f"{n_turns:>6}  {n_tok:>6}  {inc.routing_bytes:>13}  {full.routing_bytes:>17}  "
-              f"{inc.routing_bytes / full.routing_bytes:5.2f}  {inc.bytes:>10}  {full.bytes:>14}  "
-              f"{inc.bytes / full.bytes:5.2f}")
+        n_tok, inc, full = asyncio.run(
+            bytes_per_trajectory(
+                base_url,
+                prompt,
+                tool_ids,
+                turns=n_turns,
+                params={"max_new_tokens": max_new_tokens, "temperature": 0.8, "seed": 7},
+            )
+        )
+        print(
+            f"{n_turns:>6}  {n_tok:>6}  {inc.routing_bytes:>13}  {full.routing_bytes:>17}  "
+            f"{inc.routing_bytes / full.routing_bytes:5.2f}  {inc.bytes:>10}  {full.bytes:>14}  "
+            f"{inc.bytes / full.bytes:5.2f}"
+        )
     return bool(total) and match == total
 
 
@@ -145,4 +168,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

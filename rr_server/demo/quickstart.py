@@ -42,8 +42,23 @@ DEFAULT_PROMPTS = [
 
 def _launch(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
     """Start the patched vLLM server via the rr launcher, in its own process group."""
-    cmd = [sys.executable, "-m", "rr_server", "launch", "vllm", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "1024", "--served-model-name", "tiny-moe"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rr_server",
+        "launch",
+        "vllm",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "1024",
+        "--served-model-name",
+        "tiny-moe",
+    ]
     env = dict(os.environ)
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # the log's last line is the start's progress shown meanwhile
     with open(log_path, "wb") as log:
@@ -76,8 +91,9 @@ def _load_table(results: list[Any], num_layers: int, num_experts: int, moe_layer
             c = counts[layer]
             top = np.argsort(-c)[:5]
             tops = " ".join(f"{e}:{100 * c[e] / c.sum():.1f}%" for e in top)
-            lines.append(f"{layer:>5}  {c.sum():>5}   {int((c > 0).sum()):>4}/{num_experts:<6}  {tops:<32} "
-                         f"{c.min()}/{c.max()}")
+            lines.append(
+                f"{layer:>5}  {c.sum():>5}   {int((c > 0).sum()):>4}/{num_experts:<6}  {tops:<32} {c.min()}/{c.max()}"
+            )
     return "\n".join(lines)
 
 
@@ -106,16 +122,23 @@ def run(args: argparse.Namespace) -> int:
     """Build, launch, generate, report; return the exit code."""
     from transformers import AutoTokenizer
 
-    from rr_client.core.codec import check_payload, encode_routed_experts, expected_rows
     from rr_client.core.agreement import count_matches
+    from rr_client.core.codec import check_payload, encode_routed_experts, expected_rows
     from rr_server.demo.tiny_moe import build_tiny_moe, reference_routing
 
     t0 = time.perf_counter()
-    model_dir = build_tiny_moe(args.model_dir, arch=args.arch, num_layers=args.num_layers,
-                               num_experts=args.num_experts, topk=args.topk,
-                               mlp_only_layers=tuple(args.dense_layers))
-    print(f"model: {model_dir} ({args.arch}, {args.num_layers} layers, {args.num_experts} experts, "
-          f"top-{args.topk}, dense layers {list(args.dense_layers)}) built in {time.perf_counter() - t0:.1f}s")
+    model_dir = build_tiny_moe(
+        args.model_dir,
+        arch=args.arch,
+        num_layers=args.num_layers,
+        num_experts=args.num_experts,
+        topk=args.topk,
+        mlp_only_layers=tuple(args.dense_layers),
+    )
+    print(
+        f"model: {model_dir} ({args.arch}, {args.num_layers} layers, {args.num_experts} experts, "
+        f"top-{args.topk}, dense layers {list(args.dense_layers)}) built in {time.perf_counter() - t0:.1f}s"
+    )
     proc = None
     base_url = args.base_url
     log_path = Path(tempfile.gettempdir()) / f"rr-demo-{os.getpid()}.log"
@@ -133,8 +156,10 @@ def run(args: argparse.Namespace) -> int:
         batch = asyncio.run(_generate(base_url, prompts, args.max_new_tokens, args.seed))
         dt = time.perf_counter() - t2
         info = batch.info
-        print(f"/rr/info: engine {info.engine} {info.engine_version}, layers {info.num_hidden_layers}, "
-              f"experts {info.num_experts}, top-{info.topk}, moe_layers {info.moe_layers}, wire {info.wire_dtype}")
+        print(
+            f"/rr/info: engine {info.engine} {info.engine_version}, layers {info.num_hidden_layers}, "
+            f"experts {info.num_experts}, top-{info.topk}, moe_layers {info.moe_layers}, wire {info.wire_dtype}"
+        )
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         print(f"\ngenerated {len(batch.results)} samples in {dt:.2f}s\n")
         print(" req  prompt  completion  finish   routing shape      dtype   payload B  int32-b64 B")
@@ -144,11 +169,18 @@ def run(args: argparse.Namespace) -> int:
             if len(ids) != r.prompt_tokens:
                 raise RuntimeError(f"local tokenization ({len(ids)}) != server prompt_tokens ({r.prompt_tokens})")
             arr = np.asarray(r.routed_experts)
-            payload = len(encode_routed_experts(check_payload(  # what was on the wire
-                arr, info, rows=expected_rows(r.prompt_tokens, r.completion_tokens))))
+            payload = len(
+                encode_routed_experts(
+                    check_payload(  # what was on the wire
+                        arr, info, rows=expected_rows(r.prompt_tokens, r.completion_tokens)
+                    )
+                )
+            )
             int32_b64 = (arr.size * 4 + 2) // 3 * 4
-            print(f"{r.index:>4}  {r.prompt_tokens:>6}  {r.completion_tokens:>10}  {str(r.finish_reason):<7}  "
-                  f"{str(tuple(arr.shape)):<17}  {str(arr.dtype):<6}  {payload:>9}  {int32_b64:>11}")
+            print(
+                f"{r.index:>4}  {r.prompt_tokens:>6}  {r.completion_tokens:>10}  {str(r.finish_reason):<7}  "
+                f"{str(tuple(arr.shape)):<17}  {str(arr.dtype):<6}  {payload:>9}  {int32_b64:>11}"
+            )
             ref = reference_routing(model_dir, ids + list(r.output_ids))[:-1]
             m, t = count_matches(arr, ref, layers=info.moe_layers)
             dense = [i for i in range(info.num_hidden_layers) if i not in info.moe_layers]
@@ -159,8 +191,9 @@ def run(args: argparse.Namespace) -> int:
         print("\nper-layer expert load (share of routed slots):")
         print(_load_table(batch.results, info.num_hidden_layers, info.num_experts, list(info.moe_layers)))
         pct = 100.0 * match / max(1, total)
-        print(f"\nagreement with transformers' router top-k (sets, every token x MoE layer): "
-              f"{match}/{total} = {pct:.2f}%")
+        print(
+            f"\nagreement with transformers' router top-k (sets, every token x MoE layer): {match}/{total} = {pct:.2f}%"
+        )
         from rr_server.demo.agentic import run_agentic
 
         agentic_ok = run_agentic(base_url, str(model_dir))

@@ -140,9 +140,7 @@ def _make_config(
             **common, head_dim=32, intermediate_size=max(16, hidden // 4), num_local_experts=num_experts
         )
     if arch == "olmoe":
-        return transformers.OlmoeConfig(
-            **common, intermediate_size=max(16, hidden // 4), num_experts=num_experts
-        )
+        return transformers.OlmoeConfig(**common, intermediate_size=max(16, hidden // 4), num_experts=num_experts)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 

@@ -9,9 +9,6 @@ Exit code 0 on PASS, 1 on FAIL, 2 on bad usage.
 
 from __future__ import annotations
 
-from rr_client.core import settings
-from rr_client.core.engines import ENGINE_NAMES
-
 import argparse
 import asyncio
 import json
@@ -20,6 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from rr_client.core import settings
+from rr_client.core.engines import ENGINE_NAMES
 from rr_server.progress import Steps, stderr_console
 
 if TYPE_CHECKING:
@@ -32,19 +31,36 @@ def build_parser() -> argparse.ArgumentParser:
     """Command-line options of ``rr-server doctor``."""
     p = argparse.ArgumentParser(prog="rr-server doctor", description=(__doc__ or "").splitlines()[0])
     p.add_argument("url", help="an rr server (patched vLLM/SGLang or the sidecar), or an engine with --engine")
-    p.add_argument("--engine", choices=ENGINE_NAMES, default=None,
-                   help="URL is an unpatched engine with capture on; it is checked through an in-process sidecar")
-    p.add_argument("--model-path", default=None, help="the served HF checkpoint: compare with each MoE layer's own selection in "
-                                                         "transformers (what the engine should have routed)")
+    p.add_argument(
+        "--engine",
+        choices=ENGINE_NAMES,
+        default=None,
+        help="URL is an unpatched engine with capture on; it is checked through an in-process sidecar",
+    )
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="the served HF checkpoint: compare with each MoE layer's own selection in "
+        "transformers (what the engine should have routed)",
+    )
     p.add_argument("--device", default="cpu", help="where the ground-truth forward runs (cpu, cuda)")
     p.add_argument("--prompts", type=int, default=4, help="distinct prompts used by the checks (>= 4)")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--api-key", default=None, help="Bearer key for the server (also env RR_API_KEY)")
-    p.add_argument("--probe-weight-update", metavar="PATH", default=None,
-                   help="the weights the server runs now (a folder the engine can read): the doctor reloads them "
-                        "through the engine's weight route while requests are preempted, and checks the flags")
-    p.add_argument("--probe-requests", type=int, default=None, metavar="N",
-                   help="most concurrent requests a probe sends to force preemption (default 48)")
+    p.add_argument(
+        "--probe-weight-update",
+        metavar="PATH",
+        default=None,
+        help="the weights the server runs now (a folder the engine can read): the doctor reloads them "
+        "through the engine's weight route while requests are preempted, and checks the flags",
+    )
+    p.add_argument(
+        "--probe-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most concurrent requests a probe sends to force preemption (default 48)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
@@ -82,9 +98,11 @@ def render(report: object) -> str:
     out += [f"  FAIL {c.name}: {c.detail}" for c in report.failures()]
     ident = report.identity
     if ident:
-        out.append(f"\nidentity: {ident.get('engine')} {ident.get('engine_version')}, model {ident.get('model')!r}, "
-                   f"{ident.get('num_hidden_layers')} layers, MoE layers {ident.get('moe_layers')}, "
-                   f"{ident.get('num_experts')} experts, top-{ident.get('topk')}, wire {ident.get('wire_dtype')}")
+        out.append(
+            f"\nidentity: {ident.get('engine')} {ident.get('engine_version')}, model {ident.get('model')!r}, "
+            f"{ident.get('num_hidden_layers')} layers, MoE layers {ident.get('moe_layers')}, "
+            f"{ident.get('num_experts')} experts, top-{ident.get('topk')}, wire {ident.get('wire_dtype')}"
+        )
         out.append("known routing bugs of this version:" if report.known_bugs else "known routing bugs: none listed")
         out += [f"  - {b.what}: {b.coverage}" + (f" [{b.source}]" if b.source else "") for b in report.known_bugs]
     out.append("\nchecks:")
@@ -99,9 +117,11 @@ def render(report: object) -> str:
         if "error" in c:
             out.append(f"\ncost: not measured ({c['error']})")
         else:
-            out.append(f"\ncost ({c['rounds']} rounds x {c['requests_per_round']} requests, medians): "
-                       f"reply {c['bytes_per_token_with']:.1f} B/token with routing vs {c['bytes_per_token_without']:.1f} "
-                       f"without; latency {c['latency_ms_with']:.1f} ms vs {c['latency_ms_without']:.1f} ms per request")
+            out.append(
+                f"\ncost ({c['rounds']} rounds x {c['requests_per_round']} requests, medians): "
+                f"reply {c['bytes_per_token_with']:.1f} B/token with routing vs {c['bytes_per_token_without']:.1f} "
+                f"without; latency {c['latency_ms_with']:.1f} ms vs {c['latency_ms_without']:.1f} ms per request"
+            )
     return "\n".join(out)
 
 
@@ -118,10 +138,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Steps(console) as steps:
         if not quiet:
             steps.line(f"rr doctor: checking {args.url} (each check as it finishes; the report follows)")
-        report = asyncio.run(run_doctor(
-            args.url, api_key=args.api_key or settings.text("RR_API_KEY"), engine=args.engine,
-            model_path=args.model_path, prompts=args.prompts, max_new_tokens=args.max_new_tokens, device=args.device,
-            progress=None if quiet else CheckPrinter(steps), probe_weight_update=args.probe_weight_update,
-            probe_requests=args.probe_requests))
+        report = asyncio.run(
+            run_doctor(
+                args.url,
+                api_key=args.api_key or settings.text("RR_API_KEY"),
+                engine=args.engine,
+                model_path=args.model_path,
+                prompts=args.prompts,
+                max_new_tokens=args.max_new_tokens,
+                device=args.device,
+                progress=None if quiet else CheckPrinter(steps),
+                probe_weight_update=args.probe_weight_update,
+                probe_requests=args.probe_requests,
+            )
+        )
     print(json.dumps(report.as_dict(), indent=2, default=str) if args.json else render(report))
     return 0 if report.ok else 1

@@ -20,12 +20,24 @@ import numpy as np
 
 from rr_client import GenerateResult, RoutedExpertsClient, RRError, RRInfo
 from rr_server.doctor.known_bugs import BugStatus, known_bugs_for
-from rr_server.doctor.samples import (PREFIX_CACHE_TOKENS, ROW_AGREEMENT_MIN, TRUTH_AGREEMENT_MIN, _agreement,
-                                      _prompt_rows, _prompts)
+from rr_server.doctor.samples import (
+    PREFIX_CACHE_TOKENS,
+    ROW_AGREEMENT_MIN,
+    TRUTH_AGREEMENT_MIN,
+    _agreement,
+    _prompt_rows,
+    _prompts,
+)
 
-__all__ = ["Check", "DoctorReport", "DoctorProgress", "run_doctor", "ROW_AGREEMENT_MIN", "TRUTH_AGREEMENT_MIN",
-           "PREFIX_CACHE_TOKENS"]
-
+__all__ = [
+    "Check",
+    "DoctorReport",
+    "DoctorProgress",
+    "run_doctor",
+    "ROW_AGREEMENT_MIN",
+    "TRUTH_AGREEMENT_MIN",
+    "PREFIX_CACHE_TOKENS",
+]
 
 
 @dataclass
@@ -88,8 +100,15 @@ class _Quiet:
 class _Doctor:
     """State of one doctor run: the client, the server's info, and every sample seen."""
 
-    def __init__(self, client: RoutedExpertsClient, info: RRInfo, report: DoctorReport, max_new_tokens: int,
-                 vocab: int = 200, progress: DoctorProgress | None = None) -> None:
+    def __init__(
+        self,
+        client: RoutedExpertsClient,
+        info: RRInfo,
+        report: DoctorReport,
+        max_new_tokens: int,
+        vocab: int = 200,
+        progress: DoctorProgress | None = None,
+    ) -> None:
         self.client, self.info, self.report, self.vocab = client, info, report, vocab
         self.progress = progress or _Quiet()
         self.params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
@@ -99,7 +118,9 @@ class _Doctor:
         self.report.checks.append(check := Check(name, ok, detail, exercised))
         self.progress.finished(check)
 
-    async def gen(self, prompts: list[list[int]], params: dict[str, Any] | None = None, **kw: Any) -> list[GenerateResult]:
+    async def gen(
+        self, prompts: list[list[int]], params: dict[str, Any] | None = None, **kw: Any
+    ) -> list[GenerateResult]:
         batch = await self.client.generate(prompts, {**self.params, **(params or {})}, **kw)
         got = [r for r in batch if r.routed_experts is not None]
         self.samples.extend(got)
@@ -107,25 +128,37 @@ class _Doctor:
 
     def rows_agree(self, name: str, a: np.ndarray, b: np.ndarray, what: str) -> None:
         share = _agreement(a, b, self.info.moe_layers)
-        self.add(name, share >= ROW_AGREEMENT_MIN,
-                 f"{what}: {100 * share:.2f}% of (token, MoE layer) top-k sets equal"
-                 + ("" if share >= ROW_AGREEMENT_MIN else
-                    " - the rows do not belong to this prompt (mixed, shifted or overwritten routing)"))
+        self.add(
+            name,
+            share >= ROW_AGREEMENT_MIN,
+            f"{what}: {100 * share:.2f}% of (token, MoE layer) top-k sets equal"
+            + (
+                ""
+                if share >= ROW_AGREEMENT_MIN
+                else " - the rows do not belong to this prompt (mixed, shifted or overwritten routing)"
+            ),
+        )
 
     async def live(self, prompts: list[list[int]]) -> None:
         p0, p1, p2, p3 = prompts[:4]
         self.progress.started("single")
         try:
             (single,) = await self.gen([p0])
-            self.add("single", True, f"{single.routed_experts.shape} rows x layers x top-k, "  # type: ignore[union-attr]
-                     f"{single.routed_experts.dtype}, full check passed")  # type: ignore[union-attr]
+            self.add(
+                "single",
+                True,
+                f"{single.routed_experts.shape} rows x layers x top-k, "  # type: ignore[union-attr]
+                f"{single.routed_experts.dtype}, full check passed",
+            )  # type: ignore[union-attr]
         except RRError as e:
             self.add("single", False, f"{type(e).__name__}: {e}")
             return
         await self._guard("batch", self._batch(single, [p0, p1, p2]))
         await self._guard("n=2", self._n2(p1))
         await self._guard("routed_experts_start", self._start(single, p0))
-        await self._guard("prefix-cache hit", self._repeat(_prompts(1, self.vocab, seed=99, length=PREFIX_CACHE_TOKENS)[0]))
+        await self._guard(
+            "prefix-cache hit", self._repeat(_prompts(1, self.vocab, seed=99, length=PREFIX_CACHE_TOKENS)[0])
+        )
         await self._guard("mixed batch", self._mixed(p2, p3))
 
     async def _guard(self, name: str, coro: Any) -> None:
@@ -155,12 +188,21 @@ class _Doctor:
         (again,) = await self.gen([prompt])
         cached = int(again.meta.get("cached_tokens") or 0)
         if cached <= 0:
-            self.add("prefix-cache hit", True, f"not exercised: a repeated {len(prompt)}-token prompt reported "
-                     f"cached_tokens={again.meta.get('cached_tokens')} (prefix caching off, or the engine does not "
-                     "report it); rows served from the cache were not checked", exercised=False)
+            self.add(
+                "prefix-cache hit",
+                True,
+                f"not exercised: a repeated {len(prompt)}-token prompt reported "
+                f"cached_tokens={again.meta.get('cached_tokens')} (prefix caching off, or the engine does not "
+                "report it); rows served from the cache were not checked",
+                exercised=False,
+            )
             return
-        self.rows_agree("prefix-cache hit", _prompt_rows(again), _prompt_rows(first),
-                        f"repeated {len(prompt)}-token prompt, {cached} tokens from the prefix cache, vs first time")
+        self.rows_agree(
+            "prefix-cache hit",
+            _prompt_rows(again),
+            _prompt_rows(first),
+            f"repeated {len(prompt)}-token prompt, {cached} tokens from the prefix cache, vs first time",
+        )
 
     async def _mixed(self, asked: list[int], unasked: list[int]) -> None:
         """Requests with and without routing in flight together: each must keep its own rows."""
@@ -168,12 +210,19 @@ class _Doctor:
         worst = 1.0
         for _ in range(3):
             with_r, _without = await asyncio.gather(
-                self.gen([asked]), self.client.generate([unasked], self.params, return_routed_experts=False))
+                self.gen([asked]), self.client.generate([unasked], self.params, return_routed_experts=False)
+            )
             worst = min(worst, _agreement(_prompt_rows(with_r[0]), ref, self.info.moe_layers))
-        self.add("mixed batch", worst >= ROW_AGREEMENT_MIN,
-                 f"a request next to one that did not ask kept its own rows in {100 * worst:.2f}% of sets (worst of 3)"
-                 + ("" if worst >= ROW_AGREEMENT_MIN else
-                    " - it received another request's routing (SGLang <= 0.5.12 mixed-batch bug?)"))
+        self.add(
+            "mixed batch",
+            worst >= ROW_AGREEMENT_MIN,
+            f"a request next to one that did not ask kept its own rows in {100 * worst:.2f}% of sets (worst of 3)"
+            + (
+                ""
+                if worst >= ROW_AGREEMENT_MIN
+                else " - it received another request's routing (SGLang <= 0.5.12 mixed-batch bug?)"
+            ),
+        )
 
     def truth(self, model_path: str, device: str) -> None:
         from rr_server.doctor.truth import LayerAgreement, RouterReference
@@ -183,34 +232,44 @@ class _Doctor:
         per_layer: dict[int, LayerAgreement] = {}
         for r in self.samples:
             assert r.prompt_ids is not None and r.routed_experts is not None
-            ref.compare(r.routed_experts, r.prompt_ids + r.output_ids, r.routed_experts_start,
-                        self.info.moe_layers, per_layer)
+            ref.compare(
+                r.routed_experts, r.prompt_ids + r.output_ids, r.routed_experts_start, self.info.moe_layers, per_layer
+            )
         equal = sum(a.equal for a in per_layer.values())
         total = sum(a.total for a in per_layer.values())
         differ = total - equal
         ties = sum(a.near_ties for a in per_layer.values())
         share = equal / total if total else 1.0
         self.report.ground_truth = {
-            "model_path": model_path, "agreement": share, "compared": total, "samples": len(self.samples),
+            "model_path": model_path,
+            "agreement": share,
+            "compared": total,
+            "samples": len(self.samples),
             "near_tie_share_of_differing": (ties / differ) if differ else None,
             "per_layer": {a.layer: {"agreement": a.share, "first_diff": a.first_diff} for a in per_layer.values()},
         }
         low = [a for a in per_layer.values() if a.share < TRUTH_AGREEMENT_MIN]
-        detail = (f"{100 * share:.2f}% of {total} (token, MoE layer) top-k sets equal the checkpoint's router"
-                  + (f"; {ties}/{differ} differing rows are near-ties (k-th and (k+1)-th within 1e-3)" if differ else ""))
+        detail = f"{100 * share:.2f}% of {total} (token, MoE layer) top-k sets equal the checkpoint's router" + (
+            f"; {ties}/{differ} differing rows are near-ties (k-th and (k+1)-th within 1e-3)" if differ else ""
+        )
         if low:
             worst = min(low, key=lambda a: a.share)
-            detail += (f"; layer {worst.layer} agrees on only {100 * worst.share:.1f}% - shifted layers, all-zero, "
-                       f"physical-id or another model's routing (first difference: token {worst.first_diff[0]}, "  # type: ignore[index]
-                       f"got {worst.first_diff[1]}, router says {worst.first_diff[2]})")  # type: ignore[index]
+            detail += (
+                f"; layer {worst.layer} agrees on only {100 * worst.share:.1f}% - shifted layers, all-zero, "
+                f"physical-id or another model's routing (first difference: token {worst.first_diff[0]}, "  # type: ignore[index]
+                f"got {worst.first_diff[1]}, router says {worst.first_diff[2]})"
+            )  # type: ignore[index]
         self.add("ground truth", not low, detail)
 
 
-async def _cost(http: httpx.AsyncClient, prompts: list[list[int]], params: dict[str, Any], rounds: int = 3
-                ) -> dict[str, Any]:
+async def _cost(
+    http: httpx.AsyncClient, prompts: list[list[int]], params: dict[str, Any], rounds: int = 3
+) -> dict[str, Any]:
     """Reply bytes per token and latency per request, with routing and without, alternating in one run."""
-    stats: dict[bool, dict[str, list[float]]] = {True: {"bytes": [], "lat": [], "tok": []},
-                                                 False: {"bytes": [], "lat": [], "tok": []}}
+    stats: dict[bool, dict[str, list[float]]] = {
+        True: {"bytes": [], "lat": [], "tok": []},
+        False: {"bytes": [], "lat": [], "tok": []},
+    }
     for _ in range(rounds):
         for want in (True, False):
             body = {"input_ids": prompts, "sampling_params": params, "return_routed_experts": want}
@@ -223,10 +282,13 @@ async def _cost(http: httpx.AsyncClient, prompts: list[list[int]], params: dict[
             stats[want]["bytes"].append(len(resp.content) / max(1, tokens))
     med = {w: {k: statistics.median(v) for k, v in s.items() if v} for w, s in stats.items()}
     return {
-        "bytes_per_token_with": med[True]["bytes"], "bytes_per_token_without": med[False]["bytes"],
-        "latency_ms_with": 1e3 * med[True]["lat"], "latency_ms_without": 1e3 * med[False]["lat"],
+        "bytes_per_token_with": med[True]["bytes"],
+        "bytes_per_token_without": med[False]["bytes"],
+        "latency_ms_with": 1e3 * med[True]["lat"],
+        "latency_ms_without": 1e3 * med[False]["lat"],
         "latency_ratio": med[True]["lat"] / med[False]["lat"] if med[False]["lat"] else None,
-        "rounds": rounds, "requests_per_round": len(prompts),
+        "rounds": rounds,
+        "requests_per_round": len(prompts),
     }
 
 
@@ -265,16 +327,30 @@ async def run_doctor(
         from rr_server.proxy.app import ProxyConfig, create_app
 
         # force_routing=False: expose what the bare engine does to callers that talk to it directly
-        app = create_app(ProxyConfig(upstream=url, engine=engine, upstream_api_key=api_key,  # type: ignore[arg-type]
-                                     model_path=model_path, force_routing=False), transport=transport)
+        app = create_app(
+            ProxyConfig(
+                upstream=url,
+                engine=engine,
+                upstream_api_key=api_key,  # type: ignore[arg-type]
+                model_path=model_path,
+                force_routing=False,
+            ),
+            transport=transport,
+        )
         closers.append(app.state.sidecar.up.aclose)
         base, tr, headers = "http://rr-doctor-sidecar", httpx.ASGITransport(app=app), {}
     report = DoctorReport(url=url, deployment="unpatched" if engine else "patched")
     from rr_server.doctor.probes import MAX_PROBE_REQUESTS
 
     # the probes' bursts go out at once (a client-side queue would neither overfill the KV cache nor time them)
-    client = RoutedExpertsClient(base, transport=tr, api_key=api_key if engine is None else None,
-                                 retries=1, batch_size=8, max_concurrency=max(16, probe_requests or MAX_PROBE_REQUESTS))
+    client = RoutedExpertsClient(
+        base,
+        transport=tr,
+        api_key=api_key if engine is None else None,
+        retries=1,
+        batch_size=8,
+        max_concurrency=max(16, probe_requests or MAX_PROBE_REQUESTS),
+    )
     http = httpx.AsyncClient(base_url=base, transport=tr, headers=headers, timeout=600)
     try:
         progress.started("identity")
@@ -287,14 +363,21 @@ async def run_doctor(
             report.deployment = "sidecar"
         report.identity = info.model_dump()
         extra = info.model_extra or {}
-        report.known_bugs = known_bugs_for(info.engine, info.engine_version, deployment=report.deployment,
-                                           platform=extra.get("platform"))
+        report.known_bugs = known_bugs_for(
+            info.engine, info.engine_version, deployment=report.deployment, platform=extra.get("platform")
+        )
         spec = extra.get("speculative")
-        add(Check("identity", True, f"{info.engine} {info.engine_version}, {info.num_hidden_layers} "
-                  f"layers ({len(info.moe_layers)} MoE), {info.num_experts} experts, top-{info.topk}, "
-                  f"wire {info.wire_dtype}"
-                  + (f", platform {extra['platform']}" if extra.get("platform") else "")
-                  + (f", speculative decoding {spec} (ground truth below runs with it)" if spec else "")))
+        add(
+            Check(
+                "identity",
+                True,
+                f"{info.engine} {info.engine_version}, {info.num_hidden_layers} "
+                f"layers ({len(info.moe_layers)} MoE), {info.num_experts} experts, top-{info.topk}, "
+                f"wire {info.wire_dtype}"
+                + (f", platform {extra['platform']}" if extra.get("platform") else "")
+                + (f", speculative decoding {spec} (ground truth below runs with it)" if spec else ""),
+            )
+        )
         if model_path and (refused := _same_model(info, model_path)):
             add(refused)
             return report
@@ -305,8 +388,9 @@ async def run_doctor(
         if any(c.name == "single" and c.ok for c in report.checks):
             from rr_server.doctor.probes import run_probes
 
-            await run_probes(doc, http, weights_path=probe_weight_update,
-                             max_requests=probe_requests or MAX_PROBE_REQUESTS)
+            await run_probes(
+                doc, http, weights_path=probe_weight_update, max_requests=probe_requests or MAX_PROBE_REQUESTS
+            )
         if model_path and doc.samples:
             doc.truth(model_path, device)
         progress.started("cost")
@@ -332,8 +416,12 @@ def _same_model(info: RRInfo, model_path: str) -> Check | None:
     diff = {k: (getattr(info, k), getattr(local, k)) for k in keys if getattr(info, k) != getattr(local, k)}
     if not diff:
         return None
-    return Check("model path", False, "--model-path is not the served model: "
-                 + ", ".join(f"{k} server {a} vs checkpoint {b}" for k, (a, b) in diff.items()))
+    return Check(
+        "model path",
+        False,
+        "--model-path is not the served model: "
+        + ", ".join(f"{k} server {a} vs checkpoint {b}" for k, (a, b) in diff.items()),
+    )
 
 
 def _vocab(model_path: str) -> int:

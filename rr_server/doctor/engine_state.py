@@ -12,11 +12,18 @@ from typing import Any
 import httpx
 
 from rr_client import GenerateResult
-from rr_client.core.provenance import PROVENANCE_FIELD, Provenance
 from rr_client.core.engines import ENGINES
+from rr_client.core.provenance import PROVENANCE_FIELD, Provenance
 
-__all__ = ["EngineCache", "parse_metrics", "engine_cache", "preemption_count", "weight_version", "reload_weights",
-           "provenance_of"]
+__all__ = [
+    "EngineCache",
+    "parse_metrics",
+    "engine_cache",
+    "preemption_count",
+    "weight_version",
+    "reload_weights",
+    "provenance_of",
+]
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(\{.*\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -87,11 +94,16 @@ async def engine_cache(http: httpx.AsyncClient, engine: str) -> EngineCache:
                 if name == eng.cache_metric:
                     size = labels.get("kv_offloading_size")
                     backend = labels.get("kv_offloading_backend")
-                    offload = (f"{backend or 'native'} offloading, {size} GiB"
-                               if size not in (None, "", "None") else None)
-                    return EngineCache("/metrics cache_config_info", _int(labels.get("num_gpu_blocks")),
-                                       _int(labels.get("block_size")), _flag(labels.get("enable_prefix_caching")),
-                                       offload)
+                    offload = (
+                        f"{backend or 'native'} offloading, {size} GiB" if size not in (None, "", "None") else None
+                    )
+                    return EngineCache(
+                        "/metrics cache_config_info",
+                        _int(labels.get("num_gpu_blocks")),
+                        _int(labels.get("block_size")),
+                        _flag(labels.get("enable_prefix_caching")),
+                        offload,
+                    )
         return EngineCache("")
     for path in eng.server_args_routes:
         resp = await _get(http, path)
@@ -104,11 +116,15 @@ async def engine_cache(http: httpx.AsyncClient, engine: str) -> EngineCache:
         if isinstance(args, dict):
             page = _int(args.get("page_size")) or 1
             tokens = _int(args.get("max_total_num_tokens"))
-            return EngineCache(path, tokens // page if tokens else None, page,
-                               None if args.get("disable_radix_cache") is None
-                               else not _flag(args.get("disable_radix_cache")),
-                               None, _flag(args.get("enable_hierarchical_cache")),
-                               args.get("hicache_storage_backend"))
+            return EngineCache(
+                path,
+                tokens // page if tokens else None,
+                page,
+                None if args.get("disable_radix_cache") is None else not _flag(args.get("disable_radix_cache")),
+                None,
+                _flag(args.get("enable_hierarchical_cache")),
+                args.get("hicache_storage_backend"),
+            )
     return EngineCache("")
 
 

@@ -17,16 +17,22 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
 
 from rr_client import GenerateResult, RRError, RRInfo
 from rr_client.core.engines import ENGINES, offload_name
-from rr_server.doctor.engine_state import (EngineCache, engine_cache, preemption_count, provenance_of,
-                                           reload_weights, weight_version)
+from rr_server.doctor.engine_state import (
+    EngineCache,
+    engine_cache,
+    preemption_count,
+    provenance_of,
+    reload_weights,
+    weight_version,
+)
 from rr_server.doctor.samples import PREFIX_CACHE_TOKENS, ROW_AGREEMENT_MIN, _agreement, _prompt_rows, _prompts
 
 
@@ -39,12 +45,14 @@ class DoctorRun(Protocol):
 
     def add(self, name: str, ok: bool, detail: str, exercised: bool = True) -> None: ...
 
-    async def gen(self, prompts: list[list[int]], params: dict[str, Any] | None = None,
-                  **kw: Any) -> list[GenerateResult]: ...
+    async def gen(
+        self, prompts: list[list[int]], params: dict[str, Any] | None = None, **kw: Any
+    ) -> list[GenerateResult]: ...
 
     def rows_agree(self, name: str, a: Any, b: Any, what: str) -> None: ...
 
     async def _guard(self, name: str, probe: Awaitable[None]) -> None: ...
+
 
 __all__ = ["Load", "plan_load", "comparable_rows", "offload_state", "run_probes", "MAX_PROBE_REQUESTS", "OFFLOAD_TIERS"]
 
@@ -54,8 +62,10 @@ MAX_PROBE_REQUESTS = 48
 WEIGHT_UPDATE_ATTEMPTS = 2
 # Tiers a prefix hit can come from outside the device cache (rr_client.core.provenance.CacheTier).
 OFFLOAD_TIERS = ("host", "storage", "external")
-_NOT_SAID = ("the server does not say its KV cache size (vLLM: /metrics vllm:cache_config_info; SGLang: "
-             "/get_server_info), so the load that forces preemption is unknown")
+_NOT_SAID = (
+    "the server does not say its KV cache size (vLLM: /metrics vllm:cache_config_info; SGLang: "
+    "/get_server_info), so the load that forces preemption is unknown"
+)
 
 
 @dataclass(frozen=True)
@@ -79,10 +89,12 @@ def plan_load(cache: EngineCache, max_requests: int = MAX_PROBE_REQUESTS) -> Loa
     new = max(48, block // 2)  # decode steps enough for a preempted request to be re-admitted (and a reload to land)
     requests = cache.num_blocks // per + 2
     if requests > max_requests:
-        return (f"the KV cache holds {cache.num_blocks} blocks of {block} tokens ({cache.capacity_tokens} tokens); "
-                f"forcing preemption would take {requests} concurrent requests (> {max_requests}): run the doctor "
-                "against a replica with a small KV cache (vLLM --num-gpu-blocks-override / --kv-cache-memory-bytes, "
-                "SGLang --max-total-tokens) to probe it")
+        return (
+            f"the KV cache holds {cache.num_blocks} blocks of {block} tokens ({cache.capacity_tokens} tokens); "
+            f"forcing preemption would take {requests} concurrent requests (> {max_requests}): run the doctor "
+            "against a replica with a small KV cache (vLLM --num-gpu-blocks-override / --kv-cache-memory-bytes, "
+            "SGLang --max-total-tokens) to probe it"
+        )
     return Load(requests, prompt, new)
 
 
@@ -102,8 +114,7 @@ def comparable_rows(a: GenerateResult, b: GenerateResult) -> int:
 class _Probes:
     """The probes of one doctor run, sharing the references (non-preempted runs) of their prompts."""
 
-    def __init__(self, doc: DoctorRun, http: httpx.AsyncClient, weights_path: str | None,
-                 max_requests: int) -> None:
+    def __init__(self, doc: DoctorRun, http: httpx.AsyncClient, weights_path: str | None, max_requests: int) -> None:
         self.doc, self.http, self.weights_path, self.max_requests = doc, http, weights_path, max_requests
         self.engine = doc.info.engine
         self.cache = EngineCache("")
@@ -122,18 +133,21 @@ class _Probes:
         group = max(1, (self.cache.num_blocks or need) // need)
         params = {"max_new_tokens": load.new_tokens}
         for i in range(0, len(prompts), group):
-            got = await asyncio.gather(*(self.doc.gen([p], params) for p in prompts[i:i + group]))
+            got = await asyncio.gather(*(self.doc.gen([p], params) for p in prompts[i : i + group]))
             for (r,) in got:
                 prov = provenance_of(r)
                 if prov is not None and prov.preemptions:
-                    return (f"the reference run of a prompt was itself preempted ({prov.preemptions} times, "
-                            f"{group} requests at once): the cache is too small to give a non-preempted run")
+                    return (
+                        f"the reference run of a prompt was itself preempted ({prov.preemptions} times, "
+                        f"{group} requests at once): the cache is too small to give a non-preempted run"
+                    )
                 assert r.prompt_ids is not None
                 self.refs[tuple(r.prompt_ids)] = r
         return None
 
-    async def burst(self, prompts: list[list[int]], load: Load, during: Any = None
-                    ) -> tuple[list[tuple[float, float, GenerateResult]], float | None, Any]:
+    async def burst(
+        self, prompts: list[list[int]], load: Load, during: Any = None
+    ) -> tuple[list[tuple[float, float, GenerateResult]], float | None, Any]:
         """All prompts at once; each sample with when it was sent and answered, the engine's preemption count
         during the burst (None: not reported), and what ``during`` (run alongside) returned."""
         before = await preemption_count(self.http)
@@ -163,30 +177,48 @@ class _Probes:
         samples, engine_count, _ = await self.burst(prompts, load)
         provs = [provenance_of(r) for _, _, r in samples]
         if all(p is None for p in provs):
-            self.doc.add(name, True, "not probed: the server sends no rr_provenance (an rr server older than "
-                         "provenance, or an engine behind it that does not say)", exercised=False)
+            self.doc.add(
+                name,
+                True,
+                "not probed: the server sends no rr_provenance (an rr server older than "
+                "provenance, or an engine behind it that does not say)",
+                exercised=False,
+            )
             return
         reported = [p.preemptions for p in provs if p is not None and p.preemptions is not None]
         preempted = [i for i, p in enumerate(provs) if p is not None and p.preemptions]
         what = f"{load.requests} concurrent requests of {load.prompt_len}+{load.new_tokens} tokens"
         if engine_count and not preempted:
-            self.doc.add(name, False, f"{what}: the engine counted {engine_count:.0f} preemptions (vLLM "
-                         "vllm:num_preemptions) but no sample's rr_provenance reports one - provenance drops "
-                         "preemptions, so a sample preempted across a weight update would pass unflagged")
+            self.doc.add(
+                name,
+                False,
+                f"{what}: the engine counted {engine_count:.0f} preemptions (vLLM "
+                "vllm:num_preemptions) but no sample's rr_provenance reports one - provenance drops "
+                "preemptions, so a sample preempted across a weight update would pass unflagged",
+            )
             return
         if not preempted:
-            why = ("rr_provenance.preemptions is null (the server runs without stats, e.g. --disable-log-stats): "
-                   "preempted samples cannot be told apart" if not reported else
-                   "no request was preempted (the engine counted "
-                   + ("none" if engine_count == 0 else "not reported") + ")")
+            why = (
+                "rr_provenance.preemptions is null (the server runs without stats, e.g. --disable-log-stats): "
+                "preempted samples cannot be told apart"
+                if not reported
+                else "no request was preempted (the engine counted "
+                + ("none" if engine_count == 0 else "not reported")
+                + ")"
+            )
             self.doc.add(name, True, f"not exercised: {what}; {why}", exercised=False)
             return
-        await self.rows_vs_refs(name, samples, preempted,
-                                f"{what}: {len(preempted)} preempted (rr_provenance: {sum(reported)} preemptions, "
-                                f"engine: {'not reported' if engine_count is None else f'{engine_count:.0f}'})")
+        await self.rows_vs_refs(
+            name,
+            samples,
+            preempted,
+            f"{what}: {len(preempted)} preempted (rr_provenance: {sum(reported)} preemptions, "
+            f"engine: {'not reported' if engine_count is None else f'{engine_count:.0f}'})",
+        )
 
-    async def rows_vs_refs(self, name: str, samples: list[tuple[float, float, GenerateResult]],
-                           preempted: list[int], what: str) -> None:
+    async def rows_vs_refs(
+        self, name: str, samples: list[tuple[float, float, GenerateResult]], preempted: list[int], what: str
+    ) -> None:
         """Every sample's rows against its prompt's non-preempted run; the preempted ones named when they differ."""
 
         worst_pre, worst_other, bad = 1.0, 1.0, []
@@ -199,8 +231,10 @@ class _Probes:
                 worst_other = min(worst_other, share)
             if share < ROW_AGREEMENT_MIN:
                 bad.append(f"request {i}{' (preempted)' if i in preempted else ''} {100 * share:.1f}%")
-        detail = (f"{what}; rows vs a non-preempted run of the same prompt: preempted {100 * worst_pre:.2f}%, "
-                  f"others {100 * worst_other:.2f}% of (token, MoE layer) sets equal (worst)")
+        detail = (
+            f"{what}; rows vs a non-preempted run of the same prompt: preempted {100 * worst_pre:.2f}%, "
+            f"others {100 * worst_other:.2f}% of (token, MoE layer) sets equal (worst)"
+        )
         if bad:
             detail += f" - rows that do not belong to their tokens after a preemption: {', '.join(bad[:4])}"
         self.doc.add(name, not bad, detail)
@@ -212,16 +246,25 @@ class _Probes:
     async def weight_update(self, load: Load | str) -> None:
         name = "weight update"
         if self.weights_path is None:
-            self.doc.add(name, True, "not probed: pass --probe-weight-update PATH (the weights the server runs now) "
-                         "to let the doctor reload them while requests are preempted", exercised=False)
+            self.doc.add(
+                name,
+                True,
+                "not probed: pass --probe-weight-update PATH (the weights the server runs now) "
+                "to let the doctor reload them while requests are preempted",
+                exercised=False,
+            )
             return
         if isinstance(load, str):
             self.doc.add(name, True, f"not probed: {load}", exercised=False)
             return
         v0 = await weight_version(self.http)
         if v0 is None:
-            self.doc.add(name, False, "/rr/info has no weight_version: the server does not count weight updates, so "
-                         "no sample can be flagged as spanning one")
+            self.doc.add(
+                name,
+                False,
+                "/rr/info has no weight_version: the server does not count weight updates, so "
+                "no sample can be flagged as spanning one",
+            )
             return
         # longer answers than the preemption probe's: the reload must land while preempted requests still run
         load = Load(load.requests, load.prompt_len, 3 * load.new_tokens)
@@ -240,19 +283,25 @@ class _Probes:
         share = self.agreement(after, before)
 
         if share < ROW_AGREEMENT_MIN:
-            problems.append(f"after reloading the same weights a prompt's rows equal its rows before in only "
-                            f"{100 * share:.1f}% of sets (the reload changed the model: wrong path, or weights not "
-                            "loaded completely)")
+            problems.append(
+                f"after reloading the same weights a prompt's rows equal its rows before in only "
+                f"{100 * share:.1f}% of sets (the reload changed the model: wrong path, or weights not "
+                "loaded completely)"
+            )
         if problems:
             self.doc.add(name, False, f"{what} - {'; '.join(problems[:3])}")
         elif not flagged:
-            self.doc.add(name, True, f"not exercised: {what} (in {WEIGHT_UPDATE_ATTEMPTS} tries): no request was "
-                         "preempted across the reload (the spanning ones were flagged)", exercised=False)
+            self.doc.add(
+                name,
+                True,
+                f"not exercised: {what} (in {WEIGHT_UPDATE_ATTEMPTS} tries): no request was "
+                "preempted across the reload (the spanning ones were flagged)",
+                exercised=False,
+            )
         else:
             self.doc.add(name, True, f"{what}; rows after the reload equal those before")
 
-    async def _reload_round(self, prompts: list[list[int]], load: Load, v0: int
-                            ) -> str | tuple[str, list[str], int]:
+    async def _reload_round(self, prompts: list[list[int]], load: Load, v0: int) -> str | tuple[str, list[str], int]:
         """One burst with a reload once the engine preempts: (what happened, problems, requests preempted and
         flagged across it), or why the reload failed."""
         window: dict[str, Any] = {}
@@ -261,8 +310,9 @@ class _Probes:
             """Reload once the engine has preempted (or half the requests are done, if it does not say)."""
             while not all(t.done() for t in tasks):
                 now = await preemption_count(self.http)
-                if (before is not None and now is not None and now > before) or \
-                        (now is None and sum(t.done() for t in tasks) * 2 >= len(tasks)):
+                if (before is not None and now is not None and now > before) or (
+                    now is None and sum(t.done() for t in tasks) * 2 >= len(tasks)
+                ):
                     break
                 await asyncio.sleep(0.01)
             window["t0"] = time.monotonic()
@@ -275,8 +325,9 @@ class _Probes:
         v1 = await weight_version(self.http)
         problems: list[str] = []
         if v1 is None or v1 <= v0:
-            problems.append(f"/rr/info weight_version {v0} before the reload and {v1} after: the update was not "
-                            "counted")
+            problems.append(
+                f"/rr/info weight_version {v0} before the reload and {v1} after: the update was not counted"
+            )
         t0, t1 = window["t0"], window["t1"]
         across = flagged = 0
         for i, (sent, answered, r) in enumerate(samples):
@@ -287,15 +338,19 @@ class _Probes:
             if sent < t0 and answered > t1 and p.weight_version_admitted in (v0, None):
                 across += 1  # admitted under the old weights (the server's word), finished under the new
                 if not p.spans_update:
-                    problems.append(f"request {i} ran across the reload but rr_provenance says weight version "
-                                    f"{p.weight_version_admitted} -> {p.weight_version_finished}, no update during")
+                    problems.append(
+                        f"request {i} ran across the reload but rr_provenance says weight version "
+                        f"{p.weight_version_admitted} -> {p.weight_version_finished}, no update during"
+                    )
                 elif p.preemptions:
                     flagged += p.may_be_recomputed_across_update
             elif answered < t0 and p.spans_update:
                 problems.append(f"request {i} finished before the reload began but is flagged as spanning it")
-        what = (f"reload of {self.weights_path}: weight_version {v0} -> {v1}; {across} of {load.requests} requests "
-                f"of {load.prompt_len}+{load.new_tokens} tokens ran across it, {flagged} of them preempted and "
-                "flagged may_be_recomputed_across_update")
+        what = (
+            f"reload of {self.weights_path}: weight_version {v0} -> {v1}; {across} of {load.requests} requests "
+            f"of {load.prompt_len}+{load.new_tokens} tokens ran across it, {flagged} of them preempted and "
+            "flagged may_be_recomputed_across_update"
+        )
         return what, problems, flagged
 
     async def tiered_cache(self, load: Load | str) -> None:
@@ -318,12 +373,21 @@ class _Probes:
         p = provenance_of(again)
         tier = p.cache_tier if p is not None else None
         if p is None or not p.cached_tokens or tier not in OFFLOAD_TIERS:
-            self.doc.add(name, True, f"not exercised: {tiers} is on; a {len(prompt)}-token prompt evicted from the "
-                         f"device cache came back with {p.cached_tokens if p else 'no'} cached tokens from tier "
-                         f"{tier!r} (not an offload tier)", exercised=False)
+            self.doc.add(
+                name,
+                True,
+                f"not exercised: {tiers} is on; a {len(prompt)}-token prompt evicted from the "
+                f"device cache came back with {p.cached_tokens if p else 'no'} cached tokens from tier "
+                f"{tier!r} (not an offload tier)",
+                exercised=False,
+            )
             return
-        self.doc.rows_agree(name, _prompt_rows(again), _prompt_rows(cold),
-                            f"{tiers}: {p.cached_tokens} prompt tokens restored from the {tier} tier vs the cold run")
+        self.doc.rows_agree(
+            name,
+            _prompt_rows(again),
+            _prompt_rows(cold),
+            f"{tiers}: {p.cached_tokens} prompt tokens restored from the {tier} tier vs the cold run",
+        )
 
 
 def offload_state(info: RRInfo, c: EngineCache) -> str | tuple[bool, str]:
@@ -338,32 +402,43 @@ def offload_state(info: RRInfo, c: EngineCache) -> str | tuple[bool, str]:
         except RRError:
             refused = False
         if refused:
-            return True, (f"not probed: vLLM {info.engine_version} refuses any KV connector (offload included) "
-                          "together with --enable-return-routed-experts at startup ('incompatible with KV "
-                          "connectors'), so this server serves prefix hits from its device cache only")
+            return True, (
+                f"not probed: vLLM {info.engine_version} refuses any KV connector (offload included) "
+                "together with --enable-return-routed-experts at startup ('incompatible with KV "
+                "connectors'), so this server serves prefix hits from its device cache only"
+            )
         connector = extra.get("kv_connector") or c.offload
         if connector:
             return f"KV connector {connector}"
-        return True, ("not probed: no KV offload connector reported ("
-                      + (f"{c.source}: none" if c.source else "the server does not say") + ")")
+        return True, (
+            "not probed: no KV offload connector reported ("
+            + (f"{c.source}: none" if c.source else "the server does not say")
+            + ")"
+        )
     if eng is not None and eng.hierarchical_cache:
         from rr_server.launch.sglang import HICACHE_REFUSED_BY_SGLANG
 
-        who = (f"SGLang {info.engine_version} refuses it with routed experts itself"
-               if info.engine_version in HICACHE_REFUSED_BY_SGLANG else
-               f"SGLang {info.engine_version} allows it; rr-server launch sglang refuses it (sglang#26975: host-tier "
-               "restores return other prompts' rows; the fix #39027 is not released)")
+        who = (
+            f"SGLang {info.engine_version} refuses it with routed experts itself"
+            if info.engine_version in HICACHE_REFUSED_BY_SGLANG
+            else f"SGLang {info.engine_version} allows it; rr-server launch sglang refuses it (sglang#26975: host-tier "
+            "restores return other prompts' rows; the fix #39027 is not released)"
+        )
         if c.hierarchical:
-            return ("hierarchical cache" + (f" (storage {c.hierarchical_storage})" if c.hierarchical_storage else "")
-                    + f" [{who}]")
+            return (
+                "hierarchical cache"
+                + (f" (storage {c.hierarchical_storage})" if c.hierarchical_storage else "")
+                + f" [{who}]"
+            )
         if c.hierarchical is False:
             return True, f"not probed: off ({c.source}: enable_hierarchical_cache false); {who}"
         return True, f"not probed: the server does not say whether the hierarchical cache is on ({who})"
     return True, f"not probed: {info.engine} has no offload tier rr knows"
 
 
-async def run_probes(doc: DoctorRun, http: httpx.AsyncClient, *, weights_path: str | None = None,
-                     max_requests: int = MAX_PROBE_REQUESTS) -> None:
+async def run_probes(
+    doc: DoctorRun, http: httpx.AsyncClient, *, weights_path: str | None = None, max_requests: int = MAX_PROBE_REQUESTS
+) -> None:
     """The cache and weight-path probes, each a check on ``doc``'s report (a typed error fails that probe only)."""
     probes = _Probes(doc, http, weights_path, max_requests)
     probes.cache = await engine_cache(http, doc.info.engine)

@@ -41,8 +41,9 @@ class LayerAgreement:
         return self.equal / self.total if self.total else 1.0
 
 
-def router_choice(model: Any, token_ids: Sequence[int], moe_layers: Sequence[int], num_layers: int, k: int, *,
-                  device: str = "cpu") -> tuple[np.ndarray, dict[int, Any] | None]:
+def router_choice(
+    model: Any, token_ids: Sequence[int], moe_layers: Sequence[int], num_layers: int, k: int, *, device: str = "cpu"
+) -> tuple[np.ndarray, dict[int, Any] | None]:
     """``(tokens, num_layers, k)`` int64: each MoE layer's selected experts in one forward, and the router logits.
 
     The selection is the model's own (rr's ``record_routing``); a layer the hooks do not see, or a model whose
@@ -67,15 +68,22 @@ def router_choice(model: Any, token_ids: Sequence[int], moe_layers: Sequence[int
     raw = getattr(out, "router_logits", None)
     logits = None
     if raw is not None and len(raw) == len(moe_layers):
-        logits = {layer: lg.reshape(-1, lg.shape[-1])[: len(token_ids)].float()
-                  for layer, lg in zip(moe_layers, raw, strict=True)}
+        logits = {
+            layer: lg.reshape(-1, lg.shape[-1])[: len(token_ids)].float()
+            for layer, lg in zip(moe_layers, raw, strict=True)
+        }
     missing = [layer for layer in moe_layers if layer not in seen]
     if missing and logits is None:
         got = None if raw is None else len(raw)
-        raise RuntimeError(f"no router choice for MoE layers {missing}: rr's hooks did not see them and the model "
-                           f"returned {got} router_logits tensors for MoE layers {list(moe_layers)}")
-    ref = router_topk(logits, num_layers, k) if logits is not None else np.zeros((len(token_ids), num_layers, k),
-                                                                                np.int64)
+        raise RuntimeError(
+            f"no router choice for MoE layers {missing}: rr's hooks did not see them and the model "
+            f"returned {got} router_logits tensors for MoE layers {list(moe_layers)}"
+        )
+    ref = (
+        router_topk(logits, num_layers, k)
+        if logits is not None
+        else np.zeros((len(token_ids), num_layers, k), np.int64)
+    )
     if chosen is not None:
         for layer in seen:
             if layer < num_layers and chosen.shape[2] == k:
@@ -96,12 +104,19 @@ class RouterReference:
         self.model: Any = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
         self.model.to(device).eval()
 
-    def compare(self, routing: np.ndarray, token_ids: Sequence[int], start: int, moe_layers: Sequence[int],
-                into: dict[int, LayerAgreement]) -> None:
+    def compare(
+        self,
+        routing: np.ndarray,
+        token_ids: Sequence[int],
+        start: int,
+        moe_layers: Sequence[int],
+        into: dict[int, LayerAgreement],
+    ) -> None:
         """Add one sample: ``routing`` rows are tokens ``start..`` of ``token_ids`` (the last token has no row)."""
         k = routing.shape[2]
-        ref, logits = router_choice(self.model, token_ids[: start + routing.shape[0]], moe_layers, routing.shape[1],
-                                    k, device=self.device)
+        ref, logits = router_choice(
+            self.model, token_ids[: start + routing.shape[0]], moe_layers, routing.shape[1], k, device=self.device
+        )
         ref = ref[start:]
         for layer in moe_layers:
             same = set_matches(routing[:, layer, :], ref[:, layer, :])
@@ -110,7 +125,9 @@ class RouterReference:
             agg.total += int(same.size)
             if same.all():
                 continue
-            if logits is not None and k < logits[layer].shape[1]:  # near-tie: the k-th and (k+1)-th router probabilities are close
+            if (
+                logits is not None and k < logits[layer].shape[1]
+            ):  # near-tie: the k-th and (k+1)-th router probabilities are close
                 p = np.sort(self.torch.softmax(logits[layer][start:], -1).cpu().numpy(), axis=-1)[:, ::-1]
                 agg.near_ties += int(((p[:, k - 1] - p[:, k]) < NEAR_TIE)[~same].sum())
             if agg.first_diff is None:

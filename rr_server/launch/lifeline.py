@@ -39,8 +39,12 @@ class Lifeline:
 def start(grace_s: float = 10.0) -> Lifeline:
     """Spawn the watchdog before the engine, so no moment exists where the engine runs unguarded."""
     read_fd, write_fd = os.pipe()  # both non-inheritable: the engine never holds the launcher's end
-    proc = subprocess.Popen([sys.executable, "-m", "rr_server.launch.lifeline", str(read_fd), str(grace_s)],
-                            pass_fds=(read_fd,), start_new_session=True, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rr_server.launch.lifeline", str(read_fd), str(grace_s)],
+        pass_fds=(read_fd,),
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
     os.close(read_fd)
     return Lifeline(proc, write_fd)
 

@@ -16,22 +16,29 @@ __all__ = ["FORMAT_FLAG", "launcher_parser", "add_shared_options", "wants_help",
 FORMAT_FLAG = "--routed-experts-format"
 
 
-def launcher_parser(engine: str, passes_to: str, description: str
-                    ) -> tuple[argparse.ArgumentParser, argparse._ArgumentGroup]:
+def launcher_parser(
+    engine: str, passes_to: str, description: str
+) -> tuple[argparse.ArgumentParser, argparse._ArgumentGroup]:
     """``rr-server launch <engine>``'s parser (rr's options only; the engine's own arguments pass through) and the
     group rr's options go in; the caller adds its own, then :func:`add_shared_options`."""
-    p = argparse.ArgumentParser(prog=f"rr-server launch {engine.lower()}", add_help=False,
-                                usage=f"rr-server launch {engine.lower()} [rr options] <{passes_to} arguments...>",
-                                description=description)
+    p = argparse.ArgumentParser(
+        prog=f"rr-server launch {engine.lower()}",
+        add_help=False,
+        usage=f"rr-server launch {engine.lower()} [rr options] <{passes_to} arguments...>",
+        description=description,
+    )
     return p, p.add_argument_group(f"rr's options (every other argument goes to {engine} untouched)")
 
 
 def add_shared_options(group: argparse._ArgumentGroup, engine: str) -> None:
     """The options both launchers take (listed last in their help): ``--routed-experts-format`` and ``--help``."""
-    group.add_argument(FORMAT_FLAG, choices=FORMATS,
-                       help="the server's default routed_experts_format: npy (rr's compact .npy, the default), sglang "
-                            "(SGLang's own int32 base64) or ref (a RoutingRef; the rows stay in the server's routing "
-                            "store); a request's own field wins")
+    group.add_argument(
+        FORMAT_FLAG,
+        choices=FORMATS,
+        help="the server's default routed_experts_format: npy (rr's compact .npy, the default), sglang "
+        "(SGLang's own int32 base64) or ref (a RoutingRef; the rows stay in the server's routing "
+        "store); a request's own field wins",
+    )
     group.add_argument("-h", "--help", action="store_true", help=f"rr's options, then {engine}'s own help")
 
 

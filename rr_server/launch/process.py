@@ -24,8 +24,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_healthy(base_url: str, proc: subprocess.Popen[bytes] | None, log_path: Path | None, timeout: float,
-                 *, steps: Steps | None = None, tail_lines: int = 30) -> None:
+def wait_healthy(
+    base_url: str,
+    proc: subprocess.Popen[bytes] | None,
+    log_path: Path | None,
+    timeout: float,
+    *,
+    steps: Steps | None = None,
+    tail_lines: int = 30,
+) -> None:
     """Poll ``/health`` until 200, showing the start on stderr as it happens; :class:`ServerStartError` otherwise.
 
     On a terminal one line shows the elapsed time and the log's last line, updated in place; elsewhere a plain
@@ -38,8 +45,13 @@ def wait_healthy(base_url: str, proc: subprocess.Popen[bytes] | None, log_path: 
         steps.start(label)
         while (waited := time.monotonic() - t0) < timeout:
             if proc is not None and proc.poll() is not None:
-                raise ServerStartError(_failure(f"server at {base_url} exited with rc={proc.returncode} after "
-                                                f"{waited:.0f}s", log_path, tail_lines))
+                raise ServerStartError(
+                    _failure(
+                        f"server at {base_url} exited with rc={proc.returncode} after {waited:.0f}s",
+                        log_path,
+                        tail_lines,
+                    )
+                )
             try:
                 if httpx.get(base_url + "/health", timeout=2).status_code == 200:
                     return
@@ -47,9 +59,14 @@ def wait_healthy(base_url: str, proc: subprocess.Popen[bytes] | None, log_path: 
                 pass
             steps.update(last_log_line(log_path))
             time.sleep(0.5)
-    raise ServerStartError(_failure(f"server at {base_url} not healthy after {timeout:.0f}s"
-                                    + (" (still running)" if proc is not None and proc.poll() is None else ""),
-                                    log_path, tail_lines))
+    raise ServerStartError(
+        _failure(
+            f"server at {base_url} not healthy after {timeout:.0f}s"
+            + (" (still running)" if proc is not None and proc.poll() is None else ""),
+            log_path,
+            tail_lines,
+        )
+    )
 
 
 def _failure(what: str, log_path: Path | None, lines: int) -> str:

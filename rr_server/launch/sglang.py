@@ -9,8 +9,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from rr_server.launch.options import (FORMAT_FLAG, add_shared_options, engine_help, launcher_parser, take_format_flag,
-                                      wants_help)
+from rr_server.launch.options import (
+    FORMAT_FLAG,
+    add_shared_options,
+    engine_help,
+    launcher_parser,
+    take_format_flag,
+    wants_help,
+)
 from rr_server.serving.engines.sglang import RELEASES, UnsupportedSGLangError
 from rr_server.serving.speculative import draft_pollution_refusal, speculative_flags
 
@@ -29,11 +35,13 @@ HICACHE_REFUSED_BY_SGLANG: frozenset[str] = frozenset()
 def build_parser() -> argparse.ArgumentParser:
     """rr's own options of ``rr-server launch sglang``, for ``--help`` and the docs (SGLang's pass through)."""
     p, group = launcher_parser(
-        "SGLang", "SGLang launch_server",
+        "SGLang",
+        "SGLang launch_server",
         "Start SGLang's own server (prepare_server_args + run_server) with rr's patch installed: rr's wire format on "
         f"/generate and the OpenAI endpoints, GET /rr/info; adds {FLAG} when missing. Refuses an SGLang outside "
         f"{RELEASES.help_range}, --tokenizer-worker-num > 1, {HICACHE_FLAG} (sglang#26975) and --speculative-* where "
-        "drafts pollute the routing (exit 2).")
+        "drafts pollute the routing (exit 2).",
+    )
     add_shared_options(group, "SGLang")
     return p
 
@@ -77,12 +85,15 @@ def check_hicache(version: str, argv: Sequence[str]) -> None:
 
     if version in HICACHE_REFUSED_BY_SGLANG:
         return  # SGLang's own startup check refuses it, in its own words
-    if any(a == HICACHE_FLAG or a.startswith(HICACHE_FLAG + "=") and a.split("=", 1)[1].lower() not in ("0", "false")
-           for a in argv):
+    if any(
+        a == HICACHE_FLAG or a.startswith(HICACHE_FLAG + "=") and a.split("=", 1)[1].lower() not in ("0", "false")
+        for a in argv
+    ):
         raise ConfigurationError(
             f"SGLang {version} with {HICACHE_FLAG} and routed experts: prompt rows restored from the host/storage "
             "tier are other requests' rows, silently - same shape and id range (sgl-project/sglang#26975; the fix, "
-            "#39027, is not in this release). Serve without the hierarchical cache")
+            "#39027, is not in this release). Serve without the hierarchical cache"
+        )
 
 
 def install_patch() -> str:
@@ -95,7 +106,8 @@ def install_patch() -> str:
     found = [ep for ep in entry_points(group=LAUNCH_PATCHES) if ep.name == RELEASES.name]
     if not found:
         raise UnsupportedSGLangError(
-            f"rr's SGLang patch is not installed (no '{LAUNCH_PATCHES}: sglang' entry point): pip install rr-replay")
+            f"rr's SGLang patch is not installed (no '{LAUNCH_PATCHES}: sglang' entry point): pip install rr-replay"
+        )
     return str(found[0].load()())
 
 
@@ -158,7 +170,10 @@ def main(argv: Sequence[str]) -> int:
     from rr_server.serving.engines.sglang import ORIGINAL_LOGPROB_ENV, logprobs_mode
 
     if logprobs_mode() == "raw":
-        logger.warning("rr: %s is set: SGLang's sampled log-probs are before temperature (/rr/info logprobs_mode "
-                       "raw); trainers refuse them at temperature != 1", ORIGINAL_LOGPROB_ENV)
+        logger.warning(
+            "rr: %s is set: SGLang's sampled log-probs are before temperature (/rr/info logprobs_mode "
+            "raw); trainers refuse them at temperature != 1",
+            ORIGINAL_LOGPROB_ENV,
+        )
     _run(args)
     return 0

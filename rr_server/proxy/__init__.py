@@ -6,13 +6,13 @@
 
 from __future__ import annotations
 
-from rr_client.core import settings
-from rr_client.core.engines import ENGINE_NAMES
-
 import argparse
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from rr_client.core import settings
+from rr_client.core.engines import ENGINE_NAMES
 
 if TYPE_CHECKING:
     from rr_server.proxy.app import ProxyConfig, create_app
@@ -41,27 +41,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=64, help="upstream calls in flight at most")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream call")
     p.add_argument("--model-path", default=None, help="checkpoint dir with config.json (default: ask the upstream)")
-    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="clients must send 'Authorization: Bearer KEY' (repeatable; also env RR_API_KEY); "
-                        "/health stays open")
-    p.add_argument("--upstream-api-key", default=None, metavar="KEY",
-                   help="key sent to the engine (its --api-key); also env RR_UPSTREAM_API_KEY")
-    p.add_argument("--metrics-require-key", action="store_true",
-                   help="close /metrics behind --api-key too (open by default)")
-    p.add_argument("--max-body-bytes", type=int, default=None,
-                   help="refuse larger request bodies with 413 before parsing (default 64 MiB)")
-    p.add_argument("--routed-experts-format", choices=("npy", "sglang", "ref"), default=None,
-                   help="routing format for requests that do not say (default npy, rr's; sglang = SGLang's "
-                        "headerless int32 for clients that decode it themselves; ref = a RoutingRef, rows kept "
-                        "here); env RR_ROUTED_EXPERTS_FORMAT")
-    p.add_argument("--advertise-url", default=None,
-                   help="the URL routing refs name for reading their rows (default: http://HOST:PORT; env "
-                        "RR_ADVERTISE_URL)")
-    p.add_argument("--upstream-logprobs-mode", choices=("processed", "raw"), default=None,
-                   help="what the upstream's sampled log-probs mean, stated in /rr/info: processed = after "
-                        "temperature (vLLM --logprobs-mode processed_logprobs; SGLang's default), raw = before "
-                        "(vLLM's default raw_logprobs; SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB=1). Default: "
-                        "unknown for vLLM (trainers then refuse temperature != 1), processed for SGLang")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="clients must send 'Authorization: Bearer KEY' (repeatable; also env RR_API_KEY); /health stays open",
+    )
+    p.add_argument(
+        "--upstream-api-key",
+        default=None,
+        metavar="KEY",
+        help="key sent to the engine (its --api-key); also env RR_UPSTREAM_API_KEY",
+    )
+    p.add_argument(
+        "--metrics-require-key", action="store_true", help="close /metrics behind --api-key too (open by default)"
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="refuse larger request bodies with 413 before parsing (default 64 MiB)",
+    )
+    p.add_argument(
+        "--routed-experts-format",
+        choices=("npy", "sglang", "ref"),
+        default=None,
+        help="routing format for requests that do not say (default npy, rr's; sglang = SGLang's "
+        "headerless int32 for clients that decode it themselves; ref = a RoutingRef, rows kept "
+        "here); env RR_ROUTED_EXPERTS_FORMAT",
+    )
+    p.add_argument(
+        "--advertise-url",
+        default=None,
+        help="the URL routing refs name for reading their rows (default: http://HOST:PORT; env RR_ADVERTISE_URL)",
+    )
+    p.add_argument(
+        "--upstream-logprobs-mode",
+        choices=("processed", "raw"),
+        default=None,
+        help="what the upstream's sampled log-probs mean, stated in /rr/info: processed = after "
+        "temperature (vLLM --logprobs-mode processed_logprobs; SGLang's default), raw = before "
+        "(vLLM's default raw_logprobs; SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB=1). Default: "
+        "unknown for vLLM (trainers then refuse temperature != 1), processed for SGLang",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -76,9 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import uvicorn
 
+    from rr_server.proxy.app import DEFAULT_MAX_BODY_BYTES, ProxyConfig, create_app
     from rr_server.serving.auth import keys_from
     from rr_server.serving.store import advertised_url
-    from rr_server.proxy.app import DEFAULT_MAX_BODY_BYTES, ProxyConfig, create_app
 
     if args.routed_experts_format:
         from rr_server.serving.generate_protocol import FORMAT_ENV
@@ -88,14 +111,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if max_body < 1:
         sys.stderr.write("rr-server proxy: --max-body-bytes must be >= 1\n")
         return 2
-    cfg = ProxyConfig(upstream=args.upstream, engine=args.engine, max_concurrency=args.max_concurrency,
-                      timeout=args.timeout, model_path=args.model_path,
-                      api_keys=tuple(keys_from(args.api_key, "RR_API_KEY")),
-                      upstream_api_key=args.upstream_api_key or settings.text("RR_UPSTREAM_API_KEY"),
-                      metrics_require_key=args.metrics_require_key, max_body_bytes=max_body,
-                      advertise_url=args.advertise_url or advertised_url(args.host, args.port),
-                      upstream_logprobs_mode=args.upstream_logprobs_mode)
+    cfg = ProxyConfig(
+        upstream=args.upstream,
+        engine=args.engine,
+        max_concurrency=args.max_concurrency,
+        timeout=args.timeout,
+        model_path=args.model_path,
+        api_keys=tuple(keys_from(args.api_key, "RR_API_KEY")),
+        upstream_api_key=args.upstream_api_key or settings.text("RR_UPSTREAM_API_KEY"),
+        metrics_require_key=args.metrics_require_key,
+        max_body_bytes=max_body,
+        advertise_url=args.advertise_url or advertised_url(args.host, args.port),
+        upstream_logprobs_mode=args.upstream_logprobs_mode,
+    )
     # keep-alive well above clients' idle expiry (httpx: 5 s), so the client always closes first
-    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_keep_alive=KEEP_ALIVE_S)
+    uvicorn.run(
+        create_app(cfg), host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=KEEP_ALIVE_S
+    )
     return 0

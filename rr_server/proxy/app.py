@@ -22,6 +22,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from rr_client.core.engines import EngineName
 from rr_client.core.engines import engine as find_engine
 from rr_client.core.info import RRInfo
+from rr_server.proxy.backend import Backend
+from rr_server.proxy.errors import ProxyError, error_payload
+from rr_server.proxy.info import fetch_info
+from rr_server.proxy.metrics import ProxyMetrics
+from rr_server.proxy.openai import serve_openai
+from rr_server.proxy.sglang_backend import SGLangBackend, validation_view
+from rr_server.proxy.upstream import Upstream
+from rr_server.proxy.vllm_backend import VLLMBackend
 from rr_server.serving.auth import ApiKeyMiddleware, ApiKeys
 from rr_server.serving.fanout import primed
 from rr_server.serving.generate_protocol import (
@@ -35,14 +43,6 @@ from rr_server.serving.http import json_response
 from rr_server.serving.openai_routing import OPENAI_PATHS
 from rr_server.serving.store import STORE_ROUTES, install_store
 from rr_server.serving.weight_epoch import WeightEpoch, WeightUpdateMiddleware
-from rr_server.proxy.backend import Backend
-from rr_server.proxy.errors import ProxyError, error_payload
-from rr_server.proxy.info import fetch_info
-from rr_server.proxy.metrics import ProxyMetrics
-from rr_server.proxy.openai import serve_openai
-from rr_server.proxy.sglang_backend import SGLangBackend, validation_view
-from rr_server.proxy.upstream import Upstream
-from rr_server.proxy.vllm_backend import VLLMBackend
 
 __all__ = ["ProxyConfig", "create_app", "DEFAULT_MAX_BODY_BYTES"]
 
@@ -79,22 +79,30 @@ class Sidecar:
     def __init__(self, cfg: ProxyConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.cfg = cfg
         self.metrics = ProxyMetrics()
-        self.up = Upstream(cfg.upstream, timeout=cfg.timeout, max_concurrency=cfg.max_concurrency,
-                           metrics=self.metrics, transport=transport, api_key=cfg.upstream_api_key)
+        self.up = Upstream(
+            cfg.upstream,
+            timeout=cfg.timeout,
+            max_concurrency=cfg.max_concurrency,
+            metrics=self.metrics,
+            transport=transport,
+            api_key=cfg.upstream_api_key,
+        )
         self._info: tuple[RRInfo, str] | None = None
         self._lock = asyncio.Lock()
         self.epoch = WeightEpoch()  # weight updates forwarded to the upstream through this sidecar
-        self.backend: Backend = (SGLangBackend(self.up, self.info, self.metrics, force_routing=cfg.force_routing,
-                                               epoch=self.epoch)
-                                 if find_engine(cfg.engine).native_generate else
-                                 VLLMBackend(self.up, self.info, self.metrics, epoch=self.epoch))
+        self.backend: Backend = (
+            SGLangBackend(self.up, self.info, self.metrics, force_routing=cfg.force_routing, epoch=self.epoch)
+            if find_engine(cfg.engine).native_generate
+            else VLLMBackend(self.up, self.info, self.metrics, epoch=self.epoch)
+        )
 
     async def info(self) -> tuple[RRInfo, str]:
         """RRInfo + upstream model name, fetched once (retried on the next request if the upstream was down)."""
         async with self._lock:
             if self._info is None:
-                self._info = await fetch_info(self.up, self.cfg.engine, self.cfg.model_path,
-                                              self.cfg.upstream_logprobs_mode)
+                self._info = await fetch_info(
+                    self.up, self.cfg.engine, self.cfg.model_path, self.cfg.upstream_logprobs_mode
+                )
             return self._info
 
     def fail(self, route: str, e: ProxyError) -> Response:
@@ -151,8 +159,12 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
         app.add_api_route(path, handler, methods=list(methods))
     open_paths = OPEN_PATHS if cfg.metrics_require_key else OPEN_PATHS | {"/metrics"}
     app.add_middleware(WeightUpdateMiddleware, epoch=sc.epoch)  # inside the key check: refused calls never count
-    app.add_middleware(ApiKeyMiddleware, keys=ApiKeys.of(cfg.api_keys),
-                       protect=lambda path: path not in open_paths, max_body_bytes=cfg.max_body_bytes)
+    app.add_middleware(
+        ApiKeyMiddleware,
+        keys=ApiKeys.of(cfg.api_keys),
+        protect=lambda path: path not in open_paths,
+        max_body_bytes=cfg.max_body_bytes,
+    )
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -202,8 +214,9 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
         except ProxyError as e:
             return sc.fail(route, e)
         sc.metrics.requests.labels(route, str(resp.status_code)).inc()
-        return Response(resp.content, status_code=resp.status_code,
-                        media_type=resp.headers.get("content-type", "application/json"))
+        return Response(
+            resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type", "application/json")
+        )
 
     # the engine's weight routes, forwarded as they are; the updates among them are counted
     # (rr_server.serving.weight_epoch) for /rr/info weight_version and each sample's rr_provenance

@@ -18,8 +18,11 @@ __all__ = ["fetch_info"]
 def _load(path: str | None, hint: str) -> dict[str, Any]:
     """config.json from a local checkpoint dir; a clear 503 when it is not readable here."""
     if not path or not (Path(path) / "config.json").is_file() and not Path(path).is_file():
-        raise ProxyError(503, "config_unavailable",
-                         f"cannot read the model's config.json at {path!r} ({hint}); pass --model-path DIR")
+        raise ProxyError(
+            503,
+            "config_unavailable",
+            f"cannot read the model's config.json at {path!r} ({hint}); pass --model-path DIR",
+        )
     try:
         return load_config(path)
     except (OSError, ValueError) as e:
@@ -36,8 +39,15 @@ async def _vllm(up: Upstream, model_path: str | None, logprobs_mode: str | None)
     name, root = str(data[0]["id"]), data[0].get("root")
     version = (await up.call("GET", "/version", timeout=10.0)).get("version", "unknown")
     cfg = _load(model_path or root, "from /v1/models root")
-    return RRInfo.from_hf_config(cfg, engine="vllm", engine_version=str(version), model=name, sidecar=True,
-                                 upstream=up.url, logprobs_mode=logprobs_mode), name
+    return RRInfo.from_hf_config(
+        cfg,
+        engine="vllm",
+        engine_version=str(version),
+        model=name,
+        sidecar=True,
+        upstream=up.url,
+        logprobs_mode=logprobs_mode,
+    ), name
 
 
 async def _sglang(up: Upstream, model_path: str | None, logprobs_mode: str | None) -> tuple[RRInfo, str]:
@@ -52,12 +62,20 @@ async def _sglang(up: Upstream, model_path: str | None, logprobs_mode: str | Non
         version = "unknown"
     cfg = _load(model_path or path, "from /get_model_info model_path")
     name = str(path or model_path)
-    return RRInfo.from_hf_config(cfg, engine="sglang", engine_version=version, model=name, sidecar=True,
-                                 upstream=up.url, logprobs_mode=logprobs_mode or PROCESSED), name
+    return RRInfo.from_hf_config(
+        cfg,
+        engine="sglang",
+        engine_version=version,
+        model=name,
+        sidecar=True,
+        upstream=up.url,
+        logprobs_mode=logprobs_mode or PROCESSED,
+    ), name
 
 
-async def fetch_info(up: Upstream, engine: str, model_path: str | None,
-                     logprobs_mode: str | None = None) -> tuple[RRInfo, str]:
+async def fetch_info(
+    up: Upstream, engine: str, model_path: str | None, logprobs_mode: str | None = None
+) -> tuple[RRInfo, str]:
     """Ask the upstream what it serves; return the RRInfo (``logprobs_mode``: what the operator says the upstream's
     sampled log-probs are, ``--upstream-logprobs-mode``) and the upstream's model name."""
     if find_engine(engine).native_generate:  # SGLang: its own /get_model_info and /get_server_info

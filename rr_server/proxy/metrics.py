@@ -18,13 +18,21 @@ from rr_server.serving.routing_metrics import RoutingCounters
 
 __all__ = ["ProxyMetrics"]
 
-_STORE_GAUGES = {"entries": "Routing entries held for refs", "bytes": "Routing bytes held for refs",
-                 "max_bytes": "Byte cap of the routing store", "weight_version": "Weight version new refs carry"}
-_STORE_COUNTERS = {"stored": "Routing entries stored for refs", "reads": "Ref reads answered",
-                   "read_bytes": "Routing bytes read by reference", "evicted": "Entries evicted by the byte cap",
-                   "retired": "Entries retired with their weight version",
-                   "expired_reads": "Reads of refs whose rows were gone (410)",
-                   "refused": "Routing too large for the store (refused)"}
+_STORE_GAUGES = {
+    "entries": "Routing entries held for refs",
+    "bytes": "Routing bytes held for refs",
+    "max_bytes": "Byte cap of the routing store",
+    "weight_version": "Weight version new refs carry",
+}
+_STORE_COUNTERS = {
+    "stored": "Routing entries stored for refs",
+    "reads": "Ref reads answered",
+    "read_bytes": "Routing bytes read by reference",
+    "evicted": "Entries evicted by the byte cap",
+    "retired": "Entries retired with their weight version",
+    "expired_reads": "Reads of refs whose rows were gone (410)",
+    "refused": "Routing too large for the store (refused)",
+}
 
 
 class _StoreCollector:
@@ -40,6 +48,7 @@ class _StoreCollector:
         for k, doc in _STORE_COUNTERS.items():
             yield CounterMetricFamily(f"rr_routing_store_{k}", doc, value=st[k])
 
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -49,16 +58,27 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("rr_proxy_requests", "Requests answered, by route and status", ["route", "status"], registry=r)
+        self.requests = Counter(
+            "rr_proxy_requests", "Requests answered, by route and status", ["route", "status"], registry=r
+        )
         self.errors = Counter("rr_proxy_errors", "Failed requests by kind", ["kind"], registry=r)
         self.routing_rows = Counter("rr_proxy_routing_rows", "Routing rows sent to clients (validated)", registry=r)
-        self.routing_bytes = Counter("rr_proxy_routing_bytes", "Base64 routing payload bytes sent to clients", registry=r)
+        self.routing_bytes = Counter(
+            "rr_proxy_routing_bytes", "Base64 routing payload bytes sent to clients", registry=r
+        )
         self.upstream_latency = Histogram(
-            "rr_proxy_upstream_latency_seconds", "Upstream call latency", ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r
+            "rr_proxy_upstream_latency_seconds",
+            "Upstream call latency",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.request_latency = Histogram(
-            "rr_proxy_request_latency_seconds", "Client request latency through the sidecar", ["route"],
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "rr_proxy_request_latency_seconds",
+            "Client request latency through the sidecar",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.in_flight = Gauge("rr_proxy_in_flight", "Client requests being served", registry=r)
         self.upstream_up = Gauge("rr_proxy_upstream_up", "1 if the last upstream health probe succeeded", registry=r)

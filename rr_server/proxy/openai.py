@@ -19,18 +19,17 @@ from typing import Any, Protocol
 import orjson
 from fastapi.responses import Response, StreamingResponse
 
+from rr_client.core.engines import ABSENT, ANSWER_ROUTING_EXTS, CHOICE_ROUTING_EXTS, pop_ext_routing
+from rr_client.core.engines import engine as find_engine
+from rr_client.core.info import RRInfo
+from rr_server.proxy.errors import ProxyError
+from rr_server.proxy.metrics import ProxyMetrics
+from rr_server.proxy.provenance import answer_provenance
+from rr_server.proxy.upstream import Upstream
 from rr_server.serving.generate_protocol import BadRequest
 from rr_server.serving.http import json_response
-from rr_client.core.engines import ABSENT, pop_ext_routing
-from rr_client.core.engines import engine as find_engine
 from rr_server.serving.openai_routing import engine_body, finish_answer, parse_openai_routing, routing_payload_size
-from rr_server.proxy.errors import ProxyError
-from rr_server.proxy.provenance import answer_provenance
 from rr_server.serving.store import refs_made_under
-from rr_client.core.engines import ANSWER_ROUTING_EXTS, CHOICE_ROUTING_EXTS
-from rr_client.core.info import RRInfo
-from rr_server.proxy.metrics import ProxyMetrics
-from rr_server.proxy.upstream import Upstream
 from rr_server.serving.weight_epoch import WeightEpoch
 
 
@@ -50,6 +49,7 @@ class SidecarParts(Protocol):
 
     async def info(self) -> tuple[RRInfo, str]: ...
 
+
 __all__ = ["serve_openai", "strip_forced_routing"]
 
 _THREAD_MIN_CHARS = 1 << 20
@@ -62,8 +62,9 @@ def strip_forced_routing(answer: Any) -> bool:
     if not isinstance(answer, dict):
         return False
     found = [pop_ext_routing(answer, ext) for ext in ANSWER_ROUTING_EXTS]
-    found += [pop_ext_routing(c, ext) for c in answer.get("choices", ()) if isinstance(c, dict)
-              for ext in CHOICE_ROUTING_EXTS]
+    found += [
+        pop_ext_routing(c, ext) for c in answer.get("choices", ()) if isinstance(c, dict) for ext in CHOICE_ROUTING_EXTS
+    ]
     return any(f is not ABSENT for f in found)
 
 
@@ -129,8 +130,9 @@ async def serve_openai(sc: SidecarParts, path: str, raw: bytes) -> Response:
     force = find_engine(engine).sidecar_forces_routing and sc.cfg.force_routing and isinstance(body, dict)
     if r is None or not r.want:
         if not isinstance(body, dict) or (r is None and not force):
-            return await _pass_through(sc, path, raw, stream=isinstance(body, dict) and bool(body.get("stream")),
-                                       strip=False)
+            return await _pass_through(
+                sc, path, raw, stream=isinstance(body, dict) and bool(body.get("stream")), strip=False
+            )
         out = engine_body(body, r, engine=engine) if r is not None else dict(body)
         if force:
             out["return_routed_experts"] = True
@@ -142,8 +144,7 @@ async def serve_openai(sc: SidecarParts, path: str, raw: bytes) -> Response:
     sent = engine_body(body, dataclasses.replace(r, start=0) if drop else r, engine=engine)
     mark = sc.epoch.mark()
     answer = await sc.up.call("POST", path, sent)
-    finish = functools.partial(finish_answer, r=r, info=info, engine=engine, drop_rows=drop,
-                               payload_rows_counted=False)
+    finish = functools.partial(finish_answer, r=r, info=info, engine=engine, drop_rows=drop, payload_rows_counted=False)
     with refs_made_under(mark.version):  # refs carry the weight version their request was sent under
         if routing_payload_size(answer) > _THREAD_MIN_CHARS:
             answer = await asyncio.to_thread(finish, answer)

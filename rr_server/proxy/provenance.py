@@ -17,8 +17,6 @@ __all__ = ["answer_provenance", "sglang_provenance", "completion_provenance", "w
 _RETRACTION_KEYS = ("num_retractions", "total_retractions")  # SGLang meta_info: 0.5.12+ / 0.5.7 - 0.5.11
 
 
-
-
 def _digest(prompt_ids: Sequence[int] | None, output_ids: Any, completion_tokens: Any) -> str | None:
     """tokens_digest when the prompt ids are known and the output ids are the whole completion."""
     if prompt_ids is None or not isinstance(output_ids, list):
@@ -31,8 +29,6 @@ def _digest(prompt_ids: Sequence[int] | None, output_ids: Any, completion_tokens
         return None
 
 
-
-
 def _spans_two_versions(spans: Any) -> bool:
     """SGLang 0.5.20+'s ``weight_versions`` spans name more than one version."""
     if not isinstance(spans, list):
@@ -40,27 +36,46 @@ def _spans_two_versions(spans: Any) -> bool:
     return len({str(s.get("version")) for s in spans if isinstance(s, Mapping)}) > 1
 
 
-def sglang_provenance(meta: Mapping[str, Any], epoch: WeightEpoch, mark: WeightMark | None,
-                      prompt_ids: Sequence[int] | None, output_ids: Any) -> dict[str, Any]:
+def sglang_provenance(
+    meta: Mapping[str, Any],
+    epoch: WeightEpoch,
+    mark: WeightMark | None,
+    prompt_ids: Sequence[int] | None,
+    output_ids: Any,
+) -> dict[str, Any]:
     """``rr_provenance`` of one final SGLang ``/generate`` item, from its ``meta_info`` and the sidecar's count."""
     cached = _count(meta.get("cached_tokens")) or 0
     admitted, finished, during = weights_since(epoch, mark)
     retractions = next((_count(meta[k]) for k in _RETRACTION_KEYS if k in meta), None)
-    return Provenance(cached_tokens=cached, cache_tier=cache_tier(meta.get("cached_tokens_details"), cached),
-                      preemptions=retractions, weight_version_admitted=admitted, weight_version_finished=finished,
-                      weight_update_during=during or _spans_two_versions(meta.get("weight_versions")),
-                      tokens_digest=_digest(prompt_ids, output_ids, meta.get("completion_tokens"))).to_dict()
+    return Provenance(
+        cached_tokens=cached,
+        cache_tier=cache_tier(meta.get("cached_tokens_details"), cached),
+        preemptions=retractions,
+        weight_version_admitted=admitted,
+        weight_version_finished=finished,
+        weight_update_during=during or _spans_two_versions(meta.get("weight_versions")),
+        tokens_digest=_digest(prompt_ids, output_ids, meta.get("completion_tokens")),
+    ).to_dict()
 
 
-def completion_provenance(cached_tokens: Any, epoch: WeightEpoch, mark: WeightMark | None,
-                    prompt_ids: Sequence[int] | None, output_ids: Sequence[int] | None) -> dict[str, Any]:
+def completion_provenance(
+    cached_tokens: Any,
+    epoch: WeightEpoch,
+    mark: WeightMark | None,
+    prompt_ids: Sequence[int] | None,
+    output_ids: Sequence[int] | None,
+) -> dict[str, Any]:
     """``rr_provenance`` of one completion choice (vLLM's /generate backend, the OpenAI endpoints): the usage's cached
     tokens (no tier), preemptions unknown (an OpenAI answer does not report them)."""
     admitted, finished, during = weights_since(epoch, mark)
-    return Provenance(cached_tokens=_count(cached_tokens) or 0, preemptions=None, weight_version_admitted=admitted,
-                      weight_version_finished=finished, weight_update_during=during,
-                      tokens_digest=_digest(prompt_ids, list(output_ids) if output_ids is not None else None,
-                                            None)).to_dict()
+    return Provenance(
+        cached_tokens=_count(cached_tokens) or 0,
+        preemptions=None,
+        weight_version_admitted=admitted,
+        weight_version_finished=finished,
+        weight_update_during=during,
+        tokens_digest=_digest(prompt_ids, list(output_ids) if output_ids is not None else None, None),
+    ).to_dict()
 
 
 def attach(meta: dict[str, Any], prov: Mapping[str, Any]) -> None:
@@ -81,6 +96,13 @@ def answer_provenance(answer: Any, epoch: WeightEpoch, mark: WeightMark | None) 
         if isinstance(choice, dict):
             ids = next((choice[k] for k in OUTPUT_ID_KEYS if choice.get(k) is not None), None)
             prompt = choice.get("prompt_token_ids")
-            attach(choice, completion_provenance(details.get("cached_tokens"), epoch, mark,
-                                                 prompt if isinstance(prompt, list) else None,
-                                                 ids if isinstance(ids, list) else None))
+            attach(
+                choice,
+                completion_provenance(
+                    details.get("cached_tokens"),
+                    epoch,
+                    mark,
+                    prompt if isinstance(prompt, list) else None,
+                    ids if isinstance(ids, list) else None,
+                ),
+            )

@@ -24,36 +24,67 @@ __all__ = ["upstream_routing_fields", "ROUTING_KEYS"]
 
 logger = logging.getLogger("rr.proxy")
 # every key an upstream may use for routing; stripped from answers that did not ask for it
-ROUTING_KEYS = ("routed_experts", "output_routed_experts", "routed_experts_dtype", "routed_experts_shape",
-                "routed_experts_format", "routed_experts_start", "routed_experts_error")
+ROUTING_KEYS = (
+    "routed_experts",
+    "output_routed_experts",
+    "routed_experts_dtype",
+    "routed_experts_shape",
+    "routed_experts_format",
+    "routed_experts_start",
+    "routed_experts_error",
+)
 
 
 def upstream_routing_fields(
-    meta: Mapping[str, Any], info: RRInfo, *, rows: int, start: int, fmt: str, metrics: ProxyMetrics,
-    drop_rows: int = 0, where: str, hint: str = "",
+    meta: Mapping[str, Any],
+    info: RRInfo,
+    *,
+    rows: int,
+    start: int,
+    fmt: str,
+    metrics: ProxyMetrics,
+    drop_rows: int = 0,
+    where: str,
+    hint: str = "",
 ) -> dict[str, Any]:
     """rr's routing fields of one upstream sample (``meta``: its routing keys), or its per-sample refusal.
 
     Decodes whatever the upstream sent (SGLang int32 with its stated dtype, vLLM ``.npy``), drops ``drop_rows``
     leading rows (upstreams that return every row), and checks once against ``rows``/``start``.
     """
-    fields = _checked_fields(meta, info, rows=rows, start=start, fmt=fmt, metrics=metrics, drop_rows=drop_rows,
-                             where=where, hint=hint)
+    fields = _checked_fields(
+        meta, info, rows=rows, start=start, fmt=fmt, metrics=metrics, drop_rows=drop_rows, where=where, hint=hint
+    )
     metrics.routing.count_sample(fields)
     return fields
 
 
 def _checked_fields(
-    meta: Mapping[str, Any], info: RRInfo, *, rows: int, start: int, fmt: str, metrics: ProxyMetrics,
-    drop_rows: int, where: str, hint: str,
+    meta: Mapping[str, Any],
+    info: RRInfo,
+    *,
+    rows: int,
+    start: int,
+    fmt: str,
+    metrics: ProxyMetrics,
+    drop_rows: int,
+    where: str,
+    hint: str,
 ) -> dict[str, Any]:
     """:func:`upstream_routing_fields` before counting: the checked fields, or the refusal (counted by kind)."""
     payload = meta.get("routed_experts", meta.get("output_routed_experts"))
     try:
         if payload is None and isinstance(meta.get("routed_experts_error"), str):
             raise MissingRoutingError(f"the upstream withheld routed_experts: {meta['routed_experts_error']}")
-        checked = check_payload(payload, info, rows=rows, start=start, drop_rows=drop_rows,
-                                dtype=meta.get("routed_experts_dtype"), stated_shape=meta.get("routed_experts_shape"))
+        checked = check_payload(
+            payload,
+            info,
+            rows=rows,
+            start=start,
+            drop_rows=drop_rows,
+            dtype=meta.get("routed_experts_dtype"),
+            stated_shape=meta.get("routed_experts_shape"),
+        )
     except RoutedExpertsError as e:
         extra = f" ({hint})" if hint and isinstance(e, MissingRoutingError) else ""
         metrics.errors.labels("malformed_routing").inc()

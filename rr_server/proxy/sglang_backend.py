@@ -9,6 +9,11 @@ import orjson
 
 from rr_client.core.codec import expected_rows
 from rr_client.core.info import RRInfo
+from rr_server.proxy.errors import ProxyError
+from rr_server.proxy.metrics import ProxyMetrics
+from rr_server.proxy.provenance import attach, sglang_provenance
+from rr_server.proxy.routing import ROUTING_KEYS, upstream_routing_fields
+from rr_server.proxy.upstream import Upstream
 from rr_server.serving.generate_protocol import (
     SSE_DONE,
     GenerateRequest,
@@ -17,11 +22,6 @@ from rr_server.serving.generate_protocol import (
     sse_line,
 )
 from rr_server.serving.http import error_body
-from rr_server.proxy.errors import ProxyError
-from rr_server.proxy.metrics import ProxyMetrics
-from rr_server.proxy.provenance import attach, sglang_provenance
-from rr_server.proxy.routing import ROUTING_KEYS, upstream_routing_fields
-from rr_server.proxy.upstream import Upstream
 from rr_server.serving.store import refs_made_under
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
@@ -39,7 +39,9 @@ def validation_view(body: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(sp, Mapping):
         view["sampling_params"] = {k: v for k, v in sp.items() if k in known}
     elif isinstance(sp, list):
-        view["sampling_params"] = [{k: v for k, v in s.items() if k in known} if isinstance(s, Mapping) else s for s in sp]
+        view["sampling_params"] = [
+            {k: v for k, v in s.items() if k in known} if isinstance(s, Mapping) else s for s in sp
+        ]
     return view
 
 
@@ -57,8 +59,15 @@ def upstream_body(body: Mapping[str, Any], *, force_routing: bool = True) -> dic
 class SGLangBackend:
     """Serves ``/generate`` from an unpatched SGLang server started with ``--enable-return-routed-experts``."""
 
-    def __init__(self, up: Upstream, info: Callable[[], Awaitable[tuple[RRInfo, str]]], metrics: ProxyMetrics,
-                 *, force_routing: bool = True, epoch: WeightEpoch | None = None) -> None:
+    def __init__(
+        self,
+        up: Upstream,
+        info: Callable[[], Awaitable[tuple[RRInfo, str]]],
+        metrics: ProxyMetrics,
+        *,
+        force_routing: bool = True,
+        epoch: WeightEpoch | None = None,
+    ) -> None:
         self._up, self._info, self._metrics = up, info, metrics
         self._force = force_routing
         self._epoch = epoch or WeightEpoch()  # the sidecar's count of the weight routes it forwards
@@ -66,13 +75,25 @@ class SGLangBackend:
     def _prompt_ids(self, req: NormalizedGenerate, j: int, index: int | None) -> list[int] | None:
         """Token ids of the prompt behind reply item ``j`` (or the stream ``index``), when sent as ids."""
         counts = [s.n for s in req.sampling]
-        p = index if index is not None else next(
-            (k for k in range(len(counts)) if sum(counts[: k + 1]) > j), len(counts) - 1)
+        p = (
+            index
+            if index is not None
+            else next((k for k in range(len(counts)) if sum(counts[: k + 1]) > j), len(counts) - 1)
+        )
         prompt = req.prompts[min(p, len(req.prompts) - 1)]
         return prompt if isinstance(prompt, list) else None
 
-    def transcode(self, item: Any, req: NormalizedGenerate, info: RRInfo, j: int, *, final: bool = True,
-                  index: int | None = None, mark: WeightMark | None = None) -> dict[str, Any]:
+    def transcode(
+        self,
+        item: Any,
+        req: NormalizedGenerate,
+        info: RRInfo,
+        j: int,
+        *,
+        final: bool = True,
+        index: int | None = None,
+        mark: WeightMark | None = None,
+    ) -> dict[str, Any]:
         """One SGLang reply item in rr form: routing validated + re-encoded, or removed when not asked; a final
         item gets its ``rr_provenance`` (``mark``: the sidecar's weight epoch when the request was sent)."""
         if not isinstance(item, Mapping) or not isinstance(item.get("meta_info"), Mapping):
@@ -83,8 +104,11 @@ class SGLangBackend:
         for k in ROUTING_KEYS:
             meta.pop(k, None)
         out["meta_info"] = meta
-        prov = sglang_provenance(upstream_meta, self._epoch, mark, self._prompt_ids(req, j, index),
-                                 item.get("output_ids")) if final else None
+        prov = (
+            sglang_provenance(upstream_meta, self._epoch, mark, self._prompt_ids(req, j, index), item.get("output_ids"))
+            if final
+            else None
+        )
         if prov is not None:
             attach(meta, prov)
         if not (req.return_routed_experts and final):
@@ -95,13 +119,25 @@ class SGLangBackend:
         start = req.routed_experts_start
         ids = self._prompt_ids(req, j, index)
         if ids is not None and len(ids) != pt:
-            raise ProxyError(502, "upstream_protocol",
-                             f"upstream item {j}: prompt_tokens={pt} but the prompt has {len(ids)} token ids")
+            raise ProxyError(
+                502,
+                "upstream_protocol",
+                f"upstream item {j}: prompt_tokens={pt} but the prompt has {len(ids)} token ids",
+            )
         with refs_made_under(mark.version if mark is not None else None):  # a ref: the weights it ran on
-            meta.update(upstream_routing_fields(
-                upstream_meta, info, rows=expected_rows(pt, ct, start), start=start, drop_rows=start,
-                where=f"item {j}", hint="was the upstream started with --enable-return-routed-experts?",
-                fmt=req.routed_experts_format, metrics=self._metrics))
+            meta.update(
+                upstream_routing_fields(
+                    upstream_meta,
+                    info,
+                    rows=expected_rows(pt, ct, start),
+                    start=start,
+                    drop_rows=start,
+                    where=f"item {j}",
+                    hint="was the upstream started with --enable-return-routed-experts?",
+                    fmt=req.routed_experts_format,
+                    metrics=self._metrics,
+                )
+            )
         if prov is not None:
             attach(meta, prov)  # the ref made just now carries it too
         if ids is not None:
@@ -116,7 +152,9 @@ class SGLangBackend:
         if isinstance(reply, list):
             want = sum(s.n for s in req.sampling)
             if len(reply) != want:
-                raise ProxyError(502, "upstream_protocol", f"upstream /generate returned {len(reply)} items, expected {want}")
+                raise ProxyError(
+                    502, "upstream_protocol", f"upstream /generate returned {len(reply)} items, expected {want}"
+                )
             return [self.transcode(it, req, info, j, mark=mark) for j, it in enumerate(reply)]
         return self.transcode(reply, req, info, 0, mark=mark)
 

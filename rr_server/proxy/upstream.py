@@ -21,8 +21,16 @@ __all__ = ["Upstream"]
 class Upstream:
     """One pooled httpx client to the engine; at most ``max_concurrency`` calls in flight."""
 
-    def __init__(self, base_url: str, *, timeout: float, max_concurrency: int, metrics: ProxyMetrics,
-                 transport: httpx.AsyncBaseTransport | None = None, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float,
+        max_concurrency: int,
+        metrics: ProxyMetrics,
+        transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.url = base_url.rstrip("/")
         self._metrics = metrics
         self._sem = asyncio.Semaphore(max_concurrency)
@@ -31,8 +39,9 @@ class Upstream:
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
             # idle pooled connections are dropped before the engine's own 5 s keep-alive closes them,
             # so a request is never written onto a connection the upstream is closing
-            limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency,
-                                keepalive_expiry=2.0),
+            limits=httpx.Limits(
+                max_connections=max_concurrency, max_keepalive_connections=max_concurrency, keepalive_expiry=2.0
+            ),
             transport=transport,
             headers={"authorization": f"Bearer {api_key}"} if api_key else None,
         )
@@ -45,15 +54,22 @@ class Upstream:
         """Upstream 401/403 -> 502 (the sidecar's own key is wrong); other 4xx -> same 4xx; 5xx -> 502."""
         code = resp.status_code
         if code >= 500:
-            raise ProxyError(502, "upstream_error",
-                             f"upstream {path} answered HTTP {code}: {response_message(resp, 300)}")
+            raise ProxyError(
+                502, "upstream_error", f"upstream {path} answered HTTP {code}: {response_message(resp, 300)}"
+            )
         if code in (401, 403):
-            raise ProxyError(502, "upstream_auth",
-                             f"upstream authentication failed ({path}, HTTP {code}): the sidecar's upstream API key "
-                             f"(--upstream-api-key / RR_UPSTREAM_API_KEY) is missing or wrong: {response_message(resp, 300)}")
+            raise ProxyError(
+                502,
+                "upstream_auth",
+                f"upstream authentication failed ({path}, HTTP {code}): the sidecar's upstream API key "
+                f"(--upstream-api-key / RR_UPSTREAM_API_KEY) is missing or wrong: {response_message(resp, 300)}",
+            )
         if code >= 400:
-            raise ProxyError(code, "upstream_rejected",
-                             f"upstream rejected the request ({path}, HTTP {code}): {response_message(resp, 300)}")
+            raise ProxyError(
+                code,
+                "upstream_rejected",
+                f"upstream rejected the request ({path}, HTTP {code}): {response_message(resp, 300)}",
+            )
 
     @contextmanager
     def _mapped(self, path: str) -> Iterator[None]:
@@ -95,15 +111,21 @@ class Upstream:
     @asynccontextmanager
     async def forward_stream(self, path: str, content: bytes) -> AsyncIterator[httpx.Response]:
         """POST bytes and hand back the open streaming answer, whatever its status (pass-through)."""
-        async with self._exchange(path), self._http.stream(
-                "POST", path, content=content, headers={"content-type": "application/json"}) as resp:
+        async with (
+            self._exchange(path),
+            self._http.stream("POST", path, content=content, headers={"content-type": "application/json"}) as resp,
+        ):
             yield resp
 
     @asynccontextmanager
     async def stream_lines(self, path: str, body: Any) -> AsyncIterator[AsyncIterator[str]]:
         """POST and iterate the answer's lines (SSE); transport failures while reading raise ProxyError."""
-        async with self._exchange(path), self._http.stream(
-                "POST", path, content=orjson.dumps(body), headers={"content-type": "application/json"}) as resp:
+        async with (
+            self._exchange(path),
+            self._http.stream(
+                "POST", path, content=orjson.dumps(body), headers={"content-type": "application/json"}
+            ) as resp,
+        ):
             if resp.status_code >= 400:
                 await resp.aread()
                 self._check(resp, path)

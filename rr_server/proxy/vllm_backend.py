@@ -11,6 +11,11 @@ import orjson
 
 from rr_client.core.codec import expected_rows
 from rr_client.core.info import RRInfo
+from rr_server.proxy.errors import ProxyError
+from rr_server.proxy.metrics import ProxyMetrics
+from rr_server.proxy.provenance import attach, completion_provenance
+from rr_server.proxy.routing import upstream_routing_fields
+from rr_server.proxy.upstream import Upstream
 from rr_server.serving.fanout import gather_or_cancel, merge_streams
 from rr_server.serving.generate_protocol import (
     SSE_DONE,
@@ -19,14 +24,9 @@ from rr_server.serving.generate_protocol import (
     build_item,
     sse_line,
 )
-from rr_server.proxy.errors import ProxyError
-from rr_server.proxy.metrics import ProxyMetrics
-from rr_server.proxy.provenance import attach, completion_provenance
-from rr_server.proxy.routing import upstream_routing_fields
-from rr_server.proxy.upstream import Upstream
 from rr_server.serving.store import refs_made_under
-from rr_server.serving.weight_epoch import WeightEpoch
 from rr_server.serving.vllm_translate import finish_reason_dict, to_vllm_sampling_kwargs
+from rr_server.serving.weight_epoch import WeightEpoch
 
 __all__ = ["VLLMBackend"]
 
@@ -36,15 +36,20 @@ _NO_ROUTING_HINT = "was the upstream started with --enable-return-routed-experts
 def completion_body(req: NormalizedGenerate, i: int, model: str) -> dict[str, Any]:
     """The ``/v1/completions`` body for prompt ``i`` (vLLM names, token ids back, prompt start)."""
     try:
-        kw = to_vllm_sampling_kwargs(req.sampling[i], routed_experts_start=req.routed_experts_start,
-                                     return_logprob=req.return_logprob[i])
+        kw = to_vllm_sampling_kwargs(
+            req.sampling[i], routed_experts_start=req.routed_experts_start, return_logprob=req.return_logprob[i]
+        )
     except BadRequest as e:
         raise ProxyError(e.status, "bad_request", str(e)) from None
     p = req.prompts[i]
     if req.return_routed_experts and isinstance(p, list) and req.routed_experts_start > len(p):
         # vLLM refuses it too (400), with its own message; rr's says which field and prompt
-        raise ProxyError(400, "bad_request", f"routed_experts_start {req.routed_experts_start} is beyond prompt {i} "
-                                             f"({len(p)} tokens); it must be <= the prompt length")
+        raise ProxyError(
+            400,
+            "bad_request",
+            f"routed_experts_start {req.routed_experts_start} is beyond prompt {i} "
+            f"({len(p)} tokens); it must be <= the prompt length",
+        )
     return {"model": model, "prompt": req.prompts[i], "return_token_ids": True, "stream": False, **kw}
 
 
@@ -66,8 +71,13 @@ def _int_list(v: Any, what: str) -> list[int]:
 class VLLMBackend:
     """Serves ``/generate`` from an unpatched vLLM API server started with ``--enable-return-routed-experts``."""
 
-    def __init__(self, up: Upstream, info: Callable[[], Awaitable[tuple[RRInfo, str]]], metrics: ProxyMetrics,
-                 epoch: WeightEpoch | None = None) -> None:
+    def __init__(
+        self,
+        up: Upstream,
+        info: Callable[[], Awaitable[tuple[RRInfo, str]]],
+        metrics: ProxyMetrics,
+        epoch: WeightEpoch | None = None,
+    ) -> None:
         self._up, self._info, self._metrics = up, info, metrics
         self._epoch = epoch or WeightEpoch()  # the sidecar's count of the weight routes it forwards
 
@@ -93,7 +103,9 @@ class VLLMBackend:
         n = req.sampling[i].n
         if not isinstance(choices, list) or len(choices) != n:
             got = len(choices) if isinstance(choices, list) else type(choices).__name__
-            raise ProxyError(502, "upstream_protocol", f"upstream /v1/completions returned {got} choices, expected n={n}")
+            raise ProxyError(
+                502, "upstream_protocol", f"upstream /v1/completions returned {got} choices, expected n={n}"
+            )
         usage_raw = reply.get("usage")
         usage: Mapping[str, Any] = usage_raw if isinstance(usage_raw, Mapping) else {}
         details_raw = usage.get("prompt_tokens_details")
@@ -106,15 +118,23 @@ class VLLMBackend:
                 raise ProxyError(502, "upstream_protocol", "upstream completion choice is not an object")
             prompt_ids = _int_list(ch.get("prompt_token_ids"), "prompt_token_ids")
             if isinstance(req.prompts[i], list) and prompt_ids != req.prompts[i]:
-                raise ProxyError(502, "upstream_protocol", f"prompt {i}: upstream prompt_token_ids differ from input_ids")
+                raise ProxyError(
+                    502, "upstream_protocol", f"prompt {i}: upstream prompt_token_ids differ from input_ids"
+                )
             out_ids = _int_list(ch.get("token_ids"), "token_ids")
             fields = None
             if req.return_routed_experts:
                 with refs_made_under(mark.version):  # a ref: the weights its request ran on
                     fields = upstream_routing_fields(
-                        {"routed_experts": ch.get("routed_experts")}, info, start=start,
-                        where=f"prompt {i} sample {j}", rows=expected_rows(len(prompt_ids), len(out_ids), start),
-                        hint=_NO_ROUTING_HINT, fmt=req.routed_experts_format, metrics=self._metrics)
+                        {"routed_experts": ch.get("routed_experts")},
+                        info,
+                        start=start,
+                        where=f"prompt {i} sample {j}",
+                        rows=expected_rows(len(prompt_ids), len(out_ids), start),
+                        hint=_NO_ROUTING_HINT,
+                        fmt=req.routed_experts_format,
+                        metrics=self._metrics,
+                    )
             item = build_item(
                 rid=rid if n == 1 else f"{rid}-{j}",
                 text=ch.get("text") if isinstance(ch.get("text"), str) else None,
@@ -127,8 +147,10 @@ class VLLMBackend:
                 prompt_token_ids=prompt_ids,
                 output_token_logprobs=_logprobs(ch, out_ids) if req.return_logprob[i] else None,
             )
-            attach(item["meta_info"], completion_provenance(details.get("cached_tokens"), self._epoch, mark, prompt_ids,
-                                                      out_ids))
+            attach(
+                item["meta_info"],
+                completion_provenance(details.get("cached_tokens"), self._epoch, mark, prompt_ids, out_ids),
+            )
             items.append(item)
         return items
 
@@ -169,9 +191,14 @@ class VLLMBackend:
                     prompt_tokens = len(ch.get("prompt_token_ids") or []) or prompt_tokens
                     text += ch.get("text") or ""
                     ids += _int_list(ch.get("token_ids") or [], "token_ids")
-                    meta = {"id": rid, "finish_reason": finish_reason_dict(ch.get("finish_reason"), ch.get("stop_reason")),
-                            "prompt_tokens": prompt_tokens, "completion_tokens": len(ids), "cached_tokens": 0,
-                            "e2e_latency": time.perf_counter() - t0}
+                    meta = {
+                        "id": rid,
+                        "finish_reason": finish_reason_dict(ch.get("finish_reason"), ch.get("stop_reason")),
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": len(ids),
+                        "cached_tokens": 0,
+                        "e2e_latency": time.perf_counter() - t0,
+                    }
                     item: dict[str, Any] = {"text": text, "output_ids": list(ids), "meta_info": meta}
                     if req.is_batch:
                         item["index"] = i

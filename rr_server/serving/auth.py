@@ -8,16 +8,24 @@ own middleware does not cover rr's routes.
 
 from __future__ import annotations
 
-from rr_client.core import settings
-
 import hashlib
 import hmac
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from rr_server.serving.http import ASGIApp, BodyTooLarge, Receive, Scope, Send
-from rr_server.serving.http import error_body, read_body, replay_receive, send_json
+from rr_client.core import settings
+from rr_server.serving.http import (
+    ASGIApp,
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    error_body,
+    read_body,
+    replay_receive,
+    send_json,
+)
 
 __all__ = ["ApiKeys", "ApiKeyMiddleware", "keys_from", "UNAUTHORIZED_BODY"]
 
@@ -41,7 +49,7 @@ class ApiKeys:
     digests: tuple[bytes, ...]
 
     @classmethod
-    def of(cls, keys: Iterable[str]) -> "ApiKeys":
+    def of(cls, keys: Iterable[str]) -> ApiKeys:
         """From plain keys; empty strings are ignored."""
         return cls(tuple(hashlib.sha256(k.encode()).digest() for k in keys if k))
 
@@ -52,7 +60,7 @@ class ApiKeys:
         """True if the ``Authorization`` header is ``Bearer <one of the keys>``."""
         if not authorization or not authorization.startswith("Bearer "):
             return False
-        given = hashlib.sha256(authorization[len("Bearer "):].encode()).digest()
+        given = hashlib.sha256(authorization[len("Bearer ") :].encode()).digest()
         ok = False
         for d in self.digests:  # no early exit: the time taken does not depend on which key matched
             ok |= hmac.compare_digest(given, d)
@@ -68,8 +76,9 @@ class ApiKeys:
 
 def _too_large(limit: int) -> dict[str, Any]:
     """The 413 body: the limit and the option that sets it."""
-    return error_body(f"request body exceeds the sidecar's limit of {limit} bytes (--max-body-bytes)", 413,
-                      "RequestTooLarge")
+    return error_body(
+        f"request body exceeds the sidecar's limit of {limit} bytes (--max-body-bytes)", 413, "RequestTooLarge"
+    )
 
 
 class ApiKeyMiddleware:
@@ -79,8 +88,9 @@ class ApiKeyMiddleware:
     reads ``content-length`` first and, for chunked bodies, counts bytes before the app sees any.
     """
 
-    def __init__(self, app: ASGIApp, *, keys: ApiKeys, protect: Callable[[str], bool],
-                 max_body_bytes: int | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, *, keys: ApiKeys, protect: Callable[[str], bool], max_body_bytes: int | None = None
+    ) -> None:
         self.app = app
         self.keys = keys
         self.protect = protect

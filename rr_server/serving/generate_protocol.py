@@ -7,8 +7,6 @@ reply items carry routing fields that the caller made from :class:`rr_client.Che
 
 from __future__ import annotations
 
-from rr_client.core import settings
-
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +21,8 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
+
+from rr_client.core import settings
 
 __all__ = [
     "BadRequest",
@@ -79,8 +79,9 @@ class SamplingParamsIn(BaseModel):
     sampling_seed: StrictInt | None = None
     logit_bias: dict[str, float] | None = None
 
-    @field_validator("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-                     "repetition_penalty", mode="before")
+    @field_validator(
+        "temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", mode="before"
+    )
     @classmethod
     def _number(cls, v: Any) -> Any:
         """Accept ints for float fields (JSON has one number type) but never bools or strings."""
@@ -128,6 +129,7 @@ class GenerateRequest(BaseModel):
     @classmethod
     def _input_ids(cls, v: Any) -> Any:
         """A list of token ids or a non-empty list of such lists."""
+
         def ids(x: Any) -> bool:
             return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -201,9 +203,13 @@ def parse_generate_request(body: bytes | str | Mapping[str, Any]) -> NormalizedG
         req = GenerateRequest.model_validate(data)
     except ValidationError as e:
         raise BadRequest(_fmt_validation(e)) from None
-    extras = {k: v for k, v in (req.model_extra or {}).items()
-              if v not in (None, False, [], {}, "", 0) and not (k in _TOLERATED and _TOLERATED[k] == v)
-              and k not in _ANY_VALUE}
+    extras = {
+        k: v
+        for k, v in (req.model_extra or {}).items()
+        if v not in (None, False, [], {}, "", 0)
+        and not (k in _TOLERATED and _TOLERATED[k] == v)
+        and k not in _ANY_VALUE
+    }
     unsupported = sorted(extras)  # unknown fields are tolerated only with an "off" value
     if unsupported:
         raise BadRequest(f"unsupported /generate field(s) for this server: {', '.join(unsupported)}")
@@ -306,4 +312,3 @@ def build_item(
 def sse_line(obj: Any) -> str:
     """One SGLang-style server-sent event line."""
     return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
-

@@ -20,8 +20,18 @@ from rr_client.core.engines import ABSENT, EngineName, pop_ext_routing
 from rr_client.core.engines import engine as find_engine
 from rr_client.core.info import RRInfo
 from rr_server.serving.generate_protocol import BadRequest
-from rr_server.serving.http import ASGIApp, Message, PostBodyMiddleware, Receive, Scope, Send
-from rr_server.serving.http import error_body, replay_receive, send_json, with_body
+from rr_server.serving.http import (
+    ASGIApp,
+    Message,
+    PostBodyMiddleware,
+    Receive,
+    Scope,
+    Send,
+    error_body,
+    replay_receive,
+    send_json,
+    with_body,
+)
 from rr_server.serving.openai_routing import (
     OPENAI_PATHS,
     OpenAIRouting,
@@ -49,8 +59,15 @@ class OpenAIRoutingMiddleware(PostBodyMiddleware):
 
     paths = OPENAI_PATHS
 
-    def __init__(self, app: ASGIApp, *, engine: EngineName, info: Callable[[Any], RRInfo],
-                 routing_enabled: Callable[[Any], bool] | None = None, native: Native | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        engine: EngineName,
+        info: Callable[[Any], RRInfo],
+        routing_enabled: Callable[[Any], bool] | None = None,
+        native: Native | None = None,
+    ) -> None:
         super().__init__(app)
         self.engine, self.info, self.routing_enabled = engine, info, routing_enabled
         self.native = native  # with it, streams get rr's routing on their last event (it knows every choice)
@@ -62,8 +79,11 @@ class OpenAIRoutingMiddleware(PostBodyMiddleware):
         except ValueError:
             body = None  # not ours to judge: the engine answers it
         try:
-            r = (parse_openai_routing(body, engine=self.engine, stream_ok=self.native is not None)
-                 if isinstance(body, dict) else None)
+            r = (
+                parse_openai_routing(body, engine=self.engine, stream_ok=self.native is not None)
+                if isinstance(body, dict)
+                else None
+            )
             if r is not None and r.want and self.routing_enabled is not None and not self.routing_enabled(scope["app"]):
                 raise BadRequest("this server was started without --enable-return-routed-experts")
         except BadRequest as e:
@@ -79,8 +99,11 @@ class OpenAIRoutingMiddleware(PostBodyMiddleware):
             return
         if r.stream and self.native is not None:
             with self.native(r) as fill:
-                stream = _RoutingStream(send, lambda answer: self._finish_stream(answer, r, fill, scope["app"]),
-                                        find_engine(self.engine).answer_routing_ext)
+                stream = _RoutingStream(
+                    send,
+                    lambda answer: self._finish_stream(answer, r, fill, scope["app"]),
+                    find_engine(self.engine).answer_routing_ext,
+                )
                 await self.app(inner, replay_receive(new, receive), stream.send)
             return
         captured = _Captured(send)
@@ -104,8 +127,9 @@ class OpenAIRoutingMiddleware(PostBodyMiddleware):
         count_answer(answer)
         await send_json(send, answer, 200, captured.headers)
 
-
-    def _finish_stream(self, answer: dict[str, Any], r: OpenAIRouting, fill: Callable[[Any], Sequence[Any] | None], app: Any) -> Any:
+    def _finish_stream(
+        self, answer: dict[str, Any], r: OpenAIRouting, fill: Callable[[Any], Sequence[Any] | None], app: Any
+    ) -> Any:
         """The routing event of a stream: every choice's checked rr fields and token ids."""
         checked = fill(answer)
         answer = finish_answer(answer, r, self.info(app), engine=self.engine, checked=checked)
@@ -211,13 +235,20 @@ class _RoutingStream:
         return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def install_openai_routing(app: Any, *, engine: EngineName, info: Callable[[Any], RRInfo],
-                           routing_enabled: Callable[[Any], bool] | None = None, native: Native | None = None) -> bool:
+def install_openai_routing(
+    app: Any,
+    *,
+    engine: EngineName,
+    info: Callable[[Any], RRInfo],
+    routing_enabled: Callable[[Any], bool] | None = None,
+    native: Native | None = None,
+) -> bool:
     """Add :class:`OpenAIRoutingMiddleware` to a Starlette/FastAPI app once (re-entrant); True if added now."""
     if getattr(app.state, "rr_openai_routing", False):
         return False
-    app.add_middleware(OpenAIRoutingMiddleware, engine=engine, info=info, routing_enabled=routing_enabled,
-                       native=native)
+    app.add_middleware(
+        OpenAIRoutingMiddleware, engine=engine, info=info, routing_enabled=routing_enabled, native=native
+    )
     app.state.rr_openai_routing = True
     logger.info("rr: routing fields served on %s (%s)", ", ".join(OPENAI_PATHS), engine)
     return True

@@ -67,8 +67,9 @@ class OpenAIRouting:
     stream: bool
 
 
-def parse_openai_routing(body: Mapping[str, Any], *, engine: EngineName | Engine,
-                         stream_ok: bool = False) -> OpenAIRouting | None:
+def parse_openai_routing(
+    body: Mapping[str, Any], *, engine: EngineName | Engine, stream_ok: bool = False
+) -> OpenAIRouting | None:
     """rr's fields of an OpenAI body, or None when it sets none; BadRequest (400) naming the field otherwise.
 
     On SGLang, ``return_routed_experts`` and ``routed_experts_start_len`` are the engine's own names and count too.
@@ -98,13 +99,16 @@ def parse_openai_routing(body: Mapping[str, Any], *, engine: EngineName | Engine
         raise BadRequest(f"routed_experts_format must be one of {list(FORMATS)}, got {fmt!r}")
     stream = bool(body.get("stream", False))
     if want and stream and not stream_ok:
-        raise BadRequest(f"stream=true with return_routed_experts is not served: {eng.stream_refusal}; "
-                         "send stream=false")
+        raise BadRequest(
+            f"stream=true with return_routed_experts is not served: {eng.stream_refusal}; send stream=false"
+        )
     if want and start:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt) and start > len(prompt):
-            raise BadRequest(f"routed_experts_start {start} is beyond the prompt ({len(prompt)} tokens); "
-                             "it must be <= the prompt length")
+            raise BadRequest(
+                f"routed_experts_start {start} is beyond the prompt ({len(prompt)} tokens); "
+                "it must be <= the prompt length"
+            )
     return OpenAIRouting(want=want, start=start, fmt=str(fmt), stream=stream)
 
 
@@ -119,8 +123,9 @@ def engine_body(body: Mapping[str, Any], r: OpenAIRouting, *, engine: EngineName
     return out
 
 
-def _rows(prompt_ids: Sequence[int] | None, output_ids: Sequence[int] | None, usage: Any, n_choices: int,
-          start: int) -> int | None:
+def _rows(
+    prompt_ids: Sequence[int] | None, output_ids: Sequence[int] | None, usage: Any, n_choices: int, start: int
+) -> int | None:
     """Rows the choice must carry: from its token ids, else from ``usage`` when it describes this one choice."""
     if prompt_ids is not None and output_ids is not None:
         return expected_rows(len(prompt_ids), len(output_ids), start)
@@ -147,9 +152,16 @@ def routing_payload_size(answer: Any) -> int:
     return total + sum(_payload_chars(answer, ext) for ext in ANSWER_ROUTING_EXTS)
 
 
-def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: EngineName | Engine, drop_rows: int = 0,
-                  payload_rows_counted: bool = True,
-                  checked: Sequence[CheckedRouting | str | None] | None = None) -> Any:
+def finish_answer(
+    answer: Any,
+    r: OpenAIRouting,
+    info: RRInfo,
+    *,
+    engine: EngineName | Engine,
+    drop_rows: int = 0,
+    payload_rows_counted: bool = True,
+    checked: Sequence[CheckedRouting | str | None] | None = None,
+) -> Any:
     """Put rr's checked routing fields and token ids on every choice of a non-streaming answer (in place).
 
     A choice whose routing fails the check carries ``routed_experts: null`` and ``routed_experts_error``
@@ -190,9 +202,13 @@ def finish_answer(answer: Any, r: OpenAIRouting, info: RRInfo, *, engine: Engine
         prov = choice.get(PROVENANCE_FIELD)  # the engine side's rr_provenance for this choice, if it gave one
         try:
             with refs_made_under(_admitted(prov)):  # a ref carries the weight version its request was admitted at
-                fields = routing_meta_fields(_choice_routing(eng, i, payload, first, checked, info, rows, r.start,
-                                                             drop_rows, payload_rows_counted), r.fmt,
-                                             store=current_store())
+                fields = routing_meta_fields(
+                    _choice_routing(
+                        eng, i, payload, first, checked, info, rows, r.start, drop_rows, payload_rows_counted
+                    ),
+                    r.fmt,
+                    store=current_store(),
+                )
         except RoutedExpertsError as e:
             fields = routing_error_fields(e)
         except _Refused as e:
@@ -223,9 +239,18 @@ class _Refused(Exception):
         self.reason = reason
 
 
-def _choice_routing(eng: Engine, i: int, payload: Any, first: Any,
-                    checked: Sequence[CheckedRouting | str | None] | None, info: RRInfo, rows: int | None,
-                    start: int, drop_rows: int, payload_rows_counted: bool) -> CheckedRouting:
+def _choice_routing(
+    eng: Engine,
+    i: int,
+    payload: Any,
+    first: Any,
+    checked: Sequence[CheckedRouting | str | None] | None,
+    info: RRInfo,
+    rows: int | None,
+    start: int,
+    drop_rows: int,
+    payload_rows_counted: bool,
+) -> CheckedRouting:
     """One choice's routing, checked exactly once (here, or already by the engine-side collector)."""
     if checked is not None:
         done = checked[i]
@@ -235,11 +260,14 @@ def _choice_routing(eng: Engine, i: int, payload: Any, first: Any,
             raise _Refused(done)
         raise MissingRoutingError("the engine returned no routing for this choice")
     if payload is None and eng.answer_routing_ext and i > 0 and first is not None:
-        raise MissingRoutingError(f"{eng.name}'s OpenAI answer carries routing for its first choice only "
-                                  f"(rr's {eng.name} patch gives every choice its own)")
+        raise MissingRoutingError(
+            f"{eng.name}'s OpenAI answer carries routing for its first choice only "
+            f"(rr's {eng.name} patch gives every choice its own)"
+        )
     if payload is None:
         raise MissingRoutingError(
-            "the engine returned no routing for this choice (was it started with --enable-return-routed-experts?)")
+            "the engine returned no routing for this choice (was it started with --enable-return-routed-experts?)"
+        )
     if rows is None:
         if not (eng.rows_from_payload and payload_rows_counted):
             raise MissingRoutingError("the engine's answer has no token ids to count this choice's rows by")
@@ -252,5 +280,6 @@ def _payload_rows(payload: Any, info: RRInfo) -> int:
     """Rows a payload holds (decoded without the check: the caller checks it next, once)."""
     from rr_client.core.codec import decode_routed_experts
 
-    return int(decode_routed_experts(payload, num_layers=info.num_hidden_layers, topk=info.topk,
-                                     validate=False).shape[0])
+    return int(
+        decode_routed_experts(payload, num_layers=info.num_hidden_layers, topk=info.topk, validate=False).shape[0]
+    )

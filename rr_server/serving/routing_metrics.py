@@ -36,8 +36,10 @@ logger = logging.getLogger("rr.metrics")
 
 # metric name (prometheus_client adds ``_total``) -> (help, label)
 NAMES: dict[str, tuple[str, str]] = {
-    "rr_routing_refused": ("Samples whose routing failed rr's check (sent as routed_experts_error), by error class",
-                           "error"),
+    "rr_routing_refused": (
+        "Samples whose routing failed rr's check (sent as routed_experts_error), by error class",
+        "error",
+    ),
     "rr_routing_samples": ("Samples sent with checked routing, by routed_experts_format", "format"),
     "rr_routing_rows": ("Routing rows sent (checked), by routed_experts_format", "format"),
     "rr_routing_bytes": ("Base64 routing payload bytes sent (a ref sends none), by routed_experts_format", "format"),

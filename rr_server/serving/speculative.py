@@ -31,6 +31,8 @@ def draft_pollution_refusal(engine: str, version: str, argv: Sequence[str]) -> s
     facts, fix, issue = rel.facts_for(version), rel.draft_fix_release, rel.draft_issue
     if not facts.draft_pollutes_routing:
         return None
-    return (f"{engine} {version} with speculative decoding ({', '.join(sorted(set(flags)))}): its draft (MTP/EAGLE) "
-            f"MoE layers write the target model's routing rows ({issue}), silently - the rows keep their shape and "
-            f"id range. Upgrade to {engine} >= {fix}, or serve without speculative decoding")
+    return (
+        f"{engine} {version} with speculative decoding ({', '.join(sorted(set(flags)))}): its draft (MTP/EAGLE) "
+        f"MoE layers write the target model's routing rows ({issue}), silently - the rows keep their shape and "
+        f"id range. Upgrade to {engine} >= {fix}, or serve without speculative decoding"
+    )

@@ -68,7 +68,12 @@ def finish_reason_dict(reason: str | None, stop_reason: int | str | None) -> dic
 
 
 def checked_routing_fields(
-    routing: Any, info: RRInfo, *, prompt_ids: Sequence[int], output_ids: Sequence[int], start: int,
+    routing: Any,
+    info: RRInfo,
+    *,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    start: int,
     fmt: str = "npy",
 ) -> dict[str, Any]:
     """``meta_info`` routing fields of one vLLM sample; raises a typed RoutedExpertsError if the check fails.

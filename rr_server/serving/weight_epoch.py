@@ -17,17 +17,29 @@ from typing import Any, Literal
 
 from rr_server.serving.http import ASGIApp, Message, Receive, Scope, Send, read_body, replay_receive
 
-__all__ = ["WeightEpoch", "WeightMark", "WeightUpdateMiddleware", "current_epoch", "update_kind", "UPDATE_PATHS",
-           "install_weight_epoch"]
+__all__ = [
+    "WeightEpoch",
+    "WeightMark",
+    "WeightUpdateMiddleware",
+    "current_epoch",
+    "update_kind",
+    "UPDATE_PATHS",
+    "install_weight_epoch",
+]
 
 Kind = Literal["update", "start", "finish"]
 
 # Paths whose success completes one weight update (the body does not matter).
-UPDATE_PATHS: frozenset[str] = frozenset({
-    "/update_weights", "/update_weight_version",  # vLLM dev mode (update_weights: outside a start..finish window)
-    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",  # SGLang
-    "/update_weights_from_ipc",
-})
+UPDATE_PATHS: frozenset[str] = frozenset(
+    {
+        "/update_weights",
+        "/update_weight_version",  # vLLM dev mode (update_weights: outside a start..finish window)
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",  # SGLang
+        "/update_weights_from_ipc",
+    }
+)
 _RPC_READS = ("get", "check", "init", "is_", "list", "report", "save")  # collective_rpc methods that change nothing
 
 

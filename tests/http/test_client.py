@@ -200,10 +200,12 @@ async def test_4xx_is_never_retried(server: ProtocolTestServer) -> None:
     assert server.behaviour.calls == 1
 
 
-@pytest.mark.parametrize("status,err", [(401, AuthenticationError), (403, AuthenticationError),
-                                        (404, RequestRejectedError)])
-async def test_rejections_are_typed_and_never_retried(server: ProtocolTestServer, status: int,
-                                                      err: type[Exception]) -> None:
+@pytest.mark.parametrize(
+    "status,err", [(401, AuthenticationError), (403, AuthenticationError), (404, RequestRejectedError)]
+)
+async def test_rejections_are_typed_and_never_retried(
+    server: ProtocolTestServer, status: int, err: type[Exception]
+) -> None:
     server.behaviour.reject_status = status
     async with RoutedExpertsClient(server.url, retries=3, backoff=0.01) as c:
         with pytest.raises(err, match=f"POST /generate: HTTP {status}: Unauthorized") as ei:
@@ -241,7 +243,9 @@ async def test_timeout_is_transport_error_not_hang(server: ProtocolTestServer) -
         ("bad_info", ProtocolError, "/rr/info is invalid"),
     ],
 )
-async def test_malformed_server_answers(server: ProtocolTestServer, corrupt: str, err: type[Exception], msg: str) -> None:
+async def test_malformed_server_answers(
+    server: ProtocolTestServer, corrupt: str, err: type[Exception], msg: str
+) -> None:
     server.behaviour.corrupt = corrupt
     async with RoutedExpertsClient(server.url) as c:
         with pytest.raises(err, match=msg):
@@ -264,7 +268,9 @@ async def test_extra_row_allowed_only_when_asked(server: ProtocolTestServer) -> 
 
 
 @pytest.mark.parametrize("prompts,err", [([], ValueError), ([""], ValueError), ([[1, -2]], TypeError), (3, TypeError)])
-async def test_bad_prompts_refused_before_sending(server: ProtocolTestServer, prompts: object, err: type[Exception]) -> None:
+async def test_bad_prompts_refused_before_sending(
+    server: ProtocolTestServer, prompts: object, err: type[Exception]
+) -> None:
     async with RoutedExpertsClient(server.url) as c:
         with pytest.raises(err):
             await c.generate(prompts)  # type: ignore[arg-type]

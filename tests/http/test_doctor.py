@@ -37,8 +37,9 @@ def test_healthy_synthetic_server_passes(server: ProtocolTestServer, capsys: pyt
     assert "repeated 300-token prompt, 288 tokens from the prefix cache" in out
 
 
-def test_a_prefix_cache_that_never_hits_is_not_exercised(server: ProtocolTestServer,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_prefix_cache_that_never_hits_is_not_exercised(
+    server: ProtocolTestServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     """cached_tokens=0 on a repeat is reported as "not exercised", never as ok (the rows from the cache were not seen)."""
     server.behaviour.prefix_cache = False
     rc, out = _doctor(server.url, capsys, "--json")
@@ -80,12 +81,16 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli(["doctor", "http://127.0.0.1:9", "--prompts", "2"]) == 2
 
 
-@pytest.mark.parametrize("mode,check,cause", [
-    ("shift_layers", "single", "ShapeMismatchError"),  # caught by the full check: MoE ids on the dense layer
-    ("swap_rows", "mixed batch", "another request's routing"),  # passes the full check; cross-request rows do not
-])
-def test_unpatched_engine_broken_behind_the_doctors_sidecar(tmp_path: Path, mode: str, check: str, cause: str,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "mode,check,cause",
+    [
+        ("shift_layers", "single", "ShapeMismatchError"),  # caught by the full check: MoE ids on the dense layer
+        ("swap_rows", "mixed batch", "another request's routing"),  # passes the full check; cross-request rows do not
+    ],
+)
+def test_unpatched_engine_broken_behind_the_doctors_sidecar(
+    tmp_path: Path, mode: str, check: str, cause: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--engine vllm`` against a FAKE recording vLLM that shifts layers or swaps requests' rows."""
     with FakeVLLMUpstream(write_fake_config(tmp_path)) as fake:
         fake.corrupt = mode
@@ -96,7 +101,9 @@ def test_unpatched_engine_broken_behind_the_doctors_sidecar(tmp_path: Path, mode
     assert check in failed and cause in failed[check], failed
 
 
-def test_unpatched_engine_healthy_behind_the_doctors_sidecar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unpatched_engine_healthy_behind_the_doctors_sidecar(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with FakeVLLMUpstream(write_fake_config(tmp_path)) as fake:
         rc, out = _doctor(fake.url, capsys, "--engine", "vllm")
     assert rc == 0 and out.startswith("PASS") and "(unpatched)" in out.splitlines()[0], out

@@ -42,9 +42,12 @@ def doctor(server: ProtocolTestServer, capsys: pytest.CaptureFixture[str], **ide
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("bug", _BUGS, ids=[f"{b.engine}-{b.fact}-{b.platform or 'any'}-{i}" for i, b in enumerate(_BUGS)])
-def test_the_doctor_reports_each_known_bug_for_an_affected_release(bug: KnownBug, server: ProtocolTestServer,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "bug", _BUGS, ids=[f"{b.engine}-{b.fact}-{b.platform or 'any'}-{i}" for i, b in enumerate(_BUGS)]
+)
+def test_the_doctor_reports_each_known_bug_for_an_affected_release(
+    bug: KnownBug, server: ProtocolTestServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert bug.source and ("#" in bug.source or "found by rr" in bug.source or "docs/" in bug.source)
     version = affected(bug)
     rep = doctor(server, capsys, engine=bug.engine, engine_version=version, platform=bug.platform or "cuda")
@@ -66,15 +69,25 @@ def test_the_doctor_reports_each_known_bug_for_an_affected_release(bug: KnownBug
 
 def test_the_published_bugs_the_doctor_must_know_are_all_listed() -> None:
     sources = " ".join(b.source for b in _BUGS)
-    for ref in ("vllm#44116", "#44214", "vllm#48622", "sglang#26980", "sglang#29040", "vllm-ascend#16314",
-                "vllm-ascend#13882", "PR #26423", "sglang#20964"):
+    for ref in (
+        "vllm#44116",
+        "#44214",
+        "vllm#48622",
+        "sglang#26980",
+        "sglang#29040",
+        "vllm-ascend#16314",
+        "vllm-ascend#13882",
+        "PR #26423",
+        "sglang#20964",
+    ):
         assert ref in sources, ref
     whats = " ".join(b.what for b in _BUGS)
     assert "torch.compile" in whats and "{}" in whats
 
 
-def test_speculative_decoding_shows_in_the_identity(server: ProtocolTestServer,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_speculative_decoding_shows_in_the_identity(
+    server: ProtocolTestServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     rep = doctor(server, capsys, engine="vllm", engine_version="0.30.0", platform="cuda", speculative="ngram")
     (ident,) = [c for c in rep["checks"] if c["name"] == "identity"]
     assert "speculative decoding ngram (ground truth below runs with it)" in ident["detail"]

@@ -35,25 +35,40 @@ def test_probes_pass_on_a_correct_server(server: ProbeTestServer, capsys: pytest
     rc, checks = _checks(capsys, server.url, "--probe-weight-update", "/weights/now")
     assert rc == 0, {n: c["detail"] for n, c in checks.items() if not c["ok"]}
     assert all(checks[n]["ok"] and checks[n]["exercised"] for n in PROBES), [checks[n] for n in PROBES]
-    assert "6 concurrent requests of 92+48 tokens: 4 preempted (rr_provenance: 4 preemptions, engine: 4)" \
+    assert (
+        "6 concurrent requests of 92+48 tokens: 4 preempted (rr_provenance: 4 preemptions, engine: 4)"
         in checks["preemption"]["detail"]
+    )
     assert "weight_version 0 -> 1" in checks["weight update"]["detail"]
     assert "preempted and flagged may_be_recomputed_across_update" in checks["weight update"]["detail"]
     assert "restored from the external tier" in checks["kv offload"]["detail"]
     assert server.version == 1  # the doctor reloaded once, through /collective_rpc reload_weights
 
 
-@pytest.mark.parametrize("faults,causes", [
-    ({"drop_preemptions", "no_update_flag", "stale_offload"}, {
-        "preemption": "no sample's rr_provenance reports one",
-        "weight update": "ran across the reload but rr_provenance says weight version 0 -> 0",
-        "kv offload": "restored from the external tier vs the cold run: 0.00%"}),
-    ({"preempted_rows", "reload_uncounted"}, {
-        "preemption": "rows that do not belong to their tokens after a preemption: request 2 (preempted) 0.0%",
-        "weight update": "the update was not counted"}),
-], ids=["unreported", "wrong"])
-def test_each_planted_fault_fails_its_probe(server: ProbeTestServer, faults: set[str], causes: dict[str, str],
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "faults,causes",
+    [
+        (
+            {"drop_preemptions", "no_update_flag", "stale_offload"},
+            {
+                "preemption": "no sample's rr_provenance reports one",
+                "weight update": "ran across the reload but rr_provenance says weight version 0 -> 0",
+                "kv offload": "restored from the external tier vs the cold run: 0.00%",
+            },
+        ),
+        (
+            {"preempted_rows", "reload_uncounted"},
+            {
+                "preemption": "rows that do not belong to their tokens after a preemption: request 2 (preempted) 0.0%",
+                "weight update": "the update was not counted",
+            },
+        ),
+    ],
+    ids=["unreported", "wrong"],
+)
+def test_each_planted_fault_fails_its_probe(
+    server: ProbeTestServer, faults: set[str], causes: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
     """Faults of different probes planted together: each probe fails on its own fault, with its cause, and no
     other check fails."""
     server.faults = faults
@@ -78,15 +93,27 @@ def test_load_plan_and_metrics_parse() -> None:
     assert plan_load(EngineCache("m", num_blocks=8, block_size=128)) == Load(requests=10, prompt_len=96, new_tokens=64)
     assert plan_load(EngineCache("m", num_blocks=24, block_size=16)) == Load(requests=6, prompt_len=92, new_tokens=48)
     assert "does not say its KV cache size" in str(plan_load(EngineCache("")))
-    text = ('# HELP x\nvllm:cache_config_info{block_size="128",num_gpu_blocks="None"} 1.0\n'
-            'vllm:num_preemptions_total{engine="0",model_name="m"} 3.0\n')
-    assert parse_metrics(text) == [("vllm:cache_config_info", {"block_size": "128", "num_gpu_blocks": "None"}, 1.0),
-                                   ("vllm:num_preemptions_total", {"engine": "0", "model_name": "m"}, 3.0)]
+    text = (
+        '# HELP x\nvllm:cache_config_info{block_size="128",num_gpu_blocks="None"} 1.0\n'
+        'vllm:num_preemptions_total{engine="0",model_name="m"} 3.0\n'
+    )
+    assert parse_metrics(text) == [
+        ("vllm:cache_config_info", {"block_size": "128", "num_gpu_blocks": "None"}, 1.0),
+        ("vllm:num_preemptions_total", {"engine": "0", "model_name": "m"}, 3.0),
+    ]
 
 
 def _info(engine: str, version: str) -> RRInfo:
-    return RRInfo(engine=engine, engine_version=version, rr_version="0", num_hidden_layers=3, num_experts=8, topk=2,
-                  moe_layers=[0, 2], wire_dtype="uint8")
+    return RRInfo(
+        engine=engine,
+        engine_version=version,
+        rr_version="0",
+        num_hidden_layers=3,
+        num_experts=8,
+        topk=2,
+        moe_layers=[0, 2],
+        wire_dtype="uint8",
+    )
 
 
 def test_offload_tiers_the_deployment_has_on() -> None:
@@ -94,10 +121,14 @@ def test_offload_tiers_the_deployment_has_on() -> None:
     hierarchical cache: on (probed, with #26975 named), off, or not said."""
     refused = offload_state(_info("vllm", "0.30.0"), EngineCache("/metrics cache_config_info", 24, 16, True, "x"))
     assert refused[0] is True and "refuses any KV connector" in refused[1]  # type: ignore[index]
-    assert offload_state(_info("vllm", "0.31.0"), EngineCache("m", offload="native offloading, 1 GiB")) \
+    assert (
+        offload_state(_info("vllm", "0.31.0"), EngineCache("m", offload="native offloading, 1 GiB"))
         == "KV connector native offloading, 1 GiB"
-    assert "no KV offload connector reported (the server does not say)" in offload_state(_info("vllm", "0.31.0"),
-                                                                                         EngineCache(""))[1]
+    )
+    assert (
+        "no KV offload connector reported (the server does not say)"
+        in offload_state(_info("vllm", "0.31.0"), EngineCache(""))[1]
+    )
     on = offload_state(_info("sglang", "0.5.23"), EngineCache("/get_server_info", hierarchical=True))
     assert isinstance(on, str) and on.startswith("hierarchical cache [SGLang 0.5.23 allows it") and "#26975" in on
     off = offload_state(_info("sglang", "0.5.23"), EngineCache("/get_server_info", hierarchical=False))

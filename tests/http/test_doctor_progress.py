@@ -28,8 +28,9 @@ def server() -> Iterator[ProtocolTestServer]:
         yield s
 
 
-def test_each_check_is_printed_before_the_next_runs(server: ProtocolTestServer, monkeypatch: pytest.MonkeyPatch,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_each_check_is_printed_before_the_next_runs(
+    server: ProtocolTestServer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """What the user has seen when the n=2 check starts: the earlier checks' lines, and nothing on stdout yet."""
     seen: list[tuple[str, str]] = []
     n2 = doctor_checks._Doctor._n2
@@ -60,15 +61,25 @@ def test_a_failed_check_streams_as_fail(server: ProtocolTestServer, capsys: pyte
     assert out.splitlines()[1].startswith("  FAIL single: UnrecordedRoutingError")
 
 
-def test_json_stays_one_document_and_stderr_quiet_off_a_terminal(server: ProtocolTestServer,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_stays_one_document_and_stderr_quiet_off_a_terminal(
+    server: ProtocolTestServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert cli(["doctor", server.url, "--json"]) == 0
     out, err = capsys.readouterr()
     report = json.loads(out)  # the whole of stdout is one JSON document
     assert out.startswith("{") and out.rstrip().endswith("}") and set(report) == REPORT_KEYS
-    assert [c["name"] for c in report["checks"]] == ["identity", "single", "batch", "n=2", "routed_experts_start",
-                                                     "prefix-cache hit", "mixed batch", "preemption", "weight update",
-                                                     "kv offload"]
+    assert [c["name"] for c in report["checks"]] == [
+        "identity",
+        "single",
+        "batch",
+        "n=2",
+        "routed_experts_start",
+        "prefix-cache hit",
+        "mixed batch",
+        "preemption",
+        "weight update",
+        "kv offload",
+    ]
     assert err == ""
 
 

@@ -82,8 +82,17 @@ def test_info_states_the_upstream_logprobs_mode_it_is_told(cfg_dir: Path, engine
 
     told = build_parser().parse_args(["--upstream", "u", "--engine", engine, "--upstream-logprobs-mode", "raw"])
     fake = (FakeSGLangUpstream if engine == "sglang" else FakeVLLMUpstream)(cfg_dir)
-    with fake, SidecarServer(ProxyConfig(upstream=fake.url, engine=engine, timeout=10,  # type: ignore[arg-type]
-                                         upstream_logprobs_mode=told.upstream_logprobs_mode)) as sc:
+    with (
+        fake,
+        SidecarServer(
+            ProxyConfig(
+                upstream=fake.url,
+                engine=engine,
+                timeout=10,  # type: ignore[arg-type]
+                upstream_logprobs_mode=told.upstream_logprobs_mode,
+            )
+        ) as sc,
+    ):
         assert httpx.get(f"{sc.url}/rr/info", timeout=20).json()["logprobs_mode"] == "raw"
 
 
@@ -91,13 +100,21 @@ def test_roundtrip_and_start(http: httpx.Client, stack: tuple[str, object, Sidec
     stack[1].corrupt = "none"  # type: ignore[attr-defined]
     prompt = [5, 9, 14, 20]
     for start in (0, 2):
-        r = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 5},
-                                         "return_routed_experts": True, "routed_experts_start": start})
+        r = http.post(
+            "/generate",
+            json={
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": 5},
+                "return_routed_experts": True,
+                "routed_experts_start": start,
+            },
+        )
         assert r.status_code == 200, r.text
         meta = r.json()["meta_info"]
         assert meta["routed_experts_format"] == "npy" and meta["routed_experts_start"] == start
-        got = decode_meta_info(meta, rows=len(prompt) + 5 - 1 - start, num_layers=3, topk=2, num_experts=8,
-                               moe_layers=MOE)
+        got = decode_meta_info(
+            meta, rows=len(prompt) + 5 - 1 - start, num_layers=3, topk=2, num_experts=8, moe_layers=MOE
+        )
         assert got.dtype == np.uint8
         np.testing.assert_array_equal(got, expected(prompt, 5, start))
         assert meta["prompt_token_ids"] == prompt
@@ -139,8 +156,12 @@ def test_client_batch_n(stack: tuple[str, object, SidecarServer]) -> None:
 
 def test_stream(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -> None:
     stack[1].corrupt = "none"  # type: ignore[attr-defined]
-    body = {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 4},
-            "return_routed_experts": True, "stream": True}
+    body = {
+        "input_ids": [[1, 2, 3], [4, 5]],
+        "sampling_params": {"max_new_tokens": 4},
+        "return_routed_experts": True,
+        "stream": True,
+    }
     with http.stream("POST", "/generate", json=body) as r:
         assert r.status_code == 200
         events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
@@ -201,8 +222,10 @@ def test_malformed_upstream_corpus(mode: str, http: httpx.Client, stack: tuple[s
     fake = stack[1]
     fake.corrupt = mode  # type: ignore[attr-defined]
     try:
-        r = http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4},
-                                         "return_routed_experts": True})
+        r = http.post(
+            "/generate",
+            json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}, "return_routed_experts": True},
+        )
     finally:
         fake.corrupt = "none"  # type: ignore[attr-defined]
     if mode in UPSTREAM_FAILURES:
@@ -219,14 +242,17 @@ def test_malformed_upstream_corpus(mode: str, http: httpx.Client, stack: tuple[s
             decode_meta_info(meta)
         assert len(r.json()["output_ids"]) == 4  # the rest of the sample is the engine's answer
     assert CORPUS_MESSAGES[mode] in msg, msg
-    ok = http.post("/generate", json={"input_ids": [5, 6, 7], "return_routed_experts": True,
-                                      "sampling_params": {"max_new_tokens": 2}})
+    ok = http.post(
+        "/generate",
+        json={"input_ids": [5, 6, 7], "return_routed_experts": True, "sampling_params": {"max_new_tokens": 2}},
+    )
     assert ok.status_code == 200 and ok.json()["meta_info"]["routed_experts"] is not None
 
 
 @pytest.mark.parametrize("case", bad_requests.params())
-def test_malformed_client_requests(case: BadRequestCase, http: httpx.Client,
-                                   stack: tuple[str, object, SidecarServer]) -> None:
+def test_malformed_client_requests(
+    case: BadRequestCase, http: httpx.Client, stack: tuple[str, object, SidecarServer]
+) -> None:
     """The shared bad-request corpus: refused with its status and message, or (fields the SGLang sidecar
     does not model, token ids only an engine can judge) passed upstream and answered there."""
     engine, fake, _ = stack
@@ -263,30 +289,55 @@ def test_metrics(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -
     finally:
         fake.corrupt = "none"  # type: ignore[attr-defined]
     assert http.post("/generate", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
-    ok = http.post("/generate", json={"input_ids": [5, 6, 7], "return_routed_experts": True,
-                                      "sampling_params": {"max_new_tokens": 3}})
+    ok = http.post(
+        "/generate",
+        json={"input_ids": [5, 6, 7], "return_routed_experts": True, "sampling_params": {"max_new_tokens": 3}},
+    )
     assert ok.status_code == 200
     after = http.get("/metrics").text
-    for name in ("rr_proxy_requests_total", "rr_proxy_errors_total", "rr_proxy_routing_rows_total",
-                 "rr_proxy_routing_bytes_total", "rr_proxy_upstream_latency_seconds_bucket", "rr_proxy_in_flight"):
+    for name in (
+        "rr_proxy_requests_total",
+        "rr_proxy_errors_total",
+        "rr_proxy_routing_rows_total",
+        "rr_proxy_routing_bytes_total",
+        "rr_proxy_upstream_latency_seconds_bucket",
+        "rr_proxy_in_flight",
+    ):
         assert name in after
-    delta = {k: _metric(after, k) - _metric(before, k) for k in (
-        'rr_proxy_errors_total{kind="malformed_routing"}', 'rr_proxy_errors_total{kind="bad_request"}',
-        'rr_proxy_requests_total{route="/generate",status="200"}', "rr_proxy_routing_rows_total")}
-    assert delta == {'rr_proxy_errors_total{kind="malformed_routing"}': 1.0,
-                     'rr_proxy_errors_total{kind="bad_request"}': 1.0,
-                     'rr_proxy_requests_total{route="/generate",status="200"}': 2.0,
-                     "rr_proxy_routing_rows_total": 3.0 + 3 - 1}, delta
-    assert _metric(after, "rr_proxy_routing_bytes_total") - _metric(before, "rr_proxy_routing_bytes_total") == \
-        len(ok.json()["meta_info"]["routed_experts"])
+    delta = {
+        k: _metric(after, k) - _metric(before, k)
+        for k in (
+            'rr_proxy_errors_total{kind="malformed_routing"}',
+            'rr_proxy_errors_total{kind="bad_request"}',
+            'rr_proxy_requests_total{route="/generate",status="200"}',
+            "rr_proxy_routing_rows_total",
+        )
+    }
+    assert delta == {
+        'rr_proxy_errors_total{kind="malformed_routing"}': 1.0,
+        'rr_proxy_errors_total{kind="bad_request"}': 1.0,
+        'rr_proxy_requests_total{route="/generate",status="200"}': 2.0,
+        "rr_proxy_routing_rows_total": 3.0 + 3 - 1,
+    }, delta
+    assert _metric(after, "rr_proxy_routing_bytes_total") - _metric(before, "rr_proxy_routing_bytes_total") == len(
+        ok.json()["meta_info"]["routed_experts"]
+    )
     # the per-sample counters a patched engine's /metrics has too (rr_server.serving.routing_metrics)
-    shared = {k: _metric(after, k) - _metric(before, k) for k in (
-        'rr_routing_refused_total{error="UnrecordedRoutingError"}', 'rr_routing_samples_total{format="npy"}',
-        'rr_routing_rows_total{format="npy"}', 'rr_routing_bytes_total{format="npy"}')}
-    assert shared == {'rr_routing_refused_total{error="UnrecordedRoutingError"}': 1.0,
-                      'rr_routing_samples_total{format="npy"}': 1.0,
-                      'rr_routing_rows_total{format="npy"}': 3.0 + 3 - 1,
-                      'rr_routing_bytes_total{format="npy"}': len(ok.json()["meta_info"]["routed_experts"])}, shared
+    shared = {
+        k: _metric(after, k) - _metric(before, k)
+        for k in (
+            'rr_routing_refused_total{error="UnrecordedRoutingError"}',
+            'rr_routing_samples_total{format="npy"}',
+            'rr_routing_rows_total{format="npy"}',
+            'rr_routing_bytes_total{format="npy"}',
+        )
+    }
+    assert shared == {
+        'rr_routing_refused_total{error="UnrecordedRoutingError"}': 1.0,
+        'rr_routing_samples_total{format="npy"}': 1.0,
+        'rr_routing_rows_total{format="npy"}': 3.0 + 3 - 1,
+        'rr_routing_bytes_total{format="npy"}': len(ok.json()["meta_info"]["routed_experts"]),
+    }, shared
     assert refused.json()["meta_info"]["routed_experts_error"].startswith("UnrecordedRoutingError")
 
 
@@ -316,18 +367,27 @@ def test_upstream_timeout_is_504(cfg_dir: Path) -> None:
 def test_sglang_0_5_7_field_and_dtype(cfg_dir: Path) -> None:
     """SGLang 0.5.7's ``output_routed_experts`` and an explicit ``routed_experts_dtype`` are transcoded too."""
     from rr_client.core.info import RRInfo
-    from rr_server.serving.generate_protocol import parse_generate_request
     from rr_server.proxy.metrics import ProxyMetrics
     from rr_server.proxy.sglang_backend import SGLangBackend
+    from rr_server.serving.generate_protocol import parse_generate_request
 
-    info = RRInfo(engine="sglang", engine_version="x", rr_version="x", num_hidden_layers=3, num_experts=8, topk=2,
-                  moe_layers=MOE, wire_dtype="uint8")
+    info = RRInfo(
+        engine="sglang",
+        engine_version="x",
+        rr_version="x",
+        num_hidden_layers=3,
+        num_experts=8,
+        topk=2,
+        moe_layers=MOE,
+        wire_dtype="uint8",
+    )
     be = SGLangBackend(None, None, ProxyMetrics())  # type: ignore[arg-type]
     req = parse_generate_request({"input_ids": [1, 2, 3], "return_routed_experts": True})
     r = synthetic_routing([1, 2, 3, 4], 3, 2, 8, MOE)
-    for meta in ({"output_routed_experts": base64.b64encode(r.astype(np.int32).tobytes()).decode()},
-                 {"routed_experts": base64.b64encode(r.astype(np.uint16).tobytes()).decode(),
-                  "routed_experts_dtype": "uint16"}):
+    for meta in (
+        {"output_routed_experts": base64.b64encode(r.astype(np.int32).tobytes()).decode()},
+        {"routed_experts": base64.b64encode(r.astype(np.uint16).tobytes()).decode(), "routed_experts_dtype": "uint16"},
+    ):
         item = {"output_ids": [4, 5], "meta_info": {"prompt_tokens": 3, "completion_tokens": 2, **meta}}
         out = be.transcode(item, req, info, 0)["meta_info"]
         assert "output_routed_experts" not in out and out["routed_experts_dtype"] == "uint8"
@@ -343,8 +403,14 @@ def test_sglang_main_compact_wire_through_the_sidecar(cfg_dir: Path, dtype: str)
         fake.wire_dtype = dtype
         with SidecarServer(ProxyConfig(upstream=fake.url, engine="sglang", timeout=10)) as sc:
             with httpx.Client(base_url=sc.url, timeout=20) as c:
-                body = c.post("/generate", json={"input_ids": [1, 2, 3, 4, 5], "return_routed_experts": True,
-                                                 "sampling_params": {"max_new_tokens": 3}}).json()
+                body = c.post(
+                    "/generate",
+                    json={
+                        "input_ids": [1, 2, 3, 4, 5],
+                        "return_routed_experts": True,
+                        "sampling_params": {"max_new_tokens": 3},
+                    },
+                ).json()
             meta = body["meta_info"]
             assert meta["routed_experts_format"] == "npy" and meta["routed_experts_dtype"] == "uint8"
             np.testing.assert_array_equal(decode_meta_info(meta), expected([1, 2, 3, 4, 5], 3))
@@ -357,15 +423,24 @@ def test_sglang_main_compact_wire_through_the_sidecar(cfg_dir: Path, dtype: str)
             np.testing.assert_array_equal(res.routed_experts, expected([1, 2, 3, 4, 5], 3))  # type: ignore[attr-defined]
             fake.state_dtype = False  # the same bytes read as int32: a different row count, refused
             with httpx.Client(base_url=sc.url, timeout=20) as c:
-                bad = c.post("/generate", json={"input_ids": [1, 2, 3, 4, 5], "return_routed_experts": True,
-                                                "sampling_params": {"max_new_tokens": 3}}).json()["meta_info"]
+                bad = c.post(
+                    "/generate",
+                    json={
+                        "input_ids": [1, 2, 3, 4, 5],
+                        "return_routed_experts": True,
+                        "sampling_params": {"max_new_tokens": 3},
+                    },
+                ).json()["meta_info"]
             assert bad["routed_experts"] is None and bad["routed_experts_error"].split(":")[0] in (
-                "ShapeMismatchError", "MalformedPayloadError")
+                "ShapeMismatchError",
+                "MalformedPayloadError",
+            )
     # the client's own decode of SGLang's payload, as verl/slime/miles read it from SGLang directly
     r = expected([1, 2, 3, 4, 5], 3)
     payload = {"routed_experts": base64.b64encode(r.astype(dtype).tobytes()).decode(), "routed_experts_dtype": dtype}
-    np.testing.assert_array_equal(decode_meta_info(payload, rows=r.shape[0], num_layers=LAYERS, topk=TOPK,
-                                                   num_experts=EXPERTS, moe_layers=MOE), r)
+    np.testing.assert_array_equal(
+        decode_meta_info(payload, rows=r.shape[0], num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS, moe_layers=MOE), r
+    )
 
 
 def test_cli_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:

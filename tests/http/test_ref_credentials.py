@@ -22,14 +22,23 @@ from starlette.routing import Route
 from rr_client import RoutedExpertsClient, RoutingRef, RRInfo, UntrustedHostError
 from rr_client.core.codec import check_routing
 from rr_client.core.errors import ConfigurationError
-from rr_server.serving.store import install as rs
 from rr_server.serving.store import STORE_ROUTES, MemoryStore
+from rr_server.serving.store import install as rs
 from tests.support.routing_data import make_routing
 from tests.support.threaded_server import ThreadedServer
 
 KEY = "secret-key"
-INFO = RRInfo.from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 8,
-                              "num_experts_per_tok": 2, "mlp_only_layers": [1]}, engine="test", engine_version="0")
+INFO = RRInfo.from_hf_config(
+    {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "mlp_only_layers": [1],
+    },
+    engine="test",
+    engine_version="0",
+)
 
 
 class Recorder:
@@ -59,8 +68,10 @@ def servers() -> Iterator[tuple[ThreadedServer, ThreadedServer, RoutingRef, np.n
         rows = make_routing(5, 3, 2, 8, moe_layers=INFO.moe_layers, seed=3)
         checked = check_routing(rows, INFO, rows=5)
         ref = RoutingRef.from_dict(store.put(checked))
-        with ThreadedServer(Recorder(app), name="replica") as replica, \
-                ThreadedServer(Recorder(app), name="foreign") as foreign:
+        with (
+            ThreadedServer(Recorder(app), name="replica") as replica,
+            ThreadedServer(Recorder(app), name="foreign") as foreign,
+        ):
             yield replica, foreign, ref, checked.array
 
 
@@ -107,8 +118,13 @@ def test_the_replica_gets_the_key(fresh: Any) -> None:
 
 def test_a_keyless_host_is_read_without_the_key_or_headers(fresh: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     replica, foreign, ref, rows = fresh
-    got = _read(replica.url, [ref.with_url(foreign.url)], api_key=KEY, headers={"x-team": "rl"},
-                keyless_hosts=[f"127.0.0.1:{foreign.port}"])
+    got = _read(
+        replica.url,
+        [ref.with_url(foreign.url)],
+        api_key=KEY,
+        headers={"x-team": "rl"},
+        keyless_hosts=[f"127.0.0.1:{foreign.port}"],
+    )
     assert np.array_equal(got[0], rows)
     monkeypatch.setenv("RR_KEYLESS_HOSTS", f"other.test, 127.0.0.1:{foreign.port}")
     _read(replica.url, [ref.with_url(foreign.url)], api_key=KEY)
@@ -158,11 +174,28 @@ def test_the_policy_on_ipv6_case_ports_and_mixed_schemes() -> None:
     http server under an https replica is refused even when trusted."""
     from rr_client.client._hosts import HostPolicy
 
-    p = HostPolicy.of(["http://[::1]:8000", "https://a.test"], trusted="[::1]:9000, b.test",
-                      keyless=["https://c.test:444"], credentials=True)
-    assert [p.decide(u) for u in ("http://[::1]:8000/x", "https://A.TEST:443", "https://[::1]:9000",
-                                  "https://b.test:1", "https://c.test:444")] == ["key"] * 4 + ["keyless"]
-    for url, why in (("http://[::1]:9000", "travel in clear"), ("https://c.test", "none of this client's replicas"),
-                     ("http://[::1", "not a URL"), ("http://h:99999", "not a URL"), ("ray://ns/actor", "not an http")):
+    p = HostPolicy.of(
+        ["http://[::1]:8000", "https://a.test"],
+        trusted="[::1]:9000, b.test",
+        keyless=["https://c.test:444"],
+        credentials=True,
+    )
+    assert [
+        p.decide(u)
+        for u in (
+            "http://[::1]:8000/x",
+            "https://A.TEST:443",
+            "https://[::1]:9000",
+            "https://b.test:1",
+            "https://c.test:444",
+        )
+    ] == ["key"] * 4 + ["keyless"]
+    for url, why in (
+        ("http://[::1]:9000", "travel in clear"),
+        ("https://c.test", "none of this client's replicas"),
+        ("http://[::1", "not a URL"),
+        ("http://h:99999", "not a URL"),
+        ("ray://ns/actor", "not an http"),
+    ):
         with pytest.raises(UntrustedHostError, match=re.escape(why)):
             p.decide(url)

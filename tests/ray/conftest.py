@@ -20,8 +20,13 @@ def ray_cluster() -> Iterator[str]:
     saved = dict(os.environ)
     for attempt in range(3):  # Ray gives its raylet 30 s to come up: on a loaded machine, try again
         try:
-            ray.init(num_cpus=2, include_dashboard=False, namespace="rr", log_to_driver=False,
-                     _system_config={"automatic_object_spilling_enabled": False})
+            ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                namespace="rr",
+                log_to_driver=False,
+                _system_config={"automatic_object_spilling_enabled": False},
+            )
             break
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for it
             ray.shutdown()

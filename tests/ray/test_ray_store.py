@@ -18,15 +18,24 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rr_client import RoutedExpertsClient, RRInfo, RoutingChecksumError, RoutingExpiredError, RoutingRef
+from rr_client import RoutedExpertsClient, RoutingChecksumError, RoutingExpiredError, RoutingRef, RRInfo
 from rr_client.core.codec import check_routing
 from rr_client.core.reference import checksum
 from rr_server.ray_stores import main as ray_stores
 from rr_server.serving.store.ray import PREFIX, RayStore
 from tests.support.routing_data import make_routing
 
-INFO = RRInfo.from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 8,
-                              "num_experts_per_tok": 2, "mlp_only_layers": [1]}, engine="test", engine_version="0")
+INFO = RRInfo.from_hf_config(
+    {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "mlp_only_layers": [1],
+    },
+    engine="test",
+    engine_version="0",
+)
 
 
 def checked(rows: int, seed: int = 0) -> Any:
@@ -82,11 +91,15 @@ def test_evicted_retired_restarted_and_tampered_refs_are_refused(ray_cluster: st
 def test_real_vllm_server_answers_ray_refs(ray_cluster: str, tiny_models: dict[str, Any]) -> None:
     from tests.support.vllm_process import VLLMProcess
 
-    server = VLLMProcess(tiny_models["qwen3_dense"], name="qwen3-ray-store",
-                         env={"RR_ROUTING_STORE": "ray", "RR_RAY_ADDRESS": ray_cluster}).start()
+    server = VLLMProcess(
+        tiny_models["qwen3_dense"],
+        name="qwen3-ray-store",
+        env={"RR_ROUTING_STORE": "ray", "RR_RAY_ADDRESS": ray_cluster},
+    ).start()
     prompts = ["Hello world, this is a tiny test.", "1 2 3 4 5"]
     greedy = {"max_new_tokens": 8, "temperature": 0.0}
     try:
+
         async def run() -> str:
             async with RoutedExpertsClient(server.base_url) as c:
                 inline = await c.generate(prompts, greedy)
@@ -109,8 +122,9 @@ def test_real_vllm_server_answers_ray_refs(ray_cluster: str, tiny_models: dict[s
     assert _gone(name), "the engine's store actor outlived the engine"
 
 
-def test_one_ray_put_per_sample_and_the_actor_keeps_that_object(ray_cluster: str,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_ray_put_per_sample_and_the_actor_keeps_that_object(
+    ray_cluster: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The engine's own ``ray.put`` is the only copy: the object the store actor hands readers is that one."""
     import ray
 
@@ -120,7 +134,9 @@ def test_one_ray_put_per_sample_and_the_actor_keeps_that_object(ray_cluster: str
     monkeypatch.setattr(ray, "put", lambda value, **kw: made.append(real_put(value, **kw)) or made[-1])
     refs = [RoutingRef.from_dict(store.put(checked(5, seed=i))) for i in range(3)]
     assert len(made) == 3
-    located = ray.get(ray.get_actor("rr-test-store-put", namespace="rr").locate.remote([(r.store, r.key) for r in refs]))
+    located = ray.get(
+        ray.get_actor("rr-test-store-put", namespace="rr").locate.remote([(r.store, r.key) for r in refs])
+    )
     assert [obj.hex() for obj, _ in located] == [m.hex() for m in made]
     assert [digest for _, digest in located] == [r.checksum for r in refs]
     store.close()
@@ -183,8 +199,9 @@ def test_the_store_goes_away_with_its_engine_process(ray_cluster: str, how: str)
     """A clean exit removes the store; a SIGKILLed engine's store is reclaimed by Ray (not detached)."""
     env = {**os.environ, "RR_RAY_ADDRESS": ray_cluster}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([sys.executable, "-c", ENGINE, how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ENGINE, how], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         name = proc.stdout.readline().strip()  # type: ignore[union-attr]
         assert name.startswith(PREFIX) and _listed(name)

@@ -13,8 +13,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from typing import Self
 from pathlib import Path
+from typing import Self
 
 import httpx
 import pytest
@@ -31,8 +31,9 @@ REPLICA_ENV = {"RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS": "1"}
 def replica(model_dir: Path, i: int, port: int | None = None) -> VLLMProcess:
     """Launch replica ``i`` (non-blocking) on its own core; ``port`` reuses a URL (a restart)."""
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(i % max(1, os.cpu_count() or 1)), **REPLICA_ENV}
-    return VLLMProcess(model_dir, name="tiny-moe", plugin=True, port=port, max_model_len=MAX_MODEL_LEN,
-                       env=env).launch()
+    return VLLMProcess(
+        model_dir, name="tiny-moe", plugin=True, port=port, max_model_len=MAX_MODEL_LEN, env=env
+    ).launch()
 
 
 def crash(server: VLLMProcess) -> None:
@@ -120,9 +121,25 @@ class Router(RouterProcess):
 
     def __init__(self, workers: list[str], policy: str = "consistent_hash") -> None:
         port = free_port()
-        super().__init__("vllm-router", port, [
-            router_binary(), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-            "--policy", policy, "--log-level", "warning", "--prometheus-port", str(free_port())])
+        super().__init__(
+            "vllm-router",
+            port,
+            [
+                router_binary(),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--worker-urls",
+                *workers,
+                "--policy",
+                policy,
+                "--log-level",
+                "warning",
+                "--prometheus-port",
+                str(free_port()),
+            ],
+        )
 
 
 class SGLangRouter(RouterProcess):
@@ -130,10 +147,27 @@ class SGLangRouter(RouterProcess):
 
     def __init__(self, workers: list[str]) -> None:
         port = free_port()
-        super().__init__("sglang-router", port, [
-            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *workers, "--policy", "cache_aware", "--prometheus-port", str(free_port()),
-            "--log-level", "warn"])
+        super().__init__(
+            "sglang-router",
+            port,
+            [
+                sys.executable,
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--worker-urls",
+                *workers,
+                "--policy",
+                "cache_aware",
+                "--prometheus-port",
+                str(free_port()),
+                "--log-level",
+                "warn",
+            ],
+        )
 
 
 @pytest.fixture(scope="session")

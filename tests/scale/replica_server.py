@@ -31,8 +31,9 @@ class ReplicaServer(ProtocolTestServer):
     def _rebind(self, port: int) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning",
-                                                     lifespan="off"))
+        self._server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        )
         self._thread = threading.Thread(target=self._server.run, name=f"uvicorn-replica-{port}", daemon=True)
 
     def _build_app(self) -> FastAPI:

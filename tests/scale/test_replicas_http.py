@@ -105,8 +105,10 @@ async def test_n_samples_and_affinity_stay_on_one_replica(pair: tuple[ReplicaSer
         before = {s.url: s.requests for s in c.replica_stats()}
         turns = [[5, 6, 7]]
         for t in range(6):  # one trajectory's turns, with unrelated traffic between them
-            await asyncio.gather(c.generate(turns[-1] + [8 + t], {"max_new_tokens": MAX_NEW}, affinity="traj-1"),
-                                 c.generate(prompts_for(4), {"max_new_tokens": MAX_NEW}))
+            await asyncio.gather(
+                c.generate(turns[-1] + [8 + t], {"max_new_tokens": MAX_NEW}, affinity="traj-1"),
+                c.generate(prompts_for(4), {"max_new_tokens": MAX_NEW}),
+            )
             turns.append(turns[-1] + [8 + t])
         pinned = c.replica_for("traj-1")
         assert pinned in (a.url, b.url)
@@ -142,8 +144,9 @@ async def test_crash_mid_run_no_loss_no_duplicate_and_restart(pair: tuple[Replic
     a, b = pair
     a.behaviour.delay = b.behaviour.delay = 0.02
     prompts = prompts_for(240)
-    async with RoutedExpertsClient([a.url, b.url], batch_size=1, max_concurrency=32, probe_interval=0.05,
-                                   backoff=0.01) as c:
+    async with RoutedExpertsClient(
+        [a.url, b.url], batch_size=1, max_concurrency=32, probe_interval=0.05, backoff=0.01
+    ) as c:
         run = asyncio.ensure_future(c.generate(prompts, {"max_new_tokens": MAX_NEW}))
         while a.behaviour.calls < 40:
             await asyncio.sleep(0.005)
@@ -208,14 +211,18 @@ def test_sidecar_serves_rr_generate_behind_its_keys(tmp_path: object) -> None:
     from tests.support.proxy_harness import SidecarServer
 
     cfg_dir = write_fake_config(tmp_path)  # type: ignore[arg-type]
-    with FakeVLLMUpstream(cfg_dir) as fake, SidecarServer(
-        ProxyConfig(upstream=fake.url, engine="vllm", timeout=10, api_keys=("k1",))
-    ) as sc:
+    with (
+        FakeVLLMUpstream(cfg_dir) as fake,
+        SidecarServer(ProxyConfig(upstream=fake.url, engine="vllm", timeout=10, api_keys=("k1",))) as sc,
+    ):
         body = {"input_ids": [5, 9, 14], "sampling_params": {"max_new_tokens": 3}, "return_routed_experts": True}
         auth = {"authorization": "Bearer k1"}
         plain = httpx.post(sc.url + "/generate", json=body, headers=auth, timeout=10)
         alias = httpx.post(sc.url + "/rr/generate", json=body, headers=auth, timeout=10)
         assert plain.status_code == alias.status_code == 200
-        strip = lambda j: {**j, "meta_info": {k: v for k, v in j["meta_info"].items() if k not in ("id", "e2e_latency")}}  # noqa: E731
+
+        def strip(j: dict) -> dict:
+            return {**j, "meta_info": {k: v for k, v in j["meta_info"].items() if k not in ("id", "e2e_latency")}}
+
         assert strip(plain.json()) == strip(alias.json())
         assert httpx.post(sc.url + "/rr/generate", json=body, timeout=10).status_code == 401

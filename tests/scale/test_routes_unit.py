@@ -23,13 +23,12 @@ import pytest
 
 from rr_client.core.errors import RoutingChecksumError
 from rr_client.core.reference import READ_PATH, RETIRE_PATH, RoutingRef, decode_frame
-from rr_server.serving.store import install as rs
-from rr_server.serving.store import MAX_REFS_PER_READ, MemoryStore, read_many
-from rr_server.serving.store.siblings import Siblings
-from tests.unit.test_routing_ref import URL, checked, store_app
-
 from rr_patches.vllm import routes
 from rr_patches.vllm.auth import RR_PREFIXES, _is_rr_path
+from rr_server.serving.store import MAX_REFS_PER_READ, MemoryStore, read_many
+from rr_server.serving.store import install as rs
+from rr_server.serving.store.siblings import Siblings
+from tests.unit.test_routing_ref import URL, checked, store_app
 
 
 def test_rr_generate_is_generate_and_behind_the_api_key_prefixes() -> None:
@@ -94,7 +93,7 @@ def test_the_frame_carries_the_checksum_kept_from_store_time(store: MemoryStore)
     ref = RoutingRef.from_dict(store.put(checked(6)))
     store.ledger._entries[ref.key].rows[2, 0, 0] ^= 1  # the held bytes change under the ref
     r = _post(store_app(store), READ_PATH, {"refs": [{"store": ref.store, "key": ref.key}]})
-    head = json.loads(r.content[8:8 + struct.unpack_from("<Q", r.content)[0]])
+    head = json.loads(r.content[8 : 8 + struct.unpack_from("<Q", r.content)[0]])
     assert head["parts"][0]["checksum"] == ref.checksum
     with pytest.raises(RoutingChecksumError, match="changed on the way"):
         decode_frame(r.content)
@@ -147,7 +146,10 @@ def test_a_read_reaching_either_process_gets_the_rows(two_processes: Any, monkey
     st = a.stats()
     assert (st["processes"], st["stored"], st["instances"]) == (2, 6, [a.instance, b.instance])
     assert _post(store_app(a), RETIRE_PATH, {"through": 0}).json() == {
-        "retired": 6, "freed_bytes": sum(r.nbytes for r in refs), "weight_version": 1}
+        "retired": 6,
+        "freed_bytes": sum(r.nbytes for r in refs),
+        "weight_version": 1,
+    }
     assert b.local_stats()["weight_version"] == 1 and b.local_stats()["entries"] == 0  # retired in b as well
     r = _post(store_app(a), READ_PATH, {"refs": asks[3:4]})
     assert r.status_code == 410 and "retired" in r.json()["error"]["message"]
@@ -166,8 +168,13 @@ def test_a_sibling_that_died_answers_410_not_other_rows(two_processes: Any) -> N
 
 def test_a_loopback_url_is_said_at_start(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv("RR_ADVERTISE_URL", raising=False)
-    for url, loud in (("http://127.0.0.1:8000", True), ("http://localhost:9", True), ("http://[::1]:9", True),
-                      ("http://trainer-node-3:8000", False), ("http://10.1.2.3:8000", False)):
+    for url, loud in (
+        ("http://127.0.0.1:8000", True),
+        ("http://localhost:9", True),
+        ("http://[::1]:9", True),
+        ("http://trainer-node-3:8000", False),
+        ("http://10.1.2.3:8000", False),
+    ):
         monkeypatch.setattr(rs, "_STORE", None)
         monkeypatch.setattr(rs, "_NAMED", False)
         caplog.clear()

@@ -30,8 +30,10 @@ def token_prompts(k: int, length: int = 8, seed: int = 0) -> list[list[int]]:
 def check_result(model_dir: Any, res: Any, prompt: list[int]) -> None:
     """One client result's routing equals transformers' top-k sets on every token and MoE layer."""
     assert res.routed_experts is not None
-    ref = reference_routing(model_dir, prompt + res.output_ids)[:-1][res.routed_experts_start:]
-    assert_routing_sets_equal(np.asarray(res.routed_experts), ref, layers=moe_layers_from_config(load_config(model_dir)))
+    ref = reference_routing(model_dir, prompt + res.output_ids)[:-1][res.routed_experts_start :]
+    assert_routing_sets_equal(
+        np.asarray(res.routed_experts), ref, layers=moe_layers_from_config(load_config(model_dir))
+    )
 
 
 # ------------------------------------------------------------------------------------ vllm-router
@@ -42,8 +44,12 @@ def test_router_rr_generate_routing_equals_transformers(router: Router, replicas
     server = replicas[0]
     prompts = token_prompts(4, length=12, seed=1)
     for i, ids in enumerate(prompts):
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "n": 2, "seed": i},
-                "return_routed_experts": True, "routed_experts_start": 3}
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "n": 2, "seed": i},
+            "return_routed_experts": True,
+            "routed_experts_start": 3,
+        }
         r = httpx.post(router.url + "/rr/generate", json=body, headers={"X-Session-ID": f"traj-{i}"}, timeout=120)
         assert r.status_code == 200, r.text
         items = r.json()
@@ -52,8 +58,9 @@ def test_router_rr_generate_routing_equals_transformers(router: Router, replicas
             check_item(server, item, ids, start=3)  # the start offset survived the router
 
     async def run() -> Any:
-        async with RoutedExpertsClient(router.url, generate_path="/rr/generate", batch_size=2,
-                                       headers={"X-Session-ID": "client"}) as c:
+        async with RoutedExpertsClient(
+            router.url, generate_path="/rr/generate", batch_size=2, headers={"X-Session-ID": "client"}
+        ) as c:
             return await c.generate(prompts, {"max_new_tokens": 6, "temperature": 1.0, "n": 2})
 
     batch = asyncio.run(run())
@@ -62,13 +69,18 @@ def test_router_rr_generate_routing_equals_transformers(router: Router, replicas
         check_result(server.model_dir, res, prompts[res.prompt_index])
 
 
-def test_router_generate_drops_the_flag_and_the_env_switch_covers_it(router: Router,
-                                                                      replicas: list[VLLMProcess]) -> None:
+def test_router_generate_drops_the_flag_and_the_env_switch_covers_it(
+    router: Router, replicas: list[VLLMProcess]
+) -> None:
     """vllm-router's typed /generate drops return_routed_experts and the start offset; with
     RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS=1 on the replicas the answers still carry full routing."""
     ids = token_prompts(1, length=10, seed=2)[0]
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 5, "temperature": 0},
-            "return_routed_experts": True, "routed_experts_start": 3}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+        "return_routed_experts": True,
+        "routed_experts_start": 3,
+    }
     r = httpx.post(router.url + "/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     item = r.json()
@@ -79,8 +91,11 @@ def test_router_generate_drops_the_flag_and_the_env_switch_covers_it(router: Rou
 
 def test_router_keeps_openai_completions(router: Router) -> None:
     """/v1/completions with a token-id prompt goes through vllm-router (unknown fields kept)."""
-    r = httpx.post(router.url + "/v1/completions", timeout=120, json={
-        "model": "tiny-moe", "prompt": token_prompts(1, seed=3)[0], "max_tokens": 3, "temperature": 0})
+    r = httpx.post(
+        router.url + "/v1/completions",
+        timeout=120,
+        json={"model": "tiny-moe", "prompt": token_prompts(1, seed=3)[0], "max_tokens": 3, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1
 
@@ -123,8 +138,7 @@ def test_multi_replica_crash_mid_run_no_loss_and_restart(replicas: list[VLLMProc
     victim = replicas[0]
 
     async def run() -> tuple[Any, Any, list[Any], list[Any], list[Any], Any]:
-        async with RoutedExpertsClient(urls, batch_size=1, max_concurrency=32, probe_interval=0.5,
-                                       timeout=120) as c:
+        async with RoutedExpertsClient(urls, batch_size=1, max_concurrency=32, probe_interval=0.5, timeout=120) as c:
             await c.info()
             job = asyncio.ensure_future(c.generate(prompts, {"max_new_tokens": 4, "temperature": 1.0}))
             # crash while the victim has requests in flight and most of the batch is still to come

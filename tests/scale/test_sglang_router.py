@@ -30,8 +30,7 @@ def sglang_router(replicas: list[VLLMProcess]) -> Iterator[SGLangRouter]:
     yield from SGLangRouter([s.base_url for s in replicas]).serving()
 
 
-def test_client_through_sglang_router_with_given_info(sglang_router: SGLangRouter,
-                                                      replicas: list[VLLMProcess]) -> None:
+def test_client_through_sglang_router_with_given_info(sglang_router: SGLangRouter, replicas: list[VLLMProcess]) -> None:
     """RoutedExpertsClient on sglang-router's ``/generate`` (batches of 3 prompts), dims from a replica's
     ``/rr/info``: every sample of 6 prompts x n=2 carries routing equal to transformers' top-k."""
     info = RRInfo.model_validate(httpx.get(replicas[0].base_url + "/rr/info", timeout=30).json())
@@ -47,21 +46,37 @@ def test_client_through_sglang_router_with_given_info(sglang_router: SGLangRoute
         check_result(replicas[0].model_dir, res, prompts[res.prompt_index])
 
 
-def test_openai_completions_keep_rr_fields_for_text_prompts(sglang_router: SGLangRouter,
-                                                            replicas: list[VLLMProcess]) -> None:
+def test_openai_completions_keep_rr_fields_for_text_prompts(
+    sglang_router: SGLangRouter, replicas: list[VLLMProcess]
+) -> None:
     """``/v1/completions`` with a text prompt keeps rr's fields through the router: the choice carries rr's
     checked routing and token ids, equal to transformers' top-k."""
-    r = httpx.post(sglang_router.url + "/v1/completions", timeout=120, json={
-        "model": "tiny-moe", "prompt": "routers forward this", "max_tokens": 6, "temperature": 0,
-        "return_routed_experts": True, "routed_experts_start": 2})
+    r = httpx.post(
+        sglang_router.url + "/v1/completions",
+        timeout=120,
+        json={
+            "model": "tiny-moe",
+            "prompt": "routers forward this",
+            "max_tokens": 6,
+            "temperature": 0,
+            "return_routed_experts": True,
+            "routed_experts_start": 2,
+        },
+    )
     assert r.status_code == 200, r.text
     (choice,) = r.json()["choices"]
     assert "routed_experts_error" not in choice, choice
     info = RRInfo.model_validate(httpx.get(replicas[0].base_url + "/rr/info", timeout=30).json())
     tokens = choice["prompt_token_ids"] + choice["token_ids"]
     rows = len(tokens) - 1 - 2
-    got = decode_meta_info(choice, rows=rows, num_layers=info.num_hidden_layers, topk=info.topk,
-                           num_experts=info.num_experts, moe_layers=info.moe_layers)
+    got = decode_meta_info(
+        choice,
+        rows=rows,
+        num_layers=info.num_hidden_layers,
+        topk=info.topk,
+        num_experts=info.num_experts,
+        moe_layers=info.moe_layers,
+    )
 
     class _Res:  # check_result's view of a sample
         routed_experts, output_ids, routed_experts_start = got, choice["token_ids"], 2
@@ -74,11 +89,21 @@ def test_sglang_router_limits_as_documented(sglang_router: SGLangRouter) -> None
     on ``/v1/completions`` are refused (422), and chat drops rr's unknown field."""
     assert httpx.get(sglang_router.url + "/rr/info", timeout=30).status_code == 404
     ids = token_prompts(1, seed=12)[0]
-    r = httpx.post(sglang_router.url + "/v1/completions", timeout=120,
-                   json={"model": "tiny-moe", "prompt": ids, "max_tokens": 2, "return_routed_experts": True})
+    r = httpx.post(
+        sglang_router.url + "/v1/completions",
+        timeout=120,
+        json={"model": "tiny-moe", "prompt": ids, "max_tokens": 2, "return_routed_experts": True},
+    )
     assert r.status_code == 422, r.text
-    chat = httpx.post(sglang_router.url + "/v1/chat/completions", timeout=120, json={
-        "model": "tiny-moe", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-        "return_routed_experts": True})
+    chat = httpx.post(
+        sglang_router.url + "/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": "tiny-moe",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "return_routed_experts": True,
+        },
+    )
     assert chat.status_code == 200, chat.text
     assert "routed_experts_shape" not in chat.json()["choices"][0]  # the field never reached rr

@@ -65,13 +65,11 @@ def _close_harnesses() -> Iterator[None]:
 @pytest.fixture()
 def patched() -> Iterator[None]:
     """rr's patch installed on TokenizerManager for one test (exactly as the launcher does), then removed."""
+    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     from rr_patches.sglang.apply import TARGETS, apply
-
-    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
-
     from rr_patches.sglang.detok import DETOK_METHOD
 
     saved = {name: TokenizerManager.__dict__[name] for name in TARGETS}

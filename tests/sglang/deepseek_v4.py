@@ -31,12 +31,24 @@ def build_tiny_deepseek_v4(out: Path, tokenizer_from: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tiny_family_model("deepseek_v4", vocab_size=512).save_pretrained(out)  # the stand-in samples ids < 300
     for f in Path(tokenizer_from).iterdir():
-        if "token" in f.name or f.name in ("special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja"):
+        if "token" in f.name or f.name in (
+            "special_tokens_map.json",
+            "vocab.json",
+            "merges.txt",
+            "chat_template.jinja",
+        ):
             shutil.copy(f, out / f.name)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg.pop("mlp_layer_types")[0] == "hash_moe"  # the hub's raw form says it as num_hash_layers (vLLM reads that)
-    cfg.update(compress_ratios=[0] * cfg["num_hidden_layers"], index_head_dim=16, index_n_heads=2, index_topk=8,
-               num_hash_layers=1)
+    assert (
+        cfg.pop("mlp_layer_types")[0] == "hash_moe"
+    )  # the hub's raw form says it as num_hash_layers (vLLM reads that)
+    cfg.update(
+        compress_ratios=[0] * cfg["num_hidden_layers"],
+        index_head_dim=16,
+        index_n_heads=2,
+        index_topk=8,
+        num_hash_layers=1,
+    )
     cfg.setdefault("head_dim", 16)
     cfg.setdefault("qk_rope_head_dim", 8)
     cfg.setdefault("sliding_window", 8)
@@ -55,7 +67,8 @@ def load(model_dir: Path) -> Any:
         import transformers
 
         _MODELS[key] = transformers.AutoModelForCausalLM.from_pretrained(
-            key, dtype=torch.float32, attn_implementation="eager").eval()
+            key, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
     return _MODELS[key]
 
 

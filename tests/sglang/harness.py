@@ -13,8 +13,7 @@ import httpx
 from rr_server.serving.engines.sglang import profile_for
 from tests.sglang.standin import StandInScheduler, wire
 
-
-_LIVE: list["Harness"] = []
+_LIVE: list[Harness] = []
 
 
 def close_all() -> None:
@@ -41,8 +40,9 @@ def _fresh_app(app: Any) -> None:
     The app is one object for the whole test session; a patched TokenizerManager adds rr's middlewares
     to it (before the first request, as in production), an unpatched one must not inherit them.
     """
-    app.user_middleware[:] = [m for m in app.user_middleware
-                              if not getattr(m.cls, "__module__", "").startswith(("rr_patches.", "rr_server."))]
+    app.user_middleware[:] = [
+        m for m in app.user_middleware if not getattr(m.cls, "__module__", "").startswith(("rr_patches.", "rr_server."))
+    ]
     app.state.rr_openai_routing = False
     app.middleware_stack = None
 
@@ -135,7 +135,9 @@ class Harness:
                 return self.sched.arrivals[:n]
             if call is not None and call.done():
                 resp = call.result()
-                raise AssertionError(f"/generate answered {resp.status_code} before reaching the scheduler: {resp.text}")
+                raise AssertionError(
+                    f"/generate answered {resp.status_code} before reaching the scheduler: {resp.text}"
+                )
             await asyncio.sleep(0.01)
         raise TimeoutError(f"only {len(self.sched.arrivals)} of {n} requests reached the scheduler")
 
@@ -167,9 +169,12 @@ class Harness:
         from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 
         templates = TemplateManager()
-        templates.initialize_templates(tokenizer_manager=self.tm, model_path=self.server_args.model_path,
-                                       chat_template=self.server_args.chat_template,
-                                       completion_template=self.server_args.completion_template)
+        templates.initialize_templates(
+            tokenizer_manager=self.tm,
+            model_path=self.server_args.model_path,
+            chat_template=self.server_args.chat_template,
+            completion_template=self.server_args.completion_template,
+        )
         chat_cls = getattr(self.tm, "serving_chat_class", None)
         if chat_cls is None:
             from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat as chat_cls
@@ -177,8 +182,9 @@ class Harness:
         state.openai_serving_completion = OpenAIServingCompletion(self.tm, templates)
         state.openai_serving_chat = chat_cls(self.tm, templates)
 
-    async def serve(self, path: str, body: dict[str, Any], timeout: float = 60.0,
-                    via: httpx.AsyncClient | None = None) -> httpx.Response:
+    async def serve(
+        self, path: str, body: dict[str, Any], timeout: float = 60.0, via: httpx.AsyncClient | None = None
+    ) -> httpx.Response:
         """POST ``body`` to ``path`` of SGLang's app; every request that reaches the stand-in is finished in one step.
 
         Requests are answered in the batches they arrive in, until the HTTP call is done (so ``n > 1``,
@@ -205,8 +211,15 @@ class Harness:
         """An HTTP client on SGLang's own FastAPI app (in process, through ASGI)."""
         return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.http.app), base_url="http://sglang")
 
-    async def post(self, body: dict[str, Any], *, n_requests: int = 1, chunks: int = 1,
-                   batches: list[list[int]] | None = None, via: httpx.AsyncClient | None = None) -> tuple[int, Any]:
+    async def post(
+        self,
+        body: dict[str, Any],
+        *,
+        n_requests: int = 1,
+        chunks: int = 1,
+        batches: list[list[int]] | None = None,
+        via: httpx.AsyncClient | None = None,
+    ) -> tuple[int, Any]:
         """POST /generate through SGLang's own app; the stand-in answers in ``chunks`` steps.
 
         ``batches`` groups request indices (arrival order) into scheduler batches (default: one batch).
@@ -215,7 +228,7 @@ class Harness:
         """
         self.tm.event_loop = asyncio.get_running_loop()  # no handle_loop: the stand-in feeds outputs
         self.sched.arrivals.clear()
-        async with (via or self.client()) as client:
+        async with via or self.client() as client:
             call = asyncio.ensure_future(client.post("/generate", json=body, timeout=60))
             try:
                 rids = await self._wait_for(n_requests, call)

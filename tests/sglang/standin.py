@@ -166,9 +166,19 @@ class StandInScheduler:
 
         if self.sglang_builds_output and tokens is None and not any(self.reqs[r].sent for r in rids):
             return sglang_stream_output(self, rids)
-        per: dict[str, list[Any]] = {k: [] for k in ("rids", "finished_reasons", "decoded_texts", "decode_ids",
-                                                      "read_offsets", "output_ids", "prompt_tokens",
-                                                      "completion_tokens")}
+        per: dict[str, list[Any]] = {
+            k: []
+            for k in (
+                "rids",
+                "finished_reasons",
+                "decoded_texts",
+                "decode_ids",
+                "read_offsets",
+                "output_ids",
+                "prompt_tokens",
+                "completion_tokens",
+            )
+        }
         routing: list[Any] = []
         any_routing = False
         for rid in rids:
@@ -316,8 +326,9 @@ class _SchedReq:
         self.send_decode_id_offset = 0
         self.send_token_offset = 0
         self.send_output_token_logprobs_offset = 0
-        self.sampling_params = _NS(skip_special_tokens=True, spaces_between_special_tokens=True,
-                                   no_stop_trim=False, stream_interval=None)
+        self.sampling_params = _NS(
+            skip_special_tokens=True, spaces_between_special_tokens=True, no_stop_trim=False, stream_interval=None
+        )
         self.reasoning_tokens = 0
         self.cached_tokens = self.cached_tokens_device = self.cached_tokens_host = self.cached_tokens_storage = 0
         self.retraction_count = 0

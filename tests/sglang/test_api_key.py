@@ -110,8 +110,9 @@ def launcher_auth() -> Iterator[Callable[[Harness], bool]]:
 def _client(h: Harness, authorization: str | None = None) -> httpx.AsyncClient:
     """A client on SGLang's real app (``http_server.app``), optionally sending ``Authorization``."""
     headers = {"Authorization": authorization} if authorization is not None else {}
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=h.http.app), base_url="http://sglang",
-                             headers=headers, timeout=60)
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=h.http.app), base_url="http://sglang", headers=headers, timeout=60
+    )
 
 
 async def _get_info(h: Harness, authorization: str | None = None) -> httpx.Response:
@@ -134,10 +135,14 @@ def _assert_unauthorized(resp: httpx.Response) -> None:
     assert resp.json() == {"error": "Unauthorized"}
 
 
-@pytest.mark.parametrize("authorization", [None, f"Bearer {KEY}-wrong", "Bearer ", KEY, f"Basic {KEY}"],
-                         ids=["no_header", "wrong_key", "empty_key", "no_scheme", "basic_scheme"])
-async def test_rr_info_rejected_without_the_api_key(tiny_moe: Path, patched: None, launcher_auth: Any,
-                                                    authorization: str | None) -> None:
+@pytest.mark.parametrize(
+    "authorization",
+    [None, f"Bearer {KEY}-wrong", "Bearer ", KEY, f"Basic {KEY}"],
+    ids=["no_header", "wrong_key", "empty_key", "no_scheme", "basic_scheme"],
+)
+async def test_rr_info_rejected_without_the_api_key(
+    tiny_moe: Path, patched: None, launcher_auth: Any, authorization: str | None
+) -> None:
     """``--api-key``: ``/rr/info`` without the right ``Bearer`` key is refused by SGLang's middleware."""
     h = Harness(tiny_moe, api_key=KEY)
     assert launcher_auth(h)
@@ -156,8 +161,11 @@ async def test_sglang_routes_behave_the_same(tiny_moe: Path, patched: None, laun
     ``/health`` stays open (SGLang exempts it; it answers 503 here since the server never finished starting)."""
     h = Harness(tiny_moe, api_key=KEY)
     assert launcher_auth(h)
-    body = {"input_ids": [3, 17, 29, 41], "sampling_params": {"max_new_tokens": 3, "temperature": 0.0},
-            "return_routed_experts": True}
+    body = {
+        "input_ids": [3, 17, 29, 41],
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0},
+        "return_routed_experts": True,
+    }
     async with _client(h) as c:
         _assert_unauthorized(await c.post("/generate", json=body))
         health = await c.get("/health")
@@ -192,10 +200,14 @@ async def test_rr_info_endpoint_has_normal_auth_level(tiny_moe: Path, patched: N
 
 
 @needs_auth_levels
-@pytest.mark.parametrize("authorization,ok", [(f"Bearer {KEY}", True), (f"Bearer {ADMIN_KEY}", False),
-                                              (None, False)], ids=["api_key", "admin_key", "no_header"])
-async def test_rr_info_needs_exactly_the_api_key(tiny_moe: Path, patched: None, launcher_auth: Any,
-                                                 authorization: str | None, ok: bool) -> None:
+@pytest.mark.parametrize(
+    "authorization,ok",
+    [(f"Bearer {KEY}", True), (f"Bearer {ADMIN_KEY}", False), (None, False)],
+    ids=["api_key", "admin_key", "no_header"],
+)
+async def test_rr_info_needs_exactly_the_api_key(
+    tiny_moe: Path, patched: None, launcher_auth: Any, authorization: str | None, ok: bool
+) -> None:
     """0.5.9+ with ``--api-key`` and ``--admin-api-key``: NORMAL routes take the API key, not the admin key."""
     h = Harness(tiny_moe, api_key=KEY, admin_api_key=ADMIN_KEY)
     assert launcher_auth(h)
@@ -207,8 +219,9 @@ async def test_rr_info_needs_exactly_the_api_key(tiny_moe: Path, patched: None, 
 
 
 @needs_auth_levels
-async def test_rr_info_with_only_an_admin_key_is_like_generate(tiny_moe: Path, patched: None,
-                                                               launcher_auth: Any) -> None:
+async def test_rr_info_with_only_an_admin_key_is_like_generate(
+    tiny_moe: Path, patched: None, launcher_auth: Any
+) -> None:
     """0.5.9+ with only ``--admin-api-key``: SGLang leaves NORMAL routes open, ``/rr/info`` as ``/generate``.
 
     That is SGLang's documented NORMAL semantics (auth.py: "otherwise allow (including the admin_api_key
@@ -230,16 +243,20 @@ def test_before_0_5_8_there_is_no_admin_key_to_bypass() -> None:
     assert importlib.util.find_spec("sglang.srt.utils.auth") is None
 
 
-async def test_every_route_but_health_metrics_ready_needs_the_key(tiny_moe: Path, patched: None,
-                                                                  launcher_auth: Any) -> None:
+async def test_every_route_but_health_metrics_ready_needs_the_key(
+    tiny_moe: Path, patched: None, launcher_auth: Any
+) -> None:
     """Issue 36: with ``--api-key`` every route of SGLang's real app (its weight, cache, profiler, LoRA and other
     engine-changing routes, and rr's) refuses a request without the key; only ``/health*``, ``/metrics*`` and
     (0.5.20+) ``/ready*`` pass, as docs/security.md says. The middleware answers before any handler runs."""
     h = Harness(tiny_moe, api_key=KEY)
     assert launcher_auth(h)
     open_prefixes = ("/health", "/metrics", "/ready")
-    routes = [(sorted(getattr(r, "methods", None) or ["GET"]), r.path) for r in h.http.app.router.routes
-              if getattr(r, "path", "").startswith("/")]
+    routes = [
+        (sorted(getattr(r, "methods", None) or ["GET"]), r.path)
+        for r in h.http.app.router.routes
+        if getattr(r, "path", "").startswith("/")
+    ]
     assert len(routes) > 30 and any(p == "/rr/info" for _, p in routes)
     wrong = {}
     async with _client(h) as c:

@@ -28,8 +28,12 @@ def _reference(model: Path, h: Harness, rid: str, start: int) -> np.ndarray:
 @pytest.mark.parametrize("start", [0, 3])
 async def test_ref_resolves_to_the_inline_rows(tiny_moe: Path, patched: None, start: int) -> None:
     h = Harness(tiny_moe)
-    body: dict[str, Any] = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0.0},
-                            "return_routed_experts": True, "routed_experts_start_len": start}
+    body: dict[str, Any] = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0.0},
+        "return_routed_experts": True,
+        "routed_experts_start_len": start,
+    }
     status, inline = await h.post(body)
     assert status == 200
     status, answer = await h.post({**body, "routed_experts_format": "ref"})
@@ -51,6 +55,5 @@ async def test_ref_resolves_to_the_inline_rows(tiny_moe: Path, patched: None, st
             await c.resolve([ref])
     m = inline["meta_info"]  # the inline answer of the same request: the same tokens, the same rows
     assert m["routed_experts_format"] == "npy" and inline["output_ids"] == answer["output_ids"]
-    got = decode_meta_info(m, rows=ref.rows, num_layers=ref.layers, topk=ref.topk, num_experts=8,
-                           moe_layers=[0, 2])
+    got = decode_meta_info(m, rows=ref.rows, num_layers=ref.layers, topk=ref.topk, num_experts=8, moe_layers=[0, 2])
     np.testing.assert_array_equal(got, rows)

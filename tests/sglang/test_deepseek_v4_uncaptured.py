@@ -32,8 +32,13 @@ def dsv4(tiny_moe: Path) -> Path:
 
 
 async def _generate(h: Harness) -> dict[str, Any]:
-    status, body = await h.post({"input_ids": PROMPT, "return_routed_experts": True,
-                                 "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}})
+    status, body = await h.post(
+        {
+            "input_ids": PROMPT,
+            "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+        }
+    )
     assert status == 200, body
     return body["meta_info"]  # type: ignore[no-any-return]
 
@@ -48,8 +53,14 @@ async def test_hash_layers_are_marked_checked_and_left_to_the_model(dsv4: Path, 
     assert "routed_experts_error" not in meta
     r = h.sched.reqs[meta["id"]]
     tokens = r.prompt + r.completion
-    rows = decode_meta_info(meta, rows=len(tokens) - 1, num_layers=info.num_hidden_layers, topk=info.topk,
-                            num_experts=info.num_experts, moe_layers=info.moe_layers)
+    rows = decode_meta_info(
+        meta,
+        rows=len(tokens) - 1,
+        num_layers=info.num_hidden_layers,
+        topk=info.topk,
+        num_experts=info.num_experts,
+        moe_layers=info.moe_layers,
+    )
     np.testing.assert_array_equal(rows, capture_buffer_rows(dsv4, tokens[:-1]))
     assert not rows[:, 0].any() and rows[:, 1:].all(axis=-1).any()  # zero hash layer, routed layers recorded
     # the trainer: replay the checked rows on transformers' DeepSeek-V4; the hash layer stays the model's own
@@ -69,4 +80,7 @@ async def test_an_all_zero_row_in_a_captured_layer_is_still_refused(dsv4: Path, 
     h.sched.zero_rows = (2, 1)  # token 2, layer 1: a learned MoE layer whose row was lost
     meta = await _generate(h)
     assert meta["routed_experts"] is None
-    assert meta["routed_experts_error"].startswith("UnrecordedRoutingError") and "row 2 layer 1" in meta["routed_experts_error"]
+    assert (
+        meta["routed_experts_error"].startswith("UnrecordedRoutingError")
+        and "row 2 layer 1" in meta["routed_experts_error"]
+    )

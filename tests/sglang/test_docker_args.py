@@ -96,8 +96,15 @@ def test_each_image_runs_the_shared_install_for_its_engine(engine: str) -> None:
     assert re.search(r"^COPY \. \./\s*$", text, flags=re.M), f"rr-{engine}: does not copy the repository root"
     assert re.search(rf"^RUN sh docker/install_rr\.sh {engine}\s*$", text, flags=re.M), text
     let_in = {line[1:] for line in (REPO / ".dockerignore").read_text().splitlines() if line.startswith("!")}
-    assert {"pyproject.toml", "setup.py", "README.md", "rr_client", "rr_server", "rr_patches",
-            "docker/install_rr.sh"} <= let_in
+    assert {
+        "pyproject.toml",
+        "setup.py",
+        "README.md",
+        "rr_client",
+        "rr_server",
+        "rr_patches",
+        "docker/install_rr.sh",
+    } <= let_in
     script = (REPO / "docker" / "install_rr.sh").read_text()
     assert "pip install --no-cache-dir --no-deps ." in script
     assert "import rr_client, rr_patches.${engine}.plugin, rr_server.launch.${engine};" in script

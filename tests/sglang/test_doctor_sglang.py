@@ -64,8 +64,13 @@ async def scheduler_loop(h: Harness) -> AsyncIterator[None]:
 
 async def _doctor(h: Harness, model: Path, **kw: Any) -> DoctorReport:
     async with scheduler_loop(h):
-        return await run_doctor("http://sglang", transport=httpx.ASGITransport(app=h.http.app),
-                                model_path=str(model), max_new_tokens=4, **kw)
+        return await run_doctor(
+            "http://sglang",
+            transport=httpx.ASGITransport(app=h.http.app),
+            model_path=str(model),
+            max_new_tokens=4,
+            **kw,
+        )
 
 
 async def test_doctor_passes_on_patched_sglang(tiny_moe: Path, patched: None) -> None:

@@ -25,7 +25,7 @@ from tests.sglang.conftest import REPO
 
 pytestmark = [pytest.mark.sglang, pytest.mark.sglang_releases("0.5.7", "0.5.12", "0.5.23")]
 
-SCRIPT = r'''
+SCRIPT = r"""
 import asyncio, json, sys
 from pathlib import Path
 
@@ -70,14 +70,15 @@ async def main(model: str) -> None:
 
 
 asyncio.run(main(sys.argv[1]))
-'''
+"""
 
 
 def test_counters_on_sglangs_multiprocess_metrics(tiny_moe: Path, tmp_path: Path) -> None:
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_moe)], capture_output=True, text=True,
-                         env=env, cwd=REPO, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tiny_moe)], capture_output=True, text=True, env=env, cwd=REPO, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     routed, refused, choices = got["routed"], got["refused"], got["choices"]

@@ -11,8 +11,13 @@ from rr_server.launch import sglang as launch_sglang
 from rr_server.serving.generate_protocol import FORMAT_ENV, default_routed_experts_format
 
 
-@pytest.mark.parametrize("argv", [["--model-path", "m", "--routed-experts-format", "sglang", "--port", "1"],
-                                  ["--model-path", "m", "--routed-experts-format=sglang", "--port", "1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--model-path", "m", "--routed-experts-format", "sglang", "--port", "1"],
+        ["--model-path", "m", "--routed-experts-format=sglang", "--port", "1"],
+    ],
+)
 def test_flag_sets_env_and_leaves_sglang_args(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Both spellings: SGLang gets its own arguments only; the patched server's default format becomes sglang."""
     monkeypatch.setenv(FORMAT_ENV, "")  # recorded, so the value main() sets is undone after the test
@@ -34,8 +39,9 @@ def test_without_flag_env_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("argv", [["--routed-experts-format", "bf16"], ["--routed-experts-format"]])
-def test_bad_flag_refused_before_sglang(argv: list[str], monkeypatch: pytest.MonkeyPatch,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_flag_refused_before_sglang(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """An unknown or missing value exits 2 naming the flag; SGLang is never started."""
     monkeypatch.setenv(FORMAT_ENV, "")  # recorded, so the value main() sets is undone after the test
 

@@ -15,8 +15,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_rr_options_come_before_sglangs_help() -> None:
-    out = subprocess.run([sys.executable, "-m", "rr_server", "launch", "sglang", "--help"], capture_output=True,
-                         text=True, cwd=REPO, timeout=300)  # PYTHONPATH (the SGLang overlay) is inherited
+    out = subprocess.run(
+        [sys.executable, "-m", "rr_server", "launch", "sglang", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )  # PYTHONPATH (the SGLang overlay) is inherited
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
     assert text.startswith("usage: rr-server launch sglang [rr options]")

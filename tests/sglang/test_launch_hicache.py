@@ -16,8 +16,9 @@ pytestmark = pytest.mark.sglang
 
 
 @pytest.mark.parametrize("flag", [["--enable-hierarchical-cache"], ["--enable-hierarchical-cache=true"]])
-def test_hicache_with_routed_experts_refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-                                             flag: list[str]) -> None:
+def test_hicache_with_routed_experts_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], flag: list[str]
+) -> None:
     ran: list[Any] = []
     monkeypatch.setattr(launch_sglang, "install_patch", lambda: "test")
     monkeypatch.setattr(launch_sglang, "_run", lambda args: ran.append(args))

@@ -9,16 +9,17 @@ from typing import Any
 import pytest
 
 from rr_server.launch import sglang as launch_sglang
-from rr_server.serving.engines.sglang import installed_version
 from rr_server.serving.engines import engine_release
+from rr_server.serving.engines.sglang import installed_version
 
 pytestmark = pytest.mark.sglang
 
 SPEC = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "d", "--speculative-num-steps", "2"]
 
 
-def test_speculative_decoding_refused_exactly_where_drafts_pollute(monkeypatch: pytest.MonkeyPatch,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_speculative_decoding_refused_exactly_where_drafts_pollute(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     ran: list[list[str]] = []
     monkeypatch.setattr(launch_sglang, "install_patch", lambda: "test")
     monkeypatch.setattr(launch_sglang, "_run", lambda args: ran.append(args))

@@ -51,8 +51,13 @@ def _alive(pid: int) -> bool:
 # each); the real run costs ~1-2 min, so it runs on the oldest and the newest
 @pytest.mark.sglang_releases("0.5.7", "0.5.23")
 def test_sglang_subprocesses_die_with_a_sigkilled_launcher(tiny_moe: Path) -> None:
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tiny_moe)], stdout=subprocess.PIPE, text=True,
-                                env=dict(os.environ), start_new_session=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tiny_moe)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+        start_new_session=True,
+    )
     assert launcher.stdout is not None
     detok = int(launcher.stdout.readline())
     try:

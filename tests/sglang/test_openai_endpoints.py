@@ -20,8 +20,14 @@ pytestmark = pytest.mark.sglang
 L, E, K = MODEL_SPEC["num_layers"], MODEL_SPEC["num_experts"], MODEL_SPEC["topk"]
 MOE_LAYERS = [i for i in range(L) if i not in MODEL_SPEC["mlp_only_layers"]]
 PROMPT = [3, 17, 29, 41, 53, 67, 71]
-RR_KEYS = {"routed_experts", "routed_experts_shape", "routed_experts_dtype", "routed_experts_format",
-           "routed_experts_start", "routed_experts_error"}
+RR_KEYS = {
+    "routed_experts",
+    "routed_experts_shape",
+    "routed_experts_dtype",
+    "routed_experts_format",
+    "routed_experts_start",
+    "routed_experts_error",
+}
 
 
 def _harness(model: Path) -> Harness:
@@ -33,8 +39,13 @@ def _harness(model: Path) -> Harness:
 
 def _completion(h: Harness, **kw: Any) -> dict[str, Any]:
     """A /v1/completions body for PROMPT (token ids)."""
-    return {"model": h.server_args.served_model_name or h.server_args.model_path, "prompt": PROMPT,
-            "max_tokens": 5, "temperature": 0.0, **kw}
+    return {
+        "model": h.server_args.served_model_name or h.server_args.model_path,
+        "prompt": PROMPT,
+        "max_tokens": 5,
+        "temperature": 0.0,
+        **kw,
+    }
 
 
 def _chat_unusable(h: Harness) -> str | None:
@@ -49,14 +60,17 @@ def _chat_unusable(h: Harness) -> str | None:
     from sglang.srt.entrypoints.openai import serving_chat
 
     kw = {"return_dict": False} if "return_dict=False" in inspect.getsource(serving_chat) else {}  # as SGLang calls it
-    ids = h.tm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True,
-                                             add_generation_prompt=True, **kw)
+    ids = h.tm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=True, add_generation_prompt=True, **kw
+    )
     if isinstance(ids, list):
         return None
     import transformers
 
-    return (f"SGLang {h.profile.version}'s chat serving expects a list from apply_chat_template; "
-            f"transformers {transformers.__version__} returns {type(ids).__name__} (unpatched SGLang fails too)")
+    return (
+        f"SGLang {h.profile.version}'s chat serving expects a list from apply_chat_template; "
+        f"transformers {transformers.__version__} returns {type(ids).__name__} (unpatched SGLang fails too)"
+    )
 
 
 def _chat(h: Harness, **kw: Any) -> dict[str, Any]:
@@ -64,9 +78,13 @@ def _chat(h: Harness, **kw: Any) -> dict[str, Any]:
     why = _chat_unusable(h)
     if why:
         pytest.skip(why)
-    return {"model": h.server_args.served_model_name or h.server_args.model_path,
-            "messages": [{"role": "user", "content": "hello world, the quick brown fox"}],
-            "max_tokens": 5, "temperature": 0.0, **kw}
+    return {
+        "model": h.server_args.served_model_name or h.server_args.model_path,
+        "messages": [{"role": "user", "content": "hello world, the quick brown fox"}],
+        "max_tokens": 5,
+        "temperature": 0.0,
+        **kw,
+    }
 
 
 def _choice_rids(h: Harness, n: int) -> list[str]:
@@ -164,12 +182,26 @@ async def test_bad_requests_name_the_field_and_server_keeps_serving(tiny_moe: Pa
     keeps serving after each."""
     h = _harness(tiny_moe)
     cases = [
-        ("/v1/completions", _completion(h, return_routed_experts=True, routed_experts_format="bf16"),
-         "routed_experts_format"),
-        ("/v1/completions", _completion(h, return_routed_experts=True, routed_experts_start=len(PROMPT) + 1),
-         "routed_experts_start"),
-        ("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3},
-                       "return_routed_experts": True, "routed_experts_format": "int8"}, "routed_experts_format"),
+        (
+            "/v1/completions",
+            _completion(h, return_routed_experts=True, routed_experts_format="bf16"),
+            "routed_experts_format",
+        ),
+        (
+            "/v1/completions",
+            _completion(h, return_routed_experts=True, routed_experts_start=len(PROMPT) + 1),
+            "routed_experts_start",
+        ),
+        (
+            "/generate",
+            {
+                "input_ids": PROMPT,
+                "sampling_params": {"max_new_tokens": 3},
+                "return_routed_experts": True,
+                "routed_experts_format": "int8",
+            },
+            "routed_experts_format",
+        ),
     ]
     for path, body, field in cases:
         resp = await h.serve(path, body)
@@ -203,19 +235,23 @@ async def test_streaming_routing_on_the_last_event(tiny_moe: Path, patched: None
 def _slime_decode(payload: str, prompt_tokens: int, completion_tokens: int, start: int) -> np.ndarray:
     """How slime/AReaL read SGLang's routing: headerless int32, rows = prompt + completion - 1 - start."""
     return np.frombuffer(base64.b64decode(payload), dtype=np.int32).reshape(
-        prompt_tokens + completion_tokens - 1 - start, L, K)
+        prompt_tokens + completion_tokens - 1 - start, L, K
+    )
 
 
 @pytest.mark.parametrize("how", ["field", "env", "stream"])
-async def test_generate_sglang_format(tiny_moe: Path, patched: None, how: str,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_generate_sglang_format(tiny_moe: Path, patched: None, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """/generate with ``routed_experts_format: "sglang"`` (or the server default from the env; or on a stream's
     last event) answers SGLang's headerless int32, checked by rr, that decodes the slime way to transformers' rows."""
     from rr_server.serving.generate_protocol import FORMAT_ENV
 
     h = Harness(tiny_moe)
-    body: dict[str, Any] = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0.0},
-                            "return_routed_experts": True, "routed_experts_start_len": 2}
+    body: dict[str, Any] = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0.0},
+        "return_routed_experts": True,
+        "routed_experts_start_len": 2,
+    }
     if how == "env":
         monkeypatch.setenv(FORMAT_ENV, "sglang")
     else:
@@ -239,8 +275,10 @@ async def test_completions_sglang_format(tiny_moe: Path, patched: None) -> None:
     """/v1/completions with ``routed_experts_format: "sglang"``: the choice's payload and SGLang's own place
     (``sglext.routed_experts``) hold rr-checked int32 that decodes the slime way to transformers' rows."""
     h = _harness(tiny_moe)
-    resp = await h.serve("/v1/completions", _completion(h, return_routed_experts=True, routed_experts_start=2,
-                                                        routed_experts_format="sglang"))
+    resp = await h.serve(
+        "/v1/completions",
+        _completion(h, return_routed_experts=True, routed_experts_start=2, routed_experts_format="sglang"),
+    )
     assert resp.status_code == 200, resp.text
     answer = resp.json()
     (choice,) = answer["choices"]
@@ -253,8 +291,9 @@ async def test_completions_sglang_format(tiny_moe: Path, patched: None) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-async def test_refused_routing_keeps_its_reason(tiny_moe: Path, patched: None, stream: bool,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_refused_routing_keeps_its_reason(
+    tiny_moe: Path, patched: None, stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Routing rr's check refuses (an expert id out of range) reaches the OpenAI choice as ``routed_experts: null``
     with the check's own typed reason, not a generic "missing"."""
     h = _harness(tiny_moe)
@@ -274,8 +313,9 @@ async def test_refused_routing_keeps_its_reason(tiny_moe: Path, patched: None, s
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_chat_checks_each_request_once(tiny_moe: Path, patched: None, stream: bool,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_chat_checks_each_request_once(
+    tiny_moe: Path, patched: None, stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One door, one check: on patched SGLang's chat path with n=2 every request the TokenizerManager sent is
     checked exactly once (in the output handler), and the OpenAI finish encodes that checked routing without
     checking the rows again (before, it decoded and checked every choice a second time)."""

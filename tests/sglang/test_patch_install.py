@@ -32,10 +32,17 @@ def test_unknown_versions_are_refused(version: str) -> None:
         profile_for(version)
 
 
-@pytest.mark.parametrize("version,field,is_async,start", [
-    ("0.5.7", "output_routed_experts", False, False), ("0.5.9", "routed_experts", False, False),
-    ("0.5.10.post1", "routed_experts", False, False), ("0.5.11", "routed_experts", True, False),
-    ("0.5.12", "routed_experts", True, True), ("0.5.23", "routed_experts", True, True)])
+@pytest.mark.parametrize(
+    "version,field,is_async,start",
+    [
+        ("0.5.7", "output_routed_experts", False, False),
+        ("0.5.9", "routed_experts", False, False),
+        ("0.5.10.post1", "routed_experts", False, False),
+        ("0.5.11", "routed_experts", True, False),
+        ("0.5.12", "routed_experts", True, True),
+        ("0.5.23", "routed_experts", True, True),
+    ],
+)
 def test_profiles(version: str, field: str, is_async: bool, start: bool) -> None:
     """Per-version facts the hooks rely on."""
     p = profile_for(version)
@@ -59,8 +66,11 @@ def test_wrong_shape_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         return None
 
     monkeypatch.setattr(TokenizerManager, "_handle_batch_output", _handle_batch_output)
-    with pytest.raises(UnsupportedSGLangError, match=r"TokenizerManager\._handle_batch_output\(self, recv_obj, extra\) "
-                       r"does not have the shape rr relies on \(self, recv_obj\)") as exc:
+    with pytest.raises(
+        UnsupportedSGLangError,
+        match=r"TokenizerManager\._handle_batch_output\(self, recv_obj, extra\) "
+        r"does not have the shape rr relies on \(self, recv_obj\)",
+    ) as exc:
         apply()
     assert f" in SGLang {profile_for().version}: " in str(exc.value)
     assert exc.value.package == "sglang" and exc.value.version == profile_for().version
@@ -140,9 +150,10 @@ async def test_rr_info_route(tiny_moe: Path, patched: None) -> None:
 
 def test_launcher_adds_flag_and_patches(monkeypatch: pytest.MonkeyPatch) -> None:
     """``rr-server launch sglang`` adds the flag, patches, and hands SGLang's own parser the arguments."""
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
     import rr_server.launch.sglang as ls
     from rr_patches.sglang.apply import TARGETS, is_applied
-    from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
     seen: list[list[str]] = []
     monkeypatch.setattr(ls, "_run", lambda argv: seen.append(argv))
@@ -172,8 +183,12 @@ def test_launcher_refuses_unknown_version(monkeypatch: pytest.MonkeyPatch) -> No
 
 def _spec_info() -> RRInfo:
     """RRInfo of the tiny test model (3 layers, layer 1 dense, 8 experts, top-2), from its config fields."""
-    cfg = {"num_hidden_layers": MODEL_SPEC["num_layers"], "num_experts": MODEL_SPEC["num_experts"],
-           "num_experts_per_tok": MODEL_SPEC["topk"], "mlp_only_layers": list(MODEL_SPEC["mlp_only_layers"])}
+    cfg = {
+        "num_hidden_layers": MODEL_SPEC["num_layers"],
+        "num_experts": MODEL_SPEC["num_experts"],
+        "num_experts_per_tok": MODEL_SPEC["topk"],
+        "mlp_only_layers": list(MODEL_SPEC["mlp_only_layers"]),
+    }
     return RRInfo.from_hf_config(cfg, engine="sglang", engine_version=profile_for().version)
 
 
@@ -189,8 +204,9 @@ def test_wire_fields_refusals() -> None:
     fields = wire_fields(torch.from_numpy(good), info, rows=4)
     assert fields == routing_meta_fields(check_routing(good, info, rows=4))
     assert fields["routed_experts_dtype"] == info.wire_dtype == "uint8"
-    np.testing.assert_array_equal(decode_meta_info(fields, rows=4, num_layers=3, topk=2, num_experts=8,
-                                                   moe_layers=info.moe_layers), good)
+    np.testing.assert_array_equal(
+        decode_meta_info(fields, rows=4, num_layers=3, topk=2, num_experts=8, moe_layers=info.moe_layers), good
+    )
     b64 = pybase64.b64encode(good.tobytes()).decode()  # 0.5.11+ detokenizer output: base64 headerless int32
     assert wire_fields(b64, info, rows=4) == fields
     assert wire_fields(b64.encode(), info, rows=4) == fields  # bytes too

@@ -45,14 +45,23 @@ async def test_cache_and_retractions_as_the_scheduler_reports_them(tiny_moe: Pat
     """cached_tokens, the deepest tier that served them (0.5.9+ details; None before), retractions and the tokens'
     digest on the final answer; no weight update: both versions 0, no overlap; /rr/info weight_version 0."""
     h = Harness(tiny_moe)
-    h.sched.reports = lambda r: {"cached_tokens": 4, "cached_tokens_details": {"device": 1, "host": 3},
-                                 "retraction_counts": 2}
+    h.sched.reports = lambda r: {
+        "cached_tokens": 4,
+        "cached_tokens_details": {"device": 1, "host": 3},
+        "retraction_counts": 2,
+    }
     status, body = await h.post(_body())
     assert status == 200, body
     p = _prov(body["meta_info"])
-    assert p == Provenance(cached_tokens=4, cache_tier="host" if _has_details() else None, preemptions=2,
-                           weight_version_admitted=0, weight_version_finished=0, weight_update_during=False,
-                           tokens_digest=_digest(h, h.sched.arrivals[0]))
+    assert p == Provenance(
+        cached_tokens=4,
+        cache_tier="host" if _has_details() else None,
+        preemptions=2,
+        weight_version_admitted=0,
+        weight_version_finished=0,
+        weight_update_during=False,
+        tokens_digest=_digest(h, h.sched.arrivals[0]),
+    )
     assert p.tokens_digest == tokens_digest(PROMPT, body["output_ids"])
     async with h.client() as c:
         info = (await c.get("/rr/info")).json()
@@ -115,8 +124,10 @@ async def test_openai_choice_and_ref_carry_provenance(tiny_moe: Path, patched: N
     h.enable_openai()
     h.sched.reports = lambda r: {"cached_tokens": 3}
     model = h.server_args.served_model_name or h.server_args.model_path
-    resp = await h.serve("/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 5, "temperature": 0.0,
-                                             "return_routed_experts": True})
+    resp = await h.serve(
+        "/v1/completions",
+        {"model": model, "prompt": PROMPT, "max_tokens": 5, "temperature": 0.0, "return_routed_experts": True},
+    )
     assert resp.status_code == 200, resp.text
     (choice,) = resp.json()["choices"]
     p = Provenance.from_dict(choice[PROVENANCE_FIELD])

@@ -43,8 +43,9 @@ def _sched(model: Path, asked: list[bool]) -> StandInScheduler:
     s = StandInScheduler(model, prof.release, prof.field)
     for i, a in enumerate(asked):
         prompt = [3, 17, 29, 41, 53, 67, 71][: 3 + i]
-        s.reqs[str(i)] = StandInReq(SimpleNamespace(rid=str(i), return_routed_experts=a), prompt,
-                                    completion_for(prompt, 3))
+        s.reqs[str(i)] = StandInReq(
+            SimpleNamespace(rid=str(i), return_routed_experts=a), prompt, completion_for(prompt, 3)
+        )
     return s
 
 
@@ -90,15 +91,17 @@ async def test_mixed_batch_unpatched_sglang_code(tiny_moe: Path) -> None:
 # test_mixed_batch_patched[sglang_code-*] (the same test, both batch builders).
 
 
-@pytest.mark.parametrize("asked", [[False, True, False], [True, True, True], [False, False, False]],
-                         ids=["mixed", "all", "none"])
+@pytest.mark.parametrize(
+    "asked", [[False, True, False], [True, True, True], [False, False, False]], ids=["mixed", "all", "none"]
+)
 def test_standin_step_matches_sglang_code(tiny_moe: Path, asked: list[bool]) -> None:
     """The stand-in's own rebuild (used by the other tests) equals SGLang's function on the fields rr reads."""
     mine, theirs = _sched(tiny_moe, asked), _sched(tiny_moe, asked)
     a, b = mine.step(["0", "1", "2"]), sglang_stream_output(theirs, ["0", "1", "2"])
     for name in ("rids", "output_ids", "decode_ids", "read_offsets", "prompt_tokens", "completion_tokens"):
-        assert [list(x) if not isinstance(x, (int, str)) else x for x in getattr(a, name)] == \
-            [list(x) if not isinstance(x, (int, str)) else x for x in getattr(b, name)], name
+        assert [list(x) if not isinstance(x, (int, str)) else x for x in getattr(a, name)] == [
+            list(x) if not isinstance(x, (int, str)) else x for x in getattr(b, name)
+        ], name
     ra, rb = _field(a), _field(b)
     assert (ra is None) == (rb is None)
     if ra is not None:

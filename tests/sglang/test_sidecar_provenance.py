@@ -29,14 +29,18 @@ async def test_sidecar_counts_weight_routes_and_answers_provenance(tiny_moe: Pat
     carry admitted 0 / finished 1 / an overlap; the one SGLang says it retracted may be recomputed across it,
     the other is only flagged. Cached tokens (and 0.5.9+'s tier) come from SGLang's meta_info."""
     h = Harness(tiny_moe)
-    h.sched.reports = lambda r: {"cached_tokens": 2, "cached_tokens_details": {"device": 2, "host": 0},
-                                 "retraction_counts": 1 if r.prompt == OTHER else 0}
+    h.sched.reports = lambda r: {
+        "cached_tokens": 2,
+        "cached_tokens_details": {"device": 2, "host": 0},
+        "retraction_counts": 1 if r.prompt == OTHER else 0,
+    }
     h.tm.event_loop = asyncio.get_running_loop()
     h.sched.arrivals.clear()
     async with sidecar_app(h, model_path=str(tiny_moe)) as app, client_of(app) as c:
         assert (await c.get("/rr/info")).json()["weight_version"] == 0
-        call = asyncio.ensure_future(c.post("/generate", json=_body([PROMPT, OTHER], return_routed_experts=True),
-                                            timeout=60))
+        call = asyncio.ensure_future(
+            c.post("/generate", json=_body([PROMPT, OTHER], return_routed_experts=True), timeout=60)
+        )
         rids = await h._wait_for(2, call)
         await h.wait_listening(rids)
         upd = await c.post("/update_weight_version", json={"new_version": "v2", "abort_all_requests": False})

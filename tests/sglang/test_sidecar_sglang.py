@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from rr_client.core.codec import decode_meta_info
-from rr_server.serving.engines.sglang import profile_for
 from rr_server.demo.tiny_moe import reference_routing
+from rr_server.serving.engines.sglang import profile_for
 from tests.sglang.conftest import MODEL_SPEC
 from tests.sglang.harness import Harness
 
@@ -30,8 +30,15 @@ pytestmark = pytest.mark.sglang
 L, E, K = MODEL_SPEC["num_layers"], MODEL_SPEC["num_experts"], MODEL_SPEC["topk"]
 MOE_LAYERS = [i for i in range(L) if i not in MODEL_SPEC["mlp_only_layers"]]
 PROMPT = [3, 17, 29, 41, 53, 67, 71]
-ROUTING_KEYS = ("routed_experts", "output_routed_experts", "routed_experts_shape", "routed_experts_dtype",
-                "routed_experts_format", "routed_experts_start", "routed_experts_error")
+ROUTING_KEYS = (
+    "routed_experts",
+    "output_routed_experts",
+    "routed_experts_shape",
+    "routed_experts_dtype",
+    "routed_experts_format",
+    "routed_experts_start",
+    "routed_experts_error",
+)
 
 
 @asynccontextmanager
@@ -116,8 +123,9 @@ async def test_generate_batch_with_routing(tiny_moe: Path) -> None:
     h = Harness(tiny_moe)
     prompts = [PROMPT[:4], PROMPT, PROMPT[2:]]
     async with sidecar_app(h) as app:
-        status, body = await h.post(_body(input_ids=prompts, return_routed_experts=True), via=client_of(app),
-                                    n_requests=3)
+        status, body = await h.post(
+            _body(input_ids=prompts, return_routed_experts=True), via=client_of(app), n_requests=3
+        )
     assert status == 200 and isinstance(body, list) and len(body) == 3, body
     for prompt, item in zip(prompts, body):
         meta = item["meta_info"]
@@ -184,8 +192,11 @@ async def test_openai_completions_with_routing(tiny_moe: Path, start: int) -> No
     """
     h = _openai_harness(tiny_moe)
     async with sidecar_app(h) as app:
-        r = await h.serve("/v1/completions", _completion(h, return_routed_experts=True, routed_experts_start=start),
-                          via=client_of(app))
+        r = await h.serve(
+            "/v1/completions",
+            _completion(h, return_routed_experts=True, routed_experts_start=start),
+            via=client_of(app),
+        )
     assert r.status_code == 200, r.text
     answer = r.json()
     choice = answer["choices"][0]
@@ -195,8 +206,15 @@ async def test_openai_completions_with_routing(tiny_moe: Path, start: int) -> No
         return  # loud, never silent: this SGLang returns no routing on its OpenAI endpoints
     rid = h.sched.arrivals[-1]
     assert h.sched.reqs[rid].start == 0
-    _assert_rr({**choice, "prompt_tokens": answer["usage"]["prompt_tokens"],
-                "completion_tokens": answer["usage"]["completion_tokens"]}, _expected(tiny_moe, h, rid, start), start)
+    _assert_rr(
+        {
+            **choice,
+            "prompt_tokens": answer["usage"]["prompt_tokens"],
+            "completion_tokens": answer["usage"]["completion_tokens"],
+        },
+        _expected(tiny_moe, h, rid, start),
+        start,
+    )
 
 
 async def test_openai_without_rr_fields_reads_as_sglang_sends_it(tiny_moe: Path) -> None:
@@ -219,8 +237,11 @@ async def test_openai_without_rr_fields_reads_as_sglang_sends_it(tiny_moe: Path)
 async def test_openai_bad_rr_field_is_a_400(tiny_moe: Path) -> None:
     h = _openai_harness(tiny_moe)
     async with sidecar_app(h) as app:
-        r = await h.serve("/v1/completions", _completion(h, return_routed_experts=True, routed_experts_format="i32"),
-                          via=client_of(app))
+        r = await h.serve(
+            "/v1/completions",
+            _completion(h, return_routed_experts=True, routed_experts_format="i32"),
+            via=client_of(app),
+        )
         assert r.status_code == 400 and "routed_experts_format" in r.json()["error"]["message"]
         ok = await h.serve("/v1/completions", _completion(h), via=client_of(app))
     assert ok.status_code == 200

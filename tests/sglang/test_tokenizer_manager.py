@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rr_server.serving.engines.sglang import profile_for
-from rr_client.core.codec import decode_meta_info
 from rr_client.core import errors as rr_errors
+from rr_client.core.codec import decode_meta_info
 from rr_client.core.errors import MissingRoutingError
 from rr_server.demo.tiny_moe import reference_routing
+from rr_server.serving.engines.sglang import profile_for
 from tests.sglang.conftest import MODEL_SPEC
 from tests.sglang.harness import Harness
 
@@ -85,8 +85,9 @@ async def test_patched_normal_path(tiny_moe: Path, patched: None, skip: bool) ->
 async def test_patched_text_batch(tiny_moe: Path, patched: None) -> None:
     """A batch /generate (list of prompts) answers a list, each with its own rows."""
     h = Harness(tiny_moe)
-    status, body = await h.post(_body(text=["hello world", "the quick brown fox jumps"], return_routed_experts=True),
-                                n_requests=2)
+    status, body = await h.post(
+        _body(text=["hello world", "the quick brown fox jumps"], return_routed_experts=True), n_requests=2
+    )
     assert status == 200 and isinstance(body, list) and len(body) == 2
     for item in body:
         _assert_rr(item["meta_info"], _expected(tiny_moe, h, item["meta_info"]["id"]))
@@ -107,8 +108,10 @@ async def _mixed(h: Harness) -> tuple[list[Any], BaseException | None]:
     h.tm.event_loop = asyncio.get_running_loop()
     import httpx
 
-    bodies = {rid: _body(rid=rid, input_ids=PROMPT[: 4 + i], return_routed_experts=rid != "B")
-              for i, rid in enumerate(["A", "B", "C"])}
+    bodies = {
+        rid: _body(rid=rid, input_ids=PROMPT[: 4 + i], return_routed_experts=rid != "B")
+        for i, rid in enumerate(["A", "B", "C"])
+    }
     transport = httpx.ASGITransport(app=h.http.app)
     err: BaseException | None = None
     async with httpx.AsyncClient(transport=transport, base_url="http://sglang") as client:
@@ -186,8 +189,9 @@ async def test_routed_experts_start(tiny_moe: Path, patched: None, skip: bool) -
 
 
 @pytest.mark.parametrize("corrupt", ["out_of_range", "wrong_size", "not_int"])
-async def test_refused_payload_never_forwarded(tiny_moe: Path, patched: None, corrupt: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_refused_payload_never_forwarded(
+    tiny_moe: Path, patched: None, corrupt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A payload rr cannot trust is replaced by null + routed_experts_error; the client raises a typed error."""
     import torch
 
@@ -209,15 +213,19 @@ async def test_refused_payload_never_forwarded(tiny_moe: Path, patched: None, co
     assert status == 200
     meta = body["meta_info"]
     assert meta["routed_experts"] is None
-    expected_type = {"out_of_range": "ExpertIdOutOfRangeError", "wrong_size": "ShapeMismatchError",
-                     "not_int": "MalformedPayloadError"}[corrupt]
+    expected_type = {
+        "out_of_range": "ExpertIdOutOfRangeError",
+        "wrong_size": "ShapeMismatchError",
+        "not_int": "MalformedPayloadError",
+    }[corrupt]
     assert meta["routed_experts_error"].startswith(expected_type)
     with pytest.raises(getattr(rr_errors, expected_type), match="withheld"):  # the client raises the named type
         _decode(meta, rows=3)
 
 
-async def test_always_env_gives_routing_without_flag(tiny_moe: Path, patched: None,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_always_env_gives_routing_without_flag(
+    tiny_moe: Path, patched: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Behind sglang-router 0.3.2 (drops the flag): RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS=1 still answers routing."""
     from rr_patches.sglang.hooks import ALWAYS_ENV
 

@@ -57,26 +57,40 @@ BAD_REQUESTS: tuple[BadRequestCase, ...] = (
     BadRequestCase("negative token id", b'{"input_ids": [1, -2]}', 400, "non-negative"),
     BadRequestCase("wrong-typed flag", b'{"text": "a", "return_routed_experts": "yes"}', 400, "return_routed_experts"),
     BadRequestCase("wrong-typed stream", b'{"text": "a", "stream": 1}', 400, "stream"),
-    BadRequestCase("wrong-typed sampling", b'{"text": "a", "sampling_params": {"temperature": "hot"}}', 400,
-                   "temperature"),
+    BadRequestCase(
+        "wrong-typed sampling", b'{"text": "a", "sampling_params": {"temperature": "hot"}}', 400, "temperature"
+    ),
     BadRequestCase("sampling not an object", b'{"text": "a", "sampling_params": 3}', 400, "sampling_params"),
-    BadRequestCase("negative max tokens", b'{"text": "a", "sampling_params": {"max_new_tokens": -5}}', 400,
-                   "max_new_tokens"),
-    BadRequestCase("zero max tokens", b'{"text": "a", "sampling_params": {"max_new_tokens": 0}}', 400,
-                   "max_new_tokens"),
+    BadRequestCase(
+        "negative max tokens", b'{"text": "a", "sampling_params": {"max_new_tokens": -5}}', 400, "max_new_tokens"
+    ),
+    BadRequestCase(
+        "zero max tokens", b'{"text": "a", "sampling_params": {"max_new_tokens": 0}}', 400, "max_new_tokens"
+    ),
     BadRequestCase("negative start", b'{"text": "a", "routed_experts_start": -1}', 400, "routed_experts_start"),
-    BadRequestCase("sampling list length", b'{"text": ["a", "b"], "sampling_params": [{}]}', 400,
-                   "sampling_params has 1 entries"),
-    BadRequestCase("n with stream", b'{"text": "a", "stream": true, "sampling_params": {"n": 2}}', 400,
-                   "stream=true with sampling_params.n"),
-    BadRequestCase("unknown sampling key", b'{"text": "a", "sampling_params": {"bogus": 1}}', 400, "bogus",
-                   NOT_SGLANG_SIDECAR),
-    BadRequestCase("unknown field set", b'{"text": "a", "image_data": "http://x"}', 400,
-                   "unsupported /generate field(s) for this server: image_data", NOT_SGLANG_SIDECAR),
-    BadRequestCase("top_k below -1", b'{"text": "a", "sampling_params": {"top_k": -3}}', 400, "top_k",
-                   NOT_SGLANG_SIDECAR),
-    BadRequestCase("out of vocab id", b'{"input_ids": [1, 2, 99999999]}', 400, "out of vocabulary",
-                   frozenset({VLLM})),
+    BadRequestCase(
+        "sampling list length", b'{"text": ["a", "b"], "sampling_params": [{}]}', 400, "sampling_params has 1 entries"
+    ),
+    BadRequestCase(
+        "n with stream",
+        b'{"text": "a", "stream": true, "sampling_params": {"n": 2}}',
+        400,
+        "stream=true with sampling_params.n",
+    ),
+    BadRequestCase(
+        "unknown sampling key", b'{"text": "a", "sampling_params": {"bogus": 1}}', 400, "bogus", NOT_SGLANG_SIDECAR
+    ),
+    BadRequestCase(
+        "unknown field set",
+        b'{"text": "a", "image_data": "http://x"}',
+        400,
+        "unsupported /generate field(s) for this server: image_data",
+        NOT_SGLANG_SIDECAR,
+    ),
+    BadRequestCase(
+        "top_k below -1", b'{"text": "a", "sampling_params": {"top_k": -3}}', 400, "top_k", NOT_SGLANG_SIDECAR
+    ),
+    BadRequestCase("out of vocab id", b'{"input_ids": [1, 2, 99999999]}', 400, "out of vocabulary", frozenset({VLLM})),
 )
 
 

@@ -31,8 +31,7 @@ def to_fake_cuda(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
         for mod in model.modules():
             for name, p in list(mod._parameters.items()):
                 if p is not None:
-                    mod._parameters[name] = nn.Parameter(mode.from_tensor(p.detach()).to(CUDA),
-                                                         requires_grad=False)
+                    mod._parameters[name] = nn.Parameter(mode.from_tensor(p.detach()).to(CUDA), requires_grad=False)
             for name, b in list(mod._buffers.items()):
                 if b is not None:
                     mod._buffers[name] = mode.from_tensor(b).to(CUDA)

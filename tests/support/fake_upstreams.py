@@ -30,15 +30,30 @@ from tests.support.threaded_server import ThreadedServer
 __all__ = ["FakeSGLangUpstream", "FakeVLLMUpstream", "write_fake_config", "CORRUPTIONS"]
 
 LAYERS, EXPERTS, TOPK, MOE_LAYERS = 3, 8, 2, [0, 2]
-CORRUPTIONS = ("truncated_b64", "wrong_rows", "duplicate_ids", "out_of_range", "missing", "empty_dict",
-               "dense_nonzero", "non_json", "http_500")
+CORRUPTIONS = (
+    "truncated_b64",
+    "wrong_rows",
+    "duplicate_ids",
+    "out_of_range",
+    "missing",
+    "empty_dict",
+    "dense_nonzero",
+    "non_json",
+    "http_500",
+)
 
 
 def write_fake_config(d: Path) -> Path:
     """A Qwen3-MoE style config.json (3 layers, layer 1 dense, 8 experts, top-2) for /rr/info."""
     d.mkdir(parents=True, exist_ok=True)
-    cfg = {"model_type": "qwen3_moe", "num_hidden_layers": LAYERS, "num_experts": EXPERTS,
-           "num_experts_per_tok": TOPK, "decoder_sparse_step": 1, "mlp_only_layers": [1]}
+    cfg = {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": LAYERS,
+        "num_experts": EXPERTS,
+        "num_experts_per_tok": TOPK,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+    }
     (d / "config.json").write_text(json.dumps(cfg))
     return d
 
@@ -122,15 +137,18 @@ class _FakeServer(ThreadedServer):
         if self.corrupt == "non_json":
             return Response(b"<html>502 Bad Gateway</html>", media_type="text/html")
         if self.corrupt == "http_500":
-            return JSONResponse({"error": {"message": "CUDA error: an illegal memory access", "code": 500}},
-                                status_code=500)
+            return JSONResponse(
+                {"error": {"message": "CUDA error: an illegal memory access", "code": 500}}, status_code=500
+            )
         return None
 
 
 def _answering(answer: dict[str, Any]) -> Any:
     """A GET endpoint that answers ``answer``."""
+
     async def fixed() -> JSONResponse:
         return JSONResponse(answer)
+
     return fixed
 
 
@@ -145,9 +163,14 @@ class FakeSGLangUpstream(_FakeServer):
     def sample(self, prompt: list[int], params: dict[str, Any], j: int, want: bool) -> dict[str, Any]:
         """One SGLang reply item, routing as base64 raw ``wire_dtype`` when ``want``."""
         out = fake_completion(prompt, int(params.get("max_new_tokens", 4)), j)
-        meta: dict[str, Any] = {"id": f"sg-{j}", "finish_reason": {"type": "length", "length": len(out)},
-                                "prompt_tokens": len(prompt), "completion_tokens": len(out), "cached_tokens": 0,
-                                "e2e_latency": 0.001}
+        meta: dict[str, Any] = {
+            "id": f"sg-{j}",
+            "finish_reason": {"type": "length", "length": len(out)},
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(out),
+            "cached_tokens": 0,
+            "e2e_latency": 0.001,
+        }
         if want:
             r = corrupt_routing(self.routing((prompt + out)[:-1]), self.corrupt).astype(self.wire_dtype)
             b64 = base64.b64encode(r.tobytes()).decode()
@@ -161,8 +184,10 @@ class FakeSGLangUpstream(_FakeServer):
         return {"text": "y" * len(out), "output_ids": out, "meta_info": meta}
 
     def info_answers(self) -> dict[str, dict[str, Any]]:
-        return {"/get_model_info": {"model_path": str(self.model_dir), "is_generation": True},
-                "/get_server_info": {"version": "0.5.10-fake"}}
+        return {
+            "/get_model_info": {"model_path": str(self.model_dir), "is_generation": True},
+            "/get_server_info": {"version": "0.5.10-fake"},
+        }
 
     def answer(self, body: dict[str, Any]) -> Response:
         key = "text" if "text" in body else "input_ids"
@@ -198,8 +223,10 @@ class FakeVLLMUpstream(_FakeServer):
     generate_path = "/v1/completions"
 
     def info_answers(self) -> dict[str, dict[str, Any]]:
-        return {"/v1/models": {"object": "list", "data": [{"id": "fake-moe", "root": str(self.model_dir)}]},
-                "/version": {"version": "0.30.0-fake"}}
+        return {
+            "/v1/models": {"object": "list", "data": [{"id": "fake-moe", "root": str(self.model_dir)}]},
+            "/version": {"version": "0.30.0-fake"},
+        }
 
     def answer(self, body: dict[str, Any]) -> Response:
         prompt = fake_tokens(body["prompt"])
@@ -221,21 +248,36 @@ class FakeVLLMUpstream(_FakeServer):
                 b64 = None
             elif self.corrupt == "empty_dict":
                 b64 = {}
-            choices.append({"index": j, "text": "z" * len(out), "finish_reason": "length", "stop_reason": None,
-                            "prompt_token_ids": prompt, "token_ids": out, "routed_experts": b64})
+            choices.append(
+                {
+                    "index": j,
+                    "text": "z" * len(out),
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                    "prompt_token_ids": prompt,
+                    "token_ids": out,
+                    "routed_experts": b64,
+                }
+            )
         if body.get("stream"):
             return StreamingResponse(self._stream(choices), media_type="text/event-stream")
         usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(len(c["token_ids"]) for c in choices)}
-        return JSONResponse({"id": "cmpl-fake", "object": "text_completion", "model": "fake-moe",
-                             "choices": choices, "usage": usage})
+        return JSONResponse(
+            {"id": "cmpl-fake", "object": "text_completion", "model": "fake-moe", "choices": choices, "usage": usage}
+        )
 
     async def _stream(self, choices: list[dict[str, Any]]) -> Any:
         """vLLM-style SSE: one delta per token, prompt ids on the first, no routing (as vLLM 0.30)."""
         for c in choices:
             for k, tok in enumerate(c["token_ids"]):
                 last = k == len(c["token_ids"]) - 1
-                delta = {"index": c["index"], "text": "z", "token_ids": [tok],
-                         "prompt_token_ids": c["prompt_token_ids"] if k == 0 else None,
-                         "finish_reason": "length" if last else None, "stop_reason": None}
+                delta = {
+                    "index": c["index"],
+                    "text": "z",
+                    "token_ids": [tok],
+                    "prompt_token_ids": c["prompt_token_ids"] if k == 0 else None,
+                    "finish_reason": "length" if last else None,
+                    "stop_reason": None,
+                }
                 yield "data: " + orjson.dumps({"id": "cmpl-fake", "choices": [delta]}).decode() + "\n\n"
         yield "data: [DONE]\n\n"

@@ -55,10 +55,12 @@ class ProbeTestServer(ProtocolTestServer):
 
     def _metrics(self) -> str:
         off = "1.0" if self.offload else "None"
-        return (f'vllm:cache_config_info{{block_size="{self.block_size}",enable_prefix_caching="True",engine="0",'
-                f'kv_offloading_backend="native",kv_offloading_size="{off}",num_gpu_blocks="{self.blocks}"}} 1.0\n'
-                "# TYPE vllm:num_preemptions_total counter\n"
-                f'vllm:num_preemptions_total{{engine="0",model_name="synthetic"}} {float(self.preemptions_total)}\n')
+        return (
+            f'vllm:cache_config_info{{block_size="{self.block_size}",enable_prefix_caching="True",engine="0",'
+            f'kv_offloading_backend="native",kv_offloading_size="{off}",num_gpu_blocks="{self.blocks}"}} 1.0\n'
+            "# TYPE vllm:num_preemptions_total counter\n"
+            f'vllm:num_preemptions_total{{engine="0",model_name="synthetic"}} {float(self.preemptions_total)}\n'
+        )
 
     async def _one(self, prompt: list[int], params: dict[str, Any], want: bool, start: int) -> dict[str, Any]:
         n_new = int(params.get("max_new_tokens", 4))
@@ -75,8 +77,12 @@ class ProbeTestServer(ProtocolTestServer):
         finally:
             self.used -= need
         key = tuple(prompt)
-        restored = (self.offload and len(prompt) >= 256 and key in self.last_seen
-                    and self.tokens_seen - self.last_seen[key] > self.blocks * self.block_size)
+        restored = (
+            self.offload
+            and len(prompt) >= 256
+            and key in self.last_seen
+            and self.tokens_seen - self.last_seen[key] > self.blocks * self.block_size
+        )
         self.tokens_seen += len(prompt) + n_new
         self.last_seen[key] = self.tokens_seen
         item = self._sample(prompt, 0, params, want, start)
@@ -94,10 +100,14 @@ class ProbeTestServer(ProtocolTestServer):
         if "no_update_flag" in self.faults:
             finished, during = admitted, False
         meta["rr_provenance"] = Provenance(
-            cached_tokens=cached, cache_tier=("external" if restored else "device") if cached else None,
+            cached_tokens=cached,
+            cache_tier=("external" if restored else "device") if cached else None,
             preemptions=0 if "drop_preemptions" in self.faults else int(preempted),
-            weight_version_admitted=admitted, weight_version_finished=finished, weight_update_during=during,
-            tokens_digest=tokens_digest(prompt, item["output_ids"])).to_dict()
+            weight_version_admitted=admitted,
+            weight_version_finished=finished,
+            weight_update_during=during,
+            tokens_digest=tokens_digest(prompt, item["output_ids"]),
+        ).to_dict()
         return item
 
     def _add_routes(self) -> None:
@@ -129,7 +139,10 @@ class ProbeTestServer(ProtocolTestServer):
                 self.version += 1
             return JSONResponse({"results": [None]})
 
-        for path, fn, methods in (("/generate", generate, ["POST"]), ("/metrics", metrics, ["GET"]),
-                                  ("/collective_rpc", collective_rpc, ["POST"])):
+        for path, fn, methods in (
+            ("/generate", generate, ["POST"]),
+            ("/metrics", metrics, ["GET"]),
+            ("/collective_rpc", collective_rpc, ["POST"]),
+        ):
             app.add_api_route(path, fn, methods=methods)
             app.router.routes.insert(0, app.router.routes.pop())  # before the base app's /generate

@@ -27,9 +27,9 @@ from tests.support.threaded_server import ThreadedServer
 def synthetic_routing(tokens: list[int], layers: int, topk: int, num_experts: int, moe_layers: list[int]) -> np.ndarray:
     """The routing this server reports for a token sequence (one row per token)."""
     t = np.asarray(tokens, dtype=np.int64)[:, None, None]
-    l = np.arange(layers)[None, :, None]
+    lyr = np.arange(layers)[None, :, None]
     j = np.arange(topk)[None, None, :]
-    ids = (t + l + j) % num_experts
+    ids = (t + lyr + j) % num_experts
     dense = [i for i in range(layers) if i not in set(moe_layers)]
     ids[:, dense, :] = 0
     return ids
@@ -77,9 +77,15 @@ class ProtocolTestServer(ThreadedServer):
 
     def info(self) -> dict[str, Any]:
         return {
-            "engine": "protocol-test-server", "engine_version": "0", "rr_version": "0.1.0", "model": "synthetic",
-            "num_hidden_layers": self.layers, "num_experts": self.num_experts, "topk": self.topk,
-            "moe_layers": self.moe_layers, "wire_dtype": wire_dtype(self.num_experts).name,
+            "engine": "protocol-test-server",
+            "engine_version": "0",
+            "rr_version": "0.1.0",
+            "model": "synthetic",
+            "num_hidden_layers": self.layers,
+            "num_experts": self.num_experts,
+            "topk": self.topk,
+            "moe_layers": self.moe_layers,
+            "wire_dtype": wire_dtype(self.num_experts).name,
             **self.behaviour.identity,
         }
 
@@ -87,21 +93,32 @@ class ProtocolTestServer(ThreadedServer):
         n_new = int(params.get("max_new_tokens", 4))
         out = [(sum(prompt) + 13 * j + 7 * i) % 250 + 1 for i in range(n_new)]
         meta: dict[str, Any] = {
-            "id": f"req-{j}", "prompt_tokens": len(prompt), "completion_tokens": len(out),
-            "cached_tokens": 0, "finish_reason": {"type": "length", "length": n_new}, "prompt_token_ids": prompt,
+            "id": f"req-{j}",
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(out),
+            "cached_tokens": 0,
+            "finish_reason": {"type": "length", "length": n_new},
+            "prompt_token_ids": prompt,
         }
         b = self.behaviour
         if b.prefix_cache and tuple(prompt) in self._seen:
             meta["cached_tokens"] = len(prompt) // 16 * 16
         self._seen.add(tuple(prompt))
         if want or b.corrupt == "unasked":
-            routing = synthetic_routing((prompt + out)[start:-1], self.layers, self.topk, self.num_experts, self.moe_layers)
+            routing = synthetic_routing(
+                (prompt + out)[start:-1], self.layers, self.topk, self.num_experts, self.moe_layers
+            )
             if b.corrupt == "zero":  # what a compiled CPU graph or vLLM 0.15.x returns
                 routing[:] = 0
             if b.corrupt == "mixed":  # another request's rows: the routing of different tokens, per call
                 b.calls_mixed += 1
-                routing = synthetic_routing([t + b.calls_mixed for t in (prompt + out)[start:-1]], self.layers,
-                                            self.topk, self.num_experts, self.moe_layers)
+                routing = synthetic_routing(
+                    [t + b.calls_mixed for t in (prompt + out)[start:-1]],
+                    self.layers,
+                    self.topk,
+                    self.num_experts,
+                    self.moe_layers,
+                )
             if b.corrupt == "dup" and len(routing) > 1 and self.moe_layers:
                 routing[1, self.moe_layers[0], :] = routing[1, self.moe_layers[0], 0]
             if b.corrupt == "rows":

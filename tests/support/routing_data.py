@@ -28,6 +28,7 @@ def npy_payload(array: np.ndarray, *, num_experts: int) -> str:
 
     dtype = np.uint8 if num_experts <= 256 else np.dtype("<u2")
     buf = io.BytesIO()
-    np.lib.format.write_array(buf, np.ascontiguousarray(np.asarray(array).astype(dtype)), version=(1, 0),
-                              allow_pickle=False)
+    np.lib.format.write_array(
+        buf, np.ascontiguousarray(np.asarray(array).astype(dtype)), version=(1, 0), allow_pickle=False
+    )
     return pybase64.b64encode(buf.getvalue()).decode("ascii")

@@ -23,8 +23,9 @@ class ThreadedServer:
     ``uvicorn_options`` go to :class:`uvicorn.Config` (defaults: ``log_level="warning"``, ``lifespan="off"``).
     """
 
-    def __init__(self, app: Any, *, name: str = "test server", startup_timeout: float = 15.0,
-                 **uvicorn_options: Any) -> None:
+    def __init__(
+        self, app: Any, *, name: str = "test server", startup_timeout: float = 15.0, **uvicorn_options: Any
+    ) -> None:
         self.app = app
         self.name = name
         self.port = free_port()

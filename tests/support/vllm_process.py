@@ -19,11 +19,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Self, TypeVar
 
-from rr_server.launch.vllm import build_command, is_cpu_platform
 from rr_client.core.errors import ServerStartError
 from rr_server.launch.process import free_port, stop_process_group, wait_healthy
+from rr_server.launch.vllm import build_command, is_cpu_platform
 
-__all__ = ["VLLMProcess", "all_launched", "server_args", "launcher_command", "unpatched_command", "STARTUP_TIMEOUT_S", "LOG_DIR"]
+__all__ = [
+    "VLLMProcess",
+    "all_launched",
+    "server_args",
+    "launcher_command",
+    "unpatched_command",
+    "STARTUP_TIMEOUT_S",
+    "LOG_DIR",
+]
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("RR_TEST_CACHE", REPO / ".cache" / "rr-test-models"))
@@ -31,10 +39,25 @@ LOG_DIR = CACHE / "logs"
 STARTUP_TIMEOUT_S = float(os.environ.get("RR_TEST_STARTUP_TIMEOUT", "420"))
 
 
-def server_args(model_dir: Path, *, port: int, served_model_name: str | None = None, max_model_len: int = 1024,
-                extra: Sequence[str] = ()) -> list[str]:
+def server_args(
+    model_dir: Path,
+    *,
+    port: int,
+    served_model_name: str | None = None,
+    max_model_len: int = 1024,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """The vLLM api_server arguments a test server is launched with (before rr's launcher adds its own)."""
-    args = ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len)]
+    args = [
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+    ]
     if served_model_name:
         args += ["--served-model-name", served_model_name]
     return [*args, *extra]
@@ -61,8 +84,17 @@ class VLLMProcess:
     vanilla vLLM (``VLLM_PLUGINS=""``, no ``RR_ENABLE``): no rr code in the engine at all.
     """
 
-    def __init__(self, model_dir: Path, *, name: str = "tiny-moe", plugin: bool = True, port: int | None = None,
-                 max_model_len: int = 1024, extra: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        name: str = "tiny-moe",
+        plugin: bool = True,
+        port: int | None = None,
+        max_model_len: int = 1024,
+        extra: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.model_dir, self.name, self.plugin = model_dir, name, plugin
         self.port = port or free_port()
         self.max_model_len = max_model_len
@@ -81,8 +113,13 @@ class VLLMProcess:
 
     def command(self) -> list[str]:
         """The launch command for this server."""
-        args = server_args(self.model_dir, port=self.port, served_model_name=self.name,
-                           max_model_len=self.max_model_len, extra=self.extra)
+        args = server_args(
+            self.model_dir,
+            port=self.port,
+            served_model_name=self.name,
+            max_model_len=self.max_model_len,
+            extra=self.extra,
+        )
         return launcher_command(args) if self.plugin else unpatched_command(args)
 
     def launch(self) -> Self:
@@ -94,8 +131,9 @@ class VLLMProcess:
             env.pop("RR_ENABLE", None)
         env.update(self.env)
         with open(self.log_path, "ab") as log:  # a restart appends
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+            )
         return self
 
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> Self:
@@ -157,13 +195,19 @@ def all_launched(servers: dict[str, P], *, healthy: bool = False) -> Iterator[di
             s.stop()
 
 
-def small_kv_dev_server(model_dir: Path, *, name: str, blocks: int, max_model_len: int,
-                        core: int) -> Iterator[VLLMProcess]:
+def small_kv_dev_server(
+    model_dir: Path, *, name: str, blocks: int, max_model_len: int, core: int
+) -> Iterator[VLLMProcess]:
     """A dev-mode server (weights reloadable) with ``blocks`` KV blocks of 32 tokens (vLLM CPU wants multiples of
     32) and prefix caching, so a few long requests force preemption; stopped when the generator closes."""
     extra = ["--block-size", "32", "--num-gpu-blocks-override", str(blocks), "--enable-prefix-caching"]
-    server = VLLMProcess(model_dir, name=name, max_model_len=max_model_len, extra=extra,
-                         env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)})
+    server = VLLMProcess(
+        model_dir,
+        name=name,
+        max_model_len=max_model_len,
+        extra=extra,
+        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)},
+    )
     try:
         yield server.launch().wait_healthy()
     finally:

@@ -36,8 +36,10 @@ _SPEC_FIX_PATH = os.pathsep.join(p for p in (str(CPU_SPEC_DECODE_FIX), os.enviro
 # Servers that are not one model each: the checkpoint they serve and their extra launch arguments.
 # glm4_mtp: a GLM-4.5-style checkpoint with one MTP layer (tests/vllm/tiny_mtp.py), drafting with it.
 SERVER_MODEL: dict[str, str] = {"qwen3_ngram": "qwen3_dense"}
-SERVER_EXTRA: dict[str, list[str]] = {"qwen3_ngram": ["--speculative-config", json.dumps(NGRAM_CONFIG)],
-                                      "glm4_mtp": ["--speculative-config", json.dumps(MTP_CONFIG)]}
+SERVER_EXTRA: dict[str, list[str]] = {
+    "qwen3_ngram": ["--speculative-config", json.dumps(NGRAM_CONFIG)],
+    "glm4_mtp": ["--speculative-config", json.dumps(MTP_CONFIG)],
+}
 
 # The 300-expert server builds every routed reply in a worker thread (the path large payloads take).
 SERVER_ENV: dict[str, dict[str, str]] = {
@@ -58,9 +60,12 @@ SERVED: dict[str, tuple[str, str]] = {
 
 def start_server(name: str, model_dir: Path, *, core: int) -> VLLMProcess:
     """Launch one rr-plugin server (non-blocking); ``VLLMProcess.wait_healthy`` waits for it."""
-    env = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
-                                                       str(core % max(1, os.cpu_count() or 1))),
-           **SERVER_ENV.get(name, {})}
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
+            "VLLM_CPU_OMP_THREADS_BIND", str(core % max(1, os.cpu_count() or 1))
+        ),
+        **SERVER_ENV.get(name, {}),
+    }
     return VLLMProcess(model_dir, name=name, plugin=True, env=env, extra=SERVER_EXTRA.get(name, ())).launch()
 
 

@@ -24,9 +24,18 @@ pytestmark = pytest.mark.vllm_server
 
 KEYS = ("key-one", "key-two")  # vLLM takes several keys after one --api-key
 WRONG = "not-the-key"
-RR_ROUTES = [("POST", "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
-                                    "return_routed_experts": True}),
-             ("GET", "/rr/info", None)]
+RR_ROUTES = [
+    (
+        "POST",
+        "/generate",
+        {
+            "input_ids": [1, 2, 3],
+            "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
+            "return_routed_experts": True,
+        },
+    ),
+    ("GET", "/rr/info", None),
+]
 
 
 def _call(base: str, method: str, path: str, body: Any, key: str | None) -> httpx.Response:
@@ -46,8 +55,13 @@ def keyed_server(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
 
 @pytest.fixture(scope="module")
 def keyed_sidecar(keyed_server: VLLMProcess, tiny_models: dict[str, Path]) -> Iterator[SidecarServer]:
-    cfg = ProxyConfig(upstream=keyed_server.base_url, engine="vllm", api_keys=("side-key",),
-                      upstream_api_key=KEYS[1], max_body_bytes=4096)
+    cfg = ProxyConfig(
+        upstream=keyed_server.base_url,
+        engine="vllm",
+        api_keys=("side-key",),
+        upstream_api_key=KEYS[1],
+        max_body_bytes=4096,
+    )
     with SidecarServer(cfg) as sc:
         yield sc
 
@@ -122,16 +136,25 @@ def test_sidecar_oversized_body_413_then_serves(keyed_sidecar: SidecarServer) ->
     big = {"input_ids": list(range(1, 2000)), "sampling_params": {"max_new_tokens": 1}}  # > 4096 bytes as JSON
     r = _call(keyed_sidecar.url, "POST", "/generate", big, "side-key")
     assert r.status_code == 413 and "4096" in r.json()["error"]["message"]
-    chunked = httpx.post(keyed_sidecar.url + "/generate", headers={"authorization": "Bearer side-key"},
-                         content=iter([b"{" + b" " * 3000, b" " * 3000 + b"}"]), timeout=30)  # no content-length
+    chunked = httpx.post(
+        keyed_sidecar.url + "/generate",
+        headers={"authorization": "Bearer side-key"},
+        content=iter([b"{" + b" " * 3000, b" " * 3000 + b"}"]),
+        timeout=30,
+    )  # no content-length
     assert chunked.status_code == 413
     r = _call(keyed_sidecar.url, *RR_ROUTES[0][:2], RR_ROUTES[0][2], "side-key")
     assert r.status_code == 200 and r.json()["meta_info"]["routed_experts_shape"] == [4, 3, 2]
 
 
 def test_sidecar_metrics_can_require_the_key(keyed_server: VLLMProcess) -> None:
-    cfg = ProxyConfig(upstream=keyed_server.base_url, engine="vllm", api_keys=("side-key",),
-                      upstream_api_key=KEYS[0], metrics_require_key=True)
+    cfg = ProxyConfig(
+        upstream=keyed_server.base_url,
+        engine="vllm",
+        api_keys=("side-key",),
+        upstream_api_key=KEYS[0],
+        metrics_require_key=True,
+    )
     with SidecarServer(cfg) as sc:
         assert _call(sc.url, "GET", "/metrics", None, None).status_code == 401
         assert _call(sc.url, "GET", "/metrics", None, "side-key").status_code == 200

@@ -33,8 +33,12 @@ pytestmark = pytest.mark.vllm_server
 
 @pytest.fixture(scope="module")
 def two_api_servers(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
-    server = VLLMProcess(tiny_models["qwen3_dense"], name="qwen3-asc2", extra=["--api-server-count", "2"],
-                         env={"VLLM_LOGGING_LEVEL": "INFO"}).start()
+    server = VLLMProcess(
+        tiny_models["qwen3_dense"],
+        name="qwen3-asc2",
+        extra=["--api-server-count", "2"],
+        env={"VLLM_LOGGING_LEVEL": "INFO"},
+    ).start()
     try:
         wait_for_both_processes(server)
         yield server
@@ -90,9 +94,18 @@ def test_every_api_server_process_serves_rr(two_api_servers: VLLMProcess) -> Non
         if served() == {"ApiServer_0", "ApiServer_1"}:
             break
         for p in prompts[:8]:
-            assert httpx.post(two_api_servers.base_url + "/generate", timeout=60, json={
-                "input_ids": p, "sampling_params": {"max_new_tokens": 2}, "return_routed_experts": True,
-            }).status_code == 200
+            assert (
+                httpx.post(
+                    two_api_servers.base_url + "/generate",
+                    timeout=60,
+                    json={
+                        "input_ids": p,
+                        "sampling_params": {"max_new_tokens": 2},
+                        "return_routed_experts": True,
+                    },
+                ).status_code
+                == 200
+            )
     assert served() == {"ApiServer_0", "ApiServer_1"}, "both API server processes answer rr's /generate"
 
 
@@ -117,8 +130,15 @@ def test_rr_counters_sum_over_both_api_server_processes(two_api_servers: VLLMPro
         return all(now[k] > start[k] for k in start)
 
     def post(i: int) -> dict[str, Any]:
-        r = httpx.post(url + "/generate", timeout=120, json={
-            "input_ids": [11 + i % 7, 19, 23], "sampling_params": {"max_new_tokens": 2}, "return_routed_experts": True})
+        r = httpx.post(
+            url + "/generate",
+            timeout=120,
+            json={
+                "input_ids": [11 + i % 7, 19, 23],
+                "sampling_params": {"max_new_tokens": 2},
+                "return_routed_experts": True,
+            },
+        )
         assert r.status_code == 200, r.text
         return r.json()["meta_info"]  # type: ignore[no-any-return]
 

@@ -16,8 +16,8 @@ import pytest
 from rr_client import MissingRoutingError, RoutedExpertsClient, RoutingExpiredError, RoutingRef
 from rr_client.core.hf_config import load_config, moe_layers_from_config
 from rr_client.core.reference import decode_frame
-from rr_server.serving.store import MAX_REFS_PER_READ
 from rr_server.demo.tiny_moe import reference_routing
+from rr_server.serving.store import MAX_REFS_PER_READ
 from tests.support.routing_asserts import assert_routing_sets_equal
 
 pytestmark = pytest.mark.vllm_server
@@ -45,7 +45,9 @@ def test_rows_by_reference_equal_the_inline_answer_and_transformers(qwen_server:
     for a, r, b in zip(inline, by_ref, resolved):
         assert r.routed_experts is None and isinstance(r.routing_ref, RoutingRef)
         assert r.routing_ref.url == qwen_server.base_url  # the server names itself
-        assert len(json.dumps(r.routing_ref.to_dict())) <= 768  # what the controller moves per sample (with its provenance)
+        assert (
+            len(json.dumps(r.routing_ref.to_dict())) <= 768
+        )  # what the controller moves per sample (with its provenance)
         assert b.output_ids == a.output_ids and b.prompt_ids == a.prompt_ids
         assert np.array_equal(b.routed_experts, a.routed_experts) and b.routed_experts.dtype == np.uint8
         truth = reference_routing(qwen_server.model_dir, list(a.prompt_ids) + list(a.output_ids))[:-1]
@@ -57,8 +59,11 @@ def test_rows_by_reference_equal_the_inline_answer_and_transformers(qwen_server:
     assert after["read_bytes"] - before["read_bytes"] == nbytes
     # one key named 500 times in one read: its rows sent once, every entry the same checked rows
     ref = by_ref[0].routing_ref
-    r = httpx.post(qwen_server.base_url + "/rr/routing/read", timeout=60,
-                   json={"refs": [{"store": ref.store, "key": ref.key}] * 500})
+    r = httpx.post(
+        qwen_server.base_url + "/rr/routing/read",
+        timeout=60,
+        json={"refs": [{"store": ref.store, "key": ref.key}] * 500},
+    )
     parts = decode_frame(r.content)
     assert len(parts) == 500 and len(r.content) == 8 + struct.unpack_from("<Q", r.content)[0] + ref.nbytes
     assert all(p.digest == ref.checksum and np.array_equal(p.rows, inline[0].routed_experts) for p in parts)
@@ -91,11 +96,17 @@ def test_retired_refs_are_refused_and_later_ones_read(qwen_server: Any) -> None:
 def test_read_route_refuses_bad_requests_and_keeps_serving(qwen_server: Any) -> None:
     r = httpx.post(qwen_server.base_url + "/rr/routing/read", content=b"{}", timeout=30)
     assert r.status_code == 400 and "refs" in r.json()["error"]["message"]
-    r = httpx.post(qwen_server.base_url + "/rr/routing/read", timeout=30,
-                   json={"refs": [{"store": "s", "key": "k"}] * (MAX_REFS_PER_READ + 1)})
+    r = httpx.post(
+        qwen_server.base_url + "/rr/routing/read",
+        timeout=30,
+        json={"refs": [{"store": "s", "key": "k"}] * (MAX_REFS_PER_READ + 1)},
+    )
     assert r.status_code == 413 and f"at most {MAX_REFS_PER_READ}" in r.json()["error"]["message"]
-    r = httpx.post(qwen_server.base_url + "/generate", json={"text": "hi", "return_routed_experts": True,
-                                                             "routed_experts_format": "base64"}, timeout=60)
+    r = httpx.post(
+        qwen_server.base_url + "/generate",
+        json={"text": "hi", "return_routed_experts": True, "routed_experts_format": "base64"},
+        timeout=60,
+    )
     assert r.status_code == 400
     assert httpx.get(qwen_server.base_url + "/health", timeout=30).status_code == 200
 
@@ -172,6 +183,7 @@ def test_two_replicas_each_ref_read_from_the_replica_that_made_it(qwen_server: A
 
     second = start_server("qwen3_dense", qwen_server.model_dir, core=1).wait_healthy()
     try:
+
         async def run() -> None:
             async with RoutedExpertsClient([qwen_server.base_url, second.base_url], batch_size=1) as c:
                 inline = await c.generate(PROMPTS * 2, GREEDY)
@@ -193,10 +205,13 @@ def test_two_replicas_each_ref_read_from_the_replica_that_made_it(qwen_server: A
 
 def test_openai_endpoints_by_reference(qwen_server: Any) -> None:
     """``routed_experts_format: "ref"`` on vLLM's own /v1/completions and /v1/chat/completions (rr's middleware)."""
+
     async def run() -> None:
         async with RoutedExpertsClient(qwen_server.base_url) as c:
-            for call in (lambda **kw: c.complete(PROMPTS[0], GREEDY, **kw),
-                         lambda **kw: c.chat([{"role": "user", "content": PROMPTS[1]}], GREEDY, **kw)):
+            for call in (
+                lambda **kw: c.complete(PROMPTS[0], GREEDY, **kw),
+                lambda **kw: c.chat([{"role": "user", "content": PROMPTS[1]}], GREEDY, **kw),
+            ):
                 inline = await call()
                 by_ref = await call(by_reference=True)
                 assert by_ref[0].routed_experts is None and by_ref[0].routing_ref is not None

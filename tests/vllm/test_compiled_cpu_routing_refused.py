@@ -35,8 +35,9 @@ class CompiledCPUServer(VLLMProcess):
 
 @pytest.fixture(scope="module")
 def compiled_server(tiny_models: dict[str, Path]) -> Iterator[CompiledCPUServer]:
-    server = CompiledCPUServer(tiny_models["qwen3_dense"], name="qwen3-compiled",
-                               env={"RR_ENABLE": "1", "VLLM_PLUGINS": "rr"})
+    server = CompiledCPUServer(
+        tiny_models["qwen3_dense"], name="qwen3-compiled", env={"RR_ENABLE": "1", "VLLM_PLUGINS": "rr"}
+    )
     try:
         yield server.start()
     finally:
@@ -44,8 +45,11 @@ def compiled_server(tiny_models: dict[str, Path]) -> Iterator[CompiledCPUServer]
 
 
 def test_all_zero_routing_is_refused_not_sent(compiled_server: CompiledCPUServer) -> None:
-    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
-            "return_routed_experts": True}
+    body = {
+        "input_ids": [5, 6, 7, 8],
+        "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+        "return_routed_experts": True,
+    }
     r = httpx.post(compiled_server.base_url + "/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text
     meta = r.json()["meta_info"]
@@ -63,8 +67,9 @@ def test_client_raises_on_the_refused_sample(compiled_server: CompiledCPUServer)
         asyncio.run(run())
 
 
-def test_doctor_fails_naming_the_all_zero_rows(compiled_server: CompiledCPUServer,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_doctor_fails_naming_the_all_zero_rows(
+    compiled_server: CompiledCPUServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``rr-server doctor`` on the same broken deployment: FAIL first, with the cause."""
     from rr_server.cli import main as cli
 
@@ -78,20 +83,32 @@ def test_doctor_fails_naming_the_all_zero_rows(compiled_server: CompiledCPUServe
 def test_refusals_are_counted_on_vllms_metrics(compiled_server: CompiledCPUServer) -> None:
     """Each refused sample moves ``rr_routing_refused_total{error="UnrecordedRoutingError"}`` on vLLM's own
     ``/metrics`` by one, on ``/generate`` and ``/v1/completions`` alike; nothing is counted as sent."""
+
     def metrics() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         r = httpx.get(compiled_server.base_url + "/metrics", timeout=30)
         assert r.status_code == 200 and "vllm:" in r.text
         return rr_samples(r.text)
 
     before = metrics()
-    body = {"input_ids": [[5, 6, 7, 8], [9, 10, 11]], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
-            "return_routed_experts": True}
+    body = {
+        "input_ids": [[5, 6, 7, 8], [9, 10, 11]],
+        "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+        "return_routed_experts": True,
+    }
     r = httpx.post(compiled_server.base_url + "/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text
     assert all(item["meta_info"]["routed_experts_error"].startswith("UnrecordedRoutingError") for item in r.json())
-    c = httpx.post(compiled_server.base_url + "/v1/completions", json={
-        "model": compiled_server.name, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0,
-        "return_routed_experts": True}, timeout=300)
+    c = httpx.post(
+        compiled_server.base_url + "/v1/completions",
+        json={
+            "model": compiled_server.name,
+            "prompt": [5, 6, 7],
+            "max_tokens": 2,
+            "temperature": 0,
+            "return_routed_experts": True,
+        },
+        timeout=300,
+    )
     assert c.status_code == 200, c.text
     assert c.json()["choices"][0]["routed_experts_error"].startswith("UnrecordedRoutingError")
     after = metrics()

@@ -25,9 +25,11 @@ pytestmark = pytest.mark.vllm_server
 KEY = "dev-key"
 WRONG = "not-the-key"
 # (method, path, JSON body, expected answer with the key); every call harmless for the server
-DEV_ROUTES = [("POST", "/collective_rpc", {"method": "check_health"}, {"results": [None]}),
-              ("POST", "/reset_prefix_cache", None, {"success": True}),
-              ("GET", "/is_sleeping", None, {"is_sleeping": False})]
+DEV_ROUTES = [
+    ("POST", "/collective_rpc", {"method": "check_health"}, {"results": [None]}),
+    ("POST", "/reset_prefix_cache", None, {"success": True}),
+    ("GET", "/is_sleeping", None, {"is_sleeping": False}),
+]
 
 
 def _call(base: str, method: str, path: str, body: Any, key: str | None) -> httpx.Response:
@@ -38,8 +40,9 @@ def _call(base: str, method: str, path: str, body: Any, key: str | None) -> http
 @pytest.fixture(scope="module")
 def dev_server(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
     """``VLLM_SERVER_DEV_MODE=1 rr-server launch vllm ... --api-key dev-key``."""
-    server = VLLMProcess(tiny_models["qwen3_dense"], name="qwen3-dev", extra=["--api-key", KEY],
-                         env={"VLLM_SERVER_DEV_MODE": "1"}).start()
+    server = VLLMProcess(
+        tiny_models["qwen3_dense"], name="qwen3-dev", extra=["--api-key", KEY], env={"VLLM_SERVER_DEV_MODE": "1"}
+    ).start()
     try:
         yield server
     finally:
@@ -61,8 +64,11 @@ def test_server_keeps_serving(dev_server: VLLMProcess) -> None:
     base = dev_server.base_url
     assert _call(base, "POST", "/collective_rpc", {"method": "check_health"}, None).status_code == 401
     assert _call(base, "GET", "/health", None, None).status_code == 200  # open, as in vLLM
-    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
-            "return_routed_experts": True}
+    body = {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
+        "return_routed_experts": True,
+    }
     assert _call(base, "POST", "/generate", body, None).status_code == 401
     r = _call(base, "POST", "/generate", body, KEY)
     assert r.status_code == 200 and r.json()["meta_info"]["routed_experts_shape"] == [4, 3, 2]

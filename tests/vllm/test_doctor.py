@@ -28,15 +28,24 @@ def _report(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[s
 
 
 @pytest.mark.parametrize("engine", [None, "vllm"], ids=["patched", "unpatched-via-sidecar"])
-def test_doctor_passes_with_full_agreement(qwen_server: Any, engine: str | None,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_doctor_passes_with_full_agreement(
+    qwen_server: Any, engine: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
     extra = ["--engine", engine] if engine else []
     rc, rep = _report(capsys, qwen_server.base_url, "--model-path", str(qwen_server.model_dir), *extra)
     assert rc == 0 and rep["verdict"] == "PASS", [c for c in rep["checks"] if not c["ok"]]
     assert rep["deployment"] == ("unpatched" if engine else "patched")
     assert rep["ground_truth"]["agreement"] == 1.0 and rep["ground_truth"]["compared"] > 100
-    assert {c["name"] for c in rep["checks"]} >= {"identity", "single", "batch", "n=2", "routed_experts_start",
-                                                   "prefix-cache hit", "mixed batch", "ground truth"}
+    assert {c["name"] for c in rep["checks"]} >= {
+        "identity",
+        "single",
+        "batch",
+        "n=2",
+        "routed_experts_start",
+        "prefix-cache hit",
+        "mixed batch",
+        "ground truth",
+    }
     (pc,) = [c for c in rep["checks"] if c["name"] == "prefix-cache hit"]
     if engine is None:  # a real hit: vLLM CPU caches 128-token blocks, rr's /generate reports them
         assert pc["ok"] and pc["exercised"] and "256 tokens from the prefix cache" in pc["detail"], pc
@@ -57,8 +66,9 @@ def test_doctor_fails_against_another_checkpoint(qwen_server: Any, capsys: pytes
     assert rep["ground_truth"]["agreement"] < 0.9
 
 
-def test_doctor_refuses_a_model_path_of_other_dims(qwen_server: Any, tiny_models: dict[str, Path],
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_doctor_refuses_a_model_path_of_other_dims(
+    qwen_server: Any, tiny_models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     rc, rep = _report(capsys, qwen_server.base_url, "--model-path", str(tiny_models["mixtral_300"]))
     assert rc == 1
     (mp,) = [c for c in rep["checks"] if c["name"] == "model path"]
@@ -74,12 +84,14 @@ SMALL_KV_BLOCKS = 16
 @pytest.fixture(scope="module")
 def small_kv_server(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
     """The tiny Qwen3-MoE in dev mode (the doctor may reload its weights) with a small KV cache."""
-    yield from small_kv_dev_server(tiny_models["qwen3_dense"], name="doctor-small-kv", blocks=SMALL_KV_BLOCKS,
-                                   max_model_len=448, core=1)
+    yield from small_kv_dev_server(
+        tiny_models["qwen3_dense"], name="doctor-small-kv", blocks=SMALL_KV_BLOCKS, max_model_len=448, core=1
+    )
 
 
-def test_doctor_probes_preemption_and_a_weight_update(small_kv_server: VLLMProcess,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_doctor_probes_preemption_and_a_weight_update(
+    small_kv_server: VLLMProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Preempted samples keep a non-preempted run's rows and say so; reloading the served weights mid-burst bumps
     weight_version and flags the preempted ones; KV offload is reported as refused by vLLM 0.30 itself."""
     model = str(small_kv_server.model_dir.resolve())  # no --model-path: the burst rows are checked against each other

@@ -45,34 +45,70 @@ def test_counters_move_by_what_was_sent(qwen_server: Any) -> None:
         assert re.search(rf"^# TYPE {name}(_total)? counter$", text, re.M), name  # declared at startup, before use
     before = _metrics(qwen_server)
 
-    gen = httpx.post(url + "/generate", json={"input_ids": [[5, 6, 7, 8], [9, 10, 11]], "sampling_params": SAMPLING,
-                                              "return_routed_experts": True}, timeout=300)
+    gen = httpx.post(
+        url + "/generate",
+        json={"input_ids": [[5, 6, 7, 8], [9, 10, 11]], "sampling_params": SAMPLING, "return_routed_experts": True},
+        timeout=300,
+    )
     assert gen.status_code == 200, gen.text
     metas = [item["meta_info"] for item in gen.json()]
     plain = httpx.post(url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": SAMPLING}, timeout=300)
     assert plain.status_code == 200 and "routed_experts" not in plain.json()["meta_info"]
-    ref = httpx.post(url + "/generate", json={"input_ids": [5, 6, 7, 8, 9], "sampling_params": SAMPLING,
-                                              "return_routed_experts": True, "routed_experts_format": "ref"},
-                     timeout=300)
+    ref = httpx.post(
+        url + "/generate",
+        json={
+            "input_ids": [5, 6, 7, 8, 9],
+            "sampling_params": SAMPLING,
+            "return_routed_experts": True,
+            "routed_experts_format": "ref",
+        },
+        timeout=300,
+    )
     assert ref.status_code == 200, ref.text
     ref_meta = ref.json()["meta_info"]
-    comp = httpx.post(url + "/v1/completions", json={
-        "model": qwen_server.name, "prompt": [3, 4, 5, 6], "max_tokens": 3, "temperature": 0.8, "seed": 0, "n": 2,
-        "return_routed_experts": True}, timeout=300)
+    comp = httpx.post(
+        url + "/v1/completions",
+        json={
+            "model": qwen_server.name,
+            "prompt": [3, 4, 5, 6],
+            "max_tokens": 3,
+            "temperature": 0.8,
+            "seed": 0,
+            "n": 2,
+            "return_routed_experts": True,
+        },
+        timeout=300,
+    )
     assert comp.status_code == 200, comp.text
     choices = comp.json()["choices"]
-    stream = httpx.post(url + "/generate", json={"input_ids": [7, 8, 9], "sampling_params": SAMPLING, "stream": True,
-                                                 "return_routed_experts": True}, timeout=300)
+    stream = httpx.post(
+        url + "/generate",
+        json={"input_ids": [7, 8, 9], "sampling_params": SAMPLING, "stream": True, "return_routed_experts": True},
+        timeout=300,
+    )
     assert stream.status_code == 200, stream.text
-    streamed = [e["meta_info"] for e in sse_events(stream.text) if e != "[DONE]"
-                and e["meta_info"].get("routed_experts") is not None]
+    streamed = [
+        e["meta_info"]
+        for e in sse_events(stream.text)
+        if e != "[DONE]" and e["meta_info"].get("routed_experts") is not None
+    ]
     assert len(streamed) == 1  # routing on the final chunk only: one sample, counted once
-    sse = httpx.post(url + "/v1/completions", json={
-        "model": qwen_server.name, "prompt": [4, 5, 6], "max_tokens": 3, "temperature": 0, "stream": True,
-        "return_routed_experts": True}, timeout=300)
+    sse = httpx.post(
+        url + "/v1/completions",
+        json={
+            "model": qwen_server.name,
+            "prompt": [4, 5, 6],
+            "max_tokens": 3,
+            "temperature": 0,
+            "stream": True,
+            "return_routed_experts": True,
+        },
+        timeout=300,
+    )
     assert sse.status_code == 200, sse.text
-    sse_choices = [c for e in sse_events(sse.text) if e != "[DONE]" for c in e["choices"]
-                   if c.get("routed_experts") is not None]
+    sse_choices = [
+        c for e in sse_events(sse.text) if e != "[DONE]" for c in e["choices"] if c.get("routed_experts") is not None
+    ]
     assert len(sse_choices) == 1  # rr's routing event
     after = _metrics(qwen_server)
 

@@ -56,8 +56,15 @@ def _port_free(port: int) -> bool:
 
 
 def _generate(url: str) -> dict:
-    r = httpx.post(url + "/generate", json={"input_ids": [5, 6, 7, 8], "return_routed_experts": True,
-                                           "sampling_params": {"max_new_tokens": 2, "temperature": 0}}, timeout=60)
+    r = httpx.post(
+        url + "/generate",
+        json={
+            "input_ids": [5, 6, 7, 8],
+            "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+        },
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -106,7 +113,8 @@ def test_watchdog_takes_down_a_group_when_its_owner_dies() -> None:
         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
         "g.guard(p.pid)\n"
         "print(p.pid, g.proc.pid, flush=True)\n"
-        "time.sleep(600)\n")
+        "time.sleep(600)\n"
+    )
     owner = subprocess.Popen([sys.executable, "-c", owner_code], stdout=subprocess.PIPE, text=True)
     assert owner.stdout is not None
     child, watchdog = map(int, owner.stdout.readline().split())
@@ -124,8 +132,13 @@ def test_watchdog_takes_down_a_group_when_its_owner_dies() -> None:
         except ProcessLookupError:
             pass
     # the watchdog exits once its job is done
-    while time.monotonic() < deadline and Path(f"/proc/{watchdog}").exists() and \
-            Path(f"/proc/{watchdog}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+    while (
+        time.monotonic() < deadline
+        and Path(f"/proc/{watchdog}").exists()
+        and Path(f"/proc/{watchdog}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    ):
         time.sleep(0.05)
-    assert not Path(f"/proc/{watchdog}").exists() or \
-        Path(f"/proc/{watchdog}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    assert (
+        not Path(f"/proc/{watchdog}").exists()
+        or Path(f"/proc/{watchdog}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    )

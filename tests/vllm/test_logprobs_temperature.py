@@ -14,7 +14,8 @@ import transformers
 
 from rr_client import GenerateBatch, LogprobsModeError, RoutedExpertsClient
 from rr_client.core.logprobs import check_comparable_logprobs
-from rr_client.trainer import ReplaySession, keys as K
+from rr_client.trainer import ReplaySession
+from rr_client.trainer import keys as K
 from rr_client.trainer.metrics import token_logprobs
 from tests.support.vllm_process import VLLMProcess
 
@@ -32,8 +33,7 @@ async def _sample(url: str) -> tuple[GenerateBatch, GenerateBatch]:
         return gen, comp
 
 
-def test_logprobs_at_temperature_07_match_the_trainers(qwen_server: VLLMProcess,
-                                                        tiny_models: dict[str, Path]) -> None:
+def test_logprobs_at_temperature_07_match_the_trainers(qwen_server: VLLMProcess, tiny_models: dict[str, Path]) -> None:
     gen, comp = asyncio.run(_sample(qwen_server.base_url))
     assert gen.info.logprobs_mode == "processed"  # rr's launcher: --logprobs-mode processed_logprobs
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_models["qwen3_dense"], dtype=torch.float32)
@@ -41,7 +41,9 @@ def test_logprobs_at_temperature_07_match_the_trainers(qwen_server: VLLMProcess,
     session = ReplaySession(model, audit_every=1)
     for batch in (gen, comp):  # /generate and /v1/completions: the same checked field
         for r in batch:
-            assert r.logprobs is not None and r.logprobs.shape == (len(r.output_ids),) and r.logprobs_mode == "processed"
+            assert (
+                r.logprobs is not None and r.logprobs.shape == (len(r.output_ids),) and r.logprobs_mode == "processed"
+            )
         rt = batch.to_tensors(pad_side="right")
         assert rt.logprobs is not None and rt.logprobs_mode == "processed"
         resp = rt.response_mask.bool()

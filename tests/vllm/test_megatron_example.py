@@ -27,8 +27,18 @@ def _run(rank: int, pp: int) -> list[dict[str, float]]:
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    return example.main(["--url", os.environ["MEGATRON_EXAMPLE_URL"], "--model-path",
-                         os.environ["MEGATRON_EXAMPLE_MODEL"], "--pp", str(pp), "--steps", "2"])
+    return example.main(
+        [
+            "--url",
+            os.environ["MEGATRON_EXAMPLE_URL"],
+            "--model-path",
+            os.environ["MEGATRON_EXAMPLE_MODEL"],
+            "--pp",
+            str(pp),
+            "--steps",
+            "2",
+        ]
+    )
 
 
 def no_pipelining(rank: int) -> list[dict[str, float]]:
@@ -41,8 +51,9 @@ def one_f_one_b(rank: int) -> list[dict[str, float]]:
     return _run(rank, 2)
 
 
-def test_megatron_example_replays_every_router(qwen_server: VLLMProcess, tiny_models: dict[str, Path],
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_megatron_example_replays_every_router(
+    qwen_server: VLLMProcess, tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tests.megatron.launcher import results_of, run_cases
 
     monkeypatch.setenv("MEGATRON_EXAMPLE_URL", qwen_server.base_url)

@@ -58,9 +58,18 @@ def _model(server: Any) -> str:
 def test_completions_carry_checked_routing_and_token_ids(qwen_server: Any) -> None:
     ids = tokenize(qwen_server.model_dir, "Once upon a time there was a router.")
     start = 4
-    r = _post(qwen_server, "/v1/completions", {
-        "model": _model(qwen_server), "prompt": ids, "max_tokens": 9, "temperature": 0,
-        "return_routed_experts": True, "routed_experts_start": start})
+    r = _post(
+        qwen_server,
+        "/v1/completions",
+        {
+            "model": _model(qwen_server),
+            "prompt": ids,
+            "max_tokens": 9,
+            "temperature": 0,
+            "return_routed_experts": True,
+            "routed_experts_start": start,
+        },
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["prompt_token_ids"] == ids
@@ -92,12 +101,16 @@ def test_request_without_rr_fields_gets_vllms_own_answer(qwen_server: Any) -> No
     assert with_rr["routed_experts"] == choice["routed_experts"]  # vLLM's .npy is already rr's format
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"routed_experts_format": "int32"}, "routed_experts_format"),
-    ({"routed_experts_start": -1}, "routed_experts_start"),
-    ({"routed_experts_start": 500, "prompt": [5, 6, 7]}, "routed_experts_start"),
-    ({"return_routed_experts": "yes"}, "return_routed_experts"),
-], ids=["format", "negative-start", "start-beyond-prompt", "flag-type"])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"routed_experts_format": "int32"}, "routed_experts_format"),
+        ({"routed_experts_start": -1}, "routed_experts_start"),
+        ({"routed_experts_start": 500, "prompt": [5, 6, 7]}, "routed_experts_start"),
+        ({"return_routed_experts": "yes"}, "return_routed_experts"),
+    ],
+    ids=["format", "negative-start", "start-beyond-prompt", "flag-type"],
+)
 def test_bad_openai_requests_get_400_naming_the_field(qwen_server: Any, body: dict[str, Any], field: str) -> None:
     base = {"model": _model(qwen_server), "prompt": "hello", "max_tokens": 3, "return_routed_experts": True}
     for path in ("/v1/completions", "/v1/chat/completions"):
@@ -116,9 +129,17 @@ def test_bad_openai_requests_get_400_naming_the_field(qwen_server: Any, body: di
 
 def test_chat_start_beyond_templated_prompt_is_a_400(qwen_server: Any) -> None:
     """vLLM checks the start against the templated prompt; its 400 reaches the caller as vLLM sent it."""
-    r = _post(qwen_server, "/v1/chat/completions", {
-        "model": _model(qwen_server), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-        "return_routed_experts": True, "routed_experts_start": 900})
+    r = _post(
+        qwen_server,
+        "/v1/chat/completions",
+        {
+            "model": _model(qwen_server),
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "return_routed_experts": True,
+            "routed_experts_start": 900,
+        },
+    )
     assert r.status_code == 400, r.text
     assert "routed_experts_prompt_start" in r.text
 
@@ -127,15 +148,33 @@ def test_sglang_format_decodes_the_way_trainers_do(qwen_server: Any) -> None:
     """``routed_experts_format="sglang"``: headerless int32, read by frombuffer + reshape (slime/AReaL style)."""
     layers, _, topk, _ = _dims(qwen_server)
     ids = tokenize(qwen_server.model_dir, "def forward(self, x):")
-    gen = _post(qwen_server, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0},
-                                          "return_routed_experts": True, "routed_experts_format": "sglang"}).json()
+    gen = _post(
+        qwen_server,
+        "/generate",
+        {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+            "return_routed_experts": True,
+            "routed_experts_format": "sglang",
+        },
+    ).json()
     meta = gen["meta_info"]
     flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
     arr = flat.reshape(meta["prompt_tokens"] + meta["completion_tokens"] - 1, layers, topk)
     _assert_matches_transformers(qwen_server, arr, ids + gen["output_ids"])
-    comp = _post(qwen_server, "/v1/completions", {
-        "model": _model(qwen_server), "prompt": ids, "max_tokens": 6, "temperature": 0,
-        "return_routed_experts": True, "routed_experts_format": "sglang", "routed_experts_start": 2}).json()
+    comp = _post(
+        qwen_server,
+        "/v1/completions",
+        {
+            "model": _model(qwen_server),
+            "prompt": ids,
+            "max_tokens": 6,
+            "temperature": 0,
+            "return_routed_experts": True,
+            "routed_experts_format": "sglang",
+            "routed_experts_start": 2,
+        },
+    ).json()
     ch = comp["choices"][0]
     flat = np.frombuffer(base64.b64decode(ch["routed_experts"]), dtype=np.int32)
     usage = comp["usage"]
@@ -187,8 +226,13 @@ async def _three_turns(server: Any, transport: httpx.AsyncBaseTransport | None =
     from rr_server.demo.agentic import agentic_rollout
 
     async with RoutedExpertsClient(server.base_url, transport=transport) as c:
-        traj = await agentic_rollout(c, tokenize(server.model_dir, "Once upon a time there was a router."),
-                                     _tool_ids(server), turns=3, params=_PARAMS)
+        traj = await agentic_rollout(
+            c,
+            tokenize(server.model_dir, "Once upon a time there was a router."),
+            _tool_ids(server),
+            turns=3,
+            params=_PARAMS,
+        )
         return traj, await c.info()
 
 
@@ -197,8 +241,13 @@ async def _three_turns_resent(server: Any, transport: httpx.AsyncBaseTransport) 
     from rr_server.demo.agentic import resent_rollout
 
     async with RoutedExpertsClient(server.base_url, transport=transport) as c:
-        return await resent_rollout(c, tokenize(server.model_dir, "Once upon a time there was a router."),
-                                    _tool_ids(server), turns=3, params=_PARAMS)
+        return await resent_rollout(
+            c,
+            tokenize(server.model_dir, "Once upon a time there was a router."),
+            _tool_ids(server),
+            turns=3,
+            params=_PARAMS,
+        )
 
 
 def test_three_turn_trajectory_matches_transformers(qwen_server: Any) -> None:
@@ -211,13 +260,17 @@ def test_three_turn_trajectory_matches_transformers(qwen_server: Any) -> None:
     assert mask.sum() == sum(len(t.output_ids) for t in traj.turns)
     tool = _tool_tokens(qwen_server, " tool says 0: 1 2 3 4 5")
     first_out = len(traj.turns[0].prompt_ids or []) + len(traj.turns[0].output_ids)
-    assert ids[first_out:first_out + len(tool)] == tool and not mask[first_out:first_out + len(tool)].any()
+    assert ids[first_out : first_out + len(tool)] == tool and not mask[first_out : first_out + len(tool)].any()
     t = to_tensors([traj], info, pad_side="right", pad_to=len(ids) + 4)
-    assert t.response_mask[0, : len(ids)].tolist() == [0] * len(traj.prompt_ids) + [int(m) for m in traj.output_loss_mask]
+    assert t.response_mask[0, : len(ids)].tolist() == [0] * len(traj.prompt_ids) + [
+        int(m) for m in traj.output_loss_mask
+    ]
     assert t.routed_experts_mask[0].sum().item() == len(ids) - 1
     assert np.array_equal(t.routed_experts[0, : len(ids) - 1].numpy(), traj.routed_experts)
     for k, turn in enumerate(traj.turns[1:], 1):  # each later turn asked only for what it did not hold
-        assert turn.routed_experts_start == len(traj.turns[k - 1].prompt_ids or []) + len(traj.turns[k - 1].output_ids) - 1
+        assert (
+            turn.routed_experts_start == len(traj.turns[k - 1].prompt_ids or []) + len(traj.turns[k - 1].output_ids) - 1
+        )
 
 
 def test_incremental_start_sends_one_turns_rows(qwen_server: Any) -> None:
@@ -287,8 +340,14 @@ def sidecar_url(qwen_server: Any) -> Any:
 def test_sidecar_openai_routing_equals_patched(qwen_server: Any, sidecar_url: str) -> None:
     """The sidecar serves the same rr fields on the OpenAI endpoints as the patched engine, values checked."""
     ids = tokenize(qwen_server.model_dir, "SGLang and vLLM are inference engines")
-    body = {"model": _model(qwen_server), "prompt": ids, "max_tokens": 8, "temperature": 0,
-            "return_routed_experts": True, "routed_experts_start": 3}
+    body = {
+        "model": _model(qwen_server),
+        "prompt": ids,
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_routed_experts": True,
+        "routed_experts_start": 3,
+    }
     via = httpx.post(sidecar_url + "/v1/completions", json=body, timeout=120)
     direct = _post(qwen_server, "/v1/completions", body)
     assert via.status_code == 200, via.text
@@ -316,15 +375,24 @@ def test_sidecar_passes_other_requests_through(qwen_server: Any, sidecar_url: st
     via = httpx.post(sidecar_url + "/v1/completions", json=body, timeout=120).json()
     direct = _post(qwen_server, "/v1/completions", body).json()
     assert via["choices"] == direct["choices"] and via["usage"] == direct["usage"]
-    with httpx.stream("POST", sidecar_url + "/v1/chat/completions", timeout=120,
-                      json={"model": _model(qwen_server), "messages": [{"role": "user", "content": "hi"}],
-                            "max_tokens": 4, "stream": True}) as resp:
+    with httpx.stream(
+        "POST",
+        sidecar_url + "/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": _model(qwen_server),
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "stream": True,
+        },
+    ) as resp:
         assert resp.status_code == 200
         events = [line for line in resp.iter_lines() if line.startswith("data:")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
     assert json.loads(events[0][5:])["object"] == "chat.completion.chunk"
-    bad = httpx.post(sidecar_url + "/v1/completions", json={**body, "stream": True, "return_routed_experts": True},
-                     timeout=60)
+    bad = httpx.post(
+        sidecar_url + "/v1/completions", json={**body, "stream": True, "return_routed_experts": True}, timeout=60
+    )
     assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]
     missing = httpx.post(sidecar_url + "/v1/completions", json={**body, "model": "no-such-model"}, timeout=60)
     assert missing.status_code == 404, missing.text  # the engine's own error, passed through
@@ -335,8 +403,8 @@ def test_readme_agentic_example_runs(qwen_server: Any) -> None:
     from pathlib import Path
 
     text = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
-    section = text[text.index("## Agentic rollouts"):]
-    code = section[section.index("```python\n") + 10: section.index("```\n", section.index("```python\n") + 10)]
+    section = text[text.index("## Agentic rollouts") :]
+    code = section[section.index("```python\n") + 10 : section.index("```\n", section.index("```python\n") + 10)]
     assert 'URL = "http://127.0.0.1:8000"' in code
     code = code.replace('"http://127.0.0.1:8000"', repr(qwen_server.base_url))
     import contextlib
@@ -357,12 +425,27 @@ def _npy(payload: str) -> np.ndarray:
 def test_streaming_completions_routing_on_the_last_event(qwen_server: Any) -> None:
     """stream=true, two prompts, n=2: vLLM's chunks pass through, and one event before ``[DONE]`` gives each of
     the 4 choices its own checked routing (equal to transformers) and the token ids its chunks streamed."""
-    prompts = [tokenize(qwen_server.model_dir, "Streaming rollouts need routing too"),
-               tokenize(qwen_server.model_dir, "A second prompt, longer than the first one")]
+    prompts = [
+        tokenize(qwen_server.model_dir, "Streaming rollouts need routing too"),
+        tokenize(qwen_server.model_dir, "A second prompt, longer than the first one"),
+    ]
     start = 2
-    r = _post(qwen_server, "/v1/completions", {
-        "model": _model(qwen_server), "prompt": prompts, "n": 2, "max_tokens": 7, "temperature": 0.9, "seed": 3,
-        "stream": True, "return_token_ids": True, "return_routed_experts": True, "routed_experts_start": start})
+    r = _post(
+        qwen_server,
+        "/v1/completions",
+        {
+            "model": _model(qwen_server),
+            "prompt": prompts,
+            "n": 2,
+            "max_tokens": 7,
+            "temperature": 0.9,
+            "seed": 3,
+            "stream": True,
+            "return_token_ids": True,
+            "return_routed_experts": True,
+            "routed_experts_start": start,
+        },
+    )
     assert r.status_code == 200, r.text
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
@@ -388,8 +471,14 @@ def test_streaming_completions_routing_on_the_last_event(qwen_server: Any) -> No
 def test_streaming_chat_routing_and_client_disconnect(qwen_server: Any) -> None:
     """Chat stream: the routing event matches transformers over the templated prompt; a stream the client leaves
     early ends without one, and the server goes on serving."""
-    body = {"model": _model(qwen_server), "messages": [{"role": "user", "content": "1 2 3 4 5"}],
-            "max_tokens": 6, "temperature": 0, "stream": True, "return_routed_experts": True}
+    body = {
+        "model": _model(qwen_server),
+        "messages": [{"role": "user", "content": "1 2 3 4 5"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "return_routed_experts": True,
+    }
     r = _post(qwen_server, "/v1/chat/completions", body)
     assert r.status_code == 200, r.text
     events = sse_events(r.text)
@@ -401,8 +490,12 @@ def test_streaming_chat_routing_and_client_disconnect(qwen_server: Any) -> None:
     plain = _post(qwen_server, "/v1/chat/completions", {**body, "stream": False, "return_token_ids": True}).json()
     assert choice["token_ids"] == plain["choices"][0]["token_ids"]
 
-    with httpx.stream("POST", qwen_server.base_url + "/v1/chat/completions", timeout=120,
-                      json={**body, "max_tokens": 400, "ignore_eos": True}) as resp:
+    with httpx.stream(
+        "POST",
+        qwen_server.base_url + "/v1/chat/completions",
+        timeout=120,
+        json={**body, "max_tokens": 400, "ignore_eos": True},
+    ) as resp:
         for line in resp.iter_lines():
             if line.startswith("data:"):
                 break  # the client leaves after the first chunk

@@ -28,8 +28,19 @@ def test_plain_loop_replays_every_step(qwen_server: VLLMProcess, tiny_models: di
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    history = example.main(["--url", qwen_server.base_url, "--model-path", str(tiny_models["qwen3_dense"]),
-                            "--steps", "3", "--lr", "5e-2", *how])
+    history = example.main(
+        [
+            "--url",
+            qwen_server.base_url,
+            "--model-path",
+            str(tiny_models["qwen3_dense"]),
+            "--steps",
+            "3",
+            "--lr",
+            "5e-2",
+            *how,
+        ]
+    )
     assert [h["step"] for h in history] == [0, 1, 2]
     for h in history:
         assert h[K.AUDITED] == 1.0 and h[K.APPLIED_SHARE] == 1.0 and h[K.APPLIED_SHARE_MIN_LAYER] == 1.0

@@ -58,8 +58,9 @@ SMALL_KV_BLOCKS = 12
 @pytest.fixture(scope="module")
 def dev_server(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
     """The tiny Qwen3-MoE in dev mode with a small KV cache (this module's own: its weights change)."""
-    yield from small_kv_dev_server(tiny_models["qwen3_dense"], name="provenance", blocks=SMALL_KV_BLOCKS,
-                                   max_model_len=256, core=0)
+    yield from small_kv_dev_server(
+        tiny_models["qwen3_dense"], name="provenance", blocks=SMALL_KV_BLOCKS, max_model_len=256, core=0
+    )
 
 
 def negated_routers(model_dir: Path, out: Path) -> Any:
@@ -87,18 +88,23 @@ def provenance(meta: dict[str, Any], prompt: list[int], output: list[int]) -> Pr
 
 async def generate(c: httpx.AsyncClient, prompt: list[int], params: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """One /generate answer with routing."""
-    r = await c.post("/generate", json={"input_ids": prompt, "sampling_params": params,
-                                        "return_routed_experts": True, **extra})
+    r = await c.post(
+        "/generate", json={"input_ids": prompt, "sampling_params": params, "return_routed_experts": True, **extra}
+    )
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
 
 
-async def stream_until_first_chunk(c: httpx.AsyncClient, prompt: list[int], params: dict[str, Any],
-                                   started: asyncio.Event) -> dict[str, Any]:
+async def stream_until_first_chunk(
+    c: httpx.AsyncClient, prompt: list[int], params: dict[str, Any], started: asyncio.Event
+) -> dict[str, Any]:
     """A streamed /generate with routing: sets ``started`` on its first chunk, returns its final one."""
     last: dict[str, Any] = {}
-    async with c.stream("POST", "/generate", json={"input_ids": prompt, "sampling_params": params, "stream": True,
-                                                   "return_routed_experts": True}) as r:
+    async with c.stream(
+        "POST",
+        "/generate",
+        json={"input_ids": prompt, "sampling_params": params, "stream": True, "return_routed_experts": True},
+    ) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line.startswith("data:") and line[5:].strip() != "[DONE]":
@@ -129,9 +135,9 @@ async def reload_and_resume(c: httpx.AsyncClient, folder: Path) -> None:
     await resume(c)
 
 
-def test_provenance_through_prefix_hits_preemption_and_a_weight_update(dev_server: VLLMProcess,
-                                                                        tiny_models: dict[str, Path],
-                                                                        tmp_path: Path) -> None:
+def test_provenance_through_prefix_hits_preemption_and_a_weight_update(
+    dev_server: VLLMProcess, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
     check_server(dev_server.base_url, dev_server.name, tiny_models["qwen3_dense"], tmp_path)
 
 
@@ -144,8 +150,9 @@ def check_server(url: str, name: str, model_dir: Path, tmp_path: Path) -> None:
     def exact(sample: dict[str, Any], model: Any) -> None:
         meta = sample["meta_info"]
         got = decode_meta_info(meta)
-        assert_routing_sets_equal(got, reference(model, meta["prompt_token_ids"], sample["output_ids"]),
-                                  layers=MOE_LAYERS)
+        assert_routing_sets_equal(
+            got, reference(model, meta["prompt_token_ids"], sample["output_ids"]), layers=MOE_LAYERS
+        )
 
     async def run() -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
         async with httpx.AsyncClient(base_url=url, timeout=600) as c:
@@ -170,8 +177,10 @@ def check_server(url: str, name: str, model_dir: Path, tmp_path: Path) -> None:
             for attempt in range(5):
                 prompts = [[(t + 7 * k + 61 * attempt) % 440 + 2 for t in PROMPT] for k in range(1, 7)]
                 started = [asyncio.Event() for _ in prompts]
-                tasks = [asyncio.ensure_future(stream_until_first_chunk(c, p, LONG, e))
-                         for p, e in zip(prompts, started, strict=True)]
+                tasks = [
+                    asyncio.ensure_future(stream_until_first_chunk(c, p, LONG, e))
+                    for p, e in zip(prompts, started, strict=True)
+                ]
                 await asyncio.gather(*(e.wait() for e in started))
                 await pause(c, clear_cache=True)
                 if not all(t.done() for t in tasks):
@@ -226,14 +235,32 @@ def check_server(url: str, name: str, model_dir: Path, tmp_path: Path) -> None:
         async with httpx.AsyncClient(base_url=url, timeout=600) as c:
             fresh = await generate(c, PROMPT[:20], GREEDY)
             by_ref = await generate(c, PROMPT[:20], GREEDY, routed_experts_format="ref")
-            r = await c.post("/v1/completions", json={"model": name, "prompt": PROMPT[:20], "max_tokens": 6,
-                                                      "temperature": 0, "ignore_eos": True,
-                                                      "return_routed_experts": True})
+            r = await c.post(
+                "/v1/completions",
+                json={
+                    "model": name,
+                    "prompt": PROMPT[:20],
+                    "max_tokens": 6,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_routed_experts": True,
+                },
+            )
             assert r.status_code == 200, r.text
             events = []
-            async with c.stream("POST", "/v1/completions", json={
-                    "model": name, "prompt": PROMPT[:20], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "return_routed_experts": True}) as s:
+            async with c.stream(
+                "POST",
+                "/v1/completions",
+                json={
+                    "model": name,
+                    "prompt": PROMPT[:20],
+                    "max_tokens": 6,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "return_routed_experts": True,
+                },
+            ) as s:
                 async for line in s.aiter_lines():
                     if line.startswith("data:") and line[5:].strip() != "[DONE]":
                         events.append(json.loads(line[5:]))

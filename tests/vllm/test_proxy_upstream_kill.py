@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from rr_client import RoutedExpertsClient, ServerError, TransportError
-from rr_server.proxy.app import ProxyConfig
 from rr_server.demo.tiny_moe import reference_routing
+from rr_server.proxy.app import ProxyConfig
 from tests.support.proxy_harness import SidecarServer
 from tests.support.routing_asserts import assert_routing_sets_equal
 from tests.support.vllm_process import VLLMProcess
@@ -31,8 +31,9 @@ TASK_DEADLINE_S = 240.0  # a hang guard for each request; generous, admission is
 
 @pytest.fixture(scope="module")
 def upstream(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
-    proc = VLLMProcess(tiny_models["qwen3_dense"], name="qwen3_dense", plugin=False,
-                       extra=["--max-num-seqs", "64"]).start()
+    proc = VLLMProcess(
+        tiny_models["qwen3_dense"], name="qwen3_dense", plugin=False, extra=["--max-num-seqs", "64"]
+    ).start()
     try:
         yield proc
     finally:
@@ -64,8 +65,10 @@ def test_kill_upstream_mid_flight_then_restart(upstream: VLLMProcess) -> None:
             async with RoutedExpertsClient(sc.url, retries=1, backoff=0.1, batch_size=1, timeout=120) as c:
                 ok = await c.generate([[5, 6, 7, 8]], {"max_new_tokens": 4})  # warm: info fetched, path works
                 long = {"max_new_tokens": 900, "ignore_eos": True}
-                tasks = [asyncio.ensure_future(asyncio.wait_for(c.generate([[i + 2, 9, 10]], long), TASK_DEADLINE_S))
-                         for i in range(IN_FLIGHT)]
+                tasks = [
+                    asyncio.ensure_future(asyncio.wait_for(c.generate([[i + 2, 9, 10]], long), TASK_DEADLINE_S))
+                    for i in range(IN_FLIGHT)
+                ]
                 t_end = time.monotonic() + 120
                 while (seen := in_flight((await asyncio.to_thread(http.get, "/metrics")).text)) < IN_FLIGHT // 2:
                     assert time.monotonic() < t_end, f"only {seen} requests reached the sidecar"

@@ -21,8 +21,8 @@ import pytest
 from rr_client import GenerateResult, RoutedExpertsClient
 from rr_client.core.agreement import count_matches
 from rr_client.core.provenance import PROVENANCE_FIELD, Provenance, tokens_digest
-from rr_server.proxy.app import ProxyConfig
 from rr_server.demo.tiny_moe import reference_routing
+from rr_server.proxy.app import ProxyConfig
 from tests.support.proxy_harness import SidecarServer
 
 pytestmark = pytest.mark.vllm_server
@@ -33,8 +33,13 @@ WORDS = "the quick brown fox jumps over a lazy dog while experts route every tok
 
 @pytest.fixture(scope="module")
 def sidecar(qwen_server: Any) -> Iterator[SidecarServer]:
-    cfg = ProxyConfig(upstream=qwen_server.base_url, engine="vllm", max_concurrency=CONCURRENCY, timeout=120,
-                      model_path=str(qwen_server.model_dir))
+    cfg = ProxyConfig(
+        upstream=qwen_server.base_url,
+        engine="vllm",
+        max_concurrency=CONCURRENCY,
+        timeout=120,
+        model_path=str(qwen_server.model_dir),
+    )
     with SidecarServer(cfg) as sc:
         yield sc
 
@@ -66,18 +71,22 @@ def test_load_mixed_routing_vs_transformers(sidecar: SidecarServer, qwen_server:
     jobs = []
     for i in range(N_REQUESTS):
         length = int(rng.integers(3, 40))
-        prompt: Any = (" ".join(rng.choice(WORDS, size=length)) if i % 2
-                       else [int(t) for t in rng.integers(2, 440, size=length)])
+        prompt: Any = (
+            " ".join(rng.choice(WORDS, size=length)) if i % 2 else [int(t) for t in rng.integers(2, 440, size=length)]
+        )
         params = {"max_new_tokens": int(rng.integers(1, 12)), "n": 2 if i % 7 == 0 else 1, "ignore_eos": True}
         start = int(rng.integers(0, length)) if i % 5 == 0 else None
         jobs.append((prompt, params, i % 3 != 0, start))
 
     async def run() -> tuple[list[Any], float]:
-        async with RoutedExpertsClient(sidecar.url, max_concurrency=CONCURRENCY, retries=0, batch_size=1,
-                                       timeout=300) as c:
+        async with RoutedExpertsClient(
+            sidecar.url, max_concurrency=CONCURRENCY, retries=0, batch_size=1, timeout=300
+        ) as c:
             t0 = time.perf_counter()
-            out = await asyncio.gather(*(c.generate(p, sp, return_routed_experts=w, routed_experts_start=s)
-                                         for p, sp, w, s in jobs), return_exceptions=True)
+            out = await asyncio.gather(
+                *(c.generate(p, sp, return_routed_experts=w, routed_experts_start=s) for p, sp, w, s in jobs),
+                return_exceptions=True,
+            )
             return out, time.perf_counter() - t0
 
     results, wall = asyncio.run(run())
@@ -85,7 +94,7 @@ def test_load_mixed_routing_vs_transformers(sidecar: SidecarServer, qwen_server:
     assert not lost, f"{len(lost)} requests failed, first: {lost[0]}"
     info = httpx.get(sidecar.url + "/rr/info", timeout=30).json()
     mismatches = samples = routed = rows = 0
-    for (prompt, params, want, start), batch in zip(jobs, results):
+    for (_prompt, params, want, start), batch in zip(jobs, results):
         assert len(batch) == params["n"]
         for res in batch:
             samples += 1
@@ -94,12 +103,15 @@ def test_load_mixed_routing_vs_transformers(sidecar: SidecarServer, qwen_server:
                 assert res.routed_experts is None and "routed_experts" not in res.meta
                 continue
             assert res.routed_experts_start == (start or 0)
-            mismatches += check_against_reference(qwen_server.model_dir, res, info["moe_layers"],
-                                                  info["num_hidden_layers"])
+            mismatches += check_against_reference(
+                qwen_server.model_dir, res, info["moe_layers"], info["num_hidden_layers"]
+            )
             routed += 1
             rows += res.routed_experts.shape[0]
-    print(f"\nsidecar load: {N_REQUESTS} requests ({samples} samples, {routed} with routing, {rows} rows), "
-          f"{CONCURRENCY} concurrent, {wall:.1f}s wall, {N_REQUESTS / wall:.1f} req/s, mismatches={mismatches}")
+    print(
+        f"\nsidecar load: {N_REQUESTS} requests ({samples} samples, {routed} with routing, {rows} rows), "
+        f"{CONCURRENCY} concurrent, {wall:.1f}s wall, {N_REQUESTS / wall:.1f} req/s, mismatches={mismatches}"
+    )
     assert mismatches == 0
     metrics = httpx.get(sidecar.url + "/metrics", timeout=30).text
     assert f"rr_proxy_routing_rows_total {float(rows)}" in metrics
@@ -138,8 +150,12 @@ def _sse(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
 def test_stream_matches_patched(sidecar: SidecarServer, qwen_server: Any) -> None:
     """Streaming through the sidecar ends where the patched server's stream ends; routing only when asked."""
     for want in (False, True):
-        body = {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {"max_new_tokens": 5, "temperature": 0,
-                "ignore_eos": True}, "return_routed_experts": want, "stream": True}
+        body = {
+            "input_ids": [[5, 6, 7], [8, 9]],
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+            "return_routed_experts": want,
+            "stream": True,
+        }
         finals = []
         for url in (sidecar.url, qwen_server.base_url):
             chunks = _sse(url, body)
@@ -152,8 +168,9 @@ def test_stream_matches_patched(sidecar: SidecarServer, qwen_server: Any) -> Non
 
 
 def test_upstream_rejection_is_4xx(sidecar: SidecarServer) -> None:
-    bad = httpx.post(sidecar.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5000}},
-                     timeout=60)
+    bad = httpx.post(
+        sidecar.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5000}}, timeout=60
+    )
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
 
 
@@ -161,8 +178,11 @@ def test_sidecar_provenance_and_weight_routes(sidecar: SidecarServer, qwen_serve
     """Each sample's rr_provenance from the sidecar: vLLM's cached tokens (usage), preemptions unknown (null), the
     sidecar's own weight count; a weight route the engine refuses is passed back as it is and not counted."""
     ids = [10 + (7 * i) % 200 for i in range(40)]
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
-            "return_routed_experts": True}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+        "return_routed_experts": True,
+    }
     for _ in range(2):  # the second one may hit vLLM's prefix cache
         item = httpx.post(sidecar.url + "/generate", json=body, timeout=120).json()
         p = Provenance.from_dict(item["meta_info"][PROVENANCE_FIELD])

@@ -38,29 +38,39 @@ ADMIT_S = 1.0
 
 def test_sigterm_with_requests_in_flight(tiny_models: dict[str, Path]) -> None:
     model = tiny_models["qwen3_dense"]
-    server = VLLMProcess(model, name="shutdown", max_model_len=MAX_MODEL_LEN,
-                         extra=["--max-num-seqs", str(RUNNING)]).start()
+    server = VLLMProcess(
+        model, name="shutdown", max_model_len=MAX_MODEL_LEN, extra=["--max-num-seqs", str(RUNNING)]
+    ).start()
     assert server.proc is not None
     launcher = server.proc.pid
-    engine_pgids = {os.getpgid(c) for c in _children(launcher)
-                    if b"rr_server.launch.lifeline" not in Path(f"/proc/{c}/cmdline").read_bytes()}
+    engine_pgids = {
+        os.getpgid(c)
+        for c in _children(launcher)
+        if b"rr_server.launch.lifeline" not in Path(f"/proc/{c}/cmdline").read_bytes()
+    }
     prompts = [[(7 * i + 3 * j) % 400 + 2 for j in range(24 + i)] for i in range(IN_FLIGHT)]
     try:
         pending_at_sigterm: list[int] = []
 
         async def scenario() -> list[Any]:
-            async with RoutedExpertsClient(server.base_url, max_concurrency=IN_FLIGHT, retries=0,
-                                           timeout=CLIENT_TIMEOUT_S) as client:
+            async with RoutedExpertsClient(
+                server.base_url, max_concurrency=IN_FLIGHT, retries=0, timeout=CLIENT_TIMEOUT_S
+            ) as client:
                 await client.info()
-                tasks = [asyncio.ensure_future(client.generate(
-                    [p], {"max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, "temperature": 0.0})) for p in prompts]
+                tasks = [
+                    asyncio.ensure_future(
+                        client.generate([p], {"max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, "temperature": 0.0})
+                    )
+                    for p in prompts
+                ]
                 # SIGTERM once they have reached the engine (loopback: well under ADMIT_S). Not read from /metrics:
                 # vLLM's API server answers it only between output batches, seconds late under this load.
                 await asyncio.sleep(ADMIT_S)
                 pending_at_sigterm.append(sum(not t.done() for t in tasks))
                 os.kill(launcher, signal.SIGTERM)  # what a supervisor's stop does; the launcher forwards it
-                return list(await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True),
-                                                   CLIENT_TIMEOUT_S + 30))  # a hang fails here
+                return list(
+                    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), CLIENT_TIMEOUT_S + 30)
+                )  # a hang fails here
 
         outcomes = asyncio.run(scenario())
         assert server.proc.wait(timeout=60) is not None
@@ -78,15 +88,19 @@ def test_sigterm_with_requests_in_flight(tiny_models: dict[str, Path]) -> None:
         assert r.routed_experts.shape[0] == len(r.prompt_ids) + len(r.output_ids) - 1  # whole, never partial
         # every top-k set equals transformers' or is a near-tie there (the doctor's NEAR_TIE rule, as the soak):
         # long batched decodes meet a few sets that fp32 batched and single forwards break differently
-        rows, bad, _ties, _gap, first = SOAK.compare_with_transformers(model, [*r.prompt_ids, *r.output_ids],
-                                                                       r.routed_experts)
+        rows, bad, _ties, _gap, first = SOAK.compare_with_transformers(
+            model, [*r.prompt_ids, *r.output_ids], r.routed_experts
+        )
         assert rows == len(r.prompt_ids) + len(r.output_ids) - 1 and bad == 0, first
     assert len(completed) + len(failed) == IN_FLIGHT
-    print(f"shutdown: {pending_at_sigterm[0]} in flight at SIGTERM, {len(completed)} completed, "
-          f"{[type(e).__name__ for e in failed]} failed")
+    print(
+        f"shutdown: {pending_at_sigterm[0]} in flight at SIGTERM, {len(completed)} completed, "
+        f"{[type(e).__name__ for e in failed]} failed"
+    )
     # vLLM drains on SIGTERM (uvicorn's graceful shutdown): requests in flight may all complete, whole
     assert pending_at_sigterm[0] >= IN_FLIGHT // 2, (
-        f"only {pending_at_sigterm} in flight at SIGTERM; {len(completed)} completed, failed: {failed[:2]}")
+        f"only {pending_at_sigterm} in flight at SIGTERM; {len(completed)} completed, failed: {failed[:2]}"
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(_group(g) for g in engine_pgids):
         time.sleep(0.2)

@@ -50,13 +50,31 @@ def targets() -> Iterator[Any]:
 @pytest.mark.parametrize("which", ["patched", "sidecar"])
 def test_short_soak(targets: Any, which: str, tmp_path: Path) -> None:
     url = targets.patched_url if which == "patched" else targets.sidecar_url
-    pids = ({"patched": targets.patched.pid} if which == "patched"
-            else {"proxy": targets.sidecar.pid, "vanilla": targets.vanilla.pid})
+    pids = (
+        {"patched": targets.patched.pid}
+        if which == "patched"
+        else {"proxy": targets.sidecar.pid, "vanilla": targets.vanilla.pid}
+    )
     log = io.StringIO()  # not a terminal: plain progress lines, no bar
     progress = SOAK.Progress(which, 72, every=20, stream=log)
-    report = asyncio.run(SOAK.soak(url, targets.model_dir, target=which, requests=64, concurrency=16,
-                                   prompt_tokens=2560, max_new=8, disconnect_every=10, check_every=4, timeout=120,
-                                   warmup=8, pids=pids, sample_every=16, progress=progress))
+    report = asyncio.run(
+        SOAK.soak(
+            url,
+            targets.model_dir,
+            target=which,
+            requests=64,
+            concurrency=16,
+            prompt_tokens=2560,
+            max_new=8,
+            disconnect_every=10,
+            check_every=4,
+            timeout=120,
+            warmup=8,
+            pids=pids,
+            sample_every=16,
+            progress=progress,
+        )
+    )
     progress.close()
     assert report.requests == 72
     assert dict(report.errors) == {} and report.hung == 0, report.first_error
@@ -64,8 +82,9 @@ def test_short_soak(targets: Any, which: str, tmp_path: Path) -> None:
     assert report.checked_rows > 20 * 1000 and report.mismatched_sets == 0, report.first_mismatch
     assert not report.stopped_at_limit
     # memory read at each stage and every 16 units, progress every 20 units and at the end, and drawn
-    assert set(report.rss_mb) == set(pids) and all(st.keys() == {"start", "warm-up", "end"}
-                                                   for st in report.rss_mb.values())
+    assert set(report.rss_mb) == set(pids) and all(
+        st.keys() == {"start", "warm-up", "end"} for st in report.rss_mb.values()
+    )
     assert [n for n, _ in report.samples] == [16, 32, 48, 64] and all(mb > 0 for _, mb in report.samples)
     lines = log.getvalue().splitlines()
     assert [int(re.match(rf"{which}: (\d+)/72 units, ", line).group(1)) for line in lines] == [20, 40, 60, 72]

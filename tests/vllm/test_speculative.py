@@ -71,9 +71,15 @@ def test_rr_info_states_speculative_method(ngram_server: Any) -> None:
 def test_batch_routing_equals_transformers_with_drafts(ngram_server: Any) -> None:
     prompts = [tokenize(ngram_server.model_dir, p) for p in PROMPTS]
     with DraftsSeen(ngram_server) as seen:
-        r = httpx.post(ngram_server.base_url + "/generate", timeout=300, json={
-            "input_ids": prompts, "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
-            "return_routed_experts": True})
+        r = httpx.post(
+            ngram_server.base_url + "/generate",
+            timeout=300,
+            json={
+                "input_ids": prompts,
+                "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
+                "return_routed_experts": True,
+            },
+        )
     assert r.status_code == 200, r.text
     items = r.json()
     assert len(items) == len(prompts)
@@ -87,8 +93,15 @@ def test_streaming_routing_with_drafts(ngram_server: Any) -> None:
     """A step can emit several tokens at once; the final chunk's rows still cover every token exactly once."""
     ids = tokenize(ngram_server.model_dir, PROMPTS[0])
     with DraftsSeen(ngram_server) as seen:
-        chunks = _sse(ngram_server, {"input_ids": ids, "stream": True, "return_routed_experts": True,
-                                     "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}})
+        chunks = _sse(
+            ngram_server,
+            {
+                "input_ids": ids,
+                "stream": True,
+                "return_routed_experts": True,
+                "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True},
+            },
+        )
     for c in chunks[:-1]:
         no_routing(c)
     lens = [len(c["output_ids"]) for c in chunks]
@@ -100,15 +113,23 @@ def test_streaming_routing_with_drafts(ngram_server: Any) -> None:
 def test_routed_experts_start_with_drafts(ngram_server: Any) -> None:
     ids = tokenize(ngram_server.model_dir, PROMPTS[1])
     start = len(ids) - 2
-    r = httpx.post(ngram_server.base_url + "/generate", timeout=300, json={
-        "input_ids": ids, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
-        "return_routed_experts": True, "routed_experts_start": start})
+    r = httpx.post(
+        ngram_server.base_url + "/generate",
+        timeout=300,
+        json={
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+            "return_routed_experts": True,
+            "routed_experts_start": start,
+        },
+    )
     assert r.status_code == 200, r.text
     check_item(ngram_server, r.json(), ids, start=start)
 
 
-def test_doctor_ground_truth_runs_with_the_deployments_drafts(ngram_server: Any,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_doctor_ground_truth_runs_with_the_deployments_drafts(
+    ngram_server: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     with DraftsSeen(ngram_server) as seen:
         rc = cli(["doctor", ngram_server.base_url, "--model-path", str(ngram_server.model_dir), "--json"])
     rep = json.loads(capsys.readouterr().out)
@@ -128,13 +149,20 @@ def assert_target_routing(server: Any, item: dict[str, Any], prompt_ids: list[in
     info = httpx.get(server.base_url + "/rr/info", timeout=30).json()
     layers, moe, topk = info["num_hidden_layers"], info["moe_layers"], info["topk"]
     tokens = prompt_ids + list(item["output_ids"])
-    got = decode_meta_info(item["meta_info"], rows=len(tokens) - 1, num_layers=layers, topk=topk,
-                           num_experts=info["num_experts"], moe_layers=moe)
+    got = decode_meta_info(
+        item["meta_info"],
+        rows=len(tokens) - 1,
+        num_layers=layers,
+        topk=topk,
+        num_experts=info["num_experts"],
+        moe_layers=moe,
+    )
     assert not got[:, [i for i in range(layers) if i not in moe]].any(), "dense layers must be all-zero rows"
     agg: dict[int, LayerAgreement] = {}
     _reference(str(server.model_dir)).compare(got, tokens, 0, moe, agg)
-    assert {layer: a.share for layer, a in agg.items()} == {layer: 1.0 for layer in moe}, \
-        {layer: a.first_diff for layer, a in agg.items()}
+    assert {layer: a.share for layer, a in agg.items()} == {layer: 1.0 for layer in moe}, {
+        layer: a.first_diff for layer, a in agg.items()
+    }
 
 
 _REFS: dict[str, RouterReference] = {}
@@ -155,9 +183,15 @@ def test_mtp_rr_info_counts_only_the_target_layers(mtp_server: Any) -> None:
 def test_mtp_draft_layer_leaves_the_target_rows(mtp_server: Any) -> None:
     prompts = [tokenize(mtp_server.model_dir, p) for p in [*PROMPTS, "Hello world, this is a tiny test."]]
     with DraftsSeen(mtp_server) as seen:
-        r = httpx.post(mtp_server.base_url + "/generate", timeout=300, json={
-            "input_ids": prompts, "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True},
-            "return_routed_experts": True})
+        r = httpx.post(
+            mtp_server.base_url + "/generate",
+            timeout=300,
+            json={
+                "input_ids": prompts,
+                "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True},
+                "return_routed_experts": True,
+            },
+        )
     assert r.status_code == 200, r.text
     for ids, item in zip(prompts, r.json(), strict=True):
         assert len(item["output_ids"]) == 30
@@ -167,7 +201,14 @@ def test_mtp_draft_layer_leaves_the_target_rows(mtp_server: Any) -> None:
 
 def test_mtp_streaming(mtp_server: Any) -> None:
     ids = tokenize(mtp_server.model_dir, PROMPTS[2])
-    chunks = _sse(mtp_server, {"input_ids": ids, "stream": True, "return_routed_experts": True,
-                               "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}})
+    chunks = _sse(
+        mtp_server,
+        {
+            "input_ids": ids,
+            "stream": True,
+            "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert len(chunks[-1]["output_ids"]) == 20
     assert_target_routing(mtp_server, chunks[-1], ids)

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 import transformers
 from datasets import Dataset
 from transformers import TrainerCallback
@@ -58,9 +57,18 @@ class LossBothWays(R3GRPOTrainer):
         self.is_inputs: list[dict[str, torch.Tensor]] = []
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
-        self.is_inputs.append({k: inputs[k].detach().clone() for k in (
-            "importance_sampling_ratio", "old_per_token_logps", "sampling_per_token_logps", "completion_mask")
-            if inputs.get(k) is not None})
+        self.is_inputs.append(
+            {
+                k: inputs[k].detach().clone()
+                for k in (
+                    "importance_sampling_ratio",
+                    "old_per_token_logps",
+                    "sampling_per_token_logps",
+                    "completion_mask",
+                )
+                if inputs.get(k) is not None
+            }
+        )
         loss = super()._compute_loss(model, inputs)
         self.r3 = False
         try:
@@ -72,21 +80,50 @@ class LossBothWays(R3GRPOTrainer):
         return loss
 
 
-def make_trainer(cls: type, server: VLLMProcess, model_dir: Path, out: Path, *, max_steps: int = 3,
-                 rollout_kw: dict[str, Any] | None = None, **kw: Any) -> Any:
+def make_trainer(
+    cls: type,
+    server: VLLMProcess,
+    model_dir: Path,
+    out: Path,
+    *,
+    max_steps: int = 3,
+    rollout_kw: dict[str, Any] | None = None,
+    **kw: Any,
+) -> Any:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    cfg = GRPOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-                     max_steps=max_steps, learning_rate=2e-2, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
-                     save_strategy="no", seed=0, beta=0.0)
-    return cls(model=model, reward_funcs=length_reward, args=cfg, processing_class=tok,
-               train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), rollout_func=RRRollout(server.base_url, **(rollout_kw or {})), **kw)
+    cfg = GRPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=max_steps,
+        learning_rate=2e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        beta=0.0,
+    )
+    return cls(
+        model=model,
+        reward_funcs=length_reward,
+        args=cfg,
+        processing_class=tok,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+        rollout_func=RRRollout(server.base_url, **(rollout_kw or {})),
+        **kw,
+    )
 
 
-def test_grpo_r3_three_steps_with_weight_sync(dev_server: VLLMProcess, tiny_models: dict[str, Path],
-                                              tmp_path: Path) -> None:
-    trainer = make_trainer(LossBothWays, dev_server, tiny_models["qwen3_dense"], tmp_path, verify_sync=1e-4,
-                           audit_every=1)
+def test_grpo_r3_three_steps_with_weight_sync(
+    dev_server: VLLMProcess, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    trainer = make_trainer(
+        LossBothWays, dev_server, tiny_models["qwen3_dense"], tmp_path, verify_sync=1e-4, audit_every=1
+    )
     gate0 = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n.endswith("mlp.gate.weight")}
     trainer.train()
     assert trainer.state.global_step == 3
@@ -118,8 +155,9 @@ def test_grpo_r3_three_steps_with_weight_sync(dev_server: VLLMProcess, tiny_mode
     assert len(trainer.is_inputs) == 3
     for got in trainer.is_inputs:
         assert {"importance_sampling_ratio", "old_per_token_logps", "sampling_per_token_logps"} <= got.keys()
-        diff = torch.nan_to_num((got["old_per_token_logps"] - got["sampling_per_token_logps"])
-                                * got["completion_mask"], nan=0.0).sum(-1, keepdim=True)
+        diff = torch.nan_to_num(
+            (got["old_per_token_logps"] - got["sampling_per_token_logps"]) * got["completion_mask"], nan=0.0
+        ).sum(-1, keepdim=True)
         expect = torch.where(torch.exp(diff) > 3.0, torch.zeros_like(diff), torch.exp(diff))
         assert torch.allclose(got["importance_sampling_ratio"], expect)
         assert torch.allclose(got["importance_sampling_ratio"], torch.ones_like(expect), atol=1e-3)  # synced fp32
@@ -143,8 +181,16 @@ def test_grpo_r3_by_reference(dev_server: VLLMProcess, tiny_models: dict[str, Pa
         return httpx.get(dev_server.base_url + "/rr/info", timeout=30).json()["routing_store"]
 
     before = store()
-    trainer = make_trainer(R3GRPOTrainer, dev_server, tiny_models["qwen3_dense"], tmp_path, max_steps=2,
-                           audit_every=1, verify_sync=1e-4, rollout_kw={"by_reference": True})
+    trainer = make_trainer(
+        R3GRPOTrainer,
+        dev_server,
+        tiny_models["qwen3_dense"],
+        tmp_path,
+        max_steps=2,
+        audit_every=1,
+        verify_sync=1e-4,
+        rollout_kw={"by_reference": True},
+    )
     trainer.train()
     after = store()
     steps = [h for h in trainer.state.log_history if "loss" in h and "r3/applied_share" in h]
@@ -166,17 +212,39 @@ def test_two_ranks_by_reference(dev_server: VLLMProcess, tiny_models: dict[str, 
 
     before = httpx.get(dev_server.base_url + "/rr/info", timeout=30).json()["routing_store"]
     script = Path(__file__).with_name("trl_two_ranks.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
-                           dev_server.base_url, str(tiny_models["qwen3_dense"]), str(tmp_path), "2"],
-                          capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[2],
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(script),
+            dev_server.base_url,
+            str(tiny_models["qwen3_dense"]),
+            str(tmp_path),
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks), proc.stdout[-2000:]
     for r in ranks:
-        assert r["global_step"] == 2 and r["pushes"] == 2 and r["applied_share"] and \
-            all(a == 1.0 for a in r["applied_share"]), r
+        assert (
+            r["global_step"] == 2
+            and r["pushes"] == 2
+            and r["applied_share"]
+            and all(a == 1.0 for a in r["applied_share"])
+        ), r
     after = httpx.get(dev_server.base_url + "/rr/info", timeout=30).json()["routing_store"]
     assert after["read_bytes"] > before["read_bytes"] and after["retired"] > before["retired"]
 
@@ -185,9 +253,24 @@ def test_example_plots_both_arms(dev_server: VLLMProcess, tiny_models: dict[str,
     """examples/trl_grpo_r3.py for 2 steps against the dev-mode server: exit 0, a whole 800x340 PNG, and next to it
     the per-step numbers of both arms (bf16 trainer vs fp32 engine: a real, small gap; replay only in its arm)."""
     png = tmp_path / "out" / "r3.png"
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "2", "--url",
-                           dev_server.base_url, "--model-dir", str(tiny_models["qwen3_dense"]), "--plot", str(png)],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--steps",
+            "2",
+            "--url",
+            dev_server.base_url,
+            "--model-dir",
+            str(tiny_models["qwen3_dense"]),
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "replay reached the experts on every MoE layer in every step: yes" in proc.stdout
     assert png_size(png) == (800, 340) and png.stat().st_size > 15_000  # two panels drawn, not an empty canvas
@@ -204,12 +287,15 @@ def test_example_plots_both_arms(dev_server: VLLMProcess, tiny_models: dict[str,
             assert r["applied_share_min_layer"] == (1.0 if arm == "replay" else None), (arm, r)
 
 
-def test_trl_batch_rows_sit_under_their_tokens(dev_server: VLLMProcess, tiny_models: dict[str, Path],
-                                               tmp_path: Path) -> None:
+def test_trl_batch_rows_sit_under_their_tokens(
+    dev_server: VLLMProcess, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
     """TRL's own batch (left-padded prompts of different lengths + right-padded completions) from a real rollout:
     the rows rr places under each token equal (a) an independent alignment and (b) transformers' own top-k for
     that token in an unpadded forward."""
-    trainer = make_trainer(R3GRPOTrainer, dev_server, tiny_models["qwen3_dense"], tmp_path)  # syncs: the engine may hold trained weights
+    trainer = make_trainer(
+        R3GRPOTrainer, dev_server, tiny_models["qwen3_dense"], tmp_path
+    )  # syncs: the engine may hold trained weights
     inputs = [{"prompt": p} for p in PROMPTS for _ in range(4)]
     trainer.model.train()
     batch = trainer._generate_and_score_completions(inputs)
@@ -242,9 +328,9 @@ def test_trl_batch_rows_sit_under_their_tokens(dev_server: VLLMProcess, tiny_mod
     assert not bool(rt.routed_experts_mask[pad_cols].any())
 
 
-def test_sync_to_an_engine_without_dev_mode_stops_with_a_clear_error(qwen_server: VLLMProcess,
-                                                                     tiny_models: dict[str, Path],
-                                                                     tmp_path: Path) -> None:
+def test_sync_to_an_engine_without_dev_mode_stops_with_a_clear_error(
+    qwen_server: VLLMProcess, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
     from rr_client import WeightSyncError
     from rr_client.integrations.weight_sync import DiskWeightSync
 
@@ -279,9 +365,18 @@ class KeepsISInputs(R3GRPOTrainer):
         self.is_inputs: list[dict[str, torch.Tensor]] = []
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
-        self.is_inputs.append({k: inputs[k].detach().clone() for k in (
-            "importance_sampling_ratio", "old_per_token_logps", "sampling_per_token_logps", "completion_mask")
-            if inputs.get(k) is not None})
+        self.is_inputs.append(
+            {
+                k: inputs[k].detach().clone()
+                for k in (
+                    "importance_sampling_ratio",
+                    "old_per_token_logps",
+                    "sampling_per_token_logps",
+                    "completion_mask",
+                )
+                if inputs.get(k) is not None
+            }
+        )
         return super()._compute_loss(model, inputs)
 
 
@@ -312,8 +407,9 @@ class ISPlan(TrainerCallback):
         t.rr_rollout.shift = shift
 
 
-def test_trl_correction_reaches_the_loss_at_temperature_07(qwen_server: VLLMProcess, tiny_models: dict[str, Path],
-                                                           tmp_path: Path) -> None:
+def test_trl_correction_reaches_the_loss_at_temperature_07(
+    qwen_server: VLLMProcess, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
     """TRL 1.16's GRPOTrainer.train on the real server (processed log-probs, rr's launcher), identical fp32 weights
     (lr 0, no sync), one seeded rollout repeated per step at temperature 0.7, with a separate reference model
     (beta > 0) replayed and audited, the MoE aux loss off (its gradient does not pass through the ratio). Step 0 (no correction): the trainer-engine gap is below 1e-5. Each later
@@ -323,14 +419,35 @@ def test_trl_correction_reaches_the_loss_at_temperature_07(qwen_server: VLLMProc
     model_dir = tiny_models["qwen3_dense"]
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    cfg = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                     max_completion_length=6, max_steps=len(IS_PLAN), learning_rate=0.0, logging_steps=1,
-                     report_to=[], use_cpu=True, bf16=False, save_strategy="no", seed=0, beta=0.04,
-                     temperature=0.7, generation_kwargs={"seed": 7}, router_aux_loss_coef=0.0)  # policy loss only
+    cfg = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=len(IS_PLAN),
+        learning_rate=0.0,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        beta=0.04,
+        temperature=0.7,
+        generation_kwargs={"seed": 7},
+        router_aux_loss_coef=0.0,
+    )  # policy loss only
     rollout = ShiftedLogprobs(qwen_server.base_url)
-    trainer = KeepsISInputs(model=model, reward_funcs=length_reward, args=cfg, processing_class=tok,
-                            train_dataset=Dataset.from_dict({"prompt": [PROMPTS[0]] * 8}), rollout_func=rollout,
-                            sync_weights=False, audit_every=1)
+    trainer = KeepsISInputs(
+        model=model,
+        reward_funcs=length_reward,
+        args=cfg,
+        processing_class=tok,
+        train_dataset=Dataset.from_dict({"prompt": [PROMPTS[0]] * 8}),
+        rollout_func=rollout,
+        sync_weights=False,
+        audit_every=1,
+    )
     assert trainer.ref_model is not None and trainer.ref_model is not trainer.model  # TRL's own reference copy
     trainer.add_callback(ISPlan(trainer))
     trainer.train()

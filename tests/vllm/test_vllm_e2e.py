@@ -45,8 +45,9 @@ def tokenize(model_dir: Path, text: str) -> list[int]:
 def post(server: Any, body: Any, *, raw: bytes | None = None, timeout: float = 120) -> httpx.Response:
     """POST /generate with a JSON body (or raw bytes)."""
     content = raw if raw is not None else json.dumps(body).encode()
-    return httpx.post(server.base_url + "/generate", content=content, timeout=timeout,
-                      headers={"content-type": "application/json"})
+    return httpx.post(
+        server.base_url + "/generate", content=content, timeout=timeout, headers={"content-type": "application/json"}
+    )
 
 
 def check_item(server: Any, item: dict[str, Any], prompt_ids: list[int], *, start: int = 0) -> np.ndarray:
@@ -94,8 +95,14 @@ def test_rr_info(any_server: Any) -> None:
 
 
 def test_single_text_prompt(any_server: Any) -> None:
-    r = post(any_server, {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 12, "temperature": 0},
-                          "return_routed_experts": True})
+    r = post(
+        any_server,
+        {
+            "text": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+            "return_routed_experts": True,
+        },
+    )
     assert r.status_code == 200, r.text
     item = r.json()
     assert isinstance(item, dict), "a single prompt gets a single dict"
@@ -105,8 +112,14 @@ def test_single_text_prompt(any_server: Any) -> None:
 
 def test_batch_token_id_prompts(any_server: Any) -> None:
     prompts = [tokenize(any_server.model_dir, p) for p in PROMPTS]
-    r = post(any_server, {"input_ids": prompts, "sampling_params": {"max_new_tokens": 10, "temperature": 0.8,
-                                                                     "seed": 1}, "return_routed_experts": True})
+    r = post(
+        any_server,
+        {
+            "input_ids": prompts,
+            "sampling_params": {"max_new_tokens": 10, "temperature": 0.8, "seed": 1},
+            "return_routed_experts": True,
+        },
+    )
     assert r.status_code == 200, r.text
     items = r.json()
     assert isinstance(items, list) and len(items) == len(prompts)
@@ -126,9 +139,14 @@ def test_batch_text_per_prompt_sampling_params(qwen_server: Any) -> None:
 
 def test_n_greater_than_one(qwen_server: Any) -> None:
     prompts = [tokenize(qwen_server.model_dir, p) for p in PROMPTS[:2]]
-    r = post(qwen_server, {"input_ids": prompts, "sampling_params": {"max_new_tokens": 8, "n": 3,
-                                                                      "temperature": 1.0, "seed": 7},
-                           "return_routed_experts": True})
+    r = post(
+        qwen_server,
+        {
+            "input_ids": prompts,
+            "sampling_params": {"max_new_tokens": 8, "n": 3, "temperature": 1.0, "seed": 7},
+            "return_routed_experts": True,
+        },
+    )
     assert r.status_code == 200, r.text
     items = r.json()
     assert len(items) == 6, "prompt-major: n samples per prompt, in prompt order"
@@ -140,9 +158,14 @@ def test_n_greater_than_one(qwen_server: Any) -> None:
 
 def test_stop_strings(qwen_server: Any) -> None:
     stops = list("abcdefghijklmnopqrstuvwxyz")
-    r = post(qwen_server, {"text": PROMPTS, "sampling_params": {"max_new_tokens": 40, "stop": stops,
-                                                                 "temperature": 1.0, "seed": 3},
-                           "return_routed_experts": True})
+    r = post(
+        qwen_server,
+        {
+            "text": PROMPTS,
+            "sampling_params": {"max_new_tokens": 40, "stop": stops, "temperature": 1.0, "seed": 3},
+            "return_routed_experts": True,
+        },
+    )
     assert r.status_code == 200, r.text
     items = r.json()
     reasons = [it["meta_info"]["finish_reason"] for it in items]
@@ -158,9 +181,14 @@ def test_stop_token_ids(qwen_server: Any) -> None:
     ids = tokenize(qwen_server.model_dir, PROMPTS[1])
     first = post(qwen_server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
     stop_tok = first["output_ids"][2]
-    r = post(qwen_server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0,
-                                                                  "stop_token_ids": [stop_tok]},
-                           "return_routed_experts": True}).json()
+    r = post(
+        qwen_server,
+        {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop_tok]},
+            "return_routed_experts": True,
+        },
+    ).json()
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
     assert r["output_ids"][-1] == stop_tok
     check_item(qwen_server, r, ids)
@@ -179,8 +207,7 @@ def test_max_new_tokens_one(any_server: Any) -> None:
 def test_prefix_cache_hit(any_server: Any) -> None:
     rng = np.random.default_rng(11)
     ids = [int(x) for x in rng.integers(2, 400, size=300)]
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0},
-            "return_routed_experts": True}
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0}, "return_routed_experts": True}
     a = post(any_server, body).json()
     b = post(any_server, body).json()
     assert b["meta_info"]["cached_tokens"] > 0, "second identical prompt must hit the prefix cache"
@@ -192,19 +219,40 @@ def test_prefix_cache_hit(any_server: Any) -> None:
 def test_routed_experts_start(any_server: Any) -> None:
     ids = tokenize(any_server.model_dir, PROMPTS[0])
     for start in (3, len(ids) - 1, len(ids)):
-        r = post(any_server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 5, "temperature": 0},
-                              "return_routed_experts": True, "routed_experts_start": start})
+        r = post(
+            any_server,
+            {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+                "return_routed_experts": True,
+                "routed_experts_start": start,
+            },
+        )
         assert r.status_code == 200, r.text
         check_item(any_server, r.json(), ids, start=start)
-    bad = post(any_server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 5},
-                            "return_routed_experts": True, "routed_experts_start": len(ids) + 1})
+    bad = post(
+        any_server,
+        {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 5},
+            "return_routed_experts": True,
+            "routed_experts_start": len(ids) + 1,
+        },
+    )
     assert bad.status_code == 400 and "routed_experts" in bad.text
 
 
 def test_return_logprob(qwen_server: Any) -> None:
     ids = tokenize(qwen_server.model_dir, PROMPTS[3])
-    item = post(qwen_server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 5},
-                              "return_logprob": True, "return_routed_experts": True}).json()
+    item = post(
+        qwen_server,
+        {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 5},
+            "return_logprob": True,
+            "return_routed_experts": True,
+        },
+    ).json()
     lps = item["meta_info"]["output_token_logprobs"]
     assert [t for _, t, _ in lps] == item["output_ids"]
     assert all(lp <= 0.0 for lp, _, _ in lps)
@@ -224,7 +272,7 @@ def _sse(server: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
             if not line:
                 continue
             assert line.startswith("data: "), line
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 done = True
                 break
@@ -235,8 +283,15 @@ def _sse(server: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def test_streaming_single(any_server: Any) -> None:
     ids = tokenize(any_server.model_dir, PROMPTS[1])
-    chunks = _sse(any_server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 16, "ignore_eos": True},
-                               "return_routed_experts": True, "stream": True})
+    chunks = _sse(
+        any_server,
+        {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 16, "ignore_eos": True},
+            "return_routed_experts": True,
+            "stream": True,
+        },
+    )
     assert chunks
     for c in chunks[:-1]:
         no_routing(c)
@@ -251,8 +306,10 @@ def test_streaming_single(any_server: Any) -> None:
 
 def test_streaming_batch(qwen_server: Any) -> None:
     prompts = [tokenize(qwen_server.model_dir, p) for p in PROMPTS[:3]]
-    chunks = _sse(qwen_server, {"input_ids": prompts, "sampling_params": {"max_new_tokens": 6},
-                                "return_routed_experts": True, "stream": True})
+    chunks = _sse(
+        qwen_server,
+        {"input_ids": prompts, "sampling_params": {"max_new_tokens": 6}, "return_routed_experts": True, "stream": True},
+    )
     finals = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"] is not None}
     assert sorted(finals) == [0, 1, 2]
     for i, c in finals.items():
@@ -275,12 +332,17 @@ def test_concurrent_mixed_routing(any_server: Any) -> None:
 
     async def run() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(base_url=any_server.base_url, timeout=300) as c:
+
             async def one(i: int) -> dict[str, Any]:
-                body = {"input_ids": prompts[i], "return_routed_experts": i % 2 == 0,
-                        "sampling_params": {"max_new_tokens": int(4 + i % 7), "temperature": 1.0, "seed": i}}
+                body = {
+                    "input_ids": prompts[i],
+                    "return_routed_experts": i % 2 == 0,
+                    "sampling_params": {"max_new_tokens": int(4 + i % 7), "temperature": 1.0, "seed": i},
+                }
                 r = await c.post("/generate", json=body)
                 assert r.status_code == 200, r.text
                 return r.json()  # type: ignore[no-any-return]
+
             return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
     items = asyncio.run(run())
@@ -313,9 +375,17 @@ def test_bad_request_in_stream_is_4xx(qwen_server: Any) -> None:
 
 
 def test_v1_completions_unchanged(qwen_server: Any) -> None:
-    r = httpx.post(qwen_server.base_url + "/v1/completions", timeout=60,
-                   json={"model": qwen_server.name, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
-                         "return_token_ids": True})
+    r = httpx.post(
+        qwen_server.base_url + "/v1/completions",
+        timeout=60,
+        json={
+            "model": qwen_server.name,
+            "prompt": PROMPTS[0],
+            "max_tokens": 4,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion"
@@ -334,8 +404,14 @@ def test_v1_completions_unchanged(qwen_server: Any) -> None:
     cfg = load_config(qwen_server.model_dir)
     layers, experts, topk = routing_dims_from_config(cfg)
     moe = moe_layers_from_config(cfg)
-    got = decode_routed_experts(choice["routed_experts"], rows=len(prompt_ids) + 3, num_layers=layers, topk=topk,
-                                num_experts=experts, moe_layers=moe)
+    got = decode_routed_experts(
+        choice["routed_experts"],
+        rows=len(prompt_ids) + 3,
+        num_layers=layers,
+        topk=topk,
+        num_experts=experts,
+        moe_layers=moe,
+    )
     assert_routing_sets_equal(got, reference_routing(qwen_server.model_dir, prompt_ids + out_ids)[:-1], layers=moe)
     models = httpx.get(qwen_server.base_url + "/v1/models", timeout=30).json()
     assert models["data"][0]["id"] == qwen_server.name
@@ -386,8 +462,11 @@ def test_client_text_prompts_to_tensors(qwen_server: Any) -> None:
 def _gauge(server: Any, name: str) -> float:
     """Sum of one vLLM Prometheus metric (all label sets) from /metrics."""
     text = httpx.get(server.base_url + "/metrics", timeout=30).text
-    vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith(name + "{") or line.startswith(name + " ")]
+    vals = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
     return sum(vals)
 
 
@@ -408,8 +487,11 @@ def test_client_disconnect_aborts_engine_requests(qwen_server: Any) -> None:
     import time
 
     max_new = 1000
-    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True},
-            "return_routed_experts": True}
+    body = {
+        "text": PROMPTS[0],
+        "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True},
+        "return_routed_experts": True,
+    }
 
     def generated_total() -> float:
         return _gauge(qwen_server, "vllm:generation_tokens_total")
@@ -452,7 +534,9 @@ def test_client_disconnect_aborts_engine_requests(qwen_server: Any) -> None:
     print("disconnect attempts (left after s, client left, tokens generated):", outcomes)
     _, abandoned, generated = outcomes[-1]
     assert abandoned, f"in 5 attempts the 1000-token request always finished before the client could leave: {outcomes}"
-    assert 0 < generated < max_new, (f"the engine generated {generated} tokens for an abandoned request: not "
-                                     f"aborted (attempts: (left after s, client left, tokens generated) {outcomes})")
+    assert 0 < generated < max_new, (
+        f"the engine generated {generated} tokens for an abandoned request: not "
+        f"aborted (attempts: (left after s, client left, tokens generated) {outcomes})"
+    )
     ok = post(qwen_server, {"text": "after", "sampling_params": {"max_new_tokens": 2}, "return_routed_experts": True})
     assert ok.status_code == 200

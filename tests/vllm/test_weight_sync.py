@@ -47,8 +47,9 @@ def engines(tiny_models: dict[str, Path]) -> Iterator[dict[str, VLLMProcess]]:
     """The keyed rr server and the plugin-free one, launched at once (one OpenMP core each), stopped at the end."""
     model = tiny_models["qwen3_dense"]
     servers = {
-        "keyed": VLLMProcess(model, name="sync-keyed", extra=["--api-key", KEY],
-                             env={**DEV, "VLLM_CPU_OMP_THREADS_BIND": "0"}),
+        "keyed": VLLMProcess(
+            model, name="sync-keyed", extra=["--api-key", KEY], env={**DEV, "VLLM_CPU_OMP_THREADS_BIND": "0"}
+        ),
         "bare": VLLMProcess(model, name="sync-bare", plugin=False, env={**DEV, "VLLM_CPU_OMP_THREADS_BIND": "1"}),
     }
     with all_launched(servers):
@@ -92,6 +93,7 @@ def reference(model: Any, res: GenerateResult) -> np.ndarray:
 
 def generate(url: str, key: str | None = None) -> GenerateResult:
     """One greedy sample of PROMPT with its routing."""
+
     async def go() -> GenerateResult:
         async with RoutedExpertsClient(url, api_key=key, retries=0, timeout=120) as c:
             return (await c.generate([PROMPT], PARAMS))[0]
@@ -108,8 +110,9 @@ def changed_rows(a: GenerateResult, b: GenerateResult, layer: int) -> int:
     return int((sa != sb).any(-1).sum())
 
 
-def test_keyed_engine_push_with_api_key(keyed_server: VLLMProcess, tiny_models: dict[str, Path],
-                                        tmp_path: Path) -> None:
+def test_keyed_engine_push_with_api_key(
+    keyed_server: VLLMProcess, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
     base = transformers.AutoModelForCausalLM.from_pretrained(tiny_models["qwen3_dense"], dtype=torch.float32).eval()
     before = generate(keyed_server.base_url, KEY)
     assert_routing_sets_equal(before.routed_experts, reference(base, before), layers=MOE_LAYERS)
@@ -119,8 +122,10 @@ def test_keyed_engine_push_with_api_key(keyed_server: VLLMProcess, tiny_models: 
     with DiskWeightSync(keyed_server.base_url, tmp_path) as sync, pytest.raises(WeightSyncError) as err:
         sync.push(pushed, 1)
     assert "answered 401" in str(err.value) and "no API key was sent" in str(err.value)
-    with DiskWeightSync(keyed_server.base_url, tmp_path, api_key="not-the-key") as sync, \
-            pytest.raises(WeightSyncError) as err:
+    with (
+        DiskWeightSync(keyed_server.base_url, tmp_path, api_key="not-the-key") as sync,
+        pytest.raises(WeightSyncError) as err,
+    ):
         sync.push(pushed, 1)
     assert "answered 401" in str(err.value) and "api_key argument was refused" in str(err.value)
     assert "not-the-key" not in str(err.value)
@@ -143,12 +148,15 @@ def test_keyed_engine_push_with_api_key(keyed_server: VLLMProcess, tiny_models: 
             assert "/collective_rpc answered 401" in str(e) and "no API key was sent" in str(e), str(e)
             guarded = True
     print(f"\nunkeyed reload route guarded: {guarded}")
-    print(f"keyed push: {seconds:.2f}s, prompt rows re-routed: layer 0 {changed_rows(before, after, 0)}, "
-          f"layer 2 {changed_rows(before, after, 2)} of {len(PROMPT) - 1}")
+    print(
+        f"keyed push: {seconds:.2f}s, prompt rows re-routed: layer 0 {changed_rows(before, after, 0)}, "
+        f"layer 2 {changed_rows(before, after, 2)} of {len(PROMPT) - 1}"
+    )
 
 
-def test_sidecar_engine_push_with_weight_engine(sidecar: tuple[SidecarServer, VLLMProcess],
-                                                tiny_models: dict[str, Path], tmp_path: Path) -> None:
+def test_sidecar_engine_push_with_weight_engine(
+    sidecar: tuple[SidecarServer, VLLMProcess], tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
     sc, bare = sidecar
     pushed = new_router_weights(tiny_models["qwen3_dense"])
 
@@ -160,8 +168,9 @@ def test_sidecar_engine_push_with_weight_engine(sidecar: tuple[SidecarServer, VL
     # the sidecar's URL: it names the engine behind it
     with DiskWeightSync(sc.url, tmp_path) as sync, pytest.raises(WeightSyncError) as err:
         sync.push(pushed, 1)
-    assert "rr's sidecar" in str(err.value) and f"WeightEngine({bare.base_url!r}, 'vllm')" in str(err.value), \
-        str(err.value)
+    assert "rr's sidecar" in str(err.value) and f"WeightEngine({bare.base_url!r}, 'vllm')" in str(err.value), str(
+        err.value
+    )
 
     before = generate(sc.url)
     with DiskWeightSync(WeightEngine(bare.base_url, "vllm"), tmp_path) as sync:
@@ -171,5 +180,7 @@ def test_sidecar_engine_push_with_weight_engine(sidecar: tuple[SidecarServer, VL
     assert changed_rows(before, after, 0) > 0
     ref = reference(pushed, after)
     same2 = (np.sort(after.routed_experts[:, 2], -1) == np.sort(ref[:, 2], -1)).all(-1).mean()  # type: ignore[index]
-    print(f"\nsidecar push: {seconds:.2f}s, layer 0 re-routed {changed_rows(before, after, 0)} of {len(PROMPT) - 1} "
-          f"prompt rows; layer 2 agreement with the pushed weights (unpatched CPU reload) {same2:.3f}")
+    print(
+        f"\nsidecar push: {seconds:.2f}s, layer 0 re-routed {changed_rows(before, after, 0)} of {len(PROMPT) - 1} "
+        f"prompt rows; layer 2 agreement with the pushed weights (unpatched CPU reload) {same2:.3f}"
+    )

@@ -30,20 +30,39 @@ def build_tiny_glm4_mtp(out: Path, tokenizer_from: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     # head_dim 32: vLLM's CPU attention has no kernel for 16
-    tiny_family_model("glm4_moe", vocab_size=512, num_hidden_layers=4, max_position_embeddings=1024, hidden_size=64,
-                      head_dim=32, num_attention_heads=2, num_key_value_heads=2).save_pretrained(out)
+    tiny_family_model(
+        "glm4_moe",
+        vocab_size=512,
+        num_hidden_layers=4,
+        max_position_embeddings=1024,
+        hidden_size=64,
+        head_dim=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    ).save_pretrained(out)
     for f in Path(tokenizer_from).iterdir():
-        if "token" in f.name or f.name in ("special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja"):
+        if "token" in f.name or f.name in (
+            "special_tokens_map.json",
+            "vocab.json",
+            "merges.txt",
+            "chat_template.jinja",
+        ):
             shutil.copy(f, out / f.name)
     cfg = json.loads((out / "config.json").read_text())
     hidden = cfg["hidden_size"]
     cfg.update(num_hidden_layers=3, num_nextn_predict_layers=1, head_dim=32, partial_rotary_factor=0.5)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     g = torch.Generator().manual_seed(11)
-    save_file({"model.layers.3.eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.1,
-               "model.layers.3.enorm.weight": torch.ones(hidden), "model.layers.3.hnorm.weight": torch.ones(hidden),
-               "model.layers.3.shared_head.norm.weight": torch.ones(hidden)},
-              str(out / "mtp.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {
+            "model.layers.3.eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.1,
+            "model.layers.3.enorm.weight": torch.ones(hidden),
+            "model.layers.3.hnorm.weight": torch.ones(hidden),
+            "model.layers.3.shared_head.norm.weight": torch.ones(hidden),
+        },
+        str(out / "mtp.safetensors"),
+        metadata={"format": "pt"},
+    )
     weight_map = {name: f.name for f in sorted(out.glob("*.safetensors")) for name in load_file(str(f))}
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     done.write_text("{}")

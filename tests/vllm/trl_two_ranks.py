@@ -30,17 +30,41 @@ def main(url: str, model_dir: str, out: str, steps: int) -> None:
     """Train ``steps`` GRPO steps on this rank and write its record."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-                     max_steps=steps, learning_rate=2e-2, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
-                     save_strategy="no", seed=0, beta=0.0, ddp_find_unused_parameters=True)
-    trainer = R3GRPOTrainer(model=model, reward_funcs=length_reward, args=cfg, processing_class=tok,
-                            train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
-                            rollout_func=RRRollout(url, by_reference=True), audit_every=1)
+    cfg = GRPOConfig(
+        output_dir=out,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=steps,
+        learning_rate=2e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        beta=0.0,
+        ddp_find_unused_parameters=True,
+    )
+    trainer = R3GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=cfg,
+        processing_class=tok,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+        rollout_func=RRRollout(url, by_reference=True),
+        audit_every=1,
+    )
     trainer.train()
     steps_log = [h for h in trainer.state.log_history if "r3/applied_share" in h]
     rank = int(os.environ["RANK"])
-    record = {"rank": rank, "world": trainer.accelerator.num_processes, "global_step": trainer.state.global_step,
-              "pushes": len(trainer.sync_log), "applied_share": [h["r3/applied_share"] for h in steps_log]}
+    record = {
+        "rank": rank,
+        "world": trainer.accelerator.num_processes,
+        "global_step": trainer.state.global_step,
+        "pushes": len(trainer.sync_log),
+        "applied_share": [h["r3/applied_share"] for h in steps_log],
+    }
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
 
 

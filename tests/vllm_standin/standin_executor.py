@@ -74,9 +74,12 @@ class StandInGPUModelRunnerWorker:
         cfg = self.model.config
         block = int(self.vllm_config.cache_config.block_size or 16)
         head = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        return {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
-            block_size=block, num_kv_heads=int(cfg.num_key_value_heads), head_size=head, dtype=torch.float32)
-            for i in range(self.num_layers)}
+        return {
+            f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+                block_size=block, num_kv_heads=int(cfg.num_key_value_heads), head_size=head, dtype=torch.float32
+            )
+            for i in range(self.num_layers)
+        }
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]
@@ -110,8 +113,9 @@ class StandInGPUModelRunnerWorker:
         for nr in so.scheduled_new_reqs:
             sp = nr.sampling_params
             start = int(getattr(sp, "routed_experts_prompt_start", 0) or 0) if sp is not None else 0
-            self.reqs[nr.req_id] = _Req(tokens=list(nr.prompt_token_ids or []), emit=start,
-                                        computed=int(nr.num_computed_tokens))
+            self.reqs[nr.req_id] = _Req(
+                tokens=list(nr.prompt_token_ids or []), emit=start, computed=int(nr.num_computed_tokens)
+            )
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self.reqs[rid]
@@ -131,7 +135,7 @@ class StandInGPUModelRunnerWorker:
             self.forward_log.append((rid, st.computed, end))
             sampled.append([tok])
             if self.capture:
-                aux[rid] = AuxRequestOutput(st.emit, rows[st.emit:end])
+                aux[rid] = AuxRequestOutput(st.emit, rows[st.emit : end])
                 st.emit = end
             st.tokens.append(tok)
         return ModelRunnerOutput(
@@ -148,8 +152,15 @@ class StandInGPUModelRunnerExecutor(Executor):
     def _init_executor(self) -> None:
         self.worker = StandInGPUModelRunnerWorker(self.vllm_config)
 
-    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),  # type: ignore[override]
-                       kwargs: dict | None = None, non_block: bool = False, single_value: bool = False) -> Any:
+    def collective_rpc(
+        self,
+        method: Any,
+        timeout: float | None = None,
+        args: tuple = (),  # type: ignore[override]
+        kwargs: dict | None = None,
+        non_block: bool = False,
+        single_value: bool = False,
+    ) -> Any:
         from vllm.v1.serial_utils import run_method
 
         def call() -> Any:
@@ -166,8 +177,7 @@ class StandInGPUModelRunnerExecutor(Executor):
         return fut
 
     def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:  # type: ignore[override]
-        return self.collective_rpc("execute_model", args=(scheduler_output,), non_block=non_block,
-                                   single_value=True)
+        return self.collective_rpc("execute_model", args=(scheduler_output,), non_block=non_block, single_value=True)
 
     def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:  # type: ignore[override]
         raise AssertionError("the stand-in samples inside execute_model; sample_tokens is never needed")

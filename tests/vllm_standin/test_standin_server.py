@@ -62,8 +62,9 @@ def check_item(server: Any, item: dict[str, Any], prompt: list[int], *, start: i
     assert meta["routed_experts_shape"] == [rows, layers, topk]
     assert meta["routed_experts_dtype"] == "uint8"
     assert meta["routed_experts_start"] == start
-    got = decode_meta_info(meta, rows=rows, num_layers=layers, topk=topk, num_experts=experts,
-                           moe_layers=moe_layers_from_config(cfg))
+    got = decode_meta_info(
+        meta, rows=rows, num_layers=layers, topk=topk, num_experts=experts, moe_layers=moe_layers_from_config(cfg)
+    )
     check_rows(server, got, prompt, list(item["output_ids"]), start)
 
 
@@ -81,8 +82,7 @@ def test_rr_info(server: Any, server_off: Any) -> None:
 
 
 def test_generate_single(server: Any) -> None:
-    r = post(server, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 6},
-                      "return_routed_experts": True})
+    r = post(server, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 6}, "return_routed_experts": True})
     assert r.status_code == 200, r.text
     item = r.json()
     assert item["meta_info"]["finish_reason"]["type"] == "length" and len(item["output_ids"]) == 6
@@ -90,8 +90,7 @@ def test_generate_single(server: Any) -> None:
 
 
 def test_generate_batch(server: Any) -> None:
-    r = post(server, {"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 4},
-                      "return_routed_experts": True})
+    r = post(server, {"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 4}, "return_routed_experts": True})
     assert r.status_code == 200, r.text
     items = r.json()
     assert len(items) == len(PROMPTS)
@@ -106,8 +105,10 @@ def test_generate_without_routing(server: Any) -> None:
 
 
 def test_generate_n_greater_than_one(server: Any) -> None:
-    r = post(server, {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 5, "n": 3},
-                      "return_routed_experts": True})
+    r = post(
+        server,
+        {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 5, "n": 3}, "return_routed_experts": True},
+    )
     assert r.status_code == 200, r.text
     items = r.json()
     assert len(items) == 3 and len({it["meta_info"]["id"] for it in items}) == 3
@@ -117,15 +118,29 @@ def test_generate_n_greater_than_one(server: Any) -> None:
 
 def test_generate_routed_experts_start(server: Any) -> None:
     for start in (1, 4, len(PROMPTS[2])):
-        r = post(server, {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 4},
-                          "return_routed_experts": True, "routed_experts_start": start})
+        r = post(
+            server,
+            {
+                "input_ids": PROMPTS[2],
+                "sampling_params": {"max_new_tokens": 4},
+                "return_routed_experts": True,
+                "routed_experts_start": start,
+            },
+        )
         assert r.status_code == 200, r.text
         check_item(server, r.json(), PROMPTS[2], start=start)
 
 
 def test_generate_start_beyond_prompt_is_rrs_400(server: Any) -> None:
-    r = post(server, {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 2},
-                      "return_routed_experts": True, "routed_experts_start": len(PROMPTS[1]) + 1})
+    r = post(
+        server,
+        {
+            "input_ids": PROMPTS[1],
+            "sampling_params": {"max_new_tokens": 2},
+            "return_routed_experts": True,
+            "routed_experts_start": len(PROMPTS[1]) + 1,
+        },
+    )
     assert r.status_code == 400
     assert "routed_experts_start 6 is beyond prompt 0 (5 tokens)" in r.text
 
@@ -133,9 +148,17 @@ def test_generate_start_beyond_prompt_is_rrs_400(server: Any) -> None:
 def test_generate_streaming(server: Any) -> None:
     chunks: list[dict[str, Any]] = []
     done = False
-    with httpx.stream("POST", server.base_url + "/generate", timeout=120,
-                      json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 8},
-                            "return_routed_experts": True, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server.base_url + "/generate",
+        timeout=120,
+        json={
+            "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": 8},
+            "return_routed_experts": True,
+            "stream": True,
+        },
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line:
@@ -144,7 +167,7 @@ def test_generate_streaming(server: Any) -> None:
             if line == "data: [DONE]":
                 done = True
                 break
-            chunks.append(json.loads(line[len("data: "):]))
+            chunks.append(json.loads(line[len("data: ") :]))
     assert done and chunks
     for c in chunks[:-1]:
         no_routing(c)
@@ -171,8 +194,13 @@ def test_v1_completions_routing(server: Any) -> None:
 
 
 def test_v1_completions_prompt_start(server: Any) -> None:
-    body = {"model": str(server.model_dir), "prompt": PROMPTS[2], "max_tokens": 3, "return_token_ids": True,
-            "routed_experts_prompt_start": 5}
+    body = {
+        "model": str(server.model_dir),
+        "prompt": PROMPTS[2],
+        "max_tokens": 3,
+        "return_token_ids": True,
+        "routed_experts_prompt_start": 5,
+    }
     r = post(server, body, "/v1/completions")
     assert r.status_code == 200, r.text
     ch = r.json()["choices"][0]
@@ -182,23 +210,31 @@ def test_v1_completions_prompt_start(server: Any) -> None:
 
 
 def test_capture_off(server_off: Any) -> None:
-    r = post(server_off, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2},
-                          "return_routed_experts": True})
+    r = post(
+        server_off, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}, "return_routed_experts": True}
+    )
     assert r.status_code == 400
     assert "started without --enable-return-routed-experts" in r.text
     ok = post(server_off, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}})
     assert ok.status_code == 200, ok.text
     no_routing(ok.json())
-    comp = post(server_off, {"model": str(server_off.model_dir), "prompt": PROMPTS[0], "max_tokens": 2},
-                "/v1/completions")
+    comp = post(
+        server_off, {"model": str(server_off.model_dir), "prompt": PROMPTS[0], "max_tokens": 2}, "/v1/completions"
+    )
     assert comp.status_code == 200, comp.text
     assert comp.json()["choices"][0].get("routed_experts") is None
 
 
 def test_v1_completions_rr_fields(server: Any) -> None:
     """rr's fields on vLLM's own /v1/completions (the middleware around its real serving code)."""
-    body = {"model": str(server.model_dir), "prompt": PROMPTS[2], "max_tokens": 4, "n": 2,
-            "return_routed_experts": True, "routed_experts_start": 3}
+    body = {
+        "model": str(server.model_dir),
+        "prompt": PROMPTS[2],
+        "max_tokens": 4,
+        "n": 2,
+        "return_routed_experts": True,
+        "routed_experts_start": 3,
+    }
     r = post(server, body, "/v1/completions")
     assert r.status_code == 200, r.text
     cfg = load_config(server.model_dir)
@@ -207,8 +243,9 @@ def test_v1_completions_rr_fields(server: Any) -> None:
         assert ch["prompt_token_ids"] == PROMPTS[2] and ch["routed_experts_start"] == 3
         rows = len(PROMPTS[2]) + len(ch["token_ids"]) - 1 - 3
         assert ch["routed_experts_shape"] == [rows, layers, topk] and ch["routed_experts_format"] == "npy"
-        got = decode_meta_info(ch, rows=rows, num_layers=layers, topk=topk, num_experts=experts,
-                               moe_layers=moe_layers_from_config(cfg))
+        got = decode_meta_info(
+            ch, rows=rows, num_layers=layers, topk=topk, num_experts=experts, moe_layers=moe_layers_from_config(cfg)
+        )
         check_rows(server, got, PROMPTS[2], list(ch["token_ids"]), start=3)
     bad = post(server, dict(body, routed_experts_format="int32"), "/v1/completions")
     assert bad.status_code == 400 and "routed_experts_format" in bad.text
@@ -235,16 +272,25 @@ def test_trajectory_two_turns(server: Any) -> None:
 
 
 def test_v1_completions_rr_fields_capture_off(server_off: Any) -> None:
-    r = post(server_off, {"model": str(server_off.model_dir), "prompt": PROMPTS[0], "max_tokens": 2,
-                          "return_routed_experts": True}, "/v1/completions")
+    r = post(
+        server_off,
+        {"model": str(server_off.model_dir), "prompt": PROMPTS[0], "max_tokens": 2, "return_routed_experts": True},
+        "/v1/completions",
+    )
     assert r.status_code == 400 and "started without --enable-return-routed-experts" in r.text
 
 
 def test_v1_completions_stream_routing_event(server: Any) -> None:
     """stream=true on vLLM's own /v1/completions: one event before ``[DONE]`` carries each choice's routing,
     collected from the engine client (vLLM's chunks carry none), equal to transformers."""
-    body = {"model": str(server.model_dir), "prompt": [PROMPTS[0], PROMPTS[1]], "max_tokens": 4, "stream": True,
-            "return_routed_experts": True, "routed_experts_start": 1}
+    body = {
+        "model": str(server.model_dir),
+        "prompt": [PROMPTS[0], PROMPTS[1]],
+        "max_tokens": 4,
+        "stream": True,
+        "return_routed_experts": True,
+        "routed_experts_start": 1,
+    }
     r = post(server, body, "/v1/completions")
     assert r.status_code == 200, r.text
     events = sse_events(r.text)
@@ -258,6 +304,7 @@ def test_v1_completions_stream_routing_event(server: Any) -> None:
         assert "routed_experts_error" not in ch, ch
         assert ch["prompt_token_ids"] == prompt and len(ch["token_ids"]) == 4
         rows = len(prompt) + 4 - 1 - 1
-        got = decode_meta_info(ch, rows=rows, num_layers=layers, topk=topk, num_experts=experts,
-                               moe_layers=moe_layers_from_config(cfg))
+        got = decode_meta_info(
+            ch, rows=rows, num_layers=layers, topk=topk, num_experts=experts, moe_layers=moe_layers_from_config(cfg)
+        )
         check_rows(server, got, prompt, list(ch["token_ids"]), start=1)

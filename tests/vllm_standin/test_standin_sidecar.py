@@ -37,18 +37,29 @@ def test_sidecar_info_names_the_vllm_version(sidecar: SidecarServer) -> None:
 
 
 def test_sidecar_batch_start_and_no_routing(sidecar: SidecarServer, server: Any) -> None:
-    r = httpx.post(sidecar.url + "/generate", json={"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 4},
-                                                     "return_routed_experts": True}, timeout=120)
+    r = httpx.post(
+        sidecar.url + "/generate",
+        json={"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 4}, "return_routed_experts": True},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     for item, prompt in zip(r.json(), PROMPTS, strict=True):
         check_item(server, item, prompt)
-    r = httpx.post(sidecar.url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 3},
-                                                     "return_routed_experts": True, "routed_experts_start": 4},
-                   timeout=120)
+    r = httpx.post(
+        sidecar.url + "/generate",
+        json={
+            "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": 3},
+            "return_routed_experts": True,
+            "routed_experts_start": 4,
+        },
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     check_item(server, r.json(), PROMPTS[0], start=4)
-    r = httpx.post(sidecar.url + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 2}},
-                   timeout=120)
+    r = httpx.post(
+        sidecar.url + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 2}}, timeout=120
+    )
     assert r.status_code == 200, r.text
     no_routing(r.json())
 

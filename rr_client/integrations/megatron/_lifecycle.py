@@ -33,8 +33,7 @@ from rr_client.core.errors import ConfigurationError, MissingRoutingError, Repla
 from rr_client.integrations.megatron._recompute import RecomputePool
 from rr_client.integrations.megatron._routers import MegatronRouter
 from rr_client.trainer import keys as K
-from rr_client.trainer.replay._audit import DeviceTally
-from rr_client.trainer.replay._routers import in_backward
+from rr_client.trainer.replay.phase import DeviceTally, in_backward
 from rr_client.trainer.session import AUDIT_EVERY, merge_reports
 
 __all__ = ["Lifecycle", "RouterState", "R2Record", "AUDIT_EVERY", "recomputes_router"]

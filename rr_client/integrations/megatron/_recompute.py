@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rr_client.core.errors import ReplayError
-from rr_client.trainer.replay._audit import DeviceTally
+from rr_client.trainer.replay.phase import DeviceTally
 
 __all__ = ["RecomputePool", "fingerprint", "MATCH_TOLERANCE", "COMPACT_AT", "MAX_LIVE"]
 

@@ -19,10 +19,12 @@ import torch
 from torch import nn
 
 from rr_client.core.errors import ConfigurationError, ReplayError, ShapeMismatchError, UnsupportedModelError
-from rr_client.trainer.replay._audit import Audit, DeviceTally
+from rr_client.trainer.replay._audit import Audit
 from rr_client.trainer.replay._checkpoint import checkpoint_owner
-from rr_client.trainer.replay._routers import Router, in_backward, num_hidden_layers, router_hooks, survey
-from rr_client.trainer.replay._rows import BlockRows, layer_positions, prepare_rows, upload
+from rr_client.trainer.replay._routers import Router, num_hidden_layers, router_hooks, survey
+from rr_client.trainer.replay.phase import DeviceTally, in_backward
+from rr_client.trainer.replay._rows import BlockRows, place_rows, upload
+from rr_client.trainer.rows import Reader, ReplayRows
 
 __all__ = ["replay_routing", "ReplayHook", "CHECK_EVERY"]
 
@@ -32,21 +34,6 @@ CHECK_EVERY = 16
 
 # per model: how many (non-recompute) forwards each router layer has replayed, for the formula check's sampling
 _REPLAYED_FORWARDS: weakref.WeakKeyDictionary[nn.Module, dict[int, int]] = weakref.WeakKeyDictionary()
-
-
-def _unwrap(routed_experts: Any, mask: Any, layers: Sequence[int] | None, tokens: Any
-            ) -> tuple[Any, Any, Sequence[int] | None, Any]:
-    """A :class:`RoutingTensors` / :class:`PackedRouting` gives its rows, mask, layer axis and (padded layout)
-    which rows are real tokens (its ``attention_mask``)."""
-    if hasattr(routed_experts, "routed_experts") and hasattr(routed_experts, "routed_experts_mask"):
-        if mask is None:
-            mask = routed_experts.routed_experts_mask
-        if layers is None:
-            layers = routed_experts.layers
-        if tokens is None:
-            tokens = getattr(routed_experts, "attention_mask", None)
-        routed_experts = routed_experts.routed_experts
-    return routed_experts, mask, layers, tokens
 
 
 class ReplayHook:
@@ -135,11 +122,13 @@ def replay_routing(
     ``routed_experts``: ``[B, T, L, K]`` (padded, token-major) or ``[N, L, K]`` (packed) expert ids, rows in
     the order the router sees tokens (batch-major flatten of ``input_ids``), on any device (the CPU or the
     model's); or a :class:`rr_client.RoutingTensors` / :class:`rr_client.PackedRouting`, whose
-    ``routed_experts_mask`` and ``layers`` are then used. ``mask`` (same leading shape, any device): rows
-    where it is False keep the model's own choice; rows with a negative id (the ``-1`` pad) too. The layer
-    axis is absolute (``L`` = decoder layers) or MoE ordinals (``L`` = MoE layers), or as ``layers`` says.
-    Errors: :class:`ShapeMismatchError` (token or layer count, top-k), :class:`ExpertIdOutOfRangeError`,
-    :class:`UnrecordedRoutingError` (repeated ids in a replayed row: pass the mask),
+    ``routed_experts_mask`` and ``layers`` are then used; or :class:`rr_client.trainer.rows.ReplayRows`. ``mask``
+    (same leading shape, any device): rows where it is False keep the model's own choice; rows whose ids are all
+    negative (the ``-1`` pad) too. The layer axis is absolute (``L`` = decoder layers) or MoE ordinals (``L`` = MoE
+    layers), or as ``layers`` says (:func:`rr_client.trainer.rows.axis_layers`).
+    Errors: :class:`ShapeMismatchError` (token or layer count, top-k, a layer served dense),
+    :class:`ExpertIdOutOfRangeError`, :class:`rr_client.ArgumentTypeError` (ids not integers),
+    :class:`UnrecordedRoutingError` (repeated ids in a replayed row: pass the mask; a partly padded row),
     :class:`UnsupportedModelError` (a refused family, with the reason: docs/replay-coverage.md). The rows are
     validated once, when the block opens, for all layers at once (one host read), and moved to the routers'
     devices once.
@@ -172,32 +161,25 @@ def replay_routing(
     """
     if check_every < 1:
         raise ConfigurationError(f"check_every must be >= 1, got {check_every}")
-    routed_experts, mask, layers, tokens = _unwrap(routed_experts, mask, layers, tokens)
+    if tokens is None and not isinstance(routed_experts, ReplayRows):  # a RoutingTensors' real tokens
+        tokens = getattr(routed_experts, "attention_mask", None)
     routers, left = survey(model, allow_untested=allow_untested)
     if not routers:
         raise UnsupportedModelError(f"no replayable MoE router in {type(model).__name__}'s decoder layers")
-    re_t = torch.as_tensor(routed_experts)
-    if re_t.dim() < 3:
-        raise ShapeMismatchError(f"routed_experts must be [..., L, K], got shape {tuple(re_t.shape)}")
-    k = re_t.shape[-1]
-    bad_k = [r.layer for r in routers if r.top_k != k]
-    if bad_k:
-        raise ShapeMismatchError(f"routed_experts has top-{k}; routers of layers {bad_k} pick top-{routers[0].top_k}")
-    lead = tuple(re_t.shape[:-2])
-    flat = re_t.reshape(-1, re_t.shape[-2], k)
     hash_layers = [x.layer for x in left if x.why == "hash" and x.layer is not None]
-    pos, axis = layer_positions(flat.shape[1], num_hidden_layers(model, routers), routers, layers, hash_layers)
-    m: torch.Tensor | None = None
-    if mask is not None:
-        m = torch.as_tensor(mask)
-        if tuple(m.shape) != lead:
-            raise ShapeMismatchError(f"mask shape {tuple(m.shape)} does not match routed_experts rows {lead}")
-        m = upload(m.reshape(-1), flat.device).bool()  # the mask goes to the rows' side
+    given = ReplayRows.of(routed_experts, mask=mask, layers=layers,
+                          num_hidden_layers=num_hidden_layers(model, routers), moe_layers=[r.layer for r in routers],
+                          extra=hash_layers)
+    if segments is None:
+        segments = given.segments
+    lead, axis = given.shape, list(given.layers)
+    readers = [Reader(r.layer, r.num_experts, r.top_k, f"layer {r.layer}") for r in routers]
     spare = None
     if audit:
-        consumed = set(pos.values()) | {axis.index(h) for h in hash_layers if h in axis}
-        spare = {layer: p for p, layer in enumerate(axis) if p not in consumed}
-    rows = prepare_rows(flat, m, routers, pos, spare, audit=audit)
+        consumed = set(given.positions(readers)) | {axis.index(h) for h in hash_layers if h in axis}
+        spare = [layer for p, layer in enumerate(axis) if p not in consumed]
+    st, n_use, unconsumed = given.check(readers, spare=spare)  # the rows' one check: one host read
+    rows = place_rows(st, n_use, unconsumed, routers, audit=audit)
 
     tally = DeviceTally()
     if segments is not None and tuple(segments.rows.shape) != lead:

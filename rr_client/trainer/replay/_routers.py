@@ -27,7 +27,7 @@ from rr_client.trainer.replay.coverage import FAMILY_ROUTERS, HIGHEST, TESTED, f
 from rr_client.trainer.replay.formulas import HASH_ROUTERS, SUPPORTED_ROUTERS, WeightFn
 
 __all__ = ["Router", "LeftRouter", "survey", "find_routers", "num_hidden_layers", "router_hooks", "router_device",
-           "in_backward", "transformers_version"]
+           "transformers_version"]
 
 _ROUTER_LIKE = re.compile(r"(router|topk.?gate|moegate|topk.?gating)$", re.IGNORECASE)
 
@@ -277,9 +277,3 @@ def router_device(r: Router) -> torch.device | None:
     """Where the router runs (its first parameter's device), or None for a parameter-free router."""
     p = next(r.module.parameters(), None)
     return None if p is None else p.device
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward pass (where checkpointing recomputes forwards)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1

@@ -75,8 +75,9 @@ class ReleaseFacts:
     @property
     def capture_setting(self) -> str:
         """Where vLLM's ``--enable-return-routed-experts`` lands in its config."""
-        return ("vllm_config.aux_output_config" if self.aux_output_connector else "model_config") \
-            + ".enable_return_routed_experts"
+        return (
+            "vllm_config.aux_output_config" if self.aux_output_connector else "model_config"
+        ) + ".enable_return_routed_experts"
 
     @property
     def ignores_start(self) -> bool:
@@ -111,5 +112,9 @@ class EngineReleases:
         try:
             return engine_release(version)
         except ValueError:
-            raise self.error(f"cannot parse {self.wire.label} version {version!r}", package=self.name,
-                             version=str(version), tested=str(self.tested)) from None
+            raise self.error(
+                f"cannot parse {self.wire.label} version {version!r}",
+                package=self.name,
+                version=str(version),
+                tested=str(self.tested),
+            ) from None

@@ -17,8 +17,19 @@ from rr_client.core.logprobs import PROCESSED, RAW
 from rr_client.core.versions import Tested, check_version
 from rr_server.serving.engines.base import EngineReleases, ReleaseFacts, engine_release
 
-__all__ = ["MIN_VERSION", "MAX_VERSION", "TESTED", "DRAFT_FIX_RELEASE", "UnsupportedSGLangError", "RELEASES",
-           "installed_version", "profile_for", "facts_for", "ORIGINAL_LOGPROB_ENV", "logprobs_mode"]
+__all__ = [
+    "MIN_VERSION",
+    "MAX_VERSION",
+    "TESTED",
+    "DRAFT_FIX_RELEASE",
+    "UnsupportedSGLangError",
+    "RELEASES",
+    "installed_version",
+    "profile_for",
+    "facts_for",
+    "ORIGINAL_LOGPROB_ENV",
+    "logprobs_mode",
+]
 
 # The SGLang releases rr's patch was tested on, each bound compared at patch precision.
 TESTED = Tested("0.5.7", "0.5.23")
@@ -77,7 +88,10 @@ def profile_for(version: str | None = None) -> ReleaseFacts:
         raise UnsupportedSGLangError(
             f"rr's SGLang patch was tested with SGLang {TESTED}; found {version}. Refusing to patch code "
             "it was not tested against (pin a tested SGLang, or use the rr sidecar in front of it).",
-            package=e.package, version=e.version, tested=e.tested) from None
+            package=e.package,
+            version=e.version,
+            tested=e.tested,
+        ) from None
     return profile
 
 
@@ -93,6 +107,12 @@ def logprobs_mode(env: Mapping[str, str] | None = None) -> str:
     return RAW if str(value).lower() in ("true", "1") else PROCESSED
 
 
-RELEASES = EngineReleases(wire=SGLANG, tested=TESTED, draft_fix_release=DRAFT_FIX_RELEASE,
-                          draft_issue="sgl-project/sglang#26980", error=UnsupportedSGLangError, facts_for=facts_for,
-                          installed_version=installed_version)
+RELEASES = EngineReleases(
+    wire=SGLANG,
+    tested=TESTED,
+    draft_fix_release=DRAFT_FIX_RELEASE,
+    draft_issue="sgl-project/sglang#26980",
+    error=UnsupportedSGLangError,
+    facts_for=facts_for,
+    installed_version=installed_version,
+)

@@ -12,8 +12,17 @@ from rr_client.core.errors import UnsupportedVersionError
 from rr_client.core.versions import Tested
 from rr_server.serving.engines.base import EngineReleases, ReleaseFacts, engine_release
 
-__all__ = ["SUPPORTED", "TESTED", "DISTRIBUTIONS", "DRAFT_FIX_RELEASE", "UnsupportedVLLMVersion", "RELEASES",
-           "check_vllm_version", "facts_for", "installed_version"]
+__all__ = [
+    "SUPPORTED",
+    "TESTED",
+    "DISTRIBUTIONS",
+    "DRAFT_FIX_RELEASE",
+    "UnsupportedVLLMVersion",
+    "RELEASES",
+    "check_vllm_version",
+    "facts_for",
+    "installed_version",
+]
 
 # Versions whose routed-experts path returns base64 .npy (see docs/engines.md), each bound at (major, minor).
 TESTED = Tested("0.22", "0.33")
@@ -39,14 +48,24 @@ def facts_for(version: str) -> ReleaseFacts:
     """The facts of ``version``; an unparsable version is UnsupportedVLLMVersion."""
     rel = RELEASES.parse(version)
     minor = rel[:2]
-    return ReleaseFacts(engine=VLLM.name, version=version, release=rel, tested=TESTED,
-                        endpoint_plugins=minor >= (0, 30),
-                        aux_output_connector=minor >= (0, 31), cpu_capture=minor == (0, 30),
-                        eplb_physical_ids=(0, 14) <= minor <= (0, 15), all_zero_routing=minor == (0, 15),
-                        nested_json_lists=minor == (0, 21), cpu_compile_zeros=minor >= (0, 14),
-                        cpu_reload_unpacked_experts=minor == (0, 30), fused_moe_zero_routing=minor < (0, 30),
-                        kv_connector_refused=minor == (0, 30),
-                        draft_pollutes_routing=minor < (0, 30), processed_logprobs=rel >= (0, 10, 1))
+    return ReleaseFacts(
+        engine=VLLM.name,
+        version=version,
+        release=rel,
+        tested=TESTED,
+        endpoint_plugins=minor >= (0, 30),
+        aux_output_connector=minor >= (0, 31),
+        cpu_capture=minor == (0, 30),
+        eplb_physical_ids=(0, 14) <= minor <= (0, 15),
+        all_zero_routing=minor == (0, 15),
+        nested_json_lists=minor == (0, 21),
+        cpu_compile_zeros=minor >= (0, 14),
+        cpu_reload_unpacked_experts=minor == (0, 30),
+        fused_moe_zero_routing=minor < (0, 30),
+        kv_connector_refused=minor == (0, 30),
+        draft_pollutes_routing=minor < (0, 30),
+        processed_logprobs=rel >= (0, 10, 1),
+    )
 
 
 def check_vllm_version(version: str | None = None, *, allow_unsupported: bool = False) -> str:
@@ -61,13 +80,28 @@ def check_vllm_version(version: str | None = None, *, allow_unsupported: bool = 
         version = str(vllm.__version__)
     try:
         return versions.check_version(
-            "vllm", TESTED, version, why="rr needs routed_experts as base64 .npy and hooks vLLM's API server",
-            allow_unsupported=allow_unsupported, distributions=DISTRIBUTIONS)
+            "vllm",
+            TESTED,
+            version,
+            why="rr needs routed_experts as base64 .npy and hooks vLLM's API server",
+            allow_unsupported=allow_unsupported,
+            distributions=DISTRIBUTIONS,
+        )
     except UnsupportedVersionError as e:
-        raise UnsupportedVLLMVersion(f"{e} (rr-server launch vllm takes {_LAUNCHER_OVERRIDE}.)",
-                                     package=e.package, version=e.version, tested=e.tested) from None
+        raise UnsupportedVLLMVersion(
+            f"{e} (rr-server launch vllm takes {_LAUNCHER_OVERRIDE}.)",
+            package=e.package,
+            version=e.version,
+            tested=e.tested,
+        ) from None
 
 
-RELEASES = EngineReleases(wire=VLLM, tested=TESTED, draft_fix_release=DRAFT_FIX_RELEASE,
-                          draft_issue="vllm-project/vllm#48622", error=UnsupportedVLLMVersion, facts_for=facts_for,
-                          installed_version=installed_version)
+RELEASES = EngineReleases(
+    wire=VLLM,
+    tested=TESTED,
+    draft_fix_release=DRAFT_FIX_RELEASE,
+    draft_issue="vllm-project/vllm#48622",
+    error=UnsupportedVLLMVersion,
+    facts_for=facts_for,
+    installed_version=installed_version,
+)

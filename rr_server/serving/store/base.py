@@ -63,8 +63,9 @@ class NewRows:
 
     def __init__(self, checked: CheckedRouting) -> None:
         if not isinstance(checked, CheckedRouting):  # only rows that passed the check get in
-            raise ArgumentTypeError(f"a routing store takes a CheckedRouting from check_routing, "
-                                    f"got {type(checked).__name__}")
+            raise ArgumentTypeError(
+                f"a routing store takes a CheckedRouting from check_routing, got {type(checked).__name__}"
+            )
         self.checked = checked
         self.key = uuid.uuid4().hex
         self.digest = checksum(checked.array)
@@ -73,9 +74,18 @@ class NewRows:
         """The :class:`rr_client.RoutingRef` dict naming these rows, held by store ``store`` at ``url`` under
         weight version ``weight_version``: shape, dtype and start as checked."""
         arr = self.checked.array
-        return RoutingRef(store=store, url=url, key=self.key, rows=int(arr.shape[0]), layers=int(arr.shape[1]),
-                          topk=int(arr.shape[2]), dtype=arr.dtype.name, start=self.checked.start,
-                          weight_version=int(weight_version), checksum=self.digest).to_dict()
+        return RoutingRef(
+            store=store,
+            url=url,
+            key=self.key,
+            rows=int(arr.shape[0]),
+            layers=int(arr.shape[1]),
+            topk=int(arr.shape[2]),
+            dtype=arr.dtype.name,
+            start=self.checked.start,
+            weight_version=int(weight_version),
+            checksum=self.digest,
+        ).to_dict()
 
 
 def read_many(store: RowStore, asks: list[Ask]) -> tuple[list[FramePart], list[dict[str, str]]]:

@@ -54,8 +54,14 @@ class StoreLedger:
     in-memory store locks around it, a Ray actor runs one call at a time). ``what`` and ``moved`` name the store
     and where a ref of another instance came from, in the errors."""
 
-    def __init__(self, max_bytes: int, instance: str | None = None, *, what: str = "routing store",
-                 moved: str = "the server restarted, or the ref was sent to another server") -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        instance: str | None = None,
+        *,
+        what: str = "routing store",
+        moved: str = "the server restarted, or the ref was sent to another server",
+    ) -> None:
         if max_bytes <= 0:
             raise ConfigurationError(f"routing store byte cap must be > 0, got {max_bytes} (RR_ROUTING_STORE_BYTES)")
         self.max_bytes = int(max_bytes)
@@ -65,15 +71,31 @@ class StoreLedger:
         self._entries: OrderedDict[str, Held] = OrderedDict()
         self._gone: OrderedDict[str, str] = OrderedDict()
         self._bytes = 0
-        self.counts = dict.fromkeys(("stored", "stored_bytes", "reads", "read_rows", "read_bytes", "evicted",
-                                     "evicted_bytes", "retired", "retired_bytes", "expired_reads", "refused"), 0)
+        self.counts = dict.fromkeys(
+            (
+                "stored",
+                "stored_bytes",
+                "reads",
+                "read_rows",
+                "read_bytes",
+                "evicted",
+                "evicted_bytes",
+                "retired",
+                "retired_bytes",
+                "expired_reads",
+                "refused",
+            ),
+            0,
+        )
 
     def admit(self, nbytes: int) -> None:
         """Refuse rows larger than the whole cap (they could never be held)."""
         if nbytes > self.max_bytes:
             self.counts["refused"] += 1
-            raise RoutingExpiredError(f"routing of {nbytes} bytes exceeds the {self.what}'s cap of "
-                                      f"{self.max_bytes} bytes (RR_ROUTING_STORE_BYTES): it could not be held")
+            raise RoutingExpiredError(
+                f"routing of {nbytes} bytes exceeds the {self.what}'s cap of "
+                f"{self.max_bytes} bytes (RR_ROUTING_STORE_BYTES): it could not be held"
+            )
 
     def add(self, key: str, held: Held) -> None:
         """Hold one entry (admitted), evicting the oldest until it fits."""
@@ -98,8 +120,11 @@ class StoreLedger:
         e = self._entries.get(key) if store == self.instance else None
         if e is None:
             self.counts["expired_reads"] += 1
-            why = (f"it was made by routing store {store}, this {self.what} is {self.instance} ({self.moved})"
-                   if store != self.instance else self._gone.get(key, f"no such key in this {self.what}"))
+            why = (
+                f"it was made by routing store {store}, this {self.what} is {self.instance} ({self.moved})"
+                if store != self.instance
+                else self._gone.get(key, f"no such key in this {self.what}")
+            )
             raise RoutingExpiredError(f"routing ref {key}: {why}")
         return e
 
@@ -124,8 +149,14 @@ class StoreLedger:
 
     def stats(self) -> dict[str, Any]:
         """Entries and bytes held, cap, weight version, lifetime counts."""
-        return {"instance": self.instance, "entries": len(self._entries), "bytes": self._bytes,
-                "max_bytes": self.max_bytes, "weight_version": self.weight_version, **self.counts}
+        return {
+            "instance": self.instance,
+            "entries": len(self._entries),
+            "bytes": self._bytes,
+            "max_bytes": self.max_bytes,
+            "weight_version": self.weight_version,
+            **self.counts,
+        }
 
 
 def row_range(key: str, n: int, start: int | None, stop: int | None) -> tuple[int, int]:

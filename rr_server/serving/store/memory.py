@@ -92,6 +92,9 @@ class MemoryStore(RowStore):
         except ValueError:
             loopback = False
         if loopback:
-            logger.warning("rr: routing refs name %s, a loopback address: a trainer rank on another machine would "
-                           "read its own loopback. Serve on a reachable --host, or set RR_ADVERTISE_URL to the URL "
-                           "ranks reach this server at.", url)
+            logger.warning(
+                "rr: routing refs name %s, a loopback address: a trainer rank on another machine would "
+                "read its own loopback. Serve on a reachable --host, or set RR_ADVERTISE_URL to the URL "
+                "ranks reach this server at.",
+                url,
+            )

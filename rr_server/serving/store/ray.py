@@ -30,8 +30,17 @@ from rr_server.serving.store.base import NewRows, RowStore
 from rr_server.serving.store.ledger import Held, StoreLedger, admitted_version, row_range
 from rr_server.serving.store.siblings import Siblings
 
-__all__ = ["RayStoreActor", "RayStore", "NAMESPACE", "PREFIX", "SCHEME", "actor_name", "connect", "list_stores",
-           "remove_stores"]
+__all__ = [
+    "RayStoreActor",
+    "RayStore",
+    "NAMESPACE",
+    "PREFIX",
+    "SCHEME",
+    "actor_name",
+    "connect",
+    "list_stores",
+    "remove_stores",
+]
 
 SCHEME = "ray://"  #: a Ray store's refs name ``ray://<namespace>/<actor>`` (the client parses it in _ray_refs)
 NAMESPACE = "rr"
@@ -48,8 +57,11 @@ class RayStoreActor:
     version by the same :class:`StoreLedger` as the in-memory store. ``engine``: who made it (for the list)."""
 
     def __init__(self, max_bytes: int, engine: dict[str, Any] | None = None) -> None:
-        self.ledger = StoreLedger(max_bytes, what="Ray routing store",
-                                  moved="its engine restarted, or the ref was sent to another engine's store")
+        self.ledger = StoreLedger(
+            max_bytes,
+            what="Ray routing store",
+            moved="its engine restarted, or the ref was sent to another engine's store",
+        )
         self.engine = dict(engine or {})
 
     def identity(self) -> tuple[str, int]:
@@ -93,8 +105,12 @@ def connect(address: str | None = None) -> Any:
     """Ray, joined at ``address`` (``RR_RAY_ADDRESS``, default ``auto``) unless this process already is."""
     ray = require("ray", for_what="RR_ROUTING_STORE=ray")
     if not ray.is_initialized():
-        ray.init(address=address or settings.text("RR_RAY_ADDRESS") or "auto", namespace=NAMESPACE,
-                 log_to_driver=False, ignore_reinit_error=True)
+        ray.init(
+            address=address or settings.text("RR_RAY_ADDRESS") or "auto",
+            namespace=NAMESPACE,
+            log_to_driver=False,
+            ignore_reinit_error=True,
+        )
     return ray
 
 
@@ -111,9 +127,16 @@ class RayStore(RowStore):
         self.url = f"{SCHEME}{NAMESPACE}/{self.name}"
         self.siblings: Siblings | None = None  #: the server's other API server processes (install_store)
         engine = {"host": socket.gethostname(), "pid": os.getpid(), "node": node, "started": time.time()}
-        self._actor = ray.remote(RayStoreActor).options(
-            name=self.name, namespace=NAMESPACE, num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(max_bytes, engine)
+        self._actor = (
+            ray.remote(RayStoreActor)
+            .options(
+                name=self.name,
+                namespace=NAMESPACE,
+                num_cpus=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            )
+            .remote(max_bytes, engine)
+        )
         self.instance, _ = ray.get(self._actor.identity.remote())
         self._ray = ray
         self._lock = threading.Lock()
@@ -125,13 +148,14 @@ class RayStore(RowStore):
         new = NewRows(checked)
         arr = checked.array
         obj = self._ray.put(arr)
-        version = self._ray.get(self._actor.put.remote(new.key, [obj], int(arr.nbytes), int(arr.shape[0]),
-                                                       new.digest, admitted_version()))
+        version = self._ray.get(
+            self._actor.put.remote(new.key, [obj], int(arr.nbytes), int(arr.shape[0]), new.digest, admitted_version())
+        )
         return new.ref(self.instance, self.url, int(version))
 
     def read(self, store: str, key: str, start: int | None = None, stop: int | None = None) -> FramePart:
         """Rows ``[start, stop)`` of ``key`` (the HTTP read route on a Ray store), with the kept checksum."""
-        (obj, digest_or_why), = self._ray.get(self._actor.locate.remote([(store, key)]))
+        ((obj, digest_or_why),) = self._ray.get(self._actor.locate.remote([(store, key)]))
         if obj is None:
             raise RoutingExpiredError(digest_or_why)
         rows = self._ray.get(obj)
@@ -144,8 +168,10 @@ class RayStore(RowStore):
 
     def local_stats(self) -> dict[str, Any]:
         """The actor's counters (``backend: ray``), and the asks this process read from a sibling."""
-        return {**self._ray.get(self._actor.stats.remote()),
-                "sibling_reads": self.siblings.forwarded if self.siblings else 0}
+        return {
+            **self._ray.get(self._actor.stats.remote()),
+            "sibling_reads": self.siblings.forwarded if self.siblings else 0,
+        }
 
     def advertise(self, url: str) -> None:
         """Nothing to do: a Ray store's refs name its actor (``ray://``), not the server's URL."""

@@ -23,8 +23,16 @@ from rr_server.serving.http import error_body, json_response
 from rr_server.serving.store.base import Ask, RowStore, read_many
 from rr_server.serving.store.install import current_store
 
-__all__ = ["STORE_ROUTES", "MAX_REFS_PER_READ", "TooManyRefs", "parse_read", "read_endpoint", "retire_endpoint",
-           "READ_PATH", "RETIRE_PATH"]
+__all__ = [
+    "STORE_ROUTES",
+    "MAX_REFS_PER_READ",
+    "TooManyRefs",
+    "parse_read",
+    "read_endpoint",
+    "retire_endpoint",
+    "READ_PATH",
+    "RETIRE_PATH",
+]
 
 MAX_REFS_PER_READ = 4096  #: refs one ``POST /rr/routing/read`` may name (the client reads 64 per call)
 
@@ -51,14 +59,22 @@ def parse_read(body: bytes) -> list[Ask]:
     if not isinstance(refs, list) or not refs:
         raise ValueError('body must be {"refs": [{"store", "key", "start"?, "stop"?}, ...]} with at least one')
     if len(refs) > MAX_REFS_PER_READ:
-        raise TooManyRefs(f"{len(refs)} refs in one read; this server answers at most {MAX_REFS_PER_READ} per call "
-                          "(MAX_REFS_PER_READ): split them over several calls")
+        raise TooManyRefs(
+            f"{len(refs)} refs in one read; this server answers at most {MAX_REFS_PER_READ} per call "
+            "(MAX_REFS_PER_READ): split them over several calls"
+        )
     asks = []
     for i, r in enumerate(refs):
         if not isinstance(r, dict) or not isinstance(r.get("key"), str) or not isinstance(r.get("store"), str):
             raise ValueError(f"refs[{i}] must be an object with string store and key")
-        asks.append((r["store"], r["key"], _int_or_none(r.get("start"), f"refs[{i}].start"),
-                     _int_or_none(r.get("stop"), f"refs[{i}].stop")))
+        asks.append(
+            (
+                r["store"],
+                r["key"],
+                _int_or_none(r.get("start"), f"refs[{i}].start"),
+                _int_or_none(r.get("stop"), f"refs[{i}].stop"),
+            )
+        )
     return asks
 
 
@@ -88,8 +104,12 @@ def _read_answer(store: RowStore, body: bytes) -> Response:
     except ValueError as e:
         return _error(400, "BadRequestError", str(e))
     if expired:
-        return _error(410, "RoutingExpiredError", "; ".join(x["why"] for x in expired[:4])
-                      + (f" (+{len(expired) - 4} more)" if len(expired) > 4 else ""), expired=expired)
+        return _error(
+            410,
+            "RoutingExpiredError",
+            "; ".join(x["why"] for x in expired[:4]) + (f" (+{len(expired) - 4} more)" if len(expired) > 4 else ""),
+            expired=expired,
+        )
     return Response(encode_frame(parts), media_type=FRAME_MEDIA_TYPE)
 
 

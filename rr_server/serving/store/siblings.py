@@ -62,7 +62,7 @@ def group_dir(url: str, base: str | None = None) -> Path:
     """The directory the processes of one server share: this user's, per parent process and advertised URL (under
     ``base``, else the temp dir, else ``/tmp`` where the temp dir's path is too long for a Unix socket)."""
     name = f"rr-routing-{os.getuid()}/{os.getppid()}-{hashlib.blake2b(url.encode(), digest_size=6).hexdigest()}"
-    for root in ([base] if base else [tempfile.gettempdir(), "/tmp"]):
+    for root in [base] if base else [tempfile.gettempdir(), "/tmp"]:
         if len(f"{root}/{name}/{'0' * 32}.sock") <= _MAX_SOCKET_PATH:
             break
     return Path(root) / name
@@ -146,7 +146,7 @@ class Siblings:
         atexit.register(self.close)
 
     @classmethod
-    def join(cls, store: LocalStore, url: str, base: str | None = None) -> "Siblings | None":
+    def join(cls, store: LocalStore, url: str, base: str | None = None) -> Siblings | None:
         """Listen for ``store``'s siblings; None (logged) where no private socket directory can be made."""
         if not _INSTANCE.fullmatch(store.instance):  # only rr's own ids name a socket
             return None
@@ -154,12 +154,18 @@ class Siblings:
         try:
             _prune_dead_groups(d.parent) if d.parent.is_dir() else None
             if not _private_dir(d):
-                logger.warning("rr: %s is not a private directory of this user: the routing store does not "
-                               "answer for sibling API server processes", d)
+                logger.warning(
+                    "rr: %s is not a private directory of this user: the routing store does not "
+                    "answer for sibling API server processes",
+                    d,
+                )
                 return None
             if len(str(d / f"{store.instance}.sock")) > _MAX_SOCKET_PATH:
-                logger.warning("rr: %s is too long a path for a Unix socket (TMPDIR): the routing store does not "
-                               "answer for sibling API server processes", d)
+                logger.warning(
+                    "rr: %s is too long a path for a Unix socket (TMPDIR): the routing store does not "
+                    "answer for sibling API server processes",
+                    d,
+                )
                 return None
             return cls(store, d)
         except OSError as e:
@@ -201,8 +207,16 @@ class Siblings:
                 out.append({"bad": str(e)})
                 continue
             rows = np.ascontiguousarray(p.rows)
-            out.append({"key": p.key, "start": p.start, "stop": p.stop, "shape": list(rows.shape),
-                        "dtype": rows.dtype.name, "digest": p.digest})
+            out.append(
+                {
+                    "key": p.key,
+                    "start": p.start,
+                    "stop": p.stop,
+                    "shape": list(rows.shape),
+                    "dtype": rows.dtype.name,
+                    "digest": p.digest,
+                }
+            )
             data.append(rows.data)
         return {"parts": out}, data
 
@@ -225,8 +239,9 @@ class Siblings:
         path = self.dir / f"{instance}.sock"
         return path if path.exists() else None
 
-    def read(self, instance: str, asks: Sequence[tuple[str, int | None, int | None]]
-             ) -> list[FramePart | RoutingExpiredError | ValueError]:
+    def read(
+        self, instance: str, asks: Sequence[tuple[str, int | None, int | None]]
+    ) -> list[FramePart | RoutingExpiredError | ValueError]:
         """Rows of ``asks`` (key, start, stop) held by sibling ``instance``: a part, or why not, for each."""
         path = self.dir / f"{instance}.sock"
         self.forwarded += len(asks)
@@ -236,8 +251,10 @@ class Siblings:
         except (OSError, ValueError, KeyError, TypeError) as e:  # the sibling is gone (or broke): its rows with it
             if isinstance(e, (ConnectionRefusedError, FileNotFoundError)):
                 path.unlink(missing_ok=True)
-            gone = RoutingExpiredError(f"routing store {instance}: the API server process that held it does not "
-                                       f"answer ({type(e).__name__}: {e})")
+            gone = RoutingExpiredError(
+                f"routing store {instance}: the API server process that held it does not "
+                f"answer ({type(e).__name__}: {e})"
+            )
             return [gone] * len(asks)
 
     @staticmethod
@@ -253,7 +270,7 @@ class Siblings:
             else:
                 dtype = np.dtype(p["dtype"])
                 n = int(np.prod(p["shape"])) * dtype.itemsize
-                rows = np.frombuffer(view[offset:offset + n], dtype=dtype).reshape(p["shape"])
+                rows = np.frombuffer(view[offset : offset + n], dtype=dtype).reshape(p["shape"])
                 offset += n
                 out.append(FramePart(p["key"], p["start"], p["stop"], rows, p["digest"]))
         return out
@@ -304,7 +321,7 @@ def retire_everywhere(store: Any, through: int) -> dict[str, Any]:
     """Retire ``through`` in ``store`` and its siblings: freed counts summed, the weight version new refs get;
     ``unreachable`` lists siblings that did not answer."""
     out: dict[str, Any] = dict(store.local_retire(through))
-    for r in (store.siblings.retire(through) if store.siblings else []):
+    for r in store.siblings.retire(through) if store.siblings else []:
         if "unreachable" in r:
             out.setdefault("unreachable", []).append(r)
             continue
