@@ -306,3 +306,32 @@ def test_the_recompute_pool_is_bounded(gpt: Any, monkeypatch: pytest.MonkeyPatch
     assert all(len(st.pool) == 0 for st in replay.lifecycle.states.values() if st.pool is not None)
     replay.close()
 
+
+
+@pytest.mark.parametrize("audit_every", [0, 1])
+def test_the_hooks_read_nothing_from_the_device(gpt: Any, audit_every: int) -> None:
+    """Two micro-batches in flight, backwards reversed, with replay (and the audit): the same host reads as the model
+    without replay (rr_client.trainer.replay.cost counts every sync; step_done's one read is outside)."""
+    from rr_client.trainer.replay.cost import count_ops
+
+    batches = [_batch(1), _batch(2)]
+
+    def step(replay: Any | None) -> int:
+        losses = []
+        with count_ops() as counted:
+            for tokens, rows in batches:
+                if replay is not None:
+                    with count_ops() as feed:  # the feed's own check reads the rows once: not a hook
+                        replay.set_micro_batch(rows, layers=LAYERS)
+                    counted.syncs -= feed.syncs
+                losses.append(_forward(gpt, tokens))
+            losses[1].backward()
+            losses[0].backward()
+        return counted.syncs
+
+    base = step(None)
+    replay = _replay(gpt, audit_every=audit_every)
+    with_replay = step(replay)
+    replay.step_done()
+    replay.close()
+    assert with_replay == base, f"{with_replay - base} host reads in rr's hooks"

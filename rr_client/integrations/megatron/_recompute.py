@@ -118,14 +118,15 @@ class RecomputePool:
         fps = torch.stack([g.fps[i] for i in g.live])  # [n, 3]
         dist = (fps[:, :2] - fp[:2]).abs().amax(dim=1) / (fps[:, 2] + fp[2] + 1e-30)
         pick = torch.argmin(dist + g.used.index_select(0, live).double() * (10 * MATCH_TOLERANCE))  # ties: unused first
-        g.used.index_add_(0, live[pick].reshape(1), torch.ones(1, dtype=torch.int64, device=fp.device))
-        g.best.append(dist[pick])
+        at = pick.reshape(1)  # index_select, never ``t[pick]``: a 0-d tensor index is read on the host
+        g.used.index_add_(0, live.index_select(0, at), torch.ones(1, dtype=torch.int64, device=fp.device))
+        g.best.append(dist.index_select(0, at).squeeze(0))
         g.recomputes += 1
-        targets = torch.stack(g.targets).index_select(0, pick.reshape(1).to(g.targets[0].device)).squeeze(0)
+        targets = torch.stack(g.targets).index_select(0, at.to(g.targets[0].device)).squeeze(0)
         have = None
         if all(h is not None for h in g.haves):
             hv = torch.stack(g.haves)  # type: ignore[arg-type]
-            have = hv.index_select(0, pick.reshape(1).to(hv.device)).squeeze(0)
+            have = hv.index_select(0, at.to(hv.device)).squeeze(0)
         if g.recomputes >= len(g.fps):  # every forward of the group had its recompute: no targets needed any more
             g.live, g.targets, g.haves = [], [], []
         return targets, have
