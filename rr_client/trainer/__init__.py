@@ -5,6 +5,7 @@ Imports torch. Sits above the wire core and the client (it reads their checked s
 :mod:`rr_client.integrations` (TRL, verl), which adapt a trainer's loop to the session.
 
 - :mod:`rr_client.trainer.layouts`: :func:`to_tensors` / :func:`to_packed` (padded and packed batches).
+- :mod:`rr_client.trainer.rows`: :class:`ReplayRows`, the one form of replay input and its one check.
 - :mod:`rr_client.trainer.replay`: :func:`replay_routing`, :func:`record_routing`, the audit, the coverage table.
 - :mod:`rr_client.trainer.metrics`: the log-prob gap and routing agreement.
 - :mod:`rr_client.trainer.session`: :class:`ReplaySession`; :mod:`rr_client.trainer.keys`: its metric names.
@@ -21,10 +22,11 @@ if TYPE_CHECKING:
     from rr_client.trainer.layouts import PackedRouting, RoutingTensors, tensor_dtype, to_packed, to_tensors
     from rr_client.trainer.metrics import r3_metrics
     from rr_client.trainer.replay import record_routing, replay_routing
+    from rr_client.trainer.rows import ReplayRows
     from rr_client.trainer.session import ReplaySession
 
 __all__ = ["ReplaySession", "to_tensors", "to_packed", "RoutingTensors", "PackedRouting", "tensor_dtype",
-           "replay_routing", "record_routing", "r3_metrics", "keys"]
+           "ReplayRows", "replay_routing", "record_routing", "r3_metrics", "keys"]
 
 _LAZY = {
     "ReplaySession": "rr_client.trainer.session",
@@ -33,6 +35,7 @@ _LAZY = {
     "RoutingTensors": "rr_client.trainer.layouts",
     "PackedRouting": "rr_client.trainer.layouts",
     "tensor_dtype": "rr_client.trainer.layouts",
+    "ReplayRows": "rr_client.trainer.rows",
     "replay_routing": "rr_client.trainer.replay",
     "record_routing": "rr_client.trainer.replay",
     "r3_metrics": "rr_client.trainer.metrics",

@@ -16,6 +16,8 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise MissingDependencyError("rr_client.to_tensors needs torch: pip install 'rr-replay[torch]'") from e
 
+from rr_client.trainer.rows import axis_layers, pad_ids
+
 __all__ = ["PackedRouting", "RoutingTensors", "Sample", "to_packed", "to_tensors", "tensor_dtype"]
 
 
@@ -89,6 +91,9 @@ class RoutingTensors(_Layout):
     position_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     logprobs_mode: str | None = None
+    #: per sample, per turn: the provenance of its rows (None where the server gave none), for the stale-rows
+    #: policy a :class:`rr_client.trainer.ReplaySession` applies where the rows enter (None: not known)
+    provenance: tuple[tuple[Any, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,7 @@ class PackedRouting(_Layout):
     num_pad_tokens: int = 0
     logprobs: torch.Tensor | None = None
     logprobs_mode: str | None = None
+    provenance: tuple[tuple[Any, ...], ...] | None = None  #: per sample, per turn, as in :class:`RoutingTensors`
 
 
 def tensor_dtype(num_experts: int) -> np.dtype[np.generic]:
@@ -136,15 +142,33 @@ def _routing_dtype(num_experts: int, pad_experts: str) -> np.dtype[np.generic]:
     return dt
 
 
-def _pad_row(pad_experts: str, n_layers: int, k: int, num_experts: int) -> np.ndarray | None:
-    """The ``[L, K]`` row written where there is no routing, or None for zeros (the buffer's fill)."""
-    if pad_experts == "zero":
+def _pad_row(pad_experts: str, n_layers: int, k: int) -> np.ndarray | None:
+    """The ``[L, K]`` row the buffer starts with where there is no routing, or None for zeros (the buffer's
+    fill; ``"distinct"`` pads are written after the rows, by :func:`_spread_pads`)."""
+    if pad_experts in ("zero", "distinct"):
         return None
-    if pad_experts == "distinct":
-        return np.broadcast_to(np.arange(k) % num_experts, (n_layers, k))
     if pad_experts == "minus_one":
         return np.full((n_layers, k), -1)
     raise ConfigurationError(f"pad_experts must be 'zero', 'distinct' or 'minus_one', got {pad_experts!r}")
+
+
+def _spread_pads(routing: np.ndarray, have: np.ndarray, layers: list[int], num_experts: int) -> None:
+    """``pad_experts="distinct"``: every row without routing (``have`` False) gets the rows' pad row for its pad
+    ordinal (row-major order) and layer (:func:`rr_client.trainer.rows.pad_ids`: K distinct ids strided over all
+    experts, rotated per layer), in place, vectorised."""
+    free = ~have
+    if not free.any():
+        return
+    ordinal = np.cumsum(free.ravel()).reshape(free.shape)[free] - 1
+    routing[free] = pad_ids(torch.from_numpy(ordinal), layers, routing.shape[-1], num_experts).numpy()
+
+
+def _provenances(results: Sequence[Sample]) -> tuple[tuple[Any, ...], ...]:
+    """Each sample's provenance per turn (:func:`rr_client.trainer.provenance.sample_provenances`), carried with the
+    rows so the stale-rows policy runs where they enter a session."""
+    from rr_client.trainer.provenance import sample_provenances
+
+    return tuple(tuple(sample_provenances(r)) for r in results)
 
 
 def _sequences(results: Sequence[Sample]) -> list[tuple[list[int], list[int]]]:
@@ -191,10 +215,13 @@ def _logprobs_of(results: Sequence[Sample], seqs: list[tuple[list[int], list[int
 
 
 def _layer_axis(info: RRInfo, moe_layers_only: bool) -> tuple[list[int], np.ndarray | None, LayerAxis]:
+    """The batch's layer axis (the rows' one rule, :func:`rr_client.trainer.rows.axis_layers`): the MoE layers
+    (``moe_layers_only``) or every decoder layer; the engine rows' positions to keep; its label."""
+    n_axis = len(info.moe_layers) if moe_layers_only else info.num_hidden_layers
+    layers = axis_layers(n_axis, num_hidden_layers=info.num_hidden_layers, moe_layers=info.moe_layers)
     if moe_layers_only:
-        layers = list(info.moe_layers)
         return layers, np.asarray(layers, dtype=np.int64), "moe"
-    return list(range(info.num_hidden_layers)), None, "absolute"
+    return layers, None, "absolute"
 
 
 def _sample_rows(r: Sample, n_tokens: int, layer_index: np.ndarray | None) -> np.ndarray:
@@ -225,8 +252,9 @@ def to_tensors(
     ``pad_side``: ``"left"`` (real tokens flush right), ``"right"`` (flush left) or ``"split"`` (verl:
     prompts left-padded to ``prompt_length``, responses right-padded to ``response_length``; ``T = P + R``;
     a longer prompt or response is a :class:`ShapeMismatchError`, never truncated). ``pad_experts``: what
-    rows without routing hold (``"zero"``: 0, the mask tells them apart; ``"distinct"``: ``arange(K) % E``;
-    ``"minus_one"``: -1, in a signed dtype). ``position_ids`` (split only) count from 0 at the first real
+    rows without routing hold (``"zero"``: 0, the mask tells them apart; ``"distinct"``: K distinct ids strided
+    over all experts by pad ordinal and rotated per layer, :func:`rr_client.trainer.rows.pad_ids`, so pad tokens
+    per expert stay within one of even; ``"minus_one"``: -1, in a signed dtype). ``position_ids`` (split only) count from 0 at the first real
     token; padding is 0.
     """
     if pad_side not in ("left", "right", "split"):
@@ -262,7 +290,7 @@ def to_tensors(
     layers, layer_index, axis = _layer_axis(info, moe_layers_only)
     n_layers, k = len(layers), info.topk
     dt = _routing_dtype(info.num_experts, pad_experts)
-    pad_row = _pad_row(pad_experts, n_layers, k, info.num_experts)
+    pad_row = _pad_row(pad_experts, n_layers, k)
 
     ids = np.full((b, width), pad_token_id, dtype=np.int64)
     attn = np.zeros((b, width), dtype=np.int64)
@@ -295,6 +323,8 @@ def to_tensors(
         cols = pos[r.routed_experts_start : r.routed_experts_start + arr.shape[0]]
         rmask[i, cols] = True
         routing[i, cols] = arr
+    if pad_experts == "distinct":
+        _spread_pads(routing, rmask, layers, info.num_experts)
 
     out = torch.from_numpy(routing)
     if layout == "layer_major":
@@ -310,6 +340,7 @@ def to_tensors(
         position_ids=None if pos_ids is None else torch.from_numpy(pos_ids),
         logprobs=None if lps is None else torch.from_numpy(lps),
         logprobs_mode=lp_mode,
+        provenance=_provenances(results),
     )
 
 
@@ -344,7 +375,7 @@ def to_packed(
     layers, layer_index, axis = _layer_axis(info, moe_layers_only)
     n_layers, k = len(layers), info.topk
     dt = _routing_dtype(info.num_experts, pad_experts)
-    pad_row = _pad_row(pad_experts, n_layers, k, info.num_experts)
+    pad_row = _pad_row(pad_experts, n_layers, k)
 
     cu = np.zeros(b + 1, dtype=np.int32)
     cu[1:] = np.cumsum(lengths)
@@ -373,6 +404,8 @@ def to_packed(
         r0 = int(rcu[i]) + r.routed_experts_start
         rmask[r0 : r0 + arr.shape[0]] = True
         routing[r0 : r0 + arr.shape[0]] = arr
+    if pad_experts == "distinct":
+        _spread_pads(routing, rmask, layers, info.num_experts)
     pos_ids[n_real:] = np.arange(n_pad)
     return PackedRouting(
         input_ids=torch.from_numpy(ids),
@@ -387,4 +420,5 @@ def to_packed(
         num_pad_tokens=n_pad,
         logprobs=None if lps is None else torch.from_numpy(lps),
         logprobs_mode=lp_mode,
+        provenance=_provenances(results),
     )

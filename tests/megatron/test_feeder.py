@@ -45,6 +45,17 @@ def _last(attn: torch.Tensor) -> torch.Tensor:
     return last_tokens(attn)
 
 
+def spread(rows: torch.Tensor, layer: int) -> torch.Tensor:
+    """Reference pad rows (issue 43): ``[tokens, K]`` in the router's token order, the n-th row marked -1 takes
+    ``(n * K + col + layer * K) % E`` (``layer`` 0-based), so pads spread over every expert."""
+    out, n = rows.clone().long(), 0
+    for t in range(out.shape[0]):
+        if bool((out[t] < 0).all()):
+            out[t] = torch.tensor([(n * K + c + layer * K) % E for c in range(K)])
+            n += 1
+    return out
+
+
 def forward(model: Any, ids: torch.Tensor, backward: bool = False) -> None:
     """One forward of ``ids`` ``[b, s]`` with labels (the MTP layer runs only with labels), optionally backward."""
     b, s = ids.shape
@@ -75,7 +86,8 @@ def test_every_router_chooses_its_own_layers_rows(megatron_process: None) -> Non
         (call,) = choices.calls[router]
         want = H.sequence_first(batch.routed_experts[:, :, router.layer_number - 1])
         H.assert_chose(H.RouterCall(call.routing_map[mask], True), want[mask], f"layer {router.layer_number}")
-        assert call.routing_map[~mask].tolist() == [[True] * K + [False] * (E - K)] * int((~mask).sum())
+        pads = spread(torch.full((int((~mask).sum()), K), -1), router.layer_number - 1)
+        H.assert_chose(H.RouterCall(call.routing_map[~mask], True), pads, f"pads of layer {router.layer_number}")
     assert all(r.router_replay.router_replay_action is None and r.router_replay.target_topk_idx is None
                for r in choices.routers)
 
@@ -107,16 +119,16 @@ def test_context_and_sequence_parallel_layouts(megatron_process: None) -> None:
     batch = rollout(seed=3)
     layer3 = next(r for r in H.routers(model) if r.layer_number == 3)
     rows = batch.routed_experts[:, :, 2].long()
-    rows[~batch.routed_experts_mask] = torch.arange(K)
+    rows[~batch.routed_experts_mask] = -1  # pads: spread in each rank's own token order
     for rank, positions in ((0, [0, 1, 6, 7]), (1, [2, 3, 4, 5])):
         got = router_targets(model, batch, cp_size=2, cp_rank=rank, tp_size=1, tp_rank=0)[layer3]
-        assert torch.equal(got, H.sequence_first(rows[:, positions]))
+        assert torch.equal(got, spread(H.sequence_first(rows[:, positions]), 2))
     for rank, positions in ((0, [0, 1, 2, 3]), (1, [4, 5, 6, 7])):
         got = router_targets(model, batch, tp_size=2, tp_rank=rank, sequence_parallel=True, cp_size=1,
                              cp_rank=0)[layer3]
-        assert torch.equal(got, H.sequence_first(rows[:, positions]))
+        assert torch.equal(got, spread(H.sequence_first(rows[:, positions]), 2))
     both = router_targets(model, batch, cp_size=2, cp_rank=1, tp_size=2, tp_rank=1, sequence_parallel=True)[layer3]
-    assert torch.equal(both, H.sequence_first(rows[:, [4, 5]]))  # CP rank 1 keeps 2,3,4,5; SP rank 1 its half
+    assert torch.equal(both, spread(H.sequence_first(rows[:, [4, 5]]), 2))  # CP rank 1 keeps 2..5; SP rank 1 half
     no_sp = router_targets(model, batch, tp_size=2, tp_rank=1, sequence_parallel=False, cp_size=1, cp_rank=0)
     assert no_sp[layer3].shape == (S * B, K)  # without SP every TP rank routes every token
     assert Parallel() == Parallel(1, 0, 1, 0, False)
@@ -143,14 +155,14 @@ def test_packed_thd_rows_and_context_parallel_per_sample(megatron_process: None)
     packed = _packed([3, 6])  # rows: sample 0 -> 2, sample 1 -> 5
     layer2 = next(r for r in H.routers(model) if r.layer_number == 2)
     rows = packed.routed_experts[:, 1].long()
-    pad = torch.arange(K)
+    pad = torch.full((K,), -1)
     on_tokens = torch.stack([rows[0], rows[1], pad, *rows[2:7], pad])  # [9, K]
-    assert torch.equal(router_targets(model, packed, cp_size=1, cp_rank=0)[layer2], on_tokens)
+    assert torch.equal(router_targets(model, packed, cp_size=1, cp_rank=0)[layer2], spread(on_tokens, 1))
     # Megatron's padded THD axis: sample 0 in [0, 4), sample 1 in [4, 12) (multiples of 2 * cp)
     padded = torch.stack([on_tokens[0], on_tokens[1], on_tokens[2], pad, *on_tokens[3:9], pad, pad])
     got = [router_targets(model, packed, cp_size=2, cp_rank=r, cu_seqlens_padded=[0, 4, 12])[layer2] for r in (0, 1)]
-    assert torch.equal(got[0], padded[[0, 3, 4, 5, 10, 11]])
-    assert torch.equal(got[1], padded[[1, 2, 6, 7, 8, 9]])
+    assert torch.equal(got[0], spread(padded[[0, 3, 4, 5, 10, 11]], 1))
+    assert torch.equal(got[1], spread(padded[[1, 2, 6, 7, 8, 9]], 1))
 
 
 def test_mtp_router_takes_rows_when_the_rollout_has_them_else_is_left(megatron_process: None) -> None:
@@ -220,10 +232,11 @@ def test_malformed_rows_raise_typed_errors(megatron_process: None) -> None:
     wide = H.random_rows(B, S, len(PATTERN), E, K + 1, seed=8)
     with pytest.raises(ShapeMismatchError, match="rows are 3 experts wide, the router's top-k is 2"):
         router_targets(model, replace(batch, routed_experts=wide))
-    for value, err in ((E, ExpertIdOutOfRangeError), (-1, ExpertIdOutOfRangeError)):
+    for value, err, what in ((E, ExpertIdOutOfRangeError, "has 8 experts"),
+                             (-1, UnrecordedRoutingError, "sample 1, position 3 is partly padded")):
         bad = batch.routed_experts.clone().to(torch.int16)
-        bad[1, 3, 2, 0] = value
-        with pytest.raises(err, match=r"decoder layer 3 .* has 8 experts"):
+        bad[1, 3, 2, 0] = value  # a -1 beside a real id: a partly padded row (issue 43), no longer "out of range"
+        with pytest.raises(err, match=rf"decoder layer 3 .* {what}"):
             router_targets(model, replace(batch, routed_experts=bad))
     dup = batch.routed_experts.clone()
     dup[0, 0, 1] = 5

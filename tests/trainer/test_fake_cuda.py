@@ -17,8 +17,9 @@ from rr_client.trainer.metrics import gap_stats
 from rr_client.trainer.replay import RoutingRecord, survey
 from rr_client.trainer.replay._audit import Audit, DeviceTally
 from rr_client.trainer.replay._replay import ReplayHook
-from rr_client.trainer.replay._rows import check_rows, layer_positions, place_rows, row_stats
+from rr_client.trainer.replay._rows import place_rows, readers_of
 from rr_client.trainer.replay._routers import num_hidden_layers
+from rr_client.trainer.rows import ReplayRows
 from tests.support.fake_cuda import CUDA, FakeTensorDeviceMismatchError, fake_mode, on_cuda, to_fake_cuda
 from tests.trainer.test_layouts import info as layout_info
 from tests.trainer.test_layouts import sample as layout_sample
@@ -80,10 +81,11 @@ def test_replay_and_audit_hooks_with_cpu_rows(arch: str) -> None:
     model = to_fake_cuda(tiny_model(arch), mode)
     routers, left = survey(model)
     ids, mask = _rows(num_hidden_layers(model, routers))
-    pos, axis = layer_positions(ids.shape[1], num_hidden_layers(model, routers), routers, None)
-    spare = {layer: p for p, layer in enumerate(axis) if p not in set(pos.values())}
-    st = row_stats(ids, mask, routers, pos, spare)  # real CPU: the one host read happens here
-    n_use, unconsumed = check_rows(st, routers)
+    given = ReplayRows.of(ids, mask=mask, num_hidden_layers=num_hidden_layers(model, routers),
+                          moe_layers=[r.layer for r in routers])
+    readers = readers_of(routers)
+    spare = [layer for p, layer in enumerate(given.layers) if p not in set(given.positions(readers))]
+    st, n_use, unconsumed = given.check(readers, spare=spare)  # real CPU: the one host read happens here
     assert n_use == [N - B] * len(routers)
     with mode:
         rows = place_rows(st, n_use, unconsumed, routers, audit=True)
@@ -99,15 +101,15 @@ def test_replay_and_audit_hooks_with_gpu_rows_and_cpu_mask(arch: str) -> None:
     model = to_fake_cuda(tiny_model(arch), mode)
     routers, left = survey(model)
     ids, mask = _rows(num_hidden_layers(model, routers))
-    pos, _ = layer_positions(ids.shape[1], num_hidden_layers(model, routers), routers, None)
+    axis = dict(num_hidden_layers=num_hidden_layers(model, routers), moe_layers=[r.layer for r in routers])
     with mode:
-        st = row_stats(ids.to(CUDA), mask, routers, pos, None)
+        st = ReplayRows.of(ids.to(CUDA), mask=mask, **axis).stats(readers_of(routers))
     assert on_cuda(st.sel, st.srt, st.use, st.stats)
     # placing GPU rows on the GPU is a no-op transfer; FakeTensorMode on a CPU build cannot run the layer-major
     # ``contiguous()`` copy of a fake CUDA tensor, so the hooks are driven with rows validated on the CPU
-    st = row_stats(ids, mask, routers, pos, None)
+    st, n_use, _ = ReplayRows.of(ids, mask=mask, **axis).check(readers_of(routers))
     with mode:
-        rows = place_rows(st, check_rows(st, routers)[0], [], routers, audit=True)
+        rows = place_rows(st, n_use, [], routers, audit=True)
     _drive(model, rows, mode, routers, left)
 
 

@@ -49,6 +49,23 @@ def pad_value(policy: str) -> list[list[int]]:
     return [[-1] * K] * L
 
 
+def spread_pads(routing: list, mask: list, layers: list[int]) -> list:
+    """Reference of ``pad_experts="distinct"`` (issue 43): the n-th row without routing, in row-major order, holds
+    ``(n * K + col + layer * K) % E`` at each absolute layer, so pads spread over every expert."""
+    n = 0
+
+    def walk(rows: list, m: list) -> list:
+        nonlocal n
+        if isinstance(m, list):
+            return [walk(r, x) for r, x in zip(rows, m)]
+        if m:
+            return rows
+        n += 1
+        return [[((n - 1) * K + c + layer * K) % E for c in range(K)] for layer in layers]
+
+    return walk(routing, mask)
+
+
 def layer_list(moe_only: bool) -> list[int]:
     return MOE if moe_only else list(range(L))
 
@@ -82,6 +99,8 @@ def ref_split(batch: list[S], P: int, R: int, policy: str, moe_only: bool) -> di
             mask.append(has_row); routing.append(rows)
         for k, v in zip(("ids", "attn", "resp", "mask", "routing", "pos"), (ids, attn, resp, mask, routing, pos)):
             out[k].append(v)
+    if policy == "distinct":
+        out["routing"] = spread_pads(out["routing"], out["mask"], layers)
     return out
 
 
@@ -138,6 +157,10 @@ def test_left_right_pad_policy(pad_side: str, policy: str) -> None:
     t = to_tensors(BATCH, info(), pad_side=pad_side, pad_experts=policy)  # type: ignore[arg-type]
     pad = pad_value(policy)
     width = max(len(s.prompt_ids) + len(s.output_ids) for s in BATCH)
+    if policy == "distinct":  # pads spread by ordinal (spread_pads); checked there, the real rows here
+        assert t.routed_experts.tolist() == spread_pads(t.routed_experts.tolist(), t.routed_experts_mask.tolist(),
+                                                        list(range(L)))
+        pad = None
     for b, s in enumerate(BATCH):
         n = len(s.prompt_ids) + len(s.output_ids)
         off = width - n if pad_side == "left" else 0
@@ -145,7 +168,7 @@ def test_left_right_pad_policy(pad_side: str, policy: str) -> None:
             row = c - off - s.routed_experts_start
             if c - off < 0 or c - off >= n or not 0 <= row < len(s.routed_experts):
                 assert not t.routed_experts_mask[b, c]
-                assert t.routed_experts[b, c].tolist() == pad
+                assert pad is None or t.routed_experts[b, c].tolist() == pad
             else:
                 assert t.routed_experts_mask[b, c]
                 assert t.routed_experts[b, c].tolist() == s.routed_experts[row].tolist()
@@ -173,6 +196,8 @@ def ref_packed(batch: list[S], append_row: bool, multiple: int | None, policy: s
         n_pad += 1
     for j in range(n_pad):
         ids.append(0); pos.append(j); resp.append(0); mask.append(False); routing.append(pad)
+    if policy == "distinct":
+        routing = spread_pads(routing, mask, layers)
     return dict(ids=ids, pos=pos, resp=resp, cu=cu, mask=mask, routing=routing, rcu=rcu, n_pad=n_pad)
 
 

@@ -24,9 +24,10 @@ from rr_client.trainer.replay import SUPPORTED_ROUTERS, find_routers, record_rou
 from rr_client.trainer.replay._audit import Audit, DeviceTally
 from rr_client.trainer.replay._replay import ReplayHook
 from rr_client.trainer.replay._routers import Router, num_hidden_layers, router_hooks
-from rr_client.trainer.replay._rows import check_rows, layer_positions, place_rows, row_stats
+from rr_client.trainer.replay._rows import place_rows, readers_of
 from rr_client.trainer.replay.cost import count_ops
 from rr_client.trainer.replay.formulas import softmax_gather
+from rr_client.trainer.rows import ReplayRows
 from tests.support.fake_cuda import CUDA, fake_mode, on_cuda, to_fake_cuda
 from tests.trainer.tiny_models import ARCHS, tiny_config
 
@@ -216,9 +217,8 @@ def test_hooks_on_a_fake_gpu_copy_nothing(arch: str) -> None:
     rows = rows.reshape(B * T, n_hidden, -1).to(torch.int16)
     mask = torch.ones(B * T, dtype=torch.bool)
     mask[-1] = False
-    pos, _ = layer_positions(n_hidden, n_hidden, routers, None)
-    st = row_stats(rows, mask, routers, pos, None)  # real CPU rows: the block's one host read
-    n_use, _ = check_rows(st, routers)
+    given = ReplayRows.of(rows, mask=mask, num_hidden_layers=n_hidden, moe_layers=[r.layer for r in routers])
+    st, n_use, _ = given.check(readers_of(routers))  # real CPU rows: the block's one host read
     with mode, count_ops() as opening:
         placed = place_rows(st, n_use, [], routers, audit=True)
     assert opening.copies == 1 and opening.syncs == 0, (opening.copy_names, opening.sync_names)

@@ -43,7 +43,10 @@ def test_packed_rows_masks_exactly_the_unrecorded_tail() -> None:
     rows, mask = packed_rows(nt, off, INFO)
     assert rows.shape == (9, 3, 2) and rows.dtype == torch.int64
     assert mask.tolist() == [True] * 4 + [False] + [True] * 2 + [False] + [False]
-    assert torch.equal(rows, nt.values().long())
+    assert torch.equal(rows[mask], nt.values().long()[mask])
+    # rows without routing are pad rows spread over the experts (issue 43): pad i at layer l = (2i + col + 2l) % 8
+    assert rows[~mask].tolist() == [[[(2 * i + c + 2 * layer) % 8 for c in range(2)] for layer in range(3)]
+                                    for i in range(3)]
 
 
 def test_packed_rows_refusals() -> None:

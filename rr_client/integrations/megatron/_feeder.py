@@ -2,26 +2,26 @@
 
 From a :class:`rr_client.RoutingTensors` (padded ``[b, s]``), a :class:`rr_client.PackedRouting` (THD) or a raw
 ``[b, s, layers, topk]`` tensor: each router takes its own layer's rows (``layer_number``, never list position;
-dense layers have no router), the rows are checked for every router at once (width = top-k, ids in range, no
-repeated id, a row for every real token but each sample's last), tokens without a row (pads, each sample's last
-token) get distinct valid experts, then the batch is laid out as Megatron lays out its tokens: context-parallel
-slice, sequence-parallel shard, sequence-first, on the router's device.
+dense layers have no router), the rows are checked for every router at once by the rows' one check
+(:meth:`rr_client.trainer.rows.ReplayRows.check`: width = top-k, integer ids in range, no repeated id, no partly
+padded row, no layer served dense, a row for every real token but each sample's last), the batch is laid out as
+Megatron lays out its tokens (context-parallel slice, sequence-parallel shard, sequence-first), and tokens without
+a row (pads, each sample's last token) get pad rows spread over all experts in the router's token order
+(:func:`rr_client.trainer.rows.pad_ids`), then move to the router's device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 
-from rr_client.core.errors import (ArgumentTypeError, ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError,
-                              ShapeMismatchError, UnrecordedRoutingError)
-from rr_client.integrations.megatron._layout import (cp_thd_index, cp_zigzag_index, distinct_pad_row, last_tokens,
-                                                     sequence_first, sp_shard)
+from rr_client.core.errors import ArgumentTypeError, ConfigurationError, ShapeMismatchError
+from rr_client.integrations.megatron._layout import cp_thd_index, cp_zigzag_index, sequence_first, sp_shard
 from rr_client.integrations.megatron._routers import MegatronRouter, find_routers
-from rr_client.trainer.layouts import PackedRouting, RoutingTensors
+from rr_client.trainer.rows import Reader, ReplayRows, pad_ids
 
 __all__ = ["Parallel", "Feed", "Batch", "MtpPolicy", "router_targets", "feed", "as_batch", "parallel_from_state"]
 
@@ -51,75 +51,24 @@ def parallel_from_state(routers: Sequence[MegatronRouter]) -> Parallel:
                     ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), sp)
 
 
-@dataclass(frozen=True)
-class Batch:
-    """Rows on a ``[b, s]`` token grid: ``rows`` ``[b, s, L, K]``; ``have`` where a row exists; ``need`` where
-    one must (real tokens but each sample's last); ``layers`` the 0-based layer of each ``L`` position;
-    ``cu_seqlens`` the packed samples' bounds (THD, ``b = 1``) or None."""
-
-    rows: torch.Tensor
-    have: torch.Tensor
-    need: torch.Tensor
-    layers: list[int]
-    cu_seqlens: torch.Tensor | None = None
-
-
-def _packed_grid(p: PackedRouting) -> Batch:
-    """A :class:`PackedRouting` on its token axis as a ``b = 1`` grid (rows of ``append_row=False`` moved to the
-    token they route)."""
-    n = int(p.input_ids.shape[0])
-    cu = p.cu_seqlens.long().cpu()
-    rows = p.routed_experts
-    dev = rows.device
-    mask = p.routed_experts_mask.to(dev).bool()
-    if rows.shape[0] != n:  # append_row=False: sample i's rows rcu[i]..rcu[i+1] route tokens cu[i]..
-        rcu = p.routing_cu_seqlens.long().cpu()
-        grid = torch.zeros((n, *rows.shape[1:]), dtype=rows.dtype, device=dev)
-        have = torch.zeros(n, dtype=torch.bool, device=dev)
-        for i in range(cu.numel() - 1):
-            r0, r1, t0 = int(rcu[i]), int(rcu[i + 1]), int(cu[i])
-            grid[t0:t0 + r1 - r0], have[t0:t0 + r1 - r0] = rows[r0:r1], mask[r0:r1]
-        rows, mask = grid, have
-    real = torch.zeros(n, dtype=torch.bool, device=dev)
-    real[: int(cu[-1])] = True
-    last = torch.zeros(n, dtype=torch.bool, device=dev)
-    ends = cu[1:][cu[1:] > cu[:-1]] - 1
-    last[ends.to(dev)] = True
-    return Batch(rows.unsqueeze(0), mask.unsqueeze(0), (real & ~last).unsqueeze(0), list(p.layers), cu)
+#: the feeder's batch is the rows' one form (kept as a name for the feeder's callers)
+Batch = ReplayRows
 
 
 def as_batch(routing: Any, *, mask: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-             layers: Sequence[int] | None = None) -> Batch:
-    """``routing`` (RoutingTensors, PackedRouting or a ``[b, s, L, K]`` tensor) as a :class:`Batch`."""
-    if isinstance(routing, PackedRouting):
-        return _packed_grid(routing)
-    if isinstance(routing, RoutingTensors):
-        rows, b_s = routing.routed_experts, tuple(routing.input_ids.shape)
-        if tuple(rows.shape[:2]) != b_s:
-            if tuple(rows.shape[1:3]) != b_s:
-                raise ShapeMismatchError(f"routed_experts {tuple(rows.shape)} fits input_ids {b_s} neither "
-                                         "token-major nor layer-major")
-            rows = rows.permute(1, 2, 0, 3)
-        real = routing.attention_mask.to(rows.device).bool()
-        return Batch(rows, routing.routed_experts_mask.to(rows.device).bool(), real & ~last_tokens(real),
-                     list(routing.layers))
-    if not isinstance(routing, torch.Tensor):
-        raise ArgumentTypeError(f"routing must be RoutingTensors, PackedRouting or a [b, s, layers, topk] tensor, "
-                                f"got {type(routing).__name__}")
-    if routing.dim() != 4:
-        raise ShapeMismatchError(f"routing tensor must be [b, s, layers, topk], got {tuple(routing.shape)}")
-    if layers is None:
-        raise ConfigurationError("a routing tensor needs layers= (the 0-based decoder layer of each layer position)")
-    shape = tuple(routing.shape[:2])
-    for name, m in (("mask", mask), ("attention_mask", attention_mask)):
-        if m is not None and tuple(m.shape) != shape:
-            raise ShapeMismatchError(f"{name} {tuple(m.shape)} does not match the rows' [b, s] = {shape}")
-    dev = routing.device
-    have = mask.to(dev).bool() if mask is not None else torch.ones(shape, dtype=torch.bool, device=dev)
-    real = attention_mask.to(dev).bool() if attention_mask is not None else \
-        torch.ones(shape, dtype=torch.bool, device=dev)
-    need = real & ~last_tokens(real) if mask is not None else have
-    return Batch(routing, have, need, [int(x) for x in layers])
+             layers: Sequence[int] | None = None) -> ReplayRows:
+    """``routing`` (RoutingTensors, PackedRouting, ReplayRows or a ``[b, s, L, K]`` tensor with ``layers``) as
+    :class:`rr_client.trainer.rows.ReplayRows` on a ``[b, s]`` grid (its one constructor per source)."""
+    if isinstance(routing, torch.Tensor):
+        if routing.dim() != 4:
+            raise ShapeMismatchError(f"routing tensor must be [b, s, layers, topk], got {tuple(routing.shape)}")
+        if layers is None:
+            raise ConfigurationError("a routing tensor needs layers= (the 0-based decoder layer of each layer "
+                                     "position)")
+    elif not isinstance(routing, ReplayRows) and not hasattr(routing, "routed_experts"):
+        raise ArgumentTypeError(f"routing must be RoutingTensors, PackedRouting, ReplayRows or a [b, s, layers, "
+                                f"topk] tensor, got {type(routing).__name__}")
+    return ReplayRows.of(routing, mask=mask, attention_mask=attention_mask, layers=layers)
 
 
 @dataclass
@@ -157,43 +106,13 @@ def _plan(routers: Sequence[MegatronRouter], layers: list[int], mtp: MtpPolicy) 
     return take, cols, left
 
 
-def _check(sel: torch.Tensor, batch: Batch, routers: Sequence[MegatronRouter]) -> None:
-    """Refuse rows Megatron would take silently: wrong width, missing rows, ids out of range, repeated ids."""
-    k = int(sel.shape[-1])
-    for r in routers:
-        if r.topk != k:
-            raise ShapeMismatchError(f"{r.describe()}: rows are {k} experts wide, the router's top-k is {r.topk}")
-    miss = batch.need & ~batch.have
-    if bool(miss.any()):
-        b, t = (int(x) for x in miss.nonzero()[0])
-        raise MissingRoutingError(f"{int(miss.sum())} real tokens have no routing row (first: sample {b}, position "
-                                  f"{t}); Megatron would route them with rows of other tokens or none: resend "
-                                  "the full prompt's routing (no routed_experts_start offset)")
-    rows = sel[batch.have]  # [n, M, K]
-    if rows.numel() == 0:
-        return
-    srt = rows.sort(dim=-1).values
-    limit = torch.tensor([r.num_experts for r in routers], device=sel.device)
-    low, high = srt[..., 0] < 0, srt[..., -1] >= limit
-    dup = (srt[..., 1:] == srt[..., :-1]).any(dim=-1) if k > 1 else torch.zeros_like(low)
-    verdict = torch.stack([low.any(0), high.any(0), dup.any(0)]).tolist()
-    for i, r in enumerate(routers):
-        if verdict[0][i] or verdict[1][i]:
-            col = rows[:, i]
-            raise ExpertIdOutOfRangeError(f"{r.describe()}: expert ids span [{int(col.min())}, {int(col.max())}], "
-                                          f"the router has {r.num_experts} experts")
-        if verdict[2][i]:
-            raise UnrecordedRoutingError(f"{r.describe()}: a row repeats an expert id (Megatron would route the "
-                                         "token to fewer experts, silently); pad rows need the routing mask")
-
-
 def _local(t: torch.Tensor, batch: Batch, par: Parallel, cu_seqlens_padded: Any) -> torch.Tensor:
     """``[b, s, ...]`` to this rank's tokens, sequence-first: CP slice (zigzag, or per packed sample), SP shard."""
     s = int(t.shape[1])
     if par.cp_size > 1:
         if batch.cu_seqlens is not None:
             bounds = cu_seqlens_padded if cu_seqlens_padded is not None else \
-                torch.cat([batch.cu_seqlens[:-1], torch.tensor([s])])
+                torch.cat([batch.cu_seqlens.long().cpu()[:-1], torch.tensor([s])])
             idx = cp_thd_index(bounds, s, par.cp_size, par.cp_rank)
         else:
             idx = cp_zigzag_index(s, par.cp_size, par.cp_rank)
@@ -203,10 +122,10 @@ def _local(t: torch.Tensor, batch: Batch, par: Parallel, cu_seqlens_padded: Any)
     return sequence_first(t)
 
 
-def _to_padded(batch: Batch, cu_padded: torch.Tensor) -> Batch:
+def _to_padded(batch: ReplayRows, cu_padded: torch.Tensor) -> ReplayRows:
     """A packed batch moved onto Megatron's per-sample padded THD axis (sample i from ``cu_padded[i]``)."""
-    cu = batch.cu_seqlens
-    assert cu is not None
+    assert batch.cu_seqlens is not None
+    cu = batch.cu_seqlens.long().cpu()
     dev = batch.rows.device
     if cu_padded.numel() != cu.numel():
         raise ShapeMismatchError(f"cu_seqlens_padded has {cu_padded.numel() - 1} samples, the rows "
@@ -219,37 +138,47 @@ def _to_padded(batch: Batch, cu_padded: torch.Tensor) -> Batch:
     src = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])])
     dst = torch.cat([torch.arange(int(a), int(a) + int(ln)) for a, ln in zip(cu_padded[:-1], lengths)])
     src, dst = src.to(dev), dst.to(dev)
-    rows = torch.zeros((1, n, *batch.rows.shape[2:]), dtype=batch.rows.dtype, device=dev)
-    have, need = torch.zeros(1, n, dtype=torch.bool, device=dev), torch.zeros(1, n, dtype=torch.bool, device=dev)
-    rows[0, dst], have[0, dst], need[0, dst] = batch.rows[0, src], batch.have[0, src], batch.need[0, src]
-    return Batch(rows, have, need, batch.layers, cu_padded)
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        out = t.new_zeros((1, n, *t.shape[2:]))
+        out[0, dst] = t[0, src]
+        return out
+
+    return replace(batch, rows=move(batch.rows), have=move(batch.have), real=move(batch.real),
+                   need=move(batch.need), cu_seqlens=cu_padded, shape=(n,))
 
 
 def feed(routers: Sequence[MegatronRouter], routing: Any, *, parallel: Parallel | None = None, mtp: MtpPolicy = "auto",
          mask: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
          layers: Sequence[int] | None = None, cu_seqlens_padded: Any = None) -> Feed:
-    """This rank's :class:`Feed` for ``routers`` from ``routing`` (see :func:`router_targets`)."""
+    """This rank's :class:`Feed` for ``routers`` from ``routing`` (see :func:`router_targets`): the rows' one check
+    (:meth:`rr_client.trainer.rows.ReplayRows.check`, every token covered), the layout, then pad rows
+    (:func:`rr_client.trainer.rows.pad_ids`) for the tokens without one, counted in the router's token order."""
     batch = as_batch(routing, mask=mask, attention_mask=attention_mask, layers=layers)
     par = parallel if parallel is not None else parallel_from_state(routers)
     if cu_seqlens_padded is not None:
         if batch.cu_seqlens is None:
             raise ConfigurationError("cu_seqlens_padded applies to packed (THD) routing only")
         cu_seqlens_padded = torch.as_tensor(cu_seqlens_padded).long().flatten().cpu()
-        if not torch.equal(cu_seqlens_padded, batch.cu_seqlens):
+        if not torch.equal(cu_seqlens_padded, batch.cu_seqlens.long().cpu()):
             batch = _to_padded(batch, cu_seqlens_padded)
-    take, cols, left = _plan(routers, batch.layers, mtp)
+    take, _, left = _plan(routers, list(batch.layers), mtp)
     have = _local(batch.have[..., None], batch, par, cu_seqlens_padded)[:, 0]
     if not take:
         return Feed({}, left, int(have.numel()), have, int(batch.rows.shape[0]))
-    dev = batch.rows.device
-    sel = batch.rows.index_select(2, torch.tensor(cols, device=dev)).long()  # [b, s, M, K]
-    _check(sel, batch, take)
-    k = int(sel.shape[-1])
-    pads = torch.stack([distinct_pad_row(k, r.num_experts) for r in take]).to(dev)  # [M, K]
-    sel = torch.where(batch.have[..., None, None], sel, pads)
-    local = _local(sel, batch, par, cu_seqlens_padded)  # [tokens, M, K]
+    readers = [Reader(r.row_layer, r.num_experts, r.topk, r.describe()) for r in take]
+    st, _, _ = batch.check(readers, coverage=True)
+    b, s = (int(x) for x in batch.rows.shape[:2])
+    m, k = len(take), batch.topk
+    local = _local(st.sel.view(b, s, m, k), batch, par, cu_seqlens_padded)  # [tokens, M, K]
+    use = _local(st.use.view(b, s, m), batch, par, cu_seqlens_padded)  # [tokens, M]
+    ordinal = use.logical_not().long().cumsum(0) - 1  # each router's pads, in its token order
+    pads = pad_ids(ordinal, [r.layer for r in readers], k, [r.num_experts for r in readers])
+    local = torch.where(use.unsqueeze(-1), local, pads)
     targets = {r.module: local[:, i].contiguous().to(r.device) for i, r in enumerate(take)}
-    return Feed(targets, left, int(local.shape[0]), have, int(batch.rows.shape[0]))
+    return Feed(targets, left, int(local.shape[0]), have, b)
 
 
 def router_targets(model_chunks: Any, routing: Any, *, cp_size: int | None = None, cp_rank: int | None = None,

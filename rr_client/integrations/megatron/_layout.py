@@ -5,7 +5,8 @@ Megatron's routers see tokens sequence-first (``[s, b]`` flattened: row = ``s_id
 ``megatron.core.utils.get_batch_on_this_cp_rank`` slices ``[b, s, ...]``; :func:`cp_thd_index`, as Transformer
 Engine's ``thd_get_partitioned_indices`` slices each packed sample) and scattered for sequence parallelism
 (:func:`sp_shard`: each tensor-parallel rank routes one contiguous block of ``s / tp`` sequence positions). No
-megatron import here: the functions are plain index arithmetic, unit-tested on their own.
+megatron import here: the functions are plain index arithmetic, unit-tested on their own. Pad rows and each
+sample's last token are the rows' own rules (:mod:`rr_client.trainer.rows`), named here for the feeder.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from rr_client.core.errors import ShapeMismatchError
+from rr_client.trainer.rows import last_tokens, pad_ids
 
 __all__ = ["cp_zigzag_index", "cp_thd_index", "sp_shard", "sequence_first", "distinct_pad_row", "last_tokens"]
 
@@ -71,19 +73,10 @@ def sequence_first(rows: torch.Tensor) -> torch.Tensor:
     return rows.transpose(0, 1).reshape(rows.shape[0] * rows.shape[1], *rows.shape[2:])
 
 
-def distinct_pad_row(topk: int, num_experts: int) -> torch.Tensor:
-    """``[topk]`` distinct, valid expert ids for a token with no routing (a pad): ``arange(topk) % num_experts``."""
-    if topk > num_experts:
-        raise ShapeMismatchError(f"top-k {topk} exceeds the {num_experts} experts")
-    return torch.arange(topk, dtype=torch.int64) % num_experts
-
-
-def last_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[b, s]`` bool: each sample's last real token (the one no engine row exists for), from its attention mask."""
-    real = attention_mask.bool()
-    idx = torch.arange(real.shape[1], device=real.device).expand_as(real)
-    last = torch.where(real, idx, torch.full_like(idx, -1)).amax(dim=1)
-    return torch.zeros_like(real).scatter_(1, last.clamp_min(0).unsqueeze(1), (last >= 0).unsqueeze(1))
+def distinct_pad_row(topk: int, num_experts: int, ordinal: int = 0, layer: int = 0) -> torch.Tensor:
+    """``[topk]`` distinct, valid expert ids for pad ``ordinal`` at absolute ``layer``: one row of
+    :func:`rr_client.trainer.rows.pad_ids` (``(ordinal * topk + col + layer * topk) % num_experts``)."""
+    return pad_ids(torch.tensor([ordinal]), [layer], topk, num_experts)[0, 0]
 
 
 def _check_cp(cp_size: int, cp_rank: int) -> None:

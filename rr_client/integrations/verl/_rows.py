@@ -3,7 +3,8 @@
 No verl import here: verl hands the engine ``routed_experts`` as a jagged nested tensor ``[B, j, L, K]`` whose
 values line up with ``input_ids.values()`` (``left_right_2_no_padding``), zero rows where the rollout recorded
 nothing (the last token, tool tokens after the last turn). These functions turn that into packed rows and a
-replay mask, and refuse what would replay wrong instead of leaving it to the model.
+replay mask (through :class:`rr_client.trainer.rows.ReplayRows` and its one check), and refuse what would replay
+wrong instead of leaving it to the model.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from rr_client.core.codec import check_routing
-from rr_client.core.errors import MissingRoutingError, ShapeMismatchError, UnrecordedRoutingError
+from rr_client.core.errors import MissingRoutingError, ShapeMismatchError
 from rr_client.core.info import RRInfo
+from rr_client.trainer.rows import Reader, ReplayRows, fill_pads
 
 __all__ = ["packed_rows", "padded_rows", "accumulate_turn_rows", "unpack_recorded"]
 
@@ -29,55 +30,22 @@ def _sample_of_rows(offsets: torch.Tensor, n: int) -> torch.Tensor:
 def packed_rows(routed: torch.Tensor, offsets: torch.Tensor, info: RRInfo) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows [N, L, K] int64, replay mask [N])`` of one micro-batch, checked once, on the rows' device.
 
-    Rows are recorded where any id is non-zero (verl's convention: zero rows are unrecorded). In every sample
-    the recorded rows must be a prefix of its tokens and not empty: a zero row between recorded ones, or a
-    sample without any, is an error, never a silent native forward. The recorded rows then pass
-    :func:`rr_client.core.codec.check_routing` (layers, top-k, id range, distinct ids, zero dense layers). The
-    checks read one CPU copy of the micro-batch (one transfer); the returned rows and mask stay where verl
-    put them, so the GPU path has no other host read here.
+    The rows become :class:`rr_client.trainer.rows.ReplayRows` (:meth:`~rr_client.trainer.rows.ReplayRows.from_jagged`:
+    a token has a row where any id is non-zero, verl's convention; in every sample the recorded rows must be a
+    prefix of its tokens and not empty: a zero row between recorded ones, or a sample without any, is an error,
+    never a silent native forward) and pass the rows' one check for the model's MoE layers (top-k, id range,
+    distinct ids, no partly padded row, no rows at a dense layer), on the rows' device with one host read. Rows
+    without routing come back as pad rows spread over all experts (:func:`rr_client.trainer.rows.fill_pads`), the
+    mask False there; rows and mask stay where verl put them.
     """
-    values = routed.values() if routed.is_nested else routed
-    if values.dim() != 3:
-        raise ShapeMismatchError(f"routed_experts must be [tokens, layers, topk] per sample, got {tuple(values.shape)}")
-    n, layers, k = (int(s) for s in values.shape)
-    if k != info.topk:
-        raise ShapeMismatchError(f"routed_experts has top-{k}, the model routes top-{info.topk}")
-    if k == 1:
-        raise ShapeMismatchError("top-1 routing: an all-zero row (unrecorded) cannot be told from expert 0; rr "
-                                 "refuses to replay verl's zero-padded layout for top-1 models")
-    host, off = values.cpu(), offsets.cpu()  # the micro-batch's one device-to-host copy
-    if int(off[-1]) != n:
-        raise ShapeMismatchError(f"routed_experts has {n} rows but input_ids has {int(off[-1])} tokens")
-    recorded = (host != 0).flatten(1).any(dim=1)
-    sample = _sample_of_rows(off, n)
-    counts = torch.zeros(off.numel() - 1, dtype=torch.long)
-    counts.index_add_(0, sample, recorded.long())
-    pos = torch.arange(n) - off[sample]
-    prefix = pos < counts[sample]
-    if not torch.equal(prefix, recorded):
-        row = int((prefix != recorded).nonzero()[0, 0])
-        i = int(sample[row])
-        raise UnrecordedRoutingError(
-            f"micro-batch sample {i} ({int(off[i + 1] - off[i])} tokens): token {int(pos[row])} has an "
-            f"all-zero routing row, yet {int(counts[i])} rows are recorded; verl's rows must cover a prefix of the "
-            "sample (the rollout lost rows?)")
-    lengths = off[1:] - off[:-1]
-    empty = ((counts == 0) & (lengths > 1)).nonzero()
-    if empty.numel():
-        raise MissingRoutingError(
-            f"micro-batch sample {int(empty[0, 0])} carries no routing rows (all zero): the rollout returned none for it "
-            "(is actor_rollout_ref.rollout.enable_rollout_routing_replay=True?)")
-    if layers == info.num_hidden_layers:
-        num_layers, moe = info.num_hidden_layers, info.moe_layers
-    elif layers == len(info.moe_layers):
-        num_layers, moe = layers, list(range(layers))
-    else:
-        raise ShapeMismatchError(f"routed_experts has {layers} layers; the model has {info.num_hidden_layers} "
-                                 f"decoder layers ({len(info.moe_layers)} MoE)")
-    dims = info.model_copy(update={"num_hidden_layers": num_layers, "moe_layers": moe})
-    chosen = host[recorded]
-    check_routing(chosen.numpy(), dims, rows=int(chosen.shape[0]))
-    return values.long(), (values != 0).flatten(1).any(dim=1)
+    rows = ReplayRows.from_jagged(routed, offsets, num_hidden_layers=info.num_hidden_layers,
+                                  moe_layers=info.moe_layers)
+    readers = [Reader(layer, info.num_experts, info.topk, f"layer {layer}") for layer in info.moe_layers
+               if layer in rows.layers]
+    spare = [layer for layer in rows.layers if layer not in set(info.moe_layers)]
+    rows.check(readers, spare=spare, refuse_spare=True)
+    have = rows.have.reshape(-1)
+    return fill_pads(rows.flat, have, rows.layers, info.num_experts), have
 
 
 def padded_rows(rows: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor, width: int

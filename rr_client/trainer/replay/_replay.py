@@ -23,8 +23,8 @@ from rr_client.trainer.replay._audit import Audit
 from rr_client.trainer.replay._checkpoint import checkpoint_owner
 from rr_client.trainer.replay._routers import Router, num_hidden_layers, router_hooks, survey
 from rr_client.trainer.replay.phase import DeviceTally, in_backward
-from rr_client.trainer.replay._rows import BlockRows, place_rows, upload
-from rr_client.trainer.rows import Reader, ReplayRows
+from rr_client.trainer.replay._rows import BlockRows, place_rows, readers_of, upload
+from rr_client.trainer.rows import ReplayRows
 
 __all__ = ["replay_routing", "ReplayHook", "CHECK_EVERY"]
 
@@ -173,7 +173,7 @@ def replay_routing(
     if segments is None:
         segments = given.segments
     lead, axis = given.shape, list(given.layers)
-    readers = [Reader(r.layer, r.num_experts, r.top_k, f"layer {r.layer}") for r in routers]
+    readers = readers_of(routers)
     spare = None
     if audit:
         consumed = set(given.positions(readers)) | {axis.index(h) for h in hash_layers if h in axis}
