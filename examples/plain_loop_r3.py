@@ -2,7 +2,11 @@
 
 No trainer framework: generate with :class:`rr_client.RoutedExpertsClient`, lay the samples out with
 ``to_tensors``, and let :class:`rr_client.trainer.ReplaySession` replay the engine's routing in the forward and
-the backward, audit it and measure the log-prob gap to the engine. A REINFORCE-style loss with a toy reward
+the backward, audit it and measure the log-prob gap to the engine. The stale-rows policy runs where the rows enter
+the session (``open_replay``): ``to_tensors`` carries each sample's provenance, so a sample the server says was
+recomputed across a weight update is refused (``StaleRoutingError``, the default), or with ``--stale-rows mask``
+trained with its rows left to the router, and counted (``r3/stale_masked``); ``--stale-rows off`` turns it off on
+purpose. A REINFORCE-style loss with a toy reward
 (longer completions score higher) stands in for your objective; TRL's importance-sampling correction (its
 default, ``sequence_mask`` at 3: ``importance_sampling_ratio``) weighs each sample by how far the trainer's
 policy is from the engine's that sampled it.
@@ -30,8 +34,14 @@ from rr_client.trainer.metrics import token_logprobs
 PROMPTS = ["The capital of France is", "Mixture of experts models route each token", "1, 2, 3, 4,"]
 
 
-async def rollout(url: str, prompts: list[list[int]], samples: int, max_new_tokens: int,
-                  by_reference: bool = False, temperature: float = 1.0) -> GenerateBatch:
+async def rollout(
+    url: str,
+    prompts: list[list[int]],
+    samples: int,
+    max_new_tokens: int,
+    by_reference: bool = False,
+    temperature: float = 1.0,
+) -> GenerateBatch:
     """One rollout: ``samples`` completions per prompt with routing and the engine's sampling log-probs.
 
     ``by_reference``: the server keeps the rows and answers refs (what a controller would hand to trainer ranks);
@@ -54,19 +64,27 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--by-reference", action="store_true", help="routing by reference (rows read from the server)")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the trainer's too)")
+    ap.add_argument(
+        "--stale-rows",
+        choices=["refuse", "mask", "off"],
+        default="refuse",
+        help="samples recomputed across a weight update: refused, masked (left to the router) or kept",
+    )
     args = ap.parse_args(argv)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_path)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    session = ReplaySession(model, audit_every=1)  # audit every step here; the default is every 10th
+    # audit every step here (the default is every 10th); the stale-rows policy runs in open_replay
+    session = ReplaySession(model, audit_every=1, stale_rows=args.stale_rows)
     history = []
 
     # ---------------------------------------------------------------- the loop
     for step in range(args.steps):
-        batch = asyncio.run(rollout(args.url, prompts, args.samples, args.max_new_tokens, args.by_reference,
-                                    args.temperature))
+        batch = asyncio.run(
+            rollout(args.url, prompts, args.samples, args.max_new_tokens, args.by_reference, args.temperature)
+        )
         rt = batch.to_tensors(pad_side="right")
         response = rt.response_mask.bool()
         reward = torch.tensor([float(len(r.output_ids)) for r in batch])
@@ -74,13 +92,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
 
         model.train()
         with session.step() as metrics:  # closes the replay block after backward; audit verdicts raise here
-            session.open_replay(rt)  # the engine's routing, replayed in forward and backward
+            session.open_replay(rt)  # the stale-rows policy on rt's provenance, then the engine's routing replayed
             logits = model(rt.input_ids, attention_mask=rt.attention_mask).logits
             logps = token_logprobs(logits / args.temperature, rt.input_ids)  # what the engine sampled from
             engine = rt.logprobs  # the engine's log-probs beside the tokens (after temperature: rr's launchers)
             # TRL's correction: exp(sum of (trainer - engine) log-probs) per sample, 0 above 3 (detached)
-            ratio = importance_sampling_ratio(logps.detach(), engine, response, mode="sequence_mask",
-                                              clip_min=None, clip_max=3.0)
+            ratio = importance_sampling_ratio(
+                logps.detach(), engine, response, mode="sequence_mask", clip_min=None, clip_max=3.0
+            )
             per_sample = (ratio * logps * response).sum(-1) / response.sum(-1).clamp(min=1)
             loss = -(advantage * per_sample).mean()
             loss.backward()
@@ -89,8 +108,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         optimizer.zero_grad()
 
         history.append({"step": step, "loss": loss.item(), keys.IS_RATIO_MEAN: ratio.mean().item(), **metrics})
-        print(f"step {step}: loss {loss.item():+.4f}  applied {metrics[keys.APPLIED_SHARE]:.3f}  "
-              f"agreement {metrics[keys.AGREEMENT]:.3f}  |logp gap| {metrics[keys.MEAN_ABS_LOGP_DIFF]:.2e}")
+        print(
+            f"step {step}: loss {loss.item():+.4f}  applied {metrics[keys.APPLIED_SHARE]:.3f}  "
+            f"agreement {metrics[keys.AGREEMENT]:.3f}  |logp gap| {metrics[keys.MEAN_ABS_LOGP_DIFF]:.2e}  "
+            f"stale masked {metrics[keys.STALE_MASKED]:.0f}"
+        )
     # ---------------------------------------------------------------- end of the loop
     return history
 

@@ -43,8 +43,10 @@ PROVENANCE_SCHEMA = "rr.provenance/1"
 CacheTier = Literal["device", "host", "storage", "external"]
 """Where an engine says a prefix-cache hit came from (``external``: a KV connector, e.g. vLLM's offloading)."""
 
-StalePolicy = Literal["refuse", "mask"]
-"""What to do with a sample that may have been recomputed across a weight update: raise, or keep it unreplayed."""
+StalePolicy = Literal["refuse", "mask", "off"]
+"""What to do with a sample that may have been recomputed across a weight update: raise (``"refuse"``, rr's default
+everywhere rows enter a session), keep it unreplayed (``"mask"``), or nothing (``"off"``: the policy turned off on
+purpose; such samples are replayed as they are and counted under ``spans_update``)."""
 
 _TIERS: tuple[str, ...] = get_args(CacheTier)
 _POLICIES: tuple[str, ...] = get_args(StalePolicy)
@@ -151,7 +153,8 @@ def check_provenance(provenances: Sequence[Provenance | None], policy: StalePoli
                      where: str = "sample") -> ProvenanceCheck:
     """Apply the stale-rows policy to one batch: a sample that may have been recomputed across a weight update
     raises :class:`StaleRoutingError` (``"refuse"``, naming it) or is kept unreplayed (``"mask"``); a sample that
-    spans an update without a recompute is kept and counted; ``None`` (a server without provenance) is counted."""
+    spans an update without a recompute is kept and counted; ``None`` (a server without provenance) is counted.
+    ``"off"``: nothing is refused or masked (every sample spanning an update is counted as such)."""
     check_stale_policy(policy)
     replay: list[bool] = []
     masked = spans = unknown = cached = 0
@@ -161,7 +164,7 @@ def check_provenance(provenances: Sequence[Provenance | None], policy: StalePoli
             replay.append(True)
             continue
         cached += p.cached_tokens
-        if p.may_be_recomputed_across_update:
+        if p.may_be_recomputed_across_update and policy != "off":
             if policy == "refuse":
                 raise StaleRoutingError(
                     f"{where} {i}: its rows may have been recomputed under other weights than its tokens were "

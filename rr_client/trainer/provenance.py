@@ -17,13 +17,32 @@ from typing import Any
 import numpy as np
 import torch
 
-from rr_client.core.errors import ShapeMismatchError
-from rr_client.core.provenance import (PROVENANCE_FIELD, Provenance, ProvenanceCheck, StalePolicy, check_provenance,
-                                  check_stale_policy)
+from rr_client.core.errors import ConfigurationError, ShapeMismatchError
+from rr_client.core.provenance import (
+    PROVENANCE_FIELD,
+    Provenance,
+    ProvenanceCheck,
+    StalePolicy,
+    check_provenance,
+    check_stale_policy,
+)
 from rr_client.trainer import keys as K
 
-__all__ = ["Segments", "provenance_of", "sample_provenances", "check_samples", "provenance_metrics",
-           "build_segments", "mask_samples", "merge_checks"]
+__all__ = [
+    "Segments",
+    "provenance_of",
+    "sample_provenances",
+    "check_samples",
+    "check_provenances",
+    "provenance_metrics",
+    "build_segments",
+    "mask_samples",
+    "mask_rows",
+    "drop_samples",
+    "merge_checks",
+    "rows_provenance",
+    "samples_of",
+]
 
 CACHED, COMPUTED, GENERATED = range(3)  # positions of keys.SEGMENTS
 
@@ -42,8 +61,11 @@ def provenance_of(result: Any) -> Provenance | None:
     raw = meta.get(PROVENANCE_FIELD) if isinstance(meta, dict) else None
     if raw is None and isinstance(p, dict):
         raw = p
-    return None if raw is None else Provenance.from_dict(raw, where=f"sample {getattr(result, 'index', '?')}: "
-                                                                    f"{PROVENANCE_FIELD}")
+    return (
+        None
+        if raw is None
+        else Provenance.from_dict(raw, where=f"sample {getattr(result, 'index', '?')}: {PROVENANCE_FIELD}")
+    )
 
 
 def sample_provenances(sample: Any) -> list[Provenance | None]:
@@ -56,9 +78,13 @@ def sample_provenances(sample: Any) -> list[Provenance | None]:
 
 def merge_checks(checks: Sequence[ProvenanceCheck]) -> ProvenanceCheck:
     """One check from several (batches, or the turns of one trajectory summed per sample by the caller)."""
-    return ProvenanceCheck(tuple(x for c in checks for x in c.replay), sum(c.masked for c in checks),
-                           sum(c.spans_update for c in checks), sum(c.unknown for c in checks),
-                           sum(c.cached_tokens for c in checks))
+    return ProvenanceCheck(
+        tuple(x for c in checks for x in c.replay),
+        sum(c.masked for c in checks),
+        sum(c.spans_update for c in checks),
+        sum(c.unknown for c in checks),
+        sum(c.cached_tokens for c in checks),
+    )
 
 
 def check_samples(samples: Sequence[Any], policy: StalePolicy = "refuse") -> ProvenanceCheck:
@@ -68,12 +94,25 @@ def check_samples(samples: Sequence[Any], policy: StalePolicy = "refuse") -> Pro
     trajectory counts once: masked if any turn is, flagged if any spans an update, unknown if any turn has none)."""
     check_stale_policy(policy)
     provs = [sample_provenances(s) for s in samples]
-    if all(len(p) == 1 and not getattr(s, "turns", None) for s, p in zip(samples, provs)):
+    turns = not all(len(p) == 1 and not getattr(s, "turns", None) for s, p in zip(samples, provs))
+    return check_provenances(provs, policy, turns=turns)
+
+
+def check_provenances(
+    per_sample: Sequence[Sequence[Provenance | None]], policy: StalePolicy = "refuse", *, turns: bool | None = None
+) -> ProvenanceCheck:
+    """:func:`check_samples` on provenances already read: per sample, one per turn (``turns``: the samples are
+    trajectories, named by turn; default: when a sample has more than one)."""
+    check_stale_policy(policy)
+    provs = [list(p) for p in per_sample]
+    if turns is None:
+        turns = any(len(p) != 1 for p in provs)
+    if not turns:
         return check_provenance([p[0] for p in provs], policy, where="batch sample")
     replay: list[bool] = []
     masked = spans = unknown = cached = 0
-    for i, turns in enumerate(provs):
-        c = check_provenance(turns, policy, where=f"batch sample {i}, turn")
+    for i, per_turn in enumerate(provs):
+        c = check_provenance(per_turn, policy, where=f"batch sample {i}, turn")
         ok = all(c.replay)
         replay.append(ok)
         masked += not ok
@@ -83,19 +122,66 @@ def check_samples(samples: Sequence[Any], policy: StalePolicy = "refuse") -> Pro
     return ProvenanceCheck(tuple(replay), masked, spans, unknown, cached)
 
 
-def provenance_metrics(check: ProvenanceCheck) -> dict[str, float]:
-    """The step's provenance counts under :mod:`rr_client.trainer.keys`."""
-    return {K.STALE_MASKED: float(check.masked), K.SPANS_UPDATE: float(check.spans_update),
-            K.PROVENANCE_UNKNOWN: float(check.unknown), K.CACHED_TOKENS: float(check.cached_tokens)}
+def samples_of(routing: Any) -> int:
+    """How many samples ``routing`` holds: a :class:`RoutingTensors`' ``B``, a :class:`PackedRouting`'s (or packed
+    :class:`rr_client.trainer.rows.ReplayRows`') packed samples, a ``[B, T, L, K]`` tensor's ``B``; 1 for a packed
+    ``[N, L, K]`` tensor (its samples are not known)."""
+    if hasattr(routing, "routing_cu_seqlens"):
+        return int(routing.routing_cu_seqlens.numel()) - 1
+    if hasattr(routing, "attention_mask") and hasattr(routing, "input_ids"):
+        return int(routing.input_ids.shape[0])
+    cu = getattr(routing, "cu_seqlens", None)
+    if cu is not None and hasattr(routing, "have"):
+        return int(cu.numel()) - 1
+    if hasattr(routing, "have"):
+        return int(routing.rows.shape[0])
+    shape = tuple(getattr(routing, "shape", ()))
+    return int(shape[0]) if len(shape) >= 4 else 1
+
+
+def rows_provenance(routing: Any) -> tuple[tuple[Provenance | None, ...], ...] | None:
+    """The per-sample (per-turn) provenance ``routing`` carries (``to_tensors`` / ``to_packed`` fill it from the
+    samples; a :class:`rr_client.trainer.rows.ReplayRows`' ``provenance``); None when it carries none."""
+    got = getattr(routing, "provenance", None)
+    if got is None:
+        return None
+    return tuple(tuple(p) if isinstance(p, (list, tuple)) else (p,) for p in got)
+
+
+def _token_keep(keep: torch.Tensor, lead: tuple[int, ...], cu: Any = None) -> torch.Tensor:
+    """Per-sample ``keep`` as a bool tensor of ``lead`` (the rows' leading shape): ``[B, T]`` grids per row, packed
+    rows by their samples' bounds ``cu`` (tokens after the last sample: False)."""
+    if len(lead) == 2 and keep.numel() == lead[0]:
+        return keep[:, None].expand(lead)
+    if cu is None or keep.numel() != torch.as_tensor(cu).numel() - 1:
+        raise ShapeMismatchError(
+            f"{keep.numel()} replay flags for rows of leading shape {lead}: mask samples of a "
+            "packed batch through its PackedRouting (or pass samples= in the rows' order)"
+        )
+    cu = torch.as_tensor(cu).long().cpu()
+    per = torch.repeat_interleave(keep, (cu[1:] - cu[:-1]))
+    n = int(torch.Size(lead).numel())
+    return torch.cat([per, per.new_zeros(n - per.numel())]).reshape(lead)
 
 
 def mask_samples(batch: Any, replay: Sequence[bool]) -> Any:
     """A :class:`RoutingTensors` (``[B, T]`` mask) or :class:`PackedRouting` with every row of the samples whose
-    ``replay`` is False masked off (left to the model's own choice, counted as left rows); the same batch when all
-    replay."""
+    ``replay`` is False masked off (left to the model's own choice, counted as left rows); a
+    :class:`rr_client.trainer.rows.ReplayRows` with those tokens out of ``have`` and ``need`` (a feeder that replays
+    every token gives them pad rows); the same batch when all replay."""
     if all(replay):
         return batch
     keep = torch.as_tensor(list(replay), dtype=torch.bool)
+    if hasattr(batch, "have") and hasattr(batch, "rows"):  # ReplayRows
+        grid = tuple(batch.have.shape)
+        if batch.cu_seqlens is not None:
+            tok = _token_keep(keep, (grid[0] * grid[1],), batch.cu_seqlens).reshape(grid)
+        else:
+            if keep.numel() != grid[0]:
+                raise ShapeMismatchError(f"{keep.numel()} replay flags for a batch of {grid[0]} samples")
+            tok = keep[:, None].expand(grid)
+        tok = tok.to(batch.have.device)
+        return replace(batch, have=batch.have & tok, need=None if batch.need is None else batch.need & tok)
     mask = batch.routed_experts_mask
     if mask.dim() == 2:
         if keep.numel() != mask.shape[0]:
@@ -107,6 +193,45 @@ def mask_samples(batch: Any, replay: Sequence[bool]) -> Any:
     per_row = torch.repeat_interleave(keep, (rcu[1:] - rcu[:-1]).long().cpu())
     per_row = torch.cat([per_row, per_row.new_zeros(mask.shape[0] - per_row.numel())])
     return replace(batch, routed_experts_mask=mask & per_row.to(mask.device))
+
+
+def mask_rows(rows: Any, mask: Any, replay: Sequence[bool]) -> Any:
+    """A raw rows tensor's ``mask`` (its leading shape; None: every row) with the rows of the samples whose
+    ``replay`` is False masked off: ``[B, T, L, K]`` rows are masked per sample ``b``."""
+    if all(replay):
+        return mask
+    lead = tuple(int(x) for x in torch.as_tensor(rows).shape[:-2])
+    keep = _token_keep(torch.as_tensor(list(replay), dtype=torch.bool), lead)
+    base = torch.ones(lead, dtype=torch.bool) if mask is None else torch.as_tensor(mask).bool()
+    return base & keep.to(base.device)
+
+
+def drop_samples(mask: torch.Tensor, replay: Sequence[bool], cu_seqlens: Any = None) -> torch.Tensor:
+    """A loss (or response) ``mask`` (``[B, T]``; packed ``[N]`` with ``cu_seqlens``) with the tokens of the samples
+    whose ``replay`` is False set to 0: what Megatron needs under ``stale_rows="mask"`` (its ``RouterReplay``
+    replays whole tensors, so a masked sample's tokens run on pad rows and must not train)."""
+    if all(replay):
+        return mask
+    keep = torch.as_tensor(list(replay), dtype=torch.bool)
+    if mask.dim() == 2 and cu_seqlens is None:
+        if keep.numel() != mask.shape[0]:
+            raise ShapeMismatchError(f"{keep.numel()} replay flags for a batch of {mask.shape[0]} samples")
+        tok = keep[:, None].expand(tuple(mask.shape))
+    else:
+        if cu_seqlens is None:
+            raise ConfigurationError("drop_samples on a packed mask needs its cu_seqlens")
+        tok = _token_keep(keep, (int(mask.numel()),), cu_seqlens).reshape(mask.shape)
+    return mask * tok.to(mask.device, mask.dtype) if mask.dtype != torch.bool else mask & tok.to(mask.device)
+
+
+def provenance_metrics(check: ProvenanceCheck) -> dict[str, float]:
+    """The step's provenance counts under :mod:`rr_client.trainer.keys`."""
+    return {
+        K.STALE_MASKED: float(check.masked),
+        K.SPANS_UPDATE: float(check.spans_update),
+        K.PROVENANCE_UNKNOWN: float(check.unknown),
+        K.CACHED_TOKENS: float(check.cached_tokens),
+    }
 
 
 @dataclass(frozen=True)
@@ -123,11 +248,11 @@ class Segments:
         name, turn = self.names[code]
         return K.segment(name, metric, turn)
 
-    def narrow(self, start: int, end: int) -> "Segments":
+    def narrow(self, start: int, end: int) -> Segments:
         """Samples ``start:end`` of a padded batch (a trainer's chunk)."""
         return Segments(self.rows[start:end], self.logps[start:end], self.names)
 
-    def to(self, device: torch.device | str) -> "Segments":
+    def to(self, device: torch.device | str) -> Segments:
         """On ``device`` (once per batch)."""
         return Segments(self.rows.to(device), self.logps.to(device), self.names)
 
@@ -142,9 +267,9 @@ def _codes(sample: Any, prov: list[Provenance | None], n: int) -> tuple[np.ndarr
     if spans:  # a Trajectory's own row ranges per turn (rr_client.client.trajectory.TurnSpan)
         for sp, res in zip(spans, parts):
             for code, (a, b) in enumerate((sp.cached_prompt, sp.computed_prompt, sp.generated)):
-                rows[a:min(b, n)] = code + 3 * sp.turn
+                rows[a : min(b, n)] = code + 3 * sp.turn
             n_prompt = len(res.prompt_ids or [])
-            logps[n_prompt:min(n_prompt + len(res.output_ids), n)] = GENERATED + 3 * sp.turn
+            logps[n_prompt : min(n_prompt + len(res.output_ids), n)] = GENERATED + 3 * sp.turn
         return rows, logps, len(parts)
     for t, (res, p) in enumerate(zip(parts, prov)):
         n_prompt = len(res.prompt_ids or [])
@@ -158,8 +283,9 @@ def _codes(sample: Any, prov: list[Provenance | None], n: int) -> tuple[np.ndarr
     return rows, logps, len(parts)
 
 
-def build_segments(samples: Sequence[Any], batch: Any, provenances: Sequence[list[Provenance | None]] | None = None
-                   ) -> Segments:
+def build_segments(
+    samples: Sequence[Any], batch: Any, provenances: Sequence[list[Provenance | None]] | None = None
+) -> Segments:
     """The segments of ``samples`` laid out like ``batch`` (their :class:`RoutingTensors`: real tokens where
     ``attention_mask`` is 1, in order; or :class:`PackedRouting`: ``cu_seqlens``), built on the host once per
     batch. ``provenances``: per sample, per turn (default: read from the samples)."""
@@ -183,10 +309,10 @@ def build_segments(samples: Sequence[Any], batch: Any, provenances: Sequence[lis
     n_total = int(batch.input_ids.shape[0])
     logps = torch.full((n_total,), -1, dtype=torch.long)
     for b, (_, lp, _) in enumerate(per):
-        logps[int(cu[b]):int(cu[b + 1])] = torch.from_numpy(lp)
+        logps[int(cu[b]) : int(cu[b + 1])] = torch.from_numpy(lp)
     rcu = batch.routing_cu_seqlens.cpu().long()
     rows = torch.full((int(batch.routed_experts_mask.shape[0]),), -1, dtype=torch.long)
     for b, (r, _, _) in enumerate(per):
         m = int(rcu[b + 1] - rcu[b])
-        rows[int(rcu[b]):int(rcu[b]) + m] = torch.from_numpy(r[:m])
+        rows[int(rcu[b]) : int(rcu[b]) + m] = torch.from_numpy(r[:m])
     return Segments(rows, logps, names)

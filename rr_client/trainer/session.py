@@ -1,4 +1,4 @@
-"""``ReplaySession``: the one replay lifecycle every trainer drives, per micro-batch.
+"""``ReplaySession``: the one replay lifecycle every trainer drives, per micro-batch, over two backends.
 
 A trainer opens replay (R3: the rollout's rows) or recording (R2: the model's own choice) before a micro-batch's
 forward; the block stays open until that micro-batch's backward has run (gradient checkpointing re-runs the
@@ -8,11 +8,24 @@ step's blocks and log-prob gaps into one dict whose keys are :mod:`rr_client.tra
 share, row-weighted agreement, token-weighted gaps. TRL's and verl's integrations are thin adapters over it;
 ``examples/plain_loop_r3.py`` drives it from a plain PyTorch loop.
 
+Two backends behind the same session: the Hugging Face hooks (``ReplaySession(model)``) and Megatron-core's own
+``RouterReplay`` (:class:`rr_client.integrations.megatron.MegatronSession`, a ``ReplaySession`` whose backend is a
+:class:`rr_client.integrations.megatron.MegatronReplay`: ``open_replay`` feeds the micro-batch inside
+``forward_step_func``, ``flush`` ends Megatron's step; the integration passes it in as ``backend=``). The audit
+cadence, the stale-rows policy, the log-prob gap and the keys are the session's, the same for both.
+
+The stale-rows policy (``stale_rows``, default ``"refuse"``) runs wherever rows enter the session
+(:meth:`~ReplaySession.open_replay`, :meth:`~ReplaySession.forward`), on the provenance the rows carry
+(``to_tensors`` / ``to_packed`` keep each sample's), or on ``samples=``: a sample that may have been recomputed
+across a weight update raises :class:`rr_client.StaleRoutingError`, or with ``"mask"`` is left unreplayed; rows
+without provenance (a raw tensor) pass and are counted under ``r3/provenance_unknown``. ``stale_rows="off"``
+turns it off on purpose; ``checked=True`` says the policy already ran on these rows (TRL at rollout time).
+
 ::
 
     session = ReplaySession(model)
     for batch in batches:
-        session.open_replay(batch.routed_experts, batch.routed_experts_mask)
+        session.open_replay(batch)         # the stale-rows policy on its samples' provenance, then replay
         loss = loss_fn(model(batch.input_ids))
         loss.backward()
         session.add_gap(trainer_logps.detach(), batch, batch.response_mask, temperature=T)  # batch.logprobs
@@ -25,21 +38,32 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from dataclasses import replace
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from rr_client.core.agreement import count_matches
-from rr_client.core.errors import ConfigurationError, ReplayError
+from rr_client.core.errors import ConfigurationError, ReplayError, ShapeMismatchError, StaleRoutingError
 from rr_client.core.logprobs import check_comparable_logprobs
 from rr_client.core.provenance import ProvenanceCheck, StalePolicy, check_stale_policy
 from rr_client.trainer import keys as K
 from rr_client.trainer.metrics import gap_stats, segment_gap_stats
-from rr_client.trainer.provenance import Segments, check_samples, merge_checks, provenance_metrics
+from rr_client.trainer.provenance import (
+    Segments,
+    check_provenances,
+    check_samples,
+    mask_rows,
+    mask_samples,
+    merge_checks,
+    provenance_metrics,
+    rows_provenance,
+    samples_of,
+)
 from rr_client.trainer.replay import CHECK_EVERY, RoutingRecord, record_routing, replay_routing
 
-__all__ = ["ReplaySession", "AUDIT_EVERY", "merge_reports"]
+__all__ = ["ReplaySession", "ReplayBackend", "AUDIT_EVERY", "merge_reports"]
 
 #: default: the replay audit (ids proven to reach the experts; +6-8% of a step on an H100) runs on the first step
 #: and then every 10th, so a broken replay is caught on step 0 and the steady-state cost is under 1%.
@@ -54,17 +78,25 @@ def merge_reports(reports: Sequence[dict[str, float]], *, log_layers: bool = Fal
     if not reports:
         return {}
     replayed = sum(r[K.REPLAYED_ROWS] for r in reports)
-    out = {K.FORWARDS: sum(r[K.FORWARDS] for r in reports), K.REPLAYED_ROWS: replayed,
-           K.LEFT_ROWS: sum(r[K.LEFT_ROWS] for r in reports), K.MOE_LAYERS: max(r.get(K.MOE_LAYERS, 0.0) for r in reports)}
+    out = {
+        K.FORWARDS: sum(r[K.FORWARDS] for r in reports),
+        K.REPLAYED_ROWS: replayed,
+        K.LEFT_ROWS: sum(r[K.LEFT_ROWS] for r in reports),
+        K.MOE_LAYERS: max(r.get(K.MOE_LAYERS, 0.0) for r in reports),
+    }
     applied = [r[K.APPLIED_SHARE] for r in reports if not math.isnan(r[K.APPLIED_SHARE])]
     out[K.APPLIED_SHARE] = min(applied) if applied else math.nan
-    shares = [v for r in reports for k, v in r.items()
-              if K.is_layer_key(k) and k.endswith("/applied_share") and not math.isnan(v)]
+    shares = [
+        v
+        for r in reports
+        for k, v in r.items()
+        if K.is_layer_key(k) and k.endswith("/applied_share") and not math.isnan(v)
+    ]
     out[K.APPLIED_SHARE_MIN_LAYER] = min(shares) if shares else math.nan
     agree = sum(r[K.AGREEMENT] * r[K.REPLAYED_ROWS] for r in reports if r[K.REPLAYED_ROWS])
     out[K.AGREEMENT] = agree / replayed if replayed else math.nan
     for k in sorted({k for r in reports for k in r if K.is_segment_key(k) and k.endswith("/replayed_rows")}):
-        base = k[:-len("replayed_rows")]
+        base = k[: -len("replayed_rows")]
         rows = sum(r.get(k, 0.0) for r in reports)
         out[k] = rows
         if rows:
@@ -77,44 +109,82 @@ def merge_reports(reports: Sequence[dict[str, float]], *, log_layers: bool = Fal
     return out
 
 
-def _segment_gaps(seg_gaps: Sequence[tuple[tuple[tuple[str, int | None], ...], Any]], flat: list[float]
-                  ) -> dict[str, float]:
+def _segment_gaps(
+    seg_gaps: Sequence[tuple[tuple[tuple[str, int | None], ...], Any]], flat: list[float]
+) -> dict[str, float]:
     """The step's gap per segment key (and per segment over all turns) from the read values of ``seg_gaps``."""
     sums: dict[tuple[str, int | None], list[float]] = {}
     at = 0
     for names, _ in seg_gaps:
         for name in names:
-            row, at = flat[at:at + 7], at + 7
+            row, at = flat[at : at + 7], at + 7
             for key in {name, (name[0], None)}:
                 acc = sums.setdefault(key, [0.0] * 7)
                 for i, v in enumerate(row):
                     acc[i] += v
     out: dict[str, float] = {}
     for (name, turn), (n, s_abs, _sq, s_k3, n2, _n5, _bad) in sums.items():
-        out[K.segment(name, K.LOGP_TOKENS[len(K.PREFIX):], turn)] = n
+        out[K.segment(name, K.LOGP_TOKENS[len(K.PREFIX) :], turn)] = n
         if n:
-            out[K.segment(name, K.MEAN_ABS_LOGP_DIFF[len(K.PREFIX):], turn)] = s_abs / n
-            out[K.segment(name, K.K3_KL[len(K.PREFIX):], turn)] = s_k3 / n
-            out[K.segment(name, K.FRAC_ABS_DIFF_GT_LN2[len(K.PREFIX):], turn)] = n2 / n
+            out[K.segment(name, K.MEAN_ABS_LOGP_DIFF[len(K.PREFIX) :], turn)] = s_abs / n
+            out[K.segment(name, K.K3_KL[len(K.PREFIX) :], turn)] = s_k3 / n
+            out[K.segment(name, K.FRAC_ABS_DIFF_GT_LN2[len(K.PREFIX) :], turn)] = n2 / n
     return out
+
+
+class ReplayBackend(Protocol):
+    """What a :class:`ReplaySession` needs of a backend other than the Hugging Face hooks (Megatron's:
+    :class:`rr_client.integrations.megatron.MegatronSession`). The session keeps the audit cadence, the stale-rows
+    policy, the gaps, the provenance counts and the merge; the backend replays, audits and reports one step."""
+
+    every_token: bool  #: it replays every token (a masked sample gets pad rows, not its own router)
+
+    def feed(
+        self, routing: Any, *, chunk: Any, mask: Any, layers: Any, attention_mask: Any, layout: dict[str, Any]
+    ) -> Any: ...  # R3: one micro-batch's rows for its next forward
+
+    def replay_record(self, *, key: Any, input_ids: Any, chunk: Any) -> Any: ...  # R2: replay a record
+
+    def record(self, *, key: Any, input_ids: Any, chunk: Any) -> None: ...  # R2: record the next forward
+
+    def step_done(self) -> dict[str, float]: ...  # end the step, checked: its report (merge_reports' keys)
+
+    def abandon(self) -> None: ...  # end the step unchecked (an error is on its way)
+
+    def close(self) -> None: ...  # done: remove the hooks
 
 
 class ReplaySession:
     """Replay (R3) or recording (R2) in ``model`` per micro-batch, kept open until backward, merged per step.
+
+    ``ReplaySession(model)``: the Hugging Face hooks (:func:`rr_client.trainer.replay.replay_routing`);
+    :class:`rr_client.integrations.megatron.MegatronSession` ``(model_chunks)``: Megatron-core's ``RouterReplay``,
+    the same session (its ``backend``, a :class:`ReplayBackend`).
 
     ``audit_every``: steps between audited steps (the first step always; 0 = never audit). ``check_every``:
     the sampled bit-for-bit formula check (:func:`rr_client.trainer.replay.replay_routing`). ``allow_untested``:
     replay a family whose formula is in rr but untested (docs/replay-coverage.md). ``layers``: the rows' layer
     axis when it is not absolute (e.g. MoE ordinals). ``moe_layers``: the MoE layers of an absolute layer axis,
     for the agreement of recorded routing. ``log_layers``: per-layer keys in :meth:`flush` too. ``stale_rows``:
-    what :meth:`check_samples` does with a sample that may have been recomputed across a weight update
-    (``"refuse"``: :class:`rr_client.StaleRoutingError`; ``"mask"``: kept unreplayed and counted).
+    what the session does with a sample that may have been recomputed across a weight update, wherever rows
+    enter it (:meth:`open_replay`, :meth:`forward`, :meth:`check_samples`): ``"refuse"`` (default):
+    :class:`rr_client.StaleRoutingError`; ``"mask"``: kept unreplayed and counted; ``"off"``: the policy turned
+    off on purpose (replayed as they are, counted under ``r3/spans_update``).
     """
 
-    def __init__(self, model: nn.Module, *, audit_every: int = AUDIT_EVERY, check_every: int = CHECK_EVERY,
-                 allow_untested: bool = False, layers: Sequence[int] | None = None,
-                 moe_layers: Sequence[int] | None = None, log_layers: bool = False,
-                 stale_rows: StalePolicy = "refuse") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        audit_every: int = AUDIT_EVERY,
+        check_every: int = CHECK_EVERY,
+        allow_untested: bool = False,
+        layers: Sequence[int] | None = None,
+        moe_layers: Sequence[int] | None = None,
+        log_layers: bool = False,
+        stale_rows: StalePolicy = "refuse",
+        backend: ReplayBackend | None = None,
+    ) -> None:
         if audit_every < 0 or check_every < 1:
             raise ConfigurationError(f"audit_every={audit_every} must be >= 0 and check_every={check_every} >= 1")
         self.model = model
@@ -126,13 +196,17 @@ class ReplaySession:
         self.log_layers = log_layers
         self.stale_rows: StalePolicy = check_stale_policy(stale_rows)
         self.steps = 0  #: flushed steps
+        self.backend = backend  #: None: the Hugging Face hooks; else the backend that replays (Megatron's)
+        self._fed = False  # a backend: rows fed (or a record opened) since the last flush
         self._stack: ExitStack | None = None
         self._after_close: list[Any] = []
         self._reports: list[dict[str, float]] = []
         self._gaps: list[torch.Tensor] = []
         self._agree = [0, 0]  # recorded rows equal to the compared rows, rows compared
         self._seg_gaps: list[tuple[tuple[tuple[str, int | None], ...], torch.Tensor]] = []
-        self._checks: list[ProvenanceCheck] = []
+        self._checks: list[ProvenanceCheck] = []  # check_samples / add_provenance: they count the step
+        self._row_checks: list[ProvenanceCheck] = []  # the policy where rows entered (counted without the above)
+        self._policed: dict[int, tuple[Any, Any, Any, ProvenanceCheck]] = {}  # id(rows) -> rows, mask, out, check
 
     # ------------------------------------------------------------------ state
     @property
@@ -142,30 +216,207 @@ class ReplaySession:
 
     @property
     def is_open(self) -> bool:
-        """Whether a micro-batch's block is open (its backward may still be running)."""
-        return self._stack is not None
+        """Whether a micro-batch's block is open (its backward may still be running); Megatron: whether rows were
+        fed since the last :meth:`flush`."""
+        return self._fed if self.backend is not None else self._stack is not None
+
+    # ------------------------------------------------------------------ the stale-rows policy where rows enter
+    def _police(
+        self,
+        routing: Any,
+        mask: Any,
+        samples: Sequence[Any] | None,
+        checked: bool,
+        *,
+        every_token: bool = False,
+        layers: Sequence[int] | None = None,
+        tokens: Any = None,
+    ) -> tuple[Any, Any, ProvenanceCheck | None]:
+        """``(rows, mask, check)`` after the stale-rows policy on ``routing``'s samples: their provenance from
+        ``samples``, else the rows' own (``to_tensors`` / ``to_packed``), else noted unknown (one per sample).
+        ``every_token``: the backend replays every token (Megatron): masked samples become pad rows, not rows
+        left to the router. The same rows entering twice in a step (two chunks, a reference forward) are checked
+        and counted once."""
+        if checked:
+            return routing, mask, None
+        hit = self._policed.get(id(routing))
+        if hit is not None and hit[0] is routing and hit[1] is mask:
+            return hit[2][0], hit[2][1], hit[3]
+        n = samples_of(routing)
+        if samples is not None:
+            check = check_samples(samples, self.stale_rows)
+            what = "samples="
+        else:
+            provs = rows_provenance(routing)
+            check = (
+                check_provenances(provs, self.stale_rows)
+                if provs is not None
+                else ProvenanceCheck((True,) * n, 0, 0, n, 0)
+            )
+            what = "the rows' provenance"
+        if len(check.replay) != n and not (samples is not None and n == 1 and _packed_tensor(routing)):
+            raise ShapeMismatchError(
+                f"{what} names {len(check.replay)} samples, the rows hold {n}: a batch cut "
+                "into micro-batches must cut its provenance with it (or pass samples=)"
+            )
+        check = self._stale_flags(routing, check)
+        out_rows, out_mask = routing, mask
+        if not all(check.replay):
+            out_rows, out_mask = self._mask(routing, mask, check.replay, every_token, layers, tokens)
+        self._row_checks.append(check)
+        self._policed[id(routing)] = (routing, mask, (out_rows, out_mask), check)
+        return out_rows, out_mask, check
+
+    def _stale_flags(self, routing: Any, check: ProvenanceCheck) -> ProvenanceCheck:
+        """Samples a :class:`rr_client.trainer.rows.ReplayRows` flags ``stale`` under the policy too."""
+        stale = getattr(routing, "stale", None)
+        if stale is None or self.stale_rows == "off":
+            return check
+        flags = [bool(x) for x in torch.as_tensor(stale).reshape(-1).tolist()]
+        if len(flags) != len(check.replay):
+            raise ShapeMismatchError(f"ReplayRows.stale has {len(flags)} flags for {len(check.replay)} samples")
+        bad = [i for i, f in enumerate(flags) if f and check.replay[i]]
+        if bad and self.stale_rows == "refuse":
+            raise StaleRoutingError(
+                f"batch sample {bad[0]}: its rows are flagged stale (ReplayRows.stale); pass "
+                "stale_rows='mask' to keep such samples without replay"
+            )
+        replay = tuple(r and not f for r, f in zip(check.replay, flags))
+        return ProvenanceCheck(replay, check.masked + len(bad), check.spans_update, check.unknown, check.cached_tokens)
+
+    @staticmethod
+    def _mask(
+        routing: Any, mask: Any, replay: Sequence[bool], every_token: bool, layers: Sequence[int] | None, tokens: Any
+    ) -> tuple[Any, Any]:
+        """The rows with the masked samples' rows off: left to the router (Hugging Face hooks), or, where every
+        token is replayed (Megatron), :class:`rr_client.trainer.rows.ReplayRows` whose masked tokens need no row
+        (the feeder gives them pad rows)."""
+        if every_token:
+            from rr_client.trainer.rows import ReplayRows
+
+            rows = (
+                ReplayRows.of(routing, mask=mask, layers=layers, attention_mask=tokens)
+                if not isinstance(routing, ReplayRows)
+                else routing
+            )
+            return mask_samples(rows, replay), None
+        if hasattr(routing, "routed_experts_mask") or hasattr(routing, "have"):
+            if mask is not None and hasattr(routing, "routed_experts_mask"):
+                routing, mask = replace(routing, routed_experts_mask=torch.as_tensor(mask).bool()), None
+            return mask_samples(routing, replay), mask
+        return routing, mask_rows(routing, mask, replay)
 
     # ------------------------------------------------------------------ per micro-batch
-    def open_replay(self, routed_experts: Any, mask: Any = None, *, layers: Sequence[int] | None = None,
-                    tokens: Any = None, segments: Segments | None = None) -> None:
-        """Close the previous micro-batch's block, then replay ``routed_experts`` (rows, or a
-        :class:`rr_client.RoutingTensors` / :class:`rr_client.PackedRouting`) in the next forwards. ``tokens``:
-        which rows are real tokens (pads are counted neither replayed nor left; a RoutingTensors' own
-        ``attention_mask`` by default), so every trainer's layout counts the same rows. ``segments``
-        (:func:`rr_client.trainer.provenance.build_segments`): the audit per token segment too."""
-        self.close()
-        stack = ExitStack()
-        report = stack.enter_context(replay_routing(
-            self.model, routed_experts, mask, layers=layers if layers is not None else self.layers,
-            check_every=self.check_every, audit=self.audited, allow_untested=self.allow_untested, tokens=tokens,
-            segments=segments))
-        if report is not None:
-            self._reports.append(report)  # the audit fills it when the block closes
-        self._stack = stack
+    def open_replay(
+        self,
+        routed_experts: Any = None,
+        mask: Any = None,
+        *,
+        layers: Sequence[int] | None = None,
+        tokens: Any = None,
+        segments: Segments | None = None,
+        samples: Sequence[Any] | None = None,
+        checked: bool = False,
+        chunk: Any = None,
+        key: Any = None,
+        input_ids: Any = None,
+        **layout: Any,
+    ) -> ProvenanceCheck | None:
+        """Apply the stale-rows policy, close the previous micro-batch's block, then replay ``routed_experts``
+        (rows, or a :class:`rr_client.RoutingTensors` / :class:`rr_client.PackedRouting` /
+        :class:`rr_client.trainer.rows.ReplayRows`) in the next forwards. ``tokens``: which rows are real tokens
+        (pads are counted neither replayed nor left; a RoutingTensors' own ``attention_mask`` by default), so every
+        trainer's layout counts the same rows. ``segments`` (:func:`rr_client.trainer.provenance.build_segments`):
+        the audit per token segment too (Hugging Face hooks). ``samples``: the batch's samples in the rows' order,
+        whose provenance the policy reads (default: the provenance the rows carry; none: counted unknown);
+        ``checked=True``: the policy already ran on these rows (nothing checked or counted again). Returns the
+        policy's :class:`rr_client.core.provenance.ProvenanceCheck` (``replay[i]`` False: sample ``i`` masked), or
+        None when ``checked``.
 
-    def open_record(self, compare_to: Any = None, mask: Any = None) -> RoutingRecord:
+        Megatron (:class:`rr_client.integrations.megatron.MegatronSession`): call it inside ``forward_step_func``,
+        once per micro-batch (and per chunk: ``chunk=``); ``layout`` takes :func:`rr_client.integrations.megatron.router_targets`' keys
+        (``cu_seqlens_padded``, ...); ``tokens`` is the batch's ``attention_mask``. Megatron replays every token,
+        so a sample the policy masks runs on pad rows: drop it from the loss
+        (:func:`rr_client.trainer.provenance.drop_samples` with the returned ``replay``). R2: no rows, ``key=`` and
+        ``input_ids=`` (the micro-batch's ``[b, s]`` ids) replay the record :meth:`open_record` kept."""
+        if self.backend is None:
+            if chunk is not None or key is not None or input_ids is not None or layout:
+                extra = sorted(
+                    [
+                        *layout,
+                        *(n for n, v in (("chunk", chunk), ("key", key), ("input_ids", input_ids)) if v is not None),
+                    ]
+                )
+                raise ConfigurationError(
+                    f"open_replay: {extra} apply to the Megatron backend only "
+                    "(rr_client.integrations.megatron.MegatronSession)"
+                )
+            if routed_experts is None:
+                raise ConfigurationError("open_replay needs the rows to replay")
+            rows, mask, check = self._police(routed_experts, mask, samples, checked)
+            self.close()
+            stack = ExitStack()
+            report = stack.enter_context(
+                replay_routing(
+                    self.model,
+                    rows,
+                    mask,
+                    layers=layers if layers is not None else self.layers,
+                    check_every=self.check_every,
+                    audit=self.audited,
+                    allow_untested=self.allow_untested,
+                    tokens=tokens,
+                    segments=segments,
+                )
+            )
+            if report is not None:
+                self._reports.append(report)  # the audit fills it when the block closes
+            self._stack = stack
+            return check
+        if segments is not None:
+            raise ConfigurationError(
+                "open_replay(segments=) on Megatron: MegatronReplay has no per-segment audit "
+                "yet; pass the segments to add_gap (the per-segment log-prob gap)"
+            )
+        self._fed = True
+        if routed_experts is None:
+            if key is None or input_ids is None:
+                raise ConfigurationError(
+                    "open_replay without rows is R2's replay on Megatron: pass key= and "
+                    "input_ids= (as given to open_record)"
+                )
+            self.backend.replay_record(key=key, input_ids=input_ids, chunk=chunk)
+            return None
+        given = hasattr(routed_experts, "have") and hasattr(routed_experts, "rows")  # ReplayRows: mask, layers in
+        axis = layers if layers is not None or given else self.layers
+        rows, mask, check = self._police(
+            routed_experts, mask, samples, checked, every_token=self.backend.every_token, layers=axis, tokens=tokens
+        )
+        if rows is not routed_experts and not given:  # the policy folded mask, layers and tokens into ReplayRows
+            mask, axis, tokens = None, None, None
+        self.backend.feed(rows, chunk=chunk, mask=mask, layers=axis, attention_mask=tokens, layout=layout)
+        return check
+
+    def open_record(
+        self, compare_to: Any = None, mask: Any = None, *, key: Any = None, input_ids: Any = None, chunk: Any = None
+    ) -> RoutingRecord | None:
         """Close the previous block, then record the model's own choice (R2) in the next forwards; with
-        ``compare_to`` (the rollout's rows, same layout), its agreement with them is added when the block closes."""
+        ``compare_to`` (the rollout's rows, same layout), its agreement with them is added when the block closes.
+        Megatron: inside ``forward_step_func`` of the old-log-prob pass, ``key=`` (the micro-batch's id) and
+        ``input_ids=`` (its ``[b, s]`` ids) bind the record for :meth:`open_replay` ``(key=, input_ids=)``."""
+        if self.backend is not None:
+            if compare_to is not None or mask is not None:
+                raise ConfigurationError(
+                    "open_record(compare_to=) is the Hugging Face backend's; on Megatron the "
+                    "audit's r3/agreement compares the router's own choice"
+                )
+            if key is None:
+                raise ConfigurationError("open_record on Megatron: pass key= (the micro-batch's id) and input_ids=")
+            self._fed = True
+            self.backend.record(key=key, input_ids=input_ids, chunk=chunk)
+            return None
+        if key is not None or input_ids is not None or chunk is not None:
+            raise ConfigurationError("open_record: key / input_ids / chunk apply to the Megatron backend only")
         self.close()
         stack = ExitStack()
         rec = stack.enter_context(record_routing(self.model, allow_untested=self.allow_untested))
@@ -175,13 +426,34 @@ class ReplaySession:
         return rec
 
     @contextmanager
-    def forward(self, routed_experts: Any, mask: Any = None, *, layers: Sequence[int] | None = None,
-                tokens: Any = None, segments: Segments | None = None) -> Iterator[None]:
+    def forward(
+        self,
+        routed_experts: Any,
+        mask: Any = None,
+        *,
+        layers: Sequence[int] | None = None,
+        tokens: Any = None,
+        segments: Segments | None = None,
+        samples: Sequence[Any] | None = None,
+        checked: bool = False,
+    ) -> Iterator[None]:
         """A replay block closed when the ``with`` ends, for forwards without a backward (old-policy, reference);
-        the block kept open for a backward, if any, stays open. ``tokens``: as in :meth:`open_replay`."""
-        with replay_routing(self.model, routed_experts, mask, layers=layers if layers is not None else self.layers,
-                            check_every=self.check_every, audit=self.audited,
-                            allow_untested=self.allow_untested, tokens=tokens, segments=segments) as report:
+        the block kept open for a backward, if any, stays open. ``tokens``, ``samples``, ``checked``: as in
+        :meth:`open_replay` (the stale-rows policy runs here too). Megatron: forward-only passes feed through
+        :meth:`open_replay` inside ``forward_step_func``, like training ones."""
+        self._hf_only("forward()")
+        rows, mask, _ = self._police(routed_experts, mask, samples, checked)
+        with replay_routing(
+            self.model,
+            rows,
+            mask,
+            layers=layers if layers is not None else self.layers,
+            check_every=self.check_every,
+            audit=self.audited,
+            allow_untested=self.allow_untested,
+            tokens=tokens,
+            segments=segments,
+        ) as report:
             yield
         if report is not None:
             self._reports.append(report)
@@ -189,14 +461,24 @@ class ReplaySession:
     @contextmanager
     def recording(self, compare_to: Any = None, mask: Any = None) -> Iterator[RoutingRecord]:
         """A recording closed when the ``with`` ends (see :meth:`open_record`), for forwards without a backward."""
+        self._hf_only("recording()")
         with record_routing(self.model, allow_untested=self.allow_untested) as rec:
             yield rec
         if compare_to is not None:
             self._add_agreement(rec.routed_experts, compare_to, mask)
 
+    def _hf_only(self, what: str) -> None:
+        if self.backend is not None:
+            raise ConfigurationError(
+                f"ReplaySession.{what} is the Hugging Face backend's: on Megatron, feed every "
+                "pass (forward-only too) with open_replay / open_record inside "
+                "forward_step_func, and flush() after it"
+            )
+
     def close(self) -> None:
         """Close the open block (after its backward): the audit and the formula check raise here if replay
-        failed (:class:`rr_client.ReplayError`, :class:`rr_client.UnsupportedModelError`)."""
+        failed (:class:`rr_client.ReplayError`, :class:`rr_client.UnsupportedModelError`). Megatron: nothing (a
+        step's micro-batches stay in flight until :meth:`flush`)."""
         stack, self._stack = self._stack, None
         if stack is None:
             return
@@ -206,17 +488,37 @@ class ReplaySession:
             fn()
 
     def abandon(self) -> None:
-        """Close the open block while an error is already on its way (its own verdict is dropped)."""
+        """Close the open block while an error is already on its way (its own verdict is dropped). Megatron: the
+        step is ended unchecked (it still counts for ``audit_every``, as Megatron's does)."""
         stack, self._stack, self._after_close = self._stack, None, []
         if stack is not None:
             try:
                 stack.close()
             except Exception:  # keep the error that is already raised
                 pass
+        if self.backend is not None:
+            self.backend.abandon()
+            self._fed = False
+            self.steps += 1
+
+    def detach(self) -> None:
+        """Done with the model: close the open block; Megatron: clear every router and remove rr's hooks
+        (``MegatronReplay.close``)."""
+        self.close()
+        if self.backend is not None:
+            self.backend.close()
 
     # ------------------------------------------------------------------ measurements
-    def add_gap(self, trainer_logps: Any, engine_logps: Any, mask: Any = None, *, temperature: float | None = None,
-                logprobs_mode: str | None = None, segments: Segments | None = None) -> None:
+    def add_gap(
+        self,
+        trainer_logps: Any,
+        engine_logps: Any,
+        mask: Any = None,
+        *,
+        temperature: float | None = None,
+        logprobs_mode: str | None = None,
+        segments: Segments | None = None,
+    ) -> None:
         """Add a micro-batch's log-prob gap (trainer vs the engine's sampling log-probs, over ``mask``); kept on
         the device until :meth:`flush`, token-weighted over the step.
 
@@ -228,28 +530,36 @@ class ReplaySession:
         like the log-probs), under ``r3/[turn<t>/]<segment>/mean_abs_logp_diff`` etc."""
         if hasattr(engine_logps, "logprobs") and hasattr(engine_logps, "logprobs_mode"):
             if engine_logps.logprobs is None:
-                raise ConfigurationError("add_gap: the batch carries no engine log-probs (generate with "
-                                         "return_logprob=True)")
+                raise ConfigurationError(
+                    "add_gap: the batch carries no engine log-probs (generate with return_logprob=True)"
+                )
             if logprobs_mode is not None and logprobs_mode != engine_logps.logprobs_mode:
-                raise ConfigurationError(f"add_gap: logprobs_mode={logprobs_mode!r} but the batch's log-probs are "
-                                         f"{engine_logps.logprobs_mode!r}")
+                raise ConfigurationError(
+                    f"add_gap: logprobs_mode={logprobs_mode!r} but the batch's log-probs are "
+                    f"{engine_logps.logprobs_mode!r}"
+                )
             engine_logps, logprobs_mode = engine_logps.logprobs, engine_logps.logprobs_mode
         check_comparable_logprobs(logprobs_mode, temperature, consumer="ReplaySession.add_gap")
         mine = trainer_logps.detach() if hasattr(trainer_logps, "detach") else trainer_logps
         self._gaps.append(gap_stats(mine, engine_logps, mask))
         if segments is not None:
-            self._seg_gaps.append((segments.names, segment_gap_stats(mine, engine_logps, mask, segments.logps,
-                                                                     len(segments.names))))
+            self._seg_gaps.append(
+                (segments.names, segment_gap_stats(mine, engine_logps, mask, segments.logps, len(segments.names)))
+            )
 
     def check_samples(self, samples: Sequence[Any]) -> ProvenanceCheck:
         """The stale-rows policy on a batch's samples (:func:`rr_client.trainer.provenance.check_samples` with
-        this session's ``stale_rows``), counted into the step; ``replay[i]`` False: mask sample ``i``'s rows."""
+        this session's ``stale_rows``), counted into the step; ``replay[i]`` False: mask sample ``i``'s rows.
+        Not needed where the rows carry their samples' provenance (:meth:`open_replay` applies the policy); when
+        called, the step's provenance counts are this call's (and :meth:`add_provenance`'s), not the rows'
+        again."""
         check = check_samples(samples, self.stale_rows)
         self._checks.append(check)
         return check
 
     def add_provenance(self, check: ProvenanceCheck) -> None:
-        """Count a batch's provenance check (made elsewhere) into the step's ``r3/stale_masked`` etc."""
+        """Count a batch's provenance check (made elsewhere) into the step's ``r3/stale_masked`` etc. (as
+        :meth:`check_samples`, it replaces the counts of the rows' own check in this step)."""
         self._checks.append(check)
 
     def _add_agreement(self, own: Any, rows: Any, mask: Any) -> None:
@@ -266,29 +576,49 @@ class ReplaySession:
 
     # ------------------------------------------------------------------ per step
     def flush(self) -> dict[str, float]:
-        """Close the open block and return the step's merged metrics (keys: :mod:`rr_client.trainer.keys`);
-        counts the step for ``audit_every``. One host read for the gaps."""
+        """Close the open block (Megatron: end the step, ``MegatronReplay.step_done``, whose verdicts raise here)
+        and return the step's merged metrics (keys: :mod:`rr_client.trainer.keys`); counts the step for
+        ``audit_every``. One host read for the gaps."""
         audited = self.audited
         self.close()
+        if self.backend is not None:
+            self._fed = False
+            try:
+                report = self.backend.step_done()
+            except BaseException:
+                self._reset()
+                self.steps += 1  # Megatron counted the step
+                raise
+            if report and audited:  # as the Hugging Face hooks: an unaudited step claims no audit keys
+                self._reports.append(report)
         out = merge_reports(self._reports, log_layers=self.log_layers)
         if out:
             out[K.AUDITED] = float(audited)
         if self._gaps:
             dev = self._gaps[0].device
-            parts = [torch.stack([g.to(dev) for g in self._gaps]).sum(0)] + [t.to(dev).reshape(-1)
-                                                                             for _, t in self._seg_gaps]
+            parts = [torch.stack([g.to(dev) for g in self._gaps]).sum(0)] + [
+                t.to(dev).reshape(-1) for _, t in self._seg_gaps
+            ]
             flat = torch.cat(parts).tolist()  # the step's one host read of the gaps
             n, s_abs, _s_sq, s_k3, n2, _n5, bad = flat[:7]
             if bad:
                 self._reset()
-                raise ReplayError("non-finite log-prob difference in a measured token (trainer or engine log-prob "
-                                  "is NaN/inf)")
+                raise ReplayError(
+                    "non-finite log-prob difference in a measured token (trainer or engine log-prob is NaN/inf)"
+                )
             if n:
-                out.update({K.MEAN_ABS_LOGP_DIFF: s_abs / n, K.K3_KL: s_k3 / n, K.FRAC_ABS_DIFF_GT_LN2: n2 / n,
-                            K.LOGP_TOKENS: float(n)})
+                out.update(
+                    {
+                        K.MEAN_ABS_LOGP_DIFF: s_abs / n,
+                        K.K3_KL: s_k3 / n,
+                        K.FRAC_ABS_DIFF_GT_LN2: n2 / n,
+                        K.LOGP_TOKENS: float(n),
+                    }
+                )
             out.update(_segment_gaps(self._seg_gaps, flat[7:]))
-        if self._checks:
-            out.update(provenance_metrics(merge_checks(self._checks)))
+        checks = self._checks or self._row_checks
+        if checks:
+            out.update(provenance_metrics(merge_checks(checks)))
         if self._agree[1]:
             out[K.AGREEMENT] = self._agree[0] / self._agree[1]
         self._reset()
@@ -297,6 +627,7 @@ class ReplaySession:
 
     def _reset(self) -> None:
         self._reports, self._gaps, self._agree, self._seg_gaps, self._checks = [], [], [0, 0], [], []
+        self._row_checks, self._policed = [], {}
 
     @contextmanager
     def step(self) -> Iterator[dict[str, float]]:
@@ -311,3 +642,7 @@ class ReplaySession:
             raise
         metrics.update(self.flush())
 
+
+def _packed_tensor(routing: Any) -> bool:
+    """A raw packed ``[N, L, K]`` tensor (its samples are not known to the rows)."""
+    return isinstance(routing, torch.Tensor) and routing.dim() == 3

@@ -51,7 +51,10 @@ def test_audit_runs_on_the_first_step_then_every_nth(qwen: Any) -> None:
     assert audited == [True, False, False, True, False, False, True]
     assert session.steps == 7
     never = ReplaySession(qwen, audit_every=0)
-    assert step(never, qwen, x, rows) == {}  # nothing measured, nothing claimed
+    met = step(never, qwen, x, rows)
+    counts = (K.STALE_MASKED, K.SPANS_UPDATE, K.PROVENANCE_UNKNOWN, K.CACHED_TOKENS)
+    assert {k: v for k, v in met.items() if k not in counts} == {}  # nothing measured, nothing claimed ...
+    assert met[K.PROVENANCE_UNKNOWN] == B  # ... but raw rows are noted by the stale-rows policy: no provenance
 
 
 def test_merged_metrics_worst_share_weighted_agreement(qwen: Any) -> None:

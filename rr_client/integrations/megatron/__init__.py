@@ -8,6 +8,11 @@ The feeder (``pip install 'rr-replay[megatron]'``; megatron-core is imported onl
     ...                                              # forward / backward of the step's micro-batches
     replay.step_done()                               # clear every router's targets and action
 
+In a training loop, :class:`MegatronSession` (``session = MegatronSession(model_chunks)``; ``session.open_replay(
+routing, chunk=model)`` inside ``forward_step_func``, ``session.flush()`` after the step) is the same
+:class:`rr_client.trainer.ReplaySession` as on the Hugging Face path, over a ``MegatronReplay``: the stale-rows
+policy, the log-prob gap and the ``r3/`` keys included.
+
 ``routing`` is a :class:`rr_client.RoutingTensors` (padded ``[b, s]``), a :class:`rr_client.PackedRouting` (THD)
 or a ``[b, s, layers, topk]`` tensor. Each ``TopKRouter`` takes its own layer's rows (by ``layer_number``), checked
 (width = top-k, ids in range, no repeated id, a row for every real token but each sample's last, and, at the
@@ -23,7 +28,8 @@ from rr_client.integrations.megatron._gate import TESTED_MEGATRON, check_megatro
 from rr_client.integrations.megatron._layout import cp_thd_index, cp_zigzag_index, sp_shard
 from rr_client.integrations.megatron._replay import MegatronReplay, Mode
 from rr_client.integrations.megatron._routers import REFUSED, MegatronRouter, find_routers
+from rr_client.integrations.megatron._session import MegatronSession
 
-__all__ = ["MegatronReplay", "Mode", "MtpPolicy", "router_targets", "Feed", "Parallel", "MegatronRouter",
+__all__ = ["MegatronReplay", "MegatronSession", "Mode", "MtpPolicy", "router_targets", "Feed", "Parallel", "MegatronRouter",
            "find_routers", "parallel_from_state", "REFUSED", "TESTED_MEGATRON", "check_megatron_version",
            "cp_zigzag_index", "cp_thd_index", "sp_shard"]

@@ -335,7 +335,7 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         if torch.is_grad_enabled():  # the loss forward: one block, open until backward has run (checkpointing)
             self._rr_segments = seg
             if self.r3:
-                session.open_replay(rt, segments=seg)
+                session.open_replay(rt, segments=seg, checked=True)  # the stale-rows policy ran at rollout time
             else:
                 session.open_record(rt.routed_experts, rt.routed_experts_mask)
             out = super()._get_per_token_logps_and_entropies(
@@ -347,7 +347,8 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         def chunk_rows(s: int, e: int) -> AbstractContextManager[Any]:
             rows, mask = rt.routed_experts[s:e], rt.routed_experts_mask[s:e]
             return (session.forward(rows, mask, layers=rt.layers, tokens=rt.attention_mask[s:e],
-                                    segments=seg.narrow(s, e)) if self.r3 else session.recording(rows, mask))
+                                    segments=seg.narrow(s, e), checked=True) if self.r3
+                    else session.recording(rows, mask))
 
         out = self._chunked(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                             compute_aux_loss, chunk_rows)
