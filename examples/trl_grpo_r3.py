@@ -27,8 +27,7 @@ from typing import Any
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 REPO = Path(__file__).resolve().parents[1]
-COLUMNS = ("r3/mean_abs_logp_diff", "r3/k3_kl", "r3/agreement", "r3/applied_share_min_layer",
-           "r3/weight_sync_seconds")
+COLUMNS = ("r3/mean_abs_logp_diff", "r3/k3_kl", "r3/agreement", "r3/applied_share_min_layer", "r3/weight_sync_seconds")
 ARMS = {True: "replay (R3)", False: "no replay"}
 PLOT_SIZE = (8.0, 3.4)  # inches; at PLOT_DPI: 800 x 340 pixels
 PLOT_DPI = 100
@@ -51,12 +50,31 @@ def train(url: str, model_dir: Path, *, r3: bool, steps: int, bf16: bool, out: P
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     prompts = ["the quick brown fox", "hello world and", "one two three four five six", "a b"]
-    cfg = GRPOConfig(output_dir=str(out), per_device_train_batch_size=8, num_generations=4, max_completion_length=16,
-                     max_steps=steps, learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, bf16=bf16,
-                     save_strategy="no", seed=0, disable_tqdm=True)
-    trainer = R3GRPOTrainer(model=model, reward_funcs=reward_len, args=cfg, processing_class=tok,
-                            train_dataset=Dataset.from_dict({"prompt": prompts * 8}), rollout_func=RRRollout(url),
-                            r3=r3, audit_every=1)  # audit every step: the agreement and applied share per step
+    cfg = GRPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=16,
+        max_steps=steps,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=bf16,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = R3GRPOTrainer(
+        model=model,
+        reward_funcs=reward_len,
+        args=cfg,
+        processing_class=tok,
+        train_dataset=Dataset.from_dict({"prompt": prompts * 8}),
+        rollout_func=RRRollout(url),
+        r3=r3,
+        audit_every=1,
+    )  # audit every step: the agreement and applied share per step
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h]
 
@@ -64,9 +82,14 @@ def train(url: str, model_dir: Path, *, r3: bool, steps: int, bf16: bool, out: P
 def metrics(runs: dict[bool, list[dict[str, Any]]], *, bf16: bool) -> dict[str, Any]:
     """The per-step numbers the plot draws (and a little more), one list per arm, JSON-ready."""
     keep = ("step", "loss", "reward", *COLUMNS)
-    return {"trainer_dtype": "bf16 autocast" if bf16 else "fp32", "engine_dtype": "fp32",
-            "arms": {("replay" if on else "no_replay"): [{k.removeprefix("r3/"): h.get(k) for k in keep} for h in rows]
-                     for on, rows in runs.items()}}
+    return {
+        "trainer_dtype": "bf16 autocast" if bf16 else "fp32",
+        "engine_dtype": "fp32",
+        "arms": {
+            ("replay" if on else "no_replay"): [{k.removeprefix("r3/"): h.get(k) for k in keep} for h in rows]
+            for on, rows in runs.items()
+        },
+    }
 
 
 def plot(runs: dict[bool, list[dict[str, Any]]], path: Path, *, title: str) -> Path:
@@ -112,8 +135,21 @@ def launch(model_dir: Path) -> tuple[str, subprocess.Popen[bytes]]:
     url = f"http://127.0.0.1:{port}"
     log_path = Path(tempfile.gettempdir()) / f"rr-trl-example-{port}.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    cmd = [sys.executable, "-m", "rr_server", "launch", "vllm", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "512"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rr_server",
+        "launch",
+        "vllm",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "512",
+    ]
     print(f"launching: VLLM_SERVER_DEV_MODE=1 rr-server launch vllm --model {model_dir} --port {port} (log {log_path})")
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -129,11 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per arm (replay on, then off)")
     ap.add_argument("--fp32", action="store_true", help="train in fp32 (replay on and off then agree: no gap to close)")
-    ap.add_argument("--model-dir", type=Path, default=REPO / ".cache" / "example-trl-qwen3-moe",
-                    help="the tiny MoE (built there unless --url); with --url, the checkpoint that server serves")
+    ap.add_argument(
+        "--model-dir",
+        type=Path,
+        default=REPO / ".cache" / "example-trl-qwen3-moe",
+        help="the tiny MoE (built there unless --url); with --url, the checkpoint that server serves",
+    )
     ap.add_argument("--url", help="a running VLLM_SERVER_DEV_MODE=1 rr server of --model-dir (default: launch one)")
-    ap.add_argument("--plot", default="r3_trl.png", help="PNG of the gap and agreement per step ('' = none); the "
-                    "numbers go next to it as .json")
+    ap.add_argument(
+        "--plot",
+        default="r3_trl.png",
+        help="PNG of the gap and agreement per step ('' = none); the numbers go next to it as .json",
+    )
     args = ap.parse_args(argv)
 
     from rr_server.launch.process import stop_process_group
@@ -151,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         url, proc = launch(model_dir)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            runs = {on: train(url, model_dir, r3=on, steps=args.steps, bf16=not args.fp32, out=Path(tmp) / str(on))
-                    for on in (True, False)}
+            runs = {
+                on: train(url, model_dir, r3=on, steps=args.steps, bf16=not args.fp32, out=Path(tmp) / str(on))
+                for on in (True, False)
+            }
     finally:
         if proc is not None:
             stop_process_group(proc)
@@ -160,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     print(" | ".join(f"{h:>20}" for h in head))
     for on, rows in runs.items():
         for h in rows:
-            vals = [("on" if on else "off"), h.get("step"), h.get("loss"), h.get("reward")] + [h.get(c) for c in COLUMNS]
+            vals = [("on" if on else "off"), h.get("step"), h.get("loss"), h.get("reward")] + [
+                h.get(c) for c in COLUMNS
+            ]
             print(" | ".join(f"{v:>20.4g}" if isinstance(v, float) else f"{str(v):>20}" for v in vals))
     if args.plot:
         png = Path(args.plot)

@@ -27,8 +27,10 @@ if TYPE_CHECKING:
     from rr_client.trainer import *  # noqa: F403
 
 # name -> layer that offers it; imported on first attribute access (httpx / torch stay unloaded until then)
-_LAZY: dict[str, str] = {**dict.fromkeys(_client_all, "rr_client.client"),
-                         **dict.fromkeys(_trainer_all, "rr_client.trainer")}
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(_client_all, "rr_client.client"),
+    **dict.fromkeys(_trainer_all, "rr_client.trainer"),
+}
 
 __all__ = [*_core_all, *_client_all, *_trainer_all]
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from rr_client.core import settings
-
 import asyncio
 import random
 from collections.abc import Hashable, Mapping, Sequence
@@ -14,13 +12,22 @@ import httpx
 import numpy as np
 import orjson
 
-from rr_client.client.http_errors import error_for_status, map_httpx_error
 from rr_client.client._hosts import HostPolicy
 from rr_client.client._openai import CHAT_PATH, COMPLETIONS_PATH, openai_body, parse_choices
 from rr_client.client._replicas import Replica, ReplicaPool, ReplicaStats
 from rr_client.client._resolve import RefResolver, RefTokens
 from rr_client.client._results import GenerateBatch, GenerateResult, parse_sample
-from rr_client.core.errors import ArgumentTypeError, ConfigurationError, ProtocolError, RRError, RequestRejectedError, ServerError, TransportError
+from rr_client.client.http_errors import error_for_status, map_httpx_error
+from rr_client.core import settings
+from rr_client.core.errors import (
+    ArgumentTypeError,
+    ConfigurationError,
+    ProtocolError,
+    RequestRejectedError,
+    RRError,
+    ServerError,
+    TransportError,
+)
 from rr_client.core.info import RRInfo
 from rr_client.core.reference import RETIRE_PATH, RoutingRef
 
@@ -109,12 +116,14 @@ class RoutedExpertsClient:
                 transport=transport,
             )
 
-        self._pool = ReplicaPool([u.rstrip("/") for u in urls], make_http, health_path=health_path,
-                                 probe_interval=probe_interval)
+        self._pool = ReplicaPool(
+            [u.rstrip("/") for u in urls], make_http, health_path=health_path, probe_interval=probe_interval
+        )
         self._make_http = make_http
         self._ref_http: dict[str, httpx.AsyncClient] = {}  # servers refs name that are not replicas of this client
-        self._hosts = HostPolicy.of(self.urls, trusted=trusted_hosts, keyless=keyless_hosts,
-                                    credentials=bool(all_headers))
+        self._hosts = HostPolicy.of(
+            self.urls, trusted=trusted_hosts, keyless=keyless_hosts, credentials=bool(all_headers)
+        )
         self._resolver = RefResolver(self._http_for, max_concurrency=max_concurrency)
         self._sem = asyncio.Semaphore(max_concurrency)
         self._retries, self._backoff = retries, backoff  # per request: tries after the first, first pause (s)
@@ -127,7 +136,7 @@ class RoutedExpertsClient:
         self._info: RRInfo | None = info  # given: /rr/info is never asked (servers behind sglang-router 404 it)
         self._info_lock = asyncio.Lock()
 
-    async def __aenter__(self) -> "RoutedExpertsClient":
+    async def __aenter__(self) -> RoutedExpertsClient:
         return self
 
     async def __aexit__(
@@ -156,8 +165,9 @@ class RoutedExpertsClient:
 
     # ------------------------------------------------------------------ routing by reference
 
-    async def resolve(self, refs: Sequence[RoutingRef], *,
-                      tokens: Sequence[RefTokens] | None = None) -> list[np.ndarray]:
+    async def resolve(
+        self, refs: Sequence[RoutingRef], *, tokens: Sequence[RefTokens] | None = None
+    ) -> list[np.ndarray]:
         """The rows of each :class:`RoutingRef` (in order), read from the server (or Ray store) that holds them,
         many per call, concurrency-limited, checksum-verified and checked as an inline answer is (a ref that
         names no URL is read from this client's server, when it has one). A ref whose
@@ -174,8 +184,10 @@ class RoutedExpertsClient:
         """``results`` with every ``routing_ref`` resolved into ``routed_experts`` (others as they are), each
         ref bound to its own result's tokens: what a trainer rank calls on its own micro-batches only."""
         todo = [i for i, r in enumerate(results) if r.routing_ref is not None and r.routed_experts is None]
-        rows = await self.resolve([results[i].routing_ref for i in todo],  # type: ignore[misc]
-                                  tokens=[results[i] for i in todo])
+        rows = await self.resolve(
+            [results[i].routing_ref for i in todo],  # type: ignore[misc]
+            tokens=[results[i] for i in todo],
+        )
         out = list(results)
         for i, a in zip(todo, rows):
             out[i] = results[i].with_routing(a)
@@ -184,8 +196,9 @@ class RoutedExpertsClient:
     async def retire(self, through: int) -> list[dict[str, int]]:
         """``POST /rr/routing/retire`` on every replica: free rows made under weight versions <= ``through``
         (after a weight push); refs made later carry ``through + 1`` or more. One answer per replica."""
-        return [await self._request("POST", RETIRE_PATH, {"through": int(through)}, only=r)
-                for r in self._pool.replicas]
+        return [
+            await self._request("POST", RETIRE_PATH, {"through": int(through)}, only=r) for r in self._pool.replicas
+        ]
 
     @property
     def routing_bytes_resolved(self) -> int:
@@ -209,8 +222,9 @@ class RoutedExpertsClient:
 
     # ------------------------------------------------------------------ transport
 
-    async def _request(self, method: str, path: str, body: Any = None, *, affinity: Hashable | None = None,
-                       only: Replica | None = None) -> Any:
+    async def _request(
+        self, method: str, path: str, body: Any = None, *, affinity: Hashable | None = None, only: Replica | None = None
+    ) -> Any:
         """One call: on a connection error or 5xx it moves to another healthy replica at once, else retries
         ``retries`` times with backoff; returns the decoded JSON body. ``only`` pins it to one replica."""
         content = orjson.dumps(body) if body is not None else None
@@ -267,8 +281,9 @@ class RoutedExpertsClient:
         async with self._info_lock:
             if self._info is None:
                 replicas = self._pool.replicas
-                bodies = await asyncio.gather(*(self._request("GET", "/rr/info", only=r) for r in replicas),
-                                              return_exceptions=True)
+                bodies = await asyncio.gather(
+                    *(self._request("GET", "/rr/info", only=r) for r in replicas), return_exceptions=True
+                )
                 infos: dict[Replica, RRInfo] = {}
                 errors: list[BaseException] = []
                 for r, body in zip(replicas, bodies):
@@ -323,8 +338,18 @@ class RoutedExpertsClient:
         info = await self.info()
         chunks = [range(i, min(i + self._batch_size, len(plist))) for i in range(0, len(plist), self._batch_size)]
         tasks = [
-            self._generate_chunk(plist, c, params, n, info, return_routed_experts, routed_experts_start, return_logprob,
-                                 affinity, by_reference)
+            self._generate_chunk(
+                plist,
+                c,
+                params,
+                n,
+                info,
+                return_routed_experts,
+                routed_experts_start,
+                return_logprob,
+                affinity,
+                by_reference,
+            )
             for c in chunks
         ]
         parts = await asyncio.gather(*tasks)
@@ -360,7 +385,9 @@ class RoutedExpertsClient:
         reply = await self._request("POST", self._generate_path, body, affinity=affinity)
         if not isinstance(reply, list) or len(reply) != len(sub) * n:
             got = len(reply) if isinstance(reply, list) else type(reply).__name__
-            raise ProtocolError(f"{self._generate_path}: expected {len(sub) * n} samples for {len(sub)} prompts x n={n}, got {got}")
+            raise ProtocolError(
+                f"{self._generate_path}: expected {len(sub) * n} samples for {len(sub)} prompts x n={n}, got {got}"
+            )
         out = []
         for j, item in enumerate(reply):
             p = idx[j // n]
@@ -380,7 +407,6 @@ class RoutedExpertsClient:
                 )
             )
         return out
-
 
     # ------------------------------------------------------------------ OpenAI-compatible endpoints
 
@@ -403,11 +429,21 @@ class RoutedExpertsClient:
         """
         plist = _normalize_prompts(prompt)
         if len(plist) != 1:
-            raise ConfigurationError("complete() takes one prompt; call it once per prompt (or use generate for a batch)")
+            raise ConfigurationError(
+                "complete() takes one prompt; call it once per prompt (or use generate for a batch)"
+            )
         p = plist[0]
-        return await self._openai(COMPLETIONS_PATH, {"prompt": p}, sampling_params, want=return_routed_experts,
-                                  start=routed_experts_start, affinity=affinity, extra=extra_body,
-                                  sent_ids=p if isinstance(p, list) else None, by_reference=by_reference)
+        return await self._openai(
+            COMPLETIONS_PATH,
+            {"prompt": p},
+            sampling_params,
+            want=return_routed_experts,
+            start=routed_experts_start,
+            affinity=affinity,
+            extra=extra_body,
+            sent_ids=p if isinstance(p, list) else None,
+            by_reference=by_reference,
+        )
 
     async def chat(
         self,
@@ -433,13 +469,31 @@ class RoutedExpertsClient:
         payload: dict[str, Any] = {"messages": [dict(m) for m in messages]}
         if tools is not None:
             payload["tools"] = [dict(t) for t in tools]
-        return await self._openai(CHAT_PATH, payload, sampling_params, want=return_routed_experts,
-                                  start=routed_experts_start, affinity=affinity, extra=extra_body, sent_ids=None,
-                                  by_reference=by_reference)
+        return await self._openai(
+            CHAT_PATH,
+            payload,
+            sampling_params,
+            want=return_routed_experts,
+            start=routed_experts_start,
+            affinity=affinity,
+            extra=extra_body,
+            sent_ids=None,
+            by_reference=by_reference,
+        )
 
-    async def _openai(self, path: str, payload: dict[str, Any], params: Mapping[str, Any] | None, *, want: bool,
-                      start: int | None, affinity: Hashable | None, extra: Mapping[str, Any] | None,
-                      sent_ids: list[int] | None, by_reference: bool = False) -> GenerateBatch:
+    async def _openai(
+        self,
+        path: str,
+        payload: dict[str, Any],
+        params: Mapping[str, Any] | None,
+        *,
+        want: bool,
+        start: int | None,
+        affinity: Hashable | None,
+        extra: Mapping[str, Any] | None,
+        sent_ids: list[int] | None,
+        by_reference: bool = False,
+    ) -> GenerateBatch:
         """One OpenAI-endpoint call, every choice checked."""
         if start is not None and start < 0:
             raise ConfigurationError(f"routed_experts_start must be >= 0, got {start}")
@@ -448,24 +502,37 @@ class RoutedExpertsClient:
         body = openai_body(params, model=model, want=want, start=start, extra=extra, by_reference=by_reference)
         body.update(payload)
         answer = await self._request("POST", path, body, affinity=affinity)
-        results = parse_choices(answer, path=path, info=info, want_routing=want, start=start or 0,
-                                sent_prompt_ids=sent_ids, allow_extra_rows=self._allow_extra_rows,
-                                validate=self._validate, by_reference=by_reference)
+        results = parse_choices(
+            answer,
+            path=path,
+            info=info,
+            want_routing=want,
+            start=start or 0,
+            sent_prompt_ids=sent_ids,
+            allow_extra_rows=self._allow_extra_rows,
+            validate=self._validate,
+            by_reference=by_reference,
+        )
         return GenerateBatch(results=results, info=info)
 
     # ------------------------------------------------------------------ multi-turn
 
-    def trajectory(self, prompt_ids: Sequence[int], *, affinity: Hashable | None = None,
-                   by_reference: bool = False) -> "Trajectory":
+    def trajectory(
+        self, prompt_ids: Sequence[int], *, affinity: Hashable | None = None, by_reference: bool = False
+    ) -> Trajectory:
         """A multi-turn rollout by token ids that asks each turn only for the routing rows it does not hold
         (``by_reference``: each turn's new rows as a ref, resolved later)."""
         from rr_client.client.trajectory import Trajectory
 
         return Trajectory(self, prompt_ids, affinity=affinity, by_reference=by_reference)
 
-    def chat_trajectory(self, messages: Sequence[Mapping[str, Any]], *,
-                        tools: Sequence[Mapping[str, Any]] | None = None,
-                        affinity: Hashable | None = None) -> "ChatTrajectory":
+    def chat_trajectory(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        affinity: Hashable | None = None,
+    ) -> ChatTrajectory:
         """A multi-turn rollout over ``/v1/chat/completions``, aligned on the token ids the engine reports."""
         from rr_client.client.trajectory import ChatTrajectory
 
@@ -481,7 +548,9 @@ def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[str | list[in
     elif isinstance(prompts, Sequence):
         plist = [p if isinstance(p, str) else list(p) for p in prompts]
     else:
-        raise ArgumentTypeError(f"prompts must be a string, a token-id list, or a list of them; got {type(prompts).__name__}")
+        raise ArgumentTypeError(
+            f"prompts must be a string, a token-id list, or a list of them; got {type(prompts).__name__}"
+        )
     if not plist:
         raise ConfigurationError("no prompts given")
     for i, p in enumerate(plist):

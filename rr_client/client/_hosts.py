@@ -74,8 +74,14 @@ class HostPolicy:
     credentials: bool
 
     @classmethod
-    def of(cls, replica_urls: Sequence[str], *, trusted: Iterable[str] | str | None,
-           keyless: Iterable[str] | str | None, credentials: bool) -> "HostPolicy":
+    def of(
+        cls,
+        replica_urls: Sequence[str],
+        *,
+        trusted: Iterable[str] | str | None,
+        keyless: Iterable[str] | str | None,
+        credentials: bool,
+    ) -> HostPolicy:
         """From the client's replica URLs and arguments (``None``: ``RR_TRUSTED_HOSTS`` / ``RR_KEYLESS_HOSTS``)."""
         origins = []
         for u in replica_urls:
@@ -83,8 +89,9 @@ class HostPolicy:
                 origins.append(_origin(u, "replica URL"))
             except UntrustedHostError:  # not an http(s) URL: no ref can name it
                 continue
-        return cls(tuple(origins), host_list(trusted, TRUSTED_HOSTS_ENV), host_list(keyless, KEYLESS_HOSTS_ENV),
-                   credentials)
+        return cls(
+            tuple(origins), host_list(trusted, TRUSTED_HOSTS_ENV), host_list(keyless, KEYLESS_HOSTS_ENV), credentials
+        )
 
     def decide(self, url: str) -> Literal["key", "keyless"]:
         """How a ref naming ``url`` is read; :class:`UntrustedHostError` naming the host and the settings."""
@@ -92,8 +99,10 @@ class HostPolicy:
         if (scheme, host, port) in self.replicas:
             return "key"
         if scheme == "http" and any(r[0] == "https" for r in self.replicas):
-            raise UntrustedHostError(f"routing ref URL {url!r} is http:// while this client's servers are https://: "
-                                     "refused (its key and the rows would travel in clear)")
+            raise UntrustedHostError(
+                f"routing ref URL {url!r} is http:// while this client's servers are https://: "
+                "refused (its key and the rows would travel in clear)"
+            )
         if _listed(self.trusted, host, port):
             return "key"
         if _listed(self.keyless, host, port) or not self.credentials:
@@ -102,7 +111,8 @@ class HostPolicy:
             f"routing ref URL {url!r} names {host}:{port}, which is none of this client's replicas "
             f"({', '.join(f'{s}://{h}:{p}' for s, h, p in self.replicas)}): its key is not sent there. Allow the host "
             f"with trusted_hosts= or {TRUSTED_HOSTS_ENV} (sent the key), or keyless_hosts= or {KEYLESS_HOSTS_ENV} "
-            "(read without it)")
+            "(read without it)"
+        )
 
 
 def _listed(entries: frozenset[tuple[str, int | None]], host: str, port: int) -> bool:

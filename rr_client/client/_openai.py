@@ -22,14 +22,32 @@ COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
 
 # SGLang sampling names (what ``generate`` takes) -> OpenAI names; others pass through (both engines take them)
-_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
-            "no_stop_trim": "include_stop_str_in_output"}
-_ROUTING_KEYS = ("routed_experts", "routed_experts_shape", "routed_experts_dtype", "routed_experts_format",
-                 "routed_experts_start", "routed_experts_error", "routed_experts_ref")
+_RENAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "sampling_seed": "seed",
+    "no_stop_trim": "include_stop_str_in_output",
+}
+_ROUTING_KEYS = (
+    "routed_experts",
+    "routed_experts_shape",
+    "routed_experts_dtype",
+    "routed_experts_format",
+    "routed_experts_start",
+    "routed_experts_error",
+    "routed_experts_ref",
+)
 
 
-def openai_body(params: Mapping[str, Any] | None, *, model: str, want: bool, start: int | None,
-                extra: Mapping[str, Any] | None, by_reference: bool = False) -> dict[str, Any]:
+def openai_body(
+    params: Mapping[str, Any] | None,
+    *,
+    model: str,
+    want: bool,
+    start: int | None,
+    extra: Mapping[str, Any] | None,
+    by_reference: bool = False,
+) -> dict[str, Any]:
     """An OpenAI request body: sampling params in OpenAI names, rr's fields, token ids always asked for."""
     body: dict[str, Any] = {"model": model, "stream": False, "return_token_ids": True}
     for k, v in (params or {}).items():
@@ -80,30 +98,64 @@ def parse_choices(
         routing = None
         ref = None
         if want_routing and by_reference:
-            ref = sample_ref(choice, info, prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids),
-                             start=start, where=where)
+            ref = sample_ref(
+                choice, info, prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids), start=start, where=where
+            )
         elif want_routing:
-            routing = decode_sample_routing(choice, info, prompt_tokens=len(prompt_ids),
-                                            completion_tokens=len(output_ids), start=start,
-                                            allow_extra_rows=allow_extra_rows, validate=validate, where=where)
+            routing = decode_sample_routing(
+                choice,
+                info,
+                prompt_tokens=len(prompt_ids),
+                completion_tokens=len(output_ids),
+                start=start,
+                allow_extra_rows=allow_extra_rows,
+                validate=validate,
+                where=where,
+            )
         message = choice.get("message")
         text = choice.get("text")
         if not isinstance(text, str) and isinstance(message, Mapping):
             text = message.get("content")
         meta = {k: v for k, v in choice.items() if k not in _ROUTING_KEYS}
-        meta.update(prompt_tokens=len(prompt_ids), completion_tokens=len(output_ids), id=answer.get("id"),
-                    usage=answer.get("usage"))
+        meta.update(
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(output_ids),
+            id=answer.get("id"),
+            usage=answer.get("usage"),
+        )
         logprobs = parse_openai_logprobs(choice.get("logprobs"), output_ids, where=where)
         fr = choice.get("finish_reason")
-        out.append(checked_result(choice, info, index=first_index + j, prompt_index=prompt_index,
-                                  prompt_ids=prompt_ids, output_ids=output_ids, text=text,
-                                  finish_reason=fr if isinstance(fr, str) else None, routing=routing, start=start,
-                                  meta=meta, ref=ref, logprobs=logprobs, where=where))
+        out.append(
+            checked_result(
+                choice,
+                info,
+                index=first_index + j,
+                prompt_index=prompt_index,
+                prompt_ids=prompt_ids,
+                output_ids=output_ids,
+                text=text,
+                finish_reason=fr if isinstance(fr, str) else None,
+                routing=routing,
+                start=start,
+                meta=meta,
+                ref=ref,
+                logprobs=logprobs,
+                where=where,
+            )
+        )
     return out
 
 
-def parse_stream(events: Sequence[Any], *, path: str, info: RRInfo, want_routing: bool, start: int,
-                 sent_prompt_ids: Sequence[int] | None, **options: Any) -> list[GenerateResult]:
+def parse_stream(
+    events: Sequence[Any],
+    *,
+    path: str,
+    info: RRInfo,
+    want_routing: bool,
+    start: int,
+    sent_prompt_ids: Sequence[int] | None,
+    **options: Any,
+) -> list[GenerateResult]:
     """A streamed answer's decoded ``data:`` events (``"[DONE]"`` allowed): its routing event (the last whose
     choices carry ``token_ids``) parsed by :func:`parse_choices`, each choice's text joined from the chunks'
     deltas; ``options`` as :func:`parse_choices` takes them."""
@@ -113,8 +165,10 @@ def parse_stream(events: Sequence[Any], *, path: str, info: RRInfo, want_routing
     final = body[-1]
     choices = final.get("choices")
     if not isinstance(choices, list) or not all(isinstance(c, Mapping) and "token_ids" in c for c in choices):
-        raise ProtocolError(f"{path}: the stream's last event carries no token_ids (not an rr server's routing "
-                            "event: is the server rr-patched?)")
+        raise ProtocolError(
+            f"{path}: the stream's last event carries no token_ids (not an rr server's routing "
+            "event: is the server rr-patched?)"
+        )
     texts: dict[int, list[str]] = {}
     for e in body[:-1]:
         for c in e.get("choices") or []:
@@ -124,7 +178,18 @@ def parse_stream(events: Sequence[Any], *, path: str, info: RRInfo, want_routing
             piece = c.get("text") if "text" in c else (delta.get("content") if isinstance(delta, Mapping) else None)
             if isinstance(piece, str) and isinstance(c.get("index"), int):
                 texts.setdefault(c["index"], []).append(piece)
-    merged = [{**c, "text": c["text"]} if isinstance(c.get("text"), str) else
-              {**c, "text": "".join(texts.get(c.get("index", j), []))} for j, c in enumerate(choices)]
-    return parse_choices({**final, "choices": merged}, path=path, info=info, want_routing=want_routing, start=start,
-                         sent_prompt_ids=sent_prompt_ids, **options)
+    merged = [
+        {**c, "text": c["text"]}
+        if isinstance(c.get("text"), str)
+        else {**c, "text": "".join(texts.get(c.get("index", j), []))}
+        for j, c in enumerate(choices)
+    ]
+    return parse_choices(
+        {**final, "choices": merged},
+        path=path,
+        info=info,
+        want_routing=want_routing,
+        start=start,
+        sent_prompt_ids=sent_prompt_ids,
+        **options,
+    )

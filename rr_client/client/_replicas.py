@@ -28,8 +28,16 @@ __all__ = ["Replica", "ReplicaPool", "ReplicaStats", "INFO_KEYS", "info_mismatch
 
 # /rr/info fields every replica of one pool must agree on (the routing every payload is checked against, and what
 # the sampled log-probs mean: every result is labelled with the pool's logprobs_mode).
-INFO_KEYS = ("model", "num_hidden_layers", "num_experts", "topk", "moe_layers", "wire_dtype", "wire_format",
-             "logprobs_mode")
+INFO_KEYS = (
+    "model",
+    "num_hidden_layers",
+    "num_experts",
+    "topk",
+    "moe_layers",
+    "wire_dtype",
+    "wire_format",
+    "logprobs_mode",
+)
 _MAX_AFFINITY_KEYS = 65536
 
 
@@ -64,8 +72,16 @@ class Replica:
         self.probe: asyncio.Task[None] | None = None
 
     def stats(self) -> ReplicaStats:
-        return ReplicaStats(self.url, self.healthy, self.requests, self.errors, self.in_flight, self.taken_out,
-                            self.taken_back, self.last_error)
+        return ReplicaStats(
+            self.url,
+            self.healthy,
+            self.requests,
+            self.errors,
+            self.in_flight,
+            self.taken_out,
+            self.taken_back,
+            self.last_error,
+        )
 
 
 def info_mismatch(ref: RRInfo, other: RRInfo) -> dict[str, tuple[Any, Any]]:
@@ -76,8 +92,14 @@ def info_mismatch(ref: RRInfo, other: RRInfo) -> dict[str, tuple[Any, Any]]:
 class ReplicaPool:
     """Replicas of one model behind one client; all methods run on the client's event loop."""
 
-    def __init__(self, urls: list[str], make_http: Callable[[str], httpx.AsyncClient], *, health_path: str = "/health",
-                 probe_interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        make_http: Callable[[str], httpx.AsyncClient],
+        *,
+        health_path: str = "/health",
+        probe_interval: float = 1.0,
+    ) -> None:
         if not urls:
             raise ConfigurationError("no replica URL given")
         if len(set(urls)) != len(urls):

@@ -17,9 +17,9 @@ import httpx
 import numpy as np
 import orjson
 
+from rr_client.client.http_errors import error_for_status, map_httpx_error
 from rr_client.core.codec import check_routing
 from rr_client.core.errors import ProtocolError, RoutingChecksumError, RoutingExpiredError, ShapeMismatchError
-from rr_client.client.http_errors import error_for_status, map_httpx_error
 from rr_client.core.info import RRInfo
 from rr_client.core.reference import FRAME_MEDIA_TYPE, READ_PATH, FramePart, RoutingRef, check_ref_tokens, decode_frame
 
@@ -27,7 +27,7 @@ __all__ = ["RefResolver", "READ_PATH", "RAY_SCHEME", "checked_part", "RefTokens"
 
 RAY_SCHEME = "ray://"
 
-RefTokens = Union[tuple[Sequence[int], Sequence[int]], Any, None]
+RefTokens = Union[tuple[Sequence[int], Sequence[int]], Any, None]  # noqa: UP007 - a runtime alias with Any
 """One ref's tokens: ``(prompt_ids, output_ids)``, a sample with ``prompt_ids`` and ``output_ids`` (a
 :class:`rr_client.GenerateResult`), or None (not bound)."""
 
@@ -64,11 +64,14 @@ def checked_part(ref: RoutingRef, part: FramePart, info: RRInfo) -> np.ndarray:
     if part.key != ref.key:
         raise ProtocolError(f"routing ref {ref.key}: the store answered key {part.key!r}")
     if part.start != 0 or tuple(part.rows.shape) != ref.shape or part.rows.dtype.name != ref.dtype:
-        raise ShapeMismatchError(f"routing ref {ref.key}: rows {tuple(part.rows.shape)} {part.rows.dtype.name}, "
-                                 f"the ref says {ref.shape} {ref.dtype}")
+        raise ShapeMismatchError(
+            f"routing ref {ref.key}: rows {tuple(part.rows.shape)} {part.rows.dtype.name}, "
+            f"the ref says {ref.shape} {ref.dtype}"
+        )
     if part.digest != ref.checksum:
-        raise RoutingChecksumError(f"routing ref {ref.key}: the rows' checksum {part.digest} is not the ref's "
-                                   f"{ref.checksum}")
+        raise RoutingChecksumError(
+            f"routing ref {ref.key}: the rows' checksum {part.digest} is not the ref's {ref.checksum}"
+        )
     return check_routing(part.rows, info, rows=ref.rows, start=ref.start).array
 
 
@@ -78,15 +81,17 @@ class RefResolver:
     ``http_for(url)``: the HTTP client for a server (the client's own pool where it is one of its replicas).
     """
 
-    def __init__(self, http_for: Callable[[str], httpx.AsyncClient], *, max_concurrency: int = 8,
-                 batch: int = 64) -> None:
+    def __init__(
+        self, http_for: Callable[[str], httpx.AsyncClient], *, max_concurrency: int = 8, batch: int = 64
+    ) -> None:
         self._http_for = http_for
         self._sem = asyncio.Semaphore(max_concurrency)
         self._batch = batch
         self.bytes_read = 0  #: routing bytes received (frame data), for the benchmark and the curious
 
-    async def resolve(self, refs: Sequence[RoutingRef], info: RRInfo,
-                      tokens: Sequence[RefTokens] | None = None) -> list[np.ndarray]:
+    async def resolve(
+        self, refs: Sequence[RoutingRef], info: RRInfo, tokens: Sequence[RefTokens] | None = None
+    ) -> list[np.ndarray]:
         """The checked rows of every ref, in order; with ``tokens`` (one per ref), each ref bound to its sample's
         tokens first (:func:`bind_tokens`)."""
         out: list[np.ndarray | None] = [None] * len(refs)
@@ -105,13 +110,17 @@ class RefResolver:
         tasks = []
         for url, idx in by_url.items():
             for s in range(0, len(idx), self._batch):
-                tasks.append(self._one_call(url, [refs[i] for i in idx[s:s + self._batch]], idx[s:s + self._batch],
-                                            out, info))
+                tasks.append(
+                    self._one_call(
+                        url, [refs[i] for i in idx[s : s + self._batch]], idx[s : s + self._batch], out, info
+                    )
+                )
         await asyncio.gather(*tasks)
         return [a for a in out if a is not None]
 
-    async def _one_call(self, url: str, refs: list[RoutingRef], idx: list[int], out: list[np.ndarray | None],
-                        info: RRInfo) -> None:
+    async def _one_call(
+        self, url: str, refs: list[RoutingRef], idx: list[int], out: list[np.ndarray | None], info: RRInfo
+    ) -> None:
         if url.startswith(RAY_SCHEME):
             from rr_client.client._ray_refs import read_parts
 
@@ -130,8 +139,9 @@ class RefResolver:
         what = f"POST {url}{READ_PATH}"
         async with self._sem:
             try:
-                resp = await self._http_for(url).post(url + READ_PATH, content=body,
-                                                      headers={"content-type": "application/json"})
+                resp = await self._http_for(url).post(
+                    url + READ_PATH, content=body, headers={"content-type": "application/json"}
+                )
             except httpx.HTTPError as e:
                 raise map_httpx_error(e, what) from e
         if resp.status_code == 410:
@@ -146,5 +156,3 @@ class RefResolver:
         if resp.headers.get("content-type", "").split(";")[0] != FRAME_MEDIA_TYPE:
             raise ProtocolError(f"{what}: answered {resp.headers.get('content-type')!r}, not {FRAME_MEDIA_TYPE}")
         return decode_frame(resp.content)
-
-

@@ -12,15 +12,27 @@ from rr_client.core.codec import decode_meta_info, expected_rows, wire_dtype
 from rr_client.core.errors import MissingRoutingError, ProtocolError, RoutedExpertsError, ShapeMismatchError
 from rr_client.core.info import RRInfo
 from rr_client.core.logprobs import parse_token_logprobs
-from rr_client.core.provenance import PROVENANCE_FIELD, Provenance, ProvenanceCheck, StalePolicy, check_provenance, \
-    tokens_digest
+from rr_client.core.provenance import (
+    PROVENANCE_FIELD,
+    Provenance,
+    ProvenanceCheck,
+    StalePolicy,
+    check_provenance,
+    tokens_digest,
+)
 from rr_client.core.reference import RoutingRef
 
 if TYPE_CHECKING:
     from rr_client.trainer.layouts import PackedRouting, RoutingTensors
 
-__all__ = ["GenerateResult", "GenerateBatch", "parse_sample", "decode_sample_routing", "sample_provenance",
-           "checked_result"]
+__all__ = [
+    "GenerateResult",
+    "GenerateBatch",
+    "parse_sample",
+    "decode_sample_routing",
+    "sample_provenance",
+    "checked_result",
+]
 
 _PAYLOAD_KEYS = ("routed_experts", "output_routed_experts", "routed_experts_ref")
 
@@ -48,7 +60,7 @@ class GenerateResult:
     logprobs_mode: str | None = None
     provenance: Provenance | None = None
 
-    def with_routing(self, rows: np.ndarray) -> "GenerateResult":
+    def with_routing(self, rows: np.ndarray) -> GenerateResult:
         """This sample with its routing resolved (the ref kept for the record)."""
         return replace(self, routed_experts=rows)
 
@@ -140,8 +152,14 @@ def decode_sample_routing(
         raise type(e)(f"{where}: {e}") from e
 
 
-def sample_provenance(fields: Mapping[str, Any], *, prompt_ids: Sequence[int] | None, output_ids: Sequence[int],
-                      ref: RoutingRef | None, where: str) -> Provenance | None:
+def sample_provenance(
+    fields: Mapping[str, Any],
+    *,
+    prompt_ids: Sequence[int] | None,
+    output_ids: Sequence[int],
+    ref: RoutingRef | None,
+    where: str,
+) -> Provenance | None:
     """One sample's ``rr_provenance`` (else its ref's ``provenance``; None when the server gave neither), every
     field checked and its ``tokens_digest`` held to the sample's tokens (:class:`ProtocolError` naming the sample:
     the server paired it with another sample). Unchecked only when the prompt's ids are unknown (a text prompt
@@ -153,18 +171,23 @@ def sample_provenance(fields: Mapping[str, Any], *, prompt_ids: Sequence[int] | 
         digest = tokens_digest(prompt_ids, output_ids)
         for what, p in ((PROVENANCE_FIELD, prov), ("routed_experts_ref.provenance", on_ref)):
             if p is not None and p.tokens_digest is not None and p.tokens_digest != digest:
-                raise ProtocolError(f"{where}: {what}.tokens_digest {p.tokens_digest} is not the digest of this "
-                                    f"sample's {len(prompt_ids)} prompt + {len(output_ids)} output ids ({digest}): "
-                                    "the server paired it with another sample")
+                raise ProtocolError(
+                    f"{where}: {what}.tokens_digest {p.tokens_digest} is not the digest of this "
+                    f"sample's {len(prompt_ids)} prompt + {len(output_ids)} output ids ({digest}): "
+                    "the server paired it with another sample"
+                )
     return prov if prov is not None else on_ref
 
 
-def sample_ref(fields: Mapping[str, Any], info: RRInfo, *, prompt_tokens: int, completion_tokens: int,
-               start: int, where: str) -> RoutingRef:
+def sample_ref(
+    fields: Mapping[str, Any], info: RRInfo, *, prompt_tokens: int, completion_tokens: int, start: int, where: str
+) -> RoutingRef:
     """One sample's ``routed_experts_ref``, held to the request and ``info`` like an inline payload: rows
     (``prompt + completion - 1 - start``), layers, top-k, wire dtype and start."""
     if fields.get("routed_experts_error"):
-        raise MissingRoutingError(f"{where}: the server refused this sample's routing: {fields['routed_experts_error']}")
+        raise MissingRoutingError(
+            f"{where}: the server refused this sample's routing: {fields['routed_experts_error']}"
+        )
     ref = RoutingRef.from_dict(fields.get("routed_experts_ref"), f"{where}: routed_experts_ref")
     rows = expected_rows(prompt_tokens, completion_tokens, start)
     want = (rows, info.num_hidden_layers, info.topk, wire_dtype(info.num_experts).name, start)
@@ -206,11 +229,20 @@ def parse_sample(
     routing: np.ndarray | None = None
     ref: RoutingRef | None = None
     if want_routing and by_reference:
-        ref = sample_ref(meta, info, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, start=start,
-                         where=where)
+        ref = sample_ref(
+            meta, info, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, start=start, where=where
+        )
     elif want_routing:
-        routing = decode_sample_routing(meta, info, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                        start=start, allow_extra_rows=allow_extra_rows, validate=validate, where=where)
+        routing = decode_sample_routing(
+            meta,
+            info,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            start=start,
+            allow_extra_rows=allow_extra_rows,
+            validate=validate,
+            where=where,
+        )
     elif any(k in meta for k in _PAYLOAD_KEYS):
         raise ProtocolError(f"{where}: routing was not requested but the server sent some")
     for k in _PAYLOAD_KEYS:
@@ -219,21 +251,57 @@ def parse_sample(
     logprobs = None if lp_rows is None else parse_token_logprobs(lp_rows, output_ids, where=where)
     fr = meta.get("finish_reason")
     finish = fr.get("type") if isinstance(fr, Mapping) else (fr if isinstance(fr, str) else None)
-    return checked_result(meta, info, index=index, prompt_index=prompt_index, prompt_ids=ids, output_ids=output_ids,
-                          text=reply.get("text"), finish_reason=finish, routing=routing, start=start, meta=meta,
-                          ref=ref, logprobs=logprobs, where=where)
+    return checked_result(
+        meta,
+        info,
+        index=index,
+        prompt_index=prompt_index,
+        prompt_ids=ids,
+        output_ids=output_ids,
+        text=reply.get("text"),
+        finish_reason=finish,
+        routing=routing,
+        start=start,
+        meta=meta,
+        ref=ref,
+        logprobs=logprobs,
+        where=where,
+    )
 
 
-def checked_result(fields: Mapping[str, Any], info: RRInfo, *, index: int, prompt_index: int,
-                   prompt_ids: Sequence[int] | None, output_ids: Sequence[int], text: Any, finish_reason: str | None,
-                   routing: np.ndarray | None, start: int, meta: dict[str, Any], ref: RoutingRef | None,
-                   logprobs: np.ndarray | None, where: str) -> GenerateResult:
+def checked_result(
+    fields: Mapping[str, Any],
+    info: RRInfo,
+    *,
+    index: int,
+    prompt_index: int,
+    prompt_ids: Sequence[int] | None,
+    output_ids: Sequence[int],
+    text: Any,
+    finish_reason: str | None,
+    routing: np.ndarray | None,
+    start: int,
+    meta: dict[str, Any],
+    ref: RoutingRef | None,
+    logprobs: np.ndarray | None,
+    where: str,
+) -> GenerateResult:
     """One checked sample as a :class:`GenerateResult`, built alike from a ``/generate`` reply and an OpenAI choice:
     the ids copied, ``text`` kept only when a string, the log-probs' mode from ``info`` when log-probs came, and
     the provenance read from ``fields`` (the sample's meta_info or choice) and held to its tokens."""
     provenance = sample_provenance(fields, prompt_ids=prompt_ids, output_ids=output_ids, ref=ref, where=where)
     return GenerateResult(
-        index=index, prompt_index=prompt_index, prompt_ids=list(prompt_ids) if prompt_ids is not None else None,
-        output_ids=list(output_ids), text=text if isinstance(text, str) else None, finish_reason=finish_reason,
-        routed_experts=routing, routed_experts_start=start, meta=meta, routing_ref=ref, logprobs=logprobs,
-        logprobs_mode=info.logprobs_mode if logprobs is not None else None, provenance=provenance)
+        index=index,
+        prompt_index=prompt_index,
+        prompt_ids=list(prompt_ids) if prompt_ids is not None else None,
+        output_ids=list(output_ids),
+        text=text if isinstance(text, str) else None,
+        finish_reason=finish_reason,
+        routed_experts=routing,
+        routed_experts_start=start,
+        meta=meta,
+        routing_ref=ref,
+        logprobs=logprobs,
+        logprobs_mode=info.logprobs_mode if logprobs is not None else None,
+        provenance=provenance,
+    )

@@ -17,8 +17,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from rr_client.client._results import GenerateBatch, GenerateResult
-from rr_client.core.errors import (ArgumentTypeError, ConfigurationError, MissingRoutingError, ShapeMismatchError,
-                              TokenMismatchError)
+from rr_client.core.errors import (
+    ArgumentTypeError,
+    ConfigurationError,
+    MissingRoutingError,
+    ShapeMismatchError,
+    TokenMismatchError,
+)
 from rr_client.core.provenance import Provenance
 from rr_client.core.reference import RoutingRef
 
@@ -27,15 +32,28 @@ class TurnClient(Protocol):
     """What a trajectory needs of its client (:class:`RoutedExpertsClient` is one): a turn over ``/generate`` or
     the chat endpoint, and reading refs. Named here, so the trajectory never imports the client that makes it."""
 
-    async def generate(self, prompts: Any, sampling_params: Mapping[str, Any] | None = None, *,
-                       routed_experts_start: int = 0, affinity: Hashable | None = None,
-                       by_reference: bool = False) -> GenerateBatch: ...
+    async def generate(
+        self,
+        prompts: Any,
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        routed_experts_start: int = 0,
+        affinity: Hashable | None = None,
+        by_reference: bool = False,
+    ) -> GenerateBatch: ...
 
-    async def chat(self, messages: Sequence[Mapping[str, Any]], sampling_params: Mapping[str, Any] | None = None,
-                   *, tools: Sequence[Mapping[str, Any]] | None = None, routed_experts_start: int = 0,
-                   affinity: Hashable | None = None) -> GenerateBatch: ...
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        routed_experts_start: int = 0,
+        affinity: Hashable | None = None,
+    ) -> GenerateBatch: ...
 
     async def resolve(self, refs: Sequence[RoutingRef], *, tokens: Any = None) -> list[np.ndarray]: ...
+
 
 __all__ = ["Trajectory", "ChatTrajectory", "TurnSpan"]
 
@@ -59,8 +77,7 @@ class TurnSpan:
     generated: tuple[int, int]
 
     @classmethod
-    def of(cls, turn: int, provenance: Provenance | None, start: int, prompt_len: int,
-           output_len: int) -> "TurnSpan":
+    def of(cls, turn: int, provenance: Provenance | None, start: int, prompt_len: int, output_len: int) -> TurnSpan:
         """The spans of a turn whose rows begin at ``start`` over a prompt of ``prompt_len`` tokens."""
         stop = max(start, prompt_len + output_len - 1)
         cached = provenance.cached_tokens if provenance is not None else 0
@@ -72,7 +89,8 @@ class TurnSpan:
 def _token_list(token_ids: Sequence[int], what: str) -> list[int]:
     """Validated non-negative int token ids."""
     if isinstance(token_ids, (str, bytes)) or not all(
-            isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in token_ids):
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in token_ids
+    ):
         raise ArgumentTypeError(f"{what} must be a list of non-negative int token ids")
     return [int(t) for t in token_ids]
 
@@ -90,8 +108,9 @@ def _first_difference(held: Sequence[int], prompt: Sequence[int]) -> int | None:
 class _Rollout:
     """Tokens, loss mask and routing rows of one conversation; what both trajectory kinds share."""
 
-    def __init__(self, client: TurnClient, prompt_ids: Sequence[int], affinity: Hashable | None,
-                 by_reference: bool = False) -> None:
+    def __init__(
+        self, client: TurnClient, prompt_ids: Sequence[int], affinity: Hashable | None, by_reference: bool = False
+    ) -> None:
         self._client = client
         self._tokens = _token_list(prompt_ids, "prompt_ids")
         self._prompt_len = len(self._tokens)
@@ -129,8 +148,10 @@ class _Rollout:
             if not self._chunks:
                 raise ShapeMismatchError("the trajectory holds no routing yet: run a turn first")
             if self.routing_refs:
-                raise MissingRoutingError(f"trajectory {self.index}: {len(self.routing_refs)} turns' routing is held "
-                                          "by reference: await traj.resolve() (or resolve routing_refs) first")
+                raise MissingRoutingError(
+                    f"trajectory {self.index}: {len(self.routing_refs)} turns' routing is held "
+                    "by reference: await traj.resolve() (or resolve routing_refs) first"
+                )
             arrays = [c for c in self._chunks if isinstance(c, np.ndarray)]
             self._cache = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
             self._chunks = [self._cache]
@@ -170,7 +191,7 @@ class _Rollout:
     @property
     def output_ids(self) -> list[int]:
         """Every token after the first prompt: generated, tool and template tokens."""
-        return self._tokens[self._prompt_len:]
+        return self._tokens[self._prompt_len :]
 
     @property
     def output_loss_mask(self) -> list[bool]:
@@ -178,8 +199,9 @@ class _Rollout:
         if self._rows != len(self._tokens) - 1:
             raise ShapeMismatchError(
                 f"trajectory {self.index}: {len(self._tokens)} tokens but {self._rows} routing rows; the tokens "
-                "added after the last turn have no routing yet (end the conversation with a model turn)")
-        return self._mask[self._prompt_len:]
+                "added after the last turn have no routing yet (end the conversation with a model turn)"
+            )
+        return self._mask[self._prompt_len :]
 
     @property
     def routed_experts_start(self) -> int:
@@ -195,10 +217,13 @@ class _Rollout:
         lo = max(0, pos - 3)
         raise TokenMismatchError(
             f"turn {turn}: the engine's prompt ({len(engine_prompt)} tokens) does not begin with the trajectory's "
-            f"{len(self._tokens)} tokens: first difference at position {pos} (held {self._tokens[lo:pos + 4]}, "
-            f"engine {list(engine_prompt[lo:pos + 4])} from position {lo}); typically a chat template that "
+            f"{len(self._tokens)} tokens: first difference at position {pos} (held {self._tokens[lo : pos + 4]}, "
+            f"engine {list(engine_prompt[lo : pos + 4])} from position {lo}); typically a chat template that "
             "re-tokenized an earlier turn. Every routing row after it would sit on the wrong token",
-            position=pos, expected=self._tokens[pos], got=got)
+            position=pos,
+            expected=self._tokens[pos],
+            got=got,
+        )
 
     def _take_turn(self, res: GenerateResult, start: int) -> None:
         """Append one checked turn: template/tool tokens between held and prompt end, then the output."""
@@ -211,7 +236,7 @@ class _Rollout:
         want = len(prompt) + len(res.output_ids) - 1 - start
         if n != want:  # parse already checked this; kept as the invariant this class relies on
             raise ShapeMismatchError(f"turn {len(self.turns)}: {n} rows, expected {want}")
-        added = prompt[len(self._tokens):]
+        added = prompt[len(self._tokens) :]
         self._tokens.extend(added)
         self._mask.extend([False] * len(added))
         self._tokens.extend(res.output_ids)
@@ -243,8 +268,14 @@ class Trajectory(_Rollout):
     ``await traj.resolve()`` reads them.
     """
 
-    def __init__(self, client: TurnClient, prompt_ids: Sequence[int], *,
-                 affinity: Hashable | None = None, by_reference: bool = False) -> None:
+    def __init__(
+        self,
+        client: TurnClient,
+        prompt_ids: Sequence[int],
+        *,
+        affinity: Hashable | None = None,
+        by_reference: bool = False,
+    ) -> None:
         super().__init__(client, prompt_ids, affinity, by_reference)
         if not self._tokens:
             raise ConfigurationError("prompt_ids is empty")
@@ -255,8 +286,13 @@ class Trajectory(_Rollout):
         if params.get("n", 1) != 1:
             raise ConfigurationError("a trajectory turn samples one continuation (n=1)")
         start = self._rows
-        batch = await self._client.generate([list(self._tokens)], params, routed_experts_start=start,
-                                            affinity=self.affinity, by_reference=self.by_reference)
+        batch = await self._client.generate(
+            [list(self._tokens)],
+            params,
+            routed_experts_start=start,
+            affinity=self.affinity,
+            by_reference=self.by_reference,
+        )
         res = batch[0]
         reported = res.meta.get("prompt_token_ids")
         if isinstance(reported, list):
@@ -274,8 +310,14 @@ class ChatTrajectory(_Rollout):
     trajectory with ``loss_mask`` False. ``traj.add(message)`` appends a tool/user message.
     """
 
-    def __init__(self, client: TurnClient, messages: Sequence[Mapping[str, Any]], *,
-                 tools: Sequence[Mapping[str, Any]] | None = None, affinity: Hashable | None = None) -> None:
+    def __init__(
+        self,
+        client: TurnClient,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        affinity: Hashable | None = None,
+    ) -> None:
         super().__init__(client, [], affinity)
         self.messages: list[dict[str, Any]] = [dict(m) for m in messages]
         self.tools = [dict(t) for t in tools] if tools is not None else None
@@ -290,8 +332,9 @@ class ChatTrajectory(_Rollout):
         if params.get("n", 1) != 1:
             raise ConfigurationError("a trajectory turn samples one continuation (n=1)")
         start = self._rows
-        batch = await self._client.chat(self.messages, params, tools=self.tools, routed_experts_start=start,
-                                        affinity=self.affinity)
+        batch = await self._client.chat(
+            self.messages, params, tools=self.tools, routed_experts_start=start, affinity=self.affinity
+        )
         res = batch[0]
         if not self.turns:
             self._tokens = []  # the first prompt is whatever the template made of the messages

@@ -45,7 +45,8 @@ def check_rows(arr: np.ndarray, num_experts: int, moe_mask: np.ndarray, *, use_c
     if use_c and _rowcheck_c is not None and arr.dtype.itemsize in (1, 2) and arr.flags.c_contiguous:
         rows, layers, k = arr.shape
         mask = np.ascontiguousarray(moe_mask, dtype=np.uint8)
-        st, r, l = _rowcheck_c.check_rows(arr.reshape(-1).view(np.uint8), rows, layers, k,
-                                          arr.dtype.itemsize, num_experts, mask.tobytes())
+        st, r, l = _rowcheck_c.check_rows(
+            arr.reshape(-1).view(np.uint8), rows, layers, k, arr.dtype.itemsize, num_experts, mask.tobytes()
+        )
         return int(st), int(r), int(l)
     return check_rows_numpy(arr, num_experts, moe_mask)

@@ -117,14 +117,27 @@ def check_routing(
     arr = _as_int_array(array)
     if arr.ndim != 3:
         raise ShapeMismatchError(f"routing must be 3-D (rows, layers, topk), got shape {arr.shape}")
-    arr = _checked_array(arr, rows=rows, num_layers=dims.num_hidden_layers, topk=dims.topk,
-                         num_experts=dims.num_experts, moe_layers=dims.moe_layers,
-                         allow_extra_rows=allow_extra_rows, validate=True)
+    arr = _checked_array(
+        arr,
+        rows=rows,
+        num_layers=dims.num_hidden_layers,
+        topk=dims.topk,
+        num_experts=dims.num_experts,
+        moe_layers=dims.moe_layers,
+        allow_extra_rows=allow_extra_rows,
+        validate=True,
+    )
     return CheckedRouting(arr, int(start))
 
 
 def check_payload(
-    payload: Any, dims: RoutingDims, *, rows: int, start: int = 0, drop_rows: int = 0, dtype: Any = None,
+    payload: Any,
+    dims: RoutingDims,
+    *,
+    rows: int,
+    start: int = 0,
+    drop_rows: int = 0,
+    dtype: Any = None,
     stated_shape: Sequence[int] | None = None,
 ) -> CheckedRouting:
     """The one door to the check: an engine's routing in any format -> :class:`CheckedRouting`, checked once.
@@ -140,10 +153,12 @@ def check_payload(
     if drop_rows < 0:
         raise ShapeMismatchError(f"routed_experts_start must be >= 0, got {drop_rows}")
     arr = _shape3(_to_array(payload, dtype), dims.num_hidden_layers, dims.topk)
-    if stated_shape is not None and (not isinstance(stated_shape, (list, tuple))
-                                     or [int(s) for s in arr.shape] != list(stated_shape)):
-        raise ShapeMismatchError(f"payload shape {list(arr.shape)} differs from stated routed_experts_shape "
-                                 f"{_short(stated_shape)}")
+    if stated_shape is not None and (
+        not isinstance(stated_shape, (list, tuple)) or [int(s) for s in arr.shape] != list(stated_shape)
+    ):
+        raise ShapeMismatchError(
+            f"payload shape {list(arr.shape)} differs from stated routed_experts_shape {_short(stated_shape)}"
+        )
     if drop_rows:
         if drop_rows > arr.shape[0]:
             raise ShapeMismatchError(f"routed_experts_start={drop_rows} exceeds the {arr.shape[0]} rows returned")
@@ -156,7 +171,7 @@ def check_payload(
 
 def _npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
     """A .npy v1.0 header, byte-identical to what ``np.save`` writes."""
-    text = "{'descr': '%s', 'fortran_order': False, 'shape': %r, }" % (dtype.str, tuple(shape))
+    text = "{'descr': '%s', 'fortran_order': False, 'shape': %r, }" % (dtype.str, tuple(shape))  # noqa: UP031 - np.save's
     pad = 64 - (10 + len(text) + 1) % 64
     body = (text + " " * (pad % 64) + "\n").encode("latin1")
     return NPY_MAGIC + b"\x01\x00" + struct.pack("<H", len(body)) + body
@@ -184,8 +199,7 @@ def _check_range(arr: np.ndarray, num_experts: int) -> None:
         bad = (arr < 0) | (arr >= num_experts)
         idx = np.unravel_index(int(np.argmax(bad)), arr.shape)
         raise ExpertIdOutOfRangeError(
-            f"expert id {int(arr[idx])} at (row, layer, k)={tuple(int(i) for i in idx)} "
-            f"outside [0, {num_experts})"
+            f"expert id {int(arr[idx])} at (row, layer, k)={tuple(int(i) for i in idx)} outside [0, {num_experts})"
         )
 
 
@@ -195,8 +209,10 @@ def encode_routed_experts(checked: CheckedRouting) -> str:
     The only public encoder, and it takes only :class:`CheckedRouting`: nothing reaches the wire unchecked.
     """
     if not isinstance(checked, CheckedRouting):
-        raise ArgumentTypeError(f"encode_routed_experts takes a CheckedRouting from check_payload/check_routing, "
-                        f"got {type(checked).__name__}")
+        raise ArgumentTypeError(
+            f"encode_routed_experts takes a CheckedRouting from check_payload/check_routing, "
+            f"got {type(checked).__name__}"
+        )
     arr = checked.array
     return pybase64.b64encode(b"".join((_npy_header(arr.dtype, arr.shape), arr.data))).decode("ascii")
 
@@ -213,13 +229,14 @@ class ReferenceStore(Protocol):
     """Where ``routed_experts_format="ref"`` keeps checked rows (every rr server holds one,
     ``rr_server.serving.store``): ``put`` returns the :class:`rr_client.RoutingRef` dict the answer carries."""
 
-    def put(self, checked: "CheckedRouting") -> dict[str, Any]:
+    def put(self, checked: CheckedRouting) -> dict[str, Any]:
         """Keep ``checked``'s rows; the ref dict naming them."""
         ...
 
 
-def routing_meta_fields(checked: "CheckedRouting", fmt: str = "npy", *,
-                        store: ReferenceStore | None = None) -> dict[str, Any]:
+def routing_meta_fields(
+    checked: CheckedRouting, fmt: str = "npy", *, store: ReferenceStore | None = None
+) -> dict[str, Any]:
     """The ``meta_info`` entries a server adds for one request: payload plus its stated shape and dtype.
 
     Takes only :class:`CheckedRouting` (made by :func:`check_routing`), so nothing reaches the wire unchecked.
@@ -228,14 +245,20 @@ def routing_meta_fields(checked: "CheckedRouting", fmt: str = "npy", *,
     ``routed_experts_ref`` instead (:class:`rr_client.RoutingRef`).
     """
     if not isinstance(checked, CheckedRouting):
-        raise ArgumentTypeError(f"routing_meta_fields takes a CheckedRouting from check_routing, got {type(checked).__name__}")
+        raise ArgumentTypeError(
+            f"routing_meta_fields takes a CheckedRouting from check_routing, got {type(checked).__name__}"
+        )
     arr = checked.array
     if check_format(fmt) == "ref":
         if store is None:
             raise MissingRoutingError("routed_experts_format='ref': this server holds no routing store")
-        return {"routed_experts_ref": store.put(checked), "routed_experts_shape": [int(s) for s in arr.shape],
-                "routed_experts_dtype": arr.dtype.name, "routed_experts_format": fmt,
-                "routed_experts_start": checked.start}
+        return {
+            "routed_experts_ref": store.put(checked),
+            "routed_experts_shape": [int(s) for s in arr.shape],
+            "routed_experts_dtype": arr.dtype.name,
+            "routed_experts_format": fmt,
+            "routed_experts_start": checked.start,
+        }
     if check_format(fmt) == SGLANG.native_format:
         wide = arr.astype("<i4")  # C-contiguous copy: SGLang sends int32 ids with no header
         payload, dtype_name = pybase64.b64encode(wide.data).decode("ascii"), "int32"
@@ -306,16 +329,19 @@ def checked_count(shape: Any, itemsize: int, nbytes: int, where: str) -> int:
     """Elements of ``shape`` once every dimension is a bounded non-negative int and the shape needs exactly
     ``nbytes`` bytes: a hostile shape (``[0, 2**40, 2**40]``, ``[2**70]``) is a :class:`MalformedPayloadError`,
     never numpy's ValueError or OverflowError."""
-    if (not isinstance(shape, (list, tuple)) or len(shape) > _MAX_NDIM
-            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= _MAX_DIM for s in shape)):
-        raise MalformedPayloadError(f"{where}: shape {_short(shape)} is not at most {_MAX_NDIM} non-negative ints "
-                                    f"up to {_MAX_DIM}")
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) > _MAX_NDIM
+        or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= _MAX_DIM for s in shape)
+    ):
+        raise MalformedPayloadError(
+            f"{where}: shape {_short(shape)} is not at most {_MAX_NDIM} non-negative ints up to {_MAX_DIM}"
+        )
     if math.prod(max(s, 1) for s in shape) * itemsize > 2**62:  # numpy could not size it, even when empty
         raise MalformedPayloadError(f"{where}: shape {list(shape)} is too large for any routing")
     count = math.prod(shape)
     if count * itemsize != nbytes:
-        raise MalformedPayloadError(f"{where}: {nbytes} bytes of data, shape {list(shape)} needs "
-                                    f"{count * itemsize}")
+        raise MalformedPayloadError(f"{where}: {nbytes} bytes of data, shape {list(shape)} needs {count * itemsize}")
     return count
 
 
@@ -442,7 +468,7 @@ def _check_rows(arr: np.ndarray, rows: int | None, allow_extra_rows: int) -> np.
         return arr
     if rows < got <= rows + allow_extra_rows:
         return arr[:rows]
-    hint = " (allowed extra: %d)" % allow_extra_rows if allow_extra_rows else ""
+    hint = f" (allowed extra: {allow_extra_rows})" if allow_extra_rows else ""
     raise ShapeMismatchError(f"routing has {got} rows, expected {rows}{hint}")
 
 
@@ -496,9 +522,16 @@ def decode_routed_experts(
     hold ``topk`` distinct ids (layers outside ``moe_layers`` must be zero). Errors are typed, see
     :mod:`rr_client.core.errors`.
     """
-    return _checked_array(_to_array(payload, dtype), rows=rows, num_layers=num_layers, topk=topk,
-                          num_experts=num_experts, moe_layers=moe_layers, allow_extra_rows=allow_extra_rows,
-                          validate=validate)
+    return _checked_array(
+        _to_array(payload, dtype),
+        rows=rows,
+        num_layers=num_layers,
+        topk=topk,
+        num_experts=num_experts,
+        moe_layers=moe_layers,
+        allow_extra_rows=allow_extra_rows,
+        validate=validate,
+    )
 
 
 def _checked_array(
@@ -565,8 +598,12 @@ def decode_meta_info(meta_info: Mapping[str, Any], **kwargs: Any) -> np.ndarray:
         kwargs["dtype"] = meta_info["routed_experts_dtype"]
     arr = decode_routed_experts(payload, **kwargs)
     stated = meta_info.get("routed_experts_shape")
-    if stated is not None and kwargs.get("allow_extra_rows", 0) == 0 and (
-            not isinstance(stated, (list, tuple)) or list(arr.shape) != list(stated)):
-        raise ShapeMismatchError(f"payload shape {list(arr.shape)} differs from stated routed_experts_shape "
-                                 f"{_short(stated)}")
+    if (
+        stated is not None
+        and kwargs.get("allow_extra_rows", 0) == 0
+        and (not isinstance(stated, (list, tuple)) or list(arr.shape) != list(stated))
+    ):
+        raise ShapeMismatchError(
+            f"payload shape {list(arr.shape)} differs from stated routed_experts_shape {_short(stated)}"
+        )
     return arr

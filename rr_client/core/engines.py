@@ -15,9 +15,22 @@ from typing import Any, Literal, get_args
 
 from rr_client.core.errors import ConfigurationError
 
-__all__ = ["EngineName", "ENGINE_NAMES", "Engine", "VLLM", "SGLANG", "ENGINES", "engine", "offload_name", "ABSENT",
-           "CHOICE_ROUTING_EXTS", "ANSWER_ROUTING_EXTS", "OUTPUT_ID_KEYS",
-           "pop_ext_routing", "int_ids"]
+__all__ = [
+    "EngineName",
+    "ENGINE_NAMES",
+    "Engine",
+    "VLLM",
+    "SGLANG",
+    "ENGINES",
+    "engine",
+    "offload_name",
+    "ABSENT",
+    "CHOICE_ROUTING_EXTS",
+    "ANSWER_ROUTING_EXTS",
+    "OUTPUT_ID_KEYS",
+    "pop_ext_routing",
+    "int_ids",
+]
 
 EngineName = Literal["vllm", "sglang"]
 """The engines rr serves, by the name ``/rr/info`` ``engine``, the launchers and the sidecar use."""
@@ -124,37 +137,83 @@ class Engine:
 
 
 VLLM = Engine(
-    name="vllm", label="vLLM", native_format="npy", start_keys=("routed_experts_start",),
+    name="vllm",
+    label="vLLM",
+    native_format="npy",
+    start_keys=("routed_experts_start",),
     stream_refusal="vLLM's streaming chunks carry no routing; rr's vLLM plugin serves streams",
-    choice_routing_ext=None, answer_routing_ext=None, output_id_keys=("token_ids",), rows_from_payload=False,
-    start_field="routed_experts_prompt_start", ask_fields=(), sidecar_slices_start=False,
+    choice_routing_ext=None,
+    answer_routing_ext=None,
+    output_id_keys=("token_ids",),
+    rows_from_payload=False,
+    start_field="routed_experts_prompt_start",
+    ask_fields=(),
+    sidecar_slices_start=False,
     sidecar_forces_routing=False,
-    reload_route="/collective_rpc", reload_field="weights_path", cache_reset_route="/reset_prefix_cache",
-    reload_rpc="reload_weights", reload_reply_says_success=False,
+    reload_route="/collective_rpc",
+    reload_field="weights_path",
+    cache_reset_route="/reset_prefix_cache",
+    reload_rpc="reload_weights",
+    reload_reply_says_success=False,
     dev_mode_routes=("/collective_rpc", "/reset_prefix_cache"),
-    weight_routes=("/collective_rpc", "/start_weight_update", "/update_weights", "/finish_weight_update",
-                   "/update_weight_version", "/reset_prefix_cache"),
+    weight_routes=(
+        "/collective_rpc",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/update_weight_version",
+        "/reset_prefix_cache",
+    ),
     native_generate=False,
-    logprobs_setting="logprobs_mode", logprobs_default="raw_logprobs", original_logprob_env=None,
-    cache_metric="vllm:cache_config_info", server_args_routes=(), kv_offload_connector=True, hierarchical_cache=False,
-    offload_name="kv offload")
+    logprobs_setting="logprobs_mode",
+    logprobs_default="raw_logprobs",
+    original_logprob_env=None,
+    cache_metric="vllm:cache_config_info",
+    server_args_routes=(),
+    kv_offload_connector=True,
+    hierarchical_cache=False,
+    offload_name="kv offload",
+)
 SGLANG = Engine(
-    name="sglang", label="SGLang", native_format="sglang",
+    name="sglang",
+    label="SGLang",
+    native_format="sglang",
     start_keys=("routed_experts_start", "routed_experts_start_len"),
     stream_refusal="SGLang's streams carry the first request's routing only; rr's SGLang patch serves streams",
-    choice_routing_ext="sgl_ext", answer_routing_ext="sglext",
-    output_id_keys=("token_ids", "response_token_ids"), rows_from_payload=True,  # 0.5.23 chat: response_token_ids
-    start_field="routed_experts_start_len", ask_fields=(("return_routed_experts", True),),
-    sidecar_slices_start=True, sidecar_forces_routing=True,
-    reload_route="/update_weights_from_disk", reload_field="model_path", cache_reset_route="/flush_cache",
-    reload_rpc=None, reload_reply_says_success=True, dev_mode_routes=(),
-    weight_routes=("/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
-                   "/update_weights_from_ipc", "/update_weight_version", "/init_weights_update_group",
-                   "/destroy_weights_update_group", "/flush_cache"),
+    choice_routing_ext="sgl_ext",
+    answer_routing_ext="sglext",
+    output_id_keys=("token_ids", "response_token_ids"),
+    rows_from_payload=True,  # 0.5.23 chat: response_token_ids
+    start_field="routed_experts_start_len",
+    ask_fields=(("return_routed_experts", True),),
+    sidecar_slices_start=True,
+    sidecar_forces_routing=True,
+    reload_route="/update_weights_from_disk",
+    reload_field="model_path",
+    cache_reset_route="/flush_cache",
+    reload_rpc=None,
+    reload_reply_says_success=True,
+    dev_mode_routes=(),
+    weight_routes=(
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/update_weights_from_ipc",
+        "/update_weight_version",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/flush_cache",
+    ),
     native_generate=True,
-    logprobs_setting=None, logprobs_default=None, original_logprob_env="SGLANG_RETURN_ORIGINAL_LOGPROB",
-    cache_metric=None, server_args_routes=("/get_server_info", "/server_info"), kv_offload_connector=False,
-    hierarchical_cache=True, offload_name="hierarchical cache")
+    logprobs_setting=None,
+    logprobs_default=None,
+    original_logprob_env="SGLANG_RETURN_ORIGINAL_LOGPROB",
+    cache_metric=None,
+    server_args_routes=("/get_server_info", "/server_info"),
+    kv_offload_connector=False,
+    hierarchical_cache=True,
+    offload_name="hierarchical cache",
+)
 
 ENGINES: Mapping[str, Engine] = {e.name: e for e in (VLLM, SGLANG)}
 # where any engine's answer may hold routing besides ``routed_experts``: per choice (SGLang's ``sgl_ext``) and for

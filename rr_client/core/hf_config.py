@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = ["load_config", "moe_layers_from_config", "hash_layers_from_config", "routing_dims_from_config"]
 
@@ -79,7 +80,7 @@ def _learned_or_all(cfg: Mapping[str, Any]) -> list[int]:
     if isinstance(types, list) and len(types) == n:
         return [i for i, t in enumerate(types) if str(t).lower() in ("sparse", "moe")]
     if c.get("model_type") == "deepseek_v4":  # every layer is MoE (hash or learned); SGLang's V3-based config
-        return list(range(n))                 # object carries V3's first_k_dense_replace default, which V4 lacks
+        return list(range(n))  # object carries V3's first_k_dense_replace default, which V4 lacks
     explicit = c.get("moe_layers")
     if isinstance(explicit, list) and all(isinstance(i, int) for i in explicit):
         return sorted(i for i in explicit if 0 <= i < n)

@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rr_client.core.errors import ConfigurationError
 from rr_client.core._version import __version__
 from rr_client.core.codec import wire_dtype
+from rr_client.core.errors import ConfigurationError
 from rr_client.core.hf_config import hash_layers_from_config, moe_layers_from_config, routing_dims_from_config
 
 # Engines whose capture skips hash-routed MoE layers (their rows come back all zero).
@@ -49,7 +49,7 @@ class RRInfo(BaseModel):
     logprobs_mode: Literal["processed", "raw"] | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "RRInfo":
+    def _check(self) -> RRInfo:
         if self.topk > self.num_experts:
             raise ConfigurationError(f"topk={self.topk} exceeds num_experts={self.num_experts}")
         bad = [i for i in [*self.moe_layers, *self.uncaptured_layers] if not 0 <= i < self.num_hidden_layers]
@@ -60,13 +60,15 @@ class RRInfo(BaseModel):
             raise ConfigurationError(f"layers {both} are both captured (moe_layers) and uncaptured_layers")
         expected = wire_dtype(self.num_experts).name
         if self.wire_dtype != expected:
-            raise ConfigurationError(f"wire_dtype {self.wire_dtype} but num_experts={self.num_experts} needs {expected}")
+            raise ConfigurationError(
+                f"wire_dtype {self.wire_dtype} but num_experts={self.num_experts} needs {expected}"
+            )
         return self
 
     @classmethod
     def from_hf_config(
         cls, cfg: Mapping[str, Any], *, engine: str, engine_version: str, model: str = "", **extra: Any
-    ) -> "RRInfo":
+    ) -> RRInfo:
         """The one builder: routing dims and MoE layers from an HF ``config.json`` dict plus the engine's facts.
 
         Hash-routed layers (DeepSeek-V4) are captured routing on vLLM (0.33 captures every router's ids, hash tables

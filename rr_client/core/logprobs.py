@@ -15,8 +15,16 @@ import numpy as np
 
 from rr_client.core.errors import LogprobsModeError, ProtocolError
 
-__all__ = ["PROCESSED", "RAW", "MODES", "VLLM_FLAG", "check_comparable_logprobs", "mode_from_vllm",
-           "parse_token_logprobs", "parse_openai_logprobs"]
+__all__ = [
+    "PROCESSED",
+    "RAW",
+    "MODES",
+    "VLLM_FLAG",
+    "check_comparable_logprobs",
+    "mode_from_vllm",
+    "parse_token_logprobs",
+    "parse_openai_logprobs",
+]
 
 PROCESSED = "processed"  # after temperature (what a trainer computes from logits / temperature)
 RAW = "raw"  # before temperature (vLLM's default raw_logprobs)
@@ -42,13 +50,17 @@ def check_comparable_logprobs(mode: str | None, temperature: float | None, *, co
         raise LogprobsModeError(f"{consumer}: unknown engine log-prob mode {mode!r} (rr knows {list(MODES)})")
     if mode == PROCESSED or temperature is None or float(temperature) == 1.0:
         return
-    what = "before temperature (vLLM's default raw_logprobs)" if mode == RAW else "of unknown mode (the server's " \
-        "/rr/info states no logprobs_mode; rr's sidecar: --upstream-logprobs-mode)"
+    what = (
+        "before temperature (vLLM's default raw_logprobs)"
+        if mode == RAW
+        else "of unknown mode (the server's /rr/info states no logprobs_mode; rr's sidecar: --upstream-logprobs-mode)"
+    )
     raise LogprobsModeError(
         f"{consumer}: the engine's log-probs are {what} but sampling ran at temperature {temperature}, so they do "
         f"not mean what the trainer's log_softmax(logits / {temperature}) means; serve vLLM with {VLLM_FLAG} "
         f"(rr-server launch vllm does unless told otherwise; SGLang's are after temperature) or sample at "
-        f"temperature 1")
+        f"temperature 1"
+    )
 
 
 def _value(v: Any, where: str, i: int) -> float:

@@ -66,8 +66,10 @@ class Shape:
             if fn is None and name not in self.methods:  # else named missing above
                 found.append(f"{self.label}.{name} is missing")
             elif fn is not None and inspect.iscoroutinefunction(inspect.unwrap(fn)) != is_async:
-                found.append(f"{self.label}.{name} is {'not ' if is_async else ''}async def "
-                             f"(rr expects {'async def' if is_async else 'def'})")
+                found.append(
+                    f"{self.label}.{name} is {'not ' if is_async else ''}async def "
+                    f"(rr expects {'async def' if is_async else 'def'})"
+                )
         return found
 
 
@@ -110,8 +112,7 @@ def _param_problem(label: str, fn: Any, params: Sequence[Any] | Sequence[Sequenc
     return [f"{label}({', '.join(got)}) does not have the shape rr relies on {want}"]
 
 
-def check_shapes(*shapes: Shape, what: str = "",
-                 error: Callable[[str], Exception] = UnsupportedVersionError) -> None:
+def check_shapes(*shapes: Shape, what: str = "", error: Callable[[str], Exception] = UnsupportedVersionError) -> None:
     """Raise ``error`` (default :class:`UnsupportedVersionError`) naming every difference unless each of ``shapes``
     matches; ``what`` names the package and its installed version (``"verl 0.9.1"``) in the message."""
     problems = [p for shape in shapes for p in shape.problems()]
@@ -124,9 +125,15 @@ def is_wrapped(owner: Any, name: str) -> bool:
     return getattr(getattr(owner, name, None), MARKER, None) is not None
 
 
-def wrap_once(owner: Any, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]], *,
-              params: Params = None, what: str = "",
-              error: Callable[[str], Exception] = UnsupportedVersionError) -> bool:
+def wrap_once(
+    owner: Any,
+    name: str,
+    wrapper: Callable[[Callable[..., Any]], Callable[..., Any]],
+    *,
+    params: Params = None,
+    what: str = "",
+    error: Callable[[str], Exception] = UnsupportedVersionError,
+) -> bool:
     """Replace ``owner.name`` by ``wrapper(original)`` unless rr wrapped it already; True when it wrapped now.
 
     ``owner.name`` must exist and fit ``params`` (:data:`Params`): else :func:`check_shapes` raises ``error``

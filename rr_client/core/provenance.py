@@ -34,8 +34,17 @@ import numpy as np
 
 from rr_client.core.errors import ConfigurationError, MalformedPayloadError, StaleRoutingError
 
-__all__ = ["PROVENANCE_FIELD", "PROVENANCE_SCHEMA", "CacheTier", "StalePolicy", "Provenance", "ProvenanceCheck",
-           "tokens_digest", "check_provenance", "check_stale_policy"]
+__all__ = [
+    "PROVENANCE_FIELD",
+    "PROVENANCE_SCHEMA",
+    "CacheTier",
+    "StalePolicy",
+    "Provenance",
+    "ProvenanceCheck",
+    "tokens_digest",
+    "check_provenance",
+    "check_stale_policy",
+]
 
 PROVENANCE_FIELD = "rr_provenance"  #: the key of a sample's provenance in meta_info / an OpenAI choice
 PROVENANCE_SCHEMA = "rr.provenance/1"
@@ -99,13 +108,19 @@ class Provenance:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object a server answers as ``rr_provenance``."""
-        return {"schema": PROVENANCE_SCHEMA, "cached_tokens": self.cached_tokens, "cache_tier": self.cache_tier,
-                "preemptions": self.preemptions, "weight_version_admitted": self.weight_version_admitted,
-                "weight_version_finished": self.weight_version_finished,
-                "weight_update_during": self.weight_update_during, "tokens_digest": self.tokens_digest}
+        return {
+            "schema": PROVENANCE_SCHEMA,
+            "cached_tokens": self.cached_tokens,
+            "cache_tier": self.cache_tier,
+            "preemptions": self.preemptions,
+            "weight_version_admitted": self.weight_version_admitted,
+            "weight_version_finished": self.weight_version_finished,
+            "weight_update_during": self.weight_update_during,
+            "tokens_digest": self.tokens_digest,
+        }
 
     @classmethod
-    def from_dict(cls, d: Any, where: str = PROVENANCE_FIELD) -> "Provenance":
+    def from_dict(cls, d: Any, where: str = PROVENANCE_FIELD) -> Provenance:
         """Parse and check every field; :class:`MalformedPayloadError` names the one that is wrong."""
         if not isinstance(d, Mapping):
             raise MalformedPayloadError(f"{where} must be an object, got {type(d).__name__}")
@@ -124,10 +139,15 @@ class Provenance:
         digest = d.get("tokens_digest")
         if digest is not None and not (isinstance(digest, str) and len(digest) == 32):
             raise MalformedPayloadError(f"{where}: tokens_digest must be 32 hex chars or null, got {digest!r}")
-        return cls(cached_tokens=cached or 0, cache_tier=tier, preemptions=_opt_int(d, "preemptions", where),
-                   weight_version_admitted=_opt_int(d, "weight_version_admitted", where),
-                   weight_version_finished=_opt_int(d, "weight_version_finished", where),
-                   weight_update_during=during, tokens_digest=digest)
+        return cls(
+            cached_tokens=cached or 0,
+            cache_tier=tier,
+            preemptions=_opt_int(d, "preemptions", where),
+            weight_version_admitted=_opt_int(d, "weight_version_admitted", where),
+            weight_version_finished=_opt_int(d, "weight_version_finished", where),
+            weight_update_during=during,
+            tokens_digest=digest,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +169,9 @@ def check_stale_policy(policy: object) -> StalePolicy:
     return policy  # type: ignore[return-value]
 
 
-def check_provenance(provenances: Sequence[Provenance | None], policy: StalePolicy = "refuse", *,
-                     where: str = "sample") -> ProvenanceCheck:
+def check_provenance(
+    provenances: Sequence[Provenance | None], policy: StalePolicy = "refuse", *, where: str = "sample"
+) -> ProvenanceCheck:
     """Apply the stale-rows policy to one batch: a sample that may have been recomputed across a weight update
     raises :class:`StaleRoutingError` (``"refuse"``, naming it) or is kept unreplayed (``"mask"``); a sample that
     spans an update without a recompute is kept and counted; ``None`` (a server without provenance) is counted.
@@ -170,7 +191,8 @@ def check_provenance(provenances: Sequence[Provenance | None], policy: StalePoli
                     f"{where} {i}: its rows may have been recomputed under other weights than its tokens were "
                     f"sampled with (preemptions {p.preemptions}, weight version {p.weight_version_admitted} at "
                     f"admission, {p.weight_version_finished} at finish, update during: {p.weight_update_during}); "
-                    "pass stale_rows='mask' to keep such samples without replay")
+                    "pass stale_rows='mask' to keep such samples without replay"
+                )
             masked += 1
             replay.append(False)
             continue

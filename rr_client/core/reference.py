@@ -32,8 +32,19 @@ from rr_client.core.codec import checked_count
 from rr_client.core.errors import MalformedPayloadError, RoutingChecksumError, StaleRoutingError
 from rr_client.core.provenance import Provenance, tokens_digest
 
-__all__ = ["REF_SCHEMA", "ROWS_SCHEMA", "FRAME_MEDIA_TYPE", "READ_PATH", "RETIRE_PATH", "RoutingRef", "checksum", "encode_frame",
-           "decode_frame", "FramePart", "check_ref_tokens"]
+__all__ = [
+    "REF_SCHEMA",
+    "ROWS_SCHEMA",
+    "FRAME_MEDIA_TYPE",
+    "READ_PATH",
+    "RETIRE_PATH",
+    "RoutingRef",
+    "checksum",
+    "encode_frame",
+    "decode_frame",
+    "FramePart",
+    "check_ref_tokens",
+]
 
 REF_SCHEMA = "rr.routing_ref/1"
 ROWS_SCHEMA = "rr.routing_rows/1"
@@ -65,8 +76,9 @@ def checksum(rows: np.ndarray) -> str:
 def _field(d: Mapping[str, Any], name: str, kind: type, where: str) -> Any:
     v = d.get(name)
     if not isinstance(v, kind) or isinstance(v, bool) or (kind is int and v < 0):
-        raise MalformedPayloadError(f"{where}: field {name!r} must be a{' non-negative' if kind is int else ''} "
-                                    f"{kind.__name__}, got {v!r}")
+        raise MalformedPayloadError(
+            f"{where}: field {name!r} must be a{' non-negative' if kind is int else ''} {kind.__name__}, got {v!r}"
+        )
     return v
 
 
@@ -114,12 +126,12 @@ class RoutingRef:
             d["provenance"] = self.provenance.to_dict()
         return d
 
-    def with_url(self, url: str) -> "RoutingRef":
+    def with_url(self, url: str) -> RoutingRef:
         """The same ref read from ``url`` (a client fills in the URL it asked when the server gave none)."""
         return replace(self, url=url)
 
     @classmethod
-    def from_dict(cls, d: Any, where: str = "routed_experts_ref") -> "RoutingRef":
+    def from_dict(cls, d: Any, where: str = "routed_experts_ref") -> RoutingRef:
         """Parse and check every field (schema, types, dtype); :class:`MalformedPayloadError` names the field."""
         if not isinstance(d, Mapping):
             raise MalformedPayloadError(f"{where} must be an object, got {type(d).__name__}")
@@ -139,8 +151,7 @@ class RoutingRef:
         return cls(**kw)
 
 
-def check_ref_tokens(ref: RoutingRef, prompt_ids: Sequence[int], output_ids: Sequence[int], *,
-                     where: str = "") -> None:
+def check_ref_tokens(ref: RoutingRef, prompt_ids: Sequence[int], output_ids: Sequence[int], *, where: str = "") -> None:
     """:class:`StaleRoutingError` naming the ref when its provenance's ``tokens_digest`` is not the digest of
     ``prompt_ids`` + ``output_ids``: the rows belong to another sample (a trainer's bookkeeping paired them wrong).
     A ref without a digest (a server without provenance) binds to nothing and passes."""
@@ -152,7 +163,8 @@ def check_ref_tokens(ref: RoutingRef, prompt_ids: Sequence[int], output_ids: Seq
         raise StaleRoutingError(
             f"routing ref {ref.key}{f' ({where})' if where else ''}: its rows belong to other tokens than the sample it was paired with "
             f"(the ref's tokens digest {want}, the sample's {got} over {len(prompt_ids)} prompt + "
-            f"{len(output_ids)} output ids): the rows of another sample would be replayed")
+            f"{len(output_ids)} output ids): the rows of another sample would be replayed"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +192,16 @@ def encode_frame(parts: Sequence[FramePart]) -> bytes:
         entry = placed.get(id(p))
         if entry is None:
             a = np.ascontiguousarray(p.rows)
-            entry = placed[id(p)] = {"key": p.key, "start": p.start, "stop": p.stop, "shape": list(a.shape),
-                                     "dtype": a.dtype.name, "offset": offset, "nbytes": a.nbytes,
-                                     "checksum": p.digest or checksum(a)}
+            entry = placed[id(p)] = {
+                "key": p.key,
+                "start": p.start,
+                "stop": p.stop,
+                "shape": list(a.shape),
+                "dtype": a.dtype.name,
+                "offset": offset,
+                "nbytes": a.nbytes,
+                "checksum": p.digest or checksum(a),
+            }
             data.append(a.data)
             offset += a.nbytes
         header.append(entry)
@@ -199,7 +218,7 @@ def decode_frame(body: bytes | bytearray | memoryview) -> list[FramePart]:
     (n,) = struct.unpack_from("<Q", buf, 0)
     if n > min(_MAX_HEADER, len(buf) - 8):
         raise MalformedPayloadError(f"routing frame header length {n} exceeds the {len(buf) - 8} bytes after it")
-    raw = bytes(buf[8:8 + n])
+    raw = bytes(buf[8 : 8 + n])
     if (depth := _json_depth(raw)) > _MAX_DEPTH:
         raise MalformedPayloadError(f"routing frame header nests {depth} deep, more than {_MAX_DEPTH}")
     try:
@@ -208,7 +227,7 @@ def decode_frame(body: bytes | bytearray | memoryview) -> list[FramePart]:
         raise MalformedPayloadError(f"routing frame header is not JSON: {e}") from None
     if not isinstance(head, dict) or head.get("schema") != ROWS_SCHEMA or not isinstance(head.get("parts"), list):
         raise MalformedPayloadError(f"routing frame header: expected schema {ROWS_SCHEMA!r} with a parts list")
-    data = buf[8 + n:]
+    data = buf[8 + n :]
     out = []
     for i, p in enumerate(head["parts"]):
         where = f"routing frame part {i}"
@@ -219,22 +238,29 @@ def decode_frame(body: bytes | bytearray | memoryview) -> list[FramePart]:
         offset, nbytes = _field(p, "offset", int, where), _field(p, "nbytes", int, where)
         dtype, digest = _field(p, "dtype", str, where), _field(p, "checksum", str, where)
         shape = p.get("shape")
-        if (not isinstance(shape, list) or len(shape) != 3
-                or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape)
-                or not (shape[0] >= 0 and 1 <= shape[1] <= _MAX_AXIS and 1 <= shape[2] <= _MAX_AXIS)):
-            raise MalformedPayloadError(f"{where}: shape must be [rows >= 0, layers, topk] with layers and topk in "
-                                        f"[1, {_MAX_AXIS}], got {str(shape)[:200]}")
+        if (
+            not isinstance(shape, list)
+            or len(shape) != 3
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape)
+            or not (shape[0] >= 0 and 1 <= shape[1] <= _MAX_AXIS and 1 <= shape[2] <= _MAX_AXIS)
+        ):
+            raise MalformedPayloadError(
+                f"{where}: shape must be [rows >= 0, layers, topk] with layers and topk in "
+                f"[1, {_MAX_AXIS}], got {str(shape)[:200]}"
+            )
         if dtype not in _DTYPES:
             raise MalformedPayloadError(f"{where}: dtype {dtype!r}, expected one of {list(_DTYPES)}")
         if stop < start or shape[0] != stop - start:
             raise MalformedPayloadError(f"{where}: rows [{start}, {stop}) but shape {shape}")
         if offset + nbytes > len(data):  # the body bounds every dimension: rows x layers x topk fit in it
-            raise MalformedPayloadError(f"{where}: {nbytes} bytes at offset {offset} do not fit in {len(data)} "
-                                        "bytes of data")
+            raise MalformedPayloadError(
+                f"{where}: {nbytes} bytes at offset {offset} do not fit in {len(data)} bytes of data"
+            )
         checked_count(shape, np.dtype(dtype).itemsize, nbytes, where)
-        rows = np.frombuffer(data[offset:offset + nbytes], dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+        rows = np.frombuffer(data[offset : offset + nbytes], dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
         if checksum(rows) != digest:
-            raise RoutingChecksumError(f"{where} (key {key!r}, rows [{start}, {stop})): checksum mismatch: the "
-                                       "bytes changed on the way")
+            raise RoutingChecksumError(
+                f"{where} (key {key!r}, rows [{start}, {stop})): checksum mismatch: the bytes changed on the way"
+            )
         out.append(FramePart(key, start, stop, rows, digest))
     return out

@@ -30,24 +30,85 @@ class Setting:
     default: str = "unset"
 
 
-SETTINGS: dict[str, Setting] = {s.name: s for s in (
-    Setting("RR_ENABLE", "flag", "switches the rr vLLM plugin on (set by `rr-server launch vllm`)", "off"),
-    Setting("RR_ALLOW_UNSUPPORTED_VERSION", "flag", "the one override of the version gates (`rr_client.core.versions.check_version`) of the vLLM plugin and launcher and of rr's TRL, verl and Megatron-core integrations: an untested vLLM, TRL, verl or megatron-core release is tried instead of refused (SGLang's patch refuses untested releases: use the sidecar)", "off"),
-    Setting("RR_AUDIT_EVERY", "int", "verl: steps between audited replay steps (the first step always; 0 = never)", "10"),
-    Setting("RR_ALLOW_UNTESTED_MODEL", "flag", "verl: replay a MoE family whose router formula is in rr but untested", "off"),
-    Setting("RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched vLLM: every /generate answer carries routing", "off"),
-    Setting("RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched SGLang: every answer carries routing", "off"),
-    Setting("RR_ROUTED_EXPERTS_FORMAT", "text", "server default `routed_experts_format`: `npy`, `sglang` or `ref`", "npy"),
-    Setting("RR_ROUTING_STORE", "text", "rr servers: where rows for refs are held: `memory` (in the server) or `ray` (Ray's object store, one store actor per engine process; `rr-replay[ray]`)", "memory"),
-    Setting("RR_ROUTING_STORE_BYTES", "int", "rr servers: byte cap of the routing store that holds rows for refs (oldest evicted first; per API server process)", "2147483648 (2 GiB)"),
-    Setting("RR_ADVERTISE_URL", "text", "rr servers: the URL a routing ref names for reading its rows", "the server's own host and port"),
-    Setting("RR_RAY_ADDRESS", "text", "the Ray cluster the Ray routing store and `ray://` ref readers join", "auto"),
-    Setting("RR_ENCODE_THREAD_MIN_ELEMS", "int", "patched vLLM: encode routing off the event loop above this many elements", "1048576"),
-    Setting("RR_API_KEY", "text", "client, doctor and weight sync: the key sent as `Authorization: Bearer`; sidecar: a key it requires (with `--api-key`)"),
-    Setting("RR_UPSTREAM_API_KEY", "text", "sidecar: the key sent to the engine (its `--api-key`)"),
-    Setting("RR_TRUSTED_HOSTS", "text", "client: comma-separated `host` or `host:port` a routing ref may name and that get its key (besides its replicas; `trusted_hosts=`)"),
-    Setting("RR_KEYLESS_HOSTS", "text", "client: comma-separated `host` or `host:port` a routing ref may name, read without the key (`keyless_hosts=`)"),
-)}
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting("RR_ENABLE", "flag", "switches the rr vLLM plugin on (set by `rr-server launch vllm`)", "off"),
+        Setting(
+            "RR_ALLOW_UNSUPPORTED_VERSION",
+            "flag",
+            "the one override of the version gates (`rr_client.core.versions.check_version`) of the vLLM plugin and launcher and of rr's TRL, verl and Megatron-core integrations: an untested vLLM, TRL, verl or megatron-core release is tried instead of refused (SGLang's patch refuses untested releases: use the sidecar)",
+            "off",
+        ),
+        Setting(
+            "RR_AUDIT_EVERY", "int", "verl: steps between audited replay steps (the first step always; 0 = never)", "10"
+        ),
+        Setting(
+            "RR_ALLOW_UNTESTED_MODEL",
+            "flag",
+            "verl: replay a MoE family whose router formula is in rr but untested",
+            "off",
+        ),
+        Setting(
+            "RR_VLLM_ALWAYS_RETURN_ROUTED_EXPERTS",
+            "flag",
+            "patched vLLM: every /generate answer carries routing",
+            "off",
+        ),
+        Setting(
+            "RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched SGLang: every answer carries routing", "off"
+        ),
+        Setting(
+            "RR_ROUTED_EXPERTS_FORMAT",
+            "text",
+            "server default `routed_experts_format`: `npy`, `sglang` or `ref`",
+            "npy",
+        ),
+        Setting(
+            "RR_ROUTING_STORE",
+            "text",
+            "rr servers: where rows for refs are held: `memory` (in the server) or `ray` (Ray's object store, one store actor per engine process; `rr-replay[ray]`)",
+            "memory",
+        ),
+        Setting(
+            "RR_ROUTING_STORE_BYTES",
+            "int",
+            "rr servers: byte cap of the routing store that holds rows for refs (oldest evicted first; per API server process)",
+            "2147483648 (2 GiB)",
+        ),
+        Setting(
+            "RR_ADVERTISE_URL",
+            "text",
+            "rr servers: the URL a routing ref names for reading its rows",
+            "the server's own host and port",
+        ),
+        Setting(
+            "RR_RAY_ADDRESS", "text", "the Ray cluster the Ray routing store and `ray://` ref readers join", "auto"
+        ),
+        Setting(
+            "RR_ENCODE_THREAD_MIN_ELEMS",
+            "int",
+            "patched vLLM: encode routing off the event loop above this many elements",
+            "1048576",
+        ),
+        Setting(
+            "RR_API_KEY",
+            "text",
+            "client, doctor and weight sync: the key sent as `Authorization: Bearer`; sidecar: a key it requires (with `--api-key`)",
+        ),
+        Setting("RR_UPSTREAM_API_KEY", "text", "sidecar: the key sent to the engine (its `--api-key`)"),
+        Setting(
+            "RR_TRUSTED_HOSTS",
+            "text",
+            "client: comma-separated `host` or `host:port` a routing ref may name and that get its key (besides its replicas; `trusted_hosts=`)",
+        ),
+        Setting(
+            "RR_KEYLESS_HOSTS",
+            "text",
+            "client: comma-separated `host` or `host:port` a routing ref may name, read without the key (`keyless_hosts=`)",
+        ),
+    )
+}
 
 
 def _raw(name: str, env: Mapping[str, str] | None) -> str:

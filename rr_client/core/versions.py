@@ -64,8 +64,15 @@ def installed_version(distributions: Sequence[str], module: str | None = None) -
     return str(version) if version else None
 
 
-def check_version(package: str, tested: Tested, version: str | None = None, *, why: str = "",
-                  allow_unsupported: bool | None = None, distributions: Sequence[str] | None = None) -> str:
+def check_version(
+    package: str,
+    tested: Tested,
+    version: str | None = None,
+    *,
+    why: str = "",
+    allow_unsupported: bool | None = None,
+    distributions: Sequence[str] | None = None,
+) -> str:
     """Return ``version`` (default: the installed ``package``'s) when ``tested`` covers it, else raise
     :class:`UnsupportedVersionError`. ``why`` says what rr relies on that moves between releases;
     ``allow_unsupported`` (default: the ``RR_ALLOW_UNSUPPORTED_VERSION`` flag) lets it through."""
@@ -77,6 +84,10 @@ def check_version(package: str, tested: Tested, version: str | None = None, *, w
         return found
     what = f"{package} {found}" if found is not None else f"no installed {package}"
     raise UnsupportedVersionError(
-        f"rr was tested with {package} {tested}; found {what}." + (f" {why}." if why else "")
+        f"rr was tested with {package} {tested}; found {what}."
+        + (f" {why}." if why else "")
         + f" Pin a tested {package}, or set {OVERRIDE}=1 to run at your own risk.",
-        package=package, version=found or "", tested=str(tested))
+        package=package,
+        version=found or "",
+        tested=str(tested),
+    )

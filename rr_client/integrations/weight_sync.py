@@ -55,16 +55,16 @@ class WeightEngine:
     def __post_init__(self) -> None:
         _check_url(self.url, "WeightEngine")
         if self.kind not in ENGINES:
-            raise ConfigurationError(f"WeightEngine({self.url!r}, {self.kind!r}): kind must be one of "
-                                     f"{', '.join(map(repr, ENGINE_NAMES))}")
+            raise ConfigurationError(
+                f"WeightEngine({self.url!r}, {self.kind!r}): kind must be one of {', '.join(map(repr, ENGINE_NAMES))}"
+            )
 
 
 EngineSpec = str | WeightEngine
 """A plain URL (its kind comes from ``/rr/info``) or a :class:`WeightEngine`."""
 
 
-def _engine_list(engines: EngineSpec | Sequence[EngineSpec] | Mapping[str, str]
-                 ) -> list[tuple[str, str | None]]:
+def _engine_list(engines: EngineSpec | Sequence[EngineSpec] | Mapping[str, str]) -> list[tuple[str, str | None]]:
     """``(url, kind or None)`` per engine, in order, duplicates dropped; ConfigurationError on a bad entry."""
     if isinstance(engines, (str, WeightEngine)):
         items: list[Any] = [engines]
@@ -73,8 +73,9 @@ def _engine_list(engines: EngineSpec | Sequence[EngineSpec] | Mapping[str, str]
     elif isinstance(engines, Sequence):
         items = list(engines)
     else:
-        raise ConfigurationError(f"DiskWeightSync: engines must be a URL, a WeightEngine or a sequence of them, "
-                                 f"got {type(engines).__name__}")
+        raise ConfigurationError(
+            f"DiskWeightSync: engines must be a URL, a WeightEngine or a sequence of them, got {type(engines).__name__}"
+        )
     if not items:
         raise ConfigurationError("DiskWeightSync needs at least one engine (a URL or a WeightEngine)")
     out: dict[str, str | None] = {}
@@ -101,8 +102,14 @@ class DiskWeightSync:
     reads it) and removes the previous one after every engine has reloaded.
     """
 
-    def __init__(self, engines: EngineSpec | Sequence[EngineSpec] | Mapping[str, str], directory: str | Path, *,
-                 api_key: str | None = None, timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        engines: EngineSpec | Sequence[EngineSpec] | Mapping[str, str],
+        directory: str | Path,
+        *,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+    ) -> None:
         pairs = _engine_list(engines)
         self.urls: list[str] = [u for u, _ in pairs]
         self._engines: dict[str, str] = {u: k for u, k in pairs if k is not None}
@@ -113,8 +120,10 @@ class DiskWeightSync:
         else:
             key = settings.text(_KEY_ENV)
             self._key_source = _KEY_ENV if key else None
-        self._http = httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-                                  headers={"authorization": f"Bearer {key}"} if key else None)
+        self._http = httpx.Client(
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            headers={"authorization": f"Bearer {key}"} if key else None,
+        )
         self._current: Path | None = None
 
     def close(self) -> None:
@@ -142,10 +151,12 @@ class DiskWeightSync:
                 upstream = body.get("upstream") or "the engine's URL"
                 raise WeightSyncError(
                     f"{url} is rr's sidecar in front of {upstream}: it forwards generation only, weights are "
-                    f"reloaded on the engine itself; pass WeightEngine({upstream!r}, {name!r}) for each engine")
+                    f"reloaded on the engine itself; pass WeightEngine({upstream!r}, {name!r}) for each engine"
+                )
             if name not in ENGINES:
-                raise WeightSyncError(f"{url}/rr/info names engine {name!r}; rr can reload weights on "
-                                      f"{sorted(ENGINES)} only")
+                raise WeightSyncError(
+                    f"{url}/rr/info names engine {name!r}; rr can reload weights on {sorted(ENGINES)} only"
+                )
             self._engines[url] = name
         return self._engines[url]
 
@@ -191,8 +202,10 @@ class DiskWeightSync:
         code = resp.status_code
         if code in (401, 403):  # the body is left out: it could echo what was sent
             if self._key_source is None:
-                why = (f"no API key was sent (api_key=None and {_KEY_ENV} unset): pass DiskWeightSync(..., "
-                       f"api_key=...) or set {_KEY_ENV}")
+                why = (
+                    f"no API key was sent (api_key=None and {_KEY_ENV} unset): pass DiskWeightSync(..., "
+                    f"api_key=...) or set {_KEY_ENV}"
+                )
             else:
                 why = f"the API key from {self._key_source} was refused: it is not one of this server's keys"
             raise WeightSyncError(f"{url}{route} answered {code} ({what}): {why}")
@@ -200,11 +213,14 @@ class DiskWeightSync:
             raise WeightSyncError(
                 f"{url}/rr/info is 404 ({what}): {url} is not an rr server (an engine without rr's plugin, or a "
                 f"router/sidecar), so its engine is unknown; pass WeightEngine({url!r}, 'vllm') or "
-                f"WeightEngine({url!r}, 'sglang') for each engine")
+                f"WeightEngine({url!r}, 'sglang') for each engine"
+            )
         if code == 404 and route in _DEV_MODE_ROUTES:
-            raise WeightSyncError(f"{url}{route} is 404 ({what}): vLLM serves it only with VLLM_SERVER_DEV_MODE=1 "
-                                  "in the server's environment, and only on the engine itself (not a router or "
-                                  "rr's sidecar)")
+            raise WeightSyncError(
+                f"{url}{route} is 404 ({what}): vLLM serves it only with VLLM_SERVER_DEV_MODE=1 "
+                "in the server's environment, and only on the engine itself (not a router or "
+                "rr's sidecar)"
+            )
         if code >= 400:
             raise WeightSyncError(f"{url}{route} answered {code} ({what}): {resp.text[:500]}")
         if not resp.content:

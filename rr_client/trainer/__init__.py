@@ -25,8 +25,19 @@ if TYPE_CHECKING:
     from rr_client.trainer.rows import ReplayRows
     from rr_client.trainer.session import ReplaySession
 
-__all__ = ["ReplaySession", "to_tensors", "to_packed", "RoutingTensors", "PackedRouting", "tensor_dtype",
-           "ReplayRows", "replay_routing", "record_routing", "r3_metrics", "keys"]
+__all__ = [
+    "ReplaySession",
+    "to_tensors",
+    "to_packed",
+    "RoutingTensors",
+    "PackedRouting",
+    "tensor_dtype",
+    "ReplayRows",
+    "replay_routing",
+    "record_routing",
+    "r3_metrics",
+    "keys",
+]
 
 _LAZY = {
     "ReplaySession": "rr_client.trainer.session",

@@ -20,8 +20,15 @@ __all__ = ["MODES", "importance_sampling_ratio"]
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def importance_sampling_ratio(old_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor, *,
-                              mode: str, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+def importance_sampling_ratio(
+    old_logps: torch.Tensor,
+    engine_logps: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> torch.Tensor:
     """``[B, T]`` (token modes) or ``[B, 1]`` (sequence modes) ratios the loss multiplies per token."""
     if mode not in MODES:
         raise ConfigurationError(f"vllm_importance_sampling_mode={mode!r}; TRL accepts {', '.join(MODES)}")

@@ -53,8 +53,14 @@ class _Layout:
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Self:
         """The same batch with every tensor on ``device``, moved once per batch (replay then moves nothing)."""
         obj: Any = self
-        return replace(obj, **{f.name: getattr(obj, f.name).to(device, non_blocking=non_blocking)
-                               for f in fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor)})
+        return replace(
+            obj,
+            **{
+                f.name: getattr(obj, f.name).to(device, non_blocking=non_blocking)
+                for f in fields(obj)
+                if isinstance(getattr(obj, f.name), torch.Tensor)
+            },
+        )
 
     def as_dict(self) -> dict[str, object]:
         """Plain dict, e.g. to merge into a trainer's batch."""
@@ -202,12 +208,13 @@ def _logprobs_of(results: Sequence[Sample], seqs: list[tuple[list[int], list[int
         return False, None
     if not all(have):
         missing = [r.index for r, h in zip(results, have) if not h][:8]
-        raise ConfigurationError(f"samples {missing} carry no log-probs while others do: generate all of them "
-                                 "with return_logprob=True (or none)")
+        raise ConfigurationError(
+            f"samples {missing} carry no log-probs while others do: generate all of them "
+            "with return_logprob=True (or none)"
+        )
     for r, (_, o) in zip(results, seqs):
-        if np.shape(getattr(r, "logprobs")) != (len(o),):
-            raise ShapeMismatchError(f"sample {r.index}: {np.shape(getattr(r, 'logprobs'))} log-probs for "
-                                     f"{len(o)} output tokens")
+        if np.shape(r.logprobs) != (len(o),):
+            raise ShapeMismatchError(f"sample {r.index}: {np.shape(r.logprobs)} log-probs for {len(o)} output tokens")
     modes = {getattr(r, "logprobs_mode", None) for r in results}
     if len(modes) > 1:
         raise ConfigurationError(f"samples carry log-probs of different modes {sorted(map(str, modes))}")
@@ -266,7 +273,9 @@ def to_tensors(
         if prompt_length is None or response_length is None:
             raise ConfigurationError("pad_side='split' needs prompt_length and response_length")
         if pad_to is not None:
-            raise ConfigurationError("pad_to does not apply to pad_side='split' (the width is prompt_length + response_length)")
+            raise ConfigurationError(
+                "pad_to does not apply to pad_side='split' (the width is prompt_length + response_length)"
+            )
     elif prompt_length is not None or response_length is not None:
         raise ConfigurationError("prompt_length / response_length apply only to pad_side='split'")
     seqs = _sequences(results)
@@ -275,10 +284,13 @@ def to_tensors(
         assert prompt_length is not None and response_length is not None
         for r, (p, o) in zip(results, seqs):
             if len(p) > prompt_length:
-                raise ShapeMismatchError(f"sample {r.index}: prompt has {len(p)} tokens > prompt_length={prompt_length}")
+                raise ShapeMismatchError(
+                    f"sample {r.index}: prompt has {len(p)} tokens > prompt_length={prompt_length}"
+                )
             if len(o) > response_length:
                 raise ShapeMismatchError(
-                    f"sample {r.index}: response has {len(o)} tokens > response_length={response_length}")
+                    f"sample {r.index}: response has {len(o)} tokens > response_length={response_length}"
+                )
         width = prompt_length + response_length
     else:
         width = max(lengths, default=0)
@@ -307,16 +319,17 @@ def to_tensors(
         # pos[j]: column of token j of the sample
         if split:
             assert prompt_length is not None
-            pos = np.concatenate([np.arange(prompt_length - len(p), prompt_length),
-                                  np.arange(prompt_length, prompt_length + len(o))])
+            pos = np.concatenate(
+                [np.arange(prompt_length - len(p), prompt_length), np.arange(prompt_length, prompt_length + len(o))]
+            )
         else:
             off = width - n if pad_side == "left" else 0
             pos = np.arange(off, off + n)
         ids[i, pos] = p + o
         attn[i, pos] = 1
-        resp[i, pos[len(p):]] = _response_values(r, len(o))
+        resp[i, pos[len(p) :]] = _response_values(r, len(o))
         if lps is not None:
-            lps[i, pos[len(p):]] = getattr(r, "logprobs")
+            lps[i, pos[len(p) :]] = r.logprobs
         if pos_ids is not None:
             pos_ids[i, pos] = np.arange(n)
         arr = _sample_rows(r, n, layer_index)
@@ -399,7 +412,7 @@ def to_packed(
         pos_ids[s : s + n] = np.arange(n)
         resp[s + len(p) : s + n] = _response_values(r, len(o))
         if lps is not None:
-            lps[s + len(p) : s + n] = getattr(r, "logprobs")
+            lps[s + len(p) : s + n] = r.logprobs
         arr = _sample_rows(r, n, layer_index)
         r0 = int(rcu[i]) + r.routed_experts_start
         rmask[r0 : r0 + arr.shape[0]] = True

@@ -62,13 +62,20 @@ def gap_stats(logp_train: Any, logp_rollout: Any, mask: Any = None) -> torch.Ten
         raise ConfigurationError(f"mask {tuple(m.shape)} does not match the log-probs {tuple(lt.shape)}")
     d = torch.where(m, lt - lr, 0.0)
     ad = d.abs()
-    return torch.stack([m.sum(), ad.sum(), (d * d).sum(), (torch.expm1(d) - d).sum(),
-                        ((ad > math.log(2)) & m).sum(), ((ad > math.log(5)) & m).sum(),
-                        (torch.isfinite(d).logical_not() & m).sum()]).double()
+    return torch.stack(
+        [
+            m.sum(),
+            ad.sum(),
+            (d * d).sum(),
+            (torch.expm1(d) - d).sum(),
+            ((ad > math.log(2)) & m).sum(),
+            ((ad > math.log(5)) & m).sum(),
+            (torch.isfinite(d).logical_not() & m).sum(),
+        ]
+    ).double()
 
 
-def segment_gap_stats(logp_train: Any, logp_rollout: Any, mask: Any, codes: torch.Tensor, n_codes: int
-                      ) -> torch.Tensor:
+def segment_gap_stats(logp_train: Any, logp_rollout: Any, mask: Any, codes: torch.Tensor, n_codes: int) -> torch.Tensor:
     """:func:`gap_stats` per segment code: ``[n_codes, 7]`` float64 on ``logp_train``'s device, no host read;
     ``codes`` (same shape, -1: no segment) says which segment each position's log-prob belongs to."""
     lt = _t(logp_train).double()
@@ -76,12 +83,24 @@ def segment_gap_stats(logp_train: Any, logp_rollout: Any, mask: Any, codes: torc
     m = torch.ones_like(lt, dtype=torch.bool) if mask is None else _t(mask).to(device=lt.device, dtype=torch.bool)
     c = codes.to(device=lt.device, dtype=torch.long)
     if not (lt.shape == lr.shape == m.shape == c.shape):
-        raise ConfigurationError(f"log-probs {tuple(lt.shape)}, {tuple(lr.shape)}, mask {tuple(m.shape)} and segment "
-                                 f"codes {tuple(c.shape)} differ in shape")
+        raise ConfigurationError(
+            f"log-probs {tuple(lt.shape)}, {tuple(lr.shape)}, mask {tuple(m.shape)} and segment "
+            f"codes {tuple(c.shape)} differ in shape"
+        )
     d = torch.where(m, lt - lr, 0.0)
     ad = d.abs()
-    cols = torch.stack([m.double(), ad, d * d, torch.expm1(d) - d, ((ad > math.log(2)) & m).double(),
-                        ((ad > math.log(5)) & m).double(), (torch.isfinite(d).logical_not() & m).double()], dim=-1)
+    cols = torch.stack(
+        [
+            m.double(),
+            ad,
+            d * d,
+            torch.expm1(d) - d,
+            ((ad > math.log(2)) & m).double(),
+            ((ad > math.log(5)) & m).double(),
+            (torch.isfinite(d).logical_not() & m).double(),
+        ],
+        dim=-1,
+    )
     seg = torch.where(m & (c >= 0), c, n_codes).reshape(-1)
     out = torch.zeros((n_codes + 1, 7), dtype=torch.float64, device=lt.device)
     return out.index_add_(0, seg, cols.reshape(-1, 7)).narrow(0, 0, n_codes)

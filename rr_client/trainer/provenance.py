@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rr_client.core.errors import ConfigurationError, ShapeMismatchError
+from rr_client.core.errors import ConfigurationError, ShapeMismatchError, StaleRoutingError
 from rr_client.core.provenance import (
     PROVENANCE_FIELD,
     Provenance,
@@ -42,6 +42,7 @@ __all__ = [
     "merge_checks",
     "rows_provenance",
     "samples_of",
+    "police_rows",
 ]
 
 CACHED, COMPUTED, GENERATED = range(3)  # positions of keys.SEGMENTS
@@ -222,6 +223,88 @@ def drop_samples(mask: torch.Tensor, replay: Sequence[bool], cu_seqlens: Any = N
             raise ConfigurationError("drop_samples on a packed mask needs its cu_seqlens")
         tok = _token_keep(keep, (int(mask.numel()),), cu_seqlens).reshape(mask.shape)
     return mask * tok.to(mask.device, mask.dtype) if mask.dtype != torch.bool else mask & tok.to(mask.device)
+
+
+def _packed_tensor(routing: Any) -> bool:
+    """A raw packed ``[N, L, K]`` tensor (its samples are not known to the rows)."""
+    return isinstance(routing, torch.Tensor) and routing.dim() == 3
+
+
+def _stale_flags(routing: Any, check: ProvenanceCheck, policy: StalePolicy) -> ProvenanceCheck:
+    """Samples a :class:`rr_client.trainer.rows.ReplayRows` flags ``stale`` under the policy too."""
+    stale = getattr(routing, "stale", None)
+    if stale is None or policy == "off":
+        return check
+    flags = [bool(x) for x in torch.as_tensor(stale).reshape(-1).tolist()]
+    if len(flags) != len(check.replay):
+        raise ShapeMismatchError(f"ReplayRows.stale has {len(flags)} flags for {len(check.replay)} samples")
+    bad = [i for i, f in enumerate(flags) if f and check.replay[i]]
+    if bad and policy == "refuse":
+        raise StaleRoutingError(
+            f"batch sample {bad[0]}: its rows are flagged stale (ReplayRows.stale); pass "
+            "stale_rows='mask' to keep such samples without replay"
+        )
+    replay = tuple(r and not f for r, f in zip(check.replay, flags))
+    return ProvenanceCheck(replay, check.masked + len(bad), check.spans_update, check.unknown, check.cached_tokens)
+
+
+def _mask_policed(
+    routing: Any, mask: Any, replay: Sequence[bool], every_token: bool, layers: Sequence[int] | None, tokens: Any
+) -> tuple[Any, Any]:
+    """The rows with the masked samples' rows off: left to the router (Hugging Face hooks), or, where every
+    token is replayed (Megatron), :class:`rr_client.trainer.rows.ReplayRows` whose masked tokens need no row
+    (the feeder gives them pad rows)."""
+    if every_token:
+        from rr_client.trainer.rows import ReplayRows
+
+        rows = (
+            ReplayRows.of(routing, mask=mask, layers=layers, attention_mask=tokens)
+            if not isinstance(routing, ReplayRows)
+            else routing
+        )
+        return mask_samples(rows, replay), None
+    if hasattr(routing, "routed_experts_mask") or hasattr(routing, "have"):
+        if mask is not None and hasattr(routing, "routed_experts_mask"):
+            routing, mask = replace(routing, routed_experts_mask=torch.as_tensor(mask).bool()), None
+        return mask_samples(routing, replay), mask
+    return routing, mask_rows(routing, mask, replay)
+
+
+def police_rows(
+    routing: Any,
+    policy: StalePolicy,
+    *,
+    mask: Any = None,
+    samples: Sequence[Any] | None = None,
+    every_token: bool = False,
+    layers: Sequence[int] | None = None,
+    tokens: Any = None,
+) -> tuple[Any, Any, ProvenanceCheck]:
+    """The stale-rows ``policy`` where rows enter (a :class:`rr_client.trainer.ReplaySession`, a
+    :class:`rr_client.integrations.megatron.MegatronReplay`): ``(rows, mask, check)``. The samples' provenance
+    comes from ``samples``, else the rows' own (``to_tensors`` / ``to_packed``; a ``ReplayRows``' ``stale`` flags
+    too), else is counted unknown (one per sample). ``"refuse"`` raises :class:`rr_client.StaleRoutingError`;
+    ``"mask"`` masks the samples off (``every_token``: the backend replays every token, so they become
+    :class:`rr_client.trainer.rows.ReplayRows` tokens without a row, given pad rows, with ``mask`` / ``layers`` /
+    ``tokens`` folded in and returned as None)."""
+    n = samples_of(routing)
+    if samples is not None:
+        check = check_samples(samples, policy)
+        what = "samples="
+    else:
+        provs = rows_provenance(routing)
+        check = check_provenances(provs, policy) if provs is not None else ProvenanceCheck((True,) * n, 0, 0, n, 0)
+        what = "the rows' provenance"
+    if len(check.replay) != n and not (samples is not None and n == 1 and _packed_tensor(routing)):
+        raise ShapeMismatchError(
+            f"{what} names {len(check.replay)} samples, the rows hold {n}: a batch cut "
+            "into micro-batches must cut its provenance with it (or pass samples=)"
+        )
+    check = _stale_flags(routing, check, policy)
+    if all(check.replay):
+        return routing, mask, check
+    rows, mask = _mask_policed(routing, mask, check.replay, every_token, layers, tokens)
+    return rows, mask, check
 
 
 def provenance_metrics(check: ProvenanceCheck) -> dict[str, float]:

@@ -15,8 +15,9 @@ import numpy as np
 __all__ = ["router_forward", "router_topk"]
 
 
-def router_forward(model: Any, token_ids: Sequence[int], moe_layers: Sequence[int], *, device: str = "cpu"
-                   ) -> tuple[Any, dict[int, Any]]:
+def router_forward(
+    model: Any, token_ids: Sequence[int], moe_layers: Sequence[int], *, device: str = "cpu"
+) -> tuple[Any, dict[int, Any]]:
     """One transformers forward of ``token_ids``: the model output and each MoE layer's router logits.
 
     The logits are float32 torch tensors ``[tokens, experts]``, one per entry of ``moe_layers`` (the layers the
@@ -31,8 +32,10 @@ def router_forward(model: Any, token_ids: Sequence[int], moe_layers: Sequence[in
     if logits is None or len(logits) != len(moe_layers):
         got = None if logits is None else len(logits)
         raise RuntimeError(f"the model returned {got} router_logits tensors for MoE layers {list(moe_layers)}")
-    return out, {layer: lg.reshape(-1, lg.shape[-1])[: len(token_ids)].float()
-                 for layer, lg in zip(moe_layers, logits, strict=True)}
+    return out, {
+        layer: lg.reshape(-1, lg.shape[-1])[: len(token_ids)].float()
+        for layer, lg in zip(moe_layers, logits, strict=True)
+    }
 
 
 def router_topk(logits: dict[int, Any], num_layers: int, k: int) -> np.ndarray:

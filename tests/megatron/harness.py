@@ -144,8 +144,11 @@ def seed_rng_tracker(seed: int = 1234) -> None:
 
     tracker = mrandom.get_cuda_rng_tracker()
     tracker.reset()
-    names = (mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME,
-             mrandom._DATA_PARALLEL_RNG_TRACKER_NAME)
+    names = (
+        mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME,
+        mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME,
+        mrandom._DATA_PARALLEL_RNG_TRACKER_NAME,
+    )
     for offset, name in enumerate(names):
         tracker.states_[name] = torch.Generator().manual_seed(seed + 2718 * (offset + 1)).get_state()
         tracker.seeds_.add(seed + 2718 * (offset + 1))
@@ -160,8 +163,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_parallel(*, rank: int = 0, world_size: int = 1, port: int | None = None, tp: int = 1, pp: int = 1,
-                  cp: int = 1, vpp: int | None = None) -> None:
+def init_parallel(
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    port: int | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    vpp: int | None = None,
+) -> None:
     """Start gloo on loopback and Megatron's ``parallel_state`` (TP / PP / CP sizes); patches the CPU first."""
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -169,13 +180,22 @@ def init_parallel(*, rank: int = 0, world_size: int = 1, port: int | None = None
     patch_cpu()
     if not dist.is_initialized():
         port = port or free_port()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=timedelta(minutes=TIMEOUT_MINUTES))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(minutes=TIMEOUT_MINUTES),
+        )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
-                                             distributed_timeout_minutes=TIMEOUT_MINUTES)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        distributed_timeout_minutes=TIMEOUT_MINUTES,
+    )
     seed_rng_tracker()
 
 
@@ -207,22 +227,44 @@ def transformer_config(spec: ModelSpec) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs: dict[str, Any] = dict(
-        num_layers=len(spec.moe_pattern), hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=2 * HIDDEN,
-        moe_ffn_hidden_size=HIDDEN, num_moe_experts=spec.num_experts, moe_router_topk=spec.topk,
-        moe_layer_freq=list(spec.moe_pattern), moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_enable_routing_replay=True,
+        num_layers=len(spec.moe_pattern),
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=2 * HIDDEN,
+        moe_ffn_hidden_size=HIDDEN,
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.topk,
+        moe_layer_freq=list(spec.moe_pattern),
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_enable_routing_replay=True,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        sequence_parallel=spec.sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.float32, use_cpu_initialization=True, bf16=False, fp16=False,
-        add_bias_linear=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        sequence_parallel=spec.sequence_parallel,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        bf16=False,
+        fp16=False,
+        add_bias_linear=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
     )
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         # plain send / recv (gloo has no batched P2P); fixed shapes, so none are exchanged
-        kwargs.update(pipeline_dtype=torch.float32, batch_p2p_comm=False, variable_seq_lengths=False,
-                      virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size())
+        kwargs.update(
+            pipeline_dtype=torch.float32,
+            batch_p2p_comm=False,
+            variable_seq_lengths=False,
+            virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        )
     if spec.mtp_layers:
         kwargs.update(mtp_num_layers=spec.mtp_layers, mtp_loss_scaling_factor=0.1)
     if spec.recompute:
@@ -239,13 +281,24 @@ def build_gpt(spec: ModelSpec = ModelSpec(), *, vp_stage: int | None = None) -> 
 
     config = transformer_config(spec)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
-    mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False, vp_stage=vp_stage) \
-        if spec.mtp_layers else None
+    mtp = (
+        get_gpt_mtp_block_spec(config, block, use_transformer_engine=False, vp_stage=vp_stage)
+        if spec.mtp_layers
+        else None
+    )
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=VOCAB, max_sequence_length=MAX_SEQ,
-                     pre_process=pre, post_process=post, mtp_block_spec=mtp, vp_stage=vp_stage,
-                     position_embedding_type="learned_absolute")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block,
+        vocab_size=VOCAB,
+        max_sequence_length=MAX_SEQ,
+        pre_process=pre,
+        post_process=post,
+        mtp_block_spec=mtp,
+        vp_stage=vp_stage,
+        position_embedding_type="learned_absolute",
+    )
     return model.train()
 
 
@@ -289,8 +342,9 @@ class RouterChoices:
     def _hook(self, router: Any, args: Any, output: Any) -> None:
         """Keep the router's ``routing_map`` (which experts each token goes to, after any token dropping)."""
         _probs, routing_map = output
-        self.calls[router].append(RouterCall(routing_map.detach().to("cpu", torch.bool).clone(),
-                                             torch.is_grad_enabled()))
+        self.calls[router].append(
+            RouterCall(routing_map.detach().to("cpu", torch.bool).clone(), torch.is_grad_enabled())
+        )
 
     def layer_numbers(self) -> dict[Any, int]:
         """Each hooked router's ``layer_number`` (global 1-based decoder layer; MTP restarts)."""
@@ -315,14 +369,17 @@ def rows_to_map(rows: torch.Tensor, num_experts: int) -> torch.Tensor:
 def assert_chose(call: RouterCall, rows: torch.Tensor, what: str = "router") -> None:
     """Fail naming the first token whose chosen experts differ from ``rows`` (``[tokens, topk]``)."""
     want = rows_to_map(rows, call.routing_map.shape[1])
-    assert call.routing_map.shape == want.shape, f"{what}: {call.routing_map.shape[0]} tokens routed, " \
-        f"{want.shape[0]} rows"
+    assert call.routing_map.shape == want.shape, (
+        f"{what}: {call.routing_map.shape[0]} tokens routed, {want.shape[0]} rows"
+    )
     bad = (call.routing_map != want).any(dim=1).nonzero().flatten()
     if bad.numel():
         t = int(bad[0])
-        raise AssertionError(f"{what}: {bad.numel()} of {want.shape[0]} tokens differ; token {t} chose "
-                             f"{call.routing_map[t].nonzero().flatten().tolist()}, rows say "
-                             f"{sorted(rows[t].tolist())}")
+        raise AssertionError(
+            f"{what}: {bad.numel()} of {want.shape[0]} tokens differ; token {t} chose "
+            f"{call.routing_map[t].nonzero().flatten().tolist()}, rows say "
+            f"{sorted(rows[t].tolist())}"
+        )
 
 
 def sequence_first(per_sample: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pickle
 import tempfile
-from datetime import timedelta
 import traceback
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,13 @@ def _rank_main(rank: int, world_size: int, port: int, cases: Sequence[Case], out
     import torch.distributed as dist
 
     # a rank that raised leaves the other in a collective: gloo's timeout ends the wait instead of CI's
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(minutes=harness.TIMEOUT_MINUTES))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=harness.TIMEOUT_MINUTES),
+    )
     results: list[tuple[bool, Any]] = []
     for case in cases:
         try:
@@ -52,8 +57,13 @@ def run_cases(cases: Sequence[Case], world_size: int = 2) -> dict[str, list[tupl
     from tests.megatron.harness import free_port
 
     with tempfile.TemporaryDirectory(prefix="rr-megatron-") as out:
-        mp.start_processes(_rank_main, args=(world_size, free_port(), list(cases), out), nprocs=world_size,
-                           join=True, start_method="spawn")
+        mp.start_processes(
+            _rank_main,
+            args=(world_size, free_port(), list(cases), out),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
         per_rank = [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
     return {case.__name__: [per_rank[r][i] for r in range(world_size)] for i, case in enumerate(cases)}
 

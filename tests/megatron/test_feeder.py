@@ -12,8 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from rr_client.core.errors import (ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError, ReplayError,
-                              ShapeMismatchError, UnrecordedRoutingError)
+from rr_client.core.errors import (
+    ConfigurationError,
+    ExpertIdOutOfRangeError,
+    MissingRoutingError,
+    ReplayError,
+    ShapeMismatchError,
+    UnrecordedRoutingError,
+)
 from rr_client.trainer.layouts import PackedRouting, RoutingTensors
 from tests.megatron import harness as H
 
@@ -34,8 +40,14 @@ def rollout(seed: int = 0, layers: int = len(PATTERN), attention: torch.Tensor |
     rows = H.random_rows(B, S, layers, E, K, seed=seed)
     rows[~mask] = 0
     ids = torch.randint(0, H.VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
-    return RoutingTensors(input_ids=ids, attention_mask=attn, response_mask=mask.long(), routed_experts=rows,
-                          routed_experts_mask=mask, layers=list(range(layers)))
+    return RoutingTensors(
+        input_ids=ids,
+        attention_mask=attn,
+        response_mask=mask.long(),
+        routed_experts=rows,
+        routed_experts_mask=mask,
+        layers=list(range(layers)),
+    )
 
 
 def _last(attn: torch.Tensor) -> torch.Tensor:
@@ -88,8 +100,10 @@ def test_every_router_chooses_its_own_layers_rows(megatron_process: None) -> Non
         H.assert_chose(H.RouterCall(call.routing_map[mask], True), want[mask], f"layer {router.layer_number}")
         pads = spread(torch.full((int((~mask).sum()), K), -1), router.layer_number - 1)
         H.assert_chose(H.RouterCall(call.routing_map[~mask], True), pads, f"pads of layer {router.layer_number}")
-    assert all(r.router_replay.router_replay_action is None and r.router_replay.target_topk_idx is None
-               for r in choices.routers)
+    assert all(
+        r.router_replay.router_replay_action is None and r.router_replay.target_topk_idx is None
+        for r in choices.routers
+    )
 
 
 def test_moe_layer_axis_and_a_raw_tensor_give_the_same_targets(megatron_process: None) -> None:
@@ -102,8 +116,9 @@ def test_moe_layer_axis_and_a_raw_tensor_give_the_same_targets(megatron_process:
     model = gpt()
     batch = rollout(seed=2)
     absolute = router_targets(model, batch)
-    moe = router_targets(model, replace(batch, routed_experts=batch.routed_experts[:, :, 1:], layers=[1, 2],
-                                        layer_axis="moe"))
+    moe = router_targets(
+        model, replace(batch, routed_experts=batch.routed_experts[:, :, 1:], layers=[1, 2], layer_axis="moe")
+    )
     raw = router_targets(model, batch.routed_experts, layers=[0, 1, 2], mask=batch.routed_experts_mask)
     layer_major = router_targets(model, replace(batch, routed_experts=batch.routed_experts.permute(2, 0, 1, 3)))
     for other in (moe, raw, layer_major):
@@ -124,8 +139,9 @@ def test_context_and_sequence_parallel_layouts(megatron_process: None) -> None:
         got = router_targets(model, batch, cp_size=2, cp_rank=rank, tp_size=1, tp_rank=0)[layer3]
         assert torch.equal(got, spread(H.sequence_first(rows[:, positions]), 2))
     for rank, positions in ((0, [0, 1, 2, 3]), (1, [4, 5, 6, 7])):
-        got = router_targets(model, batch, tp_size=2, tp_rank=rank, sequence_parallel=True, cp_size=1,
-                             cp_rank=0)[layer3]
+        got = router_targets(model, batch, tp_size=2, tp_rank=rank, sequence_parallel=True, cp_size=1, cp_rank=0)[
+            layer3
+        ]
         assert torch.equal(got, spread(H.sequence_first(rows[:, positions]), 2))
     both = router_targets(model, batch, cp_size=2, cp_rank=1, tp_size=2, tp_rank=1, sequence_parallel=True)[layer3]
     assert torch.equal(both, spread(H.sequence_first(rows[:, [4, 5]]), 2))  # CP rank 1 keeps 2..5; SP rank 1 half
@@ -140,10 +156,16 @@ def _packed(lengths: list[int], seed: int = 4) -> PackedRouting:
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     rcu = torch.tensor([0, *torch.tensor([x - 1 for x in lengths]).cumsum(0).tolist()], dtype=torch.int32)
     rows = H.random_rows(1, int(rcu[-1]), len(PATTERN), E, K, seed=seed)[0]
-    return PackedRouting(input_ids=torch.zeros(n, dtype=torch.long), position_ids=torch.zeros(n, dtype=torch.long),
-                         cu_seqlens=cu, response_mask=torch.ones(n, dtype=torch.long), routed_experts=rows,
-                         routed_experts_mask=torch.ones(int(rcu[-1]), dtype=torch.bool), routing_cu_seqlens=rcu,
-                         layers=list(range(len(PATTERN))))
+    return PackedRouting(
+        input_ids=torch.zeros(n, dtype=torch.long),
+        position_ids=torch.zeros(n, dtype=torch.long),
+        cu_seqlens=cu,
+        response_mask=torch.ones(n, dtype=torch.long),
+        routed_experts=rows,
+        routed_experts_mask=torch.ones(int(rcu[-1]), dtype=torch.bool),
+        routing_cu_seqlens=rcu,
+        layers=list(range(len(PATTERN))),
+    )
 
 
 def test_packed_thd_rows_and_context_parallel_per_sample(megatron_process: None) -> None:
@@ -232,8 +254,10 @@ def test_malformed_rows_raise_typed_errors(megatron_process: None) -> None:
     wide = H.random_rows(B, S, len(PATTERN), E, K + 1, seed=8)
     with pytest.raises(ShapeMismatchError, match="rows are 3 experts wide, the router's top-k is 2"):
         router_targets(model, replace(batch, routed_experts=wide))
-    for value, err, what in ((E, ExpertIdOutOfRangeError, "has 8 experts"),
-                             (-1, UnrecordedRoutingError, "sample 1, position 3 is partly padded")):
+    for value, err, what in (
+        (E, ExpertIdOutOfRangeError, "has 8 experts"),
+        (-1, UnrecordedRoutingError, "sample 1, position 3 is partly padded"),
+    ):
         bad = batch.routed_experts.clone().to(torch.int16)
         bad[1, 3, 2, 0] = value  # a -1 beside a real id: a partly padded row (issue 43), no longer "out of range"
         with pytest.raises(err, match=rf"decoder layer 3 .* {what}"):
@@ -299,13 +323,17 @@ def test_orphan_routers_of_a_rebuilt_model_are_refused(megatron_process: None) -
     assert MegatronReplay(rebuilt).routers
 
 
-@pytest.mark.parametrize(("setting", "overrides"), [
-    ("moe_router_load_balancing_type", {"moe_router_load_balancing_type": "sinkhorn", "moe_router_topk": 1}),
-    ("moe_expert_capacity_factor", {"moe_expert_capacity_factor": 1.0}),
-    ("moe_enable_routing_replay", {"moe_enable_routing_replay": False}),
-])
-def test_configurations_that_bypass_replay_are_refused(megatron_process: None, setting: str,
-                                                       overrides: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("setting", "overrides"),
+    [
+        ("moe_router_load_balancing_type", {"moe_router_load_balancing_type": "sinkhorn", "moe_router_topk": 1}),
+        ("moe_expert_capacity_factor", {"moe_expert_capacity_factor": 1.0}),
+        ("moe_enable_routing_replay", {"moe_enable_routing_replay": False}),
+    ],
+)
+def test_configurations_that_bypass_replay_are_refused(
+    megatron_process: None, setting: str, overrides: dict[str, Any]
+) -> None:
     """Sinkhorn balancing, a capacity factor (drops replayed tokens), replay off: ConfigurationError naming it."""
     from rr_client.integrations.megatron import MegatronReplay
 

@@ -31,13 +31,19 @@ def rollout(seed: int) -> Any:
     mask[:, -1] = False  # the last token has no routing (nothing was generated from it)
     rows = H.random_rows(B, S, len(PATTERN), E, K, seed=seed)
     rows[~mask] = 0
-    return RoutingTensors(input_ids=torch.randint(0, H.VOCAB, (B, S), generator=g),
-                          attention_mask=torch.ones(B, S, dtype=torch.long), response_mask=mask.long(),
-                          routed_experts=rows, routed_experts_mask=mask, layers=list(range(len(PATTERN))))
+    return RoutingTensors(
+        input_ids=torch.randint(0, H.VOCAB, (B, S), generator=g),
+        attention_mask=torch.ones(B, S, dtype=torch.long),
+        response_mask=mask.long(),
+        routed_experts=rows,
+        routed_experts_mask=mask,
+        layers=list(range(len(PATTERN))),
+    )
 
 
-def check(choices: H.RouterChoices, expected: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], *,
-          recompute: bool = False) -> dict[int, int]:
+def check(
+    choices: H.RouterChoices, expected: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], *, recompute: bool = False
+) -> dict[int, int]:
     """Assert each router's forwards chose its expected rows per micro-batch, in order, and so did its recomputes
     (a recompute runs in the backward with grad on; the forward it repeats ran under ``no_grad``); ``{layer: calls}``.
     """
@@ -45,8 +51,11 @@ def check(choices: H.RouterChoices, expected: dict[int, list[tuple[torch.Tensor,
     for router in choices.routers:
         layer = int(router.layer_number)
         calls, want = choices.calls[router], expected[layer]
-        runs = ([("forward", [c for c in calls if not c.grad_enabled]), ("recompute", [c for c in calls if c.grad_enabled])]
-                if recompute else [("forward", calls)])
+        runs = (
+            [("forward", [c for c in calls if not c.grad_enabled]), ("recompute", [c for c in calls if c.grad_enabled])]
+            if recompute
+            else [("forward", calls)]
+        )
         for kind, got in runs:
             assert len(got) == len(want), f"layer {layer}: {len(got)} router {kind}s, {len(want)} micro-batches"
             for i, (call, (rows, mask)) in enumerate(zip(got, want)):
@@ -86,8 +95,15 @@ def pp2_1f1b(rank: int) -> dict[int, int]:
         return out, lambda o: (o.float().mean(), {})
 
     with H.hooked([model]) as choices:
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(2)), model=[model],
-                                    num_microbatches=2, seq_length=S, micro_batch_size=B, forward_only=False)
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(range(2)),
+            model=[model],
+            num_microbatches=2,
+            seq_length=S,
+            micro_batch_size=B,
+            forward_only=False,
+        )
     replay.close()
     layers = [int(r.layer_number) for r in choices.routers]
     return check(choices, {layer: [local_rows(b, layer) for b in batches] for layer in layers}, recompute=True)
@@ -116,9 +132,15 @@ def pp2_interleaved(rank: int) -> dict[int, int]:
 
     with H.hooked(chunks) as choices:
         # one iterator per chunk: each chunk's forward_step draws micro-batches 0, 1 in its own order
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=[iter(range(2)), iter(range(2))],
-                                    model=chunks, num_microbatches=2, seq_length=S, micro_batch_size=B,
-                                    forward_only=False)
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(range(2)), iter(range(2))],
+            model=chunks,
+            num_microbatches=2,
+            seq_length=S,
+            micro_batch_size=B,
+            forward_only=False,
+        )
     replay.close()
     layers = [int(r.layer_number) for r in choices.routers]
     return check(choices, {layer: [local_rows(b, layer) for b in batches] for layer in layers}, recompute=True)
@@ -165,9 +187,14 @@ def cp2_zigzag(rank: int) -> dict[int, int]:
     replay = MegatronReplay([model])
     routing = rollout(seed=31)
     position_ids = torch.arange(S).unsqueeze(0).expand(B, S).contiguous()
-    local = get_batch_on_this_cp_rank({"tokens": routing.input_ids.clone(), "position_ids": position_ids.clone(),
-                                       "rows": routing.routed_experts.clone(),
-                                       "mask": routing.routed_experts_mask.clone()})
+    local = get_batch_on_this_cp_rank(
+        {
+            "tokens": routing.input_ids.clone(),
+            "position_ids": position_ids.clone(),
+            "rows": routing.routed_experts.clone(),
+            "mask": routing.routed_experts_mask.clone(),
+        }
+    )
     s_local = local["tokens"].shape[1]
     with H.hooked([model]) as choices:
         replay.set_micro_batch(routing)  # the whole batch: the feeder cuts this rank's part
@@ -182,8 +209,9 @@ def cp2_zigzag(rank: int) -> dict[int, int]:
     return check(choices, {layer: [sliced(layer)] for layer in (2, 3, 4)})
 
 
-def _reversed_backwards(model: Any, replay: Any, feeds: list[tuple[Any, Any]], position_ids: torch.Tensor,
-                        seq: int) -> H.RouterChoices:
+def _reversed_backwards(
+    model: Any, replay: Any, feeds: list[tuple[Any, Any]], position_ids: torch.Tensor, seq: int
+) -> H.RouterChoices:
     """Two micro-batches in flight (``(routing, tokens)`` each), their backwards in reverse order (B2 before B1)."""
     with H.hooked([model]) as choices:
         losses = []
@@ -235,12 +263,25 @@ def cp2_reversed_backwards(rank: int) -> dict[int, int]:
     model = H.build_gpt(H.ModelSpec(moe_pattern=PATTERN, recompute=True))
     batches = [rollout(seed=61), rollout(seed=62)]
     position_ids = torch.arange(S).unsqueeze(0).expand(B, S).contiguous()
-    locals_ = [get_batch_on_this_cp_rank({"tokens": b.input_ids.clone(), "position_ids": position_ids.clone(),
-                                          "rows": b.routed_experts.clone(), "mask": b.routed_experts_mask.clone()})
-               for b in batches]
+    locals_ = [
+        get_batch_on_this_cp_rank(
+            {
+                "tokens": b.input_ids.clone(),
+                "position_ids": position_ids.clone(),
+                "rows": b.routed_experts.clone(),
+                "mask": b.routed_experts_mask.clone(),
+            }
+        )
+        for b in batches
+    ]
     s_local = locals_[0]["tokens"].shape[1]
-    choices = _reversed_backwards(model, MegatronReplay([model]), [(b, loc["tokens"]) for b, loc in zip(batches, locals_)],
-                                  locals_[0]["position_ids"], s_local)
+    choices = _reversed_backwards(
+        model,
+        MegatronReplay([model]),
+        [(b, loc["tokens"]) for b, loc in zip(batches, locals_)],
+        locals_[0]["position_ids"],
+        s_local,
+    )
 
     def sliced(loc: dict[str, torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return H.sequence_first(loc["rows"][:, :, layer - 1]), H.sequence_first(loc["mask"].unsqueeze(-1))[:, 0]
@@ -268,8 +309,15 @@ def pp2_forward_only_left_behind(rank: int) -> dict[int, int]:
             out = chunk(routing.input_ids, position_ids, H.causal_mask(S), labels=routing.input_ids)
             return out, lambda o: (o.float().mean(), {})
 
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(2)), model=[model],
-                                    num_microbatches=2, seq_length=S, micro_batch_size=B, forward_only=forward_only)
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(range(2)),
+            model=[model],
+            num_microbatches=2,
+            seq_length=S,
+            micro_batch_size=B,
+            forward_only=forward_only,
+        )
 
     run([rollout(seed=71), rollout(seed=72)], True)  # grad on, nothing recomputes it, no step_done
     batches = [rollout(seed=73), rollout(seed=74)]
@@ -281,8 +329,15 @@ def pp2_forward_only_left_behind(rank: int) -> dict[int, int]:
     return check(choices, {layer: [local_rows(b, layer) for b in batches] for layer in layers}, recompute=True)
 
 
-CASES = [pp2_1f1b, pp2_interleaved, tp2_sequence_parallel, cp2_zigzag, tp2_sp_reversed_backwards,
-         cp2_reversed_backwards, pp2_forward_only_left_behind]
+CASES = [
+    pp2_1f1b,
+    pp2_interleaved,
+    tp2_sequence_parallel,
+    cp2_zigzag,
+    tp2_sp_reversed_backwards,
+    cp2_reversed_backwards,
+    pp2_forward_only_left_behind,
+]
 
 
 @pytest.fixture(scope="module")
@@ -313,13 +368,15 @@ def test_cp2_zigzag_slices_replay_their_tokens(outcomes: dict[str, list[tuple[bo
 
 
 def test_tp2_sp_recomputes_replay_their_own_micro_batch_in_reverse_order(
-        outcomes: dict[str, list[tuple[bool, Any]]]) -> None:
+    outcomes: dict[str, list[tuple[bool, Any]]],
+) -> None:
     """TP=2 + SP, B2 before B1: two forwards and two recomputes per router, each on its own micro-batch's shard."""
     assert results_of(outcomes, tp2_sp_reversed_backwards) == [{2: 4, 3: 4, 4: 4}] * 2
 
 
 def test_cp2_recomputes_replay_their_own_micro_batch_in_reverse_order(
-        outcomes: dict[str, list[tuple[bool, Any]]]) -> None:
+    outcomes: dict[str, list[tuple[bool, Any]]],
+) -> None:
     """CP=2, B2 before B1: two forwards and two recomputes per router, each on its own micro-batch's slices."""
     assert results_of(outcomes, cp2_reversed_backwards) == [{2: 4, 3: 4, 4: 4}] * 2
 

@@ -12,8 +12,9 @@ TAG = f"cp{sys.version_info[0]}{sys.version_info[1]}"
 
 def _bash(script: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     base = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
-    return subprocess.run(["bash", "-c", f". {ENV_SH}; {script}"], env={**base, **env}, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        ["bash", "-c", f". {ENV_SH}; {script}"], env={**base, **env}, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_local_wheel_folder_for_this_python_is_used(tmp_path: Path) -> None:

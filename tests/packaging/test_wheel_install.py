@@ -58,9 +58,7 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return venv
 
 
-def test_wheel_entry_points_load_rr_modules_next_to_a_foreign_patches_package(
-    fresh_venv: Path, tmp_path: Path
-) -> None:
+def test_wheel_entry_points_load_rr_modules_next_to_a_foreign_patches_package(fresh_venv: Path, tmp_path: Path) -> None:
     for rel, text in FOREIGN_PATCHES.items():
         f = tmp_path / rel
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -70,8 +68,10 @@ def test_wheel_entry_points_load_rr_modules_next_to_a_foreign_patches_package(
     assert out["dist"] == "rr-replay"
     assert out["foreign_patches"] is True  # the collision is real in this directory...
     site = str(fresh_venv)
-    for group, module in (("vllm.general_plugins", "rr_patches.vllm.plugin"),
-                          ("sglang.srt.plugins", "rr_patches.sglang.plugin")):
+    for group, module in (
+        ("vllm.general_plugins", "rr_patches.vllm.plugin"),
+        ("sglang.srt.plugins", "rr_patches.sglang.plugin"),
+    ):
         assert out[group]["value"] == f"{module}:register"
         assert out[group]["module"] == module  # ...and rr's entry points still load rr's own code
         assert out[group]["file"].startswith(site), out[group]["file"]
@@ -84,9 +84,11 @@ def test_vllm_own_plugin_loader_finds_rr_next_to_a_foreign_patches_package(tmp_p
         f = tmp_path / rel
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(text)
-    probe = ("import json; from vllm.plugins import load_plugins_by_group; "
-             "p = load_plugins_by_group('vllm.general_plugins'); "
-             "print(json.dumps({k: v.__module__ for k, v in p.items()}))")
+    probe = (
+        "import json; from vllm.plugins import load_plugins_by_group; "
+        "p = load_plugins_by_group('vllm.general_plugins'); "
+        "print(json.dumps({k: v.__module__ for k, v in p.items()}))"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_PLUGINS", "RR_ENABLE")}
     loaded = json.loads(_run([sys.executable, "-c", probe], cwd=tmp_path, env=env).strip().splitlines()[-1])
     assert loaded.get("rr") == "rr_patches.vllm.plugin"
@@ -108,6 +110,7 @@ def test_wheel_metadata_one_version_license_urls_no_empty_extra(fresh_venv: Path
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = json.loads(_run([str(fresh_venv / "bin" / "python"), "-c", META], cwd=fresh_venv, env=env))
     from rr_client.core._version import __version__
+
     assert out["version"] == out["code_version"] == __version__  # one version source: rr_client/core/_version.py
     assert any(f.endswith("LICENSE") for f in out["license_files"]), out["license_files"]
     assert {u.split(",")[0] for u in out["urls"]} >= {"Homepage", "Documentation", "Changelog", "Issues"}

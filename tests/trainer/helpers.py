@@ -32,7 +32,8 @@ def random_routing(seed: int, b: int, t: int, dense: tuple[int, ...] = ()) -> to
     ``dense`` layers' rows then zeroed as rr's layout has them."""
     g = torch.Generator().manual_seed(seed)
     out = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(b * t * LAYERS)]).reshape(
-        b, t, LAYERS, TOPK)
+        b, t, LAYERS, TOPK
+    )
     if dense:
         out[:, :, list(dense)] = 0
     return out
@@ -71,10 +72,16 @@ class ExpertsSpy:
         self.experts: dict[int, torch.Tensor] = {}
         self.handles: list[Any] = []
         for r in find_routers(model):
-            self.handles.append(r.module.register_forward_hook(
-                lambda _m, _a, out, i=r.layer: self.router.__setitem__(i, pick(out).detach().clone())))
-            self.handles.append(r.block.experts.register_forward_pre_hook(
-                lambda _m, a, i=r.layer: self.experts.__setitem__(i, a[1].detach().clone())))
+            self.handles.append(
+                r.module.register_forward_hook(
+                    lambda _m, _a, out, i=r.layer: self.router.__setitem__(i, pick(out).detach().clone())
+                )
+            )
+            self.handles.append(
+                r.block.experts.register_forward_pre_hook(
+                    lambda _m, a, i=r.layer: self.experts.__setitem__(i, a[1].detach().clone())
+                )
+            )
 
     def __enter__(self) -> Self:
         return self
@@ -95,9 +102,12 @@ class ExpertsSpy:
         return out.reshape(b, t, layers, top_k)
 
 
-def spied_forward(model: Any, x: torch.Tensor, forward: Forward,
-                  pick: Callable[[tuple[torch.Tensor, ...]], torch.Tensor] = third_output
-                  ) -> tuple[torch.Tensor, ExpertsSpy]:
+def spied_forward(
+    model: Any,
+    x: torch.Tensor,
+    forward: Forward,
+    pick: Callable[[tuple[torch.Tensor, ...]], torch.Tensor] = third_output,
+) -> tuple[torch.Tensor, ExpertsSpy]:
     """One plain forward of ``x`` without gradients under an :class:`ExpertsSpy`: its output and the spy."""
     with ExpertsSpy(model, pick) as spy, torch.no_grad():
         out = forward(model, x)

@@ -49,9 +49,11 @@ def _model(kind: str | None) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor
     elif kind in ("wrapper_reentrant", "wrapper_non_reentrant"):
         impl = CheckpointImpl.REENTRANT if kind == "wrapper_reentrant" else CheckpointImpl.NO_REENTRANT
         layer_cls = type(model.model.layers[0])
-        apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
-                                                                                      checkpoint_impl=impl),
-                                       check_fn=lambda m: isinstance(m, layer_cls))
+        apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+            check_fn=lambda m: isinstance(m, layer_cls),
+        )
         assert type(model.model.layers[0]).__name__ == "CheckpointWrapper"
 
     def logits(x: torch.Tensor) -> torch.Tensor:
@@ -64,8 +66,11 @@ def _model(kind: str | None) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor
 
 
 def _grads(model: Any) -> dict[str, torch.Tensor]:
-    return {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
-            for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 def _replayed_grads(kind: str | None, **kw: Any) -> dict[str, torch.Tensor]:

@@ -16,8 +16,16 @@ from .tiny_models import EXPERTS, LAYERS, TOPK, VOCAB, moe_layers, tiny_model
 def engine_batch(model: torch.nn.Module) -> tuple[GenerateBatch, list[torch.Tensor]]:
     """Samples whose routing and log-probs come from per-sample forwards, as an engine would return them."""
     g = torch.Generator().manual_seed(7)
-    info = RRInfo(engine="test", engine_version="0", rr_version="0", num_hidden_layers=LAYERS,
-                  num_experts=EXPERTS, topk=TOPK, moe_layers=moe_layers("qwen3_moe"), wire_dtype="uint8")
+    info = RRInfo(
+        engine="test",
+        engine_version="0",
+        rr_version="0",
+        num_hidden_layers=LAYERS,
+        num_experts=EXPERTS,
+        topk=TOPK,
+        moe_layers=moe_layers("qwen3_moe"),
+        wire_dtype="uint8",
+    )
     results, logps = [], []
     for i, (lp, lo) in enumerate([(3, 5), (6, 2), (2, 4)]):
         tokens = torch.randint(1, VOCAB, (1, lp + lo), generator=g)
@@ -25,8 +33,19 @@ def engine_batch(model: torch.nn.Module) -> tuple[GenerateBatch, list[torch.Tens
             logps.append(token_logprobs(model(tokens).logits, tokens)[0])
         rows = rec.routed_experts[0, :-1].numpy().astype(np.uint8)
         ids = tokens[0].tolist()
-        results.append(GenerateResult(index=i, prompt_index=i, prompt_ids=ids[:lp], output_ids=ids[lp:], text=None,
-                                      finish_reason="length", routed_experts=rows, routed_experts_start=0, meta={}))
+        results.append(
+            GenerateResult(
+                index=i,
+                prompt_index=i,
+                prompt_ids=ids[:lp],
+                output_ids=ids[lp:],
+                text=None,
+                finish_reason="length",
+                routed_experts=rows,
+                routed_experts_start=0,
+                meta={},
+            )
+        )
     return GenerateBatch(results=results, info=info), logps
 
 

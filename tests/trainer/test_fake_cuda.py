@@ -17,8 +17,8 @@ from rr_client.trainer.metrics import gap_stats
 from rr_client.trainer.replay import RoutingRecord, survey
 from rr_client.trainer.replay._audit import Audit, DeviceTally
 from rr_client.trainer.replay._replay import ReplayHook
-from rr_client.trainer.replay._rows import place_rows, readers_of
 from rr_client.trainer.replay._routers import num_hidden_layers
+from rr_client.trainer.replay._rows import place_rows, readers_of
 from rr_client.trainer.rows import ReplayRows
 from tests.support.fake_cuda import CUDA, FakeTensorDeviceMismatchError, fake_mode, on_cuda, to_fake_cuda
 from tests.trainer.test_layouts import info as layout_info
@@ -34,7 +34,7 @@ def _rows(n_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
     base = (torch.arange(N)[:, None, None] + torch.arange(n_layers)[None, :, None]) % EXPERTS
     ids = ((base + torch.arange(TOPK)[None, None, :]) % EXPERTS).to(torch.int16)
     mask = torch.ones(N, dtype=torch.bool)
-    mask[T - 1::T] = False  # each sample's last token: no routing
+    mask[T - 1 :: T] = False  # each sample's last token: no routing
     return ids, mask
 
 
@@ -81,8 +81,9 @@ def test_replay_and_audit_hooks_with_cpu_rows(arch: str) -> None:
     model = to_fake_cuda(tiny_model(arch), mode)
     routers, left = survey(model)
     ids, mask = _rows(num_hidden_layers(model, routers))
-    given = ReplayRows.of(ids, mask=mask, num_hidden_layers=num_hidden_layers(model, routers),
-                          moe_layers=[r.layer for r in routers])
+    given = ReplayRows.of(
+        ids, mask=mask, num_hidden_layers=num_hidden_layers(model, routers), moe_layers=[r.layer for r in routers]
+    )
     readers = readers_of(routers)
     spare = [layer for p, layer in enumerate(given.layers) if p not in set(given.positions(readers))]
     st, n_use, unconsumed = given.check(readers, spare=spare)  # real CPU: the one host read happens here
@@ -116,9 +117,13 @@ def test_replay_and_audit_hooks_with_gpu_rows_and_cpu_mask(arch: str) -> None:
 def test_record_assembles_on_the_gpu_and_moves_once() -> None:
     mode = fake_mode()
     with mode:
-        rec = RoutingRecord(num_hidden_layers=3, moe_layers=[0, 2], topk=2, shape=(B, T),
-                            _layers={0: torch.randint(0, 8, (N, 2), device=CUDA),
-                                     2: torch.randint(0, 8, (N, 2), device=CUDA)})
+        rec = RoutingRecord(
+            num_hidden_layers=3,
+            moe_layers=[0, 2],
+            topk=2,
+            shape=(B, T),
+            _layers={0: torch.randint(0, 8, (N, 2), device=CUDA), 2: torch.randint(0, 8, (N, 2), device=CUDA)},
+        )
         kept = rec.tensor(None)
         moved = rec.routed_experts
     assert kept.device == CUDA and tuple(kept.shape) == (B, T, 3, 2)
@@ -136,7 +141,7 @@ def test_layouts_move_once_and_feed_replay_on_the_gpu() -> None:
         flat = on_gpu.reshape(-1, *on_gpu.shape[-2:]).long()
         # the CPU mask of the CPU layout meets GPU rows: moved, not mixed
         m = rt.routed_experts_mask.reshape(-1).to(flat.device)
-        assert on_cuda(((flat >= 0).all(-1).all(-1) & m))
+        assert on_cuda((flat >= 0).all(-1).all(-1) & m)
 
 
 def test_metrics_on_the_gpu_with_a_cpu_mask() -> None:

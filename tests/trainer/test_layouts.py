@@ -24,8 +24,16 @@ class S:
 
 
 def info(num_experts: int = E) -> RRInfo:
-    return RRInfo(engine="test", engine_version="0", rr_version="0", num_hidden_layers=L, num_experts=num_experts,
-                  topk=K, moe_layers=MOE, wire_dtype="uint8" if num_experts <= 256 else "uint16")
+    return RRInfo(
+        engine="test",
+        engine_version="0",
+        rr_version="0",
+        num_hidden_layers=L,
+        num_experts=num_experts,
+        topk=K,
+        moe_layers=MOE,
+        wire_dtype="uint8" if num_experts <= 256 else "uint16",
+    )
 
 
 def sample(i: int, lp: int, lo: int, start: int = 0, seed: int = 0, num_experts: int = E) -> S:
@@ -80,6 +88,7 @@ def ref_row(s: S, j: int, layers: list[int], pad: list[list[int]]) -> tuple[bool
 
 # ---------------------------------------------------------------- split (verl)
 
+
 def ref_split(batch: list[S], P: int, R: int, policy: str, moe_only: bool) -> dict[str, list]:
     layers = layer_list(moe_only)
     pad = [pad_value(policy)[0]] * len(layers)
@@ -92,11 +101,20 @@ def ref_split(batch: list[S], P: int, R: int, policy: str, moe_only: bool) -> di
         col_tok += list(range(len(s.prompt_ids), len(tokens))) + [None] * (R - len(s.output_ids))
         for j in col_tok:
             if j is None:
-                ids.append(0); attn.append(0); resp.append(0); mask.append(False); routing.append(pad); pos.append(0)
+                ids.append(0)
+                attn.append(0)
+                resp.append(0)
+                mask.append(False)
+                routing.append(pad)
+                pos.append(0)
                 continue
-            ids.append(tokens[j]); attn.append(1); resp.append(int(j >= len(s.prompt_ids))); pos.append(j)
+            ids.append(tokens[j])
+            attn.append(1)
+            resp.append(int(j >= len(s.prompt_ids)))
+            pos.append(j)
             has_row, rows = ref_row(s, j, layers, pad)
-            mask.append(has_row); routing.append(rows)
+            mask.append(has_row)
+            routing.append(rows)
         for k, v in zip(("ids", "attn", "resp", "mask", "routing", "pos"), (ids, attn, resp, mask, routing, pos)):
             out[k].append(v)
     if policy == "distinct":
@@ -108,8 +126,15 @@ def ref_split(batch: list[S], P: int, R: int, policy: str, moe_only: bool) -> di
 @pytest.mark.parametrize("moe_only", [False, True])
 def test_split_matches_reference(policy: str, moe_only: bool) -> None:
     P, R = 6, 5
-    t = to_tensors(BATCH, info(), pad_side="split", prompt_length=P, response_length=R,
-                   moe_layers_only=moe_only, pad_experts=policy)  # type: ignore[arg-type]
+    t = to_tensors(
+        BATCH,
+        info(),
+        pad_side="split",
+        prompt_length=P,
+        response_length=R,
+        moe_layers_only=moe_only,
+        pad_experts=policy,
+    )  # type: ignore[arg-type]
     ref = ref_split(BATCH, P, R, policy, moe_only)
     assert t.input_ids.tolist() == ref["ids"]
     assert t.attention_mask.tolist() == ref["attn"]
@@ -151,6 +176,7 @@ def test_above_256_experts_int16_and_minus_one() -> None:
 
 # ---------------------------------------------------------------- left/right keep their behaviour
 
+
 @pytest.mark.parametrize("pad_side", ["left", "right"])
 @pytest.mark.parametrize("policy", ["zero", "distinct", "minus_one"])
 def test_left_right_pad_policy(pad_side: str, policy: str) -> None:
@@ -158,8 +184,9 @@ def test_left_right_pad_policy(pad_side: str, policy: str) -> None:
     pad = pad_value(policy)
     width = max(len(s.prompt_ids) + len(s.output_ids) for s in BATCH)
     if policy == "distinct":  # pads spread by ordinal (spread_pads); checked there, the real rows here
-        assert t.routed_experts.tolist() == spread_pads(t.routed_experts.tolist(), t.routed_experts_mask.tolist(),
-                                                        list(range(L)))
+        assert t.routed_experts.tolist() == spread_pads(
+            t.routed_experts.tolist(), t.routed_experts_mask.tolist(), list(range(L))
+        )
         pad = None
     for b, s in enumerate(BATCH):
         n = len(s.prompt_ids) + len(s.output_ids)
@@ -177,6 +204,7 @@ def test_left_right_pad_policy(pad_side: str, policy: str) -> None:
 
 # ---------------------------------------------------------------- packed (THD)
 
+
 def ref_packed(batch: list[S], append_row: bool, multiple: int | None, policy: str, moe_only: bool) -> dict[str, list]:
     layers = layer_list(moe_only)
     pad = [pad_value(policy)[0]] * len(layers)
@@ -184,18 +212,25 @@ def ref_packed(batch: list[S], append_row: bool, multiple: int | None, policy: s
     for s in batch:
         tokens = s.prompt_ids + s.output_ids
         for j, tok in enumerate(tokens):
-            ids.append(tok); pos.append(j); resp.append(int(j >= len(s.prompt_ids)))
+            ids.append(tok)
+            pos.append(j)
+            resp.append(int(j >= len(s.prompt_ids)))
         cu.append(cu[-1] + len(tokens))
         n_rows = len(tokens) if append_row else len(tokens) - 1
         for j in range(n_rows):
             has_row, rows = ref_row(s, j, layers, pad)
-            mask.append(has_row); routing.append(rows)
+            mask.append(has_row)
+            routing.append(rows)
         rcu.append(rcu[-1] + n_rows)
     n_pad = 0
     while multiple and (len(ids) + n_pad) % multiple:
         n_pad += 1
     for j in range(n_pad):
-        ids.append(0); pos.append(j); resp.append(0); mask.append(False); routing.append(pad)
+        ids.append(0)
+        pos.append(j)
+        resp.append(0)
+        mask.append(False)
+        routing.append(pad)
     if policy == "distinct":
         routing = spread_pads(routing, mask, layers)
     return dict(ids=ids, pos=pos, resp=resp, cu=cu, mask=mask, routing=routing, rcu=rcu, n_pad=n_pad)
@@ -206,8 +241,14 @@ def ref_packed(batch: list[S], append_row: bool, multiple: int | None, policy: s
 @pytest.mark.parametrize("policy", ["zero", "distinct", "minus_one"])
 @pytest.mark.parametrize("moe_only", [False, True])
 def test_packed_matches_reference(append_row: bool, multiple: int | None, policy: str, moe_only: bool) -> None:
-    p = to_packed(BATCH, info(), append_row=append_row, pad_to_multiple_of=multiple, pad_experts=policy,  # type: ignore[arg-type]
-                  moe_layers_only=moe_only)
+    p = to_packed(
+        BATCH,
+        info(),
+        append_row=append_row,
+        pad_to_multiple_of=multiple,
+        pad_experts=policy,  # type: ignore[arg-type]
+        moe_layers_only=moe_only,
+    )
     ref = ref_packed(BATCH, append_row, multiple, policy, moe_only)
     assert p.input_ids.tolist() == ref["ids"]
     assert p.position_ids.tolist() == ref["pos"]
@@ -275,7 +316,7 @@ def test_logprobs_sit_beside_their_completion_tokens(pad_side: str) -> None:
     flat = t.attention_mask.bool()
     assert p.logprobs is not None and p.logprobs_mode == "processed"
     np.testing.assert_array_equal(p.logprobs[: int(p.cu_seqlens[-1])].numpy(), t.logprobs[flat].numpy())
-    assert torch.isnan(p.logprobs[int(p.cu_seqlens[-1]):]).all()
+    assert torch.isnan(p.logprobs[int(p.cu_seqlens[-1]) :]).all()
 
 
 def test_no_logprobs_no_tensor_and_mixed_or_short_refused() -> None:

@@ -14,6 +14,7 @@ import torch
 
 from rr_client import StaleRoutingError
 from rr_client.client._results import GenerateResult
+from rr_client.client.trajectory import Trajectory
 from rr_client.core.errors import ConfigurationError, MalformedPayloadError
 from rr_client.core.info import RRInfo
 from rr_client.core.provenance import Provenance
@@ -23,7 +24,6 @@ from rr_client.trainer.metrics import token_logprobs
 from rr_client.trainer.provenance import build_segments, mask_samples
 from rr_client.trainer.replay import record_routing
 from rr_client.trainer.session import ReplaySession
-from rr_client.client.trajectory import Trajectory
 
 from .tiny_models import VOCAB, tiny_config, tiny_model
 
@@ -48,8 +48,17 @@ def own(m: Any, seq: list[int]) -> np.ndarray:
 
 def result(i: int, p: list[int], o: list[int], rows: np.ndarray, prov: Provenance | None) -> GenerateResult:
     meta: dict[str, Any] = {} if prov is None else {"rr_provenance": prov.to_dict()}
-    return GenerateResult(index=i, prompt_index=i, prompt_ids=p, output_ids=o, text=None, finish_reason="length",
-                          routed_experts=rows, routed_experts_start=0, meta=meta)
+    return GenerateResult(
+        index=i,
+        prompt_index=i,
+        prompt_ids=p,
+        output_ids=o,
+        text=None,
+        finish_reason="length",
+        routed_experts=rows,
+        routed_experts_start=0,
+        meta=meta,
+    )
 
 
 def samples(m: Any, stale_from: Any = None, provs: list[Provenance | None] | None = None) -> list[GenerateResult]:
@@ -60,8 +69,13 @@ def samples(m: Any, stale_from: Any = None, provs: list[Provenance | None] | Non
         rows = own(m, p + o)[:-1]
         if stale_from is not None:
             rows[:cached] = own(stale_from, p + o)[:cached]
-        prov = Provenance(cached_tokens=cached, cache_tier="host" if cached else None, preemptions=0,
-                          weight_version_admitted=1, weight_version_finished=1)
+        prov = Provenance(
+            cached_tokens=cached,
+            cache_tier="host" if cached else None,
+            preemptions=0,
+            weight_version_admitted=1,
+            weight_version_finished=1,
+        )
         out.append(result(i, p, o, rows, provs[i] if provs is not None else prov))
     return out
 
@@ -153,13 +167,33 @@ def test_packed_batches_mask_and_segment_the_same_rows(model: Any, info: RRInfo)
 def test_trajectory_turns_get_their_own_segments(info: RRInfo) -> None:
     traj = Trajectory(None, [5, 6, 7, 8])  # type: ignore[arg-type]  # turns taken as the client would hand them
     t0 = Provenance(cached_tokens=2)
-    r0 = GenerateResult(0, 0, [5, 6, 7, 8], [9, 10], None, "stop", np.zeros((5, 3, 2)), 0,
-                        {"rr_provenance": t0.to_dict()}, provenance=t0)
+    r0 = GenerateResult(
+        0,
+        0,
+        [5, 6, 7, 8],
+        [9, 10],
+        None,
+        "stop",
+        np.zeros((5, 3, 2)),
+        0,
+        {"rr_provenance": t0.to_dict()},
+        provenance=t0,
+    )
     traj._take_turn(r0, 0)
     traj.extend([11, 12])
     t1 = Provenance(cached_tokens=6)  # the first turn's prompt and output came from the prefix cache
-    r1 = GenerateResult(0, 0, traj.input_ids, [13, 14, 15], None, "stop", np.zeros((5, 3, 2)), 5,
-                        {"rr_provenance": t1.to_dict()}, provenance=t1)
+    r1 = GenerateResult(
+        0,
+        0,
+        traj.input_ids,
+        [13, 14, 15],
+        None,
+        "stop",
+        np.zeros((5, 3, 2)),
+        5,
+        {"rr_provenance": t1.to_dict()},
+        provenance=t1,
+    )
     traj._take_turn(r1, 5)
     rt = to_tensors([traj], info, pad_side="right")
     sg = build_segments([traj], rt)

@@ -159,8 +159,11 @@ def test_block_bypassing_its_router_is_caught() -> None:
         return self.experts(flat, i, (w / w.sum(-1, keepdim=True)).to(flat.dtype)).reshape(b, t, d)
 
     block.forward = types.MethodType(own_topk_forward, block)
-    with pytest.raises(ReplayError, match=r"layer 0: only \d+/14 replayed rows reached the experts .*"
-                                          "Qwen3MoeSparseMoeBlock") as e:
+    with pytest.raises(
+        ReplayError,
+        match=r"layer 0: only \d+/14 replayed rows reached the experts .*"
+        "Qwen3MoeSparseMoeBlock",
+    ) as e:
         with torch.no_grad(), replay_routing(model, other_ids(5), audit=True):
             model(x)
     assert e.value.report["r3/layer0/applied_share"] < 1.0

@@ -198,8 +198,11 @@ def _stub_routers(routers: list[Router], mode: Any) -> dict[int, tuple[torch.Ten
     outs = {}
     with mode:
         for r in routers:
-            outs[r.layer] = (torch.randn(B * T, r.num_experts, device=CUDA), torch.rand(B * T, r.top_k, device=CUDA),
-                             torch.randint(0, r.num_experts, (B * T, r.top_k), device=CUDA))
+            outs[r.layer] = (
+                torch.randn(B * T, r.num_experts, device=CUDA),
+                torch.rand(B * T, r.top_k, device=CUDA),
+                torch.randint(0, r.num_experts, (B * T, r.top_k), device=CUDA),
+            )
             r.module.forward = (lambda o: lambda *_a, **_k: o)(outs[r.layer])
     return outs
 
@@ -213,7 +216,7 @@ def test_hooks_on_a_fake_gpu_copy_nothing(arch: str) -> None:
     routers, left = survey(model)
     n_hidden = num_hidden_layers(model, routers)
     g = torch.Generator().manual_seed(1)
-    rows = torch.stack([torch.randperm(8, generator=g)[:routers[0].top_k] for _ in range(B * T * n_hidden)])
+    rows = torch.stack([torch.randperm(8, generator=g)[: routers[0].top_k] for _ in range(B * T * n_hidden)])
     rows = rows.reshape(B * T, n_hidden, -1).to(torch.int16)
     mask = torch.ones(B * T, dtype=torch.bool)
     mask[-1] = False

@@ -176,8 +176,14 @@ def test_bad_settings_are_refused(qwen: Any) -> None:
 
 def test_merge_reports_of_nothing_is_empty() -> None:
     assert merge_reports([]) == {} and merge_reports([{}]) == {}
-    r = {K.FORWARDS: 1.0, K.REPLAYED_ROWS: 0.0, K.LEFT_ROWS: 4.0, K.MOE_LAYERS: 2.0, K.APPLIED_SHARE: math.nan,
-         K.AGREEMENT: math.nan}
+    r = {
+        K.FORWARDS: 1.0,
+        K.REPLAYED_ROWS: 0.0,
+        K.LEFT_ROWS: 4.0,
+        K.MOE_LAYERS: 2.0,
+        K.APPLIED_SHARE: math.nan,
+        K.AGREEMENT: math.nan,
+    }
     m = merge_reports([r])
     assert math.isnan(m[K.APPLIED_SHARE]) and math.isnan(m[K.AGREEMENT]) and m[K.LEFT_ROWS] == 4.0
 
@@ -196,7 +202,6 @@ def test_token_logprobs_gap_with_replay_is_zero_on_the_models_own_choice(qwen: A
     assert met[K.MEAN_ABS_LOGP_DIFF] < 1e-6 and met[K.AGREEMENT] == 1.0
 
 
-
 def test_add_gap_refuses_pre_temperature_logprobs_at_another_temperature(qwen: Any) -> None:
     """The engine's log-probs before temperature (vLLM raw_logprobs) or of unknown mode are refused at T != 1
     (LogprobsModeError naming the flag), never turned into a gap; after temperature (or at T = 1) they are
@@ -205,8 +210,16 @@ def test_add_gap_refuses_pre_temperature_logprobs_at_another_temperature(qwen: A
 
     from rr_client import LogprobsModeError, RRInfo, to_tensors
 
-    info = RRInfo(engine="t", engine_version="0", rr_version="0", num_hidden_layers=LAYERS, num_experts=EXPERTS,
-                  topk=TOPK, moe_layers=[0, 2], wire_dtype="uint8")
+    info = RRInfo(
+        engine="t",
+        engine_version="0",
+        rr_version="0",
+        num_hidden_layers=LAYERS,
+        num_experts=EXPERTS,
+        topk=TOPK,
+        moe_layers=[0, 2],
+        wire_dtype="uint8",
+    )
 
     class Sample:
         index, prompt_ids, output_ids, routed_experts_start = 0, [1, 2], [3, 4, 5], 0

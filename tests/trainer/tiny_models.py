@@ -28,31 +28,65 @@ VOCAB, HIDDEN, LAYERS, EXPERTS, TOPK = 64, 32, 3, 8, 2
 def tiny_config(arch: str) -> Any:
     import transformers
 
-    common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                                  num_attention_heads=2, num_key_value_heads=1, num_experts_per_tok=TOPK,
-                                  max_position_embeddings=128, tie_word_embeddings=False,
-                                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts_per_tok=TOPK,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     if arch == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, head_dim=16, intermediate_size=48, moe_intermediate_size=16,
-                                           num_experts=EXPERTS, mlp_only_layers=[1], norm_topk_prob=True)
+        return transformers.Qwen3MoeConfig(
+            **common,
+            head_dim=16,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_experts=EXPERTS,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+        )
     if arch == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=16,
-                                           shared_expert_intermediate_size=16, num_experts=EXPERTS,
-                                           norm_topk_prob=False)
+        return transformers.Qwen2MoeConfig(
+            **common,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            num_experts=EXPERTS,
+            norm_topk_prob=False,
+        )
     if arch == "mixtral":
         return transformers.MixtralConfig(**common, head_dim=16, intermediate_size=16, num_local_experts=EXPERTS)
     if arch == "olmoe":
         return transformers.OlmoeConfig(**common, intermediate_size=16, num_experts=EXPERTS)
     if arch == "deepseek_v3":
         common["num_key_value_heads"] = 2  # MLA: as many KV heads as query heads
-        return transformers.DeepseekV3Config(**common, intermediate_size=48, moe_intermediate_size=16,
-                                             n_routed_experts=EXPERTS, n_shared_experts=1, first_k_dense_replace=1,
-                                             n_group=2, topk_group=1, routed_scaling_factor=2.5,
-                                             norm_topk_prob=True, q_lora_rank=None, kv_lora_rank=16,
-                                             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+        return transformers.DeepseekV3Config(
+            **common,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            n_routed_experts=EXPERTS,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+        )
     if arch == "gpt_oss":
-        return transformers.GptOssConfig(**common, head_dim=16, intermediate_size=16, num_local_experts=EXPERTS,
-                                         sliding_window=8)
+        return transformers.GptOssConfig(
+            **common, head_dim=16, intermediate_size=16, num_local_experts=EXPERTS, sliding_window=8
+        )
     raise ValueError(arch)
 
 

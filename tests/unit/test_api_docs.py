@@ -33,8 +33,14 @@ def test_api_reference_builds_without_warnings(tmp_path: Path) -> None:
     modules = api_modules()
     assert "rr_client" in modules and "rr_client.trainer.replay" in modules
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-W", "error", "-m", "pdoc", "-o", str(tmp_path), *modules],
-                       capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "pdoc", "-o", str(tmp_path), *modules],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     assert "Warning" not in p.stderr, p.stderr[-4000:]
     for mod in modules:  # one page per listed module

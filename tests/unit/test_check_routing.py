@@ -58,8 +58,9 @@ def test_checked_routing_encodes_to_what_decodes_back() -> None:
     ids = good(300)
     meta = routing_meta_fields(check_routing(torch.from_numpy(ids), info(300), rows=ROWS))
     assert meta["routed_experts_dtype"] == "uint16"
-    np.testing.assert_array_equal(decode_meta_info(meta, rows=ROWS, num_layers=L, topk=K, num_experts=300,
-                                                   moe_layers=MOE), ids)
+    np.testing.assert_array_equal(
+        decode_meta_info(meta, rows=ROWS, num_layers=L, topk=K, num_experts=300, moe_layers=MOE), ids
+    )
 
 
 def _with(row: int, layer: int, values: list[int]) -> np.ndarray:
@@ -89,8 +90,9 @@ FAILURES: list[tuple[str, object, dict[str, int], type[errors.RoutedExpertsError
 
 
 @pytest.mark.parametrize("name,value,kw,err,msg", FAILURES, ids=[f[0] for f in FAILURES])
-def test_each_failure_raises_its_typed_error(name: str, value: object, kw: dict[str, int],
-                                             err: type[errors.RoutedExpertsError], msg: str) -> None:
+def test_each_failure_raises_its_typed_error(
+    name: str, value: object, kw: dict[str, int], err: type[errors.RoutedExpertsError], msg: str
+) -> None:
     with pytest.raises(err, match=msg):
         check_routing(value, info(), rows=ROWS, **kw)
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from rr_client import __version__
-from rr_server.launch import sglang as launch_sglang, vllm as launch_vllm
+from rr_server.launch import sglang as launch_sglang
+from rr_server.launch import vllm as launch_vllm
 from rr_server.launch.options import FORMAT_FLAG
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,18 +23,21 @@ REPO = Path(__file__).resolve().parents[2]
 def rr_server(*args: str) -> subprocess.CompletedProcess[str]:
     """``python -m rr_server ARGS`` in a fresh interpreter (this checkout first on the path)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "rr_server", *args], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "rr_server", *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    )
 
 
 def test_help_describes_every_command() -> None:
     out = rr_server("--help")
     assert out.returncode == 0 and out.stderr == ""
-    for command, says in [("launch vllm ARGS...", "start vLLM's OpenAI API server with rr's plugin"),
-                          ("launch sglang ARGS...", "start SGLang's server with rr's patch"),
-                          ("proxy", "the sidecar"),
-                          ("doctor URL", "check, in seconds, that a running server's routing is right"),
-                          ("--version", "print rr-server's version")]:
+    for command, says in [
+        ("launch vllm ARGS...", "start vLLM's OpenAI API server with rr's plugin"),
+        ("launch sglang ARGS...", "start SGLang's server with rr's patch"),
+        ("proxy", "the sidecar"),
+        ("doctor URL", "check, in seconds, that a running server's routing is right"),
+        ("--version", "print rr-server's version"),
+    ]:
         assert re.search(rf"^  {re.escape(command)} +{re.escape(says)}", out.stdout, re.M), command
     assert "make demo" in out.stdout
 
@@ -54,12 +58,16 @@ def test_launch_sglang_help_without_sglang_shows_rr_options_then_says_why_no_mor
     text = out.stdout
     assert text.startswith("usage: rr-server launch sglang [rr options] <SGLang launch_server arguments...>")
     assert re.search(r"--routed-experts-format \{npy,sglang,ref\}\s+the server's default routed_experts_format", text)
-    assert text.index("rr's options") < text.index("SGLang's own arguments:") < text.index(
-        "SGLang's help is unavailable: sglang is not installed (pip install 'rr-replay[sglang]')")
+    assert (
+        text.index("rr's options")
+        < text.index("SGLang's own arguments:")
+        < text.index("SGLang's help is unavailable: sglang is not installed (pip install 'rr-replay[sglang]')")
+    )
 
 
-def test_launch_vllm_help_shows_rr_options_before_vllms(monkeypatch: pytest.MonkeyPatch,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_launch_vllm_help_shows_rr_options_before_vllms(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """rr's options first, then vLLM's own ``--help`` (``--help=GROUP`` passed on); nothing checked or started."""
     ran: list[list[str]] = []
 
@@ -85,15 +93,15 @@ def test_launch_vllm_help_without_vllm(monkeypatch: pytest.MonkeyPatch, capsys: 
     assert launch_vllm.main(["-h"]) == 0
     text = capsys.readouterr().out
     assert "--rr-cpu" in text and text.rstrip().endswith(
-        "vLLM's help is unavailable: vllm is not installed (pip install 'rr-replay[vllm]')")
+        "vLLM's help is unavailable: vllm is not installed (pip install 'rr-replay[vllm]')"
+    )
 
 
 @pytest.mark.parametrize("launcher", [launch_vllm, launch_sglang], ids=["vllm", "sglang"])
 def test_launcher_options_are_the_ones_it_takes_and_documented(launcher: object) -> None:
     parser = launcher.build_parser()  # type: ignore[attr-defined]
     flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
-    taken = ({*launch_vllm._RR_FLAGS, FORMAT_FLAG} if launcher is launch_vllm
-             else {FORMAT_FLAG})
+    taken = {*launch_vllm._RR_FLAGS, FORMAT_FLAG} if launcher is launch_vllm else {FORMAT_FLAG}
     assert flags == taken
     assert all(a.help for a in parser._actions)  # every option explains itself
     text = (REPO / "docs/engines.md").read_text()

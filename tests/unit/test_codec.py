@@ -19,8 +19,9 @@ from tests.support.routing_data import make_routing, npy_payload
 
 L, K, E = 4, 2, 8
 ROWS = 7
-INFO = RRInfo.from_hf_config({"num_hidden_layers": L, "num_experts": E, "num_experts_per_tok": K},
-                             engine="test", engine_version="0")
+INFO = RRInfo.from_hf_config(
+    {"num_hidden_layers": L, "num_experts": E, "num_experts_per_tok": K}, engine="test", engine_version="0"
+)
 
 
 def npy_b64(arr: np.ndarray) -> str:
@@ -98,8 +99,13 @@ def test_check_payload_one_door_for_every_format() -> None:
     ids = make_routing(ROWS, L, K, E)
     want = codec.check_routing(ids, INFO, rows=ROWS).array
     int32 = pybase64.b64encode(ids.astype("<i4").tobytes()).decode()
-    for payload, kw in ((npy_payload(ids, num_experts=E), {}), (int32, {}), (ids.tolist(), {}),
-                        (torch.from_numpy(ids), {}), (ids.astype(np.uint8).tobytes(), {"dtype": "uint8"})):
+    for payload, kw in (
+        (npy_payload(ids, num_experts=E), {}),
+        (int32, {}),
+        (ids.tolist(), {}),
+        (torch.from_numpy(ids), {}),
+        (ids.astype(np.uint8).tobytes(), {"dtype": "uint8"}),
+    ):
         got = codec.check_payload(payload, INFO, rows=ROWS, **kw)
         assert isinstance(got, codec.CheckedRouting)
         np.testing.assert_array_equal(got.array, want)
@@ -164,7 +170,10 @@ def test_decodes_sglang_headerless_int32() -> None:
 
 def test_decodes_sglang_with_stated_dtype() -> None:
     ids = make_routing(ROWS, L, K, E)
-    meta = {"routed_experts": base64.b64encode(ids.astype(np.uint16).tobytes()).decode(), "routed_experts_dtype": "uint16"}
+    meta = {
+        "routed_experts": base64.b64encode(ids.astype(np.uint16).tobytes()).decode(),
+        "routed_experts_dtype": "uint16",
+    }
     np.testing.assert_array_equal(codec.decode_meta_info(meta, rows=ROWS, num_layers=L, topk=K, num_experts=E), ids)
     # SGLang 0.5.7's field name
     meta = {"output_routed_experts": base64.b64encode(ids.astype(np.int32).tobytes()).decode()}
@@ -187,7 +196,12 @@ def test_decodes_vllm_021_nested_lists_after_json() -> None:
 
 def test_decodes_ms_swift_ndarray_dict() -> None:
     ids = make_routing(ROWS, L, K, E).astype(np.int64)
-    payload = {"data": base64.b64encode(ids.tobytes()).decode(), "shape": list(ids.shape), "dtype": "int64", "__ndarray__": True}
+    payload = {
+        "data": base64.b64encode(ids.tobytes()).decode(),
+        "shape": list(ids.shape),
+        "dtype": "int64",
+        "__ndarray__": True,
+    }
     got = codec.decode_routed_experts(payload, rows=ROWS, num_layers=L, topk=K, num_experts=E)
     np.testing.assert_array_equal(got, ids)
 
@@ -210,7 +224,9 @@ def test_all_formats_agree() -> None:
         codec.decode_routed_experts(pybase64.b64encode(ids.tobytes()).decode(), **kw),
         codec.decode_routed_experts(npy_b64(ids.astype(np.uint8)), **kw),
         codec.decode_routed_experts(ids.tolist(), **kw),
-        codec.decode_routed_experts({"data": base64.b64encode(ids.tobytes()).decode(), "shape": list(ids.shape), "dtype": "int32"}, **kw),
+        codec.decode_routed_experts(
+            {"data": base64.b64encode(ids.tobytes()).decode(), "shape": list(ids.shape), "dtype": "int32"}, **kw
+        ),
     ]
     for o in outs:
         assert o.dtype == np.uint8
@@ -236,8 +252,9 @@ def test_extra_rows_only_behind_option() -> None:
     out = codec.decode_routed_experts(payload, rows=ROWS, num_experts=E, allow_extra_rows=1)
     np.testing.assert_array_equal(out, ids[:ROWS])
     with pytest.raises(errors.ShapeMismatchError):  # two extra rows exceed the allowance
-        codec.decode_routed_experts(npy_payload(make_routing(ROWS + 2, L, K, E), num_experts=E),
-                              rows=ROWS, num_experts=E, allow_extra_rows=1)
+        codec.decode_routed_experts(
+            npy_payload(make_routing(ROWS + 2, L, K, E), num_experts=E), rows=ROWS, num_experts=E, allow_extra_rows=1
+        )
 
 
 def test_validate_false_still_checks_shape() -> None:
@@ -272,47 +289,179 @@ GOOD_NPY = npy_payload(_good(), num_experts=E)
 KW = dict(rows=ROWS, num_layers=L, topk=K, num_experts=E)
 
 BAD_CORPUS: list[tuple[str, object, dict[str, object], type[errors.RoutedExpertsError], str]] = [
-    ("truncated npy", base64.b64encode(base64.b64decode(GOOD_NPY)[:-5]).decode(), KW, errors.MalformedPayloadError, "needs"),
-    ("truncated header", base64.b64encode(base64.b64decode(GOOD_NPY)[:30]).decode(), KW, errors.MalformedPayloadError, "truncated"),
+    (
+        "truncated npy",
+        base64.b64encode(base64.b64decode(GOOD_NPY)[:-5]).decode(),
+        KW,
+        errors.MalformedPayloadError,
+        "needs",
+    ),
+    (
+        "truncated header",
+        base64.b64encode(base64.b64decode(GOOD_NPY)[:30]).decode(),
+        KW,
+        errors.MalformedPayloadError,
+        "truncated",
+    ),
     ("bad base64 chars", GOOD_NPY[:20] + "!!" + GOOD_NPY[22:], KW, errors.MalformedPayloadError, "base64"),
     ("base64 bad padding", GOOD_NPY[:-1], KW, errors.MalformedPayloadError, "base64"),
-    ("urlsafe alphabet", base64.urlsafe_b64encode(b"\xfb\xff" * 30).decode(), KW, errors.MalformedPayloadError, "base64"),
+    (
+        "urlsafe alphabet",
+        base64.urlsafe_b64encode(b"\xfb\xff" * 30).decode(),
+        KW,
+        errors.MalformedPayloadError,
+        "base64",
+    ),
     ("float npy", npy_b64(_good().astype(np.float32)), KW, errors.MalformedPayloadError, "not a little-endian integer"),
     ("big-endian npy", npy_b64(_good().astype(">i4")), KW, errors.MalformedPayloadError, "little-endian"),
     ("fortran npy", npy_b64(np.asfortranarray(_good().astype(np.uint8))), KW, errors.MalformedPayloadError, "Fortran"),
-    ("npy version 9", base64.b64encode(b"\x93NUMPY\x09\x00" + b"\x00" * 40).decode(), KW, errors.MalformedPayloadError, "version"),
+    (
+        "npy version 9",
+        base64.b64encode(b"\x93NUMPY\x09\x00" + b"\x00" * 40).decode(),
+        KW,
+        errors.MalformedPayloadError,
+        "version",
+    ),
     ("npy header not a dict", _npy_with_header("[1, 2]", b""), KW, errors.MalformedPayloadError, "exactly"),
-    ("npy header code", _npy_with_header("{'descr': __import__('os'), 'fortran_order': False, 'shape': (1,)}", b""), KW,
-     errors.MalformedPayloadError, "literal"),
-    ("npy extra header key", _npy_with_header("{'descr': '|u1', 'fortran_order': False, 'shape': (0, 4, 2), 'x': 1}", b""),
-     KW, errors.MalformedPayloadError, "exactly"),
-    ("npy negative shape", _npy_with_header("{'descr': '|u1', 'fortran_order': False, 'shape': (-1, 4, 2)}", b""), KW,
-     errors.MalformedPayloadError, "non-negative"),
-    ("npy trailing bytes", base64.b64encode(base64.b64decode(GOOD_NPY) + b"\x00").decode(), KW, errors.MalformedPayloadError, "needs"),
-    ("stated dtype disagrees", {"routed_experts": GOOD_NPY, "routed_experts_dtype": "int32"}, KW, errors.MalformedPayloadError, "stated"),
-    ("int32 decoded as uint8 width", pybase64.b64encode(_good().astype(np.uint8).tobytes()).decode(), KW, errors.ShapeMismatchError, "divide"),
-    ("headerless odd bytes", pybase64.b64encode(b"\x01\x02\x03").decode(), KW, errors.MalformedPayloadError, "whole number"),
-    ("wrong rows", npy_payload(make_routing(ROWS - 1, L, K, E), num_experts=E), KW, errors.ShapeMismatchError, "6 rows, expected 7"),
-    ("wrong layers", npy_payload(make_routing(ROWS, L + 1, K, E), num_experts=E), KW, errors.ShapeMismatchError, "5 layers"),
-    ("wrong topk", npy_payload(make_routing(ROWS, L, K + 1, E), num_experts=E), KW, errors.ShapeMismatchError, "top-k 3"),
-    ("2-D without dims", npy_b64(_good().reshape(ROWS, -1).astype(np.uint8)), {"num_experts": E}, errors.ShapeMismatchError, "states no"),
+    (
+        "npy header code",
+        _npy_with_header("{'descr': __import__('os'), 'fortran_order': False, 'shape': (1,)}", b""),
+        KW,
+        errors.MalformedPayloadError,
+        "literal",
+    ),
+    (
+        "npy extra header key",
+        _npy_with_header("{'descr': '|u1', 'fortran_order': False, 'shape': (0, 4, 2), 'x': 1}", b""),
+        KW,
+        errors.MalformedPayloadError,
+        "exactly",
+    ),
+    (
+        "npy negative shape",
+        _npy_with_header("{'descr': '|u1', 'fortran_order': False, 'shape': (-1, 4, 2)}", b""),
+        KW,
+        errors.MalformedPayloadError,
+        "non-negative",
+    ),
+    (
+        "npy trailing bytes",
+        base64.b64encode(base64.b64decode(GOOD_NPY) + b"\x00").decode(),
+        KW,
+        errors.MalformedPayloadError,
+        "needs",
+    ),
+    (
+        "stated dtype disagrees",
+        {"routed_experts": GOOD_NPY, "routed_experts_dtype": "int32"},
+        KW,
+        errors.MalformedPayloadError,
+        "stated",
+    ),
+    (
+        "int32 decoded as uint8 width",
+        pybase64.b64encode(_good().astype(np.uint8).tobytes()).decode(),
+        KW,
+        errors.ShapeMismatchError,
+        "divide",
+    ),
+    (
+        "headerless odd bytes",
+        pybase64.b64encode(b"\x01\x02\x03").decode(),
+        KW,
+        errors.MalformedPayloadError,
+        "whole number",
+    ),
+    (
+        "wrong rows",
+        npy_payload(make_routing(ROWS - 1, L, K, E), num_experts=E),
+        KW,
+        errors.ShapeMismatchError,
+        "6 rows, expected 7",
+    ),
+    (
+        "wrong layers",
+        npy_payload(make_routing(ROWS, L + 1, K, E), num_experts=E),
+        KW,
+        errors.ShapeMismatchError,
+        "5 layers",
+    ),
+    (
+        "wrong topk",
+        npy_payload(make_routing(ROWS, L, K + 1, E), num_experts=E),
+        KW,
+        errors.ShapeMismatchError,
+        "top-k 3",
+    ),
+    (
+        "2-D without dims",
+        npy_b64(_good().reshape(ROWS, -1).astype(np.uint8)),
+        {"num_experts": E},
+        errors.ShapeMismatchError,
+        "states no",
+    ),
     ("4-D", npy_b64(_good()[None].astype(np.uint8)), KW, errors.ShapeMismatchError, "4-D"),
-    ("id out of range", npy_b64(_with(2, 1, [1, E]).astype(np.uint8)), KW, errors.ExpertIdOutOfRangeError, "row 2 layer 1"),
-    ("negative id int32", pybase64.b64encode(_with(2, 1, [1, -1]).tobytes()).decode(), KW, errors.ExpertIdOutOfRangeError, "-1"),
-    ("huge id int32 wraps to valid uint8", pybase64.b64encode(_with(2, 1, [1, 256 + 3]).tobytes()).decode(), KW,
-     errors.ExpertIdOutOfRangeError, "259"),
-    ("duplicate ids", npy_b64(_with(5, 3, [4, 4]).astype(np.uint8)), KW, errors.UnrecordedRoutingError, "row 5 layer 3 has repeated"),
+    (
+        "id out of range",
+        npy_b64(_with(2, 1, [1, E]).astype(np.uint8)),
+        KW,
+        errors.ExpertIdOutOfRangeError,
+        "row 2 layer 1",
+    ),
+    (
+        "negative id int32",
+        pybase64.b64encode(_with(2, 1, [1, -1]).tobytes()).decode(),
+        KW,
+        errors.ExpertIdOutOfRangeError,
+        "-1",
+    ),
+    (
+        "huge id int32 wraps to valid uint8",
+        pybase64.b64encode(_with(2, 1, [1, 256 + 3]).tobytes()).decode(),
+        KW,
+        errors.ExpertIdOutOfRangeError,
+        "259",
+    ),
+    (
+        "duplicate ids",
+        npy_b64(_with(5, 3, [4, 4]).astype(np.uint8)),
+        KW,
+        errors.UnrecordedRoutingError,
+        "row 5 layer 3 has repeated",
+    ),
     ("all-zero MoE row", npy_b64(_with(0, 0, [0, 0]).astype(np.uint8)), KW, errors.UnrecordedRoutingError, "all-zero"),
-    ("all-zero payload (vLLM torch.compile bug)", npy_b64(np.zeros((ROWS, L, K), np.uint8)), KW, errors.UnrecordedRoutingError, "all-zero"),
+    (
+        "all-zero payload (vLLM torch.compile bug)",
+        npy_b64(np.zeros((ROWS, L, K), np.uint8)),
+        KW,
+        errors.UnrecordedRoutingError,
+        "all-zero",
+    ),
     ("null", None, KW, errors.MissingRoutingError, "missing"),
     ("empty string", "", KW, errors.MissingRoutingError, "empty"),
     ("sglang {} loss", {}, KW, errors.MissingRoutingError, "skip-tokenizer-init"),
     ("unknown dict", {"foo": 1}, KW, errors.MalformedPayloadError, "not a known"),
-    ("swift dict missing data", {"shape": [ROWS, L, K], "dtype": "int32", "__ndarray__": True}, KW, errors.MalformedPayloadError, "'data'"),
-    ("swift dict wrong size", {"data": base64.b64encode(b"\x00" * 12).decode(), "shape": [ROWS, L, K], "dtype": "int32",
-                               "__ndarray__": True}, KW, errors.MalformedPayloadError, "needs"),
-    ("swift dict float", {"data": base64.b64encode(b"\x00" * 4).decode(), "shape": [1], "dtype": "float32"}, KW,
-     errors.MalformedPayloadError, "integer"),
+    (
+        "swift dict missing data",
+        {"shape": [ROWS, L, K], "dtype": "int32", "__ndarray__": True},
+        KW,
+        errors.MalformedPayloadError,
+        "'data'",
+    ),
+    (
+        "swift dict wrong size",
+        {"data": base64.b64encode(b"\x00" * 12).decode(), "shape": [ROWS, L, K], "dtype": "int32", "__ndarray__": True},
+        KW,
+        errors.MalformedPayloadError,
+        "needs",
+    ),
+    (
+        "swift dict float",
+        {"data": base64.b64encode(b"\x00" * 4).decode(), "shape": [1], "dtype": "float32"},
+        KW,
+        errors.MalformedPayloadError,
+        "integer",
+    ),
     ("ragged lists", [[[1, 2]], [[1]]], KW, errors.MalformedPayloadError, "ragged"),
     ("float lists", [[[1.5, 2.0]] * L] * ROWS, KW, errors.MalformedPayloadError, "ints"),
     ("int payload", 12, KW, errors.MalformedPayloadError, "unsupported"),
@@ -385,7 +534,9 @@ def test_server_withheld_routing_reason_is_surfaced() -> None:
     with pytest.raises(errors.ShapeMismatchError, match="withheld routed_experts: ShapeMismatchError: x"):
         codec.decode_meta_info({"routed_experts": None, "routed_experts_error": "ShapeMismatchError: x"}, num_experts=E)
     with pytest.raises(errors.UnrecordedRoutingError):
-        codec.decode_meta_info({"routed_experts": None, "routed_experts_error": "UnrecordedRoutingError: y"}, num_experts=E)
+        codec.decode_meta_info(
+            {"routed_experts": None, "routed_experts_error": "UnrecordedRoutingError: y"}, num_experts=E
+        )
     # a name that is not one of rr's routing errors is never looked up as something else
     with pytest.raises(errors.MissingRoutingError, match="KeyError: z"):
         codec.decode_meta_info({"routed_experts": None, "routed_experts_error": "KeyError: z"}, num_experts=E)
@@ -395,8 +546,14 @@ def test_aborted_request_says_so() -> None:
     # a request the engine aborted (queued when the server shut down) has no routing: the error names the abort
     aborted = {"type": "abort", "message": "Abort before prompt prefill"}
     with pytest.raises(errors.MissingRoutingError, match="engine aborted this request .*Abort before prompt prefill"):
-        codec.decode_meta_info({"finish_reason": aborted, "routed_experts": None,
-                                "routed_experts_error": "MissingRoutingError: no routing"}, num_experts=E)
+        codec.decode_meta_info(
+            {
+                "finish_reason": aborted,
+                "routed_experts": None,
+                "routed_experts_error": "MissingRoutingError: no routing",
+            },
+            num_experts=E,
+        )
     with pytest.raises(errors.MissingRoutingError, match="engine aborted this request"):
         codec.decode_meta_info({"finish_reason": aborted}, num_experts=E)
     # routing that is there is decoded whatever the finish reason says
@@ -406,6 +563,7 @@ def test_aborted_request_says_so() -> None:
     arr = np.array([[[1, 2]]], dtype=np.uint8)
     buf = io.BytesIO()
     np.save(buf, arr)
-    got = codec.decode_meta_info({"finish_reason": aborted, "routed_experts": base64.b64encode(buf.getvalue()).decode()},
-                                 num_experts=E)
+    got = codec.decode_meta_info(
+        {"finish_reason": aborted, "routed_experts": base64.b64encode(buf.getvalue()).decode()}, num_experts=E
+    )
     assert got.tolist() == arr.tolist()

@@ -95,8 +95,9 @@ def launcher(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[str]]]:
     yield launched
 
 
-def test_launcher_refuses_open_dev_mode_before_starting(launcher: list[list[str]],
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_launcher_refuses_open_dev_mode_before_starting(
+    launcher: list[list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert launch_vllm.main(["--model", "m", "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err
     assert not launcher and err.startswith("rr: VLLM_SERVER_DEV_MODE=1") and OPEN_DEV_MODE_FLAG in err
@@ -112,7 +113,7 @@ def test_launcher_starts_dev_mode_with_a_key(launcher: list[list[str]]) -> None:
     with pytest.raises(_Launched):
         launch_vllm.main(["--model", "m", "--host", "0.0.0.0", "--api-key", "k"])
     cmd = launcher[0]
-    assert cmd[cmd.index("--api-key"):cmd.index("--api-key") + 2] == ["--api-key", "k"]
+    assert cmd[cmd.index("--api-key") : cmd.index("--api-key") + 2] == ["--api-key", "k"]
 
 
 def test_launcher_help_is_not_refused(launcher: list[list[str]]) -> None:
@@ -132,8 +133,15 @@ def test_static_list_covers_the_installed_vllms_dev_routes() -> None:
     app = FastAPI()
     register_vllm_dev_api_routers(app)
     found = vllm_auth.dev_route_paths(app)
-    assert {"/collective_rpc", "/reset_prefix_cache", "/reset_mm_cache", "/sleep", "/wake_up", "/is_sleeping",
-            "/server_info"} <= set(found)
+    assert {
+        "/collective_rpc",
+        "/reset_prefix_cache",
+        "/reset_mm_cache",
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
+        "/server_info",
+    } <= set(found)
     assert set(found) <= set(vllm_auth.DEV_MODE_PATHS)
 
 
@@ -143,6 +151,7 @@ def _app(tokens: list[str], *paths: str, module: str = "vllm.entrypoints.serve.d
 
     app = FastAPI()
     for path in paths:
+
         async def ok() -> dict[str, bool]:
             return {"ok": True}
 
@@ -154,8 +163,10 @@ def _app(tokens: list[str], *paths: str, module: str = "vllm.entrypoints.serve.d
 
 def _statuses(app: FastAPI, path: str) -> tuple[int, int, int]:
     with TestClient(app) as client:
-        return tuple(client.post(path, headers={"authorization": f"Bearer {k}"} if k else {}).status_code
-                     for k in (None, "wrong", "k"))  # type: ignore[return-value]
+        return tuple(
+            client.post(path, headers={"authorization": f"Bearer {k}"} if k else {}).status_code
+            for k in (None, "wrong", "k")
+        )  # type: ignore[return-value]
 
 
 def test_dev_routes_need_the_key_through_vllms_middleware() -> None:
@@ -210,8 +221,9 @@ def test_without_vllms_prefix_tuple_rr_guards_the_dev_routes_itself(monkeypatch:
     assert _statuses(app, "/health")[0] == 200
 
 
-def test_no_key_leaves_dev_routes_open_with_a_warning(monkeypatch: pytest.MonkeyPatch,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_no_key_leaves_dev_routes_open_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
     with caplog.at_level("WARNING", logger="rr.vllm"):

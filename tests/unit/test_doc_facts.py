@@ -18,8 +18,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from rr_client.core import settings
-from rr_client.core import versions
+from rr_client.core import settings, versions
 from rr_client.core.versions import parse_release
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +62,7 @@ def documented_signatures(text: str, name: str) -> list[list[tuple[str, str | No
         while depth and i < len(flat):
             depth += {"(": 1, ")": -1}.get(flat[i], 0)
             i += 1
-        parts = _split_top(flat[m.end():i - 1])
+        parts = _split_top(flat[m.end() : i - 1])
         if "*" not in parts:
             continue  # a call, not a signature
         found.append([(p.split("=", 1)[0].strip(), p.split("=", 1)[1].strip() if "=" in p else None) for p in parts])
@@ -106,8 +105,11 @@ SIGNATURES = [  # (doc, name as written, the function)
     ("docs/client.md", "generate", lambda: _client().generate),
     ("docs/trainer.md", "DiskWeightSync", lambda: _weight_sync().__init__),
     ("docs/wire-format.md", "check_payload", lambda: __import__("rr_client").check_payload),
-    ("docs/trainer.md", "router_targets",
-     lambda: __import__("rr_client.integrations.megatron", fromlist=["router_targets"]).router_targets),
+    (
+        "docs/trainer.md",
+        "router_targets",
+        lambda: __import__("rr_client.integrations.megatron", fromlist=["router_targets"]).router_targets,
+    ),
 ]
 
 
@@ -125,16 +127,19 @@ def test_documented_signature_is_the_codes(doc: str, name: str, get: Callable[[]
 
 
 def test_signature_parser_reads_signatures_not_calls() -> None:
-    text = "f(a, b)\n`f(a, b=1, *, c=None,\n  d=\"x\")` and x.f(1, *, e=[1, 2])"
-    assert documented_signatures(text, "f") == [[("a", None), ("b", "1"), ("*", None), ("c", "None"), ("d", '"x"')],
-                                                [("1", None), ("*", None), ("e", "[1, 2]")]]
+    text = 'f(a, b)\n`f(a, b=1, *, c=None,\n  d="x")` and x.f(1, *, e=[1, 2])'
+    assert documented_signatures(text, "f") == [
+        [("a", None), ("b", "1"), ("*", None), ("c", "None"), ("d", '"x"')],
+        [("1", None), ("*", None), ("e", "[1, 2]")],
+    ]
 
 
 def _table(text: str, heading: str) -> list[list[str]]:
     """The rows (cells stripped) of the first table after ``heading``, header and rule excluded."""
     section = text.split(heading, 1)[1]
-    rows = [ln for ln in section.split("\n\n|", 1)[0].splitlines() if ln.startswith("|")] or \
-        [ln for ln in ("|" + section.split("\n\n|", 1)[1]).split("\n\n")[0].splitlines()]
+    rows = [ln for ln in section.split("\n\n|", 1)[0].splitlines() if ln.startswith("|")] or [
+        ln for ln in ("|" + section.split("\n\n|", 1)[1]).split("\n\n")[0].splitlines()
+    ]
     return [[c.strip() for c in r.strip().strip("|").split(" | ")] for r in rows[2:]]
 
 
@@ -168,9 +173,16 @@ def _audit_keys() -> set[str]:
     from rr_client.trainer import keys
 
     tree = ast.parse(_read("rr_client/trainer/replay/_audit.py"))
-    names = {t.slice.attr for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
-             if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Attribute)
-             and isinstance(t.slice.value, ast.Name) and t.slice.value.id == "K"}
+    names = {
+        t.slice.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Subscript)
+        and isinstance(t.slice, ast.Attribute)
+        and isinstance(t.slice.value, ast.Name)
+        and t.slice.value.id == "K"
+    }
     assert len(names) >= 5
     return {getattr(keys, n) for n in names}
 
@@ -217,9 +229,14 @@ def code_defaults() -> dict[str, set[str]]:
             tree = ast.parse(path.read_text())
             parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
             for call in ast.walk(tree):
-                if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
-                        and isinstance(call.func.value, ast.Name) and call.func.value.id == "settings"
-                        and call.func.attr in ("flag", "text", "integer") and call.args):
+                if not (
+                    isinstance(call, ast.Call)
+                    and isinstance(call.func, ast.Attribute)
+                    and isinstance(call.func.value, ast.Name)
+                    and call.func.value.id == "settings"
+                    and call.func.attr in ("flag", "text", "integer")
+                    and call.args
+                ):
                     continue
                 arg = call.args[0]
                 try:  # a parameter (auth's ``env_var``) names no setting here: its caller's call is read instead
@@ -228,15 +245,25 @@ def code_defaults() -> dict[str, set[str]]:
                     continue
                 kw = next((k.value for k in call.keywords if k.arg == "default"), None)
                 parent = parents.get(call)
-                if kw is None and isinstance(parent, ast.BoolOp) and isinstance(parent.op, ast.Or) \
-                        and isinstance(parent.values[-1], ast.Constant):
+                if (
+                    kw is None
+                    and isinstance(parent, ast.BoolOp)
+                    and isinstance(parent.op, ast.Or)
+                    and isinstance(parent.values[-1], ast.Constant)
+                ):
                     kw = parent.values[-1]
                 if kw is None:
                     value: Any = False if call.func.attr == "flag" else None
                 else:
-                    value = kw.value if isinstance(kw, ast.Constant) else (
-                        _constant(tree, path, kw.id) if isinstance(kw, ast.Name)
-                        else eval(compile(ast.Expression(kw), str(path), "eval"), {}))
+                    value = (
+                        kw.value
+                        if isinstance(kw, ast.Constant)
+                        else (
+                            _constant(tree, path, kw.id)
+                            if isinstance(kw, ast.Name)
+                            else eval(compile(ast.Expression(kw), str(path), "eval"), {})
+                        )
+                    )
                 if value is None:
                     continue
                 shown = {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) else str(value)
@@ -268,18 +295,30 @@ def code_info_keys() -> set[str]:
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                     if node.func.attr == "from_hf_config":
                         keys |= {k.arg for k in node.keywords if k.arg}
-                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and isinstance(
-                        node.value.func, ast.Attribute) and node.value.func.attr == "model_dump":
+                if (
+                    isinstance(node, ast.Assign)
+                    and isinstance(node.value, ast.Call)
+                    and isinstance(node.value.func, ast.Attribute)
+                    and node.value.func.attr == "model_dump"
+                ):
                     dumped |= {t.id for t in node.targets if isinstance(t, ast.Name)}
                 if isinstance(node, ast.Dict) and any(
-                        k is None and isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute)
-                        and v.func.attr == "model_dump" for k, v in zip(node.keys, node.values)):
+                    k is None
+                    and isinstance(v, ast.Call)
+                    and isinstance(v.func, ast.Attribute)
+                    and v.func.attr == "model_dump"
+                    for k, v in zip(node.keys, node.values)
+                ):
                     keys |= {k.value for k in node.keys if isinstance(k, ast.Constant)}
             for node in ast.walk(tree):
                 if isinstance(node, ast.Assign):
                     for t in node.targets:
-                        if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in dumped \
-                                and isinstance(t.slice, ast.Constant):
+                        if (
+                            isinstance(t, ast.Subscript)
+                            and isinstance(t.value, ast.Name)
+                            and t.value.id in dumped
+                            and isinstance(t.slice, ast.Constant)
+                        ):
                             keys.add(t.slice.value)
     return keys
 
@@ -388,8 +427,9 @@ def _pins(script: str) -> dict[str, str]:
 def test_transformers_range_is_the_pinned_envs() -> None:
     """pyproject's transformers bound spans exactly (by minor) the releases the envs pin: verl's and .venv's."""
     spec = pyproject_requirements()["transformers"].specifier
-    pinned = sorted({_pins("scripts/setup.sh")["transformers"], _pins("scripts/setup_verl.sh")["transformers"]},
-                    key=parse_release)
+    pinned = sorted(
+        {_pins("scripts/setup.sh")["transformers"], _pins("scripts/setup_verl.sh")["transformers"]}, key=parse_release
+    )
     assert all(spec.contains(v) for v in pinned)
     lo, hi = parse_release(pinned[0])[:2], parse_release(pinned[-1])[:2]
     grid = [f"{lo[0]}.{m}.0" for m in range(lo[1] - 3, hi[1] + 4)]
@@ -405,8 +445,10 @@ def test_verl_env_pins_satisfy_the_extras() -> None:
 
 
 def _ranges(cell: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    return [(parse_release(a), parse_release(b or a)) for a, b in re.findall(r"(\d+\.\d+(?:\.\d+)?)(?: - (\d[\d.]*))?",
-                                                                                 cell)]
+    return [
+        (parse_release(a), parse_release(b or a))
+        for a, b in re.findall(r"(\d+\.\d+(?:\.\d+)?)(?: - (\d[\d.]*))?", cell)
+    ]
 
 
 def _minors(rs: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> set[tuple[int, int]]:

@@ -20,7 +20,9 @@ def _flags(parser: argparse.ArgumentParser) -> set[str]:
     return {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
 
 
-@pytest.mark.parametrize(("module", "doc"), [("rr_server.proxy", "docs/sidecar.md"), ("rr_server.doctor", "docs/doctor.md")])
+@pytest.mark.parametrize(
+    ("module", "doc"), [("rr_server.proxy", "docs/sidecar.md"), ("rr_server.doctor", "docs/doctor.md")]
+)
 def test_every_cli_flag_is_documented(module: str, doc: str) -> None:
     import importlib
 
@@ -53,8 +55,10 @@ def parse_tree(text: str) -> dict[str, str | None]:
 def code_tree() -> dict[str, str | None]:
     """``{class name: rr parent}`` for every error class rr_client.core.errors defines."""
     mine = {name: getattr(errors, name) for name in errors.__all__}
-    return {name: next((b.__name__ for b in cls.__bases__ if issubclass(b, errors.RRError)), None)
-            for name, cls in mine.items()}
+    return {
+        name: next((b.__name__ for b in cls.__bases__ if issubclass(b, errors.RRError)), None)
+        for name, cls in mine.items()
+    }
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/client.md"])
@@ -92,8 +96,12 @@ def _slug(heading: str) -> str:
 def test_doc_links_resolve() -> None:
     """Relative links in README, CHANGELOG and docs point at files that exist, and into headings that exist."""
     docs = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
-    anchors = {d.resolve(): {_slug(h) for h in re.findall(r"^#+ (.*)$", re.sub(r"```.*?```", "", d.read_text(),
-                                                                                 flags=re.S), re.M)} for d in docs}
+    anchors = {
+        d.resolve(): {
+            _slug(h) for h in re.findall(r"^#+ (.*)$", re.sub(r"```.*?```", "", d.read_text(), flags=re.S), re.M)
+        }
+        for d in docs
+    }
     broken = []
     for doc in docs:
         for target, anchor in re.findall(r"\]\(([^)#:]*)(?:#([^)]+))?\)", doc.read_text()):

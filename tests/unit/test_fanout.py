@@ -74,7 +74,7 @@ class Stream:
         finally:
             self.closed = True
 
-    def __aiter__(self) -> "Stream":
+    def __aiter__(self) -> Stream:
         return self
 
     async def __anext__(self) -> object:

@@ -52,13 +52,24 @@ def test_bad_request_corpus(case: BadRequestCase) -> None:
 
 
 def test_sampling_translation() -> None:
-    req = parse_generate_request({"text": "a", "sampling_params": {
-        "max_new_tokens": 7, "stop": ["x"], "top_k": -1, "sampling_seed": 3, "no_stop_trim": True}})
+    req = parse_generate_request(
+        {
+            "text": "a",
+            "sampling_params": {
+                "max_new_tokens": 7,
+                "stop": ["x"],
+                "top_k": -1,
+                "sampling_seed": 3,
+                "no_stop_trim": True,
+            },
+        }
+    )
     kw = to_vllm_sampling_kwargs(req.sampling[0], routed_experts_start=5, return_logprob=True)
     assert kw["max_tokens"] == 7 and kw["stop"] == ["x"] and kw["top_k"] == 0 and kw["seed"] == 3
     assert kw["include_stop_str_in_output"] and kw["routed_experts_prompt_start"] == 5 and kw["logprobs"] == 0
-    kw = to_vllm_sampling_kwargs(parse_generate_request({"text": "a"}).sampling[0], routed_experts_start=0,
-                                 return_logprob=False)
+    kw = to_vllm_sampling_kwargs(
+        parse_generate_request({"text": "a"}).sampling[0], routed_experts_start=0, return_logprob=False
+    )
     assert "routed_experts_prompt_start" not in kw and "logprobs" not in kw and "seed" not in kw
 
 
@@ -69,14 +80,16 @@ def test_finish_reason_dict() -> None:
     assert finish_reason_dict("abort", None) == {"type": "abort", "message": "abort"}
 
 
-INFO = RRInfo.from_hf_config({"num_hidden_layers": 2, "num_experts": 300, "num_experts_per_tok": 2},
-                             engine="vllm", engine_version="test")
+INFO = RRInfo.from_hf_config(
+    {"num_hidden_layers": 2, "num_experts": 300, "num_experts_per_tok": 2}, engine="vllm", engine_version="test"
+)
 GOOD = np.array([[[1, 299], [3, 4]]] * 4)  # prompt 3 + completion 2 - 1 = 4 rows
 
 
 def _item(**kw: object) -> dict[str, object]:
-    base: dict[str, object] = dict(rid="r", text="t", output_ids=[1, 2], prompt_tokens=3, cached_tokens=0,
-                                   finish_reason=None, e2e_latency=0.0)
+    base: dict[str, object] = dict(
+        rid="r", text="t", output_ids=[1, 2], prompt_tokens=3, cached_tokens=0, finish_reason=None, e2e_latency=0.0
+    )
     base.update(kw)
     return build_item(**base)  # type: ignore[arg-type]
 

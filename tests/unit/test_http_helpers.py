@@ -10,8 +10,21 @@ import numpy as np
 import orjson
 import pytest
 
-from rr_server.serving.http import BodyTooLarge, Message, PostBodyMiddleware, Receive, Scope, Send, error_body
-from rr_server.serving.http import json_bytes, json_response, read_body, replay_receive, send_json, with_body
+from rr_server.serving.http import (
+    BodyTooLarge,
+    Message,
+    PostBodyMiddleware,
+    Receive,
+    Scope,
+    Send,
+    error_body,
+    json_bytes,
+    json_response,
+    read_body,
+    replay_receive,
+    send_json,
+    with_body,
+)
 
 
 def _receiver(messages: list[Message]) -> Receive:
@@ -28,12 +41,14 @@ def test_error_body_shape_is_vllms_and_sglangs() -> None:
     assert body == {"error": {"message": "nope", "type": "BadRequestError", "code": 400}, "message": "nope"}
     assert error_body("boom", 502)["error"]["type"] == "InternalServerError"
     assert error_body("big", 413, "RequestTooLarge") == {
-        "error": {"message": "big", "type": "RequestTooLarge", "code": 413}, "message": "big"}
+        "error": {"message": "big", "type": "RequestTooLarge", "code": 413},
+        "message": "big",
+    }
     extra = error_body("gone", 410, "RoutingExpiredError", expired=[{"key": "k", "why": "w"}])
     assert list(extra["error"]) == ["message", "type", "code", "expired"]
     assert json_bytes(error_body("x", 503, kind="upstream_unavailable")) == (
-        b'{"error":{"message":"x","type":"InternalServerError","code":503,"kind":"upstream_unavailable"},'
-        b'"message":"x"}')
+        b'{"error":{"message":"x","type":"InternalServerError","code":503,"kind":"upstream_unavailable"},"message":"x"}'
+    )
 
 
 def test_json_bytes_are_compact_utf8_and_take_numpy_scalars() -> None:
@@ -52,9 +67,11 @@ def test_send_json_sends_one_answer_with_length_and_type() -> None:
     hdrs = [(b"x-kept", b"1"), (b"Content-Length", b"999"), (b"content-type", b"text/plain")]
     asyncio.run(send_json(send, {"a": [1, 2]}, 201, hdrs))
     start, body = sent
-    assert start == {"type": "http.response.start", "status": 201,
-                     "headers": [(b"x-kept", b"1"), (b"content-type", b"application/json"),
-                                 (b"content-length", b"11")]}
+    assert start == {
+        "type": "http.response.start",
+        "status": 201,
+        "headers": [(b"x-kept", b"1"), (b"content-type", b"application/json"), (b"content-length", b"11")],
+    }
     assert body == {"type": "http.response.body", "body": b'{"a":[1,2]}'}
     assert orjson.loads(body["body"]) == {"a": [1, 2]}
 
@@ -67,8 +84,10 @@ def test_json_response_is_the_same_answer_for_a_route() -> None:
 
 
 def test_read_body_joins_chunks_stops_at_disconnect_and_at_the_limit() -> None:
-    chunks = [{"type": "http.request", "body": b"ab", "more_body": True},
-              {"type": "http.request", "body": b"cd", "more_body": False}]
+    chunks = [
+        {"type": "http.request", "body": b"ab", "more_body": True},
+        {"type": "http.request", "body": b"cd", "more_body": False},
+    ]
     assert asyncio.run(read_body(_receiver(chunks))) == b"abcd"
     assert asyncio.run(read_body(_receiver(chunks), limit=4)) == b"abcd"
     with pytest.raises(BodyTooLarge):
@@ -88,8 +107,11 @@ def test_replay_receive_gives_the_body_once_then_the_real_receive() -> None:
 
 
 def test_with_body_rewrites_content_length_only() -> None:
-    scope: Scope = {"type": "http", "path": "/x",
-                    "headers": [(b"Content-Length", b"2"), (b"content-type", b"application/json")]}
+    scope: Scope = {
+        "type": "http",
+        "path": "/x",
+        "headers": [(b"Content-Length", b"2"), (b"content-type", b"application/json")],
+    }
     out = with_body(scope, b"12345")
     assert out["headers"] == [(b"content-type", b"application/json"), (b"content-length", b"5")]
     assert out["path"] == "/x" and scope["headers"][0] == (b"Content-Length", b"2")  # the caller's scope untouched

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rr_server.serving.engines import engine_release
 from rr_server.launch.vllm import build_command
+from rr_server.serving.engines import engine_release
 from tests.support.vllm_process import VLLMProcess, server_args
 
 
@@ -22,19 +22,29 @@ def test_launcher_cpu_flags() -> None:
     assert cmd.count("--kv-cache-memory-bytes") == 1
     cmd, notes = build_command(["--model", "m"], cpu=False)
     assert "--enforce-eager" not in cmd and not notes
-    cmd, _ = build_command(["--model", "m", "--enable-return-routed-experts", "--rr-allow-unsupported-version"],
-                           cpu=False)
+    cmd, _ = build_command(
+        ["--model", "m", "--enable-return-routed-experts", "--rr-allow-unsupported-version"], cpu=False
+    )
     assert cmd.count("--enable-return-routed-experts") == 1 and "--rr-allow-unsupported-version" not in cmd
 
 
-@pytest.mark.parametrize("extra", [["--api-server-count", "2"], ["--api_server_count=4"], ["-asc", "2"],
-                                   ["--headless"], ["--data-parallel-size", "2"], ["--data-parallel-hybrid-lb"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--api-server-count", "2"],
+        ["--api_server_count=4"],
+        ["-asc", "2"],
+        ["--headless"],
+        ["--data-parallel-size", "2"],
+        ["--data-parallel-hybrid-lb"],
+    ],
+)
 def test_launcher_runs_vllm_serve_for_serve_only_flags(extra: list[str]) -> None:
     """Flags vLLM's api_server module ignores (several API servers, headless, data-parallel modes) run vLLM's own
     ``serve`` command instead, with the flag and rr's settings kept."""
     cmd, _ = build_command(["--model", "m", *extra], cpu=True)
     assert cmd[1:3] == ["-m", "rr_server.launch.vllm_serve"]
-    assert cmd[3:3 + 2 + len(extra)] == ["--model", "m", *extra]
+    assert cmd[3 : 3 + 2 + len(extra)] == ["--model", "m", *extra]
     assert "--enable-return-routed-experts" in cmd and "--enforce-eager" in cmd
 
 
@@ -62,15 +72,24 @@ def test_test_servers_use_the_launcher(tmp_path: Path) -> None:
 
     args = server_args(tmp_path, port=1234, served_model_name="x")
     rr = VLLMProcess(tmp_path, name="x", plugin=True, port=1234).command()
-    assert rr[-len(args) - 2:] == ["launch", "vllm", *args]  # the launcher adds rr's and the CPU flags itself
+    assert rr[-len(args) - 2 :] == ["launch", "vllm", *args]  # the launcher adds rr's and the CPU flags itself
     vanilla = VLLMProcess(tmp_path, name="x", plugin=False, port=1234).command()
     assert vanilla == build_command(args, cpu=is_cpu_platform())[0]
 
 
-@pytest.mark.parametrize("version,expected", [
-    ("0.30.0", (0, 30, 0)), ("0.30.0+cpu", (0, 30, 0)), ("0.22.1rc1", (0, 22, 1)), ("0.5.10.post1", (0, 5, 10)),
-    ("v1.2", (1, 2, 0)), (" 0.5.7\n", (0, 5, 7)), ("0.5.23.dev4+g1234", (0, 5, 23)), ("10.11.12", (10, 11, 12)),
-])
+@pytest.mark.parametrize(
+    "version,expected",
+    [
+        ("0.30.0", (0, 30, 0)),
+        ("0.30.0+cpu", (0, 30, 0)),
+        ("0.22.1rc1", (0, 22, 1)),
+        ("0.5.10.post1", (0, 5, 10)),
+        ("v1.2", (1, 2, 0)),
+        (" 0.5.7\n", (0, 5, 7)),
+        ("0.5.23.dev4+g1234", (0, 5, 23)),
+        ("10.11.12", (10, 11, 12)),
+    ],
+)
 def test_engine_release(version: str, expected: tuple[int, int, int]) -> None:
     assert engine_release(version) == expected
 
@@ -130,8 +149,9 @@ def test_plugin_hooks_build_app_idempotently(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.parametrize("version,cpu", [("0.29.0", True), ("0.21.0", False), ("0.34.0", False), ("0.32.0", True)])
-def test_launcher_refuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-                          version: str, cpu: bool) -> None:
+def test_launcher_refuses(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], version: str, cpu: bool
+) -> None:
     from rr_server.launch import vllm as launch_vllm
 
     monkeypatch.setattr(launch_vllm, "installed_version", lambda: version)
@@ -141,10 +161,16 @@ def test_launcher_refuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
     assert version in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("spec", [["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
-                                  ['--speculative_config={"method": "eagle"}']])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+        ['--speculative_config={"method": "eagle"}'],
+    ],
+)
 def test_launcher_refuses_speculative_decoding_where_drafts_pollute_routing(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], spec: list[str]) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], spec: list[str]
+) -> None:
     """vLLM < 0.30 (#48622): draft layers overwrite the target's rows; the launcher refuses, naming the fix release."""
     from rr_server.launch import vllm as launch_vllm
 

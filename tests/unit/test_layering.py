@@ -33,7 +33,8 @@ def module_files() -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _runtime_imports(tree: ast.AST, type_checking: bool = False) -> list[ast.Import | ast.ImportFrom]:
@@ -92,7 +93,7 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if color[nxt] == GREY:
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 if frozenset(cycle) not in seen:
                     seen.add(frozenset(cycle))
                     cycles.append(cycle)
@@ -134,10 +135,12 @@ def _loaded_after(code: str) -> dict[str, bool]:
 
 
 def test_client_core_imports_neither_torch_nor_httpx() -> None:
-    core = ("import rr_client.core.codec, rr_client.core.errors, rr_client.core.info, rr_client.core.hf_config, rr_client.core._rowcheck, "
-            "rr_client.core.versions, rr_client.core.patching, rr_client.core.optional, rr_client.core.settings, rr_client.trainer.keys, "
-            "rr_client.core.reference, rr_client.core.logprobs, rr_client.core.provenance, "
-            "rr_client")
+    core = (
+        "import rr_client.core.codec, rr_client.core.errors, rr_client.core.info, rr_client.core.hf_config, rr_client.core._rowcheck, "
+        "rr_client.core.versions, rr_client.core.patching, rr_client.core.optional, rr_client.core.settings, rr_client.trainer.keys, "
+        "rr_client.core.reference, rr_client.core.logprobs, rr_client.core.provenance, "
+        "rr_client"
+    )
     loaded = _loaded_after(core)
     assert not loaded["torch"] and not loaded["httpx"], loaded
     loaded = _loaded_after(core + "\nfrom rr_client import RoutedExpertsClient")
@@ -147,10 +150,12 @@ def test_client_core_imports_neither_torch_nor_httpx() -> None:
 
 
 def test_proxy_help_is_light() -> None:
-    code = ("import contextlib, io\nfrom rr_server.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
-            "    try:\n        main(['proxy', '--help'])\n    except SystemExit as e:\n        assert e.code == 0, e.code\n"
-            "assert '--upstream' in out.getvalue()")
+    code = (
+        "import contextlib, io\nfrom rr_server.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    try:\n        main(['proxy', '--help'])\n    except SystemExit as e:\n        assert e.code == 0, e.code\n"
+        "assert '--upstream' in out.getvalue()"
+    )
     loaded = _loaded_after(code)
     assert loaded == {"torch": False, "httpx": False, "fastapi": False}, loaded
 
@@ -174,8 +179,10 @@ ALLOWED = {
 # the one arrow up, named: ``GenerateBatch.to_tensors()`` / ``.to_packed()`` import the trainer's layouts inside
 # the method (a convenience of the client's result type; the client never imports torch otherwise)
 LAZY_UP = {("rr_client.client._results", "rr_client.trainer.layouts")}
-FOLDERS = {"rr_client": {"core": "core", "client": "client", "trainer": "trainer", "integrations": "integrations"},
-           "rr_server": {"serving": "serving", "proxy": "sidecar"}}
+FOLDERS = {
+    "rr_client": {"core": "core", "client": "client", "trainer": "trainer", "integrations": "integrations"},
+    "rr_server": {"serving": "serving", "proxy": "sidecar"},
+}
 
 
 def layer_of(module: str) -> str:
@@ -189,17 +196,22 @@ def layer_of(module: str) -> str:
         if not rest:
             return "facade"
         if folder not in FOLDERS["rr_client"]:
-            raise AssertionError(f"{module}: every rr_client module sits in a layer's folder "
-                                 f"({', '.join(FOLDERS['rr_client'])}), never at the root")
+            raise AssertionError(
+                f"{module}: every rr_client module sits in a layer's folder "
+                f"({', '.join(FOLDERS['rr_client'])}), never at the root"
+            )
         return FOLDERS["rr_client"][folder]
     return FOLDERS["rr_server"].get(folder, "commands")
 
 
 def direction_violations(graph: dict[str, set[str]]) -> list[str]:
     """``a -> b`` edges where b's layer is not below or beside a's, plus package-level arrows back up."""
-    bad = [f"{a} ({layer_of(a)}) -> {b} ({layer_of(b)})" for a, targets in sorted(graph.items())
-           for b in sorted(targets) if b != "rr_server" and (a, b) not in LAZY_UP
-           and layer_of(b) not in ALLOWED[layer_of(a)]]
+    bad = [
+        f"{a} ({layer_of(a)}) -> {b} ({layer_of(b)})"
+        for a, targets in sorted(graph.items())
+        for b in sorted(targets)
+        if b != "rr_server" and (a, b) not in LAZY_UP and layer_of(b) not in ALLOWED[layer_of(a)]
+    ]
     # package level: every top-level package's imports, as sets; rr_client imports neither other, rr_server never
     # imports rr_patches (rr_patches -> rr_server.serving is the only arrow between them)
     tops: dict[str, set[str]] = {}
@@ -246,12 +258,18 @@ def test_no_package_imports_anothers_private_module() -> None:
 
 def test_the_direction_checks_can_fail() -> None:
     """The checks see what they must: an arrow up at module and package level, and a foreign private module."""
-    graph = {"rr_client.core.codec": {"rr_server.serving.auth"}, "rr_server.serving.auth": {"rr_server.proxy.app"},
-             "rr_client.client.trajectory": {"rr_client.trainer.session"}, "rr_client.trainer.session": {
-                 "rr_client.integrations.weight_sync"}, "rr_client.core.info": {"rr_client.client._client"},
-             "rr_patches.vllm.plugin": {"rr_server.launch.vllm"}, "rr_server.launch.sglang": {"rr_patches.sglang.apply"},
-             "rr_server.proxy.upstream": {"rr_client.client._results"}, "rr_client.core.versions": {"rr_client.core._rowcheck"},
-             "rr_client.integrations.weight_sync": {"rr_client"}}
+    graph = {
+        "rr_client.core.codec": {"rr_server.serving.auth"},
+        "rr_server.serving.auth": {"rr_server.proxy.app"},
+        "rr_client.client.trajectory": {"rr_client.trainer.session"},
+        "rr_client.trainer.session": {"rr_client.integrations.weight_sync"},
+        "rr_client.core.info": {"rr_client.client._client"},
+        "rr_patches.vllm.plugin": {"rr_server.launch.vllm"},
+        "rr_server.launch.sglang": {"rr_patches.sglang.apply"},
+        "rr_server.proxy.upstream": {"rr_client.client._results"},
+        "rr_client.core.versions": {"rr_client.core._rowcheck"},
+        "rr_client.integrations.weight_sync": {"rr_client"},
+    }
     bad = direction_violations(graph)
     assert "rr_client.integrations.weight_sync (integrations) -> rr_client (facade)" in bad
     assert "rr_client.core.codec (core) -> rr_server.serving.auth (serving)" in bad
@@ -262,8 +280,10 @@ def test_the_direction_checks_can_fail() -> None:
     assert "rr_patches.vllm.plugin (patches) -> rr_server.launch.vllm (commands)" in bad
     assert "rr_server.launch.sglang (commands) -> rr_patches.sglang.apply (patches)" in bad
     assert "package rr_server imports rr_patches" in bad and "package rr_client imports ['rr_server']" in bad
-    assert private_imports(graph) == ["rr_client.core.info -> rr_client.client._client",
-                                      "rr_server.proxy.upstream -> rr_client.client._results"]
+    assert private_imports(graph) == [
+        "rr_client.core.info -> rr_client.client._client",
+        "rr_server.proxy.upstream -> rr_client.client._results",
+    ]
 
 
 def test_a_module_outside_the_layer_folders_is_refused() -> None:

@@ -15,8 +15,18 @@ from rr_client.client._results import parse_sample
 from rr_client.core.errors import LogprobsModeError, ProtocolError, RRError
 from rr_client.core.logprobs import check_comparable_logprobs, mode_from_vllm
 
-INFO = RRInfo(engine="vllm", engine_version="0.30.0", rr_version="0", model="m", num_hidden_layers=2,
-              num_experts=4, topk=2, moe_layers=[0, 1], wire_dtype="uint8", logprobs_mode="processed")
+INFO = RRInfo(
+    engine="vllm",
+    engine_version="0.30.0",
+    rr_version="0",
+    model="m",
+    num_hidden_layers=2,
+    num_experts=4,
+    topk=2,
+    moe_layers=[0, 1],
+    wire_dtype="uint8",
+    logprobs_mode="processed",
+)
 
 
 def _reply(lp: Any, out: list[int] | None = None) -> dict[str, Any]:
@@ -48,54 +58,72 @@ def test_mode_is_none_when_the_server_does_not_say() -> None:
     assert _sample(_reply([[-0.5, 5], [-1, 6], [-2, 7]]), info).logprobs_mode is None
 
 
-@pytest.mark.parametrize(("lp", "err", "needle"), [
-    ([[-0.5, 5, None], [-1, 6, None]], ProtocolError, "2 output_token_logprobs for 3"),
-    ([[-0.5, 5, None], [-1, 9, None], [-1, 7, None]], ProtocolError, "names token 9"),
-    ([[-0.5, 5], [-1, 6], ["-1", 7]], ProtocolError, "log-prob 2 is str"),
-    ([[-0.5, 5], [-1, 6], [True, 7]], ProtocolError, "log-prob 2 is bool"),
-    ([[-0.5, 5], [-1, 6], 3], ProtocolError, "output_token_logprobs[2]"),
-    ({"a": 1}, ProtocolError, "must be a list"),
-])
+@pytest.mark.parametrize(
+    ("lp", "err", "needle"),
+    [
+        ([[-0.5, 5, None], [-1, 6, None]], ProtocolError, "2 output_token_logprobs for 3"),
+        ([[-0.5, 5, None], [-1, 9, None], [-1, 7, None]], ProtocolError, "names token 9"),
+        ([[-0.5, 5], [-1, 6], ["-1", 7]], ProtocolError, "log-prob 2 is str"),
+        ([[-0.5, 5], [-1, 6], [True, 7]], ProtocolError, "log-prob 2 is bool"),
+        ([[-0.5, 5], [-1, 6], 3], ProtocolError, "output_token_logprobs[2]"),
+        ({"a": 1}, ProtocolError, "must be a list"),
+    ],
+)
 def test_generate_logprobs_that_disagree_with_the_tokens_are_typed(lp: Any, err: type, needle: str) -> None:
     with pytest.raises(err, match=needle.replace("[", r"\[").replace("]", r"\]")):
         _sample(_reply(lp))
 
 
 def _answer(choice_lp: Any, token_ids: list[int] | None = None) -> dict[str, Any]:
-    return {"id": "x", "choices": [{"index": 0, "text": "abc", "prompt_token_ids": [1, 2],
-                                    "token_ids": token_ids or [5, 6, 7], "finish_reason": "length",
-                                    "logprobs": choice_lp}]}
+    return {
+        "id": "x",
+        "choices": [
+            {
+                "index": 0,
+                "text": "abc",
+                "prompt_token_ids": [1, 2],
+                "token_ids": token_ids or [5, 6, 7],
+                "finish_reason": "length",
+                "logprobs": choice_lp,
+            }
+        ],
+    }
 
 
 def _choices(answer: dict[str, Any]) -> Any:
-    return parse_choices(answer, path="/v1/completions", info=INFO, want_routing=False, start=0,
-                         sent_prompt_ids=None)
+    return parse_choices(answer, path="/v1/completions", info=INFO, want_routing=False, start=0, sent_prompt_ids=None)
 
 
 def test_openai_completions_and_chat_logprobs() -> None:
     r = _choices(_answer({"tokens": ["a", "b", "c"], "token_logprobs": [-0.1, None, -0.3]}))[0]
     assert r.logprobs[0] == -0.1 and math.isnan(r.logprobs[1]) and r.logprobs[2] == -0.3
     assert r.logprobs_mode == "processed"
-    chat = {"content": [{"token": "a", "logprob": -0.25}, {"token": "b", "logprob": -1.0},
-                        {"token": "c", "logprob": -2.0}]}
+    chat = {
+        "content": [{"token": "a", "logprob": -0.25}, {"token": "b", "logprob": -1.0}, {"token": "c", "logprob": -2.0}]
+    }
     assert _choices(_answer(chat))[0].logprobs.tolist() == [-0.25, -1.0, -2.0]
     assert _choices(_answer(None))[0].logprobs is None
 
 
-@pytest.mark.parametrize(("block", "err"), [
-    ({"token_logprobs": [-0.1, -0.2]}, ProtocolError),
-    ({"content": [{"logprob": -0.1}]}, ProtocolError),
-    ({"token_logprobs": [-0.1, "x", -0.3]}, ProtocolError),
-    ({"tokens": []}, ProtocolError),
-    ([1, 2, 3], ProtocolError),
-])
+@pytest.mark.parametrize(
+    ("block", "err"),
+    [
+        ({"token_logprobs": [-0.1, -0.2]}, ProtocolError),
+        ({"content": [{"logprob": -0.1}]}, ProtocolError),
+        ({"token_logprobs": [-0.1, "x", -0.3]}, ProtocolError),
+        ({"tokens": []}, ProtocolError),
+        ([1, 2, 3], ProtocolError),
+    ],
+)
 def test_openai_logprobs_that_disagree_are_typed(block: Any, err: type) -> None:
     with pytest.raises(err):
         _choices(_answer(block))
 
 
-@pytest.mark.parametrize(("mode", "temperature"), [
-    ("processed", 0.7), ("processed", None), ("raw", 1.0), ("raw", None), (None, 1), (None, None)])
+@pytest.mark.parametrize(
+    ("mode", "temperature"),
+    [("processed", 0.7), ("processed", None), ("raw", 1.0), ("raw", None), (None, 1), (None, None)],
+)
 def test_comparable_logprobs_pass(mode: str | None, temperature: float | None) -> None:
     check_comparable_logprobs(mode, temperature, consumer="test")
 

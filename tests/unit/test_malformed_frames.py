@@ -21,22 +21,47 @@ from hypothesis import strategies as st
 from rr_client import RRInfo
 from rr_client.core.codec import check_routing, decode_routed_experts
 from rr_client.core.errors import MalformedPayloadError, RRError
-from rr_client.core.reference import (FRAME_MEDIA_TYPE, READ_PATH, ROWS_SCHEMA, FramePart, RoutingRef, checksum,
-                                 decode_frame, encode_frame)
-from rr_server.serving.store import install as rs
+from rr_client.core.reference import (
+    FRAME_MEDIA_TYPE,
+    READ_PATH,
+    ROWS_SCHEMA,
+    FramePart,
+    RoutingRef,
+    checksum,
+    decode_frame,
+    encode_frame,
+)
 from rr_server.serving.store import STORE_ROUTES, MemoryStore
+from rr_server.serving.store import install as rs
 from tests.support.routing_data import make_routing
 
-INFO = RRInfo.from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 8,
-                              "num_experts_per_tok": 2, "mlp_only_layers": [1]}, engine="test", engine_version="0")
+INFO = RRInfo.from_hf_config(
+    {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "mlp_only_layers": [1],
+    },
+    engine="test",
+    engine_version="0",
+)
 HUGE = [2**31, 2**40, 2**62, 2**63, 2**64, 2**70, 10**30]
 # every kind of JSON value a hostile header may put in a field: huge and negative ints, bools, floats, strings,
 # nulls, lists and objects
 hostile = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**80, max_value=2**80), st.sampled_from(HUGE),
-              st.floats(allow_nan=False), st.text(max_size=8), st.sampled_from(["uint8", "uint16", "float64", "k"])),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(2**80), max_value=2**80),
+        st.sampled_from(HUGE),
+        st.floats(allow_nan=False),
+        st.text(max_size=8),
+        st.sampled_from(["uint8", "uint16", "float64", "k"]),
+    ),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 dims = st.one_of(st.integers(min_value=0, max_value=4), st.sampled_from(HUGE), st.integers(min_value=-3, max_value=-1))
 
 
@@ -47,8 +72,17 @@ def _frame(header: Any, data: bytes = b"") -> bytes:
 
 def _part(shape: Any, **over: Any) -> dict[str, Any]:
     rows = shape[0] if isinstance(shape, list) and shape and isinstance(shape[0], int) else 0
-    return {"key": "k", "start": 0, "stop": rows, "shape": shape, "dtype": "uint8", "offset": 0, "nbytes": 0,
-            "checksum": checksum(np.zeros(0, np.uint8)), **over}
+    return {
+        "key": "k",
+        "start": 0,
+        "stop": rows,
+        "shape": shape,
+        "dtype": "uint8",
+        "offset": 0,
+        "nbytes": 0,
+        "checksum": checksum(np.zeros(0, np.uint8)),
+        **over,
+    }
 
 
 def _refused_or_rows(body: bytes) -> None:
@@ -61,8 +95,9 @@ def _refused_or_rows(body: bytes) -> None:
         assert p.rows.ndim == 3 and p.rows.shape[0] == p.stop - p.start and checksum(p.rows) == p.digest
 
 
-@pytest.mark.parametrize("shape", [[0, 2**40, 2**40], [0, 2**70, 1], [2**70, 0, 1], [0, 0, 0], [1, 2**62, 2**62],
-                                   [0, 1, 2**64]], ids=str)
+@pytest.mark.parametrize(
+    "shape", [[0, 2**40, 2**40], [0, 2**70, 1], [2**70, 0, 1], [0, 0, 0], [1, 2**62, 2**62], [0, 1, 2**64]], ids=str
+)
 def test_the_issues_shapes_are_refused(shape: list[int]) -> None:
     with pytest.raises(MalformedPayloadError, match="shape"):
         decode_frame(_frame({"schema": ROWS_SCHEMA, "parts": [_part(shape)]}))
@@ -86,10 +121,13 @@ def test_any_bytes(body: bytes) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(shape=st.one_of(st.lists(dims, min_size=3, max_size=3), st.lists(dims, max_size=5), hostile),
-       fields=st.dictionaries(st.sampled_from(["key", "start", "stop", "dtype", "offset", "nbytes", "checksum"]),
-                              hostile, max_size=3),
-       data=st.binary(max_size=64))
+@given(
+    shape=st.one_of(st.lists(dims, min_size=3, max_size=3), st.lists(dims, max_size=5), hostile),
+    fields=st.dictionaries(
+        st.sampled_from(["key", "start", "stop", "dtype", "offset", "nbytes", "checksum"]), hostile, max_size=3
+    ),
+    data=st.binary(max_size=64),
+)
 def test_hostile_header_fields(shape: Any, fields: dict[str, Any], data: bytes) -> None:
     _refused_or_rows(_frame({"schema": ROWS_SCHEMA, "parts": [_part(shape, **fields)]}, data))
 
@@ -108,7 +146,7 @@ def test_a_valid_frame_with_any_byte_changed(data: st.DataObject) -> None:
 
 
 def _npy(shape: Any, data: bytes = b"") -> bytes:
-    text = "{'descr': '|u1', 'fortran_order': False, 'shape': %r, }" % (shape,)
+    text = "{'descr': '|u1', 'fortran_order': False, 'shape': %r, }" % (shape,)  # noqa: UP031 - np.save's header
     body = (text + "\n").encode("latin1")
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(body)) + body + data
 
@@ -124,8 +162,11 @@ def test_npy_and_dict_shapes_are_refused(shape: tuple[int, ...]) -> None:
 @settings(max_examples=300, deadline=None)
 @given(shape=st.lists(dims, max_size=5), data=st.binary(max_size=48), as_dict=st.booleans())
 def test_npy_any_shape(shape: list[int], data: bytes, as_dict: bool) -> None:
-    payload: Any = ({"data": pybase64.b64encode(data).decode(), "shape": shape, "dtype": "uint8"} if as_dict
-                    else _npy(tuple(shape), data))
+    payload: Any = (
+        {"data": pybase64.b64encode(data).decode(), "shape": shape, "dtype": "uint8"}
+        if as_dict
+        else _npy(tuple(shape), data)
+    )
     try:
         arr = decode_routed_experts(payload)
     except RRError:
@@ -168,10 +209,19 @@ def _answered_4xx(client: Any, body: bytes) -> None:
     assert r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"refs":' + b"[" * 50_000, b"", b"\xff", b"null",
-                                  b'{"refs": [{"store": "s", "key": "k", "start": 1e400}]}',
-                                  b'{"refs": [{"store": "s", "key": "k", "stop": 100000000000000000000000}]}'],
-                         ids=["deep", "deep-refs", "empty", "not-utf8", "null", "inf", "huge-stop"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 100_000,
+        b'{"refs":' + b"[" * 50_000,
+        b"",
+        b"\xff",
+        b"null",
+        b'{"refs": [{"store": "s", "key": "k", "start": 1e400}]}',
+        b'{"refs": [{"store": "s", "key": "k", "stop": 100000000000000000000000}]}',
+    ],
+    ids=["deep", "deep-refs", "empty", "not-utf8", "null", "inf", "huge-stop"],
+)
 def test_read_route_refuses_bad_bodies_and_keeps_serving(read_client: Any, body: bytes) -> None:
     client, ref = read_client
     _answered_4xx(client, body)
@@ -179,9 +229,14 @@ def test_read_route_refuses_bad_bodies_and_keeps_serving(read_client: Any, body:
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(refs=st.one_of(hostile, st.lists(st.dictionaries(st.sampled_from(["store", "key", "start", "stop"]), hostile,
-                                                         max_size=4), max_size=3)),
-       raw=st.binary(max_size=40), as_raw=st.booleans())
+@given(
+    refs=st.one_of(
+        hostile,
+        st.lists(st.dictionaries(st.sampled_from(["store", "key", "start", "stop"]), hostile, max_size=4), max_size=3),
+    ),
+    raw=st.binary(max_size=40),
+    as_raw=st.booleans(),
+)
 def test_read_route_any_body(read_client: Any, refs: Any, raw: bytes, as_raw: bool) -> None:
     client, ref = read_client
     _answered_4xx(client, raw if as_raw else json.dumps({"refs": refs}).encode())
@@ -203,9 +258,16 @@ def test_stated_shape_and_dtype_of_any_kind(stated: Any, dtype: Any) -> None:
     from rr_client.core.codec import check_payload, decode_meta_info, encode_routed_experts
 
     good = check_routing(make_routing(2, 3, 2, 8, moe_layers=INFO.moe_layers, seed=4), INFO, rows=2)
-    for call in (lambda: check_payload(good.array, INFO, rows=2, stated_shape=stated),
-                 lambda: decode_meta_info({"routed_experts": encode_routed_experts(good), "routed_experts_shape": stated,
-                                           "routed_experts_dtype": dtype})):
+    for call in (
+        lambda: check_payload(good.array, INFO, rows=2, stated_shape=stated),
+        lambda: decode_meta_info(
+            {
+                "routed_experts": encode_routed_experts(good),
+                "routed_experts_shape": stated,
+                "routed_experts_dtype": dtype,
+            }
+        ),
+    ):
         try:
             call()
         except RRError:

@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from rr_client.core.errors import ShapeMismatchError
-from rr_client.integrations.megatron._layout import (cp_thd_index, cp_zigzag_index, distinct_pad_row, last_tokens,
-                                                     sequence_first, sp_shard)
+from rr_client.integrations.megatron._layout import (
+    cp_thd_index,
+    cp_zigzag_index,
+    distinct_pad_row,
+    last_tokens,
+    sequence_first,
+    sp_shard,
+)
 
 
 def test_zigzag_gives_rank_r_chunks_r_and_2cp_minus_1_minus_r() -> None:
@@ -83,7 +89,9 @@ def test_megatron_core_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RR_ALLOW_UNSUPPORTED_VERSION", raising=False)
     assert _gate.check_megatron_version("0.16.1") == "0.16.1"
     for other in ("0.17.0", "0.15.3", "0.19.2"):
-        with pytest.raises(UnsupportedVersionError, match=f"tested with megatron-core 0.16; found megatron-core {other}"):
+        with pytest.raises(
+            UnsupportedVersionError, match=f"tested with megatron-core 0.16; found megatron-core {other}"
+        ):
             _gate.check_megatron_version(other)
     monkeypatch.setenv("RR_ALLOW_UNSUPPORTED_VERSION", "1")
     assert _gate.check_megatron_version("0.19.2") == "0.19.2"

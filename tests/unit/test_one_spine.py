@@ -12,8 +12,12 @@ ROOT = Path(__file__).resolve().parents[2] / "rr_client"
 def _defined(pattern: str) -> list[str]:
     """``file:line`` of every line of rr_client matching ``pattern``."""
     rx = re.compile(pattern)
-    return [f"{p.relative_to(ROOT.parent)}:{i}" for p in sorted(ROOT.rglob("*.py"))
-            for i, line in enumerate(p.read_text().splitlines(), 1) if rx.search(line)]
+    return [
+        f"{p.relative_to(ROOT.parent)}:{i}"
+        for p in sorted(ROOT.rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if rx.search(line)
+    ]
 
 
 def test_one_phase_test() -> None:

@@ -13,8 +13,17 @@ from rr_client.core.codec import check_routing, routing_meta_fields
 from rr_server.serving.generate_protocol import BadRequest, parse_generate_request
 from rr_server.serving.openai_routing import engine_body, finish_answer, parse_openai_routing
 
-INFO = RRInfo(engine="vllm", engine_version="0.30.0", rr_version="0", model="m", num_hidden_layers=2,
-              num_experts=8, topk=2, moe_layers=[0, 1], wire_dtype="uint8")
+INFO = RRInfo(
+    engine="vllm",
+    engine_version="0.30.0",
+    rr_version="0",
+    model="m",
+    num_hidden_layers=2,
+    num_experts=8,
+    topk=2,
+    moe_layers=[0, 1],
+    wire_dtype="uint8",
+)
 
 
 def _routing(rows: int, seed: int = 0) -> np.ndarray:
@@ -44,13 +53,16 @@ def test_generate_request_format_field(monkeypatch: pytest.MonkeyPatch) -> None:
         parse_generate_request({"text": "a", "routed_experts_format": "json"})
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"routed_experts_format": "json"}, "routed_experts_format"),
-    ({"return_routed_experts": 1}, "return_routed_experts"),
-    ({"return_routed_experts": True, "routed_experts_start": True}, "routed_experts_start"),
-    ({"return_routed_experts": True, "routed_experts_start": 4, "prompt": [1, 2]}, "routed_experts_start"),
-    ({"return_routed_experts": True, "stream": True}, "stream"),
-])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"routed_experts_format": "json"}, "routed_experts_format"),
+        ({"return_routed_experts": 1}, "return_routed_experts"),
+        ({"return_routed_experts": True, "routed_experts_start": True}, "routed_experts_start"),
+        ({"return_routed_experts": True, "routed_experts_start": 4, "prompt": [1, 2]}, "routed_experts_start"),
+        ({"return_routed_experts": True, "stream": True}, "stream"),
+    ],
+)
 def test_parse_refuses_naming_the_field(body: dict[str, Any], field: str) -> None:
     with pytest.raises(BadRequest, match=field):
         parse_openai_routing(body, engine="vllm")
@@ -64,14 +76,28 @@ def test_no_rr_field_is_not_rrs_business() -> None:
 
 
 def test_engine_body_uses_each_engines_names() -> None:
-    body = {"prompt": [1, 2, 3], "return_routed_experts": True, "routed_experts_start": 2,
-            "routed_experts_format": "npy", "max_tokens": 4}
+    body = {
+        "prompt": [1, 2, 3],
+        "return_routed_experts": True,
+        "routed_experts_start": 2,
+        "routed_experts_format": "npy",
+        "max_tokens": 4,
+    }
     r = parse_openai_routing(body, engine="vllm")
     assert r is not None
-    assert engine_body(body, r, engine="vllm") == {"prompt": [1, 2, 3], "max_tokens": 4, "return_token_ids": True,
-                                                   "routed_experts_prompt_start": 2}
-    assert engine_body(body, r, engine="sglang") == {"prompt": [1, 2, 3], "max_tokens": 4, "return_token_ids": True,
-                                                     "return_routed_experts": True, "routed_experts_start_len": 2}
+    assert engine_body(body, r, engine="vllm") == {
+        "prompt": [1, 2, 3],
+        "max_tokens": 4,
+        "return_token_ids": True,
+        "routed_experts_prompt_start": 2,
+    }
+    assert engine_body(body, r, engine="sglang") == {
+        "prompt": [1, 2, 3],
+        "max_tokens": 4,
+        "return_token_ids": True,
+        "return_routed_experts": True,
+        "routed_experts_start_len": 2,
+    }
 
 
 def test_finish_answer_checks_each_choice() -> None:
@@ -79,11 +105,25 @@ def test_finish_answer_checks_each_choice() -> None:
     bad = good.copy()
     bad[2, 1] = 0  # an all-zero MoE row: the engine did not record it
     blob = lambda a: routing_meta_fields(check_routing(a, INFO, rows=a.shape[0]))["routed_experts"]  # noqa: E731
-    answer = {"choices": [
-        {"index": 0, "text": "a", "token_ids": [7, 8, 9], "prompt_token_ids": [1, 2, 3, 4], "routed_experts": blob(good)},
-        {"index": 1, "text": "b", "token_ids": [7, 8, 9], "prompt_token_ids": [1, 2, 3, 4],
-         "routed_experts": base64.b64encode(b"\x93NUMPY\x01\x00" + b"x" * 4).decode()},
-    ], "usage": {"prompt_tokens": 4, "completion_tokens": 6}}
+    answer = {
+        "choices": [
+            {
+                "index": 0,
+                "text": "a",
+                "token_ids": [7, 8, 9],
+                "prompt_token_ids": [1, 2, 3, 4],
+                "routed_experts": blob(good),
+            },
+            {
+                "index": 1,
+                "text": "b",
+                "token_ids": [7, 8, 9],
+                "prompt_token_ids": [1, 2, 3, 4],
+                "routed_experts": base64.b64encode(b"\x93NUMPY\x01\x00" + b"x" * 4).decode(),
+            },
+        ],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 6},
+    }
     r = parse_openai_routing({"return_routed_experts": True}, engine="vllm")
     assert r is not None
     out = finish_answer(answer, r, INFO, engine="vllm")
@@ -95,15 +135,19 @@ def test_finish_answer_checks_each_choice() -> None:
 def test_finish_answer_transcodes_sglang_int32() -> None:
     arr = _routing(5)
     native = base64.b64encode(arr.astype(np.int32).tobytes()).decode()
-    answer = {"choices": [{"index": 0, "text": "x", "sgl_ext": {"routed_experts": native}}],
-              "usage": {"prompt_tokens": 3, "completion_tokens": 3}}
+    answer = {
+        "choices": [{"index": 0, "text": "x", "sgl_ext": {"routed_experts": native}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 3},
+    }
     r = parse_openai_routing({"return_routed_experts": True}, engine="sglang")
     assert r is not None
     out = finish_answer(answer, r, INFO, engine="sglang")["choices"][0]
     assert "sgl_ext" not in out  # moved, and an empty sgl_ext goes like SGLang drops it
     assert out["routed_experts_dtype"] == "uint8"
     assert np.array_equal(decode_meta_info(out, rows=5, num_layers=2, topk=2, num_experts=8), arr)
-    short = {"choices": [{"index": 0, "sgl_ext": {"routed_experts": native}}],
-             "usage": {"prompt_tokens": 3, "completion_tokens": 4}}  # one row missing
+    short = {
+        "choices": [{"index": 0, "sgl_ext": {"routed_experts": native}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4},
+    }  # one row missing
     out = finish_answer(short, r, INFO, engine="sglang")["choices"][0]
     assert out["routed_experts"] is None and "6" in out["routed_experts_error"]

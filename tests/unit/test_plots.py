@@ -32,18 +32,33 @@ def _load(path: Path, name: str) -> ModuleType:
 
 def _runs() -> dict[bool, list[dict[str, float]]]:
     """Two arms of three steps, as TRL's log_history holds them (the no-replay arm has no applied share)."""
-    return {on: [{"step": s, "loss": 0.01, "reward": 3.0, "r3/mean_abs_logp_diff": (1.0 if on else 1.5) * 1e-3 * s,
-                  "r3/k3_kl": 1e-6 * s, "r3/agreement": 0.99, "r3/weight_sync_seconds": 0.1,
-                  **({"r3/applied_share_min_layer": 1.0} if on else {})} for s in (1, 2, 3)] for on in (True, False)}
+    return {
+        on: [
+            {
+                "step": s,
+                "loss": 0.01,
+                "reward": 3.0,
+                "r3/mean_abs_logp_diff": (1.0 if on else 1.5) * 1e-3 * s,
+                "r3/k3_kl": 1e-6 * s,
+                "r3/agreement": 0.99,
+                "r3/weight_sync_seconds": 0.1,
+                **({"r3/applied_share_min_layer": 1.0} if on else {}),
+            }
+            for s in (1, 2, 3)
+        ]
+        for on in (True, False)
+    }
 
 
 def test_no_module_imports_matplotlib() -> None:
-    code = ("import sys, importlib.util\n"
-            "import rr_client, rr_server, rr_client.core.optional\n"
-            f"for name, path in (('ex', {str(EXAMPLE)!r}), ('soak', {str(SOAK)!r})):\n"
-            "    spec = importlib.util.spec_from_file_location(name, path)\n"
-            "    mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'tqdm')))\n")
+    code = (
+        "import sys, importlib.util\n"
+        "import rr_client, rr_server, rr_client.core.optional\n"
+        f"for name, path in (('ex', {str(EXAMPLE)!r}), ('soak', {str(SOAK)!r})):\n"
+        "    spec = importlib.util.spec_from_file_location(name, path)\n"
+        "    mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'tqdm')))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
@@ -78,8 +93,9 @@ def test_soak_plot_and_plain_progress(tmp_path: Path) -> None:
     soak = _load(SOAK, "rr_bench_soak_plots")
     reports = []
     for target, base in (("patched", 1900.0), ("sidecar", 1950.0)):
-        r = soak.SoakReport(target=target, warmup=20, rss_mb={"tree": {"start": base, "warm-up": base + 5,
-                                                                       "end": base + 30}})
+        r = soak.SoakReport(
+            target=target, warmup=20, rss_mb={"tree": {"start": base, "warm-up": base + 5, "end": base + 30}}
+        )
         r.samples = [(n, base + n / 4) for n in range(20, 140, 20)]
         reports.append(r)
     png = soak.plot_memory(reports, tmp_path / "soak.png", title="t")

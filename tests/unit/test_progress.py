@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from rr_client.core.errors import RRError, TransportError
-from rr_client.core.errors import ServerStartError
+from rr_client.core.errors import RRError, ServerStartError, TransportError
 from rr_server.launch.process import free_port, stop_process_group, wait_healthy
 from rr_server.progress import Steps, last_log_line, log_tail
 
@@ -55,8 +54,11 @@ def child(tmp_path: Path) -> Iterator[object]:
     def start(code: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
         log = tmp_path / f"server-{len(procs)}.log"
         with open(log, "wb") as f:
-            procs.append(subprocess.Popen([sys.executable, "-c", code, *args], stdout=f, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code, *args], stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
         return procs[-1], log
 
     yield start
@@ -64,8 +66,9 @@ def child(tmp_path: Path) -> Iterator[object]:
         stop_process_group(p, grace=5)
 
 
-def test_a_server_that_exits_fails_with_its_log_tail_and_progress_lines(child: object,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_server_that_exits_fails_with_its_log_tail_and_progress_lines(
+    child: object, capsys: pytest.CaptureFixture[str]
+) -> None:
     proc, log = child(PRINTS_THEN_EXITS)  # type: ignore[operator]
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerStartError) as e:

@@ -18,38 +18,64 @@ import httpx
 import numpy as np
 import pytest
 
-from rr_client import (GenerateBatch, Provenance, RoutedExpertsClient, RRInfo, StaleRoutingError, check_provenance,
-                       parse_sample, tokens_digest)
+from rr_client import (
+    GenerateBatch,
+    Provenance,
+    RoutedExpertsClient,
+    RRInfo,
+    StaleRoutingError,
+    check_provenance,
+    parse_sample,
+    tokens_digest,
+)
 from rr_client.client._openai import parse_choices, parse_stream
 from rr_client.core.codec import check_routing, expected_rows, routing_meta_fields
 from rr_client.core.errors import MalformedPayloadError, ProtocolError
 from rr_client.core.reference import RoutingRef, check_ref_tokens
-from rr_server.serving.store import install as rs
 from rr_server.serving.store import STORE_ROUTES, MemoryStore
+from rr_server.serving.store import install as rs
 from tests.support.routing_data import make_routing
 
-INFO = RRInfo.from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 8,
-                              "num_experts_per_tok": 2, "mlp_only_layers": [1]}, engine="test", engine_version="0")
+INFO = RRInfo.from_hf_config(
+    {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "mlp_only_layers": [1],
+    },
+    engine="test",
+    engine_version="0",
+)
 URL = "http://rr-stand-in.test"
 
 
 def checked(rows: int, seed: int = 0, start: int = 0) -> Any:
-    ids = make_routing(rows, INFO.num_hidden_layers, INFO.topk, INFO.num_experts, moe_layers=INFO.moe_layers,
-                       seed=seed)
+    ids = make_routing(rows, INFO.num_hidden_layers, INFO.topk, INFO.num_experts, moe_layers=INFO.moe_layers, seed=seed)
     return check_routing(ids, INFO, rows=rows, start=start)
 
 
 def prov(prompt: list[int], output: list[int], **kw: Any) -> dict[str, Any]:
     """A provenance dict as a server answers it, bound to ``prompt`` + ``output``."""
-    return Provenance(**{"weight_version_admitted": 2, "weight_version_finished": 2, "preemptions": 0,
-                         "tokens_digest": tokens_digest(prompt, output), **kw}).to_dict()
+    return Provenance(
+        **{
+            "weight_version_admitted": 2,
+            "weight_version_finished": 2,
+            "preemptions": 0,
+            "tokens_digest": tokens_digest(prompt, output),
+            **kw,
+        }
+    ).to_dict()
 
 
 def reply(prompt: list[int], output: list[int], *, start: int = 0, provenance: Any = None, **meta: Any) -> dict:
     """One ``/generate`` entry with checked inline routing (and ``rr_provenance`` unless None)."""
-    m: dict[str, Any] = {"prompt_tokens": len(prompt), "completion_tokens": len(output),
-                         **routing_meta_fields(checked(expected_rows(len(prompt), len(output), start), start=start)),
-                         **meta}
+    m: dict[str, Any] = {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(output),
+        **routing_meta_fields(checked(expected_rows(len(prompt), len(output), start), start=start)),
+        **meta,
+    }
     if provenance is not None:
         m["rr_provenance"] = provenance
     return {"text": "x", "output_ids": output, "meta_info": m}
@@ -67,8 +93,14 @@ P, O = [5, 6, 7, 8], [9, 10, 11]
 
 def test_generate_sample_carries_its_provenance_and_old_servers_none() -> None:
     r = parse(reply(P, O, provenance=prov(P, O, cached_tokens=3, cache_tier="device")), P)
-    assert r.provenance == Provenance(cached_tokens=3, cache_tier="device", preemptions=0, weight_version_admitted=2,
-                                      weight_version_finished=2, tokens_digest=tokens_digest(P, O))
+    assert r.provenance == Provenance(
+        cached_tokens=3,
+        cache_tier="device",
+        preemptions=0,
+        weight_version_admitted=2,
+        weight_version_finished=2,
+        tokens_digest=tokens_digest(P, O),
+    )
     assert parse(reply(P, O), P).provenance is None  # a server without provenance
     assert parse(reply(P, O, provenance=prov(P, O)), None).provenance is not None  # text prompt: not echoed
     # the prompt echoed by the server is what the digest is held to when the client sent text
@@ -76,18 +108,21 @@ def test_generate_sample_carries_its_provenance_and_old_servers_none() -> None:
         parse(reply(P, O, provenance=prov(P, O[:-1] + [12]), prompt_token_ids=P), None)
 
 
-@pytest.mark.parametrize(("field", "value", "named"), [
-    ("schema", "rr.provenance/0", "schema"),
-    ("cached_tokens", -1, "cached_tokens"),
-    ("cached_tokens", "3", "cached_tokens"),
-    ("cache_tier", "gpu", "cache_tier"),
-    ("preemptions", True, "preemptions"),
-    ("weight_version_admitted", 1.5, "weight_version_admitted"),
-    ("weight_version_finished", -2, "weight_version_finished"),
-    ("weight_update_during", "no", "weight_update_during"),
-    ("tokens_digest", "abc", "tokens_digest"),
-    ("surprise", 1, "unknown fields"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("schema", "rr.provenance/0", "schema"),
+        ("cached_tokens", -1, "cached_tokens"),
+        ("cached_tokens", "3", "cached_tokens"),
+        ("cache_tier", "gpu", "cache_tier"),
+        ("preemptions", True, "preemptions"),
+        ("weight_version_admitted", 1.5, "weight_version_admitted"),
+        ("weight_version_finished", -2, "weight_version_finished"),
+        ("weight_update_during", "no", "weight_update_during"),
+        ("tokens_digest", "abc", "tokens_digest"),
+        ("surprise", 1, "unknown fields"),
+    ],
+)
 def test_each_malformed_provenance_field_is_named(field: str, value: Any, named: str) -> None:
     bad = {**prov(P, O), field: value}
     with pytest.raises(MalformedPayloadError, match=f"sample 0: rr_provenance.*{named}"):
@@ -107,10 +142,19 @@ def test_provenance_of_another_sample_is_refused_naming_the_sample() -> None:
 def test_batch_provenances_feed_the_stale_policy() -> None:
     stale = prov(P, O, preemptions=1, weight_version_finished=3)  # preempted across an update: recomputed
     spans = prov(P, O, weight_update_during=True)  # spans one without a recompute: kept, flagged
-    items = [reply(P, O, provenance=prov(P, O)), reply(P, O, provenance=stale), reply(P, O, provenance=spans),
-             reply(P, O)]
-    batch = GenerateBatch([parse_sample(it, index=i, prompt_index=i, prompt_ids=P, info=INFO, want_routing=True)
-                           for i, it in enumerate(items)], INFO)
+    items = [
+        reply(P, O, provenance=prov(P, O)),
+        reply(P, O, provenance=stale),
+        reply(P, O, provenance=spans),
+        reply(P, O),
+    ]
+    batch = GenerateBatch(
+        [
+            parse_sample(it, index=i, prompt_index=i, prompt_ids=P, info=INFO, want_routing=True)
+            for i, it in enumerate(items)
+        ],
+        INFO,
+    )
     assert [p is None for p in batch.provenances] == [False, False, False, True]
     with pytest.raises(StaleRoutingError, match="sample 1"):
         batch.check_provenance()
@@ -123,8 +167,14 @@ def test_batch_provenances_feed_the_stale_policy() -> None:
 
 
 def choice(prompt: list[int], output: list[int], index: int, provenance: Any) -> dict[str, Any]:
-    c = {"index": index, "text": "t", "finish_reason": "length", "prompt_token_ids": prompt, "token_ids": output,
-         **routing_meta_fields(checked(expected_rows(len(prompt), len(output), 0), seed=index))}
+    c = {
+        "index": index,
+        "text": "t",
+        "finish_reason": "length",
+        "prompt_token_ids": prompt,
+        "token_ids": output,
+        **routing_meta_fields(checked(expected_rows(len(prompt), len(output), 0), seed=index)),
+    }
     if provenance is not None:
         c["rr_provenance"] = provenance
     return c
@@ -148,20 +198,29 @@ def test_stream_provenance_comes_on_the_routing_event() -> None:
     """Chat chunks (deltas, no routing), then the routing event with every choice's rr fields, then [DONE]."""
     final = choice(P, O, 0, prov(P, O, cached_tokens=4, cache_tier="host"))
     del final["text"]
-    events = [{"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "he"}}]},
-              {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "y"}}]},
-              {"id": "c", "choices": [final]}, "[DONE]"]
-    (r,) = parse_stream(events, path="/v1/chat/completions", info=INFO, want_routing=True, start=0,
-                        sent_prompt_ids=None)
+    events = [
+        {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "he"}}]},
+        {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "y"}}]},
+        {"id": "c", "choices": [final]},
+        "[DONE]",
+    ]
+    (r,) = parse_stream(
+        events, path="/v1/chat/completions", info=INFO, want_routing=True, start=0, sent_prompt_ids=None
+    )
     assert r.text == "hey" and r.output_ids == O and r.routed_experts is not None
     assert r.provenance is not None and (r.provenance.cached_tokens, r.provenance.cache_tier) == (4, "host")
     with pytest.raises(ProtocolError, match="no token_ids"):
-        parse_stream(events[:2] + ["[DONE]"], path="/v1/chat/completions", info=INFO, want_routing=True, start=0,
-                     sent_prompt_ids=None)
+        parse_stream(
+            events[:2] + ["[DONE]"],
+            path="/v1/chat/completions",
+            info=INFO,
+            want_routing=True,
+            start=0,
+            sent_prompt_ids=None,
+        )
     events[2] = {"id": "c", "choices": [{**final, "rr_provenance": prov(P, [1])}]}
     with pytest.raises(ProtocolError, match="choice 0: rr_provenance.tokens_digest"):
-        parse_stream(events, path="/v1/chat/completions", info=INFO, want_routing=True, start=0,
-                     sent_prompt_ids=None)
+        parse_stream(events, path="/v1/chat/completions", info=INFO, want_routing=True, start=0, sent_prompt_ids=None)
 
 
 # ------------------------------------------------------------------ refs: round trip and the binding
@@ -226,18 +285,25 @@ def stand_in_app(store: MemoryStore) -> Any:
             rows = checked(expected_rows(len(prompt), len(output), start), seed=len(prompt), start=start)
             extra = request.app.state.script.pop(0) if request.app.state.script else {}
             p = prov(prompt, output, **extra)
-            meta: dict[str, Any] = {"prompt_tokens": len(prompt), "completion_tokens": len(output),
-                                    "rr_provenance": p}
+            meta: dict[str, Any] = {"prompt_tokens": len(prompt), "completion_tokens": len(output), "rr_provenance": p}
             if body.get("routed_experts_format") == "ref":
-                meta.update(routed_experts_ref={**store.put(rows), "provenance": p},
-                            routed_experts_shape=list(rows.array.shape), routed_experts_start=start)
+                meta.update(
+                    routed_experts_ref={**store.put(rows), "provenance": p},
+                    routed_experts_shape=list(rows.array.shape),
+                    routed_experts_start=start,
+                )
             else:
                 meta.update(routing_meta_fields(rows))
             answers.append({"text": "", "output_ids": output, "meta_info": meta})
         return JSONResponse(answers)
 
-    return Starlette(routes=[Route("/rr/info", info), Route("/generate", generate, methods=["POST"]),
-                             *(Route(p, h, methods=list(m)) for p, h, m in STORE_ROUTES)])
+    return Starlette(
+        routes=[
+            Route("/rr/info", info),
+            Route("/generate", generate, methods=["POST"]),
+            *(Route(p, h, methods=list(m)) for p, h, m in STORE_ROUTES),
+        ]
+    )
 
 
 def client(transport: Any) -> RoutedExpertsClient:
@@ -261,6 +327,7 @@ def test_resolve_binds_each_ref_to_its_tokens_before_any_read(served: Any) -> No
             assert transport.reads == [2]  # the refused call read nothing
             swapped = [a.with_routing(None), b.with_routing(None)]  # type: ignore[arg-type]
             from dataclasses import replace
+
             swapped[0] = replace(swapped[0], routing_ref=b.routing_ref)
             with pytest.raises(StaleRoutingError, match=b.routing_ref.key):
                 await c.resolve_results(swapped)
@@ -274,9 +341,19 @@ def test_resolve_binds_each_ref_to_its_tokens_before_any_read(served: Any) -> No
 
 def test_ray_refs_are_bound_before_ray_is_asked() -> None:
     """A ``ray://`` ref paired with another sample's tokens is refused before any Ray call (none runs here)."""
-    ref = RoutingRef(store="s", url="ray://rr/store-0", key="k1", rows=5, layers=3, topk=2, dtype="uint8",
-                     start=0, weight_version=0, checksum="blake2b-128:00", provenance=Provenance(
-                         tokens_digest=tokens_digest(P, O)))
+    ref = RoutingRef(
+        store="s",
+        url="ray://rr/store-0",
+        key="k1",
+        rows=5,
+        layers=3,
+        topk=2,
+        dtype="uint8",
+        start=0,
+        weight_version=0,
+        checksum="blake2b-128:00",
+        provenance=Provenance(tokens_digest=tokens_digest(P, O)),
+    )
 
     async def run() -> None:
         async with RoutedExpertsClient(URL, info=INFO) as c:
@@ -327,8 +404,12 @@ def test_trajectory_turns_carry_provenance_and_row_spans(served: Any, by_referen
 def test_a_ref_whose_provenance_is_another_samples_is_refused_at_parse() -> None:
     store = MemoryStore(1 << 20, URL)
     rows = checked(expected_rows(len(P), len(O), 0))
-    meta = {"prompt_tokens": len(P), "completion_tokens": len(O), "routed_experts_format": "ref",
-            "routed_experts_ref": {**store.put(rows), "provenance": prov(P, O)}}
+    meta = {
+        "prompt_tokens": len(P),
+        "completion_tokens": len(O),
+        "routed_experts_format": "ref",
+        "routed_experts_ref": {**store.put(rows), "provenance": prov(P, O)},
+    }
     item = {"output_ids": O, "meta_info": meta}
     r = parse_sample(item, index=0, prompt_index=0, prompt_ids=P, info=INFO, want_routing=True, by_reference=True)
     assert r.provenance == r.routing_ref.provenance and r.provenance is not None  # the ref's, when meta has none

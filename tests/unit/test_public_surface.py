@@ -44,8 +44,11 @@ def test_every_error_class_is_public() -> None:
     """The drift the facade rules out: a class of the error tree missing from the root (ServerStartError was)."""
     from rr_client.core import errors
 
-    classes = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, Exception)
-               and v.__module__ in ("rr_client", errors.__name__)}
+    classes = {
+        n
+        for n, v in vars(errors).items()
+        if isinstance(v, type) and issubclass(v, Exception) and v.__module__ in ("rr_client", errors.__name__)
+    }
     assert classes <= set(rr_client.__all__), sorted(classes - set(rr_client.__all__))
     assert rr_client.ServerStartError is errors.ServerStartError
 

@@ -50,12 +50,24 @@ def vllm_app() -> Iterator[Any]:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     with pytest.MonkeyPatch.context() as mp:
-        for name, value in {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "RR_ENABLE": "1",
-                            "VLLM_PLUGINS": "rr"}.items():
+        for name, value in {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+            "RR_ENABLE": "1",
+            "VLLM_PLUGINS": "rr",
+        }.items():
             mp.setenv(name, value)
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(
-            ["--model", "m", "--api-key", KEY, "--enable-fault-tolerance", "--profiler-config",
-             json.dumps({"profiler": "torch", "torch_profiler_dir": "/tmp/rr-unused-profiles"})])
+            [
+                "--model",
+                "m",
+                "--api-key",
+                KEY,
+                "--enable-fault-tolerance",
+                "--profiler-config",
+                json.dumps({"profiler": "torch", "torch_profiler_dir": "/tmp/rr-unused-profiles"}),
+            ]
+        )
         app = build_app(args, supported_tasks=("generate",))
         if not getattr(app.state, "rr_routes_installed", False):  # the plugin is not registered in this env
             from rr_patches.vllm.endpoint import RREndpointPlugin
@@ -92,8 +104,10 @@ def test_key_routes_need_the_key_and_open_ones_do_not(vllm_app: Any) -> None:
     wrong: dict[str, list[int]] = {}
     for path, method in _app_routes(vllm_app).items():
         url = re.sub(r"\{[^}]*\}", "x", path)
-        got = [client.request(method, url, headers={"authorization": f"Bearer {k}"} if k else {}, json={}).status_code
-               for k in (None, "not-the-key")]
+        got = [
+            client.request(method, url, headers={"authorization": f"Bearer {k}"} if k else {}, json={}).status_code
+            for k in (None, "not-the-key")
+        ]
         if (doc[path] == "key") != (got == [401, 401]) or (doc[path] == "anyone" and 401 in got):
             wrong[f"{method} {path} ({doc[path]})"] = got
     assert wrong == {}

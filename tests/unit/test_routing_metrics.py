@@ -21,8 +21,9 @@ from rr_client.core.errors import ShapeMismatchError, UnrecordedRoutingError
 from rr_client.core.info import RRInfo
 from rr_server.serving import routing_metrics
 
-INFO = RRInfo.from_hf_config({"num_hidden_layers": 2, "num_experts": 300, "num_experts_per_tok": 2},
-                             engine="vllm", engine_version="test")
+INFO = RRInfo.from_hf_config(
+    {"num_hidden_layers": 2, "num_experts": 300, "num_experts_per_tok": 2}, engine="vllm", engine_version="test"
+)
 GOOD = np.array([[[1, 299], [3, 4]]] * 4)  # prompt 3 + completion 2 - 1 = 4 rows
 
 
@@ -48,8 +49,9 @@ def test_each_sample_moves_its_counters_by_what_it_carries() -> None:
     routing_metrics.count_sample(sglang)
     routing_metrics.count_sample(routing_error_fields(ShapeMismatchError("routing has 7 rows, expected 8")))
     routing_metrics.count_sample(routing_error_fields(UnrecordedRoutingError("all-zero")))
-    routing_metrics.count_sample({"routed_experts_ref": {"key": "k"}, "routed_experts_shape": [4, 2, 2],
-                                 "routed_experts_format": "ref"})
+    routing_metrics.count_sample(
+        {"routed_experts_ref": {"key": "k"}, "routed_experts_shape": [4, 2, 2], "routed_experts_format": "ref"}
+    )
     routing_metrics.count_sample(None)  # a request that did not ask
     routing_metrics.count_answer({"choices": [npy, {"text": "no rr fields"}], "usage": {}})
     after = _snapshot()
@@ -68,12 +70,15 @@ def test_each_sample_moves_its_counters_by_what_it_carries() -> None:
     }
 
 
-@pytest.mark.parametrize("why,label", [
-    ("ShapeMismatchError: routing has 7 rows, expected 8", "ShapeMismatchError"),
-    ("ExpertIdOutOfRangeError: id 300", "ExpertIdOutOfRangeError"),
-    ("upstream went away", "MissingRoutingError"),  # names no routing error: what the client raises
-    ("ValueError: not rr's", "MissingRoutingError"),
-])
+@pytest.mark.parametrize(
+    "why,label",
+    [
+        ("ShapeMismatchError: routing has 7 rows, expected 8", "ShapeMismatchError"),
+        ("ExpertIdOutOfRangeError: id 300", "ExpertIdOutOfRangeError"),
+        ("upstream went away", "MissingRoutingError"),  # names no routing error: what the client raises
+        ("ValueError: not rr's", "MissingRoutingError"),
+    ],
+)
 def test_error_label_is_the_class_the_client_raises(why: str, label: str) -> None:
     assert routing_metrics.refusal_class(why) == label
 
@@ -85,8 +90,15 @@ def test_vllm_reply_path_counts_a_refused_sample() -> None:
     from rr_server.serving.generate_protocol import parse_generate_request
 
     req = parse_generate_request({"input_ids": [7, 8, 9], "return_routed_experts": True})
-    c = SimpleNamespace(index=0, text="", token_ids=[1, 2, 3], logprobs=None, finish_reason="length",
-                        stop_reason=None, routed_experts=GOOD)  # 4 rows where 3 + 3 - 1 = 5 are due
+    c = SimpleNamespace(
+        index=0,
+        text="",
+        token_ids=[1, 2, 3],
+        logprobs=None,
+        finish_reason="length",
+        stop_reason=None,
+        routed_experts=GOOD,
+    )  # 4 rows where 3 + 3 - 1 = 5 are due
     ro = SimpleNamespace(outputs=[c], prompt_token_ids=[7, 8, 9], num_cached_tokens=0)
     before = _value("rr_routing_refused_total", error="ShapeMismatchError")
     (item,) = _items_for(ro, req, 0, "rid", 0.0, INFO)

@@ -14,15 +14,29 @@ import pytest
 
 from rr_client import RoutedExpertsClient, RRInfo
 from rr_client.core.codec import check_routing, routing_meta_fields
-from rr_client.core.errors import (MalformedPayloadError, RoutingChecksumError, RoutingExpiredError, ShapeMismatchError,
-                              UnrecordedRoutingError)
+from rr_client.core.errors import (
+    MalformedPayloadError,
+    RoutingChecksumError,
+    RoutingExpiredError,
+    ShapeMismatchError,
+    UnrecordedRoutingError,
+)
 from rr_client.core.reference import FramePart, RoutingRef, checksum, decode_frame, encode_frame
-from rr_server.serving.store import install as rs
 from rr_server.serving.store import STORE_ROUTES, MemoryStore
+from rr_server.serving.store import install as rs
 from tests.support.routing_data import make_routing
 
-INFO = RRInfo.from_hf_config({"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 8,
-                              "num_experts_per_tok": 2, "mlp_only_layers": [1]}, engine="test", engine_version="0")
+INFO = RRInfo.from_hf_config(
+    {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "mlp_only_layers": [1],
+    },
+    engine="test",
+    engine_version="0",
+)
 URL = "http://rr-store.test"
 
 
@@ -38,9 +52,14 @@ def test_ref_is_small_whatever_the_length_and_every_field_is_checked() -> None:
     assert len(json.dumps(small)) <= len(json.dumps(big)) <= 320
     ref = RoutingRef.from_dict(big)
     assert ref.shape == (40_000, 3, 2) and ref.nbytes == 40_000 * 6 and ref.url == URL
-    for bad, what in [({**big, "schema": "rr.routing_ref/0"}, "schema"), ({**big, "rows": -1}, "'rows'"),
-                      ({**big, "dtype": "int32"}, "dtype"), ({**big, "extra": 1}, "unknown fields"),
-                      ({k: v for k, v in big.items() if k != "key"}, "'key'"), ([1], "must be an object")]:
+    for bad, what in [
+        ({**big, "schema": "rr.routing_ref/0"}, "schema"),
+        ({**big, "rows": -1}, "'rows'"),
+        ({**big, "dtype": "int32"}, "dtype"),
+        ({**big, "extra": 1}, "unknown fields"),
+        ({k: v for k, v in big.items() if k != "key"}, "'key'"),
+        ([1], "must be an object"),
+    ]:
         with pytest.raises(MalformedPayloadError, match=what):
             RoutingRef.from_dict(bad)
 
@@ -62,11 +81,11 @@ def test_frame_round_trip_and_every_lie_is_refused() -> None:
     with pytest.raises(MalformedPayloadError, match="do not fit"):
         decode_frame(good[:-1])  # truncated
     n = struct.unpack_from("<Q", good)[0]
-    head = json.loads(good[8:8 + n])
+    head = json.loads(good[8 : 8 + n])
     head["parts"][0]["shape"] = [4, 3, 2]  # the header lies about the rows
     lied = json.dumps(head).encode()
     with pytest.raises(MalformedPayloadError, match="rows"):
-        decode_frame(struct.pack("<Q", len(lied)) + lied + good[8 + n:])
+        decode_frame(struct.pack("<Q", len(lied)) + lied + good[8 + n :])
 
 
 def test_store_evicts_oldest_first_and_says_why() -> None:
@@ -198,9 +217,15 @@ def test_read_route_answers_bad_requests_with_400(served: Any) -> None:
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(transport=transport, base_url=URL) as h:
-            return [await h.post("/rr/routing/read", content=b) for b in
-                    (b"not json", b"{}", b'{"refs": [{"key": 1}]}', b'{"refs": [{"store": "s", "key": "k", "start": -1}]}')] + \
-                   [await h.post("/rr/routing/retire", content=b'{"through": "x"}')]
+            return [
+                await h.post("/rr/routing/read", content=b)
+                for b in (
+                    b"not json",
+                    b"{}",
+                    b'{"refs": [{"key": 1}]}',
+                    b'{"refs": [{"store": "s", "key": "k", "start": -1}]}',
+                )
+            ] + [await h.post("/rr/routing/retire", content=b'{"through": "x"}')]
 
     for r in asyncio.run(run()):
         assert r.status_code == 400 and r.json()["error"]["message"], r.text

@@ -62,8 +62,11 @@ def test_every_rr_variable_in_the_code_is_a_registered_setting() -> None:
 def test_no_module_reads_an_rr_variable_from_os_environ_itself() -> None:
     """One reader: ``os.environ.get("RR_...")`` / ``os.getenv("RR_...")`` appear nowhere but rr_client.core.settings."""
     pattern = re.compile(r"(os\.environ\.get|os\.getenv|os\.environ\[)\(?\s*[\"']RR_")
-    offenders = [str(p.relative_to(REPO)) for p in _shipped_sources()
-                 if p.name != "settings.py" and pattern.search(p.read_text())]
+    offenders = [
+        str(p.relative_to(REPO))
+        for p in _shipped_sources()
+        if p.name != "settings.py" and pattern.search(p.read_text())
+    ]
     assert offenders == []
 
 

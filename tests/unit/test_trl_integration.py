@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from rr_client import ConfigurationError, GenerateResult, LogprobsModeError, RRError, UnsupportedVersionError
-from rr_client.integrations import trl as rr_trl
 from rr_client.core.logprobs import parse_token_logprobs
+from rr_client.integrations import trl as rr_trl
 from tests.support.protocol_server import ProtocolTestServer
 
 
@@ -84,11 +84,14 @@ def test_use_vllm_is_refused_before_trl_connects(connections: list[Any]) -> None
     assert isinstance(e.value, RRError) and connections == []
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"tools": [lambda x: x]}, "tools"),
-    ({"environment_factory": lambda: None}, "environment_factory"),
-    ({"peft_config": object()}, "PEFT"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"tools": [lambda x: x]}, "tools"),
+        ({"environment_factory": lambda: None}, "environment_factory"),
+        ({"peft_config": object()}, "PEFT"),
+    ],
+)
 def test_refusals_come_before_trls_init(kw: dict[str, Any], match: str, connections: list[Any]) -> None:
     rollout = rr_trl.RRRollout("http://127.0.0.1:9")
     try:
@@ -107,11 +110,27 @@ def test_trainer_refuses_a_rollout_that_is_not_rr() -> None:
 def test_sampling_params_follow_grpo_config() -> None:
     from trl import GRPOConfig
 
-    cfg = GRPOConfig(output_dir="/tmp/rr-unused", temperature=0.7, top_p=0.9, top_k=0, max_completion_length=12,
-                     repetition_penalty=1.1, generation_kwargs={"seed": 3}, report_to=[], use_cpu=True)
+    cfg = GRPOConfig(
+        output_dir="/tmp/rr-unused",
+        temperature=0.7,
+        top_p=0.9,
+        top_k=0,
+        max_completion_length=12,
+        repetition_penalty=1.1,
+        generation_kwargs={"seed": 3},
+        report_to=[],
+        use_cpu=True,
+    )
     sp = rr_trl.sampling_params_from(cfg, 4)
-    assert sp == {"n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.1,
-                  "max_new_tokens": 12, "seed": 3}
+    assert sp == {
+        "n": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "repetition_penalty": 1.1,
+        "max_new_tokens": 12,
+        "seed": 3,
+    }
 
 
 def test_rollout_carries_the_api_key_and_engines() -> None:
@@ -178,16 +197,24 @@ def _use_vllm_reads() -> dict[str, list[ast.AST]]:
             continue
         parents = {c: p for p in ast.walk(fn) for c in ast.iter_child_nodes(p)}
         for node in ast.walk(fn):
-            if isinstance(node, ast.Attribute) and node.attr == "use_vllm" and isinstance(node.ctx, ast.Load) \
-                    and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "use_vllm"
+                and isinstance(node.ctx, ast.Load)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
                 reads.setdefault(fn.name, []).append(parents.get(node, node))
     return reads
 
 
 def _guards_correction(test: ast.AST) -> bool:
     """``self.use_vllm and self.vllm_importance_sampling_correction [and ...]``."""
-    return isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and any(
-        isinstance(v, ast.Attribute) and v.attr == "vllm_importance_sampling_correction" for v in test.values)
+    return (
+        isinstance(test, ast.BoolOp)
+        and isinstance(test.op, ast.And)
+        and any(isinstance(v, ast.Attribute) and v.attr == "vllm_importance_sampling_correction" for v in test.values)
+    )
 
 
 def test_trl_reads_use_vllm_only_where_rr_switches_it() -> None:
@@ -196,8 +223,14 @@ def test_trl_reads_use_vllm_only_where_rr_switches_it() -> None:
     loss multiplies the ratio in. A TRL that reads ``use_vllm`` anywhere else, or moves the multiplication, fails
     here before it could train with the correction silently off or its vLLM client called."""
     reads = _use_vllm_reads()
-    assert set(reads) == {"__init__", "_generate_single_turn", "_tool_call_loop", "_generate",
-                          "_generate_and_score_completions", "_compute_loss"}, sorted(reads)
+    assert set(reads) == {
+        "__init__",
+        "_generate_single_turn",
+        "_tool_call_loop",
+        "_generate",
+        "_generate_and_score_completions",
+        "_compute_loss",
+    }, sorted(reads)
     for method in ("_generate_and_score_completions", "_compute_loss"):
         assert reads[method] and all(_guards_correction(t) for t in reads[method]), method
     from trl import GRPOTrainer
@@ -219,8 +252,9 @@ def test_every_trl_method_rr_overrides_is_shape_checked() -> None:
 
     from rr_client.integrations.trl._trainer import OVERRIDDEN, check_trl_shapes
 
-    overridden = {name for name, value in vars(rr_trl.R3GRPOTrainer).items()
-                  if callable(value) and hasattr(GRPOTrainer, name)}
+    overridden = {
+        name for name, value in vars(rr_trl.R3GRPOTrainer).items() if callable(value) and hasattr(GRPOTrainer, name)
+    }
     assert overridden == set(OVERRIDDEN), sorted(overridden ^ set(OVERRIDDEN))
     check_trl_shapes(GRPOTrainer)
 
@@ -241,22 +275,43 @@ def test_a_trl_that_moved_an_overridden_method_is_refused() -> None:
         check_trl_shapes(moved)
     msg = str(exc.value)
     assert "GRPOTrainer._generate is missing" in msg, msg
-    assert ("GRPOTrainer.training_step(self, model, inputs) does not have the shape rr relies on "
-            "(self, model, inputs, num_items_in_batch)") in msg, msg
+    assert (
+        "GRPOTrainer.training_step(self, model, inputs) does not have the shape rr relies on "
+        "(self, model, inputs, num_items_in_batch)"
+    ) in msg, msg
     assert f"in TRL {trl.__version__} (rr was tested with TRL 1.16)" in msg, msg
 
 
 def test_a_missing_engine_logprob_is_nan() -> None:
     """An engine log-prob of None reaches TRL as NaN (TRL's ratio is 1 there), read from GenerateResult.logprobs."""
-    r = GenerateResult(index=0, prompt_index=0, prompt_ids=[1], output_ids=[5, 6], text=None, finish_reason=None,
-                       routed_experts=None, routed_experts_start=0, meta={},
-                       logprobs=parse_token_logprobs([[-0.5, 5], [None, 6]], [5, 6], where="t"))
+    r = GenerateResult(
+        index=0,
+        prompt_index=0,
+        prompt_ids=[1],
+        output_ids=[5, 6],
+        text=None,
+        finish_reason=None,
+        routed_experts=None,
+        routed_experts_start=0,
+        meta={},
+        logprobs=parse_token_logprobs([[-0.5, 5], [None, 6]], [5, 6], where="t"),
+    )
     got = rr_trl.sampled_logprobs(r)
     assert got[0] == -0.5 and math.isnan(got[1])
     with pytest.raises(RRError, match="no log-probs"):
-        rr_trl.sampled_logprobs(GenerateResult(index=0, prompt_index=0, prompt_ids=[1], output_ids=[5],
-                                               text=None, finish_reason=None, routed_experts=None,
-                                               routed_experts_start=0, meta={}))
+        rr_trl.sampled_logprobs(
+            GenerateResult(
+                index=0,
+                prompt_index=0,
+                prompt_ids=[1],
+                output_ids=[5],
+                text=None,
+                finish_reason=None,
+                routed_experts=None,
+                routed_experts_start=0,
+                meta={},
+            )
+        )
 
 
 @pytest.mark.parametrize("mode", ["raw", None])
@@ -279,13 +334,21 @@ def test_pre_temperature_logprobs_are_refused_after_one_info_call(mode: str | No
         assert server.behaviour.info_calls == 1 and server.behaviour.calls == 0
 
 
-@pytest.mark.parametrize("config, rollout_kw, match", [
-    ({"temperature": 0.7}, {"sampling_params": {"temperature": 1.0}},
-     "temperature 1.0 but GRPOConfig.temperature is 0.7"),
-    ({"loss_type": "vespo", "vllm_importance_sampling_mode": "sequence_mask"}, {}, "vespo"),
-], ids=["a_rollout_temperature_other_than_the_trainers", "vespo_with_a_sequence_correction_as_trl_does"])
-def test_a_grpo_config_the_rollout_cannot_serve_is_refused(config: dict[str, Any], rollout_kw: dict[str, Any],
-                                                           match: str, connections: list[Any]) -> None:
+@pytest.mark.parametrize(
+    "config, rollout_kw, match",
+    [
+        (
+            {"temperature": 0.7},
+            {"sampling_params": {"temperature": 1.0}},
+            "temperature 1.0 but GRPOConfig.temperature is 0.7",
+        ),
+        ({"loss_type": "vespo", "vllm_importance_sampling_mode": "sequence_mask"}, {}, "vespo"),
+    ],
+    ids=["a_rollout_temperature_other_than_the_trainers", "vespo_with_a_sequence_correction_as_trl_does"],
+)
+def test_a_grpo_config_the_rollout_cannot_serve_is_refused(
+    config: dict[str, Any], rollout_kw: dict[str, Any], match: str, connections: list[Any]
+) -> None:
     from trl import GRPOConfig
 
     cfg = GRPOConfig(output_dir="/tmp/rr-unused", report_to=[], use_cpu=True, **config)
@@ -296,4 +359,3 @@ def test_a_grpo_config_the_rollout_cannot_serve_is_refused(config: dict[str, Any
     finally:
         rollout.close()
     assert connections == []
-

@@ -12,8 +12,13 @@ from rr_client.core.errors import ShapeMismatchError, UnrecordedRoutingError
 from rr_client.core.hf_config import hash_layers_from_config, moe_layers_from_config
 from tests.support.routing_data import make_routing
 
-V4 = {"model_type": "deepseek_v4", "num_hidden_layers": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
-      "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"]}
+V4 = {
+    "model_type": "deepseek_v4",
+    "num_hidden_layers": 4,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
+}
 
 
 def test_hash_layers_from_the_config() -> None:

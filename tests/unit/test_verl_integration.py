@@ -13,17 +13,35 @@ import numpy as np
 import pytest
 import torch
 
-from rr_client.core.errors import (ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError, ShapeMismatchError,
-                              UnrecordedRoutingError, UnsupportedVersionError)
+from rr_client.core.errors import (
+    ConfigurationError,
+    ExpertIdOutOfRangeError,
+    MissingRoutingError,
+    ShapeMismatchError,
+    UnrecordedRoutingError,
+    UnsupportedVersionError,
+)
 from rr_client.core.info import RRInfo
 from rr_client.integrations.verl import accumulate_turn_rows, check_verl_version, packed_rows, unpack_recorded
 from rr_client.integrations.verl._engine import replay_mode
-from rr_client.integrations.verl._patches import (_Checked, _install_extract_shim, checked_meta_routing, fsdp_replay_on,
-                                                  verl_reads, worker_replay_mode)
+from rr_client.integrations.verl._patches import (
+    _Checked,
+    _install_extract_shim,
+    checked_meta_routing,
+    fsdp_replay_on,
+    verl_reads,
+    worker_replay_mode,
+)
 from tests.support.routing_data import make_routing
 
-CFG = {"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
-       "mlp_only_layers": [1], "decoder_sparse_step": 1}
+CFG = {
+    "model_type": "qwen3_moe",
+    "num_hidden_layers": 3,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "mlp_only_layers": [1],
+    "decoder_sparse_step": 1,
+}
 INFO = RRInfo.from_hf_config(CFG, engine="verl", engine_version="0.9.1")
 
 
@@ -45,8 +63,9 @@ def test_packed_rows_masks_exactly_the_unrecorded_tail() -> None:
     assert mask.tolist() == [True] * 4 + [False] + [True] * 2 + [False] + [False]
     assert torch.equal(rows[mask], nt.values().long()[mask])
     # rows without routing are pad rows spread over the experts (issue 43): pad i at layer l = (2i + col + 2l) % 8
-    assert rows[~mask].tolist() == [[[(2 * i + c + 2 * layer) % 8 for c in range(2)] for layer in range(3)]
-                                    for i in range(3)]
+    assert rows[~mask].tolist() == [
+        [[(2 * i + c + 2 * layer) % 8 for c in range(2)] for layer in range(3)] for i in range(3)
+    ]
 
 
 def test_packed_rows_refusals() -> None:
@@ -128,8 +147,14 @@ def test_modes_and_worker_setting() -> None:
 def test_combine_reports_takes_the_worst_share() -> None:
     from rr_client.trainer.session import merge_reports as combine_reports
 
-    a = {"r3/replayed_rows": 10.0, "r3/left_rows": 2.0, "r3/forwards": 1.0, "r3/applied_share": 1.0,
-         "r3/agreement": 0.9, "r3/layer0/applied_share": 1.0}
+    a = {
+        "r3/replayed_rows": 10.0,
+        "r3/left_rows": 2.0,
+        "r3/forwards": 1.0,
+        "r3/applied_share": 1.0,
+        "r3/agreement": 0.9,
+        "r3/layer0/applied_share": 1.0,
+    }
     b = {**a, "r3/replayed_rows": 30.0, "r3/applied_share": 0.5, "r3/agreement": 0.5, "r3/layer0/applied_share": 0.5}
     m = combine_reports([a, b])
     assert m["r3/replayed_rows"] == 40 and m["r3/applied_share"] == 0.5 and m["r3/applied_share_min_layer"] == 0.5
@@ -208,8 +233,7 @@ class _FSDPEngine:
     def prepare_model_inputs(self, micro_batch: Any) -> Any:
         return {}, {}
 
-    def prepare_model_outputs(self, output: Any, output_args: Any, micro_batch: Any,
-                              logits_processor_func: Any) -> Any:
+    def prepare_model_outputs(self, output: Any, output_args: Any, micro_batch: Any, logits_processor_func: Any) -> Any:
         return {}
 
 
@@ -237,8 +261,10 @@ def fake_verl(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     for name in ("verl", "verl.workers", "verl.workers.engine", "verl.utils", "verl.workers.utils"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    helpers = {"verl.utils.tensordict_utils": ("get_non_tensor_data", lambda data, key, default: default),
-               "verl.workers.utils.padding": ("no_padding_2_padding", lambda tensor, data: tensor)}
+    helpers = {
+        "verl.utils.tensordict_utils": ("get_non_tensor_data", lambda data, key, default: default),
+        "verl.workers.utils.padding": ("no_padding_2_padding", lambda tensor, data: tensor),
+    }
     for name, (fn_name, fn) in helpers.items():
         module = types.ModuleType(name)
         setattr(module, fn_name, fn)
@@ -269,17 +295,33 @@ def test_rr_engine_is_its_module_level_mixin_over_verls_class(fake_verl: Any) ->
     assert engine.forward_backward_batch("batch", None, forward_only=True) == ("verl", "batch", True)
 
 
-@pytest.mark.parametrize("owner,method,reshaped,found", [
-    (_FSDPEngine, "initialize", lambda self, device: None,
-     "_FSDPEngine.initialize(self, device) does not have the shape rr relies on (self)"),
-    (_Registry, "get_engine_cls", staticmethod(lambda model_type: None),
-     "_Registry.get_engine_cls(model_type) does not have the shape rr relies on (model_type, backend)"),
-    ("verl.workers.utils.padding", "no_padding_2_padding", lambda tensor, data, pad: tensor,
-     "verl.workers.utils.padding.no_padding_2_padding(tensor, data, pad) does not have the shape rr relies on "
-     "(tensor, data)"),
-])
-def test_a_reshaped_verl_engine_is_refused(fake_verl: Any, monkeypatch: pytest.MonkeyPatch, owner: Any, method: str,
-                                           reshaped: Any, found: str) -> None:
+@pytest.mark.parametrize(
+    "owner,method,reshaped,found",
+    [
+        (
+            _FSDPEngine,
+            "initialize",
+            lambda self, device: None,
+            "_FSDPEngine.initialize(self, device) does not have the shape rr relies on (self)",
+        ),
+        (
+            _Registry,
+            "get_engine_cls",
+            staticmethod(lambda model_type: None),
+            "_Registry.get_engine_cls(model_type) does not have the shape rr relies on (model_type, backend)",
+        ),
+        (
+            "verl.workers.utils.padding",
+            "no_padding_2_padding",
+            lambda tensor, data, pad: tensor,
+            "verl.workers.utils.padding.no_padding_2_padding(tensor, data, pad) does not have the shape rr relies on "
+            "(tensor, data)",
+        ),
+    ],
+)
+def test_a_reshaped_verl_engine_is_refused(
+    fake_verl: Any, monkeypatch: pytest.MonkeyPatch, owner: Any, method: str, reshaped: Any, found: str
+) -> None:
     """verl changed a method rr's engine overrides, the registry call it makes or a helper it calls:
     UnsupportedVersionError naming it and the verl release, and no engine is built."""
     monkeypatch.setattr(sys.modules[owner] if isinstance(owner, str) else owner, method, reshaped)

@@ -10,23 +10,38 @@ from typing import Any
 
 import pytest
 
+from rr_client.core import versions
 from rr_client.core.errors import RRError, UnsupportedVersionError
 from rr_client.core.patching import MARKER, Shape, check_shapes, is_wrapped, parameters, unwrap, wrap_once
-from rr_client.core import versions
 from rr_client.core.versions import OVERRIDE, check_version
 
 
-@pytest.mark.parametrize("lo,hi,version,covered", [
-    ("1.16", None, "1.16", True), ("1.16", None, "1.16.3", True), ("1.16", None, "1.16.0rc1", True),
-    ("1.16", None, "1.17", False), ("1.16", None, "1.15.9", False), ("1.16", None, "1", False),
-    ("0.22", "0.33", "0.30.0+cpu", True), ("0.22", "0.33", "0.22.0", True), ("0.22", "0.33", "0.33.9", True),
-    ("0.22", "0.33", "0.34.0", False), ("0.22", "0.33", "0.21.9", False), ("0.22", "0.33", "1.0", False),
-    ("0.5.7", "0.5.23", "0.5.10.post1", True), ("0.5.7", "0.5.23", "0.5.23", True),
-    ("0.5.7", "0.5.23", "0.5.24", False), ("0.5.7", "0.5.23", "0.5.6", False),
-    ("0.9.1", None, "0.9.1", True), ("0.9.1", None, "0.9.2", False),
-])
-def test_covers_at_the_precision_the_bounds_are_written_in(lo: str, hi: str | None, version: str,
-                                                          covered: bool) -> None:
+@pytest.mark.parametrize(
+    "lo,hi,version,covered",
+    [
+        ("1.16", None, "1.16", True),
+        ("1.16", None, "1.16.3", True),
+        ("1.16", None, "1.16.0rc1", True),
+        ("1.16", None, "1.17", False),
+        ("1.16", None, "1.15.9", False),
+        ("1.16", None, "1", False),
+        ("0.22", "0.33", "0.30.0+cpu", True),
+        ("0.22", "0.33", "0.22.0", True),
+        ("0.22", "0.33", "0.33.9", True),
+        ("0.22", "0.33", "0.34.0", False),
+        ("0.22", "0.33", "0.21.9", False),
+        ("0.22", "0.33", "1.0", False),
+        ("0.5.7", "0.5.23", "0.5.10.post1", True),
+        ("0.5.7", "0.5.23", "0.5.23", True),
+        ("0.5.7", "0.5.23", "0.5.24", False),
+        ("0.5.7", "0.5.23", "0.5.6", False),
+        ("0.9.1", None, "0.9.1", True),
+        ("0.9.1", None, "0.9.2", False),
+    ],
+)
+def test_covers_at_the_precision_the_bounds_are_written_in(
+    lo: str, hi: str | None, version: str, covered: bool
+) -> None:
     assert versions.Tested(lo, hi).covers(version) is covered
 
 
@@ -44,8 +59,9 @@ def test_tested_spells_its_range() -> None:
 
 def test_check_version_error_names_package_found_tested_and_override() -> None:
     with pytest.raises(UnsupportedVersionError) as exc:
-        check_version("trl", versions.Tested("1.16"), "1.17.0", why="it reaches into private methods",
-                      allow_unsupported=False)
+        check_version(
+            "trl", versions.Tested("1.16"), "1.17.0", why="it reaches into private methods", allow_unsupported=False
+        )
     e = exc.value
     assert isinstance(e, RRError) and isinstance(e, RuntimeError)
     assert (e.package, e.version, e.tested) == ("trl", "1.17.0", "1.16")
@@ -75,6 +91,7 @@ def test_missing_package_is_refused_even_with_the_override() -> None:
 
 
 # ---- the engine gates -------------------------------------------------------------------------------------
+
 
 def _engine_gate(engine: str) -> tuple[Any, type[UnsupportedVersionError]]:
     """The engine's version gate and the error class it refuses with."""
@@ -135,6 +152,7 @@ def test_sglang_gate_has_no_override(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---- the patch kit ----------------------------------------------------------------------------------------
+
 
 class _Engine:
     """Stands in for third-party code rr wraps."""
@@ -200,29 +218,40 @@ class _Struct:
 
 
 def test_check_shapes_passes_a_matching_shape(engine_cls: type[_Engine]) -> None:
-    check_shapes(Shape(engine_cls, {"step": ["self", "batch", "scale"]}),
-                 Shape(engine_cls, {"step": [["self", "batch"], ["self", "batch", "scale"]]}),  # any of several
-                 Shape(engine_cls, {"step": ["self", ...]}), Shape(engine_cls, {"step": [..., "scale"]}),
-                 Shape(engine_cls, {"step": ["self", ..., "batch", ..., "scale", ...]}),
-                 Shape(engine_cls, {"step": None}),
-                 Shape(_Struct, fields=["rows", "out_list"], coroutines={"handle": True}), what="engine 1.0")
+    check_shapes(
+        Shape(engine_cls, {"step": ["self", "batch", "scale"]}),
+        Shape(engine_cls, {"step": [["self", "batch"], ["self", "batch", "scale"]]}),  # any of several
+        Shape(engine_cls, {"step": ["self", ...]}),
+        Shape(engine_cls, {"step": [..., "scale"]}),
+        Shape(engine_cls, {"step": ["self", ..., "batch", ..., "scale", ...]}),
+        Shape(engine_cls, {"step": None}),
+        Shape(_Struct, fields=["rows", "out_list"], coroutines={"handle": True}),
+        what="engine 1.0",
+    )
 
 
-@pytest.mark.parametrize("shape,found", [
-    (Shape(_Engine, {"gone": None}), "_Engine.gone is missing"),
-    (Shape(_Engine, {"step": ["self", "batch"]}),
-     "_Engine.step(self, batch, scale) does not have the shape rr relies on (self, batch)"),
-    (Shape(_Engine, {"step": [["self"], ["batch", ...]]}),
-     "_Engine.step(self, batch, scale) does not have the shape rr relies on (self) or (batch, ...)"),
-    (Shape(_Engine, {"__doc__": None}), "_Engine.__doc__ is a str, not a function"),
-    (Shape(_Struct, fields=["rows", "routed_experts"]), "_Struct has no field 'routed_experts'"),
-    (Shape(_Engine, fields=["rows"]), "_Engine has no field 'rows'"),  # not a dataclass: declares no fields
-    (Shape(_Struct, coroutines={"handle": False}), "_Struct.handle is async def (rr expects def)"),
-    (Shape(_Engine, coroutines={"step": True}), "_Engine.step is not async def (rr expects async def)"),
-    (Shape(_Engine, {"step": ["self", ...]}, coroutines={"step": True}), "_Engine.step is not async def"),
-    (Shape(_Engine, coroutines={"gone": True}), "_Engine.gone is missing"),
-    (Shape(builtins, {"min": ["iterable"]}), "builtins.min has no readable signature"),  # a builtin without one
-])
+@pytest.mark.parametrize(
+    "shape,found",
+    [
+        (Shape(_Engine, {"gone": None}), "_Engine.gone is missing"),
+        (
+            Shape(_Engine, {"step": ["self", "batch"]}),
+            "_Engine.step(self, batch, scale) does not have the shape rr relies on (self, batch)",
+        ),
+        (
+            Shape(_Engine, {"step": [["self"], ["batch", ...]]}),
+            "_Engine.step(self, batch, scale) does not have the shape rr relies on (self) or (batch, ...)",
+        ),
+        (Shape(_Engine, {"__doc__": None}), "_Engine.__doc__ is a str, not a function"),
+        (Shape(_Struct, fields=["rows", "routed_experts"]), "_Struct has no field 'routed_experts'"),
+        (Shape(_Engine, fields=["rows"]), "_Engine has no field 'rows'"),  # not a dataclass: declares no fields
+        (Shape(_Struct, coroutines={"handle": False}), "_Struct.handle is async def (rr expects def)"),
+        (Shape(_Engine, coroutines={"step": True}), "_Engine.step is not async def (rr expects async def)"),
+        (Shape(_Engine, {"step": ["self", ...]}, coroutines={"step": True}), "_Engine.step is not async def"),
+        (Shape(_Engine, coroutines={"gone": True}), "_Engine.gone is missing"),
+        (Shape(builtins, {"min": ["iterable"]}), "builtins.min has no readable signature"),  # a builtin without one
+    ],
+)
 def test_check_shapes_names_each_way_a_shape_differs(shape: Shape, found: str) -> None:
     """Every failure mode raises UnsupportedVersionError naming the object, what rr expects, what it found, and the
     package with its installed version."""
@@ -238,10 +267,15 @@ def test_check_shapes_reports_every_difference_at_once_in_the_callers_error() ->
         pass
 
     with pytest.raises(EngineError) as exc:
-        check_shapes(Shape(_Engine, {"gone": None, "step": ["self"]}), Shape(_Struct, fields=["nope"]),
-                     error=lambda msg: EngineError(msg, package="engine", version="2.0"))
-    assert str(exc.value) == ("_Engine.gone is missing; _Engine.step(self, batch, scale) does not have the shape rr "
-                              "relies on (self); _Struct has no field 'nope': refusing to patch or subclass it")
+        check_shapes(
+            Shape(_Engine, {"gone": None, "step": ["self"]}),
+            Shape(_Struct, fields=["nope"]),
+            error=lambda msg: EngineError(msg, package="engine", version="2.0"),
+        )
+    assert str(exc.value) == (
+        "_Engine.gone is missing; _Engine.step(self, batch, scale) does not have the shape rr "
+        "relies on (self); _Struct has no field 'nope': refusing to patch or subclass it"
+    )
     assert (exc.value.package, exc.value.version) == ("engine", "2.0")
 
 
@@ -249,8 +283,11 @@ def test_wrap_once_raises_the_callers_error(engine_cls: type[_Engine]) -> None:
     class EngineError(UnsupportedVersionError):
         pass
 
-    with pytest.raises(EngineError, match=r"step\(self, batch, scale\) does not have the shape rr relies on "
-                                          r"\(args, \.\.\.\)"):
+    with pytest.raises(
+        EngineError,
+        match=r"step\(self, batch, scale\) does not have the shape rr relies on "
+        r"\(args, \.\.\.\)",
+    ):
         wrap_once(engine_cls, "step", _doubling, params=["args", ...], error=EngineError)
     assert not is_wrapped(engine_cls, "step")
 
@@ -277,8 +314,9 @@ def test_vllm_build_app_wrap_uses_the_kit() -> None:
         return app
 
     mod.build_app = odd  # type: ignore[attr-defined]
-    with pytest.raises(UnsupportedVLLMVersion,
-                       match=r"build_app\(app\) does not have the shape rr relies on \(args, \.\.\.\)"):
+    with pytest.raises(
+        UnsupportedVLLMVersion, match=r"build_app\(app\) does not have the shape rr relies on \(args, \.\.\.\)"
+    ):
         plugin._patch(mod, "build_app")
     assert mod.build_app is odd
 

@@ -48,8 +48,9 @@ def test_general_plugin_skips_the_wrap_where_the_group_exists(monkeypatch: pytes
 
 
 @pytest.mark.parametrize("value", [None, "", "other"])
-def test_general_plugin_refuses_when_vllm_plugins_hides_the_endpoint(monkeypatch: pytest.MonkeyPatch,
-                                                                     value: str | None) -> None:
+def test_general_plugin_refuses_when_vllm_plugins_hides_the_endpoint(
+    monkeypatch: pytest.MonkeyPatch, value: str | None
+) -> None:
     from rr_patches.vllm import plugin
 
     monkeypatch.setenv("RR_ENABLE", "1")
@@ -112,12 +113,17 @@ def test_launcher_sets_what_0_31_plus_capture_needs() -> None:
 def test_routing_enabled_reads_where_each_version_keeps_it() -> None:
     from rr_patches.vllm.compat import routing_enabled
 
-    v030 = SimpleNamespace(model_config=SimpleNamespace(enable_return_routed_experts=True),
-                           vllm_config=SimpleNamespace())
-    v032 = SimpleNamespace(model_config=SimpleNamespace(),
-                           vllm_config=SimpleNamespace(aux_output_config=SimpleNamespace(enable_return_routed_experts=True)))
-    off = SimpleNamespace(model_config=SimpleNamespace(),
-                          vllm_config=SimpleNamespace(aux_output_config=SimpleNamespace(enable_return_routed_experts=False)))
+    v030 = SimpleNamespace(
+        model_config=SimpleNamespace(enable_return_routed_experts=True), vllm_config=SimpleNamespace()
+    )
+    v032 = SimpleNamespace(
+        model_config=SimpleNamespace(),
+        vllm_config=SimpleNamespace(aux_output_config=SimpleNamespace(enable_return_routed_experts=True)),
+    )
+    off = SimpleNamespace(
+        model_config=SimpleNamespace(),
+        vllm_config=SimpleNamespace(aux_output_config=SimpleNamespace(enable_return_routed_experts=False)),
+    )
     assert routing_enabled(v030) and routing_enabled(v032) and not routing_enabled(off)
 
 
@@ -128,8 +134,8 @@ def test_capture_setting_location_matches_the_installed_vllm() -> None:
     import vllm
     from vllm.config import ModelConfig, VllmConfig
 
-    from rr_server.serving.engines import engine_release
     from rr_patches.vllm.compat import routing_enabled
+    from rr_server.serving.engines import engine_release
 
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     if engine_release(vllm.__version__)[:2] >= (0, 31):
@@ -137,11 +143,15 @@ def test_capture_setting_location_matches_the_installed_vllm() -> None:
 
         assert "enable_return_routed_experts" not in model_fields
         assert "aux_output_config" in {f.name for f in dataclasses.fields(VllmConfig)}
-        client = SimpleNamespace(model_config=SimpleNamespace(),
-                                 vllm_config=SimpleNamespace(aux_output_config=AuxOutputConfig(
-                                     enable_return_routed_experts=True)))
+        client = SimpleNamespace(
+            model_config=SimpleNamespace(),
+            vllm_config=SimpleNamespace(aux_output_config=AuxOutputConfig(enable_return_routed_experts=True)),
+        )
         assert routing_enabled(client)
-        assert not routing_enabled(SimpleNamespace(model_config=SimpleNamespace(), vllm_config=SimpleNamespace(
-            aux_output_config=AuxOutputConfig())))
+        assert not routing_enabled(
+            SimpleNamespace(
+                model_config=SimpleNamespace(), vllm_config=SimpleNamespace(aux_output_config=AuxOutputConfig())
+            )
+        )
     else:
         assert "enable_return_routed_experts" in model_fields

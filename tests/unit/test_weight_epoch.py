@@ -28,10 +28,21 @@ def app_with(epoch: WeightEpoch, seen: list[bool]) -> Starlette:
     async def refused(request: Request) -> JSONResponse:
         return JSONResponse({"error": "no key"}, status_code=401)
 
-    paths = ["/collective_rpc", "/update_weights", "/start_weight_update", "/finish_weight_update",
-             "/update_weights_from_disk", "/update_weight_version", "/pause"]
-    app = Starlette(routes=[*(Route(p, ok, methods=["POST"]) for p in paths),
-                            Route("/update_weight_version_refused", refused, methods=["POST"])])
+    paths = [
+        "/collective_rpc",
+        "/update_weights",
+        "/start_weight_update",
+        "/finish_weight_update",
+        "/update_weights_from_disk",
+        "/update_weight_version",
+        "/pause",
+    ]
+    app = Starlette(
+        routes=[
+            *(Route(p, ok, methods=["POST"]) for p in paths),
+            Route("/update_weight_version_refused", refused, methods=["POST"]),
+        ]
+    )
     app.add_middleware(WeightUpdateMiddleware, epoch=epoch)
     return app
 
@@ -74,8 +85,9 @@ def test_a_refused_update_changes_nothing() -> None:
     epoch = WeightEpoch()
     mark = epoch.mark()
     app = app_with(epoch, [])
-    app.router.routes.append(Route("/update_weights_from_tensor", lambda r: JSONResponse({}, status_code=401),
-                                   methods=["POST"]))
+    app.router.routes.append(
+        Route("/update_weights_from_tensor", lambda r: JSONResponse({}, status_code=401), methods=["POST"])
+    )
     assert post_all(app, [("/update_weights_from_tensor", {})]) == [401]
     assert epoch.since(mark) == (0, False)
 

@@ -133,8 +133,9 @@ def test_sglang_body_shape_and_refusal(fake: FakeEngine, tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("source", ["argument", "env"])
-def test_api_key_sent_on_every_call_argument_first(fake: FakeEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   source: str) -> None:
+def test_api_key_sent_on_every_call_argument_first(
+    fake: FakeEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
     monkeypatch.setenv("RR_API_KEY", "env-key")
     fake.key = "arg-key" if source == "argument" else "env-key"
     sync = DiskWeightSync(fake.url, tmp_path, api_key="arg-key" if source == "argument" else None)
@@ -144,14 +145,17 @@ def test_api_key_sent_on_every_call_argument_first(fake: FakeEngine, tmp_path: P
     assert {auth for _, _, auth, _ in fake.calls} == {f"Bearer {fake.key}"}
 
 
-@pytest.mark.parametrize(("api_key", "env", "says"), [
-    (None, None, "no API key was sent"),
-    ("wrong-arg-key", "right-key", "the API key from the api_key argument was refused"),
-    (None, "wrong-env-key", "the API key from RR_API_KEY was refused"),
-])
+@pytest.mark.parametrize(
+    ("api_key", "env", "says"),
+    [
+        (None, None, "no API key was sent"),
+        ("wrong-arg-key", "right-key", "the API key from the api_key argument was refused"),
+        (None, "wrong-env-key", "the API key from RR_API_KEY was refused"),
+    ],
+)
 def test_401_is_a_weight_sync_error_naming_the_source_never_the_key(
-        fake: FakeEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, api_key: str | None, env: str | None,
-        says: str) -> None:
+    fake: FakeEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, api_key: str | None, env: str | None, says: str
+) -> None:
     if env is not None:
         monkeypatch.setenv("RR_API_KEY", env)
     fake.key = "right-key"
@@ -165,8 +169,10 @@ def test_401_is_a_weight_sync_error_naming_the_source_never_the_key(
 
 def test_403_on_reload_of_a_named_engine(fake: FakeEngine, tmp_path: Path) -> None:
     fake.status["/collective_rpc"] = 403
-    with DiskWeightSync(WeightEngine(fake.url, "vllm"), tmp_path, api_key="k-secret") as sync, \
-            pytest.raises(WeightSyncError, match=r"/collective_rpc answered 403 .*api_key argument was refused") as err:
+    with (
+        DiskWeightSync(WeightEngine(fake.url, "vllm"), tmp_path, api_key="k-secret") as sync,
+        pytest.raises(WeightSyncError, match=r"/collective_rpc answered 403 .*api_key argument was refused") as err,
+    ):
         sync.push(FakeModel(), 1)
     assert fake.calls[0][2] == "Bearer k-secret" and "k-secret" not in str(err.value)
 
@@ -187,8 +193,10 @@ def test_info_404_says_to_pass_weight_engine(fake: FakeEngine, tmp_path: Path) -
 
 def test_sidecar_url_names_the_engine_behind_it(fake: FakeEngine, tmp_path: Path) -> None:
     fake.info = {"engine": "vllm", "sidecar": True, "upstream": "http://10.0.0.5:8000"}
-    with DiskWeightSync(fake.url, tmp_path) as sync, \
-            pytest.raises(WeightSyncError, match=r"rr's sidecar .*WeightEngine\('http://10.0.0.5:8000', 'vllm'\)"):
+    with (
+        DiskWeightSync(fake.url, tmp_path) as sync,
+        pytest.raises(WeightSyncError, match=r"rr's sidecar .*WeightEngine\('http://10.0.0.5:8000', 'vllm'\)"),
+    ):
         sync.push(FakeModel(), 1)
 
 
@@ -203,6 +211,8 @@ def test_unknown_engine_and_unreachable(fake: FakeEngine, tmp_path: Path) -> Non
     fake.info = {"engine": "trtllm"}
     with DiskWeightSync(fake.url, tmp_path) as sync, pytest.raises(WeightSyncError, match="names engine 'trtllm'"):
         sync.push(FakeModel(), 1)
-    with DiskWeightSync(WeightEngine(UNREACHABLE, "vllm"), tmp_path, timeout=5) as sync, \
-            pytest.raises(WeightSyncError, match="ConnectError"):
+    with (
+        DiskWeightSync(WeightEngine(UNREACHABLE, "vllm"), tmp_path, timeout=5) as sync,
+        pytest.raises(WeightSyncError, match="ConnectError"),
+    ):
         sync.push(FakeModel(), 1)

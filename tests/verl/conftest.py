@@ -24,7 +24,13 @@ from tests.support.versions import deselect, imported_version
 HAVE = imported_version("verl")
 WANT = "0.9.1"
 SGLANG = imported_version("sglang")  # only in scripts/test_verl.sh's second run (SGLang 0.5.13 overlay)
-MODEL_SPEC: dict[str, Any] = {"arch": "qwen3_moe", "num_layers": 3, "num_experts": 8, "topk": 2, "mlp_only_layers": (1,)}
+MODEL_SPEC: dict[str, Any] = {
+    "arch": "qwen3_moe",
+    "num_layers": 3,
+    "num_experts": 8,
+    "topk": 2,
+    "mlp_only_layers": (1,),
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -33,8 +39,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if HAVE != WANT:
         deselect(config, items, lambda item: str(item.fspath).startswith(here))
     elif SGLANG is None:
-        deselect(config, items, lambda item: str(item.fspath).startswith(here) and (
-            str(item.fspath).endswith("test_sglang_read.py") or item.get_closest_marker("sglang") is not None))
+        deselect(
+            config,
+            items,
+            lambda item: (
+                str(item.fspath).startswith(here)
+                and (str(item.fspath).endswith("test_sglang_read.py") or item.get_closest_marker("sglang") is not None)
+            ),
+        )
 
 
 @pytest.fixture(scope="session")
@@ -60,8 +72,9 @@ def hf_model(model_dir: Path) -> Any:
     import torch
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                             attn_implementation="sdpa").eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
 
 
 @pytest.fixture(scope="session")

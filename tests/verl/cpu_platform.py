@@ -7,9 +7,10 @@ or the replay; it is installed with :func:`install` before verl's first ``get_pl
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -59,7 +60,7 @@ def install() -> None:
         def set_device(self, device_index: int) -> None:
             pass
 
-        def synchronize(self, device_index: Optional[int] = None) -> None:
+        def synchronize(self, device_index: int | None = None) -> None:
             pass
 
         def manual_seed(self, seed: int) -> None:
@@ -74,7 +75,7 @@ def install() -> None:
         def empty_cache(self) -> None:
             pass
 
-        def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
+        def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
             return None, None
 
         def communication_backend_name(self) -> str:

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,8 +44,17 @@ def init_process() -> None:
     cpu_platform.install()
 
 
-def ppo_config(model_dir: Path, *, mode: str = "R3", remove_padding: bool = True, strategy: str = "fsdp2",
-               micro_batch: int = 2, mini_batch: int = 4, lr: float = 1e-2, dynamic_bsz: bool = False) -> Any:
+def ppo_config(
+    model_dir: Path,
+    *,
+    mode: str = "R3",
+    remove_padding: bool = True,
+    strategy: str = "fsdp2",
+    micro_batch: int = 2,
+    mini_batch: int = 4,
+    lr: float = 1e-2,
+    dynamic_bsz: bool = False,
+) -> Any:
     """verl's generated PPO trainer config, for a tiny fp32 run on this machine."""
     import verl
     from omegaconf import OmegaConf
@@ -113,10 +123,14 @@ def agent_loop_batch(tokenizer: Any, samples: Sequence[dict[str, Any]]) -> Any:
         outs = []
         for s in samples:
             out = AgentLoopOutput(
-                prompt_ids=list(s["prompt_ids"]), response_ids=list(s["response_ids"]),
+                prompt_ids=list(s["prompt_ids"]),
+                response_ids=list(s["response_ids"]),
                 response_mask=list(s.get("response_mask") or [1] * len(s["response_ids"])),
-                response_logprobs=s.get("response_logprobs"), routed_experts=s.get("routed_experts"),
-                num_turns=2, metrics=AgentLoopMetrics())
+                response_logprobs=s.get("response_logprobs"),
+                routed_experts=s.get("routed_experts"),
+                num_turns=2,
+                metrics=AgentLoopMetrics(),
+            )
             outs.append(await w._agent_loop_postprocess(out, False, raw_prompt=""))
         return outs
 
@@ -124,8 +138,10 @@ def agent_loop_batch(tokenizer: Any, samples: Sequence[dict[str, Any]]) -> Any:
     # what RayPPOTrainer.fit sets before its steps
     batch.meta_info["temperature"] = 1.0
     batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(dim=-1).tolist()
-    batch.batch["advantages"] = torch.linspace(-1.0, 1.0, len(samples))[:, None].expand_as(
-        batch.batch["response_mask"]).float() * batch.batch["response_mask"]
+    batch.batch["advantages"] = (
+        torch.linspace(-1.0, 1.0, len(samples))[:, None].expand_as(batch.batch["response_mask"]).float()
+        * batch.batch["response_mask"]
+    )
     return batch
 
 

@@ -28,8 +28,20 @@ from tests.verl.test_vllm_rows import MAIN_VENV, REPO
 PROMPTS = ["the fox", "hello"]
 COMPLETIONS = [[11, 12, 13, 14, 15, 16], [21, 22], [31, 32, 33, 34, 35, 36, 37, 38], [41, 42, 43, 44, 45]]
 # every key the session's merge rules produce (TRL's IS-ratio keys are off here: see trl_side.py)
-COMPARED = [K.FORWARDS, K.MOE_LAYERS, K.REPLAYED_ROWS, K.LEFT_ROWS, K.APPLIED_SHARE, K.APPLIED_SHARE_MIN_LAYER,
-            K.AGREEMENT, K.AUDITED, K.MEAN_ABS_LOGP_DIFF, K.K3_KL, K.FRAC_ABS_DIFF_GT_LN2, K.LOGP_TOKENS]
+COMPARED = [
+    K.FORWARDS,
+    K.MOE_LAYERS,
+    K.REPLAYED_ROWS,
+    K.LEFT_ROWS,
+    K.APPLIED_SHARE,
+    K.APPLIED_SHARE_MIN_LAYER,
+    K.AGREEMENT,
+    K.AUDITED,
+    K.MEAN_ABS_LOGP_DIFF,
+    K.K3_KL,
+    K.FRAC_ABS_DIFF_GT_LN2,
+    K.LOGP_TOKENS,
+]
 
 
 def scripted_samples(tokenizer: Any) -> list[dict[str, Any]]:
@@ -41,26 +53,42 @@ def scripted_samples(tokenizer: Any) -> list[dict[str, Any]]:
         assert len(prompt) <= h.PROMPT_LEN and len(completion) <= h.RESPONSE_LEN
         assert tokenizer.eos_token_id not in completion and tokenizer.pad_token_id not in completion
         rows = other_rows(len(prompt) + len(completion) - 1, seed=20 + i).astype(np.uint8)
-        out.append(dict(prompt_ids=list(prompt), response_ids=completion, routed_experts=rows,
-                        response_logprobs=g.uniform(-4.0, -0.05, len(completion)).tolist()))
+        out.append(
+            dict(
+                prompt_ids=list(prompt),
+                response_ids=completion,
+                routed_experts=rows,
+                response_logprobs=g.uniform(-4.0, -0.05, len(completion)).tolist(),
+            )
+        )
     return out
 
 
 def trl_step(samples: list[dict[str, Any]], model_dir: Path, tmp: Path) -> dict[str, Any]:
     """TRL's half in the main .venv: its logged r3/ metrics and its micro-batches."""
     spec = tmp / "samples.json"
-    spec.write_text(json.dumps({"prompts": PROMPTS, "samples": [
-        {**s, "routed_experts": s["routed_experts"].tolist()} for s in samples]}))
+    spec.write_text(
+        json.dumps(
+            {"prompts": PROMPTS, "samples": [{**s, "routed_experts": s["routed_experts"].tolist()} for s in samples]}
+        )
+    )
     out = tmp / "trl.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    proc = subprocess.run([str(MAIN_VENV / "bin" / "python"), "-m", "tests.verl.trl_side", str(spec), str(model_dir),
-                           str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [str(MAIN_VENV / "bin" / "python"), "-m", "tests.verl.trl_side", str(spec), str(model_dir), str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-def test_trl_and_verl_log_the_same_r3_metrics(model_dir: Path, tokenizer: Any, verl_process: None,
-                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trl_and_verl_log_the_same_r3_metrics(
+    model_dir: Path, tokenizer: Any, verl_process: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     samples = scripted_samples(tokenizer)
     got = trl_step(samples, model_dir, tmp_path)
     assert len(got["logged"]) == 1, got  # one optimizer step, one flush: the session's merge, not TRL's mean

@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from rr_client.core.errors import (ConfigurationError, ExpertIdOutOfRangeError, MissingRoutingError, UnrecordedRoutingError)
+from rr_client.core.errors import (
+    ConfigurationError,
+    ExpertIdOutOfRangeError,
+    MissingRoutingError,
+    UnrecordedRoutingError,
+)
 from tests.verl import harness as h
 
 MOE_LAYERS = [0, 2]
@@ -39,9 +44,13 @@ def other_rows(n: int, seed: int) -> np.ndarray:
 
 
 def batch_of(tokenizer: Any, toks: list[tuple[list[int], list[int]]], rows: list[np.ndarray] | None) -> Any:
-    return h.agent_loop_batch(tokenizer, [
-        dict(prompt_ids=p, response_ids=r, routed_experts=None if rows is None else rows[i])
-        for i, (p, r) in enumerate(toks)])
+    return h.agent_loop_batch(
+        tokenizer,
+        [
+            dict(prompt_ids=p, response_ids=r, routed_experts=None if rows is None else rows[i])
+            for i, (p, r) in enumerate(toks)
+        ],
+    )
 
 
 def _in_backward() -> bool:
@@ -75,20 +84,22 @@ def per_sample(ids: list[torch.Tensor], lengths: list[int], rmpad: bool, micro: 
     batches of ``micro`` samples): packed ``N (+pad)`` rows, or ``B x T`` right-padded rows."""
     out = []
     for mb, t in enumerate(ids):
-        ls = lengths[mb * micro:(mb + 1) * micro]
+        ls = lengths[mb * micro : (mb + 1) * micro]
         if rmpad:
             start = 0
             for n in ls:
-                out.append(t[start:start + n])
+                out.append(t[start : start + n])
                 start += n
         else:
             width = t.shape[0] // len(ls)
             for j, n in enumerate(ls):
-                out.append(t[j * width:j * width + n])
+                out.append(t[j * width : j * width + n])
     return out
 
 
-def assert_rows_ran(seen: dict[int, list[torch.Tensor]], rows: list[np.ndarray], lengths: list[int], rmpad: bool) -> int:
+def assert_rows_ran(
+    seen: dict[int, list[torch.Tensor]], rows: list[np.ndarray], lengths: list[int], rmpad: bool
+) -> int:
     """Under every token that has a row, the experts that ran are exactly that row's (as sets); returns the count."""
     checked = 0
     for layer in MOE_LAYERS:
@@ -97,15 +108,21 @@ def assert_rows_ran(seen: dict[int, list[torch.Tensor]], rows: list[np.ndarray],
         for i, r in enumerate(rows):
             want = np.sort(r[:, layer], axis=-1)
             ran = np.sort(got[i][: r.shape[0]].numpy(), axis=-1)
-            assert np.array_equal(ran, want), f"sample {i} layer {layer}: experts ran {ran.tolist()} != rows {want.tolist()}"
+            assert np.array_equal(ran, want), (
+                f"sample {i} layer {layer}: experts ran {ran.tolist()} != rows {want.tolist()}"
+            )
             checked += r.shape[0]
     return checked
 
 
-@pytest.mark.parametrize("rmpad,dyn", [(True, False), (False, False), (True, True)],
-                         ids=["remove_padding", "padded", "remove_padding-dynamic_bsz"])
-def test_replaying_the_models_own_choice_reproduces_verls_log_probs(workers: Any, tokenizer: Any, hf_model: Any,
-                                                                    rmpad: bool, dyn: bool) -> None:
+@pytest.mark.parametrize(
+    "rmpad,dyn",
+    [(True, False), (False, False), (True, True)],
+    ids=["remove_padding", "padded", "remove_padding-dynamic_bsz"],
+)
+def test_replaying_the_models_own_choice_reproduces_verls_log_probs(
+    workers: Any, tokenizer: Any, hf_model: Any, rmpad: bool, dyn: bool
+) -> None:
     """Bit-equal log-probs; with dynamic batch size verl regroups the samples, and the rows travel with them."""
     toks = sample_tokens(1)
     rows = [h.own_routing(hf_model, p + r) for p, r in toks]
@@ -160,8 +177,12 @@ def test_update_with_replay_trains_the_router(model_dir: Any, verl_process: None
     gates = {layer: model.model.layers[layer].mlp.gate.weight for layer in MOE_LAYERS}
     before = {k: v.full_tensor().detach().clone() for k, v in gates.items()}
     grads: dict[int, float] = {}
-    hooks = [p.register_post_accumulate_grad_hook(lambda p, _l=layer: grads.__setitem__(_l, float(p.grad.full_tensor().norm())))
-             for layer, p in gates.items()]
+    hooks = [
+        p.register_post_accumulate_grad_hook(
+            lambda p, _l=layer: grads.__setitem__(_l, float(p.grad.full_tensor().norm()))
+        )
+        for layer, p in gates.items()
+    ]
     with experts_seen(w) as seen:
         met = h.update_actor(t, batch)
     for hd in hooks:
@@ -184,8 +205,9 @@ def test_update_with_replay_trains_the_router(model_dir: Any, verl_process: None
 
 
 @pytest.mark.parametrize("rmpad", [True, False], ids=["remove_padding", "padded"])
-def test_r2_records_in_the_log_prob_pass_and_replays_in_the_update(workers: Any, tokenizer: Any, hf_model: Any,
-                                                                   rmpad: bool) -> None:
+def test_r2_records_in_the_log_prob_pass_and_replays_in_the_update(
+    workers: Any, tokenizer: Any, hf_model: Any, rmpad: bool
+) -> None:
     cfg, w = workers[("R2", rmpad)]
     t = h.trainer(cfg, w)
     toks = sample_tokens(4)
@@ -240,10 +262,10 @@ def test_worker_turns_replay_on_for_fsdp(workers: Any) -> None:
     rr's engine is registered through verl's ``EngineRegistry.register`` under this process's (device, vendor)."""
     assert workers[("R3", True)][1].enable_routing_replay is True
     assert workers[("disabled", True)][1].enable_routing_replay is False
+    from rr_client.core.patching import is_wrapped
     from rr_client.integrations import verl as rr_verl
     from rr_client.integrations.verl._engine import RRFSDPEngineMixin
     from rr_client.integrations.verl._patches import use_rr_engine
-    from rr_client.core.patching import is_wrapped
 
     assert rr_verl.installed() and not rr_verl.failed_patches()  # by verl's own plugin loader (the rr entry point)
     from verl.workers.engine.base import EngineRegistry

@@ -17,8 +17,9 @@ from rr_client.integrations.verl._logprobs import SGLANG_ORIGINAL, check_rollout
 from tests.verl import harness as h
 
 
-def rollout_cfg(model_dir: Path, *, name: str = "vllm", mode: str | None = None, temperature: float = 0.7,
-                calculate: bool = True) -> Any:
+def rollout_cfg(
+    model_dir: Path, *, name: str = "vllm", mode: str | None = None, temperature: float = 0.7, calculate: bool = True
+) -> Any:
     """verl's generated ``actor_rollout_ref.rollout`` config with the given rollout, mode and temperature."""
     r = h.ppo_config(model_dir).actor_rollout_ref.rollout
     r.name, r.temperature, r.calculate_log_probs = name, temperature, calculate
@@ -35,8 +36,11 @@ def test_the_rollouts_logprob_mode_comes_from_verls_config(model_dir: Path, monk
     assert check_rollout_logprobs(rollout_cfg(model_dir, mode="raw_logprobs", temperature=1.0)).mode == "raw"
     with pytest.raises(LogprobsModeError) as e:
         check_rollout_logprobs(rollout_cfg(model_dir, mode="raw_logprobs"))
-    for part in ("logprobs_mode=raw_logprobs", "temperature 0.7", "set actor_rollout_ref.rollout.logprobs_mode="
-                 "processed_logprobs"):
+    for part in (
+        "logprobs_mode=raw_logprobs",
+        "temperature 0.7",
+        "set actor_rollout_ref.rollout.logprobs_mode=processed_logprobs",
+    ):
         assert part in str(e.value), (part, str(e.value))
     with pytest.raises(LogprobsModeError, match="logits, not log-probs"):
         check_rollout_logprobs(rollout_cfg(model_dir, mode="processed_logits", temperature=1.0))

@@ -41,15 +41,29 @@ def tool_loop(model_dir: Any, tokenizer: Any, server: ScriptedServer) -> Any:
 
     cfg = h.ppo_config(model_dir)
     cfg.actor_rollout_ref.rollout.response_length = 64
-    return ToolAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=tokenizer,
-                         processor=None, dataset_cls=None, data_config=DictConfigWrap(cfg.data))
+    return ToolAgentLoop(
+        trainer_config=DictConfigWrap(cfg),
+        server_manager=server,
+        tokenizer=tokenizer,
+        processor=None,
+        dataset_cls=None,
+        data_config=DictConfigWrap(cfg.data),
+    )
 
 
 def agent_data(prompt: list[int]) -> Any:
     from verl.experimental.agent_loop.tool_agent_loop import AgentData
 
-    d = AgentData(messages=[], image_data=[], video_data=[], audio_data=None, mm_processor_kwargs=None, metrics={},
-                  request_id="t0", tools_kwargs={})
+    d = AgentData(
+        messages=[],
+        image_data=[],
+        video_data=[],
+        audio_data=None,
+        mm_processor_kwargs=None,
+        metrics={},
+        request_id="t0",
+        tools_kwargs={},
+    )
     d.prompt_ids = list(prompt)
     return d
 
@@ -79,7 +93,9 @@ def run_turns(make_loop: Any, data: Any, tool_tokens: list[int], turns: int, ste
     asyncio.run(go())
 
 
-def test_each_turn_adds_only_rows_the_trajectory_did_not_hold(verl_process: None, model_dir: Any, tokenizer: Any) -> None:
+def test_each_turn_adds_only_rows_the_trajectory_did_not_hold(
+    verl_process: None, model_dir: Any, tokenizer: Any
+) -> None:
     prompt, out1, tool, out2, out3 = [11, 12, 13, 14], [21, 22, 23], [31, 32], [41, 42], [51]
     n1 = len(prompt) + len(out1) - 1
     n2 = len(prompt + out1 + tool + out2) - 1

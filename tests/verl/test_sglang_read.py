@@ -25,10 +25,17 @@ def verl_server(tm: Any, model_dir: Path, *, skip_tokenizer_init: bool) -> Any:
     from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer
 
     s = object.__new__(SGLangHttpServer)
-    s.config = SimpleNamespace(enable_rollout_routing_replay=True, skip_tokenizer_init=skip_tokenizer_init, mtp=None,
-                               max_model_len=1024, prompt_length=64, response_length=16)
-    s.model_config = SimpleNamespace(hf_config=transformers.AutoConfig.from_pretrained(str(model_dir)), lora_rank=0,
-                                     lora={})
+    s.config = SimpleNamespace(
+        enable_rollout_routing_replay=True,
+        skip_tokenizer_init=skip_tokenizer_init,
+        mtp=None,
+        max_model_len=1024,
+        prompt_length=64,
+        response_length=16,
+    )
+    s.model_config = SimpleNamespace(
+        hf_config=transformers.AutoConfig.from_pretrained(str(model_dir)), lora_rank=0, lora={}
+    )
     s.tokenizer_manager = tm
     s._disaggregation_role, s._pd_decode_peers = None, []
     s.replica_rank, s.global_steps = 0, 0
@@ -38,9 +45,14 @@ def verl_server(tm: Any, model_dir: Path, *, skip_tokenizer_init: bool) -> Any:
 async def generate(harness: Any, server: Any, call: Any) -> Any:
     """Run ``call`` (verl's generate) while the stand-in scheduler answers what reaches it."""
     harness.tm.event_loop = asyncio.get_running_loop()
-    task = asyncio.ensure_future(call(server, prompt_ids=list(PROMPT), sampling_params={"max_new_tokens": 5,
-                                                                                        "temperature": 0.0},
-                                      request_id="verl-0"))
+    task = asyncio.ensure_future(
+        call(
+            server,
+            prompt_ids=list(PROMPT),
+            sampling_params={"max_new_tokens": 5, "temperature": 0.0},
+            request_id="verl-0",
+        )
+    )
     for _ in range(3000):
         if task.done():
             break
@@ -72,8 +84,11 @@ def test_stock_verl_crashes_on_sglangs_base64_routing(sglang_model: Path) -> Non
     h = Harness(sglang_model, skip_tokenizer_init=True)
     try:
         with pytest.raises(AttributeError, match="'str' object has no attribute 'numpy'"):
-            asyncio.run(generate(h, verl_server(h.tm, sglang_model, skip_tokenizer_init=True),
-                                 SGLangHttpServer.generate.__wrapped__))
+            asyncio.run(
+                generate(
+                    h, verl_server(h.tm, sglang_model, skip_tokenizer_init=True), SGLangHttpServer.generate.__wrapped__
+                )
+            )
     finally:
         h.close()
 
@@ -86,8 +101,9 @@ def test_rr_reads_verls_sglang_routing_checked(sglang_model: Path, skip: bool) -
 
     h = Harness(sglang_model, skip_tokenizer_init=skip)
     try:
-        out = asyncio.run(generate(h, verl_server(h.tm, sglang_model, skip_tokenizer_init=skip),
-                                   SGLangHttpServer.generate))
+        out = asyncio.run(
+            generate(h, verl_server(h.tm, sglang_model, skip_tokenizer_init=skip), SGLangHttpServer.generate)
+        )
         want = expected(h, sglang_model)
         got = np.asarray(out.routed_experts)
         assert out.token_ids == h.sched.reqs["verl-0"].completion

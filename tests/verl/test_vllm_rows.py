@@ -50,15 +50,19 @@ def rollout(base_url: str, prompts: list[list[int]]) -> list[Any]:
 
     async def run() -> list[Any]:
         async with RoutedExpertsClient(base_url) as c:
-            batch = await c.generate(prompts, {"max_new_tokens": 6, "temperature": TEMPERATURE, "ignore_eos": True,
-                                               "seed": 7}, return_logprob=True)
+            batch = await c.generate(
+                prompts,
+                {"max_new_tokens": 6, "temperature": TEMPERATURE, "ignore_eos": True, "seed": 7},
+                return_logprob=True,
+            )
             return list(batch.results)
 
     return asyncio.run(run())
 
 
-def test_vllm_rows_land_under_their_tokens_in_verls_layout(vllm_server: VLLMProcess, workers: Any, tokenizer: Any,
-                                                           hf_model: Any) -> None:
+def test_vllm_rows_land_under_their_tokens_in_verls_layout(
+    vllm_server: VLLMProcess, workers: Any, tokenizer: Any, hf_model: Any
+) -> None:
     g = np.random.default_rng(11)
     prompts = [g.integers(5, 60, n).tolist() for n in (12, 3, 7, 5)]
     results = rollout(vllm_server.base_url, prompts)
@@ -66,8 +70,14 @@ def test_vllm_rows_land_under_their_tokens_in_verls_layout(vllm_server: VLLMProc
     for r in results:
         assert r.routed_experts is not None and r.routed_experts.shape[0] == len(r.prompt_ids) + len(r.output_ids) - 1
         assert r.logprobs_mode == "processed" and r.logprobs is not None  # rr's launcher: after temperature
-        samples.append(dict(prompt_ids=r.prompt_ids, response_ids=r.output_ids, routed_experts=r.routed_experts,
-                            response_logprobs=r.logprobs.tolist()))
+        samples.append(
+            dict(
+                prompt_ids=r.prompt_ids,
+                response_ids=r.output_ids,
+                routed_experts=r.routed_experts,
+                response_logprobs=r.logprobs.tolist(),
+            )
+        )
     batch = h.agent_loop_batch(tokenizer, samples)
     batch.meta_info["temperature"] = TEMPERATURE  # what RayPPOTrainer sets from rollout.temperature
     # verl's own layout: the engine's row t sits at the left-pad offset + t, the rest stays zero
@@ -75,7 +85,11 @@ def test_vllm_rows_land_under_their_tokens_in_verls_layout(vllm_server: VLLMProc
     for i, s in enumerate(samples):
         off = h.PROMPT_LEN - len(s["prompt_ids"])
         n = s["routed_experts"].shape[0]
-        assert np.array_equal(re[i, off:off + n], s["routed_experts"]) and not re[i, :off].any() and not re[i, off + n:].any()
+        assert (
+            np.array_equal(re[i, off : off + n], s["routed_experts"])
+            and not re[i, :off].any()
+            and not re[i, off + n :].any()
+        )
     # the independent reference: transformers' top-k of each token of each unpadded sample
     ref = [h.own_routing(hf_model, s["prompt_ids"] + s["response_ids"]) for s in samples]
     for s, want in zip(samples, ref):

@@ -31,8 +31,9 @@ def main(samples_path: str, model_dir: str, out_path: str) -> None:
 
     spec = json.loads(Path(samples_path).read_text())
     samples, prompts = spec["samples"], spec["prompts"]
-    info = RRInfo.from_hf_config(transformers.AutoConfig.from_pretrained(model_dir).to_dict(), engine="vllm",
-                                 engine_version="0.30.0")
+    info = RRInfo.from_hf_config(
+        transformers.AutoConfig.from_pretrained(model_dir).to_dict(), engine="vllm", engine_version="0.30.0"
+    )
 
     class ScriptedRollout(RRRollout):
         """Stand-in for the engine (named): the scripted samples, two per prompt in TRL's order. Nothing listens
@@ -46,13 +47,28 @@ def main(samples_path: str, model_dir: str, out_path: str) -> None:
             want = [samples[i]["prompt_ids"] for i in range(0, len(samples), 2)]
             if prompt_ids != want or sampling_params["n"] != 2:
                 raise AssertionError(f"TRL asked for {prompt_ids} x {sampling_params['n']}, scripted {want} x 2")
-            return GenerateBatch([GenerateResult(
-                index=i, prompt_index=i // 2, prompt_ids=s["prompt_ids"], output_ids=s["response_ids"], text=None,
-                finish_reason="length", routed_experts=np.asarray(s["routed_experts"], dtype=np.uint8),
-                routed_experts_start=0, logprobs=np.asarray(s["response_logprobs"], dtype=np.float64),
-                meta={"output_token_logprobs": [[lp, t, None] for lp, t in zip(s["response_logprobs"],
-                                                                                 s["response_ids"])]})
-                for i, s in enumerate(samples)], info)
+            return GenerateBatch(
+                [
+                    GenerateResult(
+                        index=i,
+                        prompt_index=i // 2,
+                        prompt_ids=s["prompt_ids"],
+                        output_ids=s["response_ids"],
+                        text=None,
+                        finish_reason="length",
+                        routed_experts=np.asarray(s["routed_experts"], dtype=np.uint8),
+                        routed_experts_start=0,
+                        logprobs=np.asarray(s["response_logprobs"], dtype=np.float64),
+                        meta={
+                            "output_token_logprobs": [
+                                [lp, t, None] for lp, t in zip(s["response_logprobs"], s["response_ids"])
+                            ]
+                        },
+                    )
+                    for i, s in enumerate(samples)
+                ],
+                info,
+            )
 
     micro_batches: list[list[int]] = []
 
@@ -65,17 +81,39 @@ def main(samples_path: str, model_dir: str, out_path: str) -> None:
 
     # one optimizer step of two micro-batches; TRL's IS correction off: with it on, its old-policy forward (which
     # verl runs as a step of its own, compute_log_prob) would join this step's metrics
-    cfg = GRPOConfig(output_dir=str(Path(out_path).parent / "trl-out"), per_device_train_batch_size=2,
-                     gradient_accumulation_steps=2, num_generations=2, max_completion_length=8, max_steps=1,
-                     learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no",
-                     seed=0, beta=0.0, temperature=1.0, vllm_importance_sampling_correction=False,
-                     gradient_checkpointing=True)
+    cfg = GRPOConfig(
+        output_dir=str(Path(out_path).parent / "trl-out"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_generations=2,
+        max_completion_length=8,
+        max_steps=1,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        beta=0.0,
+        temperature=1.0,
+        vllm_importance_sampling_correction=False,
+        gradient_checkpointing=True,
+    )
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                              attn_implementation="sdpa")
-    trainer = Watched(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-                      args=cfg, processing_class=tok, train_dataset=Dataset.from_dict({"prompt": prompts}),
-                      rollout_func=ScriptedRollout("http://127.0.0.1:9"), sync_weights=False, audit_every=1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    trainer = Watched(
+        model=model,
+        reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+        args=cfg,
+        processing_class=tok,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        rollout_func=ScriptedRollout("http://127.0.0.1:9"),
+        sync_weights=False,
+        audit_every=1,
+    )
     trainer.train()
     logged = [{k: v for k, v in r.items() if k.startswith("r3/")} for r in trainer.state.log_history]
     Path(out_path).write_text(json.dumps({"logged": [r for r in logged if r], "micro_batches": micro_batches}))

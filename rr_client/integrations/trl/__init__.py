@@ -21,5 +21,15 @@ from rr_client.integrations.trl._gate import TESTED_TRL, check_trl_version
 from rr_client.integrations.trl._rollout import ROUTING_KEY, Rollout, RRRollout, sampled_logprobs, sampling_params_from
 from rr_client.integrations.trl._trainer import GenerateOutput, R3GRPOTrainer
 
-__all__ = ["R3GRPOTrainer", "RRRollout", "Rollout", "GenerateOutput", "TESTED_TRL", "ROUTING_KEY",
-           "check_trl_version", "importance_sampling_ratio", "sampled_logprobs", "sampling_params_from"]
+__all__ = [
+    "R3GRPOTrainer",
+    "RRRollout",
+    "Rollout",
+    "GenerateOutput",
+    "TESTED_TRL",
+    "ROUTING_KEY",
+    "check_trl_version",
+    "importance_sampling_ratio",
+    "sampled_logprobs",
+    "sampling_params_from",
+]

@@ -15,5 +15,9 @@ TESTED_TRL = Tested("1.16")
 def check_trl_version(version: str | None = None) -> str:
     """The TRL version, or :class:`rr_client.UnsupportedVersionError` outside :data:`TESTED_TRL` (one override:
     ``RR_ALLOW_UNSUPPORTED_VERSION=1``)."""
-    return check_version("trl", TESTED_TRL, version if version is not None else str(trl.__version__),
-                         why="rr overrides GRPOTrainer internals that change between releases")
+    return check_version(
+        "trl",
+        TESTED_TRL,
+        version if version is not None else str(trl.__version__),
+        why="rr overrides GRPOTrainer internals that change between releases",
+    )

@@ -52,8 +52,10 @@ def sampled_logprobs(r: Any) -> list[float]:
     once, by the client), NaN where the engine gave none: what TRL's ``rollout_func`` contract expects."""
     lp = getattr(r, "logprobs", None)
     if lp is None:
-        raise ReplayError(f"sample {r.index}: the engine returned no log-probs for its {len(r.output_ids)} tokens "
-                          "(RRRollout asks for them: return_logprob=True)")
+        raise ReplayError(
+            f"sample {r.index}: the engine returned no log-probs for its {len(r.output_ids)} tokens "
+            "(RRRollout asks for them: return_logprob=True)"
+        )
     if len(lp) != len(r.output_ids):
         raise ReplayError(f"sample {r.index}: {len(lp)} log-probs for {len(r.output_ids)} tokens")
     return [float(x) for x in lp]
@@ -73,10 +75,17 @@ class RRRollout:
     it runs it (a rank reads only its own), and retires the rows of older weights after each weight push.
     """
 
-    def __init__(self, base_url: str | Sequence[str], *, engines: str | WeightEngine | Sequence[str | WeightEngine]
-                 | None = None, engine_urls: str | Sequence[str] | None = None, api_key: str | None = None,
-                 sampling_params: Mapping[str, Any] | None = None, by_reference: bool = False,
-                 **client_options: Any) -> None:
+    def __init__(
+        self,
+        base_url: str | Sequence[str],
+        *,
+        engines: str | WeightEngine | Sequence[str | WeightEngine] | None = None,
+        engine_urls: str | Sequence[str] | None = None,
+        api_key: str | None = None,
+        sampling_params: Mapping[str, Any] | None = None,
+        by_reference: bool = False,
+        **client_options: Any,
+    ) -> None:
         check_trl_version()
         from rr_client.client import RoutedExpertsClient
 
@@ -110,8 +119,9 @@ class RRRollout:
 
     def generate(self, prompts: list[list[int]], sampling_params: Mapping[str, Any]) -> Any:
         """``client.generate`` with the sampling log-probs, on the rollout's loop (a :class:`GenerateBatch`)."""
-        batch = self._loop.run(self.client.generate(prompts, dict(sampling_params), return_logprob=True,
-                                                    by_reference=self.by_reference))
+        batch = self._loop.run(
+            self.client.generate(prompts, dict(sampling_params), return_logprob=True, by_reference=self.by_reference)
+        )
         versions = [r.routing_ref.weight_version for r in batch if r.routing_ref is not None]
         self._weight_version = max([self._weight_version, *versions])
         return batch
@@ -132,10 +142,12 @@ class RRRollout:
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         if not getattr(type(trainer), "replays_rr_rollouts", False):  # R3GRPOTrainer (no import: it imports us)
-            raise ConfigurationError("RRRollout returns routing that only R3GRPOTrainer replays; with "
-                                     f"{type(trainer).__name__} TRL would pass it to the reward functions and train "
-                                     "without replay. Use rr_client.integrations.trl.R3GRPOTrainer (r3=False for "
-                                     "plain GRPO)")
+            raise ConfigurationError(
+                "RRRollout returns routing that only R3GRPOTrainer replays; with "
+                f"{type(trainer).__name__} TRL would pass it to the reward functions and train "
+                "without replay. Use rr_client.integrations.trl.R3GRPOTrainer (r3=False for "
+                "plain GRPO)"
+            )
         prompt_ids, images, mm = trainer._tokenize_prompts(prompts)
         if images is not None or mm:
             raise ReplayError("RRRollout: multimodal prompts are not supported (rr's /generate takes token ids only)")

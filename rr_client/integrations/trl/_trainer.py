@@ -18,15 +18,15 @@ from typing import Any, NamedTuple
 import torch
 
 from rr_client.core.errors import ConfigurationError, ReplayError, WeightSyncError
+from rr_client.core.logprobs import check_comparable_logprobs
+from rr_client.core.patching import Params, Shape, check_shapes
+from rr_client.core.provenance import StalePolicy
 from rr_client.integrations.trl._correction import MODES
 from rr_client.integrations.trl._gate import TESTED_TRL, check_trl_version, trl
 from rr_client.integrations.trl._rollout import ROUTING_KEY, Rollout, RRRollout, sampled_logprobs, sampling_params_from
-from rr_client.core.logprobs import check_comparable_logprobs
-from rr_client.core.patching import Params, Shape, check_shapes
 from rr_client.integrations.weight_sync import DiskWeightSync
 from rr_client.trainer import keys as K
 from rr_client.trainer.layouts import RoutingTensors, to_tensors
-from rr_client.core.provenance import StalePolicy
 from rr_client.trainer.metrics import token_logprobs
 from rr_client.trainer.provenance import Segments, build_segments, check_samples, mask_samples, provenance_metrics
 from rr_client.trainer.replay import replay_routing
@@ -43,8 +43,17 @@ OVERRIDDEN: dict[str, Params] = {
     "_generate_and_score_completions": ["self", "inputs"],
     "_compute_loss": ["self", "model", "inputs"],
     "training_step": ["self", "model", "inputs", "num_items_in_batch"],
-    "_get_per_token_logps_and_entropies": ["self", "model", "input_ids", "attention_mask", "logits_to_keep",
-                                           "batch_size", "compute_entropy", "compute_aux_loss", ...],
+    "_get_per_token_logps_and_entropies": [
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+        "compute_aux_loss",
+        ...,
+    ],
 }
 _SAMPLE_KEY = "rr_sample"  # per-sample index into the rollout, carried through TRL's shuffle/split
 
@@ -67,16 +76,22 @@ def _refuse_before_init(args: Any, model: Any, rollout_func: Any, sync_weights: 
     if not isinstance(rollout_func, RRRollout):
         raise ConfigurationError(f"R3GRPOTrainer needs rollout_func=RRRollout(...), got {type(rollout_func).__name__}")
     if args is not None and getattr(args, "use_vllm", False):
-        raise ConfigurationError("R3GRPOTrainer: use_vllm=True makes TRL's own vLLM generate (and TRL connects to "
-                                 "it now); RRRollout is the generator: set use_vllm=False")
+        raise ConfigurationError(
+            "R3GRPOTrainer: use_vllm=True makes TRL's own vLLM generate (and TRL connects to "
+            "it now); RRRollout is the generator: set use_vllm=False"
+        )
     if kwargs.get("tools") or kwargs.get("environment_factory") is not None:
-        raise ConfigurationError("R3GRPOTrainer: tools / environment_factory append tokens the engine did not route "
-                                 "in this request; multi-turn R3 needs rr's Trajectory (not wired into TRL 1.16's "
-                                 "tool loop)")
+        raise ConfigurationError(
+            "R3GRPOTrainer: tools / environment_factory append tokens the engine did not route "
+            "in this request; multi-turn R3 needs rr's Trajectory (not wired into TRL 1.16's "
+            "tool loop)"
+        )
     peft = kwargs.get("peft_config") is not None or hasattr(model, "peft_config")
     if sync_weights and peft:
-        raise ConfigurationError("R3GRPOTrainer(sync_weights=True) with a PEFT model: the engine needs merged "
-                                 "weights; merge the adapter or sync yourself and pass sync_weights=False")
+        raise ConfigurationError(
+            "R3GRPOTrainer(sync_weights=True) with a PEFT model: the engine needs merged "
+            "weights; merge the adapter or sync yourself and pass sync_weights=False"
+        )
     if args is None:
         return
     if args.vllm_importance_sampling_correction:
@@ -84,13 +99,17 @@ def _refuse_before_init(args: Any, model: Any, rollout_func: Any, sync_weights: 
         if mode not in MODES:
             raise ConfigurationError(f"vllm_importance_sampling_mode={mode!r}; TRL accepts {', '.join(MODES)}")
         if args.loss_type == "vespo" and not mode.startswith("token"):  # TRL's own rule on its vLLM path
-            raise ConfigurationError(f"loss_type='vespo' with vllm_importance_sampling_mode={mode!r}: VESPO needs "
-                                     "'token_truncate' or 'token_mask' (as on TRL's vLLM path)")
+            raise ConfigurationError(
+                f"loss_type='vespo' with vllm_importance_sampling_mode={mode!r}: VESPO needs "
+                "'token_truncate' or 'token_mask' (as on TRL's vLLM path)"
+            )
     sampled = sampling_temperature(args, rollout_func)
     if sampled != args.temperature:
-        raise ConfigurationError(f"RRRollout samples at temperature {sampled} but GRPOConfig.temperature is "
-                                 f"{args.temperature}: the trainer's log-probs (logits / {args.temperature}) would "
-                                 "not be those of the sampling policy; set the temperature in one place")
+        raise ConfigurationError(
+            f"RRRollout samples at temperature {sampled} but GRPOConfig.temperature is "
+            f"{args.temperature}: the trainer's log-probs (logits / {args.temperature}) would "
+            "not be those of the sampling policy; set the temperature in one place"
+        )
 
 
 def sampling_temperature(args: Any, rollout: RRRollout) -> float:
@@ -136,10 +155,20 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
 
     replays_rr_rollouts = True  #: what RRRollout checks before generating for a trainer
 
-    def __init__(self, *args: Any, rollout_func: RRRollout, r3: bool = True, sync_weights: bool = True,
-                 sync_dir: str | Path | None = None, verify_sync: float | None = None,
-                 audit_every: int = AUDIT_EVERY, allow_untested: bool = False, log_layers: bool = False,
-                 stale_rows: StalePolicy = "refuse", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        rollout_func: RRRollout,
+        r3: bool = True,
+        sync_weights: bool = True,
+        sync_dir: str | Path | None = None,
+        verify_sync: float | None = None,
+        audit_every: int = AUDIT_EVERY,
+        allow_untested: bool = False,
+        log_layers: bool = False,
+        stale_rows: StalePolicy = "refuse",
+        **kwargs: Any,
+    ) -> None:
         check_trl_version()
         model = kwargs.get("model", args[0] if args else None)
         cfg = kwargs.get("args", args[2] if len(args) > 2 else None)
@@ -149,9 +178,13 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         super().__init__(*args, rollout_func=rollout_func, **kwargs)
         self.r3 = r3
         self.rr_rollout: RRRollout = rollout_func
-        self.rr_session = ReplaySession(self.accelerator.unwrap_model(self.model), audit_every=audit_every,
-                                        allow_untested=allow_untested, log_layers=log_layers,
-                                        stale_rows=stale_rows)
+        self.rr_session = ReplaySession(
+            self.accelerator.unwrap_model(self.model),
+            audit_every=audit_every,
+            allow_untested=allow_untested,
+            log_layers=log_layers,
+            stale_rows=stale_rows,
+        )
         self._rr_batch: Rollout | None = None  # the latest generation's samples
         self._rr_replay: tuple[bool, ...] = ()  # per rollout sample: False when the stale-rows policy masked it
         self._rr_segments: Segments | None = None  # the last loss forward's token segments
@@ -162,14 +195,20 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         self.sync_log: list[dict[str, Any]] = []
         self._rr_synced_step: int | None = None
         if sync_weights:
-            directory = Path(sync_dir) if sync_dir is not None else Path(self.args.output_dir or
-                                                                          tempfile.mkdtemp()) / "rr-weights"
+            directory = (
+                Path(sync_dir)
+                if sync_dir is not None
+                else Path(self.args.output_dir or tempfile.mkdtemp()) / "rr-weights"
+            )
             self._rr_sync = DiskWeightSync(rollout_func.engines, directory, api_key=rollout_func.api_key)
 
     def _check_logprobs(self, info: Any) -> None:
         """:class:`rr_client.LogprobsModeError` unless the engine's log-probs mean what the trainer's do."""
-        check_comparable_logprobs(info.logprobs_mode, self._rr_temperature,
-                                  consumer="R3GRPOTrainer (TRL's importance-sampling correction and the r3/ gaps)")
+        check_comparable_logprobs(
+            info.logprobs_mode,
+            self._rr_temperature,
+            consumer="R3GRPOTrainer (TRL's importance-sampling correction and the r3/ gaps)",
+        )
 
     @contextmanager
     def _trl_correction(self, on: bool = True) -> Iterator[None]:
@@ -206,8 +245,9 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         self.accelerator.wait_for_everyone()  # every rank is here: its micro-batches (and their rows) ran
         seconds = 0.0
         if self.accelerator.is_main_process:
-            seconds = self._rr_sync.push(self.accelerator.unwrap_model(self.model), self.state.global_step,
-                                         state_dict=state_dict)
+            seconds = self._rr_sync.push(
+                self.accelerator.unwrap_model(self.model), self.state.global_step, state_dict=state_dict
+            )
             if self.model.training:
                 self.rr_rollout.retire()  # by reference: the rows of the weights just replaced are no longer read
         self.accelerator.wait_for_everyone()
@@ -219,7 +259,8 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                 raise WeightSyncError(
                     f"after pushing step {self.state.global_step}'s weights the engine's log-probs differ from the "
                     f"trainer's by {record['probe_gap']:.3g} > verify_sync={self.verify_sync:g}: the engine does "
-                    "not serve the trained weights (a reload that dropped weights? see the engine's log)")
+                    "not serve the trained weights (a reload that dropped weights? see the engine's log)"
+                )
         self.sync_log.append(record)
         self._rr_synced_step = self.state.global_step
         self._log({K.WEIGHT_SYNC_SECONDS: seconds}, "train")
@@ -240,9 +281,13 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                 logits = model(seq).logits[0].double()
         finally:
             model.train(was_training)
-        mine = token_logprobs(logits, seq[0].to(logits.device))[len(prompt):].cpu()
-        return {"probe_tokens": list(r.output_ids), "probe_engine_logprobs": engine.tolist(),
-                "probe_trainer_logprobs": mine.tolist(), "probe_gap": float((mine - engine).abs().max())}
+        mine = token_logprobs(logits, seq[0].to(logits.device))[len(prompt) :].cpu()
+        return {
+            "probe_tokens": list(r.output_ids),
+            "probe_engine_logprobs": engine.tolist(),
+            "probe_trainer_logprobs": mine.tolist(),
+            "probe_gap": float((mine - engine).abs().max()),
+        }
 
     # ------------------------------------------------------------------ TRL hooks
 
@@ -251,9 +296,11 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         with self._trl_correction(False):
             raw = super()._generate(prompts)
         if not isinstance(raw, tuple) or len(raw) != len(GenerateOutput._fields):
-            raise ReplayError(f"GRPOTrainer._generate returned {type(raw).__name__} of "
-                              f"{len(raw) if isinstance(raw, tuple) else '?'} items; TRL 1.16 returns "
-                              f"{len(GenerateOutput._fields)}: this TRL is not the one rr was tested with")
+            raise ReplayError(
+                f"GRPOTrainer._generate returned {type(raw).__name__} of "
+                f"{len(raw) if isinstance(raw, tuple) else '?'} items; TRL 1.16 returns "
+                f"{len(GenerateOutput._fields)}: this TRL is not the one rr was tested with"
+            )
         out = GenerateOutput(*raw)
         rollout = out.extra_fields.pop(ROUTING_KEY, None)
         if not isinstance(rollout, Rollout):
@@ -279,8 +326,14 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         if ratio is not None:  # TRL's ratio, on the engine's log-probs: also under rr's keys
             flat = ratio.flatten() if ratio.shape[-1] == 1 else ratio[output["completion_mask"].bool()]
             if flat.numel():
-                self._log({K.IS_RATIO_MIN: float(flat.min()), K.IS_RATIO_MEAN: float(flat.mean()),
-                           K.IS_RATIO_MAX: float(flat.max())}, "train" if self.model.training else "eval")
+                self._log(
+                    {
+                        K.IS_RATIO_MIN: float(flat.min()),
+                        K.IS_RATIO_MEAN: float(flat.mean()),
+                        K.IS_RATIO_MAX: float(flat.max()),
+                    },
+                    "train" if self.model.training else "eval",
+                )
         output[_SAMPLE_KEY] = torch.arange(output["prompt_ids"].shape[0], device=output["prompt_ids"].device)
         return output
 
@@ -299,8 +352,9 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             mask = inputs["completion_mask"].bool() & ~torch.isnan(engine)
             seg = self._rr_segments
             if seg is not None:  # the completion columns' codes, beside TRL's per-token log-probs
-                seg = Segments(seg.rows, seg.logps[:, seg.logps.shape[1] - engine.shape[1]:].to(engine.device),
-                               seg.names)
+                seg = Segments(
+                    seg.rows, seg.logps[:, seg.logps.shape[1] - engine.shape[1] :].to(engine.device), seg.names
+                )
             self.rr_session.add_gap(self._rr_loss_logps.float(), engine.float(), mask, segments=seg)
         return loss
 
@@ -319,10 +373,17 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             self.rr_session.close()
         return out
 
-    def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                                           logits_to_keep: int, batch_size: int | None = None,
-                                           compute_entropy: bool = False, compute_aux_loss: bool = False,
-                                           **multimodal: Any) -> Any:
+    def _get_per_token_logps_and_entropies(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **multimodal: Any,
+    ) -> Any:
         if any(v is not None for v in multimodal.values()):
             names = sorted(k for k, v in multimodal.items() if v is not None)
             raise ReplayError(f"R3GRPOTrainer: multimodal inputs ({', '.join(names)}) are not supported")
@@ -330,8 +391,9 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         session = self.rr_session
         own = self.accelerator.unwrap_model(model)
         if own is not session.model:  # TRL's separate reference model (beta > 0): the same rows, replayed in it
-            return self._reference_forward(model, own, rt, input_ids, attention_mask, logits_to_keep, batch_size,
-                                           compute_entropy, compute_aux_loss)
+            return self._reference_forward(
+                model, own, rt, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss
+            )
         if torch.is_grad_enabled():  # the loss forward: one block, open until backward has run (checkpointing)
             self._rr_segments = seg
             if self.r3:
@@ -339,19 +401,30 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             else:
                 session.open_record(rt.routed_experts, rt.routed_experts_mask)
             out = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size=input_ids.size(0),
-                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss)
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=input_ids.size(0),
+                compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss,
+            )
             self._rr_loss_logps = out[0].detach()
             return out
 
         def chunk_rows(s: int, e: int) -> AbstractContextManager[Any]:
             rows, mask = rt.routed_experts[s:e], rt.routed_experts_mask[s:e]
-            return (session.forward(rows, mask, layers=rt.layers, tokens=rt.attention_mask[s:e],
-                                    segments=seg.narrow(s, e), checked=True) if self.r3
-                    else session.recording(rows, mask))
+            return (
+                session.forward(
+                    rows, mask, layers=rt.layers, tokens=rt.attention_mask[s:e], segments=seg.narrow(s, e), checked=True
+                )
+                if self.r3
+                else session.recording(rows, mask)
+            )
 
-        out = self._chunked(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                            compute_aux_loss, chunk_rows)
+        out = self._chunked(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, chunk_rows
+        )
         if self._rr_current is not None:
             self._rr_loss_logps = out[0].detach()
             self._rr_segments = seg
@@ -359,9 +432,17 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             self._log(session.flush(), "eval")
         return out
 
-    def _chunked(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                 batch_size: int | None, compute_entropy: bool, compute_aux_loss: bool,
-                 chunk_rows: Callable[[int, int], AbstractContextManager[Any]]) -> Any:
+    def _chunked(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None,
+        compute_entropy: bool,
+        compute_aux_loss: bool,
+        chunk_rows: Callable[[int, int], AbstractContextManager[Any]],
+    ) -> Any:
         """TRL's forward in its chunks of ``batch_size`` samples, samples ``[s, e)`` under ``chunk_rows(s, e)`` (their
         rows replayed or recorded): the log-probs joined, the entropies and the mean aux loss where asked."""
         n = input_ids.size(0)
@@ -371,35 +452,68 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             e = min(s + bs, n)
             with chunk_rows(s, e):
                 out = super()._get_per_token_logps_and_entropies(
-                    model, input_ids[s:e], attention_mask[s:e], logits_to_keep, batch_size=e - s,
-                    compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss)
+                    model,
+                    input_ids[s:e],
+                    attention_mask[s:e],
+                    logits_to_keep,
+                    batch_size=e - s,
+                    compute_entropy=compute_entropy,
+                    compute_aux_loss=compute_aux_loss,
+                )
             logps.append(out[0])
             ents.append(out[1])
             auxes.append(out[2])
-        return torch.cat(logps, dim=0), torch.cat(ents, dim=0) if compute_entropy else None, \
-            torch.stack(auxes).mean() if compute_aux_loss else None
+        return (
+            torch.cat(logps, dim=0),
+            torch.cat(ents, dim=0) if compute_entropy else None,
+            torch.stack(auxes).mean() if compute_aux_loss else None,
+        )
 
-    def _reference_forward(self, model: Any, own: Any, rt: RoutingTensors, input_ids: torch.Tensor,
-                           attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int | None,
-                           compute_entropy: bool, compute_aux_loss: bool) -> Any:
+    def _reference_forward(
+        self,
+        model: Any,
+        own: Any,
+        rt: RoutingTensors,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None,
+        compute_entropy: bool,
+        compute_aux_loss: bool,
+    ) -> Any:
         """TRL's reference forward on a model other than the policy: replayed with the rollout's rows (audited in
         audited steps; ``r3=False``: its own routing, as plain GRPO), never with the policy's hooks."""
         if torch.is_grad_enabled():
-            raise ReplayError(f"a forward with gradients on {type(own).__name__}, which is not the policy "
-                              "R3GRPOTrainer replays")
+            raise ReplayError(
+                f"a forward with gradients on {type(own).__name__}, which is not the policy R3GRPOTrainer replays"
+            )
         if not self.r3:
             return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss)
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=batch_size,
+                compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss,
+            )
         session = self.rr_session
 
         def chunk_rows(s: int, e: int) -> AbstractContextManager[Any]:  # TRL's chunks, each under its own rows
-            return replay_routing(own, rt.routed_experts[s:e], rt.routed_experts_mask[s:e], layers=rt.layers,
-                                  check_every=session.check_every, audit=session.audited,
-                                  allow_untested=session.allow_untested, tokens=rt.attention_mask[s:e])
+            return replay_routing(
+                own,
+                rt.routed_experts[s:e],
+                rt.routed_experts_mask[s:e],
+                layers=rt.layers,
+                check_every=session.check_every,
+                audit=session.audited,
+                allow_untested=session.allow_untested,
+                tokens=rt.attention_mask[s:e],
+            )
 
-        return self._chunked(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                             compute_aux_loss, chunk_rows)
+        return self._chunked(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, chunk_rows
+        )
 
     # ------------------------------------------------------------------ rows under TRL's tokens
 
@@ -418,14 +532,22 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                 self._rr_batch.results[i] = r
         width = input_ids.size(1)
         pad = self._tokenizer.pad_token_id
-        rt = to_tensors(results, self._rr_batch.info, pad_side="split", prompt_length=width - logits_to_keep,
-                        response_length=logits_to_keep, pad_token_id=pad if pad is not None else 0)
+        rt = to_tensors(
+            results,
+            self._rr_batch.info,
+            pad_side="split",
+            prompt_length=width - logits_to_keep,
+            response_length=logits_to_keep,
+            pad_token_id=pad if pad is not None else 0,
+        )
         real = rt.attention_mask.bool()
         ids = input_ids.detach().cpu()
         if not torch.equal(rt.input_ids[real], ids[real]):
             bad = next(b for b in range(len(results)) if not torch.equal(rt.input_ids[b][real[b]], ids[b][real[b]]))
-            raise ReplayError(f"row {bad} of the batch (rollout sample {idx[bad]}) holds other tokens than the "
-                              "routing was recorded for: the rows would sit under the wrong tokens")
+            raise ReplayError(
+                f"row {bad} of the batch (rollout sample {idx[bad]}) holds other tokens than the "
+                "routing was recorded for: the rows would sit under the wrong tokens"
+            )
         if self._rr_replay:
             rt = mask_samples(rt, [self._rr_replay[i] for i in idx])
         return rt, build_segments(results, rt)

@@ -29,8 +29,17 @@ from rr_client.core.versions import OVERRIDE
 from ._gate import TESTED_VERL, check_verl_version
 from ._patches import FAILED, PATCHES, WORKERS_MODULE, apply_guard, apply_patch
 
-__all__ = ["TESTED_VERL", "check_verl_version", "install", "installed", "guarded", "failed_patches", "accumulate_turn_rows",
-           "packed_rows", "unpack_recorded"]
+__all__ = [
+    "TESTED_VERL",
+    "check_verl_version",
+    "install",
+    "installed",
+    "guarded",
+    "failed_patches",
+    "accumulate_turn_rows",
+    "packed_rows",
+    "unpack_recorded",
+]
 
 logger = logging.getLogger("rr_client.integrations.verl")
 
@@ -64,14 +73,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
                 class _Loader(importlib.abc.Loader):
                     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-                        return orig_loader.create_module(spec)
+                        return orig_loader.create_module(spec)  # noqa: B023 - the class is made for this spec
 
                     def exec_module(self, module: types.ModuleType) -> None:
-                        orig_loader.exec_module(module)
+                        orig_loader.exec_module(module)  # noqa: B023
                         action(module)  # contained: logs, never raises
 
                     def __getattr__(self, attr: str) -> Any:  # get_source, is_package, ... of the real loader
-                        return getattr(orig_loader, attr)
+                        return getattr(orig_loader, attr)  # noqa: B023
 
                 spec.loader = _Loader()
                 return spec
@@ -104,10 +113,14 @@ def install() -> None:
         except UnsupportedVersionError as e:
             found = f"verl {e.version}" if e.version else "no installed verl version"
             _turned_off = found
-            logger.warning("rr: %s is not what rr was tested with (verl %s): rr's FSDP routing replay is off and "
-                           "verl is left unpatched (a worker asked for router_replay R2/R3 on FSDP refuses to "
-                           "start); set %s=1 to patch it anyway, at your own risk", found, e.tested or TESTED_VERL,
-                           OVERRIDE)
+            logger.warning(
+                "rr: %s is not what rr was tested with (verl %s): rr's FSDP routing replay is off and "
+                "verl is left unpatched (a worker asked for router_replay R2/R3 on FSDP refuses to "
+                "start); set %s=1 to patch it anyway, at your own risk",
+                found,
+                e.tested or TESTED_VERL,
+                OVERRIDE,
+            )
         _finder = _AfterImport(_actions())
         sys.meta_path.insert(0, _finder)
     for name, action in _finder.actions.items():

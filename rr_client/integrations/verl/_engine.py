@@ -22,8 +22,8 @@ from rr_client.trainer.provenance import COMPUTED, GENERATED, Segments
 from rr_client.trainer.replay import find_routers
 from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
-from ._gate import check_verl_version
 from . import _logprobs
+from ._gate import check_verl_version
 from ._rows import packed_rows, padded_rows, unpack_recorded
 
 MODES = ("disabled", "R2", "R3")
@@ -63,8 +63,9 @@ def _check_gap_logprobs(temperature: Any) -> None:
         off = off[off != 1.0]
         temperature = float(off[0]) if off.numel() else 1.0
     source = got.source if got is not None else "the rollout's log-prob mode is unknown: rr's worker did not read it"
-    check_comparable_logprobs(mode, None if temperature is None else float(temperature),
-                              consumer=f"verl's R3 log-prob gap ({source})")
+    check_comparable_logprobs(
+        mode, None if temperature is None else float(temperature), consumer=f"verl's R3 log-prob gap ({source})"
+    )
 
 
 def _prompt_lengths(micro_batch: Any) -> torch.Tensor | None:
@@ -125,7 +126,8 @@ class RRFSDPEngineMixin(_EngineBase):
                 raise ConfigurationError(
                     f"router_replay.mode={self.rr_mode} with ulysses_sequence_parallel_size={sp}: rr does not "
                     "replay a sequence-parallel shard (its rows would land under other ranks' tokens); set it to "
-                    "1 or router_replay.mode=disabled")
+                    "1 or router_replay.mode=disabled"
+                )
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
         self.rr_info: RRInfo | None = None
         self.rr_session: ReplaySession | None = None
@@ -143,13 +145,17 @@ class RRFSDPEngineMixin(_EngineBase):
 
         self.rr_info = RRInfo.from_hf_config(cfg.to_dict(), engine="verl", engine_version=verl.__version__)
         if not find_routers(self.module):
-            raise UnsupportedModelError(f"router_replay.mode={self.rr_mode}: rr finds no replayable MoE router in "
-                                        f"{type(self.module).__name__}")
+            raise UnsupportedModelError(
+                f"router_replay.mode={self.rr_mode}: rr finds no replayable MoE router in {type(self.module).__name__}"
+            )
         # verl's RouterReplayConfig takes no extra fields: rr's own knobs come from the environment (Ray's
         # runtime_env env_vars reach every worker)
         self.rr_session = ReplaySession(
-            self.module, audit_every=settings.integer("RR_AUDIT_EVERY", default=AUDIT_EVERY),
-            allow_untested=settings.flag("RR_ALLOW_UNTESTED_MODEL"), moe_layers=self.rr_info.moe_layers)
+            self.module,
+            audit_every=settings.integer("RR_AUDIT_EVERY", default=AUDIT_EVERY),
+            allow_untested=settings.flag("RR_ALLOW_UNTESTED_MODEL"),
+            moe_layers=self.rr_info.moe_layers,
+        )
 
     # -- per batch
     def _rr_action_for(self, data: Any, forward_only: bool) -> str | None:
@@ -165,8 +171,13 @@ class RRFSDPEngineMixin(_EngineBase):
         if not has:
             raise MissingRoutingError(
                 f"router_replay.mode={self.rr_mode}: the batch carries no routed_experts ("
-                + ("R3 needs actor_rollout_ref.rollout.enable_rollout_routing_replay=True" if self.rr_mode == "R3"
-                   else "R2 replays what compute_log_prob recorded; it was not in the update batch") + ")")
+                + (
+                    "R3 needs actor_rollout_ref.rollout.enable_rollout_routing_replay=True"
+                    if self.rr_mode == "R3"
+                    else "R2 replays what compute_log_prob recorded; it was not in the update batch"
+                )
+                + ")"
+            )
         return "replay"
 
     def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
@@ -245,10 +256,12 @@ class RRFSDPEngineMixin(_EngineBase):
                 assert self.rr_session is not None
                 seg = self._rr_segments
                 if seg is not None:  # every response token is generated (verl carries no turns)
-                    seg = Segments(seg.rows, torch.full(tuple(lp.shape), GENERATED, dtype=torch.long,
-                                                        device=lp.device), seg.names)
-                self.rr_session.add_gap(lp.float(), ref["rollout_log_probs"].float(), ref["response_mask"].bool(),
-                                        segments=seg)
+                    seg = Segments(
+                        seg.rows, torch.full(tuple(lp.shape), GENERATED, dtype=torch.long, device=lp.device), seg.names
+                    )
+                self.rr_session.add_gap(
+                    lp.float(), ref["rollout_log_probs"].float(), ref["response_mask"].bool(), segments=seg
+                )
         return model_output
 
 
@@ -258,5 +271,8 @@ ENGINE_NAME = "RRFSDPEngineWithLMHead"
 def engine_class(base: type) -> type:
     """verl's engine class ``base`` (``FSDPEngineWithLMHead``) with rr's replay: ``(RRFSDPEngineMixin, base)``, built
     when verl's engine module is imported (rr's patch checks ``base``'s shape first)."""
-    return type(ENGINE_NAME, (RRFSDPEngineMixin, base), {"__module__": __name__, "__qualname__": ENGINE_NAME,
-                                                          "__doc__": RRFSDPEngineMixin.__doc__})
+    return type(
+        ENGINE_NAME,
+        (RRFSDPEngineMixin, base),
+        {"__module__": __name__, "__qualname__": ENGINE_NAME, "__doc__": RRFSDPEngineMixin.__doc__},
+    )

@@ -11,8 +11,10 @@ from rr_client.core.versions import Tested, check_version, installed_version
 __all__ = ["TESTED_VERL", "WHY", "installed_verl_version", "check_verl_version"]
 
 TESTED_VERL = Tested("0.9.1")
-WHY = ("rr subclasses verl's FSDPEngineWithLMHead and wraps ActorRolloutRefWorker.__init__, "
-       "ToolAgentLoop._handle_generating_state and SGLangHttpServer.generate, which change between releases")
+WHY = (
+    "rr subclasses verl's FSDPEngineWithLMHead and wraps ActorRolloutRefWorker.__init__, "
+    "ToolAgentLoop._handle_generating_state and SGLangHttpServer.generate, which change between releases"
+)
 
 
 def installed_verl_version() -> str | None:

@@ -18,8 +18,14 @@ from rr_client.core.engines import ENGINES, SGLANG
 from rr_client.core.errors import LogprobsModeError
 from rr_client.core.logprobs import PROCESSED, RAW, check_comparable_logprobs, mode_from_vllm
 
-__all__ = ["RolloutLogprobs", "rollout_logprobs", "check_rollout_logprobs", "SGLANG_ORIGINAL", "VERL_KEY",
-           "ROLLOUT_LOGPROBS"]
+__all__ = [
+    "RolloutLogprobs",
+    "rollout_logprobs",
+    "check_rollout_logprobs",
+    "SGLANG_ORIGINAL",
+    "VERL_KEY",
+    "ROLLOUT_LOGPROBS",
+]
 
 # the rollout's log-prob mode, as this process's replaying worker read it from its config (rr's engine reads it
 # at batch time; one actor worker per verl process, as for the engine registry)
@@ -88,8 +94,10 @@ def check_rollout_logprobs(rollout: Any, temperature: Any = None) -> RolloutLogp
     if str(_get(rollout, "logprobs_mode")) in _LOGITS:
         raise LogprobsModeError(
             f"verl's R3 log-prob gap: {got.source}: vLLM returns logits as rollout_log_probs, which no trainer "
-            f"log-prob matches; {_fix(got)}")
+            f"log-prob matches; {_fix(got)}"
+        )
     t = _get(rollout, "temperature") if temperature is None else temperature
-    check_comparable_logprobs(got.mode, None if t is None else float(t),
-                              consumer=f"verl's R3 log-prob gap ({got.source}; {_fix(got)})")
+    check_comparable_logprobs(
+        got.mode, None if t is None else float(t), consumer=f"verl's R3 log-prob gap ({got.source}; {_fix(got)})"
+    )
     return got

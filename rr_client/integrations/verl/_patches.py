@@ -50,8 +50,17 @@ ROLLOUT_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 # the shapes rr wraps or subclasses (parameter names, as rr_client.core.patching.check_shapes reads them)
 WORKER_INIT = ["self", "config", "role", "distillation_config", "kwargs"]
 TOOL_STEP = ["self", "agent_data", "sampling_params", "ignore_termination"]
-SGLANG_GENERATE = ["self", "prompt_ids", "sampling_params", "request_id", "image_data", "video_data",
-                   "bootstrap_host", "bootstrap_port", "bootstrap_room"]
+SGLANG_GENERATE = [
+    "self",
+    "prompt_ids",
+    "sampling_params",
+    "request_id",
+    "image_data",
+    "video_data",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+]
 ENGINE_SHAPES: dict[str, list[str]] = {
     "__init__": ["self", "model_config", "engine_config", "optimizer_config", "checkpoint_config"],
     "initialize": ["self"],
@@ -73,6 +82,7 @@ FAILED: dict[str, str] = {}  # module -> why its patch failed (logged once)
 
 
 # -- the mode, from what each patched object can see
+
 
 def _get(cfg: Any, key: str) -> Any:
     """``cfg[key]`` of an omegaconf config, a mapping or a dataclass; None when absent."""
@@ -125,13 +135,16 @@ def worker_replay_mode(config: Any) -> str:
     if strategy != REPLAY_STRATEGY:
         raise ConfigurationError(
             f"actor_rollout_ref.actor.strategy={strategy} with fsdp_config.router_replay.mode={mode}"
-            + (f" and {asked}" if mode not in REPLAY_MODES else "") + ": rr replays routing only in verl's FSDP2 "
+            + (f" and {asked}" if mode not in REPLAY_MODES else "")
+            + ": rr replays routing only in verl's FSDP2 "
             f"engine; set actor_rollout_ref.actor.strategy={REPLAY_STRATEGY} (or router_replay.mode=disabled and "
-            f"{ROLLOUT_KEY}=False)")
+            f"{ROLLOUT_KEY}=False)"
+        )
     if mode not in REPLAY_MODES:
         raise ConfigurationError(
             f"{asked} with actor.strategy={strategy} but {MODE_KEY}={mode}: the rollout's routing would reach no "
-            f"replay (verl trains unreplayed); set +{MODE_KEY}=R3, or {ROLLOUT_KEY}=False")
+            f"replay (verl trains unreplayed); set +{MODE_KEY}=R3, or {ROLLOUT_KEY}=False"
+        )
     return mode
 
 
@@ -141,6 +154,7 @@ def _what() -> str:
 
 
 # -- containment
+
 
 class Patch(NamedTuple):
     """One verl module's patch: what it wraps, the function, what the user loses when it cannot apply, and what
@@ -164,30 +178,44 @@ def apply_patch(name: str, module: types.ModuleType) -> bool:
         patch.apply(module)
     except Exception as e:  # noqa: BLE001 - contained: verl's import must go on
         FAILED[name] = f"{type(e).__name__}: {' '.join(str(e).split())}"
-        logger.error("rr: verl patch %s (%s) failed, %s is left as verl ships it and %s: %s",
-                     patch.apply.__name__, patch.target, name, patch.if_failed, FAILED[name])
+        logger.error(
+            "rr: verl patch %s (%s) failed, %s is left as verl ships it and %s: %s",
+            patch.apply.__name__,
+            patch.target,
+            name,
+            patch.if_failed,
+            FAILED[name],
+        )
         logger.debug("rr: %s failed", patch.apply.__name__, exc_info=True)
         if patch.fallback is not None:
-            apply_guard(module, f"rr's patch {patch.apply.__name__} of {patch.target} failed ({FAILED[name]})",
-                        patch.fallback)
+            apply_guard(
+                module, f"rr's patch {patch.apply.__name__} of {patch.target} failed ({FAILED[name]})", patch.fallback
+            )
         return False
     return True
 
 
-def apply_guard(module: types.ModuleType, why: str,
-                guard: Callable[[types.ModuleType, str], None] | None = None) -> bool:
+def apply_guard(
+    module: types.ModuleType, why: str, guard: Callable[[types.ModuleType, str], None] | None = None
+) -> bool:
     """Put ``guard`` (default: :func:`guard_engine_workers`) on ``module``, contained like a patch: a failure logs
     one error (rr can then not refuse R2/R3 on FSDP there) and never raises."""
     try:
         (guard or guard_engine_workers)(module, why)
     except Exception as e:  # noqa: BLE001 - contained: verl's import must go on
-        logger.error("rr: cannot guard %s (%s: %s): a worker asked for router_replay R2/R3 on FSDP will train "
-                     "unreplayed, without a word from rr", module.__name__, type(e).__name__, e)
+        logger.error(
+            "rr: cannot guard %s (%s: %s): a worker asked for router_replay R2/R3 on FSDP will train "
+            "unreplayed, without a word from rr",
+            module.__name__,
+            type(e).__name__,
+            e,
+        )
         return False
     return True
 
 
 # -- verl.workers.engine.fsdp.transformer_impl
+
 
 def patch_fsdp_engine(mod: types.ModuleType) -> None:
     """Check the shape of what rr's engine overrides, then combine rr's mixin with ``FSDPEngineWithLMHead``.
@@ -215,7 +243,8 @@ def rr_engine_class() -> type:
     if ours is None:
         raise UnsupportedVersionError(
             f"router_replay is on but rr's FSDP engine is not available ({FAILED.get(name, 'its patch did not run')}); "
-            f"rr was tested with {WHAT}: set router_replay.mode=disabled or pin a tested verl")
+            f"rr was tested with {WHAT}: set router_replay.mode=disabled or pin a tested verl"
+        )
     return ours
 
 
@@ -240,7 +269,8 @@ def use_rr_engine(strategy: str) -> type:
         raise ConfigurationError(
             f"router_replay is on with actor.strategy={strategy}, but verl uses {current.__qualname__} on "
             f"device={device!r}, vendor={vendor!r}: rr replays only in verl's {base.__qualname__}; set "
-            "router_replay.mode=disabled or use verl's FSDP engine")
+            "router_replay.mode=disabled or use verl's FSDP engine"
+        )
     EngineRegistry.register(model_type="language_model", backend=strategy, device=device, vendor=vendor)(ours)
     if EngineRegistry.get_engine_cls("language_model", strategy) is not ours:
         raise UnsupportedVersionError(f"EngineRegistry.register did not make verl pick rr's engine in {WHAT}")
@@ -248,6 +278,7 @@ def use_rr_engine(strategy: str) -> type:
 
 
 # -- verl.workers.engine_workers
+
 
 def refuse_inactive(config: Any, why: str) -> None:
     """Raise :class:`UnsupportedVersionError` when ``config`` asks for routing replay on FSDP while rr's replay is
@@ -259,7 +290,8 @@ def refuse_inactive(config: Any, why: str) -> None:
         f"{asked} (actor.strategy={configured_replay(config)[0]}) asks for routing replay in verl's FSDP actor, but "
         f"rr's FSDP replay is not active in this process: {why}. verl alone would train unreplayed (it maps "
         f"router_replay to disabled on FSDP). Pin verl {TESTED_VERL}, set {OVERRIDE}=1 to patch an untested verl at "
-        f"your own risk, or train without replay ({MODE_KEY}=disabled, {ROLLOUT_KEY}=False)")
+        f"your own risk, or train without replay ({MODE_KEY}=disabled, {ROLLOUT_KEY}=False)"
+    )
 
 
 def inactive_patches(mode: str) -> str | None:
@@ -278,8 +310,11 @@ def inactive_patches(mode: str) -> str | None:
             pass
     if ENGINE_MODULE not in FAILED:
         importlib.import_module(ENGINE_MODULE)
-    failed = [f"rr's patch {PATCHES[n].apply.__name__} of {PATCHES[n].target} failed ({FAILED[n]})"
-              for n in needed if n in FAILED]
+    failed = [
+        f"rr's patch {PATCHES[n].apply.__name__} of {PATCHES[n].target} failed ({FAILED[n]})"
+        for n in needed
+        if n in FAILED
+    ]
     return "; ".join(failed) or None
 
 
@@ -331,6 +366,7 @@ def guard_engine_workers(mod: types.ModuleType, why: str) -> None:
 
 # -- verl.experimental.agent_loop.tool_agent_loop
 
+
 def _tool_step(orig: Callable[..., Any]) -> Callable[..., Any]:
     from ._rows import accumulate_turn_rows
 
@@ -369,8 +405,9 @@ def _dims(hf_config: Any) -> dict[str, Any]:
     from rr_client.core.info import RRInfo
 
     info = RRInfo.from_hf_config(hf_config.to_dict(), engine="sglang", engine_version="")
-    return dict(num_layers=info.num_hidden_layers, topk=info.topk, num_experts=info.num_experts,
-                moe_layers=info.moe_layers)
+    return dict(
+        num_layers=info.num_hidden_layers, topk=info.topk, num_experts=info.num_experts, moe_layers=info.moe_layers
+    )
 
 
 def checked_meta_routing(output: dict[str, Any], prompt_len: int | None, hf_config: Any) -> None:
@@ -450,8 +487,11 @@ class _CheckingTokenizerManager:
         ids = getattr(obj, "input_ids", None)
         prompt_len = len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], int) else None
         async for out in self._rr_inner.generate_request(obj, request):
-            if (getattr(obj, "return_routed_experts", False) and isinstance(out, dict)
-                    and not verl_reads(out, self._rr_skip)):
+            if (
+                getattr(obj, "return_routed_experts", False)
+                and isinstance(out, dict)
+                and not verl_reads(out, self._rr_skip)
+            ):
                 checked_meta_routing(out, prompt_len, self._rr_hf_config)
             yield out
 
@@ -512,15 +552,21 @@ def patch_sglang_server(mod: types.ModuleType) -> None:
 
 PATCHES: dict[str, Patch] = {
     ENGINE_MODULE: Patch(
-        "FSDPEngineWithLMHead", patch_fsdp_engine, "router_replay R2/R3 on FSDP is refused at worker start"),
+        "FSDPEngineWithLMHead", patch_fsdp_engine, "router_replay R2/R3 on FSDP is refused at worker start"
+    ),
     WORKERS_MODULE: Patch(
-        "ActorRolloutRefWorker.__init__", patch_engine_workers,
+        "ActorRolloutRefWorker.__init__",
+        patch_engine_workers,
         "rr's FSDP replay is off: a worker asked for router_replay R2/R3 on FSDP refuses to start",
-        guard_engine_workers),
+        guard_engine_workers,
+    ),
     TOOL_LOOP_MODULE: Patch(
-        "ToolAgentLoop._handle_generating_state", patch_tool_agent_loop,
+        "ToolAgentLoop._handle_generating_state",
+        patch_tool_agent_loop,
         "multi-turn routing rows would be verl's own (each turn overwrites the earlier ones): a worker asked for "
-        "R3 on FSDP refuses to start"),
+        "R3 on FSDP refuses to start",
+    ),
     "verl.workers.rollout.sglang_rollout.async_sglang_server": Patch(
-        "SGLangHttpServer.generate", patch_sglang_server, "verl reads SGLang's routing itself, unchecked"),
+        "SGLangHttpServer.generate", patch_sglang_server, "verl reads SGLang's routing itself, unchecked"
+    ),
 }

@@ -19,8 +19,9 @@ def _load() -> None:
         install()
     except Exception:  # noqa: BLE001 - never out of verl's import
         logging.getLogger("rr_client.integrations.verl").error(
-            "rr: installing the verl patches failed; verl runs unpatched (router_replay R2/R3 on FSDP will not "
-            "replay)", exc_info=True)
+            "rr: installing the verl patches failed; verl runs unpatched (router_replay R2/R3 on FSDP will not replay)",
+            exc_info=True,
+        )
 
 
 _load()

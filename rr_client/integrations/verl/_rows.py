@@ -23,8 +23,9 @@ __all__ = ["packed_rows", "padded_rows", "accumulate_turn_rows", "unpack_recorde
 
 def _sample_of_rows(offsets: torch.Tensor, n: int) -> torch.Tensor:
     """Sample index of every packed row, from the jagged ``offsets`` (``[B + 1]``)."""
-    return torch.searchsorted(offsets.narrow(0, 1, offsets.numel() - 1), torch.arange(n, device=offsets.device),
-                              right=True)
+    return torch.searchsorted(
+        offsets.narrow(0, 1, offsets.numel() - 1), torch.arange(n, device=offsets.device), right=True
+    )
 
 
 def packed_rows(routed: torch.Tensor, offsets: torch.Tensor, info: RRInfo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,18 +39,21 @@ def packed_rows(routed: torch.Tensor, offsets: torch.Tensor, info: RRInfo) -> tu
     without routing come back as pad rows spread over all experts (:func:`rr_client.trainer.rows.fill_pads`), the
     mask False there; rows and mask stay where verl put them.
     """
-    rows = ReplayRows.from_jagged(routed, offsets, num_hidden_layers=info.num_hidden_layers,
-                                  moe_layers=info.moe_layers)
-    readers = [Reader(layer, info.num_experts, info.topk, f"layer {layer}") for layer in info.moe_layers
-               if layer in rows.layers]
+    rows = ReplayRows.from_jagged(routed, offsets, num_hidden_layers=info.num_hidden_layers, moe_layers=info.moe_layers)
+    readers = [
+        Reader(layer, info.num_experts, info.topk, f"layer {layer}")
+        for layer in info.moe_layers
+        if layer in rows.layers
+    ]
     spare = [layer for layer in rows.layers if layer not in set(info.moe_layers)]
     rows.check(readers, spare=spare, refuse_spare=True)
     have = rows.have.reshape(-1)
     return fill_pads(rows.flat, have, rows.layers, info.num_experts), have
 
 
-def padded_rows(rows: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor, width: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_rows(
+    rows: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed rows ``[N, L, K]`` and mask ``[N]`` -> verl's right-padded ``[B, width, L, K]`` and ``[B, width]``,
     on the rows' device, with integer indices (no boolean indexing: no host sync)."""
     off = offsets.to(rows.device)
@@ -86,5 +90,5 @@ def accumulate_turn_rows(held: Any, new: Any) -> Any:
     if new.shape[0] < held.shape[0]:
         raise ShapeMismatchError(f"a turn returned {new.shape[0]} rows, fewer than the {held.shape[0]} already held")
     if isinstance(held, torch.Tensor):
-        return torch.cat([held, torch.as_tensor(new)[held.shape[0]:].to(held.dtype)])
-    return np.concatenate([np.asarray(held), np.asarray(new)[held.shape[0]:].astype(np.asarray(held).dtype)])
+        return torch.cat([held, torch.as_tensor(new)[held.shape[0] :].to(held.dtype)])
+    return np.concatenate([np.asarray(held), np.asarray(new)[held.shape[0] :].astype(np.asarray(held).dtype)])

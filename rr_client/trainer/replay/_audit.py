@@ -24,8 +24,9 @@ __all__ = ["DeviceTally", "Audit"]  # DeviceTally lives in rr_client.trainer.rep
 class Audit:
     """Counters of one ``replay_routing`` block; ``report()`` is the plain dict a trainer logs."""
 
-    def __init__(self, routers: list[Router], left: list[LeftRouter], rows: BlockRows, tally: DeviceTally,
-                 segments: Any = None) -> None:
+    def __init__(
+        self, routers: list[Router], left: list[LeftRouter], rows: BlockRows, tally: DeviceTally, segments: Any = None
+    ) -> None:
         self.routers = routers
         self.segments = segments  #: rr_client.trainer.provenance.Segments of the block's rows, or None
         self._seg: dict[torch.device, torch.Tensor] = {}  # the rows' codes (-1 -> the discarded bin) per device
@@ -84,8 +85,14 @@ class Audit:
         if any(a is want for a in inputs):
             self.applied_direct[r.layer] += lr.n_use
             return
-        got = next((a for a in inputs if isinstance(a, torch.Tensor) and not a.is_floating_point()
-                    and a.dim() == 2 and a.shape == want.shape), None)
+        got = next(
+            (
+                a
+                for a in inputs
+                if isinstance(a, torch.Tensor) and not a.is_floating_point() and a.dim() == 2 and a.shape == want.shape
+            ),
+            None,
+        )
         if got is None:
             self.bad_experts[r.layer] = "no [N, K] expert-id tensor among the experts module's inputs"
             return
@@ -159,11 +166,15 @@ class Audit:
             return msgs
         orphans = [r for r in self.routers if self.router_runs[r.layer] == 0]
         if orphans:
-            msgs.append("orphan routers (in the model, never ran in the forward; a rebuilt or bypassed decoder "
-                        "layer?): " + ", ".join(f"layer {r.layer} {r.name}" for r in orphans))
+            msgs.append(
+                "orphan routers (in the model, never ran in the forward; a rebuilt or bypassed decoder "
+                "layer?): " + ", ".join(f"layer {r.layer} {r.name}" for r in orphans)
+            )
         if self.rows.unconsumed:
-            msgs.append(f"replayed rows at layers {self.rows.unconsumed} were consumed by no router (the model has "
-                        "no replayable router there: layers shifted, or dense/MoE layer mapping wrong?)")
+            msgs.append(
+                f"replayed rows at layers {self.rows.unconsumed} were consumed by no router (the model has "
+                "no replayable router there: layers shifted, or dense/MoE layer mapping wrong?)"
+            )
         for r in self.routers:
             i = r.layer
             if i in self.bad_experts:
@@ -171,7 +182,9 @@ class Audit:
             elif self.router_runs[i] and self.expert_runs[i] == 0 and self.replayed[i]:
                 msgs.append(f"layer {i}: the experts module never ran after {r.name} (the block bypasses it)")
             elif self.checked[i] and self._applied(i) != self.checked[i]:
-                msgs.append(f"layer {i}: only {self._applied(i)}/{self.checked[i]} replayed rows reached the experts "
-                            f"with the replayed ids (the MoE block {type(r.block).__name__} does not pass its "
-                            "router's choice to its experts)")
+                msgs.append(
+                    f"layer {i}: only {self._applied(i)}/{self.checked[i]} replayed rows reached the experts "
+                    f"with the replayed ids (the MoE block {type(r.block).__name__} does not pass its "
+                    "router's choice to its experts)"
+                )
         return msgs

@@ -47,8 +47,11 @@ def _unpacking_frame(frame: FrameType | None) -> object | None:
         if frame is None:
             return None
         code = frame.f_code
-        if code.co_name == "unpack_hook" and "frame" in code.co_freevars \
-                and frame.f_globals.get("__name__") == "torch.utils.checkpoint":
+        if (
+            code.co_name == "unpack_hook"
+            and "frame" in code.co_freevars
+            and frame.f_globals.get("__name__") == "torch.utils.checkpoint"
+        ):
             return frame.f_locals.get("frame")
         frame = frame.f_back
     return None

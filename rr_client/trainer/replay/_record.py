@@ -39,8 +39,13 @@ class RoutingRecord:
             raise ReplayError("no forward pass ran inside record_routing")
         first = next(iter(self._layers.values()))
         dense = torch.zeros((first.shape[0], self.topk), dtype=torch.long, device=first.device)
-        out = torch.stack([self._layers[i].to(device=first.device, dtype=torch.long) if i in self._layers else dense
-                           for i in range(self.num_hidden_layers)], dim=1)
+        out = torch.stack(
+            [
+                self._layers[i].to(device=first.device, dtype=torch.long) if i in self._layers else dense
+                for i in range(self.num_hidden_layers)
+            ],
+            dim=1,
+        )
         if self.shape is not None and len(self.shape) >= 1:
             out = out.reshape(*self.shape, self.num_hidden_layers, self.topk)
         out = out.contiguous()

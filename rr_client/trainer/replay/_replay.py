@@ -22,8 +22,8 @@ from rr_client.core.errors import ConfigurationError, ReplayError, ShapeMismatch
 from rr_client.trainer.replay._audit import Audit
 from rr_client.trainer.replay._checkpoint import checkpoint_owner
 from rr_client.trainer.replay._routers import Router, num_hidden_layers, router_hooks, survey
-from rr_client.trainer.replay.phase import DeviceTally, in_backward
 from rr_client.trainer.replay._rows import BlockRows, place_rows, readers_of, upload
+from rr_client.trainer.replay.phase import DeviceTally, in_backward
 from rr_client.trainer.rows import ReplayRows
 
 __all__ = ["replay_routing", "ReplayHook", "CHECK_EVERY"]
@@ -44,8 +44,15 @@ class ReplayHook:
     forward count in ``seen``; ``ckpt`` watches activation checkpoints (reentrant or not, the model's own or an
     external wrapper): :meth:`owed` lists the layers of checkpointed forwards whose recompute has not run."""
 
-    def __init__(self, rows: BlockRows, tally: DeviceTally, audit: Audit | None, seen: dict[int, int],
-                 check_every: int | None, ckpt: bool = True) -> None:
+    def __init__(
+        self,
+        rows: BlockRows,
+        tally: DeviceTally,
+        audit: Audit | None,
+        seen: dict[int, int],
+        check_every: int | None,
+        ckpt: bool = True,
+    ) -> None:
         self.rows = rows
         self.tally = tally
         self.audit = audit
@@ -83,7 +90,8 @@ class ReplayHook:
         if logits.shape[0] != n_rows:
             raise ShapeMismatchError(
                 f"layer {r.layer}: the router sees {logits.shape[0]} tokens but routed_experts has {n_rows} rows "
-                "(rows must follow the flattened input_ids, batch-major)")
+                "(rows must follow the flattened input_ids, batch-major)"
+            )
         lr = self.rows.layers[r.layer]
         if lr.ids.device != own.device:  # the router ran elsewhere than its parameters: move once, keep
             lr.ids = upload(lr.ids, own.device)
@@ -167,9 +175,14 @@ def replay_routing(
     if not routers:
         raise UnsupportedModelError(f"no replayable MoE router in {type(model).__name__}'s decoder layers")
     hash_layers = [x.layer for x in left if x.why == "hash" and x.layer is not None]
-    given = ReplayRows.of(routed_experts, mask=mask, layers=layers,
-                          num_hidden_layers=num_hidden_layers(model, routers), moe_layers=[r.layer for r in routers],
-                          extra=hash_layers)
+    given = ReplayRows.of(
+        routed_experts,
+        mask=mask,
+        layers=layers,
+        num_hidden_layers=num_hidden_layers(model, routers),
+        moe_layers=[r.layer for r in routers],
+        extra=hash_layers,
+    )
     if segments is None:
         segments = given.segments
     lead, axis = given.shape, list(given.layers)
@@ -183,27 +196,34 @@ def replay_routing(
 
     tally = DeviceTally()
     if segments is not None and tuple(segments.rows.shape) != lead:
-        raise ShapeMismatchError(f"segments shape {tuple(segments.rows.shape)} does not match routed_experts rows "
-                                 f"{lead}")
+        raise ShapeMismatchError(
+            f"segments shape {tuple(segments.rows.shape)} does not match routed_experts rows {lead}"
+        )
     aud = Audit(routers, left, rows, tally, segments) if audit else None
     if aud is not None and tokens is not None:
         tok = torch.as_tensor(tokens)
         if tuple(tok.shape) != lead:
             raise ShapeMismatchError(f"tokens shape {tuple(tok.shape)} does not match routed_experts rows {lead}")
         tally.add("tokens", tok.bool().sum())  # read with the audit's counts at exit: no extra host read
-    hook = ReplayHook(rows, tally, aud, _REPLAYED_FORWARDS.setdefault(model, {}),
-                      check_every if check_formula else None)
+    hook = ReplayHook(
+        rows, tally, aud, _REPLAYED_FORWARDS.setdefault(model, {}), check_every if check_formula else None
+    )
 
     extra = []
     if aud is not None:
+
         def on_model(_m: nn.Module, _a: Any) -> None:
             if not in_backward():
                 aud.forwards += 1
+
         extra.append(model.register_forward_pre_hook(on_model))
         for r in routers:
             if r.experts is not None:
-                extra.append(r.experts.register_forward_pre_hook(
-                    (lambda rr_: lambda _m, a, kw: aud.on_experts(rr_, a, kw))(r), with_kwargs=True))
+                extra.append(
+                    r.experts.register_forward_pre_hook(
+                        (lambda rr_: lambda _m, a, kw: aud.on_experts(rr_, a, kw))(r), with_kwargs=True
+                    )
+                )
             else:
                 aud.bad_experts[r.layer] = "its MoE block has no experts module where rr can observe the ids"
     report: dict[str, float] | None = {} if audit else None
@@ -219,13 +239,15 @@ def replay_routing(
         r0 = next(r for r in routers if r.layer == bad[0])
         raise UnsupportedModelError(
             f"layers {bad}: {type(r0.module).__name__}'s weights differ from rr's formula for it (transformers "
-            "changed the router, or a dtype path rr does not know?); refusing to replay")
+            "changed the router, or a dtype path rr does not know?); refusing to replay"
+        )
     owed = hook.owed()
     if owed:
         raise ReplayError(
             f"a checkpointed forward (activation/gradient checkpointing, reentrant or not) ran inside "
             f"replay_routing and its backward has not: the recompute of layers {owed} in backward would route "
-            "with the model's own choice. Call backward() inside the block (or drop the graph before leaving).")
+            "with the model's own choice. Call backward() inside the block (or drop the graph before leaving)."
+        )
     if aud is not None and report is not None:
         aud.finish(counts)
         report.update(aud.report())

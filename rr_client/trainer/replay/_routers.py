@@ -26,8 +26,16 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from rr_client.trainer.replay.coverage import FAMILY_ROUTERS, HIGHEST, TESTED, family_status, router_family
 from rr_client.trainer.replay.formulas import HASH_ROUTERS, SUPPORTED_ROUTERS, WeightFn
 
-__all__ = ["Router", "LeftRouter", "survey", "find_routers", "num_hidden_layers", "router_hooks", "router_device",
-           "transformers_version"]
+__all__ = [
+    "Router",
+    "LeftRouter",
+    "survey",
+    "find_routers",
+    "num_hidden_layers",
+    "router_hooks",
+    "router_device",
+    "transformers_version",
+]
 
 _ROUTER_LIKE = re.compile(r"(router|topk.?gate|moegate|topk.?gating)$", re.IGNORECASE)
 
@@ -97,7 +105,8 @@ def _family_without_router(model: nn.Module) -> UnsupportedModelError | None:
         f"model family {family!r} ({type(model).__name__}) has no {' / '.join(FAMILY_ROUTERS[family])} on "
         f"transformers {transformers_version()}: this release routes inside the MoE block (no router module "
         f"that returns its top-k choice), which rr cannot replay; rr replays {family} on transformers "
-        f"{HIGHEST} (see docs/replay-coverage.md)")
+        f"{HIGHEST} (see docs/replay-coverage.md)"
+    )
 
 
 def _int_attr(objs: tuple[Any, ...], names: tuple[str, ...]) -> int | None:
@@ -121,15 +130,20 @@ def _facts(name: str, mod: nn.Module, block: nn.Module, cfg: Any) -> tuple[int, 
     if n is None or k is None:
         raise UnsupportedModelError(
             f"{name}: cannot read the {'expert count' if n is None else 'top-k'} of {type(mod).__name__} on "
-            f"transformers {transformers_version()} (not on the router, its block or the config)")
+            f"transformers {transformers_version()} (not on the router, its block or the config)"
+        )
     return n, k
 
 
 def _decoder_lists(model: nn.Module, n_hidden: int | None) -> list[str]:
     """Names of the decoder's layer lists: ModuleLists named ``...layers`` of ``num_hidden_layers`` entries."""
-    found = [name for name, mod in model.named_modules()
-             if isinstance(mod, nn.ModuleList) and name.split(".")[-1] == "layers"
-             and (n_hidden is None or len(mod) == n_hidden)]
+    found = [
+        name
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.ModuleList)
+        and name.split(".")[-1] == "layers"
+        and (n_hidden is None or len(mod) == n_hidden)
+    ]
     # the outermost lists only (a layer list nested in another is not the decoder's)
     return [n for n in found if not any(n != o and n.startswith(o + ".") for o in found)]
 
@@ -139,7 +153,8 @@ def survey(model: nn.Module, *, allow_untested: bool = False) -> tuple[list[Rout
     if getattr(model, "_use_kernels", False) or getattr(model, "use_kernels", False) is True:
         raise UnsupportedModelError(
             "the model uses hub kernels (use_kernels=True), which can replace a whole MoE block so its router "
-            "never runs; load it without kernels to replay routing")
+            "never runs; load it without kernels to replay routing"
+        )
     cfg = _text_config(model)
     n_hidden = getattr(cfg, "num_hidden_layers", None)
     lists = _decoder_lists(model, int(n_hidden) if isinstance(n_hidden, int) else None)
@@ -151,8 +166,7 @@ def survey(model: nn.Module, *, allow_untested: bool = False) -> tuple[list[Rout
         family = router_family(cls)
         if family is not None:
             st = family_status(family)
-            if st.status == "refused" and not (allow_untested and family not in TESTED
-                                               and cls in SUPPORTED_ROUTERS):
+            if st.status == "refused" and not (allow_untested and family not in TESTED and cls in SUPPORTED_ROUTERS):
                 raise UnsupportedModelError(f"{name}: model family {family!r} ({cls}) is refused: {st.reason}")
         fn = SUPPORTED_ROUTERS.get(cls)
         if fn is None and cls not in HASH_ROUTERS:
@@ -162,10 +176,11 @@ def survey(model: nn.Module, *, allow_untested: bool = False) -> tuple[list[Rout
                     raise changed
                 raise UnsupportedModelError(
                     f"{name}: router class {cls} is not supported by rr_client.trainer.replay "
-                    f"(supported: {len(SUPPORTED_ROUTERS)} router classes, see docs/replay-coverage.md)")
+                    f"(supported: {len(SUPPORTED_ROUTERS)} router classes, see docs/replay-coverage.md)"
+                )
             continue
         prefix = next((lst for lst in lists if name.startswith(lst + ".")), None)
-        layer = int(name[len(prefix) + 1:].split(".")[0]) if prefix is not None else None
+        layer = int(name[len(prefix) + 1 :].split(".")[0]) if prefix is not None else None
         if cls in HASH_ROUTERS:
             left.append(LeftRouter(name, cls, "hash", layer))
             continue
@@ -178,7 +193,8 @@ def survey(model: nn.Module, *, allow_untested: bool = False) -> tuple[list[Rout
                 f"{name}: on transformers {transformers_version()}, {cls} returns router logits only and "
                 f"{type(block).__name__}.route_tokens_to_experts picks the top-k inside the MoE block, which rr "
                 f"cannot replay; rr replays model family {family!r} on transformers {HIGHEST}, whose router "
-                "returns its choice (see docs/replay-coverage.md)")
+                "returns its choice (see docs/replay-coverage.md)"
+            )
         n_experts, top_k = _facts(name, mod, block, cfg)
         routers.append(Router(layer, name, mod, block, fn, n_experts, top_k))
     if not routers:
@@ -187,11 +203,17 @@ def survey(model: nn.Module, *, allow_untested: bool = False) -> tuple[list[Rout
         changed = _family_without_router(model)
         if changed is not None:
             raise changed
-        classes = sorted({type(m).__name__ for m in modules.values() if "moe" in type(m).__name__.lower()
-                          or "expert" in type(m).__name__.lower()})
+        classes = sorted(
+            {
+                type(m).__name__
+                for m in modules.values()
+                if "moe" in type(m).__name__.lower() or "expert" in type(m).__name__.lower()
+            }
+        )
         raise UnsupportedModelError(
             f"no supported MoE router found in {type(model).__name__}"
-            + (f" (MoE-looking modules: {classes})" if classes else ""))
+            + (f" (MoE-looking modules: {classes})" if classes else "")
+        )
     layers = [r.layer for r in routers]
     if len(set(layers)) != len(layers):
         raise UnsupportedModelError(f"more than one router per decoder layer: {layers}")
@@ -233,11 +255,13 @@ def router_hooks(routers: list[Router], router_hook: Callable[[Router, tuple[Any
                 return router_hook(r, out)
             got = router_hook(r, (out[0], out[2], out[1], *out[3:]))  # (logits, ids, weights): an older release
             return None if got is None else (got[0], got[2], got[1], *got[3:])
+
         return hook
 
     def on_block_pre(r: Router) -> Callable[..., Any]:
         def hook(_m: nn.Module, _args: Any) -> None:
             fired[r.layer] = 0
+
         return hook
 
     def on_block(r: Router) -> Callable[..., Any]:
@@ -245,7 +269,9 @@ def router_hooks(routers: list[Router], router_hook: Callable[[Router, tuple[Any
             if not fired.get(r.layer):
                 raise UnsupportedModelError(
                     f"layer {r.layer}: the MoE block {type(r.block).__name__} ran without calling its router "
-                    f"{r.name} (a kernel or a patched forward replaced the block); routing cannot be replayed")
+                    f"{r.name} (a kernel or a patched forward replaced the block); routing cannot be replayed"
+                )
+
         return hook
 
     try:
@@ -267,10 +293,11 @@ def _ids_first(r: Router, out: Any) -> bool:
         w_float, i_float = out[1].is_floating_point(), out[2].is_floating_point()
         if w_float != i_float:
             return i_float
-    got = (f"a {len(out)}-tuple" if isinstance(out, tuple) else type(out).__name__)
+    got = f"a {len(out)}-tuple" if isinstance(out, tuple) else type(out).__name__
     raise UnsupportedModelError(
         f"{r.name}: {type(r.module).__name__} on transformers {transformers_version()} returned {got}, not "
-        "(logits, weights, ids) with integer ids: rr cannot replay this router (see docs/replay-coverage.md)")
+        "(logits, weights, ids) with integer ids: rr cannot replay this router (see docs/replay-coverage.md)"
+    )
 
 
 def router_device(r: Router) -> torch.device | None:

@@ -50,8 +50,9 @@ def readers_of(routers: list[Router]) -> list[Reader]:
     return [Reader(r.layer, r.num_experts, r.top_k, f"layer {r.layer}") for r in routers]
 
 
-def place_rows(st: RowStats, n_use: list[int], unconsumed: list[int], routers: list[Router], *,
-               audit: bool = False) -> BlockRows:
+def place_rows(
+    st: RowStats, n_use: list[int], unconsumed: list[int], routers: list[Router], *, audit: bool = False
+) -> BlockRows:
     """Each layer's rows on its router's device: one non-blocking upload per device of one layer-major buffer
     (ids, sorted ids with ``audit``, and the rows used), split on the device into contiguous ``[N, K]`` views."""
     n, m, k = (int(x) for x in st.sel.shape)
@@ -70,6 +71,10 @@ def place_rows(st: RowStats, n_use: list[int], unconsumed: list[int], routers: l
             placed[dev] = up.unbind(0), up.narrow(1, up.shape[1] - n, n).bool().unsqueeze(-1).unbind(0)
         rows_d, use_d = placed[dev]
         row = rows_d[i]
-        layers[r.layer] = LayerRows(row.narrow(0, 0, nk).view(n, k), None if n_use[i] == n else use_d[i],
-                                    row.narrow(0, nk, nk).view(n, k) if audit else None, n_use[i])
+        layers[r.layer] = LayerRows(
+            row.narrow(0, 0, nk).view(n, k),
+            None if n_use[i] == n else use_d[i],
+            row.narrow(0, nk, nk).view(n, k) if audit else None,
+            n_use[i],
+        )
     return BlockRows(n, layers, unconsumed)

@@ -27,12 +27,27 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["OpCount", "count_ops", "SYNC_OPS"]
 
 #: aten ops whose result depends on device data the host must read (a sync on a GPU)
-SYNC_OPS = frozenset({
-    "aten._local_scalar_dense", "aten.nonzero", "aten.nonzero_static", "aten.equal", "aten.is_nonzero",
-    "aten.masked_select", "aten.unique", "aten._unique", "aten._unique2", "aten.unique_consecutive",
-    "aten.unique_dim", "aten.bincount", "aten.histc", "aten.repeat_interleave", "aten.item",
-    "aten._assert_async", "aten.allclose",
-})
+SYNC_OPS = frozenset(
+    {
+        "aten._local_scalar_dense",
+        "aten.nonzero",
+        "aten.nonzero_static",
+        "aten.equal",
+        "aten.is_nonzero",
+        "aten.masked_select",
+        "aten.unique",
+        "aten._unique",
+        "aten._unique2",
+        "aten.unique_consecutive",
+        "aten.unique_dim",
+        "aten.bincount",
+        "aten.histc",
+        "aten.repeat_interleave",
+        "aten.item",
+        "aten._assert_async",
+        "aten.allclose",
+    }
+)
 _HOST_READS = frozenset({"tolist", "numpy"})
 
 
@@ -67,7 +82,8 @@ def _packet(func: Any) -> str:
 def _bool_index(args: tuple[Any, ...]) -> bool:
     idx = args[1] if len(args) > 1 else None
     return isinstance(idx, (list, tuple)) and any(
-        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in idx)
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in idx
+    )
 
 
 class _Dispatch(TorchDispatchMode):
@@ -83,8 +99,7 @@ class _Dispatch(TorchDispatchMode):
         c.names[name] += 1
         if name in SYNC_OPS:
             c.sync(name)
-        elif name in ("aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_") \
-                and _bool_index(args):
+        elif name in ("aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_") and _bool_index(args):
             c.sync(f"{name}(bool)")
         elif name in ("aten._to_copy", "aten.copy_"):
             _count_copy(c, name, args, kwargs)

@@ -1,4 +1,4 @@
-"""Gate-weight formulas of transformers 5.23's MoE routers, recomputed for replayed expert ids.
+"""Gate-weight formulas of transformers 5.24's MoE routers, recomputed for replayed expert ids.
 
 Each formula takes ``(router module, the router's first output, ids [N, K])`` and returns the weights the
 router would have returned had it chosen ``ids``; the caller casts them to the dtype of the router's own
@@ -17,8 +17,17 @@ from torch import nn
 WeightFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-__all__ = ["WeightFn", "SUPPORTED_ROUTERS", "HASH_ROUTERS", "softmax_gather", "sigmoid_gather", "chosen_softmax",
-           "cohere2", "ernie", "gemma4"]
+__all__ = [
+    "WeightFn",
+    "SUPPORTED_ROUTERS",
+    "HASH_ROUTERS",
+    "softmax_gather",
+    "sigmoid_gather",
+    "chosen_softmax",
+    "cohere2",
+    "ernie",
+    "gemma4",
+]
 
 
 def _flag(module: nn.Module, norm: bool | str) -> bool:
@@ -29,8 +38,9 @@ def _scaled(module: nn.Module, w: torch.Tensor, scale: str | None) -> torch.Tens
     return w if scale is None else w * getattr(module, scale)
 
 
-def softmax_gather(norm: bool | str = "norm_topk_prob", *, native: bool = False, scale: str | None = None,
-                   eps: float = 0.0) -> WeightFn:
+def softmax_gather(
+    norm: bool | str = "norm_topk_prob", *, native: bool = False, scale: str | None = None, eps: float = 0.0
+) -> WeightFn:
     """softmax over all experts (fp32, or in the logits' dtype with ``native``) -> gather -> renorm -> x scale."""
 
     def fn(module: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -43,8 +53,15 @@ def softmax_gather(norm: bool | str = "norm_topk_prob", *, native: bool = False,
     return fn
 
 
-def sigmoid_gather(norm: bool | str = "norm_topk_prob", *, eps: float | str = 0.0, scale: str | None = None,
-                   upcast: bool = False, score_fn: str | None = None, type_as_logits: bool = False) -> WeightFn:
+def sigmoid_gather(
+    norm: bool | str = "norm_topk_prob",
+    *,
+    eps: float | str = 0.0,
+    scale: str | None = None,
+    upcast: bool = False,
+    score_fn: str | None = None,
+    type_as_logits: bool = False,
+) -> WeightFn:
     """sigmoid (or the router's ``score_fn``) at the ids (a bias only chooses) -> renorm (+eps) -> x scale."""
 
     def fn(module: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -101,40 +118,86 @@ def gemma4(module: nn.Module, probs: torch.Tensor, ids: torch.Tensor) -> torch.T
 
 _DS3 = sigmoid_gather("norm_topk_prob", eps=1e-20, scale="routed_scaling_factor")
 
-#: router class -> weight formula, every router rr replays (transformers 5.23).
+#: router class -> weight formula, every router rr replays (transformers 5.24).
 SUPPORTED_ROUTERS: dict[str, WeightFn] = {
     # softmax -> top-k -> optional renorm
-    **dict.fromkeys(["Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3NextTopKRouter", "OlmoeTopKRouter",
-                     "FlexOlmoTopKRouter", "MellumTopKRouter", "Qwen4ExpTextTopKRouter",
-                     "Qwen3OmniMoeThinkerTextTopKRouter", "Qwen3OmniMoeTalkerTextTopKRouter"], softmax_gather()),
-    **dict.fromkeys(["Qwen3_5MoeTopKRouter", "Qwen3VLMoeTextTopKRouter", "Qwen3OmniMoeTextTopKRouter",
-                     "MixtralTopKRouter", "MiniMaxTopKRouter", "HunYuanMoEV1Gate"], softmax_gather(True)),
+    **dict.fromkeys(
+        [
+            "Qwen3MoeTopKRouter",
+            "Qwen2MoeTopKRouter",
+            "Qwen3NextTopKRouter",
+            "OlmoeTopKRouter",
+            "FlexOlmoTopKRouter",
+            "MellumTopKRouter",
+            "Qwen4ExpTextTopKRouter",
+            "LaraMiniTopKRouter",
+            "Qwen3OmniMoeThinkerTextTopKRouter",
+            "Qwen3OmniMoeTalkerTextTopKRouter",
+        ],
+        softmax_gather(),
+    ),
+    **dict.fromkeys(
+        [
+            "Qwen3_5MoeTopKRouter",
+            "Qwen3VLMoeTextTopKRouter",
+            "Qwen3OmniMoeTextTopKRouter",
+            "MixtralTopKRouter",
+            "MiniMaxTopKRouter",
+            "HunYuanMoEV1Gate",
+        ],
+        softmax_gather(True),
+    ),
     "JambaTopKRouter": softmax_gather(False),
-    **dict.fromkeys(["DeepseekV2TopkRouter", "DeepseekOcr2TextTopkRouter", "UnlimitedOcrTextTopkRouter",
-                     "LongcatFlashTopkRouter"], softmax_gather(False, scale="routed_scaling_factor")),
+    **dict.fromkeys(
+        ["DeepseekV2TopkRouter", "DeepseekOcr2TextTopkRouter", "UnlimitedOcrTextTopkRouter", "LongcatFlashTopkRouter"],
+        softmax_gather(False, scale="routed_scaling_factor"),
+    ),
     "Mistral4TopkRouter": softmax_gather("norm_topk_prob", native=True, eps=1e-20, scale="routed_scaling_factor"),
     "MistralLarge4TextTopkRouter": softmax_gather(True, native=True, eps=1e-20, scale="routed_scaling_factor"),
     "Ernie4_5_MoeTopKRouter": ernie,
     "Ernie4_5_VLMoeMoeTopKRouter": ernie,
     # sigmoid, score-correction bias only for choosing, grouped top-k, renorm, scaling
-    **dict.fromkeys(["DeepseekV3TopkRouter", "DeepseekV32TopkRouter", "Glm4MoeTopkRouter", "Glm4MoeLiteTopkRouter",
-                     "Glm4vMoeTextTopkRouter", "Glm5NextTextTopkRouter", "GlmMoeDsaTopkRouter", "AXK1TopkRouter",
-                     "AXK2TopkRouter", "BailingHybridTopkRouter", "Dots1TopkRouter", "Dots3NoteTextTopkRouter",
-                     "ExaoneMoeTopkRouter", "HYV4TopkRouter", "KimiLinearTopkRouter", "MiMoV2FlashTopkRouter",
-                     "NemotronHTopkRouter", "SolarOpenTopkRouter"], _DS3),
+    **dict.fromkeys(
+        [
+            "DeepseekV3TopkRouter",
+            "DeepseekV32TopkRouter",
+            "Glm4MoeTopkRouter",
+            "Glm4MoeLiteTopkRouter",
+            "Glm4vMoeTextTopkRouter",
+            "Glm5NextTextTopkRouter",
+            "GlmMoeDsaTopkRouter",
+            "AXK1TopkRouter",
+            "AXK2TopkRouter",
+            "BailingHybridTopkRouter",
+            "Dots1TopkRouter",
+            "Dots3NoteTextTopkRouter",
+            "ExaoneMoeTopkRouter",
+            "HYV4TopkRouter",
+            "HYV4VLTopkRouter",
+            "KimiLinearTopkRouter",
+            "MiMoV2FlashTopkRouter",
+            "NemotronHTopkRouter",
+            "SolarOpenTopkRouter",
+        ],
+        _DS3,
+    ),
     "BeamTopKRouter": sigmoid_gather("norm_topk_prob", eps=1e-20),
     "AfmoeTokenChoiceRouter": sigmoid_gather(True, eps=1e-20, scale="route_scale"),
-    **dict.fromkeys(["HYV3TopKRouter", "Dots3NoteVisionTopKRouter"],
-                    sigmoid_gather(True, eps=1e-20, scale="router_scaling_factor")),
-    **dict.fromkeys(["MiniMaxM2TopKRouter", "MiniMaxM3VLTopKRouter", "Step3p7TopKRouter"],
-                    sigmoid_gather(True, upcast=True)),
-    "MuseSparkTopkRouter": sigmoid_gather(True, eps="norm_topk_prob_eps", scale="routed_scaling_factor",
-                                          score_fn="scoring_function"),
-    **dict.fromkeys(["DeepseekV4TopKRouter", "Inkling2TopKRouter"],
-                    sigmoid_gather(True, eps=1e-20, scale="routed_scaling_factor", score_fn="score_fn")),
+    **dict.fromkeys(
+        ["HYV3TopKRouter", "Dots3NoteVisionTopKRouter"], sigmoid_gather(True, eps=1e-20, scale="router_scaling_factor")
+    ),
+    **dict.fromkeys(
+        ["MiniMaxM2TopKRouter", "MiniMaxM3VLTopKRouter", "Step3p7TopKRouter"], sigmoid_gather(True, upcast=True)
+    ),
+    "MuseSparkTopkRouter": sigmoid_gather(
+        True, eps="norm_topk_prob_eps", scale="routed_scaling_factor", score_fn="scoring_function"
+    ),
+    **dict.fromkeys(
+        ["DeepseekV4TopKRouter", "Inkling2TopKRouter"],
+        sigmoid_gather(True, eps=1e-20, scale="routed_scaling_factor", score_fn="score_fn"),
+    ),
     "LagunaTopKRouter": sigmoid_gather(True),
-    "Lfm2MoeTopKRouter": sigmoid_gather("norm_topk_prob", eps=1e-6, scale="routed_scaling_factor",
-                                        type_as_logits=True),
+    "Lfm2MoeTopKRouter": sigmoid_gather("norm_topk_prob", eps=1e-6, scale="routed_scaling_factor", type_as_logits=True),
     "FlintTopKRouter": sigmoid_gather("norm_topk_prob"),
     "Kolibri1TopKRouter": sigmoid_gather("norm_topk_prob"),
     **dict.fromkeys(["Gemma4TextRouter", "DiffusionGemmaTextRouter"], gemma4),
@@ -142,8 +205,10 @@ SUPPORTED_ROUTERS: dict[str, WeightFn] = {
     "GptOssTopKRouter": chosen_softmax(same_dtype=True),
     "OpenAIPrivacyFilterTopKRouter": chosen_softmax(same_dtype=True, divide_top_k=True),
     "AriaTextTopKRouter": chosen_softmax(),
-    **dict.fromkeys(["GraniteMoeTopKRouter", "GraniteMoeSWATopKRouter", "GraniteMoeHybridTopKRouter",
-                     "GraniteMoeSharedTopKRouter"], chosen_softmax()),
+    **dict.fromkeys(
+        ["GraniteMoeTopKRouter", "GraniteMoeSWATopKRouter", "GraniteMoeHybridTopKRouter", "GraniteMoeSharedTopKRouter"],
+        chosen_softmax(),
+    ),
     "Cohere2MoeTopKRouter": cohere2,
 }
 

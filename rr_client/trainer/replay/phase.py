@@ -58,7 +58,7 @@ class DeviceTally:
             values = torch.cat(flat).tolist()
             at = 0
             for (key, _), f in zip(items, flat):
-                part, at = values[at:at + f.numel()], at + f.numel()
+                part, at = values[at : at + f.numel()], at + f.numel()
                 if key.startswith("vec:"):
                     old = self.vectors.setdefault(key[4:], [0] * len(part))
                     self.vectors[key[4:]] = [a + int(b) for a, b in zip(old, part)]
