@@ -38,28 +38,23 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from rr_client.core.agreement import count_matches
-from rr_client.core.errors import ConfigurationError, ReplayError, ShapeMismatchError, StaleRoutingError
+from rr_client.core.errors import ConfigurationError, ReplayError
 from rr_client.core.logprobs import check_comparable_logprobs
 from rr_client.core.provenance import ProvenanceCheck, StalePolicy, check_stale_policy
 from rr_client.trainer import keys as K
 from rr_client.trainer.metrics import gap_stats, segment_gap_stats
 from rr_client.trainer.provenance import (
     Segments,
-    check_provenances,
     check_samples,
-    mask_rows,
-    mask_samples,
     merge_checks,
+    police_rows,
     provenance_metrics,
-    rows_provenance,
-    samples_of,
 )
 from rr_client.trainer.replay import CHECK_EVERY, RoutingRecord, record_routing, replay_routing
 
@@ -140,8 +135,16 @@ class ReplayBackend(Protocol):
     every_token: bool  #: it replays every token (a masked sample gets pad rows, not its own router)
 
     def feed(
-        self, routing: Any, *, chunk: Any, mask: Any, layers: Any, attention_mask: Any, layout: dict[str, Any]
-    ) -> Any: ...  # R3: one micro-batch's rows for its next forward
+        self,
+        routing: Any,
+        *,
+        chunk: Any,
+        mask: Any,
+        layers: Any,
+        attention_mask: Any,
+        layout: dict[str, Any],
+        segments: Any = None,
+    ) -> Any: ...  # R3: one micro-batch's rows (and their token segments) for its next forward
 
     def replay_record(self, *, key: Any, input_ids: Any, chunk: Any) -> Any: ...  # R2: replay a record
 
@@ -242,69 +245,12 @@ class ReplaySession:
         hit = self._policed.get(id(routing))
         if hit is not None and hit[0] is routing and hit[1] is mask:
             return hit[2][0], hit[2][1], hit[3]
-        n = samples_of(routing)
-        if samples is not None:
-            check = check_samples(samples, self.stale_rows)
-            what = "samples="
-        else:
-            provs = rows_provenance(routing)
-            check = (
-                check_provenances(provs, self.stale_rows)
-                if provs is not None
-                else ProvenanceCheck((True,) * n, 0, 0, n, 0)
-            )
-            what = "the rows' provenance"
-        if len(check.replay) != n and not (samples is not None and n == 1 and _packed_tensor(routing)):
-            raise ShapeMismatchError(
-                f"{what} names {len(check.replay)} samples, the rows hold {n}: a batch cut "
-                "into micro-batches must cut its provenance with it (or pass samples=)"
-            )
-        check = self._stale_flags(routing, check)
-        out_rows, out_mask = routing, mask
-        if not all(check.replay):
-            out_rows, out_mask = self._mask(routing, mask, check.replay, every_token, layers, tokens)
+        out_rows, out_mask, check = police_rows(
+            routing, self.stale_rows, mask=mask, samples=samples, every_token=every_token, layers=layers, tokens=tokens
+        )
         self._row_checks.append(check)
         self._policed[id(routing)] = (routing, mask, (out_rows, out_mask), check)
         return out_rows, out_mask, check
-
-    def _stale_flags(self, routing: Any, check: ProvenanceCheck) -> ProvenanceCheck:
-        """Samples a :class:`rr_client.trainer.rows.ReplayRows` flags ``stale`` under the policy too."""
-        stale = getattr(routing, "stale", None)
-        if stale is None or self.stale_rows == "off":
-            return check
-        flags = [bool(x) for x in torch.as_tensor(stale).reshape(-1).tolist()]
-        if len(flags) != len(check.replay):
-            raise ShapeMismatchError(f"ReplayRows.stale has {len(flags)} flags for {len(check.replay)} samples")
-        bad = [i for i, f in enumerate(flags) if f and check.replay[i]]
-        if bad and self.stale_rows == "refuse":
-            raise StaleRoutingError(
-                f"batch sample {bad[0]}: its rows are flagged stale (ReplayRows.stale); pass "
-                "stale_rows='mask' to keep such samples without replay"
-            )
-        replay = tuple(r and not f for r, f in zip(check.replay, flags))
-        return ProvenanceCheck(replay, check.masked + len(bad), check.spans_update, check.unknown, check.cached_tokens)
-
-    @staticmethod
-    def _mask(
-        routing: Any, mask: Any, replay: Sequence[bool], every_token: bool, layers: Sequence[int] | None, tokens: Any
-    ) -> tuple[Any, Any]:
-        """The rows with the masked samples' rows off: left to the router (Hugging Face hooks), or, where every
-        token is replayed (Megatron), :class:`rr_client.trainer.rows.ReplayRows` whose masked tokens need no row
-        (the feeder gives them pad rows)."""
-        if every_token:
-            from rr_client.trainer.rows import ReplayRows
-
-            rows = (
-                ReplayRows.of(routing, mask=mask, layers=layers, attention_mask=tokens)
-                if not isinstance(routing, ReplayRows)
-                else routing
-            )
-            return mask_samples(rows, replay), None
-        if hasattr(routing, "routed_experts_mask") or hasattr(routing, "have"):
-            if mask is not None and hasattr(routing, "routed_experts_mask"):
-                routing, mask = replace(routing, routed_experts_mask=torch.as_tensor(mask).bool()), None
-            return mask_samples(routing, replay), mask
-        return routing, mask_rows(routing, mask, replay)
 
     # ------------------------------------------------------------------ per micro-batch
     def open_replay(
@@ -327,7 +273,7 @@ class ReplaySession:
         :class:`rr_client.trainer.rows.ReplayRows`) in the next forwards. ``tokens``: which rows are real tokens
         (pads are counted neither replayed nor left; a RoutingTensors' own ``attention_mask`` by default), so every
         trainer's layout counts the same rows. ``segments`` (:func:`rr_client.trainer.provenance.build_segments`):
-        the audit per token segment too (Hugging Face hooks). ``samples``: the batch's samples in the rows' order,
+        the audit per token segment too (both backends). ``samples``: the batch's samples in the rows' order,
         whose provenance the policy reads (default: the provenance the rows carry; none: counted unknown);
         ``checked=True``: the policy already ran on these rows (nothing checked or counted again). Returns the
         policy's :class:`rr_client.core.provenance.ProvenanceCheck` (``replay[i]`` False: sample ``i`` masked), or
@@ -373,11 +319,8 @@ class ReplaySession:
                 self._reports.append(report)  # the audit fills it when the block closes
             self._stack = stack
             return check
-        if segments is not None:
-            raise ConfigurationError(
-                "open_replay(segments=) on Megatron: MegatronReplay has no per-segment audit "
-                "yet; pass the segments to add_gap (the per-segment log-prob gap)"
-            )
+        if routed_experts is None and segments is not None:
+            raise ConfigurationError("open_replay(segments=) applies to R3's rows; R2 replays the model's own record")
         self._fed = True
         if routed_experts is None:
             if key is None or input_ids is None:
@@ -394,7 +337,9 @@ class ReplaySession:
         )
         if rows is not routed_experts and not given:  # the policy folded mask, layers and tokens into ReplayRows
             mask, axis, tokens = None, None, None
-        self.backend.feed(rows, chunk=chunk, mask=mask, layers=axis, attention_mask=tokens, layout=layout)
+        self.backend.feed(
+            rows, chunk=chunk, mask=mask, layers=axis, attention_mask=tokens, layout=layout, segments=segments
+        )
         return check
 
     def open_record(
@@ -641,8 +586,3 @@ class ReplaySession:
             self._reset()
             raise
         metrics.update(self.flush())
-
-
-def _packed_tensor(routing: Any) -> bool:
-    """A raw packed ``[N, L, K]`` tensor (its samples are not known to the rows)."""
-    return isinstance(routing, torch.Tensor) and routing.dim() == 3

@@ -54,8 +54,9 @@ def _replay(model: Any, **kw: Any) -> Any:
     return MegatronReplay(model, **kw)
 
 
-def _assert_own_rows(choices: H.RouterChoices, order: list[int], batches: list[tuple[torch.Tensor, torch.Tensor]]
-                     ) -> None:
+def _assert_own_rows(
+    choices: H.RouterChoices, order: list[int], batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
     """Each router's calls (``order``: the micro-batch of each call) chose exactly that micro-batch's rows."""
     for router in choices.routers:
         calls = choices.calls[router]
@@ -89,8 +90,12 @@ def test_every_recompute_replays_its_own_micro_batch_in_any_backward_order(gpt: 
     if backward == "summed":  # autograd picks the recompute order: read it from which rows each call matches
         for router in choices.routers:
             recomputes = choices.calls[router][2:]
-            hit = [mb for call in recomputes for mb in (0, 1)
-                   if torch.equal(call.routing_map, H.rows_to_map(_want(router, batches[mb][1]), E))]
+            hit = [
+                mb
+                for call in recomputes
+                for mb in (0, 1)
+                if torch.equal(call.routing_map, H.rows_to_map(_want(router, batches[mb][1]), E))
+            ]
             assert sorted(hit) == [0, 1], f"layer {router.layer_number}: recomputes matched {hit}"
         order = [0, 1, *hit]
     _assert_own_rows(choices, order, batches)
@@ -227,13 +232,16 @@ def test_r2_matches_a_reshuffled_update_to_its_records(gpt: Any) -> None:
     replay.close()
 
 
-@pytest.mark.parametrize(("setting", "value"), [
-    ("cuda_graph_impl", "local"),
-    ("cuda_graph_impl", "transformer_engine"),
-    ("moe_router_force_load_balancing", True),
-    ("moe_input_jitter_eps", 0.01),
-    ("moe_router_force_biased", True),
-])
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("cuda_graph_impl", "local"),
+        ("cuda_graph_impl", "transformer_engine"),
+        ("moe_router_force_load_balancing", True),
+        ("moe_input_jitter_eps", 0.01),
+        ("moe_router_force_biased", True),
+    ],
+)
 def test_settings_under_which_replay_cannot_hold_are_refused_by_name(gpt: Any, setting: str, value: Any) -> None:
     """CUDA graphs over the router (the graph keeps capture-time targets and skips rr's hooks), forced balancing,
     forced-biased routing and input jitter (ids replayed, gates from perturbed logits): refused, named."""
@@ -305,7 +313,6 @@ def test_the_recompute_pool_is_bounded(gpt: Any, monkeypatch: pytest.MonkeyPatch
     replay.step_done(check=False)
     assert all(len(st.pool) == 0 for st in replay.lifecycle.states.values() if st.pool is not None)
     replay.close()
-
 
 
 @pytest.mark.parametrize("audit_every", [0, 1])

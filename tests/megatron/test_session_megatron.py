@@ -11,6 +11,7 @@ log-probs, equal replayed rows and provenance counts. What each router chose is 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -99,7 +100,7 @@ def megatron_step(
 
     def forward_step(data: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
         mb = next(data)
-        check = session.open_replay(mb, chunk=chunk)  # the stale-rows policy, then this chunk's routers
+        check = session.open_replay(mb, chunk=chunk, segments=seg)  # the stale-rows policy, then the routers
         labels = torch.roll(mb.input_ids, -1, dims=1)
         weight = drop_samples(torch.roll(mb.response_mask, -1, dims=1).float(), check.replay)
         per_token = chunk(mb.input_ids, position_ids, H.causal_mask(S), labels=labels)  # [b, s] NLL of token t+1
@@ -123,7 +124,7 @@ def megatron_step(
 def hf_step(session: ReplaySession, rt: RoutingTensors, seg: Any, logps: torch.Tensor) -> dict[str, float]:
     """The same step on the Hugging Face path: the same rows, the same log-probs into the gap."""
     with session.step() as met:
-        session.open_replay(rt)
+        session.open_replay(rt, segments=seg)
         session.model(rt.input_ids, attention_mask=rt.attention_mask).logits.float().logsumexp(-1).mean().backward()
         session.add_gap(logps, rt, rt.response_mask.bool(), segments=seg)
     return met
@@ -196,6 +197,106 @@ def test_the_keys_are_the_hugging_face_paths_on_the_same_rows(gpt: Any) -> None:
             assert mg[K.REPLAYED_ROWS] == hf_met[K.REPLAYED_ROWS] == (S - 1) * sum(PATTERN)
             assert mg[K.APPLIED_SHARE] == hf_met[K.APPLIED_SHARE] == 1.0
             assert mg[K.APPLIED_SHARE_MIN_LAYER] == hf_met[K.APPLIED_SHARE_MIN_LAYER] == 1.0  # the same merge
+            # the audit per segment: sample 0's rows (sample 1 masked) by position, per MoE layer, on both paths
+            want = {"cached_prompt": 2, "computed_prompt": 3, "generated": 2}
+            for name, n in want.items():
+                key = K.segment(name, "replayed_rows")
+                assert mg[key] == hf_met[key] == n * sum(PATTERN), key
+                assert K.segment(name, "agreement") in mg
+            segs = [K.segment(n, "replayed_rows") for n in K.SEGMENTS]
+            assert sum(mg[k] for k in segs) == mg[K.REPLAYED_ROWS]
+            agree = sum(mg[k] * mg[k.replace("replayed_rows", "agreement")] for k in segs)
+            assert agree == pytest.approx(mg[K.AGREEMENT] * mg[K.REPLAYED_ROWS])  # the same rows' verdicts
         else:
             assert K.AUDITED not in mg and K.APPLIED_SHARE not in mg  # unaudited: no audit claimed, on both
     megatron.detach()
+
+
+def test_segment_agreement_counts_the_routers_own_choice_per_segment(gpt: Any) -> None:
+    """Rows that are the model's own choice on the generated tokens only: agreement 1.0 there, and the other
+    segments' agreement is their rows' own (random rows rarely agree)."""
+    from rr_client.integrations.megatron import MegatronReplay
+
+    res = samples([Provenance(), Provenance()])
+    rt = batch(res)
+    seg = build_segments(res, rt)
+    replay = MegatronReplay([gpt], audit_every=1)
+    own = record_own(gpt, rt)
+    gen = seg.rows == 2  # the generated segment's rows
+    rows = torch.where(gen[..., None, None], own.to(rt.routed_experts.dtype), rt.routed_experts)
+    replay.set_micro_batch(replace(rt, routed_experts=rows), segments=seg)
+    forward(gpt, rt).backward()
+    met = replay.step_done()
+    replay.close()
+    assert met[K.segment("generated", "replayed_rows")] == int(gen.sum()) * sum(PATTERN)
+    assert met[K.segment("generated", "agreement")] == 1.0
+    assert met[K.segment("computed_prompt", "agreement")] < 1.0
+
+
+def record_own(model: Any, rt: RoutingTensors) -> torch.Tensor:
+    """The model's own ``[b, s, layers, k]`` choice on ``rt`` (R2's record; zeros at the dense layer)."""
+    from rr_client.integrations.megatron import MegatronReplay
+
+    rec = MegatronReplay([model], mode="R2")
+    rec.record("mb", tokens=rt.input_ids)
+    with torch.no_grad():
+        forward(model, rt)
+    out = torch.zeros(B, S, len(PATTERN), TOPK, dtype=torch.long)
+    for router in H.routers(model):
+        got = rec.lifecycle.records["mb"].rows[router].view(S, B, TOPK).transpose(0, 1)
+        out[:, :, int(router.layer_number) - 1] = got.sort(-1).values
+    rec.step_done(check=False)
+    rec.close()
+    return out
+
+
+def forward(model: Any, rt: RoutingTensors) -> torch.Tensor:
+    """GPTModel's forward with labels: the summed loss."""
+    position_ids = torch.arange(S).unsqueeze(0).expand(B, S)
+    return model(rt.input_ids, position_ids, H.causal_mask(S), labels=torch.roll(rt.input_ids, -1, 1)).sum()
+
+
+@pytest.mark.parametrize("policy", ["refuse", "mask", "off"])
+def test_a_bare_megatron_replay_applies_the_stale_rows_policy(gpt: Any, policy: str) -> None:
+    """MegatronReplay without a session: the rows' own provenance under ``stale_rows`` (default "refuse"): refused
+    before any router runs, masked (pad rows, out of the audit), or replayed as they are ("off")."""
+    from rr_client.integrations.megatron import MegatronReplay
+
+    rt = batch(samples([Provenance(), STALE]))
+    kw: dict[str, Any] = {} if policy == "refuse" else {"stale_rows": policy}  # refuse: the default
+    replay = MegatronReplay([gpt], audit_every=1, **kw)
+    with H.hooked([gpt]) as choices:
+        if policy == "refuse":
+            with pytest.raises(StaleRoutingError, match="batch sample 1"):
+                replay.set_micro_batch(rt)
+            replay.close()
+            assert not any(choices.calls.values())
+            return
+        replay.set_micro_batch(rt)
+        forward(gpt, rt).backward()
+        met = replay.step_done()
+    replay.close()
+    stale_rows = sum(PATTERN) * (S - 1)
+    if policy == "mask":
+        assert replay.last_check is not None and replay.last_check.replay == (True, False)
+        assert met[K.REPLAYED_ROWS] == stale_rows  # sample 0 only: sample 1's tokens run on pad rows
+    else:
+        assert replay.last_check is None and met[K.REPLAYED_ROWS] == 2 * stale_rows
+    for router in choices.routers:
+        chosen = choices.calls[router][0].routing_map.view(S, B, E)
+        mine = rt.routed_experts[1, :, int(router.layer_number) - 1].long()
+        same = [chosen[t, 1].nonzero().flatten().tolist() == sorted(mine[t].tolist()) for t in range(S - 1)]
+        assert all(same) if policy == "off" else sum(same) <= (S - 1) // 2
+
+
+def test_a_session_policy_off_is_not_overruled_by_its_megatron_replay(gpt: Any) -> None:
+    """The session applies the policy once: its inner MegatronReplay runs with the policy off, so
+    ``stale_rows="off"`` on the session replays a stale sample's own rows (counted under spans_update)."""
+    session = MegatronSession([gpt], audit_every=1, stale_rows="off")
+    assert session.megatron_replay.stale_rows == "off"
+    res = samples([Provenance(), STALE])
+    rt = batch(res)
+    met, _, weight = megatron_step(session, gpt, rt, build_segments(res, rt))
+    session.detach()
+    assert met[K.REPLAYED_ROWS] == 2 * (S - 1) * sum(PATTERN) and met[K.STALE_MASKED] == 0
+    assert weight[1].sum() > 0

@@ -30,6 +30,21 @@ from rr_client.integrations.megatron._replay import MegatronReplay, Mode
 from rr_client.integrations.megatron._routers import REFUSED, MegatronRouter, find_routers
 from rr_client.integrations.megatron._session import MegatronSession
 
-__all__ = ["MegatronReplay", "MegatronSession", "Mode", "MtpPolicy", "router_targets", "Feed", "Parallel", "MegatronRouter",
-           "find_routers", "parallel_from_state", "REFUSED", "TESTED_MEGATRON", "check_megatron_version",
-           "cp_zigzag_index", "cp_thd_index", "sp_shard"]
+__all__ = [
+    "MegatronReplay",
+    "MegatronSession",
+    "Mode",
+    "MtpPolicy",
+    "router_targets",
+    "Feed",
+    "Parallel",
+    "MegatronRouter",
+    "find_routers",
+    "parallel_from_state",
+    "REFUSED",
+    "TESTED_MEGATRON",
+    "check_megatron_version",
+    "cp_zigzag_index",
+    "cp_thd_index",
+    "sp_shard",
+]

@@ -47,27 +47,40 @@ def parallel_from_state(routers: Sequence[MegatronRouter]) -> Parallel:
     sp = any(bool(getattr(r.module.config, "sequence_parallel", False)) for r in routers)
     if not ps.model_parallel_is_initialized():
         return Parallel(sequence_parallel=sp)
-    return Parallel(ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
-                    ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), sp)
+    return Parallel(
+        ps.get_context_parallel_world_size(),
+        ps.get_context_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        sp,
+    )
 
 
 #: the feeder's batch is the rows' one form (kept as a name for the feeder's callers)
 Batch = ReplayRows
 
 
-def as_batch(routing: Any, *, mask: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-             layers: Sequence[int] | None = None) -> ReplayRows:
+def as_batch(
+    routing: Any,
+    *,
+    mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    layers: Sequence[int] | None = None,
+) -> ReplayRows:
     """``routing`` (RoutingTensors, PackedRouting, ReplayRows or a ``[b, s, L, K]`` tensor with ``layers``) as
     :class:`rr_client.trainer.rows.ReplayRows` on a ``[b, s]`` grid (its one constructor per source)."""
     if isinstance(routing, torch.Tensor):
         if routing.dim() != 4:
             raise ShapeMismatchError(f"routing tensor must be [b, s, layers, topk], got {tuple(routing.shape)}")
         if layers is None:
-            raise ConfigurationError("a routing tensor needs layers= (the 0-based decoder layer of each layer "
-                                     "position)")
+            raise ConfigurationError(
+                "a routing tensor needs layers= (the 0-based decoder layer of each layer position)"
+            )
     elif not isinstance(routing, ReplayRows) and not hasattr(routing, "routed_experts"):
-        raise ArgumentTypeError(f"routing must be RoutingTensors, PackedRouting, ReplayRows or a [b, s, layers, "
-                                f"topk] tensor, got {type(routing).__name__}")
+        raise ArgumentTypeError(
+            f"routing must be RoutingTensors, PackedRouting, ReplayRows or a [b, s, layers, "
+            f"topk] tensor, got {type(routing).__name__}"
+        )
     return ReplayRows.of(routing, mask=mask, attention_mask=attention_mask, layers=layers)
 
 
@@ -83,10 +96,12 @@ class Feed:
     tokens: int = 0
     have: torch.Tensor | None = None
     batch: int = 1  #: the micro-batch's ``b``: the router sees ``[tokens // batch, batch]`` (sequence-first)
+    segments: torch.Tensor | None = None  #: ``[local_tokens]`` segment codes laid out as ``have`` (-1: none)
 
 
-def _plan(routers: Sequence[MegatronRouter], layers: list[int], mtp: MtpPolicy) -> tuple[list[MegatronRouter],
-                                                                                       list[int], list[MegatronRouter]]:
+def _plan(
+    routers: Sequence[MegatronRouter], layers: list[int], mtp: MtpPolicy
+) -> tuple[list[MegatronRouter], list[int], list[MegatronRouter]]:
     """The routers that take rows with their position on the rows' layer axis, and the MTP routers left."""
     if mtp not in ("auto", "rows", "skip"):
         raise ConfigurationError(f"mtp must be 'auto', 'rows' or 'skip', got {mtp!r}")
@@ -99,8 +114,10 @@ def _plan(routers: Sequence[MegatronRouter], layers: list[int], mtp: MtpPolicy) 
             continue
         if col is None:
             what = "MTP rows (mtp='rows')" if r.mtp else "rows"
-            raise ShapeMismatchError(f"{r.describe()} reads layer {r.row_layer} of the rows, which has no {what}; "
-                                     f"the rows hold layers {layers[:8]}{'...' if len(layers) > 8 else ''}")
+            raise ShapeMismatchError(
+                f"{r.describe()} reads layer {r.row_layer} of the rows, which has no {what}; "
+                f"the rows hold layers {layers[:8]}{'...' if len(layers) > 8 else ''}"
+            )
         take.append(r)
         cols.append(col)
     return take, cols, left
@@ -111,8 +128,11 @@ def _local(t: torch.Tensor, batch: Batch, par: Parallel, cu_seqlens_padded: Any)
     s = int(t.shape[1])
     if par.cp_size > 1:
         if batch.cu_seqlens is not None:
-            bounds = cu_seqlens_padded if cu_seqlens_padded is not None else \
-                torch.cat([batch.cu_seqlens.long().cpu()[:-1], torch.tensor([s])])
+            bounds = (
+                cu_seqlens_padded
+                if cu_seqlens_padded is not None
+                else torch.cat([batch.cu_seqlens.long().cpu()[:-1], torch.tensor([s])])
+            )
             idx = cp_thd_index(bounds, s, par.cp_size, par.cp_rank)
         else:
             idx = cp_zigzag_index(s, par.cp_size, par.cp_rank)
@@ -128,35 +148,66 @@ def _to_padded(batch: ReplayRows, cu_padded: torch.Tensor) -> ReplayRows:
     cu = batch.cu_seqlens.long().cpu()
     dev = batch.rows.device
     if cu_padded.numel() != cu.numel():
-        raise ShapeMismatchError(f"cu_seqlens_padded has {cu_padded.numel() - 1} samples, the rows "
-                                 f"{cu.numel() - 1}")
+        raise ShapeMismatchError(f"cu_seqlens_padded has {cu_padded.numel() - 1} samples, the rows {cu.numel() - 1}")
     n = int(cu_padded[-1])
     lengths, padded = cu[1:] - cu[:-1], cu_padded[1:] - cu_padded[:-1]
     if bool((padded < lengths).any()):
-        raise ShapeMismatchError(f"cu_seqlens_padded {cu_padded.tolist()} is shorter than the samples "
-                                 f"{cu.tolist()}")
+        raise ShapeMismatchError(f"cu_seqlens_padded {cu_padded.tolist()} is shorter than the samples {cu.tolist()}")
     src = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])])
     dst = torch.cat([torch.arange(int(a), int(a) + int(ln)) for a, ln in zip(cu_padded[:-1], lengths)])
     src, dst = src.to(dev), dst.to(dev)
 
-    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+    def move(t: torch.Tensor | None, fill: int = 0) -> torch.Tensor | None:
         if t is None:
             return None
-        out = t.new_zeros((1, n, *t.shape[2:]))
-        out[0, dst] = t[0, src]
+        out = t.new_full((1, n, *t.shape[2:]), fill)
+        out[0, dst.to(t.device)] = t[0, src.to(t.device)]
         return out
 
-    return replace(batch, rows=move(batch.rows), have=move(batch.have), real=move(batch.real),
-                   need=move(batch.need), cu_seqlens=cu_padded, shape=(n,))
+    codes = batch.segments if isinstance(batch.segments, torch.Tensor) else None
+    return replace(
+        batch,
+        rows=move(batch.rows),
+        have=move(batch.have),
+        real=move(batch.real),
+        need=move(batch.need),
+        cu_seqlens=cu_padded,
+        shape=(n,),
+        segments=move(codes, -1) if codes is not None else batch.segments,
+    )
 
 
-def feed(routers: Sequence[MegatronRouter], routing: Any, *, parallel: Parallel | None = None, mtp: MtpPolicy = "auto",
-         mask: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-         layers: Sequence[int] | None = None, cu_seqlens_padded: Any = None) -> Feed:
+def _segment_codes(segments: Any, batch: ReplayRows) -> torch.Tensor:
+    """``segments`` (a :class:`rr_client.trainer.provenance.Segments` or its codes) as ``[b, s]`` codes on the rows'
+    grid (``have``'s), on the rows' device (-1: no segment)."""
+    codes = torch.as_tensor(getattr(segments, "rows", segments))
+    if codes.is_floating_point() or codes.numel() != batch.have.numel():
+        raise ShapeMismatchError(
+            f"segments has {tuple(codes.shape)} {codes.dtype} codes, the rows' token grid is "
+            f"{tuple(batch.have.shape)}: one integer code per row, laid out like the rows"
+        )
+    return codes.reshape(batch.have.shape).long().to(batch.have.device)
+
+
+def feed(
+    routers: Sequence[MegatronRouter],
+    routing: Any,
+    *,
+    parallel: Parallel | None = None,
+    mtp: MtpPolicy = "auto",
+    mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    layers: Sequence[int] | None = None,
+    cu_seqlens_padded: Any = None,
+    segments: Any = None,
+) -> Feed:
     """This rank's :class:`Feed` for ``routers`` from ``routing`` (see :func:`router_targets`): the rows' one check
     (:meth:`rr_client.trainer.rows.ReplayRows.check`, every token covered), the layout, then pad rows
-    (:func:`rr_client.trainer.rows.pad_ids`) for the tokens without one, counted in the router's token order."""
+    (:func:`rr_client.trainer.rows.pad_ids`) for the tokens without one, counted in the router's token order.
+    ``segments``: the rows' token segment codes (``[b, s]`` or a ``Segments``), laid out as ``have``."""
     batch = as_batch(routing, mask=mask, attention_mask=attention_mask, layers=layers)
+    if segments is not None:
+        batch = replace(batch, segments=_segment_codes(segments, batch))
     par = parallel if parallel is not None else parallel_from_state(routers)
     if cu_seqlens_padded is not None:
         if batch.cu_seqlens is None:
@@ -166,8 +217,9 @@ def feed(routers: Sequence[MegatronRouter], routing: Any, *, parallel: Parallel 
             batch = _to_padded(batch, cu_seqlens_padded)
     take, _, left = _plan(routers, list(batch.layers), mtp)
     have = _local(batch.have[..., None], batch, par, cu_seqlens_padded)[:, 0]
+    seg = _local(batch.segments[..., None], batch, par, cu_seqlens_padded)[:, 0] if segments is not None else None
     if not take:
-        return Feed({}, left, int(have.numel()), have, int(batch.rows.shape[0]))
+        return Feed({}, left, int(have.numel()), have, int(batch.rows.shape[0]), seg)
     readers = [Reader(r.row_layer, r.num_experts, r.topk, r.describe()) for r in take]
     st, _, _ = batch.check(readers, coverage=True)
     b, s = (int(x) for x in batch.rows.shape[:2])
@@ -178,14 +230,24 @@ def feed(routers: Sequence[MegatronRouter], routing: Any, *, parallel: Parallel 
     pads = pad_ids(ordinal, [r.layer for r in readers], k, [r.num_experts for r in readers])
     local = torch.where(use.unsqueeze(-1), local, pads)
     targets = {r.module: local[:, i].contiguous().to(r.device) for i, r in enumerate(take)}
-    return Feed(targets, left, int(local.shape[0]), have, b)
+    return Feed(targets, left, int(local.shape[0]), have, b, seg)
 
 
-def router_targets(model_chunks: Any, routing: Any, *, cp_size: int | None = None, cp_rank: int | None = None,
-                   tp_size: int | None = None, tp_rank: int | None = None, sequence_parallel: bool | None = None,
-                   cu_seqlens_padded: Any = None, mtp: MtpPolicy = "auto", mask: torch.Tensor | None = None,
-                   attention_mask: torch.Tensor | None = None,
-                   layers: Sequence[int] | None = None) -> dict[Any, torch.Tensor]:
+def router_targets(
+    model_chunks: Any,
+    routing: Any,
+    *,
+    cp_size: int | None = None,
+    cp_rank: int | None = None,
+    tp_size: int | None = None,
+    tp_rank: int | None = None,
+    sequence_parallel: bool | None = None,
+    cu_seqlens_padded: Any = None,
+    mtp: MtpPolicy = "auto",
+    mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    layers: Sequence[int] | None = None,
+) -> dict[Any, torch.Tensor]:
     """This rank's replay targets: ``{TopKRouter: [local_tokens, topk] int64 on its device}`` for every router of
     ``model_chunks`` that takes rows, from ``routing`` (RoutingTensors, PackedRouting, or a ``[b, s, L, K]`` tensor
     with ``layers`` and optional ``mask`` / ``attention_mask``). Parallel sizes and ranks default to Megatron's
@@ -194,8 +256,20 @@ def router_targets(model_chunks: Any, routing: Any, *, cp_size: int | None = Non
     hold their layers (``"auto"``)."""
     routers = find_routers(model_chunks)
     state = parallel_from_state(routers)
-    par = Parallel(cp_size if cp_size is not None else state.cp_size, cp_rank if cp_rank is not None else state.cp_rank,
-                   tp_size if tp_size is not None else state.tp_size, tp_rank if tp_rank is not None else state.tp_rank,
-                   sequence_parallel if sequence_parallel is not None else state.sequence_parallel)
-    return feed(routers, routing, parallel=par, mtp=mtp, mask=mask, attention_mask=attention_mask, layers=layers,
-                cu_seqlens_padded=cu_seqlens_padded).targets
+    par = Parallel(
+        cp_size if cp_size is not None else state.cp_size,
+        cp_rank if cp_rank is not None else state.cp_rank,
+        tp_size if tp_size is not None else state.tp_size,
+        tp_rank if tp_rank is not None else state.tp_rank,
+        sequence_parallel if sequence_parallel is not None else state.sequence_parallel,
+    )
+    return feed(
+        routers,
+        routing,
+        parallel=par,
+        mtp=mtp,
+        mask=mask,
+        attention_mask=attention_mask,
+        layers=layers,
+        cu_seqlens_padded=cu_seqlens_padded,
+    ).targets

@@ -11,8 +11,10 @@ from rr_client.core.versions import Tested, check_version, installed_version
 __all__ = ["TESTED_MEGATRON", "WHY", "check_megatron_version"]
 
 TESTED_MEGATRON = Tested("0.16")
-WHY = ("rr feeds megatron.core.transformer.moe.router_replay.RouterReplay per TopKRouter and reads "
-       "TopKRouter.layer_number and TransformerConfig's MoE settings, which change between releases")
+WHY = (
+    "rr feeds megatron.core.transformer.moe.router_replay.RouterReplay per TopKRouter and reads "
+    "TopKRouter.layer_number and TransformerConfig's MoE settings, which change between releases"
+)
 
 
 def check_megatron_version(version: str | None = None) -> str:
@@ -21,6 +23,7 @@ def check_megatron_version(version: str | None = None) -> str:
     :class:`rr_client.core.errors.MissingDependencyError` naming the extra when none is installed."""
     found = version if version is not None else installed_version(("megatron-core", "megatron_core"))
     if found is None:
-        raise MissingDependencyError("rr_client.integrations.megatron needs megatron-core: "
-                                     "pip install 'rr-replay[megatron]'")
+        raise MissingDependencyError(
+            "rr_client.integrations.megatron needs megatron-core: pip install 'rr-replay[megatron]'"
+        )
     return check_version("megatron-core", TESTED_MEGATRON, found, why=WHY)

@@ -26,8 +26,10 @@ def cp_zigzag_index(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     if cp_size == 1:
         return torch.arange(seq_len)
     if seq_len % (2 * cp_size):
-        raise ShapeMismatchError(f"sequence length {seq_len} is not a multiple of 2 * context_parallel_size = "
-                                 f"{2 * cp_size}: Megatron's get_batch_on_this_cp_rank cannot slice it")
+        raise ShapeMismatchError(
+            f"sequence length {seq_len} is not a multiple of 2 * context_parallel_size = "
+            f"{2 * cp_size}: Megatron's get_batch_on_this_cp_rank cannot slice it"
+        )
     chunk = seq_len // (2 * cp_size)
     first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
@@ -38,8 +40,10 @@ def cp_thd_index(cu_seqlens_padded: torch.Tensor | list[int], total: int, cp_siz
     ``cu_seqlens_padded``, each a multiple of ``2 * cp_size`` long) its chunks ``cp_rank`` and
     ``2 * cp_size - 1 - cp_rank``, samples in order (Megatron's ``get_thd_batch_on_this_cp_rank``)."""
     _check_cp(cp_size, cp_rank)
-    cu = [int(x) for x in (cu_seqlens_padded.tolist() if isinstance(cu_seqlens_padded, torch.Tensor)
-                           else cu_seqlens_padded)]
+    cu = [
+        int(x)
+        for x in (cu_seqlens_padded.tolist() if isinstance(cu_seqlens_padded, torch.Tensor) else cu_seqlens_padded)
+    ]
     if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != total:
         raise ShapeMismatchError(f"cu_seqlens_padded {cu} must rise from 0 to the {total} packed tokens")
     if cp_size == 1:
@@ -48,8 +52,10 @@ def cp_thd_index(cu_seqlens_padded: torch.Tensor | list[int], total: int, cp_siz
     for i, (start, end) in enumerate(zip(cu, cu[1:])):
         n = end - start
         if n % (2 * cp_size):
-            raise ShapeMismatchError(f"packed sample {i} spans {n} tokens, not a multiple of 2 * "
-                                     f"context_parallel_size = {2 * cp_size}: pad each sample (cu_seqlens_padded)")
+            raise ShapeMismatchError(
+                f"packed sample {i} spans {n} tokens, not a multiple of 2 * "
+                f"context_parallel_size = {2 * cp_size}: pad each sample (cu_seqlens_padded)"
+            )
         chunk = n // (2 * cp_size)
         a, b = start + cp_rank * chunk, start + (2 * cp_size - 1 - cp_rank) * chunk
         parts += [torch.arange(a, a + chunk), torch.arange(b, b + chunk)]
@@ -62,8 +68,10 @@ def sp_shard(seq_len: int, tp_size: int, tp_rank: int) -> slice:
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ShapeMismatchError(f"tensor-parallel rank {tp_rank} is not in [0, {tp_size})")
     if seq_len % tp_size:
-        raise ShapeMismatchError(f"{seq_len} sequence positions on this context-parallel rank do not split "
-                                 f"evenly over tensor_model_parallel_size={tp_size} (sequence parallel)")
+        raise ShapeMismatchError(
+            f"{seq_len} sequence positions on this context-parallel rank do not split "
+            f"evenly over tensor_model_parallel_size={tp_size} (sequence parallel)"
+        )
     block = seq_len // tp_size
     return slice(tp_rank * block, (tp_rank + 1) * block)
 

@@ -63,6 +63,8 @@ class RouterState:
     batch: int | None = None  #: the fed micro-batch's ``b`` (the router sees ``[tokens // b, b]``)
     expect: torch.Tensor | None = None  #: the rows this call replays (set by the pre-hook)
     expect_have: torch.Tensor | None = None
+    seg: torch.Tensor | None = None  #: the fed micro-batch's local segment codes (the audit's per-segment counts)
+    expect_seg: torch.Tensor | None = None
     own: torch.Tensor | None = None  #: the router's own routing map on this call's logits (audit, forwards)
     forwards: int = 0
     recomputes: int = 0
@@ -87,8 +89,10 @@ def _sample_tokens(tokens: Any) -> torch.Tensor:
     if tokens.dim() == 1:
         tokens = tokens.unsqueeze(0)
     if tokens.dim() != 2 or tokens.is_floating_point():
-        raise ShapeMismatchError(f"tokens must be the micro-batch's [b, s] integer input_ids (or [b, n] sample ids), "
-                                 f"got {tuple(tokens.shape)} {tokens.dtype}")
+        raise ShapeMismatchError(
+            f"tokens must be the micro-batch's [b, s] integer input_ids (or [b, n] sample ids), "
+            f"got {tuple(tokens.shape)} {tokens.dtype}"
+        )
     return tokens.detach().cpu()
 
 
@@ -98,8 +102,9 @@ class Lifecycle:
     ``audit_every``: steps between audited steps (the first always; 0 = never); ``log_layers``: per-layer keys in
     the step's report too."""
 
-    def __init__(self, routers: Sequence[MegatronRouter], *, audit_every: int = AUDIT_EVERY,
-                 log_layers: bool = False) -> None:
+    def __init__(
+        self, routers: Sequence[MegatronRouter], *, audit_every: int = AUDIT_EVERY, log_layers: bool = False
+    ) -> None:
         if audit_every < 0:
             raise ReplayError(f"audit_every={audit_every} must be >= 0")
         self.routers = list(routers)
@@ -109,9 +114,15 @@ class Lifecycle:
         self.steps = 0  #: steps done
         self.records: dict[Any, R2Record] = {}  #: R2: micro-batch key -> its record
         self._tally = DeviceTally()
-        self._hooks = [h for r in routers for h in (
-            r.module.register_forward_pre_hook(self._pre, prepend=True),
-            r.module.register_forward_hook(self._post))]
+        self.segment_names: tuple[tuple[str, int | None], ...] | None = None  #: this step's segments' names
+        self._hooks = [
+            h
+            for r in routers
+            for h in (
+                r.module.register_forward_pre_hook(self._pre, prepend=True),
+                r.module.register_forward_hook(self._post),
+            )
+        ]
 
     @staticmethod
     def _fresh_state(r: MegatronRouter) -> RouterState:
@@ -125,19 +136,42 @@ class Lifecycle:
         return self.audit_every > 0 and self.steps % self.audit_every == 0
 
     # ------------------------------------------------------------------ per micro-batch
-    def fed(self, targets: dict[Any, torch.Tensor], have: dict[Any, torch.Tensor] | None = None,
-            left: Sequence[MegatronRouter] = (), *, batch: int | None = None) -> None:
+    def fed(
+        self,
+        targets: dict[Any, torch.Tensor],
+        have: dict[Any, torch.Tensor] | None = None,
+        left: Sequence[MegatronRouter] = (),
+        *,
+        batch: int | None = None,
+        segments: torch.Tensor | None = None,
+        names: Sequence[tuple[str, int | None]] | None = None,
+    ) -> None:
         """Rows ``targets`` (router module -> ``[tokens, topk]``) for the next forward of each router; ``have``: per
         module, which local tokens have a rollout row (the rest are pads); ``left``: MTP routers routing
-        themselves; ``batch``: the micro-batch's ``b`` (checked against the router's input)."""
+        themselves; ``batch``: the micro-batch's ``b`` (checked against the router's input); ``segments``: the
+        local tokens' segment codes (``[tokens]``, -1: none) named by ``names`` (one set per step), counted per
+        segment on audited forwards."""
+        seg = None
+        if segments is not None and targets:
+            names = tuple(names if names is not None else ((n, None) for n in K.SEGMENTS))
+            if self.segment_names is not None and self.segment_names != names:
+                raise ConfigurationError(
+                    f"segments named {names[:3]}... in a step whose other micro-batches' are "
+                    f"named {self.segment_names[:3]}...: one set of segment names per step"
+                )
+            self.segment_names = names
+            seg = torch.where(segments < 0, len(names), segments.long())  # -1: the discarded bin
         for m, rows in targets.items():
             st = self.states[m]
             if st.fresh:
-                raise ReplayError(f"{st.router.describe()}: new rows set before its previous micro-batch's forward "
-                                  "ran (set_micro_batch once per micro-batch, inside forward_step_func)")
+                raise ReplayError(
+                    f"{st.router.describe()}: new rows set before its previous micro-batch's forward "
+                    "ran (set_micro_batch once per micro-batch, inside forward_step_func)"
+                )
             st.driven, st.fresh, st.left, st.record_key = True, True, False, None
             st.pending, st.batch = rows, batch
             st.have, st.grad = (have.get(m) if have is not None else None), torch.is_grad_enabled()
+            st.seg = None if seg is None else seg.to(rows.device, non_blocking=True)
         for r in left:
             st = self.states[r.module]
             st.driven, st.fresh, st.left, st.record_key = True, False, True, None
@@ -147,8 +181,10 @@ class Lifecycle:
         """R2: the next forward of ``modules`` records its own choice under ``key`` (``RECORD``), bound to
         ``tokens`` (the micro-batch's ``[b, s]`` input ids, or ``[b, n]`` sample ids on a stage without them)."""
         if tokens is None:
-            raise ConfigurationError("R2 binds each record to its samples: record(key, tokens=input_ids) (on a "
-                                     "pipeline stage without input_ids, any [b, n] integer ids of the samples)")
+            raise ConfigurationError(
+                "R2 binds each record to its samples: record(key, tokens=input_ids) (on a "
+                "pipeline stage without input_ids, any [b, n] integer ids of the samples)"
+            )
         rec = self.records.get(key)
         if rec is not None and any(m in rec.rows for m in modules):
             raise ReplayError(f"R2 record key {key!r} was already recorded this pass: one key per micro-batch")
@@ -157,14 +193,16 @@ class Lifecycle:
             st = self.states[m]
             st.driven, st.fresh, st.left, st.record_key = True, False, False, key
 
-    def recorded(self, modules: Sequence[Any], *, key: Any = None, tokens: Any = None
-                 ) -> tuple[dict[Any, torch.Tensor], int]:
+    def recorded(
+        self, modules: Sequence[Any], *, key: Any = None, tokens: Any = None
+    ) -> tuple[dict[Any, torch.Tensor], int]:
         """R2's rows for a micro-batch of ``tokens`` (router module -> ``[s * b, topk]``) and its ``b``: the record
         of ``key`` when it holds exactly these samples, else the samples gathered from the records by their tokens
         (an update that reshuffled the samples); a sample no record holds is refused."""
         if tokens is None:
-            raise ConfigurationError("R2 replays a record on the samples it was recorded on: "
-                                     "set_micro_batch(key=..., tokens=input_ids)")
+            raise ConfigurationError(
+                "R2 replays a record on the samples it was recorded on: set_micro_batch(key=..., tokens=input_ids)"
+            )
         want = _sample_tokens(tokens)
         rec = self.records.get(key) if key is not None else None
         if rec is not None and rec.tokens is not None and torch.equal(rec.tokens, want):
@@ -175,8 +213,10 @@ class Lifecycle:
         """The rows of ``rec`` for ``modules``, refusing a router the record pass never ran."""
         missing = [self.states[m].router.describe() for m in modules if m not in rec.rows]
         if missing:
-            raise MissingRoutingError(f"R2: the record of micro-batch {key!r} has no rows for {missing[:4]} (record "
-                                      "every chunk's routers in the old-log-prob pass)")
+            raise MissingRoutingError(
+                f"R2: the record of micro-batch {key!r} has no rows for {missing[:4]} (record "
+                "every chunk's routers in the old-log-prob pass)"
+            )
         return {m: rec.rows[m] for m in modules}
 
     def _gather(self, want: torch.Tensor, modules: Sequence[Any], key: Any) -> dict[Any, torch.Tensor]:
@@ -190,13 +230,17 @@ class Lifecycle:
         lost = [i for i, f in enumerate(found) if f is None]
         if lost:
             what = f"the record of micro-batch {key!r} holds other samples; " if key in self.records else ""
-            raise MissingRoutingError(f"R2: {what}sample(s) {lost[:8]} of this micro-batch were recorded in no "
-                                      f"micro-batch of the old-log-prob pass (recorded keys: {list(self.records)[:8]}):"
-                                      " replay the update on the samples that were recorded")
+            raise MissingRoutingError(
+                f"R2: {what}sample(s) {lost[:8]} of this micro-batch were recorded in no "
+                f"micro-batch of the old-log-prob pass (recorded keys: {list(self.records)[:8]}):"
+                " replay the update on the samples that were recorded"
+            )
         grids = {self.records[k].grid[0] for k, _ in found}  # type: ignore[index,misc]
         if len(grids) != 1:
-            raise ShapeMismatchError(f"R2: this micro-batch's samples were recorded at sequence lengths "
-                                     f"{sorted(grids)}: replay them in micro-batches of one length")
+            raise ShapeMismatchError(
+                f"R2: this micro-batch's samples were recorded at sequence lengths "
+                f"{sorted(grids)}: replay them in micro-batches of one length"
+            )
         out: dict[Any, torch.Tensor] = {}
         for m in modules:
             cols = []
@@ -214,7 +258,7 @@ class Lifecycle:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
 
         st = self.states[module]
-        st.expect = st.own = None
+        st.expect = st.own = st.expect_seg = None
         if not st.driven or st.left:
             return
         rep = module.router_replay
@@ -226,16 +270,20 @@ class Lifecycle:
         tokens = hidden.numel() // hidden.shape[-1]
         if recompute:
             if st.pool is None:
-                raise ReplayError(f"{st.router.describe()}: a recompute in the backward, but its config recomputes "
-                                  "no router (recompute_granularity full, or selective with 'moe'): rr keeps no rows "
-                                  "for it; recompute through Megatron's own settings")
+                raise ReplayError(
+                    f"{st.router.describe()}: a recompute in the backward, but its config recomputes "
+                    "no router (recompute_granularity full, or selective with 'moe'): rr keeps no rows "
+                    "for it; recompute through Megatron's own settings"
+                )
             rows, have = st.pool.take(hidden, tokens)
             st.recomputes += 1
         else:
             if not st.fresh:
-                raise ReplayError(f"{st.router.describe()}: a forward without new rows: it would replay the previous "
-                                  "micro-batch's (call set_micro_batch for every micro-batch, inside "
-                                  "forward_step_func, before the model's forward)")
+                raise ReplayError(
+                    f"{st.router.describe()}: a forward without new rows: it would replay the previous "
+                    "micro-batch's (call set_micro_batch for every micro-batch, inside "
+                    "forward_step_func, before the model's forward)"
+                )
             st.fresh = False
             rows, have = st.pending, st.have
             assert rows is not None
@@ -250,6 +298,8 @@ class Lifecycle:
         rep.target_topk_idx = rows
         rep.set_router_replay_action(A.REPLAY_FORWARD)
         st.expect, st.expect_have = rows, have
+        if not recompute:
+            st.expect_seg = st.seg
         if self.audited and not recompute:
             st.own = _own_choice(module, hidden)
 
@@ -259,14 +309,18 @@ class Lifecycle:
         name, topk = st.router.describe(), int(st.router.module.topk)
         tokens = hidden.numel() // hidden.shape[-1]
         if rows.dim() != 2 or int(rows.shape[0]) != tokens or int(rows.shape[1]) != topk:
-            raise ShapeMismatchError(f"{name}: replay targets are {tuple(rows.shape)}, the router sees {tokens} "
-                                     f"tokens with top-k {topk}: Megatron would route the difference silently "
-                                     "(check the context- / sequence-parallel layout and the micro-batch)")
+            raise ShapeMismatchError(
+                f"{name}: replay targets are {tuple(rows.shape)}, the router sees {tokens} "
+                f"tokens with top-k {topk}: Megatron would route the difference silently "
+                "(check the context- / sequence-parallel layout and the micro-batch)"
+            )
         if st.batch is not None and hidden.dim() == 3 and int(hidden.shape[1]) != st.batch:
-            raise ShapeMismatchError(f"{name}: the rows are laid out for a batch of {st.batch} sample(s) of "
-                                     f"{tokens // max(st.batch, 1)} tokens, the router sees [s, b] = "
-                                     f"{list(hidden.shape[:2])}: a flattened or transposed batch would replay rows "
-                                     "on other tokens; give the routing the micro-batch's own [b, s]")
+            raise ShapeMismatchError(
+                f"{name}: the rows are laid out for a batch of {st.batch} sample(s) of "
+                f"{tokens // max(st.batch, 1)} tokens, the router sees [s, b] = "
+                f"{list(hidden.shape[:2])}: a flattened or transposed batch would replay rows "
+                "on other tokens; give the routing the micro-batch's own [b, s]"
+            )
 
     def _post(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
         """Keep R2's record; on audited steps count what the router chose against the rows it was given."""
@@ -286,8 +340,7 @@ class Lifecycle:
             hidden = args[0]
             entry = self.records.setdefault(st.record_key, R2Record())
             entry.rows[module] = rec.detach()
-            entry.grid = (int(hidden.shape[0]), int(hidden.shape[1])) if hidden.dim() == 3 else \
-                (int(rec.shape[0]), 1)
+            entry.grid = (int(hidden.shape[0]), int(hidden.shape[1])) if hidden.dim() == 3 else (int(rec.shape[0]), 1)
             st.forwards += 1
             return
         want = st.expect
@@ -308,7 +361,20 @@ class Lifecycle:
             if have is not None:
                 same = same & have.to(same.device)
             self._tally.add(f"agree/{key}", same.sum())
-        st.own = None
+            if st.expect_seg is not None:
+                self._by_segment(same, have, st.expect_seg)
+        st.own = st.expect_seg = None
+
+    def _by_segment(self, hit: torch.Tensor, have: torch.Tensor | None, seg: torch.Tensor) -> None:
+        """Agreeing and replayed rows per segment code, as one device vector (no host read), as the Hugging Face
+        audit counts them."""
+        assert self.segment_names is not None
+        s = len(self.segment_names)
+        seg = seg.to(hit.device)
+        used = torch.ones_like(hit) if have is None else have.to(hit.device)
+        vec = torch.zeros(2 * (s + 1), dtype=torch.long, device=hit.device)
+        vec.index_add_(0, seg, hit.long()).index_add_(0, seg + s + 1, used.long())
+        self._tally.add_vector("segments", vec)
 
     # ------------------------------------------------------------------ per step
     def step_done(self, *, check: bool = True) -> dict[str, float]:
@@ -323,6 +389,8 @@ class Lifecycle:
             if s.pool is not None:
                 s.pool.verdicts(self._tally, f"recompute/{s.router.row_layer}")
         counts = self._tally.read()
+        seg_vec, names = self._tally.vectors.pop("segments", None), self.segment_names
+        self.segment_names = None
         replaying = [s for s in states if s.driven and not s.left and s.record_key is None]
         problems = []
         if check:
@@ -332,23 +400,28 @@ class Lifecycle:
                 problems.append(f"orphan routers (rows set, never ran{none}): {orphans[:4]}")
             for s in states:
                 layer = s.router.row_layer
-                miss, reused, ambiguous = (counts.get(f"recompute/{layer}/{v}", 0)
-                                           for v in ("miss", "reused", "ambiguous"))
+                miss, reused, ambiguous = (
+                    counts.get(f"recompute/{layer}/{v}", 0) for v in ("miss", "reused", "ambiguous")
+                )
                 if miss or reused or ambiguous:
-                    problems.append(f"{s.router.describe()}: {miss} recompute(s) whose router input matched no "
-                                    f"forward of this step, {reused} forward(s) taken by two recomputes, "
-                                    f"{ambiguous // 2} pair(s) of forwards with one input but other rows: a "
-                                    "recompute may have replayed another micro-batch's rows (a backward run twice, "
-                                    "or the weights changed between a forward and its backward)")
+                    problems.append(
+                        f"{s.router.describe()}: {miss} recompute(s) whose router input matched no "
+                        f"forward of this step, {reused} forward(s) taken by two recomputes, "
+                        f"{ambiguous // 2} pair(s) of forwards with one input but other rows: a "
+                        "recompute may have replayed another micro-batch's rows (a backward run twice, "
+                        "or the weights changed between a forward and its backward)"
+                    )
         report: dict[str, float] = {}
         if replaying:
-            report = self._report(replaying, [s for s in states if s.left], counts, audited)
+            report = self._report(replaying, [s for s in states if s.left], counts, audited, seg_vec, names)
             if check and audited:
                 for s in replaying:
                     got = counts.get(f"applied/{s.router.row_layer}", 0)
                     if got != s.checked:
-                        problems.append(f"{s.router.describe()} chose the given experts on {got} of {s.checked} "
-                                        "tokens (a setting that bypasses or undoes replay?)")
+                        problems.append(
+                            f"{s.router.describe()} chose the given experts on {got} of {s.checked} "
+                            "tokens (a setting that bypasses or undoes replay?)"
+                        )
         for s in states:
             if s.driven:
                 s.router.replay.clear_indices()
@@ -361,21 +434,33 @@ class Lifecycle:
             report[K.AUDITED] = float(audited)
         return report
 
-    def _report(self, replaying: list[RouterState], left: list[RouterState], counts: dict[str, int],
-                audited: bool) -> dict[str, float]:
-        """One step's keys, through the session's merge (worst layer, row-weighted agreement)."""
+    def _report(
+        self,
+        replaying: list[RouterState],
+        left: list[RouterState],
+        counts: dict[str, int],
+        audited: bool,
+        seg_vec: list[int] | None = None,
+        names: tuple[tuple[str, int | None], ...] | None = None,
+    ) -> dict[str, float]:
+        """One step's keys, through the session's merge (worst layer, row-weighted agreement; per segment on
+        audited steps fed segments: ``r3/[turn<t>/]<segment>/replayed_rows`` and ``.../agreement``)."""
         nan = math.nan
         rows = {s.router.row_layer: counts.get(f"replayed/{s.router.row_layer}", 0) for s in replaying}
         replayed = sum(rows.values())
         checked = sum(s.checked for s in replaying)
         applied = sum(counts.get(f"applied/{s.router.row_layer}", 0) for s in replaying)
         agree = sum(counts.get(f"agree/{s.router.row_layer}", 0) for s in replaying)
-        out = {K.FORWARDS: float(max(s.forwards + s.recomputes for s in replaying)), K.MOE_LAYERS: float(len(replaying)),
-               K.REPLAYED_ROWS: float(replayed), K.LEFT_ROWS: float(sum(s.left_rows for s in left)),
-               K.APPLIED_SHARE: applied / checked if audited and checked else nan,
-               K.AGREEMENT: agree / replayed if audited and replayed else nan,
-               K.LEFT_ROUTERS_OUTSIDE_DECODER: float(len(left)), K.ORPHAN_ROUTERS: float(
-                   sum(s.forwards == 0 for s in replaying))}
+        out = {
+            K.FORWARDS: float(max(s.forwards + s.recomputes for s in replaying)),
+            K.MOE_LAYERS: float(len(replaying)),
+            K.REPLAYED_ROWS: float(replayed),
+            K.LEFT_ROWS: float(sum(s.left_rows for s in left)),
+            K.APPLIED_SHARE: applied / checked if audited and checked else nan,
+            K.AGREEMENT: agree / replayed if audited and replayed else nan,
+            K.LEFT_ROUTERS_OUTSIDE_DECODER: float(len(left)),
+            K.ORPHAN_ROUTERS: float(sum(s.forwards == 0 for s in replaying)),
+        }
         for s in replaying:
             i = s.router.row_layer
             got_a, got_g = counts.get(f"applied/{i}", 0), counts.get(f"agree/{i}", 0)
@@ -384,6 +469,8 @@ class Lifecycle:
             out[K.layer(i, "agreement")] = got_g / rows[i] if audited and rows[i] else nan
         for s in left:
             out[K.layer(s.router.row_layer, "left_rows")] = float(s.left_rows)
+        if audited and names is not None:
+            out.update(_segment_keys(seg_vec, names))
         merged = merge_reports([out], log_layers=self.log_layers)
         for k in (K.LEFT_ROUTERS_OUTSIDE_DECODER, K.ORPHAN_ROUTERS):
             merged[k] = out[k]
@@ -396,6 +483,28 @@ class Lifecycle:
         self._hooks = []
 
 
+def _segment_keys(vec: list[int] | None, names: tuple[tuple[str, int | None], ...]) -> dict[str, float]:
+    """The per-segment keys of a ``[agree per code, discarded, replayed per code, discarded]`` count vector (per
+    turn and, for trajectories, per segment over every turn), as :mod:`rr_client.trainer.replay._audit` writes."""
+    s = len(names)
+    vec = vec or [0] * (2 * (s + 1))
+    out: dict[str, float] = {}
+    whole: dict[str, list[int]] = {}
+    for code, (name, turn) in enumerate(names):
+        agree, rep = vec[code], vec[s + 1 + code]
+        out[K.segment(name, "replayed_rows", turn)] = float(rep)
+        if rep:
+            out[K.segment(name, "agreement", turn)] = agree / rep
+        if turn is not None:
+            tot = whole.setdefault(name, [0, 0])
+            tot[0], tot[1] = tot[0] + agree, tot[1] + rep
+    for name, (agree, rep) in whole.items():
+        out[K.segment(name, "replayed_rows")] = float(rep)
+        if rep:
+            out[K.segment(name, "agreement")] = agree / rep
+    return out
+
+
 def _own_choice(module: Any, hidden: torch.Tensor) -> torch.Tensor:
     """The ``[tokens, experts]`` routing map the router would choose itself on this call's input (audit only)."""
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
@@ -404,8 +513,15 @@ def _own_choice(module: Any, hidden: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         logits = module.gating(hidden).view(-1, cfg.num_moe_experts)
         _, own = topk_routing_with_score_function(
-            logits, module.topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
-            group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
-            score_function=module.score_function, expert_bias=module.expert_bias, fused=False, router_replay=None)
+            logits,
+            module.topk,
+            use_pre_softmax=cfg.moe_router_pre_softmax,
+            num_groups=cfg.moe_router_num_groups,
+            group_topk=cfg.moe_router_group_topk,
+            scaling_factor=cfg.moe_router_topk_scaling_factor,
+            score_function=module.score_function,
+            expert_bias=module.expert_bias,
+            fused=False,
+            router_replay=None,
+        )
     return own.bool()
-

@@ -93,8 +93,10 @@ class RecomputePool:
         if len(g.live) >= COMPACT_AT:
             self._compact(g)
         if len(g.live) >= MAX_LIVE:
-            raise ReplayError(f"{self.name}: {len(g.live)} forwards with grad wait for a recompute: call "
-                              "step_done() after each step's last backward")
+            raise ReplayError(
+                f"{self.name}: {len(g.live)} forwards with grad wait for a recompute: call "
+                "step_done() after each step's last backward"
+            )
         fp = fingerprint(hidden)
         g.fps.append(fp)
         g.hashes.append(_target_hash(targets))
@@ -109,9 +111,11 @@ class RecomputePool:
         g = self.groups.get(tokens)
         if g is None or not g.live:
             held = sorted(n for n, grp in self.groups.items() if grp.live)
-            raise ReplayError(f"{self.name}: a recompute of {tokens} tokens, but no forward with grad of that size "
-                              f"waits for one (waiting: {held or 'none'}): its forward ran without grad, on no "
-                              "rows of rr's, or the step's rows were cleared (step_done) before its backward")
+            raise ReplayError(
+                f"{self.name}: a recompute of {tokens} tokens, but no forward with grad of that size "
+                f"waits for one (waiting: {held or 'none'}): its forward ran without grad, on no "
+                "rows of rr's, or the step's rows were cleared (step_done) before its backward"
+            )
         fp = fingerprint(hidden)
         assert g.used is not None
         live = torch.tensor(g.live, device=fp.device)

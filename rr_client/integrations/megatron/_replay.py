@@ -15,11 +15,18 @@ from typing import Any, Literal
 import torch
 
 from rr_client.core.errors import ArgumentTypeError, ConfigurationError, ReplayError
+from rr_client.core.provenance import ProvenanceCheck, StalePolicy, check_stale_policy
 from rr_client.integrations.megatron._feeder import Feed, MtpPolicy, Parallel, feed, parallel_from_state
 from rr_client.integrations.megatron._gate import check_megatron_version
 from rr_client.integrations.megatron._lifecycle import AUDIT_EVERY, Lifecycle
-from rr_client.integrations.megatron._routers import (MegatronRouter, check_config, check_registered, find_routers,
-                                                      has_transformer_layers)
+from rr_client.integrations.megatron._routers import (
+    MegatronRouter,
+    check_config,
+    check_registered,
+    find_routers,
+    has_transformer_layers,
+)
+from rr_client.trainer.provenance import police_rows
 
 __all__ = ["MegatronReplay", "Mode"]
 
@@ -36,13 +43,29 @@ class MegatronReplay:
     :meth:`step_done`; ``log_layers``: per-layer ``r3/layer<i>/...`` keys in its report; ``others``: the chunks of
     other models built in this process with routing replay on (a reference or critic model beside the actor): their
     routers are known, not orphans, and rr never feeds them (give each its own ``MegatronReplay``, naming this one's
-    chunks in its ``others``).
+    chunks in its ``others``); ``stale_rows``: the stale-rows policy on the rows each :meth:`set_micro_batch`
+    gives (their own provenance, as :class:`rr_client.trainer.ReplaySession` applies it): ``"refuse"`` (default)
+    raises :class:`rr_client.StaleRoutingError` for a sample that may have been recomputed across a weight update;
+    ``"mask"`` runs its tokens on pad rows, out of the audit (Megatron replays every token): drop them from the
+    loss (:func:`rr_client.trainer.provenance.drop_samples` with :attr:`last_check`'s ``replay``); ``"off"``
+    turns it off on purpose. Rows without provenance (a raw tensor) pass.
     """
 
-    def __init__(self, model_chunks: Any, *, mode: Mode = "R3", mtp: MtpPolicy = "auto",
-                 parallel: Parallel | None = None, audit_every: int = AUDIT_EVERY, log_layers: bool = False,
-                 others: Sequence[Any] = ()) -> None:
+    def __init__(
+        self,
+        model_chunks: Any,
+        *,
+        mode: Mode = "R3",
+        mtp: MtpPolicy = "auto",
+        parallel: Parallel | None = None,
+        audit_every: int = AUDIT_EVERY,
+        log_layers: bool = False,
+        others: Sequence[Any] = (),
+        stale_rows: StalePolicy = "refuse",
+    ) -> None:
         check_megatron_version()
+        self.stale_rows: StalePolicy = check_stale_policy(stale_rows)
+        self.last_check: ProvenanceCheck | None = None  #: the policy's verdict on the last rows set (None: off)
         if mode not in ("R3", "R2"):
             raise ConfigurationError(f"mode must be 'R3' or 'R2', got {mode!r}")
         if mtp not in ("auto", "rows", "skip"):
@@ -51,8 +74,10 @@ class MegatronReplay:
         self.mode, self.mtp = mode, mtp
         self.routers: list[MegatronRouter] = find_routers(self.chunks)
         if not self.routers and not has_transformer_layers(self.chunks):
-            raise ReplayError("the given model chunks hold no Megatron TransformerLayer: pass this rank's Megatron "
-                              "model chunks (a pipeline stage of dense layers only is accepted and fed nothing)")
+            raise ReplayError(
+                "the given model chunks hold no Megatron TransformerLayer: pass this rank's Megatron "
+                "model chunks (a pipeline stage of dense layers only is accepted and fed nothing)"
+            )
         check_config(self.routers)
         self.others = [r for chunk in others for r in find_routers(chunk)]
         check_registered(self.routers, self.others)
@@ -74,35 +99,64 @@ class MegatronReplay:
     def targets_for(self, routing: Any, *, chunk: int | None = None, **layout: Any) -> Feed:
         """This rank's targets for ``routing`` (the routers of ``chunk``, or all): see
         :func:`rr_client.integrations.megatron.router_targets` for ``routing`` and ``layout``'s keys."""
-        return feed(self.routers_of(chunk), routing, parallel=layout.pop("parallel", self.parallel),
-                    mtp=layout.pop("mtp", self.mtp), **layout)
+        return feed(
+            self.routers_of(chunk),
+            routing,
+            parallel=layout.pop("parallel", self.parallel),
+            mtp=layout.pop("mtp", self.mtp),
+            **layout,
+        )
 
-    def set_targets(self, targets: dict[Any, torch.Tensor], *, have: dict[Any, torch.Tensor] | None = None,
-                    batch: int | None = None) -> None:
+    def set_targets(
+        self,
+        targets: dict[Any, torch.Tensor],
+        *,
+        have: dict[Any, torch.Tensor] | None = None,
+        batch: int | None = None,
+        segments: torch.Tensor | None = None,
+        names: Sequence[tuple[str, int | None]] | None = None,
+    ) -> None:
         """Replay ``targets`` (router module -> ``[tokens, topk]``, sequence-first) in each router's next forward
         (and in the recompute of that forward, whenever it runs). ``have``: per router, which tokens have a rollout
         row (the audit's counts; default all); ``batch``: the micro-batch's ``b``, checked against the router's
-        ``[s, b]`` (None: the token count alone is checked)."""
+        ``[s, b]`` (None: the token count alone is checked); ``segments``: the tokens' segment codes (``[tokens]``,
+        sequence-first, -1: none) named by ``names`` (default: the single-result segments), counted on audited
+        steps."""
         check_registered(self.routers, self.others)
         known = {r.module for r in self.routers}
         for module in targets:
             if module not in known:
-                raise ReplayError(f"a target is keyed by a router this MegatronReplay does not hold "
-                                  f"({type(module).__name__}): targets of another (rebuilt?) model")
-        self.lifecycle.fed(targets, have, batch=batch)
+                raise ReplayError(
+                    f"a target is keyed by a router this MegatronReplay does not hold "
+                    f"({type(module).__name__}): targets of another (rebuilt?) model"
+                )
+        self.lifecycle.fed(targets, have, batch=batch, segments=segments, names=names)
 
-    def set_micro_batch(self, routing: Any = None, *, chunk: Any = None, key: Any = None, tokens: Any = None,
-                        **layout: Any) -> Feed:
+    def set_micro_batch(
+        self,
+        routing: Any = None,
+        *,
+        chunk: Any = None,
+        key: Any = None,
+        tokens: Any = None,
+        segments: Any = None,
+        **layout: Any,
+    ) -> Feed:
         """Lay out ``routing`` for this rank and replay it in the next forward of the routers of ``chunk`` (or all);
         MTP routers the feed leaves get no action (they route themselves) and are listed in :attr:`left`. Call it
-        inside ``forward_step_func``, once per micro-batch (and per model chunk under interleaving). R2: no
+        inside ``forward_step_func``, once per micro-batch (and per model chunk under interleaving). The
+        stale-rows policy (``stale_rows``) runs on the rows first (its verdict in :attr:`last_check`).
+        ``segments`` (:func:`rr_client.trainer.provenance.build_segments`, or ``[b, s]`` codes of the single-result
+        segments): on audited steps, replayed and agreeing rows per token segment, reported under the Hugging Face
+        path's ``r3/[turn<t>/]<segment>/...`` keys. R2: no
         ``routing``; the record of micro-batch ``key`` (:meth:`record`) is replayed when it holds exactly these
         ``tokens`` (the micro-batch's ``[b, s]`` input ids, as given to :meth:`record`); samples reshuffled across
         micro-batches are gathered from the records by their tokens; a sample no record holds is refused."""
         if self.mode == "R2":
             if routing is not None:
-                raise ConfigurationError("R2 replays the model's own record (set_micro_batch(key=..., tokens=...)), "
-                                         "not rows")
+                raise ConfigurationError(
+                    "R2 replays the model's own record (set_micro_batch(key=..., tokens=...)), not rows"
+                )
             mods = [r.module for r in self.routers_of(chunk) if r.mtp is False or self.mtp != "skip"]
             rows, batch = self.lifecycle.recorded(mods, key=key, tokens=tokens)
             got = Feed(rows, [], next((int(t.shape[0]) for t in rows.values()), 0), None, batch)
@@ -110,12 +164,33 @@ class MegatronReplay:
             return got
         if routing is None:
             raise ConfigurationError("R3 needs the micro-batch's routing (RoutingTensors, PackedRouting or rows)")
-        got = self.targets_for(routing, chunk=chunk, **layout)
+        self.last_check = None
+        if self.stale_rows != "off":
+            given = {k: layout.pop(k, None) for k in ("mask", "layers", "attention_mask")}
+            routing, mask, self.last_check = police_rows(
+                routing,
+                self.stale_rows,
+                mask=given["mask"],
+                every_token=True,
+                layers=given["layers"],
+                tokens=given["attention_mask"],
+            )
+            if not all(self.last_check.replay):  # ReplayRows with mask, layers and tokens folded in
+                given = {}
+            layout.update({k: v for k, v in given.items() if v is not None})
+        if segments is None and not isinstance(getattr(routing, "segments", None), (type(None), torch.Tensor)):
+            segments = routing.segments  # ReplayRows' own Segments
+        got = self.targets_for(routing, chunk=chunk, segments=segments, **layout)
         for r in got.left:
             r.replay.clear_router_replay_action()
         self.left = got.left
-        self.set_targets(got.targets, have={m: got.have for m in got.targets} if got.have is not None else None,
-                         batch=got.batch)
+        self.set_targets(
+            got.targets,
+            have={m: got.have for m in got.targets} if got.have is not None else None,
+            batch=got.batch,
+            segments=got.segments,
+            names=getattr(segments, "names", None),
+        )
         self.lifecycle.fed({}, left=got.left)
         return got
 

@@ -19,8 +19,15 @@ import torch
 from rr_client.core.errors import ConfigurationError, ReplayError, UnsupportedModelError
 from rr_client.core.optional import require
 
-__all__ = ["MegatronRouter", "find_routers", "has_transformer_layers", "check_config", "check_registered",
-           "moe_layers_of", "REFUSED"]
+__all__ = [
+    "MegatronRouter",
+    "find_routers",
+    "has_transformer_layers",
+    "check_config",
+    "check_registered",
+    "moe_layers_of",
+    "REFUSED",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,20 +90,26 @@ def find_routers(model_chunks: Any) -> list[MegatronRouter]:
     for c, chunk in enumerate(chunks):
         for name, mod in _unwrap(chunk).named_modules():
             if isinstance(mod, BaseMoELayer) and not isinstance(getattr(mod, "router", None), TopKRouter):
-                raise UnsupportedModelError(f"MoE layer {name} of chunk {c} routes with "
-                                            f"{type(getattr(mod, 'router', None)).__name__}, not a TopKRouter: "
-                                            "Megatron's RouterReplay (and rr) cannot replay it")
+                raise UnsupportedModelError(
+                    f"MoE layer {name} of chunk {c} routes with "
+                    f"{type(getattr(mod, 'router', None)).__name__}, not a TopKRouter: "
+                    "Megatron's RouterReplay (and rr) cannot replay it"
+                )
             if not isinstance(mod, TopKRouter):
                 continue
             if mod.layer_number is None:
-                raise ReplayError(f"router {name} of chunk {c} has no layer_number: it was built outside a "
-                                  "TransformerLayer, so rr cannot tell which rows it takes")
+                raise ReplayError(
+                    f"router {name} of chunk {c} has no layer_number: it was built outside a "
+                    "TransformerLayer, so rr cannot tell which rows it takes"
+                )
             mtp = "mtp" in name.split(".")
             r = MegatronRouter(mod, c, int(mod.layer_number), mtp, name, int(mod.num_experts), int(mod.topk))
             key = (mtp, r.layer_number)
             if key in seen:
-                raise ReplayError(f"{r.describe()} and {seen[key]} share layer_number {r.layer_number}: "
-                                  "their rows cannot be told apart")
+                raise ReplayError(
+                    f"{r.describe()} and {seen[key]} share layer_number {r.layer_number}: "
+                    "their rows cannot be told apart"
+                )
             seen[key] = r.describe()
             found.append(r)
     return found
@@ -120,7 +133,7 @@ REFUSED = {
     "moe_router_force_biased": "forced-biased routing adds a bias the rollout never saw to the replayed gates",
     "moe_input_jitter_eps": "input jitter perturbs the router input: replayed ids get gates from jittered logits",
     "cuda_graph_impl": "a CUDA graph over the router replays the capture-time targets and skips the router module "
-                       "(Megatron's maybe_skip_or_early_return_by_cudagraph), so rr's rows and checks never run",
+    "(Megatron's maybe_skip_or_early_return_by_cudagraph), so rr's rows and checks never run",
 }
 
 #: CUDA-graph scopes (Transformer Engine graphs) that leave the router out of the graph
@@ -157,8 +170,12 @@ def check_config(routers: Sequence[MegatronRouter]) -> None:
         cfg = r.module.config
         bad = _balancing_refused(getattr(cfg, "moe_router_load_balancing_type", None))
         if bad:
-            _refuse(r, "moe_router_load_balancing_type", bad if len(bad) > 1 else bad[0], "'aux_loss', 'seq_aux_loss' "
-                    "or 'none'")
+            _refuse(
+                r,
+                "moe_router_load_balancing_type",
+                bad if len(bad) > 1 else bad[0],
+                "'aux_loss', 'seq_aux_loss' or 'none'",
+            )
         if getattr(cfg, "moe_expert_capacity_factor", None) is not None:
             _refuse(r, "moe_expert_capacity_factor", cfg.moe_expert_capacity_factor, "None (dropless)")
         if getattr(cfg, "moe_router_fusion", False):
@@ -171,15 +188,20 @@ def check_config(routers: Sequence[MegatronRouter]) -> None:
         if getattr(cfg, "moe_input_jitter_eps", None) is not None:
             _refuse(r, "moe_input_jitter_eps", cfg.moe_input_jitter_eps, "None")
         if _graphs_router(cfg):
-            _refuse(r, "cuda_graph_impl", f"{getattr(cfg, 'cuda_graph_impl', None)!s} (scope "
-                    f"{getattr(cfg, 'cuda_graph_scope', None)!r})", "'none', or a transformer_engine "
-                    "cuda_graph_scope without the MoE layer (['attn'])")
+            _refuse(
+                r,
+                "cuda_graph_impl",
+                f"{getattr(cfg, 'cuda_graph_impl', None)!s} (scope {getattr(cfg, 'cuda_graph_scope', None)!r})",
+                "'none', or a transformer_engine cuda_graph_scope without the MoE layer (['attn'])",
+            )
 
 
 def _refuse(r: MegatronRouter, setting: str, value: Any, instead: str) -> None:
     """Raise the refusal of ``setting`` for router ``r``."""
-    raise ConfigurationError(f"TransformerConfig.{setting}={value!r} ({r.describe()}): {REFUSED[setting]}, so "
-                             f"R2/R3 would silently not hold; set {setting} to {instead}")
+    raise ConfigurationError(
+        f"TransformerConfig.{setting}={value!r} ({r.describe()}): {REFUSED[setting]}, so "
+        f"R2/R3 would silently not hold; set {setting} to {instead}"
+    )
 
 
 def check_registered(routers: Sequence[MegatronRouter], others: Sequence[MegatronRouter] = ()) -> None:
@@ -192,18 +214,22 @@ def check_registered(routers: Sequence[MegatronRouter], others: Sequence[Megatro
     ids = {id(x) for x in listed}
     gone = [r.describe() for r in routers if r.replay is not None and id(r.replay) not in ids]
     if gone:
-        raise ReplayError(f"orphan routers: {gone[:4]} are no longer in RouterReplay.global_router_replay_instances "
-                          "(the list was cleared or the model rebuilt after these chunks were built); pass the "
-                          "model chunks that run")
+        raise ReplayError(
+            f"orphan routers: {gone[:4]} are no longer in RouterReplay.global_router_replay_instances "
+            "(the list was cleared or the model rebuilt after these chunks were built); pass the "
+            "model chunks that run"
+        )
     mine = {id(r.replay) for r in (*routers, *others)}
     stale = [i for i, x in enumerate(listed) if id(x) not in mine]
     if stale:
-        raise ReplayError(f"orphan routers: {len(stale)} of {len(listed)} RouterReplay instances (list positions "
-                          f"{stale[:8]}) belong to no router of the given model chunks: a model rebuilt without "
-                          "RouterReplay.clear_global_router_replay_instances(), or chunks left out; clear the list "
-                          "before building the model and pass every chunk of this rank. A second model built on "
-                          "purpose with replay on (a reference model): name its chunks in others= (or build it with "
-                          "moe_enable_routing_replay=False when it needs no replay)")
+        raise ReplayError(
+            f"orphan routers: {len(stale)} of {len(listed)} RouterReplay instances (list positions "
+            f"{stale[:8]}) belong to no router of the given model chunks: a model rebuilt without "
+            "RouterReplay.clear_global_router_replay_instances(), or chunks left out; clear the list "
+            "before building the model and pass every chunk of this rank. A second model built on "
+            "purpose with replay on (a reference model): name its chunks in others= (or build it with "
+            "moe_enable_routing_replay=False when it needs no replay)"
+        )
 
 
 def moe_layers_of(config: Any) -> list[int]:

@@ -38,17 +38,33 @@ class MegatronBackend:
         others: Sequence[Any] = (),
     ) -> None:
         self.replay = MegatronReplay(
-            model_chunks, mode=mode, mtp=mtp, parallel=parallel, audit_every=audit_every, log_layers=True, others=others
+            model_chunks,
+            mode=mode,
+            mtp=mtp,
+            parallel=parallel,
+            audit_every=audit_every,
+            log_layers=True,
+            others=others,
+            stale_rows="off",  # the session applies its policy where the rows enter, once
         )
 
     def feed(
-        self, routing: Any, *, chunk: Any, mask: Any, layers: Any, attention_mask: Any, layout: dict[str, Any]
+        self,
+        routing: Any,
+        *,
+        chunk: Any,
+        mask: Any,
+        layers: Any,
+        attention_mask: Any,
+        layout: dict[str, Any],
+        segments: Any = None,
     ) -> Feed:
-        """R3: this micro-batch's rows into the routers of ``chunk`` (``set_micro_batch``)."""
+        """R3: this micro-batch's rows (and their token ``segments``) into the routers of ``chunk``
+        (``set_micro_batch``)."""
         given = {
             k: v for k, v in (("mask", mask), ("layers", layers), ("attention_mask", attention_mask)) if v is not None
         }
-        return self.replay.set_micro_batch(routing, chunk=chunk, **given, **layout)
+        return self.replay.set_micro_batch(routing, chunk=chunk, segments=segments, **given, **layout)
 
     def replay_record(self, *, key: Any, input_ids: Any, chunk: Any) -> Feed:
         """R2's update: the record of micro-batch ``key``, bound to ``input_ids``."""
