@@ -1,7 +1,7 @@
 # One command each: `make demo` (set up + main job), `make test` (set up + every test).
 PY := .venv/bin/python
 
-.PHONY: setup demo lint format test test-releases test-core test-fast test-sglang test-vllm-standin test-verl test-transformers-lowest docs bench clean
+.PHONY: setup demo lint format test test-race test-releases test-core test-fast test-sglang test-vllm-standin test-verl test-transformers-lowest docs bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -19,8 +19,16 @@ format: setup
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
+# the vLLM tests that wait for a request to be running across a pause or a reload (a race with its decode: see
+# CHANGELOG, issue 43); `make test` runs them first, alone, and test-core then skips them (CORE_SKIP)
+RACE_TESTS := tests/vllm/test_provenance.py tests/vllm/test_doctor.py
+CORE_SKIP ?=
+
 test-core: setup
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q --durations=25 $(addprefix --ignore=,$(CORE_SKIP)) tests
+
+test-race: setup
+	$(PY) -m pytest -q $(RACE_TESTS)
 
 # no vLLM server, no SGLang: tests/unit (no server) and tests/http (loopback against test-only servers and fakes)
 test-fast: setup
@@ -47,7 +55,9 @@ test-transformers-lowest: setup
 # machine's cores (core's single-threaded tests and server waits leave one idle); each chain's output is printed
 # whole when it ends. A server start may then take longer than on an idle machine (RR_TEST_STARTUP_TIMEOUT).
 test: setup lint
-	RR_TEST_STARTUP_TIMEOUT=$${RR_TEST_STARTUP_TIMEOUT:-900} $(MAKE) --no-print-directory -j2 -Orecurse test-core test-releases
+	RR_TEST_STARTUP_TIMEOUT=$${RR_TEST_STARTUP_TIMEOUT:-900} $(MAKE) --no-print-directory test-race
+	RR_TEST_STARTUP_TIMEOUT=$${RR_TEST_STARTUP_TIMEOUT:-900} $(MAKE) --no-print-directory -j2 -Orecurse test-core \
+		test-releases CORE_SKIP="$(RACE_TESTS)"
 
 test-releases: setup
 	$(MAKE) --no-print-directory -j1 test-sglang test-vllm-standin test-verl test-transformers-lowest
