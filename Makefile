@@ -47,7 +47,7 @@ test-verl: setup
 	bash scripts/test_verl.sh
 
 # the low end of the declared transformers range (5.10.4, verl's env): the replay tests of tests/trainer; test-core
-# is the high end (5.23.0)
+# is the high end (5.24.0)
 test-transformers-lowest: setup
 	bash scripts/test_transformers_lowest.sh
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # .venvs/verl: verl 0.9.1 (rr-replay[verl]) on the machine's CPU torch, for tests/verl (scripts/test_verl.sh).
-# Its own env: verl 0.9.1 pins transformers < 5.11, .venv has 5.23. Idempotent (a stamp keyed on this script and
+# Its own env: verl 0.9.1 pins transformers < 5.11, .venv has 5.24. Idempotent (a stamp keyed on this script and
 # pyproject.toml skips work already done). .venv itself is never touched.
 #  - cachetools: verl's rollout router imports it without declaring it.
 #  - the SGLANG_READ pins: what SGLang 0.5.13's TokenizerManager and HTTP layer import beyond verl's deps, so

@@ -1,7 +1,8 @@
 """Every supported MoE family replays on a tiny random model; every refused one is refused with its reason;
 docs/replay-coverage.md equals what the code generates and lists every MoE family of the installed transformers.
 
-Runs at both ends of the declared transformers range: 5.23 (.venv) and 5.10 (.venvs/verl, scripts/test_verl.sh).
+Runs at both ends of the declared transformers range: 5.24 (.venv) and 5.10 (.venvs/verl,
+scripts/test_transformers_lowest.sh).
 On 5.10 the families refused there (``REFUSED_IN_LOWEST``) must be refused naming the release, and the families
 5.10 does not have are skipped with that reason."""
 
@@ -10,22 +11,33 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from rr_client.trainer.replay import UnsupportedModelError, coverage, find_routers, replay_routing, survey
+from rr_client.trainer.replay import (
+    UnsupportedModelError,
+    coverage,
+    find_routers,
+    record_routing,
+    replay_routing,
+    survey,
+)
 from rr_client.trainer.replay._routers import transformers_version
 from rr_client.trainer.replay.coverage import (
     ABSENT_IN_LOWEST,
     FAMILY_ROUTERS,
+    FP32_GATE,
     HIGHEST,
     LOWEST,
     REFUSED,
     REFUSED_IN_LOWEST,
     TESTED,
     coverage_markdown,
+    declared_range,
     installed_moe_families,
 )
+from rr_client.trainer.router_reference import router_forward, router_topk
 
 from .helpers import ExpertsSpy, ModelCache, grads, spied_forward, token_ids
 from .tiny_families import VOCAB, forward, tiny_family_model, tiny_family_raw
@@ -88,7 +100,8 @@ def test_coverage_lists_every_installed_moe_family_and_the_doc_is_generated() ->
 
     torch_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["torch"]
     lo, hi = LOWEST.split("."), HIGHEST.split(".")
-    assert f"transformers>={lo[0]}.{lo[1]},<{hi[0]}.{int(hi[1]) + 1}" in torch_extra
+    assert declared_range() == f">={lo[0]}.{lo[1]},<{hi[0]}.{int(hi[1]) + 1}"
+    assert f"transformers{declared_range()}" in torch_extra
     assert installed_moe_families() == sorted(set(FAMILY_ROUTERS) - (ABSENT_IN_LOWEST if AT_LOWEST else set()))
     assert set(REFUSED_IN_LOWEST) <= TESTED and not set(REFUSED_IN_LOWEST) & ABSENT_IN_LOWEST
     assert TESTED <= set(FAMILY_ROUTERS) and not TESTED & set(REFUSED)
@@ -173,8 +186,8 @@ def test_deepseek_v4_hash_layers_are_left_to_the_model() -> None:
 
 
 @pytest.mark.parametrize("mt", sorted(REFUSED_IN_LOWEST))
-def test_family_whose_router_changed_is_refused_at_5_10_naming_it_and_replays_at_5_23(mt: str) -> None:
-    model = tiny_family_raw(mt) if AT_LOWEST else model_for(mt)  # 5.23: the supported tests' model, built once
+def test_family_whose_router_changed_is_refused_at_5_10_naming_it_and_replays_at_5_24(mt: str) -> None:
+    model = tiny_family_raw(mt) if AT_LOWEST else model_for(mt)  # 5.24: the supported tests' model, built once
     if AT_LOWEST:
         with pytest.raises(UnsupportedModelError) as e:
             survey(model)
@@ -215,3 +228,114 @@ def test_refused_family_is_refused_with_its_reason(mt: str) -> None:
     with pytest.raises(UnsupportedModelError) as e:
         _survey(fake)
     assert mt in str(e.value) and reason in str(e.value)
+
+
+# ---------------------------------------------------------------- float32 router gates in a bfloat16 model
+
+_BF16 = ModelCache(lambda mt: tiny_family_model(mt, dtype=torch.bfloat16))
+FP32_GATE_HERE = sorted(FP32_GATE & set(SUPPORTED))
+
+
+def bf16_model_for(mt: str) -> Any:
+    if AT_LOWEST and mt in ABSENT_IN_LOWEST:
+        pytest.skip(f"model family {mt} does not exist in transformers {transformers_version()}")
+    return _BF16.get(mt)
+
+
+def router_weight_dtypes(model: Any) -> set[torch.dtype]:
+    return {p.dtype for r in find_routers(model) for p in r.module.parameters() if p.dim() == 2}
+
+
+@pytest.mark.skipif(AT_LOWEST, reason="FP32_GATE lists what transformers 5.24 keeps in float32")
+@pytest.mark.parametrize("mt", SUPPORTED)
+def test_fp32_gate_lists_the_routers_the_installed_release_keeps_in_float32(mt: str) -> None:
+    model = bf16_model_for(mt)
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    want = torch.float32 if mt in FP32_GATE else torch.bfloat16
+    assert router_weight_dtypes(model) == {want}, mt
+
+
+@pytest.mark.parametrize("mt", FP32_GATE_HERE)
+def test_fp32_gate_family_replays_bit_for_bit_in_a_bf16_model(mt: str) -> None:
+    """bf16 hidden states into a float32 gate: record and the audit read the router's own choice, the replayed
+    own choice reproduces the output bit for bit (so do the gates), the formula check passes at every forward, and
+    other ids reach exactly those experts."""
+    model = bf16_model_for(mt)
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    if not AT_LOWEST:
+        assert router_weight_dtypes(model) == {torch.float32}
+    x = ids()
+    out, routing = own_choice(model, x)
+    with torch.no_grad(), record_routing(model) as rec:
+        forward(model, x)
+    moe = dims(model)[3]
+    assert torch.equal(rec.routed_experts[:, :, moe], routing[:, :, moe])
+    with torch.no_grad(), replay_routing(model, routing, audit=True, check_every=1) as rep:
+        again = forward(model, x)
+    assert torch.equal(again, out)
+    assert rep["r3/applied_share"] == 1.0 and rep["r3/agreement"] == 1.0
+    forced = other_ids(model, 5)
+    n, k, _, _ = dims(model)
+    with (
+        ExpertsSpy(model, _own_ids) as spy,
+        torch.no_grad(),
+        replay_routing(model, forced, audit=True, check_every=1) as rep,
+    ):
+        changed = forward(model, x)
+    assert not torch.equal(changed, out) and rep["r3/applied_share"] == 1.0
+    flat = forced.reshape(-1, n, k)
+    for layer in moe:
+        assert torch.equal(spy.experts[layer], flat[:, layer]), layer
+
+
+@pytest.mark.parametrize("mt", [m for m in ("deepseek_v2", "flint") if m in FP32_GATE_HERE])
+def test_reference_topk_is_the_choice_of_a_float32_gate_in_a_bf16_model(mt: str) -> None:
+    """rr's reference top-k (router_reference: the top-k of the router logits) equals the router's own choice for
+    a plain top-k router whose gate is float32 while the model is bfloat16."""
+    model = bf16_model_for(mt)
+    n, k, _, moe = dims(model)
+    tokens = token_ids(VOCAB, 1, 12)[0].tolist()
+    _, logits = router_forward(model, tokens, moe)
+    ref = router_topk(logits, n, k)
+    with torch.no_grad(), record_routing(model) as rec:
+        forward(model, torch.tensor([tokens]))
+    own = rec.routed_experts[0].numpy()
+    for layer in moe:
+        assert (np.sort(ref[:, layer], -1) == np.sort(own[:, layer], -1)).all(), layer
+
+
+# ---------------------------------------------------------------- a looped family (transformers 5.24)
+
+
+def test_looped_family_is_refused_by_name_on_its_tiny_model() -> None:
+    if AT_LOWEST:
+        pytest.skip(f"model family inkling2_loop does not exist in transformers {transformers_version()}")
+    model = tiny_family_raw("inkling2_loop")
+    cfg = model.config.get_text_config()
+    calls: dict[str, int] = {}
+    handles = [
+        m.register_forward_hook(lambda _m, _a, _o, n=n: calls.__setitem__(n, calls.get(n, 0) + 1))
+        for n, m in model.named_modules()
+        if type(m).__name__ == "Inkling2LoopTopKRouter"
+    ]
+    try:
+        with torch.no_grad():
+            forward(model, ids())
+    finally:
+        for h in handles:
+            h.remove()
+    # why: a looped layer's one router routes every pass, while rr's rows hold one choice per decoder layer
+    looped = range(cfg.loop_layer_index_start, cfg.loop_layer_index_end)
+    assert cfg.loop_num_passes > 1 and len(calls) == cfg.num_hidden_layers
+    for name, count in calls.items():
+        layer = int(name.split("layers.")[1].split(".")[0])
+        assert count == (cfg.loop_num_passes if layer in looped else 1), name
+    for kw in ({}, {"allow_untested": True}):
+        with pytest.raises(UnsupportedModelError, match="inkling2_loop.*loop_num_passes"):
+            survey(model, **kw)
+    with pytest.raises(UnsupportedModelError, match="inkling2_loop"):
+        with replay_routing(model, torch.zeros(B, T, cfg.num_hidden_layers, 2, dtype=torch.long)):
+            pass
+    with pytest.raises(UnsupportedModelError, match="inkling2_loop"):
+        with record_routing(model):
+            pass

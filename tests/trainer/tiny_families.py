@@ -1,4 +1,4 @@
-"""A tiny random model of any MoE family of the installed transformers (5.10 or 5.23), built from its config class
+"""A tiny random model of any MoE family of the installed transformers (5.10 or 5.24), built from its config class
 (no hub download)."""
 
 from __future__ import annotations
@@ -51,6 +51,23 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe", "moe"]),  # one hash-routed layer, left to the model
     "mimo_v2_flash": dict(num_key_value_heads=1),
     "glm_moe_dsa": dict(mlp_layer_types=["dense", "sparse", "sparse"]),  # 5.10 ignores first_k_dense_replace
+    # 5.24: mrope sections must sum to qk_rope_head_dim // 2
+    "hy_v4_vl": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}),
+    # 5.24 (refused): layer 1 looped twice per forward; a small head and sliding-window attention
+    "inkling2_loop": dict(
+        unpadded_vocab_size=VOCAB,
+        n_layers_per_attn_res_block=1,
+        loop_layer_index_start=1,
+        loop_layer_index_end=2,
+        loop_num_passes=2,
+        loop_gate_rank=8,
+        swa_num_attention_heads=2,
+        swa_num_key_value_heads=2,
+        swa_head_dim=16,
+        d_rel=4,
+        sliding_window_size=8,
+        rel_extent=16,
+    ),
 }
 
 
@@ -66,8 +83,9 @@ def tiny_family_config(model_type: str) -> Any:
     return cls(**{**kw, **OVERRIDES.get(model_type, {})})
 
 
-def tiny_family_raw(model_type: str, seed: int = 0, **overrides: Any) -> Any:
-    """The family's tiny model as transformers builds it (random init), before rr looks at its routers."""
+def tiny_family_raw(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
+    """The family's tiny model as transformers builds it (random init, in ``dtype``: transformers keeps the
+    modules a family names in float32), before rr looks at its routers."""
     import transformers
 
     torch.manual_seed(seed)
@@ -76,13 +94,13 @@ def tiny_family_raw(model_type: str, seed: int = 0, **overrides: Any) -> Any:
         setattr(cfg, k, v)
     cfg._attn_implementation = "eager"
     try:
-        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     except ValueError:
-        return transformers.AutoModel.from_config(cfg, dtype=torch.float32)
+        return transformers.AutoModel.from_config(cfg, dtype=dtype)
 
 
-def tiny_family_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
-    model = tiny_family_raw(model_type, seed, **overrides)
+def tiny_family_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
+    model = tiny_family_raw(model_type, seed, dtype, **overrides)
     g = torch.Generator().manual_seed(seed + 1)
     routers, left = survey(model)
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """Which MoE families rr replays at both ends of the declared transformers range, and why the others are refused.
 
-``coverage()`` lists every MoE family (model type) of transformers 5.23 (:data:`HIGHEST`) with its status;
+``coverage()`` lists every MoE family (model type) of transformers 5.24 (:data:`HIGHEST`) with its status;
 :data:`ABSENT_IN_LOWEST` and :data:`REFUSED_IN_LOWEST` say how transformers 5.10 (:data:`LOWEST`) differs.
 ``python -m rr_client.trainer.replay.coverage [PATH]`` writes the table (``docs/replay-coverage.md``); a test keeps
 that file equal to what this module generates and the family list equal to the installed transformers (either end).
@@ -27,8 +27,10 @@ __all__ = [
     "TESTED",
     "UNTESTED_REASON",
     "NOTES",
+    "FP32_GATE",
     "Family",
     "family_status",
+    "declared_range",
     "coverage",
     "router_family",
     "lowest_status",
@@ -39,9 +41,9 @@ __all__ = [
 
 #: the two ends of the declared transformers range (pyproject's ``[torch]`` extra) that rr's tests run on:
 #: .venvs/verl (scripts/test_transformers_lowest.sh) and .venv (make test-core).
-LOWEST, HIGHEST = "5.10.4", "5.23.0"
+LOWEST, HIGHEST = "5.10.4", "5.24.0"
 
-#: model type -> its router classes (transformers 5.23); every family with a router or an experts block.
+#: model type -> its router classes (transformers 5.24); every family with a router or an experts block.
 FAMILY_ROUTERS: dict[str, tuple[str, ...]] = {
     "afmoe": ("AfmoeTokenChoiceRouter",),
     "aria": ("AriaTextTopKRouter",),
@@ -80,13 +82,16 @@ FAMILY_ROUTERS: dict[str, tuple[str, ...]] = {
     "hunyuan_v1_moe": ("HunYuanMoEV1Gate",),
     "hy_v3": ("HYV3TopKRouter",),
     "hy_v4": ("HYV4TopkRouter",),
+    "hy_v4_vl": ("HYV4VLTopkRouter",),
     "inkling": ("InklingTopkRouter",),
     "inkling2": ("Inkling2TopKRouter",),
+    "inkling2_loop": ("Inkling2LoopTopKRouter",),
     "jamba": ("JambaTopKRouter",),
     "jetmoe": ("JetMoeTopKGating",),
     "kimi_linear": ("KimiLinearTopkRouter",),
     "kolibri1": ("Kolibri1TopKRouter",),
     "laguna": ("LagunaTopKRouter",),
+    "lara_mini": ("LaraMiniTopKRouter",),
     "lfm2_moe": ("Lfm2MoeTopKRouter",),
     "llama4": ("Llama4Router",),
     "longcat_flash": ("LongcatFlashTopkRouter",),
@@ -139,6 +144,10 @@ REFUSED: dict[str, str] = {
     "per-token top-k of a decoder LM",
     "zaya": "ZayaRouter has a skip expert (num_experts + 1 classes; skipped slots are rewritten to expert 0 with "
     "weight 0) and carries router state between layers: rr's [L, K] rows cannot express the skip",
+    "inkling2_loop": "its looped decoder layers (loop_layer_index_start..loop_layer_index_end) run loop_num_passes "
+    "times per forward, each pass routing its own input through the same Inkling2LoopTopKRouter: "
+    "rr's rows hold one [K] choice per token and decoder layer, so they cannot say which experts each "
+    "pass chose (replaying one row in every pass would force the wrong experts on the later passes)",
     "inkling": "InklingTopkRouter normalises the routed and the shared experts' weights jointly and returns a "
     "4-tuple (shared gammas): no formula in rr for it yet",
     "doge": "DogeCDMoE routes with product keys inside the block (no router module, no top-k over experts rows)",
@@ -175,11 +184,13 @@ TESTED: frozenset[str] = frozenset(
         "hunyuan_v1_moe",
         "hy_v3",
         "hy_v4",
+        "hy_v4_vl",
         "inkling2",
         "jamba",
         "kimi_linear",
         "kolibri1",
         "laguna",
+        "lara_mini",
         "mellum",
         "mimo_v2_flash",
         "minimax",
@@ -201,7 +212,7 @@ TESTED: frozenset[str] = frozenset(
     }
 )
 
-#: families of transformers 5.23 that transformers 5.10 does not have (nothing to replay there).
+#: families of transformers 5.24 that transformers 5.10 does not have (nothing to replay there).
 ABSENT_IN_LOWEST: frozenset[str] = frozenset(
     {
         "axk1",
@@ -216,10 +227,13 @@ ABSENT_IN_LOWEST: frozenset[str] = frozenset(
         "granite_docling",
         "granitemoe_swa",
         "hy_v4",
+        "hy_v4_vl",
         "inkling",
         "inkling2",
+        "inkling2_loop",
         "kimi_linear",
         "kolibri1",
+        "lara_mini",
         "mimo_v2_flash",
         "minimax_m3_vl",
         "mistral_large4",
@@ -239,7 +253,7 @@ _NO_ROUTER = (
     "on transformers 5.10 there is no router module: the block's gate is a plain Linear and the block "
     "picks the top-k (route_tokens_to_experts)"
 )
-#: supported families (5.23) that replay raises :class:`UnsupportedModelError` for on transformers 5.10, naming
+#: supported families (5.24) that replay raises :class:`UnsupportedModelError` for on transformers 5.10, naming
 #: the installed release: their router there has another shape (survey detects it; this table is for the doc).
 REFUSED_IN_LOWEST: dict[str, str] = {
     **dict.fromkeys(
@@ -264,6 +278,39 @@ REFUSED_IN_LOWEST: dict[str, str] = {
         "dispatch (as JetMoe's), not per-token ids",
     ),
 }
+
+#: supported families whose router weight transformers 5.24 keeps in float32 when the model is built in bfloat16
+#: (``_keep_in_fp32_modules_strict``, or a float32 weight the router declares; the router upcasts the hidden
+#: states): their gates come from float32 logits whatever the model's dtype. tests/trainer/test_replay_families.py
+#: checks this list against the installed release and replays each of them on a bfloat16 model bit for bit.
+FP32_GATE: frozenset[str] = frozenset(
+    {
+        "axk2",
+        "bailing_hybrid",
+        "beam",
+        "deepseek_v2",
+        "deepseek_v3",
+        "deepseek_v32",
+        "dots1",
+        "ernie4_5_moe",
+        "exaone_moe",
+        "flint",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "glm_moe_dsa",
+        "hunyuan_v1_moe",
+        "hy_v3",
+        "hy_v4",
+        "hy_v4_vl",
+        "inkling2",
+        "kimi_linear",
+        "mimo_v2_flash",
+        "mistral_large4",
+        "muse_spark",
+        "nemotron_h",
+        "solar_open",
+    }
+)
 
 UNTESTED_REASON = (
     "the router's weight formula is in rr but no tiny {family} model has passed rr's replay tests "
@@ -292,16 +339,23 @@ def family_status(model_type: str) -> Family:
         return Family(model_type, routers, "supported", NOTES.get(model_type, ""))
     if model_type in FAMILY_ROUTERS:
         return Family(model_type, routers, "refused", UNTESTED_REASON.format(family=model_type))
-    return Family(model_type, routers, "refused", f"{model_type} is not a MoE family rr knows (transformers 5.23)")
+    return Family(model_type, routers, "refused", f"{model_type} is not a MoE family rr knows (transformers {HIGHEST})")
+
+
+def declared_range() -> str:
+    """The transformers requirement of pyproject's ``[torch]`` extra: from :data:`LOWEST`'s minor to past
+    :data:`HIGHEST`'s (``>=5.10,<5.25``)."""
+    lo, hi = LOWEST.split("."), HIGHEST.split(".")
+    return f">={lo[0]}.{lo[1]},<{hi[0]}.{int(hi[1]) + 1}"
 
 
 def coverage() -> list[Family]:
-    """Every MoE family of transformers 5.23, with its status and reason (at 5.23), sorted by model type."""
+    """Every MoE family of transformers 5.24 (:data:`HIGHEST`), with its status and reason there, by model type."""
     return [family_status(mt) for mt in sorted(FAMILY_ROUTERS)]
 
 
 def lowest_status(model_type: str) -> str:
-    """The family on transformers 5.10 (:data:`LOWEST`): "absent", "refused" or "supported" (as on 5.23)."""
+    """The family on transformers 5.10 (:data:`LOWEST`): "absent", "refused" or "supported" (as on 5.24)."""
     if model_type in ABSENT_IN_LOWEST:
         return "absent"
     if model_type in REFUSED_IN_LOWEST or family_status(model_type).status == "refused":
@@ -353,7 +407,7 @@ def coverage_markdown() -> str:
         "ids run exactly those experts, router gradients are non-zero, gradient checkpointing gives identical",
         "gradients, the audit reports 100%).",
         "",
-        f"The declared range (`[torch]`: transformers `>=5.10,<5.24`) is tested at both ends: {HIGHEST} (`.venv`,",
+        f"The declared range (`[torch]`: transformers `{declared_range()}`) is tested at both ends: {HIGHEST} (`.venv`,",
         f"`make test-core`) and {LOWEST} (`.venvs/verl`, `scripts/test_transformers_lowest.sh`). On each, the family",
         "tests run every family supported there and check every family refused there is refused naming the installed",
         "release;",
@@ -366,6 +420,11 @@ def coverage_markdown() -> str:
         "naming the installed release). Hash-routed layers and routers outside the decoder's layer list (MTP/draft",
         "layers, vision or talker towers) are reported by the audit and left to the model.",
         "",
+        f"{len(FP32_GATE)} supported families keep their router weight in float32 on transformers {HIGHEST} (note",
+        '"fp32 gate"): loaded in bfloat16, the router still computes its logits and gates in float32. The family',
+        "tests also replay each of them on a bfloat16 model (own choice bit for bit, the formula check at every",
+        "forward, other ids at the experts) and check the list against the installed release.",
+        "",
         f"| family (model_type) | router classes | status ({HIGHEST}) | {LOWEST} | reason / note |",
         "|---|---|---|---|---|",
     ]
@@ -374,6 +433,8 @@ def coverage_markdown() -> str:
         reason = f.reason
         if f.model_type in REFUSED_IN_LOWEST:
             reason = (reason + "; " if reason else "") + REFUSED_IN_LOWEST[f.model_type]
+        if f.model_type in FP32_GATE:
+            reason = (reason + "; " if reason else "") + f"fp32 gate ({HIGHEST})"
         lines.append(f"| `{f.model_type}` | {routers} | {f.status} | {low[f.model_type]} | {reason or '-'} |")
     return "\n".join(lines) + "\n"
 

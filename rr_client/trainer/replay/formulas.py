@@ -1,4 +1,4 @@
-"""Gate-weight formulas of transformers 5.23's MoE routers, recomputed for replayed expert ids.
+"""Gate-weight formulas of transformers 5.24's MoE routers, recomputed for replayed expert ids.
 
 Each formula takes ``(router module, the router's first output, ids [N, K])`` and returns the weights the
 router would have returned had it chosen ``ids``; the caller casts them to the dtype of the router's own
@@ -118,7 +118,7 @@ def gemma4(module: nn.Module, probs: torch.Tensor, ids: torch.Tensor) -> torch.T
 
 _DS3 = sigmoid_gather("norm_topk_prob", eps=1e-20, scale="routed_scaling_factor")
 
-#: router class -> weight formula, every router rr replays (transformers 5.23).
+#: router class -> weight formula, every router rr replays (transformers 5.24).
 SUPPORTED_ROUTERS: dict[str, WeightFn] = {
     # softmax -> top-k -> optional renorm
     **dict.fromkeys(
@@ -130,6 +130,7 @@ SUPPORTED_ROUTERS: dict[str, WeightFn] = {
             "FlexOlmoTopKRouter",
             "MellumTopKRouter",
             "Qwen4ExpTextTopKRouter",
+            "LaraMiniTopKRouter",
             "Qwen3OmniMoeThinkerTextTopKRouter",
             "Qwen3OmniMoeTalkerTextTopKRouter",
         ],
@@ -172,6 +173,7 @@ SUPPORTED_ROUTERS: dict[str, WeightFn] = {
             "Dots3NoteTextTopkRouter",
             "ExaoneMoeTopkRouter",
             "HYV4TopkRouter",
+            "HYV4VLTopkRouter",
             "KimiLinearTopkRouter",
             "MiMoV2FlashTopkRouter",
             "NemotronHTopkRouter",
