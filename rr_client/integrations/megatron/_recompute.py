@@ -56,6 +56,12 @@ def fingerprint(hidden: torch.Tensor) -> torch.Tensor:
     return torch.stack([a.sum(), (b * pos).sum(), (a.square().sum() + b.square().sum()).sqrt()])
 
 
+def _distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The match distance of fingerprints ``a`` and ``b`` (``[..., 3]``, broadcast): the larger projection gap as a
+    share of their joint scale (0 for a bit-identical input)."""
+    return (a[..., :2] - b[..., :2]).abs().amax(-1) / (a[..., 2] + b[..., 2] + 1e-30)
+
+
 def _target_hash(targets: torch.Tensor) -> torch.Tensor:
     """0-d float64: a weighted sum of the targets (two forwards with equal input but other rows differ in it)."""
     w = torch.arange(1, targets.numel() + 1, device=targets.device, dtype=torch.float64).reshape(targets.shape)
@@ -120,7 +126,7 @@ class RecomputePool:
         assert g.used is not None
         live = torch.tensor(g.live, device=fp.device)
         fps = torch.stack([g.fps[i] for i in g.live])  # [n, 3]
-        dist = (fps[:, :2] - fp[:2]).abs().amax(dim=1) / (fps[:, 2] + fp[2] + 1e-30)
+        dist = _distance(fps, fp)
         pick = torch.argmin(dist + g.used.index_select(0, live).double() * (10 * MATCH_TOLERANCE))  # ties: unused first
         at = pick.reshape(1)  # index_select, never ``t[pick]``: a 0-d tensor index is read on the host
         g.used.index_add_(0, live.index_select(0, at), torch.ones(1, dtype=torch.int64, device=fp.device))
@@ -156,7 +162,7 @@ class RecomputePool:
             tally.add(f"{key}/reused", (g.used > 1).sum())
             if g.recomputes and len(g.fps) > 1:
                 fps, hashes = torch.stack(g.fps), torch.stack(g.hashes)
-                d = (fps[:, None, :2] - fps[None, :, :2]).abs().amax(-1) / (fps[:, None, 2] + fps[None, :, 2] + 1e-30)
+                d = _distance(fps[:, None], fps[None, :])
                 taken = g.used > 0
                 same = (d <= MATCH_TOLERANCE) & (hashes[:, None] != hashes[None, :]) & taken[:, None] & taken[None, :]
                 tally.add(f"{key}/ambiguous", same.sum())
