@@ -37,7 +37,10 @@ def two_api_servers(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
         tiny_models["qwen3_dense"],
         name="qwen3-asc2",
         extra=["--api-server-count", "2"],
-        env={"VLLM_LOGGING_LEVEL": "INFO"},
+        # vLLM writes each line's "(ApiServer_k pid=N) " prefix in its own write(); unbuffered (-u, as CI runs),
+        # two processes' writes interleave and a line can carry the other's prefix. Buffered, the log handler's
+        # flush writes prefix and line in one append, so the per-process lines below are attributable.
+        env={"VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": ""},
     ).start()
     try:
         wait_for_both_processes(server)
