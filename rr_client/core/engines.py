@@ -84,6 +84,10 @@ class Engine:
     reload_rpc: str | None  # the body wraps the folder in a ``collective_rpc`` call of this method (vLLM)
     reload_reply_says_success: bool  # a 200 reply may still say ``{"success": false, "message": ...}`` (SGLang)
     dev_mode_routes: tuple[str, ...]  # routes served only with VLLM_SERVER_DEV_MODE=1 (vLLM's)
+    # freezing generation with requests kept (the doctor holds a burst until all of it is in the engine): the route
+    # and its query, and the route that lets it go; None where the engine has no such pause
+    hold_route: tuple[str, tuple[tuple[str, str], ...]] | None
+    release_route: str | None
     weight_routes: tuple[str, ...]  # every route of a weight update (and what a weight sync calls around it)
     # the sidecar
     native_generate: bool  # serves rr's ``/generate`` wire itself (SGLang's own); else the sidecar translates it
@@ -155,7 +159,9 @@ VLLM = Engine(
     cache_reset_route="/reset_prefix_cache",
     reload_rpc="reload_weights",
     reload_reply_says_success=False,
-    dev_mode_routes=("/collective_rpc", "/reset_prefix_cache"),
+    dev_mode_routes=("/collective_rpc", "/reset_prefix_cache", "/pause", "/resume"),
+    hold_route=("/pause", (("mode", "keep"),)),  # vLLM 0.30+: new adds wait in the scheduler until /resume
+    release_route="/resume",
     weight_routes=(
         "/collective_rpc",
         "/start_weight_update",
@@ -194,6 +200,8 @@ SGLANG = Engine(
     reload_rpc=None,
     reload_reply_says_success=True,
     dev_mode_routes=(),
+    hold_route=None,
+    release_route=None,
     weight_routes=(
         "/update_weights_from_disk",
         "/update_weights_from_tensor",

@@ -140,10 +140,19 @@ def rr_info_dict(app: FastAPI) -> dict[str, Any]:
     """``/rr/info`` body: the model's routing dims, and the routing store's counters (refs)."""
     body = rr_info(app).model_dump()
     body.update(current_epoch().info())  # weight_version: weight updates this server has seen complete
+    body["requests_in_engine"] = _requests_in_engine(app)
     store = current_store()
     if store is not None:
         body["routing_store"] = store.stats()
     return body
+
+
+def _requests_in_engine(app: FastAPI) -> int | None:
+    """Requests this API process has handed to the engine and not seen finish (vLLM's output processor tracks each
+    from just before it is sent to the engine core); the doctor holds a burst until all of it is there. None: not
+    readable on this vLLM."""
+    states = getattr(getattr(app.state.engine_client, "output_processor", None), "request_states", None)
+    return len(states) if isinstance(states, dict) else None
 
 
 def _routing_enabled(app: FastAPI) -> bool:

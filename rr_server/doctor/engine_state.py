@@ -23,6 +23,9 @@ __all__ = [
     "weight_version",
     "reload_weights",
     "provenance_of",
+    "hold_generation",
+    "release_generation",
+    "requests_in_engine",
 ]
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(\{.*\})?\s+(\S+)")
@@ -171,6 +174,44 @@ async def reload_weights(http: httpx.AsyncClient, engine: str, path: str) -> str
     if isinstance(reply, dict) and reply.get("success") is False:
         return f"{route} refused the weights in {path}: {reply.get('message')}"
     return None
+
+
+async def hold_generation(http: httpx.AsyncClient, engine: str) -> str | None:
+    """Freeze generation with requests kept (vLLM dev-mode ``/pause?mode=keep``): None when held, else why not."""
+    eng = ENGINES.get(engine)
+    if eng is None or eng.hold_route is None:
+        return f"{engine} has no pause that keeps requests"
+    route, query = eng.hold_route
+    try:
+        resp = await http.post(route, params=dict(query))
+    except httpx.HTTPError as e:
+        return f"{route}: {type(e).__name__}: {e}"
+    if resp.status_code == 404 and route in eng.dev_mode_routes:
+        return f"{route} is 404: vLLM serves it only with VLLM_SERVER_DEV_MODE=1 in the server's environment"
+    return None if resp.status_code < 300 else f"{route} answered {resp.status_code}: {resp.text[:200]}"
+
+
+async def release_generation(http: httpx.AsyncClient, engine: str) -> str | None:
+    """Let held generation go (vLLM ``/resume``): None when it went, else why not."""
+    eng = ENGINES.get(engine)
+    if eng is None or eng.release_route is None:
+        return f"{engine} has no pause to release"
+    try:
+        resp = await http.post(eng.release_route)
+    except httpx.HTTPError as e:
+        return f"{eng.release_route}: {type(e).__name__}: {e}"
+    return None if resp.status_code < 300 else f"{eng.release_route} answered {resp.status_code}: {resp.text[:200]}"
+
+
+async def requests_in_engine(http: httpx.AsyncClient) -> int | None:
+    """``/rr/info`` ``requests_in_engine``: requests the answering API process has in the engine (None: not said)."""
+    resp = await _get(http, "/rr/info")
+    if resp is None:
+        return None
+    try:
+        return _int(resp.json().get("requests_in_engine"))
+    except (ValueError, AttributeError):
+        return None
 
 
 def provenance_of(r: GenerateResult) -> Provenance | None:

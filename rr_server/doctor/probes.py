@@ -4,8 +4,9 @@
   the engine preempts some; every sample's rows must equal a non-preempted run of its prompt (greedy), and
   ``rr_provenance`` must report the preemptions the engine counted (vLLM's ``vllm:num_preemptions``).
 - **weight update** (``--probe-weight-update PATH``, the server's own current weights): the same load, and a
-  reload through the engine's weight route while requests are preempted; ``/rr/info`` ``weight_version`` must
-  rise, every request in flight across the reload must be flagged (``spans_update``), a preempted one
+  reload through the engine's weight route while its requests are in flight (vLLM dev mode: frozen in the engine
+  by ``/pause?mode=keep``, then preempted under the new weights; elsewhere once the engine has preempted);
+  ``/rr/info`` ``weight_version`` must rise, every request in flight across the reload must be flagged (``spans_update``), a preempted one
   ``may_be_recomputed_across_update``; rows after the reload must equal those before (same weights).
 - **kv offload** (vLLM) / **hierarchical cache** (SGLang): whether the deployment can serve prefix hits from
   outside the device cache with routing on; where it can, a prefix evicted from the device and served again must
@@ -28,9 +29,12 @@ from rr_client.core.engines import ENGINES, offload_name
 from rr_server.doctor.engine_state import (
     EngineCache,
     engine_cache,
+    hold_generation,
     preemption_count,
     provenance_of,
+    release_generation,
     reload_weights,
+    requests_in_engine,
     weight_version,
 )
 from rr_server.doctor.samples import PREFIX_CACHE_TOKENS, ROW_AGREEMENT_MIN, _agreement, _prompt_rows, _prompts
@@ -60,6 +64,8 @@ __all__ = ["Load", "plan_load", "comparable_rows", "offload_state", "run_probes"
 MAX_PROBE_REQUESTS = 48
 # Bursts with a reload the weight-update probe tries before it says the reload never met a preempted request.
 WEIGHT_UPDATE_ATTEMPTS = 2
+# How long a held burst waits for all its requests to reach the engine before it is let go as it stands.
+HOLD_DEADLINE_S = 30.0
 # Tiers a prefix hit can come from outside the device cache (rr_client.core.provenance.CacheTier).
 OFFLOAD_TIERS = ("host", "storage", "external")
 _NOT_SAID = (
@@ -119,6 +125,7 @@ class _Probes:
         self.engine = doc.info.engine
         self.cache = EngineCache("")
         self.refs: dict[tuple[int, ...], GenerateResult] = {}
+        self.held = ""  # how the last burst went out (held until all were in the engine, or why not)
 
     def agreement(self, got: GenerateResult, ref: GenerateResult) -> float:
         """Share of equal (row, MoE layer) sets over the rows both samples share inputs for."""
@@ -146,10 +153,16 @@ class _Probes:
         return None
 
     async def burst(
-        self, prompts: list[list[int]], load: Load, during: Any = None
+        self, prompts: list[list[int]], load: Load, during: Any = None, while_held: Any = None
     ) -> tuple[list[tuple[float, float, GenerateResult]], float | None, Any]:
         """All prompts at once; each sample with when it was sent and answered, the engine's preemption count
-        during the burst (None: not reported), and what ``during`` (run alongside) returned."""
+        during the burst (None: not reported), and what ``during`` (run alongside) returned. ``while_held`` runs
+        once every request is in the held engine, before it is let go (not at all when the burst is unheld).
+
+        Where the server can freeze generation with requests kept (vLLM dev mode), the burst is held until every
+        request is in the engine and then let go together: the engine admits as many as the cache holds in one
+        step and must preempt, however the requests' arrival was staggered. Elsewhere they go out unheld (on a
+        loaded machine the first may finish before the last arrive: then the probe says "not exercised")."""
         before = await preemption_count(self.http)
         params = {"max_new_tokens": load.new_tokens}
 
@@ -158,12 +171,39 @@ class _Probes:
             (r,) = await self.doc.gen([p], params)
             return t0, time.monotonic(), r
 
+        base = await requests_in_engine(self.http)
+        why_not = "the server does not say how many requests it has in the engine" if base is None else None
+        why_not = why_not or await hold_generation(self.http, self.engine)
         tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+        if why_not is None:
+            try:
+                self.held = await self._until_in_engine(tasks, base or 0)
+                if while_held is not None:
+                    await while_held()
+            finally:
+                if (failed := await release_generation(self.http, self.engine)) is not None:
+                    self.held += f"; letting it go failed: {failed}"
+        else:
+            self.held = f"sent unheld ({why_not})"
         side = await during(tasks, before) if during is not None else None
         done = await asyncio.gather(*tasks)
         after = await preemption_count(self.http)
         delta = None if before is None or after is None else after - before
         return list(done), delta, side
+
+    async def _until_in_engine(self, tasks: list[asyncio.Future[Any]], base: int) -> str:
+        """Wait (bounded) until every request of a held burst is in the engine or answered; how the hold went."""
+        deadline, seen = time.monotonic() + HOLD_DEADLINE_S, 0
+        while time.monotonic() < deadline:
+            now = await requests_in_engine(self.http)
+            seen = (now or 0) - base
+            if seen + sum(t.done() for t in tasks) >= len(tasks):
+                return f"held until all {len(tasks)} were in the engine, then let go at once"
+            await asyncio.sleep(0.02)
+        return (
+            f"held {HOLD_DEADLINE_S:.0f} s, but the answering API process saw only {seen} of {len(tasks)} in the "
+            "engine (with several API processes each counts its own), then let go"
+        )
 
     async def preemption(self, load: Load | str) -> None:
         name = "preemption"
@@ -206,14 +246,14 @@ class _Probes:
                 + ("none" if engine_count == 0 else "not reported")
                 + ")"
             )
-            self.doc.add(name, True, f"not exercised: {what}; {why}", exercised=False)
+            self.doc.add(name, True, f"not exercised: {what}; {why}; {self.held}", exercised=False)
             return
         await self.rows_vs_refs(
             name,
             samples,
             preempted,
             f"{what}: {len(preempted)} preempted (rr_provenance: {sum(reported)} preemptions, "
-            f"engine: {'not reported' if engine_count is None else f'{engine_count:.0f}'})",
+            f"engine: {'not reported' if engine_count is None else f'{engine_count:.0f}'}; {self.held})",
         )
 
     async def rows_vs_refs(
@@ -306,8 +346,16 @@ class _Probes:
         flagged across it), or why the reload failed."""
         window: dict[str, Any] = {}
 
+        async def reload() -> None:
+            window["t0"] = time.monotonic()
+            window["error"] = await reload_weights(self.http, self.engine, self.weights_path)  # type: ignore[arg-type]
+            window["t1"] = time.monotonic()
+
         async def reload_mid_burst(tasks: list[asyncio.Future[Any]], before: float | None) -> None:
-            """Reload once the engine has preempted (or half the requests are done, if it does not say)."""
+            """Unheld (the engine cannot freeze generation): reload once the engine has preempted (or half the
+            requests are done, if it does not count preemptions)."""
+            if "t0" in window:
+                return  # reloaded while the burst was held
             while not all(t.done() for t in tasks):
                 now = await preemption_count(self.http)
                 if (before is not None and now is not None and now > before) or (
@@ -315,11 +363,13 @@ class _Probes:
                 ):
                     break
                 await asyncio.sleep(0.01)
-            window["t0"] = time.monotonic()
-            window["error"] = await reload_weights(self.http, self.engine, self.weights_path)  # type: ignore[arg-type]
-            window["t1"] = time.monotonic()
+            await reload()
 
-        samples, _count, _ = await self.burst(prompts, load, during=reload_mid_burst)
+        # held (vLLM dev mode): the reload lands while every request of the burst is admitted and frozen in the
+        # engine, as an RL loop's pause-update-resume does; let go, they overfill the cache under the new weights and
+        # are preempted. Aimed mid-decode instead, it missed on a loaded machine: while the engine decodes, the API
+        # process answered the doctor only once the burst's outputs drained (seen: /resume took the whole burst).
+        samples, _count, _ = await self.burst(prompts, load, during=reload_mid_burst, while_held=reload)
         if window.get("error"):
             return str(window["error"])
         v1 = await weight_version(self.http)
@@ -349,7 +399,7 @@ class _Probes:
         what = (
             f"reload of {self.weights_path}: weight_version {v0} -> {v1}; {across} of {load.requests} requests "
             f"of {load.prompt_len}+{load.new_tokens} tokens ran across it, {flagged} of them preempted and "
-            "flagged may_be_recomputed_across_update"
+            f"flagged may_be_recomputed_across_update ({self.held})"
         )
         return what, problems, flagged
 
