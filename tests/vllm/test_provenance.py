@@ -6,21 +6,21 @@ with a KV cache of 12 blocks of 32 tokens, so concurrent long requests preempt e
 1. A cold sample and the same prompt again: the second carries its prefix-cache hit (``cached_tokens``, tier
    ``device``) and rows equal to the cold run's; both equal transformers' own router top-k, at one weight version
    at both ends, no preemption, and the digest of their tokens.
-2. One long request decodes alone while rr's weight sync reloads (``/collective_rpc`` ``reload_weights``, the same
-   weights): it spans the update without a recompute, so it is flagged and kept, its rows exact.
-3. Six long requests fill the KV cache; once all six decode, the pause preempts every one still running and the
-   reload loads the checkpoint with every router negated. Each sample preempted across the update says so
-   (preemptions > 0, spans it): ``check_provenance`` refuses it, or with ``stale_rows="mask"`` keeps it unreplayed
-   and counts it; a sample that finished before the update is exact against transformers.
+2. One long request, frozen in the engine by the pause before it was sent, while rr's weight sync reloads
+   (``/collective_rpc`` ``reload_weights``, the same weights): it spans the update without a recompute, so it is
+   flagged and kept, its rows exact.
+3. Six long requests frozen in the engine the same way while the reload loads the checkpoint with every router
+   negated; let go, they overfill the KV cache and vLLM preempts some. Each sample preempted across the update says
+   so (preemptions > 0, spans it): ``check_provenance`` refuses it, or with ``stale_rows="mask"`` keeps it
+   unreplayed and counts it; every busy sample's rows equal transformers' with the pushed weights.
 4. ``/rr/info`` answers the new weight version; a new sample's rows equal transformers' with the pushed
    weights, on ``/generate`` (by reference too: its ref carries the version and the provenance) and on
    ``/v1/completions`` (``choice["rr_provenance"]``, streamed: on rr's routing event).
 
-Both reloads run as RL frameworks run them on vLLM: ``/pause?mode=keep`` (in-flight requests freeze where they are),
-the reload, ``/resume``; the freeze makes the overlap certain once the pause holds (requests that all finished
-before it held, on a loaded machine, are replaced by new ones). Step 2 pauses with
-``clear_cache=false``; step 3 with the route's default ``clear_cache=true``, which makes vLLM preempt every request
-still running: each is recomputed under the new weights after the resume, and rr flags each.
+Both reloads run as RL frameworks run them on vLLM: ``/pause?mode=keep``, the reload, ``/resume``. The requests
+are sent while the engine is paused and the reload waits until all of them are in it (``/rr/info``
+``requests_in_engine``), so what the update overlaps is decided by no timing: aimed at requests mid-decode, the
+pause landed after they finished on a loaded machine (the API process answers it only once their outputs drain).
 """
 
 from __future__ import annotations
@@ -95,24 +95,6 @@ async def generate(c: httpx.AsyncClient, prompt: list[int], params: dict[str, An
     return r.json()  # type: ignore[no-any-return]
 
 
-async def stream_until_first_chunk(
-    c: httpx.AsyncClient, prompt: list[int], params: dict[str, Any], started: asyncio.Event
-) -> dict[str, Any]:
-    """A streamed /generate with routing: sets ``started`` on its first chunk, returns its final one."""
-    last: dict[str, Any] = {}
-    async with c.stream(
-        "POST",
-        "/generate",
-        json={"input_ids": prompt, "sampling_params": params, "stream": True, "return_routed_experts": True},
-    ) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                last = json.loads(line[5:])
-                started.set()
-    return last
-
-
 async def pause(c: httpx.AsyncClient, *, clear_cache: bool) -> None:
     """vLLM's dev-mode ``/pause?mode=keep``: in-flight requests freeze (none finishes) until ``/resume``. With
     ``clear_cache`` (the route's default), vLLM 0.30 also resets the prefix cache with its running requests: each is
@@ -125,6 +107,16 @@ async def resume(c: httpx.AsyncClient) -> None:
     """vLLM's dev-mode ``/resume``: the frozen requests go on."""
     r = await c.post("/resume")
     assert r.status_code == 200, r.text
+
+
+async def in_engine(c: httpx.AsyncClient, n: int) -> None:
+    """Wait (bounded) until the paused server holds ``n`` requests in its engine (``/rr/info`` requests_in_engine):
+    no timing decides what the update overlaps."""
+    for _ in range(3000):
+        if (await c.get("/rr/info")).json()["requests_in_engine"] == n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{n} requests never reached the paused engine")
 
 
 async def reload_and_resume(c: httpx.AsyncClient, folder: Path) -> None:
@@ -158,35 +150,19 @@ def check_server(url: str, name: str, model_dir: Path, tmp_path: Path) -> None:
         async with httpx.AsyncClient(base_url=url, timeout=600) as c:
             cold = await generate(c, PROMPT, GREEDY)
             warm = await generate(c, PROMPT, GREEDY)
-            # an update while one request decodes alone (no KV pressure): it spans the update without a recompute.
-            # Paused at its first chunk; should it have finished before the pause took hold, another one is sent.
-            for _ in range(8):  # a loaded machine can finish a 190-token decode before the pause holds
-                started = asyncio.Event()
-                alone = asyncio.ensure_future(stream_until_first_chunk(c, PROMPT[:30], LONG, started))
-                await started.wait()
-                await pause(c, clear_cache=False)
-                if not alone.done():
-                    break
-                await resume(c)
-            assert not alone.done(), "the long request finished before each pause: nothing spans the update"
+            # an update while one request is in the engine alone (no KV pressure): frozen there by the pause before
+            # it was sent, admitted under the old weights, it spans the update without a recompute
+            await pause(c, clear_cache=False)
+            alone = asyncio.ensure_future(generate(c, PROMPT[:30], LONG))
+            await in_engine(c, 1)
             await reload_and_resume(c, model_dir)  # the same weights again: a real reload, the rows stay exact
             spanning = await alone
-            # six long requests fill the KV cache; once each has streamed its first token (all six decoding), the
-            # pause (clear_cache=true) preempts every one still running and the pushed weights load. Should all six
-            # finish before the pause takes hold (a loaded machine), it is lifted and six others are sent.
-            for attempt in range(5):
-                prompts = [[(t + 7 * k + 61 * attempt) % 440 + 2 for t in PROMPT] for k in range(1, 7)]
-                started = [asyncio.Event() for _ in prompts]
-                tasks = [
-                    asyncio.ensure_future(stream_until_first_chunk(c, p, LONG, e))
-                    for p, e in zip(prompts, started, strict=True)
-                ]
-                await asyncio.gather(*(e.wait() for e in started))
-                await pause(c, clear_cache=True)
-                if not all(t.done() for t in tasks):
-                    break
-                await resume(c)
-            assert not all(t.done() for t in tasks), "every busy request finished before each pause"
+            # six long requests frozen in the engine the same way while the pushed weights load; let go, they
+            # overfill the KV cache (6 x 8 blocks > 12) and vLLM preempts some under the new weights
+            await pause(c, clear_cache=True)
+            prompts = [[(t + 7 * k) % 440 + 2 for t in PROMPT] for k in range(1, 7)]
+            tasks = [asyncio.ensure_future(generate(c, p, LONG)) for p in prompts]
+            await in_engine(c, len(tasks))
             await reload_and_resume(c, tmp_path / "pushed")
             busy = list(await asyncio.gather(*tasks))
             assert (await c.post("/reset_prefix_cache")).status_code == 200  # as rr's weight sync does after a push
@@ -221,10 +197,9 @@ def check_server(url: str, name: str, model_dir: Path, tmp_path: Path) -> None:
         check_provenance(provs, "refuse")
     masked = check_provenance(provs, "mask")
     assert masked.masked == len(stale) and [not r for r in masked.replay] == [i in stale for i in range(len(provs))]
-    for s, p in zip(busy, provs):
-        if not p.spans_update:  # finished before the update (preempted or not): the old weights' rows, exact
-            assert p.weight_version_finished == v0 + 1
-            exact(s, base)
+    for s, p in zip(busy, provs):  # admitted before the update, computed after it: the pushed weights' rows
+        assert p.spans_update and p.weight_version_admitted == v0 + 1 and p.weight_version_finished == v0 + 2, p
+        exact(s, pushed)
     print(f"\npreemptions / spans update per busy sample: {[(p.preemptions, p.spans_update) for p in provs]}")
 
     # 4. after the update: its version, and new samples route as transformers does with the pushed weights
