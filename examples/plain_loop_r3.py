@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 
 import torch
 import transformers
@@ -35,19 +36,13 @@ PROMPTS = ["The capital of France is", "Mixture of experts models route each tok
 
 
 async def rollout(
-    url: str,
-    prompts: list[list[int]],
-    samples: int,
-    max_new_tokens: int,
-    by_reference: bool = False,
-    temperature: float = 1.0,
+    url: str, prompts: list[list[int]], params: dict[str, Any], by_reference: bool = False
 ) -> GenerateBatch:
-    """One rollout: ``samples`` completions per prompt with routing and the engine's sampling log-probs.
+    """One rollout: completions of each prompt sampled with ``params``, with routing and the engine's log-probs.
 
     ``by_reference``: the server keeps the rows and answers refs (what a controller would hand to trainer ranks);
     each rank then resolves only its own samples' rows, here the one rank all of them."""
     async with RoutedExpertsClient(url) as client:
-        params = {"n": samples, "max_new_tokens": max_new_tokens, "temperature": temperature}
         batch = await client.generate(prompts, params, return_logprob=True, by_reference=by_reference)
         if by_reference:
             batch = GenerateBatch(await client.resolve_results(batch.results), batch.info)
@@ -78,13 +73,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # audit every step here (the default is every 10th); the stale-rows policy runs in open_replay
     session = ReplaySession(model, audit_every=1, stale_rows=args.stale_rows)
+    # the sampling params, also what the engine's log-probs are checked against: raw (pre-temperature) ones are
+    # refused at a temperature other than 1 or with top_k / top_p / min_p / a penalty on
+    params = {"n": args.samples, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     history = []
 
     # ---------------------------------------------------------------- the loop
     for step in range(args.steps):
-        batch = asyncio.run(
-            rollout(args.url, prompts, args.samples, args.max_new_tokens, args.by_reference, args.temperature)
-        )
+        batch = asyncio.run(rollout(args.url, prompts, params, args.by_reference))
         rt = batch.to_tensors(pad_side="right")
         response = rt.response_mask.bool()
         reward = torch.tensor([float(len(r.output_ids)) for r in batch])
@@ -95,15 +91,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
             session.open_replay(rt)  # the stale-rows policy on rt's provenance, then the engine's routing replayed
             logits = model(rt.input_ids, attention_mask=rt.attention_mask).logits
             logps = token_logprobs(logits / args.temperature, rt.input_ids)  # what the engine sampled from
-            engine = rt.logprobs  # the engine's log-probs beside the tokens (after temperature: rr's launchers)
-            # TRL's correction: exp(sum of (trainer - engine) log-probs) per sample, 0 above 3 (detached)
+            # TRL's correction: exp(sum of (trainer - engine) log-probs) per sample, 0 above 3 (detached), with the
+            # engine's log-probs beside the tokens (rt.logprobs, of rt.logprobs_mode: processed from rr's launchers)
             ratio = importance_sampling_ratio(
-                logps.detach(), engine, response, mode="sequence_mask", clip_min=None, clip_max=3.0
+                logps.detach(), rt, response, mode="sequence_mask", clip_min=None, clip_max=3.0, sampling=params
             )
             per_sample = (ratio * logps * response).sum(-1) / response.sum(-1).clamp(min=1)
             loss = -(advantage * per_sample).mean()
             loss.backward()
-            session.add_gap(logps, rt, response, temperature=args.temperature)  # refuses pre-temperature ones
+            session.add_gap(logps, rt, response, sampling=params)  # refuses raw ones that would not compare
         optimizer.step()
         optimizer.zero_grad()
 

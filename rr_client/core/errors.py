@@ -226,9 +226,10 @@ class ArgumentTypeError(ConfigurationError, TypeError):
 
 
 class LogprobsModeError(ConfigurationError):
-    """The engine's sampled log-probs and the trainer's would not mean the same thing (e.g. vLLM's pre-temperature
-    ``raw_logprobs`` sampled at temperature != 1): gaps and importance ratios would be wrong, so rr refuses and names
-    the flag that fixes it (``--logprobs-mode processed_logprobs``)."""
+    """The engine's sampled log-probs and the trainer's would not mean the same thing (e.g. vLLM's ``raw_logprobs``
+    sampled at temperature != 1, or with top-k / top-p / min-p / a penalty on: not the distribution sampled from):
+    gaps and importance ratios would be wrong, so rr refuses and names the sampling flags and the flag that fixes it
+    (``--logprobs-mode processed_logprobs``)."""
 
 
 class UntrustedHostError(ConfigurationError):

@@ -13,6 +13,8 @@ a :class:`rr_client.RoutingRef`: its ``provenance``)::
      "weight_version_admitted": 3,     # the server's weight version (weight updates it has seen) at admission ...
      "weight_version_finished": 3,     # ... and at finish
      "weight_update_during": false,    # a weight update began or ended while the request ran
+     "cached_under_older_weights": false,  # its cached tokens may come from KV computed under older weights (the
+                                       #   prefix cache was not cleared since the last update); null: not said
      "tokens_digest": "9f..."}         # tokens_digest(prompt ids, output ids): what the rows belong to
 
 A sample that **spans** a weight update without a recompute keeps rows and log-probs that agree token by token (each
@@ -20,7 +22,9 @@ token's rows and log-prob come from the same forward): it is kept and flagged. A
 preempted (or whose preemptions the engine does not report) **may have been recomputed across it**: its prompt's
 (and earlier tokens') rows were overwritten under the new weights while its tokens and log-probs keep the old. The
 policy (:func:`check_provenance`) refuses it with :class:`StaleRoutingError`, or with ``stale_rows="mask"`` keeps it
-with replay masked off for the whole sample, and counts both.
+with replay masked off for the whole sample, and counts both. A sample admitted after an update whose prefix-cache
+hit may be KV computed before it (``cached_under_older_weights``: the cache was not cleared since) is treated the
+same way: its cached tokens' rows and the KV its tokens attended to come from the older weights.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ class Provenance:
     weight_version_finished: int | None = None
     weight_update_during: bool = False
     tokens_digest: str | None = None
+    cached_under_older_weights: bool | None = None
 
     @property
     def spans_update(self) -> bool:
@@ -106,6 +111,12 @@ class Provenance:
         while tokens and log-probs are from the old."""
         return self.spans_update and (self.preemptions is None or self.preemptions > 0)
 
+    @property
+    def stale(self) -> bool:
+        """Rows that may not belong to the weights the tokens were sampled with: recomputed across an update, or
+        cached tokens from KV computed under older weights. What the policy refuses or masks."""
+        return self.may_be_recomputed_across_update or bool(self.cached_under_older_weights and self.cached_tokens)
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON object a server answers as ``rr_provenance``."""
         return {
@@ -116,6 +127,7 @@ class Provenance:
             "weight_version_admitted": self.weight_version_admitted,
             "weight_version_finished": self.weight_version_finished,
             "weight_update_during": self.weight_update_during,
+            "cached_under_older_weights": self.cached_under_older_weights,
             "tokens_digest": self.tokens_digest,
         }
 
@@ -136,6 +148,9 @@ class Provenance:
         during = d.get("weight_update_during", False)
         if not isinstance(during, bool):
             raise MalformedPayloadError(f"{where}: weight_update_during must be a bool, got {during!r}")
+        older = d.get("cached_under_older_weights")
+        if older is not None and not isinstance(older, bool):
+            raise MalformedPayloadError(f"{where}: cached_under_older_weights must be a bool or null, got {older!r}")
         digest = d.get("tokens_digest")
         if digest is not None and not (isinstance(digest, str) and len(digest) == 32):
             raise MalformedPayloadError(f"{where}: tokens_digest must be 32 hex chars or null, got {digest!r}")
@@ -147,6 +162,7 @@ class Provenance:
             weight_version_finished=_opt_int(d, "weight_version_finished", where),
             weight_update_during=during,
             tokens_digest=digest,
+            cached_under_older_weights=older,
         )
 
 
@@ -172,8 +188,9 @@ def check_stale_policy(policy: object) -> StalePolicy:
 def check_provenance(
     provenances: Sequence[Provenance | None], policy: StalePolicy = "refuse", *, where: str = "sample"
 ) -> ProvenanceCheck:
-    """Apply the stale-rows policy to one batch: a sample that may have been recomputed across a weight update
-    raises :class:`StaleRoutingError` (``"refuse"``, naming it) or is kept unreplayed (``"mask"``); a sample that
+    """Apply the stale-rows policy to one batch: a sample that may have been recomputed across a weight update, or
+    whose cached tokens come from KV of older weights (:attr:`Provenance.stale`), raises :class:`StaleRoutingError`
+    (``"refuse"``, naming it) or is kept unreplayed (``"mask"``); a sample that
     spans an update without a recompute is kept and counted; ``None`` (a server without provenance) is counted.
     ``"off"``: nothing is refused or masked (every sample spanning an update is counted as such)."""
     check_stale_policy(policy)
@@ -185,17 +202,29 @@ def check_provenance(
             replay.append(True)
             continue
         cached += p.cached_tokens
-        if p.may_be_recomputed_across_update and policy != "off":
+        if p.stale and policy != "off":
             if policy == "refuse":
-                raise StaleRoutingError(
-                    f"{where} {i}: its rows may have been recomputed under other weights than its tokens were "
-                    f"sampled with (preemptions {p.preemptions}, weight version {p.weight_version_admitted} at "
-                    f"admission, {p.weight_version_finished} at finish, update during: {p.weight_update_during}); "
-                    "pass stale_rows='mask' to keep such samples without replay"
-                )
+                raise StaleRoutingError(_why_stale(p, f"{where} {i}"))
             masked += 1
             replay.append(False)
             continue
         spans += p.spans_update
         replay.append(True)
     return ProvenanceCheck(tuple(replay), masked, spans, unknown, cached)
+
+
+def _why_stale(p: Provenance, who: str) -> str:
+    """The refusal of a stale sample, naming what made it stale and the way out."""
+    if p.may_be_recomputed_across_update:
+        why = (
+            f"its rows may have been recomputed under other weights than its tokens were sampled with (preemptions "
+            f"{p.preemptions}, weight version {p.weight_version_admitted} at admission, {p.weight_version_finished} at "
+            f"finish, update during: {p.weight_update_during})"
+        )
+    else:
+        why = (
+            f"its {p.cached_tokens} cached tokens may come from KV computed under older weights than version "
+            f"{p.weight_version_admitted} (the server's prefix cache was not cleared after the last update: reset it "
+            "after each push, e.g. rr's DiskWeightSync, or pause with clear_cache)"
+        )
+    return f"{who}: {why}; pass stale_rows='mask' to keep such samples without replay"

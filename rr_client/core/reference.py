@@ -11,7 +11,8 @@ The frame (``application/x-rr-routing``), safetensors-style::
     N bytes   UTF-8 JSON: {"schema": "rr.routing_rows/1", "parts": [{"key", "start", "stop", "shape", "dtype",
               "offset", "nbytes", "checksum"}, ...]}   (offsets into the data, parts in request order)
     data      each part's rows, C order, raw (1 byte per routing entry as uint8: no base64); parts that are the
-              same rows (one key asked twice) share one offset
+              same rows (one key asked twice) share one offset, parts whose rows overlap (ranges of one key the
+              server read as one run) name offsets inside the same bytes: each stored row is sent once
 
 Every header field is checked before any byte of data is used.
 """
@@ -38,6 +39,7 @@ __all__ = [
     "FRAME_MEDIA_TYPE",
     "READ_PATH",
     "RETIRE_PATH",
+    "MAX_READ_BYTES",
     "RoutingRef",
     "checksum",
     "encode_frame",
@@ -50,6 +52,9 @@ REF_SCHEMA = "rr.routing_ref/1"
 ROWS_SCHEMA = "rr.routing_rows/1"
 FRAME_MEDIA_TYPE = "application/x-rr-routing"
 READ_PATH = "/rr/routing/read"  #: every rr server's read route (POST, JSON refs -> frame)
+#: rows' bytes one read may answer (and hash) by default: the server's cap (``RR_ROUTING_READ_BYTES``), the
+#: client's split (a server with a lower cap says it in its 413, and the client splits by that)
+MAX_READ_BYTES = 128 << 20
 RETIRE_PATH = "/rr/routing/retire"  #: every rr server's retire route (POST {"through": V})
 _DTYPES = ("uint8", "uint16")
 _MAX_HEADER = 64 * 1024 * 1024
@@ -178,35 +183,82 @@ class FramePart:
     digest: str = ""
 
 
-def encode_frame(parts: Sequence[FramePart]) -> bytes:
-    """The read route's body: header (shapes, dtypes, offsets, checksums) then each part's raw rows.
+def encode_frame(parts: Sequence[FramePart], runs: Sequence[FramePart] = ()) -> bytes:
+    """The read route's body: header (shapes, dtypes, offsets, checksums) then the rows' raw bytes.
 
-    A part's ``digest`` is used as given (a store keeps it from store time), else computed. The same part object
-    given twice is written once: both header entries name its offset (a request naming one key N times costs
-    one copy of the rows, not N)."""
+    A part's ``digest`` is used as given (a store keeps it from store time), else computed over the bytes the
+    entry names. The same part object given twice is written once: both header entries name its offset (a request
+    naming one key N times costs one copy of the rows, not N). With ``runs`` (merged reads: each run a key's rows
+    ``[start, stop)``, the runs of one key disjoint), every part lies inside a run of its key: only the runs are
+    written, once each, and each part's entry names its rows' offset inside its run (asks that overlap share
+    bytes; the header is still one entry per part, which readers slice the data by)."""
+    located = _run_index(runs)
     header: list[dict[str, Any]] = []
     data: list[memoryview] = []
     placed: dict[int, dict[str, Any]] = {}
+    run_at: dict[int, tuple[int, np.ndarray]] = {}  # id(run) -> (its offset in the data, its rows), once written
     offset = 0
     for p in parts:
         entry = placed.get(id(p))
         if entry is None:
-            a = np.ascontiguousarray(p.rows)
+            if runs:
+                run = _run_of(located, p)
+                if id(run) not in run_at:
+                    whole = np.ascontiguousarray(run.rows)
+                    run_at[id(run)] = (offset, whole)
+                    data.append(whole.data)
+                    offset += whole.nbytes
+                base, whole = run_at[id(run)]
+                a = whole[p.start - run.start : p.stop - run.start]
+                at = base + (p.start - run.start) * _row_nbytes(whole)
+            else:
+                a = np.ascontiguousarray(p.rows)
+                at = offset
+                data.append(a.data)
+                offset += a.nbytes
             entry = placed[id(p)] = {
                 "key": p.key,
                 "start": p.start,
                 "stop": p.stop,
                 "shape": list(a.shape),
                 "dtype": a.dtype.name,
-                "offset": offset,
+                "offset": at,
                 "nbytes": a.nbytes,
                 "checksum": p.digest or checksum(a),
             }
-            data.append(a.data)
-            offset += a.nbytes
         header.append(entry)
     head = json.dumps({"schema": ROWS_SCHEMA, "parts": header}, separators=(",", ":")).encode()
     return b"".join([struct.pack("<Q", len(head)), head, *data])
+
+
+def _row_nbytes(rows: np.ndarray) -> int:
+    """Bytes of one row of ``rows`` (rows x layers x topk), also of an empty array."""
+    return int(np.prod(rows.shape[1:], dtype=np.int64)) * rows.itemsize
+
+
+def _run_index(runs: Sequence[FramePart]) -> dict[str, tuple[np.ndarray, list[FramePart]]]:
+    """Per key, its runs' starts (sorted) and the runs, for :func:`_run_of`."""
+    by_key: dict[str, list[FramePart]] = {}
+    for r in runs:
+        by_key.setdefault(r.key, []).append(r)
+    out = {}
+    for key, rs in by_key.items():
+        rs.sort(key=lambda r: r.start)
+        out[key] = (np.array([r.start for r in rs], dtype=np.int64), rs)
+    return out
+
+
+def _run_of(located: dict[str, tuple[np.ndarray, list[FramePart]]], p: FramePart) -> FramePart:
+    """The run of ``p``'s key that holds its rows (the last one starting at or before it); ValueError (the
+    caller's bug) when none does or its rows are not of that run's shape."""
+    starts, rs = located.get(p.key, (np.zeros(0, dtype=np.int64), []))
+    i = int(np.searchsorted(starts, p.start, side="right")) - 1
+    run = rs[i] if i >= 0 else None
+    if run is None or not run.start <= p.start <= p.stop <= run.stop:
+        raise ValueError(f"frame part {p.key} [{p.start}, {p.stop}) lies inside no run of its key")
+    if tuple(p.rows.shape) != (p.stop - p.start, *run.rows.shape[1:]):
+        raise ValueError(f"frame part {p.key} [{p.start}, {p.stop}): rows {p.rows.shape} are not its run's")
+    return run
 
 
 def decode_frame(body: bytes | bytearray | memoryview) -> list[FramePart]:

@@ -77,6 +77,12 @@ SETTINGS: dict[str, Setting] = {
             "2147483648 (2 GiB)",
         ),
         Setting(
+            "RR_ROUTING_READ_BYTES",
+            "int",
+            "rr servers: most bytes of rows one `POST /rr/routing/read` answers, and hashes for row ranges (counted before any row is read, each stored row once; more answer 413 naming the count and the cap; rr_client splits its reads under it)",
+            "134217728 (128 MiB)",
+        ),
+        Setting(
             "RR_ADVERTISE_URL",
             "text",
             "rr servers: the URL a routing ref names for reading its rows",

@@ -100,6 +100,10 @@ class DiskWeightSync:
     generation only: pass the engines behind them. ``api_key`` is sent as ``Authorization: Bearer`` on every
     call (default: env ``RR_API_KEY``). Each push writes ``directory/step-<n>`` (complete before any engine
     reads it) and removes the previous one after every engine has reloaded.
+
+    After each reload the engine's prefix cache is dropped (its KV came from the old weights). An engine refuses
+    while requests hold blocks (vLLM 0.30+: 200 ``{"success": false}``; SGLang: 400); the reset is retried for
+    ``cache_reset_s`` seconds, then the push fails with :class:`WeightSyncError`: rollouts would hit old-weight KV.
     """
 
     def __init__(
@@ -109,8 +113,10 @@ class DiskWeightSync:
         *,
         api_key: str | None = None,
         timeout: float = 600.0,
+        cache_reset_s: float = 30.0,
     ) -> None:
         pairs = _engine_list(engines)
+        self.cache_reset_s = cache_reset_s  # how long a refused prefix-cache reset is retried before the push fails
         self.urls: list[str] = [u for u, _ in pairs]
         self._engines: dict[str, str] = {u: k for u, k in pairs if k is not None}
         self.directory = Path(directory)
@@ -192,7 +198,33 @@ class DiskWeightSync:
         reply = self._call("POST", url, route, eng.reload_body(str(folder)), f"reloading weights from {folder}")
         if eng.reload_reply_says_success and isinstance(reply, dict) and reply.get("success") is False:
             raise WeightSyncError(f"{url}{route} refused the weights in {folder}: {reply.get('message')}")
-        self._call("POST", url, eng.cache_reset_route, None, "dropping the KV cache computed with the old weights")
+        self._reset_cache(url, eng.cache_reset_route)
+
+    def _reset_cache(self, url: str, route: str) -> None:
+        """Drop the prefix cache, retried while the engine refuses (requests hold blocks); WeightSyncError when it
+        never worked."""
+        what = "dropping the KV cache computed with the old weights"
+        deadline, wait = time.monotonic() + self.cache_reset_s, 0.05
+        while True:
+            try:
+                reply = self._call("POST", url, route, None, what)
+            except WeightSyncError as e:
+                if "answered 400" not in str(e) or time.monotonic() >= deadline:  # SGLang: 400 while requests run
+                    raise
+                refused = str(e)
+            else:
+                if not (isinstance(reply, dict) and reply.get("success") is False):
+                    return
+                refused = f"{url}{route} answered {reply}"
+                if time.monotonic() >= deadline:
+                    break
+            time.sleep(wait)
+            wait = min(1.0, wait * 2)
+        raise WeightSyncError(
+            f"{url}{route} ({what}) refused for {self.cache_reset_s:.0f} s ({refused}): requests still hold "
+            "prefix-cache blocks from the old weights, and new rollouts would hit them; pause generation around "
+            "the push (vLLM /pause with clear_cache, SGLang /pause_generation) or wait for in-flight requests"
+        )
 
     def _call(self, method: str, url: str, route: str, body: Any, what: str) -> Any:
         try:

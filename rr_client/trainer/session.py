@@ -28,7 +28,7 @@ turns it off on purpose; ``checked=True`` says the policy already ran on these r
         session.open_replay(batch)         # the stale-rows policy on its samples' provenance, then replay
         loss = loss_fn(model(batch.input_ids))
         loss.backward()
-        session.add_gap(trainer_logps.detach(), batch, batch.response_mask, temperature=T)  # batch.logprobs
+        session.add_gap(trainer_logps.detach(), batch, batch.response_mask, sampling=params)  # batch.logprobs
         metrics = session.flush()          # closes the block: audit and formula-check verdicts raise here
         optimizer.step()
 """
@@ -36,7 +36,7 @@ turns it off on purpose; ``checked=True`` says the policy already ran on these r
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any, Protocol
 
@@ -45,7 +45,7 @@ from torch import nn
 
 from rr_client.core.agreement import count_matches
 from rr_client.core.errors import ConfigurationError, ReplayError
-from rr_client.core.logprobs import check_comparable_logprobs
+from rr_client.core.logprobs import check_comparable_logprobs, engine_logprobs
 from rr_client.core.provenance import ProvenanceCheck, StalePolicy, check_stale_policy
 from rr_client.trainer import keys as K
 from rr_client.trainer.metrics import gap_stats, segment_gap_stats
@@ -462,6 +462,7 @@ class ReplaySession:
         *,
         temperature: float | None = None,
         logprobs_mode: str | None = None,
+        sampling: Mapping[str, Any] | None = None,
         segments: Segments | None = None,
     ) -> None:
         """Add a micro-batch's log-prob gap (trainer vs the engine's sampling log-probs, over ``mask``); kept on
@@ -469,22 +470,15 @@ class ReplaySession:
 
         ``engine_logps``: a tensor, or a :class:`rr_client.RoutingTensors` / :class:`rr_client.PackedRouting`
         whose ``logprobs`` (and ``logprobs_mode``) are used. ``temperature``: the sampling temperature the trainer's
-        log-probs were computed at; with it, log-probs the engine gave before temperature (``logprobs_mode``
-        "raw") or of unknown mode are refused at a temperature other than 1 (:class:`rr_client.LogprobsModeError`),
-        never turned into wrong gaps. ``segments``: the gap per token segment too (its ``logps`` codes, shaped
-        like the log-probs), under ``r3/[turn<t>/]<segment>/mean_abs_logp_diff`` etc."""
-        if hasattr(engine_logps, "logprobs") and hasattr(engine_logps, "logprobs_mode"):
-            if engine_logps.logprobs is None:
-                raise ConfigurationError(
-                    "add_gap: the batch carries no engine log-probs (generate with return_logprob=True)"
-                )
-            if logprobs_mode is not None and logprobs_mode != engine_logps.logprobs_mode:
-                raise ConfigurationError(
-                    f"add_gap: logprobs_mode={logprobs_mode!r} but the batch's log-probs are "
-                    f"{engine_logps.logprobs_mode!r}"
-                )
-            engine_logps, logprobs_mode = engine_logps.logprobs, engine_logps.logprobs_mode
-        check_comparable_logprobs(logprobs_mode, temperature, consumer="ReplaySession.add_gap")
+        log-probs were computed at (default: ``sampling``'s); ``sampling``: the sampling params the engine drew the
+        tokens with (vLLM / SGLang / OpenAI names). Log-probs the engine gave before temperature and its filters
+        (``logprobs_mode`` "raw") or of unknown mode are refused at a temperature other than 1, and with top-k,
+        top-p, min-p or a penalty on in ``sampling`` (:class:`rr_client.LogprobsModeError`,
+        :func:`rr_client.core.logprobs.check_comparable_logprobs`), never turned into wrong gaps. ``segments``: the
+        gap per token segment too (its ``logps`` codes, shaped like the log-probs), under
+        ``r3/[turn<t>/]<segment>/mean_abs_logp_diff`` etc."""
+        engine_logps, logprobs_mode = engine_logprobs(engine_logps, logprobs_mode, consumer="ReplaySession.add_gap")
+        check_comparable_logprobs(logprobs_mode, temperature, consumer="ReplaySession.add_gap", sampling=sampling)
         mine = trainer_logps.detach() if hasattr(trainer_logps, "detach") else trainer_logps
         self._gaps.append(gap_stats(mine, engine_logps, mask))
         if segments is not None:

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rr_client.core.provenance import Provenance, tokens_digest
-from rr_server.serving.provenance_fields import _count, cache_tier, weights_since
+from rr_server.serving.provenance_fields import _count, cache_tier, cached_under_older, weights_since
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
 __all__ = ["sglang_spans_update", "batch_provenance", "with_digest"]
@@ -60,6 +60,7 @@ def batch_provenance(recv_obj: Any, i: int, epoch: WeightEpoch, mark: WeightMark
         weight_version_admitted=admitted,
         weight_version_finished=finished,
         weight_update_during=during,
+        cached_under_older_weights=cached_under_older(mark, cached),
     ).to_dict()
 
 

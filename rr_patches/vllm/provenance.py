@@ -56,4 +56,5 @@ def provenance_of(
         weight_version_finished=version,
         weight_update_during=during,
         tokens_digest=tokens_digest(list(prompt_ids or []), list(output_ids)),
+        cached_under_older_weights=bool(cached and mark.cache_stale),
     )

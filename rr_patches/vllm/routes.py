@@ -48,6 +48,7 @@ from rr_server.serving.openai_middleware import install_openai_routing
 from rr_server.serving.routing_metrics import count_sample
 from rr_server.serving.routing_metrics import declare as declare_counters
 from rr_server.serving.store import STORE_ROUTES, advertised_url, current_store, install_store, refs_made_under
+from rr_server.serving.store.siblings import PROCESS_GAUGES
 from rr_server.serving.vllm_translate import (
     checked_routing_fields,
     finish_reason_dict,
@@ -144,6 +145,8 @@ def rr_info_dict(app: FastAPI) -> dict[str, Any]:
     store = current_store()
     if store is not None:
         body["routing_store"] = store.stats()
+        # the server's, over its API processes (each counts its own); the processes' sum when they answered
+        body["requests_in_engine"] = body["routing_store"].pop("requests_in_engine", body["requests_in_engine"])
     return body
 
 
@@ -419,11 +422,14 @@ def add_rr_routes(app: FastAPI) -> None:
     install_openai_routing(
         app, engine="vllm", info=rr_info, routing_enabled=_routing_enabled, native=functools.partial(collecting, app)
     )
+    PROCESS_GAUGES["requests_in_engine"] = functools.partial(_requests_in_engine, app)  # summed in /rr/info
 
 
 def name_store(args: Any) -> None:
     """The URL this server's routing refs name: ``RR_ADVERTISE_URL``, else vLLM's ``--host``/``--port``."""
-    install_store(advertised_url(getattr(args, "host", None) or "127.0.0.1", getattr(args, "port", None)))
+    store = install_store(advertised_url(getattr(args, "host", None) or "127.0.0.1", getattr(args, "port", None)))
+    if store.siblings is not None:  # one weight epoch for every API server process (--api-server-count)
+        current_epoch().share(store.siblings.dir, fresh=not store.siblings.others_alive())
 
 
 def install_routes(app: FastAPI, args: Any = None) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from rr_client.core.engines import OUTPUT_ID_KEYS
 from rr_client.core.provenance import PROVENANCE_FIELD, Provenance, tokens_digest
-from rr_server.serving.provenance_fields import _count, cache_tier, weights_since
+from rr_server.serving.provenance_fields import _count, cache_tier, cached_under_older, weights_since
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
 __all__ = ["answer_provenance", "sglang_provenance", "completion_provenance", "weights_since", "cache_tier", "attach"]
@@ -55,6 +55,7 @@ def sglang_provenance(
         weight_version_finished=finished,
         weight_update_during=during or _spans_two_versions(meta.get("weight_versions")),
         tokens_digest=_digest(prompt_ids, output_ids, meta.get("completion_tokens")),
+        cached_under_older_weights=cached_under_older(mark, cached),
     ).to_dict()
 
 
@@ -68,8 +69,10 @@ def completion_provenance(
     """``rr_provenance`` of one completion choice (vLLM's /generate backend, the OpenAI endpoints): the usage's cached
     tokens (no tier), preemptions unknown (an OpenAI answer does not report them)."""
     admitted, finished, during = weights_since(epoch, mark)
+    cached = _count(cached_tokens) or 0
     return Provenance(
-        cached_tokens=_count(cached_tokens) or 0,
+        cached_tokens=cached,
+        cached_under_older_weights=cached_under_older(mark, cached),
         preemptions=None,
         weight_version_admitted=admitted,
         weight_version_finished=finished,

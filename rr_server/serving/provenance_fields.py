@@ -9,7 +9,7 @@ from typing import Any
 
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
-__all__ = ["weights_since", "cache_tier"]
+__all__ = ["weights_since", "cache_tier", "cached_under_older"]
 
 
 def weights_since(epoch: WeightEpoch, mark: WeightMark | None) -> tuple[int | None, int, bool]:
@@ -18,6 +18,12 @@ def weights_since(epoch: WeightEpoch, mark: WeightMark | None) -> tuple[int | No
         return None, epoch.version, epoch.active
     version, during = epoch.since(mark)
     return mark.version, version, during
+
+
+def cached_under_older(mark: WeightMark | None, cached: int) -> bool | None:
+    """Whether a sample's ``cached`` tokens may be KV from older weights: it hit the prefix cache while the server
+    said the cache was stale (not cleared since the last update). None: admitted where rr kept no mark."""
+    return None if mark is None else bool(cached and mark.cache_stale)
 
 
 def _count(v: Any) -> int | None:

@@ -1,4 +1,4 @@
-"""The weight version of one rr server process: weight updates seen through the engine's weight routes.
+"""The weight version of one rr server, and whether its prefix cache may hold KV from older weights.
 
 Engine-agnostic: :class:`WeightUpdateMiddleware` (pure ASGI) watches the engine's own weight routes (vLLM's dev-mode
 ``/collective_rpc`` with a weight-loading method, ``/start_weight_update`` .. ``/finish_weight_update``,
@@ -6,14 +6,31 @@ Engine-agnostic: :class:`WeightUpdateMiddleware` (pure ASGI) watches the engine'
 and counts each one that completes (2xx) in :class:`WeightEpoch`. rr's own weight sync goes through these routes.
 A request takes a :meth:`WeightEpoch.mark` at admission and :meth:`WeightEpoch.since` at finish: the versions at
 both ends, and whether an update began or ended while it ran (``weight_update_during``).
+
+**Cache epochs.** The same middleware watches the routes that drop the prefix cache (vLLM's ``/reset_prefix_cache``
+answering ``{"success": true}``, a ``/pause`` that clears it, SGLang's ``/flush_cache``, SGLang's weight updates
+with their default ``flush_cache``): after a weight change the cache is *stale* (its blocks may come from the older
+weights) until one succeeds, or one succeeded earlier in the same pause (nothing computes while paused). A request
+admitted while it is stale that hits the cache has cached tokens from older weights (``cached_under_older_weights``).
+
+**One epoch per server.** vLLM's ``--api-server-count N`` runs N API processes on one socket; an update reaches one
+of them. :meth:`WeightEpoch.share` maps the counters onto a file the server's processes share (the routing store's
+sibling directory), so each sees every update, and the route's answer leaves only once the count is made.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import mmap
+import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import parse_qs
 
 from rr_server.serving.http import ASGIApp, Message, Receive, Scope, Send, read_body, replay_receive
 
@@ -23,7 +40,10 @@ __all__ = [
     "WeightUpdateMiddleware",
     "current_epoch",
     "update_kind",
+    "cache_clear_kind",
     "UPDATE_PATHS",
+    "SELF_FLUSHING_PATHS",
+    "EPOCH_FILE",
     "install_weight_epoch",
 ]
 
@@ -40,6 +60,17 @@ UPDATE_PATHS: frozenset[str] = frozenset(
         "/update_weights_from_ipc",
     }
 )
+# SGLang's updates that flush the radix cache after loading unless the body says ``"flush_cache": false`` (its
+# scheduler asserts the flush succeeded).
+SELF_FLUSHING_PATHS: frozenset[str] = frozenset(
+    {
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/update_weights_from_ipc",
+    }
+)
+EPOCH_FILE = "weights.epoch"  #: the shared counters' file in the server's sibling directory
 _RPC_READS = ("get", "check", "init", "is_", "list", "report", "save")  # collective_rpc methods that change nothing
 
 
@@ -68,127 +99,333 @@ def update_kind(path: str, body: bytes) -> Kind | None:
     return None
 
 
+def _false(v: Any) -> bool:
+    return v is False or (isinstance(v, str) and v.lower() in ("false", "0"))
+
+
+def cache_clear_kind(path: str) -> Literal["reset", "flush", "pause", "resume"] | None:
+    """What a POST to ``path`` may do to the prefix cache: vLLM's reset (its body says whether it worked), SGLang's
+    flush (2xx: it worked), a pause (clears unless ``clear_cache=false``; it also starts a pause), a resume."""
+    if path == "/reset_prefix_cache":
+        return "reset"
+    if path == "/flush_cache":
+        return "flush"
+    if path == "/resume":
+        return "resume"
+    if path == "/pause":
+        return "pause"
+    return None
+
+
+def _pause_clears(query: bytes) -> bool:
+    """vLLM's ``/pause`` clears the caches unless ``clear_cache=false`` (its default is true)."""
+    values = parse_qs(query.decode("latin-1")).get("clear_cache", [])
+    return not values or not _false(values[-1])
+
+
 @dataclass(frozen=True, slots=True)
 class WeightMark:
-    """The epoch at a request's admission: completed updates, changes seen, and whether one was under way."""
+    """The epoch at a request's admission: completed updates, changes seen, whether one was under way, and whether
+    the prefix cache may hold KV from older weights."""
 
     version: int
     changes: int
     active: bool
+    cache_stale: bool = False
+
+
+# the counters, one int64 each, in this order
+_VERSION, _CHANGES, _ACTIVE, _WINDOW, _STALE, _CLEARS, _PAUSED, _CLEARED_IN_PAUSE = range(8)
+_N = 8
+
+
+class _Cells:
+    """The epoch's counters: in this process's memory, or mapped from a file the server's processes share (then
+    every change holds the file's lock as well as this process's)."""
+
+    def __init__(self) -> None:
+        self._view = memoryview(bytearray(8 * _N)).cast("q")
+        self._fd: int | None = None
+        self._map: mmap.mmap | None = None
+        self._lock = threading.RLock()
+
+    @contextmanager
+    def locked(self) -> Iterator[memoryview]:
+        with self._lock:
+            if self._fd is None:
+                yield self._view
+                return
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                yield self._view
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    @property
+    def shared(self) -> bool:
+        return self._fd is not None
+
+    def attach(self, path: Path, fresh: bool) -> None:
+        """Map ``path`` (made if new, zeros; zeroed when ``fresh``: no live process of the server counts in it, it
+        is a dead run's); this process's counts so far are merged in (an update it already saw)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if fresh:
+                os.ftruncate(fd, 0)
+            if os.fstat(fd).st_size < 8 * _N:
+                os.ftruncate(fd, 8 * _N)
+            mapped = mmap.mmap(fd, 8 * _N)
+            view = memoryview(mapped).cast("q")
+            with self._lock:
+                for i in (_VERSION, _CHANGES, _STALE, _CLEARS):
+                    view[i] = max(view[i], self._view[i])
+                view[_ACTIVE] += self._view[_ACTIVE]
+                self._view, self._fd, self._map = view, fd, mapped
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BaseException:
+            os.close(fd)
+            raise
 
 
 class WeightEpoch:
-    """Weight updates of this process: ``version`` counts the completed ones; ``changes`` every update that ended
+    """Weight updates of this server: ``version`` counts the completed ones; ``changes`` every update that ended
     (completed or failed on the server's side, which may have touched the weights); ``active`` those under way
-    (a route in flight, or a start..finish window open). Thread-safe."""
+    (a route in flight, or a start..finish window open); ``cache_stale`` whether the prefix cache may hold KV from
+    older weights. Thread-safe; shared by the server's processes once :meth:`share` is called."""
 
     def __init__(self) -> None:
-        self.version = 0
-        self.changes = 0
-        self._active = 0
-        self._window = False
-        self._lock = threading.Lock()
+        self._cells = _Cells()
+
+    def share(self, directory: Path, fresh: bool = False) -> bool:
+        """Count in ``directory``'s :data:`EPOCH_FILE`, with every process of the server that shares it (once;
+        ``fresh``: this is the server's first live process, the file is a dead run's); False when that file cannot
+        be made (this process then counts alone)."""
+        if self._cells.shared:
+            return False
+        try:
+            self._cells.attach(directory / EPOCH_FILE, fresh)
+        except OSError:
+            return False
+        return True
+
+    @property
+    def shared(self) -> bool:
+        """The counters are the server's, not only this process's."""
+        return self._cells.shared
+
+    def _get(self, i: int) -> int:
+        with self._cells.locked() as c:
+            return int(c[i])
+
+    @property
+    def version(self) -> int:
+        return self._get(_VERSION)
+
+    @property
+    def changes(self) -> int:
+        return self._get(_CHANGES)
 
     @property
     def active(self) -> bool:
         """An update is under way."""
-        return self._active > 0 or self._window
+        with self._cells.locked() as c:
+            return c[_ACTIVE] > 0 or c[_WINDOW] > 0
+
+    @property
+    def cache_stale(self) -> bool:
+        """The prefix cache may hold KV computed under older weights than the current ones."""
+        return self._get(_STALE) > 0
+
+    @property
+    def cache_clears(self) -> int:
+        """Prefix-cache clears seen succeed (the cache epoch)."""
+        return self._get(_CLEARS)
 
     def begin(self) -> None:
         """An update route started."""
-        with self._lock:
-            self._active += 1
+        with self._cells.locked() as c:
+            c[_ACTIVE] += 1
 
-    def end(self, status: int) -> None:
+    @staticmethod
+    def _changed(c: memoryview, flushed: bool = False) -> None:
+        """The weights changed: the cache is stale unless it was cleared earlier in this pause or flushed now."""
+        c[_CHANGES] += 1
+        c[_STALE] = 0 if flushed or (c[_PAUSED] and c[_CLEARED_IN_PAUSE]) else 1
+        if flushed:
+            c[_CLEARS] += 1
+
+    def end(self, status: int, flushed: bool = False) -> None:
         """An update route answered ``status``: 2xx completes an update (a chunk inside a start..finish window
-        only changes the weights: the window's finish completes it); 5xx may have touched the weights."""
-        with self._lock:
-            self._active = max(0, self._active - 1)
+        only changes the weights: the window's finish completes it); 5xx may have touched the weights. ``flushed``:
+        a 2xx answer also flushed the prefix cache (SGLang's default)."""
+        with self._cells.locked() as c:
+            c[_ACTIVE] = max(0, c[_ACTIVE] - 1)
             if status < 400 or status >= 500:
-                self.changes += 1
-            if 200 <= status < 300 and not self._window:
-                self.version += 1
+                self._changed(c, flushed and 200 <= status < 300)
+            if 200 <= status < 300 and not c[_WINDOW]:
+                c[_VERSION] += 1
 
     def open_window(self) -> None:
         """``/start_weight_update`` succeeded: an update is under way until ``/finish_weight_update``."""
-        with self._lock:
-            self._window = True
-            self.changes += 1
+        with self._cells.locked() as c:
+            c[_WINDOW] = 1
+            self._changed(c)
 
     def close_window(self) -> None:
         """``/finish_weight_update`` succeeded: the update completed."""
-        with self._lock:
-            self._window = False
-            self.changes += 1
-            self.version += 1
+        with self._cells.locked() as c:
+            c[_WINDOW] = 0
+            self._changed(c)
+            c[_VERSION] += 1
+
+    def cache_cleared(self) -> None:
+        """The prefix cache was dropped (a reset that said it worked, a flush, a clearing pause): no KV from older
+        weights is left, unless an update is under way (it may still compute under the old ones)."""
+        with self._cells.locked() as c:
+            c[_CLEARS] += 1
+            if not (c[_ACTIVE] or c[_WINDOW]):
+                c[_STALE] = 0
+            if c[_PAUSED]:
+                c[_CLEARED_IN_PAUSE] = 1
+
+    def paused(self, clears: bool) -> None:
+        """Generation was paused (``clears``: the pause dropped the prefix cache too)."""
+        with self._cells.locked() as c:
+            c[_PAUSED], c[_CLEARED_IN_PAUSE] = 1, 0
+        if clears:
+            self.cache_cleared()
+
+    def resumed(self) -> None:
+        """Generation resumed: a later update makes the cache stale again unless it is cleared."""
+        with self._cells.locked() as c:
+            c[_PAUSED] = c[_CLEARED_IN_PAUSE] = 0
 
     def mark(self) -> WeightMark:
         """The epoch now, taken when a request is admitted."""
-        with self._lock:
-            return WeightMark(self.version, self.changes, self.active)
+        with self._cells.locked() as c:
+            return WeightMark(int(c[_VERSION]), int(c[_CHANGES]), bool(c[_ACTIVE] or c[_WINDOW]), bool(c[_STALE]))
 
     def since(self, mark: WeightMark) -> tuple[int, bool]:
         """(version now, whether an update began or ended since ``mark`` or was under way at either end)."""
-        with self._lock:
-            return self.version, mark.active or self.active or self.changes != mark.changes
+        with self._cells.locked() as c:
+            active = bool(c[_ACTIVE] or c[_WINDOW])
+            return int(c[_VERSION]), mark.active or active or int(c[_CHANGES]) != mark.changes
 
     def info(self) -> dict[str, Any]:
-        """``/rr/info`` fields: ``weight_version`` and ``weight_update_in_progress``."""
-        return {"weight_version": self.version, "weight_update_in_progress": self.active}
+        """``/rr/info`` fields: ``weight_version``, ``weight_update_in_progress``, ``prefix_cache_stale`` and
+        ``cache_epoch`` (prefix-cache clears seen)."""
+        with self._cells.locked() as c:
+            return {
+                "weight_version": int(c[_VERSION]),
+                "weight_update_in_progress": bool(c[_ACTIVE] or c[_WINDOW]),
+                "prefix_cache_stale": bool(c[_STALE]),
+                "cache_epoch": int(c[_CLEARS]),
+            }
 
 
 _EPOCH = WeightEpoch()
 
 
 def current_epoch() -> WeightEpoch:
-    """This process's epoch (one per API server process)."""
+    """This process's epoch (the server's once shared: :meth:`WeightEpoch.share`)."""
     return _EPOCH
 
 
 class WeightUpdateMiddleware:
-    """Counts the weight updates that pass through the app's weight routes in :func:`current_epoch`; every
-    request passes through unchanged."""
+    """Counts the weight updates and prefix-cache clears that pass through the app's routes in :func:`current_epoch`
+    before their answer leaves (a caller that reads the answer and sends its next request, to any process of the
+    server, is admitted under the new count); every request passes through unchanged."""
 
     def __init__(self, app: ASGIApp, epoch: WeightEpoch | None = None) -> None:
         self.app, self.epoch = app, epoch or _EPOCH
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope.get("type") != "http" or scope.get("method") != "POST" or not _maybe_update(path):
+        method = scope.get("method")
+        if (
+            scope.get("type") != "http"
+            or not _watched(path)
+            or not (method == "POST" or (method == "GET" and path == "/flush_cache"))
+        ):
             await self.app(scope, receive, send)
             return
         body = b""
-        if path == "/collective_rpc":  # the method decides; read the body and hand it on unchanged
+        if path == "/collective_rpc" or path in SELF_FLUSHING_PATHS:  # the body decides; handed on unchanged
             raw = await read_body(receive)
             if raw is None:
                 return
             body, receive = raw, replay_receive(raw, receive)
-        kind = update_kind(path, body)
-        if kind is None:
+        kind, clear = update_kind(path, body), cache_clear_kind(path)
+        if kind is None and clear is None:
             await self.app(scope, receive, send)
             return
-        status = 500
+        status, reply, settled = 500, bytearray(), False
+
+        def settle() -> None:
+            """Count what the route did, once: before its last body chunk leaves, or after it failed."""
+            nonlocal settled
+            if settled:
+                return
+            settled = True
+            ok = 200 <= status < 300
+            if kind == "update":
+                self.epoch.end(status, flushed=path in SELF_FLUSHING_PATHS and not _no_flush(body))
+            elif kind is not None and ok:
+                (self.epoch.open_window if kind == "start" else self.epoch.close_window)()
+            if not ok:
+                return
+            if (clear == "reset" and _reset_worked(bytes(reply))) or clear == "flush":
+                self.epoch.cache_cleared()
+            elif clear == "pause":
+                self.epoch.paused(clears=_pause_clears(scope.get("query_string", b"")))
+            elif clear == "resume":
+                self.epoch.resumed()
 
         async def watch(msg: Message) -> None:
             nonlocal status
             if msg["type"] == "http.response.start":
                 status = int(msg["status"])
+            elif msg["type"] == "http.response.body":
+                if clear == "reset" and len(reply) < 4096:
+                    reply.extend(msg.get("body", b""))
+                if not msg.get("more_body", False):
+                    settle()
             await send(msg)
 
         if kind == "update":
             self.epoch.begin()
-            try:
-                await self.app(scope, receive, watch)
-            finally:
-                self.epoch.end(status)
-            return
-        await self.app(scope, receive, watch)
-        if 200 <= status < 300:
-            (self.epoch.open_window if kind == "start" else self.epoch.close_window)()
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            settle()
 
 
-def _maybe_update(path: str) -> bool:
-    return path in UPDATE_PATHS or path in ("/collective_rpc", "/start_weight_update", "/finish_weight_update")
+def _no_flush(body: bytes) -> bool:
+    """SGLang's update body asks not to flush the cache (``"flush_cache": false``)."""
+    try:
+        d = json.loads(body) if body else {}
+    except ValueError:
+        return False
+    return isinstance(d, dict) and _false(d.get("flush_cache"))
+
+
+def _reset_worked(reply: bytes) -> bool:
+    """vLLM's ``/reset_prefix_cache`` answer says it worked: ``{"success": true}`` (0.30+: 200 with ``false`` while
+    blocks are held), or an older vLLM's empty 200."""
+    try:
+        d = json.loads(reply) if reply.strip() else {}
+    except ValueError:
+        return False
+    return not isinstance(d, dict) or d.get("success", True) is True
+
+
+def _watched(path: str) -> bool:
+    return (
+        path in UPDATE_PATHS
+        or path in ("/collective_rpc", "/start_weight_update", "/finish_weight_update")
+        or cache_clear_kind(path) is not None
+    )
 
 
 def install_weight_epoch(app: Any) -> bool:

@@ -1,7 +1,7 @@
 """The vLLM plugin's /rr/generate alias and its always-return switch, and the routing store's read route
-(one copy per key, a cap per call, off the event loop, checksums from store time) and its sibling API server
-processes (a read or retire reaching either one), without an engine: the store's real Starlette routes over
-httpx's ASGI transport, its real Unix sockets."""
+(one copy per key and per overlapping ranges, caps per call on refs and on bytes, off the event loop, checksums
+from store time) and its sibling API server processes (a read or retire reaching either one), without an engine:
+the store's real Starlette routes over httpx's ASGI transport, its real Unix sockets."""
 
 from __future__ import annotations
 
@@ -120,6 +120,89 @@ def test_the_frame_is_built_off_the_event_loop(store: MemoryStore, monkeypatch: 
     assert where["read"] != loop_thread  # the loop's thread never reads or encodes
 
 
+def _overlapping(
+    ref: dict[str, Any], n: int, count: int, seed: int = 0
+) -> tuple[list[dict[str, Any]], np.ndarray, np.ndarray]:
+    """``count`` random overlapping row ranges of ``ref``'s ``n`` rows (the issue's amplification request)."""
+    rng = np.random.default_rng(seed)
+    x, y = rng.integers(0, n, count), rng.integers(0, n, count)
+    lo, hi = np.minimum(x, y), np.maximum(x, y) + 1
+    return [{"store": ref["store"], "key": ref["key"], "start": int(a), "stop": int(b)} for a, b in zip(lo, hi)], lo, hi
+
+
+def _data_bytes(body: bytes) -> int:
+    """Bytes of rows a frame carries (after its 8-byte length and its JSON header)."""
+    return len(body) - 8 - struct.unpack_from("<Q", body)[0]
+
+
+def test_overlapping_ranges_of_one_key_are_read_and_sent_once(store: MemoryStore) -> None:
+    """2,000 overlapping ranges of one 12 KB sample answered 12.4 MB before (each ask its own copy); now each
+    stored row is read and sent once, every ask still resolving to its own rows through rr_client's reader."""
+    c = checked(2000)  # 2000 rows x 3 layers x top-2, uint8: 12,000 bytes
+    ref = store.put(c)
+    asks, lo, hi = _overlapping(ref, 2000, 2000)
+    assert int((hi - lo).sum()) * 6 > 500 * c.array.nbytes  # what one copy per ask would have sent
+    r = _post(store_app(store), READ_PATH, {"refs": asks})
+    assert r.status_code == 200, r.text
+    assert _data_bytes(r.content) <= c.array.nbytes  # at most 1x the sample's bytes, not 1,000x
+    assert len(r.content) - _data_bytes(r.content) <= 200 * len(asks)  # the header: one entry per ask, rows-free
+    parts = decode_frame(r.content)  # every entry's checksum checked over the bytes it names
+    assert len(parts) == 2000 and all(np.array_equal(p.rows, c.array[a:b]) for p, a, b in zip(parts, lo, hi))
+    assert store.stats()["reads"] == 1  # one merged run read from the store
+
+
+def test_touching_and_apart_ranges_merge_only_within_a_key(store: MemoryStore) -> None:
+    """Ranges that touch merge, ranges apart stay apart (no row between them sent), keys never merge; the whole
+    key keeps its store-time checksum inside a merged run."""
+    c1, c2 = checked(10, seed=1), checked(10, seed=2)
+    r1, r2 = RoutingRef.from_dict(store.put(c1)), RoutingRef.from_dict(store.put(c2))
+    asks = [
+        {"store": r1.store, "key": r1.key, "start": 0, "stop": 3},
+        {"store": r1.store, "key": r1.key, "start": 3, "stop": 5},  # touches [0, 3): one run [0, 5)
+        {"store": r1.store, "key": r1.key, "start": 8, "stop": 10},  # apart: its own run, rows 5-7 not sent
+        {"store": r2.store, "key": r2.key},
+        {"store": r2.store, "key": r2.key, "start": 2, "stop": 4},  # inside the whole of key 2
+    ]
+    r = _post(store_app(store), READ_PATH, {"refs": asks})
+    assert r.status_code == 200, r.text
+    assert _data_bytes(r.content) == (5 + 2 + 10) * 6
+    head = json.loads(r.content[8 : 8 + struct.unpack_from("<Q", r.content)[0]])["parts"]
+    assert head[1]["offset"] == head[0]["offset"] + 3 * 6 and head[4]["offset"] == head[3]["offset"] + 2 * 6
+    assert head[3]["checksum"] == r2.checksum
+    want = [c1.array[0:3], c1.array[3:5], c1.array[8:10], c2.array, c2.array[2:4]]
+    assert all(np.array_equal(p.rows, w) for p, w in zip(decode_frame(r.content), want))
+    assert store.stats()["reads"] == 3
+
+
+def test_the_byte_cap_refuses_before_reading_and_the_server_serves_on(
+    store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More rows than ``RR_ROUTING_READ_BYTES`` (or more row ranges to hash): 413 naming the count, the cap and
+    how to split, before any row is read; the next read within the cap is answered."""
+    monkeypatch.setenv("RR_ROUTING_READ_BYTES", "1000")
+    c = checked(300)  # 1,800 bytes
+    ref = store.put(c)
+    whole = {"store": ref["store"], "key": ref["key"]}
+    r = _post(store_app(store), READ_PATH, {"refs": [whole]})
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["nbytes"], err["max_bytes"]) == ("BadRequestError", 1800, 1000)
+    assert "1800 bytes" in err["message"] and "at most 1000" in err["message"]
+    assert "RR_ROUTING_READ_BYTES" in err["message"] and "split" in err["message"]
+    assert store.stats()["reads"] == 0  # refused from the keys' extents: no row was read
+    # few rows, but each a range to hash: 3 x ~1,800 bytes of checksums over a 1,000-byte cap
+    monkeypatch.setenv("RR_ROUTING_READ_BYTES", "4000")
+    ranges = [{**whole, "start": a, "stop": b} for a, b in ((0, 299), (1, 300), (0, 298))]
+    r = _post(store_app(store), READ_PATH, {"refs": ranges})
+    assert r.status_code == 413 and r.json()["error"]["hashed_bytes"] == (299 + 299 + 298) * 6 > 4000
+    assert store.stats()["reads"] == 0
+    monkeypatch.setenv("RR_ROUTING_READ_BYTES", "1000")
+    ok = _post(store_app(store), READ_PATH, {"refs": [{**whole, "start": 100, "stop": 200}]})
+    assert ok.status_code == 200 and np.array_equal(decode_frame(ok.content)[0].rows, c.array[100:200])
+    monkeypatch.setenv("RR_ROUTING_READ_BYTES", "0")
+    assert _post(store_app(store), READ_PATH, {"refs": [whole]}).status_code == 500  # a bad cap is said, not 0
+
+
 @pytest.fixture()
 def two_processes() -> Iterator[tuple[MemoryStore, MemoryStore]]:
     """Two API server processes' stores of one server (here: one process, each with its own socket)."""
@@ -155,13 +238,33 @@ def test_a_read_reaching_either_process_gets_the_rows(two_processes: Any, monkey
     assert r.status_code == 410 and "retired" in r.json()["error"]["message"]
 
 
+def test_a_sibling_gets_merged_runs_and_is_capped_before_sending(
+    two_processes: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Overlapping ranges of rows a sibling holds reach it as one run; the cap is counted from its extents, so a
+    read over it is refused before any row crosses the socket."""
+    a, b = two_processes
+    monkeypatch.setattr(rs, "_STORE", a)  # the read reaches process a; b holds the rows
+    c = checked(2000)
+    ref = b.put(c)
+    asks, lo, hi = _overlapping(ref, 2000, 500, seed=1)
+    r = _post(store_app(a), READ_PATH, {"refs": asks})
+    assert r.status_code == 200 and _data_bytes(r.content) <= c.array.nbytes
+    assert all(np.array_equal(p.rows, c.array[x:y]) for p, x, y in zip(decode_frame(r.content), lo, hi))
+    assert (a.siblings.forwarded, b.local_stats()["reads"]) == (1, 1)  # type: ignore[union-attr]
+    monkeypatch.setenv("RR_ROUTING_READ_BYTES", str(c.array.nbytes - 1))
+    over = _post(store_app(a), READ_PATH, {"refs": [{"store": ref["store"], "key": ref["key"]}]})
+    assert over.status_code == 413 and over.json()["error"]["nbytes"] == c.array.nbytes
+    assert (a.siblings.forwarded, b.local_stats()["reads"]) == (1, 1)  # type: ignore[union-attr]
+
+
 def test_a_sibling_that_died_answers_410_not_other_rows(two_processes: Any) -> None:
     a, b = two_processes
     ref = RoutingRef.from_dict(b.put(checked(5)))
     b.siblings.close()
     with socket.socket(socket.AF_UNIX) as dead:  # SIGKILLed: its socket file stays, nobody listens
         dead.bind(str(b.siblings.path))
-    parts, expired = read_many(a, [(ref.store, ref.key, None, None)])
+    parts, expired, _ = read_many(a, [(ref.store, ref.key, None, None)])
     assert parts == [] and "does not answer" in expired[0]["why"]
     assert not b.siblings.path.exists()  # the dead socket is cleared
 

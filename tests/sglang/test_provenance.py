@@ -61,6 +61,7 @@ async def test_cache_and_retractions_as_the_scheduler_reports_them(tiny_moe: Pat
         weight_version_finished=0,
         weight_update_during=False,
         tokens_digest=_digest(h, h.sched.arrivals[0]),
+        cached_under_older_weights=False,  # no update since the server started: the cache holds these weights' KV
     )
     assert p.tokens_digest == tokens_digest(PROMPT, body["output_ids"])
     async with h.client() as c:
@@ -96,6 +97,27 @@ async def test_weight_update_between_admission_and_finish(tiny_moe: Path, patche
         check_provenance([kept, retracted], "refuse")
     check = check_provenance([kept, retracted], "mask")
     assert (check.replay, check.masked, check.spans_update) == ((True, False), 1, 1)
+
+
+@pytest.mark.sglang_releases("0.5.7", "0.5.23")
+async def test_a_cache_hit_after_an_update_without_a_flush_is_refused(tiny_moe: Path, patched: None) -> None:
+    """``/update_weight_version`` flushes nothing: a request admitted after it whose prompt the scheduler serves from
+    the radix cache says its cached tokens may be older weights' KV, and the policy refuses it; one without a hit
+    is clean."""
+    h = Harness(tiny_moe)
+    h.sched.reports = lambda r: {"cached_tokens": 4 if r.prompt == PROMPT else 0}
+    async with h.client() as c:
+        upd = await c.post("/update_weight_version", json={"new_version": "v2", "abort_all_requests": False})
+        assert upd.status_code == 200, upd.text
+        info = (await c.get("/rr/info")).json()
+    assert info["weight_version"] == 1 and info["prefix_cache_stale"] is True
+    status, body = await h.post(_body([PROMPT, OTHER]), n_requests=2)
+    assert status == 200, body
+    hit, miss = (_prov(item["meta_info"]) for item in body)
+    assert hit.cached_under_older_weights is True and hit.stale and not hit.spans_update
+    assert miss.cached_under_older_weights is False and not miss.stale
+    with pytest.raises(StaleRoutingError, match="sample 0: its 4 cached tokens may come from KV computed under older"):
+        check_provenance([hit, miss], "refuse")
 
 
 @pytest.mark.sglang_releases("0.5.20", "0.5.23")

@@ -144,6 +144,24 @@ def test_spanning_an_update_without_a_recompute_is_kept_and_flagged(model: Any, 
         audited_step(model, samples(model, provs=[unknown_preemptions, None]), info)
 
 
+def test_cached_tokens_from_older_weights_are_refused_or_masked(model: Any, info: RRInfo) -> None:
+    """A sample admitted after an update that hit prefix blocks computed before it (the server's cache was not
+    cleared): its cached rows are the old weights' (``stale_from``); refused by default, masked and counted with
+    ``mask``; the same flag without a cache hit changes nothing."""
+    older = Provenance(cached_tokens=10, preemptions=0, weight_version_admitted=2, weight_version_finished=2,
+                       cached_under_older_weights=True)  # fmt: skip
+    no_hit = Provenance(cached_tokens=0, preemptions=0, weight_version_admitted=2, weight_version_finished=2,
+                        cached_under_older_weights=True)  # fmt: skip
+    stale_rows_batch = samples(model, stale_from=tiny_model("qwen3_moe", 1), provs=[older, no_hit])
+    with pytest.raises(StaleRoutingError, match="batch sample 0: its 10 cached tokens may come from KV computed"):
+        audited_step(model, stale_rows_batch, info)
+    met = audited_step(model, stale_rows_batch, info, stale_rows="mask")
+    assert met[K.STALE_MASKED] == 1 and met[K.AGREEMENT] == 1.0  # the old-weight rows are not replayed
+    assert (
+        Provenance.from_dict(older.to_dict()) == older and Provenance.from_dict(Provenance().to_dict()).stale is False
+    )
+
+
 def test_bad_policy_and_bad_provenance_are_typed_errors(model: Any, info: RRInfo) -> None:
     with pytest.raises(ConfigurationError, match="stale_rows='drop'"):
         ReplaySession(model, stale_rows="drop")  # type: ignore[arg-type]

@@ -167,3 +167,92 @@ def test_sglang_logprobs_mode_follows_its_original_logprob_switch() -> None:
     assert logprobs_mode({}) == "processed" and logprobs_mode({"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}) == "processed"
     assert logprobs_mode({"SGLANG_RETURN_ORIGINAL_LOGPROB": "True"}) == "raw"
     assert logprobs_mode({"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}) == "raw"
+
+
+# --- beyond temperature: top-k / top-p / min-p / penalties (issue 44, item 5) ------------------------------------
+
+# each filter or penalty on, as vLLM, SGLang's sampling_params and OpenAI bodies spell it
+FILTERS_ON = {
+    "top_k": 50,
+    "top_p": 0.9,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.3,
+}
+# the same names off: what plain sampling sends (top_k 0 is off too: TRL's and vLLM's spelling)
+FILTERS_OFF = {
+    "top_k": -1,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+
+
+@pytest.mark.parametrize("mode", ["raw", None])
+def test_raw_logprobs_with_top_p_09_at_temperature_1_are_refused(mode: str | None) -> None:
+    """Issue 44's "done when": raw (or unknown) log-probs at temperature 1 with top_p 0.9 are the untruncated
+    distribution's, not the one sampled from: refused, naming the flag, its value and the way out."""
+    sampling = {"n": 4, "max_new_tokens": 8, "temperature": 1.0, "top_p": 0.9, "top_k": -1}
+    with pytest.raises(LogprobsModeError) as e:
+        check_comparable_logprobs(mode, 1.0, consumer="ReplaySession.add_gap", sampling=sampling)
+    msg = str(e.value)
+    for part in ("ReplaySession.add_gap", "top_p=0.9", "--logprobs-mode processed_logprobs", "SGLANG_RETURN_ORIGINAL"):
+        assert part in msg, (part, msg)
+    assert "top_k" not in msg and "temperature 1" not in msg.split(" or sample ")[0]  # only what is on is named
+    assert isinstance(e.value, RRError)
+
+
+@pytest.mark.parametrize("mode", ["raw", None])
+@pytest.mark.parametrize("flag", list(FILTERS_ON))
+def test_each_filter_or_penalty_is_refused_with_raw_logprobs_naming_it(mode: str | None, flag: str) -> None:
+    """Every filter and penalty on its own, with raw or unknown-mode log-probs at temperature 1 (given or in the
+    params): refused, the message names the flag and its value and how to turn it off."""
+    for temperature, sampling in ((1.0, {flag: FILTERS_ON[flag]}), (None, {"temperature": 1, flag: FILTERS_ON[flag]})):
+        with pytest.raises(LogprobsModeError) as e:
+            check_comparable_logprobs(mode, temperature, consumer="test", sampling=sampling)
+        assert f"{flag}={FILTERS_ON[flag]!r}" in str(e.value)
+        assert "processed_logprobs" in str(e.value)
+        assert f"{flag}={FILTERS_OFF[flag]:g}" in str(e.value)  # the way out: that flag's neutral value
+
+
+@pytest.mark.parametrize("flag", list(FILTERS_ON))
+def test_processed_logprobs_pass_with_the_filter_raw_ones_are_refused_for(flag: str) -> None:
+    """Processed log-probs are the filtered distribution's, the one sampled from: they pass with each flag (and
+    all at once, at any temperature) where raw ones with the same params are refused."""
+    one = {"temperature": 1.0, flag: FILTERS_ON[flag]}
+    with pytest.raises(LogprobsModeError):
+        check_comparable_logprobs("raw", 1.0, consumer="test", sampling=one)
+    check_comparable_logprobs("processed", 1.0, consumer="test", sampling=one)
+    check_comparable_logprobs("processed", 0.7, consumer="test", sampling={**FILTERS_ON, "temperature": 0.7})
+
+
+def test_raw_logprobs_with_plain_sampling_at_temperature_1_still_pass() -> None:
+    """Temperature 1 and no filter: raw log-probs are the distribution sampled from. The same params with one
+    filter switched on are refused, so the pass is the check's, not an absent one."""
+    body = {"n": 2, "max_tokens": 8, "seed": 3, "temperature": 1.0, "logprobs": 0, **FILTERS_OFF}  # an OpenAI body
+    for sampling in (body, {**body, "top_k": 0}, {k: None for k in FILTERS_OFF}, {}, None):
+        check_comparable_logprobs("raw", 1.0, consumer="test", sampling=sampling)
+        check_comparable_logprobs(None, None, consumer="test", sampling=sampling)
+    with pytest.raises(LogprobsModeError, match="top_p=0.95"):
+        check_comparable_logprobs("raw", 1.0, consumer="test", sampling={**body, "top_p": 0.95})
+
+
+def test_temperature_and_filters_are_named_together() -> None:
+    """Off temperature and filters on: one refusal naming all of them, the temperature taken from the params."""
+    with pytest.raises(LogprobsModeError) as e:
+        check_comparable_logprobs("raw", None, consumer="test", sampling={**FILTERS_ON, "temperature": 0.7})
+    msg = str(e.value)
+    assert "temperature 0.7" in msg and "log_softmax(logits / 0.7)" in msg
+    for flag, value in FILTERS_ON.items():
+        assert f"{flag}={value!r}" in msg, (flag, msg)
+
+
+@pytest.mark.parametrize("value", ["x", True, float("nan"), [0.9]])
+def test_a_filter_value_rr_cannot_judge_is_refused(value: Any) -> None:
+    from rr_client.core.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError, match="top_p="):
+        check_comparable_logprobs("raw", 1.0, consumer="test", sampling={"top_p": value})

@@ -229,3 +229,60 @@ def test_read_route_answers_bad_requests_with_400(served: Any) -> None:
 
     for r in asyncio.run(run()):
         assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+
+def _recording(store: MemoryStore) -> Any:
+    """The store's routes over ASGI, recording each read's (refs asked, status, rows' bytes answered)."""
+    app = httpx.ASGITransport(app=store_app(store))
+    seen: list[tuple[int, int, int]] = []
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        resp = await app.handle_async_request(request)
+        body = await resp.aread()
+        data = len(body) - 8 - struct.unpack_from("<Q", body)[0] if resp.status_code == 200 else 0
+        seen.append((len(json.loads(request.content)["refs"]), resp.status_code, data))
+        return httpx.Response(resp.status_code, headers=resp.headers, content=body)
+
+    transport: Any = httpx.MockTransport(handle)
+    transport.seen = seen
+    return transport
+
+
+def test_resolve_splits_a_large_batch_under_the_servers_byte_cap(served: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose rows exceed the server's per-call byte cap, one ref larger than the cap itself among them,
+    still resolves: split into calls under the cap (the larger ref read in row ranges, joined, held to its
+    checksum); a client split by a higher cap learns the server's from its 413 and splits by that."""
+    from rr_client.client._resolve import RefResolver, plan_reads
+
+    store, _ = served
+    cap = 1200  # 200 rows of 3 layers x top-2
+    monkeypatch.setenv("RR_ROUTING_READ_BYTES", str(cap))
+    want = [checked(30, seed=i) for i in range(12)] + [checked(700, seed=99)]
+    refs = [RoutingRef.from_dict(store.put(c)) for c in want]
+    refs, want = refs + refs[:1], want + want[:1]  # a ref named twice costs once in its call
+    assert sum(r.nbytes for r in refs[:-1]) > 4 * cap and refs[12].nbytes > cap
+
+    async def run(transport: Any, max_bytes: int | None) -> tuple[list[np.ndarray], int]:
+        if max_bytes is None:
+            async with client(transport) as c:
+                return await c.resolve(refs), c.routing_bytes_resolved
+        async with httpx.AsyncClient(transport=transport, base_url=URL) as h:
+            resolver = RefResolver(lambda _: h, max_bytes=max_bytes)
+            return await resolver.resolve(refs, INFO), resolver.bytes_read
+
+    planned = _recording(store)
+    got, read = asyncio.run(run(planned, cap))
+    assert all(np.array_equal(g, w.array) for g, w in zip(got, want))
+    assert all(status == 200 and data <= cap for _, status, data in planned.seen), planned.seen
+    assert len(planned.seen) == len(plan_reads(refs, 64, cap)) >= 6  # 4 calls of ranges of the 700-row ref
+    assert read == sum(r.nbytes for r in refs)
+
+    learning = _recording(store)  # the client's default split (128 MiB) is above this server's cap
+    got, _ = asyncio.run(run(learning, None))
+    assert all(np.array_equal(g, w.array) for g, w in zip(got, want))
+    assert [s for _, s, _ in learning.seen].count(413) == 1 and learning.seen[0][:2] == (14, 413)
+    assert all(data <= cap for _, _, data in learning.seen)
+
+    lying = RoutingRef.from_dict({**refs[12].to_dict(), "checksum": checksum(checked(700, seed=5).array)})
+    with pytest.raises(RoutingChecksumError, match="not the ref's"):
+        asyncio.run(_resolve(_recording(store), [lying]))  # joined ranges are held to the ref's checksum

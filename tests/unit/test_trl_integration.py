@@ -334,6 +334,74 @@ def test_pre_temperature_logprobs_are_refused_after_one_info_call(mode: str | No
         assert server.behaviour.info_calls == 1 and server.behaviour.calls == 0
 
 
+class _ReachedTRL(Exception):
+    """Raised in place of TRL's own ``GRPOTrainer.__init__``: rr's checks before it all passed."""
+
+
+@pytest.mark.parametrize(
+    "config, rollout_kw, named",
+    [
+        ({"top_p": 0.9}, {}, "top_p=0.9"),  # issue 44: temperature 1, top_p 0.9
+        ({"top_k": 20}, {}, "top_k=20"),
+        ({"min_p": 0.05}, {}, "min_p=0.05"),
+        ({"repetition_penalty": 1.1}, {}, "repetition_penalty=1.1"),
+        ({"generation_kwargs": {"presence_penalty": 0.5}}, {}, "presence_penalty=0.5"),
+        ({}, {"sampling_params": {"frequency_penalty": 0.2}}, "frequency_penalty=0.2"),
+    ],
+    ids=["top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs", "rollout_sampling_params"],
+)
+def test_raw_logprobs_sampled_with_a_filter_are_refused_at_temperature_1(
+    config: dict[str, Any], rollout_kw: dict[str, Any], named: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Raw (or unknown-mode) log-probs of a rollout sampled at temperature 1 with a filter or penalty on (from
+    GRPOConfig, its generation_kwargs or RRRollout's params) are the untruncated distribution's: refused after
+    /rr/info, naming the flag; the same rollout on a processed server passes rr's checks and reaches TRL."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reached(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise _ReachedTRL
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", reached)
+    cfg = GRPOConfig(output_dir="/tmp/rr-unused", report_to=[], use_cpu=True, temperature=1.0, **config)
+    for mode in ("raw", None, "processed"):
+        with ProtocolTestServer() as server:
+            if mode is not None:
+                server.behaviour.identity = {"logprobs_mode": mode}
+            rollout = rr_trl.RRRollout(server.url, **rollout_kw)
+            try:
+                if mode == "processed":
+                    with pytest.raises(_ReachedTRL):
+                        _trainer(args=cfg, rollout_func=rollout)
+                    continue
+                with pytest.raises(LogprobsModeError, match="processed_logprobs") as e:
+                    _trainer(args=cfg, rollout_func=rollout)
+            finally:
+                rollout.close()
+            assert named in str(e.value) and "R3GRPOTrainer" in str(e.value)
+            assert server.behaviour.info_calls == 1 and server.behaviour.calls == 0
+
+
+def test_raw_logprobs_with_grpos_default_sampling_reach_trl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRPOConfig's defaults (temperature 1, top_p 1, top_k 0, no min_p, no penalty) filter nothing: raw
+    log-probs pass rr's checks; one more filter in the rollout's params and they are refused."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reached(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise _ReachedTRL
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", reached)
+    cfg = GRPOConfig(output_dir="/tmp/rr-unused", report_to=[], use_cpu=True)
+    with ProtocolTestServer() as server:
+        server.behaviour.identity = {"logprobs_mode": "raw"}
+        for extra, outcome in (({}, _ReachedTRL), ({"top_p": 0.95}, LogprobsModeError)):
+            rollout = rr_trl.RRRollout(server.url, sampling_params=extra)
+            try:
+                with pytest.raises(outcome):
+                    _trainer(args=cfg, rollout_func=rollout)
+            finally:
+                rollout.close()
+
+
 @pytest.mark.parametrize(
     "config, rollout_kw, match",
     [

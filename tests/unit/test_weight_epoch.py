@@ -7,6 +7,8 @@ real server in tests/vllm/test_provenance.py); the middleware under test is rr's
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
 import httpx
 from starlette.applications import Starlette
@@ -14,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rr_server.serving.weight_epoch import WeightEpoch, WeightUpdateMiddleware, update_kind
+from rr_server.serving.weight_epoch import EPOCH_FILE, WeightEpoch, WeightUpdateMiddleware, update_kind
 
 
 def app_with(epoch: WeightEpoch, seen: list[bool]) -> Starlette:
@@ -64,7 +66,12 @@ def test_completed_updates_count_and_reads_do_not() -> None:
     post_all(app, [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/x"}})])
     assert epoch.since(mark) == (1, True) and seen[-1] is True
     post_all(app, [("/update_weights_from_disk", {"model_path": "/x"}), ("/update_weight_version", {})])
-    assert epoch.info() == {"weight_version": 3, "weight_update_in_progress": False}
+    assert epoch.info() == {  # /pause cleared the cache (its default) and no resume since: nothing went stale
+        "weight_version": 3,
+        "weight_update_in_progress": False,
+        "prefix_cache_stale": False,
+        "cache_epoch": 2,  # the pause's clear and the SGLang update's own flush
+    }
     after = epoch.mark()
     assert epoch.since(after) == (3, False)
 
@@ -98,3 +105,115 @@ def test_update_kind() -> None:
     assert update_kind("/collective_rpc", b"not json") is None
     assert update_kind("/start_weight_update", b"") == "start"
     assert update_kind("/v1/completions", b"") is None
+
+
+# --- cache epochs: whether the prefix cache may hold KV from older weights ----------------------------------------
+
+
+def cache_app(epoch: WeightEpoch, reset_ok: list[bool]) -> Starlette:
+    """The weight routes plus the cache routes as the engines answer them: vLLM 0.30's ``/reset_prefix_cache`` (200
+    with ``success`` false while blocks are held), SGLang's ``/flush_cache`` (GET or POST), vLLM's ``/resume``."""
+    app = app_with(epoch, [])
+
+    async def reset(request: Request) -> JSONResponse:
+        return JSONResponse({"success": reset_ok.pop(0)})
+
+    async def ok(request: Request) -> JSONResponse:
+        return JSONResponse({})
+
+    app.router.routes.extend(
+        [
+            Route("/reset_prefix_cache", reset, methods=["POST"]),
+            Route("/flush_cache", ok, methods=["GET", "POST"]),
+            Route("/resume", ok, methods=["POST"]),
+        ]
+    )
+    return app
+
+
+RELOAD = ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/x"}})
+
+
+def test_a_reload_leaves_the_cache_stale_until_a_reset_says_it_worked() -> None:
+    epoch = WeightEpoch()
+    app = cache_app(epoch, [False, True])
+    assert not epoch.mark().cache_stale
+    post_all(app, [RELOAD])
+    assert epoch.mark().cache_stale and epoch.info()["prefix_cache_stale"] is True
+    post_all(app, [("/reset_prefix_cache", {})])  # 200 {"success": false}: blocks still held
+    assert epoch.cache_stale and epoch.cache_clears == 0
+    post_all(app, [("/reset_prefix_cache", {})])
+    assert not epoch.mark().cache_stale and epoch.cache_clears == 1
+
+
+def test_a_pause_clears_for_the_updates_inside_it_unless_told_not_to() -> None:
+    epoch = WeightEpoch()
+    app = cache_app(epoch, [])
+    post_all(app, [("/pause?mode=keep", {}), RELOAD, ("/resume", {})])
+    assert not epoch.cache_stale  # cleared at the pause, nothing computed before the update
+    post_all(app, [("/pause?mode=keep&clear_cache=false", {}), RELOAD, ("/resume", {})])
+    assert epoch.cache_stale  # the frozen requests' old-weight KV stays in the cache
+    post_all(app, [("/pause", {}), ("/resume", {}), RELOAD])
+    assert epoch.cache_stale  # cleared, then generation ran again before the update
+
+
+def test_sglang_updates_flush_unless_asked_not_to_and_a_get_flush_counts() -> None:
+    epoch = WeightEpoch()
+    app = cache_app(epoch, [])
+    post_all(app, [("/update_weights_from_disk", {"model_path": "/x"})])
+    assert not epoch.cache_stale and epoch.version == 1
+    post_all(app, [("/update_weights_from_disk", {"model_path": "/x", "flush_cache": False})])
+    assert epoch.cache_stale
+
+    async def get_flush() -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.get("/flush_cache")).status_code
+
+    assert asyncio.run(get_flush()) == 200 and not epoch.cache_stale
+
+
+def test_the_count_is_made_before_the_answer_leaves() -> None:
+    """A caller that reads the update's answer and sends its next request (to any API process) is admitted under
+    the new version: the middleware counts before the last body chunk is sent."""
+    epoch = WeightEpoch()
+    seen: list[tuple[str, int]] = []
+
+    async def engine(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    async def client_send(msg: Any) -> None:
+        seen.append((msg["type"], epoch.version))
+
+    async def go() -> None:
+        body = b'{"method": "reload_weights"}'
+        sent = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/collective_rpc", "query_string": b"", "headers": []}
+        await WeightUpdateMiddleware(engine, epoch=epoch)(scope, receive, client_send)
+
+    asyncio.run(go())
+    assert seen == [("http.response.start", 0), ("http.response.body", 1)]
+
+
+def test_api_processes_share_one_epoch(tmp_path: Path) -> None:
+    """Two processes' epochs over one file (what --api-server-count's processes map): an update and a cache reset
+    through either are seen by both, marks included; a fresh run zeroes a dead run's file."""
+    a, b = WeightEpoch(), WeightEpoch()
+    assert a.share(tmp_path, fresh=True) and b.share(tmp_path) and a.shared and b.shared
+    mark_b = b.mark()
+    post_all(cache_app(a, [True]), [RELOAD])
+    assert b.version == 1 and b.since(mark_b) == (1, True) and b.mark().cache_stale
+    post_all(cache_app(b, [True]), [("/reset_prefix_cache", {})])
+    assert not a.cache_stale and a.info() == b.info()
+    assert not b.share(tmp_path)  # once
+    c = WeightEpoch()
+    c.share(tmp_path, fresh=True)  # the first process of a new run: the dead run's counts are gone
+    assert c.version == 0 and a.version == 0 and (tmp_path / EPOCH_FILE).stat().st_size == 64

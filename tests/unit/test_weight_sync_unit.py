@@ -27,7 +27,7 @@ class FakeEngine:
     info: dict[str, Any] | None = dataclasses.field(default_factory=lambda: {"engine": "vllm"})  # None: 404
     key: str | None = None  # when set, every route answers 401 unless this bearer key is sent
     status: dict[str, int] = dataclasses.field(default_factory=dict)  # path -> forced status
-    replies: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> JSON body
+    replies: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> JSON body (a list: one per call)
     calls: list[tuple[str, str, str | None, Any]] = dataclasses.field(default_factory=list)
 
     async def answer(self, request: Request) -> Response:
@@ -41,7 +41,10 @@ class FakeEngine:
             return JSONResponse({"detail": "forced"}, status_code=self.status[path])
         if path == "/rr/info":
             return JSONResponse(self.info) if self.info is not None else JSONResponse({}, status_code=404)
-        return JSONResponse(self.replies.get(path, {}))
+        reply = self.replies.get(path, {})
+        if isinstance(reply, list):  # answers in turn, the last one from then on
+            reply = reply.pop(0) if len(reply) > 1 else reply[0]
+        return JSONResponse(reply)
 
     def paths(self) -> list[tuple[str, str]]:
         return [(m, p) for m, p, _, _ in self.calls]
@@ -130,6 +133,28 @@ def test_sglang_body_shape_and_refusal(fake: FakeEngine, tmp_path: Path) -> None
         fake.replies["/update_weights_from_disk"] = {"success": False, "message": "shape mismatch in layer 3"}
         with pytest.raises(WeightSyncError, match="refused the weights .*shape mismatch in layer 3"):
             sync.push(FakeModel(), 4)
+
+
+def test_a_refused_cache_reset_is_retried_then_fails_the_push(fake: FakeEngine, tmp_path: Path) -> None:
+    """vLLM 0.30+ answers ``/reset_prefix_cache`` 200 ``{"success": false}`` while requests hold blocks: retried
+    until it works; still refused after ``cache_reset_s``, the push fails (rollouts would hit old-weight KV)."""
+    fake.replies["/reset_prefix_cache"] = [{"success": False}, {"success": False}, {"success": True}]
+    with DiskWeightSync(fake.url, tmp_path, cache_reset_s=30.0) as sync:
+        sync.push(FakeModel(), 1)
+        assert fake.paths().count(("POST", "/reset_prefix_cache")) == 3
+        fake.replies["/reset_prefix_cache"] = [{"success": False}]
+        sync.cache_reset_s = 0.3
+        with pytest.raises(WeightSyncError, match=r"reset_prefix_cache .*refused for 0 s .*'success': False.*pause"):
+            sync.push(FakeModel(), 2)
+    assert fake.paths().count(("POST", "/reset_prefix_cache")) > 4
+
+
+def test_sglang_flush_refused_while_requests_run_fails_the_push(fake: FakeEngine, tmp_path: Path) -> None:
+    fake.status["/flush_cache"] = 400  # SGLang: "the operation will not be performed" while requests run
+    with DiskWeightSync(WeightEngine(fake.url, "sglang"), tmp_path, cache_reset_s=0.2) as sync:
+        with pytest.raises(WeightSyncError, match="/flush_cache answered 400"):
+            sync.push(FakeModel(), 1)
+    assert fake.paths().count(("POST", "/flush_cache")) > 1  # retried before giving up
 
 
 @pytest.mark.parametrize("source", ["argument", "env"])

@@ -70,3 +70,43 @@ def test_the_worker_refuses_pre_temperature_logprobs_before_it_builds(verl_proce
         worker("R3", 0.7)
     assert worker("R3", 1.0).enable_routing_replay is True
     assert worker("disabled", 0.7).enable_routing_replay is False
+
+
+def test_raw_logprobs_with_the_rollouts_top_p_or_top_k_are_refused_at_temperature_1(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verl's rollout at temperature 1 with ``top_p`` 0.9 (or ``top_k`` on): vLLM's raw log-probs are the
+    untruncated distribution's, refused naming the flag and verl's setting; verl's default ``processed_logprobs``
+    with the same filters, and raw ones with verl's default sampling (top_k -1, top_p 1), pass. rr's engine refuses
+    the same before a batch, from what the worker read."""
+    import torch
+
+    from rr_client.integrations.verl import _engine, _logprobs
+
+    monkeypatch.delenv(SGLANG_ORIGINAL, raising=False)
+    for key, value in (("top_p", 0.9), ("top_k", 20)):
+        raw = rollout_cfg(model_dir, mode="raw_logprobs", temperature=1.0)
+        setattr(raw, key, value)
+        with pytest.raises(LogprobsModeError) as e:
+            check_rollout_logprobs(raw)
+        for part in (f"{key}={value!r}", "logprobs_mode=raw_logprobs", "logprobs_mode=processed_logprobs"):
+            assert part in str(e.value), (part, str(e.value))
+        processed = rollout_cfg(model_dir, temperature=1.0)
+        setattr(processed, key, value)
+        assert check_rollout_logprobs(processed).mode == "processed"
+    plain = rollout_cfg(model_dir, mode="raw_logprobs", temperature=1.0)
+    assert (plain.top_k, plain.top_p) == (-1, 1)  # verl's defaults filter nothing
+    said = check_rollout_logprobs(plain)
+    assert said.mode == "raw" and dict(said.sampling) == {"top_k": -1, "top_p": 1}
+    before = _logprobs.ROLLOUT_LOGPROBS.get("rollout")
+    try:
+        _logprobs.ROLLOUT_LOGPROBS["rollout"] = said
+        _engine._check_gap_logprobs(torch.ones(2))  # temperature 1, no filter: raw ones compare
+        _logprobs.ROLLOUT_LOGPROBS["rollout"] = said._replace(sampling={"top_k": -1, "top_p": 0.9})
+        with pytest.raises(LogprobsModeError, match=r"(?s)verl's R3 log-prob gap.*top_p=0\.9"):
+            _engine._check_gap_logprobs(torch.ones(2))
+    finally:
+        if before is None:
+            _logprobs.ROLLOUT_LOGPROBS.pop("rollout", None)
+        else:
+            _logprobs.ROLLOUT_LOGPROBS["rollout"] = before

@@ -40,7 +40,7 @@ def two_api_servers(tiny_models: dict[str, Path]) -> Iterator[VLLMProcess]:
         # vLLM writes each line's "(ApiServer_k pid=N) " prefix in its own write(); unbuffered (-u, as CI runs),
         # two processes' writes interleave and a line can carry the other's prefix. Buffered, the log handler's
         # flush writes prefix and line in one append, so the per-process lines below are attributable.
-        env={"VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": ""},
+        env={"VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": "", "VLLM_SERVER_DEV_MODE": "1"},  # dev: /pause, reload
     ).start()
     try:
         wait_for_both_processes(server)
@@ -213,3 +213,49 @@ def test_every_ref_resolves_through_either_api_server_process(two_api_servers: V
     assert httpx.get(url + "/rr/info", timeout=30).json()["routing_store"]["entries"] == 0
     log = two_api_servers.log_path.read_text(errors="replace")
     assert "routing refs name http://127.0.0.1:" in log and "RR_ADVERTISE_URL" in log  # the loopback, said
+
+
+def test_one_weight_epoch_over_both_api_server_processes(two_api_servers: VLLMProcess) -> None:
+    """A reload sent to one API server process is counted by both: requests admitted through either before it and
+    answered after it say they span it, their refs carry the version they were admitted under, and every process
+    answers the new version. The requests are frozen in the engine (dev-mode ``/pause?mode=keep``, sent while
+    paused) until ``/rr/info`` ``requests_in_engine`` (summed over the processes) holds them all, so each spans the
+    reload by construction; rounds go on until both processes admitted some (the kernel picks the process)."""
+    url = two_api_servers.base_url
+    model = str(two_api_servers.model_dir.resolve())
+    v0 = httpx.get(url + "/rr/info", timeout=30).json()["weight_version"]
+
+    async def round_(k: int) -> list[Any]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
+
+            async def one(i: int) -> Any:
+                async with RoutedExpertsClient(url) as c:  # a fresh connection each: either process admits it
+                    p = [5 + i, 17, 29 + k, 41]
+                    return (await c.generate([p], {"max_new_tokens": 3}, by_reference=True)).results[0]
+
+            tasks = [asyncio.ensure_future(one(i)) for i in range(16)]
+            for _ in range(3000):
+                if (await http.get("/rr/info")).json()["requests_in_engine"] == len(tasks):
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the paused engine never held all 16 requests")
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": model}}  # the same weights, counted
+            assert (await http.post("/collective_rpc", json=rpc)).status_code == 200
+            assert (await http.post("/resume")).status_code == 200
+            return list(await asyncio.gather(*tasks))
+
+    results: list[Any] = []
+    for k in range(4):
+        got = asyncio.run(round_(k))
+        for r in got:  # admitted under this round's version, answered under the next: through either process
+            p = r.provenance
+            assert (p.weight_version_admitted, p.weight_version_finished) == (v0 + k, v0 + k + 1), (k, p)
+            assert p.spans_update and r.routing_ref.weight_version == v0 + k
+        results += got
+        if len({r.routing_ref.store for r in results}) == 2:
+            break
+    assert len({r.routing_ref.store for r in results}) == 2, "both API server processes admitted requests"
+    seen = {httpx.get(url + "/rr/info", timeout=30).json()["weight_version"] for _ in range(16)}
+    assert seen == {v0 + k + 1}, seen  # fresh connections: either process answers, both count every reload

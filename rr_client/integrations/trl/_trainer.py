@@ -112,9 +112,15 @@ def _refuse_before_init(args: Any, model: Any, rollout_func: Any, sync_weights: 
         )
 
 
+def rollout_sampling(args: Any, rollout: RRRollout) -> dict[str, Any]:
+    """The sampling params ``rollout`` samples with for ``args`` (its ``sampling_params`` and ``generation_kwargs``
+    win): what the engine's log-probs are checked against (temperature, top-k, top-p, min-p, penalties)."""
+    return {**sampling_params_from(args, 1), **rollout.sampling_params}
+
+
 def sampling_temperature(args: Any, rollout: RRRollout) -> float:
     """The temperature ``rollout`` samples at for ``args`` (its ``sampling_params`` and ``generation_kwargs`` win)."""
-    return float({**sampling_params_from(args, 1), **rollout.sampling_params}["temperature"])
+    return float(rollout_sampling(args, rollout)["temperature"])
 
 
 def check_trl_shapes(trainer: type = GRPOTrainer) -> None:
@@ -149,8 +155,9 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
     Refused before TRL's own ``__init__`` (:class:`rr_client.ConfigurationError`): ``use_vllm=True``, tools /
     environments, a PEFT model with ``sync_weights``, a ``rollout_func`` that is not an :class:`RRRollout`, a
     rollout temperature other than ``GRPOConfig.temperature``; then, after one ``/rr/info`` call,
-    :class:`rr_client.LogprobsModeError` when the server's log-probs are pre-temperature (or of unknown mode)
-    and the temperature is not 1. Multimodal inputs are refused when they arrive.
+    :class:`rr_client.LogprobsModeError` when the server's log-probs are raw (or of unknown mode) and the
+    temperature is not 1, or the rollout samples with top-k, top-p, min-p or a penalty on (``GRPOConfig.top_p``
+    etc., ``generation_kwargs``, ``RRRollout(sampling_params=)``). Multimodal inputs are refused when they arrive.
     """
 
     replays_rr_rollouts = True  #: what RRRollout checks before generating for a trainer
@@ -173,7 +180,10 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         model = kwargs.get("model", args[0] if args else None)
         cfg = kwargs.get("args", args[2] if len(args) > 2 else None)
         _refuse_before_init(cfg, model, rollout_func, sync_weights, kwargs)
-        self._rr_temperature = sampling_temperature(cfg, rollout_func) if cfg is not None else 1.0
+        # what the engine samples with (GRPOConfig's defaults filter nothing when TRL makes the config)
+        self._rr_sampling = (
+            rollout_sampling(cfg, rollout_func) if cfg is not None else dict(rollout_func.sampling_params)
+        )
         self._check_logprobs(rollout_func.info())  # the one server call before TRL's own __init__
         super().__init__(*args, rollout_func=rollout_func, **kwargs)
         self.r3 = r3
@@ -203,11 +213,13 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             self._rr_sync = DiskWeightSync(rollout_func.engines, directory, api_key=rollout_func.api_key)
 
     def _check_logprobs(self, info: Any) -> None:
-        """:class:`rr_client.LogprobsModeError` unless the engine's log-probs mean what the trainer's do."""
+        """:class:`rr_client.LogprobsModeError` unless the engine's log-probs mean what the trainer's do: processed,
+        or raw / unknown only at temperature 1 with no top-k, top-p, min-p or penalty in the rollout's sampling."""
         check_comparable_logprobs(
             info.logprobs_mode,
-            self._rr_temperature,
+            None,  # the rollout's temperature, read from its sampling params
             consumer="R3GRPOTrainer (TRL's importance-sampling correction and the r3/ gaps)",
+            sampling=self._rr_sampling,
         )
 
     @contextmanager

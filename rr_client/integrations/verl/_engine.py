@@ -52,8 +52,8 @@ def _valid(width: int, offsets: torch.Tensor) -> torch.Tensor:
 def _check_gap_logprobs(temperature: Any) -> None:
     """Refuse (LogprobsModeError) a gap between the actor's and the rollout's log-probs that would not mean the
     same thing: the rollout's mode as the worker read it from its config (unknown without rr's worker), at this
-    micro-batch's temperature (a scalar, or one per sample: the first that is not 1). No host read when the mode
-    is post-temperature."""
+    micro-batch's temperature (a scalar, or one per sample: the first that is not 1) and the rollout's sampling
+    filters (top-k, top-p). No host read when the mode is post-temperature."""
     got = _logprobs.ROLLOUT_LOGPROBS.get("rollout")  # read through the module: the dict a reload rebinds
     mode = got.mode if got is not None else None
     if mode == PROCESSED:
@@ -64,7 +64,10 @@ def _check_gap_logprobs(temperature: Any) -> None:
         temperature = float(off[0]) if off.numel() else 1.0
     source = got.source if got is not None else "the rollout's log-prob mode is unknown: rr's worker did not read it"
     check_comparable_logprobs(
-        mode, None if temperature is None else float(temperature), consumer=f"verl's R3 log-prob gap ({source})"
+        mode,
+        None if temperature is None else float(temperature),
+        consumer=f"verl's R3 log-prob gap ({source})",
+        sampling=got.sampling if got is not None else None,
     )
 
 

@@ -1,17 +1,21 @@
 """What every routing store is (:class:`RowStore`), the one way a ref is made from checked rows (:class:`NewRows`),
-and a read of many asks here or in the sibling process that holds them (:func:`read_many`)."""
+and a read of many asks here or in the sibling process that holds them, merged and bounded by bytes
+(:func:`read_many`)."""
 
 from __future__ import annotations
 
 import uuid
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
 
 from rr_client.core.codec import CheckedRouting
 from rr_client.core.errors import ArgumentTypeError, RoutingExpiredError
 from rr_client.core.reference import FramePart, RoutingRef, checksum
-from rr_server.serving.store.siblings import Siblings, merge_stats, retire_everywhere
+from rr_server.serving.store.ledger import row_range
+from rr_server.serving.store.siblings import Siblings, merge_stats, process_gauges, retire_everywhere
 
-__all__ = ["RowStore", "NewRows", "read_many", "Ask"]
+__all__ = ["RowStore", "NewRows", "read_many", "Read", "ReadTooLarge", "Ask"]
 
 #: one read ask: (store instance, key, start, stop)
 Ask = tuple[str, str, int | None, int | None]
@@ -34,6 +38,11 @@ class RowStore(Protocol):
         """Rows ``[start, stop)`` of ``key``; :class:`RoutingExpiredError` when not held here, ValueError outside."""
         ...
 
+    def extents(self, keys: list[tuple[str, str]]) -> list[tuple[int, int] | RoutingExpiredError]:
+        """(rows, bytes per row) of each (store, key) held here, or why not, without touching the rows: what a
+        read costs is known before any row is copied."""
+        ...
+
     def local_retire(self, through: int) -> dict[str, int]:
         """Free this process's rows made under weight version <= ``through``."""
         ...
@@ -52,7 +61,7 @@ class RowStore(Protocol):
 
     def stats(self) -> dict[str, Any]:
         """Counters for ``/rr/info`` and metrics, summed over the server's processes."""
-        return merge_stats(self.local_stats(), self.siblings.stats() if self.siblings else [])
+        return merge_stats({**self.local_stats(), **process_gauges()}, self.siblings.stats() if self.siblings else [])
 
 
 class NewRows:
@@ -88,28 +97,138 @@ class NewRows:
         ).to_dict()
 
 
-def read_many(store: RowStore, asks: list[Ask]) -> tuple[list[FramePart], list[dict[str, str]]]:
-    """Each ask's part, in order (one :class:`FramePart` per distinct ask, however often it is named), read here
-    or from the sibling process that holds it; else ``[]`` and every expired key with why. ValueError: a bad
-    row range."""
-    got: dict[Ask, FramePart] = {}
-    expired: list[dict[str, str]] = []
-    remote: dict[str, list[Ask]] = {}
-    for ask in dict.fromkeys(asks):
-        if store.siblings is not None and store.siblings.holder(ask[0]) is not None:
-            remote.setdefault(ask[0], []).append(ask)
+class ReadTooLarge(ValueError):
+    """A read whose answer would carry (or hash) more rows' bytes than the per-call cap (answered 413): what it
+    would cost, the cap, and how to split, said before any row is read."""
+
+    def __init__(self, nbytes: int, hashed: int, cap: int, asks: int) -> None:
+        self.nbytes, self.hashed, self.cap = nbytes, hashed, cap
+        super().__init__(
+            f"this read would answer {nbytes} bytes of rows (each stored row once, over {asks} distinct asks) and "
+            f"hash {hashed} bytes of row ranges for their checksums; this server answers at most {cap} bytes of "
+            f"each per call (RR_ROUTING_READ_BYTES): split the refs over several calls of at most {cap} bytes each "
+            "(one ref larger than that: ask row ranges of it with start/stop; rr_client's resolve splits so)"
+        )
+
+
+class Read(NamedTuple):
+    """What :func:`read_many` found: each ask's part in order (views into ``runs``), the merged reads the frame
+    sends (:func:`rr_client.core.reference.encode_frame`'s ``runs``), and every expired key with why."""
+
+    parts: list[FramePart]
+    expired: list[dict[str, str]]
+    runs: list[FramePart]
+
+
+def _extents(store: RowStore, keys: list[tuple[str, str]]) -> list[tuple[int, int] | RoutingExpiredError]:
+    """(rows, bytes per row) of each (store, key), here or from the sibling that holds it, no row read."""
+    out: list[tuple[int, int] | RoutingExpiredError | None] = [None] * len(keys)
+    local: list[int] = []
+    remote: dict[str, list[int]] = {}
+    for i, (instance, _) in enumerate(keys):
+        if store.siblings is not None and store.siblings.holder(instance) is not None:
+            remote.setdefault(instance, []).append(i)
+        else:
+            local.append(i)
+    for i, e in zip(local, store.extents([keys[i] for i in local])):
+        out[i] = e
+    for instance, idx in remote.items():
+        assert store.siblings is not None
+        for i, e in zip(idx, store.siblings.extents(instance, [keys[i][1] for i in idx])):
+            out[i] = e
+    return out  # type: ignore[return-value]  # every slot filled
+
+
+def _merge(
+    key_of: np.ndarray, a: np.ndarray, b: np.ndarray, n_rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Asks' ranges ``[a, b)`` of keys ``key_of`` merged where they overlap or touch, without a loop: (run of each
+    ask, each run's key, start, stop). Each key's rows sit at their own base on one line, a row apart from the next
+    key's, so one sort and a running max merge every key's ranges at once and never across keys."""
+    base = np.concatenate([[0], np.cumsum(n_rows + 1)[:-1]])
+    lo, hi = base[key_of] + a, base[key_of] + b
+    order = np.lexsort((hi, lo))
+    lo_s, hi_s = lo[order], hi[order]
+    reach = np.maximum.accumulate(hi_s)
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = lo_s[1:] > reach[:-1]
+    first = np.flatnonzero(new)
+    run_of = np.empty(len(order), dtype=np.int64)
+    run_of[order] = np.cumsum(new) - 1
+    run_key = key_of[order][first]
+    return run_of, run_key, lo_s[first] - base[run_key], np.maximum.reduceat(hi_s, first) - base[run_key]
+
+
+def read_many(store: RowStore, asks: list[Ask], max_bytes: int | None = None) -> Read:
+    """Each ask's part, in order, read here or from the sibling process that holds it, bounded by bytes.
+
+    Asks of one (store, key) whose ranges overlap or touch are merged into one run, read (and sent) once; each ask's
+    part is a view into its run, with the checksum kept from store time when it is the whole key (else the frame
+    hashes its range). What the answer costs is computed from the keys' extents before any row is read: more than
+    ``max_bytes`` of rows, or of row ranges to hash, raises :class:`ReadTooLarge`. A key that is gone: no parts,
+    every expired key with why. ValueError: a bad row range."""
+    distinct = list(dict.fromkeys(asks))
+    if not distinct:
+        return Read([], [], [])
+    keys = list(dict.fromkeys((s, k) for s, k, _, _ in distinct))
+    extents = _extents(store, keys)
+    gone = {k: str(e) for (_, k), e in zip(keys, extents) if isinstance(e, RoutingExpiredError)}
+    if gone:
+        return Read([], [{"key": k, "why": why} for k, why in gone.items()], [])
+    n_rows = np.array([e[0] for e in extents], dtype=np.int64)  # type: ignore[index]
+    row_bytes = np.array([e[1] for e in extents], dtype=np.int64)  # type: ignore[index]
+    slot = {k: i for i, k in enumerate(keys)}
+    key_of = np.array([slot[(s, k)] for s, k, _, _ in distinct], dtype=np.int64)
+    n = n_rows[key_of]
+    clip = 1 << 62  # a range end past any key's rows stays past them (JSON ints are unbounded, int64 is not)
+    a = np.array([0 if x is None else min(x, clip) for _, _, x, _ in distinct], dtype=np.int64)
+    b = np.array([-1 if x is None else min(x, clip) for _, _, _, x in distinct], dtype=np.int64)
+    b = np.where(np.array([x is None for _, _, _, x in distinct]), n, b)
+    bad = ~((a >= 0) & (a <= b) & (b <= n))
+    if bad.any():
+        i = int(np.argmax(bad))
+        row_range(distinct[i][1], int(n[i]), distinct[i][2], distinct[i][3])  # raises, naming the range
+    run_of, run_key, run_a, run_b = _merge(key_of, a, b, n_rows)
+    whole = (a == 0) & (b == n)
+    nbytes = int(((run_b - run_a) * row_bytes[run_key]).sum())
+    hashed = int(((b - a) * row_bytes[key_of])[~whole].sum())
+    if max_bytes is not None and max(nbytes, hashed) > max_bytes:
+        raise ReadTooLarge(nbytes, hashed, max_bytes, len(distinct))
+    runs, expired = _read_runs(
+        store, [(*keys[g], ra, rb) for g, ra, rb in zip(run_key.tolist(), run_a.tolist(), run_b.tolist())]
+    )
+    if expired:
+        return Read([], expired, [])
+    made = {
+        ask: FramePart(ask[1], x, y, runs[r].rows[x - runs[r].start : y - runs[r].start], runs[r].digest if w else "")
+        for ask, r, x, y, w in zip(distinct, run_of.tolist(), a.tolist(), b.tolist(), whole.tolist())
+    }
+    return Read([made[ask] for ask in asks], [], runs)
+
+
+def _read_runs(store: RowStore, runs: list[Ask]) -> tuple[list[FramePart], list[dict[str, str]]]:
+    """The merged runs' rows (store, key, start, stop), here or from the sibling that holds them; else ``[]`` and
+    every key gone since its extent was taken (evicted or retired in between), with why."""
+    got: list[FramePart | None] = [None] * len(runs)
+    gone: dict[str, str] = {}
+    remote: dict[str, list[int]] = {}
+    for i, (instance, key, a, b) in enumerate(runs):
+        if store.siblings is not None and store.siblings.holder(instance) is not None:
+            remote.setdefault(instance, []).append(i)
             continue
         try:
-            got[ask] = store.read(*ask)
+            got[i] = store.read(instance, key, a, b)
         except RoutingExpiredError as e:
-            expired.append({"key": ask[1], "why": str(e)})
-    for instance, group in remote.items():
+            gone[key] = str(e)
+    for instance, idx in remote.items():
         assert store.siblings is not None
-        for ask, r in zip(group, store.siblings.read(instance, [a[1:] for a in group])):
+        for i, r in zip(idx, store.siblings.read(instance, [runs[i][1:] for i in idx])):
             if isinstance(r, FramePart):
-                got[ask] = r
+                got[i] = r
             elif isinstance(r, RoutingExpiredError):
-                expired.append({"key": ask[1], "why": str(r)})
+                gone[runs[i][1]] = str(r)
             else:
                 raise r
-    return ([] if expired else [got[a] for a in asks]), expired
+    if gone:
+        return [], [{"key": k, "why": why} for k, why in gone.items()]
+    return got, []  # type: ignore[return-value]  # every run read

@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rr_client.core.codec import CheckedRouting
+from rr_client.core.errors import RoutingExpiredError
 from rr_client.core.reference import FramePart
 from rr_server.serving.store.base import NewRows, RowStore
 from rr_server.serving.store.ledger import Held, StoreLedger, admitted_version, row_range
@@ -76,6 +77,19 @@ class MemoryStore(RowStore):
             rows = e.rows[a:b]
             self.ledger.note_read(b - a, rows.nbytes)
         return FramePart(key, a, b, rows, e.digest if (a, b) == (0, e.n_rows) else "")
+
+    def extents(self, keys: list[tuple[str, str]]) -> list[tuple[int, int] | RoutingExpiredError]:
+        """(rows, bytes per row) of each (store, key), or why it is not held here: a read's cost, no row touched."""
+        out: list[tuple[int, int] | RoutingExpiredError] = []
+        with self._lock:
+            for store, key in keys:
+                try:
+                    e = self.ledger.find(store, key)
+                except RoutingExpiredError as why:
+                    out.append(why)
+                    continue
+                out.append((e.n_rows, e.nbytes // e.n_rows if e.n_rows else 0))
+        return out
 
     def local_stats(self) -> dict[str, Any]:
         """This process's counters (:meth:`StoreLedger.stats`; ``sibling_reads``: asks read from a sibling)."""

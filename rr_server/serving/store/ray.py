@@ -94,6 +94,19 @@ class RayStoreActor:
             out.append([e.rows, e.digest])  # nested: the caller gets the object ref and ray.get s it where it runs
         return out
 
+    def extents(self, asks: list[tuple[str, str]]) -> list[list[Any]]:
+        """For each (store, key): ``[rows, bytes per row]`` or ``[None, why it is gone]`` (no raise over Ray): what
+        a read costs, known before any row is fetched."""
+        out: list[list[Any]] = []
+        for store, key in asks:
+            try:
+                e = self.ledger.find(store, key)
+            except RoutingExpiredError as why:
+                out.append([None, str(why)])
+                continue
+            out.append([e.n_rows, e.nbytes // e.n_rows if e.n_rows else 0])
+        return out
+
     def retire(self, through: int) -> dict[str, int]:
         return self.ledger.retire(through)
 
@@ -161,6 +174,13 @@ class RayStore(RowStore):
         rows = self._ray.get(obj)
         a, b = row_range(key, int(rows.shape[0]), start, stop)
         return FramePart(key, a, b, rows[a:b], digest_or_why if (a, b) == (0, int(rows.shape[0])) else "")
+
+    def extents(self, keys: list[tuple[str, str]]) -> list[tuple[int, int] | RoutingExpiredError]:
+        """(rows, bytes per row) of each (store, key) from the actor's ledger, or why it is gone; no rows fetched."""
+        if not keys:
+            return []
+        got = self._ray.get(self._actor.extents.remote([tuple(k) for k in keys]))
+        return [RoutingExpiredError(why) if n is None else (int(n), int(why)) for n, why in got]
 
     def local_retire(self, through: int) -> dict[str, int]:
         """The actor frees the rows made under weight version <= ``through``."""

@@ -1,9 +1,10 @@
 """The routing store's HTTP routes, apart from its logic (behind the same auth as every rr route):
 
 ``POST /rr/routing/read`` (``{"refs": [{"store", "key", "start"?, "stop"?}]}`` -> frame; at most
-:data:`MAX_REFS_PER_READ` refs, each distinct one read once, the frame built in a worker thread, off the engine's
-event loop, with the checksums kept from store time), ``POST /rr/routing/retire`` (``{"through": V}``); the
-counters are on ``/rr/info`` under ``routing_store``. Every rr server adds :data:`STORE_ROUTES`.
+:data:`MAX_REFS_PER_READ` refs, asks of one key whose ranges overlap or touch read and sent once, at most
+:func:`read_cap` bytes of rows per call, counted before any row is read; the frame built in a worker thread, off
+the engine's event loop, with the checksums kept from store time), ``POST /rr/routing/retire`` (``{"through": V}``);
+the counters are on ``/rr/info`` under ``routing_store``. Every rr server adds :data:`STORE_ROUTES`.
 """
 
 from __future__ import annotations
@@ -18,14 +19,19 @@ try:  # FastAPI reads the handlers' annotations; a bare install (no server extra
 except ImportError:  # pragma: no cover - depends on the environment
     Request = Response = Any  # type: ignore[misc, assignment]
 
-from rr_client.core.reference import FRAME_MEDIA_TYPE, READ_PATH, RETIRE_PATH, encode_frame
+from rr_client.core import settings
+from rr_client.core.errors import SettingError
+from rr_client.core.reference import FRAME_MEDIA_TYPE, MAX_READ_BYTES, READ_PATH, RETIRE_PATH, encode_frame
 from rr_server.serving.http import error_body, json_response
-from rr_server.serving.store.base import Ask, RowStore, read_many
+from rr_server.serving.store.base import Ask, ReadTooLarge, RowStore, read_many
 from rr_server.serving.store.install import current_store
 
 __all__ = [
     "STORE_ROUTES",
     "MAX_REFS_PER_READ",
+    "MAX_READ_BYTES",
+    "READ_BYTES_ENV",
+    "read_cap",
     "TooManyRefs",
     "parse_read",
     "read_endpoint",
@@ -35,6 +41,17 @@ __all__ = [
 ]
 
 MAX_REFS_PER_READ = 4096  #: refs one ``POST /rr/routing/read`` may name (the client reads 64 per call)
+READ_BYTES_ENV = "RR_ROUTING_READ_BYTES"  #: overrides :data:`MAX_READ_BYTES`, the cap on one read's rows
+
+
+def read_cap() -> int:
+    """Rows' bytes one read may answer, and hash for row ranges (``RR_ROUTING_READ_BYTES``, default
+    :data:`MAX_READ_BYTES`): one call cannot make the engine allocate and hash more. Read per call (a test, or an
+    operator's restart, changes it); SettingError when not a positive integer."""
+    cap = settings.integer(READ_BYTES_ENV, default=MAX_READ_BYTES)
+    if cap <= 0:
+        raise SettingError(f"{READ_BYTES_ENV}={cap}: the read route's byte cap must be a positive integer")
+    return cap
 
 
 class TooManyRefs(ValueError):
@@ -96,11 +113,18 @@ def _no_store() -> Response:
 
 
 def _read_answer(store: RowStore, body: bytes) -> Response:
-    """The read route's whole work (parse, read, hash what has no kept checksum, build the frame): in a thread."""
+    """The read route's whole work (parse, cost, read, hash what has no kept checksum, build the frame): in a
+    thread. Too many refs or too many bytes: 413 before any row is read, the server serving on."""
     try:
-        parts, expired = read_many(store, parse_read(body))
+        cap = read_cap()
+    except SettingError as e:
+        return _error(500, "InternalServerError", str(e))
+    try:
+        parts, expired, runs = read_many(store, parse_read(body), cap)
     except TooManyRefs as e:
         return _error(413, "BadRequestError", str(e))
+    except ReadTooLarge as e:
+        return _error(413, "BadRequestError", str(e), nbytes=e.nbytes, hashed_bytes=e.hashed, max_bytes=e.cap)
     except ValueError as e:
         return _error(400, "BadRequestError", str(e))
     if expired:
@@ -110,7 +134,7 @@ def _read_answer(store: RowStore, body: bytes) -> Response:
             "; ".join(x["why"] for x in expired[:4]) + (f" (+{len(expired) - 4} more)" if len(expired) > 4 else ""),
             expired=expired,
         )
-    return Response(encode_frame(parts), media_type=FRAME_MEDIA_TYPE)
+    return Response(encode_frame(parts, runs), media_type=FRAME_MEDIA_TYPE)
 
 
 async def read_endpoint(request: Request) -> Response:

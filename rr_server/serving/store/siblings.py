@@ -34,7 +34,7 @@ import numpy as np
 from rr_client.core.errors import RoutingExpiredError
 from rr_client.core.reference import FramePart
 
-__all__ = ["Siblings", "group_dir", "merge_stats", "retire_everywhere"]
+__all__ = ["Siblings", "group_dir", "merge_stats", "retire_everywhere", "PROCESS_GAUGES", "process_gauges"]
 
 logger = logging.getLogger("rr.routing_store")
 
@@ -46,12 +46,29 @@ TIMEOUT_S = 30.0  #: one sibling call (a read of many rows); a sibling that does
 STATS_TIMEOUT_S = 1.0  #: ``/rr/info`` sums the counters on the event loop: never wait long for them
 
 
+#: numbers each process reports beside its store's counters, summed over the server in ``/rr/info`` (vLLM's plugin
+#: registers ``requests_in_engine``: what the doctor waits for when it holds a burst)
+PROCESS_GAUGES: dict[str, Callable[[], int | None]] = {}
+
+
+def process_gauges() -> dict[str, int]:
+    """This process's :data:`PROCESS_GAUGES` now (one that cannot be read is left out)."""
+    out = {}
+    for name, read in PROCESS_GAUGES.items():
+        v = read()
+        if v is not None:
+            out[name] = int(v)
+    return out
+
+
 class LocalStore(Protocol):
     """What a sibling answers with: its own store's rows, retire and counters."""
 
     instance: str
 
     def read(self, store: str, key: str, start: int | None = None, stop: int | None = None) -> FramePart: ...
+
+    def extents(self, keys: list[tuple[str, str]]) -> list[tuple[int, int] | RoutingExpiredError]: ...
 
     def local_retire(self, through: int) -> dict[str, int]: ...
 
@@ -180,19 +197,41 @@ class Siblings:
         self.path.unlink(missing_ok=True)
         self._server.shutdown()
         self._server.server_close()
-        try:
-            self.dir.rmdir()  # the last process of the server out removes the directory
-        except OSError:
-            pass
+        if not any(self.dir.glob("*.sock")):  # the last process of the server out removes the directory
+            for f in self.dir.iterdir():
+                f.unlink(missing_ok=True)  # the shared weight epoch (rr_server.serving.weight_epoch)
+            try:
+                self.dir.rmdir()
+            except OSError:
+                pass
+
+    def others_alive(self) -> bool:
+        """Another process of this server listens here now (this one is not the first of a fresh run)."""
+        for path in self.dir.glob("*.sock"):
+            if path == self.path:
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(1.0)
+                try:
+                    s.connect(str(path))
+                    return True
+                except OSError:
+                    continue
+        return False
 
     # ------------------------------------------------------------------ answering siblings
 
     def _answer(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[memoryview]]:
         op = msg.get("op")
         if op == "stats":
-            return {"stats": self.store.local_stats()}, []
+            return {"stats": {**self.store.local_stats(), **process_gauges()}}, []
         if op == "retire":
             return {"retired": self.store.local_retire(int(msg["through"]))}, []
+        if op == "extents":  # what a read of these keys costs, asked before any row is sent
+            got = self.store.extents([(self.store.instance, k) for k in msg["keys"]])
+            return {
+                "extents": [{"expired": str(e)} if isinstance(e, RoutingExpiredError) else list(e) for e in got]
+            }, []
         if op != "read":
             raise ValueError(f"unknown op {op!r}")
         out: list[dict[str, Any]] = []
@@ -249,13 +288,25 @@ class Siblings:
             head, data = self._call(path, {"op": "read", "asks": [list(a) for a in asks]})
             return self._parts(head, data)
         except (OSError, ValueError, KeyError, TypeError) as e:  # the sibling is gone (or broke): its rows with it
-            if isinstance(e, (ConnectionRefusedError, FileNotFoundError)):
-                path.unlink(missing_ok=True)
-            gone = RoutingExpiredError(
-                f"routing store {instance}: the API server process that held it does not "
-                f"answer ({type(e).__name__}: {e})"
-            )
-            return [gone] * len(asks)
+            return [self._gone(instance, path, e)] * len(asks)
+
+    def extents(self, instance: str, keys: Sequence[str]) -> list[tuple[int, int] | RoutingExpiredError]:
+        """(rows, bytes per row) of ``keys`` held by sibling ``instance``, or why not, for each; no row is sent."""
+        path = self.dir / f"{instance}.sock"
+        try:
+            got = self._call(path, {"op": "extents", "keys": list(keys)})[0]["extents"]
+            return [RoutingExpiredError(e["expired"]) if isinstance(e, dict) else (int(e[0]), int(e[1])) for e in got]
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # gone (or broke): its rows with it
+            return [self._gone(instance, path, e)] * len(keys)
+
+    @staticmethod
+    def _gone(instance: str, path: Path, e: Exception) -> RoutingExpiredError:
+        """Why a sibling's rows are gone: it does not answer (a dead one's socket is cleared)."""
+        if isinstance(e, (ConnectionRefusedError, FileNotFoundError)):
+            path.unlink(missing_ok=True)
+        return RoutingExpiredError(
+            f"routing store {instance}: the API server process that held it does not answer ({type(e).__name__}: {e})"
+        )
 
     @staticmethod
     def _parts(head: dict[str, Any], data: bytearray) -> list[FramePart | RoutingExpiredError | ValueError]:
