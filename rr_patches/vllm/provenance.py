@@ -4,7 +4,8 @@ prefix-cache hit and preemptions, and the server's weight versions at its admiss
 ``cached_tokens`` is ``RequestOutput.num_cached_tokens``; ``cache_tier`` is ``"device"`` on a hit (vLLM's own
 prefix cache), or null when a KV connector is configured (vLLM's ``RequestOutput`` does not split local from
 connector hits). ``preemptions`` is ``RequestOutput.metrics.num_preemptions`` (vLLM's output processor counts the
-engine's PREEMPTED events per request); null when the server runs with ``--disable-log-stats`` (no metrics).
+engine's PREEMPTED events per request); null when the server runs with ``--disable-log-stats`` (no metrics), and
+for each sample of an ``n`` > 1 request answered whole (vLLM's aggregated output carries one child's counts).
 """
 
 from __future__ import annotations
@@ -43,11 +44,25 @@ def provenance_of(
     *,
     connector: bool = False,
     finish: tuple[int, bool] | None = None,
+    shared_by: int = 1,
 ) -> Provenance:
     """One finished sample's provenance: ``ro`` its RequestOutput, ``mark`` taken at admission, ``finish``
-    :meth:`WeightEpoch.since` at its finish (taken now when not given)."""
+    :meth:`WeightEpoch.since` at its finish (taken now when not given). ``shared_by`` > 1: ``ro`` holds that many
+    samples of one request (``n``), and its counts are the last-finishing child's (vLLM's aggregated output): the
+    preemptions are unknown for each, and a stale cache may have served any of them."""
     cached = int(getattr(ro, "num_cached_tokens", 0) or 0)
     version, during = finish if finish is not None else current_epoch().since(mark)
+    if shared_by > 1:
+        return Provenance(
+            cached_tokens=cached,
+            cache_tier=("device" if cached and not connector else None),
+            preemptions=None,
+            weight_version_admitted=mark.version,
+            weight_version_finished=version,
+            weight_update_during=during,
+            tokens_digest=tokens_digest(list(prompt_ids or []), list(output_ids)),
+            cached_under_older_weights=mark.cache_stale,
+        )
     return Provenance(
         cached_tokens=cached,
         cache_tier=("device" if cached and not connector else None),

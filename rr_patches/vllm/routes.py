@@ -222,7 +222,7 @@ def _items_for(
         sample_rid = rid if n == 1 else f"{rid}-{c.index}"
         fields = None
         prov = (
-            provenance_of(ro, ro.prompt_token_ids, c.token_ids, mark, connector=connector, finish=finish)
+            provenance_of(ro, ro.prompt_token_ids, c.token_ids, mark, connector=connector, finish=finish, shared_by=n)
             if final and mark is not None
             else None
         )
