@@ -68,19 +68,64 @@ def _target_hash(targets: torch.Tensor) -> torch.Tensor:
     return (targets.double() * w.sqrt()).sum()
 
 
+class _Stack:
+    """Same-shape tensors in one doubling buffer: an append is amortized O(1) and a pick one ``index_select``, so a
+    recompute copies only its own forward's rows, not every live forward's (as re-stacking a list would)."""
+
+    def __init__(self) -> None:
+        self.data: torch.Tensor | None = None
+        self.n = 0
+
+    def append(self, t: torch.Tensor) -> None:
+        if self.data is None:
+            self.data = t.new_empty((4, *t.shape))
+        elif self.n == self.data.shape[0]:
+            grown = self.data.new_empty((2 * self.n, *self.data.shape[1:]))
+            grown[: self.n] = self.data
+            self.data = grown
+        self.data[self.n] = t
+        self.n += 1
+
+    def view(self) -> torch.Tensor:
+        assert self.data is not None
+        return self.data[: self.n]
+
+    def pick(self, at: torch.Tensor) -> torch.Tensor:
+        """The row at the 1-element device index ``at`` (no host read)."""
+        return self.view().index_select(0, at.to(self.view().device)).squeeze(0)
+
+    def keep(self, rows: list[int]) -> None:
+        """Only ``rows`` (host indices), in order."""
+        if self.data is not None:
+            self.data = self.view()[torch.tensor(rows, dtype=torch.long, device=self.data.device)]
+            self.n = len(rows)
+
+    def clear(self) -> None:
+        self.data, self.n = None, 0
+
+
 @dataclass
 class _Group:
     """The grad-on forwards of one token count: fingerprints and use counts of all of them (small), the targets and
     ``have`` masks of the live ones (``live``: their indices into the fingerprints)."""
 
-    fps: list[torch.Tensor] = field(default_factory=list)
+    fps: _Stack = field(default_factory=_Stack)  #: [n, 3] every forward's fingerprint
     hashes: list[torch.Tensor] = field(default_factory=list)
     used: torch.Tensor | None = None  #: [n] int64 on the device: recomputes that took each forward
     live: list[int] = field(default_factory=list)
-    targets: list[torch.Tensor] = field(default_factory=list)
-    haves: list[torch.Tensor | None] = field(default_factory=list)
+    live_at: _Stack = field(default_factory=_Stack)  #: the live indices, on the device
+    targets: _Stack = field(default_factory=_Stack)  #: [live, T, K]
+    haves: _Stack = field(default_factory=_Stack)  #: [live, T] when every live forward has one
+    all_have: bool = True
     best: list[torch.Tensor] = field(default_factory=list)  #: each recompute's match distance (share of scale)
     recomputes: int = 0
+
+    def drop_live(self) -> None:
+        self.live = []
+        self.live_at.clear()
+        self.targets.clear()
+        self.haves.clear()
+        self.all_have = True
 
 
 class RecomputePool:
@@ -108,9 +153,14 @@ class RecomputePool:
         g.hashes.append(_target_hash(targets))
         one = torch.zeros(1, dtype=torch.int64, device=fp.device)
         g.used = one if g.used is None else torch.cat([g.used, one])
-        g.live.append(len(g.fps) - 1)
+        g.live.append(g.fps.n - 1)
+        g.live_at.append(torch.tensor(g.fps.n - 1, dtype=torch.int64, device=fp.device))
         g.targets.append(targets)
-        g.haves.append(have)
+        if have is None:
+            g.all_have = False
+            g.haves.clear()
+        elif g.all_have:
+            g.haves.append(have)
 
     def take(self, hidden: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The targets (and ``have``) of the forward this recompute re-runs, chosen on the device."""
@@ -124,21 +174,17 @@ class RecomputePool:
             )
         fp = fingerprint(hidden)
         assert g.used is not None
-        live = torch.tensor(g.live, device=fp.device)
-        fps = torch.stack([g.fps[i] for i in g.live])  # [n, 3]
-        dist = _distance(fps, fp)
+        live = g.live_at.view()
+        dist = _distance(g.fps.view().index_select(0, live), fp)
         pick = torch.argmin(dist + g.used.index_select(0, live).double() * (10 * MATCH_TOLERANCE))  # ties: unused first
         at = pick.reshape(1)  # index_select, never ``t[pick]``: a 0-d tensor index is read on the host
         g.used.index_add_(0, live.index_select(0, at), torch.ones(1, dtype=torch.int64, device=fp.device))
         g.best.append(dist.index_select(0, at).squeeze(0))
         g.recomputes += 1
-        targets = torch.stack(g.targets).index_select(0, at.to(g.targets[0].device)).squeeze(0)
-        have = None
-        if all(h is not None for h in g.haves):
-            hv = torch.stack(g.haves)  # type: ignore[arg-type]
-            have = hv.index_select(0, at.to(hv.device)).squeeze(0)
-        if g.recomputes >= len(g.fps):  # every forward of the group had its recompute: no targets needed any more
-            g.live, g.targets, g.haves = [], [], []
+        targets = g.targets.pick(at)
+        have = g.haves.pick(at) if g.all_have else None
+        if g.recomputes >= g.fps.n:  # every forward of the group had its recompute: no targets needed any more
+            g.drop_live()
         return targets, have
 
     def _compact(self, g: _Group) -> None:
@@ -147,8 +193,10 @@ class RecomputePool:
         used = g.used.tolist()
         keep = [j for j, i in enumerate(g.live) if used[i] == 0]
         g.live = [g.live[j] for j in keep]
-        g.targets = [g.targets[j] for j in keep]
-        g.haves = [g.haves[j] for j in keep]
+        g.live_at.keep(keep)
+        g.targets.keep(keep)
+        if g.all_have:
+            g.haves.keep(keep)
 
     def verdicts(self, tally: DeviceTally, key: str) -> None:
         """Count, on the device, this step's mismatches under ``key``: ``miss`` (a recompute matched no forward),
@@ -160,8 +208,8 @@ class RecomputePool:
             if g.used is None:
                 continue
             tally.add(f"{key}/reused", (g.used > 1).sum())
-            if g.recomputes and len(g.fps) > 1:
-                fps, hashes = torch.stack(g.fps), torch.stack(g.hashes)
+            if g.recomputes and g.fps.n > 1:
+                fps, hashes = g.fps.view(), torch.stack(g.hashes)
                 d = _distance(fps[:, None], fps[None, :])
                 taken = g.used > 0
                 same = (d <= MATCH_TOLERANCE) & (hashes[:, None] != hashes[None, :]) & taken[:, None] & taken[None, :]
