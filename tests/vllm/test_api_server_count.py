@@ -259,3 +259,14 @@ def test_one_weight_epoch_over_both_api_server_processes(two_api_servers: VLLMPr
     assert len({r.routing_ref.store for r in results}) == 2, "both API server processes admitted requests"
     seen = {httpx.get(url + "/rr/info", timeout=30).json()["weight_version"] for _ in range(16)}
     assert seen == {v0 + k + 1}, seen  # fresh connections: either process answers, both count every reload
+
+    async def retire() -> None:  # by the versions the refs carry: every ref of both processes goes
+        async with RoutedExpertsClient(url) as c:
+            await c.retire(max(r.routing_ref.weight_version for r in results))
+            with pytest.raises(RoutingExpiredError, match="retired"):
+                await c.resolve_results(results[:1])
+            for r in results:
+                with pytest.raises(RoutingExpiredError):
+                    await c.resolve_results([r])
+
+    asyncio.run(retire())
