@@ -22,6 +22,7 @@ from rr_client.core import settings
 from rr_client.core.errors import (
     ArgumentTypeError,
     ConfigurationError,
+    NotAnRRServerError,
     ProtocolError,
     RequestRejectedError,
     RRError,
@@ -292,6 +293,8 @@ class RoutedExpertsClient:
                         if len(replicas) > 1 and r.healthy:  # unreachable now: probed, checked when it is back
                             self._pool.failed(r, str(body))
                         continue
+                    if isinstance(body, RequestRejectedError) and body.status_code == 404:
+                        raise NotAnRRServerError(_no_rr_routes(r.url), status_code=404) from body
                     if isinstance(body, BaseException):
                         raise body
                     try:
@@ -559,3 +562,14 @@ def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[str | list[in
         if len(p) == 0:
             raise ConfigurationError(f"prompt {i} is empty")
     return plist
+
+
+def _no_rr_routes(url: str) -> str:
+    """What a 404 on ``/rr/info`` means and the ways out."""
+    return (
+        f"{url}/rr/info is 404: {url} serves no rr routes (an engine started without rr's plugin, or a router that "
+        "does not forward them). Start the engine with `rr-server launch vllm|sglang ...`; or keep it as it is and put "
+        f"`rr-server proxy --upstream {url} --engine vllm|sglang` in front of it; behind a router that 404s /rr/info, "
+        "pass info= (a replica's /rr/info or RRInfo.from_hf_config). `rr-server doctor URL --engine vllm|sglang` "
+        "checks an engine without rr."
+    )

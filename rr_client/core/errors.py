@@ -57,6 +57,7 @@ __all__ = [
     "ServerError",
     "RequestRejectedError",
     "AuthenticationError",
+    "NotAnRRServerError",
     "ProtocolError",
     "ReplicaMismatchError",
     "ReplayError",
@@ -168,6 +169,11 @@ class RequestRejectedError(RRError):
 
 class AuthenticationError(RequestRejectedError):
     """The server answered 401 or 403: the API key is missing or wrong; never retried."""
+
+
+class NotAnRRServerError(RequestRejectedError):
+    """The URL answered 404 on ``/rr/info``: no rr routes there (an engine without rr's plugin, or a router that does
+    not forward them). The message says the ways out: ``rr-server launch``, ``rr-server proxy``, ``info=``."""
 
 
 class ProtocolError(RRError):

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
-from rr_client import GenerateResult, RoutedExpertsClient, RRError, RRInfo
+from rr_client import GenerateResult, NotAnRRServerError, RoutedExpertsClient, RRError, RRInfo
 from rr_server.doctor.known_bugs import BugStatus, known_bugs_for
 from rr_server.doctor.samples import (
     PREFIX_CACHE_TOKENS,
@@ -357,6 +357,8 @@ async def run_doctor(
         try:
             info = await client.info()
         except RRError as e:
+            if isinstance(e, NotAnRRServerError):  # never "patched": it serves no rr routes
+                report.deployment = "no rr routes"
             add(Check("identity", False, f"{type(e).__name__}: {e}"))
             return report
         if engine is None and info.model_extra and info.model_extra.get("sidecar"):

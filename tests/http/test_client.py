@@ -123,13 +123,16 @@ async def test_routed_experts_start(server: ProtocolTestServer) -> None:
 async def test_given_info_for_a_url_without_rr_info(server: ProtocolTestServer) -> None:
     """Behind a router that 404s ``/rr/info`` (sglang-router): without ``info`` the client raises a typed 404;
     with ``info`` it never asks, and checks every payload against the info it was given."""
-    from rr_client import RRInfo
+    from rr_client import NotAnRRServerError, RRInfo
 
     server.behaviour.info_status = 404
     info = RRInfo.model_validate(server.info())
     async with RoutedExpertsClient(server.url) as c:
-        with pytest.raises(RequestRejectedError, match="404"):
+        with pytest.raises(NotAnRRServerError, match="404") as no_rr:  # a RequestRejectedError that says what to do
             await c.generate([[1, 2, 3]], {"max_new_tokens": 2})
+    assert isinstance(no_rr.value, RequestRejectedError) and no_rr.value.status_code == 404
+    for way_out in ("rr-server launch vllm|sglang", f"rr-server proxy --upstream {server.url}", "pass info=", "doctor"):
+        assert way_out in str(no_rr.value), way_out
     calls = server.behaviour.info_calls
     async with RoutedExpertsClient(server.url, info=info) as c:
         batch = await c.generate([[1, 2, 3, 4]], {"max_new_tokens": 3})

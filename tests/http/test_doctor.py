@@ -107,3 +107,15 @@ def test_unpatched_engine_healthy_behind_the_doctors_sidecar(
     with FakeVLLMUpstream(write_fake_config(tmp_path)) as fake:
         rc, out = _doctor(fake.url, capsys, "--engine", "vllm")
     assert rc == 0 and out.startswith("PASS") and "(unpatched)" in out.splitlines()[0], out
+
+
+def test_an_engine_without_rr_is_named_so_with_the_ways_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without ``--engine``, a vLLM without rr's plugin (the FAKE recording upstream: it 404s ``/rr/info``) is never
+    called patched: the identity check says it serves no rr routes and names the launcher, the sidecar and
+    ``--engine``."""
+    with FakeVLLMUpstream(write_fake_config(tmp_path)) as fake:
+        rc, out = _doctor(fake.url, capsys)
+    first = out.splitlines()[0]
+    assert rc == 1 and first.startswith("FAIL") and "(no rr routes)" in first and "patched" not in first, out
+    assert "NotAnRRServerError" in out and "rr-server launch vllm|sglang" in out and "rr-server proxy" in out
+    assert "--engine vllm|sglang" in out
