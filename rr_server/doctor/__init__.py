@@ -21,6 +21,9 @@ from rr_client.core import settings
 from rr_client.core.engines import ENGINE_NAMES
 from rr_server.progress import Steps, stderr_console
 
+# the probes' default burst cap (rr_server.doctor.probes.MAX_PROBE_REQUESTS; that module is not imported for --help)
+MAX_PROBE_REQUESTS = 48
+
 if TYPE_CHECKING:
     from rr_server.doctor.checks import Check
 
@@ -45,21 +48,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="cpu", help="where the ground-truth forward runs (cpu, cuda)")
     p.add_argument("--prompts", type=int, default=4, help="distinct prompts used by the checks (>= 4)")
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=8, help="tokens each check's request generates")
     p.add_argument("--api-key", default=None, help="Bearer key for the server (also env RR_API_KEY)")
-    p.add_argument(
+    probes = p.add_argument_group(
+        "probes",
+        "after the live checks, always: preemption, kv offload (vLLM) / hierarchical cache (SGLang), bounded replay "
+        "(DeepSeek-V4.1's SWA bounded replay vs a full prefill); each says 'not probed' and why where it cannot run",
+    )
+    probes.add_argument(
         "--probe-weight-update",
         metavar="PATH",
         default=None,
-        help="the weights the server runs now (a folder the engine can read): the doctor reloads them "
-        "through the engine's weight route while requests are preempted, and checks the flags",
+        help="reload PATH (the served weights) while requests run",
     )
-    p.add_argument(
+    probes.add_argument(
         "--probe-requests",
         type=int,
         default=None,
         metavar="N",
-        help="most concurrent requests a probe sends to force preemption (default 48)",
+        help=f"most concurrent requests a probe sends ({MAX_PROBE_REQUESTS})",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p

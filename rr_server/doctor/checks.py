@@ -4,7 +4,8 @@ Every answer goes through the client's one full check (row counts, id range, dis
 layers, no all-zero MoE rows). On top: rows of the same prompt must agree across requests (a batch, ``n``,
 ``routed_experts_start``, a prefix-cache hit, and next to a request that did not ask for routing), the
 routing must match the checkpoint's own router (``--model-path``), and the cost is measured. The cache and
-weight-path probes (preemption, a weight update, KV offload / hierarchical cache) are :mod:`rr_server.doctor.probes`.
+weight-path probes (preemption, a weight update, KV offload / hierarchical cache) are :mod:`rr_server.doctor.probes`;
+DeepSeek-V4.1's SWA bounded replay, :mod:`rr_server.doctor.bounded_replay`.
 """
 
 from __future__ import annotations
@@ -393,6 +394,9 @@ async def run_doctor(
             await run_probes(
                 doc, http, weights_path=probe_weight_update, max_requests=probe_requests or MAX_PROBE_REQUESTS
             )
+            from rr_server.doctor.bounded_replay import CHECK_NAME, check_bounded_replay
+
+            await doc._guard(CHECK_NAME, check_bounded_replay(doc, http, model_path))
         if model_path and doc.samples:
             doc.truth(model_path, device)
         progress.started("cost")

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from rr_server.launch.bounded_replay import ALLOW_FLAG as BOUNDED_REPLAY_FLAG
+from rr_server.launch.bounded_replay import check_bounded_replay
 from rr_server.launch.options import (
     FORMAT_FLAG,
     add_shared_options,
@@ -20,7 +22,7 @@ from rr_server.launch.options import (
 from rr_server.serving.engines.sglang import RELEASES, UnsupportedSGLangError
 from rr_server.serving.speculative import draft_pollution_refusal, speculative_flags
 
-__all__ = ["main", "build_parser", "prepare_argv", "install_patch", "HICACHE_FLAG", "check_hicache"]
+__all__ = ["main", "build_parser", "prepare_argv", "install_patch", "HICACHE_FLAG", "check_hicache", "bounded_replay"]
 
 logger = logging.getLogger("rr.sglang")
 FLAG = "--enable-return-routed-experts"
@@ -30,6 +32,8 @@ HICACHE_FLAG = "--enable-hierarchical-cache"
 # SGLang releases that refuse HiCache + routed experts at startup themselves (the guard that comes with #39027);
 # none of 0.5.7 - 0.5.23 does, so rr refuses it on all of them
 HICACHE_REFUSED_BY_SGLANG: frozenset[str] = frozenset()
+# rr's own flags, taken out before SGLang parses (--routed-experts-format has its own parser)
+_RR_FLAGS = (BOUNDED_REPLAY_FLAG,)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,8 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
         "SGLang launch_server",
         "Start SGLang's own server (prepare_server_args + run_server) with rr's patch installed: rr's wire format on "
         f"/generate and the OpenAI endpoints, GET /rr/info; adds {FLAG} when missing. Refuses an SGLang outside "
-        f"{RELEASES.help_range}, --tokenizer-worker-num > 1, {HICACHE_FLAG} (sglang#26975) and --speculative-* where "
-        "drafts pollute the routing (exit 2).",
+        f"{RELEASES.help_range}, --tokenizer-worker-num > 1, {HICACHE_FLAG} (sglang#26975), --speculative-* where "
+        "drafts pollute the routing, and DeepSeek-V4.1 with decoder SWA bounded replay on (SGLang 0.5.23's "
+        "default; exit 2).",
+    )
+    group.add_argument(
+        BOUNDED_REPLAY_FLAG,
+        action="store_true",
+        help="serve DeepSeek-V4.1 with SWA bounded replay on (refused otherwise: its log-probs and prompt rows "
+        "are not a full prefill's; --no-enable-decoder-swa-bounded-replay turns it off)",
     )
     add_shared_options(group, "SGLang")
     return p
@@ -96,6 +107,20 @@ def check_hicache(version: str, argv: Sequence[str]) -> None:
         )
 
 
+def bounded_replay(argv: Sequence[str], *, allow: bool) -> str | None:
+    """:func:`rr_server.launch.bounded_replay.check_bounded_replay` on the installed SGLang (ConfigurationError when
+    refused; the warning to log, or None). Without SGLang installed there is nothing to check."""
+    from importlib.metadata import PackageNotFoundError
+
+    from rr_server.serving.engines.sglang import installed_version
+
+    try:
+        version = installed_version()
+    except PackageNotFoundError:
+        return None
+    return check_bounded_replay(RELEASES.name, version, argv, allow=allow)
+
+
 def install_patch() -> str:
     """Patch this process the way an installed rr reaches SGLang: rr's ``rr.launch_patches`` entry point.
 
@@ -138,7 +163,8 @@ def main(argv: Sequence[str]) -> int:
         return 2
     if fmt is not None:
         os.environ[FORMAT_ENV] = fmt  # read per request by the patched server (this process)
-    args = prepare_argv(argv)
+    allow_replay = BOUNDED_REPLAY_FLAG in argv
+    args = prepare_argv([a for a in argv if a not in _RR_FLAGS])
     if _tokenizer_workers(args) > 1:
         sys.stderr.write(
             "rr-server: --tokenizer-worker-num > 1 is not supported: SGLang then runs its TokenizerManagers "
@@ -154,6 +180,12 @@ def main(argv: Sequence[str]) -> int:
         except ValueError as e:  # ConfigurationError
             sys.stderr.write(f"rr-server: {e}\n")
             return 2
+    try:
+        if warning := bounded_replay(args, allow=allow_replay):
+            logger.warning(warning)
+    except ValueError as e:  # ConfigurationError
+        sys.stderr.write(f"rr-server: {e}\n")
+        return 2
     if speculative_flags(args):
         from rr_server.serving.engines.sglang import installed_version
 

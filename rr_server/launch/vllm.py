@@ -2,7 +2,8 @@
 
 Adds ``--enable-return-routed-experts``, checks the vLLM version, corrects the CPU settings known to return
 all-zero routing, refuses vLLM's dev mode (``VLLM_SERVER_DEV_MODE``) reachable from the network without an API
-key (:func:`check_dev_mode_exposure`), and forwards Ctrl-C/SIGTERM to vLLM's API server, which drains and stops
+key (:func:`check_dev_mode_exposure`), refuses DeepSeek-V4.1 with SWA bounded replay on
+(:mod:`rr_server.launch.bounded_replay`), and forwards Ctrl-C/SIGTERM to vLLM's API server, which drains and stops
 its engine; stragglers of its process group are killed once it exits. The engine lives and dies with the
 launcher, SIGKILL included (:mod:`rr_server.launch.lifeline`).
 """
@@ -21,6 +22,8 @@ from types import FrameType
 
 from rr_client.core.errors import ConfigurationError
 from rr_server.launch import lifeline
+from rr_server.launch.bounded_replay import ALLOW_FLAG as BOUNDED_REPLAY_FLAG
+from rr_server.launch.bounded_replay import check_bounded_replay
 from rr_server.serving.engines.vllm import (
     RELEASES,
     UnsupportedVLLMVersion,
@@ -46,7 +49,7 @@ CPU_KV_CACHE_BYTES = 268435456
 _ALLOW_FLAG = "--rr-allow-unsupported-version"
 _CPU_FLAG = "--rr-cpu"
 OPEN_DEV_MODE_FLAG = "--rr-allow-open-dev-mode"
-_RR_FLAGS = (_ALLOW_FLAG, _CPU_FLAG, OPEN_DEV_MODE_FLAG)
+_RR_FLAGS = (_ALLOW_FLAG, _CPU_FLAG, OPEN_DEV_MODE_FLAG, BOUNDED_REPLAY_FLAG)
 # Arguments only vLLM's `serve` command honours (several API server processes, headless and data-parallel
 # load-balancing modes); with any of them the launcher runs `serve` (rr_server.launch.vllm_serve) instead of the
 # single-process api_server module, and rr's plugin is loaded in every API server process.
@@ -78,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Start vLLM's OpenAI API server (or vLLM's serve, for its multi-process flags) with rr's plugin: POST "
         "/generate, GET /rr/info, routing on the OpenAI endpoints; adds --enable-return-routed-experts; on CPU also "
         f"--enforce-eager --dtype float32 --kv-cache-memory-bytes {CPU_KV_CACHE_BYTES}. Refuses vLLM outside "
-        f"{RELEASES.help_range} (exit 2).",
+        f"{RELEASES.help_range}, and DeepSeek-V4.1 with --swa-bounded-replay on (vLLM's default; exit 2).",
     )
     g.add_argument(
         _ALLOW_FLAG,
@@ -91,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with VLLM_SERVER_DEV_MODE=1, serve the dev-mode routes on a non-loopback host without "
         "an API key (refused otherwise)",
+    )
+    g.add_argument(
+        BOUNDED_REPLAY_FLAG,
+        action="store_true",
+        help="serve DeepSeek-V4.1 with SWA bounded replay on (refused otherwise: its log-probs and prompt rows "
+        "are not a full prefill's; --no-swa-bounded-replay turns it off)",
     )
     add_shared_options(g, "vLLM")
     return p
@@ -387,6 +396,12 @@ def main(argv: list[str]) -> int:
         return 2
     if facts is not None and (why := draft_pollution_refusal(RELEASES.name, version, argv)):
         print(f"rr: {why}", file=sys.stderr)
+        return 2
+    try:
+        if warning := check_bounded_replay(RELEASES.name, version, argv, allow=BOUNDED_REPLAY_FLAG in argv):
+            logger.warning(warning)
+    except ConfigurationError as e:
+        print(f"rr: {e}", file=sys.stderr)
         return 2
     try:
         check_dev_mode_exposure(argv, os.environ)

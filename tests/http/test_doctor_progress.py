@@ -79,6 +79,7 @@ def test_json_stays_one_document_and_stderr_quiet_off_a_terminal(
         "preemption",
         "weight update",
         "kv offload",
+        "bounded replay",
     ]
     assert err == ""
 

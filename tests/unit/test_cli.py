@@ -101,8 +101,41 @@ def test_launch_vllm_help_without_vllm(monkeypatch: pytest.MonkeyPatch, capsys: 
 def test_launcher_options_are_the_ones_it_takes_and_documented(launcher: object) -> None:
     parser = launcher.build_parser()  # type: ignore[attr-defined]
     flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
-    taken = {*launch_vllm._RR_FLAGS, FORMAT_FLAG} if launcher is launch_vllm else {FORMAT_FLAG}
+    taken = {*launcher._RR_FLAGS, FORMAT_FLAG}  # type: ignore[attr-defined]
     assert flags == taken
     assert all(a.help for a in parser._actions)  # every option explains itself
     text = (REPO / "docs/engines.md").read_text()
     assert [f for f in sorted(flags) if not re.search(re.escape(f) + r"(?![\w-])", text)] == []
+
+
+def test_doctor_help_lists_every_probe_flag_with_a_one_line_help() -> None:
+    """``rr-server doctor --help`` (80 columns, in a fresh interpreter): a "probes" section naming the probes that
+    always run, and each ``--probe-*`` flag in it with its help on one line; every option explains itself."""
+    from rr_server.doctor import MAX_PROBE_REQUESTS, build_parser
+    from rr_server.doctor.probes import MAX_PROBE_REQUESTS as PROBES_CAP
+
+    assert MAX_PROBE_REQUESTS == PROBES_CAP  # the help states the probes' own default
+    parser = build_parser()
+    probe_flags = {o: a for a in parser._actions for o in a.option_strings if o.startswith("--probe")}
+    assert {"--probe-weight-update", "--probe-requests"} <= set(probe_flags)
+    assert all(a.help for a in parser._actions)
+    out = subprocess.run(
+        [sys.executable, "-m", "rr_server", "doctor", "--help"],
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "COLUMNS": "80",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        },
+        cwd=REPO,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    section = out.stdout.split("\nprobes:\n", 1)[1]
+    for name in ("preemption", "kv offload", "hierarchical cache", "bounded replay"):
+        assert name in " ".join(section.split()), name
+    lines = section.splitlines()
+    for flag, action in probe_flags.items():
+        assert any(flag in ln for ln in lines), f"{flag} is not in the probes section"
+        assert any(ln.strip().endswith(str(action.help)) for ln in lines), f"{flag}'s help is not one line"

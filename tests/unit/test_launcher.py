@@ -229,3 +229,113 @@ def test_launcher_help_states_the_facts_range(engine: str) -> None:
     description = importlib.import_module(f"rr_server.launch.{engine}").build_parser().description or ""
     stated = re.findall(r"outside (\d[\d.]*) - (\d[\d.]*)", description)
     assert stated == [(tested.lo, tested.hi)], description
+
+
+def _model(tmp_path: Path, model_type: str) -> str:
+    """A checkpoint folder whose config.json names ``model_type`` (all the bounded-replay check reads)."""
+    import json
+
+    folder = tmp_path / model_type
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return str(folder)
+
+
+def _vllm_launch(monkeypatch: pytest.MonkeyPatch, version: str, argv: list[str]) -> list[str] | None:
+    """``rr-server launch vllm`` up to vLLM's command: the command (None: refused, exit 2)."""
+    from rr_server.launch import vllm as launch_vllm
+
+    launched: list[list[str]] = []
+
+    class Stop(Exception):
+        pass
+
+    def command(args: list[str], **kw: object) -> tuple[list[str], list[str]]:
+        launched.append(build_command(args, **kw)[0])  # type: ignore[arg-type]
+        raise Stop
+
+    monkeypatch.setattr(launch_vllm, "installed_version", lambda: version)
+    monkeypatch.setattr(launch_vllm, "is_cpu_platform", lambda: False)
+    monkeypatch.setattr(launch_vllm, "build_command", command)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("must not launch"))
+    try:
+        rc = launch_vllm.main(argv)
+    except Stop:
+        return launched[0]
+    assert rc == 2
+    return None
+
+
+def test_vllm_launcher_refuses_deepseek_v41_with_bounded_replay_on(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM 0.31+ turns --swa-bounded-replay on by default: refused for DeepSeek-V4.1 (exit 2) naming the flag that
+    turns it off and rr's allow flag; started with either; other models and vLLM 0.30 are left alone."""
+    v41 = _model(tmp_path, "deepseek_v41")
+    assert _vllm_launch(monkeypatch, "0.33.0", ["--model", v41]) is None
+    err = capsys.readouterr().err
+    assert "--no-swa-bounded-replay" in err and "--rr-allow-bounded-replay" in err and "0.33.0" in err, err
+    assert _vllm_launch(monkeypatch, "0.33.0", ["--model", v41, "--swa-bounded-replay"]) is None
+    cmd = _vllm_launch(monkeypatch, "0.33.0", ["--model", v41, "--no-swa-bounded-replay"])
+    assert cmd is not None and "--no-swa-bounded-replay" in cmd
+    with caplog.at_level("WARNING", logger="rr.launch"):
+        cmd = _vllm_launch(monkeypatch, "0.33.0", ["--model", v41, "--rr-allow-bounded-replay"])
+    assert cmd is not None and "--rr-allow-bounded-replay" not in cmd  # rr's flag never reaches vLLM
+    assert any(
+        "--rr-allow-bounded-replay" in r.getMessage() and "full prefill" in r.getMessage() for r in caplog.records
+    )
+    assert _vllm_launch(monkeypatch, "0.30.0", ["--model", v41]) is not None  # no bounded replay before 0.31
+    assert _vllm_launch(monkeypatch, "0.33.0", ["--model", _model(tmp_path, "qwen3_moe")]) is not None
+
+
+@pytest.mark.parametrize(
+    ("version", "argv", "refused"),
+    [
+        ("0.5.23", [], True),  # the decoder side is on by default from 0.5.23
+        ("0.5.23", ["--no-enable-decoder-swa-bounded-replay"], False),
+        ("0.5.23", ["--no-enable-decoder-swa-bounded-replay", "--enable-encoder-swa-bounded-replay"], True),
+        ("0.5.22", [], False),  # opt-in before 0.5.23
+        ("0.5.22", ["--enable-decoder-swa-bounded-replay"], True),
+        ("0.5.20", ["--enable-decoder-swa-bounded-replay"], False),  # no such flag: SGLang refuses it itself
+    ],
+)
+def test_sglang_launcher_refuses_deepseek_v41_with_bounded_replay_on(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    version: str,
+    argv: list[str],
+    refused: bool,
+) -> None:
+    from rr_server.launch import sglang as launch_sglang
+    from rr_server.serving.engines import sglang as sglang_releases
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(sglang_releases, "installed_version", lambda: version)
+    monkeypatch.setattr(launch_sglang, "install_patch", lambda: "test")
+    monkeypatch.setattr(launch_sglang, "_run", lambda args: ran.append(args))
+    rc = launch_sglang.main(["--model-path", _model(tmp_path, "deepseek_v41"), *argv])
+    err = capsys.readouterr().err
+    if refused:
+        assert rc == 2 and not ran
+        assert "--no-enable-decoder-swa-bounded-replay" in err and "--rr-allow-bounded-replay" in err, err
+        rc = launch_sglang.main(["--model-path", str(tmp_path / "deepseek_v41"), *argv, "--rr-allow-bounded-replay"])
+        assert rc == 0 and ran and "--rr-allow-bounded-replay" not in ran[0]  # rr's flag never reaches SGLang
+    else:
+        assert rc == 0 and ran, err
+
+
+def test_bounded_replay_refusal_is_a_typed_error_naming_the_flag(tmp_path: Path) -> None:
+    from rr_client.core.errors import ConfigurationError
+    from rr_server.launch.bounded_replay import check_bounded_replay
+
+    v41 = _model(tmp_path, "deepseek_v41")
+    with pytest.raises(ConfigurationError, match="--no-swa-bounded-replay"):
+        check_bounded_replay("vllm", "0.32.0", ["--model", v41])
+    with pytest.raises(ConfigurationError, match="deepseek-ai/DeepSeek-V4.1"):  # the name alone, config unreadable
+        check_bounded_replay("vllm", "0.32.0", ["--model=deepseek-ai/DeepSeek-V4.1"])
+    unknown = check_bounded_replay("vllm", "0.32.0", ["--model", str(tmp_path / "missing")])
+    assert unknown is not None and unknown.startswith("rr: cannot read") and "--no-swa-bounded-replay" in unknown

@@ -1,0 +1,208 @@
+"""DeepSeek-V4.1's SWA bounded replay in vLLM and SGLang: which flag turns it on or off, from which release, and
+the launchers' refusal (issue 44, docs/engines.md).
+
+Bounded replay keeps the sliding-window KV out of prefix caching and, after a prefix hit, recomputes only the hit's
+last window; the layers past the last KV-source layer then prefill only each request's trailing window. The log-probs
+are not those of a full prefill (vllm-project/vllm#56752; SGLang's own help tells RL users to turn it off), and the
+routing rows of prompt positions those layers never ran are whatever the capture buffer held. It acts on
+DeepSeek-V4.1 only (``model_type`` ``deepseek_v41``), where both engines turn it on by default:
+
+- vLLM 0.31+: ``CacheConfig.swa_bounded_replay = True`` (``--swa-bounded-replay`` / ``--no-swa-bounded-replay``;
+  0.31 replays prefix hits, 0.32+ also trims the late layers); ``/metrics`` ``vllm:cache_config_info`` has it as a
+  label.
+- SGLang 0.5.21 - 0.5.22: ``--enable-decoder-swa-bounded-replay`` and ``--enable-encoder-swa-bounded-replay``, both
+  opt-in. 0.5.23+: the decoder side resolves on for DeepSeek-V4.1 on CUDA/ROCm unless
+  ``--no-enable-decoder-swa-bounded-replay``; the encoder side stays opt-in. ``/get_server_info`` reports both.
+
+The release numbers live here, not in :mod:`rr_server.serving.engines` (to move there as facts).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rr_client.core.errors import ConfigurationError
+from rr_server.serving.engines import engine_release
+
+__all__ = [
+    "ALLOW_FLAG",
+    "BOUNDED_REPLAY_MODEL_TYPES",
+    "ReplayFlags",
+    "REPLAY_FLAGS",
+    "is_bounded_replay_model",
+    "served_model",
+    "model_config_of",
+    "replay_in_argv",
+    "check_bounded_replay",
+    "off_advice",
+]
+
+# rr's own launcher flag (taken out before the engine parses): start with bounded replay on anyway
+ALLOW_FLAG = "--rr-allow-bounded-replay"
+BOUNDED_REPLAY_MODEL_TYPES = frozenset({"deepseek_v41"})
+_ARCHITECTURES = frozenset({"DeepseekV41ForCausalLM"})
+_NAME = re.compile(r"deepseek[-_ ]?v4[._-]?1(?!\d)", re.I)
+
+
+@dataclass(frozen=True)
+class ReplayFlags:
+    """One engine's bounded-replay switch: the flag that turns it on, the one that turns it off, since when."""
+
+    engine: str
+    on: str  # the (BooleanOptional) flag that turns the default-on side on
+    off: str  # the flag that turns it off
+    since: tuple[int, int, int]  # first release with the flag
+    default_on_since: tuple[int, int, int]  # first release where it is on unless turned off
+    opt_in: tuple[str, ...] = ()  # other replay flags, off unless given (SGLang's encoder side)
+    server_args: tuple[str, ...] = ()  # the server-args keys that report it (SGLang /get_server_info)
+    metric_label: str | None = None  # the vllm:cache_config_info label that reports it (vLLM /metrics)
+
+
+REPLAY_FLAGS: Mapping[str, ReplayFlags] = {
+    "vllm": ReplayFlags(
+        "vllm",
+        on="--swa-bounded-replay",
+        off="--no-swa-bounded-replay",
+        since=(0, 31, 0),
+        default_on_since=(0, 31, 0),
+        metric_label="swa_bounded_replay",
+    ),
+    "sglang": ReplayFlags(
+        "sglang",
+        on="--enable-decoder-swa-bounded-replay",
+        off="--no-enable-decoder-swa-bounded-replay",
+        since=(0, 5, 21),
+        default_on_since=(0, 5, 23),
+        opt_in=("--enable-encoder-swa-bounded-replay",),
+        server_args=("enable_decoder_swa_bounded_replay", "enable_encoder_swa_bounded_replay"),
+    ),
+}
+
+
+def off_advice(engine: str) -> str:
+    """How to turn bounded replay off on ``engine``, in words (the flag to pass, the one to leave out)."""
+    flags = REPLAY_FLAGS.get(engine)
+    if flags is None:
+        return "serve without SWA bounded replay"
+    advice = f"start the engine with {flags.off}"
+    if flags.opt_in:
+        advice += " and without " + ", ".join(flags.opt_in)
+    return advice
+
+
+def is_bounded_replay_model(cfg: Mapping[str, Any]) -> bool:
+    """The HF config is a model the engines bound-replay (DeepSeek-V4.1: ``model_type`` or ``architectures``)."""
+    for c in (cfg, cfg.get("text_config")):
+        if not isinstance(c, Mapping):
+            continue
+        if c.get("model_type") in BOUNDED_REPLAY_MODEL_TYPES:
+            return True
+        archs = c.get("architectures")
+        if isinstance(archs, list) and _ARCHITECTURES & {str(a) for a in archs}:
+            return True
+    return False
+
+
+def model_config_of(model: str) -> dict[str, Any] | None:
+    """The ``config.json`` of ``model`` (a checkpoint folder, or a hub id already in the local Hugging Face cache;
+    never downloaded); None when there is none to read."""
+    path: Path | None = Path(model) / "config.json" if Path(model).is_dir() else None
+    if path is None and re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+        except ImportError:
+            return None
+        found = try_to_load_from_cache(model, "config.json")
+        path = Path(found) if isinstance(found, str) else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _last_value(args: Sequence[str], names: Sequence[str]) -> str | None:
+    """The value of the last ``--name V`` / ``--name=V`` among ``names`` (argparse keeps the last)."""
+    found = None
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name in names:
+            found = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return found
+
+
+def served_model(engine: str, argv: Sequence[str]) -> str | None:
+    """The model ``argv`` serves: vLLM ``--model`` (or ``serve``'s positional tag), SGLang ``--model-path``."""
+    names = ("--model",) if engine == "vllm" else ("--model-path", "--model")
+    model = _last_value(argv, [s for n in names for s in _spellings(n)])
+    if model is None and engine == "vllm" and argv and not argv[0].startswith("-"):
+        model = argv[0]
+    return model
+
+
+def _spellings(flag: str) -> tuple[str, str]:
+    return flag, "--" + flag[2:].replace("-", "_")
+
+
+def _switch(args: Sequence[str], on: str, off: str) -> bool | None:
+    """The last of ``on`` / ``off`` in ``args`` (both spellings; ``on=false`` counts as off); None: neither."""
+    state = None
+    for a in args:
+        name, eq, value = a.partition("=")
+        if name in _spellings(on):
+            state = not (eq and value.lower() in ("0", "false", "no"))
+        elif name in _spellings(off):
+            state = False
+    return state
+
+
+def replay_in_argv(engine: str, version: str, argv: Sequence[str]) -> list[str]:
+    """The bounded-replay switches that would be on with ``argv`` on ``engine`` ``version`` (the flag that
+    set each, or "default"); empty when none (or the release has none)."""
+    flags = REPLAY_FLAGS.get(engine)
+    try:
+        release = engine_release(version)
+    except ValueError:
+        return []
+    if flags is None or release < flags.since:
+        return []
+    on: list[str] = []
+    given = _switch(argv, flags.on, flags.off)
+    if given or (given is None and release >= flags.default_on_since):
+        on.append(flags.on if given else f"{flags.on} (the default of {engine} {version})")
+    on += [f for f in flags.opt_in if _switch(argv, f, "--no-" + f[2:])]
+    return on
+
+
+def check_bounded_replay(engine: str, version: str, argv: Sequence[str], *, allow: bool = False) -> str | None:
+    """ConfigurationError when ``argv`` serves a DeepSeek-V4.1 model with bounded replay on (unless ``allow``); the
+    warning to log when it is allowed, or when the model's config cannot be read; None when nothing is on."""
+    on = replay_in_argv(engine, version, argv)
+    if not on:
+        return None
+    model = served_model(engine, argv) or ""
+    cfg = model_config_of(model) if model else None
+    known = is_bounded_replay_model(cfg) if cfg is not None else None
+    if known is False:
+        return None  # the engines bound-replay DeepSeek-V4.1 only
+    what = (
+        f"{engine} {version} serves {model or 'the model'} with DeepSeek-V4.1 SWA bounded replay on "
+        f"({', '.join(on)}): a prefix hit recomputes only the last window and the late layers prefill only each "
+        "request's trailing window, so the log-probs differ from a trainer's full prefill and the routing rows "
+        "of prompt positions those layers never ran are unverified"
+    )
+    if known is None and not _NAME.search(model):
+        return (
+            f"rr: cannot read {model or 'the model'}'s config.json to tell whether it is DeepSeek-V4.1; if it is, "
+            f"{what}. To train on its rollouts, {off_advice(engine)}"
+        )
+    if allow:
+        return f"rr: {ALLOW_FLAG}: {what}. Replayed log-probs and prompt rows will not match a full prefill"
+    raise ConfigurationError(f"{what}. To train on its rollouts, {off_advice(engine)}; or pass {ALLOW_FLAG}")
