@@ -2,6 +2,8 @@
 # rr in verl 0.9.1's real code (.venvs/verl, scripts/setup_verl.sh), on this CPU machine:
 #  - tests/verl: verl's ActorRolloutRefWorker / FSDP engine / agent-loop layout / trainer data steps / ToolAgentLoop
 #    with rr's plugin loaded from its verl.plugins entry point; one test starts the rr vLLM server of the main .venv.
+#    tests/verl/test_legacy_worker.py builds verl 0.7.1's legacy FSDP worker (the overlay of
+#    scripts/setup_verl_legacy.sh), in fresh processes.
 #  - tests/verl/test_sglang_read.py again with SGLang 0.5.13's real TokenizerManager (the overlay of
 #    scripts/setup_sglang.sh, on PYTHONPATH): verl's SGLang routing read, stock and with rr.
 # Needs the main .venv (make setup). Extra args go to pytest. Exit status non-zero on any failure.
@@ -9,6 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
 bash scripts/setup_verl.sh
+bash scripts/setup_verl_legacy.sh  # verl 0.7.1's legacy FSDP worker, for tests/verl/test_legacy_worker.py
 PY=".venvs/verl/bin/python"
 echo "=== verl: tests/verl"
 "$PY" -m pytest -q -p no:cacheprovider tests/verl "$@"

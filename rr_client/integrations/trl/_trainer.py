@@ -32,7 +32,7 @@ from rr_client.trainer.provenance import Segments, build_segments, check_samples
 from rr_client.trainer.replay import replay_routing
 from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
-__all__ = ["R3GRPOTrainer", "GenerateOutput", "OVERRIDDEN", "check_trl_shapes"]
+__all__ = ["R3GRPOTrainer", "GenerateOutput", "Generation", "OVERRIDDEN", "check_trl_shapes"]
 
 GRPOTrainer = trl.GRPOTrainer
 # the GRPOTrainer methods R3GRPOTrainer overrides, with the parameters rr calls them with (TRL 1.16; ``...``: any
@@ -56,6 +56,17 @@ OVERRIDDEN: dict[str, Params] = {
     ],
 }
 _SAMPLE_KEY = "rr_sample"  # per-sample index into the rollout, carried through TRL's shuffle/split
+_BATCH_KEY = "rr_generation"  # per-sample serial of the rollout it came from (train and eval rollouts interleave)
+
+
+class Generation(NamedTuple):
+    """One rollout rr holds for replay: its serial (carried with each sample), TRL's mode when it was generated
+    (``train`` / ``eval``), its samples and, per sample, False where the stale-rows policy masked its rows."""
+
+    serial: int
+    mode: str
+    rollout: Rollout
+    replay: tuple[bool, ...]
 
 
 class GenerateOutput(NamedTuple):
@@ -150,7 +161,9 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
     preempted across one) is refused with :class:`rr_client.StaleRoutingError` when the rollout arrives
     (``"refuse"``), or trained with its replay masked off (``"mask"``); both, and samples spanning an update
     without a recompute, are counted in the log (``r3/stale_masked``, ``r3/spans_update``, ...). The audit and the
-    log-prob gap are logged per token segment too (``r3/cached_prompt/agreement``, ...).
+    log-prob gap are logged per token segment too (``r3/cached_prompt/agreement``, ...). With TRL's evaluation
+    (``eval_strategy``) each eval batch replays its own eval rollout's rows (metrics under ``eval_r3/``), kept apart
+    from the training rollout TRL trains on again (``num_iterations``, ``steps_per_generation``).
 
     Refused before TRL's own ``__init__`` (:class:`rr_client.ConfigurationError`): ``use_vllm=True``, tools /
     environments, a PEFT model with ``sync_weights``, a ``rollout_func`` that is not an :class:`RRRollout`, a
@@ -195,10 +208,14 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             log_layers=log_layers,
             stale_rows=stale_rows,
         )
-        self._rr_batch: Rollout | None = None  # the latest generation's samples
-        self._rr_replay: tuple[bool, ...] = ()  # per rollout sample: False when the stale-rows policy masked it
+        # the latest rollout of each mode: an eval rollout never replaces the training batch TRL still trains on
+        # (num_iterations > 1, steps_per_generation > 1), nor a training rollout the eval batch
+        self._rr_held: dict[str, Generation] = {}
+        self._rr_latest: Generation | None = None  # the rollout just generated (TRL's scoring forwards use it)
+        self._rr_serial = 0
         self._rr_segments: Segments | None = None  # the last loss forward's token segments
         self._rr_current: list[int] | None = None  # which samples the next forward holds (None: all, in order)
+        self._rr_current_gen: Generation | None = None  # ... and of which rollout (with _rr_current)
         self._rr_loss_logps: torch.Tensor | None = None
         self._rr_sync: DiskWeightSync | None = None
         self.verify_sync = verify_sync
@@ -241,6 +258,35 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         """The session's metrics into TRL's per-step log."""
         for k, v in metrics.items():
             self._metrics[mode][k].append(v)
+
+    def _flush_eval(self) -> None:
+        """The eval forwards' metrics into TRL's eval log. Not a training step: the audit schedule (``audit_every``,
+        counted in the session's steps) stays the training steps'; an eval is audited when the next step is."""
+        steps = self.rr_session.steps
+        try:
+            self._log(self.rr_session.flush(), "eval")
+        finally:
+            self.rr_session.steps = steps
+
+    @property
+    def _rr_batch(self) -> Rollout | None:
+        """The samples of the rollout just generated (train or eval)."""
+        return self._rr_latest.rollout if self._rr_latest is not None else None
+
+    def _generation(self, inputs: dict[str, Any]) -> Generation:
+        """The rollout a batch's samples came from (by the serial carried with them), if rr still holds it."""
+        tags = inputs.get(_BATCH_KEY)
+        if tags is None:
+            raise ReplayError(f"the batch has no {_BATCH_KEY!r}: it did not come from R3GRPOTrainer's generation")
+        serials = sorted({int(t) for t in tags.tolist()})
+        held = {g.serial: g for g in self._rr_held.values()}
+        if len(serials) != 1 or serials[0] not in held:
+            holds = ", ".join(f"{g.mode} rollout {g.serial}" for g in self._rr_held.values()) or "none"
+            raise ReplayError(
+                f"the batch holds samples of rollout(s) {serials}; rr holds the rows of {holds} only (the latest "
+                "of each mode): a batch must come whole from the latest training or eval rollout, as TRL forms them"
+            )
+        return held[serials[0]]
 
     # ------------------------------------------------------------------ weight sync
 
@@ -324,16 +370,20 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             raise ReplayError("the rollout's routing belongs to other samples than the prompt/completion ids TRL got")
         self._check_logprobs(rollout.info)
         check = check_samples(rollout.results, self.rr_session.stale_rows)  # refuses before training on the batch
-        self._log(provenance_metrics(check), "train" if self.model.training else "eval")
-        self._rr_replay = check.replay
-        self._rr_batch = rollout
+        mode = "train" if self.model.training else "eval"
+        self._log(provenance_metrics(check), mode)
+        self._rr_serial += 1
+        self._rr_latest = self._rr_held[mode] = Generation(self._rr_serial, mode, rollout, check.replay)
         self.rr_session.moe_layers = list(rollout.info.moe_layers)  # agreement over MoE layers only (r3=False)
         return raw
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
-        self._rr_current = None
+        self._rr_current, self._rr_current_gen, self._rr_latest = None, None, None
         with self._trl_correction():
             output = super()._generate_and_score_completions(inputs)
+        generation = self._rr_latest
+        if generation is None:
+            raise ReplayError("TRL scored completions without calling _generate: no rollout rr could replay")
         ratio = output.get("importance_sampling_ratio")
         if ratio is not None:  # TRL's ratio, on the engine's log-probs: also under rr's keys
             flat = ratio.flatten() if ratio.shape[-1] == 1 else ratio[output["completion_mask"].bool()]
@@ -347,18 +397,20 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                     "train" if self.model.training else "eval",
                 )
         output[_SAMPLE_KEY] = torch.arange(output["prompt_ids"].shape[0], device=output["prompt_ids"].device)
+        output[_BATCH_KEY] = torch.full_like(output[_SAMPLE_KEY], generation.serial)
         return output
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         if _SAMPLE_KEY not in inputs:
             raise ReplayError(f"the batch has no {_SAMPLE_KEY!r}: it did not come from R3GRPOTrainer's generation")
+        self._rr_current_gen = self._generation(inputs)
         self._rr_current = [int(i) for i in inputs[_SAMPLE_KEY].tolist()]
         self._rr_loss_logps = None
         try:
             with self._trl_correction():
                 loss = super()._compute_loss(model, inputs)
         finally:
-            self._rr_current = None
+            self._rr_current, self._rr_current_gen = None, None
         engine = inputs.get("sampling_per_token_logps")
         if self._rr_loss_logps is not None and engine is not None:
             mask = inputs["completion_mask"].bool() & ~torch.isnan(engine)
@@ -368,6 +420,8 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                     seg.rows, seg.logps[:, seg.logps.shape[1] - engine.shape[1] :].to(engine.device), seg.names
                 )
             self.rr_session.add_gap(self._rr_loss_logps.float(), engine.float(), mask, segments=seg)
+        if not self.model.training:  # an eval batch: its replay and gap into the eval log, not the next step's
+            self._flush_eval()
         return loss
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -440,8 +494,8 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         if self._rr_current is not None:
             self._rr_loss_logps = out[0].detach()
             self._rr_segments = seg
-        if not self.model.training:
-            self._log(session.flush(), "eval")
+        elif not self.model.training:  # TRL's eval scoring forward (an eval loss forward flushes in _compute_loss)
+            self._flush_eval()
         return out
 
     def _chunked(
@@ -530,23 +584,32 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
     # ------------------------------------------------------------------ rows under TRL's tokens
 
     def _rows_for(self, input_ids: torch.Tensor, logits_to_keep: int) -> tuple[RoutingTensors, Segments]:
-        """The rollout's routing placed under ``input_ids`` (TRL: prompts left-padded, completions right-padded),
-        samples the stale-rows policy masked left to the router, and the batch's token segments (built once)."""
-        if self._rr_batch is None:
+        """The routing of the batch's own rollout placed under ``input_ids`` (TRL: prompts left-padded, completions
+        right-padded), samples the stale-rows policy masked left to the router, and the batch's token segments.
+        A loss forward's samples are those ``_compute_loss`` named (of the rollout they came from, train or eval);
+        TRL's scoring forwards hold the rollout just generated, all of it, in order."""
+        gen = self._rr_current_gen if self._rr_current is not None else self._rr_latest
+        if gen is None:
             raise ReplayError("a log-prob forward ran before any rollout: no routing to replay")
         idx = self._rr_current if self._rr_current is not None else list(range(input_ids.size(0)))
         if len(idx) != input_ids.size(0):
             raise ReplayError(f"the batch has {input_ids.size(0)} samples but {len(idx)} routing indices")
-        results = [self._rr_batch.results[i] for i in idx]
+        batch = gen.rollout
+        if any(not 0 <= i < len(batch.results) for i in idx):
+            raise ReplayError(
+                f"sample indices {idx} of a batch of the {gen.mode} rollout {gen.serial}, which has "
+                f"{len(batch.results)} samples: the batch's rows are not that rollout's"
+            )
+        results = [batch.results[i] for i in idx]
         if any(r.routed_experts is None for r in results):  # by reference: this micro-batch's rows, read now
             results = self.rr_rollout.resolve(results)
             for i, r in zip(idx, results):
-                self._rr_batch.results[i] = r
+                batch.results[i] = r
         width = input_ids.size(1)
         pad = self._tokenizer.pad_token_id
         rt = to_tensors(
             results,
-            self._rr_batch.info,
+            batch.info,
             pad_side="split",
             prompt_length=width - logits_to_keep,
             response_length=logits_to_keep,
@@ -560,6 +623,6 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                 f"row {bad} of the batch (rollout sample {idx[bad]}) holds other tokens than the "
                 "routing was recorded for: the rows would sit under the wrong tokens"
             )
-        if self._rr_replay:
-            rt = mask_samples(rt, [self._rr_replay[i] for i in idx])
+        if gen.replay:
+            rt = mask_samples(rt, [gen.replay[i] for i in idx])
         return rt, build_segments(results, rt)

@@ -8,7 +8,10 @@ process (driver and Ray workers) runs :func:`install` on ``import verl``. On a v
 logs one warning and patches nothing (``RR_ALLOW_UNSUPPORTED_VERSION=1`` patches anyway) but a guard: a worker asked
 for R2/R3 on FSDP raises instead of training unreplayed. Each patch is contained (a failing one logs an error and
 leaves its module as verl ships it; a worker that needs it for R2/R3 raises); nothing acts while the mode is
-``disabled`` or the strategy is not fsdp2. See docs/trainer.md.
+``disabled`` or the strategy is not fsdp2. verl 0.5-0.7's legacy FSDP worker (``verl.workers.fsdp_workers``, their
+``main_ppo``'s default) has no replay and rr does not replay in it: asked for replay, it refuses to start, on every
+release. Those releases load no ``verl.plugins`` entry point: rr runs there only with
+``VERL_USE_EXTERNAL_MODULES=rr_client.integrations.verl._plugin``. See docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -27,7 +30,15 @@ from rr_client.core.errors import UnsupportedVersionError
 from rr_client.core.versions import OVERRIDE
 
 from ._gate import TESTED_VERL, check_verl_version
-from ._patches import FAILED, PATCHES, WORKERS_MODULE, apply_guard, apply_patch
+from ._patches import (
+    FAILED,
+    LEGACY_WORKERS_MODULE,
+    PATCHES,
+    WORKERS_MODULE,
+    apply_guard,
+    apply_legacy_guard,
+    apply_patch,
+)
 
 __all__ = [
     "TESTED_VERL",
@@ -92,19 +103,22 @@ _turned_off: str | None = None  # the untested verl found (the version gate turn
 
 
 def _actions() -> dict[str, Callable[[types.ModuleType], Any]]:
-    """Per verl module, what runs at its import: every patch, or (verl untested) only the worker's guard."""
+    """Per verl module, what runs at its import: every patch, or (verl untested) only the worker's guard; on every
+    release, the legacy FSDP worker's guard (verl 0.5-0.7 have that module; rr never replays in it)."""
+    legacy: dict[str, Callable[[types.ModuleType], Any]] = {LEGACY_WORKERS_MODULE: apply_legacy_guard}
     if _turned_off is None:
-        return {name: functools.partial(apply_patch, name) for name in PATCHES}
+        return {**{name: functools.partial(apply_patch, name) for name in PATCHES}, **legacy}
     why = f"{_turned_off} is not a release rr was tested with (verl {TESTED_VERL}), so rr left verl unpatched"
-    return {WORKERS_MODULE: functools.partial(apply_guard, why=why)}
+    return {WORKERS_MODULE: functools.partial(apply_guard, why=why), **legacy}
 
 
 def install() -> None:
     """Patch verl where rr plugs in: now for modules already imported, at import for the rest. Re-entrant.
 
     On a verl release rr was not tested with: one warning, nothing patched (unless ``RR_ALLOW_UNSUPPORTED_VERSION``)
-    but the worker's guard, which refuses router_replay R2/R3 on FSDP (it would train unreplayed). The version
-    comes from verl's metadata; no verl module is imported here.
+    but the worker's guard, which refuses router_replay R2/R3 on FSDP (it would train unreplayed). On every release,
+    verl's legacy FSDP worker (verl 0.5-0.7) is guarded the same way. The version comes from verl's metadata; no
+    verl module is imported here.
     """
     global _finder, _turned_off
     if _finder is None:

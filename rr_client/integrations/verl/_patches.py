@@ -16,6 +16,12 @@ Each patch is contained (:func:`apply_patch`): one that fails (a renamed verl me
 logs one error naming it and leaves its module as verl ships it; the import of verl goes on. Where rr's replay is
 not active (an untested verl, a failed patch), :func:`guard_engine_workers` still wraps the worker's ``__init__``,
 shape-agnostic, so that a worker asked for R2/R3 on FSDP raises instead of training unreplayed.
+
+verl 0.5-0.7 also ship the legacy FSDP worker (``verl.workers.fsdp_workers.ActorRolloutRefWorker`` and its
+``AsyncActorRolloutRefWorker``; 0.8 removed it), the one their ``main_ppo`` runs for fsdp/fsdp2 (0.5 and 0.6
+always, 0.7 by default: ``trainer.use_legacy_worker_impl=auto``). It has no routing replay and rr does not replay in it, on any release:
+:func:`guard_legacy_workers` wraps its ``__init__`` (always, whatever the release) so that a worker asked for
+replay on FSDP raises (:func:`refuse_legacy_worker`) instead of training unreplayed.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ FSDP_STRATEGIES = ("fsdp", "fsdp2")
 REPLAY_MODES = ("R2", "R3")
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 WORKERS_MODULE = "verl.workers.engine_workers"
+LEGACY_WORKERS_MODULE = "verl.workers.fsdp_workers"  # verl 0.5-0.7 only (gone in 0.8)
+LEGACY_SWITCH = "trainer.use_legacy_worker_impl"  # verl 0.5-0.7: auto (default) / enable = the legacy worker
+VERL_ACTOR_MODE_KEY = "actor_rollout_ref.actor.router_replay.mode"  # verl 0.7's own (Megatron) replay switch
 TOOL_LOOP_MODULE = "verl.experimental.agent_loop.tool_agent_loop"
 MODE_KEY = "actor_rollout_ref.actor.fsdp_config.router_replay.mode"
 ROLLOUT_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
@@ -362,6 +371,68 @@ def guard_engine_workers(mod: types.ModuleType, why: str) -> None:
     ``ActorRolloutRefWorker.__init__`` whatever its parameters (the config is its ``config`` argument or first
     one), only to refuse R2/R3 on FSDP (:func:`refuse_inactive`); every other config runs verl's ``__init__``."""
     wrap_once(mod.ActorRolloutRefWorker, "__init__", _guarded_init(why), what=f"verl (guard: {why})")
+
+
+# -- verl.workers.fsdp_workers (verl 0.5-0.7: the legacy FSDP worker)
+
+
+def legacy_replay_requested(config: Any) -> str | None:
+    """What in a legacy FSDP worker's ``actor_rollout_ref`` config asks for routing replay: rr's switch or the
+    rollout's rows (:func:`replay_requested`), or verl 0.7's own ``actor.router_replay.mode`` R2/R3 (which only
+    its Megatron worker reads); None when nothing does or the strategy is not FSDP."""
+    asked = replay_requested(config)
+    if asked is not None:
+        return asked
+    strategy = configured_replay(config)[0]
+    mode = _get(_get(_get(config, "actor"), "router_replay"), "mode")
+    if strategy in FSDP_STRATEGIES and str(mode) in REPLAY_MODES:
+        return f"{VERL_ACTOR_MODE_KEY}={mode}"
+    return None
+
+
+def refuse_legacy_worker(config: Any) -> None:
+    """Raise :class:`UnsupportedVersionError` when ``config`` asks verl's legacy FSDP worker for routing replay: the
+    worker has none and rr does not replay in it, so it would train unreplayed, without a word from verl."""
+    asked = legacy_replay_requested(config)
+    if asked is None:
+        return
+    found = installed_verl_version() or "(version unknown)"
+    raise UnsupportedVersionError(
+        f"{asked} (actor.strategy={configured_replay(config)[0]}) reached verl's legacy FSDP worker "
+        f"({LEGACY_WORKERS_MODULE}.ActorRolloutRefWorker; verl {found} is installed), which verl 0.5-0.7's main_ppo "
+        f"runs for fsdp/fsdp2 (0.5 and 0.6 always, 0.7 unless {LEGACY_SWITCH}=disable): it has no routing replay "
+        f"and rr does not replay in it, so it would train unreplayed. rr replays only in verl's engine worker "
+        f"(verl.workers.engine_workers) of verl {TESTED_VERL}, where the legacy worker is gone: upgrade verl to "
+        f"{TESTED_VERL} ({LEGACY_SWITCH}=disable selects verl 0.7's engine worker, which rr refuses too: an "
+        f"untested release its patch does not fit), or train without replay ({MODE_KEY}=disabled, "
+        f"{ROLLOUT_KEY}=False, {VERL_ACTOR_MODE_KEY}=disabled)",
+        package="verl",
+        version="" if found.startswith("(") else found,
+        tested=str(TESTED_VERL),
+    )
+
+
+def _legacy_init(orig: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(orig)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        refuse_legacy_worker(kwargs["config"] if "config" in kwargs else (args[0] if args else None))
+        orig(self, *args, **kwargs)
+
+    return __init__
+
+
+def guard_legacy_workers(mod: types.ModuleType, why: str = "") -> None:
+    """``ActorRolloutRefWorker.__init__`` of verl's legacy ``fsdp_workers`` (its ``AsyncActorRolloutRefWorker``
+    inherits it), whatever its parameters (the config is its ``config`` argument or first one): a config asking for
+    routing replay on FSDP is refused (:func:`refuse_legacy_worker`); every other config runs verl's ``__init__``.
+    Applied on every verl release that has the module, rr's replay active or not (``why`` is not needed)."""
+    wrap_once(mod.ActorRolloutRefWorker, "__init__", _legacy_init, what="verl's legacy FSDP worker (rr's guard)")
+
+
+def apply_legacy_guard(module: types.ModuleType) -> bool:
+    """:func:`guard_legacy_workers` on ``module``, contained (:func:`apply_guard`): never raises out of verl's
+    import; a failure logs one error."""
+    return apply_guard(module, "verl's legacy FSDP worker has no routing replay", guard_legacy_workers)
 
 
 # -- verl.experimental.agent_loop.tool_agent_loop
