@@ -4,13 +4,23 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from rr_client.core.codec import FORMATS
 
-__all__ = ["FORMAT_FLAG", "launcher_parser", "add_shared_options", "wants_help", "engine_help", "take_format_flag"]
+__all__ = [
+    "FORMAT_FLAG",
+    "launcher_parser",
+    "add_shared_options",
+    "wants_help",
+    "engine_help",
+    "take_format_flag",
+    "preflight",
+]
 
 # rr's own flag (not the engine's): the default routed_experts_format of /generate and the OpenAI endpoints
 FORMAT_FLAG = "--routed-experts-format"
@@ -86,3 +96,40 @@ def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
             continue
         fmt = check_format(fmt)
     return out, fmt
+
+
+def _values(argv: Sequence[str], flag: str) -> list[str]:
+    """Every value given to ``flag`` (``--flag v`` or ``--flag=v``)."""
+    out = []
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            out.append(argv[i + 1])
+        elif a.startswith(flag + "="):
+            out.append(a.split("=", 1)[1])
+    return out
+
+
+def _local_path(value: str) -> bool:
+    """``value`` names a local folder, not a hub id (``ORG/NAME``): absolute, relative with ``.``, ``~``, or deeper."""
+    return value.startswith(("/", ".", "~")) or value.count("/") > 1
+
+
+def preflight(argv: Sequence[str], parser: argparse.ArgumentParser, engine: str) -> str | None:
+    """What is wrong with the launch line, in one line, before the engine starts (exit 2), or None: an ``--rr-*``
+    option rr does not have (it would reach the engine and fail after its start-up), vLLM's model flag in SGLang's
+    spelling, a local model folder that does not exist (the engine would try the hub and fail seconds later)."""
+    rr_flags = sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--rr-"))
+    for a in argv:
+        name = a.split("=", 1)[0]
+        if name.startswith("--rr-") and name not in rr_flags:
+            close = difflib.get_close_matches(name, rr_flags, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            return f"unknown rr option {name}: {hint}rr's options: {', '.join(rr_flags) or 'none of that form'}"
+    model_flags = ("--model", "--model-path") if engine == "SGLang" else ("--model",)
+    if engine == "vLLM" and any(a == "--model-path" or a.startswith("--model-path=") for a in argv):
+        return "vLLM takes --model, not --model-path (SGLang's spelling): rr-server launch vllm --model <folder or ORG/NAME>"
+    for flag in model_flags:
+        for v in _values(argv, flag):
+            if _local_path(v) and not Path(v).expanduser().is_dir():
+                return f"{flag} {v}: no such folder (a local model folder, or a hub id ORG/NAME)"
+    return None

@@ -16,6 +16,7 @@ from rr_server.launch.options import (
     add_shared_options,
     engine_help,
     launcher_parser,
+    preflight,
     take_format_flag,
     wants_help,
 )
@@ -156,6 +157,9 @@ def main(argv: Sequence[str]) -> int:
     if wants_help(argv):  # rr's options, then SGLang's: nothing is patched or started
         return engine_help(build_parser(), "SGLang", "sglang", _sglang_help)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if (wrong := preflight(argv, build_parser(), "SGLang")) is not None:
+        sys.stderr.write(f"rr-server: {wrong}\n")
+        return 2
     try:
         argv, fmt = take_format_flag(argv)
     except ValueError as e:

@@ -366,6 +366,11 @@ def main(argv: list[str]) -> int:
                 env=_child_env(),
             ),
         )
+    from rr_server.launch.options import preflight
+
+    if (wrong := preflight(argv, build_parser(), "vLLM")) is not None:
+        print(f"rr: {wrong}", file=sys.stderr)
+        return 2
     allow = _ALLOW_FLAG in argv
     version = installed_version()
     if version is None:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from rr_server.launch import sglang as launch_sglang
+from rr_server.launch import vllm as launch_vllm
 from rr_server.launch.vllm import build_command
 from rr_server.serving.engines import engine_release
 from tests.support.vllm_process import VLLMProcess, server_args
@@ -339,3 +341,43 @@ def test_bounded_replay_refusal_is_a_typed_error_naming_the_flag(tmp_path: Path)
         check_bounded_replay("vllm", "0.32.0", ["--model=deepseek-ai/DeepSeek-V4.1"])
     unknown = check_bounded_replay("vllm", "0.32.0", ["--model", str(tmp_path / "missing")])
     assert unknown is not None and unknown.startswith("rr: cannot read") and "--no-swa-bounded-replay" in unknown
+
+
+@pytest.mark.parametrize(
+    "engine,argv,line",
+    [
+        (
+            "vllm",
+            ["--model", "m", "--rr-alow-unsupported-version"],
+            "unknown rr option --rr-alow-unsupported-version: did you mean --rr-allow-unsupported-version?",
+        ),  # fmt: skip
+        ("vllm", ["--model-path", "m"], "vLLM takes --model, not --model-path (SGLang's spelling)"),
+        ("vllm", ["--model", "./no/such/model"], "--model ./no/such/model: no such folder"),
+        ("vllm", ["--model=/no/such"], "--model /no/such: no such folder"),
+        ("sglang", ["--model-path", "/no/such/model"], "--model-path /no/such/model: no such folder"),
+        ("sglang", ["--model-path", "m", "--rr-cpu"], "unknown rr option --rr-cpu: "),
+    ],
+)
+def test_launch_mistakes_exit_2_with_one_line_before_the_engine_starts(
+    engine: str, argv: list[str], line: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mistyped --rr-* option, vLLM's model flag spelled as SGLang's, a local model folder that does not exist:
+    one line on stderr and exit 2, and the engine is never started (no version probe, no patch, no subprocess)."""
+    mod = launch_vllm if engine == "vllm" else launch_sglang
+
+    def never(*a: object, **k: object) -> None:
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(mod.subprocess if engine == "vllm" else mod, "Popen" if engine == "vllm" else "_run", never)
+    assert mod.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and line in err, err
+
+
+def test_hub_ids_and_existing_folders_pass_the_preflight(tmp_path: Path) -> None:
+    from rr_server.launch.options import preflight
+
+    parser = launch_vllm.build_parser()
+    assert preflight(["--model", "Qwen/Qwen3-30B-A3B", "--rr-cpu"], parser, "vLLM") is None
+    assert preflight(["--model", str(tmp_path)], parser, "vLLM") is None
+    assert preflight(["--model-path", str(tmp_path)], launch_sglang.build_parser(), "SGLang") is None
