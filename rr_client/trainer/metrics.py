@@ -113,7 +113,13 @@ def r3_metrics(
 
     ``logp_train`` and ``logp_rollout`` have the same shape (e.g. ``[B, T]``), on any devices; ``mask`` is
     usually the response mask. NaN in an unmasked position is an error; masked positions are ignored whatever
-    they hold. One host read (:func:`gap_stats` does the rest on the device)."""
+    they hold. One host read (:func:`gap_stats` does the rest on the device). ``logp_rollout`` may be the layout
+    itself (its ``logprobs``); none there (or None) is a ConfigurationError naming ``return_logprob=True``."""
+    from rr_client.core.logprobs import engine_logprobs
+
+    if logp_rollout is None:
+        raise ConfigurationError("r3_metrics: no engine log-probs to compare with (generate with return_logprob=True)")
+    logp_rollout, _ = engine_logprobs(logp_rollout, None, consumer="r3_metrics")
     n, s_abs, s_sq, s_k3, n2, n5, bad = gap_stats(logp_train, logp_rollout, mask).tolist()
     if n == 0:
         raise ConfigurationError("no tokens selected by the mask")

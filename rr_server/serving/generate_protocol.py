@@ -153,12 +153,26 @@ class NormalizedGenerate:
     routed_experts_format: str = "npy"
 
 
+# sampling keys other APIs spell differently: the /generate (SGLang) name a refusal points to
+_SPELLINGS = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "stop_token": "stop_token_ids",
+    "logprobs": "return_logprob=true at the top level of the body",
+    "return_logprob": "return_logprob at the top level of the body, not in sampling_params",
+}
+
+
 def _fmt_validation(err: ValidationError, prefix: str = "") -> str:
     """One readable line per pydantic error: ``field.path: message``."""
     parts = []
     for e in err.errors()[:8]:
         loc = ".".join([prefix] * bool(prefix) + [str(p) for p in e["loc"]])
-        parts.append(f"{loc}: {e['msg']}")
+        hint = ""
+        if e["type"] == "extra_forbidden" and e["loc"]:  # OpenAI / vLLM spellings of SGLang's names
+            known = _SPELLINGS.get(str(e["loc"][-1]))
+            hint = f" (use {known})" if known else ""
+        parts.append(f"{loc}: {e['msg']}{hint}")
     return "invalid /generate request: " + "; ".join(parts)
 
 

@@ -54,3 +54,19 @@ def test_token_logprobs_alignment() -> None:
         for t in range(1, 5):
             ref = torch.log_softmax(logits[b, t - 1], -1)[ids[b, t]]
             assert out[b, t] == pytest.approx(float(ref), abs=1e-6)
+
+
+def test_missing_engine_logprobs_name_return_logprob() -> None:
+    """Forgetting return_logprob=True: a typed error saying so, not torch's 'Could not infer dtype of NoneType'."""
+    from types import SimpleNamespace
+
+    from rr_client.core.errors import ConfigurationError
+
+    lt = torch.zeros(1, 3)
+    with pytest.raises(ConfigurationError, match="return_logprob=True"):
+        r3_metrics(lt, None)
+    layout = SimpleNamespace(logprobs=None, logprobs_mode=None)  # what to_tensors gives without engine log-probs
+    with pytest.raises(ConfigurationError, match="r3_metrics: the batch carries no engine log-probs .*return_logprob"):
+        r3_metrics(lt, layout)
+    m = r3_metrics(lt, SimpleNamespace(logprobs=torch.full((1, 3), -0.5), logprobs_mode="processed"))
+    assert m.tokens == 3 and m.mean_abs_diff == pytest.approx(0.5)

@@ -128,3 +128,20 @@ def test_sse_lines() -> None:
     line = sse_line({"a": 1})
     assert line.startswith("data: ") and line.endswith("\n\n") and orjson.loads(line[6:]) == {"a": 1}
     assert SSE_DONE == "data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize(
+    "key,hint",
+    [
+        ("max_tokens", "(use max_new_tokens)"),
+        ("min_tokens", "(use min_new_tokens)"),
+        ("logprobs", "(use return_logprob=true at the top level of the body)"),
+        ("return_logprob", "(use return_logprob at the top level of the body, not in sampling_params)"),
+    ],
+)
+def test_other_apis_sampling_keys_are_refused_with_the_generate_name(key: str, hint: str) -> None:
+    with pytest.raises(BadRequest) as e:
+        parse_generate_request({"input_ids": [1, 2], "sampling_params": {key: 4}})
+    assert f"sampling_params.{key}: Extra inputs are not permitted {hint}" in str(e.value), str(e.value)
+    with pytest.raises(BadRequest, match="sampling_params.top_q: Extra inputs are not permitted;|permitted$"):
+        parse_generate_request({"input_ids": [1, 2], "sampling_params": {"top_q": 4}})  # no hint invented
