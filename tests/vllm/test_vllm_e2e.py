@@ -542,3 +542,19 @@ def test_client_disconnect_aborts_engine_requests(qwen_server: Any) -> None:
     )
     ok = post(qwen_server, {"text": "after", "sampling_params": {"max_new_tokens": 2}, "return_routed_experts": True})
     assert ok.status_code == 200
+
+
+def test_the_protocol_docs_curl_example_runs_as_written(qwen_server: Any) -> None:
+    """docs/protocol.md's curl line, verbatim but for the port, against the real server: the rows' shape printed
+    twice (the answer's word and the decoded .npy), equal."""
+    import re
+    import subprocess
+    import sys
+
+    doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    (cmd,) = re.findall(r"```bash\n(curl .*?)```", doc, re.S)
+    cmd = cmd.replace("http://127.0.0.1:8000", qwen_server.base_url).replace("\npython -c", f"\n{sys.executable} -c")
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    m = re.fullmatch(r"\[(\d+), 3, 2\] \((\d+), 3, 2\)", out.stdout.strip())  # rows, 3 layers, top-2
+    assert m is not None and m[1] == m[2] and 4 <= int(m[1]) <= 7, out.stdout  # 4 prompt + up to 4 new - 1
