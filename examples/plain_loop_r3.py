@@ -7,7 +7,8 @@ the session (``open_replay``): ``to_tensors`` carries each sample's provenance, 
 recomputed across a weight update is refused (``StaleRoutingError``, the default), or with ``--stale-rows mask``
 trained with its rows left to the router, and counted (``r3/stale_masked``); ``--stale-rows off`` turns it off on
 purpose. A REINFORCE-style loss with a toy reward
-(longer completions score higher) stands in for your objective; TRL's importance-sampling correction (its
+(the share of a completion's tokens in the lower half of the vocabulary: it varies from sample to sample, so the
+loss moves) stands in for your objective; TRL's importance-sampling correction (its
 default, ``sequence_mask`` at 3: ``importance_sampling_ratio``) weighs each sample by how far the trainer's
 policy is from the engine's that sampled it.
 
@@ -24,6 +25,7 @@ import argparse
 import asyncio
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         batch = asyncio.run(rollout(args.url, prompts, params, args.by_reference))
         rt = batch.to_tensors(pad_side="right")
         response = rt.response_mask.bool()
-        reward = torch.tensor([float(len(r.output_ids)) for r in batch])
+        vocab = model.config.vocab_size
+        reward = torch.tensor([float(np.mean(np.asarray(r.output_ids) < vocab // 2)) for r in batch])
         advantage = (reward - reward.mean()) / (reward.std() + 1e-6)
 
         model.train()
@@ -103,9 +106,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         optimizer.step()
         optimizer.zero_grad()
 
-        history.append({"step": step, "loss": loss.item(), keys.IS_RATIO_MEAN: ratio.mean().item(), **metrics})
+        history.append(
+            {"step": step, "loss": loss.item(), "reward": reward.mean().item(), "reward_std": reward.std().item(),
+             keys.IS_RATIO_MEAN: ratio.mean().item(), **metrics}
+        )  # fmt: skip
         print(
-            f"step {step}: loss {loss.item():+.4f}  applied {metrics[keys.APPLIED_SHARE]:.3f}  "
+            f"step {step}: reward {reward.mean().item():.3f}  loss {loss.item():+.4f}  "
+            f"applied {metrics[keys.APPLIED_SHARE]:.3f}  "
             f"agreement {metrics[keys.AGREEMENT]:.3f}  |logp gap| {metrics[keys.MEAN_ABS_LOGP_DIFF]:.2e}  "
             f"stale masked {metrics[keys.STALE_MASKED]:.0f}"
         )

@@ -42,6 +42,9 @@ def test_plain_loop_replays_every_step(qwen_server: VLLMProcess, tiny_models: di
         ]
     )
     assert [h["step"] for h in history] == [0, 1, 2]
+    # the toy reward varies between samples, so the policy loss is not stuck at 0 (it was: every completion hit the
+    # token limit under a length reward)
+    assert all(h["reward_std"] > 0 and abs(h["loss"]) > 1e-6 for h in history), history
     for h in history:
         assert h[K.AUDITED] == 1.0 and h[K.APPLIED_SHARE] == 1.0 and h[K.APPLIED_SHARE_MIN_LAYER] == 1.0
         assert h[K.REPLAYED_ROWS] > 0 and h[K.MOE_LAYERS] == 2 and h[K.LOGP_TOKENS] > 0
