@@ -114,7 +114,7 @@ def _doctor(base_url: str, model_dir: Path) -> bool:
     print(f"\n$ rr-server doctor {base_url} --model-path {model_dir}")
     with Steps() as steps:  # each check's line on stderr as it finishes; the report below
         report = asyncio.run(run_doctor(base_url, model_path=str(model_dir), progress=CheckPrinter(steps)))
-    print(render(report))
+    print(render(report, checks=False))  # each check's line was printed as it finished
     return report.ok
 
 

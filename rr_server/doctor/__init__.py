@@ -96,8 +96,9 @@ class CheckPrinter:
         self.steps.line(f"  {_status(check)} {check.name:<22} {time.monotonic() - self._t0:5.1f}s  {check.detail}")
 
 
-def render(report: object) -> str:
-    """The human-readable report: the verdict line first, then what each part found."""
+def render(report: object, checks: bool = True) -> str:
+    """The human-readable report: the verdict line first, then what each part found (``checks=False``: without the
+    per-check lines, already printed as they finished)."""
     from rr_server.doctor.checks import DoctorReport
 
     assert isinstance(report, DoctorReport)
@@ -112,8 +113,9 @@ def render(report: object) -> str:
         )
         out.append("known routing bugs of this version:" if report.known_bugs else "known routing bugs: none listed")
         out += [f"  - {b.what}: {b.coverage}" + (f" [{b.source}]" if b.source else "") for b in report.known_bugs]
-    out.append("\nchecks:")
-    out += [check_line(c) for c in report.checks]
+    if checks:
+        out.append("\nchecks:")
+        out += [check_line(c) for c in report.checks]
     gt = report.ground_truth
     if gt:
         out.append(f"\nground truth ({gt['model_path']}, {gt['samples']} samples): {100 * gt['agreement']:.2f}% agree")
