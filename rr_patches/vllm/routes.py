@@ -154,7 +154,8 @@ def _requests_in_engine(app: FastAPI) -> int | None:
     """Requests this API process has handed to the engine and not seen finish (vLLM's output processor tracks each
     from just before it is sent to the engine core); the doctor holds a burst until all of it is there. None: not
     readable on this vLLM."""
-    states = getattr(getattr(app.state.engine_client, "output_processor", None), "request_states", None)
+    client = getattr(app.state, "engine_client", None)  # an app vLLM has not started (yet): none
+    states = getattr(getattr(client, "output_processor", None), "request_states", None)
     return len(states) if isinstance(states, dict) else None
 
 

@@ -54,8 +54,12 @@ PROCESS_GAUGES: dict[str, Callable[[], int | None]] = {}
 def process_gauges() -> dict[str, int]:
     """This process's :data:`PROCESS_GAUGES` now (one that cannot be read is left out)."""
     out = {}
-    for name, read in PROCESS_GAUGES.items():
-        v = read()
+    for name, read in list(PROCESS_GAUGES.items()):
+        try:
+            v = read()
+        except Exception:  # noqa: BLE001 - a gauge never breaks the counters it rides with
+            logger.debug("rr: process gauge %s could not be read", name, exc_info=True)
+            continue
         if v is not None:
             out[name] = int(v)
     return out
