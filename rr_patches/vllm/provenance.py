@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rr_client.core.provenance import Provenance, tokens_digest
+from rr_server.serving.provenance_fields import cached_under_older
 from rr_server.serving.weight_epoch import WeightMark, current_epoch
 
 __all__ = ["admit", "provenance_of", "connector_configured"]
@@ -52,24 +53,14 @@ def provenance_of(
     preemptions are unknown for each, and a stale cache may have served any of them."""
     cached = int(getattr(ro, "num_cached_tokens", 0) or 0)
     version, during = finish if finish is not None else current_epoch().since(mark)
-    if shared_by > 1:
-        return Provenance(
-            cached_tokens=cached,
-            cache_tier=("device" if cached and not connector else None),
-            preemptions=None,
-            weight_version_admitted=mark.version,
-            weight_version_finished=version,
-            weight_update_during=during,
-            tokens_digest=tokens_digest(list(prompt_ids or []), list(output_ids)),
-            cached_under_older_weights=mark.cache_stale,
-        )
+    shared = shared_by > 1
     return Provenance(
         cached_tokens=cached,
         cache_tier=("device" if cached and not connector else None),
-        preemptions=_preemptions(ro),
+        preemptions=None if shared else _preemptions(ro),
         weight_version_admitted=mark.version,
         weight_version_finished=version,
         weight_update_during=during,
         tokens_digest=tokens_digest(list(prompt_ids or []), list(output_ids)),
-        cached_under_older_weights=bool(cached and mark.cache_stale),
+        cached_under_older_weights=mark.cache_stale if shared else cached_under_older(mark, cached),
     )

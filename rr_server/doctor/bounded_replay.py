@@ -25,7 +25,7 @@ import httpx
 from rr_client import GenerateResult, RoutedExpertsClient, RRError, RRInfo
 from rr_client.client import parse_sample
 from rr_client.core.engines import ENGINES
-from rr_server.doctor.engine_state import parse_metrics
+from rr_server.doctor.engine_state import _get, parse_metrics
 from rr_server.doctor.probes import DoctorRun
 from rr_server.doctor.samples import PREFIX_CACHE_TOKENS, ROW_AGREEMENT_MIN, _agreement, _prompt_rows, _prompts
 from rr_server.launch.bounded_replay import (
@@ -57,14 +57,6 @@ class ReplayState:
     source: str  # where ``on`` came from, or why it is not known
     model: bool | None = None  # the served model is DeepSeek-V4.1 (None: not known)
     model_source: str = ""  # where ``model`` came from
-
-
-async def _get(http: httpx.AsyncClient, path: str) -> httpx.Response | None:
-    try:
-        resp = await http.get(path)
-    except httpx.HTTPError:
-        return None
-    return resp if resp.status_code == 200 else None
 
 
 async def _said_vllm(http: httpx.AsyncClient, info: RRInfo) -> tuple[bool | None, str]:
