@@ -84,6 +84,9 @@ class Engine:
     reload_rpc: str | None  # the body wraps the folder in a ``collective_rpc`` call of this method (vLLM)
     reload_reply_says_success: bool  # a 200 reply may still say ``{"success": false, "message": ...}`` (SGLang)
     dev_mode_routes: tuple[str, ...]  # routes served only with VLLM_SERVER_DEV_MODE=1 (vLLM's)
+    # the engine's own weight checker (per-tensor checksums, POST ``{"action": "checksum"}``): vLLM 0.32+ (dev mode),
+    # SGLang 0.5.12+; 404 (or SGLang's "Unsupported action") on the releases without it
+    weight_checker_route: str
     # freezing generation with requests kept (the doctor holds a burst until all of it is in the engine): the route
     # and its query, and the route that lets it go; None where the engine has no such pause
     hold_route: tuple[str, tuple[tuple[str, str], ...]] | None
@@ -160,6 +163,7 @@ VLLM = Engine(
     reload_rpc="reload_weights",
     reload_reply_says_success=False,
     dev_mode_routes=("/collective_rpc", "/reset_prefix_cache", "/pause", "/resume"),
+    weight_checker_route="/weight_checker",
     hold_route=("/pause", (("mode", "keep"),)),  # vLLM 0.30+: new adds wait in the scheduler until /resume
     release_route="/resume",
     weight_routes=(
@@ -200,6 +204,7 @@ SGLANG = Engine(
     reload_rpc=None,
     reload_reply_says_success=True,
     dev_mode_routes=(),
+    weight_checker_route="/weights_checker",
     hold_route=None,
     release_route=None,
     weight_routes=(

@@ -203,8 +203,19 @@ class UnsupportedModelError(ReplayError, TypeError):
 
 
 class WeightSyncError(RRError):
-    """Pushing the trainer's weights to the engine failed (save, reload route missing or refused, engine error):
-    the next rollout would come from stale weights, so the trainer stops instead of training on them."""
+    """Pushing the trainer's weights to the engine failed (save, reload route missing or refused, engine error), or
+    the engine's own weight checksums show it does not hold what was pushed: the next rollout would come from stale
+    or other weights, so the trainer stops instead of training on them.
+
+    Where the engine's checksums found it: ``engine`` names the engine(s) (URLs), ``tensors`` the tensors and
+    ``ranks`` their ranks (``dp0:pp0:pcp0:tp0``); empty otherwise.
+    """
+
+    def __init__(
+        self, message: str, *, engine: str = "", tensors: tuple[str, ...] = (), ranks: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.engine, self.tensors, self.ranks = engine, tensors, ranks
 
 
 class UnsupportedVersionError(RRError, RuntimeError):

@@ -9,10 +9,16 @@ engine); an engine without rr's plugin (e.g. behind rr's sidecar) must be named 
 Any failure is a :class:`rr_client.WeightSyncError`: a trainer must stop, not train on rollouts from stale
 weights. GPU engines also have faster in-memory paths (vLLM's NCCL weight transfer, SGLang's
 ``update_weights_from_distributed``); rr does not drive them (see docs/trainer.md).
+
+An HTTP 200 from the reload is not taken as proof: where the engine has its own weight checker (vLLM 0.32+'s dev-mode
+``/weight_checker``, SGLang 0.5.12+'s ``/weights_checker``), each push ends by asking every engine for its per-tensor
+checksums and comparing them across the replicas and with the previous push
+(:mod:`rr_client.integrations._weight_check`); an engine without one is said once in the log and not checked.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from collections.abc import Mapping, Sequence
@@ -26,8 +32,11 @@ from rr_client.core import settings
 from rr_client.core.engines import ENGINE_NAMES, ENGINES, EngineName
 from rr_client.core.engines import engine as find_engine
 from rr_client.core.errors import ConfigurationError, WeightSyncError
+from rr_client.integrations import _weight_check as wcheck
 
 __all__ = ["DiskWeightSync", "WeightEngine"]
+
+logger = logging.getLogger("rr.weight_sync")
 
 _KEY_ENV = "RR_API_KEY"
 _DEV_MODE_ROUTES = frozenset(r for e in ENGINES.values() for r in e.dev_mode_routes)  # vLLM's, 404 without dev mode
@@ -104,6 +113,15 @@ class DiskWeightSync:
     After each reload the engine's prefix cache is dropped (its KV came from the old weights). An engine refuses
     while requests hold blocks (vLLM 0.30+: 200 ``{"success": false}``; SGLang: 400); the reset is retried for
     ``cache_reset_s`` seconds, then the push fails with :class:`WeightSyncError`: rollouts would hit old-weight KV.
+
+    ``verify_weights`` (default on): after every engine reloaded, ask each one's own weight checker for its
+    per-tensor checksums (vLLM 0.32+ ``/weight_checker``, dev mode; SGLang 0.5.12+ ``/weights_checker``) and fail the
+    push with :class:`WeightSyncError` naming the engine, tensors and ranks when the replicas disagree, or when an
+    engine's checksums since the last push contradict what the trainer changed (a tensor changed but kept, one kept
+    but changed, nothing loaded). An engine without a checker (vLLM 0.31 and older, SGLang 0.5.11 and older) is
+    said once in the log and skipped. ``verify_skip``: parts of tensor names left out of the check (tensors that
+    legitimately differ per replica or move while serving: EPLB experts, uninitialized MoE padding). Hashing copies
+    every weight to the host on the engine, and the saved checkpoint is hashed here, once per push.
     """
 
     def __init__(
@@ -114,9 +132,21 @@ class DiskWeightSync:
         api_key: str | None = None,
         timeout: float = 600.0,
         cache_reset_s: float = 30.0,
+        verify_weights: bool = True,
+        verify_skip: Sequence[str] = (),
     ) -> None:
         pairs = _engine_list(engines)
         self.cache_reset_s = cache_reset_s  # how long a refused prefix-cache reset is retried before the push fails
+        self.verify_weights = verify_weights
+        if isinstance(verify_skip, str) or not all(isinstance(p, str) and p for p in verify_skip):
+            raise ConfigurationError(
+                f"DiskWeightSync: verify_skip must be a sequence of name parts, got {verify_skip!r}"
+            )
+        self.verify_skip: tuple[str, ...] = tuple(verify_skip)
+        self._unchecked: dict[str, str] = {}  # engine URL -> why it has no weight checker (said once)
+        self._checksums: dict[str, wcheck.Checksums] = {}  # engine URL -> its checksums after the last push
+        self._trainer: dict[str, wcheck.TensorDigest] | None = None  # the last pushed checkpoint's tensor digests
+        self._trainer_unread: str | None = None  # why the pushed checkpoint could not be hashed (said once)
         self.urls: list[str] = [u for u, _ in pairs]
         self._engines: dict[str, str] = {u: k for u, k in pairs if k is not None}
         self.directory = Path(directory)
@@ -187,6 +217,8 @@ class DiskWeightSync:
             raise WeightSyncError(f"saving the weights to {target} failed: {e}") from e
         for url in self.urls:
             self._reload(url, target.resolve())
+        if self.verify_weights:
+            self._verify(target.resolve())
         if self._current is not None and self._current != target:
             shutil.rmtree(self._current, ignore_errors=True)
         self._current = target
@@ -199,6 +231,68 @@ class DiskWeightSync:
         if eng.reload_reply_says_success and isinstance(reply, dict) and reply.get("success") is False:
             raise WeightSyncError(f"{url}{route} refused the weights in {folder}: {reply.get('message')}")
         self._reset_cache(url, eng.cache_reset_route)
+
+    def _verify(self, folder: Path) -> None:
+        """Compare every engine's own weight checksums across the replicas and with the previous push (what each
+        engine and the trainer changed since); WeightSyncError naming the engine, tensors and ranks on a mismatch.
+        Engines without a checker are skipped (said once)."""
+        now: dict[str, tuple[str, wcheck.Checksums]] = {}
+        for url in self.urls:
+            sums = self.engine_checksums(url)
+            if sums is not None:
+                now[url] = (self.engine(url), wcheck.skip_filter(sums, self.verify_skip))
+        if not now:
+            return
+        trainer = self._trainer_digests(folder)
+        for url, (_, sums) in now.items():
+            wcheck.check_push_took(url, self._checksums.get(url), sums, self._trainer, trainer, folder)
+        for note in wcheck.check_replicas_agree(now, folder):
+            logger.info("rr: weight check: %s", note)
+        # the next push is compared with the last one that passed (a failed push's engines hold what was not pushed)
+        self._checksums = {url: sums for url, (_, sums) in now.items()}
+        self._trainer = trainer
+
+    def engine_checksums(self, url: str) -> dict[str, str] | None:
+        """``url``'s own per-tensor weight checksums (``"dp0:pp0:pcp0:tp0:<tensor>"`` -> digest), or None when the
+        engine has no weight checker (said once in the log); WeightSyncError when the checker fails."""
+        url = url.rstrip("/")
+        if url in self._unchecked:
+            return None
+        kind = self.engine(url)
+        route = find_engine(kind).weight_checker_route
+        what = "reading the engine's own weight checksums"
+        resp = self._request("POST", url, route, wcheck.CHECKSUM_BODY, what)
+        try:
+            body = resp.json() if resp.content else None
+        except ValueError:
+            body = resp.text
+        why = wcheck.absent_checker(kind, resp.status_code, body)
+        if why is not None:
+            self._unchecked[url] = why
+            logger.warning("rr: %s: %s; the weights it loads are not verified (its reload's 200 is trusted)", url, why)
+            return None
+        if resp.status_code >= 400:
+            raise WeightSyncError(
+                f"{url}{route} answered {resp.status_code} ({what}): {resp.text[:500]}; "
+                "DiskWeightSync(..., verify_weights=False) pushes without the check",
+                engine=url,
+            )
+        return wcheck.parse_checksums(kind, body, f"{url}{route}")
+
+    def _trainer_digests(self, folder: Path) -> dict[str, wcheck.TensorDigest] | None:
+        """The pushed checkpoint's tensor digests, or None (said once) when it cannot be read as safetensors."""
+        try:
+            return wcheck.trainer_digests(folder, self.verify_skip)
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors too; the replicas are still compared
+            if self._trainer_unread is None:
+                self._trainer_unread = f"{type(e).__name__}: {e}"
+                logger.warning(
+                    "rr: weight check: the checkpoint in %s cannot be hashed (%s); the engines' checksums are compared "
+                    "across replicas only, not with what the trainer changed",
+                    folder,
+                    self._trainer_unread,
+                )
+            return None
 
     def _reset_cache(self, url: str, route: str) -> None:
         """Drop the prefix cache, retried while the engine refuses (requests hold blocks); WeightSyncError when it
@@ -226,7 +320,8 @@ class DiskWeightSync:
             "the push (vLLM /pause with clear_cache, SGLang /pause_generation) or wait for in-flight requests"
         )
 
-    def _call(self, method: str, url: str, route: str, body: Any, what: str) -> Any:
+    def _request(self, method: str, url: str, route: str, body: Any, what: str) -> httpx.Response:
+        """One call to the engine; WeightSyncError on a transport failure or a refused API key (never echoed)."""
         try:
             resp = self._http.request(method, url + route, json=body)
         except httpx.HTTPError as e:
@@ -241,6 +336,11 @@ class DiskWeightSync:
             else:
                 why = f"the API key from {self._key_source} was refused: it is not one of this server's keys"
             raise WeightSyncError(f"{url}{route} answered {code} ({what}): {why}")
+        return resp
+
+    def _call(self, method: str, url: str, route: str, body: Any, what: str) -> Any:
+        resp = self._request(method, url, route, body, what)
+        code = resp.status_code
         if code == 404 and route == "/rr/info":
             raise WeightSyncError(
                 f"{url}/rr/info is 404 ({what}): {url} is not an rr server (an engine without rr's plugin, or a "

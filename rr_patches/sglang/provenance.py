@@ -13,11 +13,11 @@ From SGLang's ``BatchTokenIDOutput`` / ``BatchStrOutput`` (every release 0.5.7 -
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from rr_client.core.provenance import Provenance, tokens_digest
-from rr_server.serving.provenance_fields import _count, cache_tier, cached_under_older, weights_since
+from rr_server.serving.provenance_fields import _count, cache_tier, cached_under_older, spans_update, weights_since
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
 __all__ = ["sglang_spans_update", "batch_provenance", "with_digest"]
@@ -33,18 +33,8 @@ def _at(recv_obj: Any, name: str, i: int) -> Any:
 
 
 def sglang_spans_update(spans: Any) -> bool:
-    """SGLang 0.5.20+'s weight-version spans of one request name more than one version."""
-    if not isinstance(spans, Sequence) or isinstance(spans, (str, bytes)):
-        return False
-    versions = set()
-    for s in spans:
-        v = getattr(s, "version", None)
-        if v is None and isinstance(s, Mapping):
-            v = s.get("version")
-        if v is None and isinstance(s, Sequence) and not isinstance(s, (str, bytes)) and s:
-            v = s[0]  # msgspec array_like span after the wire
-        versions.add(str(v))
-    return len(versions) > 1
+    """SGLang 0.5.20+'s weight-version spans of one request name more than one version (:func:`spans_update`)."""
+    return spans_update(spans)
 
 
 def batch_provenance(recv_obj: Any, i: int, epoch: WeightEpoch, mark: WeightMark | None) -> dict[str, Any]:

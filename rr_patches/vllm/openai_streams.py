@@ -7,7 +7,7 @@ hands it every output of that request. The OpenAI middleware then sends one even
 ``data: [DONE]`` whose choices carry each choice's routing and token ids, put through rr's one full check
 (:func:`rr_server.serving.openai_routing.finish_answer`). Non-streaming answers are left to vLLM, which already
 carries routing there. Both kinds are collected for each choice's ``rr_provenance`` (cached tokens, preemptions,
-weight versions at admission and finish: :mod:`rr_patches.vllm.provenance`).
+weight versions at admission and finish, vLLM 0.32+'s own weight-version spans: :mod:`rr_patches.vllm.provenance`).
 """
 
 from __future__ import annotations
@@ -69,7 +69,13 @@ class StreamCollector:
                 ch.routing = getattr(out, "routed_experts", None)
                 mark = self.marks[slot]
                 ch.provenance = provenance_of(
-                    res, ch.prompt_ids, ch.token_ids, mark, connector=self.connector, finish=current_epoch().since(mark)
+                    res,
+                    ch.prompt_ids,
+                    ch.token_ids,
+                    mark,
+                    connector=self.connector,
+                    finish=current_epoch().since(mark),
+                    spans=getattr(out, "weight_versions", None),  # vLLM 0.32+'s own weight-version spans
                 ).to_dict()
 
 

@@ -223,7 +223,16 @@ def _items_for(
         sample_rid = rid if n == 1 else f"{rid}-{c.index}"
         fields = None
         prov = (
-            provenance_of(ro, ro.prompt_token_ids, c.token_ids, mark, connector=connector, finish=finish, shared_by=n)
+            provenance_of(
+                ro,
+                ro.prompt_token_ids,
+                c.token_ids,
+                mark,
+                connector=connector,
+                finish=finish,
+                shared_by=n,
+                spans=getattr(c, "weight_versions", None),  # vLLM 0.32+'s own weight-version spans
+            )
             if final and mark is not None
             else None
         )

@@ -1,15 +1,15 @@
-"""Provenance fields every rr server derives the same way (patched SGLang and the sidecar): the weight versions a
-request saw from :class:`rr_server.serving.weight_epoch.WeightEpoch`, and the cache tier from SGLang's
-``cached_tokens_details``."""
+"""Provenance fields every rr server derives the same way (patched SGLang, vLLM's plugin and the sidecar): the
+weight versions a request saw from :class:`rr_server.serving.weight_epoch.WeightEpoch` and from the engine's own
+weight-version spans, and the cache tier from SGLang's ``cached_tokens_details``."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
-__all__ = ["weights_since", "cache_tier", "cached_under_older"]
+__all__ = ["weights_since", "cache_tier", "cached_under_older", "spans_update"]
 
 
 def weights_since(epoch: WeightEpoch, mark: WeightMark | None) -> tuple[int | None, int, bool]:
@@ -18,6 +18,26 @@ def weights_since(epoch: WeightEpoch, mark: WeightMark | None) -> tuple[int | No
         return None, epoch.version, epoch.active
     version, during = epoch.since(mark)
     return mark.version, version, during
+
+
+def spans_update(spans: Any) -> bool:
+    """The engine's own weight-version spans of one sample's output tokens name more than one version: the engine
+    saw its weights change while the sample ran, whether or not the update passed through rr's server.
+
+    SGLang 0.5.20+ ``weight_versions[i]`` (objects, or ``[version, start, end]`` arrays after its msgspec wire) and
+    vLLM 0.32+ ``CompletionOutput.weight_versions`` (``WeightVersionSpan(version, start, end)``); None or anything
+    else: no spans (older engines), False."""
+    if not isinstance(spans, Sequence) or isinstance(spans, (str, bytes)):
+        return False
+    versions = set()
+    for s in spans:
+        v = getattr(s, "version", None)
+        if v is None and isinstance(s, Mapping):
+            v = s.get("version")
+        if v is None and isinstance(s, Sequence) and not isinstance(s, (str, bytes)) and s:
+            v = s[0]  # msgspec array_like span after the wire
+        versions.add(str(v))
+    return len(versions) > 1
 
 
 def cached_under_older(mark: WeightMark | None, cached: int) -> bool | None:

@@ -6,7 +6,8 @@ requests, after SGLang's own wire encoding) and it emits ``BatchTokenIDOutput`` 
 are transformers' router top-k for the tokens the engine ran a forward on (prompt + completion - 1),
 from :func:`rr_server.demo.tiny_moe.reference_routing` (stands in for the GPU capturer's ``get_topk``).
 It also answers the control query ``/get_server_info`` makes (every scheduler's internal state), so
-SGLang's own app can serve that route to the rr sidecar.
+SGLang's own app can serve that route to the rr sidecar, and, given ``weights``
+(:class:`tests.sglang.standin_weights.StandInWeights`), the weight routes' requests.
 
 Which parts are SGLang's code and which are stood in for:
 
@@ -102,6 +103,8 @@ class StandInScheduler:
         # per request, what the scheduler reports of it in the batch besides tokens and routing (cached_tokens,
         # cached_tokens_details, retraction_counts, weight_versions): as a real scheduler fills them
         self.reports: Callable[[StandInReq], dict[str, Any]] | None = None
+        # answers the weight routes' requests (0.5.23: tests.sglang.standin_weights.StandInWeights), when set
+        self.weights: Any = None
 
     # ---- the zmq socket the TokenizerManager sends to
     def send_pyobj(self, obj: Any, flags: int = 0, protocol: int = pickle.HIGHEST_PROTOCOL) -> None:
@@ -120,6 +123,11 @@ class StandInScheduler:
 
         if isinstance(obj, GetInternalStateReq):
             self._answer_internal_state()
+            return
+        out = self.weights.answer(obj) if self.weights is not None else None
+        if out is not None:  # a weight route's request: SGLang's scheduler-side code answered it
+            assert self.reply is not None, "the harness did not connect the stand-in's replies"
+            asyncio.get_running_loop().call_soon(self.reply, out)
             return
         from sglang.srt.managers import io_struct
 

@@ -1,9 +1,14 @@
 """DiskWeightSync against a recording fake engine over loopback HTTP (no real engine): engine kinds, the API key
-(argument over ``RR_API_KEY``, sent on every call, never echoed), and the typed errors saying what to do."""
+(argument over ``RR_API_KEY``, sent on every call, never echoed), the typed errors saying what to do, and the weight
+check's paths that need no real engine: an engine without a checker (vLLM 0.30's 404, SGLang 0.5.7 - 0.5.11's
+"Unsupported action") said once and skipped, the opt-out, and the comparison rules on checksums as vLLM 0.32+ words
+them. The checks against the engines' real checkers: tests/vllm_standin/test_standin_weights.py (vLLM 0.32/0.33),
+tests/sglang/test_weights_checker.py (SGLang 0.5.23)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +21,8 @@ from rr_client.core.errors import ConfigurationError, WeightSyncError
 from rr_client.integrations.weight_sync import DiskWeightSync, WeightEngine
 from tests.support.threaded_server import ThreadedServer
 
+CHECKERS = ("/weight_checker", "/weights_checker")  # vLLM 0.32+'s, SGLang 0.5.12+'s
+
 UNREACHABLE = "http://127.0.0.1:9"  # the discard port: a call there would fail
 
 
@@ -26,7 +33,8 @@ class FakeEngine:
     url: str = ""
     info: dict[str, Any] | None = dataclasses.field(default_factory=lambda: {"engine": "vllm"})  # None: 404
     key: str | None = None  # when set, every route answers 401 unless this bearer key is sent
-    status: dict[str, int] = dataclasses.field(default_factory=dict)  # path -> forced status
+    # path -> forced status; the weight checkers are absent unless a test gives them replies (vLLM 0.30, old SGLang)
+    status: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(CHECKERS, 404))
     replies: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> JSON body (a list: one per call)
     calls: list[tuple[str, str, str | None, Any]] = dataclasses.field(default_factory=list)
 
@@ -37,17 +45,20 @@ class FakeEngine:
         self.calls.append((request.method, path, auth, await request.json() if raw else None))
         if self.key is not None and auth != f"Bearer {self.key}":
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
-        if path in self.status:
+        if path in self.status and not (path in CHECKERS and path in self.replies):
             return JSONResponse({"detail": "forced"}, status_code=self.status[path])
         if path == "/rr/info":
             return JSONResponse(self.info) if self.info is not None else JSONResponse({}, status_code=404)
         reply = self.replies.get(path, {})
         if isinstance(reply, list):  # answers in turn, the last one from then on
             reply = reply.pop(0) if len(reply) > 1 else reply[0]
+        if isinstance(reply, tuple):  # (status, body)
+            return JSONResponse(reply[1], status_code=reply[0])
         return JSONResponse(reply)
 
-    def paths(self) -> list[tuple[str, str]]:
-        return [(m, p) for m, p, _, _ in self.calls]
+    def paths(self, checks: bool = False) -> list[tuple[str, str]]:
+        """(method, path) of every call, the weight checkers' left out unless ``checks``."""
+        return [(m, p) for m, p, _, _ in self.calls if checks or p not in CHECKERS]
 
 
 class FakeModel:
@@ -241,3 +252,132 @@ def test_unknown_engine_and_unreachable(fake: FakeEngine, tmp_path: Path) -> Non
         pytest.raises(WeightSyncError, match="ConnectError"),
     ):
         sync.push(FakeModel(), 1)
+
+
+# ---------------------------------------------------------------- the engines' own weight checkers
+
+
+class SafetensorsModel:
+    """Stands in for a PreTrainedModel whose ``save_pretrained`` writes real safetensors (what the check hashes)."""
+
+    def __init__(self, **tensors: Any) -> None:
+        self.tensors = tensors
+
+    def save_pretrained(self, path: Path, *, state_dict: Any = None, safe_serialization: bool = True) -> None:
+        from safetensors.torch import save_file
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        save_file(
+            {k.replace("__", "."): v.contiguous() for k, v in self.tensors.items()}, str(Path(path) / "m.safetensors")
+        )
+
+
+def _sums(**digests: str) -> dict[str, Any]:
+    """vLLM 0.32+'s ``/weight_checker`` checksum answer: one tensor-parallel rank per key, ``__`` for ``.``."""
+    return {"checksums": {f"dp0:pp0:pcp0:tp0:{k.replace('__', '.')}": v for k, v in digests.items()}}
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "rr.weight_sync" and r.levelno >= logging.WARNING]
+
+
+def test_vllm_030_has_no_checker_said_once_and_skipped(
+    fake: FakeEngine, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM 0.30 serves no ``/weight_checker`` (404): the push works, the engine is asked once, said once."""
+    caplog.set_level(logging.INFO, logger="rr.weight_sync")
+    with DiskWeightSync(fake.url, tmp_path) as sync:
+        sync.push(FakeModel(), 1)
+        sync.push(FakeModel(), 2)
+    assert fake.paths(checks=True).count(("POST", "/weight_checker")) == 1
+    assert fake.calls[fake.paths(checks=True).index(("POST", "/weight_checker"))][3] == {"action": "checksum"}
+    said = _warnings(caplog)
+    assert len(said) == 1 and fake.url in said[0] and "serves no /weight_checker" in said[0]
+    assert "not verified" in said[0]
+
+
+def test_sglang_without_checksum_action_is_skipped(
+    fake: FakeEngine, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang 0.5.7 - 0.5.11 have ``/weights_checker`` but no ``checksum`` action: 400, said once, skipped."""
+    caplog.set_level(logging.INFO, logger="rr.weight_sync")
+    fake.replies["/weights_checker"] = (400, {"success": False, "message": "Unsupported action='checksum'"})
+    with DiskWeightSync(WeightEngine(fake.url, "sglang"), tmp_path) as sync:
+        sync.push(FakeModel(), 1)
+        sync.push(FakeModel(), 2)
+    assert fake.paths(checks=True).count(("POST", "/weights_checker")) == 1
+    said = _warnings(caplog)
+    assert len(said) == 1 and "no 'checksum' action" in said[0]
+
+
+def test_opt_out_never_asks_and_a_failing_checker_fails_the_push(fake: FakeEngine, tmp_path: Path) -> None:
+    fake.replies["/weight_checker"] = (500, {"detail": "Duplicate weight checksum keys"})
+    with DiskWeightSync(fake.url, tmp_path, verify_weights=False) as sync:
+        sync.push(FakeModel(), 1)
+    assert ("POST", "/weight_checker") not in fake.paths(checks=True)
+    with (
+        DiskWeightSync(fake.url, tmp_path) as sync,
+        pytest.raises(WeightSyncError, match=r"/weight_checker answered 500 .*Duplicate.*verify_weights=False"),
+    ):
+        sync.push(FakeModel(), 2)
+    with pytest.raises(ConfigurationError, match="verify_skip"):
+        DiskWeightSync(fake.url, tmp_path, verify_skip="experts")
+
+
+def test_replicas_that_disagree_are_named_with_tensor_and_ranks(fake: FakeEngine, tmp_path: Path) -> None:
+    """Two replicas (two URLs of the one fake) answer different digests for one tensor: both named (no majority)."""
+    port = fake.url.rsplit(":", 1)[1]
+    a, b = f"http://127.0.0.1:{port}", f"http://localhost:{port}"
+    fake.replies["/weight_checker"] = [_sums(model__norm__weight="n1", lm_head__weight="h1")] * 2
+    with DiskWeightSync([WeightEngine(a, "vllm"), WeightEngine(b, "vllm")], tmp_path) as sync:
+        sync.push(FakeModel(), 1)  # they agree
+        fake.replies["/weight_checker"] = [
+            _sums(model__norm__weight="n1", lm_head__weight="h1"),
+            _sums(model__norm__weight="n1", lm_head__weight="OTHER"),
+        ]
+        with pytest.raises(WeightSyncError) as err:
+            sync.push(FakeModel(), 2)
+    msg = str(err.value)
+    assert "disagree (no majority" in msg and f"{a} differs" in msg and f"{b} differs" in msg
+    assert "lm_head.weight (dp0:pp0:pcp0:tp0)" in msg and "model.norm.weight" not in msg
+    assert err.value.tensors == ("lm_head.weight",) and err.value.ranks == ("dp0:pp0:pcp0:tp0",)
+
+
+def test_the_push_must_show_on_the_engines_own_checksums(fake: FakeEngine, tmp_path: Path) -> None:
+    """Against what the trainer changed since the last push (its saved tensors hashed here): a changed tensor the
+    engine kept, a no-op reload, an identical tensor the engine changed; a quantized module's weight may keep its
+    bytes."""
+    torch = pytest.importorskip("torch")
+    norm, gate = torch.ones(8), torch.zeros(4, 8)
+    model = SafetensorsModel(model__norm__weight=norm, mlp__gate__weight=gate, o_proj__weight=torch.ones(8, 8))
+    fake.replies["/weight_checker"] = _sums(model__norm__weight="n1", mlp__gate__weight="g1", w13="e1")
+    with DiskWeightSync(fake.url, tmp_path) as sync:
+        sync.push(model, 1)
+        norm.add_(0.5)  # the trainer changes the norm; the engine keeps its digest while others moved
+        fake.replies["/weight_checker"] = _sums(model__norm__weight="n1", mlp__gate__weight="g1", w13="e2")
+        with pytest.raises(WeightSyncError, match=r"did not load 1 tensor.*model\.norm\.weight \(dp0:pp0:pcp0:tp0\)"):
+            sync.push(model, 2)
+        # the failed push is not the baseline: the next is compared with push 1. The norm changed again, and the
+        # engine kept every digest: the reload loaded nothing
+        fake.replies["/weight_checker"] = _sums(model__norm__weight="n1", mlp__gate__weight="g1", w13="e1")
+        norm.add_(0.5)
+        with pytest.raises(WeightSyncError, match=r"kept every one of its 3 weight checksums .*model\.norm\.weight"):
+            sync.push(model, 3)
+        fake.replies["/weight_checker"] = _sums(model__norm__weight="n4", mlp__gate__weight="g1", w13="e2")
+        norm.add_(0.5)
+        sync.push(model, 4)  # the norm moved as the trainer's did: fine
+        fake.replies["/weight_checker"] = _sums(model__norm__weight="n4", mlp__gate__weight="G5", w13="e2")
+        with pytest.raises(
+            WeightSyncError, match=r"changed 1 tensor\(s\) the trainer pushed byte-identical .*mlp\.gate"
+        ):
+            sync.push(model, 5)  # the trainer's gate is unchanged, the engine's moved
+        # a quantized module (a *scale* beside it) may keep its bytes through a small change
+        fake.replies["/weight_checker"] = _sums(
+            model__norm__weight="n4", mlp__gate__weight="G5", w13="e6", o_proj__weight="q", o_proj__weight_scale="s"
+        )
+        sync.push(model, 6)
+        model.tensors["o_proj__weight"] = torch.full((8, 8), 2.0)
+        fake.replies["/weight_checker"] = _sums(
+            model__norm__weight="n4", mlp__gate__weight="G5", w13="e7", o_proj__weight="q", o_proj__weight_scale="s"
+        )
+        sync.push(model, 7)

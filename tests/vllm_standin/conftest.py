@@ -53,8 +53,16 @@ HAVE = imported_version("vllm")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect this directory's tests unless the importable vLLM is 0.31.x, 0.32.x or 0.33.x."""
+    """Deselect this directory's tests unless the importable vLLM is 0.31.x, 0.32.x or 0.33.x, and those marked
+    ``vllm_weight_checker(has)`` where the release's weight checker (0.32+) is not as marked."""
     if HAVE is not None and any(HAVE == w or HAVE.startswith(w + ".") for w in WANT):
+        checker = HAVE.startswith(("0.32", "0.33"))
+
+        def other_release(item: pytest.Item) -> bool:
+            mark = item.get_closest_marker("vllm_weight_checker")
+            return mark is not None and bool(mark.args[0]) != checker
+
+        deselect(config, items, other_release)
         return
     deselect(config, items, lambda i: HERE in Path(str(i.path)).resolve().parents)
 
@@ -63,8 +71,9 @@ class StandInServer(VLLMProcess):
     """vLLM's own ``vllm.entrypoints.openai.api_server`` with rr's plugins and the stand-in executor.
 
     Started as :class:`VLLMProcess` starts an engine without rr's launcher (``plugin=False``), with rr's plugins
-    switched back on the way a user who starts vLLM themselves does (``RR_ENABLE=1 VLLM_PLUGINS=rr``), and the
-    test-only ``sitecustomize`` of ``standin_site/`` on the path.
+    switched back on the way a user who starts vLLM themselves does (``RR_ENABLE=1 VLLM_PLUGINS=rr``), in dev mode
+    (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/weight_checker``), and the test-only ``sitecustomize`` of
+    ``standin_site/`` on the path.
     """
 
     def __init__(self, model_dir: Path, *, capture: bool) -> None:
@@ -73,6 +82,7 @@ class StandInServer(VLLMProcess):
             "VLLM_PLUGINS": "rr",
             "VLLM_USE_V2_MODEL_RUNNER": "1",
             "RR_TEST_VLLM_STANDIN": "1",
+            "VLLM_SERVER_DEV_MODE": "1",  # weight reloads and vLLM 0.32+'s weight checker (test_standin_weights.py)
             "PYTHONPATH": os.pathsep.join([str(HERE / "standin_site"), str(REPO)]),
         }
         extra = [*STANDIN_FLAGS, *(["--enable-return-routed-experts"] if capture else [])]

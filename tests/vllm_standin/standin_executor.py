@@ -17,10 +17,19 @@ positions ``[emit_start, tokens_forwarded)``, ``emit_start`` beginning at the re
 as vLLM's capturer), computed by the one reference top-k (:func:`rr_client.trainer.router_reference.router_topk`). The
 worker-side capturer itself is NOT exercised; rr's tests check every routing value against
 :func:`rr_server.demo.tiny_moe.reference_routing`.
+
+The worker's weight RPCs stand in for the GPU worker's too: ``reload_weights(weights_path=...)`` copies a saved
+checkpoint into the model in place (``/collective_rpc``, what rr's weight sync calls), and on vLLM 0.32+
+``compute_weight_checksums`` / ``reset_weights`` run vLLM's own ``weight_checksum`` functions on that model with the
+key prefix its GPU worker builds, behind vLLM's real ``/weight_checker``. Test-only RPCs (``standin_*``, through
+``/collective_rpc``) plant a loader fault for the next reload, slow each step, or relabel the engine's weight
+version the way a caller rr's API server never sees would (an engine actor called directly).
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +74,8 @@ class StandInGPUModelRunnerWorker:
         self.banned = sorted(banned | set(range(_FIRST_ORDINARY_ID)))
         self.reqs: dict[str, _Req] = {}
         self.forward_log: list[tuple[str, int, int]] = []
+        self.fault: tuple[str, str] | None = None  # (kind, tensor) planted for the next reload_weights
+        self.step_delay = 0.0  # seconds each engine step sleeps (keeps a request running while a test acts)
 
     # ---------------------------------------------------------------- engine set-up RPCs
     def determine_available_memory(self) -> int:
@@ -98,6 +109,56 @@ class StandInGPUModelRunnerWorker:
     set_kv_cache_layout = initialize_from_config = get_kv_connector_handshake_metadata = _nothing
     take_draft_token_ids = execute_dummy_batch = reset_mm_cache = reset_encoder_cache = shutdown = _nothing
 
+    # ---------------------------------------------------------------- weights (what the GPU worker does)
+    def reload_weights(
+        self, weights_iterator: Any = None, weights_path: str | None = None, is_checkpoint_format: bool = True
+    ) -> None:
+        """vLLM's in-place reload from a saved checkpoint (every parameter copied into the model), with the planted
+        fault, if any: ``keep`` (that tensor keeps its old value), ``perturb`` (+1e-3 on it), ``noop`` (nothing)."""
+        import transformers
+
+        assert weights_path is not None, "the stand-in reloads from a path only"
+        fault, self.fault = self.fault, None
+        if fault is not None and fault[0] == "noop":
+            return
+        new = dict(
+            transformers.AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).named_parameters()
+        )
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if fault == ("keep", name):
+                    continue
+                p.copy_(new[name])
+                if fault == ("perturb", name):
+                    p.add_(1e-3)
+
+    def _weight_checksum_prefix(self) -> str:
+        """The key prefix vLLM's GPU worker builds (``gpu_worker.py``); one process: every group rank is 0."""
+        dp = self.vllm_config.parallel_config.data_parallel_index
+        return f"dp{dp}:pp0:pcp0:tp0:"
+
+    def compute_weight_checksums(self) -> dict[str, str]:
+        """vLLM 0.32+'s worker RPC behind ``/weight_checker``: its own per-parameter SHA-256 of this model."""
+        from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+        prefix = self._weight_checksum_prefix()
+        return {prefix + name: digest for name, digest in compute_tensor_digests(self.model).items()}
+
+    def reset_weights(self) -> None:
+        """vLLM 0.32+'s worker RPC behind ``/weight_checker`` ``reset``: its own zeroing of every parameter."""
+        from vllm.model_executor.model_loader.weight_checksum import zero_weights
+
+        zero_weights(self.model)
+
+    def standin_plant(self, kind: str, tensor: str = "") -> None:
+        """Test only: plant a loader fault for the next reload_weights (``keep`` / ``perturb`` a tensor, ``noop``)."""
+        assert kind in ("keep", "perturb", "noop"), kind
+        self.fault = (kind, tensor)
+
+    def standin_step_delay(self, seconds: str) -> None:
+        """Test only: sleep this long in every engine step (a request keeps running while the test acts)."""
+        self.step_delay = float(seconds)
+
     # ---------------------------------------------------------------- one engine step
     def _forward(self, tokens: list[int]) -> tuple[int, np.ndarray]:
         """Greedy next token after ``tokens`` and the router top-k rows of every position."""
@@ -108,6 +169,8 @@ class StandInGPUModelRunnerWorker:
         return int(torch.argmax(logits)), rows
 
     def execute_model(self, so: Any) -> ModelRunnerOutput:
+        if self.step_delay and so.num_scheduled_tokens:
+            time.sleep(self.step_delay)
         for rid in so.finished_req_ids:
             self.reqs.pop(rid, None)
         for nr in so.scheduled_new_reqs:
@@ -162,6 +225,12 @@ class StandInGPUModelRunnerExecutor(Executor):
         single_value: bool = False,
     ) -> Any:
         from vllm.v1.serial_utils import run_method
+
+        if method == "standin_relabel":  # the engine core's own weight-version label, set from inside its process
+            core = sys._getframe(1).f_locals.get("self")  # EngineCore.collective_rpc called us
+            assert hasattr(core, "set_weight_version"), f"called by {type(core).__name__}, not vLLM's EngineCore"
+            core.set_weight_version(*args)
+            return None if single_value else [None]
 
         def call() -> Any:
             r = run_method(self.worker, method, args, kwargs or {})
