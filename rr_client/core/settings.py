@@ -44,6 +44,12 @@ SETTINGS: dict[str, Setting] = {
             "RR_AUDIT_EVERY", "int", "verl: steps between audited replay steps (the first step always; 0 = never)", "10"
         ),
         Setting(
+            "RR_STALE_ROWS",
+            "text",
+            "verl: the stale-rows policy on each sample's provenance in verl's batch (refuse, mask or off)",
+            "refuse",
+        ),
+        Setting(
             "RR_ALLOW_UNTESTED_MODEL",
             "flag",
             "verl: replay a MoE family whose router formula is in rr but untested",

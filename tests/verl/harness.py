@@ -109,7 +109,8 @@ def trainer(cfg: Any, worker: Any) -> Any:
 
 def agent_loop_batch(tokenizer: Any, samples: Sequence[dict[str, Any]]) -> Any:
     """verl's agent-loop layout of ``samples`` (``prompt_ids``, ``response_ids``, optional ``response_mask``,
-    ``routed_experts`` ``[rows, L, K]``, ``response_logprobs``) as the ``DataProto`` its trainer receives."""
+    ``routed_experts`` ``[rows, L, K]``, ``response_logprobs``, ``extra_fields``: the rollout server's per-sample
+    fields, e.g. vLLM's ``num_cached_tokens``) as the ``DataProto`` its trainer receives."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput, AgentLoopWorker
 
     w = object.__new__(AgentLoopWorker)
@@ -130,6 +131,7 @@ def agent_loop_batch(tokenizer: Any, samples: Sequence[dict[str, Any]]) -> Any:
                 routed_experts=s.get("routed_experts"),
                 num_turns=2,
                 metrics=AgentLoopMetrics(),
+                extra_fields=dict(s.get("extra_fields") or {}),  # what verl's rollout server returned per sample
             )
             outs.append(await w._agent_loop_postprocess(out, False, raw_prompt=""))
         return outs

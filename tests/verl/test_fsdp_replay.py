@@ -139,7 +139,7 @@ def test_replaying_the_models_own_choice_reproduces_verls_log_probs(
     # layouts (and TRL's) report the same rows
     assert met["r3/left_rows"] == len(SHAPES) * len(MOE_LAYERS)
     assert met["r3/applied_share"] == 1.0 and met["r3/agreement"] == 1.0
-    # the audit by token segment (issue 38): every prompt token's row is computed prompt (verl carries no
+    # the audit by token segment (issue 38): every prompt token's row is computed prompt (this batch carries no
     # provenance: nothing known cached), every generated token's but the last generated
     assert met["r3/computed_prompt/replayed_rows"] == sum(p for p, _ in SHAPES) * len(MOE_LAYERS)
     assert met["r3/generated/replayed_rows"] == sum(r - 1 for _, r in SHAPES) * len(MOE_LAYERS)

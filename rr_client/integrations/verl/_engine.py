@@ -18,13 +18,13 @@ from rr_client.core.errors import ConfigurationError, MissingRoutingError, Unsup
 from rr_client.core.info import RRInfo
 from rr_client.core.logprobs import PROCESSED, check_comparable_logprobs
 from rr_client.trainer import keys as K
-from rr_client.trainer.provenance import COMPUTED, GENERATED, Segments
+from rr_client.trainer.provenance import CACHED, COMPUTED, GENERATED, Segments
 from rr_client.trainer.replay import find_routers
 from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
-from . import _logprobs
+from . import _logprobs, _provenance
 from ._gate import check_verl_version
-from ._rows import packed_rows, padded_rows, unpack_recorded
+from ._rows import packed_rows, padded_rows, sample_of_rows, unpack_recorded
 
 MODES = ("disabled", "R2", "R3")
 
@@ -88,23 +88,28 @@ def _prompt_lengths(micro_batch: Any) -> torch.Tensor | None:
 _NAMES = tuple((name, None) for name in K.SEGMENTS)
 
 
-def _segments(offsets: torch.Tensor, prompt_lens: torch.Tensor, n_rows: int, width: int | None) -> Segments:
-    """The micro-batch's rows cut into computed prompt and generated, on the device with no host read (verl
-    carries no provenance: no row is known to come from the prefix cache). ``width``: the padded layout's. The
-    gap's codes are set beside the log-probs (:meth:`prepare_model_outputs`)."""
+def _segments(
+    offsets: torch.Tensor, prompt_lens: torch.Tensor, n_rows: int, width: int | None, cached: torch.Tensor
+) -> Segments:
+    """The micro-batch's rows cut into cached prompt (the first ``cached[i]`` tokens of sample ``i``: verl's
+    ``num_cached_tokens``), computed prompt and generated, on the device. ``width``: the padded layout's. The gap's
+    codes are set beside the log-probs (:meth:`prepare_model_outputs`)."""
     off = offsets.to(prompt_lens.device)
     lens = off[1:] - off[:-1]
+    cached = cached.to(off.device)
     if width is None:  # packed rows, then pads
         idx = torch.arange(n_rows, device=off.device)
-        sample = torch.searchsorted(off[1:], idx, right=True).clamp_max(lens.numel() - 1)
+        sample = sample_of_rows(off, n_rows)
         pos = idx - off.index_select(0, sample)
         real = idx < off[-1]
         plen = prompt_lens.index_select(0, sample)
+        hit = cached.index_select(0, sample)
     else:
         pos = torch.arange(width, device=off.device)[None, :].expand(lens.numel(), width)
         real = pos < lens[:, None]
         plen = prompt_lens[:, None]
-    codes = torch.where(pos < plen, COMPUTED, GENERATED)
+        hit = cached[:, None]
+    codes = torch.where(pos < hit, CACHED, torch.where(pos < plen, COMPUTED, GENERATED))
     rows = torch.where(real, codes, -1)
     return Segments(rows, rows.new_empty(0), _NAMES)
 
@@ -156,6 +161,7 @@ class RRFSDPEngineMixin(_EngineBase):
         self.rr_session = ReplaySession(
             self.module,
             audit_every=settings.integer("RR_AUDIT_EVERY", default=AUDIT_EVERY),
+            stale_rows=_provenance.stale_policy(),
             allow_untested=settings.flag("RR_ALLOW_UNTESTED_MODEL"),
             moe_layers=self.rr_info.moe_layers,
         )
@@ -219,6 +225,12 @@ class RRFSDPEngineMixin(_EngineBase):
             if "rollout_log_probs" in micro_batch.keys():  # rr computes the gap: do both sides mean the same?
                 _check_gap_logprobs(micro_batch["temperature"])  # the temperature verl's forward divides by
             rows, mask = packed_rows(micro_batch["routed_experts"], offsets, self.rr_info)
+            # the stale-rows policy on the provenance verl's rollout put in the batch (refuse raises here)
+            provs = _provenance.batch_provenances(micro_batch, offsets.numel() - 1)
+            check = _provenance.police(provs, session.stale_rows)
+            if not all(check.replay):
+                mask = _provenance.mask_stale(mask, check.replay, offsets)
+            session.add_provenance(check)
             tokens = None  # which rows are real tokens: pads count neither replayed nor left
             width = None
             if rmpad:
@@ -231,9 +243,13 @@ class RRFSDPEngineMixin(_EngineBase):
                 rows, mask = padded_rows(rows, mask, offsets, width)
                 tokens = _valid(width, offsets.to(mask.device))
             plens = _prompt_lengths(micro_batch)
-            self._rr_segments = None if plens is None else _segments(offsets, plens, rows.shape[0], width)
-            # kept open until the next micro-batch: its backward runs replayed
-            session.open_replay(rows, mask, tokens=tokens, segments=self._rr_segments)
+            self._rr_segments = (
+                None
+                if plens is None
+                else _segments(offsets, plens, rows.shape[0], width, _provenance.cached_counts(provs, plens.device))
+            )
+            # kept open until the next micro-batch: its backward runs replayed; the policy ran above
+            session.open_replay(rows, mask, tokens=tokens, segments=self._rr_segments, checked=True)
         output_args["rr_pad"] = pad
         return model_inputs, output_args
 

@@ -18,14 +18,15 @@ from rr_client.core.errors import MissingRoutingError, ShapeMismatchError
 from rr_client.core.info import RRInfo
 from rr_client.trainer.rows import Reader, ReplayRows, fill_pads
 
-__all__ = ["packed_rows", "padded_rows", "accumulate_turn_rows", "unpack_recorded"]
+__all__ = ["packed_rows", "padded_rows", "sample_of_rows", "accumulate_turn_rows", "unpack_recorded"]
 
 
-def _sample_of_rows(offsets: torch.Tensor, n: int) -> torch.Tensor:
-    """Sample index of every packed row, from the jagged ``offsets`` (``[B + 1]``)."""
+def sample_of_rows(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """Sample index of each of ``n`` packed rows, from the jagged ``offsets`` (``[B + 1]``); rows past the last
+    sample (verl's pads) get the last sample's index."""
     return torch.searchsorted(
         offsets.narrow(0, 1, offsets.numel() - 1), torch.arange(n, device=offsets.device), right=True
-    )
+    ).clamp_max(offsets.numel() - 2)
 
 
 def packed_rows(routed: torch.Tensor, offsets: torch.Tensor, info: RRInfo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +59,7 @@ def padded_rows(
     on the rows' device, with integer indices (no boolean indexing: no host sync)."""
     off = offsets.to(rows.device)
     n = int(rows.shape[0])
-    sample = _sample_of_rows(off, n)
+    sample = sample_of_rows(off, n)
     col = torch.arange(n, device=rows.device) - off.index_select(0, sample)
     dense = rows.new_zeros((off.numel() - 1, width, *rows.shape[1:])).index_put_((sample, col), rows)
     dmask = mask.new_zeros((off.numel() - 1, width)).index_put_((sample, col), mask)
