@@ -5,8 +5,13 @@
 Builds a random tiny Qwen3-MoE (.cache/), launches ``rr-server launch vllm`` with ``VLLM_SERVER_DEV_MODE=1``
 (the weight-sync route), then trains twice from the same start with TRL's own ``GRPOTrainer`` loop through
 ``R3GRPOTrainer``: with replay, then without (``r3=False``). The first push of each run resets the engine to the
-starting weights. Prints one row per optimizer step. The trainer runs in bf16 autocast by default (as TRL
-does), so its routing differs from the fp32 engine's: replay then closes the log-prob gap (``|d|``).
+starting weights. Prints one row per optimizer step, then a summary of both arms.
+
+What it shows: the trainer runs in bf16 autocast by default (as TRL does) against the fp32 engine, so its own
+router picks other experts than the engine's on a share of rows (``agreement`` < 1, measured in both arms). With
+replay every row runs the engine's experts (``applied_share`` 1.0); without, those rows run other experts. On this
+random tiny model a changed expert moves the log-probs little, so the log-prob gap (``|d|``) is mostly bf16
+arithmetic in both arms and replay lowers it only a little; the summary prints both, measured, and says which.
 
 ``--plot PATH`` (default ``r3_trl.png``; needs ``pip install 'rr-replay[plot]'``) draws, per step and per arm, the
 trainer-engine log-prob gap and the router agreement; the numbers go to ``PATH`` with ``.json``. ``--plot ''``
@@ -39,11 +44,15 @@ def reward_len(completions: list[str], **_: Any) -> list[float]:
 
 
 def train(url: str, model_dir: Path, *, r3: bool, steps: int, bf16: bool, out: Path) -> list[dict[str, Any]]:
-    """Run ``steps`` GRPO steps; return the per-step log rows."""
+    """Run ``steps`` GRPO steps; return the per-step log rows (TRL's own per-step printout is left out: the
+    example prints its table and summary at the end)."""
     import torch
     import transformers
     from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
+
+    transformers.utils.logging.disable_progress_bar()  # the weight push's shard bars, once per step
 
     from rr_client.integrations.trl import R3GRPOTrainer, RRRollout
 
@@ -75,6 +84,7 @@ def train(url: str, model_dir: Path, *, r3: bool, steps: int, bf16: bool, out: P
         r3=r3,
         audit_every=1,
     )  # audit every step: the agreement and applied share per step
+    trainer.remove_callback(PrinterCallback)
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h]
 
@@ -120,6 +130,32 @@ def plot(runs: dict[bool, list[dict[str, Any]]], path: Path, *, title: str) -> P
     fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
     return path
+
+
+def summary(runs: dict[bool, list[dict[str, Any]]]) -> list[str]:
+    """Both arms over their steps: the share of rows that ran the engine's experts and the log-prob gap, and what
+    the numbers say (computed from them, never assumed)."""
+    on, off = runs[True], runs[False]
+    followed_on = min(_num(h.get("r3/applied_share_min_layer")) for h in on)
+    followed_off = sum(_num(h.get("r3/agreement")) for h in off) / len(off)  # its router's own picks
+    gap_on = sum(_num(h.get("r3/mean_abs_logp_diff")) for h in on) / len(on)
+    gap_off = sum(_num(h.get("r3/mean_abs_logp_diff")) for h in off) / len(off)
+    title = f"summary over {len(on)} steps per arm"
+    followed = "rows that ran the engine's experts"
+    gap = "mean |logp trainer - logp engine| (nat)"
+    lines = [
+        f"{title:<42}{ARMS[True]:>14}{ARMS[False]:>14}",
+        f"{followed:<42}{followed_on:>14.1%}{followed_off:>14.1%}",
+        f"{gap:<42}{gap_on:>14.3g}{gap_off:>14.3g}",
+    ]
+    ratio = f"{gap_on / gap_off:.2f}x the gap without" if gap_off > 0 else "the gap without: 0"
+    lines += [
+        f"replay ran the engine's experts on every row; without it {1.0 - followed_off:.1%} of rows ran others.",
+        f"The gap with replay was {ratio}: on this random tiny model a changed expert moves the log-probs",
+        "little, so most of the gap is bf16 arithmetic in both arms, and after step 1 the arms train on",
+        "different rollouts (benchmarks/r3_effect.py measures R3's effect paired).",
+    ]
+    return lines
 
 
 def _num(v: Any) -> float:
@@ -209,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                 h.get(c) for c in COLUMNS
             ]
             print(" | ".join(f"{v:>20.4g}" if isinstance(v, float) else f"{str(v):>20}" for v in vals))
+    print()
+    print("\n".join(summary(runs)))
     if args.plot:
         png = Path(args.plot)
         data = metrics(runs, bf16=not args.fp32)

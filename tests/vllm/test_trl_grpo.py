@@ -273,6 +273,12 @@ def test_example_plots_both_arms(dev_server: VLLMProcess, tiny_models: dict[str,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "replay reached the experts on every MoE layer in every step: yes" in proc.stdout
+    # the summary, readable: TRL's per-step dicts are not printed; both arms measured side by side
+    assert "{'loss'" not in proc.stdout and "Writing model shards" not in proc.stdout + proc.stderr
+    followed = next(line for line in proc.stdout.splitlines() if line.startswith("rows that ran the engine's experts"))
+    replay_share, other_share = (float(x.rstrip("%")) / 100 for x in followed.split()[-2:])
+    assert replay_share == 1.0 and 0.5 < other_share <= 1.0
+    assert "replay ran the engine's experts on every row; without it" in proc.stdout
     assert png_size(png) == (800, 340) and png.stat().st_size > 15_000  # two panels drawn, not an empty canvas
     data = json.loads(png.with_suffix(".json").read_text())
     assert data["trainer_dtype"] == "bf16 autocast" and set(data["arms"]) == {"replay", "no_replay"}
