@@ -262,10 +262,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         optimizer.zero_grad()
         nll = sum(float(x["nll"]) for x in losses) / len(losses) if losses else float("nan")  # last stage only
         history.append({"step": step, "rank": dist.get_rank(), "nll": nll, **metrics})
+        # the loss and the log-prob gap exist on the last pipeline stage only (the one with the output layer)
+        tail = (
+            f"nll {nll:.3f}  |logp gap| {metrics[keys.MEAN_ABS_LOGP_DIFF]:.2e}  "
+            if losses and keys.MEAN_ABS_LOGP_DIFF in metrics
+            else "(no loss on this pipeline stage)  "
+        )
         print(
             f"rank {dist.get_rank()} step {step}: applied {metrics[keys.APPLIED_SHARE]:.3f}  agreement "
-            f"{metrics[keys.AGREEMENT]:.3f}  replayed rows {metrics[keys.REPLAYED_ROWS]:.0f}  nll {nll:.3f}  "
-            f"|logp gap| {metrics.get(keys.MEAN_ABS_LOGP_DIFF, float('nan')):.2e}  "
+            f"{metrics[keys.AGREEMENT]:.3f}  replayed rows {metrics[keys.REPLAYED_ROWS]:.0f}  {tail}"
             f"stale masked {metrics[keys.STALE_MASKED]:.0f}"
         )
     # ---------------------------------------------------------------- end of the loop
