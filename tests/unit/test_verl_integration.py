@@ -144,6 +144,25 @@ def test_modes_and_worker_setting() -> None:
     assert worker_replay_mode(c) == "disabled"
 
 
+@pytest.mark.parametrize(
+    "own", [{"megatron": {"router_replay": {"mode": "R3"}}}, {"router_replay": {"mode": "R2"}}], ids=["megatron", "0.7"]
+)
+def test_verls_own_switch_on_fsdp2_is_refused_naming_rrs(own: dict[str, Any]) -> None:
+    """verl's own replay switches (its Megatron engine's, verl 0.7's actor-level one) on fsdp2: verl's FSDP worker
+    reads neither and would train unreplayed; refused, naming rr's key with the mode asked."""
+    c = {"actor": {"strategy": "fsdp2", "fsdp_config": {}, **own}}
+    key, mode = ("megatron.router_replay", "R3") if "megatron" in own else ("router_replay", "R2")
+    with pytest.raises(
+        ConfigurationError,
+        match=rf"actor_rollout_ref\.actor\.{key}\.mode={mode}.*fsdp_config\.router_replay\.mode={mode}",
+    ):
+        worker_replay_mode(c)
+    c["actor"]["fsdp_config"] = {"router_replay": {"mode": mode}}  # rr's key set: rr's replay, no refusal
+    assert worker_replay_mode(c) == mode
+    c["actor"]["strategy"] = "megatron"  # on verl's Megatron engine, verl's own switch is verl's
+    assert worker_replay_mode(c) == "disabled"
+
+
 def test_combine_reports_takes_the_worst_share() -> None:
     from rr_client.trainer.session import merge_reports as combine_reports
 

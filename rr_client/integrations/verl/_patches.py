@@ -55,6 +55,9 @@ VERL_ACTOR_MODE_KEY = "actor_rollout_ref.actor.router_replay.mode"  # verl 0.7's
 TOOL_LOOP_MODULE = "verl.experimental.agent_loop.tool_agent_loop"
 MODE_KEY = "actor_rollout_ref.actor.fsdp_config.router_replay.mode"
 ROLLOUT_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+# verl's own replay switches (its Megatron engine's in 0.9.1, verl 0.7's actor-level one), which its FSDP worker
+# ignores: on fsdp/fsdp2 they ask for replay that verl would not do
+VERL_OWN_MODE_PATHS = (("megatron", "router_replay"), ("router_replay",))
 
 # the shapes rr wraps or subclasses (parameter names, as rr_client.core.patching.check_shapes reads them)
 WORKER_INIT = ["self", "config", "role", "distillation_config", "kwargs"]
@@ -119,15 +122,32 @@ def fsdp_replay_on(actor_rollout_ref: Any) -> bool:
     return strategy == REPLAY_STRATEGY and mode in REPLAY_MODES
 
 
+def verl_own_mode(config: Any) -> str | None:
+    """``<key>=<mode>`` of a verl-own replay switch (``actor.megatron.router_replay.mode``, verl 0.7's
+    ``actor.router_replay.mode``) set to R2/R3 in a worker's ``actor_rollout_ref`` config; None when none is."""
+    actor = _get(config, "actor")
+    for path in VERL_OWN_MODE_PATHS:
+        node = actor
+        for part in path:
+            node = _get(node, part)
+        mode = _get(node, "mode")
+        if str(mode) in REPLAY_MODES:
+            return f"actor_rollout_ref.actor.{'.'.join(path)}.mode={mode}"
+    return None
+
+
 def replay_requested(config: Any) -> str | None:
     """The setting of a worker's ``actor_rollout_ref`` config that asks verl's FSDP actor (fsdp or fsdp2) for
-    routing replay (``router_replay.mode`` R2/R3, or the rollout's routing with
-    ``rollout.enable_rollout_routing_replay``); None when nothing does or the strategy is not FSDP."""
+    routing replay (``router_replay.mode`` R2/R3, verl's own switch for its Megatron engine, or the rollout's
+    routing with ``rollout.enable_rollout_routing_replay``); None when nothing does or the strategy is not FSDP."""
     strategy, mode = configured_replay(config)
     if strategy not in FSDP_STRATEGIES:
         return None
     if mode in REPLAY_MODES:
         return f"{MODE_KEY}={mode}"
+    own = verl_own_mode(config)
+    if own is not None:
+        return own
     if _get(_get(config, "rollout"), "enable_rollout_routing_replay"):
         return f"{ROLLOUT_KEY}=True"
     return None
@@ -150,9 +170,10 @@ def worker_replay_mode(config: Any) -> str:
             f"{ROLLOUT_KEY}=False)"
         )
     if mode not in REPLAY_MODES:
+        want = asked.rsplit("=", 1)[1] if asked.startswith("actor_rollout_ref.actor.") else "R3"
         raise ConfigurationError(
-            f"{asked} with actor.strategy={strategy} but {MODE_KEY}={mode}: the rollout's routing would reach no "
-            f"replay (verl trains unreplayed); set +{MODE_KEY}=R3, or {ROLLOUT_KEY}=False"
+            f"{asked} with actor.strategy={strategy} but {MODE_KEY}={mode}: verl's FSDP actor reads no other replay "
+            f"switch, so it would train unreplayed; set +{MODE_KEY}={want}, or turn off {asked.split('=')[0]}"
         )
     return mode
 
@@ -377,17 +398,10 @@ def guard_engine_workers(mod: types.ModuleType, why: str) -> None:
 
 
 def legacy_replay_requested(config: Any) -> str | None:
-    """What in a legacy FSDP worker's ``actor_rollout_ref`` config asks for routing replay: rr's switch or the
-    rollout's rows (:func:`replay_requested`), or verl 0.7's own ``actor.router_replay.mode`` R2/R3 (which only
-    its Megatron worker reads); None when nothing does or the strategy is not FSDP."""
-    asked = replay_requested(config)
-    if asked is not None:
-        return asked
-    strategy = configured_replay(config)[0]
-    mode = _get(_get(_get(config, "actor"), "router_replay"), "mode")
-    if strategy in FSDP_STRATEGIES and str(mode) in REPLAY_MODES:
-        return f"{VERL_ACTOR_MODE_KEY}={mode}"
-    return None
+    """What in a legacy FSDP worker's ``actor_rollout_ref`` config asks for routing replay: rr's switch, verl 0.7's
+    own ``actor.router_replay.mode`` R2/R3 (which only its Megatron worker reads) or the rollout's rows
+    (:func:`replay_requested`); None when nothing does or the strategy is not FSDP."""
+    return replay_requested(config)
 
 
 def refuse_legacy_worker(config: Any) -> None:
