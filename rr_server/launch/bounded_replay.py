@@ -14,7 +14,9 @@ DeepSeek-V4.1 only (``model_type`` ``deepseek_v41``), where both engines turn it
   opt-in. 0.5.23+: the decoder side resolves on for DeepSeek-V4.1 on CUDA/ROCm unless
   ``--no-enable-decoder-swa-bounded-replay``; the encoder side stays opt-in. ``/get_server_info`` reports both.
 
-The release numbers live here, not in :mod:`rr_server.serving.engines` (to move there as facts).
+Which release has the switch, and where it is on by default, are release facts
+(:class:`rr_server.serving.engines.ReleaseFacts` ``bounded_replay`` / ``bounded_replay_default_on``); the flags are
+each engine's :class:`rr_server.serving.engines.base.ReplayFlags`.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rr_client.core.errors import ConfigurationError
-from rr_server.serving.engines import engine_release
+from rr_client.core.errors import ConfigurationError, UnsupportedVersionError
+from rr_server.serving.engines import RELEASES
+from rr_server.serving.engines.base import ReplayFlags
 
 __all__ = [
     "ALLOW_FLAG",
@@ -49,39 +51,9 @@ _ARCHITECTURES = frozenset({"DeepseekV41ForCausalLM"})
 _NAME = re.compile(r"deepseek[-_ ]?v4[._-]?1(?!\d)", re.I)
 
 
-@dataclass(frozen=True)
-class ReplayFlags:
-    """One engine's bounded-replay switch: the flag that turns it on, the one that turns it off, since when."""
-
-    engine: str
-    on: str  # the (BooleanOptional) flag that turns the default-on side on
-    off: str  # the flag that turns it off
-    since: tuple[int, int, int]  # first release with the flag
-    default_on_since: tuple[int, int, int]  # first release where it is on unless turned off
-    opt_in: tuple[str, ...] = ()  # other replay flags, off unless given (SGLang's encoder side)
-    server_args: tuple[str, ...] = ()  # the server-args keys that report it (SGLang /get_server_info)
-    metric_label: str | None = None  # the vllm:cache_config_info label that reports it (vLLM /metrics)
-
-
 REPLAY_FLAGS: Mapping[str, ReplayFlags] = {
-    "vllm": ReplayFlags(
-        "vllm",
-        on="--swa-bounded-replay",
-        off="--no-swa-bounded-replay",
-        since=(0, 31, 0),
-        default_on_since=(0, 31, 0),
-        metric_label="swa_bounded_replay",
-    ),
-    "sglang": ReplayFlags(
-        "sglang",
-        on="--enable-decoder-swa-bounded-replay",
-        off="--no-enable-decoder-swa-bounded-replay",
-        since=(0, 5, 21),
-        default_on_since=(0, 5, 23),
-        opt_in=("--enable-encoder-swa-bounded-replay",),
-        server_args=("enable_decoder_swa_bounded_replay", "enable_encoder_swa_bounded_replay"),
-    ),
-}
+    name: r.bounded_replay_flags for name, r in RELEASES.items() if r.bounded_replay_flags is not None
+}  # each engine's switch, from its release facts (rr_server.serving.engines)
 
 
 def off_advice(engine: str) -> str:
@@ -167,15 +139,17 @@ def replay_in_argv(engine: str, version: str, argv: Sequence[str]) -> list[str]:
     """The bounded-replay switches that would be on with ``argv`` on ``engine`` ``version`` (the flag that
     set each, or "default"); empty when none (or the release has none)."""
     flags = REPLAY_FLAGS.get(engine)
-    try:
-        release = engine_release(version)
-    except ValueError:
+    if flags is None:
         return []
-    if flags is None or release < flags.since:
+    try:
+        facts = RELEASES[engine].facts_for(version)
+    except UnsupportedVersionError:  # an unparsable release: the version gate speaks for it
+        return []
+    if not facts.bounded_replay:
         return []
     on: list[str] = []
     given = _switch(argv, flags.on, flags.off)
-    if given or (given is None and release >= flags.default_on_since):
+    if given or (given is None and facts.bounded_replay_default_on):
         on.append(flags.on if given else f"{flags.on} (the default of {engine} {version})")
     on += [f for f in flags.opt_in if _switch(argv, f, "--no-" + f[2:])]
     return on

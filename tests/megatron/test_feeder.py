@@ -187,6 +187,26 @@ def test_packed_thd_rows_and_context_parallel_per_sample(megatron_process: None)
     assert torch.equal(got[1], spread(padded[[1, 2, 6, 7, 8, 9]], 1))
 
 
+def test_packed_thd_segments_follow_their_tokens_under_context_parallel(megatron_process: None) -> None:
+    """The audit's token segments (``[b, s]`` codes laid out as the rows) reach each router in its token order: THD
+    unpadded, and under CP=2 with padded bounds each sample's zigzag slices carry their own codes, pads none (-1)."""
+    from rr_client.integrations.megatron import MegatronReplay
+    from rr_client.integrations.megatron._feeder import Parallel
+
+    replay = MegatronReplay(gpt())
+    packed = _packed([3, 6])
+    codes = torch.tensor([[0, 1, -1, 0, 0, 1, 2, 2, -1]])  # cached / computed / generated; -1 on each last token
+    fed = replay.targets_for(packed, segments=codes, parallel=Parallel())
+    assert torch.equal(fed.segments, codes[0]) and torch.equal(fed.have, codes[0] >= 0)
+    padded = torch.tensor([0, 1, -1, -1, 0, 0, 1, 2, 2, -1, -1, -1])  # sample 0 in [0, 4), sample 1 in [4, 12)
+    for rank, take in ((0, [0, 3, 4, 5, 10, 11]), (1, [1, 2, 6, 7, 8, 9])):
+        fed = replay.targets_for(
+            packed, segments=codes, parallel=Parallel(cp_size=2, cp_rank=rank), cu_seqlens_padded=[0, 4, 12]
+        )
+        assert torch.equal(fed.segments, padded[take]), (rank, fed.segments)
+        assert torch.equal(fed.have, padded[take] >= 0)
+
+
 def test_mtp_router_takes_rows_when_the_rollout_has_them_else_is_left(megatron_process: None) -> None:
     """``mtp="auto"``: MTP rows (layer num_layers + depth - 1) replayed when present, else the MTP router routes
     itself and is reported; ``"rows"`` without them is refused; ``"skip"`` leaves it even with rows."""

@@ -1,5 +1,6 @@
 """Two gloo ranks, real megatron-core: PP=2 (1F1B, and interleaved with two virtual stages), TP=2 with sequence
-parallel, CP=2 (zigzag), rows fed by rr's ``MegatronReplay``.
+parallel, CP=2 (zigzag), rows fed by rr's ``MegatronReplay``; under TP+SP, CP and THD (test_feeder.py) the audit's token
+segments follow their tokens.
 
 Every router on every rank is hooked (tests/megatron/harness.py, independent of the feeder); each case asserts on the
 rank that every router chose exactly the rollout's experts for every token that has rows, the rows the test itself
@@ -65,6 +66,19 @@ def check(
                 assert bool((pads.sum(dim=1) == K).all()), f"{what}: a pad token without {K} distinct experts"
         seen[layer] = len(calls)
     return seen
+
+
+SEGMENTS = torch.tensor([0, 0, 0, 1, 1, 2, 2, -1]).expand(B, S)  # cached, computed, generated; -1: the last token
+
+
+def check_segments(met: dict[str, float], local_codes: torch.Tensor, moe_layers: int) -> None:
+    """The audit's replayed rows per token segment on this rank: its own tokens' codes (as Megatron sliced them),
+    once per MoE layer, none for the tokens without a row."""
+    from rr_client.trainer import keys as K
+
+    for code, name in enumerate(K.SEGMENTS):
+        want = int((local_codes == code).sum()) * moe_layers
+        assert met[K.segment(name, "replayed_rows")] == want, (name, met[K.segment(name, "replayed_rows")], want)
 
 
 def local_rows(routing: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,9 +174,10 @@ def tp2_sequence_parallel(rank: int) -> dict[int, int]:
     routing = rollout(seed=21)
     position_ids = torch.arange(S).unsqueeze(0).expand(B, S)
     with H.hooked([model]) as choices:
-        replay.set_micro_batch(routing)  # the whole batch: the feeder cuts this rank's part
+        replay.set_micro_batch(routing, segments=SEGMENTS)  # the whole batch: the feeder cuts this rank's part
         out = model(routing.input_ids, position_ids, H.causal_mask(S), labels=routing.input_ids)
         out.float().mean().backward()
+    met = replay.step_done()
     replay.close()
 
     def shard(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,6 +186,9 @@ def tp2_sequence_parallel(rank: int) -> dict[int, int]:
         rows = _split_along_first_dim(routing.routed_experts[:, :, layer - 1].transpose(0, 1).contiguous(), group)
         mask = _split_along_first_dim(routing.routed_experts_mask.transpose(0, 1).contiguous(), group)
         return rows.reshape(-1, K), mask.reshape(-1)
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    check_segments(met, _split_along_first_dim(SEGMENTS.transpose(0, 1).contiguous(), group), moe_layers=3)
 
     return check(choices, {layer: [shard(layer)] for layer in (2, 3, 4)})
 
@@ -193,14 +211,17 @@ def cp2_zigzag(rank: int) -> dict[int, int]:
             "position_ids": position_ids.clone(),
             "rows": routing.routed_experts.clone(),
             "mask": routing.routed_experts_mask.clone(),
+            "segments": SEGMENTS.clone(),
         }
     )
     s_local = local["tokens"].shape[1]
     with H.hooked([model]) as choices:
-        replay.set_micro_batch(routing)  # the whole batch: the feeder cuts this rank's part
+        replay.set_micro_batch(routing, segments=SEGMENTS)  # the whole batch: the feeder cuts this rank's part
         out = model(local["tokens"], local["position_ids"], H.causal_mask(s_local), labels=local["tokens"])
         out.float().mean().backward()
+    met = replay.step_done()
     replay.close()
+    check_segments(met, local["segments"], moe_layers=3)
 
     def sliced(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This CP rank's rows of ``layer``, as Megatron sliced the batch, in the router's order."""

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from tests.support.planted_reload import reload_with_fault
+
 __all__ = ["StandInWeights"]
 
 
@@ -53,21 +55,8 @@ class StandInRunner:
         recapture_cuda_graph: bool = False,
     ) -> tuple[bool, str]:
         """Copy every parameter of the checkpoint at ``model_path`` into the model, with the planted fault, if any."""
-        import transformers
-
         fault, self.fault = self.fault, None
-        if fault is not None and fault[0] == "noop":
-            return True, "Succeeded to update model weights."
-        new = dict(
-            transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).named_parameters()
-        )
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if fault == ("keep", name):
-                    continue
-                p.copy_(new[name])
-                if fault == ("perturb", name):
-                    p.add_(1e-3)
+        reload_with_fault(self.model, model_path, fault)
         return True, "Succeeded to update model weights."
 
     def check_weights(

@@ -43,6 +43,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 
 from rr_client.trainer.router_reference import router_forward, router_topk
 from rr_server.demo.tiny_moe import load_model, moe_layer_indices
+from tests.support.planted_reload import reload_with_fault
 
 _FIRST_ORDINARY_ID = 10  # ids below this are never chosen (special tokens of the tiny tokenizer live there)
 
@@ -115,22 +116,9 @@ class StandInGPUModelRunnerWorker:
     ) -> None:
         """vLLM's in-place reload from a saved checkpoint (every parameter copied into the model), with the planted
         fault, if any: ``keep`` (that tensor keeps its old value), ``perturb`` (+1e-3 on it), ``noop`` (nothing)."""
-        import transformers
-
         assert weights_path is not None, "the stand-in reloads from a path only"
         fault, self.fault = self.fault, None
-        if fault is not None and fault[0] == "noop":
-            return
-        new = dict(
-            transformers.AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).named_parameters()
-        )
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if fault == ("keep", name):
-                    continue
-                p.copy_(new[name])
-                if fault == ("perturb", name):
-                    p.add_(1e-3)
+        reload_with_fault(self.model, weights_path, fault)
 
     def _weight_checksum_prefix(self) -> str:
         """The key prefix vLLM's GPU worker builds (``gpu_worker.py``); one process: every group rank is 0."""

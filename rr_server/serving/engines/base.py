@@ -9,13 +9,13 @@ issue, the facts of any release. Release strings are parsed by :func:`rr_client.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rr_client.core.engines import Engine
 from rr_client.core.errors import UnsupportedVersionError
 from rr_client.core.versions import Tested, parse_release
 
-__all__ = ["ReleaseFacts", "EngineReleases", "engine_release"]
+__all__ = ["ReleaseFacts", "EngineReleases", "ReplayFlags", "engine_release"]
 
 
 def engine_release(version: str) -> tuple[int, int, int]:
@@ -66,6 +66,10 @@ class ReleaseFacts:
     tensor_lost_as_json: bool = False  # --skip-tokenizer-init JSON-encodes the raw tensor as {} (0.5.7-0.5.9)
     drops_last_prompt_row: bool = False  # max_new_tokens=0 loses the last prompt row (#20964, every release)
     hash_layers_uncaptured: bool = False  # HashTopK (DeepSeek-V4) layers never write the buffer: zero rows (0.5.23+)
+    # DeepSeek-V4.1's SWA bounded replay (rr_server.launch.bounded_replay): the release has the switch (vLLM 0.31+,
+    # SGLang 0.5.21+), and it is on unless turned off (vLLM 0.31+, SGLang 0.5.23+)
+    bounded_replay: bool = False
+    bounded_replay_default_on: bool = False
 
     @property
     def supported(self) -> bool:
@@ -86,6 +90,18 @@ class ReleaseFacts:
 
 
 @dataclass(frozen=True)
+class ReplayFlags:
+    """One engine's DeepSeek-V4.1 SWA bounded-replay switch: the flag that turns it on, the one that turns it off,
+    and where a running server reports it (which releases have it: :class:`ReleaseFacts`)."""
+
+    on: str  # the (BooleanOptional) flag that turns the default-on side on
+    off: str  # the flag that turns it off
+    opt_in: tuple[str, ...] = ()  # other replay flags, off unless given (SGLang's encoder side)
+    server_args: tuple[str, ...] = ()  # the server-args keys that report it (SGLang /get_server_info)
+    metric_label: str | None = None  # the vllm:cache_config_info label that reports it (vLLM /metrics)
+
+
+@dataclass(frozen=True)
 class EngineReleases:
     """One engine's releases as rr knows them: asked by the launchers, the speculative refusal and the doctor."""
 
@@ -96,6 +112,7 @@ class EngineReleases:
     error: type[UnsupportedVersionError]  # what an untested or unparsable release raises
     facts_for: Callable[[str], ReleaseFacts]  # the facts of any parsable release (supported or not)
     installed_version: Callable[[], str | None]  # the installed release, without importing the engine when it can
+    bounded_replay_flags: ReplayFlags | None = field(default=None)  # DeepSeek-V4.1's SWA bounded-replay switch
 
     @property
     def name(self) -> str:

@@ -15,7 +15,7 @@ from rr_client.core.engines import SGLANG
 from rr_client.core.errors import UnsupportedVersionError
 from rr_client.core.logprobs import PROCESSED, RAW
 from rr_client.core.versions import Tested, check_version
-from rr_server.serving.engines.base import EngineReleases, ReleaseFacts, engine_release
+from rr_server.serving.engines.base import EngineReleases, ReleaseFacts, ReplayFlags, engine_release
 
 __all__ = [
     "MIN_VERSION",
@@ -71,6 +71,8 @@ def facts_for(version: str) -> ReleaseFacts:
         drops_last_prompt_row=rel >= (0, 5, 7),
         draft_pollutes_routing=rel < (0, 5, 23),
         hash_layers_uncaptured=rel >= (0, 5, 23),
+        bounded_replay=rel >= (0, 5, 21),  # opt-in in 0.5.21-0.5.22; the decoder side on for DeepSeek-V4.1 after
+        bounded_replay_default_on=rel >= (0, 5, 23),
     )
 
 
@@ -115,4 +117,10 @@ RELEASES = EngineReleases(
     error=UnsupportedSGLangError,
     facts_for=facts_for,
     installed_version=installed_version,
+    bounded_replay_flags=ReplayFlags(
+        on="--enable-decoder-swa-bounded-replay",
+        off="--no-enable-decoder-swa-bounded-replay",
+        opt_in=("--enable-encoder-swa-bounded-replay",),
+        server_args=("enable_decoder_swa_bounded_replay", "enable_encoder_swa_bounded_replay"),
+    ),
 )

@@ -10,7 +10,7 @@ from rr_client.core import versions
 from rr_client.core.engines import VLLM
 from rr_client.core.errors import UnsupportedVersionError
 from rr_client.core.versions import Tested
-from rr_server.serving.engines.base import EngineReleases, ReleaseFacts, engine_release
+from rr_server.serving.engines.base import EngineReleases, ReleaseFacts, ReplayFlags, engine_release
 
 __all__ = [
     "SUPPORTED",
@@ -65,6 +65,8 @@ def facts_for(version: str) -> ReleaseFacts:
         kv_connector_refused=minor == (0, 30),
         draft_pollutes_routing=minor < (0, 30),
         processed_logprobs=rel >= (0, 10, 1),
+        bounded_replay=minor >= (0, 31),  # CacheConfig.swa_bounded_replay, on by default
+        bounded_replay_default_on=minor >= (0, 31),
     )
 
 
@@ -104,4 +106,7 @@ RELEASES = EngineReleases(
     error=UnsupportedVLLMVersion,
     facts_for=facts_for,
     installed_version=installed_version,
+    bounded_replay_flags=ReplayFlags(
+        on="--swa-bounded-replay", off="--no-swa-bounded-replay", metric_label="swa_bounded_replay"
+    ),
 )
