@@ -53,6 +53,7 @@ LEGACY_WORKERS_MODULE = "verl.workers.fsdp_workers"  # verl 0.5-0.7 only (gone i
 LEGACY_SWITCH = "trainer.use_legacy_worker_impl"  # verl 0.5-0.7: auto (default) / enable = the legacy worker
 VERL_ACTOR_MODE_KEY = "actor_rollout_ref.actor.router_replay.mode"  # verl 0.7's own (Megatron) replay switch
 TOOL_LOOP_MODULE = "verl.experimental.agent_loop.tool_agent_loop"
+MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 MODE_KEY = "actor_rollout_ref.actor.fsdp_config.router_replay.mode"
 ROLLOUT_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 # verl's own replay switches (its Megatron engine's in 0.9.1, verl 0.7's actor-level one), which its FSDP worker
@@ -62,6 +63,7 @@ VERL_OWN_MODE_PATHS = (("megatron", "router_replay"), ("router_replay",))
 # the shapes rr wraps or subclasses (parameter names, as rr_client.core.patching.check_shapes reads them)
 WORKER_INIT = ["self", "config", "role", "distillation_config", "kwargs"]
 TOOL_STEP = ["self", "agent_data", "sampling_params", "ignore_termination"]
+MEGATRON_FEEDER = ["layers_topk_idx", "attention_mask", "tf_config", "vp_rank", "replay_mask", "local_cp_size", "model"]
 SGLANG_GENERATE = [
     "self",
     "prompt_ids",
@@ -635,6 +637,14 @@ def patch_sglang_server(mod: types.ModuleType) -> None:
     wrap_once(mod.SGLangHttpServer, "generate", _sglang_generate, params=SGLANG_GENERATE, what=_what())
 
 
+def patch_megatron_engine(mod: types.ModuleType) -> None:
+    """``set_router_replay_data`` as verl's Megatron engine calls it (its module's own name): rr's one row check
+    (:mod:`._megatron`) on R3's rows before verl sets any router target."""
+    from ._megatron import checked_feeder
+
+    wrap_once(mod, "set_router_replay_data", checked_feeder, params=MEGATRON_FEEDER, what=_what())
+
+
 PATCHES: dict[str, Patch] = {
     ENGINE_MODULE: Patch(
         "FSDPEngineWithLMHead", patch_fsdp_engine, "router_replay R2/R3 on FSDP is refused at worker start"
@@ -650,6 +660,11 @@ PATCHES: dict[str, Patch] = {
         patch_tool_agent_loop,
         "multi-turn routing rows would be verl's own (each turn overwrites the earlier ones): a worker asked for "
         "R3 on FSDP refuses to start",
+    ),
+    MEGATRON_ENGINE_MODULE: Patch(
+        "set_router_replay_data",
+        patch_megatron_engine,
+        "verl's Megatron engine feeds R3 rows without rr's check (width, id range, repeats, holes)",
     ),
     "verl.workers.rollout.sglang_rollout.async_sglang_server": Patch(
         "SGLangHttpServer.generate", patch_sglang_server, "verl reads SGLang's routing itself, unchecked"

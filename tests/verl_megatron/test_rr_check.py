@@ -1,0 +1,94 @@
+"""rr's one row check on verl 0.9.1's own Megatron feeder (issue 45, first part), through verl's Megatron engine.
+
+rr's verl plugin wraps ``set_router_replay_data`` in verl's engine module at its import: R3's rows pass rr's check
+before verl sets a router target. Malformed rows verl's own feeder passes to megatron-core (a repeated id, a zero
+row between recorded ones) are refused with rr's typed errors naming the sample, token and layer; the same rows
+without rr's check (verl as shipped: rr's wrapper taken off) run without a word, on experts other than the rollout's.
+Well-formed rows replay exactly as before (test_engine_replay.py runs with rr's check on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from rr_client.core.errors import UnrecordedRoutingError
+from tests.verl_megatron.test_engine_replay import (
+    EXPERTS,
+    batch_of,
+    per_sample,
+    random_rows,
+    run_log_prob,
+    sample_tokens,
+    workers,  # noqa: F401 - the module-scoped fixture
+)
+
+MODULE = "verl.workers.engine.megatron.transformer_impl"
+
+
+@contextmanager
+def verl_as_shipped() -> Iterator[None]:
+    """rr's wrapper of verl's feeder taken off for the block (the function verl ships), then put back."""
+    import importlib
+
+    from rr_client.core.patching import MARKER
+
+    mod = importlib.import_module(MODULE)
+    wrapped = mod.set_router_replay_data
+    mod.set_router_replay_data = getattr(wrapped, MARKER)
+    try:
+        yield
+    finally:
+        mod.set_router_replay_data = wrapped
+
+
+def test_rrs_check_wraps_verls_megatron_feeder(workers: Any) -> None:  # noqa: F811
+    import importlib
+
+    from rr_client.core.patching import is_wrapped
+    from rr_client.integrations import verl as rr_verl
+
+    workers["R3"]  # verl's engine module imported (and patched) by the worker's build
+    assert is_wrapped(importlib.import_module(MODULE), "set_router_replay_data")
+    assert not rr_verl.failed_patches()
+
+
+def test_a_repeated_expert_id_is_refused_where_verl_runs_it(workers: Any, tokenizer: Any) -> None:  # noqa: F811
+    cfg, w = workers["R3"]
+    toks = sample_tokens(4)
+    lengths = [len(p) + len(r) for p, r in toks]
+    rows = [random_rows(n - 1, seed=30 + i) for i, n in enumerate(lengths)]
+    rows[1][1, 0] = [3, 3]  # micro-batch 0, sample 1, token 1, layer 0: one expert twice
+    with pytest.raises(UnrecordedRoutingError, match=r"layer 0: a row repeats an expert id"):
+        run_log_prob(cfg, w, batch_of(tokenizer, toks, rows))
+    with verl_as_shipped():  # verl's feeder: no error, and that token runs one expert, not top-2
+        _, seen = run_log_prob(cfg, w, batch_of(tokenizer, toks, rows))
+    ran = per_sample(seen.maps[1], lengths)[1][1]
+    assert int(ran.sum()) == 1 and bool(ran[3])
+
+
+def test_a_hole_in_the_rows_is_refused_where_verl_routes_it_to_expert_zero(
+    workers: Any,  # noqa: F811
+    tokenizer: Any,
+) -> None:
+    cfg, w = workers["R3"]
+    toks = sample_tokens(5)
+    lengths = [len(p) + len(r) for p, r in toks]
+    rows = [random_rows(n - 1, seed=40 + i) for i, n in enumerate(lengths)]
+    rows[2][2] = 0  # micro-batch 1, sample 0: token 2's rows lost between recorded ones
+    with pytest.raises(UnrecordedRoutingError, match=r"micro-batch sample 0 \(6 tokens\): token 2 has an all-zero"):
+        run_log_prob(cfg, w, batch_of(tokenizer, toks, rows))
+    with verl_as_shipped():  # verl's feeder: the lost row replays as "expert 0, twice"
+        _, seen = run_log_prob(cfg, w, batch_of(tokenizer, toks, rows))
+    ran = per_sample(seen.maps[1], lengths)[2][2]
+    assert bool(ran[0]) and int(ran.sum()) < 2
+    # the worker goes on after rr's refusal: well-formed rows replay
+    rows[2][2] = random_rows(1, seed=99)[0]
+    _, seen = run_log_prob(cfg, w, batch_of(tokenizer, toks, rows))
+    want = torch.zeros(EXPERTS, dtype=torch.bool)
+    want[torch.as_tensor(rows[2][2, 0], dtype=torch.int64)] = True
+    assert torch.equal(per_sample(seen.maps[1], lengths)[2][2], want)
