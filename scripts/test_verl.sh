@@ -4,6 +4,8 @@
 #    with rr's plugin loaded from its verl.plugins entry point; one test starts the rr vLLM server of the main .venv.
 #    tests/verl/test_legacy_worker.py builds verl 0.7.1's legacy FSDP worker (the overlay of
 #    scripts/setup_verl_legacy.sh), in fresh processes.
+#  - tests/verl_megatron: verl's own Megatron engine (megatron-core 0.16.1 + mbridge, the overlay of
+#    scripts/setup_verl_megatron.sh) on CPU, R3's compute_log_prob with rr's row check on verl's feeder.
 #  - tests/verl/test_sglang_read.py again with SGLang 0.5.13's real TokenizerManager (the overlay of
 #    scripts/setup_sglang.sh, on PYTHONPATH): verl's SGLang routing read, stock and with rr.
 # Needs the main .venv (make setup). Extra args go to pytest. Exit status non-zero on any failure.
@@ -15,6 +17,9 @@ bash scripts/setup_verl_legacy.sh  # verl 0.7.1's legacy FSDP worker, for tests/
 PY=".venvs/verl/bin/python"
 echo "=== verl: tests/verl"
 "$PY" -m pytest -q -p no:cacheprovider tests/verl "$@"
+echo "=== verl + megatron-core 0.16.1 (scripts/setup_verl_megatron.sh overlay): tests/verl_megatron"
+bash scripts/setup_verl_megatron.sh
+PYTHONPATH="$(scripts/setup_verl_megatron.sh --pythonpath)" "$PY" -m pytest -q -p no:cacheprovider tests/verl_megatron "$@"
 echo "=== verl + SGLang 0.5.13: tests/verl/test_sglang_read.py"
 bash scripts/setup_sglang.sh 0.5.13
 PYTHONPATH="$(scripts/setup_sglang.sh --pythonpath 0.5.13)" RR_SGLANG_VERSION=0.5.13 \

@@ -20,7 +20,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from rr_client.core._version import __version__
+from rr_client.core import __version__
 from rr_client.core.codec import wire_dtype
 from rr_client.core.errors import ConfigurationError
 from rr_client.core.info import RRInfo
