@@ -92,3 +92,53 @@ def test_a_hole_in_the_rows_is_refused_where_verl_routes_it_to_expert_zero(
     want = torch.zeros(EXPERTS, dtype=torch.bool)
     want[torch.as_tensor(rows[2][2, 0], dtype=torch.int64)] = True
     assert torch.equal(per_sample(seen.maps[1], lengths)[2][2], want)
+
+
+def batch_with(tokenizer: Any, toks: Any, rows: Any, extra: list[dict[str, Any]]) -> Any:
+    from tests.verl import harness as vh
+
+    return vh.agent_loop_batch(
+        tokenizer,
+        [
+            dict(prompt_ids=p, response_ids=r, routed_experts=rows[i], extra_fields=extra[i])
+            for i, (p, r) in enumerate(toks)
+        ],
+    )
+
+
+def test_a_sample_spanning_weight_versions_is_refused(workers: Any, tokenizer: Any) -> None:  # noqa: F811
+    """The stale-rows policy on verl's Megatron path (default refuse): a trajectory verl generated across two weight
+    versions (``min_global_steps`` != ``max_global_steps``) stops the step, naming the setting."""
+    from rr_client.core.errors import StaleRoutingError
+
+    cfg, w = workers["R3"]
+    toks = sample_tokens(6)
+    rows = [random_rows(len(p) + len(r) - 1, seed=50 + i) for i, (p, r) in enumerate(toks)]
+    extra = [{"min_global_steps": 2, "max_global_steps": 2 + (i == 3)} for i in range(len(toks))]
+    with pytest.raises(StaleRoutingError, match=r"batch sample 1.*RR_STALE_ROWS=mask"):
+        run_log_prob(cfg, w, batch_with(tokenizer, toks, rows, extra))
+
+
+def test_mask_policy_routes_the_stale_sample_natively(
+    workers: Any,  # noqa: F811
+    tokenizer: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``RR_STALE_ROWS=mask``: verl's replay mask is off on the spanning sample's tokens, so they run the model's own
+    experts (as with replay disabled); every other sample runs exactly its rows."""
+    monkeypatch.setenv("RR_STALE_ROWS", "mask")
+    cfg, w = workers["R3"]
+    toks = sample_tokens(7)
+    lengths = [len(p) + len(r) for p, r in toks]
+    rows = [random_rows(n - 1, seed=60 + i) for i, n in enumerate(lengths)]
+    extra = [{"min_global_steps": 4, "max_global_steps": 4 + (i == 1)} for i in range(len(toks))]
+    _, seen = run_log_prob(cfg, w, batch_with(tokenizer, toks, rows, extra))
+    cfg0, w0 = workers["disabled"]
+    _, native = run_log_prob(cfg0, w0, batch_of(tokenizer, toks, None))
+    for layer in (1, 2):
+        got, own = per_sample(seen.maps[layer], lengths), per_sample(native.maps[layer], lengths)
+        assert torch.equal(got[1], own[1]), f"layer {layer}: the masked sample did not route natively"
+        for i in (0, 2, 3):
+            want = torch.zeros(lengths[i] - 1, EXPERTS, dtype=torch.bool)
+            want.scatter_(1, torch.as_tensor(rows[i][:, layer - 1], dtype=torch.int64), True)
+            assert torch.equal(got[i][:-1], want), f"sample {i} layer {layer}"

@@ -12,22 +12,35 @@ error (:class:`rr_client.ExpertIdOutOfRangeError`, :class:`rr_client.UnrecordedR
 micro-batch sample, token and layer; verl's own feeder then runs unchanged on rows that passed.
 
 Only R3 (the rollout's rows: verl passes its replay mask) is checked; R2's record is megatron-core's own choice.
+
+The stale-rows policy runs on each R3 micro-batch too (``prepare_model_inputs``, where the micro-batch's per-sample
+provenance is in reach: :mod:`._provenance`): ``RR_STALE_ROWS=refuse`` (default) raises
+:class:`rr_client.StaleRoutingError`; ``mask`` turns verl's replay mask off on that sample's tokens, so they route
+natively (verl's own meaning of its mask); ``off`` replays them.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import Any
+
+import torch
 
 from rr_client.core import __version__
 from rr_client.core.codec import wire_dtype
 from rr_client.core.errors import ConfigurationError
 from rr_client.core.info import RRInfo
 
+from . import _provenance
 from ._rows import packed_rows
 
-__all__ = ["megatron_info", "check_megatron_rows", "checked_feeder"]
+__all__ = ["megatron_info", "check_megatron_rows", "checked_feeder", "policed_inputs"]
+
+# per micro-batch: the samples the stale-rows policy kept replayed (None: all), from prepare_model_inputs to the
+# feeder verl's forward_step calls next
+_KEEP: ContextVar[tuple[bool, ...] | None] = ContextVar("rr_verl_megatron_keep", default=None)
 
 
 def _moe_layer_flags(tf_config: Any) -> list[bool]:
@@ -69,8 +82,40 @@ def check_megatron_rows(layers_topk_idx: Any, tf_config: Any) -> None:
     packed_rows(layers_topk_idx, layers_topk_idx.offsets(), megatron_info(tf_config))
 
 
+def _masked_samples(replay_mask: torch.Tensor, keep: Sequence[bool]) -> torch.Tensor:
+    """verl's jagged ``[B, j]`` replay mask, off on every token of the samples not in ``keep``."""
+    offsets = replay_mask.offsets()
+    flags = torch.tensor(list(keep), dtype=torch.bool, device=offsets.device)
+    per_token = flags.repeat_interleave(offsets.diff())
+    values = replay_mask.values().bool() & per_token.to(replay_mask.device)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+
+
+def policed_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """verl's ``MegatronEngineWithLMHead.prepare_model_inputs`` with rr's stale-rows policy on an R3 micro-batch's
+    samples (their provenance from verl's batch): refuse raises here; mask leaves the samples it names to the
+    feeder, which turns their replay off."""
+
+    @functools.wraps(orig)
+    def prepare_model_inputs(self: Any, batch: Any) -> Any:
+        inputs = orig(self, batch)
+        _KEEP.set(None)
+        replay = getattr(getattr(self, "engine_config", None), "router_replay", None)
+        if inputs.get("routed_experts") is None or getattr(replay, "mode", None) != "R3":
+            return inputs
+        ids = inputs["input_ids"]
+        n = ids.offsets().numel() - 1 if getattr(ids, "is_nested", False) else int(ids.shape[0])
+        check = _provenance.police(_provenance.batch_provenances(batch, n), _provenance.stale_policy())
+        if not all(check.replay):
+            _KEEP.set(check.replay)
+        return inputs
+
+    return prepare_model_inputs
+
+
 def checked_feeder(orig: Callable[..., Any]) -> Callable[..., Any]:
-    """verl's ``set_router_replay_data`` with rr's check first, on R3's rows (the calls with a replay mask)."""
+    """verl's ``set_router_replay_data`` with rr's check first, on R3's rows (the calls with a replay mask), and the
+    samples the stale-rows policy masked left to the router."""
 
     @functools.wraps(orig)
     def set_router_replay_data(
@@ -84,6 +129,9 @@ def checked_feeder(orig: Callable[..., Any]) -> Callable[..., Any]:
     ) -> Any:
         if replay_mask is not None and layers_topk_idx is not None:
             check_megatron_rows(layers_topk_idx, tf_config)
+            keep = _KEEP.get()
+            if keep is not None:
+                replay_mask = _masked_samples(replay_mask, keep)
         return orig(
             layers_topk_idx,
             attention_mask,
