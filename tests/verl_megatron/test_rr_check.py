@@ -89,6 +89,7 @@ def test_a_hole_in_the_rows_is_refused_where_verl_routes_it_to_expert_zero(
     # the worker goes on after rr's refusal: well-formed rows replay
     rows[2][2] = random_rows(1, seed=99)[0]
     _, seen = run_log_prob(cfg, w, batch_of(tokenizer, toks, rows))
+    assert w.actor.engine.rr_last_metrics["r3/provenance_unknown"] == len(toks)  # verl's batch here carries none
     want = torch.zeros(EXPERTS, dtype=torch.bool)
     want[torch.as_tensor(rows[2][2, 0], dtype=torch.int64)] = True
     assert torch.equal(per_sample(seen.maps[1], lengths)[2][2], want)
@@ -133,6 +134,8 @@ def test_mask_policy_routes_the_stale_sample_natively(
     rows = [random_rows(n - 1, seed=60 + i) for i, n in enumerate(lengths)]
     extra = [{"min_global_steps": 4, "max_global_steps": 4 + (i == 1)} for i in range(len(toks))]
     _, seen = run_log_prob(cfg, w, batch_with(tokenizer, toks, rows, extra))
+    met = w.actor.engine.rr_last_metrics  # the step's policy counts (verl's step metrics carry them as actor/r3/...)
+    assert met["r3/stale_masked"] == 1 and met["r3/provenance_unknown"] == 0 and met["r3/spans_update"] == 0
     cfg0, w0 = workers["disabled"]
     _, native = run_log_prob(cfg0, w0, batch_of(tokenizer, toks, None))
     for layer in (1, 2):

@@ -36,7 +36,7 @@ from rr_client.core.info import RRInfo
 from . import _provenance
 from ._rows import packed_rows
 
-__all__ = ["megatron_info", "check_megatron_rows", "checked_feeder", "policed_inputs"]
+__all__ = ["megatron_info", "check_megatron_rows", "checked_feeder", "policed_inputs", "counted_batch"]
 
 # per micro-batch: the samples the stale-rows policy kept replayed (None: all), from prepare_model_inputs to the
 # feeder verl's forward_step calls next
@@ -106,11 +106,37 @@ def policed_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
         ids = inputs["input_ids"]
         n = ids.offsets().numel() - 1 if getattr(ids, "is_nested", False) else int(ids.shape[0])
         check = _provenance.police(_provenance.batch_provenances(batch, n), _provenance.stale_policy())
+        checks = getattr(self, "_rr_checks", None)
+        if isinstance(checks, list):  # the step's checks (counted_batch), per micro-batch
+            checks.append(check)
         if not all(check.replay):
             _KEEP.set(check.replay)
         return inputs
 
     return prepare_model_inputs
+
+
+def counted_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """verl's ``MegatronEngine.forward_backward_batch`` with the step's stale-rows counts (``r3/stale_masked``,
+    ``r3/spans_update``, ``r3/provenance_unknown``, ``r3/cached_tokens``, summed over its R3 micro-batches) kept in
+    ``engine.rr_last_metrics`` and, on the last pipeline stage, in verl's step metrics as ``actor/r3/...``."""
+
+    @functools.wraps(orig)
+    def forward_backward_batch(self: Any, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+        from rr_client.trainer.provenance import merge_checks, provenance_metrics
+
+        self._rr_checks = []
+        try:
+            out = orig(self, data, loss_function, forward_only)
+        finally:
+            checks, self._rr_checks = self._rr_checks, None
+        self.rr_last_metrics = provenance_metrics(merge_checks(checks)) if checks else {}
+        if self.rr_last_metrics and isinstance(out, dict) and isinstance(out.get("metrics"), dict):
+            for k, v in self.rr_last_metrics.items():
+                out["metrics"][f"actor/{k}"] = [v]
+        return out
+
+    return forward_backward_batch
 
 
 def checked_feeder(orig: Callable[..., Any]) -> Callable[..., Any]:

@@ -65,6 +65,7 @@ WORKER_INIT = ["self", "config", "role", "distillation_config", "kwargs"]
 TOOL_STEP = ["self", "agent_data", "sampling_params", "ignore_termination"]
 MEGATRON_FEEDER = ["layers_topk_idx", "attention_mask", "tf_config", "vp_rank", "replay_mask", "local_cp_size", "model"]
 MEGATRON_INPUTS = ["self", "batch"]
+MEGATRON_BATCH = ["self", "data", "loss_function", "forward_only"]
 SGLANG_GENERATE = [
     "self",
     "prompt_ids",
@@ -642,17 +643,19 @@ def patch_megatron_engine(mod: types.ModuleType) -> None:
     """``set_router_replay_data`` as verl's Megatron engine calls it (its module's own name): rr's one row check
     (:mod:`._megatron`) on R3's rows before verl sets any router target; ``MegatronEngineWithLMHead.
     prepare_model_inputs``: the stale-rows policy on the micro-batch's samples. Both shapes are checked first."""
-    from ._megatron import checked_feeder, policed_inputs
+    from ._megatron import checked_feeder, counted_batch, policed_inputs
 
     check_shapes(
         Shape(mod, {"set_router_replay_data": MEGATRON_FEEDER}),
         Shape(mod.MegatronEngineWithLMHead, {"prepare_model_inputs": MEGATRON_INPUTS}),
+        Shape(mod.MegatronEngine, {"forward_backward_batch": MEGATRON_BATCH}),
         what=_what(),
     )
     wrap_once(mod, "set_router_replay_data", checked_feeder, params=MEGATRON_FEEDER, what=_what())
     wrap_once(
         mod.MegatronEngineWithLMHead, "prepare_model_inputs", policed_inputs, params=MEGATRON_INPUTS, what=_what()
     )
+    wrap_once(mod.MegatronEngine, "forward_backward_batch", counted_batch, params=MEGATRON_BATCH, what=_what())
 
 
 PATCHES: dict[str, Patch] = {
