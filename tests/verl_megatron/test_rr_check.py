@@ -145,3 +145,40 @@ def test_mask_policy_routes_the_stale_sample_natively(
             want = torch.zeros(lengths[i] - 1, EXPERTS, dtype=torch.bool)
             want.scatter_(1, torch.as_tensor(rows[i][:, layer - 1], dtype=torch.int64), True)
             assert torch.equal(got[i][:-1], want), f"sample {i} layer {layer}"
+
+
+def test_rrs_audit_counts_every_replayed_row_and_catches_a_replay_that_did_not_happen(
+    workers: Any,  # noqa: F811
+    tokenizer: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """rr's audit on verl's Megatron path (audited step): every replayed row ran its target experts. A router whose
+    replay silently does nothing (verl #7340's failure, made here by taking verl's targets away in its routing)
+    is a ReplayError naming the layer, not a step trained on the model's own routing."""
+    from rr_client.core.errors import ReplayError
+
+    monkeypatch.setenv("RR_AUDIT_EVERY", "1")
+    cfg, w = workers["R3"]
+    toks = sample_tokens(8)
+    lengths = [len(p) + len(r) for p, r in toks]
+    rows = [random_rows(n - 1, seed=70 + i) for i, n in enumerate(lengths)]
+    run_log_prob(cfg, w, batch_of(tokenizer, toks, rows))
+    met = w.actor.engine.rr_last_metrics
+    assert met["r3/applied_share"] == 1.0 and met["r3/applied_share_min_layer"] == 1.0
+    assert met["r3/replayed_rows"] == sum(n - 1 for n in lengths) * 2  # the last token's placeholder: not replayed
+    router = next(
+        m for m in w.actor.engine.module[0].modules() if type(m).__name__ == "TopKRouter" and m.layer_number == 2
+    )
+    replay = router.router_replay
+    original = type(replay).get_replay_topk
+
+    def forgets_its_targets(self: Any, scores: Any, topk: Any, *args: Any, **kwargs: Any) -> Any:
+        if self is replay:  # layer 2's replay routes natively, as an orphan router would
+            return kwargs["default_compute_topk"](
+                scores, topk, num_groups=kwargs.get("num_groups"), group_topk=kwargs.get("group_topk")
+            )
+        return original(self, scores, topk, *args, **kwargs)
+
+    monkeypatch.setattr(type(replay), "get_replay_topk", forgets_its_targets)
+    with pytest.raises(ReplayError, match=r"layer 2 ran its replayed experts on \d+ of \d+"):
+        run_log_prob(cfg, w, batch_of(tokenizer, toks, rows))

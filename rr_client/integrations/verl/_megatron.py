@@ -28,15 +28,16 @@ from typing import Any
 
 import torch
 
-from rr_client.core import __version__
+from rr_client.core import __version__, settings
 from rr_client.core.codec import wire_dtype
 from rr_client.core.errors import ConfigurationError
 from rr_client.core.info import RRInfo
+from rr_client.trainer.session import AUDIT_EVERY
 
 from . import _provenance
 from ._rows import packed_rows
 
-__all__ = ["megatron_info", "check_megatron_rows", "checked_feeder", "policed_inputs", "counted_batch"]
+__all__ = ["megatron_info", "check_megatron_rows", "checked_feeder", "policed_inputs", "counted_batch", "RouterAudit"]
 
 # per micro-batch: the samples the stale-rows policy kept replayed (None: all), from prepare_model_inputs to the
 # feeder verl's forward_step calls next
@@ -116,6 +117,69 @@ def policed_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
     return prepare_model_inputs
 
 
+class RouterAudit:
+    """rr's audit of verl's Megatron replay, independent of verl's feeder: a forward hook on every ``TopKRouter``
+    compares the experts it chose (its ``routing_map``) with the targets verl's feeder gave it, on the tokens verl's
+    replay mask replays, in ``REPLAY_FORWARD`` forwards. Counts stay on the device; one host read per step."""
+
+    def __init__(self, chunks: Any) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.routers = [
+            m
+            for chunk in (chunks if isinstance(chunks, (list, tuple)) else [chunks])
+            for m in chunk.modules()
+            if isinstance(m, TopKRouter) and getattr(m, "router_replay", None) is not None
+        ]
+        self.counts: dict[int, torch.Tensor] = {}  # layer_number -> [replayed rows, rows that ran their targets]
+        self.handles = [r.register_forward_hook(self._hook) for r in self.routers]
+
+    def _hook(self, router: Any, _args: Any, output: Any) -> None:
+        replay = router.router_replay
+        action = getattr(replay, "router_replay_action", None)
+        target = getattr(replay, "target_topk_idx", None)
+        if getattr(action, "name", None) != "REPLAY_FORWARD" or target is None:
+            return
+        routing_map = output[1]
+        want = torch.zeros_like(routing_map, dtype=torch.bool).scatter_(1, target.to(routing_map.device).long(), True)
+        mask = getattr(replay, "target_replay_mask", None)
+        mask = torch.ones(want.shape[0], dtype=torch.bool, device=want.device) if mask is None else mask.bool()
+        same = (routing_map.bool() == want).all(dim=1) & mask.to(want.device)
+        got = torch.stack([mask.sum(), same.sum()]).long()
+        layer = int(router.layer_number)
+        self.counts[layer] = self.counts[layer] + got if layer in self.counts else got
+
+    def close(self) -> dict[str, float]:
+        """Remove the hooks; the step's ``r3/`` audit keys. Raises :class:`rr_client.ReplayError` naming the layer
+        where a replayed row did not run its target experts (verl's replay silently off: verl #7340's orphan
+        routers, a stale target)."""
+        from rr_client.core.errors import ReplayError
+        from rr_client.trainer import keys as K
+
+        for h in self.handles:
+            h.remove()
+        if not self.counts:
+            return {}
+        per = {layer: [int(x) for x in c.tolist()] for layer, c in sorted(self.counts.items())}
+        replayed = sum(c[0] for c in per.values())
+        applied = sum(c[1] for c in per.values())
+        met = {
+            K.REPLAYED_ROWS: float(replayed),
+            K.APPLIED_SHARE: applied / replayed if replayed else 1.0,
+            K.APPLIED_SHARE_MIN_LAYER: min((c[1] / c[0] if c[0] else 1.0) for c in per.values()),
+        }
+        bad = [layer for layer, (n, ok) in per.items() if ok < n]
+        if bad:
+            layer = bad[0]
+            n, ok = per[layer]
+            raise ReplayError(
+                f"verl's Megatron replay: the router of layer {layer} ran its replayed experts on {ok} of {n} "
+                f"replayed rows (layers short: {bad}); the rows did not reach the router",
+                report=met,
+            )
+        return met
+
+
 def counted_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
     """verl's ``MegatronEngine.forward_backward_batch`` with the step's stale-rows counts (``r3/stale_masked``,
     ``r3/spans_update``, ``r3/provenance_unknown``, ``r3/cached_tokens``, summed over its R3 micro-batches) kept in
@@ -126,11 +190,21 @@ def counted_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
         from rr_client.trainer.provenance import merge_checks, provenance_metrics
 
         self._rr_checks = []
+        steps = getattr(self, "_rr_steps", 0)
+        self._rr_steps = steps + 1
+        every = settings.integer("RR_AUDIT_EVERY", default=AUDIT_EVERY)
+        replaying = getattr(getattr(self, "engine_config", None), "router_replay", None)
+        audit = (
+            RouterAudit(self.module)
+            if getattr(replaying, "mode", "disabled") == "R3" and every and steps % every == 0
+            else None
+        )
         try:
             out = orig(self, data, loss_function, forward_only)
         finally:
             checks, self._rr_checks = self._rr_checks, None
-        self.rr_last_metrics = provenance_metrics(merge_checks(checks)) if checks else {}
+            audited = audit.close() if audit is not None else {}
+        self.rr_last_metrics = {**audited, **(provenance_metrics(merge_checks(checks)) if checks else {})}
         if self.rr_last_metrics and isinstance(out, dict) and isinstance(out.get("metrics"), dict):
             for k, v in self.rr_last_metrics.items():
                 out["metrics"][f"actor/{k}"] = [v]
