@@ -84,9 +84,17 @@ class Engine:
     reload_rpc: str | None  # the body wraps the folder in a ``collective_rpc`` call of this method (vLLM)
     reload_reply_says_success: bool  # a 200 reply may still say ``{"success": false, "message": ...}`` (SGLang)
     dev_mode_routes: tuple[str, ...]  # routes served only with VLLM_SERVER_DEV_MODE=1 (vLLM's)
+    # how its launch line names the model: the flags (its own spelling first), and whether a bare first argument is
+    # the model (``vllm serve <model>``)
+    model_flags: tuple[str, ...]
+    positional_model: bool
     # the engine's own weight checker (per-tensor checksums, POST ``{"action": "checksum"}``): vLLM 0.32+ (dev mode),
     # SGLang 0.5.12+; 404 (or SGLang's "Unsupported action") on the releases without it
     weight_checker_route: str
+    # its answer: per rank, ``{"ranks": [{"checksums", "parallelism_info"}]}`` (SGLang); else one map whose keys carry
+    # the ranks (vLLM); and the releases that answer 404 for it, as messages name them (None: not named)
+    weight_checker_per_rank: bool
+    weight_checker_absent_in: str | None
     # freezing generation with requests kept (the doctor holds a burst until all of it is in the engine): the route
     # and its query, and the route that lets it go; None where the engine has no such pause
     hold_route: tuple[str, tuple[tuple[str, str], ...]] | None
@@ -164,6 +172,10 @@ VLLM = Engine(
     reload_reply_says_success=False,
     dev_mode_routes=("/collective_rpc", "/reset_prefix_cache", "/pause", "/resume"),
     weight_checker_route="/weight_checker",
+    weight_checker_per_rank=False,
+    weight_checker_absent_in="vLLM 0.31 and older",
+    model_flags=("--model",),
+    positional_model=True,
     hold_route=("/pause", (("mode", "keep"),)),  # vLLM 0.30+: new adds wait in the scheduler until /resume
     release_route="/resume",
     weight_routes=(
@@ -205,6 +217,10 @@ SGLANG = Engine(
     reload_reply_says_success=True,
     dev_mode_routes=(),
     weight_checker_route="/weights_checker",
+    weight_checker_per_rank=True,
+    weight_checker_absent_in=None,
+    model_flags=("--model-path", "--model"),
+    positional_model=False,
     hold_route=None,
     release_route=None,
     weight_routes=(

@@ -68,9 +68,8 @@ def absent_checker(kind: str, status: int, body: Any) -> str | None:
     """Why the engine has no checksum checker (its answer to :data:`CHECKSUM_BODY`), or None when it has one."""
     eng = find_engine(kind)
     if status == 404:
-        return f"{eng.label} serves no {eng.weight_checker_route}" + (
-            " (vLLM 0.31 and older)" if kind == "vllm" else ""
-        )
+        absent = f" ({eng.weight_checker_absent_in})" if eng.weight_checker_absent_in else ""
+        return f"{eng.label} serves no {eng.weight_checker_route}{absent}"
     message = body.get("message") if isinstance(body, dict) else None
     if status == 400 and isinstance(message, str) and "Unsupported" in message and "checksum" in message:
         return f"{eng.label}'s weights checker has no 'checksum' action (SGLang 0.5.7 - 0.5.11): {message}"
@@ -98,7 +97,7 @@ def parse_checksums(kind: str, body: Any, where: str) -> Checksums:
             raise WeightSyncError(f"{where} answered no checksum map ({{tensor: digest}}): {str(body)[:300]}")
         return d
 
-    if kind == "sglang":
+    if find_engine(kind).weight_checker_per_rank:
         ranks = body.get("ranks") if isinstance(body, dict) else None
         if not isinstance(ranks, list) or not ranks:
             raise WeightSyncError(f"{where} answered no per-rank checksums: {str(body)[:300]}")

@@ -111,10 +111,11 @@ def _last_value(args: Sequence[str], names: Sequence[str]) -> str | None:
 
 
 def served_model(engine: str, argv: Sequence[str]) -> str | None:
-    """The model ``argv`` serves: vLLM ``--model`` (or ``serve``'s positional tag), SGLang ``--model-path``."""
-    names = ("--model",) if engine == "vllm" else ("--model-path", "--model")
-    model = _last_value(argv, [s for n in names for s in _spellings(n)])
-    if model is None and engine == "vllm" and argv and not argv[0].startswith("-"):
+    """The model ``argv`` serves: the engine's model flags (vLLM ``--model``, SGLang ``--model-path``), or vLLM
+    ``serve``'s positional tag (:class:`rr_client.core.engines.Engine` ``model_flags`` / ``positional_model``)."""
+    eng = RELEASES[engine].wire
+    model = _last_value(argv, [s for n in eng.model_flags for s in _spellings(n)])
+    if model is None and eng.positional_model and argv and not argv[0].startswith("-"):
         model = argv[0]
     return model
 

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rr_client.core.codec import FORMATS
+from rr_client.core.engines import ENGINES
+from rr_client.core.engines import engine as find_engine
 
 __all__ = [
     "FORMAT_FLAG",
@@ -115,9 +117,10 @@ def _local_path(value: str) -> bool:
 
 
 def preflight(argv: Sequence[str], parser: argparse.ArgumentParser, engine: str) -> str | None:
-    """What is wrong with the launch line, in one line, before the engine starts (exit 2), or None: an ``--rr-*``
-    option rr does not have (it would reach the engine and fail after its start-up), vLLM's model flag in SGLang's
-    spelling, a local model folder that does not exist (the engine would try the hub and fail seconds later)."""
+    """What is wrong with the launch line of ``engine`` (its name), in one line, before the engine starts (exit 2),
+    or None: an ``--rr-*`` option rr does not have (it would reach the engine and fail after its start-up), another
+    engine's model flag (vLLM given SGLang's ``--model-path``), a local model folder that does not exist (the engine
+    would try the hub and fail seconds later)."""
     rr_flags = sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--rr-"))
     for a in argv:
         name = a.split("=", 1)[0]
@@ -125,10 +128,16 @@ def preflight(argv: Sequence[str], parser: argparse.ArgumentParser, engine: str)
             close = difflib.get_close_matches(name, rr_flags, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
             return f"unknown rr option {name}: {hint}rr's options: {', '.join(rr_flags) or 'none of that form'}"
-    model_flags = ("--model", "--model-path") if engine == "SGLang" else ("--model",)
-    if engine == "vLLM" and any(a == "--model-path" or a.startswith("--model-path=") for a in argv):
-        return "vLLM takes --model, not --model-path (SGLang's spelling): rr-server launch vllm --model <folder or ORG/NAME>"
-    for flag in model_flags:
+    eng = find_engine(engine)
+    for other in ENGINES.values():
+        for flag in other.model_flags:
+            if flag not in eng.model_flags and any(a == flag or a.startswith(flag + "=") for a in argv):
+                own = eng.model_flags[0]
+                return (
+                    f"{eng.label} takes {own}, not {flag} ({other.label}'s spelling): "
+                    f"rr-server launch {eng.name} {own} <folder or ORG/NAME>"
+                )
+    for flag in eng.model_flags:
         for v in _values(argv, flag):
             if _local_path(v) and not Path(v).expanduser().is_dir():
                 return f"{flag} {v}: no such folder (a local model folder, or a hub id ORG/NAME)"

@@ -157,7 +157,7 @@ def main(argv: Sequence[str]) -> int:
     if wants_help(argv):  # rr's options, then SGLang's: nothing is patched or started
         return engine_help(build_parser(), "SGLang", "sglang", _sglang_help)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if (wrong := preflight(argv, build_parser(), "SGLang")) is not None:
+    if (wrong := preflight(argv, build_parser(), "sglang")) is not None:
         sys.stderr.write(f"rr-server: {wrong}\n")
         return 2
     try:

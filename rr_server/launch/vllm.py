@@ -368,7 +368,7 @@ def main(argv: list[str]) -> int:
         )
     from rr_server.launch.options import preflight
 
-    if (wrong := preflight(argv, build_parser(), "vLLM")) is not None:
+    if (wrong := preflight(argv, build_parser(), "vllm")) is not None:
         print(f"rr: {wrong}", file=sys.stderr)
         return 2
     allow = _ALLOW_FLAG in argv

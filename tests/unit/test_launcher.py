@@ -378,6 +378,6 @@ def test_hub_ids_and_existing_folders_pass_the_preflight(tmp_path: Path) -> None
     from rr_server.launch.options import preflight
 
     parser = launch_vllm.build_parser()
-    assert preflight(["--model", "Qwen/Qwen3-30B-A3B", "--rr-cpu"], parser, "vLLM") is None
-    assert preflight(["--model", str(tmp_path)], parser, "vLLM") is None
-    assert preflight(["--model-path", str(tmp_path)], launch_sglang.build_parser(), "SGLang") is None
+    assert preflight(["--model", "Qwen/Qwen3-30B-A3B", "--rr-cpu"], parser, "vllm") is None
+    assert preflight(["--model", str(tmp_path)], parser, "vllm") is None
+    assert preflight(["--model-path", str(tmp_path)], launch_sglang.build_parser(), "sglang") is None
