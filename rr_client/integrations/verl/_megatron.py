@@ -160,7 +160,9 @@ class RouterAudit:
             h.remove()
         if not self.counts:
             return {}
-        per = {layer: [int(x) for x in c.tolist()] for layer, c in sorted(self.counts.items())}
+        layers = sorted(self.counts)
+        read = torch.stack([self.counts[layer] for layer in layers]).tolist()  # the step's one host read
+        per = {layer: [int(x) for x in c] for layer, c in zip(layers, read)}
         replayed = sum(c[0] for c in per.values())
         applied = sum(c[1] for c in per.values())
         met = {
