@@ -1,28 +1,25 @@
-"""rr's one row check on verl 0.9.1's own Megatron feeder (issue 45, first part): the rows verl's Megatron engine
-hands ``set_router_replay_data`` pass :meth:`rr_client.trainer.rows.ReplayRows.check` before verl sets a single
-router target.
+"""rr's session on verl 0.9.1's own Megatron engine (issue 45): the refusals at engine build, the stale-rows policy
+per micro-batch, the step's counts, and the audit. The feeder itself, rr's in place of verl's
+``set_router_replay_data``, is :mod:`._megatron_feed`.
 
-verl's feeder checks only that each sample has as many rows as tokens (or one fewer); megatron-core then accepts a
-repeated expert id, an id past the expert count (an index error deep in the dispatcher, or a silent clamp), a zero
-row between recorded ones (every such token routed to expert 0), rows at a dense layer, without a word. Here each
-micro-batch's rows (verl's jagged ``[B, j, L, K]``, aligned to the tokens by verl's ``align_r3_router_replay_data``)
-pass rr's check against the model's MoE shape from megatron-core's ``TransformerConfig``: top-k width, id range,
-distinct ids, recorded rows a prefix of each sample's tokens, zero rows at dense layers. A failure raises rr's typed
-error (:class:`rr_client.ExpertIdOutOfRangeError`, :class:`rr_client.UnrecordedRoutingError`, ...) naming the
-micro-batch sample, token and layer; verl's own feeder then runs unchanged on rows that passed.
-
-Only R3 (the rollout's rows: verl passes its replay mask) is checked; R2's record is megatron-core's own choice.
-
-The stale-rows policy runs on each R3 micro-batch too (``prepare_model_inputs``, where the micro-batch's per-sample
-provenance is in reach: :mod:`._provenance`): ``RR_STALE_ROWS=refuse`` (default) raises
-:class:`rr_client.StaleRoutingError`; ``mask`` turns verl's replay mask off on that sample's tokens, so they route
-natively (verl's own meaning of its mask); ``off`` replays them.
+- :func:`refusing_initialize` wraps ``MegatronEngine.initialize``: with ``router_replay.mode`` R2/R3, once the model
+  is built, what rr's feeder would not hold under is refused in the worker, naming the setting: an untested
+  megatron-core, a router configuration that bypasses replay (CUDA graphs over the router, the fused router, forced
+  balancing, token dropping, input jitter: :func:`rr_client.integrations.megatron._routers.check_config`), dynamic
+  context parallelism, the padded layout, FP8's THD padding.
+- :func:`policed_inputs` wraps ``MegatronEngineWithLMHead.prepare_model_inputs``: the stale-rows policy on an R3
+  micro-batch's samples (their provenance from verl's batch, :mod:`._provenance`): ``RR_STALE_ROWS=refuse``
+  (default) raises :class:`rr_client.StaleRoutingError`; ``mask`` leaves the samples it names to the router (the
+  feeder turns their replay mask off, verl's own meaning of its mask); ``off`` replays them.
+- :func:`counted_batch` wraps ``MegatronEngine.forward_backward_batch``: the step's counts and the audit's keys in
+  ``engine.rr_last_metrics`` and verl's step metrics (``actor/r3/...``).
+- :class:`RouterAudit`: on audited steps, what every router ran against the targets it was given.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
@@ -35,13 +32,12 @@ from rr_client.core.info import RRInfo
 from rr_client.trainer.session import AUDIT_EVERY
 
 from . import _provenance
-from ._rows import packed_rows
 
-__all__ = ["megatron_info", "check_megatron_rows", "checked_feeder", "policed_inputs", "counted_batch", "RouterAudit"]
+__all__ = ["KEEP", "megatron_info", "refusing_initialize", "policed_inputs", "counted_batch", "RouterAudit"]
 
 # per micro-batch: the samples the stale-rows policy kept replayed (None: all), from prepare_model_inputs to the
 # feeder verl's forward_step calls next
-_KEEP: ContextVar[tuple[bool, ...] | None] = ContextVar("rr_verl_megatron_keep", default=None)
+KEEP: ContextVar[tuple[bool, ...] | None] = ContextVar("rr_verl_megatron_keep", default=None)
 
 
 def _moe_layer_flags(tf_config: Any) -> list[bool]:
@@ -75,21 +71,43 @@ def megatron_info(tf_config: Any) -> RRInfo:
     )
 
 
-def check_megatron_rows(layers_topk_idx: Any, tf_config: Any) -> None:
-    """rr's full check on one micro-batch's R3 rows as verl's Megatron engine feeds them (jagged ``[B, j, L, K]``,
-    one row per token, zero rows where the rollout recorded none); raises rr's typed errors."""
-    if not getattr(layers_topk_idx, "is_nested", False):
-        raise ConfigurationError("rr checks verl's jagged R3 rows only (verl's remove-padding layout)")
-    packed_rows(layers_topk_idx, layers_topk_idx.offsets(), megatron_info(tf_config))
+REPLAY_MODES = ("R2", "R3")
 
 
-def _masked_samples(replay_mask: torch.Tensor, keep: Sequence[bool]) -> torch.Tensor:
-    """verl's jagged ``[B, j]`` replay mask, off on every token of the samples not in ``keep``."""
-    offsets = replay_mask.offsets()
-    flags = torch.tensor(list(keep), dtype=torch.bool, device=offsets.device)
-    per_token = flags.repeat_interleave(offsets.diff())
-    values = replay_mask.values().bool() & per_token.to(replay_mask.device)
-    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+def replay_mode(engine: Any) -> str:
+    """The engine's ``router_replay.mode`` ("disabled" when unset)."""
+    return str(getattr(getattr(getattr(engine, "engine_config", None), "router_replay", None), "mode", "disabled"))
+
+
+def refuse_engine(engine: Any) -> None:
+    """The refusals of rr's feeder on a built verl Megatron engine replaying R2/R3 (see the module docstring)."""
+    from rr_client.integrations.megatron._gate import check_megatron_version
+    from rr_client.integrations.megatron._routers import check_config, find_routers
+
+    from ._megatron_feed import refuse_layout
+
+    check_megatron_version()
+    cfg = engine.engine_config
+    refuse_layout(
+        engine.tf_config,
+        nested=bool(getattr(cfg, "use_remove_padding", True)),
+        local_cp_size="dynamic" if getattr(cfg, "dynamic_context_parallel", False) else None,
+    )
+    check_config(find_routers(engine.module))
+
+
+def refusing_initialize(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """verl's ``MegatronEngine.initialize``, then, with R2/R3, rr's refusals on the built model (in the worker,
+    before any step)."""
+
+    @functools.wraps(orig)
+    def initialize(self: Any) -> Any:
+        out = orig(self)
+        if replay_mode(self) in REPLAY_MODES:
+            refuse_engine(self)
+        return out
+
+    return initialize
 
 
 def policed_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -100,7 +118,7 @@ def policed_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def prepare_model_inputs(self: Any, batch: Any) -> Any:
         inputs = orig(self, batch)
-        _KEEP.set(None)
+        KEEP.set(None)
         replay = getattr(getattr(self, "engine_config", None), "router_replay", None)
         if inputs.get("routed_experts") is None or getattr(replay, "mode", None) != "R3":
             return inputs
@@ -111,7 +129,7 @@ def policed_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
         if isinstance(checks, list):  # the step's checks (counted_batch), per micro-batch
             checks.append(check)
         if not all(check.replay):
-            _KEEP.set(check.replay)
+            KEEP.set(check.replay)
         return inputs
 
     return prepare_model_inputs
@@ -213,35 +231,3 @@ def counted_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
         return out
 
     return forward_backward_batch
-
-
-def checked_feeder(orig: Callable[..., Any]) -> Callable[..., Any]:
-    """verl's ``set_router_replay_data`` with rr's check first, on R3's rows (the calls with a replay mask), and the
-    samples the stale-rows policy masked left to the router."""
-
-    @functools.wraps(orig)
-    def set_router_replay_data(
-        layers_topk_idx: Any,
-        attention_mask: Any,
-        tf_config: Any,
-        vp_rank: Any = None,
-        replay_mask: Any = None,
-        local_cp_size: Any = None,
-        model: Any = None,
-    ) -> Any:
-        if replay_mask is not None and layers_topk_idx is not None:
-            check_megatron_rows(layers_topk_idx, tf_config)
-            keep = _KEEP.get()
-            if keep is not None:
-                replay_mask = _masked_samples(replay_mask, keep)
-        return orig(
-            layers_topk_idx,
-            attention_mask,
-            tf_config,
-            vp_rank,
-            replay_mask=replay_mask,
-            local_cp_size=local_cp_size,
-            model=model,
-        )
-
-    return set_router_replay_data

@@ -55,6 +55,7 @@ VERL_ACTOR_MODE_KEY = "actor_rollout_ref.actor.router_replay.mode"  # verl 0.7's
 TOOL_LOOP_MODULE = "verl.experimental.agent_loop.tool_agent_loop"
 MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 MODE_KEY = "actor_rollout_ref.actor.fsdp_config.router_replay.mode"
+MEGATRON_MODE_KEY = "actor_rollout_ref.actor.megatron.router_replay.mode"
 ROLLOUT_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
 # verl's own replay switches (its Megatron engine's in 0.9.1, verl 0.7's actor-level one), which its FSDP worker
 # ignores: on fsdp/fsdp2 they ask for replay that verl would not do
@@ -316,7 +317,11 @@ def use_rr_engine(strategy: str) -> type:
 
 def refuse_inactive(config: Any, why: str) -> None:
     """Raise :class:`UnsupportedVersionError` when ``config`` asks for routing replay on FSDP while rr's replay is
-    not active in this process (``why``): verl alone maps router_replay to disabled there and trains unreplayed."""
+    not active in this process (``why``): verl alone maps router_replay to disabled there and trains unreplayed; and
+    when it asks verl's Megatron engine for R2/R3 (:func:`refuse_megatron_inactive`: verl's own feeder would run)."""
+    megatron = megatron_replay_requested(config)
+    if megatron is not None:
+        refuse_megatron_inactive(why, megatron)
     asked = replay_requested(config)
     if asked is None:
         return
@@ -352,9 +357,28 @@ def inactive_patches(mode: str) -> str | None:
     return "; ".join(failed) or None
 
 
+def check_megatron_feeder(config: Any) -> None:
+    """With Megatron R2/R3 asked for: refuse, before verl builds anything, an untested megatron-core and a failed
+    patch of verl's Megatron engine module (imported here: it is patched at import)."""
+    asked = megatron_replay_requested(config)
+    if asked is None:
+        return
+    from rr_client.integrations.megatron._gate import check_megatron_version
+
+    check_megatron_version()
+    if MEGATRON_ENGINE_MODULE not in FAILED:
+        importlib.import_module(MEGATRON_ENGINE_MODULE)
+    if MEGATRON_ENGINE_MODULE in FAILED:
+        patch = PATCHES[MEGATRON_ENGINE_MODULE]
+        refuse_megatron_inactive(
+            f"rr's patch {patch.apply.__name__} of {patch.target} failed ({FAILED[MEGATRON_ENGINE_MODULE]})", asked
+        )
+
+
 def _worker_init(orig: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(orig)
     def __init__(self: Any, config: Any, role: str, *args: Any, **kwargs: Any) -> None:
+        check_megatron_feeder(config)
         mode = worker_replay_mode(config)  # refuses FSDP1 + R2/R3 before verl builds anything
         if mode != "disabled":
             why = inactive_patches(mode)
@@ -640,22 +664,69 @@ def patch_sglang_server(mod: types.ModuleType) -> None:
 
 
 def patch_megatron_engine(mod: types.ModuleType) -> None:
-    """``set_router_replay_data`` as verl's Megatron engine calls it (its module's own name): rr's one row check
-    (:mod:`._megatron`) on R3's rows before verl sets any router target; ``MegatronEngineWithLMHead.
-    prepare_model_inputs``: the stale-rows policy on the micro-batch's samples. Both shapes are checked first."""
-    from ._megatron import checked_feeder, counted_batch, policed_inputs
+    """verl's Megatron engine on rr (:mod:`._megatron_feed`, :mod:`._megatron`): ``set_router_replay_data`` as the
+    engine calls it (its module's own name) becomes rr's feeder; ``MegatronEngine.initialize`` refuses, with R2/R3,
+    what the feeder would not hold under; ``prepare_model_inputs`` runs the stale-rows policy on each micro-batch;
+    ``forward_backward_batch`` reports the step's counts and audit. Every shape is checked before anything is
+    wrapped."""
+    from ._megatron import counted_batch, policed_inputs, refusing_initialize
+    from ._megatron_feed import rr_feeder
 
     check_shapes(
         Shape(mod, {"set_router_replay_data": MEGATRON_FEEDER}),
+        Shape(mod.MegatronEngine, {"initialize": ["self"], "forward_backward_batch": MEGATRON_BATCH}),
         Shape(mod.MegatronEngineWithLMHead, {"prepare_model_inputs": MEGATRON_INPUTS}),
-        Shape(mod.MegatronEngine, {"forward_backward_batch": MEGATRON_BATCH}),
         what=_what(),
     )
-    wrap_once(mod, "set_router_replay_data", checked_feeder, params=MEGATRON_FEEDER, what=_what())
+    wrap_once(mod, "set_router_replay_data", rr_feeder, params=MEGATRON_FEEDER, what=_what())
+    wrap_once(mod.MegatronEngine, "initialize", refusing_initialize, params=["self"], what=_what())
     wrap_once(
         mod.MegatronEngineWithLMHead, "prepare_model_inputs", policed_inputs, params=MEGATRON_INPUTS, what=_what()
     )
     wrap_once(mod.MegatronEngine, "forward_backward_batch", counted_batch, params=MEGATRON_BATCH, what=_what())
+
+
+def megatron_replay_requested(config: Any) -> str | None:
+    """``actor_rollout_ref.actor.megatron.router_replay.mode=<R2|R3>`` when a worker's ``actor_rollout_ref`` config
+    asks verl's Megatron engine for routing replay; None otherwise."""
+    actor = _get(config, "actor")
+    if str(_get(actor, "strategy") or "") != "megatron":
+        return None
+    mode = _get(_get(_get(actor, "megatron"), "router_replay"), "mode")
+    return f"{MEGATRON_MODE_KEY}={mode}" if str(mode) in REPLAY_MODES else None
+
+
+def refuse_megatron_inactive(why: str, asked: str) -> None:
+    """Raise :class:`UnsupportedVersionError`: ``asked`` (Megatron R2/R3) while rr's feeder is not active (``why``),
+    so verl's own, unchecked feeder would run in its place."""
+    raise UnsupportedVersionError(
+        f"{asked} asks for routing replay on verl's Megatron engine, but rr's feeder is not active in this "
+        f"process: {why}. verl's own feeder would replay in its place, unchecked. Pin verl {TESTED_VERL}, set "
+        f"{OVERRIDE}=1 to patch an untested verl at your own risk, or train without replay "
+        f"({MEGATRON_MODE_KEY}=disabled)"
+    )
+
+
+def _guard_megatron_initialize(orig: Callable[..., Any], why: str) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def initialize(self: Any, *args: Any, **kwargs: Any) -> Any:
+        mode = str(getattr(getattr(getattr(self, "engine_config", None), "router_replay", None), "mode", ""))
+        if mode in REPLAY_MODES:
+            refuse_megatron_inactive(why, f"{MEGATRON_MODE_KEY}={mode}")
+        return orig(self, *args, **kwargs)
+
+    return initialize
+
+
+def guard_megatron_engine(mod: types.ModuleType, why: str) -> None:
+    """Where rr's feeder is not active on verl's Megatron engine (``why``: its patch failed): ``MegatronEngine.
+    initialize``, whatever its parameters, refuses R2/R3 (:func:`refuse_megatron_inactive`)."""
+    wrap_once(
+        mod.MegatronEngine,
+        "initialize",
+        lambda orig: _guard_megatron_initialize(orig, why),
+        what=f"verl's Megatron engine (guard: {why})",
+    )
 
 
 PATCHES: dict[str, Patch] = {
@@ -677,7 +748,8 @@ PATCHES: dict[str, Patch] = {
     MEGATRON_ENGINE_MODULE: Patch(
         "set_router_replay_data",
         patch_megatron_engine,
-        "verl's Megatron engine feeds R3 rows without rr's check (width, id range, repeats, holes)",
+        "rr's feeder is off: a Megatron engine asked for router_replay R2/R3 refuses to start",
+        guard_megatron_engine,
     ),
     "verl.workers.rollout.sglang_rollout.async_sglang_server": Patch(
         "SGLangHttpServer.generate", patch_sglang_server, "verl reads SGLang's routing itself, unchecked"

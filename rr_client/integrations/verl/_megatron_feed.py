@@ -1,0 +1,164 @@
+"""rr's feeder in place of verl 0.9.1's ``set_router_replay_data`` on its Megatron engine (issue 45).
+
+verl's engine calls its feeder once per micro-batch and model chunk, inside its forward step, with the micro-batch's
+jagged rows ``[B, j, L, K]`` (R3: the rollout's, aligned to the tokens by verl's ``align_r3_router_replay_data``, with
+verl's replay mask; R2: the rows verl's ``compute_log_prob`` recorded, no mask). Here those rows become rr's rows
+once (:meth:`rr_client.trainer.rows.ReplayRows.from_jagged`: absolute layers or MoE ordinals by the axis length),
+pass rr's one check for this chunk's routers (width, id range, distinct ids, recorded rows a prefix of each sample,
+no rows at a dense layer), are laid out by rr's Megatron feeder (:func:`rr_client.integrations.megatron._feeder.feed`:
+each packed sample padded as verl's ``preprocess_thd_engine`` pads it, the context-parallel zigzag slice, the
+sequence-parallel shard) and handed to each router's own ``RouterReplay`` by its ``layer_number``, never by list
+position. Tokens without a row (pads, each sample's last token) get distinct pad rows spread over all experts
+(verl's R2 sends every pad to expert 0); R3's mask keeps verl's meaning (masked-off tokens route natively), less the
+samples the stale-rows policy masked. verl's own feeder is never called.
+
+What rr's feeder cannot lay out as verl's model does is refused, naming the setting (:func:`refuse_layout`):
+dynamic context parallelism, the padded (non remove-padding) layout, FP8's THD padding, the contiguous CP layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from rr_client.core.errors import ConfigurationError, MissingRoutingError
+from rr_client.trainer.rows import ReplayRows
+
+__all__ = ["refuse_layout", "padded_bounds", "verl_feed", "rr_feeder", "KEY_PREFIX"]
+
+KEY_PREFIX = "actor_rollout_ref.actor.megatron"
+_ROUTERS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()  # model chunk -> its routers
+
+
+def refuse_layout(tf_config: Any, *, nested: bool = True, local_cp_size: Any = None) -> None:
+    """Raise :class:`ConfigurationError` for a layout rr's feeder does not lay out as verl's model does."""
+    if local_cp_size is not None:
+        raise ConfigurationError(
+            f"verl's dynamic context parallelism (local_cp_size={local_cp_size}) with router_replay: rr lays out "
+            f"rows for Megatron's fixed CP groups only; set {KEY_PREFIX}.dynamic_context_parallel=False"
+        )
+    if not nested:
+        raise ConfigurationError(
+            "router_replay on verl's Megatron engine with padded (bshd) micro-batches: verl packs the rows "
+            "thd-style while the model forwards [b, s]; set actor_rollout_ref.model.use_remove_padding=True"
+        )
+    if getattr(tf_config, "fp8", None) in ("e4m3", "hybrid"):
+        raise ConfigurationError(
+            f"router_replay with fp8={tf_config.fp8!r}: verl pads each packed sample for FP8 beyond Megatron's "
+            "CP/TP alignment, which rr's feeder was not verified on; train the replayed actor without "
+            f"{KEY_PREFIX}.override_transformer_config.fp8"
+        )
+    if getattr(tf_config, "experimental_attention_variant", None) == "dsv4_hybrid":
+        raise ConfigurationError(
+            "router_replay with experimental_attention_variant='dsv4_hybrid': verl shards its rows contiguously "
+            "(and pads to csa_window_size), a layout rr's feeder does not lay out"
+        )
+
+
+def padded_bounds(offsets: torch.Tensor, tp_size: int, cp_size: int) -> torch.Tensor:
+    """Each packed sample's padded bounds as verl's ``preprocess_thd_engine`` pads them for the model (zigzag CP):
+    every sample to a multiple of ``tp * cp * (2 if cp > 1 else 1)``; int64 on the CPU."""
+    align = tp_size * cp_size * (2 if cp_size > 1 else 1)
+    lengths = offsets.long().cpu().diff()
+    padded = lengths + (align - lengths % align) % align
+    return torch.cat([torch.zeros(1, dtype=torch.long), padded.cumsum(0)])
+
+
+def _routers(model: Any) -> list[Any]:
+    """The chunk's routers (rr's :class:`~rr_client.integrations.megatron.MegatronRouter`), found once per chunk."""
+    from rr_client.integrations.megatron._routers import find_routers
+
+    found = _ROUTERS.get(model)
+    if found is None:
+        found = _ROUTERS[model] = find_routers(model)
+    return found
+
+
+def verl_feed(
+    layers_topk_idx: Any,
+    tf_config: Any,
+    *,
+    model: Any,
+    replay_mask: Any = None,
+    local_cp_size: Any = None,
+    keep: tuple[bool, ...] | None = None,
+) -> dict[Any, tuple[torch.Tensor, torch.Tensor | None]]:
+    """rr's targets for verl's call: ``{router module: (targets [local_tokens, topk] int64, replay mask or None)}``
+    for every router of ``model`` (this chunk) that takes rows. ``replay_mask`` (R3): verl's jagged ``[B, j]`` mask;
+    ``keep``: per sample, whether the stale-rows policy keeps it replayed (None: all)."""
+    from rr_client.integrations.megatron._feeder import feed, parallel_from_state
+
+    from ._megatron import megatron_info
+
+    if layers_topk_idx is None:
+        raise MissingRoutingError(
+            "verl's Megatron engine asked for replay without routed_experts (R2: compute_log_prob must record "
+            "before the update; R3: the rollout must return routing, rollout.enable_rollout_routing_replay=True)"
+        )
+    if model is None:
+        raise ConfigurationError("verl called its feeder without the forwarded model: rr feeds that model's routers")
+    nested = bool(getattr(layers_topk_idx, "is_nested", False))
+    refuse_layout(tf_config, nested=nested, local_cp_size=local_cp_size)
+    info = megatron_info(tf_config)
+    offsets = layers_topk_idx.offsets()
+    rows = ReplayRows.from_jagged(
+        layers_topk_idx, offsets, num_hidden_layers=info.num_hidden_layers, moe_layers=info.moe_layers
+    )
+    spare = [layer for layer in rows.layers if layer not in set(info.moe_layers)]
+    if spare:  # rows at a dense layer: the layer axis is off (no router of any stage reads them)
+        rows.check([], spare=spare, refuse_spare=True)
+    have = rows.have
+    if replay_mask is not None:
+        mask = replay_mask.values() if getattr(replay_mask, "is_nested", False) else replay_mask
+        have = have & mask.reshape(1, -1).to(have.device).bool()
+        if keep is not None and not all(keep):
+            per = torch.tensor(list(keep), dtype=torch.bool).repeat_interleave(offsets.long().cpu().diff())
+            have = have & per.reshape(1, -1).to(have.device)
+    rows = replace(rows, have=have)
+    routers = _routers(model)
+    par = parallel_from_state(routers)
+    got = feed(
+        routers,
+        rows,
+        parallel=par,
+        mtp="auto",  # verl's rows carry no MTP layer: MTP routers route themselves, as in verl
+        cu_seqlens_padded=padded_bounds(offsets, par.tp_size, par.cp_size),
+    )
+    local = got.have if replay_mask is not None else None
+    return {m: (t, None if local is None else local.to(t.device, non_blocking=True)) for m, t in got.targets.items()}
+
+
+def rr_feeder(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """rr's feeder with verl's ``set_router_replay_data`` signature (verl's kept as ``__wrapped__``, never called):
+    each router of ``model`` gets rr's targets through its own ``RouterReplay.set_target_indices`` (so verl's
+    backward recompute pops them as it pops its own)."""
+    from ._megatron import KEEP
+
+    @functools.wraps(orig)
+    def set_router_replay_data(
+        layers_topk_idx: Any,
+        attention_mask: Any,
+        tf_config: Any,
+        vp_rank: Any = None,
+        replay_mask: Any = None,
+        local_cp_size: Any = None,
+        model: Any = None,
+    ) -> None:
+        with torch.no_grad():
+            fed = verl_feed(
+                layers_topk_idx,
+                tf_config,
+                model=model,
+                replay_mask=replay_mask,
+                local_cp_size=local_cp_size,
+                keep=KEEP.get() if replay_mask is not None else None,
+            )
+        for module, (targets, mask) in fed.items():
+            module.router_replay.set_target_indices(targets, replay_mask=mask)
+
+    return set_router_replay_data
