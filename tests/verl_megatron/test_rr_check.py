@@ -63,7 +63,10 @@ def test_a_repeated_expert_id_is_refused_where_verl_runs_it(workers: Any, tokeni
     lengths = [len(p) + len(r) for p, r in toks]
     rows = [random_rows(n - 1, seed=30 + i) for i, n in enumerate(lengths)]
     rows[1][1, 0] = [3, 3]  # micro-batch 0, sample 1, token 1, layer 0: one expert twice
-    with pytest.raises(UnrecordedRoutingError, match=r"decoder layer 1 \(chunk 0, decoder.layers.0.mlp.router\): a row repeats an expert id"):
+    with pytest.raises(
+        UnrecordedRoutingError,
+        match=r"decoder layer 1 \(chunk 0, decoder.layers.0.mlp.router\): a row repeats an expert id",
+    ):
         run_log_prob(cfg, w, batch_of(tokenizer, toks, rows))
     with verl_as_shipped():  # verl's feeder: no error, and that token runs one expert, not top-2
         _, seen = run_log_prob(cfg, w, batch_of(tokenizer, toks, rows))

@@ -140,7 +140,7 @@ REFUSED = {
 _GRAPH_SCOPES_WITHOUT_ROUTER = {"attn", "mlp", "mamba"}
 
 
-def _graphs_router(cfg: Any) -> bool:
+def graphs_router(cfg: Any) -> bool:
     """Whether a CUDA graph captures the MoE router: ``local`` graphs whole layers (or the iteration);
     ``transformer_engine`` the scopes named (empty or "full": the whole layer)."""
     impl = str(getattr(cfg, "cuda_graph_impl", "none") or "none")
@@ -187,7 +187,7 @@ def check_config(routers: Sequence[MegatronRouter]) -> None:
                 _refuse(r, flag, getattr(cfg, flag), "False")
         if getattr(cfg, "moe_input_jitter_eps", None) is not None:
             _refuse(r, "moe_input_jitter_eps", cfg.moe_input_jitter_eps, "None")
-        if _graphs_router(cfg):
+        if graphs_router(cfg):
             _refuse(
                 r,
                 "cuda_graph_impl",

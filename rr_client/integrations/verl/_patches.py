@@ -358,14 +358,26 @@ def inactive_patches(mode: str) -> str | None:
 
 
 def check_megatron_feeder(config: Any) -> None:
-    """With Megatron R2/R3 asked for: refuse, before verl builds anything, an untested megatron-core and a failed
-    patch of verl's Megatron engine module (imported here: it is patched at import)."""
+    """With Megatron R2/R3 asked for: refuse, before verl builds anything, an untested megatron-core, a CUDA graph
+    over the router in verl's transformer-config overrides, and a failed patch of verl's Megatron engine module
+    (imported here: it is patched at import)."""
     asked = megatron_replay_requested(config)
     if asked is None:
         return
+    from types import SimpleNamespace
+
     from rr_client.integrations.megatron._gate import check_megatron_version
+    from rr_client.integrations.megatron._routers import REFUSED, graphs_router
 
     check_megatron_version()
+    override = dict(_get(_get(_get(config, "actor"), "megatron"), "override_transformer_config") or {})
+    if graphs_router(SimpleNamespace(**override)):
+        graph = {k: override[k] for k in ("cuda_graph_impl", "enable_cuda_graph", "cuda_graph_scope") if k in override}
+        raise ConfigurationError(
+            f"{asked} with actor_rollout_ref.actor.megatron.override_transformer_config {graph}: "
+            f"{REFUSED['cuda_graph_impl']}; set cuda_graph_impl=none (or a transformer_engine cuda_graph_scope "
+            "without the MoE layer, ['attn'])"
+        )
     if MEGATRON_ENGINE_MODULE not in FAILED:
         importlib.import_module(MEGATRON_ENGINE_MODULE)
     if MEGATRON_ENGINE_MODULE in FAILED:
