@@ -23,11 +23,11 @@ int64 on the router's device. :func:`router_targets` is the same layout as a fun
 
 from __future__ import annotations
 
-from rr_client.integrations.megatron._feeder import Feed, MtpPolicy, Parallel, parallel_from_state, router_targets
+from rr_client.integrations.megatron._feeder import Feed, MtpPolicy, Parallel, feed, parallel_from_state, router_targets
 from rr_client.integrations.megatron._gate import TESTED_MEGATRON, check_megatron_version
 from rr_client.integrations.megatron._layout import cp_thd_index, cp_zigzag_index, sp_shard
 from rr_client.integrations.megatron._replay import MegatronReplay, Mode
-from rr_client.integrations.megatron._routers import REFUSED, MegatronRouter, find_routers
+from rr_client.integrations.megatron._routers import REFUSED, MegatronRouter, check_config, find_routers, graphs_router
 from rr_client.integrations.megatron._session import MegatronSession
 
 __all__ = [
@@ -36,6 +36,9 @@ __all__ = [
     "Mode",
     "MtpPolicy",
     "router_targets",
+    "feed",
+    "check_config",
+    "graphs_router",
     "Feed",
     "Parallel",
     "MegatronRouter",

@@ -20,56 +20,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from contextvars import ContextVar
 from typing import Any
 
 import torch
 
-from rr_client.core import __version__, settings
-from rr_client.core.codec import wire_dtype
-from rr_client.core.errors import ConfigurationError
-from rr_client.core.info import RRInfo
+from rr_client.core import settings
 from rr_client.trainer.session import AUDIT_EVERY
 
 from . import _provenance
+from ._megatron_feed import KEEP, megatron_info, refuse_layout
 
 __all__ = ["KEEP", "megatron_info", "refusing_initialize", "policed_inputs", "counted_batch", "RouterAudit"]
-
-# per micro-batch: the samples the stale-rows policy kept replayed (None: all), from prepare_model_inputs to the
-# feeder verl's forward_step calls next
-KEEP: ContextVar[tuple[bool, ...] | None] = ContextVar("rr_verl_megatron_keep", default=None)
-
-
-def _moe_layer_flags(tf_config: Any) -> list[bool]:
-    """Per decoder layer (0-based): whether it is MoE, from ``moe_layer_freq`` (an int N: every N-th layer from
-    layer 0; a list: megatron's per-layer pattern of 1 MoE / 0 dense)."""
-    n = int(tf_config.num_layers)
-    freq = getattr(tf_config, "moe_layer_freq", 1)
-    if isinstance(freq, int):
-        return [i % freq == 0 for i in range(n)]
-    pattern = [bool(x) for x in freq]
-    if len(pattern) != n:
-        raise ConfigurationError(f"moe_layer_freq names {len(pattern)} layers, the model has {n}")
-    return pattern
-
-
-def megatron_info(tf_config: Any) -> RRInfo:
-    """The model's MoE shape as rr checks rows against it, from megatron-core's ``TransformerConfig``."""
-    experts, topk = getattr(tf_config, "num_moe_experts", None), getattr(tf_config, "moe_router_topk", None)
-    if not experts or not topk:
-        raise ConfigurationError("router_replay on a Megatron model without MoE layers (num_moe_experts unset)")
-    flags = _moe_layer_flags(tf_config)
-    return RRInfo(
-        engine="verl-megatron",
-        engine_version="",
-        rr_version=__version__,
-        num_hidden_layers=len(flags),
-        num_experts=int(experts),
-        topk=int(topk),
-        moe_layers=[i for i, f in enumerate(flags) if f],
-        wire_dtype=wire_dtype(int(experts)).name,
-    )
-
 
 REPLAY_MODES = ("R2", "R3")
 
@@ -81,10 +42,7 @@ def replay_mode(engine: Any) -> str:
 
 def refuse_engine(engine: Any) -> None:
     """The refusals of rr's feeder on a built verl Megatron engine replaying R2/R3 (see the module docstring)."""
-    from rr_client.integrations.megatron._gate import check_megatron_version
-    from rr_client.integrations.megatron._routers import check_config, find_routers
-
-    from ._megatron_feed import refuse_layout
+    from rr_client.integrations.megatron import check_config, check_megatron_version, find_routers
 
     check_megatron_version()
     cfg = engine.engine_config

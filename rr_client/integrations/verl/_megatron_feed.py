@@ -21,18 +21,58 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from rr_client.core import __version__
+from rr_client.core.codec import wire_dtype
 from rr_client.core.errors import ConfigurationError, MissingRoutingError
+from rr_client.core.info import RRInfo
 from rr_client.trainer.rows import ReplayRows
 
-__all__ = ["refuse_layout", "padded_bounds", "verl_feed", "rr_feeder", "KEY_PREFIX"]
+__all__ = ["KEEP", "megatron_info", "refuse_layout", "padded_bounds", "verl_feed", "rr_feeder", "KEY_PREFIX"]
 
 KEY_PREFIX = "actor_rollout_ref.actor.megatron"
 _ROUTERS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()  # model chunk -> its routers
+
+
+# per micro-batch: the samples the stale-rows policy kept replayed (None: all), from prepare_model_inputs to the
+# feeder verl's forward_step calls next
+KEEP: ContextVar[tuple[bool, ...] | None] = ContextVar("rr_verl_megatron_keep", default=None)
+
+
+def _moe_layer_flags(tf_config: Any) -> list[bool]:
+    """Per decoder layer (0-based): whether it is MoE, from ``moe_layer_freq`` (an int N: every N-th layer from
+    layer 0; a list: megatron's per-layer pattern of 1 MoE / 0 dense)."""
+    n = int(tf_config.num_layers)
+    freq = getattr(tf_config, "moe_layer_freq", 1)
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(n)]
+    pattern = [bool(x) for x in freq]
+    if len(pattern) != n:
+        raise ConfigurationError(f"moe_layer_freq names {len(pattern)} layers, the model has {n}")
+    return pattern
+
+
+def megatron_info(tf_config: Any) -> RRInfo:
+    """The model's MoE shape as rr checks rows against it, from megatron-core's ``TransformerConfig``."""
+    experts, topk = getattr(tf_config, "num_moe_experts", None), getattr(tf_config, "moe_router_topk", None)
+    if not experts or not topk:
+        raise ConfigurationError("router_replay on a Megatron model without MoE layers (num_moe_experts unset)")
+    flags = _moe_layer_flags(tf_config)
+    return RRInfo(
+        engine="verl-megatron",
+        engine_version="",
+        rr_version=__version__,
+        num_hidden_layers=len(flags),
+        num_experts=int(experts),
+        topk=int(topk),
+        moe_layers=[i for i, f in enumerate(flags) if f],
+        wire_dtype=wire_dtype(int(experts)).name,
+    )
 
 
 def refuse_layout(tf_config: Any, *, nested: bool = True, local_cp_size: Any = None) -> None:
@@ -71,7 +111,7 @@ def padded_bounds(offsets: torch.Tensor, tp_size: int, cp_size: int) -> torch.Te
 
 def _routers(model: Any) -> list[Any]:
     """The chunk's routers (rr's :class:`~rr_client.integrations.megatron.MegatronRouter`), found once per chunk."""
-    from rr_client.integrations.megatron._routers import find_routers
+    from rr_client.integrations.megatron import find_routers
 
     found = _ROUTERS.get(model)
     if found is None:
@@ -91,9 +131,7 @@ def verl_feed(
     """rr's targets for verl's call: ``{router module: (targets [local_tokens, topk] int64, replay mask or None)}``
     for every router of ``model`` (this chunk) that takes rows. ``replay_mask`` (R3): verl's jagged ``[B, j]`` mask;
     ``keep``: per sample, whether the stale-rows policy keeps it replayed (None: all)."""
-    from rr_client.integrations.megatron._feeder import feed, parallel_from_state
-
-    from ._megatron import megatron_info
+    from rr_client.integrations.megatron import feed, parallel_from_state
 
     if layers_topk_idx is None:
         raise MissingRoutingError(
@@ -137,7 +175,6 @@ def rr_feeder(orig: Callable[..., Any]) -> Callable[..., Any]:
     """rr's feeder with verl's ``set_router_replay_data`` signature (verl's kept as ``__wrapped__``, never called):
     each router of ``model`` gets rr's targets through its own ``RouterReplay.set_target_indices`` (so verl's
     backward recompute pops them as it pops its own)."""
-    from ._megatron import KEEP
 
     @functools.wraps(orig)
     def set_router_replay_data(

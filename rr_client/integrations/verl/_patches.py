@@ -366,8 +366,7 @@ def check_megatron_feeder(config: Any) -> None:
         return
     from types import SimpleNamespace
 
-    from rr_client.integrations.megatron._gate import check_megatron_version
-    from rr_client.integrations.megatron._routers import REFUSED, graphs_router
+    from rr_client.integrations.megatron import REFUSED, check_megatron_version, graphs_router
 
     check_megatron_version()
     override = dict(_get(_get(_get(config, "actor"), "megatron"), "override_transformer_config") or {})
