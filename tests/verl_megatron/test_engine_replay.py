@@ -142,9 +142,13 @@ def test_verls_megatron_engine_runs_exactly_the_rows_given(workers: Any, tokeniz
     assert not torch.equal(native.batch["old_log_probs"], lp)
 
 
-def test_replaying_the_models_own_routing_reproduces_its_log_probs(workers: Any, tokenizer: Any) -> None:
+def test_replaying_the_models_own_routing_reproduces_its_log_probs(
+    workers: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The engine's native routing (replay disabled), replayed as rows through verl's R3 path: same experts, same
-    log-probs. Checks the agent-loop row layout lines up with verl's packing token for token."""
+    log-probs, and rr's audit finds the routers' own choice agreeing with every replayed row. Checks the agent-loop
+    row layout lines up with verl's packing token for token."""
+    monkeypatch.setenv("RR_AUDIT_EVERY", "1")
     toks = sample_tokens(3)
     lengths = [len(p) + len(r) for p, r in toks]
     cfg0, w0 = workers["disabled"]
@@ -160,3 +164,5 @@ def test_replaying_the_models_own_routing_reproduces_its_log_probs(workers: Any,
         for a, b in zip(seen.maps[layer], seen0.maps[layer], strict=True):
             assert torch.equal(a, b)
     assert torch.equal(replayed.batch["old_log_probs"], native.batch["old_log_probs"])
+    met = w.actor.engine.rr_last_metrics
+    assert met["r3/agreement"] == 1.0 and met["r3/applied_share"] == 1.0

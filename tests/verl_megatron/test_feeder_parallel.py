@@ -26,7 +26,12 @@ E, K = 8, 2
 
 
 def _model(rank: int, *, tp: int = 1, pp: int = 1, cp: int = 1) -> Any:
+    import os
+
     from tests.verl import cpu_platform
+
+    for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # set by a verl engine built in the
+        os.environ.pop(var, None)  # parent (attention_backend=local), inherited here: this model's backend is auto
 
     cpu_platform.install()  # verl's accelerator as the CPU, before its feeder module reads the device name
     from verl.utils.megatron.router_replay_patch import apply_router_replay_patch

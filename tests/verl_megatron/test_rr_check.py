@@ -168,6 +168,7 @@ def test_rrs_audit_counts_every_replayed_row_and_catches_a_replay_that_did_not_h
     run_log_prob(cfg, w, batch_of(tokenizer, toks, rows))
     met = w.actor.engine.rr_last_metrics
     assert met["r3/applied_share"] == 1.0 and met["r3/applied_share_min_layer"] == 1.0
+    assert met["r3/agreement"] < 0.5  # random rows: the routers' own choice rarely matches them
     assert met["r3/replayed_rows"] == sum(n - 1 for n in lengths) * 2  # the last token's placeholder: not replayed
     router = next(
         m for m in w.actor.engine.module[0].modules() if type(m).__name__ == "TopKRouter" and m.layer_number == 2

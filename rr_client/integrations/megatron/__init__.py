@@ -26,6 +26,7 @@ from __future__ import annotations
 from rr_client.integrations.megatron._feeder import Feed, MtpPolicy, Parallel, feed, parallel_from_state, router_targets
 from rr_client.integrations.megatron._gate import TESTED_MEGATRON, check_megatron_version
 from rr_client.integrations.megatron._layout import cp_thd_index, cp_zigzag_index, sp_shard
+from rr_client.integrations.megatron._lifecycle import own_choice
 from rr_client.integrations.megatron._replay import MegatronReplay, Mode
 from rr_client.integrations.megatron._routers import REFUSED, MegatronRouter, check_config, find_routers, graphs_router
 from rr_client.integrations.megatron._session import MegatronSession
@@ -39,6 +40,7 @@ __all__ = [
     "feed",
     "check_config",
     "graphs_router",
+    "own_choice",
     "Feed",
     "Parallel",
     "MegatronRouter",

@@ -301,7 +301,7 @@ class Lifecycle:
         if not recompute:
             st.expect_seg = st.seg
         if self.audited and not recompute:
-            st.own = _own_choice(module, hidden)
+            st.own = own_choice(module, hidden)
 
     @staticmethod
     def _check_tokens(st: RouterState, hidden: torch.Tensor, rows: torch.Tensor) -> None:
@@ -505,7 +505,7 @@ def _segment_keys(vec: list[int] | None, names: tuple[tuple[str, int | None], ..
     return out
 
 
-def _own_choice(module: Any, hidden: torch.Tensor) -> torch.Tensor:
+def own_choice(module: Any, hidden: torch.Tensor) -> torch.Tensor:
     """The ``[tokens, experts]`` routing map the router would choose itself on this call's input (audit only)."""
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 

@@ -94,9 +94,10 @@ def policed_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class RouterAudit:
-    """rr's audit of verl's Megatron replay, independent of verl's feeder: a forward hook on every ``TopKRouter``
-    compares the experts it chose (its ``routing_map``) with the targets verl's feeder gave it, on the tokens verl's
-    replay mask replays, in ``REPLAY_FORWARD`` forwards. Counts stay on the device; one host read per step."""
+    """rr's audit of the replay on verl's Megatron engine: a forward hook on every ``TopKRouter`` compares the experts
+    it chose (its ``routing_map``) with the targets it was given, and the experts it would have chosen itself on the
+    same input (``r3/agreement``), on the tokens the replay mask replays, in ``REPLAY_FORWARD`` forwards. Counts stay
+    on the device; one host read per step."""
 
     def __init__(self, chunks: Any) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
@@ -107,7 +108,8 @@ class RouterAudit:
             for m in chunk.modules()
             if isinstance(m, TopKRouter) and getattr(m, "router_replay", None) is not None
         ]
-        self.counts: dict[int, torch.Tensor] = {}  # layer_number -> [replayed rows, rows that ran their targets]
+        # layer_number -> [replayed rows, rows that ran their targets, rows the router's own choice agrees with]
+        self.counts: dict[int, torch.Tensor] = {}
         self.handles = [r.register_forward_hook(self._hook) for r in self.routers]
 
     def _hook(self, router: Any, _args: Any, output: Any) -> None:
@@ -116,12 +118,16 @@ class RouterAudit:
         target = getattr(replay, "target_topk_idx", None)
         if getattr(action, "name", None) != "REPLAY_FORWARD" or target is None:
             return
+        from rr_client.integrations.megatron import own_choice
+
         routing_map = output[1]
         want = torch.zeros_like(routing_map, dtype=torch.bool).scatter_(1, target.to(routing_map.device).long(), True)
         mask = getattr(replay, "target_replay_mask", None)
         mask = torch.ones(want.shape[0], dtype=torch.bool, device=want.device) if mask is None else mask.bool()
-        same = (routing_map.bool() == want).all(dim=1) & mask.to(want.device)
-        got = torch.stack([mask.sum(), same.sum()]).long()
+        mask = mask.to(want.device)
+        same = (routing_map.bool() == want).all(dim=1) & mask
+        agree = (own_choice(router, _args[0]).to(want.device) == want).all(dim=1) & mask
+        got = torch.stack([mask.sum(), same.sum(), agree.sum()]).long()
         layer = int(router.layer_number)
         self.counts[layer] = self.counts[layer] + got if layer in self.counts else got
 
@@ -141,15 +147,17 @@ class RouterAudit:
         per = {layer: [int(x) for x in c] for layer, c in zip(layers, read)}
         replayed = sum(c[0] for c in per.values())
         applied = sum(c[1] for c in per.values())
+        agreed = sum(c[2] for c in per.values())
         met = {
             K.REPLAYED_ROWS: float(replayed),
             K.APPLIED_SHARE: applied / replayed if replayed else 1.0,
             K.APPLIED_SHARE_MIN_LAYER: min((c[1] / c[0] if c[0] else 1.0) for c in per.values()),
+            K.AGREEMENT: agreed / replayed if replayed else 1.0,
         }
-        bad = [layer for layer, (n, ok) in per.items() if ok < n]
+        bad = [layer for layer, (n, ok, _) in per.items() if ok < n]
         if bad:
             layer = bad[0]
-            n, ok = per[layer]
+            n, ok, _ = per[layer]
             raise ReplayError(
                 f"verl's Megatron replay: the router of layer {layer} ran its replayed experts on {ok} of {n} "
                 f"replayed rows (layers short: {bad}); the rows did not reach the router",
