@@ -10,10 +10,11 @@ extra), never transformers.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rr_client.core.errors import ConfigurationError, MissingDependencyError
+from rr_client.core.errors import ConfigurationError, MissingDependencyError, ReplayError
 
 try:
     import torch
@@ -23,7 +24,15 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 # the one implementation (numpy), re-exported for trainers
 from rr_client.core.agreement import routing_agreement
 
-__all__ = ["R3Metrics", "gap_stats", "segment_gap_stats", "r3_metrics", "routing_agreement", "token_logprobs"]
+__all__ = [
+    "R3Metrics",
+    "gap_stats",
+    "gap_keys",
+    "segment_gap_stats",
+    "r3_metrics",
+    "routing_agreement",
+    "token_logprobs",
+]
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,19 @@ def gap_stats(logp_train: Any, logp_rollout: Any, mask: Any = None) -> torch.Ten
             (torch.isfinite(d).logical_not() & m).sum(),
         ]
     ).double()
+
+
+def gap_keys(stats: Sequence[float]) -> dict[str, float]:
+    """The step's gap keys from the host values of summed :func:`gap_stats` (``[tokens, sum|d|, sum d^2, sum k3,
+    n(|d|>ln2), n(|d|>ln5), non-finite]``); :class:`ReplayError` on a non-finite difference; empty with no tokens."""
+    from rr_client.trainer import keys as K
+
+    n, s_abs, _s_sq, s_k3, n2, _n5, bad = (float(x) for x in stats[:7])
+    if bad:
+        raise ReplayError("non-finite log-prob difference in a measured token (trainer or engine log-prob is NaN/inf)")
+    if not n:
+        return {}
+    return {K.MEAN_ABS_LOGP_DIFF: s_abs / n, K.K3_KL: s_k3 / n, K.FRAC_ABS_DIFF_GT_LN2: n2 / n, K.LOGP_TOKENS: n}
 
 
 def segment_gap_stats(logp_train: Any, logp_rollout: Any, mask: Any, codes: torch.Tensor, n_codes: int) -> torch.Tensor:

@@ -48,7 +48,7 @@ from rr_client.core.errors import ConfigurationError, ReplayError
 from rr_client.core.logprobs import check_comparable_logprobs, engine_logprobs
 from rr_client.core.provenance import ProvenanceCheck, StalePolicy, check_stale_policy
 from rr_client.trainer import keys as K
-from rr_client.trainer.metrics import gap_stats, segment_gap_stats
+from rr_client.trainer.metrics import gap_keys, gap_stats, segment_gap_stats
 from rr_client.trainer.provenance import (
     Segments,
     check_samples,
@@ -539,21 +539,11 @@ class ReplaySession:
                 t.to(dev).reshape(-1) for _, t in self._seg_gaps
             ]
             flat = torch.cat(parts).tolist()  # the step's one host read of the gaps
-            n, s_abs, _s_sq, s_k3, n2, _n5, bad = flat[:7]
-            if bad:
+            try:
+                out.update(gap_keys(flat[:7]))
+            except ReplayError:
                 self._reset()
-                raise ReplayError(
-                    "non-finite log-prob difference in a measured token (trainer or engine log-prob is NaN/inf)"
-                )
-            if n:
-                out.update(
-                    {
-                        K.MEAN_ABS_LOGP_DIFF: s_abs / n,
-                        K.K3_KL: s_k3 / n,
-                        K.FRAC_ABS_DIFF_GT_LN2: n2 / n,
-                        K.LOGP_TOKENS: float(n),
-                    }
-                )
+                raise
             out.update(_segment_gaps(self._seg_gaps, flat[7:]))
         checks = self._checks or self._row_checks
         if checks:

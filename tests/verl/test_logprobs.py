@@ -101,10 +101,10 @@ def test_raw_logprobs_with_the_rollouts_top_p_or_top_k_are_refused_at_temperatur
     before = _logprobs.ROLLOUT_LOGPROBS.get("rollout")
     try:
         _logprobs.ROLLOUT_LOGPROBS["rollout"] = said
-        _engine._check_gap_logprobs(torch.ones(2))  # temperature 1, no filter: raw ones compare
+        _engine.check_gap_logprobs(torch.ones(2))  # temperature 1, no filter: raw ones compare
         _logprobs.ROLLOUT_LOGPROBS["rollout"] = said._replace(sampling={"top_k": -1, "top_p": 0.9})
         with pytest.raises(LogprobsModeError, match=r"(?s)verl's R3 log-prob gap.*top_p=0\.9"):
-            _engine._check_gap_logprobs(torch.ones(2))
+            _engine.check_gap_logprobs(torch.ones(2))
     finally:
         if before is None:
             _logprobs.ROLLOUT_LOGPROBS.pop("rollout", None)

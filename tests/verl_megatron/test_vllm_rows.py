@@ -4,7 +4,8 @@ Megatron engine with rr's feeder: the same tiny Qwen3-MoE served by vLLM and loa
 The instruments are independent of rr: vLLM's rows are checked against transformers' own top-k of each unpadded
 sample (real values, not zeros of the right shape), and what each Megatron router ran is read from its own
 ``routing_map`` and the experts' ``tokens_per_expert`` (harness.MoeSeen): every token with a rollout row ran exactly
-the rollout's experts, per layer.
+the rollout's experts, per layer. rr's log-prob gap against vLLM's sampling log-probs (temperature 0.7) is in the
+engine's step metrics.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from tests.support.vllm_process import VLLMProcess
 from tests.verl import harness as vh
-from tests.verl.test_vllm_rows import MainVenvVLLM, rollout
+from tests.verl.test_vllm_rows import TEMPERATURE, MainVenvVLLM, rollout
 from tests.verl_megatron.test_engine_replay import (
     EXPERTS,
     LAYERS,
@@ -61,10 +62,19 @@ def test_vllm_rows_run_under_their_tokens_in_verls_megatron_engine(
         assert rows.shape == (len(r.prompt_ids) + len(r.output_ids) - 1, LAYERS, 2)
         own = vh.own_routing(hf_model, r.prompt_ids + r.output_ids)  # transformers' own top-k, the reference
         assert np.array_equal(np.sort(rows, -1), np.sort(own, -1))
-        samples.append(dict(prompt_ids=r.prompt_ids, response_ids=r.output_ids, routed_experts=rows))
+        samples.append(
+            dict(
+                prompt_ids=r.prompt_ids,
+                response_ids=r.output_ids,
+                routed_experts=rows,
+                response_logprobs=r.logprobs.tolist(),  # vLLM's, after temperature (rr's launcher)
+            )
+        )
         lengths.append(len(r.prompt_ids) + len(r.output_ids))
     cfg, w = workers["R3"]
-    _, seen = run_log_prob(cfg, w, vh.agent_loop_batch(tokenizer, samples))
+    batch = vh.agent_loop_batch(tokenizer, samples)
+    batch.meta_info["temperature"] = TEMPERATURE  # what RayPPOTrainer sets from rollout.temperature
+    _, seen = run_log_prob(cfg, w, batch)
     checked = 0
     for layer in range(1, LAYERS + 1):
         maps = seen.maps[layer]
@@ -83,3 +93,6 @@ def test_vllm_rows_run_under_their_tokens_in_verls_megatron_engine(
     assert checked == sum(n - 1 for n in lengths) * LAYERS
     met = w.actor.engine.rr_last_metrics
     assert met["r3/provenance_unknown"] == len(samples)  # the agent-loop batch here carries no weight versions
+    # rr's log-prob gap: the actor's (bf16 megatron-core) against vLLM's (fp32), over every response token
+    assert met["r3/logp_tokens"] == float(sum(len(s["response_ids"]) for s in samples))
+    assert 0.0 < met["r3/mean_abs_logp_diff"] < 0.05 and met["r3/agreement"] > 0.9, met

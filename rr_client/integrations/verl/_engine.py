@@ -49,7 +49,7 @@ def _valid(width: int, offsets: torch.Tensor) -> torch.Tensor:
     return torch.arange(width, device=offsets.device)[None, :] < lengths[:, None]
 
 
-def _check_gap_logprobs(temperature: Any) -> None:
+def check_gap_logprobs(temperature: Any) -> None:
     """Refuse (LogprobsModeError) a gap between the actor's and the rollout's log-probs that would not mean the
     same thing: the rollout's mode as the worker read it from its config (unknown without rr's worker), at this
     micro-batch's temperature (a scalar, or one per sample: the first that is not 1) and the rollout's sampling
@@ -223,7 +223,7 @@ class RRFSDPEngineMixin(_EngineBase):
         else:
             assert self.rr_info is not None
             if "rollout_log_probs" in micro_batch.keys():  # rr computes the gap: do both sides mean the same?
-                _check_gap_logprobs(micro_batch["temperature"])  # the temperature verl's forward divides by
+                check_gap_logprobs(micro_batch["temperature"])  # the temperature verl's forward divides by
             rows, mask = packed_rows(micro_batch["routed_experts"], offsets, self.rr_info)
             # the stale-rows policy on the provenance verl's rollout put in the batch (refuse raises here)
             provs = _provenance.batch_provenances(micro_batch, offsets.numel() - 1)

@@ -30,7 +30,15 @@ from rr_client.trainer.session import AUDIT_EVERY
 from . import _provenance
 from ._megatron_feed import KEEP, megatron_info, refuse_layout
 
-__all__ = ["KEEP", "megatron_info", "refusing_initialize", "policed_inputs", "counted_batch", "RouterAudit"]
+__all__ = [
+    "KEEP",
+    "megatron_info",
+    "refusing_initialize",
+    "policed_inputs",
+    "gapped_outputs",
+    "counted_batch",
+    "RouterAudit",
+]
 
 REPLAY_MODES = ("R2", "R3")
 
@@ -166,16 +174,49 @@ class RouterAudit:
         return met
 
 
+def gapped_outputs(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """verl's ``MegatronEngineWithLMHead.prepare_model_outputs`` with, on a replayed micro-batch that carries the
+    rollout's log-probs (``rollout_log_probs``, verl's ``rollout.calculate_log_probs=True``), the log-prob gap between
+    the actor's and the rollout's over the response tokens, kept on the device for the step
+    (:func:`counted_batch`). A gap whose two sides would not mean the same thing (the rollout's raw log-probs away
+    from temperature 1) is refused first."""
+
+    @functools.wraps(orig)
+    def prepare_model_outputs(self: Any, output: Any, data: Any) -> Any:
+        model_output = orig(self, output, data)
+        gaps = getattr(self, "_rr_gaps", None)
+        lp = model_output.get("log_probs") if isinstance(model_output, dict) else None
+        if not isinstance(gaps, list) or lp is None or replay_mode(self) not in REPLAY_MODES:
+            return model_output
+        if "rollout_log_probs" not in data.keys():
+            return model_output
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        from rr_client.trainer.metrics import gap_stats
+
+        from ._engine import check_gap_logprobs
+
+        check_gap_logprobs(data["temperature"] if "temperature" in data.keys() else None)
+        mine = no_padding_2_padding(lp.detach(), data)
+        ref = data.select("rollout_log_probs", "response_mask").to_padded_tensor()
+        gaps.append(gap_stats(mine.float(), ref["rollout_log_probs"].float(), ref["response_mask"].bool()))
+        return model_output
+
+    return prepare_model_outputs
+
+
 def counted_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
     """verl's ``MegatronEngine.forward_backward_batch`` with the step's stale-rows counts (``r3/stale_masked``,
-    ``r3/spans_update``, ``r3/provenance_unknown``, ``r3/cached_tokens``, summed over its R3 micro-batches) kept in
+    ``r3/spans_update``, ``r3/provenance_unknown``, ``r3/cached_tokens``, summed over its R3 micro-batches), the
+    audit's keys and the log-prob gap (``r3/mean_abs_logp_diff``, ``r3/k3_kl``, ...: :func:`gapped_outputs`) kept in
     ``engine.rr_last_metrics`` and, on the last pipeline stage, in verl's step metrics as ``actor/r3/...``."""
 
     @functools.wraps(orig)
     def forward_backward_batch(self: Any, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+        from rr_client.trainer.metrics import gap_keys
         from rr_client.trainer.provenance import merge_checks, provenance_metrics
 
-        self._rr_checks = []
+        self._rr_checks, self._rr_gaps = [], []
         steps = getattr(self, "_rr_steps", 0)
         self._rr_steps = steps + 1
         every = settings.integer("RR_AUDIT_EVERY", default=AUDIT_EVERY)
@@ -189,8 +230,14 @@ def counted_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
             out = orig(self, data, loss_function, forward_only)
         finally:
             checks, self._rr_checks = self._rr_checks, None
+            gaps, self._rr_gaps = self._rr_gaps, None
             audited = audit.close() if audit is not None else {}
-        self.rr_last_metrics = {**audited, **(provenance_metrics(merge_checks(checks)) if checks else {})}
+        gapped = gap_keys(torch.stack(gaps).sum(0).tolist()) if gaps else {}  # the gaps' one host read
+        self.rr_last_metrics = {
+            **audited,
+            **gapped,
+            **(provenance_metrics(merge_checks(checks)) if checks else {}),
+        }
         if self.rr_last_metrics and isinstance(out, dict) and isinstance(out.get("metrics"), dict):
             for k, v in self.rr_last_metrics.items():
                 out["metrics"][f"actor/{k}"] = [v]

@@ -66,6 +66,7 @@ WORKER_INIT = ["self", "config", "role", "distillation_config", "kwargs"]
 TOOL_STEP = ["self", "agent_data", "sampling_params", "ignore_termination"]
 MEGATRON_FEEDER = ["layers_topk_idx", "attention_mask", "tf_config", "vp_rank", "replay_mask", "local_cp_size", "model"]
 MEGATRON_INPUTS = ["self", "batch"]
+MEGATRON_OUTPUTS = ["self", "output", "data"]
 MEGATRON_BATCH = ["self", "data", "loss_function", "forward_only"]
 SGLANG_GENERATE = [
     "self",
@@ -369,6 +370,9 @@ def check_megatron_feeder(config: Any) -> None:
     from rr_client.integrations.megatron import REFUSED, check_megatron_version, graphs_router
 
     check_megatron_version()
+    from ._logprobs import ROLLOUT_LOGPROBS, check_rollout_logprobs
+
+    ROLLOUT_LOGPROBS["rollout"] = check_rollout_logprobs(_get(config, "rollout"))
     override = dict(_get(_get(_get(config, "actor"), "megatron"), "override_transformer_config") or {})
     if graphs_router(SimpleNamespace(**override)):
         graph = {k: override[k] for k in ("cuda_graph_impl", "enable_cuda_graph", "cuda_graph_scope") if k in override}
@@ -680,19 +684,25 @@ def patch_megatron_engine(mod: types.ModuleType) -> None:
     what the feeder would not hold under; ``prepare_model_inputs`` runs the stale-rows policy on each micro-batch;
     ``forward_backward_batch`` reports the step's counts and audit. Every shape is checked before anything is
     wrapped."""
-    from ._megatron import counted_batch, policed_inputs, refusing_initialize
+    from ._megatron import counted_batch, gapped_outputs, policed_inputs, refusing_initialize
     from ._megatron_feed import rr_feeder
 
     check_shapes(
         Shape(mod, {"set_router_replay_data": MEGATRON_FEEDER}),
         Shape(mod.MegatronEngine, {"initialize": ["self"], "forward_backward_batch": MEGATRON_BATCH}),
-        Shape(mod.MegatronEngineWithLMHead, {"prepare_model_inputs": MEGATRON_INPUTS}),
+        Shape(
+            mod.MegatronEngineWithLMHead,
+            {"prepare_model_inputs": MEGATRON_INPUTS, "prepare_model_outputs": MEGATRON_OUTPUTS},
+        ),
         what=_what(),
     )
     wrap_once(mod, "set_router_replay_data", rr_feeder, params=MEGATRON_FEEDER, what=_what())
     wrap_once(mod.MegatronEngine, "initialize", refusing_initialize, params=["self"], what=_what())
     wrap_once(
         mod.MegatronEngineWithLMHead, "prepare_model_inputs", policed_inputs, params=MEGATRON_INPUTS, what=_what()
+    )
+    wrap_once(
+        mod.MegatronEngineWithLMHead, "prepare_model_outputs", gapped_outputs, params=MEGATRON_OUTPUTS, what=_what()
     )
     wrap_once(mod.MegatronEngine, "forward_backward_batch", counted_batch, params=MEGATRON_BATCH, what=_what())
 
