@@ -66,6 +66,8 @@ def _causal_mask_attention(original: Any) -> Any:
         if packed_seq_params is not None:
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            if int(cu[-1]) != s:  # context parallel: this rank holds 1/cp of every padded sample (attends within it)
+                cu = cu * s // int(cu[-1])
             seg = torch.zeros(s, dtype=torch.long, device=query.device)
             seg[cu[1:-1].long()] = 1
             seg = seg.cumsum(0)
