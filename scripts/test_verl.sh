@@ -5,7 +5,8 @@
 #    tests/verl/test_legacy_worker.py builds verl 0.7.1's legacy FSDP worker (the overlay of
 #    scripts/setup_verl_legacy.sh), in fresh processes.
 #  - tests/verl_megatron: verl's own Megatron engine (megatron-core 0.16.1 + mbridge, the overlay of
-#    scripts/setup_verl_megatron.sh) on CPU, R3's compute_log_prob with rr's row check on verl's feeder and the stale-rows policy.
+#    scripts/setup_verl_megatron.sh) on CPU with rr's feeder in place of verl's: R3 (rows from the real vLLM server
+#    too), R2 through the update, PP = 2 and CP = 2 on two gloo ranks, side by side with verl's feeder, the refusals.
 #  - tests/verl/test_sglang_read.py again with SGLang 0.5.13's real TokenizerManager (the overlay of
 #    scripts/setup_sglang.sh, on PYTHONPATH): verl's SGLang routing read, stock and with rr.
 # Needs the main .venv (make setup). Extra args go to pytest. Exit status non-zero on any failure.

@@ -1,4 +1,4 @@
-"""verl 0.9.1's own Megatron engine (issue 45 spike), in ``.venvs/verl`` with the megatron-core 0.16.1 + mbridge
+"""verl 0.9.1's own Megatron engine with rr's feeder (issue 45), in ``.venvs/verl`` with the megatron-core 0.16.1 + mbridge
 overlay of scripts/setup_verl_megatron.sh on PYTHONPATH:
 
     PYTHONPATH="$(scripts/setup_verl_megatron.sh --pythonpath)" .venvs/verl/bin/python -m pytest tests/verl_megatron

@@ -1,11 +1,12 @@
-"""verl 0.9.1's OWN Megatron engine replaying R3 rows on this CPU (issue 45 spike): no rr code on the path.
+"""verl 0.9.1's own Megatron engine replaying R3 rows on this CPU (issue 45), rr's feeder in its feeder's place.
 
 verl's ``ActorRolloutRefWorker`` (``actor.strategy=megatron``, verl's generated Megatron PPO config) builds
 ``MegatronEngineWithLMHead`` from verl's ``EngineRegistry``; mbridge builds megatron-core 0.16.1's ``GPTModel`` for
 a tiny Qwen3-MoE and loads its HF weights; TP = PP = CP = EP = 1 on one gloo rank. ``RayPPOTrainer.
 _compute_old_log_prob`` runs the worker's ``compute_log_prob`` on a batch laid out by verl's agent loop
 (``routed_experts`` rows under each token), verl's forward step calls its ``align_r3_router_replay_data`` /
-``build_r3_replay_mask`` / ``set_router_replay_data`` and its patched ``TopKRouter.routing`` replays. Which experts
+``build_r3_replay_mask`` and ``set_router_replay_data`` (rr's feeder: test_rr_feeder.py) and its patched
+``TopKRouter.routing`` replays. Which experts
 ran is read from megatron-core's own router output (``routing_map``) and the experts' ``tokens_per_expert``.
 
 Stand-ins (what and why), all test-side, none on the routing or replay path:

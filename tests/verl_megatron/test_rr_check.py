@@ -1,10 +1,10 @@
-"""rr's one row check on verl 0.9.1's own Megatron feeder (issue 45, first part), through verl's Megatron engine.
+"""rr's one row check inside rr's feeder on verl 0.9.1's own Megatron engine (issue 45).
 
-rr's verl plugin wraps ``set_router_replay_data`` in verl's engine module at its import: R3's rows pass rr's check
-before verl sets a router target. Malformed rows verl's own feeder passes to megatron-core (a repeated id, a zero
-row between recorded ones) are refused with rr's typed errors naming the sample, token and layer; the same rows
-without rr's check (verl as shipped: rr's wrapper taken off) run without a word, on experts other than the rollout's.
-Well-formed rows replay exactly as before (test_engine_replay.py runs with rr's check on).
+rr's verl plugin puts its feeder in place of ``set_router_replay_data`` in verl's engine module at its import: R3's
+rows pass rr's check before any router target is set. Malformed rows verl's own feeder passes to megatron-core (a
+repeated id, a zero row between recorded ones) are refused with rr's typed errors naming the sample, token and
+router; the same rows through verl's feeder (verl as shipped: rr's feeder taken off) run without a word, on experts
+other than the rollout's. The stale-rows policy and rr's audit on the same path.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ MODULE = "verl.workers.engine.megatron.transformer_impl"
 
 @contextmanager
 def verl_as_shipped() -> Iterator[None]:
-    """rr's wrapper of verl's feeder taken off for the block (the function verl ships), then put back."""
+    """rr's feeder taken off for the block (verl's own, as it ships), then put back."""
     import importlib
 
     from rr_client.core.patching import MARKER
@@ -46,7 +46,7 @@ def verl_as_shipped() -> Iterator[None]:
         mod.set_router_replay_data = wrapped
 
 
-def test_rrs_check_wraps_verls_megatron_feeder(workers: Any) -> None:  # noqa: F811
+def test_rrs_feeder_is_in_verls_megatron_engine(workers: Any) -> None:  # noqa: F811
     import importlib
 
     from rr_client.core.patching import is_wrapped
