@@ -13,6 +13,7 @@ from rr_client.core.optional import lazy_getattr
 
 if TYPE_CHECKING:
     from rr_client.client._client import Prompt, RoutedExpertsClient
+    from rr_client.client._pd import PDClient
     from rr_client.client._replicas import ReplicaStats
     from rr_client.client._results import GenerateBatch, GenerateResult, parse_sample
     from rr_client.client.trajectory import ChatTrajectory, Trajectory, TurnSpan
@@ -22,6 +23,7 @@ _LAZY = {
     "RoutedExpertsClient": "rr_client.client._client",
     "Prompt": "rr_client.client._client",
     "ReplicaStats": "rr_client.client._replicas",
+    "PDClient": "rr_client.client._pd",
     "GenerateBatch": "rr_client.client._results",
     "GenerateResult": "rr_client.client._results",
     "parse_sample": "rr_client.client._results",

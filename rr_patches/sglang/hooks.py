@@ -9,12 +9,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
+
 from rr_client.core import settings
 from rr_client.core.codec import CheckedRouting, expected_rows, routing_error_fields, routing_meta_fields
 from rr_client.core.errors import (
     MalformedPayloadError,
     MissingRoutingError,
     RoutedExpertsError,
+    SeamMismatchError,
     ShapeMismatchError,
 )
 from rr_client.core.provenance import PROVENANCE_FIELD
@@ -159,6 +162,21 @@ def _answer_fields(
         return routing_error_fields(e), None
 
 
+def _decode_unran(tm: Any, prompt_tokens: int, start: int) -> SeamMismatchError | None:
+    """On a P/D decode server (SGLang's ``--disaggregation-mode decode``), rows asked for prompt tokens: it received
+    their KV from the prefill server and never ran them, so SGLang's rows there are its capture buffer's leftovers
+    (zeros on a fresh server, another request's routing after that). Refused; None elsewhere."""
+    mode = getattr(getattr(tm, "disaggregation_mode", None), "value", None)
+    if mode != "decode" or start >= prompt_tokens:
+        return None
+    return SeamMismatchError(
+        f"this SGLang server is a P/D decode server: it received the KV of the {prompt_tokens} prompt tokens from "
+        f"the prefill server and never ran them, so its rows for tokens {start}..{prompt_tokens} are not their "
+        f"routing; ask it from routed_experts_start_len={prompt_tokens} and take the prompt's rows from the "
+        "prefill server (rr_client.PDClient does both and joins them at the seam)"
+    )
+
+
 def _server_format() -> str:
     """The server's default ``routed_experts_format`` (env RR_ROUTED_EXPERTS_FORMAT); a bad value is refused."""
     from rr_server.serving.generate_protocol import BadRequest, default_routed_experts_format
@@ -201,12 +219,20 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
         if finished and asked:  # routing comes with the final chunk only
             if misaligned:
                 fields = routing_error_fields(ShapeMismatchError("routing list does not line up with the batch"))
-            elif not values or values[i] is None:
-                fields = routing_error_fields(MissingRoutingError("the engine returned no routing for this request"))
+            elif (unran := _decode_unran(tm, int(recv_obj.prompt_tokens[i]), start)) is not None:
+                fields = routing_error_fields(unran)
             else:
                 rows = expected_rows(int(recv_obj.prompt_tokens[i]), int(recv_obj.completion_tokens[i]), start)
-                with refs_made_under(mark.version if mark is not None else None):  # a ref: the weights it ran on
-                    fields, checked = _answer_fields(st, values[i], rows=rows, start=start, fmt=fmt)
+                value = values[i] if values else None
+                if value is None and rows == 0 and st.info is not None:  # nothing to route (SGLang sends no entry)
+                    value = np.zeros((0, st.info.num_hidden_layers, st.info.topk), dtype=np.int32)
+                if value is None:
+                    fields = routing_error_fields(
+                        MissingRoutingError("the engine returned no routing for this request")
+                    )
+                else:
+                    with refs_made_under(mark.version if mark is not None else None):  # a ref: the weights it ran on
+                        fields, checked = _answer_fields(st, value, rows=rows, start=start, fmt=fmt)
             if col is None:  # an OpenAI request's choices are counted when rr finishes its answer
                 count_sample(fields)
         prov = (batch_provenance(recv_obj, i, st.epoch, mark), prompt, state) if finished else None

@@ -105,6 +105,12 @@ class StandInScheduler:
         self.reports: Callable[[StandInReq], dict[str, Any]] | None = None
         # answers the weight routes' requests (0.5.23: tests.sglang.standin_weights.StandInWeights), when set
         self.weights: Any = None
+        # prefill/decode disaggregation (tests/sglang/test_pd.py), as SGLang 0.5.23's scheduler answers in each role:
+        # "prefill" samples the first token and finishes (FINISH_LENGTH(length=0), disaggregation/prefill.py:1220)
+        # with every prompt row (batch_result_processor.py:136-179); "decode" generates every token (the first is
+        # the prefill server's) and its rows for the prompt, which it never ran, are its capture buffer's at those
+        # KV slots (state_capturer/base.py:75, 173-188): zeros on a fresh server. None: no P/D.
+        self.pd_role: str | None = None
 
     # ---- the zmq socket the TokenizerManager sends to
     def send_pyobj(self, obj: Any, flags: int = 0, protocol: int = pickle.HIGHEST_PROTOCOL) -> None:
@@ -142,7 +148,10 @@ class StandInScheduler:
                     unwrap()
                 prompt = [int(x) for x in t.input_ids]
                 n = int(getattr(t.sampling_params, "max_new_tokens", None) or 4)
-                self.reqs[str(t.rid)] = StandInReq(t, prompt, completion_for(prompt, n))
+                completion = completion_for(prompt, n)
+                if self.pd_role == "prefill":
+                    completion = completion[:1]  # the first token; the decode server generates from it
+                self.reqs[str(t.rid)] = StandInReq(t, prompt, completion)
                 self.arrivals.append(str(t.rid))
 
     def _answer_internal_state(self) -> None:
@@ -163,6 +172,8 @@ class StandInScheduler:
             rows = reference_routing(self.model_dir, ids[:-1]).astype(np.int32)
         if self.zero_rows is not None:  # a captured row lost (what the full check must refuse)
             rows[self.zero_rows] = 0
+        if self.pd_role == "decode":  # the prompt ran on the prefill server: this buffer never saw those tokens
+            rows[: len(req.prompt)] = 0
         if self.release >= (0, 5, 12):
             rows = rows[req.start :]
         req.rows = rows
@@ -198,7 +209,8 @@ class StandInScheduler:
             surr = max(len(r.prompt) - _SURR, 0)
             decode_all = r.prompt[surr:] + r.completion[:upto]
             per["rids"].append(rid)
-            per["finished_reasons"].append({"type": "length", "length": len(r.completion)} if r.done else None)
+            finish = {"type": "length", "length": 0 if self.pd_role == "prefill" else len(r.completion)}
+            per["finished_reasons"].append(finish if r.done else None)
             per["decoded_texts"].append("")
             per["decode_ids"].append(decode_all[r.sent_decode :])
             r.sent_decode = len(decode_all)

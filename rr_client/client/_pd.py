@@ -1,0 +1,144 @@
+"""``PDClient``: prefill/decode disaggregation on SGLang, each sample's rows from the two servers joined at the seam.
+
+SGLang's P/D (``--disaggregation-mode prefill|decode``) runs a request on both servers at once: the prefill server runs
+the prompt, samples the first token and hands the KV over (SGLang's bootstrap handshake: the prefill server's
+bootstrap host and port and a room shared by the two requests); the decode server generates from there. Its routers
+(sglang-router's mini load balancer among them) return the decode server's answer, whose rows for the prompt are not
+routing: the decode server never ran those tokens. ``PDClient`` sends the pair itself, asks the prefill server for
+the prompt's rows and the decode server for the rest (from the first generated token), checks each answer with the
+one full check, and joins them with :func:`rr_client.core.seam.merge_halves` (every refusal is there, typed). The
+seam goes into each result's ``meta["rr_seam"]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+from urllib.parse import urlsplit
+
+from rr_client.client._client import RoutedExpertsClient
+from rr_client.client._results import GenerateBatch, GenerateResult, parse_sample
+from rr_client.core.errors import ArgumentTypeError, ConfigurationError, ProtocolError, SeamMismatchError
+from rr_client.core.seam import SEAM_FIELD, Half, merge_halves
+
+__all__ = ["PDClient"]
+
+
+class PDClient:
+    """A prefill server and a decode server of one SGLang P/D deployment, used as one: :meth:`generate` returns
+    results whose rows cover the whole sample, the prompt's from the prefill server and the rest from the decode
+    server. ``bootstrap_port``: the prefill server's ``--disaggregation-bootstrap-port``; ``bootstrap_host``: its host
+    (default: the prefill URL's). Other keywords go to both :class:`RoutedExpertsClient`."""
+
+    def __init__(
+        self,
+        prefill_url: str,
+        decode_url: str,
+        *,
+        bootstrap_port: int,
+        bootstrap_host: str | None = None,
+        **client_kwargs: Any,
+    ) -> None:
+        if not isinstance(bootstrap_port, int) or isinstance(bootstrap_port, bool) or bootstrap_port <= 0:
+            raise ArgumentTypeError(f"bootstrap_port must be the prefill server's port (int), got {bootstrap_port!r}")
+        self.prefill_url, self.decode_url = prefill_url, decode_url
+        self.bootstrap_port = bootstrap_port
+        self.bootstrap_host = bootstrap_host or urlsplit(prefill_url).hostname or "127.0.0.1"
+        self.prefill = RoutedExpertsClient(prefill_url, **client_kwargs)
+        self.decode = RoutedExpertsClient(decode_url, **client_kwargs)
+
+    async def __aenter__(self) -> PDClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close both clients."""
+        await asyncio.gather(self.prefill.aclose(), self.decode.aclose())
+
+    async def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        routed_experts_start: int = 0,
+    ) -> GenerateBatch:
+        """Generate for each prompt (token ids) through the pair; one result per prompt, rows from
+        ``routed_experts_start`` to the last generated token but one, joined at the seam and checked."""
+        params = dict(sampling_params or {})
+        if params.get("n", 1) != 1:
+            raise ConfigurationError("P/D generates one sample per prompt (one bootstrap room each): n must be 1")
+        plist = [list(p) for p in prompts]
+        if not plist or not all(p and all(isinstance(t, int) for t in p) for p in plist):
+            raise ArgumentTypeError("PDClient.generate takes token-id prompts (the seam is at the prompt's length)")
+        for p in plist:
+            if not 0 <= routed_experts_start < len(p):
+                raise ConfigurationError(
+                    f"routed_experts_start={routed_experts_start} must lie inside the {len(p)}-token prompt under P/D"
+                )
+        info_p, info_d = await asyncio.gather(self.prefill.info(), self.decode.info())
+        results = await asyncio.gather(
+            *(self._one(i, p, params, routed_experts_start, info_p, info_d) for i, p in enumerate(plist))
+        )
+        return GenerateBatch(results=list(results), info=info_d)
+
+    def _body(self, ids: list[int], params: dict[str, Any], start: int, room: int) -> dict[str, Any]:
+        return {
+            "input_ids": ids,
+            "sampling_params": params,
+            "return_routed_experts": True,
+            "routed_experts_start": start,
+            "routed_experts_start_len": start,  # SGLang's own name
+            "bootstrap_host": self.bootstrap_host,
+            "bootstrap_port": self.bootstrap_port,
+            "bootstrap_room": room,
+        }
+
+    async def _one(
+        self, i: int, ids: list[int], params: dict[str, Any], start: int, info_p: Any, info_d: Any
+    ) -> GenerateResult:
+        """One prompt through the pair: both requests at once (same room), each answer checked, then joined."""
+        room = secrets.randbits(63)  # SGLang's room: one per request pair
+        prompt = len(ids)
+        replies = await asyncio.gather(
+            self.prefill._request("POST", self.prefill._generate_path, self._body(ids, params, start, room)),
+            self.decode._request("POST", self.decode._generate_path, self._body(ids, params, prompt, room)),
+        )
+        where = f"sample {i}"
+        p, d = (
+            parse_sample(
+                r[0] if isinstance(r, list) and len(r) == 1 else r,
+                index=i,
+                prompt_index=i,
+                prompt_ids=ids,
+                info=info,
+                want_routing=True,
+                start=s,
+            )
+            for r, info, s in ((replies[0], info_p, start), (replies[1], info_d, prompt))
+        )
+        if len(p.output_ids) != 1:
+            raise ProtocolError(
+                f"{where}: the prefill server ({self.prefill_url}) generated {len(p.output_ids)} tokens; a P/D "
+                "prefill server samples the first token only (is it started with --disaggregation-mode prefill?)"
+            )
+        if not d.output_ids or d.output_ids[0] != p.output_ids[0]:
+            raise SeamMismatchError(
+                f"{where}: the decode server ({self.decode_url}) did not continue from the prefill server's first "
+                f"token ({p.output_ids[0]}, decode's: {d.output_ids[:1]}): they did not share this request's KV"
+            )
+        merged, seam = merge_halves(
+            Half(p.routed_experts, start, info_p, self.prefill_url, p.provenance),
+            Half(d.routed_experts, prompt, info_d, self.decode_url, d.provenance),
+            received=prompt,
+            total_rows=prompt + len(d.output_ids) - 1 - start,
+            first=start,
+            where=where,
+        )
+        return replace(
+            d, routed_experts=merged, routed_experts_start=start, meta={**d.meta, SEAM_FIELD: seam.to_dict()}
+        )

@@ -1,0 +1,188 @@
+"""Prefill/decode disaggregation on SGLang 0.5.23's real serving code, two servers in two processes
+(tests/sglang/pd_server.py): ``rr_client.PDClient`` sends each prompt to both (SGLang's bootstrap fields, one room per
+pair), takes the prompt's rows from the prefill server and the rest from the decode server, and joins them at the
+seam. The merged rows equal transformers' own top-k on every (token, MoE layer) cell, single-turn and for a second
+turn that extends the first; the refusals are typed: a decode server asked for prompt rows it never ran (rr's patch
+on the decode server), a prefill answer with zero rows, the two servers at different weight versions.
+
+Stood in (the GPU part): the scheduler of each server, in its P/D role, as SGLang 0.5.23's scheduler answers
+(tests/sglang/standin.py: the prefill server finishes after the first token with every prompt row; the decode
+server's rows for the prompt are its capture buffer's, zeros on a fresh server) and the KV transfer itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from rr_server.demo.tiny_moe import reference_routing
+from rr_server.launch.process import free_port
+from tests.sglang.standin import completion_for
+
+pytestmark = [pytest.mark.sglang, pytest.mark.sglang_releases("0.5.23")]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class PDServer:
+    """tests/sglang/pd_server.py in a subprocess, on a free port."""
+
+    def __init__(self, role: str, model_dir: Path, bootstrap_port: int, weight_version: str | None = None) -> None:
+        self.role, self.port = role, free_port()
+        args = [
+            sys.executable,
+            "-m",
+            "tests.sglang.pd_server",
+            role,
+            str(self.port),
+            str(model_dir),
+            str(bootstrap_port),
+        ]
+        self.proc = subprocess.Popen(
+            [*args, *([weight_version] if weight_version else [])],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.role} server exited: {self.proc.stderr.read()[-3000:]}")  # type: ignore[union-attr]
+            try:
+                if httpx.get(f"{self.url}/rr/info", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.role} server not up in {timeout}s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_moe: Path) -> Iterator[tuple[PDServer, PDServer, int]]:
+    bootstrap = free_port()
+    servers = [PDServer("prefill", tiny_moe, bootstrap), PDServer("decode", tiny_moe, bootstrap)]
+    try:
+        for s in servers:
+            s.wait()
+        yield servers[0], servers[1], bootstrap
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def pd_generate(pair: tuple[PDServer, PDServer, int], prompts: list[list[int]], n: int, start: int = 0) -> Any:
+    from rr_client import PDClient
+
+    prefill, decode, bootstrap = pair
+
+    async def go() -> Any:
+        async with PDClient(prefill.url, decode.url, bootstrap_port=bootstrap, retries=0) as c:
+            return await c.generate(prompts, {"max_new_tokens": n}, routed_experts_start=start)
+
+    return run(go())
+
+
+def test_merged_rows_equal_transformers_on_every_cell(pair: tuple[PDServer, PDServer, int], tiny_moe: Path) -> None:
+    g = np.random.default_rng(5)
+    prompts = [g.integers(10, 200, k).tolist() for k in (7, 12, 3)]
+    batch = pd_generate(pair, prompts, 5)
+    for prompt, r in zip(prompts, batch.results, strict=True):
+        assert r.output_ids == completion_for(prompt, 5)
+        want = reference_routing(tiny_moe, (prompt + r.output_ids)[:-1])
+        assert r.routed_experts.shape == want.shape and np.array_equal(r.routed_experts, want)
+        seam = r.meta["rr_seam"]
+        assert seam["at"] == len(prompt) and seam["prefill"]["server"] == pair[0].url
+        assert seam["decode"] == {"server": pair[1].url, "span": [len(prompt), len(prompt) + 4]}
+    # a second turn: the first turn's prompt and answer, then new tokens, routed from the new turn's first token
+    first = prompts[0] + batch.results[0].output_ids
+    second = first + g.integers(10, 200, 4).tolist()
+    r = pd_generate(pair, [second], 3, start=len(first)).results[0]
+    want = reference_routing(tiny_moe, (second + r.output_ids)[:-1])[len(first) :]
+    assert r.routed_experts_start == len(first) and np.array_equal(r.routed_experts, want)
+
+
+def test_a_decode_server_refuses_prompt_rows_it_never_ran(pair: tuple[PDServer, PDServer, int]) -> None:
+    """What sglang-router's mini load balancer returns (the decode server's answer, asked from token 0): SGLang's
+    rows for the prompt there are its buffer's zeros; rr's patch on the decode server refuses them, naming the way."""
+    from rr_client import RoutedExpertsClient, SeamMismatchError
+
+    prefill, decode, bootstrap = pair
+    body_extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap, "bootstrap_room": 7}
+
+    async def go() -> None:
+        async with httpx.AsyncClient(base_url=decode.url) as http:
+            resp = await http.post(
+                "/generate",
+                json={
+                    "input_ids": [11, 12, 13, 14],
+                    "sampling_params": {"max_new_tokens": 3},
+                    "return_routed_experts": True,
+                    **body_extra,
+                },
+            )
+        meta = resp.json()["meta_info"]
+        assert meta["routed_experts"] is None
+        assert (
+            "P/D decode server" in meta["routed_experts_error"]
+            and "routed_experts_start_len=4" in meta["routed_experts_error"]
+        )
+        async with RoutedExpertsClient(decode.url, retries=0) as c:
+            with pytest.raises(SeamMismatchError, match="never ran them"):
+                await c.generate([[11, 12, 13, 14]], {"max_new_tokens": 3})
+
+    run(go())
+
+
+def test_a_prefill_answer_with_zero_rows_is_refused(pair: tuple[PDServer, PDServer, int]) -> None:
+    """SGLang #23885: under overlap scheduling the prefill rows came back all zeros; the prefill server's full check
+    refuses them, so the pair gives a typed error, never a merged tensor."""
+    from rr_client import UnrecordedRoutingError
+
+    prefill = pair[0]
+    httpx.post(f"{prefill.url}/test/lose_rows", json={"start": 2}, timeout=10).raise_for_status()
+    try:
+        with pytest.raises(UnrecordedRoutingError, match=r"row 2 layer 0 has all-zero"):
+            pd_generate(pair, [[21, 22, 23, 24, 25, 26]], 4)
+    finally:
+        httpx.post(f"{prefill.url}/test/lose_rows", json={"start": None}, timeout=10).raise_for_status()
+
+
+def test_servers_at_different_weight_versions_are_refused(pair: tuple[PDServer, PDServer, int]) -> None:
+    """A weight update reached the decode server but not the prefill server (rr counts it on each: its
+    provenance's weight version): the decode tokens attended to KV from other weights; refused. Once both have it,
+    the pair merges again."""
+    from rr_client import StaleRoutingError
+
+    prefill, decode, _ = pair
+    httpx.post(f"{decode.url}/update_weight_version", json={"new_version": "v2"}, timeout=10).raise_for_status()
+    with pytest.raises(StaleRoutingError, match=r"prefill server .* at weight version 0, the decode server .* at 1"):
+        pd_generate(pair, [[31, 32, 33, 34, 35]], 4)
+    httpx.post(f"{prefill.url}/update_weight_version", json={"new_version": "v2"}, timeout=10).raise_for_status()
+    r = pd_generate(pair, [[31, 32, 33, 34, 35]], 4).results[0]
+    assert r.meta["rr_seam"]["weight_version"] == 1
