@@ -35,11 +35,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         deselect(config, items, lambda i: i.get_closest_marker("sglang") is not None)
         return
 
+    have = tuple(int(x) for x in HAVE.split(".")[:3])
+
+    def release(text: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split("."))
+
     def other_release(item: pytest.Item) -> bool:
         """``@pytest.mark.sglang_releases(...)``: a slow test whose SGLang code is the same in every release runs on
-        the releases it names (the oldest and newest), not 17 times."""
+        the releases it names (the oldest and newest), not 17 times; ``sglang_since(v)`` / ``sglang_before(v)``: a
+        test of what exists only from release ``v`` on / only before it (deselected elsewhere, never skipped)."""
         marker = item.get_closest_marker("sglang_releases")
-        return marker is not None and HAVE not in marker.args
+        since, before = item.get_closest_marker("sglang_since"), item.get_closest_marker("sglang_before")
+        return (
+            (marker is not None and HAVE not in marker.args)
+            or (since is not None and have < release(since.args[0]))
+            or (before is not None and have >= release(before.args[0]))
+        )
 
     deselect(config, items, other_release)
 

@@ -51,7 +51,7 @@ ADMIN_KEY = "rr-test-admin-key"
 # sglang.srt.utils.auth (per-route auth levels); without SGLang (main venv) these tests are deselected,
 # but the module must still import there
 HAS_AUTH_LEVELS = HAVE is not None and profile_for().release >= (0, 5, 8)  # 0.5.8 added sglang.srt.utils.auth
-needs_auth_levels = pytest.mark.skipif(not HAS_AUTH_LEVELS, reason="SGLang < 0.5.8 has no auth levels / admin key")
+needs_auth_levels = pytest.mark.sglang_since("0.5.8")  # SGLang < 0.5.8 has no auth levels / admin key
 
 
 def _wire_like_launcher(app: Any, server_args: Any) -> bool:
@@ -232,7 +232,7 @@ async def test_rr_info_with_only_an_admin_key_is_like_generate(
     _assert_info(await _get_info(h))
 
 
-@pytest.mark.skipif(HAS_AUTH_LEVELS, reason="SGLang >= 0.5.8 has auth levels: tested by the three tests above")
+@pytest.mark.sglang_before("0.5.8")  # 0.5.8+ has auth levels: tested by the three tests above
 def test_before_0_5_8_there_is_no_admin_key_to_bypass() -> None:
     """< 0.5.8 (0.5.7): no ``--admin-api-key`` and no auth levels, so the single ``--api-key`` rule above is the whole story."""
     import importlib.util
