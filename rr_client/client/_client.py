@@ -371,8 +371,10 @@ class RoutedExpertsClient:
         return_logprob: bool = False,
         affinity: Hashable | None = None,
         by_reference: bool = False,
+        extra: Mapping[str, Any] | None = None,
     ) -> list[GenerateResult]:
-        """One ``/generate`` request for prompts ``idx``; checks count and every sample."""
+        """One ``/generate`` request for prompts ``idx`` (``extra``: more body fields, e.g. SGLang's P/D bootstrap
+        fields); checks count and every sample."""
         sub = [prompts[i] for i in idx]
         key = "input_ids" if isinstance(sub[0], list) else "text"
         if any(isinstance(p, list) != (key == "input_ids") for p in sub):
@@ -385,6 +387,8 @@ class RoutedExpertsClient:
             body["return_logprob"] = True
         if want and by_reference:
             body["routed_experts_format"] = "ref"
+        if extra:
+            body.update(extra)
         reply = await self._request("POST", self._generate_path, body, affinity=affinity)
         if not isinstance(reply, list) or len(reply) != len(sub) * n:
             got = len(reply) if isinstance(reply, list) else type(reply).__name__

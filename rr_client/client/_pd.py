@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rr_client.client._client import RoutedExpertsClient
-from rr_client.client._results import GenerateBatch, GenerateResult, parse_sample
+from rr_client.client._results import GenerateBatch, GenerateResult
 from rr_client.core.errors import ArgumentTypeError, ConfigurationError, ProtocolError, SeamMismatchError
 from rr_client.core.seam import SEAM_FIELD, Half, merge_halves
 
@@ -72,7 +72,7 @@ class PDClient:
         params = dict(sampling_params or {})
         if params.get("n", 1) != 1:
             raise ConfigurationError("P/D generates one sample per prompt (one bootstrap room each): n must be 1")
-        plist = [list(p) for p in prompts]
+        plist: list[str | list[int]] = [list(p) for p in prompts]
         if not plist or not all(p and all(isinstance(t, int) for t in p) for p in plist):
             raise ArgumentTypeError("PDClient.generate takes token-id prompts (the seam is at the prompt's length)")
         for p in plist:
@@ -82,45 +82,26 @@ class PDClient:
                 )
         info_p, info_d = await asyncio.gather(self.prefill.info(), self.decode.info())
         results = await asyncio.gather(
-            *(self._one(i, p, params, routed_experts_start, info_p, info_d) for i, p in enumerate(plist))
+            *(self._one(plist, i, params, routed_experts_start, info_p, info_d) for i in range(len(plist)))
         )
         return GenerateBatch(results=list(results), info=info_d)
 
-    def _body(self, ids: list[int], params: dict[str, Any], start: int, room: int) -> dict[str, Any]:
-        return {
-            "input_ids": ids,
-            "sampling_params": params,
-            "return_routed_experts": True,
-            "routed_experts_start": start,
-            "routed_experts_start_len": start,  # SGLang's own name
+    async def _one(
+        self, plist: list[str | list[int]], i: int, params: dict[str, Any], start: int, info_p: Any, info_d: Any
+    ) -> GenerateResult:
+        """Prompt ``i`` through the pair: both requests at once (same room), each answer checked, then joined."""
+        prompt = len(plist[i])
+        boot = {
             "bootstrap_host": self.bootstrap_host,
             "bootstrap_port": self.bootstrap_port,
-            "bootstrap_room": room,
+            "bootstrap_room": secrets.randbits(63),  # SGLang's room: one per request pair
         }
-
-    async def _one(
-        self, i: int, ids: list[int], params: dict[str, Any], start: int, info_p: Any, info_d: Any
-    ) -> GenerateResult:
-        """One prompt through the pair: both requests at once (same room), each answer checked, then joined."""
-        room = secrets.randbits(63)  # SGLang's room: one per request pair
-        prompt = len(ids)
-        replies = await asyncio.gather(
-            self.prefill._request("POST", self.prefill._generate_path, self._body(ids, params, start, room)),
-            self.decode._request("POST", self.decode._generate_path, self._body(ids, params, prompt, room)),
+        one = range(i, i + 1)
+        (p,), (d,) = await asyncio.gather(
+            self.prefill._generate_chunk(plist, one, params, 1, info_p, True, start, extra=boot),
+            self.decode._generate_chunk(plist, one, params, 1, info_d, True, prompt, extra=boot),
         )
         where = f"sample {i}"
-        p, d = (
-            parse_sample(
-                r[0] if isinstance(r, list) and len(r) == 1 else r,
-                index=i,
-                prompt_index=i,
-                prompt_ids=ids,
-                info=info,
-                want_routing=True,
-                start=s,
-            )
-            for r, info, s in ((replies[0], info_p, start), (replies[1], info_d, prompt))
-        )
         if len(p.output_ids) != 1:
             raise ProtocolError(
                 f"{where}: the prefill server ({self.prefill_url}) generated {len(p.output_ids)} tokens; a P/D "

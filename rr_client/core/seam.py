@@ -156,9 +156,9 @@ def merge_halves(
         )
     overlap = prefill.stop - received  # tokens the prefill server routed but whose KV it did not hand over
     if overlap > 0:
-        ours, theirs = p_rows[received - first :], d_rows[:overlap]
-        if not np.array_equal(np.sort(ours, axis=-1), np.sort(theirs, axis=-1)):
-            bad = int(np.flatnonzero((np.sort(ours, -1) != np.sort(theirs, -1)).any(axis=(1, 2)))[0]) + received
+        differ = (np.sort(p_rows[received - first :], -1) != np.sort(d_rows[:overlap], -1)).any(axis=(1, 2))
+        if differ.any():
+            bad = int(np.flatnonzero(differ)[0]) + received
             raise SeamMismatchError(
                 f"{where}: both servers returned rows for tokens {received}..{prefill.stop} and they differ "
                 f"(first at token {bad}); the decode server recomputed them, the prefill rows are not what ran"

@@ -159,6 +159,19 @@ def ppo_config(model_dir: Path, *, mode: str = "R3", micro_batch: int = 2) -> An
     return cfg
 
 
+def take_targets(model: Any) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Every router's current replay targets and mask (bool), by ``layer_number`` (copies), then cleared: what a
+    feeder left on verl's ``RouterReplay`` objects, for comparing two feeders on the same call."""
+    out = {}
+    for m in model.modules():
+        rep = getattr(m, "router_replay", None)
+        if type(m).__name__ == "TopKRouter" and rep is not None and rep.target_topk_idx is not None:
+            mask = rep.target_replay_mask
+            out[int(m.layer_number)] = (rep.target_topk_idx.clone(), None if mask is None else mask.clone().bool())
+            rep.clear_indices()
+    return out
+
+
 class MoeSeen:
     """Per MoE layer (``layer_number``, 1-based), every forward's ``routing_map`` ``[tokens, experts]`` from the
     router's output, and the ``tokens_per_expert`` the experts module was handed."""

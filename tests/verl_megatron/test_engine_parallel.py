@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from tests.megatron.launcher import results_of, run_cases
 from tests.verl_megatron import engine_ranks as er
@@ -31,6 +32,7 @@ from tests.verl_megatron.test_engine_replay import (
     MICRO,
     TOPK,
     batch_of,
+    per_sample,
     random_rows,
     sample_tokens,
     workers,  # noqa: F401 - the module-scoped fixture
@@ -63,10 +65,8 @@ def test_pp2_each_stage_runs_the_rows_of_its_layer(
         layer = rank + 1
         maps = r["maps"][layer]
         assert len(maps) == len(lengths) // MICRO
-        per = [
-            s for mb, m in enumerate(maps) for s in np.split(m, np.cumsum(lengths[mb * MICRO : (mb + 1) * MICRO])[:-1])
-        ]
-        for i, got in enumerate(per):
+        for i, sample in enumerate(per_sample([torch.from_numpy(m) for m in maps], lengths)):
+            got = sample.numpy()
             assert np.array_equal(got[:-1], _want(rows[i], layer)), f"stage {rank} sample {i}"
             assert int(got[-1].sum()) == TOPK
             checked += got.shape[0] - 1

@@ -19,6 +19,7 @@ import torch
 
 from tests.megatron import harness as H
 from tests.megatron.launcher import results_of, run_cases
+from tests.verl_megatron.harness import take_targets
 
 PATTERN = (0, 1, 1, 1)  # layer 1 dense, layers 2-4 MoE; PP=2: stage 0 holds layers 1-2, stage 1 layers 3-4
 LENGTHS = [7, 5, 10]  # odd lengths: padded to 4 (CP=2 zigzag) or 2 (TP=2) per sample
@@ -66,17 +67,6 @@ def _rows(r2: bool) -> tuple[Any, Any]:
     return aligned, build_r3_replay_mask(ids, torch.ones(len(LENGTHS), 3, dtype=torch.long))
 
 
-def _targets(model: Any) -> dict[int, tuple[torch.Tensor, Any]]:
-    out = {}
-    for m in model.modules():
-        rep = getattr(m, "router_replay", None)
-        if type(m).__name__ == "TopKRouter" and rep is not None and rep.target_topk_idx is not None:
-            mask = rep.target_replay_mask
-            out[int(m.layer_number)] = (rep.target_topk_idx.clone(), None if mask is None else mask.clone().bool())
-            rep.clear_indices()
-    return out
-
-
 def _side_by_side(model: Any, r2: bool) -> dict[str, Any]:
     """Both feeders on the same call; per router the comparison (run on the rank, returned for the parent)."""
     import importlib
@@ -87,9 +77,9 @@ def _side_by_side(model: Any, r2: bool) -> dict[str, Any]:
     rows, mask = _rows(r2)
     args = (rows, None, model.config, 0)
     verl(*args, replay_mask=mask, model=model)
-    theirs = _targets(model)
+    theirs = take_targets(model)
     rr_feeder(verl)(*args, replay_mask=mask, model=model)
-    ours = _targets(model)
+    ours = take_targets(model)
     per: dict[int, dict[str, Any]] = {}
     for layer in sorted(set(theirs) | set(ours)):
         (t, tm), (o, om) = theirs[layer], ours[layer]

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.verl_megatron.harness import take_targets
 from tests.verl_megatron.test_engine_replay import (
     EXPERTS,
     LAYERS,
@@ -48,18 +49,6 @@ def _feeders() -> tuple[Any, Any, Any]:
     return mod, rr, getattr(rr, MARKER)
 
 
-def _targets(model: Any) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
-    """Every router's current replay targets and mask, by ``layer_number`` (copies), then cleared."""
-    out = {}
-    for m in model.modules():
-        rep = getattr(m, "router_replay", None)
-        if type(m).__name__ == "TopKRouter" and rep is not None and rep.target_topk_idx is not None:
-            mask = rep.target_replay_mask
-            out[int(m.layer_number)] = (rep.target_topk_idx.clone(), None if mask is None else mask.clone())
-            rep.clear_indices()
-    return out
-
-
 @contextmanager
 def side_by_side() -> Iterator[list[tuple[dict[int, Any], dict[int, Any]]]]:
     """For the block, each feeder call runs verl's own feeder, then rr's, on the same arguments; yields the
@@ -69,9 +58,9 @@ def side_by_side() -> Iterator[list[tuple[dict[int, Any], dict[int, Any]]]]:
 
     def both(*args: Any, **kwargs: Any) -> None:
         verl(*args, **kwargs)
-        theirs = _targets(kwargs["model"])
+        theirs = take_targets(kwargs["model"])
         rr(*args, **kwargs)
-        ours = _targets(kwargs["model"])
+        ours = take_targets(kwargs["model"])
         rr(*args, **kwargs)  # again, for the forward that follows (the copies above cleared them)
         calls.append((theirs, ours))
 
@@ -92,8 +81,8 @@ def assert_equal_where_replayed(calls: list[tuple[dict[int, Any], dict[int, Any]
             o_idx, o_mask = ours[layer]
             assert t_idx.shape == o_idx.shape, layer
             if masked:
-                assert torch.equal(t_mask.bool(), o_mask.bool()), f"layer {layer}: replay masks differ"
-                on = o_mask.bool()
+                assert torch.equal(t_mask, o_mask), f"layer {layer}: replay masks differ"
+                on = o_mask
             else:
                 assert t_mask is None and o_mask is None
                 on = torch.ones(o_idx.shape[0], dtype=torch.bool)

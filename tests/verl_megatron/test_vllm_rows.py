@@ -25,6 +25,7 @@ from tests.verl_megatron.test_engine_replay import (
     EXPERTS,
     LAYERS,
     MICRO,
+    per_sample,
     run_log_prob,
     workers,  # noqa: F401 - the module-scoped fixture
 )
@@ -81,10 +82,7 @@ def test_vllm_rows_run_under_their_tokens_in_verls_megatron_engine(
         assert len(maps) == len(samples) // MICRO
         for m, counts in zip(maps, seen.counts[layer], strict=True):  # the experts were handed what the map says
             assert torch.equal(counts.to(torch.int64), m.sum(dim=0).to(torch.int64))
-        per = []
-        for mb, m in enumerate(maps):
-            per.extend(m.split(lengths[mb * MICRO : (mb + 1) * MICRO]))
-        for i, got in enumerate(per):
+        for i, got in enumerate(per_sample(maps, lengths)):
             want = torch.zeros(lengths[i] - 1, EXPERTS, dtype=torch.bool)
             want.scatter_(1, torch.as_tensor(samples[i]["routed_experts"][:, layer - 1], dtype=torch.int64), True)
             bad = (got[:-1] != want).any(dim=1).nonzero().flatten().tolist()

@@ -25,9 +25,15 @@ from typing import Any
 import torch
 
 from rr_client.core import settings
+from rr_client.core.errors import ReplayError
+from rr_client.integrations.megatron import check_config, check_megatron_version, find_routers, own_choice
+from rr_client.trainer import keys as K
+from rr_client.trainer.metrics import gap_keys, gap_stats
+from rr_client.trainer.provenance import merge_checks, provenance_metrics
 from rr_client.trainer.session import AUDIT_EVERY
 
 from . import _provenance
+from ._engine import check_gap_logprobs
 from ._megatron_feed import KEEP, megatron_info, refuse_layout
 
 __all__ = [
@@ -50,8 +56,6 @@ def replay_mode(engine: Any) -> str:
 
 def refuse_engine(engine: Any) -> None:
     """The refusals of rr's feeder on a built verl Megatron engine replaying R2/R3 (see the module docstring)."""
-    from rr_client.integrations.megatron import check_config, check_megatron_version, find_routers
-
     check_megatron_version()
     cfg = engine.engine_config
     refuse_layout(
@@ -126,8 +130,6 @@ class RouterAudit:
         target = getattr(replay, "target_topk_idx", None)
         if getattr(action, "name", None) != "REPLAY_FORWARD" or target is None:
             return
-        from rr_client.integrations.megatron import own_choice
-
         routing_map = output[1]
         want = torch.zeros_like(routing_map, dtype=torch.bool).scatter_(1, target.to(routing_map.device).long(), True)
         mask = getattr(replay, "target_replay_mask", None)
@@ -143,9 +145,6 @@ class RouterAudit:
         """Remove the hooks; the step's ``r3/`` audit keys. Raises :class:`rr_client.ReplayError` naming the layer
         where a replayed row did not run its target experts (verl's replay silently off: verl #7340's orphan
         routers, a stale target)."""
-        from rr_client.core.errors import ReplayError
-        from rr_client.trainer import keys as K
-
         for h in self.handles:
             h.remove()
         if not self.counts:
@@ -192,10 +191,6 @@ def gapped_outputs(orig: Callable[..., Any]) -> Callable[..., Any]:
             return model_output
         from verl.workers.utils.padding import no_padding_2_padding
 
-        from rr_client.trainer.metrics import gap_stats
-
-        from ._engine import check_gap_logprobs
-
         check_gap_logprobs(data["temperature"] if "temperature" in data.keys() else None)
         mine = no_padding_2_padding(lp.detach(), data)
         ref = data.select("rollout_log_probs", "response_mask").to_padded_tensor()
@@ -213,8 +208,6 @@ def counted_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(orig)
     def forward_backward_batch(self: Any, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
-        from rr_client.trainer.metrics import gap_keys
-        from rr_client.trainer.provenance import merge_checks, provenance_metrics
 
         self._rr_checks, self._rr_gaps = [], []
         steps = getattr(self, "_rr_steps", 0)
