@@ -31,6 +31,7 @@ from rr_client.core.errors import (
 )
 from rr_client.core.info import RRInfo
 from rr_client.core.reference import RETIRE_PATH, RoutingRef
+from rr_client.core.seam import SeamRef, merge_halves
 
 if TYPE_CHECKING:
     from rr_client.client.trajectory import ChatTrajectory, Trajectory
@@ -183,15 +184,37 @@ class RoutedExpertsClient:
 
     async def resolve_results(self, results: Sequence[GenerateResult]) -> list[GenerateResult]:
         """``results`` with every ``routing_ref`` resolved into ``routed_experts`` (others as they are), each
-        ref bound to its own result's tokens: what a trainer rank calls on its own micro-batches only."""
+        ref bound to its own result's tokens: what a trainer rank calls on its own micro-batches only. A P/D
+        sample's :class:`SeamRef` is read from both servers in the same reads and merged at its seam."""
         todo = [i for i, r in enumerate(results) if r.routing_ref is not None and r.routed_experts is None]
-        rows = await self.resolve(
-            [results[i].routing_ref for i in todo],  # type: ignore[misc]
-            tokens=[results[i] for i in todo],
-        )
+        refs: list[RoutingRef] = []
+        tokens: list[RefTokens] = []
+        for i in todo:
+            r, ref = results[i], results[i].routing_ref
+            if isinstance(ref, SeamRef):  # the prefill server's sample ends at the first token it sampled
+                refs += [ref.prefill, ref.decode]
+                tokens += [(r.prompt_ids or [], r.output_ids[:1]), r]
+            else:
+                refs.append(ref)  # type: ignore[arg-type]
+                tokens.append(r)
+        rows = iter(await self.resolve(refs, tokens=tokens))
+        info = await self.info() if refs else None
         out = list(results)
-        for i, a in zip(todo, rows):
-            out[i] = results[i].with_routing(a)
+        for i in todo:
+            ref = results[i].routing_ref
+            if isinstance(ref, SeamRef):
+                s = ref.seam
+                merged, _ = merge_halves(
+                    *ref.halves(info, next(rows), next(rows)),  # type: ignore[arg-type]
+                    received=s.at,
+                    total_rows=s.decode_span[1] - s.prefill_span[0],
+                    first=s.prefill_span[0],
+                    where=f"sample {results[i].index}",
+                    checked=True,
+                )
+                out[i] = results[i].with_routing(merged)
+            else:
+                out[i] = results[i].with_routing(next(rows))
         return out
 
     async def retire(self, through: int) -> list[dict[str, int]]:

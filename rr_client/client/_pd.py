@@ -7,7 +7,8 @@ bootstrap host and port and a room shared by the two requests); the decode serve
 routing: the decode server never ran those tokens. ``PDClient`` sends the pair itself, asks the prefill server for
 the prompt's rows and the decode server for the rest (from the first generated token), checks each answer with the
 one full check, and joins them with :func:`rr_client.core.seam.merge_halves` (every refusal is there, typed). The
-seam goes into each result's ``meta["rr_seam"]``.
+seam goes into each result's ``meta["rr_seam"]``. By reference, each result holds a :class:`SeamRef` (both servers'
+refs, checked against each other when it is made); the trainer rank's ``resolve_results`` reads both and merges.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from urllib.parse import urlsplit
 from rr_client.client._client import RoutedExpertsClient
 from rr_client.client._results import GenerateBatch, GenerateResult
 from rr_client.core.errors import ArgumentTypeError, ConfigurationError, ProtocolError, SeamMismatchError
-from rr_client.core.seam import SEAM_FIELD, Half, merge_halves
+from rr_client.core.seam import SEAM_FIELD, Half, SeamRef, merge_halves, plan_seam
 
 __all__ = ["PDClient"]
 
@@ -66,9 +67,11 @@ class PDClient:
         sampling_params: Mapping[str, Any] | None = None,
         *,
         routed_experts_start: int = 0,
+        by_reference: bool = False,
     ) -> GenerateBatch:
         """Generate for each prompt (token ids) through the pair; one result per prompt, rows from
-        ``routed_experts_start`` to the last generated token but one, joined at the seam and checked."""
+        ``routed_experts_start`` to the last generated token but one, joined at the seam and checked
+        (``by_reference``: a :class:`SeamRef` in ``routing_ref`` instead, resolved by :meth:`resolve_results`)."""
         params = dict(sampling_params or {})
         if params.get("n", 1) != 1:
             raise ConfigurationError("P/D generates one sample per prompt (one bootstrap room each): n must be 1")
@@ -82,12 +85,22 @@ class PDClient:
                 )
         info_p, info_d = await asyncio.gather(self.prefill.info(), self.decode.info())
         results = await asyncio.gather(
-            *(self._one(plist, i, params, routed_experts_start, info_p, info_d) for i in range(len(plist)))
+            *(
+                self._one(plist, i, params, routed_experts_start, info_p, info_d, by_reference)
+                for i in range(len(plist))
+            )
         )
         return GenerateBatch(results=list(results), info=info_d)
 
     async def _one(
-        self, plist: list[str | list[int]], i: int, params: dict[str, Any], start: int, info_p: Any, info_d: Any
+        self,
+        plist: list[str | list[int]],
+        i: int,
+        params: dict[str, Any],
+        start: int,
+        info_p: Any,
+        info_d: Any,
+        by_ref: bool,
     ) -> GenerateResult:
         """Prompt ``i`` through the pair: both requests at once (same room), each answer checked, then joined."""
         prompt = len(plist[i])
@@ -98,8 +111,8 @@ class PDClient:
         }
         one = range(i, i + 1)
         (p,), (d,) = await asyncio.gather(
-            self.prefill._generate_chunk(plist, one, params, 1, info_p, True, start, extra=boot),
-            self.decode._generate_chunk(plist, one, params, 1, info_d, True, prompt, extra=boot),
+            self.prefill._generate_chunk(plist, one, params, 1, info_p, True, start, by_reference=by_ref, extra=boot),
+            self.decode._generate_chunk(plist, one, params, 1, info_d, True, prompt, by_reference=by_ref, extra=boot),
         )
         where = f"sample {i}"
         if len(p.output_ids) != 1:
@@ -112,14 +125,28 @@ class PDClient:
                 f"{where}: the decode server ({self.decode_url}) did not continue from the prefill server's first "
                 f"token ({p.output_ids[0]}, decode's: {d.output_ids[:1]}): they did not share this request's KV"
             )
-        merged, seam = merge_halves(
-            Half(p.routed_experts, start, info_p, self.prefill_url, p.provenance),
-            Half(d.routed_experts, prompt, info_d, self.decode_url, d.provenance),
-            received=prompt,
-            total_rows=prompt + len(d.output_ids) - 1 - start,
-            first=start,
-            where=where,
+        held = (p.routing_ref, d.routing_ref) if by_ref else (p.routed_experts, d.routed_experts)
+        halves = (
+            Half(held[0], start, info_p, self.prefill_url, p.provenance),
+            Half(held[1], prompt, info_d, self.decode_url, d.provenance),
         )
+        plan = {
+            "received": prompt,
+            "total_rows": prompt + len(d.output_ids) - 1 - start,
+            "first": start,
+            "where": where,
+        }
+        if by_ref:
+            if p.routing_ref is None or d.routing_ref is None:
+                raise ProtocolError(f"{where}: asked by reference, a server answered no routing_ref")
+            seam = plan_seam(*halves, **plan)  # type: ignore[arg-type]
+            ref = SeamRef(p.routing_ref, d.routing_ref, seam)  # type: ignore[arg-type]
+            return replace(d, routing_ref=ref, routed_experts_start=start, meta={**d.meta, SEAM_FIELD: seam.to_dict()})
+        merged, seam = merge_halves(*halves, **plan, checked=True)  # type: ignore[arg-type]
         return replace(
             d, routed_experts=merged, routed_experts_start=start, meta={**d.meta, SEAM_FIELD: seam.to_dict()}
         )
+
+    async def resolve_results(self, results: list[GenerateResult]) -> list[GenerateResult]:
+        """``results`` with their refs (a :class:`SeamRef` each) read from both servers and merged."""
+        return await self.decode.resolve_results(results)

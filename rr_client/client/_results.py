@@ -21,6 +21,7 @@ from rr_client.core.provenance import (
     tokens_digest,
 )
 from rr_client.core.reference import RoutingRef
+from rr_client.core.seam import SeamRef
 
 if TYPE_CHECKING:
     from rr_client.trainer.layouts import PackedRouting, RoutingTensors
@@ -55,7 +56,7 @@ class GenerateResult:
     routed_experts: np.ndarray | None
     routed_experts_start: int
     meta: dict[str, Any] = field(repr=False)
-    routing_ref: RoutingRef | None = None
+    routing_ref: RoutingRef | SeamRef | None = None  #: a P/D sample's: both servers' refs and the seam
     logprobs: np.ndarray | None = field(default=None, repr=False)
     logprobs_mode: str | None = None
     provenance: Provenance | None = None

@@ -30,7 +30,7 @@ from rr_client.core.hf_config import (
 from rr_client.core.info import RRInfo
 from rr_client.core.provenance import Provenance, ProvenanceCheck, check_provenance, tokens_digest
 from rr_client.core.reference import RoutingRef
-from rr_client.core.seam import Half, Seam, merge_halves
+from rr_client.core.seam import Half, Seam, SeamRef, merge_halves, plan_seam
 
 __all__ = [
     "__version__",
@@ -52,7 +52,9 @@ __all__ = [
     "tokens_digest",
     "Half",
     "Seam",
+    "SeamRef",
     "merge_halves",
+    "plan_seam",
     "RRInfo",
     "load_config",
     "moe_layers_from_config",

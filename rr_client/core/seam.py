@@ -22,33 +22,38 @@ seam, never a merged tensor:
   (:class:`~rr_client.core.errors.StaleRoutingError`).
 
 The merge is recorded as a :class:`Seam` (which server made which rows, their spans and weight versions) for the
-sample's provenance.
+sample's provenance. By reference, a sample holds a :class:`SeamRef` (both servers' refs and the seam, every check
+that needs no rows made when it is built); the trainer rank resolves both and merges them there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from rr_client.core.codec import check_routing
-from rr_client.core.errors import MissingRoutingError, SeamMismatchError, StaleRoutingError
+from rr_client.core.errors import MalformedPayloadError, MissingRoutingError, SeamMismatchError, StaleRoutingError
 from rr_client.core.info import RRInfo
 from rr_client.core.provenance import Provenance
+from rr_client.core.reference import RoutingRef
 
-__all__ = ["Half", "Seam", "merge_halves", "SEAM_FIELD"]
+__all__ = ["Half", "Seam", "SeamRef", "merge_halves", "plan_seam", "SEAM_FIELD", "SEAM_REF_SCHEMA"]
 
 SEAM_FIELD = "rr_seam"  #: the key of a merged sample's seam in its meta / provenance record
+SEAM_REF_SCHEMA = "rr.seam_ref/1"
 
 _SAME = ("engine", "model", "num_hidden_layers", "num_experts", "topk", "moe_layers", "wire_dtype")
 
 
 @dataclass(frozen=True, slots=True)
 class Half:
-    """One server's rows of one sample: ``rows`` ``[m, L, K]`` for the token positions ``start .. start + m``
-    (row ``t`` routes token ``t``, the one that predicted token ``t + 1``), the server's :class:`RRInfo`, its name
-    (``server``: a URL or a router's worker id) and its per-sample provenance (weight versions, cached tokens)."""
+    """One server's rows of one sample: ``rows`` ``[m, L, K]`` (or the :class:`RoutingRef` that holds them) for the
+    token positions ``start .. start + m`` (row ``t`` routes token ``t``, the one that predicted token ``t + 1``),
+    the server's :class:`RRInfo`, its name (``server``: a URL or a router's worker id) and its per-sample provenance
+    (weight versions, cached tokens)."""
 
     rows: Any
     start: int
@@ -57,9 +62,19 @@ class Half:
     provenance: Provenance | None = None
 
     @property
+    def shape(self) -> tuple[int, ...]:
+        """``(m, L, K)`` of the rows, held or referenced."""
+        return self.rows.shape if isinstance(self.rows, RoutingRef) else np.shape(self.rows)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The rows' wire dtype, held or referenced."""
+        return np.dtype(self.rows.dtype if isinstance(self.rows, RoutingRef) else np.asarray(self.rows).dtype)
+
+    @property
     def stop(self) -> int:
         """One past the last token position this half routes."""
-        return self.start + int(np.asarray(self.rows).shape[0])
+        return self.start + int(self.shape[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +99,87 @@ class Seam:
             "overlap": self.overlap,
         }
 
+    @classmethod
+    def from_dict(cls, d: Any, where: str = SEAM_FIELD) -> Seam:
+        """Parse :meth:`to_dict`'s object; :class:`MalformedPayloadError` names the field."""
+        try:
+            p, dc = d["prefill"], d["decode"]
+            seam = cls(
+                at=int(d["at"]),
+                prefill_server=str(p["server"]),
+                prefill_span=(int(p["span"][0]), int(p["span"][1])),
+                decode_server=str(dc["server"]),
+                decode_span=(int(dc["span"][0]), int(dc["span"][1])),
+                weight_version=None if d["weight_version"] is None else int(d["weight_version"]),
+                overlap=int(d.get("overlap", 0)),
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise MalformedPayloadError(f"{where}: not a seam object ({type(e).__name__}: {e})") from None
+        if not seam.prefill_span[0] < seam.at == seam.prefill_span[1] == seam.decode_span[0] < seam.decode_span[1]:
+            raise MalformedPayloadError(
+                f"{where}: spans {list(seam.prefill_span)} and {list(seam.decode_span)} do not meet at token {seam.at}"
+            )
+        return seam
+
+
+@dataclass(frozen=True, slots=True)
+class SeamRef:
+    """A P/D sample's routing by reference: the prefill server's ref (the prompt's rows), the decode server's (the
+    rest) and the :class:`Seam` they join at, checked when built (:func:`plan_seam`); the trainer rank resolves both
+    and merges them (:meth:`rr_client.RoutedExpertsClient.resolve_results`). ``weight_version`` and ``provenance``
+    are the decode half's, as a plain ref's are its server's."""
+
+    prefill: RoutingRef
+    decode: RoutingRef
+    seam: Seam
+    schema: str = SEAM_REF_SCHEMA
+
+    @property
+    def weight_version(self) -> int:
+        return self.decode.weight_version
+
+    @property
+    def provenance(self) -> Provenance | None:
+        return self.decode.provenance
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows both refs point at."""
+        return self.prefill.nbytes + self.decode.nbytes
+
+    def halves(self, info: RRInfo, prefill_rows: Any, decode_rows: Any) -> tuple[Half, Half]:
+        """The two :class:`Half` of this sample once its refs' rows are read."""
+        s = self.seam
+        return (
+            Half(prefill_rows, self.prefill.start, info, s.prefill_server, self.prefill.provenance),
+            Half(decode_rows, self.decode.start, info, s.decode_server, self.decode.provenance),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object a P/D sample carries as its ref (to ship to trainer ranks)."""
+        return {
+            "schema": self.schema,
+            "prefill": self.prefill.to_dict(),
+            "decode": self.decode.to_dict(),
+            "seam": self.seam.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "seam ref") -> SeamRef:
+        """Parse and check :meth:`to_dict`'s object (schema, both refs, the seam)."""
+        if not isinstance(d, Mapping) or d.get("schema") != SEAM_REF_SCHEMA:
+            got = d.get("schema") if isinstance(d, Mapping) else type(d).__name__
+            raise MalformedPayloadError(f"{where}: expected schema {SEAM_REF_SCHEMA!r}, got {got!r}")
+        seam = Seam.from_dict(d.get("seam"), f"{where}: seam")
+        p = RoutingRef.from_dict(d.get("prefill"), f"{where}: prefill")
+        dc = RoutingRef.from_dict(d.get("decode"), f"{where}: decode")
+        if p.start != seam.prefill_span[0] or dc.start != seam.at or dc.start + dc.rows != seam.decode_span[1]:
+            raise MalformedPayloadError(
+                f"{where}: the refs cover tokens {p.start}..{p.start + p.rows} and {dc.start}..{dc.start + dc.rows}, "
+                f"not the seam's {list(seam.prefill_span)} and {list(seam.decode_span)}"
+            )
+        return cls(p, dc, seam)
+
 
 def _same_model(p: Half, d: Half, where: str) -> None:
     for name in _SAME:
@@ -93,11 +189,13 @@ def _same_model(p: Half, d: Half, where: str) -> None:
                 f"{where}: the prefill server ({p.server}) and the decode server ({d.server}) differ in {name}: "
                 f"{a!r} vs {b!r}; their rows cannot be joined into one sample"
             )
-    pa, da = np.asarray(p.rows), np.asarray(d.rows)
-    if pa.dtype != da.dtype or pa.shape[1:] != da.shape[1:]:
+    for h in (p, d):
+        if len(h.shape) != 3:  # the one check names what is wrong with it
+            check_routing(h.rows, h.info)
+    if p.dtype != d.dtype or p.shape[1:] != d.shape[1:]:
         raise SeamMismatchError(
-            f"{where}: the prefill rows are {pa.dtype} {list(pa.shape)}, the decode rows {da.dtype} "
-            f"{list(da.shape)}: width, layer count or dtype differ"
+            f"{where}: the prefill rows are {p.dtype} {list(p.shape)}, the decode rows {d.dtype} "
+            f"{list(d.shape)}: width, layer count or dtype differ"
         )
 
 
@@ -113,16 +211,13 @@ def _version(h: Half, role: str, where: str) -> int | None:
     return pv.weight_version_finished
 
 
-def merge_halves(
+def plan_seam(
     prefill: Half, decode: Half, *, received: int, total_rows: int, first: int = 0, where: str = "sample"
-) -> tuple[np.ndarray, Seam]:
-    """The sample's rows ``[total_rows, L, K]`` from its prefill and decode halves, joined at token ``received``
-    (the tokens whose KV the decode server received), and the :class:`Seam`. ``first``: the sample's first routed
-    token (``routed_experts_start``); ``total_rows``: its rows from there, ``prompt + completion - 1 - first``.
-    Every refusal is in the module docstring."""
+) -> Seam:
+    """Every check of a join that needs no rows (held or by reference): the same model and shapes, the spans (no gap,
+    no decode rows for received tokens), the weight versions; the :class:`Seam` it would make. ``received``,
+    ``total_rows``, ``first``: as in :func:`merge_halves`."""
     _same_model(prefill, decode, where)
-    p_rows = check_routing(prefill.rows, prefill.info, rows=int(np.asarray(prefill.rows).shape[0])).array
-    d_rows = check_routing(decode.rows, decode.info, rows=int(np.asarray(decode.rows).shape[0])).array
     end = first + total_rows
     if not first < received <= end:
         raise SeamMismatchError(
@@ -154,29 +249,50 @@ def merge_halves(
         raise MissingRoutingError(
             f"{where}: the decode rows ({decode.server}) end at token {decode.stop}, the sample's at {end}"
         )
-    overlap = prefill.stop - received  # tokens the prefill server routed but whose KV it did not hand over
-    if overlap > 0:
-        differ = (np.sort(p_rows[received - first :], -1) != np.sort(d_rows[:overlap], -1)).any(axis=(1, 2))
-        if differ.any():
-            bad = int(np.flatnonzero(differ)[0]) + received
-            raise SeamMismatchError(
-                f"{where}: both servers returned rows for tokens {received}..{prefill.stop} and they differ "
-                f"(first at token {bad}); the decode server recomputed them, the prefill rows are not what ran"
-            )
     pv, dv = _version(prefill, "prefill", where), _version(decode, "decode", where)
     if pv is not None and dv is not None and pv != dv:
         raise StaleRoutingError(
             f"{where}: the prefill server ({prefill.server}) is at weight version {pv}, the decode server "
             f"({decode.server}) at {dv}: the decode tokens attended to KV computed under other weights"
         )
-    merged = np.concatenate([p_rows[: received - first], d_rows])
-    seam = Seam(
+    return Seam(
         at=received,
         prefill_server=prefill.server,
         prefill_span=(first, received),
         decode_server=decode.server,
         decode_span=(received, end),
         weight_version=pv if pv is not None else dv,
-        overlap=max(overlap, 0),
+        overlap=max(prefill.stop - received, 0),
     )
-    return merged, seam
+
+
+def merge_halves(
+    prefill: Half,
+    decode: Half,
+    *,
+    received: int,
+    total_rows: int,
+    first: int = 0,
+    where: str = "sample",
+    checked: bool = False,
+) -> tuple[np.ndarray, Seam]:
+    """The sample's rows ``[total_rows, L, K]`` from its prefill and decode halves, joined at token ``received``
+    (the tokens whose KV the decode server received), and the :class:`Seam`. ``first``: the sample's first routed
+    token (``routed_experts_start``); ``total_rows``: its rows from there, ``prompt + completion - 1 - first``;
+    ``checked``: both halves' rows already passed the one full check (a parsed answer, a resolved ref), so it is not
+    run twice. Every refusal is in the module docstring."""
+    seam = plan_seam(prefill, decode, received=received, total_rows=total_rows, first=first, where=where)
+    if checked:
+        p_rows, d_rows = np.asarray(prefill.rows), np.asarray(decode.rows)
+    else:
+        p_rows = check_routing(prefill.rows, prefill.info, rows=prefill.shape[0]).array
+        d_rows = check_routing(decode.rows, decode.info, rows=decode.shape[0]).array
+    if seam.overlap:  # tokens the prefill server routed but whose KV it did not hand over
+        differ = (np.sort(p_rows[received - first :], -1) != np.sort(d_rows[: seam.overlap], -1)).any(axis=(1, 2))
+        if differ.any():
+            bad = int(np.flatnonzero(differ)[0]) + received
+            raise SeamMismatchError(
+                f"{where}: both servers returned rows for tokens {received}..{prefill.stop} and they differ "
+                f"(first at token {bad}); the decode server recomputed them, the prefill rows are not what ran"
+            )
+    return np.concatenate([p_rows[: received - first], d_rows]), seam

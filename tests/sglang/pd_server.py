@@ -42,6 +42,8 @@ async def main(role: str, port: int, model_dir: str, bootstrap_port: int, weight
         disaggregation_mode=role,
         disaggregation_transfer_backend="mooncake" if role == "prefill" else "fake",
         disaggregation_bootstrap_port=bootstrap_port,
+        host="127.0.0.1",
+        port=port,  # the URL its routing refs name
         **extra,
     )
     h.sched.pd_role = role

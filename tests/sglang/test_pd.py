@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +187,33 @@ def test_servers_at_different_weight_versions_are_refused(pair: tuple[PDServer, 
     httpx.post(f"{prefill.url}/update_weight_version", json={"new_version": "v2"}, timeout=10).raise_for_status()
     r = pd_generate(pair, [[31, 32, 33, 34, 35]], 4).results[0]
     assert r.meta["rr_seam"]["weight_version"] == 1
+
+
+def test_both_halves_by_reference_resolve_and_merge_on_the_trainer_rank(
+    pair: tuple[PDServer, PDServer, int], tiny_moe: Path
+) -> None:
+    """By reference, each server keeps its half; the sample holds a SeamRef (both refs and the seam), shipped to a
+    trainer rank as JSON, where a plain client for the decode server reads both halves and merges them: equal to
+    transformers on every cell. Swapped between two samples, the refs are refused by their token digests."""
+    from rr_client import PDClient, RoutedExpertsClient, StaleRoutingError
+    from rr_client.core.seam import SeamRef
+
+    prefill, decode, bootstrap = pair
+    g = np.random.default_rng(9)
+    prompts = [g.integers(10, 200, k).tolist() for k in (6, 9)]
+
+    async def go() -> None:
+        async with PDClient(prefill.url, decode.url, bootstrap_port=bootstrap, retries=0) as c:
+            batch = await c.generate(prompts, {"max_new_tokens": 4}, routed_experts_start=2, by_reference=True)
+        assert all(r.routed_experts is None and isinstance(r.routing_ref, SeamRef) for r in batch.results)
+        shipped = [replace(r, routing_ref=SeamRef.from_dict(r.routing_ref.to_dict())) for r in batch.results]
+        async with RoutedExpertsClient(decode.url, retries=0) as trainer:
+            got = await trainer.resolve_results(shipped)
+            for prompt, r in zip(prompts, got, strict=True):
+                want = reference_routing(tiny_moe, (prompt + r.output_ids)[:-1])[2:]
+                assert r.routed_experts.shape == want.shape and np.array_equal(r.routed_experts, want)
+            a, b = shipped
+            with pytest.raises(StaleRoutingError, match="belong to other tokens"):
+                await trainer.resolve_results([replace(a, routing_ref=b.routing_ref)])
+
+    run(go())

@@ -3,6 +3,7 @@ over, or refused with a typed error, never a merged tensor."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from rr_client import (
     Half,
+    MalformedPayloadError,
     MissingRoutingError,
     Provenance,
     RRInfo,
@@ -18,6 +20,8 @@ from rr_client import (
     UnrecordedRoutingError,
     merge_halves,
 )
+from rr_client.core.reference import RoutingRef, checksum
+from rr_client.core.seam import SeamRef, plan_seam
 
 E, K = 8, 2
 INFO = RRInfo(
@@ -148,3 +152,48 @@ def test_a_sample_routed_from_a_later_token_merges_from_there() -> None:
     assert np.array_equal(merged, FULL[first:]) and seam.prefill_span == (first, PROMPT)
     with pytest.raises(MissingRoutingError, match=r"start at token 0, the sample's at 4"):
         merge_halves(replace(p, rows=FULL[:PROMPT], start=0), d, received=PROMPT, total_rows=TOTAL - first, first=first)
+
+
+def ref_of(h: Half, key: str) -> RoutingRef:
+    a = np.asarray(h.rows)
+    return RoutingRef(
+        store="s1", url=h.server, key=key, rows=a.shape[0], layers=a.shape[1], topk=a.shape[2], dtype=str(a.dtype),
+        start=h.start, weight_version=3, checksum=checksum(a), provenance=h.provenance,
+    )  # fmt: skip
+
+
+def test_a_seam_ref_is_planned_from_refs_alone_and_round_trips_as_json() -> None:
+    """By reference, every check that needs no rows runs when the SeamRef is made: spans, decode prompt rows,
+    weight versions; the JSON a trainer rank receives parses back to the same ref, and a tampered one is refused."""
+    p, d = halves()
+    rp, rd = replace(p, rows=ref_of(p, "a")), replace(d, rows=ref_of(d, "b"))
+    seam = plan_seam(rp, rd, received=PROMPT, total_rows=TOTAL)
+    assert seam == merge_halves(p, d, received=PROMPT, total_rows=TOTAL)[1]
+    sref = SeamRef(rp.rows, rd.rows, seam)
+    assert SeamRef.from_dict(json.loads(json.dumps(sref.to_dict()))) == sref
+    assert sref.weight_version == 3 and sref.nbytes == FULL.nbytes
+    bad = sref.to_dict()
+    bad["seam"]["decode"]["span"] = [PROMPT, PROMPT + 2]
+    with pytest.raises(MalformedPayloadError, match="not the seam's"):
+        SeamRef.from_dict(bad)
+    with pytest.raises(MalformedPayloadError, match="rr.seam_ref/1"):
+        SeamRef.from_dict(sref.prefill.to_dict())
+    with pytest.raises(StaleRoutingError, match="weight version 3, the decode server .* at 4"):
+        plan_seam(rp, replace(rd, provenance=version(4)), received=PROMPT, total_rows=TOTAL)
+    dp, dd = halves(decode_start=PROMPT - 2)
+    with pytest.raises(SeamMismatchError, match="never ran those tokens"):
+        plan_seam(rp, replace(dd, rows=ref_of(dd, "c")), received=PROMPT, total_rows=TOTAL)
+    wide = replace(rd, rows=replace(rd.rows, dtype="uint16"))
+    with pytest.raises(SeamMismatchError, match="width, layer count or dtype differ"):
+        plan_seam(rp, wide, received=PROMPT, total_rows=TOTAL)
+
+
+def test_already_checked_halves_are_not_checked_twice_but_unchecked_ones_are() -> None:
+    """``checked=True`` (rows a parsed answer or a resolved ref already passed the full check) skips the second
+    check; without it, all-zero rows are refused."""
+    p, d = halves()
+    p.rows[2, 1:] = 0
+    with pytest.raises(UnrecordedRoutingError):
+        merge_halves(p, d, received=PROMPT, total_rows=TOTAL)
+    merged, _ = merge_halves(p, d, received=PROMPT, total_rows=TOTAL, checked=True)
+    assert not merged[2, 1:].any()
