@@ -85,6 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(vLLM's default raw_logprobs; SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB=1). Default: "
         "unknown for vLLM (trainers then refuse temperature != 1), processed for SGLang",
     )
+    p.add_argument(
+        "--prefill-upstream",
+        default=None,
+        metavar="URL",
+        help="P/D (SGLang): the prefill server; --upstream is then the decode server, each /generate goes to both "
+        "and their rows are joined at the seam (docs/scale-out.md)",
+    )
+    p.add_argument(
+        "--bootstrap-port", type=int, default=None, help="P/D: the prefill server's --disaggregation-bootstrap-port"
+    )
+    p.add_argument(
+        "--bootstrap-host", default=None, help="P/D: the prefill server's bootstrap host (default: its URL's)"
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -107,6 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rr_server.serving.generate_protocol import FORMAT_ENV
 
         os.environ[FORMAT_ENV] = args.routed_experts_format
+    if args.prefill_upstream and (args.engine != "sglang" or not args.bootstrap_port or args.bootstrap_port < 1):
+        sys.stderr.write(
+            "rr-server proxy: --prefill-upstream (P/D) needs --engine sglang and --bootstrap-port (the prefill "
+            "server's --disaggregation-bootstrap-port)\n"
+        )
+        return 2
     max_body = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
     if max_body < 1:
         sys.stderr.write("rr-server proxy: --max-body-bytes must be >= 1\n")
@@ -123,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_body_bytes=max_body,
         advertise_url=args.advertise_url or advertised_url(args.host, args.port),
         upstream_logprobs_mode=args.upstream_logprobs_mode,
+        prefill_upstream=args.prefill_upstream or "",
+        bootstrap_port=args.bootstrap_port or 0,
+        bootstrap_host=args.bootstrap_host or "",
     )
     # keep-alive well above clients' idle expiry (httpx: 5 s), so the client always closes first
     uvicorn.run(

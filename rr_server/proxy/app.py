@@ -1,5 +1,7 @@
 """The sidecar's FastAPI app: ``/generate``, ``/v1/completions``, ``/v1/chat/completions``, ``/rr/info``, ``/health``,
-``/metrics`` and the engine's weight routes (forwarded and counted: ``weight_version``) in front of one upstream.
+``/metrics`` and the engine's weight routes (forwarded and counted: ``weight_version``) in front of one upstream, or
+in front of a SGLang prefill/decode pair (``prefill_upstream``: :mod:`rr_server.proxy.pd_backend`; ``/generate``
+joined at the seam, weight routes sent to both servers, the OpenAI endpoints refused).
 
 ``/rr/generate`` is ``/generate`` (same handler, same schema) under a path vllm-router forwards intact.
 """
@@ -12,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import orjson
@@ -27,6 +30,7 @@ from rr_server.proxy.errors import ProxyError, error_payload
 from rr_server.proxy.info import fetch_info
 from rr_server.proxy.metrics import ProxyMetrics
 from rr_server.proxy.openai import serve_openai
+from rr_server.proxy.pd_backend import PDBackend
 from rr_server.proxy.sglang_backend import SGLangBackend, validation_view
 from rr_server.proxy.upstream import Upstream
 from rr_server.proxy.vllm_backend import VLLMBackend
@@ -71,6 +75,11 @@ class ProxyConfig:
     # what the upstream's sampled log-probs mean ("processed" / "raw", rr_client.core.logprobs); None: vLLM unknown,
     # SGLang "processed" (its default)
     upstream_logprobs_mode: str | None = None
+    # P/D: ``upstream`` is the decode server, this the prefill server; its bootstrap host (default: its URL's host)
+    # and ``--disaggregation-bootstrap-port``
+    prefill_upstream: str = ""
+    bootstrap_port: int = 0
+    bootstrap_host: str = ""
 
 
 class Sidecar:
@@ -90,19 +99,55 @@ class Sidecar:
         self._info: tuple[RRInfo, str] | None = None
         self._lock = asyncio.Lock()
         self.epoch = WeightEpoch()  # weight updates forwarded to the upstream through this sidecar
-        self.backend: Backend = (
-            SGLangBackend(self.up, self.info, self.metrics, force_routing=cfg.force_routing, epoch=self.epoch)
-            if find_engine(cfg.engine).native_generate
-            else VLLMBackend(self.up, self.info, self.metrics, epoch=self.epoch)
-        )
+        self.prefill: Upstream | None = None  # P/D: the prefill server (``up`` is the decode server)
+        self.backend: Backend
+        if cfg.prefill_upstream:
+            if not find_engine(cfg.engine).native_generate or cfg.bootstrap_port <= 0:
+                raise ValueError("a P/D sidecar needs engine sglang and the prefill server's bootstrap port")
+            self.prefill = Upstream(
+                cfg.prefill_upstream,
+                timeout=cfg.timeout,
+                max_concurrency=cfg.max_concurrency,
+                metrics=self.metrics,
+                transport=transport,
+                api_key=cfg.upstream_api_key,
+            )
+            host = cfg.bootstrap_host or urlsplit(cfg.prefill_upstream).hostname or "127.0.0.1"
+            self.backend = PDBackend(
+                self.prefill, self.up, self.info, self.metrics,
+                bootstrap_host=host, bootstrap_port=cfg.bootstrap_port, epoch=self.epoch,
+            )  # fmt: skip
+        elif find_engine(cfg.engine).native_generate:
+            self.backend = SGLangBackend(
+                self.up, self.info, self.metrics, force_routing=cfg.force_routing, epoch=self.epoch
+            )
+        else:
+            self.backend = VLLMBackend(self.up, self.info, self.metrics, epoch=self.epoch)
+
+    @property
+    def upstreams(self) -> list[Upstream]:
+        """Every engine server behind this sidecar (P/D: prefill, then decode)."""
+        return [self.prefill, self.up] if self.prefill is not None else [self.up]
 
     async def info(self) -> tuple[RRInfo, str]:
         """RRInfo + upstream model name, fetched once (retried on the next request if the upstream was down)."""
         async with self._lock:
             if self._info is None:
-                self._info = await fetch_info(
-                    self.up, self.cfg.engine, self.cfg.model_path, self.cfg.upstream_logprobs_mode
-                )
+                infos = [
+                    await fetch_info(u, self.cfg.engine, self.cfg.model_path, self.cfg.upstream_logprobs_mode)
+                    for u in self.upstreams
+                ]
+                if len(infos) == 2:  # P/D: both servers must serve the same routing, or no sample can be joined
+                    (p, _), (d, _) = infos
+                    for name in ("model", "num_hidden_layers", "num_experts", "topk", "moe_layers", "wire_dtype"):
+                        if getattr(p, name) != getattr(d, name):
+                            raise ProxyError(
+                                502,
+                                "upstream_protocol",
+                                f"the prefill server ({self.prefill.url}) and the decode server ({self.up.url}) "  # type: ignore[union-attr]
+                                f"differ in {name}: {getattr(p, name)!r} vs {getattr(d, name)!r}",
+                            )
+                self._info = infos[-1]
             return self._info
 
     def fail(self, route: str, e: ProxyError) -> Response:
@@ -149,7 +194,8 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
-        await sc.up.aclose()
+        for up in sc.upstreams:
+            await up.aclose()
 
     app = FastAPI(title="rr sidecar", lifespan=lifespan)
     app.state.sidecar = sc
@@ -194,6 +240,12 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
         sc.metrics.in_flight.inc()
         t0 = time.perf_counter()
         try:
+            if sc.prefill is not None:
+                raise ProxyError(
+                    400,
+                    "bad_request",
+                    f"{route}: the P/D sidecar serves /generate only (token ids; the seam is joined there)",
+                )
             out = await serve_openai(sc, route, await request.body())
             sc.metrics.requests.labels(route, str(out.status_code)).inc()
             return out
@@ -209,8 +261,12 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
     async def weights(request: Request) -> Response:
         """An engine weight route: forwarded as it came, the engine's answer returned as it is."""
         route = request.url.path
-        try:
-            resp = await sc.up.forward(route, await request.body())
+        content = await request.body()
+        try:  # P/D: the prefill server first, then the decode server; the first failure is the answer
+            for up in sc.upstreams:
+                resp = await up.forward(route, content)
+                if resp.status_code >= 400:
+                    break
         except ProxyError as e:
             return sc.fail(route, e)
         sc.metrics.requests.labels(route, str(resp.status_code)).inc()
@@ -234,7 +290,9 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
 
     @app.get("/health")
     async def health() -> Response:
-        ok, msg = await sc.up.healthy()
+        checks = [await up.healthy() for up in sc.upstreams]
+        ok = all(c[0] for c in checks)
+        msg = "; ".join(f"{up.url}: {c[1]}" for up, c in zip(sc.upstreams, checks) if not c[0])
         sc.metrics.upstream_up.set(1 if ok else 0)
         if not ok:
             return sc.fail("/health", ProxyError(503, "upstream_unhealthy", msg))

@@ -3,16 +3,26 @@ SGLang's real TokenizerManager, DetokenizerManager and ``/generate`` app started
 prefill|decode`` (prefill: the Mooncake backend's real bootstrap server on ``bootstrap_port``; decode: the ``fake``
 transfer backend), rr's patch applied as the launcher does, the stand-in scheduler in the given P/D role answering
 every request that reaches it (tests/sglang/standin.py says what its roles do), served by uvicorn on ``port``; one
-test-only route, ``POST /test/lose_rows``, makes the stand-in lose captured rows.
+test-only route, ``POST /test/lose_rows``, makes the stand-in lose captured rows. ``--unpatched``: SGLang as it ships
+(no rr patch; what rr's P/D sidecar stands in front of).
 
-    python -m tests.sglang.pd_server ROLE PORT MODEL_DIR BOOTSTRAP_PORT [WEIGHT_VERSION]
+    python -m tests.sglang.pd_server ROLE PORT MODEL_DIR BOOTSTRAP_PORT [WEIGHT_VERSION] [--unpatched]
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
+
+import httpx
+
+from rr_server.launch.process import free_port
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 async def _answer(h: object) -> None:
@@ -29,13 +39,16 @@ async def _answer(h: object) -> None:
             await h.deliver(h.sched.step(new))  # type: ignore[attr-defined]
 
 
-async def main(role: str, port: int, model_dir: str, bootstrap_port: int, weight_version: str | None) -> None:
+async def main(
+    role: str, port: int, model_dir: str, bootstrap_port: int, weight_version: str | None, patched: bool = True
+) -> None:
     import uvicorn
 
     from rr_patches.sglang.apply import apply
     from tests.sglang.harness import Harness
 
-    apply()
+    if patched:
+        apply()
     extra = {"weight_version": weight_version} if weight_version else {}
     h = Harness(
         Path(model_dir),
@@ -65,6 +78,56 @@ async def main(role: str, port: int, model_dir: str, bootstrap_port: int, weight
         answering.cancel()
 
 
+class PDServer:
+    """tests/sglang/pd_server.py in a subprocess, on a free port."""
+
+    def __init__(
+        self, role: str, model_dir: Path, bootstrap_port: int, weight_version: str | None = None, patched: bool = True
+    ) -> None:
+        self.role, self.port = role, free_port()
+        args = [
+            sys.executable,
+            "-m",
+            "tests.sglang.pd_server",
+            role,
+            str(self.port),
+            str(model_dir),
+            str(bootstrap_port),
+        ]
+        self.proc = subprocess.Popen(
+            [*args, *([weight_version] if weight_version else []), *([] if patched else ["--unpatched"])],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ready_path = "/rr/info" if patched else "/get_model_info"  # unpatched SGLang has no rr routes
+
+    def wait(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.role} server exited: {self.proc.stderr.read()[-3000:]}")  # type: ignore[union-attr]
+            try:
+                if httpx.get(f"{self.url}{self.ready_path}", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.role} server not up in {timeout}s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
 if __name__ == "__main__":
-    role, port, model_dir, bootstrap = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    asyncio.run(main(role, port, model_dir, bootstrap, sys.argv[5] if len(sys.argv) > 5 else None))
+    argv = [a for a in sys.argv[1:] if a != "--unpatched"]
+    role, port, model_dir, bootstrap = argv[0], int(argv[1]), argv[2], int(argv[3])
+    version = argv[4] if len(argv) > 4 else None
+    asyncio.run(main(role, port, model_dir, bootstrap, version, patched="--unpatched" not in sys.argv))

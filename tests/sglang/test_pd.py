@@ -13,10 +13,6 @@ server's rows for the prompt are its capture buffer's, zeros on a fresh server) 
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -28,56 +24,12 @@ import pytest
 
 from rr_server.demo.tiny_moe import reference_routing
 from rr_server.launch.process import free_port
+from tests.sglang.pd_server import PDServer
 from tests.sglang.standin import completion_for
 
 pytestmark = [pytest.mark.sglang, pytest.mark.sglang_releases("0.5.23")]
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class PDServer:
-    """tests/sglang/pd_server.py in a subprocess, on a free port."""
-
-    def __init__(self, role: str, model_dir: Path, bootstrap_port: int, weight_version: str | None = None) -> None:
-        self.role, self.port = role, free_port()
-        args = [
-            sys.executable,
-            "-m",
-            "tests.sglang.pd_server",
-            role,
-            str(self.port),
-            str(model_dir),
-            str(bootstrap_port),
-        ]
-        self.proc = subprocess.Popen(
-            [*args, *([weight_version] if weight_version else [])],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def wait(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.role} server exited: {self.proc.stderr.read()[-3000:]}")  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"{self.url}/rr/info", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.role} server not up in {timeout}s")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")
