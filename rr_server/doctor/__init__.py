@@ -68,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"most concurrent requests a probe sends ({MAX_PROBE_REQUESTS})",
     )
+    pd = p.add_argument_group(
+        "prefill/decode",
+        "a SGLang P/D pair of the same model: the same greedy prompts through the pair (each half checked, joined at "
+        "the seam) and through URL alone must give equal rows on the prompt and on the generated tokens",
+    )
+    pd.add_argument("--pd-prefill", metavar="URL", default=None, help="the pair's prefill server")
+    pd.add_argument("--pd-decode", metavar="URL", default=None, help="the pair's decode server")
+    pd.add_argument(
+        "--pd-bootstrap-port", type=int, default=None, help="the prefill server's --disaggregation-bootstrap-port"
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
@@ -121,6 +131,9 @@ def render(report: object, checks: bool = True) -> str:
         out.append(f"\nground truth ({gt['model_path']}, {gt['samples']} samples): {100 * gt['agreement']:.2f}% agree")
         for layer, a in sorted(gt["per_layer"].items()):
             out.append(f"  layer {layer:>3}: {100 * a['agreement']:6.2f}%")
+    from rr_server.doctor.pd import render_seams
+
+    out += render_seams(report.seams)
     if report.cost:
         c = report.cost
         if "error" in c:
@@ -140,7 +153,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prompts < 4 or args.max_new_tokens < 1 or (args.probe_requests is not None and args.probe_requests < 2):
         sys.stderr.write("rr-server doctor: --prompts must be >= 4, --max-new-tokens >= 1, --probe-requests >= 2\n")
         return 2
+    pd_args = (args.pd_prefill, args.pd_decode, args.pd_bootstrap_port)
+    if any(a is not None for a in pd_args) and (None in pd_args or args.pd_bootstrap_port < 1):
+        sys.stderr.write("rr-server doctor: --pd-prefill, --pd-decode and --pd-bootstrap-port go together\n")
+        return 2
     from rr_server.doctor.checks import run_doctor
+    from rr_server.doctor.pd import PDTarget
 
     console = stderr_console()
     quiet = args.json and not console.is_terminal  # a JSON report for machines: no lines beside it
@@ -159,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress=None if quiet else CheckPrinter(steps),
                 probe_weight_update=args.probe_weight_update,
                 probe_requests=args.probe_requests,
+                pd=PDTarget(args.pd_prefill, args.pd_decode, args.pd_bootstrap_port) if args.pd_prefill else None,
             )
         )
     print(json.dumps(report.as_dict(), indent=2, default=str) if args.json else render(report))

@@ -21,6 +21,7 @@ import numpy as np
 
 from rr_client import GenerateResult, NotAnRRServerError, RoutedExpertsClient, RRError, RRInfo
 from rr_server.doctor.known_bugs import BugStatus, known_bugs_for
+from rr_server.doctor.pd import PDTarget
 from rr_server.doctor.samples import (
     PREFIX_CACHE_TOKENS,
     ROW_AGREEMENT_MIN,
@@ -66,6 +67,7 @@ class DoctorReport:
     checks: list[Check] = field(default_factory=list)
     ground_truth: dict[str, Any] | None = None
     cost: dict[str, Any] | None = None
+    seams: list[dict[str, Any]] = field(default_factory=list)  # the P/D probe's samples: where each was joined
 
     @property
     def ok(self) -> bool:
@@ -306,6 +308,7 @@ async def run_doctor(
     progress: DoctorProgress | None = None,
     probe_weight_update: str | None = None,
     probe_requests: int | None = None,
+    pd: PDTarget | None = None,
 ) -> DoctorReport:
     """Run every check against ``url`` (an rr server, or with ``engine`` an unpatched engine); return the report.
 
@@ -314,6 +317,7 @@ async def run_doctor(
     ends (``rr-server doctor`` prints them as they come). Then the cache and weight-path probes
     (:mod:`rr_server.doctor.probes`): ``probe_weight_update`` (the weights the server runs now) lets the doctor
     reload them while requests are preempted; ``probe_requests`` caps the concurrent requests a probe sends.
+    ``pd``: a SGLang prefill/decode pair of the same model, probed against this server (:mod:`rr_server.doctor.pd`).
     """
     progress = progress or _Quiet()
 
@@ -397,6 +401,10 @@ async def run_doctor(
             from rr_server.doctor.bounded_replay import CHECK_NAME, check_bounded_replay
 
             await doc._guard(CHECK_NAME, check_bounded_replay(doc, http, model_path))
+            if pd is not None:
+                from rr_server.doctor.pd import SEAM_CHECK, check_pd
+
+                await doc._guard(SEAM_CHECK, check_pd(doc, pd, plist[:4], api_key))
         if model_path and doc.samples:
             doc.truth(model_path, device)
         progress.started("cost")

@@ -169,3 +169,47 @@ def test_both_halves_by_reference_resolve_and_merge_on_the_trainer_rank(
                 await trainer.resolve_results([replace(a, routing_ref=b.routing_ref)])
 
     run(go())
+
+
+async def test_the_doctor_probes_the_pair_against_one_server(
+    pair: tuple[PDServer, PDServer, int], tiny_moe: Path, patched: None
+) -> None:
+    """``rr-server doctor URL --pd-prefill P --pd-decode D --pd-bootstrap-port N``: the same greedy prompts through
+    the pair and through a patched server alone (SGLang's real app in this process) give equal rows on the prompt and
+    on the generated tokens; the seams are in the report and the pair's samples join the ground truth (100%). With
+    the prefill server losing rows, the probe fails, naming the refusal."""
+    from rr_server.doctor import render
+    from rr_server.doctor.checks import run_doctor
+    from rr_server.doctor.pd import GENERATED_CHECK, PROMPT_CHECK, SEAM_CHECK, PDTarget
+    from tests.sglang.harness import Harness
+    from tests.sglang.test_doctor_sglang import scheduler_loop
+
+    prefill, decode, bootstrap = pair
+    h = Harness(tiny_moe)
+
+    async def doctor() -> Any:
+        async with scheduler_loop(h):
+            return await run_doctor(
+                "http://sglang",
+                transport=httpx.ASGITransport(app=h.http.app),
+                model_path=str(tiny_moe),
+                max_new_tokens=4,
+                pd=PDTarget(prefill.url, decode.url, bootstrap),
+            )
+
+    report = await doctor()
+    checks = {c.name: c for c in report.checks}
+    assert report.ok, [(c.name, c.detail) for c in report.failures()]
+    for name in (PROMPT_CHECK, GENERATED_CHECK):
+        assert checks[name].exercised and "100.00%" in checks[name].detail
+    assert len(report.seams) == 4 and all(s["decode"]["server"] == decode.url for s in report.seams)
+    assert report.ground_truth is not None and report.ground_truth["agreement"] == 1.0
+    assert "p/d seam (4 samples" in render(report)
+    async with httpx.AsyncClient() as http:
+        (await http.post(f"{prefill.url}/test/lose_rows", json={"start": 3})).raise_for_status()
+        try:
+            report = await doctor()
+        finally:
+            (await http.post(f"{prefill.url}/test/lose_rows", json={"start": None})).raise_for_status()
+    failed = {c.name: c.detail for c in report.failures()}
+    assert list(failed) == [SEAM_CHECK] and "UnrecordedRoutingError" in failed[SEAM_CHECK]

@@ -139,3 +139,31 @@ def test_doctor_help_lists_every_probe_flag_with_a_one_line_help() -> None:
     for flag, action in probe_flags.items():
         assert any(flag in ln for ln in lines), f"{flag} is not in the probes section"
         assert any(ln.strip().endswith(str(action.help)) for ln in lines), f"{flag}'s help is not one line"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--pd-prefill", "http://p:1"],
+        ["--pd-prefill", "http://p:1", "--pd-decode", "http://d:2"],
+        ["--pd-prefill", "http://p:1", "--pd-decode", "http://d:2", "--pd-bootstrap-port", "0"],
+    ],
+)
+def test_doctor_pd_flags_go_together(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Half a P/D pair is bad usage (exit 2, naming the three flags), before anything is sent."""
+    from rr_server.doctor import main
+
+    assert main(["http://127.0.0.1:9", *argv]) == 2
+    assert "--pd-prefill, --pd-decode and --pd-bootstrap-port go together" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv", [["--engine", "vllm"], ["--engine", "sglang"], ["--engine", "sglang", "--bootstrap-port", "0"]]
+)
+def test_sidecar_prefill_upstream_needs_sglang_and_a_bootstrap_port(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rr_server.proxy import main
+
+    assert main(["--upstream", "http://d:2", "--prefill-upstream", "http://p:1", *argv]) == 2
+    assert "needs --engine sglang and --bootstrap-port" in capsys.readouterr().err
