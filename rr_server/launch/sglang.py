@@ -20,6 +20,7 @@ from rr_server.launch.options import (
     take_format_flag,
     wants_help,
 )
+from rr_server.serving.disaggregation import disaggregation_mode, sglang_pd_refusal
 from rr_server.serving.engines.sglang import RELEASES, UnsupportedSGLangError
 from rr_server.serving.speculative import draft_pollution_refusal, speculative_flags
 
@@ -190,6 +191,12 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as e:  # ConfigurationError
         sys.stderr.write(f"rr-server: {e}\n")
         return 2
+    if disaggregation_mode(args):
+        from rr_server.serving.engines.sglang import installed_version
+
+        if why := sglang_pd_refusal(installed_version(), args):
+            sys.stderr.write(f"rr-server: {why}\n")
+            return 2
     if speculative_flags(args):
         from rr_server.serving.engines.sglang import installed_version
 

@@ -35,6 +35,7 @@ from rr_server.proxy.sglang_backend import SGLangBackend, validation_view
 from rr_server.proxy.upstream import Upstream
 from rr_server.proxy.vllm_backend import VLLMBackend
 from rr_server.serving.auth import ApiKeyMiddleware, ApiKeys
+from rr_server.serving.disaggregation import sglang_pd_refusal
 from rr_server.serving.fanout import primed
 from rr_server.serving.generate_protocol import (
     SSE_DONE,
@@ -139,7 +140,10 @@ class Sidecar:
                 ]
                 if len(infos) == 2:  # P/D: both servers must serve the same routing, or no sample can be joined
                     (p, _), (d, _) = infos
-                    for name in ("model", "num_hidden_layers", "num_experts", "topk", "moe_layers", "wire_dtype"):
+                    if why := _pd_release_refusal(p.engine_version):
+                        raise ProxyError(502, "upstream_protocol", f"the prefill server ({self.prefill.url}): {why}")  # type: ignore[union-attr]
+                    # routing dimensions, not the model's path: the two machines may mount one checkpoint apart
+                    for name in ("num_hidden_layers", "num_experts", "topk", "moe_layers", "wire_dtype"):
                         if getattr(p, name) != getattr(d, name):
                             raise ProxyError(
                                 502,
@@ -155,6 +159,15 @@ class Sidecar:
         self.metrics.errors.labels(e.kind).inc()
         self.metrics.requests.labels(route, str(e.status)).inc()
         return json_response(error_payload(e), e.status)
+
+
+def _pd_release_refusal(version: str) -> str | None:
+    """Why a SGLang prefill server of ``version`` cannot serve P/D with routing (None: it can, or its version is not
+    known: each sample's own check then refuses missing rows)."""
+    try:
+        return sglang_pd_refusal(version, ["--disaggregation-mode", "prefill"])
+    except Exception:  # an unparsable version ("unknown", a dev build)
+        return None
 
 
 def _parse(body: bytes, engine: str) -> tuple[NormalizedGenerate, dict[str, Any]]:

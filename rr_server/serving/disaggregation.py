@@ -1,5 +1,9 @@
-"""Prefill/decode disaggregation and routing on vLLM: which KV connectors a launch line turns on, and the refusal on
-releases that cannot return routed experts with them (docs/scale-out.md, "Prefill/decode disaggregation").
+"""Prefill/decode disaggregation and routing: which KV connectors a vLLM launch line turns on, and the refusal on
+releases that cannot return routed experts with them; the same for SGLang's ``--disaggregation-mode`` (docs/scale-out.md,
+"Prefill/decode disaggregation").
+
+SGLang's prefill server gathers the prompt's rows (when its KV transfer ends) from 0.5.22 on; before, it answers none
+(``[]`` on 0.5.7-0.5.9, no key after), so no sample of a pair can be whole: rr refuses either role there.
 
 vLLM 0.30 refuses any KV connector together with ``--enable-return-routed-experts`` (P/D and offload alike:
 "incompatible with KV connectors"); 0.31-0.33 refuse the P/D connectors (Nixl, NixlPull, NixlPush, MoRIIO, Mooncake,
@@ -15,25 +19,53 @@ from typing import Any
 
 from rr_server.serving.engines import releases
 
-__all__ = ["kv_transfer_config", "kv_connectors", "pd_refusal"]
+__all__ = ["kv_transfer_config", "kv_connectors", "pd_refusal", "disaggregation_mode", "sglang_pd_refusal"]
 
 _FLAGS = ("--kv-transfer-config", "--kv_transfer_config")
+_MODE_FLAGS = ("--disaggregation-mode", "--disaggregation_mode")
+
+
+def _flag_value(argv: Sequence[str], flags: Sequence[str]) -> str | None:
+    """The value of the last of ``flags`` on a launch line (``--flag value`` or ``--flag=value``)."""
+    found = None
+    for i, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        if flag in flags:
+            found = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    return found
+
+
+def disaggregation_mode(argv: Sequence[str]) -> str | None:
+    """SGLang's ``--disaggregation-mode`` on a launch line: "prefill" or "decode"; None for "null" or absent."""
+    mode = _flag_value(argv, _MODE_FLAGS)
+    return mode if mode in ("prefill", "decode") else None
+
+
+def sglang_pd_refusal(version: str, argv: Sequence[str]) -> str | None:
+    """The launcher's refusal of ``--disaggregation-mode prefill|decode`` on a SGLang release whose prefill server
+    returns no routing."""
+    mode = disaggregation_mode(argv)
+    if mode is None or releases("sglang").facts_for(version).pd_prefill_rows:
+        return None
+    return (
+        f"SGLang {version} with --disaggregation-mode {mode}: this release's prefill server returns no routed experts "
+        "(it gathers the prompt's rows only from 0.5.22 on), and the decode server never ran the prompt, so no sample "
+        "of the pair could carry its prompt's routing. Use SGLang 0.5.22+ for P/D with routing replay, or serve "
+        "without --disaggregation-mode"
+    )
 
 
 def kv_transfer_config(argv: Sequence[str]) -> dict[str, Any] | None:
     """The ``--kv-transfer-config`` JSON of a vLLM launch line (both spellings, ``--flag=value`` too); None when absent
     or not a JSON object (vLLM then answers for it)."""
-    for i, a in enumerate(argv):
-        flag, eq, value = a.partition("=")
-        if flag not in _FLAGS:
-            continue
-        text = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-        try:
-            cfg = json.loads(text)
-        except ValueError:
-            return None
-        return cfg if isinstance(cfg, dict) else None
-    return None
+    text = _flag_value(argv, _FLAGS)
+    if text is None:
+        return None
+    try:
+        cfg = json.loads(text)
+    except ValueError:
+        return None
+    return cfg if isinstance(cfg, dict) else None
 
 
 def kv_connectors(cfg: dict[str, Any]) -> list[str]:

@@ -19,7 +19,7 @@ from rr_server.doctor.checks import run_doctor
 from rr_server.progress import Steps
 from tests.support.protocol_server import ProtocolTestServer
 
-REPORT_KEYS = {"url", "deployment", "identity", "known_bugs", "checks", "ground_truth", "cost", "verdict"}
+REPORT_KEYS = {"url", "deployment", "identity", "known_bugs", "checks", "ground_truth", "cost", "seams", "verdict"}
 
 
 @pytest.fixture

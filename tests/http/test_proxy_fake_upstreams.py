@@ -450,3 +450,18 @@ def test_cli_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["proxy", "--upstream", "http://x", "--engine", "tgi"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_pd_sidecar_refuses_a_prefill_server_that_returns_no_rows(cfg_dir: Path) -> None:
+    """P/D in front of a SGLang release whose prefill server gathers no rows (FAKE upstreams reporting 0.5.10, what
+    cannot run here): ``/rr/info`` answers 502 naming the release's rule before any sample, and the sidecar keeps
+    answering. The P/D join itself is proven on SGLang's real code (tests/sglang/test_pd_sidecar.py)."""
+    with FakeSGLangUpstream(cfg_dir) as prefill, FakeSGLangUpstream(cfg_dir) as decode:
+        cfg = ProxyConfig(
+            upstream=decode.url, engine="sglang", timeout=10, prefill_upstream=prefill.url, bootstrap_port=8998
+        )
+        with SidecarServer(cfg) as sc, httpx.Client(base_url=sc.url, timeout=20) as http:
+            for _ in range(2):
+                r = http.get("/rr/info")
+                assert r.status_code == 502
+                assert "SGLang 0.5.10-fake with --disaggregation-mode prefill" in r.text and "0.5.22+" in r.text

@@ -6,7 +6,9 @@ every request that reaches it (tests/sglang/standin.py says what its roles do), 
 test-only route, ``POST /test/lose_rows``, makes the stand-in lose captured rows. ``--unpatched``: SGLang as it ships
 (no rr patch; what rr's P/D sidecar stands in front of).
 
-    python -m tests.sglang.pd_server ROLE PORT MODEL_DIR BOOTSTRAP_PORT [WEIGHT_VERSION] [--unpatched]
+    python -m tests.sglang.pd_server ROLE PORT MODEL_DIR BOOTSTRAP_PORT [WEIGHT_VERSION] [--unpatched] [--name=NAME]
+
+``--name``: SGLang's ``--served-model-name`` (what ``/rr/info`` calls the model).
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ async def _answer(h: object) -> None:
 
 
 async def main(
-    role: str, port: int, model_dir: str, bootstrap_port: int, weight_version: str | None, patched: bool = True
+    role: str,
+    port: int,
+    model_dir: str,
+    bootstrap_port: int,
+    weight_version: str | None,
+    patched: bool = True,
+    name: str | None = None,
 ) -> None:
     import uvicorn
 
@@ -49,7 +57,9 @@ async def main(
 
     if patched:
         apply()
-    extra = {"weight_version": weight_version} if weight_version else {}
+    extra: dict[str, str] = {"weight_version": weight_version} if weight_version else {}
+    if name:
+        extra["served_model_name"] = name
     h = Harness(
         Path(model_dir),
         disaggregation_mode=role,
@@ -82,7 +92,13 @@ class PDServer:
     """tests/sglang/pd_server.py in a subprocess, on a free port."""
 
     def __init__(
-        self, role: str, model_dir: Path, bootstrap_port: int, weight_version: str | None = None, patched: bool = True
+        self,
+        role: str,
+        model_dir: Path,
+        bootstrap_port: int,
+        weight_version: str | None = None,
+        patched: bool = True,
+        name: str | None = None,
     ) -> None:
         self.role, self.port = role, free_port()
         args = [
@@ -95,7 +111,12 @@ class PDServer:
             str(bootstrap_port),
         ]
         self.proc = subprocess.Popen(
-            [*args, *([weight_version] if weight_version else []), *([] if patched else ["--unpatched"])],
+            [
+                *args,
+                *([weight_version] if weight_version else []),
+                *([] if patched else ["--unpatched"]),
+                *([f"--name={name}"] if name else []),
+            ],
             cwd=REPO,
             env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
             stdout=subprocess.DEVNULL,
@@ -127,7 +148,8 @@ class PDServer:
 
 
 if __name__ == "__main__":
-    argv = [a for a in sys.argv[1:] if a != "--unpatched"]
+    argv = [a for a in sys.argv[1:] if not a.startswith("--")]
+    name = next((a.partition("=")[2] for a in sys.argv[1:] if a.startswith("--name=")), None)
     role, port, model_dir, bootstrap = argv[0], int(argv[1]), argv[2], int(argv[3])
     version = argv[4] if len(argv) > 4 else None
-    asyncio.run(main(role, port, model_dir, bootstrap, version, patched="--unpatched" not in sys.argv))
+    asyncio.run(main(role, port, model_dir, bootstrap, version, patched="--unpatched" not in sys.argv, name=name))

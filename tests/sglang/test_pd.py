@@ -27,7 +27,7 @@ from rr_server.launch.process import free_port
 from tests.sglang.pd_server import PDServer
 from tests.sglang.standin import completion_for
 
-pytestmark = [pytest.mark.sglang, pytest.mark.sglang_releases("0.5.23")]
+pytestmark = [pytest.mark.sglang, pytest.mark.sglang_releases("0.5.22", "0.5.23")]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -213,3 +213,38 @@ async def test_the_doctor_probes_the_pair_against_one_server(
             (await http.post(f"{prefill.url}/test/lose_rows", json={"start": None})).raise_for_status()
     failed = {c.name: c.detail for c in report.failures()}
     assert list(failed) == [SEAM_CHECK] and "UnrecordedRoutingError" in failed[SEAM_CHECK]
+
+
+def test_a_decode_server_of_another_top_k_is_refused_by_the_client_and_the_sidecar(
+    pair: tuple[PDServer, PDServer, int], tiny_moe: Path, tmp_path: Path
+) -> None:
+    """The same checkpoint served with top-3 on the decode server (the prefill server's is top-2), under the same
+    name: PDClient's join refuses the halves (SeamMismatchError naming top-k, never a merged tensor), and rr's P/D
+    sidecar refuses the pair at ``/rr/info`` (502 naming it) before any sample."""
+    import json
+    import shutil
+
+    from rr_client import SeamMismatchError
+    from rr_server.proxy.app import ProxyConfig, create_app
+
+    prefill, _, bootstrap = pair
+    other = Path(shutil.copytree(tiny_moe, tmp_path / "top3"))
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 3}))
+    decode = PDServer("decode", other, bootstrap, name=str(tiny_moe))  # served under the prefill server's name
+    try:
+        decode.wait()
+        with pytest.raises(SeamMismatchError, match="differ in topk: 2 vs 3"):
+            pd_generate((prefill, decode, bootstrap), [[51, 52, 53, 54]], 3)
+        app = create_app(
+            ProxyConfig(upstream=decode.url, engine="sglang", prefill_upstream=prefill.url, bootstrap_port=bootstrap)
+        )
+
+        async def info() -> httpx.Response:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sc") as http:
+                return await http.get("/rr/info")
+
+        r = run(info())
+        assert r.status_code == 502 and "differ in topk: 2 vs 3" in r.text
+    finally:
+        decode.stop()

@@ -29,7 +29,7 @@ from rr_server.launch.process import free_port
 from tests.sglang.pd_server import REPO, PDServer
 from tests.sglang.standin import completion_for
 
-pytestmark = [pytest.mark.sglang, pytest.mark.sglang_releases("0.5.23")]
+pytestmark = [pytest.mark.sglang, pytest.mark.sglang_releases("0.5.22", "0.5.23")]
 
 
 @pytest.fixture(scope="module")

@@ -90,3 +90,33 @@ def test_the_refused_connectors_are_the_engines_own_list() -> None:
     assert facts_for("0.31.0").pd_connectors_refused == PD_CONNECTORS
     assert facts_for("0.30.0").pd_connectors_refused == () and facts_for("0.30.0").kv_connector_refused
     assert not facts_for("0.33.0").kv_connector_refused
+
+
+@pytest.mark.parametrize("version", ["0.5.7", "0.5.9", "0.5.12", "0.5.21", "0.5.22", "0.5.23"])
+@pytest.mark.parametrize("mode", ["prefill", "decode", "null"])
+def test_sglang_disaggregation_is_refused_where_the_prefill_server_returns_no_rows(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], version: str, mode: str
+) -> None:
+    """SGLang's prefill server gathers the prompt's rows from 0.5.22 on; before, neither role of a pair can give a
+    whole sample, so ``rr-server launch sglang --disaggregation-mode prefill|decode`` stops before SGLang is patched
+    or started, naming the release's rule; 0.5.22+ and ``null`` go on."""
+    from rr_server.launch import sglang as launch_sglang
+    from rr_server.serving.engines import sglang as engine
+
+    class Patched(Exception):
+        pass
+
+    def install_patch() -> str:
+        raise Patched
+
+    monkeypatch.setattr(engine, "installed_version", lambda: version)
+    monkeypatch.setattr(launch_sglang, "install_patch", install_patch)
+    argv = ["--model-path", "m", "--enable-return-routed-experts", f"--disaggregation-mode={mode}"]
+    refused = mode != "null" and version not in ("0.5.22", "0.5.23")
+    if refused:
+        assert launch_sglang.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"SGLang {version} with --disaggregation-mode {mode}" in err and "0.5.22+" in err
+    else:
+        with pytest.raises(Patched):
+            launch_sglang.main(argv)

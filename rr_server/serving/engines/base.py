@@ -68,6 +68,9 @@ class ReleaseFacts:
     tensor_lost_as_json: bool = False  # --skip-tokenizer-init JSON-encodes the raw tensor as {} (0.5.7-0.5.9)
     drops_last_prompt_row: bool = False  # max_new_tokens=0 loses the last prompt row (#20964, every release)
     hash_layers_uncaptured: bool = False  # HashTopK (DeepSeek-V4) layers never write the buffer: zero rows (0.5.23+)
+    # a ``--disaggregation-mode prefill`` server gathers the prompt's rows when its KV transfer ends (0.5.22+,
+    # disaggregation/prefill.py process_disagg_prefill_inflight_queue); before, it answers none ([] or no key)
+    pd_prefill_rows: bool = False
     # DeepSeek-V4.1's SWA bounded replay (rr_server.launch.bounded_replay): the release has the switch (vLLM 0.31+,
     # SGLang 0.5.21+), and it is on unless turned off (vLLM 0.31+, SGLang 0.5.23+)
     bounded_replay: bool = False

@@ -71,6 +71,7 @@ def facts_for(version: str) -> ReleaseFacts:
         drops_last_prompt_row=rel >= (0, 5, 7),
         draft_pollutes_routing=rel < (0, 5, 23),
         hash_layers_uncaptured=rel >= (0, 5, 23),
+        pd_prefill_rows=rel >= (0, 5, 22),
         bounded_replay=rel >= (0, 5, 21),  # opt-in in 0.5.21-0.5.22; the decoder side on for DeepSeek-V4.1 after
         bounded_replay_default_on=rel >= (0, 5, 23),
     )
