@@ -71,6 +71,9 @@ async def main(
     )
     h.sched.pd_role = role
     h.tm.event_loop = asyncio.get_running_loop()
+    from sglang.srt.managers.tokenizer_manager import ServerStatus  # what SGLang's launch sets after its warmup
+
+    h.tm.server_status = ServerStatus.Up
 
     @h.http.app.post("/test/lose_rows")
     async def lose_rows(body: dict) -> dict:  # type: ignore[type-arg]
@@ -118,7 +121,12 @@ class PDServer:
                 *([f"--name={name}"] if name else []),
             ],
             cwd=REPO,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                # /health answers from the server's status, without a generation through the stand-in
+                "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
+            },
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

@@ -13,6 +13,7 @@ server's rows for the prompt are its capture buffer's, zeros on a fresh server) 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -248,3 +249,34 @@ def test_a_decode_server_of_another_top_k_is_refused_by_the_client_and_the_sidec
         assert r.status_code == 502 and "differ in topk: 2 vs 3" in r.text
     finally:
         decode.stop()
+
+
+def test_behind_the_real_sglang_router_in_pd_mode_no_sample_passes_with_wrong_rows(
+    pair: tuple[PDServer, PDServer, int],
+) -> None:
+    """sglang-router 0.3.2 (the Rust gateway) with ``--pd-disaggregation`` in front of the pair: it sends each request
+    to both servers and returns the decode server's answer, without rr's fields (it drops ``return_routed_experts``
+    and ``routed_experts_start_len``). The answer carries no rows at all, and rr's client on the router refuses the
+    sample with a typed error naming the missing routing; whole samples come from PDClient or rr's P/D sidecar."""
+    from rr_client import MissingRoutingError, RoutedExpertsClient, RRInfo
+    from tests.scale.conftest import RouterProcess
+
+    prefill, decode, bootstrap = pair
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+           "--pd-disaggregation", "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
+           "--policy", "round_robin", "--prometheus-port", str(free_port()), "--log-level", "warn"]  # fmt: skip
+    router = RouterProcess("sglang-router-pd", port, cmd)
+    info = RRInfo.model_validate(httpx.get(f"{decode.url}/rr/info", timeout=10).json())
+    body = {"input_ids": [61, 62, 63, 64], "sampling_params": {"max_new_tokens": 3}, "return_routed_experts": True}
+
+    async def through_router() -> None:
+        async with RoutedExpertsClient(router.url, info=info, retries=0) as c:
+            with pytest.raises(MissingRoutingError):
+                await c.generate([[61, 62, 63, 64]], {"max_new_tokens": 3})
+
+    for _ in router.serving():
+        answer = httpx.post(f"{router.url}/generate", json=body, timeout=60).json()
+        assert answer["output_ids"] == completion_for([61, 62, 63, 64], 3)  # the pair served it
+        assert not {k for k in answer["meta_info"] if k.startswith("routed_experts")}
+        run(through_router())
