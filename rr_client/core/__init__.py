@@ -27,6 +27,7 @@ from rr_client.core.hf_config import (
     moe_layers_from_config,
     routing_dims_from_config,
 )
+from rr_client.core.indexer import CheckedIndexer, IndexerDims, check_indexer, decode_indexer, encode_indexer
 from rr_client.core.info import RRInfo
 from rr_client.core.provenance import Provenance, ProvenanceCheck, check_provenance, tokens_digest
 from rr_client.core.reference import RoutingRef
@@ -55,6 +56,11 @@ __all__ = [
     "SeamRef",
     "merge_halves",
     "plan_seam",
+    "IndexerDims",
+    "CheckedIndexer",
+    "check_indexer",
+    "decode_indexer",
+    "encode_indexer",
     "RRInfo",
     "load_config",
     "moe_layers_from_config",

@@ -13,7 +13,8 @@ Imports nothing heavy. The hierarchy::
     │   ├── RoutingExpiredError           a routing ref's rows are gone (evicted, retired, server restarted)
     │   ├── RoutingChecksumError          rows read by reference differ from what their ref promised
     │   ├── StaleRoutingError             rows may come from other weights / tokens than the sample's (provenance)
-    │   └── SeamMismatchError             a prefill/decode sample's halves cannot be joined (model, shape, KV claim)
+    │   ├── SeamMismatchError             a prefill/decode sample's halves cannot be joined (model, shape, KV claim)
+    │   └── IndexerPositionError          an indexer row picks a future or negative position, or one twice
     ├── TransportError                    no usable answer from the server (after retries)
     │   ├── ConnectError                  refused / unreachable
     │   ├── RequestTimeoutError           connect, read or write timed out
@@ -52,6 +53,7 @@ __all__ = [
     "RoutingChecksumError",
     "StaleRoutingError",
     "SeamMismatchError",
+    "IndexerPositionError",
     "TransportError",
     "ConnectError",
     "RequestTimeoutError",
@@ -136,6 +138,11 @@ class StaleRoutingError(RoutedExpertsError):
 class SeamMismatchError(RoutedExpertsError):
     """A prefill/decode sample's two halves cannot be joined: they differ in model or shape, or the decode server's rows
     contradict the KV it says it received (:mod:`rr_client.core.seam`)."""
+
+
+class IndexerPositionError(RoutedExpertsError):
+    """A sparse-attention indexer row (:mod:`rr_client.core.indexer`) picks a position its token cannot read (a future
+    token, a negative one) or one position twice: the engine did not record this row."""
 
 
 class TransportError(RRError):
