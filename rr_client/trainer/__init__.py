@@ -6,7 +6,8 @@ Imports torch. Sits above the wire core and the client (it reads their checked s
 
 - :mod:`rr_client.trainer.layouts`: :func:`to_tensors` / :func:`to_packed` (padded and packed batches).
 - :mod:`rr_client.trainer.rows`: :class:`ReplayRows`, the one form of replay input and its one check.
-- :mod:`rr_client.trainer.replay`: :func:`replay_routing`, :func:`record_routing`, the audit, the coverage table.
+- :mod:`rr_client.trainer.replay`: :func:`replay_routing`, :func:`record_routing`, the audit, the coverage table;
+  :func:`replay_indexer` (sparse-attention indexer picks).
 - :mod:`rr_client.trainer.metrics`: the log-prob gap and routing agreement.
 - :mod:`rr_client.trainer.session`: :class:`ReplaySession`; :mod:`rr_client.trainer.keys`: its metric names.
 """
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from rr_client.trainer import keys
     from rr_client.trainer.layouts import PackedRouting, RoutingTensors, tensor_dtype, to_packed, to_tensors
     from rr_client.trainer.metrics import r3_metrics
-    from rr_client.trainer.replay import record_routing, replay_routing
+    from rr_client.trainer.replay import record_routing, replay_indexer, replay_routing
     from rr_client.trainer.rows import ReplayRows
     from rr_client.trainer.session import ReplaySession
 
@@ -35,6 +36,7 @@ __all__ = [
     "ReplayRows",
     "replay_routing",
     "record_routing",
+    "replay_indexer",
     "r3_metrics",
     "keys",
 ]
@@ -49,6 +51,7 @@ _LAZY = {
     "ReplayRows": "rr_client.trainer.rows",
     "replay_routing": "rr_client.trainer.replay",
     "record_routing": "rr_client.trainer.replay",
+    "replay_indexer": "rr_client.trainer.replay",
     "r3_metrics": "rr_client.trainer.metrics",
 }
 

@@ -1,0 +1,203 @@
+"""``replay_indexer``: force the engine's sparse-attention indexer picks (DeepSeek-V3.2-style DSA) in a transformers
+model's forward, so every replayed token's attention reads exactly the positions it read in the rollout.
+
+transformers' DSA indexers (``DeepseekV32Indexer``, ``GlmMoeDsaIndexer``) return ``[B, S, index_topk]`` int32 key
+positions, which the attention scatters into its mask (eager / SDPA) or hands to the sparse kernel. A forward hook
+replaces the rows of replayed tokens with the engine's; the rest keep the model's own. Cost rules as for expert
+replay: the rows are checked once when the block opens (one host read), moved to the model's device once, and the
+hooks never sync. With ``audit=True`` a second hook, after rr's, observes what the attention receives: the share of
+replayed rows it received exactly (``r3/indexer/applied_share``) and the share the model's own indexer picked too
+(``r3/indexer/agreement``), per layer as well; an indexer that never ran, or a replayed row that did not arrive, is a
+:class:`ReplayError` when the block exits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from rr_client.core.errors import (
+    ArgumentTypeError,
+    IndexerPositionError,
+    ReplayError,
+    ShapeMismatchError,
+    UnrecordedRoutingError,
+    UnsupportedModelError,
+)
+
+__all__ = ["replay_indexer", "find_indexers", "INDEXER_CLASSES", "REFUSED_INDEXERS"]
+
+#: transformers indexers whose output is ``[B, S, index_topk]`` token positions, read by the attention as they are
+INDEXER_CLASSES = ("DeepseekV32Indexer", "GlmMoeDsaIndexer")
+#: indexers rr refuses, with the reason
+REFUSED_INDEXERS = {
+    "DeepseekV4Indexer": "it picks among compressed KV entries (compress_rate tokens each), not token positions, "
+    "and rr's indexer rows are token positions",
+    "Glm5NextTextIndexer": "it pools keys (index_kpool) before its pick and widens the pick afterwards: the engine's "
+    "positions are not what its attention reads",
+}
+
+
+def find_indexers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """Every sparse-attention indexer of ``model`` as ``(decoder layer, module)``, ascending; an indexer rr cannot
+    replay is an :class:`UnsupportedModelError` naming it and why."""
+    found: list[tuple[int, nn.Module]] = []
+    for name, m in model.named_modules():
+        cls = type(m).__name__
+        if not cls.endswith("Indexer") or not hasattr(m, "index_topk"):
+            continue
+        if cls in REFUSED_INDEXERS:
+            raise UnsupportedModelError(f"{name} ({cls}): rr cannot replay this indexer: {REFUSED_INDEXERS[cls]}")
+        if cls not in INDEXER_CLASSES:
+            raise UnsupportedModelError(
+                f"{name} ({cls}): an indexer rr has not checked (replayed: {', '.join(INDEXER_CLASSES)})"
+            )
+        found.append((int(m.layer_idx), m))
+    return sorted(found, key=lambda x: x[0])
+
+
+def _checked_rows(rows: Any, layers: list[int], topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, S, L, K]`` positions (``-1``: not replayed) -> (positions as int64, ``[B, S, L]`` replayed); the one
+    check of every replayed row (causal, distinct, whole) in one host read."""
+    if not isinstance(rows, torch.Tensor):
+        raise ArgumentTypeError(f"indexer rows must be a torch tensor [B, S, L, K], got {type(rows).__name__}")
+    if rows.dtype.is_floating_point or rows.dtype == torch.bool:
+        raise ArgumentTypeError(f"indexer rows must hold integer positions, got {rows.dtype}")
+    if rows.dim() != 4 or rows.shape[2] != len(layers) or rows.shape[3] != topk:
+        raise ShapeMismatchError(
+            f"indexer rows are {list(rows.shape)}, expected [batch, tokens, {len(layers)} indexer layers {layers}, "
+            f"index_topk {topk}]"
+        )
+    pos = rows.long()
+    use = (pos >= 0).all(-1)
+    partial = (pos >= 0).any(-1) & ~use
+    t = torch.arange(pos.shape[1], device=pos.device)[None, :, None, None]
+    future = ((pos > t) & use[..., None]).any(-1)
+    srt = pos.sort(-1).values
+    twice = ((srt[..., 1:] == srt[..., :-1]).any(-1)) & use
+    flags = torch.stack([partial.any(), future.any(), twice.any()]).tolist()  # the one host read
+    for bad, what in zip(flags, (partial, future, twice)):
+        if bad:
+            b, s, li = (int(i) for i in torch.nonzero(what)[0].tolist())
+            row = pos[b, s, li].tolist()[:8]
+            if what is partial:
+                raise UnrecordedRoutingError(
+                    f"indexer row (sample {b}, token {s}, layer {layers[li]}) is partly -1 {row}...: a row is "
+                    "replayed whole or not at all"
+                )
+            raise IndexerPositionError(
+                f"indexer row (sample {b}, token {s}, layer {layers[li]}) "
+                + ("picks a future position" if what is future else "picks a position twice")
+                + f" {row}...: token {s} reads positions 0..{s}, each once"
+            )
+    return pos, use
+
+
+class _Tally:
+    """The audit's per-layer counts, kept on the device until the block exits."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, torch.Tensor] = {}
+        self.ran: set[int] = set()
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        self.counts[key] = self.counts[key] + value if key in self.counts else value
+
+    def read(self) -> dict[str, int]:
+        keys = list(self.counts)
+        return dict(zip(keys, torch.stack([self.counts[k].long() for k in keys]).tolist())) if keys else {}
+
+
+@contextmanager
+def replay_indexer(model: nn.Module, indexer_topk: Any, *, audit: bool = False) -> Iterator[dict[str, float] | None]:
+    """Force ``indexer_topk`` (``[B, S, L, index_topk]`` key positions, ``L`` = the model's indexer layers in order,
+    rows laid out as the model's ``input_ids``; ``-1`` rows keep the model's own pick, e.g. tokens before
+    ``index_topk``, which read every earlier token anyway) as every indexer's pick inside the block.
+
+    Refused, typed, when the block opens: a family whose indexer rr cannot replay (:class:`UnsupportedModelError`),
+    wrong shape or width (:class:`ShapeMismatchError`), a future or repeated position (:class:`IndexerPositionError`),
+    a partly padded row. ``audit=True`` yields a dict filled when the block exits (module docstring)."""
+    indexers = find_indexers(model)
+    if not indexers:
+        raise UnsupportedModelError(f"{type(model).__name__} has no sparse-attention indexer to replay")
+    layers = [layer for layer, _ in indexers]
+    topk = int(indexers[0][1].index_topk)
+    pos, use = _checked_rows(indexer_topk, layers, topk)
+    device = next(indexers[0][1].parameters()).device
+    pos, use = pos.to(device, non_blocking=True), use.to(device, non_blocking=True)
+    tally = _Tally()
+
+    def replay(li: int, layer: int) -> Any:
+        def hook(_m: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+            if tuple(out.shape[:2]) != tuple(pos.shape[:2]):
+                raise ShapeMismatchError(
+                    f"indexer layer {layer} scores {list(out.shape[:2])} (batch, tokens), the rows are "
+                    f"{list(pos.shape[:2])}: lay the rows out as the model's input_ids (no KV cache)"
+                )
+            u = use[:, :, li]
+            if out.shape[-1] != topk:  # a sequence no longer than index_topk: no token chooses
+                tally.add(f"unreplayable/{layer}", u.sum())
+                return out
+            new = torch.where(u[..., None], pos[:, :, li].to(out.dtype), out)
+            if audit:
+                own = out.long().sort(-1).values == pos[:, :, li].sort(-1).values
+                tally.add(f"agree/{layer}", (own.all(-1) & u).sum())
+            return new
+
+        return hook
+
+    def observe(li: int, layer: int) -> Any:
+        def hook(_m: nn.Module, _args: Any, out: torch.Tensor) -> None:
+            tally.ran.add(layer)
+            u = use[:, :, li]
+            tally.add(f"rows/{layer}", u.sum())
+            if out.shape[-1] == topk:
+                got = (out.long().sort(-1).values == pos[:, :, li].sort(-1).values).all(-1)
+                tally.add(f"applied/{layer}", (got & u).sum())
+
+        return hook
+
+    handles = [m.register_forward_hook(replay(li, layer)) for li, (layer, m) in enumerate(indexers)]
+    if audit:  # after rr's hook: it sees what the attention receives
+        handles += [m.register_forward_hook(observe(li, layer)) for li, (layer, m) in enumerate(indexers)]
+    report: dict[str, float] | None = {} if audit else None
+    try:
+        yield report
+    finally:
+        for h in handles:
+            h.remove()
+    counts = tally.read()
+    lost = sorted(int(k.split("/")[1]) for k, v in counts.items() if k.startswith("unreplayable/") and v)
+    if lost:
+        raise ReplayError(
+            f"indexer layers {lost} scored sequences no longer than index_topk={topk}, yet rows were given for "
+            "them: those tokens read every earlier token, so no row can be replayed there"
+        )
+    if not audit or report is None:
+        return
+    total = {"rows": 0, "applied": 0, "agree": 0}
+    for layer in layers:
+        n, a, g = (counts.get(f"{k}/{layer}", 0) for k in ("rows", "applied", "agree"))
+        total["rows"] += n
+        total["applied"] += a
+        total["agree"] += g
+        report[f"r3/indexer/layer{layer}/replayed_rows"] = float(n)
+        report[f"r3/indexer/layer{layer}/applied_share"] = a / n if n else 1.0
+        report[f"r3/indexer/layer{layer}/agreement"] = g / n if n else 1.0
+    report["r3/indexer/layers"] = float(len(layers))
+    report["r3/indexer/replayed_rows"] = float(total["rows"])
+    report["r3/indexer/applied_share"] = total["applied"] / total["rows"] if total["rows"] else 1.0
+    report["r3/indexer/agreement"] = total["agree"] / total["rows"] if total["rows"] else 1.0
+    problems = []
+    never = [layer for layer in layers if layer not in tally.ran]
+    if never:
+        problems.append(f"indexer layers {never} never ran inside the block")
+    short = [layer for layer in layers if counts.get(f"applied/{layer}", 0) < counts.get(f"rows/{layer}", 0)]
+    if short:
+        problems.append(f"indexer layers {short}: replayed rows did not reach the attention")
+    if problems:
+        raise ReplayError("indexer replay audit: " + "; ".join(problems), report=report)
