@@ -341,8 +341,12 @@ class RoutedExpertsClient:
         return_logprob: bool = False,
         affinity: Hashable | None = None,
         by_reference: bool = False,
+        return_indexer_topk: bool = False,
     ) -> GenerateBatch:
         """Generate for each prompt (text or token ids); results in prompt order, ``n`` per prompt.
+
+        ``return_indexer_topk`` (a sparse-attention model on rr-patched SGLang 0.5.23+): each result's
+        ``indexer_topk`` holds the engine's checked indexer picks (:mod:`rr_client.core.indexer`), inline.
 
         ``by_reference``: the server keeps each sample's checked routing and answers a :class:`RoutingRef`
         (``result.routing_ref``, a few hundred bytes) instead of the rows; :meth:`resolve_results` reads them
@@ -375,6 +379,7 @@ class RoutedExpertsClient:
                 return_logprob,
                 affinity,
                 by_reference,
+                {"return_indexer_topk": True} if return_indexer_topk else None,
             )
             for c in chunks
         ]
@@ -434,6 +439,7 @@ class RoutedExpertsClient:
                     allow_extra_rows=self._allow_extra_rows,
                     validate=self._validate,
                     by_reference=by_reference,
+                    want_indexer=bool(extra and extra.get("return_indexer_topk")),
                 )
             )
         return out

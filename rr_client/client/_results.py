@@ -8,8 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rr_client.core.codec import decode_meta_info, expected_rows, wire_dtype
+from rr_client.core.codec import _refusal, decode_meta_info, expected_rows, wire_dtype
 from rr_client.core.errors import MissingRoutingError, ProtocolError, RoutedExpertsError, ShapeMismatchError
+from rr_client.core.indexer import (
+    INDEXER_ERROR_FIELD,
+    INDEXER_FIELD,
+    INDEXER_START_FIELD,
+    CheckedIndexer,
+    decode_indexer,
+)
 from rr_client.core.info import RRInfo
 from rr_client.core.logprobs import parse_token_logprobs
 from rr_client.core.provenance import (
@@ -60,6 +67,10 @@ class GenerateResult:
     logprobs: np.ndarray | None = field(default=None, repr=False)
     logprobs_mode: str | None = None
     provenance: Provenance | None = None
+    #: the engine's sparse-attention indexer picks ``[rows, indexer layers, index_topk]`` for tokens
+    #: ``indexer_topk_start ..`` (asked with ``return_indexer_topk``; :mod:`rr_client.core.indexer`)
+    indexer_topk: np.ndarray | None = field(default=None, repr=False)
+    indexer_topk_start: int | None = None
 
     def with_routing(self, rows: np.ndarray) -> GenerateResult:
         """This sample with its routing resolved (the ref kept for the record)."""
@@ -210,9 +221,10 @@ def parse_sample(
     allow_extra_rows: int = 0,
     validate: bool = True,
     by_reference: bool = False,
+    want_indexer: bool = False,
 ) -> GenerateResult:
     """Check one reply dict of ``/generate`` against the request and ``info``; decode its routing (or, asked
-    ``by_reference``, parse and check its :class:`RoutingRef`)."""
+    ``by_reference``, parse and check its :class:`RoutingRef`) and, asked ``want_indexer``, its indexer picks."""
     where = f"sample {index}"
     if not isinstance(reply, Mapping) or not isinstance(reply.get("meta_info"), Mapping):
         raise ProtocolError(f"{where}: reply must be an object with a meta_info object")
@@ -248,11 +260,18 @@ def parse_sample(
         raise ProtocolError(f"{where}: routing was not requested but the server sent some")
     for k in _PAYLOAD_KEYS:
         meta.pop(k, None)
+    indexer = (
+        sample_indexer(
+            meta, info, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, start=start, where=where
+        )
+        if want_indexer
+        else None
+    )
     lp_rows = meta.get("output_token_logprobs")
     logprobs = None if lp_rows is None else parse_token_logprobs(lp_rows, output_ids, where=where)
     fr = meta.get("finish_reason")
     finish = fr.get("type") if isinstance(fr, Mapping) else (fr if isinstance(fr, str) else None)
-    return checked_result(
+    result = checked_result(
         meta,
         info,
         index=index,
@@ -268,6 +287,35 @@ def parse_sample(
         logprobs=logprobs,
         where=where,
     )
+    if indexer is None:
+        return result
+    return replace(result, indexer_topk=indexer.array, indexer_topk_start=indexer.start)
+
+
+def sample_indexer(
+    meta: dict[str, Any], info: RRInfo, *, prompt_tokens: int, completion_tokens: int, start: int, where: str
+) -> CheckedIndexer:
+    """One sample's indexer picks (taken out of ``meta``), checked by the one full check; the server's refusal as
+    the typed error it names."""
+    error = meta.pop(INDEXER_ERROR_FIELD, None)
+    payload = meta.pop(INDEXER_FIELD, None)
+    first = meta.pop(INDEXER_START_FIELD, None)
+    if error:
+        raise _refusal(str(error))
+    dims = info.indexer
+    if dims is None:
+        raise ShapeMismatchError(f"{where}: asked for the indexer top-k, but the server's model has no indexer")
+    if payload is None:
+        raise MissingRoutingError(f"{where}: asked for the indexer top-k, the server sent none")
+    try:
+        checked = decode_indexer(
+            payload, dims, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, start=start
+        )
+    except RoutedExpertsError as e:
+        raise type(e)(f"{where}: indexer_topk: {e}") from e
+    if first is not None and first != checked.start:
+        raise ShapeMismatchError(f"{where}: indexer_topk_start={first}, the rows start at token {checked.start}")
+    return checked
 
 
 def checked_result(

@@ -31,6 +31,7 @@ from rr_client.core.errors import (
 __all__ = [
     "INDEXER_FIELD",
     "INDEXER_START_FIELD",
+    "INDEXER_ERROR_FIELD",
     "IndexerDims",
     "CheckedIndexer",
     "indexer_dtype",
@@ -43,6 +44,7 @@ __all__ = [
 
 INDEXER_FIELD = "indexer_topk"  #: SGLang's meta_info key, and rr's
 INDEXER_START_FIELD = "indexer_topk_start"  #: the token position of rr's first indexer row
+INDEXER_ERROR_FIELD = "indexer_topk_error"  #: a refused sample's ``"<ErrorType>: message"`` (``indexer_topk`` null)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,38 +163,38 @@ def decode_indexer(
     prompt_tokens: int,
     completion_tokens: int,
     start: int = 0,
-    engine_rows_from: int | None = None,
+    engine_rows_from: int = 0,
 ) -> CheckedIndexer:
-    """One sample's indexer rows from rr's payload (base64 ``.npy``, rows from ``max(start, index_topk)``) or SGLang's
-    (headerless base64 int32 ``(seqlen - 1, layers, index_topk)``, rows from token ``engine_rows_from``, its
-    ``routed_experts_start_len``, default 0), checked by :func:`check_indexer`; rows before the first choosing token are
-    dropped from SGLang's."""
+    """One sample's indexer rows, checked by :func:`check_indexer`, from rr's payload (base64 ``.npy``, rows from
+    ``max(start, index_topk)``) or the engine's (SGLang's headerless base64 int32, or its tensor, ``(seqlen - 1,
+    layers, index_topk)`` from token ``engine_rows_from``): the engine's rows before the first choosing token are
+    dropped."""
     first = first_choosing_row(dims.index_topk, start)
     rows = max(prompt_tokens + completion_tokens - 1 - first, 0)
     if isinstance(payload, (str, bytes, bytearray)):
         buf = _b64decode(payload)
         if bytes(buf[:6]) == b"\x93NUMPY":
-            arr = _parse_npy(buf)
-        else:
-            width = len(dims.layers) * dims.index_topk
-            if len(buf) % (4 * width):
-                raise ShapeMismatchError(
-                    f"SGLang's indexer payload holds {len(buf)} bytes, not whole rows of {len(dims.layers)} layers x "
-                    f"{dims.index_topk} int32 positions"
-                )
-            arr = np.frombuffer(buf, dtype="<i4").reshape(-1, len(dims.layers), dims.index_topk)
-            skip = first - (engine_rows_from or 0)
-            if skip < 0 or (skip > arr.shape[0] and rows):
-                raise ShapeMismatchError(
-                    f"SGLang's indexer rows start at token {engine_rows_from or 0} ({arr.shape[0]} rows), the sample's "
-                    f"first choosing token is {first}"
-                )
-            arr = arr[skip:]
+            return check_indexer(_parse_npy(buf), dims, rows=rows, start=first)
+        width = len(dims.layers) * dims.index_topk
+        if len(buf) % (4 * width):
+            raise ShapeMismatchError(
+                f"SGLang's indexer payload holds {len(buf)} bytes, not whole rows of {len(dims.layers)} layers x "
+                f"{dims.index_topk} int32 positions"
+            )
+        arr = np.frombuffer(buf, dtype="<i4").reshape(-1, len(dims.layers), dims.index_topk)
     elif isinstance(payload, np.ndarray) or type(payload).__module__.startswith("torch"):
-        arr = payload
+        arr = payload.detach().cpu().numpy() if not isinstance(payload, np.ndarray) else payload
+        if arr.ndim != 3:
+            raise ShapeMismatchError(f"the engine's indexer rows are {arr.ndim}-D {list(arr.shape)}, expected 3-D")
     else:
         raise MalformedPayloadError(f"{INDEXER_FIELD} must be base64 text or an array, got {type(payload).__name__}")
-    return check_indexer(arr, dims, rows=rows, start=first)
+    skip = first - engine_rows_from
+    if skip < 0 or (skip > arr.shape[0] and rows):
+        raise ShapeMismatchError(
+            f"the engine's indexer rows start at token {engine_rows_from} ({arr.shape[0]} rows), the sample's first "
+            f"choosing token is {first}"
+        )
+    return check_indexer(arr[skip:], dims, rows=rows, start=first)
 
 
 def layer_positions(dims: IndexerDims, layers: Sequence[int]) -> list[int]:

@@ -15,6 +15,7 @@ from rr_client.core._version import __version__
 from rr_client.core.codec import wire_dtype
 from rr_client.core.errors import ConfigurationError
 from rr_client.core.hf_config import hash_layers_from_config, moe_layers_from_config, routing_dims_from_config
+from rr_client.core.indexer import IndexerDims
 
 # Engines whose capture skips hash-routed MoE layers (their rows come back all zero).
 _HASH_UNCAPTURED = frozenset({"sglang"})
@@ -47,6 +48,17 @@ class RRInfo(BaseModel):
     # What the sampled tokens' log-probs mean (rr_client.core.logprobs): "processed" (after temperature), "raw" (before:
     # vLLM's default raw_logprobs), None (the server does not say).
     logprobs_mode: Literal["processed", "raw"] | None = None
+    # The sparse-attention indexer (DeepSeek-V3.2-style DSA, rr_client.core.indexer): the layers that run one and
+    # the positions each token reads; empty / None for a model without one.
+    indexer_layers: list[int] = Field(default_factory=list)
+    index_topk: int | None = None
+
+    @property
+    def indexer(self) -> IndexerDims | None:
+        """The model's :class:`IndexerDims`, None without an indexer."""
+        if not self.indexer_layers or not self.index_topk:
+            return None
+        return IndexerDims(tuple(self.indexer_layers), self.index_topk)
 
     @model_validator(mode="after")
     def _check(self) -> RRInfo:
@@ -79,6 +91,9 @@ class RRInfo(BaseModel):
         hashed = hash_layers_from_config(cfg)
         uncaptured = {i: _HASH_REASON for i in hashed} if engine in _HASH_UNCAPTURED else {}
         moe = sorted(set(moe_layers_from_config(cfg)) | {i for i in hashed if i not in uncaptured})
+        idx = IndexerDims.from_hf_config(cfg)
+        if idx is not None:
+            extra = {"indexer_layers": list(idx.layers), "index_topk": idx.index_topk, **extra}
         return cls(
             engine=engine,
             engine_version=str(engine_version),

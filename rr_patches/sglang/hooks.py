@@ -22,6 +22,7 @@ from rr_client.core.errors import (
 )
 from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_patches.sglang.convert import checked_value
+from rr_patches.sglang.indexer import asked_indexer, indexer_fields
 from rr_patches.sglang.openai import Collector, collector, requested_format
 from rr_patches.sglang.provenance import batch_provenance, with_digest
 from rr_patches.sglang.routes import bind_tokenizer_manager
@@ -120,8 +121,10 @@ class _RRList(list):  # type: ignore[type-arg]
         collect: tuple[Collector, str] | None = None,
         checked: CheckedRouting | None = None,
         provenance: tuple[dict[str, Any], list[int] | None, Any] | None = None,
+        indexer: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(items)
+        self.indexer = indexer  # the final answer's indexer top-k fields (None: not asked)
         self.rr_fields = fields  # None: strip routing (the caller did not ask)
         self.collect = collect  # an OpenAI request's collector and this answer's rid
         self.checked = checked  # the request's routing as it passed the check (None: refused or missing)
@@ -133,8 +136,11 @@ class _RRList(list):  # type: ignore[type-arg]
         meta = out.get("meta_info") if isinstance(out, dict) else None
         if isinstance(meta, dict):
             meta.pop("routed_experts", None)
+            meta.pop("indexer_topk", None)  # SGLang's own, never rr's: rr's comes from ``indexer``
             if self.rr_fields is not None:
                 meta.update(self.rr_fields)
+            if self.indexer is not None:
+                meta.update(self.indexer)
             if self.provenance is not None:
                 prov, prompt, state = self.provenance
                 outs = getattr(state, "output_ids", None) or out.get("output_ids")
@@ -200,6 +206,7 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
     if not rids:
         return
     values = list(values) if values else []
+    idx_values = list(getattr(recv_obj, "indexer_topk", None) or [])
     misaligned = bool(values) and len(values) != len(rids)
     if misaligned:  # a request reached the scheduler without the forced flag: never guess who owns which rows
         logger.error("rr: %d routing entries for %d requests; refusing all of them", len(values), len(rids))
@@ -216,6 +223,15 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
             continue
         fields: dict[str, Any] | None = None
         checked: CheckedRouting | None = None
+        idx: dict[str, Any] | None = None
+        if finished and asked_indexer(caller):
+            idx = indexer_fields(
+                st.info,
+                idx_values[i] if len(idx_values) == len(rids) else None,
+                prompt_tokens=int(recv_obj.prompt_tokens[i]),
+                completion_tokens=int(recv_obj.completion_tokens[i]),
+                start=start,
+            )
         if finished and asked:  # routing comes with the final chunk only
             if misaligned:
                 fields = routing_error_fields(ShapeMismatchError("routing list does not line up with the batch"))
@@ -237,10 +253,12 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
                 count_sample(fields)
         prov = (batch_provenance(recv_obj, i, st.epoch, mark), prompt, state) if finished else None
         state.out_list = _RRList(
-            state.out_list, fields, (col, rid) if finished and col is not None else None, checked, prov
+            state.out_list, fields, (col, rid) if finished and col is not None else None, checked, prov, idx
         )
     if values:
         setattr(recv_obj, field, None)
+    if idx_values:
+        recv_obj.indexer_topk = None  # SGLang's own payload never reaches an answer
 
 
 def around_handle_batch_output(original: Any, self: Any, recv_obj: Any, *args: Any, **kwargs: Any) -> Any:

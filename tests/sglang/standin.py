@@ -43,6 +43,7 @@ import torch
 
 from rr_server.demo.tiny_moe import reference_routing
 from tests.sglang.deepseek_v4 import capture_buffer_rows, is_deepseek_v4
+from tests.sglang.deepseek_v32 import forward_rows, is_deepseek_v32
 
 _SURR = 5  # INIT_INCREMENTAL_DETOKENIZATION_OFFSET in SGLang
 
@@ -68,6 +69,11 @@ class StandInReq:
     def asked(self) -> bool:
         """return_routed_experts as it reached the scheduler."""
         return bool(self.tok.return_routed_experts)
+
+    @property
+    def asked_indexer(self) -> bool:
+        """return_indexer_topk as it reached the scheduler (0.5.23+)."""
+        return bool(getattr(self.tok, "return_indexer_topk", False))
 
     @property
     def start(self) -> int:
@@ -111,6 +117,7 @@ class StandInScheduler:
         # the prefill server's) and its rows for the prompt, which it never ran, are its capture buffer's at those
         # KV slots (state_capturer/base.py:75, 173-188): zeros on a fresh server. None: no P/D.
         self.pd_role: str | None = None
+        self.indexer_edit: Callable[[np.ndarray], None] | None = None  # a test's change to the indexer rows
 
     # ---- the zmq socket the TokenizerManager sends to
     def send_pyobj(self, obj: Any, flags: int = 0, protocol: int = pickle.HIGHEST_PROTOCOL) -> None:
@@ -168,6 +175,8 @@ class StandInScheduler:
         ids = req.prompt + req.completion
         if is_deepseek_v4(self.model_dir):  # HashTopK layers never write the buffer: their rows stay zero
             rows = capture_buffer_rows(self.model_dir, ids[:-1]).astype(np.int32)
+        elif is_deepseek_v32(self.model_dir):
+            rows = forward_rows(self.model_dir, ids[:-1])[0].astype(np.int32)
         else:
             rows = reference_routing(self.model_dir, ids[:-1]).astype(np.int32)
         if self.zero_rows is not None:  # a captured row lost (what the full check must refuse)
@@ -177,6 +186,14 @@ class StandInScheduler:
         if self.release >= (0, 5, 12):
             rows = rows[req.start :]
         req.rows = rows
+        return torch.from_numpy(np.ascontiguousarray(rows))
+
+    def indexer_rows(self, req: StandInReq) -> torch.Tensor:
+        """The indexer capturer's rows at finish (0.5.23 ``_maybe_collect_indexer_topk``): tokens [0, P+R-1), int32,
+        from token 0 whatever ``routed_experts_start_len`` says; ``indexer_edit`` (a test's) changes them."""
+        rows = forward_rows(self.model_dir, (req.prompt + req.completion)[:-1])[1]
+        if self.indexer_edit is not None:
+            self.indexer_edit(rows)
         return torch.from_numpy(np.ascontiguousarray(rows))
 
     def step(self, rids: list[str], *, tokens: int | None = None) -> Any:
@@ -199,6 +216,7 @@ class StandInScheduler:
             )
         }
         routing: list[Any] = []
+        indexer: list[Any] = []
         any_routing = False
         for rid in rids:
             r = self.reqs[rid]
@@ -218,6 +236,7 @@ class StandInScheduler:
             per["output_ids"].append(delta)
             per["prompt_tokens"].append(len(r.prompt))
             per["completion_tokens"].append(upto)
+            indexer.append(self.indexer_rows(r) if r.done and r.asked_indexer else None)
             value = self.routing_rows(r) if r.done and r.asked else None
             if r.asked:
                 any_routing = True
@@ -229,6 +248,7 @@ class StandInScheduler:
         values: dict[str, Any] = {
             **per,
             self.field: routing if any_routing else None,
+            "indexer_topk": indexer if any(v is not None for v in indexer) else None,
             "skip_special_tokens": [True] * n,
             "spaces_between_special_tokens": [True] * n,
             "no_stop_trim": [False] * n,

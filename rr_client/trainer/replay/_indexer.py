@@ -28,6 +28,7 @@ from rr_client.core.errors import (
     UnrecordedRoutingError,
     UnsupportedModelError,
 )
+from rr_client.trainer.replay.phase import DeviceTally
 
 __all__ = ["replay_indexer", "find_indexers", "INDEXER_CLASSES", "REFUSED_INDEXERS"]
 
@@ -97,21 +98,6 @@ def _checked_rows(rows: Any, layers: list[int], topk: int) -> tuple[torch.Tensor
     return pos, use
 
 
-class _Tally:
-    """The audit's per-layer counts, kept on the device until the block exits."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, torch.Tensor] = {}
-        self.ran: set[int] = set()
-
-    def add(self, key: str, value: torch.Tensor) -> None:
-        self.counts[key] = self.counts[key] + value if key in self.counts else value
-
-    def read(self) -> dict[str, int]:
-        keys = list(self.counts)
-        return dict(zip(keys, torch.stack([self.counts[k].long() for k in keys]).tolist())) if keys else {}
-
-
 @contextmanager
 def replay_indexer(model: nn.Module, indexer_topk: Any, *, audit: bool = False) -> Iterator[dict[str, float] | None]:
     """Force ``indexer_topk`` (``[B, S, L, index_topk]`` key positions, ``L`` = the model's indexer layers in order,
@@ -129,7 +115,8 @@ def replay_indexer(model: nn.Module, indexer_topk: Any, *, audit: bool = False) 
     pos, use = _checked_rows(indexer_topk, layers, topk)
     device = next(indexers[0][1].parameters()).device
     pos, use = pos.to(device, non_blocking=True), use.to(device, non_blocking=True)
-    tally = _Tally()
+    tally = DeviceTally()  # the hooks' counts, kept on the device until the block exits
+    ran: set[int] = set()
 
     def replay(li: int, layer: int) -> Any:
         def hook(_m: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
@@ -152,7 +139,7 @@ def replay_indexer(model: nn.Module, indexer_topk: Any, *, audit: bool = False) 
 
     def observe(li: int, layer: int) -> Any:
         def hook(_m: nn.Module, _args: Any, out: torch.Tensor) -> None:
-            tally.ran.add(layer)
+            ran.add(layer)
             u = use[:, :, li]
             tally.add(f"rows/{layer}", u.sum())
             if out.shape[-1] == topk:
@@ -170,7 +157,7 @@ def replay_indexer(model: nn.Module, indexer_topk: Any, *, audit: bool = False) 
     finally:
         for h in handles:
             h.remove()
-    counts = tally.read()
+    counts = tally.read() if tally else {}
     lost = sorted(int(k.split("/")[1]) for k, v in counts.items() if k.startswith("unreplayable/") and v)
     if lost:
         raise ReplayError(
@@ -193,7 +180,7 @@ def replay_indexer(model: nn.Module, indexer_topk: Any, *, audit: bool = False) 
     report["r3/indexer/applied_share"] = total["applied"] / total["rows"] if total["rows"] else 1.0
     report["r3/indexer/agreement"] = total["agree"] / total["rows"] if total["rows"] else 1.0
     problems = []
-    never = [layer for layer in layers if layer not in tally.ran]
+    never = [layer for layer in layers if layer not in ran]
     if never:
         problems.append(f"indexer layers {never} never ran inside the block")
     short = [layer for layer in layers if counts.get(f"applied/{layer}", 0) < counts.get(f"rows/{layer}", 0)]

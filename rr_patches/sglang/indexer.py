@@ -1,0 +1,46 @@
+"""SGLang's sparse-attention indexer top-k (0.5.23+: ``--enable-return-indexer-topk``, per request
+``return_indexer_topk``) in rr's form: SGLang's int32 rows from token 0 become the choosing tokens' rows, checked by the
+one full check (:func:`rr_client.core.indexer.check_indexer`) and sent as rr's ``.npy`` in the smallest dtype, or
+refused with the typed error (``indexer_topk: null`` and ``indexer_topk_error``); SGLang's own payload never leaves."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from rr_client.core.errors import MissingRoutingError, RoutedExpertsError, ShapeMismatchError
+from rr_client.core.indexer import INDEXER_ERROR_FIELD, INDEXER_FIELD, decode_indexer, indexer_meta_fields
+from rr_client.core.info import RRInfo
+
+__all__ = ["INDEXER_ERROR_FIELD", "indexer_fields", "asked_indexer"]
+
+logger = logging.getLogger("rr.sglang")
+
+
+def asked_indexer(caller: Any) -> bool:
+    """Whether the caller's own request asked for the indexer top-k."""
+    return bool(getattr(caller, "return_indexer_topk", False))
+
+
+def indexer_fields(
+    info: RRInfo | None, value: Any, *, prompt_tokens: int, completion_tokens: int, start: int
+) -> dict[str, Any]:
+    """rr's ``meta_info`` entries for one finished request's indexer rows (``value``: SGLang's per-request entry)."""
+    try:
+        dims = info.indexer if info is not None else None
+        if dims is None:
+            raise ShapeMismatchError("the served model's config names no sparse-attention indexer (index_topk)")
+        if value is None:
+            raise MissingRoutingError(
+                "the engine returned no indexer top-k for this request (is SGLang started with "
+                "--enable-return-indexer-topk, on a GPU backend that captures it?)"
+            )
+        if isinstance(value, (bytes, bytearray)):
+            value = value.decode("ascii")
+        checked = decode_indexer(
+            value, dims, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, start=start
+        )
+        return indexer_meta_fields(checked)
+    except RoutedExpertsError as e:
+        logger.error("rr: refusing indexer top-k: %s", e)
+        return {INDEXER_FIELD: None, INDEXER_ERROR_FIELD: f"{type(e).__name__}: {e}"}

@@ -1,0 +1,106 @@
+"""Sparse-attention indexer top-k through rr-patched SGLang 0.5.23 (real TokenizerManager, detokenizer and HTTP layer;
+the stand-in scheduler's capturers hold the routers' top-k and the indexers' picks from a transformers forward of a
+tiny DeepSeek-V3.2): asked with ``return_indexer_topk``, an answer carries rr's checked indexer rows (the choosing
+tokens only, uint16 ``.npy``) and never SGLang's raw int32; every (token, indexer layer) set equals transformers' own
+indexer pick, and replayed in transformers the attention of every replayed token reads exactly those positions.
+A malformed capture (a future position, a repeat) is refused with the typed error, the routing kept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from rr_client import IndexerDims, IndexerPositionError, RRInfo, decode_indexer
+from tests.sglang.conftest import CACHE
+from tests.sglang.deepseek_v32 import INDEX_TOPK, build_tiny_deepseek_v32, forward_rows, load
+from tests.sglang.harness import Harness
+
+pytestmark = [pytest.mark.sglang, pytest.mark.sglang_releases("0.5.23")]  # the first SGLang that returns it
+PROMPT = [3, 17, 29, 41, 53, 60, 11, 7, 90]
+
+
+@pytest.fixture(scope="module")
+def dsv32(tiny_moe: Path) -> Path:
+    return build_tiny_deepseek_v32(CACHE / "sglang-deepseek-v32", tokenizer_from=tiny_moe)
+
+
+@pytest.fixture(autouse=True)
+def gpu_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's ServerArgs reads the GPU's compute capability for a DSA model (arg_groups/model_hook.py, the CUDA
+    platform path): stood in as an H100's (9, 0), the only GPU fact this test needs."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_a, **_k: (9, 0))
+
+
+async def _generate(h: Harness, **extra: Any) -> dict[str, Any]:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0.0}, **extra}
+    status, out = await h.post(body)
+    assert status == 200, out
+    return out["meta_info"]  # type: ignore[no-any-return]
+
+
+async def test_indexer_rows_equal_transformers_and_replay_reads_them(dsv32: Path, patched: None) -> None:
+    h = Harness(dsv32)
+    async with h.client() as c:
+        info = RRInfo.model_validate((await c.get("/rr/info")).json())
+    dims = info.indexer
+    assert dims == IndexerDims((0, 1, 2), INDEX_TOPK)
+    meta = await _generate(h, return_indexer_topk=True, return_routed_experts=True)
+    assert "indexer_topk_error" not in meta and meta["indexer_topk_start"] == INDEX_TOPK
+    r = h.sched.reqs[meta["id"]]
+    tokens = r.prompt + r.completion
+    got = decode_indexer(
+        meta["indexer_topk"], dims, prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"]
+    )
+    assert got.array.dtype == np.uint16 and got.start == INDEX_TOPK
+    want = forward_rows(dsv32, tokens[:-1])[1][INDEX_TOPK:]
+    assert got.array.shape == want.shape
+    assert np.array_equal(np.sort(got.array, -1), np.sort(want, -1))  # every (token, indexer layer) set
+    # replayed in transformers: the eager attention reads exactly the engine's positions (its own weights say)
+    model = load(dsv32)
+    from rr_client.trainer import replay_indexer
+
+    picks = torch.full((1, len(tokens) - 1, 3, INDEX_TOPK), -1, dtype=torch.int32)
+    picks[0, INDEX_TOPK:] = torch.from_numpy(got.array.astype(np.int32))
+    ids = torch.tensor([tokens[:-1]])
+    with torch.no_grad(), replay_indexer(model, picks, audit=True) as report:
+        att = model(ids, output_attentions=True).attentions
+    assert report is not None and report["r3/indexer/applied_share"] == 1.0
+    for li in range(3):
+        read = att[li][0].sum(0) > 0
+        for t in range(INDEX_TOPK, len(tokens) - 1):
+            assert set(torch.nonzero(read[t]).flatten().tolist()) == set(got.array[t - INDEX_TOPK, li].tolist())
+
+
+async def test_not_asked_no_indexer_rows_and_malformed_ones_refused(dsv32: Path, patched: None) -> None:
+    h = Harness(dsv32)
+    meta = await _generate(h, return_routed_experts=True)
+    assert "indexer_topk" not in meta and "routed_experts" in meta
+
+    def future(rows: np.ndarray) -> None:
+        rows[6, 1, 2] = 8  # token 6 reads positions 0..6
+        rows[6, 1, 3] = rows[6, 1, 0]
+
+    h.sched.indexer_edit = future
+    meta = await _generate(h, return_indexer_topk=True, return_routed_experts=True)
+    assert meta["indexer_topk"] is None
+    assert (
+        meta["indexer_topk_error"].startswith("IndexerPositionError") and "future token" in meta["indexer_topk_error"]
+    )
+    assert meta["routed_experts"] is not None  # the routing is unaffected
+    from rr_client import RoutedExpertsClient
+    from tests.sglang.test_doctor_sglang import scheduler_loop
+
+    http = httpx.ASGITransport(app=h.http.app)
+    async with scheduler_loop(h), RoutedExpertsClient("http://sglang", transport=http, retries=0) as c:
+        with pytest.raises(IndexerPositionError, match="future token"):
+            await c.generate([PROMPT], {"max_new_tokens": 5}, return_indexer_topk=True)
+        h.sched.indexer_edit = None
+        (r,) = await c.generate([PROMPT], {"max_new_tokens": 5}, return_indexer_topk=True)
+    assert r.indexer_topk_start == INDEX_TOPK and r.indexer_topk.dtype == np.uint16
+    want = forward_rows(dsv32, (PROMPT + r.output_ids)[:-1])[1][INDEX_TOPK:]
+    assert np.array_equal(np.sort(r.indexer_topk, -1), np.sort(want, -1))
