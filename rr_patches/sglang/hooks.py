@@ -22,11 +22,11 @@ from rr_client.core.errors import (
 )
 from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_patches.sglang.convert import checked_value
-from rr_patches.sglang.indexer import asked_indexer, indexer_fields
 from rr_patches.sglang.openai import Collector, collector, requested_format
 from rr_patches.sglang.provenance import batch_provenance, with_digest
 from rr_patches.sglang.routes import bind_tokenizer_manager
 from rr_patches.sglang.state import RRState, rr_enabled, state_of
+from rr_server.serving.indexer_fields import asked_indexer, indexer_fields
 from rr_server.serving.routing_metrics import count_sample
 from rr_server.serving.routing_metrics import declare as declare_counters
 from rr_server.serving.store import current_store, refs_made_under

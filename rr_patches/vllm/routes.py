@@ -44,6 +44,7 @@ from rr_server.serving.generate_protocol import (
     sse_line,
 )
 from rr_server.serving.http import error_body, json_response
+from rr_server.serving.indexer_fields import vllm_indexer_refusal
 from rr_server.serving.openai_middleware import install_openai_routing
 from rr_server.serving.routing_metrics import count_sample
 from rr_server.serving.routing_metrics import declare as declare_counters
@@ -390,6 +391,8 @@ async def generate(request: Request) -> Response:
             req = dataclasses.replace(req, return_routed_experts=True)
         if req.return_routed_experts and not _routing_enabled(request.app):
             raise BadRequest("this server was started without --enable-return-routed-experts")
+        if req.return_indexer_topk:
+            raise BadRequest(vllm_indexer_refusal())
         if req.stream:
             return await _stream(request.app, req)
         return await _unless_disconnected(request, req)

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 
 from rr_client.core.codec import expected_rows
+from rr_client.core.indexer import INDEXER_FIELD
 from rr_client.core.info import RRInfo
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.metrics import ProxyMetrics
@@ -22,6 +23,7 @@ from rr_server.serving.generate_protocol import (
     sse_line,
 )
 from rr_server.serving.http import error_body
+from rr_server.serving.indexer_fields import indexer_fields
 from rr_server.serving.store import refs_made_under
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
@@ -103,6 +105,7 @@ class SGLangBackend:
         upstream_meta = dict(meta)
         for k in ROUTING_KEYS:
             meta.pop(k, None)
+        meta.pop(INDEXER_FIELD, None)  # SGLang's raw int32: rr's checked rows replace it below, or nothing does
         out["meta_info"] = meta
         prov = (
             sglang_provenance(upstream_meta, self._epoch, mark, self._prompt_ids(req, j, index), item.get("output_ids"))
@@ -111,6 +114,16 @@ class SGLangBackend:
         )
         if prov is not None:
             attach(meta, prov)
+        if req.return_indexer_topk and final:
+            meta.update(
+                indexer_fields(
+                    info,
+                    upstream_meta.get(INDEXER_FIELD),
+                    prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                    completion_tokens=int(meta.get("completion_tokens", 0)),
+                    start=req.routed_experts_start,
+                )
+            )
         if not (req.return_routed_experts and final):
             return out
         pt, ct = meta.get("prompt_tokens"), meta.get("completion_tokens")

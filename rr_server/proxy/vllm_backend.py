@@ -24,6 +24,7 @@ from rr_server.serving.generate_protocol import (
     build_item,
     sse_line,
 )
+from rr_server.serving.indexer_fields import vllm_indexer_refusal
 from rr_server.serving.store import refs_made_under
 from rr_server.serving.vllm_translate import finish_reason_dict, to_vllm_sampling_kwargs
 from rr_server.serving.weight_epoch import WeightEpoch
@@ -88,6 +89,8 @@ class VLLMBackend:
 
     async def _items(self, req: NormalizedGenerate) -> list[dict[str, Any]]:
         """Every sample's reply item, in prompt order."""
+        if req.return_indexer_topk:
+            raise ProxyError(400, "bad_request", vllm_indexer_refusal())
         info, model = await self._info()
         base = uuid.uuid4().hex
         parts = await gather_or_cancel(self._one(req, i, info, model, base) for i in range(len(req.prompts)))

@@ -114,6 +114,7 @@ class GenerateRequest(BaseModel):
     routed_experts_format: Literal["npy", "sglang", "ref"] | None = None
     return_logprob: StrictBool | list[StrictBool] = False
     rid: str | list[str] | None = None
+    return_indexer_topk: StrictBool = False  # SGLang 0.5.23+'s sparse-attention indexer picks (rr_client.core.indexer)
 
     @field_validator("text")
     @classmethod
@@ -151,6 +152,7 @@ class NormalizedGenerate:
     return_logprob: list[bool]
     rids: list[str | None]
     routed_experts_format: str = "npy"
+    return_indexer_topk: bool = False
 
 
 # sampling keys other APIs spell differently: the /generate (SGLang) name a refusal points to
@@ -262,6 +264,7 @@ def parse_generate_request(body: bytes | str | Mapping[str, Any]) -> NormalizedG
         return_logprob=[bool(x) for x in _per_prompt(req.return_logprob, n, "return_logprob")],
         rids=rids,
         routed_experts_format=req.routed_experts_format or default_routed_experts_format(),
+        return_indexer_topk=req.return_indexer_topk,
     )
 
 

@@ -104,3 +104,28 @@ async def test_not_asked_no_indexer_rows_and_malformed_ones_refused(dsv32: Path,
     assert r.indexer_topk_start == INDEX_TOPK and r.indexer_topk.dtype == np.uint16
     want = forward_rows(dsv32, (PROMPT + r.output_ids)[:-1])[1][INDEX_TOPK:]
     assert np.array_equal(np.sort(r.indexer_topk, -1), np.sort(want, -1))
+
+
+async def test_the_sidecar_checks_an_unpatched_servers_indexer_rows(dsv32: Path) -> None:
+    """rr's sidecar in front of unpatched SGLang: SGLang's raw int32 indexer rows become rr's checked ones (equal to
+    transformers), a malformed capture the typed refusal; the raw payload never passes."""
+    from tests.sglang.test_sidecar_sglang import client_of, sidecar_app
+
+    h = Harness(dsv32)
+    async with sidecar_app(h) as app:
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5}, "return_indexer_topk": True}
+        status, out = await h.post(body, via=client_of(app))
+        assert status == 200, out
+        meta = out["meta_info"]
+        r = h.sched.reqs[meta["id"]]
+        info = RRInfo.model_validate((await client_of(app).get("/rr/info")).json())
+        got = decode_indexer(
+            meta["indexer_topk"], info.indexer, prompt_tokens=len(r.prompt), completion_tokens=len(r.completion)
+        )
+        assert got.array.dtype == np.uint16 and meta["indexer_topk_start"] == INDEX_TOPK
+        want = forward_rows(dsv32, (r.prompt + r.completion)[:-1])[1][INDEX_TOPK:]
+        assert np.array_equal(np.sort(got.array, -1), np.sort(want, -1))
+        h.sched.indexer_edit = lambda rows: rows.__setitem__((7, 0, 1), rows[7, 0, 0])  # a repeat
+        status, out = await h.post(body, via=client_of(app))
+        assert out["meta_info"]["indexer_topk"] is None
+        assert out["meta_info"]["indexer_topk_error"].startswith("IndexerPositionError")

@@ -57,6 +57,14 @@ BAD_REQUESTS: tuple[BadRequestCase, ...] = (
     BadRequestCase("negative token id", b'{"input_ids": [1, -2]}', 400, "non-negative"),
     BadRequestCase("wrong-typed flag", b'{"text": "a", "return_routed_experts": "yes"}', 400, "return_routed_experts"),
     BadRequestCase("wrong-typed stream", b'{"text": "a", "stream": 1}', 400, "stream"),
+    BadRequestCase("wrong-typed indexer flag", b'{"text": "a", "return_indexer_topk": 1}', 400, "return_indexer_topk"),
+    BadRequestCase(  # no vLLM release captures the sparse-attention indexer's picks
+        "indexer top-k from vLLM",
+        b'{"input_ids": [1, 2], "return_indexer_topk": true}',
+        400,
+        "vllm#49555",
+        frozenset({VLLM, SIDECAR_VLLM}),
+    ),
     BadRequestCase(
         "wrong-typed sampling", b'{"text": "a", "sampling_params": {"temperature": "hot"}}', 400, "temperature"
     ),

@@ -1,7 +1,8 @@
 """SGLang's sparse-attention indexer top-k (0.5.23+: ``--enable-return-indexer-topk``, per request
-``return_indexer_topk``) in rr's form: SGLang's int32 rows from token 0 become the choosing tokens' rows, checked by the
-one full check (:func:`rr_client.core.indexer.check_indexer`) and sent as rr's ``.npy`` in the smallest dtype, or
-refused with the typed error (``indexer_topk: null`` and ``indexer_topk_error``); SGLang's own payload never leaves."""
+``return_indexer_topk``) in rr's form, for rr's SGLang patch and the sidecar alike: SGLang's int32 rows from token 0
+become the choosing tokens' rows, checked by the one full check (:func:`rr_client.core.indexer.check_indexer`) and sent
+as rr's ``.npy`` in the smallest dtype, or refused with the typed error (``indexer_topk: null`` and
+``indexer_topk_error``); SGLang's own payload never leaves. vLLM captures none: :func:`vllm_indexer_refusal`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from rr_client.core.errors import MissingRoutingError, RoutedExpertsError, Shape
 from rr_client.core.indexer import INDEXER_ERROR_FIELD, INDEXER_FIELD, decode_indexer, indexer_meta_fields
 from rr_client.core.info import RRInfo
 
-__all__ = ["INDEXER_ERROR_FIELD", "indexer_fields", "asked_indexer"]
+__all__ = ["INDEXER_ERROR_FIELD", "INDEXER_REQUEST_FIELD", "indexer_fields", "asked_indexer", "vllm_indexer_refusal"]
+
+INDEXER_REQUEST_FIELD = "return_indexer_topk"  #: SGLang's per-request flag, rr's too
 
 logger = logging.getLogger("rr.sglang")
 
@@ -44,3 +47,11 @@ def indexer_fields(
     except RoutedExpertsError as e:
         logger.error("rr: refusing indexer top-k: %s", e)
         return {INDEXER_FIELD: None, INDEXER_ERROR_FIELD: f"{type(e).__name__}: {e}"}
+
+
+def vllm_indexer_refusal() -> str:
+    """The 400 message for a request asking vLLM for the indexer top-k: no release captures it."""
+    return (
+        f"{INDEXER_REQUEST_FIELD}: vLLM captures no sparse-attention indexer top-k (an open request, vllm#49555); "
+        "serve the model on SGLang 0.5.23+ with rr's patch (--enable-return-indexer-topk) for indexer replay"
+    )
