@@ -129,3 +129,36 @@ async def test_the_sidecar_checks_an_unpatched_servers_indexer_rows(dsv32: Path)
         status, out = await h.post(body, via=client_of(app))
         assert out["meta_info"]["indexer_topk"] is None
         assert out["meta_info"]["indexer_topk_error"].startswith("IndexerPositionError")
+
+
+async def test_a_plain_training_step_replays_experts_and_indexer_from_the_engine(dsv32: Path, patched: None) -> None:
+    """One SGD step on (a fresh copy of) the tiny DeepSeek-V3.2 with the engine's rows from rr's client: the experts
+    (replay_routing) and the indexer (replay_indexer) replayed together, both audits at 100% applied, gradients
+    through the replayed forward, and the weights moved."""
+    import transformers
+
+    from rr_client import RoutedExpertsClient
+    from rr_client.trainer import replay_indexer, replay_routing
+    from tests.sglang.test_doctor_sglang import scheduler_loop
+
+    h = Harness(dsv32)
+    http = httpx.ASGITransport(app=h.http.app)
+    async with scheduler_loop(h), RoutedExpertsClient("http://sglang", transport=http, retries=0) as c:
+        (r,) = await c.generate([PROMPT], {"max_new_tokens": 5}, return_indexer_topk=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(dsv32, dtype=torch.float32, attn_implementation="eager")
+    model.train()
+    tokens = r.prompt_ids + r.output_ids
+    ids = torch.tensor([tokens[:-1]])
+    picks = torch.full((1, ids.shape[1], 3, INDEX_TOPK), -1, dtype=torch.int32)
+    picks[0, r.indexer_topk_start :] = torch.from_numpy(r.indexer_topk.astype(np.int32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    routing = torch.from_numpy(r.routed_experts.astype(np.int64))[None]
+    with replay_routing(model, routing, audit=True) as r3, replay_indexer(model, picks, audit=True) as idx:
+        loss = model(ids, labels=ids).loss  # transformers shifts the labels itself
+        loss.backward()
+    opt.step()
+    assert r3 is not None and idx is not None
+    assert r3["r3/applied_share"] == 1.0 and idx["r3/indexer/applied_share"] == 1.0
+    assert idx["r3/indexer/replayed_rows"] == 3 * (ids.shape[1] - INDEX_TOPK)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
