@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from rr_client.core.engines import EngineName
 from rr_client.core.engines import engine as find_engine
+from rr_client.core.errors import UnsupportedVersionError
 from rr_client.core.info import RRInfo
 from rr_server.proxy.backend import Backend
 from rr_server.proxy.errors import ProxyError, error_payload
@@ -166,7 +167,7 @@ def _pd_release_refusal(version: str) -> str | None:
     known: each sample's own check then refuses missing rows)."""
     try:
         return sglang_pd_refusal(version, ["--disaggregation-mode", "prefill"])
-    except Exception:  # an unparsable version ("unknown", a dev build)
+    except UnsupportedVersionError:  # an unparsable version ("unknown", a dev build)
         return None
 
 
@@ -257,7 +258,7 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
                 raise ProxyError(
                     400,
                     "bad_request",
-                    f"{route}: the P/D sidecar serves /generate only (token ids; the seam is joined there)",
+                    f"{route}: the P/D sidecar serves /generate only (where each sample's two halves are joined)",
                 )
             out = await serve_openai(sc, route, await request.body())
             sc.metrics.requests.labels(route, str(out.status_code)).inc()

@@ -120,3 +120,12 @@ def test_sglang_disaggregation_is_refused_where_the_prefill_server_returns_no_ro
     else:
         with pytest.raises(Patched):
             launch_sglang.main(argv)
+
+
+def test_the_pd_sidecar_judges_a_prefill_server_by_its_release_and_lets_an_unknown_one_through() -> None:
+    """Before 0.5.22 the reason names the rule; 0.5.22+ passes; an unparsable version ("unknown", a dev build) passes
+    too, since each sample's own check still refuses a prefill answer without rows."""
+    from rr_server.proxy.app import _pd_release_refusal
+
+    assert "0.5.22+" in (_pd_release_refusal("0.5.21") or "")
+    assert _pd_release_refusal("0.5.22") is None and _pd_release_refusal("unknown") is None
