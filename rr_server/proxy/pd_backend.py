@@ -22,6 +22,7 @@ from typing import Any
 
 from rr_client.core.codec import CheckedRouting, check_payload, routing_error_fields, routing_meta_fields
 from rr_client.core.errors import RoutedExpertsError, SeamMismatchError, StaleRoutingError
+from rr_client.core.indexer import INDEXER_FIELD
 from rr_client.core.info import RRInfo
 from rr_client.core.seam import SEAM_FIELD, Half, merge_halves
 from rr_server.proxy.errors import ProxyError
@@ -66,6 +67,13 @@ class PDBackend:
 
     async def generate(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> Any:
         """Both servers at once, one room per sample; each decode item with the sample's joined rows."""
+        if req.return_indexer_topk:
+            raise ProxyError(
+                400,
+                "bad_request",
+                "return_indexer_topk: the P/D sidecar does not join the indexer's rows at the seam (yet); ask the "
+                "servers of a non-disaggregated deployment",
+            )
         if any(s.n != 1 for s in req.sampling):
             raise ProxyError(
                 400, "bad_request", "P/D generates one sample per prompt (one bootstrap room each): n must be 1"
@@ -94,7 +102,7 @@ class PDBackend:
         """One sample: the decode server's item, its routing replaced by the checked join (or the refusal)."""
         pm, dm = p["meta_info"], d["meta_info"]
         out = dict(d)
-        meta = {k: v for k, v in dm.items() if k not in ROUTING_KEYS}
+        meta = {k: v for k, v in dm.items() if k not in ROUTING_KEYS and k != INDEXER_FIELD}  # raw payloads stay
         out["meta_info"] = meta
         prompt = req.prompts[j] if isinstance(req.prompts[j], list) else None
         prov = sglang_provenance(dm, self._epoch, mark, prompt, d.get("output_ids"))

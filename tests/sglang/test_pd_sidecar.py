@@ -136,5 +136,8 @@ def test_openai_endpoints_and_streams_are_refused_and_it_keeps_serving(sidecar: 
     body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "n": 2}}
     r = httpx.post(f"{url}/generate", json=body, timeout=10)
     assert r.status_code == 400 and "n must be 1" in r.text
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}, "return_indexer_topk": True}
+    r = httpx.post(f"{url}/generate", json=body, timeout=10)
+    assert r.status_code == 400 and "indexer" in r.text
     (ok,) = generate(url, [[5, 6, 7]], 2)
     assert ok.routed_experts.shape[0] == 3 + 2 - 1
