@@ -20,6 +20,7 @@ from rr_client.core.errors import (
     SeamMismatchError,
     ShapeMismatchError,
 )
+from rr_client.core.indexer import INDEXER_ERROR_FIELD, INDEXER_FIELD
 from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_patches.sglang.convert import checked_value
 from rr_patches.sglang.openai import Collector, collector, requested_format
@@ -225,6 +226,11 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
         checked: CheckedRouting | None = None
         idx: dict[str, Any] | None = None
         if finished and asked_indexer(caller):
+            # a P/D decode server never ran the prompt: its indexer rows there are leftovers, as its routing rows are
+            first = max(start, (st.info.index_topk if st.info is not None else None) or 0)  # its first row
+            unran_idx = _decode_unran(tm, int(recv_obj.prompt_tokens[i]), first)
+            idx = {INDEXER_FIELD: None, INDEXER_ERROR_FIELD: f"SeamMismatchError: {unran_idx}"} if unran_idx else None
+        if finished and asked_indexer(caller) and idx is None:
             idx = indexer_fields(
                 st.info,
                 idx_values[i] if len(idx_values) == len(rids) else None,

@@ -162,3 +162,22 @@ async def test_a_plain_training_step_replays_experts_and_indexer_from_the_engine
     assert r3["r3/applied_share"] == 1.0 and idx["r3/indexer/applied_share"] == 1.0
     assert idx["r3/indexer/replayed_rows"] == 3 * (ids.shape[1] - INDEX_TOPK)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+async def test_a_pd_decode_server_refuses_indexer_rows_for_the_prompt_it_never_ran(dsv32: Path, patched: None) -> None:
+    """On a P/D decode server the prompt's indexer rows are capture-buffer leftovers, like its routing rows: refused
+    (SeamMismatchError naming routed_experts_start_len), never sent as picks."""
+    from rr_server.launch.process import free_port
+
+    port = free_port()
+    h = Harness(
+        dsv32,
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="fake",
+        disaggregation_bootstrap_port=port,
+    )
+    h.sched.pd_role = "decode"
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 11}
+    meta = await _generate(h, return_indexer_topk=True, **boot)
+    assert meta["indexer_topk"] is None and meta["indexer_topk_error"].startswith("SeamMismatchError")
+    assert "P/D decode server" in meta["indexer_topk_error"]
