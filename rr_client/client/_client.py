@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from rr_client.core.errors import (
     ServerError,
     TransportError,
 )
+from rr_client.core.indexer import INDEXER_FORMAT_FIELD
 from rr_client.core.info import RRInfo
 from rr_client.core.reference import RETIRE_PATH, RoutingRef
 from rr_client.core.seam import SeamRef, merge_halves
@@ -185,10 +187,12 @@ class RoutedExpertsClient:
     async def resolve_results(self, results: Sequence[GenerateResult]) -> list[GenerateResult]:
         """``results`` with every ``routing_ref`` resolved into ``routed_experts`` (others as they are), each
         ref bound to its own result's tokens: what a trainer rank calls on its own micro-batches only. A P/D
-        sample's :class:`SeamRef` is read from both servers in the same reads and merged at its seam."""
+        sample's :class:`SeamRef` is read from both servers in the same reads and merged at its seam; a sample's
+        indexer ref (``indexer_ref``) into ``indexer_topk``."""
         todo = [i for i, r in enumerate(results) if r.routing_ref is not None and r.routed_experts is None]
-        refs: list[RoutingRef] = []
-        tokens: list[RefTokens] = []
+        idx_todo = [i for i, r in enumerate(results) if r.indexer_ref is not None and r.indexer_topk is None]
+        refs: list[RoutingRef] = [results[i].indexer_ref for i in idx_todo]  # type: ignore[misc]
+        tokens: list[RefTokens] = [results[i] for i in idx_todo]
         for i in todo:
             r, ref = results[i], results[i].routing_ref
             if isinstance(ref, SeamRef):  # the prefill server's sample ends at the first token it sampled
@@ -200,6 +204,8 @@ class RoutedExpertsClient:
         rows = iter(await self.resolve(refs, tokens=tokens))
         info = await self.info() if refs else None
         out = list(results)
+        for i in idx_todo:  # the indexer's rows, read in the same calls as the routing
+            out[i] = replace(results[i], indexer_topk=next(rows))
         for i in todo:
             ref = results[i].routing_ref
             if isinstance(ref, SeamRef):
@@ -212,9 +218,9 @@ class RoutedExpertsClient:
                     where=f"sample {results[i].index}",
                     checked=True,
                 )
-                out[i] = results[i].with_routing(merged)
+                out[i] = out[i].with_routing(merged)
             else:
-                out[i] = results[i].with_routing(next(rows))
+                out[i] = out[i].with_routing(next(rows))
         return out
 
     async def retire(self, through: int) -> list[dict[str, int]]:
@@ -342,11 +348,14 @@ class RoutedExpertsClient:
         affinity: Hashable | None = None,
         by_reference: bool = False,
         return_indexer_topk: bool = False,
+        indexer_by_reference: bool | None = None,
     ) -> GenerateBatch:
         """Generate for each prompt (text or token ids); results in prompt order, ``n`` per prompt.
 
         ``return_indexer_topk`` (a sparse-attention model on rr-patched SGLang 0.5.23+): each result's
-        ``indexer_topk`` holds the engine's checked indexer picks (:mod:`rr_client.core.indexer`), inline.
+        ``indexer_topk`` holds the engine's checked indexer picks (:mod:`rr_client.core.indexer`), or, by reference
+        (``indexer_by_reference``; None: the server's default, by reference), ``indexer_ref`` until
+        :meth:`resolve_results` reads them.
 
         ``by_reference``: the server keeps each sample's checked routing and answers a :class:`RoutingRef`
         (``result.routing_ref``, a few hundred bytes) instead of the rows; :meth:`resolve_results` reads them
@@ -379,7 +388,7 @@ class RoutedExpertsClient:
                 return_logprob,
                 affinity,
                 by_reference,
-                {"return_indexer_topk": True} if return_indexer_topk else None,
+                _indexer_body(return_indexer_topk, indexer_by_reference),
             )
             for c in chunks
         ]
@@ -573,6 +582,16 @@ class RoutedExpertsClient:
         from rr_client.client.trajectory import ChatTrajectory
 
         return ChatTrajectory(self, messages, tools=tools, affinity=affinity)
+
+
+def _indexer_body(asked: bool, by_reference: bool | None) -> dict[str, Any] | None:
+    """The request fields asking for the indexer top-k (None: not asked)."""
+    if not asked:
+        return None
+    body: dict[str, Any] = {"return_indexer_topk": True}
+    if by_reference is not None:
+        body[INDEXER_FORMAT_FIELD] = "ref" if by_reference else "npy"
+    return body
 
 
 def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:

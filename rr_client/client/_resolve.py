@@ -21,6 +21,7 @@ import orjson
 from rr_client.client.http_errors import error_for_status, map_httpx_error
 from rr_client.core.codec import check_routing
 from rr_client.core.errors import ProtocolError, RoutingChecksumError, RoutingExpiredError, ShapeMismatchError
+from rr_client.core.indexer import check_indexer
 from rr_client.core.info import RRInfo
 from rr_client.core.reference import (
     FRAME_MEDIA_TYPE,
@@ -82,6 +83,10 @@ def checked_part(ref: RoutingRef, part: FramePart, info: RRInfo) -> np.ndarray:
         raise RoutingChecksumError(
             f"routing ref {ref.key}: the rows' checksum {part.digest} is not the ref's {ref.checksum}"
         )
+    if ref.kind == "indexer":  # sparse-attention indexer picks: their own full check
+        if info.indexer is None:
+            raise ShapeMismatchError(f"routing ref {ref.key}: indexer rows, but the server's model has no indexer")
+        return check_indexer(part.rows, info.indexer, rows=ref.rows, start=ref.start).array
     return check_routing(part.rows, info, rows=ref.rows, start=ref.start).array
 
 

@@ -13,9 +13,11 @@ from rr_client.core.errors import MissingRoutingError, ProtocolError, RoutedExpe
 from rr_client.core.indexer import (
     INDEXER_ERROR_FIELD,
     INDEXER_FIELD,
+    INDEXER_REF_FIELD,
     INDEXER_START_FIELD,
     CheckedIndexer,
     decode_indexer,
+    first_choosing_row,
 )
 from rr_client.core.info import RRInfo
 from rr_client.core.logprobs import parse_token_logprobs
@@ -71,6 +73,8 @@ class GenerateResult:
     #: ``indexer_topk_start ..`` (asked with ``return_indexer_topk``; :mod:`rr_client.core.indexer`)
     indexer_topk: np.ndarray | None = field(default=None, repr=False)
     indexer_topk_start: int | None = None
+    #: by reference (the server default): the ref of those rows, read by ``resolve_results``
+    indexer_ref: RoutingRef | None = None
 
     def with_routing(self, rows: np.ndarray) -> GenerateResult:
         """This sample with its routing resolved (the ref kept for the record)."""
@@ -289,22 +293,36 @@ def parse_sample(
     )
     if indexer is None:
         return result
+    if isinstance(indexer, RoutingRef):
+        return replace(result, indexer_ref=indexer, indexer_topk_start=indexer.start)
     return replace(result, indexer_topk=indexer.array, indexer_topk_start=indexer.start)
 
 
 def sample_indexer(
     meta: dict[str, Any], info: RRInfo, *, prompt_tokens: int, completion_tokens: int, start: int, where: str
-) -> CheckedIndexer:
-    """One sample's indexer picks (taken out of ``meta``), checked by the one full check; the server's refusal as
-    the typed error it names."""
+) -> CheckedIndexer | RoutingRef:
+    """One sample's indexer picks (taken out of ``meta``): inline, checked by the one full check; by reference, the
+    ref held to the request (kind, rows, layers, width, start); the server's refusal as the typed error it names."""
     error = meta.pop(INDEXER_ERROR_FIELD, None)
     payload = meta.pop(INDEXER_FIELD, None)
+    raw_ref = meta.pop(INDEXER_REF_FIELD, None)
     first = meta.pop(INDEXER_START_FIELD, None)
     if error:
         raise _refusal(str(error))
     dims = info.indexer
     if dims is None:
         raise ShapeMismatchError(f"{where}: asked for the indexer top-k, but the server's model has no indexer")
+    want_first = first_choosing_row(dims.index_topk, start)
+    if raw_ref is not None:
+        ref = RoutingRef.from_dict(raw_ref, f"{where}: {INDEXER_REF_FIELD}")
+        rows = max(prompt_tokens + completion_tokens - 1 - want_first, 0)
+        want = ("indexer", rows, len(dims.layers), dims.index_topk, want_first)
+        got = (ref.kind, ref.rows, ref.layers, ref.topk, ref.start)
+        if got != want:
+            raise ShapeMismatchError(
+                f"{where}: indexer ref for (kind, rows, layers, index_topk, start) {got}, expected {want}"
+            )
+        return ref
     if payload is None:
         raise MissingRoutingError(f"{where}: asked for the indexer top-k, the server sent none")
     try:

@@ -32,6 +32,10 @@ __all__ = [
     "INDEXER_FIELD",
     "INDEXER_START_FIELD",
     "INDEXER_ERROR_FIELD",
+    "INDEXER_REF_FIELD",
+    "INDEXER_FORMAT_FIELD",
+    "INDEXER_FORMATS",
+    "check_indexer_format",
     "IndexerDims",
     "CheckedIndexer",
     "indexer_dtype",
@@ -45,6 +49,18 @@ __all__ = [
 INDEXER_FIELD = "indexer_topk"  #: SGLang's meta_info key, and rr's
 INDEXER_START_FIELD = "indexer_topk_start"  #: the token position of rr's first indexer row
 INDEXER_ERROR_FIELD = "indexer_topk_error"  #: a refused sample's ``"<ErrorType>: message"`` (``indexer_topk`` null)
+INDEXER_REF_FIELD = "indexer_topk_ref"  #: by reference: the :class:`rr_client.RoutingRef` (kind "indexer") instead
+INDEXER_FORMAT_FIELD = "indexer_topk_format"  #: a request's choice: "ref" (the default: their size) or "npy" (inline)
+INDEXER_FORMATS = ("ref", "npy")
+
+
+def check_indexer_format(fmt: Any) -> str:
+    """An ``indexer_topk_format`` value (:data:`INDEXER_FORMATS`); ConfigurationError naming the field otherwise."""
+    if fmt not in INDEXER_FORMATS:
+        from rr_client.core.errors import ConfigurationError
+
+        raise ConfigurationError(f"{INDEXER_FORMAT_FIELD} must be one of {list(INDEXER_FORMATS)}, got {fmt!r}")
+    return str(fmt)
 
 
 @dataclass(frozen=True, slots=True)

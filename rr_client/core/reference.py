@@ -56,7 +56,8 @@ READ_PATH = "/rr/routing/read"  #: every rr server's read route (POST, JSON refs
 #: client's split (a server with a lower cap says it in its 413, and the client splits by that)
 MAX_READ_BYTES = 128 << 20
 RETIRE_PATH = "/rr/routing/retire"  #: every rr server's retire route (POST {"through": V})
-_DTYPES = ("uint8", "uint16")
+_DTYPES = ("uint8", "uint16", "uint32")  # uint32: indexer rows of samples over 65,536 tokens
+KINDS = ("routing", "indexer")  #: what a ref holds: expert routing, or sparse-attention indexer picks
 _MAX_HEADER = 64 * 1024 * 1024
 _MAX_DEPTH = 8  #: nesting a frame header may have (its own is 4: object, parts, part, shape)
 _MAX_AXIS = 65536  #: layers and top-k of a part (MAX_EXPERTS bounds top-k; no model has more layers)
@@ -113,6 +114,7 @@ class RoutingRef:
     checksum: str
     schema: str = REF_SCHEMA
     provenance: Provenance | None = None
+    kind: str = "routing"  #: :data:`KINDS`: ``layers`` x ``topk`` are indexer layers x index_topk for "indexer"
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -127,6 +129,8 @@ class RoutingRef:
         """The JSON object an answer carries as ``routed_experts_ref`` (``provenance`` only when known)."""
         d = asdict(replace(self, provenance=None))
         del d["provenance"]
+        if self.kind == "routing":  # the field older readers do not know is sent only when it says something
+            del d["kind"]
         if self.provenance is not None:
             d["provenance"] = self.provenance.to_dict()
         return d
@@ -153,6 +157,9 @@ class RoutingRef:
             raise MalformedPayloadError(f"{where}: empty key or store")
         prov = d.get("provenance")
         kw["provenance"] = None if prov is None else Provenance.from_dict(prov, f"{where}: provenance")
+        kw["kind"] = d.get("kind", "routing")
+        if kw["kind"] not in KINDS:
+            raise MalformedPayloadError(f"{where}: kind {kw['kind']!r}, expected one of {list(KINDS)}")
         return cls(**kw)
 
 

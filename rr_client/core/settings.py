@@ -65,6 +65,12 @@ SETTINGS: dict[str, Setting] = {
             "RR_SGLANG_ALWAYS_RETURN_ROUTED_EXPERTS", "flag", "patched SGLang: every answer carries routing", "off"
         ),
         Setting(
+            "RR_INDEXER_TOPK_FORMAT",
+            "text",
+            "server default `indexer_topk_format`: `ref` (by reference) or `npy` (inline)",
+            "ref",
+        ),
+        Setting(
             "RR_ROUTED_EXPERTS_FORMAT",
             "text",
             "server default `routed_experts_format`: `npy`, `sglang` or `ref`",

@@ -20,10 +20,10 @@ from rr_client.core.errors import (
     SeamMismatchError,
     ShapeMismatchError,
 )
-from rr_client.core.indexer import INDEXER_ERROR_FIELD, INDEXER_FIELD
+from rr_client.core.indexer import INDEXER_ERROR_FIELD, INDEXER_FIELD, INDEXER_REF_FIELD
 from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_patches.sglang.convert import checked_value
-from rr_patches.sglang.openai import Collector, collector, requested_format
+from rr_patches.sglang.openai import Collector, collector, requested_format, requested_indexer_format
 from rr_patches.sglang.provenance import batch_provenance, with_digest
 from rr_patches.sglang.routes import bind_tokenizer_manager
 from rr_patches.sglang.state import RRState, rr_enabled, state_of
@@ -94,6 +94,8 @@ def around_send(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
                 st.collectors[rid] = col
                 asked, start = True, start or col.start
             st.asked[rid] = (asked, start, fmt)
+            if asked_indexer(caller):
+                st.indexer_format[rid] = requested_indexer_format()
             st.admitted[rid] = (st.epoch.mark(), _ids(t.input_ids))
             t.return_routed_experts = True
         if len(st.asked) > _MAX_REMEMBERED:  # requests that vanished without a final answer
@@ -101,6 +103,7 @@ def around_send(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
                 st.asked.pop(rid, None)
                 st.collectors.pop(rid, None)
                 st.admitted.pop(rid, None)
+                st.indexer_format.pop(rid, None)
     return original(self, *args, **kwargs)
 
 
@@ -147,9 +150,10 @@ class _RRList(list):  # type: ignore[type-arg]
                 outs = getattr(state, "output_ids", None) or out.get("output_ids")
                 prov = with_digest(prov, prompt, outs)
                 meta[PROVENANCE_FIELD] = prov
-                ref = meta.get("routed_experts_ref")
-                if isinstance(ref, dict):  # a by-reference answer's ref carries it too
-                    meta["routed_experts_ref"] = {**ref, "provenance": prov}
+                for key in ("routed_experts_ref", INDEXER_REF_FIELD):  # a by-reference answer's refs carry it too
+                    ref = meta.get(key)
+                    if isinstance(ref, dict):
+                        meta[key] = {**ref, "provenance": prov}
         if self.collect is not None and self.rr_fields is not None:
             self.collect[0].finished(self.collect[1], out, self.checked, self.rr_fields.get("routed_experts_error"))
         super().append(out)
@@ -231,13 +235,15 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
             unran_idx = _decode_unran(tm, int(recv_obj.prompt_tokens[i]), first)
             idx = {INDEXER_FIELD: None, INDEXER_ERROR_FIELD: f"SeamMismatchError: {unran_idx}"} if unran_idx else None
         if finished and asked_indexer(caller) and idx is None:
-            idx = indexer_fields(
-                st.info,
-                idx_values[i] if len(idx_values) == len(rids) else None,
-                prompt_tokens=int(recv_obj.prompt_tokens[i]),
-                completion_tokens=int(recv_obj.completion_tokens[i]),
-                start=start,
-            )
+            with refs_made_under(mark.version if mark is not None else None):  # a ref: the weights it ran on
+                idx = indexer_fields(
+                    st.info,
+                    idx_values[i] if len(idx_values) == len(rids) else None,
+                    prompt_tokens=int(recv_obj.prompt_tokens[i]),
+                    completion_tokens=int(recv_obj.completion_tokens[i]),
+                    start=start,
+                    fmt=st.indexer_format.pop(rid, None),
+                )
         if finished and asked:  # routing comes with the final chunk only
             if misaligned:
                 fields = routing_error_fields(ShapeMismatchError("routing list does not line up with the batch"))

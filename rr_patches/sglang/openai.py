@@ -26,6 +26,7 @@ from typing import Any
 
 from rr_client.core.codec import CheckedRouting, check_format
 from rr_client.core.errors import ConfigurationError
+from rr_client.core.indexer import INDEXER_FORMAT_FIELD, check_indexer_format
 from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_server.serving.http import (
     PostBodyMiddleware,
@@ -52,7 +53,9 @@ __all__ = [
 
 _GENERATE_PATHS = ("/generate",)
 _FORMAT_KEY = b"routed_experts_format"
+_INDEXER_FORMAT_KEY = b"indexer_topk_format"
 _FORMAT: contextvars.ContextVar[str | None] = contextvars.ContextVar("rr_routed_experts_format", default=None)
+_INDEXER_FORMAT: contextvars.ContextVar[str | None] = contextvars.ContextVar("rr_indexer_topk_format", default=None)
 _COLLECTOR: contextvars.ContextVar[Collector | None] = contextvars.ContextVar("rr_openai_collector", default=None)
 
 
@@ -101,6 +104,11 @@ def requested_format() -> str | None:
     return _FORMAT.get()
 
 
+def requested_indexer_format() -> str | None:
+    """``indexer_topk_format`` of the ``/generate`` request running in this task (None: server default)."""
+    return _INDEXER_FORMAT.get()
+
+
 @contextlib.contextmanager
 def collecting(r: Any) -> Iterator[Callable[[Any], list[CheckedRouting | str | None] | None]]:
     """For the OpenAI middleware (``r``: the request's rr fields): collect while SGLang serves it, then ``fill``."""
@@ -144,29 +152,31 @@ class GenerateFormatMiddleware(PostBodyMiddleware):
     paths = _GENERATE_PATHS
 
     async def handle(self, scope: Scope, raw: bytes, receive: Receive, send: Send) -> None:
-        """Take ``routed_experts_format`` out of the body (400 for an unknown value) and run SGLang with it set."""
+        """Take ``routed_experts_format`` and ``indexer_topk_format`` out of the body (400 for an unknown value) and run
+        SGLang with them set."""
         body: Any = None
-        if _FORMAT_KEY in raw:
+        if _FORMAT_KEY in raw or _INDEXER_FORMAT_KEY in raw:
             try:
                 body = json.loads(raw)
             except ValueError:
                 body = None  # SGLang answers malformed JSON itself
-        if not isinstance(body, dict) or "routed_experts_format" not in body:
+        if not isinstance(body, dict) or not {"routed_experts_format", INDEXER_FORMAT_FIELD} & set(body):
             await self.app(scope, replay_receive(raw, receive), send)
             return
-        fmt = body.pop("routed_experts_format")
-        if fmt is not None:
-            try:
-                fmt = check_format(fmt)
-            except ValueError as e:
-                await send_json(send, error_body(str(e), 400), 400)
-                return
+        fmt, ifmt = body.pop("routed_experts_format", None), body.pop(INDEXER_FORMAT_FIELD, None)
+        try:
+            fmt = None if fmt is None else check_format(fmt)
+            ifmt = None if ifmt is None else check_indexer_format(ifmt)
+        except ValueError as e:
+            await send_json(send, error_body(str(e), 400), 400)
+            return
         new = json.dumps(body).encode()
-        token = _FORMAT.set(fmt)
+        token, itoken = _FORMAT.set(fmt), _INDEXER_FORMAT.set(ifmt)
         try:
             await self.app(with_body(scope, new), replay_receive(new, receive), send)
         finally:
             _FORMAT.reset(token)
+            _INDEXER_FORMAT.reset(itoken)
 
 
 def install_http(app: Any, info: Callable[[Any], Any], epoch: WeightEpoch | None = None) -> None:

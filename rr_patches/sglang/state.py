@@ -26,6 +26,7 @@ class RRState:
         self.collectors: dict[str, Any] = {}  # rid -> the OpenAI request's Collector (rr_patches.sglang.openai)
         self.epoch = WeightEpoch()  # weight updates seen on SGLang's weight routes (/rr/info weight_version)
         self.admitted: dict[str, tuple[WeightMark, list[int] | None]] = {}  # rid -> (epoch at admission, prompt ids)
+        self.indexer_format: dict[str, str | None] = {}  # rid -> indexer_topk_format, for requests asking the indexer
 
 
 def _hf_config(tm: Any) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 __all__ = ["SGLangBackend", "validation_view", "upstream_body"]
 
 # rr's request fields the sidecar serves itself; the upstream never sees them
-_START_KEYS = ("routed_experts_start", "routed_experts_start_len", "routed_experts_format")
+_START_KEYS = ("routed_experts_start", "routed_experts_start_len", "routed_experts_format", "indexer_topk_format")
 
 
 def validation_view(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -115,15 +115,17 @@ class SGLangBackend:
         if prov is not None:
             attach(meta, prov)
         if req.return_indexer_topk and final:
-            meta.update(
-                indexer_fields(
-                    info,
-                    upstream_meta.get(INDEXER_FIELD),
-                    prompt_tokens=int(meta.get("prompt_tokens", 0)),
-                    completion_tokens=int(meta.get("completion_tokens", 0)),
-                    start=req.routed_experts_start,
+            with refs_made_under(mark.version if mark is not None else None):
+                meta.update(
+                    indexer_fields(
+                        info,
+                        upstream_meta.get(INDEXER_FIELD),
+                        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                        completion_tokens=int(meta.get("completion_tokens", 0)),
+                        start=req.routed_experts_start,
+                        fmt=req.indexer_topk_format,
+                    )
                 )
-            )
         if not (req.return_routed_experts and final):
             return out
         pt, ct = meta.get("prompt_tokens"), meta.get("completion_tokens")

@@ -115,6 +115,7 @@ class GenerateRequest(BaseModel):
     return_logprob: StrictBool | list[StrictBool] = False
     rid: str | list[str] | None = None
     return_indexer_topk: StrictBool = False  # SGLang 0.5.23+'s sparse-attention indexer picks (rr_client.core.indexer)
+    indexer_topk_format: Literal["ref", "npy"] | None = None  # by reference (the default) or inline
 
     @field_validator("text")
     @classmethod
@@ -153,6 +154,7 @@ class NormalizedGenerate:
     rids: list[str | None]
     routed_experts_format: str = "npy"
     return_indexer_topk: bool = False
+    indexer_topk_format: str | None = None  # None: the server's default (rr_server.serving.indexer_fields)
 
 
 # sampling keys other APIs spell differently: the /generate (SGLang) name a refusal points to
@@ -265,6 +267,7 @@ def parse_generate_request(body: bytes | str | Mapping[str, Any]) -> NormalizedG
         rids=rids,
         routed_experts_format=req.routed_experts_format or default_routed_experts_format(),
         return_indexer_topk=req.return_indexer_topk,
+        indexer_topk_format=req.indexer_topk_format,
     )
 
 

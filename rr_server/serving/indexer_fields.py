@@ -9,11 +9,30 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rr_client.core.errors import MissingRoutingError, RoutedExpertsError, ShapeMismatchError
-from rr_client.core.indexer import INDEXER_ERROR_FIELD, INDEXER_FIELD, decode_indexer, indexer_meta_fields
+from rr_client.core import settings
+from rr_client.core.errors import ConfigurationError, MissingRoutingError, RoutedExpertsError, ShapeMismatchError
+from rr_client.core.indexer import (
+    INDEXER_ERROR_FIELD,
+    INDEXER_FIELD,
+    INDEXER_REF_FIELD,
+    INDEXER_START_FIELD,
+    check_indexer_format,
+    decode_indexer,
+    indexer_meta_fields,
+)
 from rr_client.core.info import RRInfo
 
-__all__ = ["INDEXER_ERROR_FIELD", "INDEXER_REQUEST_FIELD", "indexer_fields", "asked_indexer", "vllm_indexer_refusal"]
+__all__ = [
+    "INDEXER_ERROR_FIELD",
+    "INDEXER_REQUEST_FIELD",
+    "INDEXER_FORMAT_ENV",
+    "indexer_fields",
+    "asked_indexer",
+    "default_indexer_format",
+    "vllm_indexer_refusal",
+]
+
+INDEXER_FORMAT_ENV = "RR_INDEXER_TOPK_FORMAT"  #: the server's default ``indexer_topk_format`` ("ref" unless set)
 
 INDEXER_REQUEST_FIELD = "return_indexer_topk"  #: SGLang's per-request flag, rr's too
 
@@ -25,10 +44,23 @@ def asked_indexer(caller: Any) -> bool:
     return bool(getattr(caller, "return_indexer_topk", False))
 
 
+def default_indexer_format() -> str:
+    """The server's default ``indexer_topk_format``: env ``RR_INDEXER_TOPK_FORMAT``, else "ref" (the rows are ~512x
+    the expert routing); a bad value is refused (ConfigurationError)."""
+    return check_indexer_format(settings.text(INDEXER_FORMAT_ENV, default="ref"))
+
+
 def indexer_fields(
-    info: RRInfo | None, value: Any, *, prompt_tokens: int, completion_tokens: int, start: int
+    info: RRInfo | None,
+    value: Any,
+    *,
+    prompt_tokens: int,
+    completion_tokens: int,
+    start: int,
+    fmt: str | None = None,
 ) -> dict[str, Any]:
-    """rr's ``meta_info`` entries for one finished request's indexer rows (``value``: SGLang's per-request entry)."""
+    """rr's ``meta_info`` entries for one finished request's indexer rows (``value``: SGLang's per-request entry), by
+    reference in the server's routing store (``fmt`` "ref", the default) or inline ("npy")."""
     try:
         dims = info.indexer if info is not None else None
         if dims is None:
@@ -43,8 +75,12 @@ def indexer_fields(
         checked = decode_indexer(
             value, dims, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, start=start
         )
-        return indexer_meta_fields(checked)
-    except RoutedExpertsError as e:
+        if (fmt or default_indexer_format()) == "npy":
+            return indexer_meta_fields(checked)
+        from rr_server.serving.store import current_store
+
+        return {INDEXER_REF_FIELD: current_store().put(checked), INDEXER_START_FIELD: checked.start}
+    except (RoutedExpertsError, ConfigurationError) as e:
         logger.error("rr: refusing indexer top-k: %s", e)
         return {INDEXER_FIELD: None, INDEXER_ERROR_FIELD: f"{type(e).__name__}: {e}"}
 

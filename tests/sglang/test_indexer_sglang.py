@@ -7,6 +7,7 @@ A malformed capture (a future position, a repeat) is refused with the typed erro
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from rr_client import IndexerDims, IndexerPositionError, RRInfo, decode_indexer
+from rr_client import IndexerDims, IndexerPositionError, RRInfo, StaleRoutingError, decode_indexer
 from tests.sglang.conftest import CACHE
 from tests.sglang.deepseek_v32 import INDEX_TOPK, build_tiny_deepseek_v32, forward_rows, load
 from tests.sglang.harness import Harness
@@ -49,7 +50,7 @@ async def test_indexer_rows_equal_transformers_and_replay_reads_them(dsv32: Path
         info = RRInfo.model_validate((await c.get("/rr/info")).json())
     dims = info.indexer
     assert dims == IndexerDims((0, 1, 2), INDEX_TOPK)
-    meta = await _generate(h, return_indexer_topk=True, return_routed_experts=True)
+    meta = await _generate(h, return_indexer_topk=True, return_routed_experts=True, indexer_topk_format="npy")
     assert "indexer_topk_error" not in meta and meta["indexer_topk_start"] == INDEX_TOPK
     r = h.sched.reqs[meta["id"]]
     tokens = r.prompt + r.completion
@@ -100,10 +101,23 @@ async def test_not_asked_no_indexer_rows_and_malformed_ones_refused(dsv32: Path,
         with pytest.raises(IndexerPositionError, match="future token"):
             await c.generate([PROMPT], {"max_new_tokens": 5}, return_indexer_topk=True)
         h.sched.indexer_edit = None
-        (r,) = await c.generate([PROMPT], {"max_new_tokens": 5}, return_indexer_topk=True)
-    assert r.indexer_topk_start == INDEX_TOPK and r.indexer_topk.dtype == np.uint16
-    want = forward_rows(dsv32, (PROMPT + r.output_ids)[:-1])[1][INDEX_TOPK:]
-    assert np.array_equal(np.sort(r.indexer_topk, -1), np.sort(want, -1))
+        # by reference, the server's default: the rows stay in its store until the trainer rank reads them
+        prompts = [PROMPT, PROMPT[::-1]]
+        batch = await c.generate(prompts, {"max_new_tokens": 5}, return_indexer_topk=True)
+        assert all(r.indexer_topk is None and r.indexer_ref is not None for r in batch)
+        assert batch[0].indexer_ref.kind == "indexer" and batch[0].indexer_ref.dtype == "uint16"
+        a, b = batch.results
+        with pytest.raises(StaleRoutingError, match="belong to other tokens"):  # refs swapped between samples
+            await c.resolve_results([replace(a, indexer_ref=b.indexer_ref)])
+        got = await c.resolve_results(batch.results)
+        (inline,) = await c.generate(
+            [PROMPT], {"max_new_tokens": 5}, return_indexer_topk=True, indexer_by_reference=False
+        )
+    for prompt, r in zip(prompts, got, strict=True):
+        assert r.indexer_topk_start == INDEX_TOPK and r.indexer_topk.dtype == np.uint16
+        want = forward_rows(dsv32, (prompt + r.output_ids)[:-1])[1][INDEX_TOPK:]
+        assert np.array_equal(np.sort(r.indexer_topk, -1), np.sort(want, -1))
+    assert inline.indexer_ref is None and np.array_equal(inline.indexer_topk, got[0].indexer_topk)
 
 
 async def test_the_sidecar_checks_an_unpatched_servers_indexer_rows(dsv32: Path) -> None:
@@ -113,7 +127,12 @@ async def test_the_sidecar_checks_an_unpatched_servers_indexer_rows(dsv32: Path)
 
     h = Harness(dsv32)
     async with sidecar_app(h) as app:
-        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5}, "return_indexer_topk": True}
+        body = {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 5},
+            "return_indexer_topk": True,
+            "indexer_topk_format": "npy",
+        }
         status, out = await h.post(body, via=client_of(app))
         assert status == 200, out
         meta = out["meta_info"]
@@ -144,7 +163,7 @@ async def test_a_plain_training_step_replays_experts_and_indexer_from_the_engine
     h = Harness(dsv32)
     http = httpx.ASGITransport(app=h.http.app)
     async with scheduler_loop(h), RoutedExpertsClient("http://sglang", transport=http, retries=0) as c:
-        (r,) = await c.generate([PROMPT], {"max_new_tokens": 5}, return_indexer_topk=True)
+        (r,) = await c.resolve_results(await c.generate([PROMPT], {"max_new_tokens": 5}, return_indexer_topk=True))
     model = transformers.AutoModelForCausalLM.from_pretrained(dsv32, dtype=torch.float32, attn_implementation="eager")
     model.train()
     tokens = r.prompt_ids + r.output_ids

@@ -11,6 +11,7 @@ import numpy as np
 
 from rr_client.core.codec import CheckedRouting
 from rr_client.core.errors import ArgumentTypeError, RoutingExpiredError
+from rr_client.core.indexer import CheckedIndexer
 from rr_client.core.reference import FramePart, RoutingRef, checksum
 from rr_server.serving.store.ledger import row_range
 from rr_server.serving.store.siblings import Siblings, merge_stats, process_gauges, retire_everywhere
@@ -30,7 +31,7 @@ class RowStore(Protocol):
     url: str  #: where refs say their rows are read
     siblings: Siblings | None  #: the server's other API server processes (``install_store``)
 
-    def put(self, checked: CheckedRouting) -> dict[str, Any]:
+    def put(self, checked: CheckedRouting | CheckedIndexer) -> dict[str, Any]:
         """Keep checked rows; the :class:`rr_client.RoutingRef` dict the answer carries instead of them."""
         ...
 
@@ -70,10 +71,11 @@ class NewRows:
 
     __slots__ = ("checked", "key", "digest")
 
-    def __init__(self, checked: CheckedRouting) -> None:
-        if not isinstance(checked, CheckedRouting):  # only rows that passed the check get in
+    def __init__(self, checked: CheckedRouting | CheckedIndexer) -> None:
+        if not isinstance(checked, (CheckedRouting, CheckedIndexer)):  # only rows that passed the check get in
             raise ArgumentTypeError(
-                f"a routing store takes a CheckedRouting from check_routing, got {type(checked).__name__}"
+                "a routing store takes a CheckedRouting from check_routing or a CheckedIndexer from check_indexer, "
+                f"got {type(checked).__name__}"
             )
         self.checked = checked
         self.key = uuid.uuid4().hex
@@ -94,6 +96,7 @@ class NewRows:
             start=self.checked.start,
             weight_version=int(weight_version),
             checksum=self.digest,
+            kind="indexer" if isinstance(self.checked, CheckedIndexer) else "routing",
         ).to_dict()
 
 

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from rr_client.core.codec import CheckedRouting
 from rr_client.core.errors import RoutingExpiredError
+from rr_client.core.indexer import CheckedIndexer
 from rr_client.core.reference import FramePart
 from rr_server.serving.store.base import NewRows, RowStore
 from rr_server.serving.store.ledger import Held, StoreLedger, admitted_version, row_range
@@ -52,7 +53,7 @@ class MemoryStore(RowStore):
     def max_bytes(self) -> int:
         return self.ledger.max_bytes
 
-    def put(self, checked: CheckedRouting) -> dict[str, Any]:
+    def put(self, checked: CheckedRouting | CheckedIndexer) -> dict[str, Any]:
         """Keep checked rows; return the :class:`RoutingRef` dict the answer carries instead of them."""
         new = NewRows(checked)
         arr = checked.array

@@ -24,6 +24,7 @@ from typing import Any
 from rr_client.core import settings
 from rr_client.core.codec import CheckedRouting
 from rr_client.core.errors import RoutingExpiredError
+from rr_client.core.indexer import CheckedIndexer
 from rr_client.core.optional import require
 from rr_client.core.reference import FramePart
 from rr_server.serving.store.base import NewRows, RowStore
@@ -156,7 +157,7 @@ class RayStore(RowStore):
         self._closed = False
         atexit.register(self.close)
 
-    def put(self, checked: CheckedRouting) -> dict[str, Any]:
+    def put(self, checked: CheckedRouting | CheckedIndexer) -> dict[str, Any]:
         """One ``ray.put`` of the checked rows; the actor keeps the object ref (held before the answer names it)."""
         new = NewRows(checked)
         arr = checked.array
