@@ -286,3 +286,27 @@ def test_resolve_splits_a_large_batch_under_the_servers_byte_cap(served: Any, mo
     lying = RoutingRef.from_dict({**refs[12].to_dict(), "checksum": checksum(checked(700, seed=5).array)})
     with pytest.raises(RoutingChecksumError, match="not the ref's"):
         asyncio.run(_resolve(_recording(store), [lying]))  # joined ranges are held to the ref's checksum
+
+
+def test_a_store_keeps_indexer_rows_under_a_ref_of_their_own_kind() -> None:
+    """Indexer rows (a CheckedIndexer) go into the same store under a ref of kind "indexer" that says so on the wire
+    (a routing ref omits the field, as older readers expect), reads back through the frame, and an unknown kind is
+    refused; a raw array is not taken."""
+    from rr_client import IndexerDims, check_indexer
+
+    dims = IndexerDims((0, 1), 4)
+    g = np.random.default_rng(0)
+    rows = np.stack([np.stack([g.permutation(t + 1)[:4] for _ in range(2)]) for t in range(4, 9)])
+    picks = check_indexer(rows, dims, rows=5, start=4)
+    store = MemoryStore(url="http://s:1")
+    d = store.put(picks)
+    ref = RoutingRef.from_dict(json.loads(json.dumps(d)))
+    assert (ref.kind, ref.shape, ref.dtype, ref.start) == ("indexer", (5, 2, 4), "uint16", 4)
+    part = decode_frame(encode_frame([store.read(ref.store, ref.key)]))[0]
+    assert np.array_equal(part.rows, picks.array) and part.digest == ref.checksum
+    routing = RoutingRef.from_dict(store.put(checked(3, seed=1)))
+    assert routing.kind == "routing" and "kind" not in routing.to_dict()
+    with pytest.raises(MalformedPayloadError, match="kind 'experts'"):
+        RoutingRef.from_dict({**d, "kind": "experts"})
+    with pytest.raises(TypeError, match="CheckedIndexer"):
+        store.put(rows)  # type: ignore[arg-type]
