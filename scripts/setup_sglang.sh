@@ -72,7 +72,7 @@ for v in "$@"; do
   if ! "${UV[@]}" --target "$dir" "sglang==$v" $(extra_pkgs "$v"); then
     echo "setup_sglang: ERROR: SGLang $v could not be installed" >&2; status=1; rm -rf "$dir"; continue
   fi
-  got=$(cd /tmp && PYTHONPATH="$(pythonpath "$v")" "$PY" -c "import sglang; print(sglang.__version__)" 2>&1 | tail -1)
+  got=$(cd "$(mktemp -d)" && PYTHONPATH="$(pythonpath "$v")" "$PY" -c "import sglang; print(sglang.__version__)" 2>&1 | tail -1)
   if [ "$got" != "$v" ]; then
     echo "setup_sglang: ERROR: SGLang $v installed but 'import sglang' gives: $got" >&2; status=1; continue
   fi

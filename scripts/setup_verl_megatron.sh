@@ -25,7 +25,7 @@ if [ -f "$DIR/.rr-stamp-$key" ]; then echo "setup_verl_megatron: $DIR is up to d
 t0=$(date +%s)
 rm -rf "$DIR"
 "$VENV/bin/uv" pip install -q --python "$PY" --no-deps --target "$DIR" "${PKGS[@]}"
-got=$(cd /tmp && PYTHONPATH="$DIR" "$PY" -c \
+got=$(cd "$(mktemp -d)" && PYTHONPATH="$DIR" "$PY" -c \
   "import megatron.core, mbridge, verl.workers.engine.megatron.transformer_impl; print(megatron.core.__version__)" \
   2>&1 | tail -1)
 if [ "$got" != "0.16.1" ]; then

