@@ -177,8 +177,9 @@ def _npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
     return NPY_MAGIC + b"\x01\x00" + struct.pack("<H", len(body)) + body
 
 
-def _as_int_array(array: Any) -> np.ndarray:
-    """numpy view of an int numpy array or torch tensor (no copy when already on CPU)."""
+def _as_int_array(array: Any, *, holds: str = "routing must hold integer expert ids") -> np.ndarray:
+    """numpy view of an int numpy array or torch tensor (no copy when already on CPU); ``holds`` begins the
+    error for other dtypes (routing's, or the indexer's rows)."""
     if isinstance(array, np.ndarray):
         arr = array
     elif type(array).__module__.startswith("torch"):
@@ -186,7 +187,7 @@ def _as_int_array(array: Any) -> np.ndarray:
     else:
         raise MalformedPayloadError(f"expected a numpy array or torch tensor, got {type(array).__name__}")
     if arr.dtype.kind not in "iu":
-        raise MalformedPayloadError(f"routing must hold integer expert ids, got dtype {arr.dtype}")
+        raise MalformedPayloadError(f"{holds}, got dtype {arr.dtype}")
     return arr
 
 

@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 import pybase64
 
-from rr_client.core.codec import _b64decode, _npy_header, _parse_npy
+from rr_client.core.codec import _as_int_array, _b64decode, _npy_header, _parse_npy
 from rr_client.core.errors import (
     ArgumentTypeError,
+    ConfigurationError,
     IndexerPositionError,
     MalformedPayloadError,
     ShapeMismatchError,
@@ -57,8 +58,6 @@ INDEXER_FORMATS = ("ref", "npy")
 def check_indexer_format(fmt: Any) -> str:
     """An ``indexer_topk_format`` value (:data:`INDEXER_FORMATS`); ConfigurationError naming the field otherwise."""
     if fmt not in INDEXER_FORMATS:
-        from rr_client.core.errors import ConfigurationError
-
         raise ConfigurationError(f"{INDEXER_FORMAT_FIELD} must be one of {list(INDEXER_FORMATS)}, got {fmt!r}")
     return str(fmt)
 
@@ -114,14 +113,7 @@ def first_choosing_row(index_topk: int, start: int = 0) -> int:
 def check_indexer(array: Any, dims: IndexerDims, *, rows: int, start: int) -> CheckedIndexer:
     """The one full check of one sample's indexer rows (token ``start`` .. ``start + rows``): typed errors naming the
     row, layer and position; the rows in the wire dtype."""
-    if isinstance(array, np.ndarray):
-        arr = array
-    elif type(array).__module__.startswith("torch"):
-        arr = array.detach().cpu().numpy()
-    else:
-        raise MalformedPayloadError(f"indexer rows must be a numpy array or torch tensor, got {type(array).__name__}")
-    if arr.dtype.kind not in "iu":
-        raise MalformedPayloadError(f"indexer rows must hold integer positions, got dtype {arr.dtype}")
+    arr = _as_int_array(array, holds="indexer rows must hold integer positions")
     want = (rows, len(dims.layers), dims.index_topk)
     if arr.ndim != 3 or arr.shape[1:] != want[1:]:
         raise ShapeMismatchError(
@@ -199,7 +191,7 @@ def decode_indexer(
             )
         arr = np.frombuffer(buf, dtype="<i4").reshape(-1, len(dims.layers), dims.index_topk)
     elif isinstance(payload, np.ndarray) or type(payload).__module__.startswith("torch"):
-        arr = payload.detach().cpu().numpy() if not isinstance(payload, np.ndarray) else payload
+        arr = _as_int_array(payload, holds="indexer rows must hold integer positions")
         if arr.ndim != 3:
             raise ShapeMismatchError(f"the engine's indexer rows are {arr.ndim}-D {list(arr.shape)}, expected 3-D")
     else:

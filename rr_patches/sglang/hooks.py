@@ -20,14 +20,14 @@ from rr_client.core.errors import (
     SeamMismatchError,
     ShapeMismatchError,
 )
-from rr_client.core.indexer import INDEXER_ERROR_FIELD, INDEXER_FIELD, INDEXER_REF_FIELD
+from rr_client.core.indexer import INDEXER_REF_FIELD
 from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_patches.sglang.convert import checked_value
 from rr_patches.sglang.openai import Collector, collector, requested_format, requested_indexer_format
 from rr_patches.sglang.provenance import batch_provenance, with_digest
 from rr_patches.sglang.routes import bind_tokenizer_manager
 from rr_patches.sglang.state import RRState, rr_enabled, state_of
-from rr_server.serving.indexer_fields import asked_indexer, indexer_fields
+from rr_server.serving.indexer_fields import asked_indexer, indexer_error_fields, indexer_fields
 from rr_server.serving.routing_metrics import count_sample
 from rr_server.serving.routing_metrics import declare as declare_counters
 from rr_server.serving.store import current_store, refs_made_under
@@ -231,19 +231,21 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
         idx: dict[str, Any] | None = None
         if finished and asked_indexer(caller):
             # a P/D decode server never ran the prompt: its indexer rows there are leftovers, as its routing rows are
+            ifmt = st.indexer_format.pop(rid, None)
             first = max(start, (st.info.index_topk if st.info is not None else None) or 0)  # its first row
             unran_idx = _decode_unran(tm, int(recv_obj.prompt_tokens[i]), first)
-            idx = {INDEXER_FIELD: None, INDEXER_ERROR_FIELD: f"SeamMismatchError: {unran_idx}"} if unran_idx else None
-        if finished and asked_indexer(caller) and idx is None:
-            with refs_made_under(mark.version if mark is not None else None):  # a ref: the weights it ran on
-                idx = indexer_fields(
-                    st.info,
-                    idx_values[i] if len(idx_values) == len(rids) else None,
-                    prompt_tokens=int(recv_obj.prompt_tokens[i]),
-                    completion_tokens=int(recv_obj.completion_tokens[i]),
-                    start=start,
-                    fmt=st.indexer_format.pop(rid, None),
-                )
+            if unran_idx is not None:
+                idx = indexer_error_fields(unran_idx)
+            else:
+                with refs_made_under(mark.version if mark is not None else None):  # a ref: the weights it ran on
+                    idx = indexer_fields(
+                        st.info,
+                        idx_values[i] if len(idx_values) == len(rids) else None,
+                        prompt_tokens=int(recv_obj.prompt_tokens[i]),
+                        completion_tokens=int(recv_obj.completion_tokens[i]),
+                        start=start,
+                        fmt=ifmt,
+                    )
         if finished and asked:  # routing comes with the final chunk only
             if misaligned:
                 fields = routing_error_fields(ShapeMismatchError("routing list does not line up with the batch"))

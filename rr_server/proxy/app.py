@@ -90,14 +90,19 @@ class Sidecar:
     def __init__(self, cfg: ProxyConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.cfg = cfg
         self.metrics = ProxyMetrics()
-        self.up = Upstream(
-            cfg.upstream,
-            timeout=cfg.timeout,
-            max_concurrency=cfg.max_concurrency,
-            metrics=self.metrics,
-            transport=transport,
-            api_key=cfg.upstream_api_key,
-        )
+
+        def upstream(url: str) -> Upstream:
+            """An engine server behind this sidecar, with the sidecar's limits, key and transport."""
+            return Upstream(
+                url,
+                timeout=cfg.timeout,
+                max_concurrency=cfg.max_concurrency,
+                metrics=self.metrics,
+                transport=transport,
+                api_key=cfg.upstream_api_key,
+            )
+
+        self.up = upstream(cfg.upstream)
         self._info: tuple[RRInfo, str] | None = None
         self._lock = asyncio.Lock()
         self.epoch = WeightEpoch()  # weight updates forwarded to the upstream through this sidecar
@@ -106,14 +111,7 @@ class Sidecar:
         if cfg.prefill_upstream:
             if not find_engine(cfg.engine).native_generate or cfg.bootstrap_port <= 0:
                 raise ValueError("a P/D sidecar needs engine sglang and the prefill server's bootstrap port")
-            self.prefill = Upstream(
-                cfg.prefill_upstream,
-                timeout=cfg.timeout,
-                max_concurrency=cfg.max_concurrency,
-                metrics=self.metrics,
-                transport=transport,
-                api_key=cfg.upstream_api_key,
-            )
+            self.prefill = upstream(cfg.prefill_upstream)
             host = cfg.bootstrap_host or urlsplit(cfg.prefill_upstream).hostname or "127.0.0.1"
             self.backend = PDBackend(
                 self.prefill, self.up, self.info, self.metrics,

@@ -20,7 +20,7 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
-from rr_client.core.codec import CheckedRouting, check_payload, routing_error_fields, routing_meta_fields
+from rr_client.core.codec import CheckedRouting, check_payload
 from rr_client.core.errors import RoutedExpertsError, SeamMismatchError, StaleRoutingError
 from rr_client.core.indexer import INDEXER_FIELD
 from rr_client.core.info import RRInfo
@@ -28,11 +28,11 @@ from rr_client.core.seam import SEAM_FIELD, Half, merge_halves
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.metrics import ProxyMetrics
 from rr_server.proxy.provenance import attach, sglang_provenance
-from rr_server.proxy.routing import ROUTING_KEYS
+from rr_server.proxy.routing import ROUTING_KEYS, refused_fields, sent_fields
 from rr_server.proxy.sglang_backend import upstream_body
 from rr_server.proxy.upstream import Upstream
 from rr_server.serving.generate_protocol import NormalizedGenerate
-from rr_server.serving.store import current_store, refs_made_under
+from rr_server.serving.store import refs_made_under
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
 __all__ = ["PDBackend"]
@@ -100,42 +100,32 @@ class PDBackend:
         mark: WeightMark,
     ) -> dict[str, Any]:
         """One sample: the decode server's item, its routing replaced by the checked join (or the refusal)."""
-        pm, dm = p["meta_info"], d["meta_info"]
         out = dict(d)
-        meta = {k: v for k, v in dm.items() if k not in ROUTING_KEYS and k != INDEXER_FIELD}  # raw payloads stay
+        meta = {k: v for k, v in d["meta_info"].items() if k not in ROUTING_KEYS and k != INDEXER_FIELD}  # raw stays
         out["meta_info"] = meta
         prompt = req.prompts[j] if isinstance(req.prompts[j], list) else None
-        prov = sglang_provenance(dm, self._epoch, mark, prompt, d.get("output_ids"))
+        prov = sglang_provenance(d["meta_info"], self._epoch, mark, prompt, d.get("output_ids"))
         attach(meta, prov)
         if not req.return_routed_experts:
             return out
         try:
-            merged, seam = self._merged(pm, dm, p.get("output_ids"), d.get("output_ids"), info, req, j)
+            merged, seam = self._merged(p, d, info, req, j)
         except RoutedExpertsError as e:
-            self._metrics.errors.labels("malformed_routing").inc()
-            meta.update(routing_error_fields(type(e)(f"P/D sample {j}: {e}")))
-            self._metrics.routing.count_sample(meta)
-            return out
-        with refs_made_under(mark.version):
-            fields = routing_meta_fields(merged, req.routed_experts_format, store=current_store())
-        meta.update(fields)
-        meta[SEAM_FIELD] = seam
-        self._metrics.routing_sent(merged.array.shape[0], fields.get("routed_experts"))
+            meta.update(refused_fields(type(e)(f"P/D sample {j}: {e}"), self._metrics))
+        else:
+            with refs_made_under(mark.version):
+                meta.update(sent_fields(merged, req.routed_experts_format, self._metrics, f"P/D sample {j}"))
+            if meta.get("routed_experts_error") is None:
+                meta[SEAM_FIELD] = seam
         self._metrics.routing.count_sample(meta)
         attach(meta, prov)  # a ref made just now carries it too
         return out
 
     def _merged(
-        self,
-        pm: Mapping[str, Any],
-        dm: Mapping[str, Any],
-        p_out: Any,
-        d_out: Any,
-        info: RRInfo,
-        req: NormalizedGenerate,
-        j: int,
+        self, p: Mapping[str, Any], d: Mapping[str, Any], info: RRInfo, req: NormalizedGenerate, j: int
     ) -> tuple[CheckedRouting, dict[str, Any]]:
         """Both halves checked and joined at the prompt's end: (the sample's rows, the seam as recorded)."""
+        pm, dm, p_out, d_out = p["meta_info"], d["meta_info"], p.get("output_ids"), d.get("output_ids")
         pt, ct, start = dm.get("prompt_tokens"), dm.get("completion_tokens"), req.routed_experts_start
         if not isinstance(pt, int) or not isinstance(ct, int) or pm.get("prompt_tokens") != pt:
             raise SeamMismatchError(

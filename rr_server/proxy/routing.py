@@ -14,13 +14,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from rr_client.core.codec import check_payload, routing_error_fields, routing_meta_fields
+from rr_client.core.codec import CheckedRouting, check_payload, routing_error_fields, routing_meta_fields
 from rr_client.core.errors import MissingRoutingError, RoutedExpertsError
 from rr_client.core.info import RRInfo
 from rr_server.proxy.metrics import ProxyMetrics
 from rr_server.serving.store import current_store
 
-__all__ = ["upstream_routing_fields", "ROUTING_KEYS"]
+__all__ = ["upstream_routing_fields", "refused_fields", "sent_fields", "ROUTING_KEYS"]
 
 logger = logging.getLogger("rr.proxy")
 # every key an upstream may use for routing; stripped from answers that did not ask for it
@@ -87,9 +87,20 @@ def _checked_fields(
         )
     except RoutedExpertsError as e:
         extra = f" ({hint})" if hint and isinstance(e, MissingRoutingError) else ""
-        metrics.errors.labels("malformed_routing").inc()
-        logger.warning("rr: upstream sent invalid routing for %s: %s: %s%s", where, type(e).__name__, e, extra)
-        return routing_error_fields(type(e)(f"upstream sent invalid routing for {where}: {e}{extra}"))
+        return refused_fields(type(e)(f"upstream sent invalid routing for {where}: {e}{extra}"), metrics)
+    return sent_fields(checked, fmt, metrics, where)
+
+
+def refused_fields(e: RoutedExpertsError, metrics: ProxyMetrics) -> dict[str, Any]:
+    """A sample's refusal (``routed_experts: null`` and the typed error), counted and logged: the one policy."""
+    metrics.errors.labels("malformed_routing").inc()
+    logger.warning("rr: refusing upstream routing: %s: %s", type(e).__name__, e)
+    return routing_error_fields(e)
+
+
+def sent_fields(checked: CheckedRouting, fmt: str, metrics: ProxyMetrics, where: str) -> dict[str, Any]:
+    """Checked rows as the answer's routing fields in ``fmt`` (a ref: kept in the routing store), counted; the
+    refusal when the store cannot hold them."""
     try:
         fields = routing_meta_fields(checked, fmt, store=current_store())
     except RoutedExpertsError as e:  # the ref format: the routing store could not hold it

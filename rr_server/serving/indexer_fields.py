@@ -27,6 +27,7 @@ __all__ = [
     "INDEXER_REQUEST_FIELD",
     "INDEXER_FORMAT_ENV",
     "indexer_fields",
+    "indexer_error_fields",
     "asked_indexer",
     "default_indexer_format",
     "vllm_indexer_refusal",
@@ -81,8 +82,13 @@ def indexer_fields(
 
         return {INDEXER_REF_FIELD: current_store().put(checked), INDEXER_START_FIELD: checked.start}
     except (RoutedExpertsError, ConfigurationError) as e:
-        logger.error("rr: refusing indexer top-k: %s", e)
-        return {INDEXER_FIELD: None, INDEXER_ERROR_FIELD: f"{type(e).__name__}: {e}"}
+        return indexer_error_fields(e)
+
+
+def indexer_error_fields(e: Exception) -> dict[str, Any]:
+    """What a sample carries instead of indexer rows that were refused (logged); clients raise the error it names."""
+    logger.error("rr: refusing indexer top-k: %s", e)
+    return {INDEXER_FIELD: None, INDEXER_ERROR_FIELD: f"{type(e).__name__}: {e}"}
 
 
 def vllm_indexer_refusal() -> str:
