@@ -5,17 +5,15 @@ from one transformers forward (SGLang's indexer rows: int32 ``(tokens, indexer l
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from tests.support.tiny_checkpoints import copy_tokenizer, load_eager, model_type
+
 INDEX_TOPK = 4
-_MODELS: dict[str, Any] = {}
 
 
 def build_tiny_deepseek_v32(out: Path, tokenizer_from: Path) -> Path:
@@ -28,36 +26,34 @@ def build_tiny_deepseek_v32(out: Path, tokenizer_from: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model = tiny_family_model("deepseek_v32", vocab_size=512, index_topk=INDEX_TOPK, index_n_heads=2, index_head_dim=16)
     model.save_pretrained(out)
-    for f in Path(tokenizer_from).iterdir():
-        if "token" in f.name or f.name in (
-            "special_tokens_map.json",
-            "vocab.json",
-            "merges.txt",
-            "chat_template.jinja",
-        ):
-            shutil.copy(f, out / f.name)
+    copy_tokenizer(tokenizer_from, out)
     done.write_text("{}")
     return out
 
 
 def is_deepseek_v32(model_dir: Path) -> bool:
-    return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") == "deepseek_v32"
+    return model_type(model_dir) == "deepseek_v32"
 
 
-def load(model_dir: Path) -> Any:
-    key = str(model_dir)
-    if key not in _MODELS:
-        import transformers
+load = load_eager  #: the model as the stand-in's forward runs it
 
-        _MODELS[key] = transformers.AutoModelForCausalLM.from_pretrained(
-            key, dtype=torch.float32, attn_implementation="eager"
-        ).eval()
-    return _MODELS[key]
+
+_ROWS: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = {}
 
 
 def forward_rows(model_dir: Path, token_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """``(routing, indexer)`` for ``token_ids``: the routers' top-k ``(tokens, layers, topk)`` and the indexers' picks
-    ``(tokens, indexer layers, index_topk)`` int32, ``-1`` for the positions a token before ``index_topk`` lacks."""
+    ``(tokens, indexer layers, index_topk)`` int32, ``-1`` for the positions a token before ``index_topk`` lacks.
+    One forward per sequence (the stand-in asks for both capturers' rows); copies, which a test may edit."""
+    key = (str(model_dir), tuple(int(t) for t in token_ids))
+    if key not in _ROWS:
+        _ROWS[key] = _forward(model_dir, key[1])
+    routing, idx = _ROWS[key]
+    return routing.copy(), idx.copy()
+
+
+def _forward(model_dir: Path, token_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """One transformers forward of ``token_ids``: :func:`forward_rows`'s two arrays."""
     from rr_client.trainer.replay import find_indexers, record_routing
 
     model = load(model_dir)

@@ -10,15 +10,13 @@ transformers folds in on load.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-_MODELS: dict[str, Any] = {}
+from tests.support.tiny_checkpoints import copy_tokenizer, load_eager, model_type
 
 
 def build_tiny_deepseek_v4(out: Path, tokenizer_from: Path) -> Path:
@@ -30,14 +28,7 @@ def build_tiny_deepseek_v4(out: Path, tokenizer_from: Path) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     tiny_family_model("deepseek_v4", vocab_size=512).save_pretrained(out)  # the stand-in samples ids < 300
-    for f in Path(tokenizer_from).iterdir():
-        if "token" in f.name or f.name in (
-            "special_tokens_map.json",
-            "vocab.json",
-            "merges.txt",
-            "chat_template.jinja",
-        ):
-            shutil.copy(f, out / f.name)
+    copy_tokenizer(tokenizer_from, out)
     cfg = json.loads((out / "config.json").read_text())
     assert (
         cfg.pop("mlp_layer_types")[0] == "hash_moe"
@@ -58,18 +49,10 @@ def build_tiny_deepseek_v4(out: Path, tokenizer_from: Path) -> Path:
 
 
 def is_deepseek_v4(model_dir: Path) -> bool:
-    return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") == "deepseek_v4"
+    return model_type(model_dir) == "deepseek_v4"
 
 
-def load(model_dir: Path) -> Any:
-    key = str(model_dir)
-    if key not in _MODELS:
-        import transformers
-
-        _MODELS[key] = transformers.AutoModelForCausalLM.from_pretrained(
-            key, dtype=torch.float32, attn_implementation="eager"
-        ).eval()
-    return _MODELS[key]
+load = load_eager  #: the model as the stand-in's forward runs it
 
 
 def capture_buffer_rows(model_dir: Path, token_ids: Sequence[int]) -> np.ndarray:

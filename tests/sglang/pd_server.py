@@ -17,12 +17,10 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
-import httpx
-
-from rr_server.launch.process import free_port
+from rr_server.launch.process import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -104,6 +102,7 @@ class PDServer:
         name: str | None = None,
     ) -> None:
         self.role, self.port = role, free_port()
+        self.log_path = Path(tempfile.gettempdir()) / f"rr-pd-{role}-{self.port}.log"
         args = [
             sys.executable,
             "-m",
@@ -113,39 +112,30 @@ class PDServer:
             str(model_dir),
             str(bootstrap_port),
         ]
-        self.proc = subprocess.Popen(
-            [
-                *args,
-                *([weight_version] if weight_version else []),
-                *([] if patched else ["--unpatched"]),
-                *([f"--name={name}"] if name else []),
-            ],
-            cwd=REPO,
-            env={
-                **os.environ,
-                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                # /health answers from the server's status, without a generation through the stand-in
-                "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
-            },
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    *args,
+                    *([weight_version] if weight_version else []),
+                    *([] if patched else ["--unpatched"]),
+                    *([f"--name={name}"] if name else []),
+                ],
+                cwd=REPO,
+                env={
+                    **os.environ,
+                    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                    # /health answers from the server's status, without a generation through the stand-in
+                    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
+                },
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.url = f"http://127.0.0.1:{self.port}"
-        self.ready_path = "/rr/info" if patched else "/get_model_info"  # unpatched SGLang has no rr routes
 
     def wait(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.role} server exited: {self.proc.stderr.read()[-3000:]}")  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"{self.url}{self.ready_path}", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.role} server not up in {timeout}s")
+        """Until its ``/health`` answers 200 (it reports Up, as SGLang's launch does after warmup): rr's own wait,
+        a :class:`ServerStartError` with the log's tail if it exits or times out."""
+        wait_healthy(self.url, self.proc, self.log_path, timeout)  # type: ignore[arg-type]
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -180,25 +180,14 @@ async def test_the_doctor_probes_the_pair_against_one_server(
     on the generated tokens; the seams are in the report and the pair's samples join the ground truth (100%). With
     the prefill server losing rows, the probe fails, naming the refusal."""
     from rr_server.doctor import render
-    from rr_server.doctor.checks import run_doctor
     from rr_server.doctor.pd import GENERATED_CHECK, PROMPT_CHECK, SEAM_CHECK, PDTarget
     from tests.sglang.harness import Harness
-    from tests.sglang.test_doctor_sglang import scheduler_loop
+    from tests.sglang.test_doctor_sglang import _doctor
 
     prefill, decode, bootstrap = pair
     h = Harness(tiny_moe)
-
-    async def doctor() -> Any:
-        async with scheduler_loop(h):
-            return await run_doctor(
-                "http://sglang",
-                transport=httpx.ASGITransport(app=h.http.app),
-                model_path=str(tiny_moe),
-                max_new_tokens=4,
-                pd=PDTarget(prefill.url, decode.url, bootstrap),
-            )
-
-    report = await doctor()
+    pd = PDTarget(prefill.url, decode.url, bootstrap)
+    report = await _doctor(h, tiny_moe, pd=pd)
     checks = {c.name: c for c in report.checks}
     assert report.ok, [(c.name, c.detail) for c in report.failures()]
     for name in (PROMPT_CHECK, GENERATED_CHECK):
@@ -209,7 +198,7 @@ async def test_the_doctor_probes_the_pair_against_one_server(
     async with httpx.AsyncClient() as http:
         (await http.post(f"{prefill.url}/test/lose_rows", json={"start": 3})).raise_for_status()
         try:
-            report = await doctor()
+            report = await _doctor(h, tiny_moe, pd=pd)
         finally:
             (await http.post(f"{prefill.url}/test/lose_rows", json={"start": None})).raise_for_status()
     failed = {c.name: c.detail for c in report.failures()}

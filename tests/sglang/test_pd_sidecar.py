@@ -15,7 +15,7 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from rr_server.demo.tiny_moe import reference_routing
-from rr_server.launch.process import free_port
+from rr_server.launch.process import free_port, wait_healthy
 from tests.sglang.pd_server import REPO, PDServer
 from tests.sglang.standin import completion_for
 
@@ -37,31 +37,21 @@ def sidecar(tiny_moe: Path) -> Iterator[tuple[str, PDServer, PDServer]]:
     bootstrap = free_port()
     servers = [PDServer(role, tiny_moe, bootstrap, patched=False) for role in ("prefill", "decode")]
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rr_server", "proxy", "--engine", "sglang", "--port", str(port),
-         "--upstream", servers[1].url, "--prefill-upstream", servers[0].url, "--bootstrap-port", str(bootstrap)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+    log_path = Path(tempfile.gettempdir()) / f"rr-pd-sidecar-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rr_server", "proxy", "--engine", "sglang", "--port", str(port),
+             "--upstream", servers[1].url, "--prefill-upstream", servers[0].url, "--bootstrap-port", str(bootstrap)],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         for s in servers:
             s.wait()
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited: {proc.stderr.read()[-3000:]}")  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"{url}/rr/info", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("sidecar not up in 60 s")
-            time.sleep(0.2)
+        wait_healthy(url, proc, log_path, 60)  # type: ignore[arg-type]  # its /health asks both servers'
         yield url, servers[0], servers[1]
     finally:
         proc.terminate()

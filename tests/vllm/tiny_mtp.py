@@ -14,6 +14,8 @@ import json
 import shutil
 from pathlib import Path
 
+from tests.support.tiny_checkpoints import copy_tokenizer
+
 MTP_CONFIG = {"method": "mtp", "num_speculative_tokens": 1}
 
 
@@ -40,14 +42,7 @@ def build_tiny_glm4_mtp(out: Path, tokenizer_from: Path) -> Path:
         num_attention_heads=2,
         num_key_value_heads=2,
     ).save_pretrained(out)
-    for f in Path(tokenizer_from).iterdir():
-        if "token" in f.name or f.name in (
-            "special_tokens_map.json",
-            "vocab.json",
-            "merges.txt",
-            "chat_template.jinja",
-        ):
-            shutil.copy(f, out / f.name)
+    copy_tokenizer(tokenizer_from, out)
     cfg = json.loads((out / "config.json").read_text())
     hidden = cfg["hidden_size"]
     cfg.update(num_hidden_layers=3, num_nextn_predict_layers=1, head_dim=32, partial_rotary_factor=0.5)
