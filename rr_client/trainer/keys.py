@@ -40,6 +40,12 @@ __all__ = [
     "SEGMENTS",
     "segment",
     "is_segment_key",
+    "INDEXER_PREFIX",
+    "INDEXER_LAYERS",
+    "INDEXER_REPLAYED_ROWS",
+    "INDEXER_APPLIED_SHARE",
+    "INDEXER_AGREEMENT",
+    "indexer_layer",
 ]
 
 PREFIX = "r3/"
@@ -79,6 +85,13 @@ SPANS_UPDATE = "r3/spans_update"  #: samples that span a weight update without a
 PROVENANCE_UNKNOWN = "r3/provenance_unknown"  #: samples whose server gave no provenance
 CACHED_TOKENS = "r3/cached_tokens"  #: prompt tokens served from the engine's prefix cache
 
+# sparse-attention indexer replay (rr_client.trainer.replay_indexer): its own keys, beside the experts'
+INDEXER_PREFIX = "r3/indexer/"
+INDEXER_LAYERS = "r3/indexer/layers"  #: indexers replayed in the model
+INDEXER_REPLAYED_ROWS = "r3/indexer/replayed_rows"  #: (token, indexer layer) rows forced to the engine's positions
+INDEXER_APPLIED_SHARE = "r3/indexer/applied_share"  #: replayed rows the attention received exactly (worst block)
+INDEXER_AGREEMENT = "r3/indexer/agreement"  #: replayed rows the trainer's own indexer picked too (row-weighted)
+
 # the audit by token segment: agreement and log-prob gap of cached prompt, computed prompt and generated tokens
 SEGMENTS = ("cached_prompt", "computed_prompt", "generated")
 
@@ -98,6 +111,11 @@ LAYER_SHARE_SUFFIXES = ("applied_share", "agreement")
 def layer(index: int, name: str) -> str:
     """The per-layer key ``r3/layer<index>/<name>`` (``name``: replayed_rows, left_rows, applied_share, ...)."""
     return f"{PREFIX}layer{index}/{name}"
+
+
+def indexer_layer(index: int, name: str) -> str:
+    """The per-layer indexer key ``r3/indexer/layer<index>/<name>`` (replayed_rows, applied_share, agreement)."""
+    return f"{INDEXER_PREFIX}layer{index}/{name}"
 
 
 def is_layer_key(key: str) -> bool:

@@ -100,6 +100,12 @@ class RoutingTensors(_Layout):
     #: per sample, per turn: the provenance of its rows (None where the server gave none), for the stale-rows
     #: policy a :class:`rr_client.trainer.ReplaySession` applies where the rows enter (None: not known)
     provenance: tuple[tuple[Any, ...], ...] | None = None
+    #: ``[B, T, indexer layers, index_topk]`` when the samples carry sparse-attention indexer picks
+    #: (``return_indexer_topk``): row ``[b, t]`` holds the batch columns token ``t`` reads (the engine's sequence
+    #: positions moved to where the padding put them), ``-1`` where the model keeps its own pick (tokens that read
+    #: every earlier token, padding); int16 up to 32,767 columns, else int32. Replayed beside the routing by
+    #: :class:`rr_client.trainer.ReplaySession` (:func:`rr_client.trainer.replay_indexer`)
+    indexer_topk: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +227,41 @@ def _logprobs_of(results: Sequence[Sample], seqs: list[tuple[list[int], list[int
     return True, modes.pop()
 
 
+def _indexer_of(results: Sequence[Sample], info: RRInfo) -> bool:
+    """Whether the samples carry indexer picks (all or none, read: by reference, resolved first)."""
+    have = [getattr(r, "indexer_topk", None) is not None for r in results]
+    unread = [r.index for r in results if getattr(r, "indexer_ref", None) is not None and r.indexer_topk is None]  # type: ignore[attr-defined]
+    if unread:
+        raise MissingRoutingError(
+            f"samples {unread[:8]} hold indexer refs not read yet: resolve them first "
+            "(RoutedExpertsClient.resolve_results)"
+        )
+    if not any(have):
+        return False
+    if not all(have):
+        missing = [r.index for r, h in zip(results, have) if not h][:8]
+        raise MissingRoutingError(
+            f"samples {missing} carry no indexer picks while others do: generate all of them with "
+            "return_indexer_topk=True (or none)"
+        )
+    if info.indexer is None:
+        raise ShapeMismatchError("the samples carry indexer picks, but the server's model has no indexer (/rr/info)")
+    return True
+
+
+def _indexer_columns(r: Sample, pos: np.ndarray, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """A sample's indexer rows moved into the batch: (the columns of the tokens they belong to, the columns they
+    read), one vectorised gather; rows that overrun the sample are a :class:`ShapeMismatchError`."""
+    arr = np.asarray(r.indexer_topk)  # type: ignore[attr-defined]
+    start = int(r.indexer_topk_start or 0)  # type: ignore[attr-defined]
+    if start + arr.shape[0] > n_tokens - 1 or (arr.size and int(arr.max()) >= n_tokens):
+        raise ShapeMismatchError(
+            f"sample {r.index}: {arr.shape[0]} indexer rows from token {start} (positions up to "
+            f"{int(arr.max()) if arr.size else '-'}) do not fit its {n_tokens} tokens"
+        )
+    return pos[start : start + arr.shape[0]], pos[arr]
+
+
 def _layer_axis(info: RRInfo, moe_layers_only: bool) -> tuple[list[int], np.ndarray | None, LayerAxis]:
     """The batch's layer axis (the rows' one rule, :func:`rr_client.trainer.rows.axis_layers`): the MoE layers
     (``moe_layers_only``) or every decoder layer; the engine rows' positions to keep; its label."""
@@ -262,7 +303,8 @@ def to_tensors(
     rows without routing hold (``"zero"``: 0, the mask tells them apart; ``"distinct"``: K distinct ids strided
     over all experts by pad ordinal and rotated per layer, :func:`rr_client.trainer.rows.pad_ids`, so pad tokens
     per expert stay within one of even; ``"minus_one"``: -1, in a signed dtype). ``position_ids`` (split only) count from 0 at the first real
-    token; padding is 0.
+    token; padding is 0. Samples with indexer picks (all or none) fill ``indexer_topk`` (token-major in either
+    ``layout``), their positions moved to the batch's columns.
     """
     if pad_side not in ("left", "right", "split"):
         raise ConfigurationError(f"pad_side must be 'left', 'right' or 'split', got {pad_side!r}")
@@ -314,6 +356,11 @@ def to_tensors(
         routing[...] = pad_row
     has_lp, lp_mode = _logprobs_of(results, seqs)
     lps = np.full((b, width), np.nan, dtype=np.float32) if has_lp else None
+    idx = None
+    if _indexer_of(results, info):
+        assert info.indexer is not None
+        dims = info.indexer
+        idx = np.full((b, width, len(dims.layers), dims.index_topk), -1, np.int16 if width <= 32767 else np.int32)
 
     for i, (r, (p, o), n) in enumerate(zip(results, seqs, lengths)):
         # pos[j]: column of token j of the sample
@@ -336,6 +383,9 @@ def to_tensors(
         cols = pos[r.routed_experts_start : r.routed_experts_start + arr.shape[0]]
         rmask[i, cols] = True
         routing[i, cols] = arr
+        if idx is not None:
+            at, read = _indexer_columns(r, pos, n)
+            idx[i, at] = read
     if pad_experts == "distinct":
         _spread_pads(routing, rmask, layers, info.num_experts)
 
@@ -354,6 +404,7 @@ def to_tensors(
         logprobs=None if lps is None else torch.from_numpy(lps),
         logprobs_mode=lp_mode,
         provenance=_provenances(results),
+        indexer_topk=None if idx is None else torch.from_numpy(idx),
     )
 
 
@@ -376,6 +427,12 @@ def to_packed(
     if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
         raise ConfigurationError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
     seqs = _sequences(results)
+    if _indexer_of(results, info):
+        raise ConfigurationError(
+            "the samples carry indexer picks, which rr replays in a padded batch (to_tensors): transformers' DSA "
+            "indexers score a whole packed row across its samples. Pad them, or pack the routing alone "
+            "(dataclasses.replace(r, indexer_topk=None))"
+        )
     lengths = [len(p) + len(o) for p, o in seqs]
     if not append_row and any(n == 0 for n in lengths):
         raise ShapeMismatchError("append_row=False needs every sample to have at least one token")

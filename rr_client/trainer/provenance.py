@@ -38,6 +38,7 @@ __all__ = [
     "build_segments",
     "mask_samples",
     "mask_rows",
+    "mask_indexer",
     "drop_samples",
     "merge_checks",
     "rows_provenance",
@@ -187,13 +188,29 @@ def mask_samples(batch: Any, replay: Sequence[bool]) -> Any:
     if mask.dim() == 2:
         if keep.numel() != mask.shape[0]:
             raise ShapeMismatchError(f"{keep.numel()} replay flags for a batch of {mask.shape[0]} samples")
-        return replace(batch, routed_experts_mask=mask & keep.to(mask.device)[:, None])
+        idx = getattr(batch, "indexer_topk", None)
+        return replace(
+            batch,
+            routed_experts_mask=mask & keep.to(mask.device)[:, None],
+            **({} if idx is None else {"indexer_topk": mask_indexer(idx, replay)}),
+        )
     rcu = batch.routing_cu_seqlens
     if keep.numel() != rcu.numel() - 1:
         raise ShapeMismatchError(f"{keep.numel()} replay flags for a batch of {rcu.numel() - 1} samples")
     per_row = torch.repeat_interleave(keep, (rcu[1:] - rcu[:-1]).long().cpu())
     per_row = torch.cat([per_row, per_row.new_zeros(mask.shape[0] - per_row.numel())])
     return replace(batch, routed_experts_mask=mask & per_row.to(mask.device))
+
+
+def mask_indexer(indexer_topk: torch.Tensor, replay: Sequence[bool]) -> torch.Tensor:
+    """``[B, T, L, K]`` indexer picks with the rows of the samples whose ``replay`` is False set to ``-1`` (the model
+    keeps its own pick there); the same tensor when all replay."""
+    if all(replay):
+        return indexer_topk
+    if len(replay) != indexer_topk.shape[0]:
+        raise ShapeMismatchError(f"{len(replay)} replay flags for indexer rows of {indexer_topk.shape[0]} samples")
+    keep = torch.as_tensor(list(replay), dtype=torch.bool, device=indexer_topk.device)
+    return indexer_topk.masked_fill(~keep[:, None, None, None], -1)
 
 
 def mask_rows(rows: Any, mask: Any, replay: Sequence[bool]) -> Any:

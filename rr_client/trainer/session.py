@@ -52,11 +52,19 @@ from rr_client.trainer.metrics import gap_keys, gap_stats, segment_gap_stats
 from rr_client.trainer.provenance import (
     Segments,
     check_samples,
+    mask_indexer,
     merge_checks,
     police_rows,
     provenance_metrics,
 )
-from rr_client.trainer.replay import CHECK_EVERY, RoutingRecord, record_routing, replay_routing
+from rr_client.trainer.replay import (
+    CHECK_EVERY,
+    RoutingRecord,
+    merge_indexer_reports,
+    record_routing,
+    replay_indexer,
+    replay_routing,
+)
 
 __all__ = ["ReplaySession", "ReplayBackend", "AUDIT_EVERY", "merge_reports"]
 
@@ -204,6 +212,7 @@ class ReplaySession:
         self._stack: ExitStack | None = None
         self._after_close: list[Any] = []
         self._reports: list[dict[str, float]] = []
+        self._indexer_reports: list[dict[str, float]] = []  # replay_indexer's audits, merged under r3/indexer/
         self._gaps: list[torch.Tensor] = []
         self._agree = [0, 0]  # recorded rows equal to the compared rows, rows compared
         self._seg_gaps: list[tuple[tuple[tuple[str, int | None], ...], torch.Tensor]] = []
@@ -266,6 +275,7 @@ class ReplaySession:
         chunk: Any = None,
         key: Any = None,
         input_ids: Any = None,
+        indexer_topk: Any = None,
         **layout: Any,
     ) -> ProvenanceCheck | None:
         """Apply the stale-rows policy, close the previous micro-batch's block, then replay ``routed_experts``
@@ -284,7 +294,13 @@ class ReplaySession:
         (``cu_seqlens_padded``, ...); ``tokens`` is the batch's ``attention_mask``. Megatron replays every token,
         so a sample the policy masks runs on pad rows: drop it from the loss
         (:func:`rr_client.trainer.provenance.drop_samples` with the returned ``replay``). R2: no rows, ``key=`` and
-        ``input_ids=`` (the micro-batch's ``[b, s]`` ids) replay the record :meth:`open_record` kept."""
+        ``input_ids=`` (the micro-batch's ``[b, s]`` ids) replay the record :meth:`open_record` kept.
+
+        ``indexer_topk`` (``[B, T, indexer layers, index_topk]`` batch columns, ``-1``: not replayed; default: a
+        :class:`rr_client.RoutingTensors`' own ``indexer_topk``): the engine's sparse-attention indexer picks,
+        replayed beside the routing (:func:`rr_client.trainer.replay_indexer`, audited with the routing, under
+        ``r3/indexer/``); a sample the policy masks keeps its own picks too. Hugging Face models only."""
+        indexer = self._indexer_rows(routed_experts, indexer_topk)
         if self.backend is None:
             if chunk is not None or key is not None or input_ids is not None or layout:
                 extra = sorted(
@@ -302,6 +318,7 @@ class ReplaySession:
             rows, mask, check = self._police(routed_experts, mask, samples, checked)
             self.close()
             stack = ExitStack()
+            self._enter_indexer(stack, indexer, check)
             report = stack.enter_context(
                 replay_routing(
                     self.model,
@@ -381,24 +398,30 @@ class ReplaySession:
         segments: Segments | None = None,
         samples: Sequence[Any] | None = None,
         checked: bool = False,
+        indexer_topk: Any = None,
     ) -> Iterator[None]:
         """A replay block closed when the ``with`` ends, for forwards without a backward (old-policy, reference);
-        the block kept open for a backward, if any, stays open. ``tokens``, ``samples``, ``checked``: as in
-        :meth:`open_replay` (the stale-rows policy runs here too). Megatron: forward-only passes feed through
-        :meth:`open_replay` inside ``forward_step_func``, like training ones."""
+        the block kept open for a backward, if any, stays open. ``tokens``, ``samples``, ``checked``,
+        ``indexer_topk``: as in :meth:`open_replay` (the stale-rows policy runs here too). Megatron: forward-only
+        passes feed through :meth:`open_replay` inside ``forward_step_func``, like training ones."""
         self._hf_only("forward()")
-        rows, mask, _ = self._police(routed_experts, mask, samples, checked)
-        with replay_routing(
-            self.model,
-            rows,
-            mask,
-            layers=layers if layers is not None else self.layers,
-            check_every=self.check_every,
-            audit=self.audited,
-            allow_untested=self.allow_untested,
-            tokens=tokens,
-            segments=segments,
-        ) as report:
+        indexer = self._indexer_rows(routed_experts, indexer_topk)
+        rows, mask, check = self._police(routed_experts, mask, samples, checked)
+        with (
+            ExitStack() as stack,
+            replay_routing(
+                self.model,
+                rows,
+                mask,
+                layers=layers if layers is not None else self.layers,
+                check_every=self.check_every,
+                audit=self.audited,
+                allow_untested=self.allow_untested,
+                tokens=tokens,
+                segments=segments,
+            ) as report,
+        ):
+            self._enter_indexer(stack, indexer, check)
             yield
         if report is not None:
             self._reports.append(report)
@@ -411,6 +434,29 @@ class ReplaySession:
             yield rec
         if compare_to is not None:
             self._add_agreement(rec.routed_experts, compare_to, mask)
+
+    def _indexer_rows(self, routed_experts: Any, indexer_topk: Any) -> Any:
+        """The indexer picks to replay with these rows: given, or a RoutingTensors' own; refused on a backend that
+        cannot replay them (Megatron), never dropped."""
+        rows = indexer_topk if indexer_topk is not None else getattr(routed_experts, "indexer_topk", None)
+        if rows is not None and self.backend is not None:
+            raise ConfigurationError(
+                "indexer_topk: rr replays sparse-attention indexer picks in Hugging Face models "
+                "(ReplaySession(model)), not through Megatron's RouterReplay; generate without "
+                "return_indexer_topk (or drop RoutingTensors.indexer_topk) to replay the routing alone"
+            )
+        return rows
+
+    def _enter_indexer(self, stack: ExitStack, indexer: Any, check: ProvenanceCheck | None) -> None:
+        """Replay ``indexer`` (the samples the stale-rows policy masked keep their own picks) in ``stack``'s
+        block; its audit report joins the step's."""
+        if indexer is None:
+            return
+        if check is not None:
+            indexer = mask_indexer(indexer, check.replay)
+        report = stack.enter_context(replay_indexer(self.model, indexer, audit=self.audited))
+        if report is not None:
+            self._indexer_reports.append(report)  # filled when the block closes
 
     def _hf_only(self, what: str) -> None:
         if self.backend is not None:
@@ -531,6 +577,7 @@ class ReplaySession:
             if report and audited:  # as the Hugging Face hooks: an unaudited step claims no audit keys
                 self._reports.append(report)
         out = merge_reports(self._reports, log_layers=self.log_layers)
+        out.update(merge_indexer_reports(self._indexer_reports, log_layers=self.log_layers))
         if out:
             out[K.AUDITED] = float(audited)
         if self._gaps:
@@ -556,6 +603,7 @@ class ReplaySession:
 
     def _reset(self) -> None:
         self._reports, self._gaps, self._agree, self._seg_gaps, self._checks = [], [], [0, 0], [], []
+        self._indexer_reports = []
         self._row_checks, self._policed = [], {}
 
     @contextmanager

@@ -6,12 +6,29 @@ typed errors when the block opens; the audit reports applied share and agreement
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
 import pytest
 import torch
 
-from rr_client import IndexerPositionError, ShapeMismatchError, UnrecordedRoutingError
+from rr_client import (
+    ConfigurationError,
+    IndexerPositionError,
+    MissingRoutingError,
+    RoutingRef,
+    RRInfo,
+    ShapeMismatchError,
+    UnrecordedRoutingError,
+)
+from rr_client.client._results import GenerateResult
+from rr_client.trainer import keys as K
 from rr_client.trainer import replay_indexer
-from rr_client.trainer.replay import find_indexers
+from rr_client.trainer.layouts import to_packed, to_tensors
+from rr_client.trainer.provenance import mask_samples
+from rr_client.trainer.replay import find_indexers, record_routing
+from rr_client.trainer.session import ReplaySession
 
 from .tiny_families import tiny_family_raw
 
@@ -118,3 +135,143 @@ def test_an_indexer_rr_cannot_replay_is_refused_by_name() -> None:
     with pytest.raises(UnsupportedModelError, match="has no sparse-attention indexer"):
         with replay_indexer(tiny_family_raw("qwen3_moe"), engine_picks(1)):
             pass
+
+
+# ---------------------------------------------------------------------------------- beside the routing, in a session
+SHAPES = [(9, 6), (5, 4), (3, 9)]  # (prompt, output) per sample: padded batches of different real lengths
+
+
+def dsa_batch(model: torch.nn.Module) -> tuple[list[Any], RRInfo]:
+    """Samples as the client hands them over: the model's own routing (what an engine on these weights routes) and
+    engine indexer picks that differ from the model's (sequence positions, from token index_topk on)."""
+    info = RRInfo.from_hf_config(model.config.to_dict(), engine="test", engine_version="0")
+    assert info.indexer is not None
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for i, (lp, lo) in enumerate(SHAPES):
+        seq = torch.randint(1, 60, (lp + lo,), generator=g).tolist()
+        with torch.no_grad(), record_routing(model) as rec:
+            model(torch.tensor([seq]))
+        n = lp + lo - 1  # rows: every token but the last
+        picks = np.stack(
+            [
+                np.stack([torch.randperm(t + 1, generator=g)[:TOPK].numpy() for _ in info.indexer.layers])
+                for t in range(TOPK, n)
+            ]
+        ).astype(np.uint16)
+        out.append(
+            GenerateResult(
+                index=i,
+                prompt_index=i,
+                prompt_ids=seq[:lp],
+                output_ids=seq[lp:],
+                text=None,
+                finish_reason="length",
+                routed_experts=rec.routed_experts[0].numpy()[:n],
+                routed_experts_start=0,
+                meta={},
+                indexer_topk=picks,
+                indexer_topk_start=TOPK,
+            )
+        )
+    return out, info
+
+
+def test_to_tensors_moves_each_samples_picks_under_its_padded_columns() -> None:
+    """Per-sample Python reference: token t of sample b sits at column pos[t]; its picks p become pos[p]."""
+    model = dsa_model("deepseek_v32")
+    batch, info = dsa_batch(model)
+    for kw in (
+        {"pad_side": "left"},
+        {"pad_side": "right"},
+        {"pad_side": "split", "prompt_length": 10, "response_length": 9},
+    ):
+        rt = to_tensors(batch, info, **kw)
+        assert rt.indexer_topk is not None and rt.indexer_topk.dtype == torch.int16
+        want = torch.full_like(rt.indexer_topk, -1)
+        for b, r in enumerate(batch):
+            pos = torch.nonzero(rt.attention_mask[b]).flatten().tolist()
+            for j, row in enumerate(r.indexer_topk):
+                want[b, pos[TOPK + j]] = torch.tensor([[pos[p] for p in layer] for layer in row.tolist()])
+        assert torch.equal(rt.indexer_topk, want), kw
+
+
+def test_layouts_refuse_what_they_cannot_carry() -> None:
+    model = dsa_model("deepseek_v32")
+    batch, info = dsa_batch(model)
+    with pytest.raises(MissingRoutingError, match=r"samples \[1\] carry no indexer picks while others do"):
+        to_tensors([batch[0], replace(batch[1], indexer_topk=None)], info)
+    ref = RoutingRef(
+        store="memory", url="http://e", key="k", rows=1, layers=3, topk=TOPK, dtype="uint16", start=TOPK,
+        weight_version=0, checksum="0" * 16, kind="indexer",
+    )  # fmt: skip
+    with pytest.raises(MissingRoutingError, match=r"samples \[0\] hold indexer refs not read yet"):
+        to_tensors([replace(batch[0], indexer_topk=None, indexer_ref=ref)], info)
+    with pytest.raises(ShapeMismatchError, match="do not fit its 15 tokens"):
+        to_tensors([replace(batch[0], indexer_topk_start=TOPK + 1)], info)
+    with pytest.raises(ConfigurationError, match="padded batch"):
+        to_packed(batch, info)
+    assert to_packed([replace(r, indexer_topk=None) for r in batch], info).routed_experts.shape[0] > 0
+
+
+def read_columns(model: torch.nn.Module, rt: Any) -> list[torch.Tensor]:
+    """The instrument, as above, on a padded batch with its attention mask."""
+    with torch.no_grad():
+        out = model(rt.input_ids, attention_mask=rt.attention_mask, output_attentions=True)
+    return [a.sum(1) > 0 for a in out.attentions]
+
+
+def test_a_session_replays_routing_and_indexer_together_and_logs_both() -> None:
+    """``open_replay(rt)`` replays ``rt.indexer_topk`` with the routing: every replayed token reads exactly the
+    engine's columns (the eager attention's own weights), both audits in the step's metrics under their own keys;
+    the session's stale-rows mask leaves a masked sample's picks to the model as well as its routing."""
+    model = dsa_model("deepseek_v32")
+    batch, info = dsa_batch(model)
+    rt = to_tensors(batch, info, pad_side="left")
+    assert rt.indexer_topk is not None
+    session = ReplaySession(model, audit_every=1, log_layers=True)
+    own = read_columns(model, rt)
+    with session.step() as met:
+        session.open_replay(rt)
+        read = read_columns(model, rt)
+    idx = rt.indexer_topk.long()
+    layers = [layer for layer, _ in find_indexers(model)]
+    chosen = (idx >= 0).all(-1)
+    n_rows = int(chosen.sum())
+    assert n_rows == sum(lp + lo - 1 - TOPK for lp, lo in SHAPES) * len(layers)
+    for li, layer in enumerate(layers):
+        b, t = torch.nonzero(chosen[:, :, li], as_tuple=True)
+        want = torch.zeros(len(b), rt.input_ids.shape[1], dtype=torch.bool).scatter(1, idx[b, t, li], True)
+        assert torch.equal(read[layer][b, t], want), f"layer {layer}"
+        assert not torch.equal(own[layer][b, t], want)  # the control: the model's own pick differs
+    assert met[K.INDEXER_APPLIED_SHARE] == 1.0 and met[K.INDEXER_REPLAYED_ROWS] == n_rows
+    assert met[K.INDEXER_LAYERS] == len(layers) and met[K.INDEXER_AGREEMENT] < 1.0
+    assert met[K.indexer_layer(layers[0], "applied_share")] == 1.0
+    # the routing replayed beside it (other attention reads move the trainer's own router off the recorded pick)
+    assert met[K.APPLIED_SHARE] == 1.0 and met[K.REPLAYED_ROWS] > 0 and met[K.AGREEMENT] < 1.0
+
+    masked = mask_samples(rt, [True, False, True])
+    assert masked.indexer_topk is not None and bool((masked.indexer_topk[1] == -1).all())
+    with session.step() as met:
+        with session.forward(masked):
+            read_columns(model, masked)
+    sample1 = (SHAPES[1][0] + SHAPES[1][1] - 1 - TOPK) * len(layers)
+    assert met[K.INDEXER_REPLAYED_ROWS] == n_rows - sample1
+
+
+def test_megatron_refuses_indexer_rows_by_name() -> None:
+    """A backend that cannot replay the indexer (Megatron's RouterReplay) refuses the picks instead of dropping
+    them. The backend here is a named stand-in: the refusal comes before any backend call."""
+    model = dsa_model("deepseek_v32")
+    batch, info = dsa_batch(model)
+    rt = to_tensors(batch, info)
+
+    class NoBackendCalls:  # stand-in for MegatronReplay: any call is a test failure
+        every_token = True
+
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"backend.{name} called")
+
+    session = ReplaySession(model, backend=NoBackendCalls())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="not through Megatron's RouterReplay"):
+        session.open_replay(rt)

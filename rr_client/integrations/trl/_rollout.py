@@ -73,6 +73,9 @@ class RRRollout:
     :class:`R3GRPOTrainer` only: TRL's own ``GRPOTrainer`` would hand the routing to the reward functions.
     ``by_reference``: the servers keep the rows and answer refs; the trainer reads each micro-batch's rows when
     it runs it (a rank reads only its own), and retires the rows of older weights after each weight push.
+    ``indexer``: also ask for the sparse-attention indexer picks (DeepSeek-V3.2-style models on rr-patched SGLang
+    0.5.23+), which R3GRPOTrainer replays beside the routing; they travel by reference (the server's default,
+    about 244 KiB per token for DeepSeek-V3.2) and are read per micro-batch like the routing.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class RRRollout:
         api_key: str | None = None,
         sampling_params: Mapping[str, Any] | None = None,
         by_reference: bool = False,
+        indexer: bool = False,
         **client_options: Any,
     ) -> None:
         check_trl_version()
@@ -98,6 +102,7 @@ class RRRollout:
         self.engines: list[str | WeightEngine] = [eng] if isinstance(eng, (str, WeightEngine)) else list(eng)
         self.api_key = api_key
         self.by_reference = by_reference
+        self.indexer = indexer
         self.sampling_params = dict(sampling_params or {})
         self._weight_version = -1  # the newest weight version seen in a ref (retired after the next push)
         self._loop = LoopThread()
@@ -120,9 +125,16 @@ class RRRollout:
     def generate(self, prompts: list[list[int]], sampling_params: Mapping[str, Any]) -> Any:
         """``client.generate`` with the sampling log-probs, on the rollout's loop (a :class:`GenerateBatch`)."""
         batch = self._loop.run(
-            self.client.generate(prompts, dict(sampling_params), return_logprob=True, by_reference=self.by_reference)
+            self.client.generate(
+                prompts,
+                dict(sampling_params),
+                return_logprob=True,
+                by_reference=self.by_reference,
+                **({"return_indexer_topk": True} if self.indexer else {}),
+            )
         )
-        versions = [r.routing_ref.weight_version for r in batch if r.routing_ref is not None]
+        refs = [ref for r in batch for ref in (r.routing_ref, r.indexer_ref) if ref is not None]
+        versions = [ref.weight_version for ref in refs]
         self._weight_version = max([self._weight_version, *versions])
         return batch
 
@@ -132,7 +144,7 @@ class RRRollout:
 
     def retire(self) -> None:
         """After a weight push: free every server's rows made under the weights seen so far (by reference)."""
-        if self.by_reference and self._weight_version >= 0:
+        if (self.by_reference or self.indexer) and self._weight_version >= 0:
             self._loop.run(self.client.retire(self._weight_version))
 
     def close(self) -> None:

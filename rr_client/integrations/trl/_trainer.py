@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,7 +29,7 @@ from rr_client.trainer import keys as K
 from rr_client.trainer.layouts import RoutingTensors, to_tensors
 from rr_client.trainer.metrics import token_logprobs
 from rr_client.trainer.provenance import Segments, build_segments, check_samples, mask_samples, provenance_metrics
-from rr_client.trainer.replay import replay_routing
+from rr_client.trainer.replay import replay_indexer, replay_routing
 from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
 __all__ = ["R3GRPOTrainer", "GenerateOutput", "Generation", "OVERRIDDEN", "check_trl_shapes"]
@@ -482,7 +482,13 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             rows, mask = rt.routed_experts[s:e], rt.routed_experts_mask[s:e]
             return (
                 session.forward(
-                    rows, mask, layers=rt.layers, tokens=rt.attention_mask[s:e], segments=seg.narrow(s, e), checked=True
+                    rows,
+                    mask,
+                    layers=rt.layers,
+                    tokens=rt.attention_mask[s:e],
+                    segments=seg.narrow(s, e),
+                    checked=True,
+                    indexer_topk=None if rt.indexer_topk is None else rt.indexer_topk[s:e],
                 )
                 if self.r3
                 else session.recording(rows, mask)
@@ -565,17 +571,24 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             )
         session = self.rr_session
 
-        def chunk_rows(s: int, e: int) -> AbstractContextManager[Any]:  # TRL's chunks, each under its own rows
-            return replay_routing(
-                own,
-                rt.routed_experts[s:e],
-                rt.routed_experts_mask[s:e],
-                layers=rt.layers,
-                check_every=session.check_every,
-                audit=session.audited,
-                allow_untested=session.allow_untested,
-                tokens=rt.attention_mask[s:e],
-            )
+        @contextmanager
+        def chunk_rows(s: int, e: int) -> Iterator[None]:  # TRL's chunks, each under its own rows (and picks)
+            with ExitStack() as stack:
+                stack.enter_context(
+                    replay_routing(
+                        own,
+                        rt.routed_experts[s:e],
+                        rt.routed_experts_mask[s:e],
+                        layers=rt.layers,
+                        check_every=session.check_every,
+                        audit=session.audited,
+                        allow_untested=session.allow_untested,
+                        tokens=rt.attention_mask[s:e],
+                    )
+                )
+                if rt.indexer_topk is not None:
+                    stack.enter_context(replay_indexer(own, rt.indexer_topk[s:e], audit=session.audited))
+                yield
 
         return self._chunked(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, chunk_rows
@@ -601,7 +614,8 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                 f"{len(batch.results)} samples: the batch's rows are not that rollout's"
             )
         results = [batch.results[i] for i in idx]
-        if any(r.routed_experts is None for r in results):  # by reference: this micro-batch's rows, read now
+        unread = [r.routed_experts is None or (r.indexer_ref is not None and r.indexer_topk is None) for r in results]
+        if any(unread):  # by reference: this micro-batch's rows (and indexer picks), read now
             results = self.rr_rollout.resolve(results)
             for i, r in zip(idx, results):
                 batch.results[i] = r

@@ -28,9 +28,10 @@ from rr_client.core.errors import (
     UnrecordedRoutingError,
     UnsupportedModelError,
 )
+from rr_client.trainer import keys as K
 from rr_client.trainer.replay.phase import DeviceTally
 
-__all__ = ["replay_indexer", "find_indexers", "INDEXER_CLASSES", "REFUSED_INDEXERS"]
+__all__ = ["replay_indexer", "find_indexers", "merge_indexer_reports", "INDEXER_CLASSES", "REFUSED_INDEXERS"]
 
 #: transformers indexers whose output is ``[B, S, index_topk]`` token positions, read by the attention as they are
 INDEXER_CLASSES = ("DeepseekV32Indexer", "GlmMoeDsaIndexer")
@@ -62,7 +63,7 @@ def find_indexers(model: nn.Module) -> list[tuple[int, nn.Module]]:
 
 
 def _checked_rows(rows: Any, layers: list[int], topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, S, L, K]`` positions (``-1``: not replayed) -> (positions as int64, ``[B, S, L]`` replayed); the one
+    """``[B, S, L, K]`` positions (``-1``: not replayed) -> (positions, int16 or int32, ``[B, S, L]`` replayed); the one
     check of every replayed row (causal, distinct, whole) in one host read."""
     if not isinstance(rows, torch.Tensor):
         raise ArgumentTypeError(f"indexer rows must be a torch tensor [B, S, L, K], got {type(rows).__name__}")
@@ -73,7 +74,14 @@ def _checked_rows(rows: Any, layers: list[int], topk: int) -> tuple[torch.Tensor
             f"indexer rows are {list(rows.shape)}, expected [batch, tokens, {len(layers)} indexer layers {layers}, "
             f"index_topk {topk}]"
         )
-    pos = rows.long()
+    # int16 / int32 kept as they are (to_tensors' dtypes; an int64 copy would be 2-4x the largest tensor of the step)
+    pos = (
+        rows
+        if rows.dtype in (torch.int16, torch.int32)
+        else rows.to(torch.int32 if rows.dtype != torch.uint8 else torch.int16)
+    )
+    if rows.dtype == torch.int64 and rows.numel() and bool(rows.abs().max() > torch.iinfo(torch.int32).max):
+        raise IndexerPositionError("indexer rows hold positions beyond int32: not token positions")
     use = (pos >= 0).all(-1)
     partial = (pos >= 0).any(-1) & ~use
     t = torch.arange(pos.shape[1], device=pos.device)[None, :, None, None]
@@ -172,13 +180,13 @@ def replay_indexer(model: nn.Module, indexer_topk: Any, *, audit: bool = False) 
         total["rows"] += n
         total["applied"] += a
         total["agree"] += g
-        report[f"r3/indexer/layer{layer}/replayed_rows"] = float(n)
-        report[f"r3/indexer/layer{layer}/applied_share"] = a / n if n else 1.0
-        report[f"r3/indexer/layer{layer}/agreement"] = g / n if n else 1.0
-    report["r3/indexer/layers"] = float(len(layers))
-    report["r3/indexer/replayed_rows"] = float(total["rows"])
-    report["r3/indexer/applied_share"] = total["applied"] / total["rows"] if total["rows"] else 1.0
-    report["r3/indexer/agreement"] = total["agree"] / total["rows"] if total["rows"] else 1.0
+        report[K.indexer_layer(layer, "replayed_rows")] = float(n)
+        report[K.indexer_layer(layer, "applied_share")] = a / n if n else 1.0
+        report[K.indexer_layer(layer, "agreement")] = g / n if n else 1.0
+    report[K.INDEXER_LAYERS] = float(len(layers))
+    report[K.INDEXER_REPLAYED_ROWS] = float(total["rows"])
+    report[K.INDEXER_APPLIED_SHARE] = total["applied"] / total["rows"] if total["rows"] else 1.0
+    report[K.INDEXER_AGREEMENT] = total["agree"] / total["rows"] if total["rows"] else 1.0
     problems = []
     never = [layer for layer in layers if layer not in ran]
     if never:
@@ -188,3 +196,26 @@ def replay_indexer(model: nn.Module, indexer_topk: Any, *, audit: bool = False) 
         problems.append(f"indexer layers {short}: replayed rows did not reach the attention")
     if problems:
         raise ReplayError("indexer replay audit: " + "; ".join(problems), report=report)
+
+
+def merge_indexer_reports(reports: list[dict[str, float]], *, log_layers: bool = False) -> dict[str, float]:
+    """One step's indexer audit from its blocks' reports: rows summed, the worst block's applied share, agreement
+    weighted by replayed rows; per-layer keys (worst share / agreement, summed rows) with ``log_layers``."""
+    reports = [r for r in reports if r]
+    if not reports:
+        return {}
+    rows = sum(r[K.INDEXER_REPLAYED_ROWS] for r in reports)
+    out = {
+        K.INDEXER_LAYERS: max(r[K.INDEXER_LAYERS] for r in reports),
+        K.INDEXER_REPLAYED_ROWS: rows,
+        K.INDEXER_APPLIED_SHARE: min(r[K.INDEXER_APPLIED_SHARE] for r in reports),
+        K.INDEXER_AGREEMENT: (
+            sum(r[K.INDEXER_AGREEMENT] * r[K.INDEXER_REPLAYED_ROWS] for r in reports) / rows if rows else 1.0
+        ),
+    }
+    if log_layers:
+        per = sorted({k for r in reports for k in r if k.startswith(K.INDEXER_PREFIX + "layer")})
+        for k in per:
+            vals = [r[k] for r in reports if k in r]
+            out[k] = min(vals) if k.endswith(K.LAYER_SHARE_SUFFIXES) else sum(vals)
+    return out
