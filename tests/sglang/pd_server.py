@@ -8,7 +8,10 @@ test-only route, ``POST /test/lose_rows``, makes the stand-in lose captured rows
 
     python -m tests.sglang.pd_server ROLE PORT MODEL_DIR BOOTSTRAP_PORT [WEIGHT_VERSION] [--unpatched] [--name=NAME]
 
-``--name``: SGLang's ``--served-model-name`` (what ``/rr/info`` calls the model).
+``--name``: SGLang's ``--served-model-name`` (what ``/rr/info`` calls the model). ROLE ``null``: a plain server (no
+P/D; BOOTSTRAP_PORT unused) over real HTTP, for a client on another event loop (TRL's rollout), whose stand-in also
+reports the sampled tokens' log-probs from a transformers forward. A DeepSeek-V3.2 checkpoint gets an H100's compute
+capability, the one GPU fact SGLang's ServerArgs reads for a DSA model (as tests/sglang/test_indexer_sglang.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from rr_server.launch.process import free_port, wait_healthy
 
@@ -51,23 +55,27 @@ async def main(
     import uvicorn
 
     from rr_patches.sglang.apply import apply
+    from tests.sglang.deepseek_v32 import is_deepseek_v32
     from tests.sglang.harness import Harness
 
     if patched:
         apply()
-    extra: dict[str, str] = {"weight_version": weight_version} if weight_version else {}
+    if is_deepseek_v32(Path(model_dir)):
+        import torch
+
+        torch.cuda.get_device_capability = lambda *_a, **_k: (9, 0)  # type: ignore[assignment]
+    extra: dict[str, Any] = {"weight_version": weight_version} if weight_version else {}
     if name:
         extra["served_model_name"] = name
-    h = Harness(
-        Path(model_dir),
-        disaggregation_mode=role,
-        disaggregation_transfer_backend="mooncake" if role == "prefill" else "fake",
-        disaggregation_bootstrap_port=bootstrap_port,
-        host="127.0.0.1",
-        port=port,  # the URL its routing refs name
-        **extra,
-    )
-    h.sched.pd_role = role
+    if role != "null":
+        extra.update(
+            disaggregation_mode=role,
+            disaggregation_transfer_backend="mooncake" if role == "prefill" else "fake",
+            disaggregation_bootstrap_port=bootstrap_port,
+        )
+    h = Harness(Path(model_dir), host="127.0.0.1", port=port, **extra)  # port: the URL its routing refs name
+    h.sched.pd_role = None if role == "null" else role
+    h.sched.sampling_logprobs = role == "null"
     h.tm.event_loop = asyncio.get_running_loop()
     from sglang.srt.managers.tokenizer_manager import ServerStatus  # what SGLang's launch sets after its warmup
 

@@ -86,6 +86,24 @@ def completion_for(prompt: list[int], n: int) -> list[int]:
     return [10 + (7 * (len(prompt) + j) + 3 * sum(prompt)) % 290 for j in range(n)]
 
 
+_LOGPROBS: dict[tuple[str, tuple[int, ...]], list[float]] = {}
+
+
+def completion_logprobs(model_dir: Path, prompt: list[int], completion: list[int]) -> list[float]:
+    """Each completion token's log-prob under the checkpoint (one transformers forward per sequence, temperature 1):
+    the sampler's report the stand-in gives with ``sampling_logprobs``."""
+    ids = tuple(prompt + completion)
+    key = (str(model_dir), ids)
+    if key not in _LOGPROBS:
+        from tests.support.tiny_checkpoints import load_eager
+
+        with torch.no_grad():
+            logits = load_eager(model_dir)(input_ids=torch.tensor([list(ids)])).logits[0].float()
+        lp = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        _LOGPROBS[key] = lp[len(prompt) - 1 :].tolist()
+    return _LOGPROBS[key]
+
+
 def _fields_of(cls: type) -> list[str]:
     """Constructor field names of an io_struct class (dataclass or msgspec.Struct)."""
     dc = getattr(cls, "__dataclass_fields__", None)
@@ -117,6 +135,9 @@ class StandInScheduler:
         # the prefill server's) and its rows for the prompt, which it never ran, are its capture buffer's at those
         # KV slots (state_capturer/base.py:75, 173-188): zeros on a fresh server. None: no P/D.
         self.pd_role: str | None = None
+        # True: a request asking return_logprob gets its completion tokens' log-probs from a transformers forward
+        # (temperature 1, what the GPU's sampler would report); False: SGLang's empty lists, as before
+        self.sampling_logprobs = False
         self.indexer_edit: Callable[[np.ndarray], None] | None = None  # a test's change to the indexer rows
 
     # ---- the zmq socket the TokenizerManager sends to
@@ -217,11 +238,18 @@ class StandInScheduler:
         }
         routing: list[Any] = []
         indexer: list[Any] = []
+        lp_val: list[list[float]] = []
+        lp_idx: list[list[int]] = []
         any_routing = False
         for rid in rids:
             r = self.reqs[rid]
             upto = len(r.completion) if tokens is None else min(len(r.completion), r.sent + tokens)
             delta = r.completion[r.sent : upto]
+            if self.sampling_logprobs and getattr(r.tok, "return_logprob", False):
+                lp_val.append(completion_logprobs(self.model_dir, r.prompt, r.completion)[r.sent : upto])
+            else:
+                lp_val.append([])
+            lp_idx.append(list(delta) if lp_val[-1] else [])
             r.sent = upto
             r.done = upto == len(r.completion)
             surr = max(len(r.prompt) - _SURR, 0)
@@ -249,6 +277,7 @@ class StandInScheduler:
             **per,
             self.field: routing if any_routing else None,
             "indexer_topk": indexer if any(v is not None for v in indexer) else None,
+            **({"output_token_logprobs_val": lp_val, "output_token_logprobs_idx": lp_idx} if any(lp_val) else {}),
             "skip_special_tokens": [True] * n,
             "spaces_between_special_tokens": [True] * n,
             "no_stop_trim": [False] * n,
