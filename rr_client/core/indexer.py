@@ -13,7 +13,7 @@ width), row count, positions in range and causal (``0 <= p <= t``), no position 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,12 +203,3 @@ def decode_indexer(
             f"choosing token is {first}"
         )
     return check_indexer(arr[skip:], dims, rows=rows, start=first)
-
-
-def layer_positions(dims: IndexerDims, layers: Sequence[int]) -> list[int]:
-    """The payload's layer axis index of each of ``layers`` (model layer numbers)."""
-    where = {layer: i for i, layer in enumerate(dims.layers)}
-    missing = [layer for layer in layers if layer not in where]
-    if missing:
-        raise ShapeMismatchError(f"layers {missing} run no indexer here (indexer layers {list(dims.layers)})")
-    return [where[layer] for layer in layers]

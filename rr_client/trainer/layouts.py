@@ -106,6 +106,7 @@ class RoutingTensors(_Layout):
     #: every earlier token, padding); int16 up to 32,767 columns, else int32. Replayed beside the routing by
     #: :class:`rr_client.trainer.ReplaySession` (:func:`rr_client.trainer.replay_indexer`)
     indexer_topk: torch.Tensor | None = None
+    indexer_layers: list[int] | None = None  #: the decoder layers of ``indexer_topk``'s layer axis (the server's)
 
 
 @dataclass(frozen=True)
@@ -405,6 +406,7 @@ def to_tensors(
         logprobs_mode=lp_mode,
         provenance=_provenances(results),
         indexer_topk=None if idx is None else torch.from_numpy(idx),
+        indexer_layers=None if idx is None or info.indexer is None else list(info.indexer.layers),
     )
 
 

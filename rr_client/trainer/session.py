@@ -135,6 +135,14 @@ def _segment_gaps(
     return out
 
 
+def _close_quietly(stack: ExitStack) -> None:
+    """Close ``stack`` while an error is already on its way (the blocks' own verdicts are dropped)."""
+    try:
+        stack.close()
+    except Exception:  # keep the error that is already raised
+        pass
+
+
 class ReplayBackend(Protocol):
     """What a :class:`ReplaySession` needs of a backend other than the Hugging Face hooks (Megatron's:
     :class:`rr_client.integrations.megatron.MegatronSession`). The session keeps the audit cadence, the stale-rows
@@ -276,6 +284,7 @@ class ReplaySession:
         key: Any = None,
         input_ids: Any = None,
         indexer_topk: Any = None,
+        indexer_layers: Sequence[int] | None = None,
         **layout: Any,
     ) -> ProvenanceCheck | None:
         """Apply the stale-rows policy, close the previous micro-batch's block, then replay ``routed_experts``
@@ -297,10 +306,11 @@ class ReplaySession:
         ``input_ids=`` (the micro-batch's ``[b, s]`` ids) replay the record :meth:`open_record` kept.
 
         ``indexer_topk`` (``[B, T, indexer layers, index_topk]`` batch columns, ``-1``: not replayed; default: a
-        :class:`rr_client.RoutingTensors`' own ``indexer_topk``): the engine's sparse-attention indexer picks,
+        :class:`rr_client.RoutingTensors`' own ``indexer_topk``, checked against the model's indexer layers by its
+        ``indexer_layers``, or by ``indexer_layers=``): the engine's sparse-attention indexer picks,
         replayed beside the routing (:func:`rr_client.trainer.replay_indexer`, audited with the routing, under
         ``r3/indexer/``); a sample the policy masks keeps its own picks too. Hugging Face models only."""
-        indexer = self._indexer_rows(routed_experts, indexer_topk)
+        indexer = self._indexer_rows(routed_experts, indexer_topk, indexer_layers)
         if self.backend is None:
             if chunk is not None or key is not None or input_ids is not None or layout:
                 extra = sorted(
@@ -318,22 +328,27 @@ class ReplaySession:
             rows, mask, check = self._police(routed_experts, mask, samples, checked)
             self.close()
             stack = ExitStack()
-            self._enter_indexer(stack, indexer, check)
-            report = stack.enter_context(
-                replay_routing(
-                    self.model,
-                    rows,
-                    mask,
-                    layers=layers if layers is not None else self.layers,
-                    check_every=self.check_every,
-                    audit=self.audited,
-                    allow_untested=self.allow_untested,
-                    tokens=tokens,
-                    segments=segments,
+            try:
+                idx_report = self._enter_indexer(stack, indexer, check)
+                report = stack.enter_context(
+                    replay_routing(
+                        self.model,
+                        rows,
+                        mask,
+                        layers=layers if layers is not None else self.layers,
+                        check_every=self.check_every,
+                        audit=self.audited,
+                        allow_untested=self.allow_untested,
+                        tokens=tokens,
+                        segments=segments,
+                    )
                 )
-            )
-            if report is not None:
-                self._reports.append(report)  # the audit fills it when the block closes
+            except BaseException:
+                _close_quietly(stack)  # the refusal is the error: hooks already in place come off unchecked
+                raise
+            for r, into in ((report, self._reports), (idx_report, self._indexer_reports)):
+                if r is not None:
+                    into.append(r)  # the audit fills it when the block closes
             self._stack = stack
             return check
         if routed_experts is None and segments is not None:
@@ -399,32 +414,34 @@ class ReplaySession:
         samples: Sequence[Any] | None = None,
         checked: bool = False,
         indexer_topk: Any = None,
+        indexer_layers: Sequence[int] | None = None,
     ) -> Iterator[None]:
         """A replay block closed when the ``with`` ends, for forwards without a backward (old-policy, reference);
         the block kept open for a backward, if any, stays open. ``tokens``, ``samples``, ``checked``,
-        ``indexer_topk``: as in :meth:`open_replay` (the stale-rows policy runs here too). Megatron: forward-only
+        ``indexer_topk``, ``indexer_layers``: as in :meth:`open_replay` (the stale-rows policy runs here too). Megatron: forward-only
         passes feed through :meth:`open_replay` inside ``forward_step_func``, like training ones."""
         self._hf_only("forward()")
-        indexer = self._indexer_rows(routed_experts, indexer_topk)
+        indexer = self._indexer_rows(routed_experts, indexer_topk, indexer_layers)
         rows, mask, check = self._police(routed_experts, mask, samples, checked)
-        with (
-            ExitStack() as stack,
-            replay_routing(
-                self.model,
-                rows,
-                mask,
-                layers=layers if layers is not None else self.layers,
-                check_every=self.check_every,
-                audit=self.audited,
-                allow_untested=self.allow_untested,
-                tokens=tokens,
-                segments=segments,
-            ) as report,
-        ):
-            self._enter_indexer(stack, indexer, check)
+        with ExitStack() as stack:
+            idx_report = self._enter_indexer(stack, indexer, check)
+            report = stack.enter_context(
+                replay_routing(
+                    self.model,
+                    rows,
+                    mask,
+                    layers=layers if layers is not None else self.layers,
+                    check_every=self.check_every,
+                    audit=self.audited,
+                    allow_untested=self.allow_untested,
+                    tokens=tokens,
+                    segments=segments,
+                )
+            )
             yield
-        if report is not None:
-            self._reports.append(report)
+        for r, into in ((report, self._reports), (idx_report, self._indexer_reports)):
+            if r is not None:
+                into.append(r)
 
     @contextmanager
     def recording(self, compare_to: Any = None, mask: Any = None) -> Iterator[RoutingRecord]:
@@ -435,28 +452,32 @@ class ReplaySession:
         if compare_to is not None:
             self._add_agreement(rec.routed_experts, compare_to, mask)
 
-    def _indexer_rows(self, routed_experts: Any, indexer_topk: Any) -> Any:
-        """The indexer picks to replay with these rows: given, or a RoutingTensors' own; refused on a backend that
-        cannot replay them (Megatron), never dropped."""
-        rows = indexer_topk if indexer_topk is not None else getattr(routed_experts, "indexer_topk", None)
+    def _indexer_rows(
+        self, routed_experts: Any, indexer_topk: Any, indexer_layers: Sequence[int] | None
+    ) -> tuple[Any, Sequence[int] | None] | None:
+        """The indexer picks to replay with these rows and their layers (None: the model's): given, or a
+        RoutingTensors' own; refused on a backend that cannot replay them (Megatron), never dropped."""
+        if indexer_topk is not None:
+            rows, layers = indexer_topk, indexer_layers
+        else:  # a RoutingTensors' own, with the layers they are of
+            rows, layers = (getattr(routed_experts, n, None) for n in ("indexer_topk", "indexer_layers"))
         if rows is not None and self.backend is not None:
             raise ConfigurationError(
                 "indexer_topk: rr replays sparse-attention indexer picks in Hugging Face models "
                 "(ReplaySession(model)), not through Megatron's RouterReplay; generate without "
                 "return_indexer_topk (or drop RoutingTensors.indexer_topk) to replay the routing alone"
             )
-        return rows
+        return None if rows is None else (rows, layers)
 
-    def _enter_indexer(self, stack: ExitStack, indexer: Any, check: ProvenanceCheck | None) -> None:
-        """Replay ``indexer`` (the samples the stale-rows policy masked keep their own picks) in ``stack``'s
-        block; its audit report joins the step's."""
+    def _enter_indexer(self, stack: ExitStack, indexer: Any, check: ProvenanceCheck | None) -> dict[str, float] | None:
+        """Replay ``indexer`` (picks, their layers or None; the samples the stale-rows policy masked keep their own
+        picks) in ``stack``'s block; its audit report (filled when the block closes), if audited."""
         if indexer is None:
-            return
+            return None
+        rows, layers = indexer
         if check is not None:
-            indexer = mask_indexer(indexer, check.replay)
-        report = stack.enter_context(replay_indexer(self.model, indexer, audit=self.audited))
-        if report is not None:
-            self._indexer_reports.append(report)  # filled when the block closes
+            rows = mask_indexer(rows, check.replay)
+        return stack.enter_context(replay_indexer(self.model, rows, layers=layers, audit=self.audited))
 
     def _hf_only(self, what: str) -> None:
         if self.backend is not None:
@@ -483,10 +504,7 @@ class ReplaySession:
         step is ended unchecked (it still counts for ``audit_every``, as Megatron's does)."""
         stack, self._stack, self._after_close = self._stack, None, []
         if stack is not None:
-            try:
-                stack.close()
-            except Exception:  # keep the error that is already raised
-                pass
+            _close_quietly(stack)
         if self.backend is not None:
             self.backend.abandon()
             self._fed = False

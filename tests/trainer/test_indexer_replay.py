@@ -259,6 +259,23 @@ def test_a_session_replays_routing_and_indexer_together_and_logs_both() -> None:
     assert met[K.INDEXER_REPLAYED_ROWS] == n_rows - sample1
 
 
+def test_picks_of_other_layers_than_the_models_indexers_are_refused() -> None:
+    """The batch carries the server's indexer layers; a model whose indexers sit elsewhere (another checkpoint's
+    layout, the same count) is refused when the block opens, never replayed into the wrong layers."""
+    model = dsa_model("deepseek_v32")
+    batch, info = dsa_batch(model)
+    rt = to_tensors(batch, info)
+    assert rt.indexer_layers == [0, 1, 2]
+    session = ReplaySession(model)
+    with pytest.raises(ShapeMismatchError, match=r"indexer rows are of layers \[0, 2, 3\], the model's .* \[0, 1, 2\]"):
+        session.open_replay(replace(rt, indexer_layers=[0, 2, 3]))
+    with pytest.raises(ShapeMismatchError, match="rows from another checkpoint's layout"):
+        with session.forward(
+            rt.routed_experts, rt.routed_experts_mask, indexer_topk=rt.indexer_topk, indexer_layers=[1, 2, 3]
+        ):
+            pass
+
+
 def test_megatron_refuses_indexer_rows_by_name() -> None:
     """A backend that cannot replay the indexer (Megatron's RouterReplay) refuses the picks instead of dropping
     them. The backend here is a named stand-in: the refusal comes before any backend call."""

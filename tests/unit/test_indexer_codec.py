@@ -17,7 +17,7 @@ from rr_client import (
     decode_indexer,
     encode_indexer,
 )
-from rr_client.core.indexer import INDEXER_START_FIELD, indexer_dtype, indexer_meta_fields, layer_positions
+from rr_client.core.indexer import INDEXER_START_FIELD, indexer_dtype, indexer_meta_fields
 
 DIMS = IndexerDims(layers=(0, 1, 3), index_topk=4)
 PROMPT, COMPLETION = 9, 5
@@ -67,9 +67,6 @@ def test_sglang_rows_become_the_choosing_rows_in_the_smallest_dtype_and_round_tr
     )
     assert late.start == 6 and np.array_equal(late.array, raw[6:])
     assert indexer_dtype(1 << 16) == np.uint16 and indexer_dtype((1 << 16) + 1) == np.uint32
-    assert layer_positions(DIMS, [3, 0]) == [2, 0]
-    with pytest.raises(ShapeMismatchError, match=r"layers \[2\] run no indexer"):
-        layer_positions(DIMS, [2])
 
 
 def test_a_sample_shorter_than_index_topk_has_no_rows() -> None:

@@ -489,6 +489,7 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                     segments=seg.narrow(s, e),
                     checked=True,
                     indexer_topk=None if rt.indexer_topk is None else rt.indexer_topk[s:e],
+                    indexer_layers=rt.indexer_layers,
                 )
                 if self.r3
                 else session.recording(rows, mask)
@@ -587,7 +588,9 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                     )
                 )
                 if rt.indexer_topk is not None:
-                    stack.enter_context(replay_indexer(own, rt.indexer_topk[s:e], audit=session.audited))
+                    stack.enter_context(
+                        replay_indexer(own, rt.indexer_topk[s:e], layers=rt.indexer_layers, audit=session.audited)
+                    )
                 yield
 
         return self._chunked(

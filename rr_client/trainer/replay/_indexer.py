@@ -13,7 +13,7 @@ replayed rows it received exactly (``r3/indexer/applied_share``) and the share t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -107,20 +107,29 @@ def _checked_rows(rows: Any, layers: list[int], topk: int) -> tuple[torch.Tensor
 
 
 @contextmanager
-def replay_indexer(model: nn.Module, indexer_topk: Any, *, audit: bool = False) -> Iterator[dict[str, float] | None]:
+def replay_indexer(
+    model: nn.Module, indexer_topk: Any, *, layers: Sequence[int] | None = None, audit: bool = False
+) -> Iterator[dict[str, float] | None]:
     """Force ``indexer_topk`` (``[B, S, L, index_topk]`` key positions, ``L`` = the model's indexer layers in order,
     rows laid out as the model's ``input_ids``; ``-1`` rows keep the model's own pick, e.g. tokens before
     ``index_topk``, which read every earlier token anyway) as every indexer's pick inside the block.
 
     Refused, typed, when the block opens: a family whose indexer rr cannot replay (:class:`UnsupportedModelError`),
     wrong shape or width (:class:`ShapeMismatchError`), a future or repeated position (:class:`IndexerPositionError`),
-    a partly padded row. ``audit=True`` yields a dict filled when the block exits (module docstring)."""
+    a partly padded row, rows of other layers than the model's indexers (``layers``: the decoder layers of the rows'
+    layer axis, e.g. :attr:`rr_client.RoutingTensors.indexer_layers`). ``audit=True`` yields a dict filled when
+    the block exits (module docstring)."""
     indexers = find_indexers(model)
     if not indexers:
         raise UnsupportedModelError(f"{type(model).__name__} has no sparse-attention indexer to replay")
-    layers = [layer for layer, _ in indexers]
+    own = [layer for layer, _ in indexers]
+    if layers is not None and list(layers) != own:
+        raise ShapeMismatchError(
+            f"the indexer rows are of layers {list(layers)}, the model's indexers run at layers {own}: "
+            "rows from another checkpoint's layout"
+        )
     topk = int(indexers[0][1].index_topk)
-    pos, use = _checked_rows(indexer_topk, layers, topk)
+    pos, use = _checked_rows(indexer_topk, own, topk)
     device = next(indexers[0][1].parameters()).device
     pos, use = pos.to(device, non_blocking=True), use.to(device, non_blocking=True)
     tally = DeviceTally()  # the hooks' counts, kept on the device until the block exits
@@ -175,7 +184,7 @@ def replay_indexer(model: nn.Module, indexer_topk: Any, *, audit: bool = False) 
     if not audit or report is None:
         return
     total = {"rows": 0, "applied": 0, "agree": 0}
-    for layer in layers:
+    for layer in own:
         n, a, g = (counts.get(f"{k}/{layer}", 0) for k in ("rows", "applied", "agree"))
         total["rows"] += n
         total["applied"] += a
@@ -183,15 +192,15 @@ def replay_indexer(model: nn.Module, indexer_topk: Any, *, audit: bool = False) 
         report[K.indexer_layer(layer, "replayed_rows")] = float(n)
         report[K.indexer_layer(layer, "applied_share")] = a / n if n else 1.0
         report[K.indexer_layer(layer, "agreement")] = g / n if n else 1.0
-    report[K.INDEXER_LAYERS] = float(len(layers))
+    report[K.INDEXER_LAYERS] = float(len(own))
     report[K.INDEXER_REPLAYED_ROWS] = float(total["rows"])
     report[K.INDEXER_APPLIED_SHARE] = total["applied"] / total["rows"] if total["rows"] else 1.0
     report[K.INDEXER_AGREEMENT] = total["agree"] / total["rows"] if total["rows"] else 1.0
     problems = []
-    never = [layer for layer in layers if layer not in ran]
+    never = [layer for layer in own if layer not in ran]
     if never:
         problems.append(f"indexer layers {never} never ran inside the block")
-    short = [layer for layer in layers if counts.get(f"applied/{layer}", 0) < counts.get(f"rows/{layer}", 0)]
+    short = [layer for layer in own if counts.get(f"applied/{layer}", 0) < counts.get(f"rows/{layer}", 0)]
     if short:
         problems.append(f"indexer layers {short}: replayed rows did not reach the attention")
     if problems:
