@@ -118,8 +118,8 @@ def test_wrong_width_or_layer_count_is_a_shape_error() -> None:
 
 
 def test_an_indexer_rr_cannot_replay_is_refused_by_name() -> None:
-    """DeepSeek-V4's indexer picks compressed KV entries, not token positions: refused, naming the module and why;
-    a model without an indexer is refused too."""
+    """DeepSeek-V4's indexer picks compressed KV entries, GLM-5-next's pooled keys, not token positions: refused,
+    naming the module and why; a model without an indexer is refused too."""
     from rr_client import UnsupportedModelError
 
     v4 = tiny_family_raw(
@@ -134,6 +134,11 @@ def test_an_indexer_rr_cannot_replay_is_refused_by_name() -> None:
             pass
     with pytest.raises(UnsupportedModelError, match="has no sparse-attention indexer"):
         with replay_indexer(tiny_family_raw("qwen3_moe"), engine_picks(1)):
+            pass
+    # GLM-5-next picks pools of index_kpool keys and expands them (plus the open tail pool): not token positions
+    glm5 = tiny_family_raw("glm5_next", index_topk=TOPK, index_n_heads=2, index_head_dim=16)
+    with pytest.raises(UnsupportedModelError, match=r"layers.0.self_attn.indexer \(Glm5NextTextIndexer\).*pools keys"):
+        with replay_indexer(glm5, engine_picks(3)):
             pass
 
 

@@ -51,6 +51,15 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe", "moe"]),  # one hash-routed layer, left to the model
     "mimo_v2_flash": dict(num_key_value_heads=1),
     "glm_moe_dsa": dict(mlp_layer_types=["dense", "sparse", "sparse"]),  # 5.10 ignores first_k_dense_replace
+    # 5.24: GLM-5-next's DSA layers need NoPE MLA and one KV head per head; every layer indexed (its default keeps
+    # layer 3 of 4 only, and linear attention needs kernels), pools of one token
+    "glm5_next": dict(
+        qk_rope_head_dim=0,
+        qk_nope_head_dim=16,
+        index_kpool=1,
+        layer_types=["indexed_attention"] * 3,
+        mlp_layer_types=["dense", "sparse", "sparse"],
+    ),
     # 5.24: mrope sections must sum to qk_rope_head_dim // 2
     "hy_v4_vl": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}),
     # 5.24 (refused): layer 1 looped twice per forward; a small head and sliding-window attention
