@@ -16,7 +16,9 @@ policy is from the engine's that sampled it.
     python examples/plain_loop_r3.py --url http://127.0.0.1:8000 --model-path <the same checkpoint>
 
 Prints one line of metrics per step (``r3/applied_share`` 1.0: every replayed id reached its experts;
-``r3/mean_abs_logp_diff``: the trainer's log-probs vs the engine's, small when their weights match).
+``r3/mean_abs_logp_diff``: the trainer's log-probs vs the engine's, small when their weights match). ``--indexer``
+(a DeepSeek-V3.2-style model on rr-patched SGLang 0.5.23+, launched with ``--enable-return-indexer-topk``): the
+sparse-attention indexer's picks are replayed beside the routing, audited under ``r3/indexer/``.
 """
 
 from __future__ import annotations
@@ -38,15 +40,19 @@ PROMPTS = ["The capital of France is", "Mixture of experts models route each tok
 
 
 async def rollout(
-    url: str, prompts: list[list[int]], params: dict[str, Any], by_reference: bool = False
+    url: str, prompts: list[list[int]], params: dict[str, Any], by_reference: bool = False, indexer: bool = False
 ) -> GenerateBatch:
     """One rollout: completions of each prompt sampled with ``params``, with routing and the engine's log-probs.
 
     ``by_reference``: the server keeps the rows and answers refs (what a controller would hand to trainer ranks);
-    each rank then resolves only its own samples' rows, here the one rank all of them."""
+    each rank then resolves only its own samples' rows, here the one rank all of them. ``indexer``: the
+    sparse-attention indexer's picks too (DeepSeek-V3.2-style models on rr-patched SGLang 0.5.23+), by reference
+    (the server's default: about 244 KiB per token for DeepSeek-V3.2), read in the same resolve."""
     async with RoutedExpertsClient(url) as client:
-        batch = await client.generate(prompts, params, return_logprob=True, by_reference=by_reference)
-        if by_reference:
+        batch = await client.generate(
+            prompts, params, return_logprob=True, by_reference=by_reference, return_indexer_topk=indexer
+        )
+        if by_reference or indexer:
             batch = GenerateBatch(await client.resolve_results(batch.results), batch.info)
         return batch
 
@@ -61,6 +67,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--by-reference", action="store_true", help="routing by reference (rows read from the server)")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the trainer's too)")
+    ap.add_argument("--indexer", action="store_true", help="replay the sparse-attention indexer's picks too (DSA)")
     ap.add_argument(
         "--stale-rows",
         choices=["refuse", "mask", "off"],
@@ -82,7 +89,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
 
     # ---------------------------------------------------------------- the loop
     for step in range(args.steps):
-        batch = asyncio.run(rollout(args.url, prompts, params, args.by_reference))
+        batch = asyncio.run(rollout(args.url, prompts, params, args.by_reference, args.indexer))
         rt = batch.to_tensors(pad_side="right")
         response = rt.response_mask.bool()
         vocab = model.config.vocab_size
@@ -91,7 +98,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
 
         model.train()
         with session.step() as metrics:  # closes the replay block after backward; audit verdicts raise here
-            session.open_replay(rt)  # the stale-rows policy on rt's provenance, then the engine's routing replayed
+            session.open_replay(rt)  # the stale-rows policy on rt's provenance, then the engine's routing (and
+            # indexer picks, rt.indexer_topk, with --indexer) replayed
             logits = model(rt.input_ids, attention_mask=rt.attention_mask).logits
             logps = token_logprobs(logits / args.temperature, rt.input_ids)  # what the engine sampled from
             # TRL's correction: exp(sum of (trainer - engine) log-probs) per sample, 0 above 3 (detached), with the
@@ -115,6 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
             f"applied {metrics[keys.APPLIED_SHARE]:.3f}  "
             f"agreement {metrics[keys.AGREEMENT]:.3f}  |logp gap| {metrics[keys.MEAN_ABS_LOGP_DIFF]:.2e}  "
             f"stale masked {metrics[keys.STALE_MASKED]:.0f}"
+            + (f"  indexer applied {metrics[keys.INDEXER_APPLIED_SHARE]:.3f}" if args.indexer else "")
         )
     # ---------------------------------------------------------------- end of the loop
     return history

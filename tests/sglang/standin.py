@@ -90,16 +90,17 @@ _LOGPROBS: dict[tuple[str, tuple[int, ...]], list[float]] = {}
 
 
 def completion_logprobs(model_dir: Path, prompt: list[int], completion: list[int]) -> list[float]:
-    """Each completion token's log-prob under the checkpoint (one transformers forward per sequence, temperature 1):
-    the sampler's report the stand-in gives with ``sampling_logprobs``."""
+    """Each completion token's log-prob under the checkpoint (temperature 1): the sampler's report the stand-in gives
+    with ``sampling_logprobs``. From a transformers forward of every token but the last, the forward the capturers'
+    rows come from too (one more key column can break a DSA indexer's ties among zero scores otherwise)."""
     ids = tuple(prompt + completion)
     key = (str(model_dir), ids)
     if key not in _LOGPROBS:
         from tests.support.tiny_checkpoints import load_eager
 
         with torch.no_grad():
-            logits = load_eager(model_dir)(input_ids=torch.tensor([list(ids)])).logits[0].float()
-        lp = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+            logits = load_eager(model_dir)(input_ids=torch.tensor([list(ids[:-1])])).logits[0].float()
+        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
         _LOGPROBS[key] = lp[len(prompt) - 1 :].tolist()
     return _LOGPROBS[key]
 
