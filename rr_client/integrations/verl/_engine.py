@@ -23,10 +23,10 @@ from rr_client.trainer.replay import find_routers
 from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
 from . import _logprobs, _provenance
-from ._gate import check_verl_version
+from ._gate import REPLAY_MODES, check_verl_version
 from ._rows import packed_rows, padded_rows, sample_of_rows, unpack_recorded
 
-MODES = ("disabled", "R2", "R3")
+MODES = ("disabled", *REPLAY_MODES)
 
 
 def _setting(engine_config: Any, name: str, default: Any) -> Any:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from rr_client.core.versions import Tested, check_version, installed_version
 
-__all__ = ["TESTED_VERL", "WHY", "installed_verl_version", "check_verl_version"]
+__all__ = ["TESTED_VERL", "WHY", "REPLAY_MODES", "installed_verl_version", "check_verl_version"]
 
 TESTED_VERL = Tested("0.9.1")
+#: verl's ``router_replay.mode`` values that ask for replay (its FSDP and Megatron engines alike); "disabled" is off
+REPLAY_MODES = ("R2", "R3")
 WHY = (
     "rr subclasses verl's FSDPEngineWithLMHead and wraps ActorRolloutRefWorker.__init__, "
     "ToolAgentLoop._handle_generating_state and SGLangHttpServer.generate, which change between releases"

@@ -34,6 +34,7 @@ from rr_client.trainer.session import AUDIT_EVERY
 
 from . import _provenance
 from ._engine import check_gap_logprobs
+from ._gate import REPLAY_MODES
 from ._megatron_feed import KEEP, megatron_info, refuse_layout
 
 __all__ = [
@@ -45,8 +46,6 @@ __all__ = [
     "counted_batch",
     "RouterAudit",
 ]
-
-REPLAY_MODES = ("R2", "R3")
 
 
 def replay_mode(engine: Any) -> str:

@@ -39,14 +39,13 @@ from rr_client.core.errors import ConfigurationError, UnsupportedVersionError
 from rr_client.core.patching import Shape, check_shapes, wrap_once
 from rr_client.core.versions import OVERRIDE
 
-from ._gate import TESTED_VERL, installed_verl_version
+from ._gate import REPLAY_MODES, TESTED_VERL, installed_verl_version
 
 logger = logging.getLogger("rr_client.integrations.verl")
 
 WHAT = f"verl {TESTED_VERL}"
 REPLAY_STRATEGY = "fsdp2"
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
-REPLAY_MODES = ("R2", "R3")
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 WORKERS_MODULE = "verl.workers.engine_workers"
 LEGACY_WORKERS_MODULE = "verl.workers.fsdp_workers"  # verl 0.5-0.7 only (gone in 0.8)
