@@ -45,6 +45,7 @@ __all__ = [
     "INDEXER_REPLAYED_ROWS",
     "INDEXER_APPLIED_SHARE",
     "INDEXER_AGREEMENT",
+    "INDEXER_LEFT_LAYERS",
     "indexer_layer",
 ]
 
@@ -91,6 +92,9 @@ INDEXER_LAYERS = "r3/indexer/layers"  #: indexers replayed in the model
 INDEXER_REPLAYED_ROWS = "r3/indexer/replayed_rows"  #: (token, indexer layer) rows forced to the engine's positions
 INDEXER_APPLIED_SHARE = "r3/indexer/applied_share"  #: replayed rows the attention received exactly (worst block)
 INDEXER_AGREEMENT = "r3/indexer/agreement"  #: replayed rows the trainer's own indexer picked too (row-weighted)
+#: a step that replayed routing without indexer picks in a model that has indexers: how many were left to their own
+#: pick (a mismatch R3 of the experts alone does not remove)
+INDEXER_LEFT_LAYERS = "r3/indexer/left_layers"
 
 # the audit by token segment: agreement and log-prob gap of cached prompt, computed prompt and generated tokens
 SEGMENTS = ("cached_prompt", "computed_prompt", "generated")

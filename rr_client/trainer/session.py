@@ -35,6 +35,7 @@ turns it off on purpose; ``checked=True`` says the policy already ran on these r
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -60,6 +61,7 @@ from rr_client.trainer.provenance import (
 from rr_client.trainer.replay import (
     CHECK_EVERY,
     RoutingRecord,
+    count_indexers,
     merge_indexer_reports,
     record_routing,
     replay_indexer,
@@ -67,6 +69,8 @@ from rr_client.trainer.replay import (
 )
 
 __all__ = ["ReplaySession", "ReplayBackend", "AUDIT_EVERY", "merge_reports"]
+
+logger = logging.getLogger("rr_client.trainer")
 
 #: default: the replay audit (ids proven to reach the experts; +6-8% of a step on an H100) runs on the first step
 #: and then every 10th, so a broken replay is caught on step 0 and the steady-state cost is under 1%.
@@ -221,6 +225,12 @@ class ReplaySession:
         self._after_close: list[Any] = []
         self._reports: list[dict[str, float]] = []
         self._indexer_reports: list[dict[str, float]] = []  # replay_indexer's audits, merged under r3/indexer/
+        # the model's sparse-attention indexers (Hugging Face backend): a step replaying routing without their picks
+        # reports them left to the model (r3/indexer/left_layers), and says so once in the log
+        self._indexers = count_indexers(model) if backend is None and isinstance(model, nn.Module) else 0
+        self._indexer_fed = False  # picks replayed in this step
+        self._routing_fed = False  # routing replayed in this step
+        self._warned_indexers = False
         self._gaps: list[torch.Tensor] = []
         self._agree = [0, 0]  # recorded rows equal to the compared rows, rows compared
         self._seg_gaps: list[tuple[tuple[tuple[str, int | None], ...], torch.Tensor]] = []
@@ -346,6 +356,7 @@ class ReplaySession:
             except BaseException:
                 _close_quietly(stack)  # the refusal is the error: hooks already in place come off unchecked
                 raise
+            self._routing_fed = True
             for r, into in ((report, self._reports), (idx_report, self._indexer_reports)):
                 if r is not None:
                     into.append(r)  # the audit fills it when the block closes
@@ -438,6 +449,7 @@ class ReplaySession:
                     segments=segments,
                 )
             )
+            self._routing_fed = True
             yield
         for r, into in ((report, self._reports), (idx_report, self._indexer_reports)):
             if r is not None:
@@ -474,6 +486,7 @@ class ReplaySession:
         picks) in ``stack``'s block; its audit report (filled when the block closes), if audited."""
         if indexer is None:
             return None
+        self._indexer_fed = True
         rows, layers = indexer
         if check is not None:
             rows = mask_indexer(rows, check.replay)
@@ -596,6 +609,18 @@ class ReplaySession:
                 self._reports.append(report)
         out = merge_reports(self._reports, log_layers=self.log_layers)
         out.update(merge_indexer_reports(self._indexer_reports, log_layers=self.log_layers))
+        if self._indexers and self._routing_fed and not self._indexer_fed:
+            out[K.INDEXER_LEFT_LAYERS] = float(self._indexers)
+            if not self._warned_indexers:
+                self._warned_indexers = True
+                logger.warning(
+                    "rr: %d sparse-attention indexers ran on their own picks while the routing was replayed: the "
+                    "engine's picks differ where their scores tie or differ in precision, and so does the attention. "
+                    "Replay them too: generate with return_indexer_topk=True (TRL: RRRollout(indexer=True)); "
+                    "logged as %s",
+                    self._indexers,
+                    K.INDEXER_LEFT_LAYERS,
+                )
         if out:
             out[K.AUDITED] = float(audited)
         if self._gaps:
@@ -623,6 +648,7 @@ class ReplaySession:
         self._reports, self._gaps, self._agree, self._seg_gaps, self._checks = [], [], [0, 0], [], []
         self._indexer_reports = []
         self._row_checks, self._policed = [], {}
+        self._indexer_fed = self._routing_fed = False
 
     @contextmanager
     def step(self) -> Iterator[dict[str, float]]:

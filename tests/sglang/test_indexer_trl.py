@@ -113,7 +113,8 @@ def test_a_grpo_step_replays_experts_and_indexer_by_reference(server: PDServer, 
     assert h[K.AGREEMENT] == 1.0 and h[K.MEAN_ABS_LOGP_DIFF] < 1e-6
     # the same step with the experts replayed alone: those picks move the routers and the log-probs
     plain, _ = grpo_step(server, dsv32, tmp_path / "experts", indexer=False)
-    assert not any(k.startswith(K.INDEXER_PREFIX) for k in plain) and plain[K.APPLIED_SHARE] == 1.0
+    assert [k for k in plain if k.startswith(K.INDEXER_PREFIX)] == [K.INDEXER_LEFT_LAYERS]
+    assert plain[K.INDEXER_LEFT_LAYERS] == INDEXER_LAYERS and plain[K.APPLIED_SHARE] == 1.0
     assert plain[K.AGREEMENT] < 1.0 and plain[K.MEAN_ABS_LOGP_DIFF] > 1e-5
 
 

@@ -255,6 +255,8 @@ def test_a_session_replays_routing_and_indexer_together_and_logs_both() -> None:
     # the routing replayed beside it (other attention reads move the trainer's own router off the recorded pick)
     assert met[K.APPLIED_SHARE] == 1.0 and met[K.REPLAYED_ROWS] > 0 and met[K.AGREEMENT] < 1.0
 
+    assert K.INDEXER_LEFT_LAYERS not in met  # nothing left to the model's own pick
+
     masked = mask_samples(rt, [True, False, True])
     assert masked.indexer_topk is not None and bool((masked.indexer_topk[1] == -1).all())
     with session.step() as met:
@@ -262,6 +264,25 @@ def test_a_session_replays_routing_and_indexer_together_and_logs_both() -> None:
             read_columns(model, masked)
     sample1 = (SHAPES[1][0] + SHAPES[1][1] - 1 - TOPK) * len(layers)
     assert met[K.INDEXER_REPLAYED_ROWS] == n_rows - sample1
+
+
+def test_routing_replayed_without_the_picks_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A DSA model whose routing is replayed without the indexer's picks: every such step reports the indexers left
+    to their own pick (``r3/indexer/left_layers``), and the log says once how to replay them."""
+    model = dsa_model("deepseek_v32")
+    batch, info = dsa_batch(model)
+    rt = replace(to_tensors(batch, info), indexer_topk=None, indexer_layers=None)
+    session = ReplaySession(model)
+    with caplog.at_level("WARNING", logger="rr_client.trainer"):
+        for _ in range(2):
+            with session.step() as met:
+                session.open_replay(rt)
+                read_columns(model, rt)
+            assert met[K.INDEXER_LEFT_LAYERS] == 3
+    ours = [r.getMessage() for r in caplog.records if r.name == "rr_client.trainer"]
+    assert len(ours) == 1 and "3 sparse-attention indexers" in ours[0] and "RRRollout(indexer=True)" in ours[0]
+    dense = ReplaySession(tiny_family_raw("qwen3_moe"))  # no indexer: nothing to say
+    assert dense._indexers == 0
 
 
 def test_picks_of_other_layers_than_the_models_indexers_are_refused() -> None:

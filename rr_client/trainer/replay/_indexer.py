@@ -31,7 +31,14 @@ from rr_client.core.errors import (
 from rr_client.trainer import keys as K
 from rr_client.trainer.replay.phase import DeviceTally
 
-__all__ = ["replay_indexer", "find_indexers", "merge_indexer_reports", "INDEXER_CLASSES", "REFUSED_INDEXERS"]
+__all__ = [
+    "replay_indexer",
+    "find_indexers",
+    "count_indexers",
+    "merge_indexer_reports",
+    "INDEXER_CLASSES",
+    "REFUSED_INDEXERS",
+]
 
 #: transformers indexers whose output is ``[B, S, index_topk]`` token positions, read by the attention as they are
 INDEXER_CLASSES = ("DeepseekV32Indexer", "GlmMoeDsaIndexer")
@@ -60,6 +67,11 @@ def find_indexers(model: nn.Module) -> list[tuple[int, nn.Module]]:
             )
         found.append((int(m.layer_idx), m))
     return sorted(found, key=lambda x: x[0])
+
+
+def count_indexers(model: nn.Module) -> int:
+    """How many sparse-attention indexers ``model`` runs, replayable or not (never raises)."""
+    return sum(type(m).__name__.endswith("Indexer") and hasattr(m, "index_topk") for m in model.modules())
 
 
 def _checked_rows(rows: Any, layers: list[int], topk: int) -> tuple[torch.Tensor, torch.Tensor]:
