@@ -337,29 +337,7 @@ class ReplaySession:
                 raise ConfigurationError("open_replay needs the rows to replay")
             rows, mask, check = self._police(routed_experts, mask, samples, checked)
             self.close()
-            stack = ExitStack()
-            try:
-                idx_report = self._enter_indexer(stack, indexer, check)
-                report = stack.enter_context(
-                    replay_routing(
-                        self.model,
-                        rows,
-                        mask,
-                        layers=layers if layers is not None else self.layers,
-                        check_every=self.check_every,
-                        audit=self.audited,
-                        allow_untested=self.allow_untested,
-                        tokens=tokens,
-                        segments=segments,
-                    )
-                )
-            except BaseException:
-                _close_quietly(stack)  # the refusal is the error: hooks already in place come off unchecked
-                raise
-            self._routing_fed = True
-            for r, into in ((report, self._reports), (idx_report, self._indexer_reports)):
-                if r is not None:
-                    into.append(r)  # the audit fills it when the block closes
+            stack = self._open_block(rows, mask, check, indexer, layers=layers, tokens=tokens, segments=segments)
             self._stack = stack
             return check
         if routed_experts is None and segments is not None:
@@ -429,31 +407,14 @@ class ReplaySession:
     ) -> Iterator[None]:
         """A replay block closed when the ``with`` ends, for forwards without a backward (old-policy, reference);
         the block kept open for a backward, if any, stays open. ``tokens``, ``samples``, ``checked``,
-        ``indexer_topk``, ``indexer_layers``: as in :meth:`open_replay` (the stale-rows policy runs here too). Megatron: forward-only
-        passes feed through :meth:`open_replay` inside ``forward_step_func``, like training ones."""
+        ``indexer_topk``, ``indexer_layers``: as in :meth:`open_replay` (the stale-rows policy runs here too).
+        Megatron: forward-only passes feed through :meth:`open_replay` inside ``forward_step_func``, like training
+        ones."""
         self._hf_only("forward()")
         indexer = self._indexer_rows(routed_experts, indexer_topk, indexer_layers)
         rows, mask, check = self._police(routed_experts, mask, samples, checked)
-        with ExitStack() as stack:
-            idx_report = self._enter_indexer(stack, indexer, check)
-            report = stack.enter_context(
-                replay_routing(
-                    self.model,
-                    rows,
-                    mask,
-                    layers=layers if layers is not None else self.layers,
-                    check_every=self.check_every,
-                    audit=self.audited,
-                    allow_untested=self.allow_untested,
-                    tokens=tokens,
-                    segments=segments,
-                )
-            )
-            self._routing_fed = True
+        with self._open_block(rows, mask, check, indexer, layers=layers, tokens=tokens, segments=segments):
             yield
-        for r, into in ((report, self._reports), (idx_report, self._indexer_reports)):
-            if r is not None:
-                into.append(r)
 
     @contextmanager
     def recording(self, compare_to: Any = None, mask: Any = None) -> Iterator[RoutingRecord]:
@@ -480,6 +441,44 @@ class ReplaySession:
                 "return_indexer_topk (or drop RoutingTensors.indexer_topk) to replay the routing alone"
             )
         return None if rows is None else (rows, layers)
+
+    def _open_block(
+        self,
+        rows: Any,
+        mask: Any,
+        check: ProvenanceCheck | None,
+        indexer: Any,
+        *,
+        layers: Sequence[int] | None,
+        tokens: Any,
+        segments: Segments | None,
+    ) -> ExitStack:
+        """One replay block: the indexer's picks (if any), then the routing, in a new stack whose audit reports
+        join the step's (filled when it closes); a refusal while opening takes off what was already in place."""
+        stack = ExitStack()
+        try:
+            idx_report = self._enter_indexer(stack, indexer, check)
+            report = stack.enter_context(
+                replay_routing(
+                    self.model,
+                    rows,
+                    mask,
+                    layers=layers if layers is not None else self.layers,
+                    check_every=self.check_every,
+                    audit=self.audited,
+                    allow_untested=self.allow_untested,
+                    tokens=tokens,
+                    segments=segments,
+                )
+            )
+        except BaseException:
+            _close_quietly(stack)  # the refusal is the error: hooks already in place come off unchecked
+            raise
+        self._routing_fed = True
+        for r, into in ((report, self._reports), (idx_report, self._indexer_reports)):
+            if r is not None:
+                into.append(r)  # an empty dict until the block closes (dropped by the merge if it never does)
+        return stack
 
     def _enter_indexer(self, stack: ExitStack, indexer: Any, check: ProvenanceCheck | None) -> dict[str, float] | None:
         """Replay ``indexer`` (picks, their layers or None; the samples the stale-rows policy masked keep their own
