@@ -19,6 +19,7 @@ import torch
 from tests.sglang.conftest import CACHE
 from tests.sglang.deepseek_v32 import INDEX_TOPK, build_tiny_deepseek_v32
 from tests.sglang.pd_server import PDServer
+from tests.support.grpo import cpu_grpo_config
 
 pytestmark = [pytest.mark.sglang, pytest.mark.sglang_releases("0.5.23")]
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -49,7 +50,6 @@ def grpo_step(server: PDServer, dsv32: Path, out: Path, *, indexer: bool) -> tup
     """One R3GRPOTrainer step on a fresh copy of the checkpoint: its logged metrics and the rollout's samples."""
     import transformers
     from datasets import Dataset
-    from trl import GRPOConfig
 
     from rr_client.integrations.trl import R3GRPOTrainer, RRRollout
 
@@ -58,20 +58,13 @@ def grpo_step(server: PDServer, dsv32: Path, out: Path, *, indexer: bool) -> tup
     generate = rollout.generate
     rollout.generate = lambda *a, **kw: seen.append(list(b := generate(*a, **kw))) or b  # type: ignore[method-assign]
     model = transformers.AutoModelForCausalLM.from_pretrained(dsv32, dtype=torch.float32, attn_implementation="eager")
-    cfg = GRPOConfig(
-        output_dir=str(out),
+    cfg = cpu_grpo_config(
+        str(out),
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=6,
         max_steps=1,
         learning_rate=2e-2,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        seed=0,
-        beta=0.0,
     )
     trainer = R3GRPOTrainer(
         model=model,

@@ -18,6 +18,7 @@ import torch
 
 from rr_client.integrations.trl import R3GRPOTrainer, RRRollout
 from rr_client.trainer import keys as K
+from tests.support.grpo import cpu_grpo_config
 from tests.support.protocol_server import ProtocolTestServer
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -73,12 +74,11 @@ def test_eval_between_iterations_replays_each_batch_with_its_own_rows(model_dir:
     log, not in the next training step's."""
     import transformers
     from datasets import Dataset
-    from trl import GRPOConfig
 
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = GRPOConfig(
-        output_dir=str(tmp_path),
+    cfg = cpu_grpo_config(
+        str(tmp_path),
         per_device_train_batch_size=4,
         num_generations=4,
         per_device_eval_batch_size=2,
@@ -89,13 +89,6 @@ def test_eval_between_iterations_replays_each_batch_with_its_own_rows(model_dir:
         eval_strategy="steps",
         eval_steps=1,
         learning_rate=1e-3,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        seed=0,
-        beta=0.0,
         vllm_importance_sampling_correction=False,  # the server's log-probs are made up
     )
     with LogprobServer(layers=3, topk=2, num_experts=8, moe_layers=MOE_LAYERS) as server:

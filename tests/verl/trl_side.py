@@ -18,13 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.support.grpo import cpu_grpo_config
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
 def main(samples_path: str, model_dir: str, out_path: str) -> None:
     import transformers
     from datasets import Dataset
-    from trl import GRPOConfig
 
     from rr_client import GenerateBatch, GenerateResult, RRInfo
     from rr_client.integrations.trl import R3GRPOTrainer, RRRollout
@@ -81,21 +82,14 @@ def main(samples_path: str, model_dir: str, out_path: str) -> None:
 
     # one optimizer step of two micro-batches; TRL's IS correction off: with it on, its old-policy forward (which
     # verl runs as a step of its own, compute_log_prob) would join this step's metrics
-    cfg = GRPOConfig(
-        output_dir=str(Path(out_path).parent / "trl-out"),
+    cfg = cpu_grpo_config(
+        str(Path(out_path).parent / "trl-out"),
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
         num_generations=2,
         max_completion_length=8,
         max_steps=1,
         learning_rate=1e-2,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        seed=0,
-        beta=0.0,
         temperature=1.0,
         vllm_importance_sampling_correction=False,
         gradient_checkpointing=True,

@@ -20,10 +20,10 @@ import torch
 import transformers
 from datasets import Dataset
 from transformers import TrainerCallback
-from trl import GRPOConfig
 
 from rr_client.integrations.trl import R3GRPOTrainer, RRRollout, importance_sampling_ratio
 from rr_client.trainer.replay import record_routing
+from tests.support.grpo import cpu_grpo_config
 from tests.support.png import png_size
 from tests.support.vllm_process import VLLMProcess
 
@@ -92,20 +92,13 @@ def make_trainer(
 ) -> Any:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    cfg = GRPOConfig(
-        output_dir=str(out),
+    cfg = cpu_grpo_config(
+        str(out),
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=8,
         max_steps=max_steps,
         learning_rate=2e-2,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        seed=0,
-        beta=0.0,
     )
     return cls(
         model=model,
@@ -425,19 +418,13 @@ def test_trl_correction_reaches_the_loss_at_temperature_07(
     model_dir = tiny_models["qwen3_dense"]
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    cfg = GRPOConfig(
-        output_dir=str(tmp_path),
+    cfg = cpu_grpo_config(
+        str(tmp_path),
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=6,
         max_steps=len(IS_PLAN),
         learning_rate=0.0,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        seed=0,
         beta=0.04,
         temperature=0.7,
         generation_kwargs={"seed": 7},
