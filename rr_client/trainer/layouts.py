@@ -8,7 +8,13 @@ from typing import Any, Literal, Protocol, Self
 
 import numpy as np
 
-from rr_client.core.errors import ConfigurationError, MissingDependencyError, MissingRoutingError, ShapeMismatchError
+from rr_client.core.errors import (
+    ConfigurationError,
+    IndexerPositionError,
+    MissingDependencyError,
+    MissingRoutingError,
+    ShapeMismatchError,
+)
 from rr_client.core.info import RRInfo
 
 try:
@@ -250,11 +256,24 @@ def _indexer_of(results: Sequence[Sample], info: RRInfo) -> bool:
     return True
 
 
-def _indexer_columns(r: Sample, pos: np.ndarray, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+def _indexer_columns(
+    r: Sample, pos: np.ndarray, n_tokens: int, shape: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
     """A sample's indexer rows moved into the batch: (the columns of the tokens they belong to, the columns they
-    read), one vectorised gather; rows that overrun the sample are a :class:`ShapeMismatchError`."""
+    read), one vectorised gather. Rows of another shape than ``shape`` (indexer layers, index_topk), a negative
+    position (SGLang's ``-1`` padding is not rr's form) or rows that overrun the sample are typed errors."""
     arr = np.asarray(r.indexer_topk)  # type: ignore[attr-defined]
     start = int(r.indexer_topk_start or 0)  # type: ignore[attr-defined]
+    if arr.ndim != 3 or arr.shape[1:] != shape:
+        raise ShapeMismatchError(
+            f"sample {r.index}: indexer rows {list(arr.shape)}, expected [rows, {shape[0]} indexer layers, "
+            f"index_topk {shape[1]}] (/rr/info)"
+        )
+    if arr.size and int(arr.min()) < 0:
+        raise IndexerPositionError(
+            f"sample {r.index}: an indexer row holds a negative position: rr's rows hold positions only "
+            "(decode SGLang's -1-padded int32 with rr_client.decode_indexer)"
+        )
     if start + arr.shape[0] > n_tokens - 1 or (arr.size and int(arr.max()) >= n_tokens):
         raise ShapeMismatchError(
             f"sample {r.index}: {arr.shape[0]} indexer rows from token {start} (positions up to "
@@ -385,7 +404,7 @@ def to_tensors(
         rmask[i, cols] = True
         routing[i, cols] = arr
         if idx is not None:
-            at, read = _indexer_columns(r, pos, n)
+            at, read = _indexer_columns(r, pos, n, idx.shape[2:])
             idx[i, at] = read
     if pad_experts == "distinct":
         _spread_pads(routing, rmask, layers, info.num_experts)

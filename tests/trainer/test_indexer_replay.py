@@ -214,6 +214,14 @@ def test_layouts_refuse_what_they_cannot_carry() -> None:
         to_tensors([replace(batch[0], indexer_topk=None, indexer_ref=ref)], info)
     with pytest.raises(ShapeMismatchError, match="do not fit its 15 tokens"):
         to_tensors([replace(batch[0], indexer_topk_start=TOPK + 1)], info)
+    with pytest.raises(
+        ShapeMismatchError, match=r"indexer rows \[10, 3, 3\], expected \[rows, 3 indexer layers, index_topk 4\]"
+    ):
+        to_tensors([replace(batch[0], indexer_topk=batch[0].indexer_topk[..., :3])], info)
+    raw = batch[0].indexer_topk.astype(np.int32)
+    raw[2, 1, 0] = -1  # SGLang's padding, not rr's form: would land on the last column
+    with pytest.raises(IndexerPositionError, match="sample 0: an indexer row holds a negative position"):
+        to_tensors([replace(batch[0], indexer_topk=raw)], info)
     with pytest.raises(ConfigurationError, match="padded batch"):
         to_packed(batch, info)
     assert to_packed([replace(r, indexer_topk=None) for r in batch], info).routed_experts.shape[0] > 0
