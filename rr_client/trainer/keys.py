@@ -47,6 +47,7 @@ __all__ = [
     "INDEXER_AGREEMENT",
     "INDEXER_LEFT_LAYERS",
     "indexer_layer",
+    "is_indexer_layer_key",
 ]
 
 PREFIX = "r3/"
@@ -125,6 +126,11 @@ def indexer_layer(index: int, name: str) -> str:
 def is_layer_key(key: str) -> bool:
     """Whether ``key`` is a per-layer key."""
     return key.startswith(PREFIX + "layer")
+
+
+def is_indexer_layer_key(key: str) -> bool:
+    """Whether ``key`` is a per-layer indexer key (:func:`indexer_layer`)."""
+    return key.startswith(INDEXER_PREFIX + "layer")
 
 
 def is_segment_key(key: str) -> bool:

@@ -62,13 +62,12 @@ from rr_client.trainer.replay import (
     CHECK_EVERY,
     RoutingRecord,
     count_indexers,
-    merge_indexer_reports,
     record_routing,
     replay_indexer,
     replay_routing,
 )
 
-__all__ = ["ReplaySession", "ReplayBackend", "AUDIT_EVERY", "merge_reports"]
+__all__ = ["ReplaySession", "ReplayBackend", "AUDIT_EVERY", "merge_reports", "merge_indexer_reports"]
 
 logger = logging.getLogger("rr_client.trainer")
 
@@ -109,10 +108,38 @@ def merge_reports(reports: Sequence[dict[str, float]], *, log_layers: bool = Fal
         if rows:
             out[base + "agreement"] = sum(r[base + "agreement"] * r[k] for r in reports if r.get(k)) / rows
     if log_layers:
-        for k in sorted({k for r in reports for k in r if K.is_layer_key(k)}):
-            vals = [r[k] for r in reports if k in r and not math.isnan(r[k])]
-            if vals:
-                out[k] = min(vals) if k.endswith(K.LAYER_SHARE_SUFFIXES) else sum(vals)
+        out.update(_merge_layer_keys(reports, K.is_layer_key))
+    return out
+
+
+def merge_indexer_reports(reports: Sequence[dict[str, float]], *, log_layers: bool = False) -> dict[str, float]:
+    """One step's indexer audit (:func:`rr_client.trainer.replay_indexer`'s reports) by :func:`merge_reports`'
+    rules: rows summed, the worst block's applied share, agreement weighted by replayed rows; per-layer keys with
+    ``log_layers``."""
+    reports = [r for r in reports if r]
+    if not reports:
+        return {}
+    rows = sum(r[K.INDEXER_REPLAYED_ROWS] for r in reports)
+    out = {
+        K.INDEXER_LAYERS: max(r[K.INDEXER_LAYERS] for r in reports),
+        K.INDEXER_REPLAYED_ROWS: rows,
+        K.INDEXER_APPLIED_SHARE: min(r[K.INDEXER_APPLIED_SHARE] for r in reports),
+        K.INDEXER_AGREEMENT: (
+            sum(r[K.INDEXER_AGREEMENT] * r[K.INDEXER_REPLAYED_ROWS] for r in reports) / rows if rows else 1.0
+        ),
+    }
+    if log_layers:
+        out.update(_merge_layer_keys(reports, K.is_indexer_layer_key))
+    return out
+
+
+def _merge_layer_keys(reports: Sequence[dict[str, float]], is_key: Any) -> dict[str, float]:
+    """The per-layer keys ``is_key`` picks, over a step's reports: the worst share / agreement, summed counts."""
+    out: dict[str, float] = {}
+    for k in sorted({k for r in reports for k in r if is_key(k)}):
+        vals = [r[k] for r in reports if k in r and not math.isnan(r[k])]
+        if vals:
+            out[k] = min(vals) if k.endswith(K.LAYER_SHARE_SUFFIXES) else sum(vals)
     return out
 
 

@@ -8,7 +8,7 @@ routers' weight formulas in :mod:`rr_client.trainer.replay.formulas`, the family
 """
 
 from rr_client.core.errors import ReplayError, UnsupportedModelError
-from rr_client.trainer.replay._indexer import count_indexers, find_indexers, merge_indexer_reports, replay_indexer
+from rr_client.trainer.replay._indexer import count_indexers, find_indexers, replay_indexer
 from rr_client.trainer.replay._record import RoutingRecord, record_routing
 from rr_client.trainer.replay._replay import CHECK_EVERY, replay_routing
 from rr_client.trainer.replay._routers import LeftRouter, Router, find_routers, survey
@@ -24,7 +24,6 @@ __all__ = [
     "replay_indexer",
     "find_indexers",
     "count_indexers",
-    "merge_indexer_reports",
     "CHECK_EVERY",
     "find_routers",
     "survey",

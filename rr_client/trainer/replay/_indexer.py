@@ -35,7 +35,6 @@ __all__ = [
     "replay_indexer",
     "find_indexers",
     "count_indexers",
-    "merge_indexer_reports",
     "INDEXER_CLASSES",
     "REFUSED_INDEXERS",
 ]
@@ -51,14 +50,19 @@ REFUSED_INDEXERS = {
 }
 
 
+def _is_indexer(m: nn.Module) -> bool:
+    """Whether ``m`` is a sparse-attention indexer (a transformers ``*Indexer`` with ``index_topk``)."""
+    return type(m).__name__.endswith("Indexer") and hasattr(m, "index_topk")
+
+
 def find_indexers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """Every sparse-attention indexer of ``model`` as ``(decoder layer, module)``, ascending; an indexer rr cannot
     replay is an :class:`UnsupportedModelError` naming it and why."""
     found: list[tuple[int, nn.Module]] = []
     for name, m in model.named_modules():
-        cls = type(m).__name__
-        if not cls.endswith("Indexer") or not hasattr(m, "index_topk"):
+        if not _is_indexer(m):
             continue
+        cls = type(m).__name__
         if cls in REFUSED_INDEXERS:
             raise UnsupportedModelError(f"{name} ({cls}): rr cannot replay this indexer: {REFUSED_INDEXERS[cls]}")
         if cls not in INDEXER_CLASSES:
@@ -71,7 +75,7 @@ def find_indexers(model: nn.Module) -> list[tuple[int, nn.Module]]:
 
 def count_indexers(model: nn.Module) -> int:
     """How many sparse-attention indexers ``model`` runs, replayable or not (never raises)."""
-    return sum(type(m).__name__.endswith("Indexer") and hasattr(m, "index_topk") for m in model.modules())
+    return sum(_is_indexer(m) for m in model.modules())
 
 
 def _checked_rows(rows: Any, layers: list[int], topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,20 +91,25 @@ def _checked_rows(rows: Any, layers: list[int], topk: int) -> tuple[torch.Tensor
             f"index_topk {topk}]"
         )
     # int16 / int32 kept as they are (to_tensors' dtypes; an int64 copy would be 2-4x the largest tensor of the step)
+    beyond = (
+        (rows.abs() > torch.iinfo(torch.int32).max).any()
+        if rows.dtype == torch.int64 and rows.numel()
+        else torch.zeros((), dtype=torch.bool, device=rows.device)
+    )
     pos = (
         rows
         if rows.dtype in (torch.int16, torch.int32)
         else rows.to(torch.int32 if rows.dtype != torch.uint8 else torch.int16)
     )
-    if rows.dtype == torch.int64 and rows.numel() and bool(rows.abs().max() > torch.iinfo(torch.int32).max):
-        raise IndexerPositionError("indexer rows hold positions beyond int32: not token positions")
     use = (pos >= 0).all(-1)
     partial = (pos >= 0).any(-1) & ~use
     t = torch.arange(pos.shape[1], device=pos.device)[None, :, None, None]
     future = ((pos > t) & use[..., None]).any(-1)
     srt = pos.sort(-1).values
     twice = ((srt[..., 1:] == srt[..., :-1]).any(-1)) & use
-    flags = torch.stack([partial.any(), future.any(), twice.any()]).tolist()  # the one host read
+    too_wide, *flags = torch.stack([beyond, partial.any(), future.any(), twice.any()]).tolist()  # the one host read
+    if too_wide:
+        raise IndexerPositionError("indexer rows hold positions beyond int32: not token positions")
     for bad, what in zip(flags, (partial, future, twice)):
         if bad:
             b, s, li = (int(i) for i in torch.nonzero(what)[0].tolist())
@@ -217,26 +226,3 @@ def replay_indexer(
         problems.append(f"indexer layers {short}: replayed rows did not reach the attention")
     if problems:
         raise ReplayError("indexer replay audit: " + "; ".join(problems), report=report)
-
-
-def merge_indexer_reports(reports: list[dict[str, float]], *, log_layers: bool = False) -> dict[str, float]:
-    """One step's indexer audit from its blocks' reports: rows summed, the worst block's applied share, agreement
-    weighted by replayed rows; per-layer keys (worst share / agreement, summed rows) with ``log_layers``."""
-    reports = [r for r in reports if r]
-    if not reports:
-        return {}
-    rows = sum(r[K.INDEXER_REPLAYED_ROWS] for r in reports)
-    out = {
-        K.INDEXER_LAYERS: max(r[K.INDEXER_LAYERS] for r in reports),
-        K.INDEXER_REPLAYED_ROWS: rows,
-        K.INDEXER_APPLIED_SHARE: min(r[K.INDEXER_APPLIED_SHARE] for r in reports),
-        K.INDEXER_AGREEMENT: (
-            sum(r[K.INDEXER_AGREEMENT] * r[K.INDEXER_REPLAYED_ROWS] for r in reports) / rows if rows else 1.0
-        ),
-    }
-    if log_layers:
-        per = sorted({k for r in reports for k in r if k.startswith(K.INDEXER_PREFIX + "layer")})
-        for k in per:
-            vals = [r[k] for r in reports if k in r]
-            out[k] = min(vals) if k.endswith(K.LAYER_SHARE_SUFFIXES) else sum(vals)
-    return out
