@@ -40,7 +40,16 @@ from rr_client.core.info import RRInfo
 from rr_client.core.provenance import Provenance
 from rr_client.core.reference import RoutingRef
 
-__all__ = ["Half", "Seam", "SeamRef", "merge_halves", "plan_seam", "SEAM_FIELD", "SEAM_REF_SCHEMA"]
+__all__ = [
+    "Half",
+    "Seam",
+    "SeamRef",
+    "joined_provenance",
+    "merge_halves",
+    "plan_seam",
+    "SEAM_FIELD",
+    "SEAM_REF_SCHEMA",
+]
 
 SEAM_FIELD = "rr_seam"  #: the key of a merged sample's seam in its meta / provenance record
 SEAM_REF_SCHEMA = "rr.seam_ref/1"
@@ -115,7 +124,8 @@ class Seam:
             )
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise MalformedPayloadError(f"{where}: not a seam object ({type(e).__name__}: {e})") from None
-        if not seam.prefill_span[0] < seam.at == seam.prefill_span[1] == seam.decode_span[0] < seam.decode_span[1]:
+        # a one-token completion's decode span is empty: its only token was sampled by the prefill server
+        if not seam.prefill_span[0] < seam.at == seam.prefill_span[1] == seam.decode_span[0] <= seam.decode_span[1]:
             raise MalformedPayloadError(
                 f"{where}: spans {list(seam.prefill_span)} and {list(seam.decode_span)} do not meet at token {seam.at}"
             )
@@ -126,8 +136,8 @@ class Seam:
 class SeamRef:
     """A P/D sample's routing by reference: the prefill server's ref (the prompt's rows), the decode server's (the
     rest) and the :class:`Seam` they join at, checked when built (:func:`plan_seam`); the trainer rank resolves both
-    and merges them (:meth:`rr_client.RoutedExpertsClient.resolve_results`). ``weight_version`` and ``provenance``
-    are the decode half's, as a plain ref's are its server's."""
+    and merges them (:meth:`rr_client.RoutedExpertsClient.resolve_results`). ``weight_version`` is the decode
+    half's; ``provenance`` is built from both halves (:func:`joined_provenance`)."""
 
     prefill: RoutingRef
     decode: RoutingRef
@@ -140,7 +150,8 @@ class SeamRef:
 
     @property
     def provenance(self) -> Provenance | None:
-        return self.decode.provenance
+        """The sample's provenance from both halves (:func:`joined_provenance`)."""
+        return joined_provenance(self.prefill.provenance, self.decode.provenance)
 
     @property
     def nbytes(self) -> int:
@@ -179,6 +190,38 @@ class SeamRef:
                 f"not the seam's {list(seam.prefill_span)} and {list(seam.decode_span)}"
             )
         return cls(p, dc, seam)
+
+
+def joined_provenance(prefill: Provenance | None, decode: Provenance | None) -> Provenance | None:
+    """A P/D sample's one provenance from its two halves', so a stale prefill half is refused like a stale decode
+    half: the cache from the prefill half (the prompt's KV and rows came from its cache), weight-version spans from
+    either half (an update on either server shows), preemptions and the tokens digest from the decode half (it ran
+    the sample to its end). The decode server's own cache hits (SGLang's decode radix cache) under older weights keep
+    the sample stale too. A half without provenance leaves what only it could say unknown (None); both: None."""
+    if prefill is None and decode is None:
+        return None
+    p, d = prefill or Provenance(), decode or Provenance()
+    first = p if prefill is not None else d  # the prompt's cache, as the decode server relays it when alone
+    p_old = bool(p.cached_under_older_weights and p.cached_tokens)
+    d_old = bool(d.cached_under_older_weights and d.cached_tokens)
+    if p_old or d_old:
+        older: bool | None = True
+    elif prefill is None or p.cached_under_older_weights is None or d.cached_under_older_weights is None:
+        older = None  # the prompt's cache epoch, or the decode server's own, not said
+    else:
+        older = False
+    admitted = p.weight_version_admitted if p.weight_version_admitted is not None else d.weight_version_admitted
+    finished = d.weight_version_finished if d.weight_version_finished is not None else p.weight_version_finished
+    return Provenance(
+        cached_tokens=max(first.cached_tokens, d.cached_tokens) if d_old else first.cached_tokens,
+        cache_tier=first.cache_tier,
+        preemptions=d.preemptions if decode is not None else None,
+        weight_version_admitted=admitted,
+        weight_version_finished=finished,
+        weight_update_during=p.spans_update or d.spans_update,
+        tokens_digest=d.tokens_digest,
+        cached_under_older_weights=older,
+    )
 
 
 def _same_model(p: Half, d: Half, where: str) -> None:
@@ -244,6 +287,12 @@ def plan_seam(
         raise MissingRoutingError(
             f"{where}: the decode rows ({decode.server}) start at token {decode.start}, the decode server took over "
             f"at {received}: tokens {received}..{decode.start} have no row"
+        )
+    if prefill.stop > end:
+        raise SeamMismatchError(
+            f"{where}: the prefill server ({prefill.server}) returned {prefill.shape[0]} rows (tokens "
+            f"{prefill.start}..{prefill.stop}), past the sample's {end - first} routed tokens ({first}..{end}): its "
+            "rows are not this sample's"
         )
     if decode.stop != end:
         raise MissingRoutingError(

@@ -20,8 +20,9 @@ from rr_client import (
     UnrecordedRoutingError,
     merge_halves,
 )
+from rr_client.core.provenance import check_provenance
 from rr_client.core.reference import RoutingRef, checksum
-from rr_client.core.seam import SeamRef, plan_seam
+from rr_client.core.seam import Seam, SeamRef, joined_provenance, plan_seam
 
 E, K = 8, 2
 INFO = RRInfo(
@@ -197,3 +198,57 @@ def test_already_checked_halves_are_not_checked_twice_but_unchecked_ones_are() -
         merge_halves(p, d, received=PROMPT, total_rows=TOTAL)
     merged, _ = merge_halves(p, d, received=PROMPT, total_rows=TOTAL, checked=True)
     assert not merged[2, 1:].any()
+
+
+def test_a_prefill_half_past_the_sample_is_a_typed_refusal_naming_the_rows() -> None:
+    """A prefill server that answered more rows than the sample has (tokens past its end): a SeamMismatchError
+    naming the row counts, never numpy's broadcast ValueError from comparing the overlap."""
+    p = Half(rows(TOTAL + 2, 1), 0, INFO, "http://prefill:30000", version(3))
+    d = Half(FULL[PROMPT:].copy(), PROMPT, INFO, "http://decode:30001", version(3))
+    with pytest.raises(
+        SeamMismatchError,
+        match=rf"returned {TOTAL + 2} rows \(tokens 0..{TOTAL + 2}\), past the sample's {TOTAL} routed",
+    ):
+        merge_halves(p, d, received=PROMPT, total_rows=TOTAL)
+    with pytest.raises(SeamMismatchError, match="past the sample's"):
+        plan_seam(replace(p, rows=ref_of(p, "a")), replace(d, rows=ref_of(d, "b")), received=PROMPT, total_rows=TOTAL)
+
+
+def test_a_one_token_completion_seam_round_trips() -> None:
+    """A one-token completion: the prefill server sampled the only token, the decode server routed none (an empty
+    span at the seam); its Seam and SeamRef parse back from JSON."""
+    p = Half(FULL[:PROMPT].copy(), 0, INFO, "http://prefill:30000", version(3))
+    d = Half(FULL[PROMPT:PROMPT], PROMPT, INFO, "http://decode:30001", version(3))
+    merged, seam = merge_halves(p, d, received=PROMPT, total_rows=PROMPT)
+    assert np.array_equal(merged, FULL[:PROMPT]) and seam.decode_span == (PROMPT, PROMPT)
+    assert Seam.from_dict(json.loads(json.dumps(seam.to_dict()))) == seam
+    sref = SeamRef(ref_of(p, "a"), ref_of(d, "b"), seam)
+    assert SeamRef.from_dict(json.loads(json.dumps(sref.to_dict()))) == sref
+
+
+def stale_cache(cached: int = 4) -> Provenance:
+    """A half admitted after an update whose prefix-cache hit may be KV of older weights."""
+    return Provenance(cached, "device", 0, 3, 3, cached_under_older_weights=True, tokens_digest="a" * 32)
+
+
+def test_a_pd_samples_provenance_is_built_from_both_halves() -> None:
+    """The cache facts are the prefill half's (where the prompt's KV came from), weight spans either half's,
+    preemptions and the digest the decode half's: a stale prefill half makes the sample stale, like a stale decode
+    half; a SeamRef answers the same provenance."""
+    clean = Provenance(0, None, 1, 3, 3, cached_under_older_weights=False, tokens_digest="d" * 32)
+    joined = joined_provenance(stale_cache(), clean)
+    assert joined is not None and joined.stale and joined.cached_tokens == 4 and joined.cache_tier == "device"
+    assert (joined.preemptions, joined.tokens_digest) == (1, "d" * 32)
+    with pytest.raises(StaleRoutingError, match="its 4 cached tokens may come from KV computed under older"):
+        check_provenance([joined])
+    assert joined_provenance(clean, replace(stale_cache(2), tokens_digest="d" * 32)).stale  # the decode half's own
+    assert not joined_provenance(replace(clean, preemptions=0), clean).stale  # type: ignore[union-attr]
+    spanning = replace(clean, weight_version_admitted=2)  # an update on the prefill server only
+    both = joined_provenance(spanning, clean)
+    assert both is not None and both.spans_update and both.may_be_recomputed_across_update
+    assert joined_provenance(None, clean).cached_under_older_weights is None  # type: ignore[union-attr]
+    assert joined_provenance(None, None) is None
+    p, d = halves()
+    sref = SeamRef(ref_of(replace(p, provenance=stale_cache()), "a"), ref_of(replace(d, provenance=clean), "b"),
+                   plan_seam(p, d, received=PROMPT, total_rows=TOTAL))  # fmt: skip
+    assert sref.provenance == joined
