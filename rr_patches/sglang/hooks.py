@@ -20,14 +20,13 @@ from rr_client.core.errors import (
     SeamMismatchError,
     ShapeMismatchError,
 )
-from rr_client.core.indexer import INDEXER_REF_FIELD
-from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_patches.sglang.convert import checked_value
 from rr_patches.sglang.openai import Collector, collector, requested_format, requested_indexer_format
 from rr_patches.sglang.provenance import batch_provenance, with_digest
 from rr_patches.sglang.routes import bind_tokenizer_manager
 from rr_patches.sglang.state import RRState, rr_enabled, state_of
 from rr_server.serving.indexer_fields import asked_indexer, indexer_error_fields, indexer_fields
+from rr_server.serving.provenance_fields import bind_provenance
 from rr_server.serving.routing_metrics import count_sample
 from rr_server.serving.routing_metrics import declare as declare_counters
 from rr_server.serving.store import current_store, refs_made_under
@@ -148,12 +147,7 @@ class _RRList(list):  # type: ignore[type-arg]
             if self.provenance is not None:
                 prov, prompt, state = self.provenance
                 outs = getattr(state, "output_ids", None) or out.get("output_ids")
-                prov = with_digest(prov, prompt, outs)
-                meta[PROVENANCE_FIELD] = prov
-                for key in ("routed_experts_ref", INDEXER_REF_FIELD):  # a by-reference answer's refs carry it too
-                    ref = meta.get(key)
-                    if isinstance(ref, dict):
-                        meta[key] = {**ref, "provenance": prov}
+                bind_provenance(meta, with_digest(prov, prompt, outs))  # a by-reference answer's refs carry it too
         if self.collect is not None and self.rr_fields is not None:
             self.collect[0].finished(self.collect[1], out, self.checked, self.rr_fields.get("routed_experts_error"))
         super().append(out)

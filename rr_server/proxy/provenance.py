@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rr_client.core.engines import OUTPUT_ID_KEYS
-from rr_client.core.provenance import PROVENANCE_FIELD, Provenance, tokens_digest
-from rr_server.serving.provenance_fields import _count, cache_tier, cached_under_older, weights_since
+from rr_client.core.provenance import Provenance, tokens_digest
+from rr_server.serving.provenance_fields import _count, bind_provenance, cache_tier, cached_under_older, weights_since
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
 __all__ = ["answer_provenance", "sglang_provenance", "completion_provenance", "weights_since", "cache_tier", "attach"]
@@ -82,11 +82,9 @@ def completion_provenance(
 
 
 def attach(meta: dict[str, Any], prov: Mapping[str, Any]) -> None:
-    """Answer ``prov`` as ``meta_info["rr_provenance"]`` and in the sample's routing ref, if it has one."""
-    meta[PROVENANCE_FIELD] = dict(prov)
-    ref = meta.get("routed_experts_ref")
-    if isinstance(ref, Mapping):
-        meta["routed_experts_ref"] = {**ref, "provenance": dict(prov)}
+    """Answer ``prov`` as ``meta_info["rr_provenance"]`` and in the sample's refs (routing and indexer), as rr's
+    SGLang patch does (:func:`rr_server.serving.provenance_fields.bind_provenance`)."""
+    bind_provenance(meta, prov)
 
 
 def answer_provenance(answer: Any, epoch: WeightEpoch, mark: WeightMark | None) -> None:

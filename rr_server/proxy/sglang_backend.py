@@ -112,8 +112,6 @@ class SGLangBackend:
             if final
             else None
         )
-        if prov is not None:
-            attach(meta, prov)
         if req.return_indexer_topk and final:
             with refs_made_under(mark.version if mark is not None else None):
                 meta.update(
@@ -126,6 +124,8 @@ class SGLangBackend:
                         fmt=req.indexer_topk_format,
                     )
                 )
+        if prov is not None:
+            attach(meta, prov)  # the indexer ref made just now carries it too
         if not (req.return_routed_experts and final):
             return out
         pt, ct = meta.get("prompt_tokens"), meta.get("completion_tokens")

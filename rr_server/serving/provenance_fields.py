@@ -7,9 +7,25 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rr_client.core.indexer import INDEXER_REF_FIELD
+from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
-__all__ = ["weights_since", "cache_tier", "cached_under_older", "spans_update"]
+__all__ = ["weights_since", "cache_tier", "cached_under_older", "spans_update", "REF_FIELDS", "bind_provenance"]
+
+#: the refs one answer may carry: its routing's and its indexer picks'; each is bound to the sample's tokens
+REF_FIELDS = ("routed_experts_ref", INDEXER_REF_FIELD)
+
+
+def bind_provenance(meta: dict[str, Any], prov: Mapping[str, Any]) -> None:
+    """Answer ``prov`` as ``meta["rr_provenance"]`` and in every ref the answer carries (:data:`REF_FIELDS`): its
+    ``tokens_digest`` is what binds each ref to its own sample (:func:`rr_client.core.reference.check_ref_tokens`).
+    The one binder of rr's SGLang patch and the sidecar, so an indexer ref is bound as a routing ref is."""
+    meta[PROVENANCE_FIELD] = dict(prov)
+    for key in REF_FIELDS:
+        ref = meta.get(key)
+        if isinstance(ref, Mapping):
+            meta[key] = {**ref, "provenance": dict(prov)}
 
 
 def weights_since(epoch: WeightEpoch, mark: WeightMark | None) -> tuple[int | None, int, bool]:

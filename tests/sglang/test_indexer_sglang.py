@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from rr_client import IndexerDims, IndexerPositionError, RRInfo, StaleRoutingError, decode_indexer
+from rr_client import IndexerDims, IndexerPositionError, RoutingRef, RRInfo, StaleRoutingError, decode_indexer
 from tests.sglang.conftest import CACHE
 from tests.sglang.deepseek_v32 import INDEX_TOPK, build_tiny_deepseek_v32, forward_rows, load
 from tests.sglang.harness import Harness
@@ -148,6 +148,37 @@ async def test_the_sidecar_checks_an_unpatched_servers_indexer_rows(dsv32: Path)
         status, out = await h.post(body, via=client_of(app))
         assert out["meta_info"]["indexer_topk"] is None
         assert out["meta_info"]["indexer_topk_error"].startswith("IndexerPositionError")
+
+
+async def test_the_sidecars_indexer_refs_are_bound_to_their_samples_tokens(dsv32: Path) -> None:
+    """Behind the sidecar, by reference (the default), each indexer ref carries its sample's provenance, bound as rr's
+    patch binds it (one function): a ref paired with another sample is refused before any read, and each resolves
+    to transformers' picks."""
+    from rr_client import RoutedExpertsClient
+    from rr_client.core.provenance import tokens_digest
+    from tests.sglang.test_doctor_sglang import scheduler_loop
+    from tests.sglang.test_sidecar_sglang import client_of, sidecar_app
+
+    h = Harness(dsv32)
+    prompts = [PROMPT, PROMPT[::-1]]
+    async with sidecar_app(h) as app, scheduler_loop(h):
+        http = httpx.ASGITransport(app=app)
+        async with RoutedExpertsClient("http://sidecar", transport=http, retries=0) as c:
+            batch = await c.generate(prompts, {"max_new_tokens": 5}, return_indexer_topk=True)
+            a, b = batch.results
+            assert a.indexer_ref is not None and a.indexer_ref.provenance is not None
+            assert a.indexer_ref.provenance.tokens_digest == tokens_digest(a.prompt_ids, a.output_ids)
+            with pytest.raises(StaleRoutingError, match="belong to other tokens"):  # refs swapped between samples
+                await c.resolve_results([replace(a, indexer_ref=b.indexer_ref)])
+            got = await c.resolve_results(batch.results)
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5}, "return_indexer_topk": True}
+        status, out = await h.post(body, via=client_of(app))  # the indexer alone, no routing asked
+        assert status == 200, out
+        ref = RoutingRef.from_dict(out["meta_info"]["indexer_topk_ref"])
+        assert ref.provenance is not None and ref.provenance.tokens_digest == tokens_digest(PROMPT, out["output_ids"])
+    for prompt, r in zip(prompts, got, strict=True):
+        want = forward_rows(dsv32, (prompt + r.output_ids)[:-1])[1][INDEX_TOPK:]
+        assert np.array_equal(np.sort(r.indexer_topk, -1), np.sort(want, -1))
 
 
 async def test_a_plain_training_step_replays_experts_and_indexer_from_the_engine(dsv32: Path, patched: None) -> None:
