@@ -20,7 +20,11 @@ from its checkpoint. What is compared instead:
   against the previous one (per saved tensor: SHA-256 of its bytes, and of its bfloat16 rounding). A tensor the
   trainer changed (even in bfloat16) whose name the engine keeps (norms, routers, unfused projections) must have
   changed on some rank; one the trainer left byte-identical must not have changed on any; and when the trainer
-  changed anything, the engine cannot have kept every digest (the reload answered 200 and loaded nothing).
+  changed anything, the engine cannot have kept every digest (the reload answered 200 and loaded nothing). The
+  first push is compared with the engine's checksums read just before its reload (the baseline): it must move some
+  digest unless the engine already held the pushed values.
+* **complete answers**: an answer that lost keys since the last one, or lacks tensors (or, at the same ranks, keys)
+  its same-kind replicas have, is partial, not another layout: the push fails naming what is missing.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ __all__ = [
     "split_key",
     "skip_filter",
     "trainer_digests",
+    "check_complete",
     "check_replicas_agree",
     "check_push_took",
 ]
@@ -185,9 +190,44 @@ _SKIP_HINT = (
 )
 
 
+def _partial(url: str, missing: Iterable[str], against: str, folder: Path) -> WeightSyncError:
+    """The error for a checksum answer that lacks ``missing`` keys (a rank or a loader that hashed less)."""
+    text, tensors, ranks = _named(sorted(missing))
+    return WeightSyncError(
+        f"{url}'s weight checksums after loading {folder} are partial: {len(tensors)} tensor(s) missing from its "
+        f"checker's answer that {against} has: {text}. A checker that hashed less (a rank that did not answer, a "
+        f"loader that dropped parameters) is not another layout; {_SKIP_HINT}",
+        engine=url,
+        tensors=tensors,
+        ranks=ranks,
+    )
+
+
+def check_complete(engines: Mapping[str, tuple[str, Checksums]], folder: Path) -> None:
+    """Raise WeightSyncError when an engine's answer lacks keys its same-kind replicas have: a tensor no rank of it
+    hashed, or, between replicas with the same ranks, a key (another parallel layout has other ranks, same tensors)."""
+    by_kind: dict[str, list[str]] = defaultdict(list)
+    for url, (kind, _) in engines.items():
+        by_kind[kind].append(url)
+    for urls in by_kind.values():
+        if len(urls) < 2:
+            continue
+        tensors = {u: {split_key(k)[1] for k in engines[u][1]} for u in urls}
+        ranks = {u: frozenset(split_key(k)[0] for k in engines[u][1]) for u in urls}
+        every = set().union(*tensors.values())
+        for u in urls:
+            peers = [v for v in urls if v != u and ranks[v] == ranks[u]]
+            missing = set().union(*(engines[v][1].keys() for v in peers)) - engines[u][1].keys() if peers else set()
+            missing |= every - tensors[u]
+            if missing:
+                raise _partial(u, missing, "a replica of the same kind", folder)
+
+
 def check_replicas_agree(engines: Mapping[str, tuple[str, Checksums]], folder: Path) -> list[str]:
     """Raise WeightSyncError when engines of one kind and layout hold different digests for a key (the replica(s)
-    outside the majority named, with the tensors and ranks); return notes on engines that could not be compared."""
+    outside the majority named, with the tensors and ranks), or when one's answer is partial (:func:`check_complete`);
+    return notes on engines of other kinds or parallel layouts, compared only within each."""
+    check_complete(engines, folder)
     groups: dict[tuple[str, frozenset[str]], list[str]] = defaultdict(list)
     for url, (kind, sums) in engines.items():
         groups[(kind, frozenset(sums))].append(url)
@@ -230,6 +270,12 @@ def check_replicas_agree(engines: Mapping[str, tuple[str, Checksums]], folder: P
     return notes
 
 
+def _holds(sums: Checksums, trainer: Mapping[str, TensorDigest]) -> bool:
+    """Some tensor the engine keeps by name has the checkpoint's digest (exact, or of its bfloat16 rounding): the
+    engine holds pushed values (vLLM hashes a parameter's bytes as the trainer's digests do)."""
+    return any((t := trainer.get(split_key(k)[1])) is not None and v in (t.exact, t.coarse) for k, v in sums.items())
+
+
 def _quantized_modules(tensors: Iterable[str]) -> set[str]:
     """Modules holding a ``*scale*`` parameter (quantized weights: a small change may not move their bytes)."""
     return {t.rsplit(".", 1)[0] for t in tensors if "." in t and "scale" in t.rsplit(".", 1)[1]}
@@ -243,10 +289,28 @@ def check_push_took(
     trainer_after: Mapping[str, TensorDigest] | None,
     folder: Path,
 ) -> None:
-    """Raise WeightSyncError when ``url``'s digests since its previous push (``before``) contradict what the trainer
-    changed since then: a changed tensor the engine kept, an identical one it changed, or nothing changed at all."""
-    if not after or before is None or trainer_before is None or trainer_after is None or set(before) != set(after):
-        return  # nothing to compare with (first push, a checkpoint not read, another layout since, all skipped)
+    """Raise WeightSyncError when ``url``'s digests since its previous push (``before``; before the first push, its
+    baseline) contradict what the trainer changed since then: a changed tensor the engine kept, an identical one it
+    changed, or nothing changed at all; or when the answer lost keys it had (partial).
+
+    The first push has no trainer checkpoint to compare with (``trainer_before`` None): the engine must have moved
+    some digest, unless it already held what was pushed (a kept tensor's digest equals the checkpoint's)."""
+    if not after or before is None:
+        return  # nothing to compare with (no baseline, all skipped)
+    if missing := before.keys() - after.keys():
+        raise _partial(url, missing, "its answer before this push", folder)
+    if trainer_after is None or set(before) != set(after):
+        return  # a checkpoint not read, or another layout since (more keys)
+    if trainer_before is None:
+        if after == before and not _holds(after, trainer_after):
+            raise WeightSyncError(
+                f"{url} kept every one of its {len(after)} weight checksums through the first push (read before the "
+                f"reload from {folder}), and none of them is the pushed checkpoint's: the reload answered success but "
+                "loaded nothing new (a stale path, a no-op reload). If the checkpoint is the weights the engine "
+                f"started from, nothing needed pushing; {_SKIP_HINT}",
+                engine=url,
+            )
+        return
     common = trainer_before.keys() & trainer_after.keys()
     changed = {n for n in common if trainer_before[n].coarse != trainer_after[n].coarse}
     same = {n for n in common if trainer_before[n].exact == trainer_after[n].exact}

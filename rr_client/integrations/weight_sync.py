@@ -118,7 +118,8 @@ class DiskWeightSync:
     per-tensor checksums (vLLM 0.32+ ``/weight_checker``, dev mode; SGLang 0.5.12+ ``/weights_checker``) and fail the
     push with :class:`WeightSyncError` naming the engine, tensors and ranks when the replicas disagree, or when an
     engine's checksums since the last push contradict what the trainer changed (a tensor changed but kept, one kept
-    but changed, nothing loaded). An engine without a checker (vLLM 0.31 and older, SGLang 0.5.11 and older) is
+    but changed, nothing loaded; the first push against the checksums read just before it), or an answer is partial
+    (keys lost since the last one, or missing beside a same-kind replica's). An engine without a checker (vLLM 0.31 and older, SGLang 0.5.11 and older) is
     said once in the log and skipped. ``verify_skip``: parts of tensor names left out of the check (tensors that
     legitimately differ per replica or move while serving: EPLB experts, uninitialized MoE padding). Hashing copies
     every weight to the host on the engine, and the saved checkpoint is hashed here, once per push.
@@ -215,6 +216,8 @@ class DiskWeightSync:
             partial.rename(target)
         except (OSError, RuntimeError, ValueError) as e:
             raise WeightSyncError(f"saving the weights to {target} failed: {e}") from e
+        if self.verify_weights:
+            self._baseline()
         for url in self.urls:
             self._reload(url, target.resolve())
         if self.verify_weights:
@@ -231,6 +234,15 @@ class DiskWeightSync:
         if eng.reload_reply_says_success and isinstance(reply, dict) and reply.get("success") is False:
             raise WeightSyncError(f"{url}{route} refused the weights in {folder}: {reply.get('message')}")
         self._reset_cache(url, eng.cache_reset_route)
+
+    def _baseline(self) -> None:
+        """Each engine's own checksums before its first reload: the first push is checked against them (a reload
+        that loaded nothing keeps them all), not trusted for want of a previous push."""
+        for url in self.urls:
+            if url not in self._checksums:
+                sums = self.engine_checksums(url)
+                if sums is not None:
+                    self._checksums[url] = wcheck.skip_filter(sums, self.verify_skip)
 
     def _verify(self, folder: Path) -> None:
         """Compare every engine's own weight checksums across the replicas and with the previous push (what each
@@ -249,7 +261,7 @@ class DiskWeightSync:
         for note in wcheck.check_replicas_agree(now, folder):
             logger.info("rr: weight check: %s", note)
         # the next push is compared with the last one that passed (a failed push's engines hold what was not pushed)
-        self._checksums = {url: sums for url, (_, sums) in now.items()}
+        self._checksums.update({url: sums for url, (_, sums) in now.items()})
         self._trainer = trainer
 
     def engine_checksums(self, url: str) -> dict[str, str] | None:

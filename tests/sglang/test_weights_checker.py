@@ -164,3 +164,17 @@ def test_a_reload_that_loaded_nothing_fails_the_push(
         nudge(trainer, 8)
         with pytest.raises(WeightSyncError, match=r"kept every one of its \d+ weight checksums since the last push"):
             sync.push(trainer, 2)
+
+
+def test_a_first_push_that_loaded_nothing_fails_the_push(
+    replicas: list[tuple[str, StandInWeights]], trainer: Any, tmp_path: Path
+) -> None:
+    """The first push has no previous one: SGLang's checksums read before its reload are the baseline, and a reload
+    that kept them all fails (issue 55)."""
+    url, w = replicas[0]
+    with DiskWeightSync(WeightEngine(url, "sglang"), tmp_path) as sync:
+        w.plant("noop")
+        nudge(trainer, 11)
+        with pytest.raises(WeightSyncError, match=r"kept every one of its \d+ weight checksums through the first push"):
+            sync.push(trainer, 1)
+        sync.push(trainer, 2)  # a clean reload moves them

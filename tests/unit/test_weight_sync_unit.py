@@ -140,7 +140,8 @@ def test_sglang_body_shape_and_refusal(fake: FakeEngine, tmp_path: Path) -> None
     with DiskWeightSync(WeightEngine(fake.url, "sglang"), tmp_path) as sync:
         sync.push(FakeModel(), 3)
         assert fake.paths() == [("POST", "/update_weights_from_disk"), ("POST", "/flush_cache")]  # no /rr/info
-        assert fake.calls[0][3] == {"model_path": str((tmp_path / "step-3").resolve())}
+        reload = next(c for c in fake.calls if c[1] == "/update_weights_from_disk")
+        assert reload[3] == {"model_path": str((tmp_path / "step-3").resolve())}
         fake.replies["/update_weights_from_disk"] = {"success": False, "message": "shape mismatch in layer 3"}
         with pytest.raises(WeightSyncError, match="refused the weights .*shape mismatch in layer 3"):
             sync.push(FakeModel(), 4)
@@ -350,7 +351,10 @@ def test_the_push_must_show_on_the_engines_own_checksums(fake: FakeEngine, tmp_p
     torch = pytest.importorskip("torch")
     norm, gate = torch.ones(8), torch.zeros(4, 8)
     model = SafetensorsModel(model__norm__weight=norm, mlp__gate__weight=gate, o_proj__weight=torch.ones(8, 8))
-    fake.replies["/weight_checker"] = _sums(model__norm__weight="n1", mlp__gate__weight="g1", w13="e1")
+    fake.replies["/weight_checker"] = [  # the baseline before the first reload, then what the first push loaded
+        _sums(model__norm__weight="n0", mlp__gate__weight="g0", w13="e0"),
+        _sums(model__norm__weight="n1", mlp__gate__weight="g1", w13="e1"),
+    ]
     with DiskWeightSync(fake.url, tmp_path) as sync:
         sync.push(model, 1)
         norm.add_(0.5)  # the trainer changes the norm; the engine keeps its digest while others moved
@@ -381,3 +385,73 @@ def test_the_push_must_show_on_the_engines_own_checksums(fake: FakeEngine, tmp_p
             model__norm__weight="n4", mlp__gate__weight="G5", w13="e7", o_proj__weight="q", o_proj__weight_scale="s"
         )
         sync.push(model, 7)
+
+
+def _sha(t: Any) -> str:
+    """vLLM's checker's digest of a tensor (SHA-256 of its bytes: ``weight_checksum.compute_tensor_digests``)."""
+    from rr_client.integrations._weight_check import _sha256
+
+    return _sha256(t)
+
+
+def test_the_first_push_is_checked_against_a_baseline_read_before_its_reload(fake: FakeEngine, tmp_path: Path) -> None:
+    """The first push has no previous push: the engine's checksums are read before its reload, and a reload that
+    kept them all (loaded nothing) fails, unless the engine already held the pushed values (its norm's digest is
+    the checkpoint's, as vLLM hashes a parameter's bytes)."""
+    torch = pytest.importorskip("torch")
+    norm = torch.ones(8)
+    model = SafetensorsModel(model__norm__weight=norm, mlp__gate__weight=torch.zeros(4, 8))
+    fake.replies["/weight_checker"] = _sums(model__norm__weight="n0", mlp__gate__weight="g0")  # before and after
+    with (
+        DiskWeightSync(fake.url, tmp_path) as sync,
+        pytest.raises(WeightSyncError, match=r"kept every one of its 2 weight checksums through the first push"),
+    ):
+        sync.push(model, 1)
+    checks = [p for m, p in fake.paths(checks=True) if p == "/weight_checker"]
+    reload_at = fake.paths(checks=True).index(("POST", "/collective_rpc"))
+    assert len(checks) == 2 and fake.paths(checks=True)[0:reload_at].count(("POST", "/weight_checker")) == 1
+    # the engine started from the very weights pushed: it holds them (the norm's digest is the checkpoint's)
+    fake.replies["/weight_checker"] = _sums(model__norm__weight=_sha(norm), mlp__gate__weight="g0")
+    with DiskWeightSync(fake.url, tmp_path / "same") as sync:
+        sync.push(model, 1)
+        norm.add_(1.0)  # a later push that loaded nothing is still caught against push 1
+        with pytest.raises(WeightSyncError, match=r"kept every one of its 2 weight checksums since the last push"):
+            sync.push(model, 2)
+
+
+def test_a_partial_checksum_answer_names_what_is_missing(fake: FakeEngine, tmp_path: Path) -> None:
+    """An answer that lost keys since the last one is not another layout: the push fails naming the tensors."""
+    torch = pytest.importorskip("torch")
+    norm = torch.ones(8)
+    model = SafetensorsModel(model__norm__weight=norm, mlp__gate__weight=torch.zeros(4, 8))
+    fake.replies["/weight_checker"] = [
+        _sums(model__norm__weight="n0", mlp__gate__weight="g0", w13="e0"),
+        _sums(model__norm__weight="n1", mlp__gate__weight="g1", w13="e1"),
+    ]
+    with DiskWeightSync(fake.url, tmp_path) as sync:
+        sync.push(model, 1)
+        norm.add_(1.0)
+        fake.replies["/weight_checker"] = _sums(model__norm__weight="n2", w13="e2")  # the gate's key is gone
+        with pytest.raises(WeightSyncError, match=r"partial: 1 tensor\(s\) missing .*mlp\.gate\.weight") as err:
+            sync.push(model, 2)
+    assert err.value.tensors == ("mlp.gate.weight",) and err.value.engine == fake.url
+
+
+def test_a_replica_whose_answer_lacks_keys_is_partial_not_another_layout(fake: FakeEngine, tmp_path: Path) -> None:
+    """Two replicas of one kind at the same ranks: the one missing a tensor is named; another parallel layout
+    (other ranks, the same tensors) is still only compared within itself."""
+    port = fake.url.rsplit(":", 1)[1]
+    a, b = f"http://127.0.0.1:{port}", f"http://localhost:{port}"
+    full, short = _sums(model__norm__weight="n1", lm_head__weight="h1"), _sums(model__norm__weight="n1")
+    fake.replies["/weight_checker"] = [full, full, full, short]  # baselines, then b's answer after the reload
+    with (
+        DiskWeightSync([WeightEngine(a, "vllm"), WeightEngine(b, "vllm")], tmp_path) as sync,
+        pytest.raises(WeightSyncError, match=r"partial: .*lm_head\.weight \(dp0:pp0:pcp0:tp0\)") as err,
+    ):
+        sync.push(FakeModel(), 1)
+    assert err.value.engine == b
+    tp1 = {"checksums": {"dp0:pp0:pcp0:tp1:model.norm.weight": "m", "dp0:pp0:pcp0:tp1:lm_head.weight": "k"}}
+    fake.replies["/weight_checker"] = [full, tp1]
+    with DiskWeightSync([WeightEngine(a, "vllm"), WeightEngine(b, "vllm")], tmp_path / "two", verify_weights=True) as s:
+        s._checksums = {}  # noqa: SLF001 - compare the two answers only
+        s._verify(tmp_path)  # noqa: SLF001 - other ranks, same tensors: another layout, no error
