@@ -172,30 +172,45 @@ def decode_indexer(
     completion_tokens: int,
     start: int = 0,
     engine_rows_from: int = 0,
+    engine_layers: int | None = None,
 ) -> CheckedIndexer:
     """One sample's indexer rows, checked by :func:`check_indexer`, from rr's payload (base64 ``.npy``, rows from
     ``max(start, index_topk)``) or the engine's (SGLang's headerless base64 int32, or its tensor, ``(seqlen - 1,
-    layers, index_topk)`` from token ``engine_rows_from``): the engine's rows before the first choosing token are
-    dropped."""
+    engine_layers, index_topk)`` from token ``engine_rows_from``): the engine's rows before the first choosing token are
+    dropped. ``engine_layers``: the layer slots of the engine's rows, slot ``i`` decoder layer ``i`` (SGLang 0.5.23
+    gives every decoder layer one, GLM-5's "shared" layers mirrored): rr keeps the slots of ``dims.layers``; None:
+    the engine's rows hold ``dims.layers`` only."""
     first = first_choosing_row(dims.index_topk, start)
     rows = max(prompt_tokens + completion_tokens - 1 - first, 0)
+    slots = len(dims.layers) if engine_layers is None else engine_layers
+    if slots <= dims.layers[-1] and slots != len(dims.layers):
+        raise ShapeMismatchError(
+            f"the engine's indexer rows have {slots} layer slots, but the model's indexer layers reach layer "
+            f"{dims.layers[-1]}"
+        )
     if isinstance(payload, (str, bytes, bytearray)):
         buf = _b64decode(payload)
         if bytes(buf[:6]) == b"\x93NUMPY":
             return check_indexer(_parse_npy(buf), dims, rows=rows, start=first)
-        width = len(dims.layers) * dims.index_topk
+        width = slots * dims.index_topk
         if len(buf) % (4 * width):
             raise ShapeMismatchError(
-                f"SGLang's indexer payload holds {len(buf)} bytes, not whole rows of {len(dims.layers)} layers x "
+                f"SGLang's indexer payload holds {len(buf)} bytes, not whole rows of {slots} layer slots x "
                 f"{dims.index_topk} int32 positions"
             )
-        arr = np.frombuffer(buf, dtype="<i4").reshape(-1, len(dims.layers), dims.index_topk)
+        arr = np.frombuffer(buf, dtype="<i4").reshape(-1, slots, dims.index_topk)
     elif isinstance(payload, np.ndarray) or type(payload).__module__.startswith("torch"):
         arr = _as_int_array(payload, holds="indexer rows must hold integer positions")
         if arr.ndim != 3:
             raise ShapeMismatchError(f"the engine's indexer rows are {arr.ndim}-D {list(arr.shape)}, expected 3-D")
     else:
         raise MalformedPayloadError(f"{INDEXER_FIELD} must be base64 text or an array, got {type(payload).__name__}")
+    if slots != len(dims.layers):  # one slot per decoder layer: keep the indexer layers' slots
+        if arr.shape[1] != slots:
+            raise ShapeMismatchError(
+                f"the engine's indexer rows are {list(arr.shape)}, expected {slots} layer slots (one per decoder layer)"
+            )
+        arr = arr[:, list(dims.layers)]
     skip = first - engine_rows_from
     if skip < 0 or (skip > arr.shape[0] and rows):
         raise ShapeMismatchError(

@@ -10,7 +10,13 @@ import logging
 from typing import Any
 
 from rr_client.core import settings
-from rr_client.core.errors import ConfigurationError, MissingRoutingError, RoutedExpertsError, ShapeMismatchError
+from rr_client.core.errors import (
+    ConfigurationError,
+    MissingRoutingError,
+    RoutedExpertsError,
+    ShapeMismatchError,
+    UnsupportedVersionError,
+)
 from rr_client.core.indexer import (
     INDEXER_ERROR_FIELD,
     INDEXER_FIELD,
@@ -21,6 +27,7 @@ from rr_client.core.indexer import (
     indexer_meta_fields,
 )
 from rr_client.core.info import RRInfo
+from rr_server.serving.engines.sglang import indexer_slots
 
 __all__ = [
     "INDEXER_ERROR_FIELD",
@@ -73,15 +80,20 @@ def indexer_fields(
             )
         if isinstance(value, (bytes, bytearray)):
             value = value.decode("ascii")
-        checked = decode_indexer(
-            value, dims, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, start=start
+        checked = decode_indexer(  # SGLang's rows: a slot per decoder layer, rr keeps its indexer layers' (GLM-5)
+            value,
+            dims,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            start=start,
+            engine_layers=indexer_slots(info.engine_version, info.num_hidden_layers),  # type: ignore[union-attr]
         )
         if (fmt or default_indexer_format()) == "npy":
             return indexer_meta_fields(checked)
         from rr_server.serving.store import current_store
 
         return {INDEXER_REF_FIELD: current_store().put(checked), INDEXER_START_FIELD: checked.start}
-    except (RoutedExpertsError, ConfigurationError) as e:
+    except (RoutedExpertsError, ConfigurationError, UnsupportedVersionError) as e:
         return indexer_error_fields(e)
 
 

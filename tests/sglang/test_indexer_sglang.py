@@ -7,6 +7,7 @@ A malformed capture (a future position, a repeat) is refused with the typed erro
 
 from __future__ import annotations
 
+import base64
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -231,3 +232,49 @@ async def test_a_pd_decode_server_refuses_indexer_rows_for_the_prompt_it_never_r
     meta = await _generate(h, return_indexer_topk=True, **boot)
     assert meta["indexer_topk"] is None and meta["indexer_topk_error"].startswith("SeamMismatchError")
     assert "P/D decode server" in meta["indexer_topk_error"]
+
+
+def test_glm5_shared_indexer_layers_decode_by_sglangs_layer_count() -> None:
+    """GLM-5 (``glm_moe_dsa``) with "shared" indexer layers: SGLang 0.5.23 gives every decoder layer a capture slot (its
+    own ``get_num_indexer_layers`` on the config), a shared layer's slot holding the previous layer's pick
+    (``dsa_layer_skips_topk`` says which; ``forward_mla.py`` mirrors ``prev_topk_indices``). rr decodes SGLang's payload
+    by that count and keeps its indexer layers' picks, equal to transformers' own GLM-5 indexers."""
+    from sglang.srt.configs.model_config import dsa_layer_skips_topk, get_num_indexer_layers
+
+    from rr_client.trainer.replay import find_indexers
+    from rr_server.serving.engines.sglang import indexer_slots, installed_version
+    from rr_server.serving.indexer_fields import indexer_fields
+    from tests.trainer.tiny_families import tiny_family_model
+
+    model = tiny_family_model("glm_moe_dsa", index_topk=INDEX_TOPK, indexer_types=["full", "shared", "full"])
+    cfg = model.config
+    cfg.architectures = ["GlmMoeDsaForCausalLM"]
+    info = RRInfo.from_hf_config(cfg.to_dict(), engine="sglang", engine_version=installed_version())
+    assert info.indexer == IndexerDims((0, 2), INDEX_TOPK)
+    slots = get_num_indexer_layers(cfg)  # what the release's capturer allocates
+    assert slots == 3 and indexer_slots(info.engine_version, info.num_hidden_layers) == slots
+    ids = [3, 17, 29, 41, 53, 60, 11, 7, 9, 5]
+    picks: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, _a, o: picks.append(o[0])) for _, m in find_indexers(model)]
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]))
+    for hook in hooks:
+        hook.remove()
+    own = torch.stack(picks, 1).numpy().astype(np.int32)  # [T, rr's 2 indexer layers, K]
+    engine, k = [], 0
+    for layer in range(slots):  # SGLang's buffer: the shared layer mirrors the previous layer's pick
+        if not dsa_layer_skips_topk(cfg, layer):
+            engine.append(own[:, k])
+            k += 1
+        else:
+            engine.append(engine[-1])
+    raw = np.ascontiguousarray(np.stack(engine, 1)[:-1])  # rows of tokens 0 .. P + C - 2, as SGLang sends them
+    payload = base64.b64encode(raw.tobytes()).decode()
+    fields = indexer_fields(info, payload, prompt_tokens=7, completion_tokens=3, start=0, fmt="npy")
+    assert "indexer_topk_error" not in fields, fields
+    got = decode_indexer(fields["indexer_topk"], info.indexer, prompt_tokens=7, completion_tokens=3)
+    assert np.array_equal(got.array, own[INDEX_TOPK:-1])
+    # a release whose layout rr does not know: refused, never read by a guessed layer count
+    old = info.model_copy(update={"engine_version": "0.5.22"})
+    refused = indexer_fields(old, payload, prompt_tokens=7, completion_tokens=3, start=0, fmt="npy")
+    assert refused["indexer_topk"] is None and refused["indexer_topk_error"].startswith("UnsupportedSGLangError")

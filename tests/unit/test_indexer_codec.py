@@ -110,3 +110,18 @@ def test_shape_and_type_errors_name_what_is_wrong() -> None:
         decode_indexer({"data": 1}, DIMS, prompt_tokens=PROMPT, completion_tokens=COMPLETION)
     with pytest.raises(TypeError, match="takes a CheckedIndexer"):
         encode_indexer(rows)  # type: ignore[arg-type]
+
+
+def test_engine_rows_with_a_slot_per_decoder_layer_keep_the_indexer_layers() -> None:
+    """SGLang 0.5.23's rows hold a slot per decoder layer (GLM-5's shared layers mirrored): decoded by that count, rr
+    keeps the slots of its indexer layers; a count that cannot hold them, or rows of another count, are refused."""
+    raw = picks(layers=4)  # decoder layers 0..3; DIMS runs indexers on 0, 1, 3
+    payload = base64.b64encode(raw.tobytes()).decode()
+    got = decode_indexer(payload, DIMS, prompt_tokens=PROMPT, completion_tokens=COMPLETION, engine_layers=4)
+    assert np.array_equal(got.array, raw[4:, [0, 1, 3]])
+    same = decode_indexer(raw, DIMS, prompt_tokens=PROMPT, completion_tokens=COMPLETION, engine_layers=4)
+    assert np.array_equal(same.array, got.array)
+    with pytest.raises(ShapeMismatchError, match="reach layer 3"):
+        decode_indexer(payload, DIMS, prompt_tokens=PROMPT, completion_tokens=COMPLETION, engine_layers=2)
+    with pytest.raises(ShapeMismatchError, match="expected 5 layer slots"):
+        decode_indexer(picks(layers=4), DIMS, prompt_tokens=PROMPT, completion_tokens=COMPLETION, engine_layers=5)

@@ -68,6 +68,10 @@ class ReleaseFacts:
     tensor_lost_as_json: bool = False  # --skip-tokenizer-init JSON-encodes the raw tensor as {} (0.5.7-0.5.9)
     drops_last_prompt_row: bool = False  # max_new_tokens=0 loses the last prompt row (#20964, every release)
     hash_layers_uncaptured: bool = False  # HashTopK (DeepSeek-V4) layers never write the buffer: zero rows (0.5.23+)
+    # the indexer payload has one layer slot per decoder layer of a DSA model, GLM-5's "shared" layers holding the
+    # previous layer's pick (0.5.23+: configs/model_config.py get_num_indexer_layers returns num_hidden_layers;
+    # models/deepseek_common/attention_forward_methods/forward_mla.py:392 mirrors prev_topk_indices into the slot)
+    indexer_slot_per_layer: bool = False
     # a ``--disaggregation-mode prefill`` server gathers the prompt's rows when its KV transfer ends (0.5.22+,
     # disaggregation/prefill.py process_disagg_prefill_inflight_queue); before, it answers none ([] or no key)
     pd_prefill_rows: bool = False

@@ -29,6 +29,7 @@ __all__ = [
     "facts_for",
     "ORIGINAL_LOGPROB_ENV",
     "logprobs_mode",
+    "indexer_slots",
 ]
 
 # The SGLang releases rr's patch was tested on, each bound compared at patch precision.
@@ -71,6 +72,7 @@ def facts_for(version: str) -> ReleaseFacts:
         drops_last_prompt_row=rel >= (0, 5, 7),
         draft_pollutes_routing=rel < (0, 5, 23),
         hash_layers_uncaptured=rel >= (0, 5, 23),
+        indexer_slot_per_layer=rel >= (0, 5, 23),  # the first release that returns the indexer top-k at all
         pd_prefill_rows=rel >= (0, 5, 22),
         bounded_replay=rel >= (0, 5, 21),  # opt-in in 0.5.21-0.5.22; the decoder side on for DeepSeek-V4.1 after
         bounded_replay_default_on=rel >= (0, 5, 23),
@@ -108,6 +110,26 @@ def logprobs_mode(env: Mapping[str, str] | None = None) -> str:
     SGLang's ``get_bool_env_var`` reads it)."""
     value = (os.environ if env is None else env).get(ORIGINAL_LOGPROB_ENV, "false")
     return RAW if str(value).lower() in ("true", "1") else PROCESSED
+
+
+def indexer_slots(version: str, num_hidden_layers: int) -> int:
+    """Layer slots in each row of SGLang ``version``'s indexer payload for a DSA model of ``num_hidden_layers``
+    decoder layers (:attr:`ReleaseFacts.indexer_slot_per_layer`: one per decoder layer); a release whose layout rr
+    does not know (unparsable, or before 0.5.23) is refused, never assumed (:class:`UnsupportedSGLangError`)."""
+    try:
+        known = facts_for(version).indexer_slot_per_layer
+    except ValueError:
+        known = False
+    if not known:
+        raise UnsupportedSGLangError(
+            f"SGLang {version}: rr does not know how this release lays out the indexer top-k's layers (known from "
+            "0.5.23: one slot per decoder layer, configs/model_config.py get_num_indexer_layers); serve the model on "
+            "SGLang 0.5.23+",
+            package="sglang",
+            version=version,
+            tested=str(TESTED),
+        )
+    return num_hidden_layers
 
 
 RELEASES = EngineReleases(
