@@ -112,6 +112,9 @@ class Engine:
     kv_offload_connector: bool  # offloads KV through a KV connector (vLLM's KV offloading)
     hierarchical_cache: bool  # offloads KV through a hierarchical host/storage cache (SGLang's HiCache)
     offload_name: str  # the doctor's word for that tier
+    # hash-routed MoE layers (DeepSeek-V4's token-id table) write routing rows: vLLM 0.33 captures every router's ids,
+    # hash tables included; SGLang 0.5.23's ``HashTopK`` never writes the capture buffer (sglang#29040)
+    captures_hash_layers: bool
 
     def __str__(self) -> str:
         return self.name
@@ -195,6 +198,7 @@ VLLM = Engine(
     kv_offload_connector=True,
     hierarchical_cache=False,
     offload_name="kv offload",
+    captures_hash_layers=True,
 )
 SGLANG = Engine(
     name="sglang",
@@ -242,6 +246,7 @@ SGLANG = Engine(
     kv_offload_connector=False,
     hierarchical_cache=True,
     offload_name="hierarchical cache",
+    captures_hash_layers=False,
 )
 
 ENGINES: Mapping[str, Engine] = {e.name: e for e in (VLLM, SGLANG)}

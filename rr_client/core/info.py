@@ -13,12 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rr_client.core._version import __version__
 from rr_client.core.codec import wire_dtype
+from rr_client.core.engines import ENGINES
 from rr_client.core.errors import ConfigurationError
 from rr_client.core.hf_config import hash_layers_from_config, moe_layers_from_config, routing_dims_from_config
 from rr_client.core.indexer import IndexerDims
 
-# Engines whose capture skips hash-routed MoE layers (their rows come back all zero).
-_HASH_UNCAPTURED = frozenset({"sglang"})
+# why a hash-routed MoE layer is uncaptured on an engine that skips them (Engine.captures_hash_layers: all-zero rows)
 _HASH_REASON = "hash-routed (token-id table; the engine does not capture it)"
 
 __all__ = ["RRInfo", "WIRE_FORMAT"]
@@ -89,7 +89,8 @@ class RRInfo(BaseModel):
         """
         layers, experts, topk = routing_dims_from_config(cfg)
         hashed = hash_layers_from_config(cfg)
-        uncaptured = {i: _HASH_REASON for i in hashed} if engine in _HASH_UNCAPTURED else {}
+        eng = ENGINES.get(engine)
+        uncaptured = {i: _HASH_REASON for i in hashed} if eng is not None and not eng.captures_hash_layers else {}
         moe = sorted(set(moe_layers_from_config(cfg)) | {i for i in hashed if i not in uncaptured})
         idx = IndexerDims.from_hf_config(cfg)
         if idx is not None:

@@ -24,7 +24,7 @@ import httpx
 
 from rr_client import GenerateResult, RoutedExpertsClient, RRError, RRInfo
 from rr_client.client import parse_sample
-from rr_client.core.engines import ENGINES
+from rr_client.core.engines import Engine
 from rr_server.doctor.engine_state import _get, parse_metrics
 from rr_server.doctor.probes import DoctorRun
 from rr_server.doctor.samples import PREFIX_CACHE_TOKENS, ROW_AGREEMENT_MIN, _agreement, _prompt_rows, _prompts
@@ -35,6 +35,9 @@ from rr_server.launch.bounded_replay import (
     off_advice,
     replay_in_argv,
 )
+from rr_server.serving.engines import releases
+from rr_server.serving.engines.base import ReplayFlags
+from rr_server.serving.openai_routing import OPENAI_PATHS
 
 __all__ = ["ReplayState", "replay_state", "check_bounded_replay", "CHECK_NAME"]
 
@@ -59,28 +62,32 @@ class ReplayState:
     model_source: str = ""  # where ``model`` came from
 
 
-async def _said_vllm(http: httpx.AsyncClient, info: RRInfo) -> tuple[bool | None, str]:
-    """vLLM: the ``swa_bounded_replay`` label of ``vllm:cache_config_info`` (every CacheConfig field is a label)."""
-    flags = REPLAY_FLAGS["vllm"]
+async def _said_by_metrics(
+    http: httpx.AsyncClient, info: RRInfo, wire: Engine, flags: ReplayFlags, label: str
+) -> tuple[bool | None, str]:
+    """``label`` of the engine's cache-config metric (vLLM: ``swa_bounded_replay`` of ``vllm:cache_config_info``,
+    where every CacheConfig field is a label)."""
     resp = await _get(http, "/metrics")
     for name, labels, _ in parse_metrics(resp.text) if resp is not None else []:
-        if name != ENGINES["vllm"].cache_metric:
+        if name != wire.cache_metric:
             continue
-        value = labels.get(flags.metric_label or "")
+        value = labels.get(label)
         if value is None:
-            return False, f"/metrics {name} has no {flags.metric_label} (a vLLM without SWA bounded replay)"
+            return False, f"/metrics {name} has no {label} (a {wire.label} without SWA bounded replay)"
         on = value.lower() == "true"
-        said = f"/metrics {name} {flags.metric_label}={value}"
-        if on and (info.model_extra or {}).get("platform") == "rocm":
-            return False, f"{said}, but vLLM turns it off on ROCm itself"
+        said = f"/metrics {name} {label}={value}"
+        platform = (info.model_extra or {}).get("platform")
+        if on and platform in flags.off_on_platforms:
+            return False, f"{said}, but {wire.label} turns it off on {platform} itself"
         return on, said
-    return None, "the server does not say (no /metrics vllm:cache_config_info)"
+    return None, f"the server does not say (no /metrics {wire.cache_metric})"
 
 
-async def _said_sglang(http: httpx.AsyncClient) -> tuple[bool | None, str]:
-    """SGLang: its server args, decoder and encoder sides (null decoder: resolved for no model, not DeepSeek-V4.1)."""
-    decoder, encoder = REPLAY_FLAGS["sglang"].server_args
-    for path in ENGINES["sglang"].server_args_routes:
+async def _said_by_server_args(http: httpx.AsyncClient, wire: Engine, flags: ReplayFlags) -> tuple[bool | None, str]:
+    """The engine's server args, decoder and encoder sides (SGLang; null decoder: resolved for no model, not
+    DeepSeek-V4.1)."""
+    decoder, encoder = flags.server_args
+    for path in wire.server_args_routes:
         resp = await _get(http, path)
         try:
             args = resp.json() if resp is not None else None
@@ -89,14 +96,14 @@ async def _said_sglang(http: httpx.AsyncClient) -> tuple[bool | None, str]:
         if not isinstance(args, dict):
             continue
         if decoder not in args and encoder not in args:
-            return False, f"{path} has no {decoder} (an SGLang without SWA bounded replay)"
+            return False, f"{path} has no {decoder} (a {wire.label} without SWA bounded replay)"
         dec, enc = args.get(decoder), args.get(encoder)
         on = [f"{k}={v}" for k, v in ((decoder, dec), (encoder, enc)) if v is True]
         if on:
             return True, f"{path} " + ", ".join(on)
-        why = " (SGLang resolves it for DeepSeek-V4.1 only)" if dec is None else ""
+        why = f" ({wire.label} resolves it for DeepSeek-V4.1 only)" if dec is None else ""
         return False, f"{path} {decoder}={dec}{why}, {encoder}={enc}"
-    return None, "the server does not say (no /get_server_info)"
+    return None, f"the server does not say (no {wire.server_args_routes[0]})"
 
 
 async def _model(http: httpx.AsyncClient, info: RRInfo, model_path: str | None) -> tuple[bool | None, str]:
@@ -105,24 +112,25 @@ async def _model(http: httpx.AsyncClient, info: RRInfo, model_path: str | None) 
         cfg = model_config_of(model) if model else None
         if cfg is not None:
             return is_bounded_replay_model(cfg), f"{what} {model} config.json model_type {cfg.get('model_type')!r}"
-    if info.engine == "sglang":
-        for path in ("/model_info", "/get_model_info"):
-            resp = await _get(http, path)
-            try:
-                body = resp.json() if resp is not None else None
-            except ValueError:
-                body = None
-            if isinstance(body, dict) and (body.get("model_type") or body.get("architectures")):
-                return is_bounded_replay_model(body), f"{path} model_type {body.get('model_type')!r}"
+    for path in releases(info.engine).model_info_routes:
+        resp = await _get(http, path)
+        try:
+            body = resp.json() if resp is not None else None
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and (body.get("model_type") or body.get("architectures")):
+            return is_bounded_replay_model(body), f"{path} model_type {body.get('model_type')!r}"
     return None, "the served model's config is not readable here (pass --model-path)"
 
 
 async def replay_state(http: httpx.AsyncClient, info: RRInfo, model_path: str | None) -> ReplayState:
-    """Bounded replay as the server reports it; the model is looked up only where it can matter (not off)."""
-    if info.engine == "vllm":
-        on, source = await _said_vllm(http, info)
+    """Bounded replay as the server reports it (a metric label or its server args, whichever the engine has); the
+    model is looked up only where it can matter (not off)."""
+    wire, flags = releases(info.engine).wire, REPLAY_FLAGS[info.engine]
+    if flags.metric_label is not None:
+        on, source = await _said_by_metrics(http, info, wire, flags, flags.metric_label)
     else:
-        on, source = await _said_sglang(http)
+        on, source = await _said_by_server_args(http, wire, flags)
     if on is None and replay_in_argv(info.engine, info.engine_version, []):
         source += f"; on by default in {info.engine} {info.engine_version}"
     if on is False:
@@ -132,24 +140,21 @@ async def replay_state(http: httpx.AsyncClient, info: RRInfo, model_path: str | 
 
 
 async def _full_prefill(run: ReplayRun, http: httpx.AsyncClient, prompt: list[int]) -> GenerateResult:
-    """``prompt`` prefilled whole (prompt log-probs asked: every prompt row computed, the prefix cache not read)."""
+    """``prompt`` prefilled whole (prompt log-probs asked: every prompt row computed, the prefix cache not read),
+    through the route the engine takes them on (:attr:`EngineReleases.full_prefill_route`)."""
     params = {**run.params, "max_new_tokens": 1}
-    if run.info.engine == "vllm":
-        batch = await run.client.complete(prompt, params, extra_body={"prompt_logprobs": 0})
+    rel = releases(run.info.engine)
+    route, fields = rel.full_prefill_route, dict(rel.full_prefill_fields)
+    if route in OPENAI_PATHS:
+        batch = await run.client.complete(prompt, params, extra_body=fields)
         return batch.results[0]
-    body = {
-        "input_ids": [prompt],
-        "sampling_params": params,
-        "return_routed_experts": True,
-        "return_logprob": True,
-        "logprob_start_len": 0,
-    }
+    body = {"input_ids": [prompt], "sampling_params": params, **dict(rel.wire.ask_fields), **fields}
     try:
-        resp = await http.post("/generate", json=body)
+        resp = await http.post(route, json=body)
     except httpx.HTTPError as e:
-        raise _NoReference(f"/generate: {type(e).__name__}: {e}") from None
+        raise _NoReference(f"{route}: {type(e).__name__}: {e}") from None
     if resp.status_code >= 400:
-        raise _NoReference(f"/generate answered {resp.status_code}: {resp.text[:200]}")
+        raise _NoReference(f"{route} answered {resp.status_code}: {resp.text[:200]}")
     reply = resp.json()
     item = reply[0] if isinstance(reply, list) and reply else reply
     return parse_sample(item, index=0, prompt_index=0, prompt_ids=prompt, info=run.info, want_routing=True)

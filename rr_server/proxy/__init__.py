@@ -114,15 +114,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from rr_server.proxy.app import DEFAULT_MAX_BODY_BYTES, ProxyConfig, create_app
     from rr_server.serving.auth import keys_from
+    from rr_server.serving.engines import RELEASES, releases
     from rr_server.serving.store import advertised_url
 
     if args.routed_experts_format:
         from rr_server.serving.generate_protocol import FORMAT_ENV
 
         os.environ[FORMAT_ENV] = args.routed_experts_format
-    if args.prefill_upstream and (args.engine != "sglang" or not args.bootstrap_port or args.bootstrap_port < 1):
+    if args.prefill_upstream and (
+        not releases(args.engine).supports_pd_pair or not args.bootstrap_port or args.bootstrap_port < 1
+    ):
+        pd = " or ".join(f"--engine {name}" for name, rel in RELEASES.items() if rel.supports_pd_pair)
         sys.stderr.write(
-            "rr-server proxy: --prefill-upstream (P/D) needs --engine sglang and --bootstrap-port (the prefill "
+            f"rr-server proxy: --prefill-upstream (P/D) needs {pd} and --bootstrap-port (the prefill "
             "server's --disaggregation-bootstrap-port)\n"
         )
         return 2

@@ -37,6 +37,7 @@ from rr_server.proxy.upstream import Upstream
 from rr_server.proxy.vllm_backend import VLLMBackend
 from rr_server.serving.auth import ApiKeyMiddleware, ApiKeys
 from rr_server.serving.disaggregation import sglang_pd_refusal
+from rr_server.serving.engines import releases
 from rr_server.serving.fanout import primed
 from rr_server.serving.generate_protocol import (
     SSE_DONE,
@@ -109,7 +110,7 @@ class Sidecar:
         self.prefill: Upstream | None = None  # P/D: the prefill server (``up`` is the decode server)
         self.backend: Backend
         if cfg.prefill_upstream:
-            if not find_engine(cfg.engine).native_generate or cfg.bootstrap_port <= 0:
+            if not releases(cfg.engine).supports_pd_pair or cfg.bootstrap_port <= 0:
                 raise ValueError("a P/D sidecar needs engine sglang and the prefill server's bootstrap port")
             self.prefill = upstream(cfg.prefill_upstream)
             host = cfg.bootstrap_host or urlsplit(cfg.prefill_upstream).hostname or "127.0.0.1"

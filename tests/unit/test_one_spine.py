@@ -47,3 +47,60 @@ def test_one_rows_check_and_one_layer_axis_rule() -> None:
     # (rr_client/core/_rowcheck is the wire payload's check, on numpy, before any torch: the codec's one full check)
     torch_side = [d for d in _defined(r"^\s*def (_check|check_rows|layer_positions)\(") if "/core/" not in d]
     assert not torch_side, f"a second rows check or layer rule: {torch_side}"
+
+
+_PACKAGES = ("rr_server", "rr_client", "rr_patches")
+# where an engine's name may be compared: its own objects (the wire facts and the per-release facts)
+_ENGINE_HOMES = ("rr_server/serving/engines/", "rr_client/core/engines.py")
+_NAME = r"""["'](?:vllm|sglang)["']"""
+_BY_NAME = re.compile(
+    rf"(?:==|!=)\s*{_NAME}|{_NAME}\s*(?:==|!=)"  # engine == "sglang", "vllm" != info.engine, x.name == "vllm"
+    rf"|\bin\s*(?:frozenset\(|set\()?[(\[{{]\s*{_NAME}"  # engine in ("vllm", ...), in {"sglang"}
+    rf"|{{\s*{_NAME}\s*[:,}}]|,\s*{_NAME}\s*:"  # {"vllm": ..., "sglang": ...} dispatch tables, {"sglang"} sets
+    r"|(?:==|!=|\bis(?:\s+not)?)\s*(?:VLLM|SGLANG)(?:\.name)?(?![\w.])"  # x == SGLANG.name, engine is VLLM
+    r"|\b(?:VLLM|SGLANG)(?:\.name)?\s*(?:==|!=)"
+)
+
+
+def _by_engine_name(root: Path) -> list[str]:
+    """``file:line: text`` of every line under ``root``'s packages that decides by an engine's name, outside the
+    engine objects."""
+    hits = []
+    for package in _PACKAGES:
+        for p in sorted((root / package).rglob("*.py")):
+            rel = p.relative_to(root).as_posix()
+            if rel.startswith(_ENGINE_HOMES):
+                continue
+            for i, line in enumerate(p.read_text().splitlines(), 1):
+                if _BY_NAME.search(line):
+                    hits.append(f"{rel}:{i}: {line.strip()}")
+    return hits
+
+
+def test_engines_are_asked_never_compared_by_name() -> None:
+    """What differs between vLLM and SGLang is a fact or behaviour of the engine objects (rr_client.core.engines,
+    rr_server.serving.engines), asked, never an ``engine == "sglang"`` comparison or a table keyed by engine name
+    elsewhere (issue 55), like vLLM's Platform: one object per engine, asked what differs."""
+    assert _by_engine_name(ROOT.parent) == []
+
+
+def test_the_engine_name_grep_sees_a_comparison(tmp_path: Path) -> None:
+    """The grep above finds each spelling of a comparison by name, and skips the engine modules."""
+    bad = [
+        'if info.engine == "sglang":',
+        "if 'vllm' != args.engine:",
+        'if eng.name == "vllm":',
+        'ok = engine in ("vllm", "sglang")',
+        '_UNCAPTURED = frozenset({"sglang"})',
+        'READERS = {"vllm": read_a, "sglang": read_b}',
+        "if engine is SGLANG:",
+        "if SGLANG.name != cfg.engine:",
+    ]
+    good = ['releases("vllm").draft_issue', 'choices=("npy", "sglang", "ref")', 'RRInfo(engine="sglang")']
+    (tmp_path / "rr_server" / "serving" / "engines").mkdir(parents=True)
+    (tmp_path / "rr_client").mkdir()
+    (tmp_path / "rr_patches").mkdir()
+    (tmp_path / "rr_server" / "x.py").write_text("\n".join(bad + good) + "\n")
+    (tmp_path / "rr_server" / "serving" / "engines" / "sglang.py").write_text("\n".join(bad) + "\n")
+    found = _by_engine_name(tmp_path)
+    assert [h.split(":")[1] for h in found] == [str(i) for i in range(1, len(bad) + 1)], found

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rr_client.core.engines import Engine
 from rr_client.core.errors import UnsupportedVersionError
@@ -108,6 +109,8 @@ class ReplayFlags:
     opt_in: tuple[str, ...] = ()  # other replay flags, off unless given (SGLang's encoder side)
     server_args: tuple[str, ...] = ()  # the server-args keys that report it (SGLang /get_server_info)
     metric_label: str | None = None  # the vllm:cache_config_info label that reports it (vLLM /metrics)
+    # /rr/info ``platform`` values where the engine turns it off itself whatever it reports (vLLM: ROCm)
+    off_on_platforms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,15 @@ class EngineReleases:
     facts_for: Callable[[str], ReleaseFacts]  # the facts of any parsable release (supported or not)
     installed_version: Callable[[], str | None]  # the installed release, without importing the engine when it can
     bounded_replay_flags: ReplayFlags | None = field(default=None)  # DeepSeek-V4.1's SWA bounded-replay switch
+    # the route and body fields that prefill a prompt whole: prompt log-probs, computed at every prompt position and
+    # never read from the prefix cache (the doctor's full-prefill reference; vLLM ``prompt_logprobs`` on
+    # /v1/completions, SGLang ``/generate`` ``logprob_start_len`` 0)
+    full_prefill_route: str = ""
+    full_prefill_fields: tuple[tuple[str, Any], ...] = ()
+    model_info_routes: tuple[str, ...] = ()  # routes answering the served model's ``model_type`` (SGLang's)
+    # the sidecar joins a prefill server's and a decode server's halves of each sample (``--prefill-upstream``):
+    # SGLang's P/D, whose decode server takes the prefill server's bootstrap address in the request
+    supports_pd_pair: bool = False
 
     @property
     def name(self) -> str:

@@ -146,4 +146,9 @@ RELEASES = EngineReleases(
         opt_in=("--enable-encoder-swa-bounded-replay",),
         server_args=("enable_decoder_swa_bounded_replay", "enable_encoder_swa_bounded_replay"),
     ),
+    # GenerateReqInput.logprob_start_len (managers/io_struct.py): 0 returns every prompt position's log-prob
+    full_prefill_route="/generate",
+    full_prefill_fields=(("return_logprob", True), ("logprob_start_len", 0)),
+    model_info_routes=("/model_info", "/get_model_info"),  # entrypoints/http_server.py (0.5.23: both)
+    supports_pd_pair=True,  # --disaggregation-mode prefill/decode, joined through bootstrap_host/bootstrap_room
 )

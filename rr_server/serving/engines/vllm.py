@@ -112,6 +112,11 @@ RELEASES = EngineReleases(
     facts_for=facts_for,
     installed_version=installed_version,
     bounded_replay_flags=ReplayFlags(
-        on="--swa-bounded-replay", off="--no-swa-bounded-replay", metric_label="swa_bounded_replay"
+        on="--swa-bounded-replay",
+        off="--no-swa-bounded-replay",
+        metric_label="swa_bounded_replay",
+        off_on_platforms=("rocm",),
     ),
+    full_prefill_route="/v1/completions",
+    full_prefill_fields=(("prompt_logprobs", 0),),  # SamplingParams.prompt_logprobs: every prompt position
 )
