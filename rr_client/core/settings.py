@@ -89,6 +89,12 @@ SETTINGS: dict[str, Setting] = {
             "2147483648 (2 GiB)",
         ),
         Setting(
+            "RR_INDEXER_STORE_BYTES",
+            "int",
+            "rr's SGLang patch and the sidecar: byte cap of the indexer store that holds sparse-attention indexer rows for refs, apart from the routing store (oldest evicted first; neither kind evicts the other)",
+            "2147483648 (2 GiB)",
+        ),
+        Setting(
             "RR_ROUTING_READ_BYTES",
             "int",
             "rr servers: most bytes of rows one `POST /rr/routing/read` answers, and hashes for row ranges (counted before any row is read, each stored row once; more answer 413 naming the count and the cap; rr_client splits its reads under it)",

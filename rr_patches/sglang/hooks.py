@@ -6,7 +6,9 @@ function is registered as a plugin hook (0.5.11+) and installed by :mod:`rr_patc
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -192,18 +194,32 @@ def _server_format() -> str:
         raise MalformedPayloadError(str(e)) from None
 
 
-def prepare_batch(tm: Any, recv_obj: Any) -> None:
+#: one finished request's indexer rows still to check: its answer list, and the check that gives its fields
+IndexerJob = tuple["_RRList", Callable[[], dict[str, Any]]]
+
+
+def run_indexer_jobs(jobs: list[IndexerJob]) -> None:
+    """Check each pending request's indexer rows and give its answer list the fields (in a worker thread from
+    0.5.11 on: :func:`around_handle_batch_output`)."""
+    for out_list, check in jobs:
+        out_list.indexer = check()
+
+
+def prepare_batch(tm: Any, recv_obj: Any) -> list[IndexerJob]:
     """Convert each request's routing in ``recv_obj`` and hook its ReqState so the answer gets rr's fields.
 
     SGLang's own code then sees no routing at all (the field is set to None), so it can neither
-    leak a raw tensor (the ``{}`` bug) nor hand one request another's rows.
+    leak a raw tensor (the ``{}`` bug) nor hand one request another's rows. The indexer rows' checks (the heavy
+    part: ``index_topk`` positions per layer per token) are returned, to run before SGLang's handler appends the
+    answers (:func:`run_indexer_jobs`).
     """
     st = state_of(tm)
     field = st.profile.field
     values = getattr(recv_obj, field, None)
     rids = list(getattr(recv_obj, "rids", None) or [])
+    jobs: list[IndexerJob] = []
     if not rids:
-        return
+        return jobs
     values = list(values) if values else []
     idx_values = list(getattr(recv_obj, "indexer_topk", None) or [])
     misaligned = bool(values) and len(values) != len(rids)
@@ -223,6 +239,7 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
         fields: dict[str, Any] | None = None
         checked: CheckedRouting | None = None
         idx: dict[str, Any] | None = None
+        idx_check: Callable[[], dict[str, Any]] | None = None
         if finished and asked_indexer(caller):
             # a P/D decode server never ran the prompt: its indexer rows there are leftovers, as its routing rows are
             ifmt = st.indexer_format.pop(rid, None)
@@ -231,15 +248,15 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
             if unran_idx is not None:
                 idx = indexer_error_fields(unran_idx)
             else:
-                with refs_made_under(mark.version if mark is not None else None):  # a ref: the weights it ran on
-                    idx = indexer_fields(
-                        st.info,
-                        idx_values[i] if len(idx_values) == len(rids) else None,
-                        prompt_tokens=int(recv_obj.prompt_tokens[i]),
-                        completion_tokens=int(recv_obj.completion_tokens[i]),
-                        start=start,
-                        fmt=ifmt,
-                    )
+                idx_check = _indexer_check(
+                    st,
+                    idx_values[i] if len(idx_values) == len(rids) else None,
+                    prompt_tokens=int(recv_obj.prompt_tokens[i]),
+                    completion_tokens=int(recv_obj.completion_tokens[i]),
+                    start=start,
+                    fmt=ifmt,
+                    version=mark.version if mark is not None else None,
+                )
         if finished and asked:  # routing comes with the final chunk only
             if misaligned:
                 fields = routing_error_fields(ShapeMismatchError("routing list does not line up with the batch"))
@@ -263,16 +280,53 @@ def prepare_batch(tm: Any, recv_obj: Any) -> None:
         state.out_list = _RRList(
             state.out_list, fields, (col, rid) if finished and col is not None else None, checked, prov, idx
         )
+        if idx_check is not None:
+            jobs.append((state.out_list, idx_check))
     if values:
         setattr(recv_obj, field, None)
     if idx_values:
         recv_obj.indexer_topk = None  # SGLang's own payload never reaches an answer
+    return jobs
+
+
+def _indexer_check(
+    st: RRState,
+    value: Any,
+    *,
+    prompt_tokens: int,
+    completion_tokens: int,
+    start: int,
+    fmt: str | None,
+    version: int | None,
+) -> Callable[[], dict[str, Any]]:
+    """One request's indexer check, to run later (:func:`run_indexer_jobs`); a ref made there carries ``version``,
+    the weights its request was admitted under."""
+
+    def check() -> dict[str, Any]:
+        with refs_made_under(version):
+            return indexer_fields(
+                st.info, value, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, start=start, fmt=fmt
+            )
+
+    return check
 
 
 def around_handle_batch_output(original: Any, self: Any, recv_obj: Any, *args: Any, **kwargs: Any) -> Any:
-    """Rewrite routing for the batch, then run SGLang's own handler (a coroutine from 0.5.11 on)."""
+    """Rewrite routing for the batch, then run SGLang's own handler (a coroutine from 0.5.11 on).
+
+    From 0.5.11 on, the batch's indexer checks run in a worker thread before SGLang's handler appends the answers:
+    SGLang's event loop, which streams every request, is never held by them (the handle loop awaits this batch)."""
     from sglang.srt.managers.io_struct import BatchStrOutput, BatchTokenIDOutput
 
-    if rr_enabled(self) and isinstance(recv_obj, (BatchStrOutput, BatchTokenIDOutput)):
-        prepare_batch(self, recv_obj)
-    return original(self, recv_obj, *args, **kwargs)
+    if not (rr_enabled(self) and isinstance(recv_obj, (BatchStrOutput, BatchTokenIDOutput))):
+        return original(self, recv_obj, *args, **kwargs)
+    jobs = prepare_batch(self, recv_obj)
+    if not jobs or not state_of(self).profile.handle_is_async:  # a synchronous handler: the checks run here
+        run_indexer_jobs(jobs)
+        return original(self, recv_obj, *args, **kwargs)
+
+    async def checked_off_the_loop() -> Any:
+        await asyncio.to_thread(run_indexer_jobs, jobs)
+        return await original(self, recv_obj, *args, **kwargs)
+
+    return checked_off_the_loop()

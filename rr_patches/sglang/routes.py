@@ -9,7 +9,7 @@ from typing import Any
 
 from rr_patches.sglang.state import state_of
 from rr_server.serving.http import error_body, json_response
-from rr_server.serving.store import STORE_ROUTES, advertised_url, current_store, install_store
+from rr_server.serving.store import STORE_ROUTES, advertised_url, current_store, indexer_store, install_store
 
 __all__ = ["bind_tokenizer_manager", "rr_info_dict", "install_route", "served_info"]
 
@@ -27,6 +27,9 @@ def rr_info_dict(tm: Any) -> dict[str, Any]:
     store = current_store()
     if store is not None:
         body["routing_store"] = store.stats()
+    idx = indexer_store(make=False)
+    if idx is not None:  # the indexer's own store, once an indexer ref was made
+        body["indexer_store"] = idx.stats()
     return body
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -95,9 +96,11 @@ class SGLangBackend:
         final: bool = True,
         index: int | None = None,
         mark: WeightMark | None = None,
+        indexer: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """One SGLang reply item in rr form: routing validated + re-encoded, or removed when not asked; a final
-        item gets its ``rr_provenance`` (``mark``: the sidecar's weight epoch when the request was sent)."""
+        item gets its ``rr_provenance`` (``mark``: the sidecar's weight epoch when the request was sent) and its
+        indexer fields (``indexer``: already checked off the event loop by :meth:`indexer_of`, else checked here)."""
         if not isinstance(item, Mapping) or not isinstance(item.get("meta_info"), Mapping):
             raise ProxyError(502, "upstream_protocol", f"upstream /generate item {j} has no meta_info object")
         out = dict(item)
@@ -113,17 +116,7 @@ class SGLangBackend:
             else None
         )
         if req.return_indexer_topk and final:
-            with refs_made_under(mark.version if mark is not None else None):
-                meta.update(
-                    indexer_fields(
-                        info,
-                        upstream_meta.get(INDEXER_FIELD),
-                        prompt_tokens=int(meta.get("prompt_tokens", 0)),
-                        completion_tokens=int(meta.get("completion_tokens", 0)),
-                        start=req.routed_experts_start,
-                        fmt=req.indexer_topk_format,
-                    )
-                )
+            meta.update(indexer if indexer is not None else self.indexer_of(item, req, info, mark=mark) or {})
         if prov is not None:
             attach(meta, prov)  # the indexer ref made just now carries it too
         if not (req.return_routed_experts and final):
@@ -159,6 +152,33 @@ class SGLangBackend:
             meta["prompt_token_ids"] = ids
         return out
 
+    def indexer_of(
+        self, item: Any, req: NormalizedGenerate, info: RRInfo, *, mark: WeightMark | None = None
+    ) -> dict[str, Any] | None:
+        """rr's indexer fields of one final reply item (None when it has no ``meta_info``): SGLang's rows checked by
+        the one full check, by reference or inline. The heavy part of an answer: the async paths run it in a
+        worker thread (:meth:`indexer_off_loop`)."""
+        meta = item.get("meta_info") if isinstance(item, Mapping) else None
+        if not isinstance(meta, Mapping):
+            return None
+        with refs_made_under(mark.version if mark is not None else None):  # a ref: the weights it ran on
+            return indexer_fields(
+                info,
+                meta.get(INDEXER_FIELD),
+                prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                completion_tokens=int(meta.get("completion_tokens", 0)),
+                start=req.routed_experts_start,
+                fmt=req.indexer_topk_format,
+            )
+
+    async def indexer_off_loop(
+        self, items: list[Any], req: NormalizedGenerate, info: RRInfo, mark: WeightMark | None
+    ) -> list[dict[str, Any] | None]:
+        """:meth:`indexer_of` of final items, in a worker thread: the sidecar's event loop streams every request."""
+        if not req.return_indexer_topk:
+            return [None] * len(items)
+        return await asyncio.to_thread(lambda: [self.indexer_of(it, req, info, mark=mark) for it in items])
+
     async def generate(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> Any:
         """Non-streaming: one upstream call, every item transcoded; same shape (dict or list) as SGLang's."""
         info, _ = await self._info()
@@ -170,8 +190,10 @@ class SGLangBackend:
                 raise ProxyError(
                     502, "upstream_protocol", f"upstream /generate returned {len(reply)} items, expected {want}"
                 )
-            return [self.transcode(it, req, info, j, mark=mark) for j, it in enumerate(reply)]
-        return self.transcode(reply, req, info, 0, mark=mark)
+            idx = await self.indexer_off_loop(reply, req, info, mark)
+            return [self.transcode(it, req, info, j, mark=mark, indexer=idx[j]) for j, it in enumerate(reply)]
+        (idx0,) = await self.indexer_off_loop([reply], req, info, mark)
+        return self.transcode(reply, req, info, 0, mark=mark, indexer=idx0)
 
     async def stream(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> AsyncIterator[str]:
         """Streaming: pass chunks through; routing (final chunk only) transcoded or stripped; errors as events."""
@@ -192,7 +214,10 @@ class SGLangBackend:
                     meta = chunk.get("meta_info") if isinstance(chunk, Mapping) else None
                     final = isinstance(meta, Mapping) and meta.get("finish_reason") is not None
                     idx = chunk.get("index") if isinstance(chunk.get("index"), int) else None
-                    yield sse_line(self.transcode(chunk, req, info, idx or 0, final=final, index=idx, mark=mark))
+                    fields = (await self.indexer_off_loop([chunk], req, info, mark))[0] if final else None
+                    yield sse_line(
+                        self.transcode(chunk, req, info, idx or 0, final=final, index=idx, mark=mark, indexer=fields)
+                    )
                 except orjson.JSONDecodeError as e:
                     self._metrics.errors.labels("upstream_protocol").inc()
                     yield sse_line(error_body(f"upstream stream chunk is not JSON: {e}", 502))

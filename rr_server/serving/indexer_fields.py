@@ -20,6 +20,7 @@ from rr_client.core.errors import (
 from rr_client.core.indexer import (
     INDEXER_ERROR_FIELD,
     INDEXER_FIELD,
+    INDEXER_FORMAT_FIELD,
     INDEXER_REF_FIELD,
     INDEXER_START_FIELD,
     check_indexer_format,
@@ -90,9 +91,12 @@ def indexer_fields(
         )
         if (fmt or default_indexer_format()) == "npy":
             return indexer_meta_fields(checked)
-        from rr_server.serving.store import current_store
+        from rr_server.serving.store import indexer_store
 
-        return {INDEXER_REF_FIELD: current_store().put(checked), INDEXER_START_FIELD: checked.start}
+        store = indexer_store()  # the indexer's own, capped apart: its rows never evict routing rows
+        if store is None:
+            raise ConfigurationError(f"{INDEXER_FORMAT_FIELD}='ref': this process holds no rr server's store")
+        return {INDEXER_REF_FIELD: store.put(checked), INDEXER_START_FIELD: checked.start}
     except (RoutedExpertsError, ConfigurationError, UnsupportedVersionError) as e:
         return indexer_error_fields(e)
 

@@ -243,3 +243,33 @@ def test_ray_stores_command_lists_and_removes_leftovers(ray_cluster: str, capsys
         assert ray_stores(["--address", ray_cluster, "--remove", "my-actor"]) == 2  # never another actor
     finally:
         live.close()
+
+
+def test_the_indexer_store_is_its_own_ray_actor_with_its_own_cap(
+    ray_cluster: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``RR_ROUTING_STORE=ray`` the indexer store is a second store actor of the engine, capped by
+    ``RR_INDEXER_STORE_BYTES``: indexer rows evict only indexer rows, routing rows stay readable."""
+    from rr_client.core.indexer import IndexerDims, check_indexer
+    from rr_server.serving.store import install as rs
+
+    dims = IndexerDims((0, 1), 4)
+    picks = np.tile(np.arange(4, dtype=np.int32), (12, 2, 1))  # tokens 4..15 each read positions 0..3
+    one = check_indexer(picks, dims, rows=12, start=4).array.nbytes
+    monkeypatch.setenv("RR_ROUTING_STORE", "ray")
+    monkeypatch.setenv("RR_INDEXER_STORE_BYTES", str(2 * one))
+    for name, value in (("_STORE", None), ("_INDEXER", None), ("_NAMED", False)):
+        monkeypatch.setattr(rs, name, value)
+    routing = rs.install_store(max_bytes=checked(10).array.nbytes + one // 2)
+    idx = rs.indexer_store()
+    try:
+        assert isinstance(routing, RayStore) and isinstance(idx, RayStore) and idx.name != routing.name
+        assert idx.stats()["max_bytes"] == 2 * one and idx.url.startswith("ray://")
+        kept = RoutingRef.from_dict(routing.put(checked(10)))
+        refs = [RoutingRef.from_dict(idx.put(check_indexer(picks, dims, rows=12, start=4))) for _ in range(3)]
+        assert all(r.kind == "indexer" and r.store == idx.instance for r in refs)
+        assert (idx.stats()["evicted"], routing.stats()["evicted"]) == (1, 0)
+        assert np.array_equal(resolve([kept])[0], checked(10).array)
+    finally:
+        idx.close()  # type: ignore[union-attr]
+        routing.close()  # type: ignore[attr-defined]

@@ -278,3 +278,61 @@ def test_glm5_shared_indexer_layers_decode_by_sglangs_layer_count() -> None:
     old = info.model_copy(update={"engine_version": "0.5.22"})
     refused = indexer_fields(old, payload, prompt_tokens=7, completion_tokens=3, start=0, fmt="npy")
     assert refused["indexer_topk"] is None and refused["indexer_topk_error"].startswith("UnsupportedSGLangError")
+
+
+def _check_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The threads the one full indexer check runs in, from now on (the server side's calls: the client's own
+    check is imported apart)."""
+    import threading
+
+    import rr_client.core.indexer as core
+
+    seen: list[int] = []
+    real = core.check_indexer
+
+    def spy(*a: Any, **k: Any) -> Any:
+        seen.append(threading.get_ident())
+        return real(*a, **k)
+
+    monkeypatch.setattr(core, "check_indexer", spy)
+    return seen
+
+
+async def test_the_patch_checks_indexer_rows_off_sglangs_event_loop(
+    dsv32: Path, patched: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rr's patch runs each batch's indexer checks in a worker thread before SGLang's handler appends the answers:
+    SGLang's event loop (this test's thread) is not held by them, and the answer still carries the checked rows."""
+    import threading
+
+    seen = _check_threads(monkeypatch)
+    meta = await _generate(h := Harness(dsv32), return_indexer_topk=True, indexer_topk_format="npy")
+    assert "indexer_topk_error" not in meta and meta["indexer_topk_start"] == INDEX_TOPK
+    r = h.sched.reqs[meta["id"]]
+    assert seen and threading.get_ident() not in seen
+    assert decode_indexer(
+        meta["indexer_topk"], IndexerDims((0, 1, 2), INDEX_TOPK), prompt_tokens=len(r.prompt), completion_tokens=5
+    ).array.shape == (len(r.prompt) + 5 - 1 - INDEX_TOPK, 3, INDEX_TOPK)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_sidecar_checks_indexer_rows_off_its_event_loop(
+    dsv32: Path, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """The sidecar checks SGLang's indexer rows in a worker thread, streamed or not: its event loop (this test's
+    thread) serves every other request meanwhile."""
+    import threading
+
+    from tests.sglang.test_sidecar_sglang import client_of, sidecar_app
+
+    h = Harness(dsv32)
+    async with sidecar_app(h) as app:
+        seen = _check_threads(monkeypatch)
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5}, "return_indexer_topk": True}
+        if stream:
+            body["stream"] = True
+        status, out = await h.post(body, via=client_of(app))
+        assert status == 200, out
+        final = out[-1] if isinstance(out, list) else out
+        assert final["meta_info"].get("indexer_topk_ref") is not None, final["meta_info"]
+    assert seen and threading.get_ident() not in seen

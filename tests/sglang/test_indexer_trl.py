@@ -88,13 +88,13 @@ def grpo_step(server: PDServer, dsv32: Path, out: Path, *, indexer: bool) -> tup
 def test_a_grpo_step_replays_experts_and_indexer_by_reference(server: PDServer, dsv32: Path, tmp_path: Path) -> None:
     from rr_client.trainer import keys as K
 
-    def store() -> dict[str, Any]:
-        return httpx.get(server.url + "/rr/info", timeout=30).json()["routing_store"]  # type: ignore[no-any-return]
+    def store() -> dict[str, Any]:  # the indexer's own store (/rr/info shows it once its first ref was made)
+        return httpx.get(server.url + "/rr/info", timeout=30).json().get("indexer_store") or {"read_bytes": 0}  # type: ignore[no-any-return]
 
     before = store()
     h, batch = grpo_step(server, dsv32, tmp_path / "both", indexer=True)
     assert all(r.indexer_ref is not None and r.indexer_ref.kind == "indexer" for r in batch)  # by reference
-    assert store()["read_bytes"] > before["read_bytes"]  # ... read from the server's store per micro-batch
+    assert store()["read_bytes"] > before["read_bytes"]  # ... read from the server's indexer store per micro-batch
     per_pass = sum(len(r.prompt_ids) + len(r.output_ids) - 1 - INDEX_TOPK for r in batch) * INDEXER_LAYERS
     # both replays ran in the step's forwards, every replayed row reached its router / attention
     assert h[K.APPLIED_SHARE] == 1.0 and h[K.REPLAYED_ROWS] > 0

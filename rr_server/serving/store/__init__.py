@@ -7,8 +7,14 @@ default) and on Ray's object store (:mod:`.ray`, ``RR_ROUTING_STORE=ray``). Both
 (:mod:`.routes`).
 """
 
-from rr_server.serving.store.base import Ask, NewRows, RowStore, read_many
-from rr_server.serving.store.install import advertised_url, current_store, install_store
+from rr_server.serving.store.base import Ask, NewRows, RowStore, StorePair, read_many
+from rr_server.serving.store.install import (
+    INDEXER_BYTES_ENV,
+    advertised_url,
+    current_store,
+    indexer_store,
+    install_store,
+)
 from rr_server.serving.store.ledger import admitted_version, refs_made_under
 from rr_server.serving.store.memory import DEFAULT_MAX_BYTES, MemoryStore
 from rr_server.serving.store.routes import MAX_REFS_PER_READ, STORE_ROUTES, TooManyRefs, parse_read
@@ -17,10 +23,13 @@ __all__ = [
     "Ask",
     "NewRows",
     "RowStore",
+    "StorePair",
     "read_many",
     "advertised_url",
     "current_store",
     "install_store",
+    "indexer_store",
+    "INDEXER_BYTES_ENV",
     "admitted_version",
     "refs_made_under",
     "DEFAULT_MAX_BYTES",

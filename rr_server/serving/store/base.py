@@ -16,7 +16,7 @@ from rr_client.core.reference import FramePart, RoutingRef, checksum
 from rr_server.serving.store.ledger import row_range
 from rr_server.serving.store.siblings import Siblings, merge_stats, process_gauges, retire_everywhere
 
-__all__ = ["RowStore", "NewRows", "read_many", "Read", "ReadTooLarge", "Ask"]
+__all__ = ["RowStore", "NewRows", "StorePair", "read_many", "Read", "ReadTooLarge", "Ask"]
 
 #: one read ask: (store instance, key, start, stop)
 Ask = tuple[str, str, int | None, int | None]
@@ -98,6 +98,49 @@ class NewRows:
             checksum=self.digest,
             kind="indexer" if isinstance(self.checked, CheckedIndexer) else "routing",
         ).to_dict()
+
+
+class StorePair(RowStore):
+    """The routing store and the indexer store behind the one read route: each ask is read from the store whose
+    instance it names (every ref names its store, so an indexer ref's ask reaches the indexer store), any other
+    instance from the routing store (a sibling process's, or 410 saying why). What :func:`read_many` reads from when
+    the process holds both; rows go in through each store's own :meth:`put`."""
+
+    def __init__(self, routing: RowStore, indexer: RowStore) -> None:
+        self.routing, self.indexer = routing, indexer
+        self.instance, self.url, self.siblings = routing.instance, routing.url, routing.siblings
+
+    def _of(self, instance: str) -> RowStore:
+        return self.indexer if instance == self.indexer.instance else self.routing
+
+    def put(self, checked: CheckedRouting | CheckedIndexer) -> dict[str, Any]:
+        """Into the store of the rows' kind."""
+        return (self.indexer if isinstance(checked, CheckedIndexer) else self.routing).put(checked)
+
+    def read(self, store: str, key: str, start: int | None = None, stop: int | None = None) -> FramePart:
+        return self._of(store).read(store, key, start, stop)
+
+    def extents(self, keys: list[tuple[str, str]]) -> list[tuple[int, int] | RoutingExpiredError]:
+        out: list[tuple[int, int] | RoutingExpiredError | None] = [None] * len(keys)
+        for s in (self.routing, self.indexer):
+            mine = [i for i, (instance, _) in enumerate(keys) if self._of(instance) is s]
+            for i, e in zip(mine, s.extents([keys[i] for i in mine]) if mine else []):
+                out[i] = e
+        return out  # type: ignore[return-value]  # every slot filled
+
+    def local_retire(self, through: int) -> dict[str, int]:
+        return self.routing.local_retire(through)
+
+    def local_stats(self) -> dict[str, Any]:
+        return self.routing.local_stats()
+
+    def advertise(self, url: str) -> None:
+        self.routing.advertise(url)
+
+    def retire(self, through: int) -> dict[str, Any]:
+        """Both stores retire through ``through`` (the routing store's answer, the indexer store's under
+        ``indexer_store``)."""
+        return {**self.routing.retire(through), "indexer_store": self.indexer.retire(through)}
 
 
 class ReadTooLarge(ValueError):

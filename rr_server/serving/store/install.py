@@ -1,5 +1,6 @@
 """This process's routing store: made once by the server that starts here (``RR_ROUTING_STORE``: ``memory``, the
-default, or ``ray``), named by the server's URL once it is known, and met by its sibling processes there.
+default, or ``ray``), named by the server's URL once it is known, and met by its sibling processes there. Beside it,
+made on first use, the indexer store (:func:`indexer_store`): sparse-attention indexer picks under their own cap.
 
 The producers of answers pass it to the codec (``routing_meta_fields(..., store=current_store())``); the routes
 (:mod:`rr_server.serving.store.routes`) read from it.
@@ -16,9 +17,12 @@ from rr_server.serving.store.base import RowStore
 from rr_server.serving.store.memory import DEFAULT_MAX_BYTES, MemoryStore
 from rr_server.serving.store.siblings import Siblings
 
-__all__ = ["install_store", "current_store", "advertised_url"]
+__all__ = ["install_store", "current_store", "advertised_url", "indexer_store", "INDEXER_BYTES_ENV"]
+
+INDEXER_BYTES_ENV = "RR_INDEXER_STORE_BYTES"  #: the indexer store's byte cap (default 2 GiB, as the routing store's)
 
 _STORE: RowStore | None = None
+_INDEXER: RowStore | None = None  # the indexer store, made on first use (indexer_store)
 _NAMED = False  # the store was given the server's URL (and met its siblings)
 _INSTALL_LOCK = threading.Lock()
 
@@ -37,16 +41,22 @@ def advertised_url(host: str | None, port: int | None, scheme: str = "http") -> 
     return f"{scheme}://{host}:{port}"
 
 
-def _new_store(max_bytes: int | None) -> RowStore:
-    """The store ``RR_ROUTING_STORE`` names, capped at ``max_bytes`` (default ``RR_ROUTING_STORE_BYTES``)."""
-    cap = max_bytes or settings.integer("RR_ROUTING_STORE_BYTES", default=DEFAULT_MAX_BYTES)
+def _new_store(max_bytes: int | None, *, indexer: bool = False) -> RowStore:
+    """The store ``RR_ROUTING_STORE`` names, capped at ``max_bytes`` (default ``RR_ROUTING_STORE_BYTES``; the indexer
+    store's: ``RR_INDEXER_STORE_BYTES``)."""
+    if indexer:
+        cap = max_bytes or settings.integer("RR_INDEXER_STORE_BYTES", default=DEFAULT_MAX_BYTES)
+        what, setting = "indexer store", INDEXER_BYTES_ENV
+    else:
+        cap = max_bytes or settings.integer("RR_ROUTING_STORE_BYTES", default=DEFAULT_MAX_BYTES)
+        what, setting = "routing store", "RR_ROUTING_STORE_BYTES"
     backend = (settings.text("RR_ROUTING_STORE") or "memory").lower()
     if backend == "ray":
         from rr_server.serving.store.ray import RayStore
 
-        return RayStore(cap)
+        return RayStore(cap, what=f"Ray {what}", setting=setting)
     if backend == "memory":
-        return MemoryStore(cap)
+        return MemoryStore(cap, what=what, setting=setting)
     raise ConfigurationError(f"RR_ROUTING_STORE={backend!r}: expected memory or ray")
 
 
@@ -65,6 +75,23 @@ def install_store(url: str = "", max_bytes: int | None = None) -> RowStore:
             _STORE.advertise(url)
             _STORE.siblings = Siblings.join(_STORE, url)
         return _STORE
+
+
+def indexer_store(make: bool = True) -> RowStore | None:
+    """This process's indexer store: sparse-attention indexer picks (~512x a sample's routing) held apart from the
+    routing store, under their own cap (``RR_INDEXER_STORE_BYTES``), so indexer rows never evict routing rows nor
+    routing rows them. Made on first use (``make``) with the routing store's backend, its refs naming the same URL
+    (the same read and retire routes serve both, :mod:`.routes`); None where no server installed a routing store.
+    It answers in its own process only (no siblings: SGLang's patch and the sidecar serve from one process)."""
+    global _INDEXER
+    with _INSTALL_LOCK:
+        if _STORE is None:
+            return None
+        if _INDEXER is None and make:
+            _INDEXER = _new_store(None, indexer=True)
+        if isinstance(_INDEXER, MemoryStore):  # its refs name the server, as the routing store's do
+            _INDEXER.url = _STORE.url
+        return _INDEXER
 
 
 def current_store() -> RowStore | None:

@@ -61,13 +61,14 @@ class StoreLedger:
         *,
         what: str = "routing store",
         moved: str = "the server restarted, or the ref was sent to another server",
+        setting: str = "RR_ROUTING_STORE_BYTES",
     ) -> None:
         if max_bytes <= 0:
-            raise ConfigurationError(f"routing store byte cap must be > 0, got {max_bytes} (RR_ROUTING_STORE_BYTES)")
+            raise ConfigurationError(f"{what} byte cap must be > 0, got {max_bytes} ({setting})")
         self.max_bytes = int(max_bytes)
         self.instance = instance or uuid.uuid4().hex
         self.weight_version = 0
-        self.what, self.moved = what, moved
+        self.what, self.moved, self.setting = what, moved, setting
         self._entries: OrderedDict[str, Held] = OrderedDict()
         self._gone: OrderedDict[str, str] = OrderedDict()
         self._bytes = 0
@@ -94,7 +95,7 @@ class StoreLedger:
             self.counts["refused"] += 1
             raise RoutingExpiredError(
                 f"routing of {nbytes} bytes exceeds the {self.what}'s cap of "
-                f"{self.max_bytes} bytes (RR_ROUTING_STORE_BYTES): it could not be held"
+                f"{self.max_bytes} bytes ({self.setting}): it could not be held"
             )
 
     def add(self, key: str, held: Held) -> None:

@@ -39,8 +39,16 @@ class MemoryStore(RowStore):
     version (:class:`StoreLedger`). Thread-safe (vLLM builds large answers in a worker thread). ``url``: what refs
     name as the place to read."""
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, url: str = "", instance: str | None = None) -> None:
-        self.ledger = StoreLedger(max_bytes, instance)
+    def __init__(
+        self,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        url: str = "",
+        instance: str | None = None,
+        *,
+        what: str = "routing store",
+        setting: str = "RR_ROUTING_STORE_BYTES",
+    ) -> None:
+        self.ledger = StoreLedger(max_bytes, instance, what=what, setting=setting)
         self.url = url
         self.siblings: Siblings | None = None  #: the server's other API server processes (install_store)
         self._lock = threading.Lock()

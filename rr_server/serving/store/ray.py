@@ -57,11 +57,18 @@ class RayStoreActor:
     """The Ray actor (``ray.remote`` at install): rows by key as object refs, bounded and retired per weight
     version by the same :class:`StoreLedger` as the in-memory store. ``engine``: who made it (for the list)."""
 
-    def __init__(self, max_bytes: int, engine: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        engine: dict[str, Any] | None = None,
+        what: str = "Ray routing store",
+        setting: str = "RR_ROUTING_STORE_BYTES",
+    ) -> None:
         self.ledger = StoreLedger(
             max_bytes,
-            what="Ray routing store",
+            what=what,
             moved="its engine restarted, or the ref was sent to another engine's store",
+            setting=setting,
         )
         self.engine = dict(engine or {})
 
@@ -132,7 +139,15 @@ class RayStore(RowStore):
     """The engine side of the Ray store: :class:`rr_server.serving.store.base.RowStore` over this engine's own
     store actor (connects to Ray at ``RR_RAY_ADDRESS``, default ``auto``)."""
 
-    def __init__(self, max_bytes: int, address: str | None = None, name: str | None = None) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        address: str | None = None,
+        name: str | None = None,
+        *,
+        what: str = "Ray routing store",
+        setting: str = "RR_ROUTING_STORE_BYTES",
+    ) -> None:
         ray = connect(address)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -149,7 +164,7 @@ class RayStore(RowStore):
                 num_cpus=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             )
-            .remote(max_bytes, engine)
+            .remote(max_bytes, engine, what, setting)
         )
         self.instance, _ = ray.get(self._actor.identity.remote())
         self._ray = ray

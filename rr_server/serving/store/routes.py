@@ -23,8 +23,8 @@ from rr_client.core import settings
 from rr_client.core.errors import SettingError
 from rr_client.core.reference import FRAME_MEDIA_TYPE, MAX_READ_BYTES, READ_PATH, RETIRE_PATH, encode_frame
 from rr_server.serving.http import error_body, json_response
-from rr_server.serving.store.base import Ask, ReadTooLarge, RowStore, read_many
-from rr_server.serving.store.install import current_store
+from rr_server.serving.store.base import Ask, ReadTooLarge, RowStore, StorePair, read_many
+from rr_server.serving.store.install import current_store, indexer_store
 
 __all__ = [
     "STORE_ROUTES",
@@ -108,6 +108,13 @@ def _error(status: int, kind: str, message: str, **extra: Any) -> Response:
     return json_response(error_body(message, status, kind, **extra), status)
 
 
+def _stores() -> RowStore | None:
+    """What the routes read and retire: the routing store, paired with the indexer store once one was made (each
+    ref's ask reaches the store that holds its kind of rows)."""
+    store, idx = current_store(), indexer_store(make=False)
+    return StorePair(store, idx) if store is not None and idx is not None else store
+
+
 def _no_store() -> Response:
     return _error(404, "NotFoundError", "this server holds no routing store")
 
@@ -140,15 +147,16 @@ def _read_answer(store: RowStore, body: bytes) -> Response:
 async def read_endpoint(request: Request) -> Response:
     """``POST /rr/routing/read``: many refs' rows in one binary frame; 410 naming every expired key. Built in a
     worker thread: the engine's event loop streams every request."""
-    store = current_store()
+    store = _stores()
     if store is None:
         return _no_store()
     return await asyncio.to_thread(_read_answer, store, await request.body())
 
 
 async def retire_endpoint(request: Request) -> Response:
-    """``POST /rr/routing/retire`` ``{"through": V}``: free rows of weight versions <= V (after a weight push)."""
-    store = current_store()
+    """``POST /rr/routing/retire`` ``{"through": V}``: free rows of weight versions <= V (after a weight push), in the
+    routing store and the indexer store alike."""
+    store = _stores()
     if store is None:
         return _no_store()
     try:
