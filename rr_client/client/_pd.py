@@ -23,7 +23,8 @@ from urllib.parse import urlsplit
 from rr_client.client._client import RoutedExpertsClient
 from rr_client.client._results import GenerateBatch, GenerateResult
 from rr_client.core.errors import ArgumentTypeError, ConfigurationError, ProtocolError, SeamMismatchError
-from rr_client.core.seam import SEAM_FIELD, Half, SeamRef, merge_halves, plan_seam
+from rr_client.core.provenance import PROVENANCE_FIELD
+from rr_client.core.seam import SEAM_FIELD, Half, SeamRef, joined_provenance, merge_halves, plan_seam
 
 __all__ = ["PDClient"]
 
@@ -136,15 +137,27 @@ class PDClient:
             "first": start,
             "where": where,
         }
+        prov = joined_provenance(p.provenance, d.provenance)  # the prompt's cache is the prefill server's
+        meta = {**d.meta, **({PROVENANCE_FIELD: prov.to_dict()} if prov is not None else {})}
         if by_ref:
             if p.routing_ref is None or d.routing_ref is None:
                 raise ProtocolError(f"{where}: asked by reference, a server answered no routing_ref")
             seam = plan_seam(*halves, **plan)  # type: ignore[arg-type]
             ref = SeamRef(p.routing_ref, d.routing_ref, seam)  # type: ignore[arg-type]
-            return replace(d, routing_ref=ref, routed_experts_start=start, meta={**d.meta, SEAM_FIELD: seam.to_dict()})
+            return replace(
+                d,
+                routing_ref=ref,
+                routed_experts_start=start,
+                provenance=prov,
+                meta={**meta, SEAM_FIELD: seam.to_dict()},
+            )
         merged, seam = merge_halves(*halves, **plan, checked=True)  # type: ignore[arg-type]
         return replace(
-            d, routed_experts=merged, routed_experts_start=start, meta={**d.meta, SEAM_FIELD: seam.to_dict()}
+            d,
+            routed_experts=merged,
+            routed_experts_start=start,
+            provenance=prov,
+            meta={**meta, SEAM_FIELD: seam.to_dict()},
         )
 
     async def resolve_results(self, results: list[GenerateResult]) -> list[GenerateResult]:

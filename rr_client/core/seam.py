@@ -210,6 +210,12 @@ def joined_provenance(prefill: Provenance | None, decode: Provenance | None) -> 
         older = None  # the prompt's cache epoch, or the decode server's own, not said
     else:
         older = False
+    if p.spans_update or d.spans_update:
+        during: bool | None = True
+    elif prefill is None or decode is None or p.weight_update_during is None or d.weight_update_during is None:
+        during = None  # a server that could not see every update (rr's sidecar), or did not say
+    else:
+        during = False
     admitted = p.weight_version_admitted if p.weight_version_admitted is not None else d.weight_version_admitted
     finished = d.weight_version_finished if d.weight_version_finished is not None else p.weight_version_finished
     return Provenance(
@@ -218,7 +224,7 @@ def joined_provenance(prefill: Provenance | None, decode: Provenance | None) -> 
         preemptions=d.preemptions if decode is not None else None,
         weight_version_admitted=admitted,
         weight_version_finished=finished,
-        weight_update_during=p.spans_update or d.spans_update,
+        weight_update_during=during,
         tokens_digest=d.tokens_digest,
         cached_under_older_weights=older,
     )

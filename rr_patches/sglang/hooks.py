@@ -27,6 +27,7 @@ from rr_patches.sglang.openai import Collector, collector, requested_format, req
 from rr_patches.sglang.provenance import batch_provenance, with_digest
 from rr_patches.sglang.routes import bind_tokenizer_manager
 from rr_patches.sglang.state import RRState, rr_enabled, state_of
+from rr_server.serving.capture_paths import ROUTED_EXPERTS, capture_refusal
 from rr_server.serving.indexer_fields import asked_indexer, indexer_error_fields, indexer_fields
 from rr_server.serving.provenance_fields import bind_provenance
 from rr_server.serving.routing_metrics import count_sample
@@ -162,6 +163,8 @@ def _answer_fields(
     try:
         if st.info is None:
             raise ShapeMismatchError("the model config gives no routing dims (num_hidden_layers/experts/top-k)")
+        if (refused := capture_refusal(st.info, ROUTED_EXPERTS)) is not None:  # e.g. a speculative draft tree
+            raise refused
         checked = checked_value(value, st.info, rows=rows, start=start, slice_start=not st.profile.honours_start)
         return routing_meta_fields(checked, fmt or _server_format(), store=current_store()), checked
     except RoutedExpertsError as e:

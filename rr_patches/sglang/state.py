@@ -6,8 +6,9 @@ import logging
 from typing import Any
 
 from rr_client.core.info import RRInfo
+from rr_server.serving.capture_paths import POSITIONS_FIELD, REFUSED_FIELD, capture_info
 from rr_server.serving.engines import ReleaseFacts
-from rr_server.serving.engines.sglang import logprobs_mode, profile_for
+from rr_server.serving.engines.sglang import fuse_topk, logprobs_mode, profile_for
 from rr_server.serving.weight_epoch import WeightEpoch, WeightMark
 
 __all__ = ["RRState", "state_of", "rr_enabled"]
@@ -40,9 +41,28 @@ def rr_enabled(tm: Any) -> bool:
     return bool(getattr(tm.server_args, "enable_return_routed_experts", False))
 
 
+def _server_args(sa: Any) -> dict[str, Any]:
+    """SGLang's server args by key as the server runs them: 0.5.23's resolved view (``resolved_dict``: a draft top-k
+    SGLang chose itself), the record's own fields before."""
+    try:
+        return dict(sa.resolved_dict()) if hasattr(sa, "resolved_dict") else dict(vars(sa))
+    except Exception:  # noqa: BLE001 - an unresolvable record: its raw fields (a missing top-k is then refused)
+        return dict(vars(sa))
+
+
+def _fused() -> bool | None:
+    """This serving process's ``SGLANG_DSA_FUSE_TOPK`` (its schedulers inherit it); None when SGLang could not read
+    it either."""
+    try:
+        return fuse_topk()
+    except ValueError:
+        return None
+
+
 def _info_for(tm: Any, profile: ReleaseFacts) -> RRInfo | None:
     """The served model's RRInfo, or None (logged) when its config has no routing dims."""
     sa = tm.server_args
+    paths = capture_info(profile.engine, profile.version, _server_args(sa), fused=_fused())
     try:
         return RRInfo.from_hf_config(
             _hf_config(tm),
@@ -54,6 +74,9 @@ def _info_for(tm: Any, profile: ReleaseFacts) -> RRInfo | None:
             platform=str(getattr(sa, "device", None) or "") or None,
             speculative=(str(sa.speculative_algorithm) if getattr(sa, "speculative_algorithm", None) else None),
             logprobs_mode=logprobs_mode(),
+            # refused capture paths (speculative draft trees, fused indexer top-k): /rr/info and every sample
+            capture_refused=paths[REFUSED_FIELD],
+            indexer_positions=paths[POSITIONS_FIELD],
         )
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         logger.error("rr: cannot read routing dims from the model config (%s); routing will be refused", e)

@@ -6,9 +6,10 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
+from rr_client.core.errors import ConfigurationError
 from rr_server.launch.bounded_replay import ALLOW_FLAG as BOUNDED_REPLAY_FLAG
 from rr_server.launch.bounded_replay import check_bounded_replay
 from rr_server.launch.options import (
@@ -20,11 +21,22 @@ from rr_server.launch.options import (
     take_format_flag,
     wants_help,
 )
+from rr_server.serving.capture_paths import INDEXER_CAPTURE, argv_view, indexer_refusal, tree_verify_refusal
 from rr_server.serving.disaggregation import disaggregation_mode, sglang_pd_refusal
 from rr_server.serving.engines.sglang import RELEASES, UnsupportedSGLangError
 from rr_server.serving.speculative import draft_pollution_refusal, speculative_flags
 
-__all__ = ["main", "build_parser", "prepare_argv", "install_patch", "HICACHE_FLAG", "check_hicache", "bounded_replay"]
+__all__ = [
+    "main",
+    "build_parser",
+    "prepare_argv",
+    "install_patch",
+    "HICACHE_FLAG",
+    "check_hicache",
+    "bounded_replay",
+    "check_capture_paths",
+    "resolved_refusal",
+]
 
 logger = logging.getLogger("rr.sglang")
 FLAG = "--enable-return-routed-experts"
@@ -46,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Start SGLang's own server (prepare_server_args + run_server) with rr's patch installed: rr's wire format on "
         f"/generate and the OpenAI endpoints, GET /rr/info; adds {FLAG} when missing. Refuses an SGLang outside "
         f"{RELEASES.help_range}, --tokenizer-worker-num > 1, {HICACHE_FLAG} (sglang#26975), --speculative-* where "
-        "drafts pollute the routing, and DeepSeek-V4.1 with decoder SWA bounded replay on (SGLang 0.5.23's "
-        "default; exit 2).",
+        "drafts pollute the routing, a speculative draft tree (NGRAM, --speculative-eagle-topk > 1: sglang#37949), "
+        "an explicit SGLANG_DSA_FUSE_TOPK=1 with --enable-return-indexer-topk (which it sets to 0), and "
+        "DeepSeek-V4.1 with decoder SWA bounded replay on (SGLang 0.5.23's default; exit 2).",
     )
     group.add_argument(
         BOUNDED_REPLAY_FLAG,
@@ -109,6 +122,47 @@ def check_hicache(version: str, argv: Sequence[str]) -> None:
         )
 
 
+def check_capture_paths(version: str, argv: Sequence[str], env: MutableMapping[str, str]) -> None:
+    """ConfigurationError (one line, naming the flags and the upstream issue) when ``argv`` captures rows on a path
+    whose rows are wrong but well formed on SGLang ``version`` (rr_server.serving.capture_paths): a speculative draft
+    tree (NGRAM, or a stated ``--speculative-eagle-topk`` > 1; sgl-project/sglang#37949), or indexer capture with the
+    fused top-k stated on. With indexer capture, sets ``SGLANG_DSA_FUSE_TOPK=0`` in ``env`` (the engine's
+    environment: its scheduler processes inherit it), so the indexer picks are token positions."""
+    from rr_server.serving.engines.sglang import FUSE_TOPK_ENV, fuse_topk
+
+    view = argv_view(RELEASES.name, argv)
+    if why := tree_verify_refusal(RELEASES.name, version, view, resolved=False):
+        raise ConfigurationError(why)
+    if not view[INDEXER_CAPTURE[1]]:
+        return
+    try:
+        fused = fuse_topk(env) if FUSE_TOPK_ENV in env else False
+    except ValueError as e:
+        raise ConfigurationError(f"{e}; with {INDEXER_CAPTURE[0]} rr needs it off (0)") from None
+    if why := indexer_refusal(RELEASES.name, version, view, fused):
+        raise ConfigurationError(why)
+    env[FUSE_TOPK_ENV] = "0"
+
+
+def resolved_refusal(server_args: Any) -> str | None:
+    """:func:`tree_verify_refusal` on SGLang's resolved arguments: a draft top-k SGLang chooses itself (0.5.23
+    arg_groups/speculative_hook.py _auto_choose_speculative_params: 4 for Llama and Grok drafts) is known only then.
+    Resolves a copy (``run_server`` resolves the record itself); a copy SGLang cannot resolve is left to its own
+    error."""
+    import copy
+
+    from rr_server.serving.engines.sglang import installed_version
+
+    if not hasattr(server_args, "resolve_once"):  # before 0.5.23 the record is its own resolved view
+        return tree_verify_refusal(RELEASES.name, installed_version(), vars(server_args), resolved=True)
+    probe = copy.deepcopy(server_args)
+    try:
+        probe.resolve_once()
+    except Exception:  # noqa: BLE001 - run_server resolves the record again and reports SGLang's own error
+        return None
+    return tree_verify_refusal(RELEASES.name, installed_version(), probe.resolved_dict(), resolved=True)
+
+
 def bounded_replay(argv: Sequence[str], *, allow: bool) -> str | None:
     """:func:`rr_server.launch.bounded_replay.check_bounded_replay` on the installed SGLang (ConfigurationError when
     refused; the warning to log, or None). Without SGLang installed there is nothing to check."""
@@ -145,6 +199,8 @@ def _run(argv: list[str]) -> None:
     from sglang.srt.utils import kill_process_tree
 
     server_args: Any = prepare_server_args(argv)
+    if why := resolved_refusal(server_args):
+        raise ConfigurationError(why)
     try:
         run_server(server_args)
     finally:
@@ -204,6 +260,14 @@ def main(argv: Sequence[str]) -> int:
         if why:
             sys.stderr.write(f"rr-server: {why}\n")
             return 2
+    if speculative_flags(args) or argv_view(RELEASES.name, args)[INDEXER_CAPTURE[1]]:
+        from rr_server.serving.engines.sglang import installed_version
+
+        try:
+            check_capture_paths(installed_version(), args, os.environ)
+        except ConfigurationError as e:
+            sys.stderr.write(f"rr-server: {e}\n")
+            return 2
     try:
         how = install_patch()
     except UnsupportedSGLangError as e:
@@ -218,5 +282,9 @@ def main(argv: Sequence[str]) -> int:
             "raw); trainers refuse them at temperature != 1",
             ORIGINAL_LOGPROB_ENV,
         )
-    _run(args)
+    try:
+        _run(args)
+    except ConfigurationError as e:  # a draft tree SGLang chose while resolving its arguments
+        sys.stderr.write(f"rr-server: {e}\n")
+        return 2
     return 0

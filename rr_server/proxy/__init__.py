@@ -150,6 +150,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         bootstrap_port=args.bootstrap_port or 0,
         bootstrap_host=args.bootstrap_host or "",
     )
+    import asyncio
+
+    from rr_server.proxy.app import role_refusal
+
+    if why := asyncio.run(role_refusal(cfg)):  # e.g. a P/D server behind a plain sidecar
+        sys.stderr.write(f"rr-server proxy: {why}\n")
+        return 2
     # keep-alive well above clients' idle expiry (httpx: 5 s), so the client always closes first
     uvicorn.run(
         create_app(cfg), host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=KEEP_ALIVE_S

@@ -32,6 +32,7 @@ from rr_server.proxy.info import fetch_info
 from rr_server.proxy.metrics import ProxyMetrics
 from rr_server.proxy.openai import serve_openai
 from rr_server.proxy.pd_backend import PDBackend
+from rr_server.proxy.pd_weights import UpdateLedger, forward_weights
 from rr_server.proxy.sglang_backend import SGLangBackend, validation_view
 from rr_server.proxy.upstream import Upstream
 from rr_server.proxy.vllm_backend import VLLMBackend
@@ -108,15 +109,17 @@ class Sidecar:
         self._lock = asyncio.Lock()
         self.epoch = WeightEpoch()  # weight updates forwarded to the upstream through this sidecar
         self.prefill: Upstream | None = None  # P/D: the prefill server (``up`` is the decode server)
+        self.updates: UpdateLedger | None = None  # P/D: the weight updates each server took through this sidecar
         self.backend: Backend
         if cfg.prefill_upstream:
             if not releases(cfg.engine).supports_pd_pair or cfg.bootstrap_port <= 0:
                 raise ValueError("a P/D sidecar needs engine sglang and the prefill server's bootstrap port")
             self.prefill = upstream(cfg.prefill_upstream)
+            self.updates = UpdateLedger([self.prefill.url, self.up.url])
             host = cfg.bootstrap_host or urlsplit(cfg.prefill_upstream).hostname or "127.0.0.1"
             self.backend = PDBackend(
                 self.prefill, self.up, self.info, self.metrics,
-                bootstrap_host=host, bootstrap_port=cfg.bootstrap_port, epoch=self.epoch,
+                bootstrap_host=host, bootstrap_port=cfg.bootstrap_port, epoch=self.epoch, updates=self.updates,
             )  # fmt: skip
         elif find_engine(cfg.engine).native_generate:
             self.backend = SGLangBackend(
@@ -134,9 +137,10 @@ class Sidecar:
         """RRInfo + upstream model name, fetched once (retried on the next request if the upstream was down)."""
         async with self._lock:
             if self._info is None:
+                roles = ("prefill", "decode") if self.prefill is not None else ("null",)  # SGLang's disaggregation_mode
                 infos = [
-                    await fetch_info(u, self.cfg.engine, self.cfg.model_path, self.cfg.upstream_logprobs_mode)
-                    for u in self.upstreams
+                    await fetch_info(u, self.cfg.engine, self.cfg.model_path, self.cfg.upstream_logprobs_mode, role)
+                    for u, role in zip(self.upstreams, roles)
                 ]
                 if len(infos) == 2:  # P/D: both servers must serve the same routing, or no sample can be joined
                     (p, _), (d, _) = infos
@@ -159,6 +163,21 @@ class Sidecar:
         self.metrics.errors.labels(e.kind).inc()
         self.metrics.requests.labels(route, str(e.status)).inc()
         return json_response(error_payload(e), e.status)
+
+
+async def role_refusal(cfg: ProxyConfig) -> str | None:
+    """Ask the upstream(s) once at startup: why they cannot serve in the part this sidecar gives them (a P/D server
+    behind a plain sidecar, a P/D pair's servers swapped); None when they can, or do not answer yet (each request
+    then asks and is refused the same way)."""
+    sc = Sidecar(cfg)
+    try:
+        await sc.info()
+    except ProxyError as e:
+        return e.message if e.kind == "upstream_role" else None
+    finally:
+        for up in sc.upstreams:
+            await up.aclose()
+    return None
 
 
 def _pd_release_refusal(version: str) -> str | None:
@@ -276,10 +295,7 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
         route = request.url.path
         content = await request.body()
         try:  # P/D: the prefill server first, then the decode server; the first failure is the answer
-            for up in sc.upstreams:
-                resp = await up.forward(route, content)
-                if resp.status_code >= 400:
-                    break
+            resp = await forward_weights(sc.upstreams, route, content, sc.updates)
         except ProxyError as e:
             return sc.fail(route, e)
         sc.metrics.requests.labels(route, str(resp.status_code)).inc()
@@ -299,7 +315,8 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
         except ProxyError as e:
             return sc.fail("/rr/info", e)
         sc.metrics.requests.labels("/rr/info", "200").inc()
-        return json_response({**info.model_dump(), **sc.epoch.info(), "routing_store": store.stats()})
+        pd = {"pd_weight_updates": sc.updates.info()} if sc.updates is not None else {}
+        return json_response({**info.model_dump(), **sc.epoch.info(), **pd, "routing_store": store.stats()})
 
     @app.get("/health")
     async def health() -> Response:

@@ -11,6 +11,7 @@ from rr_client.core.info import RRInfo
 from rr_client.core.logprobs import PROCESSED
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.upstream import Upstream
+from rr_server.serving.capture_paths import POSITIONS_FIELD, REFUSED_FIELD, capture_info
 
 __all__ = ["fetch_info"]
 
@@ -62,6 +63,8 @@ async def _sglang(up: Upstream, model_path: str | None, logprobs_mode: str | Non
         version = "unknown"
     cfg = _load(model_path or path, "from /get_model_info model_path")
     name = str(path or model_path)
+    # its refused capture paths, from its resolved server args; its SGLANG_DSA_FUSE_TOPK cannot be seen (None)
+    paths = capture_info("sglang", version, sinfo if isinstance(sinfo, dict) else None, fused=None)
     return RRInfo.from_hf_config(
         cfg,
         engine="sglang",
@@ -70,6 +73,8 @@ async def _sglang(up: Upstream, model_path: str | None, logprobs_mode: str | Non
         sidecar=True,
         upstream=up.url,
         logprobs_mode=logprobs_mode or PROCESSED,
+        capture_refused=paths[REFUSED_FIELD],
+        indexer_positions=paths[POSITIONS_FIELD],
     ), name
 
 

@@ -7,9 +7,12 @@ room per sample). The prefill server answers every prompt row and the first samp
 rows for the whole sample, but those for the prompt are its capture buffer's leftovers (it never ran them), so they
 are dropped. Each half goes through the one check (:func:`rr_client.core.codec.check_payload`), then
 :func:`rr_client.core.seam.merge_halves` joins them where the decode server took over (the prompt's end). A sample
-whose halves cannot be joined (the servers at different ``weight_version`` s, a decode answer that does not continue
-from the prefill server's token, model or shape differences, all-zero rows) is answered with ``routed_experts: null``
-and the typed error, the sidecar's one policy for refused routing; the others keep theirs. Non-streaming
+whose halves cannot be joined (the servers at different ``weight_version`` s, or at different counts of the weight
+updates each took through this sidecar (:mod:`rr_server.proxy.pd_weights`; SGLang's labels stay ``"default"`` under
+``DiskWeightSync``), a decode answer that does not continue from the prefill server's token, model or shape
+differences, all-zero rows) is answered with ``routed_experts: null`` and the typed error, the sidecar's one policy
+for refused routing; the others keep theirs. Each sample's ``rr_provenance`` is built from both halves
+(:func:`rr_client.core.seam.joined_provenance`: the prompt's cache is the prefill server's). Non-streaming
 ``/generate`` only: streaming and ``n > 1`` are refused with 400 naming why.
 """
 
@@ -24,9 +27,11 @@ from rr_client.core.codec import CheckedRouting, check_payload
 from rr_client.core.errors import RoutedExpertsError, SeamMismatchError, StaleRoutingError
 from rr_client.core.indexer import INDEXER_FIELD
 from rr_client.core.info import RRInfo
-from rr_client.core.seam import SEAM_FIELD, Half, merge_halves
+from rr_client.core.provenance import Provenance
+from rr_client.core.seam import SEAM_FIELD, Half, joined_provenance, merge_halves
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.metrics import ProxyMetrics
+from rr_server.proxy.pd_weights import Counts, UpdateLedger
 from rr_server.proxy.provenance import attach, sglang_provenance
 from rr_server.proxy.routing import ROUTING_KEYS, refused_fields, sent_fields
 from rr_server.proxy.sglang_backend import upstream_body
@@ -60,10 +65,12 @@ class PDBackend:
         bootstrap_host: str,
         bootstrap_port: int,
         epoch: WeightEpoch | None = None,
+        updates: UpdateLedger | None = None,
     ) -> None:
         self._prefill, self._decode, self._info, self._metrics = prefill, decode, info, metrics
         self._boot = {"bootstrap_host": bootstrap_host, "bootstrap_port": bootstrap_port}
         self._epoch = epoch or WeightEpoch()
+        self._updates = updates or UpdateLedger([prefill.url, decode.url])
 
     async def generate(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> Any:
         """Both servers at once, one room per sample; each decode item with the sample's joined rows."""
@@ -79,7 +86,7 @@ class PDBackend:
                 400, "bad_request", "P/D generates one sample per prompt (one bootstrap room each): n must be 1"
             )
         info, _ = await self._info()
-        mark = self._epoch.mark()
+        mark, counts = self._epoch.mark(), self._updates.counts()
         rooms = [secrets.randbits(63) for _ in req.prompts]
         up = {**upstream_body(body), **self._boot, "bootstrap_room": rooms if req.is_batch else rooms[0]}
         p_reply, d_reply = await asyncio.gather(
@@ -87,7 +94,7 @@ class PDBackend:
         )
         p_items = _items(p_reply, len(rooms), "prefill")
         d_items = _items(d_reply, len(rooms), "decode")
-        out = [self._join(p, d, req, info, j, mark) for j, (p, d) in enumerate(zip(p_items, d_items))]
+        out = [self._join(p, d, req, info, j, mark, counts) for j, (p, d) in enumerate(zip(p_items, d_items))]
         return out if req.is_batch else out[0]
 
     def _join(
@@ -98,17 +105,24 @@ class PDBackend:
         info: RRInfo,
         j: int,
         mark: WeightMark,
+        counts: Counts,
     ) -> dict[str, Any]:
         """One sample: the decode server's item, its routing replaced by the checked join (or the refusal)."""
         out = dict(d)
         meta = {k: v for k, v in d["meta_info"].items() if k not in ROUTING_KEYS and k != INDEXER_FIELD}  # raw stays
         out["meta_info"] = meta
         prompt = req.prompts[j] if isinstance(req.prompts[j], list) else None
-        prov = sglang_provenance(d["meta_info"], self._epoch, mark, prompt, d.get("output_ids"))
+        halves = (  # each half's own; the prefill half's covers the prompt and the first token it sampled
+            sglang_provenance(h["meta_info"], self._epoch, mark, prompt, h.get("output_ids")) for h in (p, d)
+        )
+        joined = joined_provenance(*(Provenance.from_dict(h) for h in halves))  # the prompt's cache: the prefill's
+        prov = joined.to_dict() if joined is not None else {}  # both halves said: never None
         attach(meta, prov)
         if not req.return_routed_experts:
             return out
         try:
+            if why := self._updates.refusal(counts, self._updates.counts()):
+                raise StaleRoutingError(why)
             merged, seam = self._merged(p, d, info, req, j)
         except RoutedExpertsError as e:
             meta.update(refused_fields(type(e)(f"P/D sample {j}: {e}"), self._metrics))

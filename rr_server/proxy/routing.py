@@ -18,6 +18,7 @@ from rr_client.core.codec import CheckedRouting, check_payload, routing_error_fi
 from rr_client.core.errors import MissingRoutingError, RoutedExpertsError
 from rr_client.core.info import RRInfo
 from rr_server.proxy.metrics import ProxyMetrics
+from rr_server.serving.capture_paths import ROUTED_EXPERTS, capture_refusal
 from rr_server.serving.store import current_store
 
 __all__ = ["upstream_routing_fields", "refused_fields", "sent_fields", "ROUTING_KEYS"]
@@ -72,6 +73,8 @@ def _checked_fields(
     hint: str,
 ) -> dict[str, Any]:
     """:func:`upstream_routing_fields` before counting: the checked fields, or the refusal (counted by kind)."""
+    if (refused := capture_refusal(info, ROUTED_EXPERTS)) is not None:  # the upstream's /rr/info refuses its rows
+        return refused_fields(refused, metrics)
     payload = meta.get("routed_experts", meta.get("output_routed_experts"))
     try:
         if payload is None and isinstance(meta.get("routed_experts_error"), str):

@@ -19,7 +19,14 @@ from typing import Any
 
 from rr_server.serving.engines import releases
 
-__all__ = ["kv_transfer_config", "kv_connectors", "pd_refusal", "disaggregation_mode", "sglang_pd_refusal"]
+__all__ = [
+    "kv_transfer_config",
+    "kv_connectors",
+    "pd_refusal",
+    "disaggregation_mode",
+    "sglang_pd_refusal",
+    "upstream_role_refusal",
+]
 
 _FLAGS = ("--kv-transfer-config", "--kv_transfer_config")
 _MODE_FLAGS = ("--disaggregation-mode", "--disaggregation_mode")
@@ -52,6 +59,25 @@ def sglang_pd_refusal(version: str, argv: Sequence[str]) -> str | None:
         "(it gathers the prompt's rows only from 0.5.22 on), and the decode server never ran the prompt, so no sample "
         "of the pair could carry its prompt's routing. Use SGLang 0.5.22+ for P/D with routing replay, or serve "
         "without --disaggregation-mode"
+    )
+
+
+def upstream_role_refusal(said: Any, role: str, url: str) -> str | None:
+    """The sidecar's refusal of a SGLang upstream whose ``disaggregation_mode`` (``said``: its ``/get_model_info``'s
+    or ``/get_server_info``'s; None when neither says) is not the ``role`` it is used in: ``"null"`` a plain sidecar's
+    upstream, ``"prefill"`` / ``"decode"`` a P/D sidecar's. A P/D server (or a P/D router answering for one) behind a
+    plain sidecar answers a decode server's prompt rows, its capture buffer's leftovers."""
+    if said is None or said == role:
+        return None
+    if role == "null":
+        return (
+            f"the upstream {url} is a SGLang P/D server (disaggregation_mode={said!r}): a plain sidecar would pass on "
+            "prompt rows its decode server never ran; serve the pair with --upstream DECODE_URL --prefill-upstream "
+            "PREFILL_URL --bootstrap-port N (docs/scale-out.md)"
+        )
+    return (
+        f"the {role} upstream {url} says disaggregation_mode={said!r}: --prefill-upstream takes the prefill server, "
+        "--upstream the decode server"
     )
 
 

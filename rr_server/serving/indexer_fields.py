@@ -28,6 +28,7 @@ from rr_client.core.indexer import (
     indexer_meta_fields,
 )
 from rr_client.core.info import RRInfo
+from rr_server.serving.capture_paths import INDEXER_TOPK, capture_refusal
 from rr_server.serving.engines.sglang import indexer_slots
 
 __all__ = [
@@ -74,6 +75,8 @@ def indexer_fields(
         dims = info.indexer if info is not None else None
         if dims is None:
             raise ShapeMismatchError("the served model's config names no sparse-attention indexer (index_topk)")
+        if (refused := capture_refusal(info, INDEXER_TOPK)) is not None:  # not positions (fused top-k, draft tree)
+            raise refused
         if value is None:
             raise MissingRoutingError(
                 "the engine returned no indexer top-k for this request (is SGLang started with "

@@ -2,13 +2,17 @@
 SGLang's real TokenizerManager, DetokenizerManager and ``/generate`` app started with ``--disaggregation-mode
 prefill|decode`` (prefill: the Mooncake backend's real bootstrap server on ``bootstrap_port``; decode: the ``fake``
 transfer backend), rr's patch applied as the launcher does, the stand-in scheduler in the given P/D role answering
-every request that reaches it (tests/sglang/standin.py says what its roles do), served by uvicorn on ``port``; one
-test-only route, ``POST /test/lose_rows``, makes the stand-in lose captured rows. ``--unpatched``: SGLang as it ships
-(no rr patch; what rr's P/D sidecar stands in front of).
+every request that reaches it (tests/sglang/standin.py says what its roles do), served by uvicorn on ``port``; two
+test-only routes: ``POST /test/lose_rows`` makes the stand-in lose captured rows, ``POST /test/cached_tokens`` makes
+it report prefix-cache hits. ``--unpatched``: SGLang as it ships (no rr patch; what rr's P/D sidecar stands in front
+of).
 
     python -m tests.sglang.pd_server ROLE PORT MODEL_DIR BOOTSTRAP_PORT [WEIGHT_VERSION] [--unpatched] [--name=NAME]
+        [--admin-key=KEY]
 
-``--name``: SGLang's ``--served-model-name`` (what ``/rr/info`` calls the model). ROLE ``null``: a plain server (no
+``--name``: SGLang's ``--served-model-name`` (what ``/rr/info`` calls the model). ``--admin-key``: SGLang's
+``--admin-api-key``, installed with SGLang's own ``add_api_key_middleware`` as its launch does (its weight routes then
+need the key; ``/generate`` does not). ROLE ``null``: a plain server (no
 P/D; BOOTSTRAP_PORT unused) over real HTTP, for a client on another event loop (TRL's rollout), whose stand-in also
 reports the sampled tokens' log-probs from a transformers forward. A DeepSeek-V3.2 checkpoint gets an H100's compute
 capability, the one GPU fact SGLang's ServerArgs reads for a DSA model (as tests/sglang/test_indexer_sglang.py).
@@ -51,6 +55,7 @@ async def main(
     weight_version: str | None,
     patched: bool = True,
     name: str | None = None,
+    admin_key: str | None = None,
 ) -> None:
     import uvicorn
 
@@ -89,6 +94,18 @@ async def main(
         h.sched.zero_rows = None if start is None else slice(int(start), None)
         return {"ok": True}
 
+    @h.http.app.post("/test/cached_tokens")
+    async def cached_tokens(body: dict) -> dict:  # type: ignore[type-arg]
+        """Test-only: the stand-in reports ``cached`` prompt tokens served from the radix cache for every request
+        (SGLang's ``cached_tokens``); 0: none."""
+        n = int(body.get("cached") or 0)
+        h.sched.reports = (lambda r: {"cached_tokens": n}) if n else None
+        return {"ok": True}
+
+    if admin_key:
+        from sglang.srt.utils.auth import add_api_key_middleware
+
+        add_api_key_middleware(h.http.app, api_key=None, admin_api_key=admin_key)
     answering = asyncio.ensure_future(_answer(h))
     config = uvicorn.Config(h.http.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
     try:
@@ -108,8 +125,9 @@ class PDServer:
         weight_version: str | None = None,
         patched: bool = True,
         name: str | None = None,
+        admin_key: str | None = None,
     ) -> None:
-        self.role, self.port = role, free_port()
+        self.role, self.port, self.bootstrap_port = role, free_port(), bootstrap_port
         self.log_path = Path(tempfile.gettempdir()) / f"rr-pd-{role}-{self.port}.log"
         args = [
             sys.executable,
@@ -127,6 +145,7 @@ class PDServer:
                     *([weight_version] if weight_version else []),
                     *([] if patched else ["--unpatched"]),
                     *([f"--name={name}"] if name else []),
+                    *([f"--admin-key={admin_key}"] if admin_key else []),
                 ],
                 cwd=REPO,
                 env={
@@ -155,7 +174,10 @@ class PDServer:
 
 if __name__ == "__main__":
     argv = [a for a in sys.argv[1:] if not a.startswith("--")]
-    name = next((a.partition("=")[2] for a in sys.argv[1:] if a.startswith("--name=")), None)
+    opts = {a[2:].partition("=")[0]: a.partition("=")[2] for a in sys.argv[1:] if a.startswith("--") and "=" in a}
     role, port, model_dir, bootstrap = argv[0], int(argv[1]), argv[2], int(argv[3])
     version = argv[4] if len(argv) > 4 else None
-    asyncio.run(main(role, port, model_dir, bootstrap, version, patched="--unpatched" not in sys.argv, name=name))
+    patched = "--unpatched" not in sys.argv
+    asyncio.run(
+        main(role, port, model_dir, bootstrap, version, patched, name=opts.get("name"), admin_key=opts.get("admin-key"))
+    )

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.vllm_process import STARTUP_TIMEOUT_S
+
 pytestmark = pytest.mark.sglang
 
 LAUNCHER = """
@@ -61,15 +63,23 @@ def test_sglang_subprocesses_die_with_a_sigkilled_launcher(tiny_moe: Path) -> No
     assert launcher.stdout is not None
     detok = int(launcher.stdout.readline())
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and b"sglang::detokenizer" not in Path(f"/proc/{detok}/cmdline").read_bytes():
-            time.sleep(0.1)  # SGLang's own process entry ran (it sets this title after PR_SET_PDEATHSIG)
-        assert b"sglang::detokenizer" in Path(f"/proc/{detok}/cmdline").read_bytes()
+        # SGLang's own process entry ran (it sets this title after PR_SET_PDEATHSIG): on a loaded machine its imports
+        # take as long as a server's start, so the wait is RR_TEST_STARTUP_TIMEOUT's, and ends early if it died
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while (
+            time.monotonic() < deadline
+            and _alive(detok)
+            and b"sglang::detokenizer" not in Path(f"/proc/{detok}/cmdline").read_bytes()
+        ):
+            time.sleep(0.1)
+        assert b"sglang::detokenizer" in Path(f"/proc/{detok}/cmdline").read_bytes(), (
+            f"SGLang's detokenizer did not set its title in {STARTUP_TIMEOUT_S:.0f} s (RR_TEST_STARTUP_TIMEOUT)"
+        )
         time.sleep(2)
         assert _alive(detok), "the detokenizer must be running before the launcher dies"
         os.kill(launcher.pid, signal.SIGKILL)
-        launcher.wait(timeout=10)
-        deadline = time.monotonic() + 10
+        launcher.wait(timeout=STARTUP_TIMEOUT_S)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline and _alive(detok):
             time.sleep(0.05)
         assert not _alive(detok), "SGLang's detokenizer outlived the SIGKILLed launcher"

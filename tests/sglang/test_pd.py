@@ -264,8 +264,50 @@ def test_behind_the_real_sglang_router_in_pd_mode_no_sample_passes_with_wrong_ro
             with pytest.raises(MissingRoutingError):
                 await c.generate([[61, 62, 63, 64]], {"max_new_tokens": 3})
 
+    async def plain_sidecar_info() -> httpx.Response:
+        from rr_server.proxy.app import ProxyConfig, create_app
+
+        app = create_app(ProxyConfig(upstream=router.url, engine="sglang"))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sc", timeout=60) as c:
+            return await c.get("/rr/info")
+
     for _ in router.serving():
         answer = httpx.post(f"{router.url}/generate", json=body, timeout=60).json()
         assert answer["output_ids"] == completion_for([61, 62, 63, 64], 3)  # the pair served it
         assert not {k for k in answer["meta_info"] if k.startswith("routed_experts")}
         run(through_router())
+        # rr's plain sidecar in front of the router: the router answers a P/D server's model info; refused
+        r = run(plain_sidecar_info())
+        assert r.status_code == 502 and "SGLang P/D server" in r.text and "--prefill-upstream" in r.text, r.text
+
+
+def _versions(pair: tuple[PDServer, PDServer, int]) -> list[int]:
+    """Each server's weight version (the weight updates rr counted on it), prefill then decode."""
+    return [httpx.get(f"{s.url}/rr/info", timeout=10).json()["weight_version"] for s in pair[:2]]
+
+
+def test_a_prefill_half_from_an_older_weights_cache_is_refused_like_a_decode_half(
+    pair: tuple[PDServer, PDServer, int],
+) -> None:
+    """Both servers took the same update (``/update_weight_version`` flushes no cache), and the prefill server served
+    the prompt from its radix cache: the prompt's KV and rows may be the older weights'. The sample's provenance is
+    built from both halves (the cache is the prefill server's), so the stale-rows policy refuses it as it refuses
+    a decode half with a stale cache hit; the decode half alone says nothing is stale."""
+    from rr_client import StaleRoutingError
+    from rr_client.core.provenance import check_provenance
+
+    prefill, decode, _ = pair
+    while len(set(v := _versions(pair))) > 1:  # an earlier test may have left one server behind
+        behind = pair[v.index(min(v))]
+        httpx.post(f"{behind.url}/update_weight_version", json={"new_version": "v2"}, timeout=10).raise_for_status()
+    for s in (prefill, decode):
+        httpx.post(f"{s.url}/update_weight_version", json={"new_version": "v3"}, timeout=10).raise_for_status()
+    httpx.post(f"{prefill.url}/test/cached_tokens", json={"cached": 3}, timeout=10).raise_for_status()
+    try:
+        (r,) = pd_generate(pair, [[71, 72, 73, 74, 75, 76]], 4).results
+    finally:
+        httpx.post(f"{prefill.url}/test/cached_tokens", json={"cached": 0}, timeout=10).raise_for_status()
+    assert r.provenance is not None and r.provenance.cached_tokens == 3 and r.provenance.cached_under_older_weights
+    assert r.meta["rr_provenance"] == r.provenance.to_dict()
+    with pytest.raises(StaleRoutingError, match="its 3 cached tokens may come from KV computed under older weights"):
+        check_provenance([r.provenance])

@@ -131,3 +131,106 @@ def test_openai_endpoints_and_streams_are_refused_and_it_keeps_serving(sidecar: 
     assert r.status_code == 400 and "indexer" in r.text
     (ok,) = generate(url, [[5, 6, 7]], 2)
     assert ok.routed_experts.shape[0] == 3 + 2 - 1
+
+
+def test_a_stale_prefill_half_is_refused_like_a_stale_decode_half(sidecar: tuple[str, PDServer, PDServer]) -> None:
+    """An update sent through the sidecar reaches both servers and flushes no cache (``/update_weight_version``);
+    the prefill server then serves the prompt from its radix cache. The sample's ``rr_provenance`` is built from both
+    halves, the cache from the prefill half: its cached tokens may be older weights' KV, and the stale-rows policy
+    refuses the sample (the decode half's own provenance, no cache hit, says nothing is stale)."""
+    from rr_client import StaleRoutingError
+    from rr_client.core.provenance import check_provenance
+
+    url, prefill, _ = sidecar
+    httpx.post(f"{url}/update_weight_version", json={"new_version": "v9"}, timeout=10).raise_for_status()
+    httpx.post(f"{prefill.url}/test/cached_tokens", json={"cached": 3}, timeout=10).raise_for_status()
+    try:
+        (r,) = generate(url, [[81, 82, 83, 84, 85, 86]], 3)
+    finally:
+        httpx.post(f"{prefill.url}/test/cached_tokens", json={"cached": 0}, timeout=10).raise_for_status()
+    assert r.provenance is not None and r.provenance.cached_tokens == 3 and r.provenance.cached_under_older_weights
+    with pytest.raises(StaleRoutingError, match="its 3 cached tokens may come from KV computed under older weights"):
+        check_provenance([r.provenance])
+
+
+def test_an_update_that_reached_one_server_only_is_refused_though_the_labels_agree(
+    sidecar: tuple[str, PDServer, PDServer], tiny_moe: Path
+) -> None:
+    """A decode server started with SGLang's ``--admin-api-key`` (its weight routes need the key, ``/generate`` does
+    not) behind a P/D sidecar that does not send it: an update through the sidecar lands on the prefill server and is
+    refused (401) by the decode server. The update keeps SGLang's label, as ``DiskWeightSync``'s reloads do, so the
+    labels agree; the sidecar's count of the updates each server took does not, and the halves are refused with a
+    typed error naming both servers and their counts."""
+    from rr_server.proxy.app import ProxyConfig, create_app
+
+    _, prefill, _ = sidecar
+    label = httpx.get(f"{prefill.url}/get_model_info", timeout=10).json()["weight_version"]  # the new server's too
+    decode = PDServer("decode", tiny_moe, prefill.bootstrap_port, label, patched=False, admin_key="admin-key")
+    body = {"input_ids": [91, 92, 93, 94], "sampling_params": {"max_new_tokens": 3}, "return_routed_experts": True}
+    try:
+        decode.wait()
+        app = create_app(
+            ProxyConfig(
+                upstream=decode.url,
+                engine="sglang",
+                prefill_upstream=prefill.url,
+                bootstrap_port=prefill.bootstrap_port,
+            )
+        )
+
+        async def go() -> None:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sc", timeout=60) as c:
+                meta = (await c.post("/generate", json=body)).json()["meta_info"]
+                assert meta["routed_experts"] is not None, meta.get("routed_experts_error")
+                upd = await c.post("/update_weight_version", json={"new_version": label})
+                assert upd.status_code == 401, upd.text  # the decode server's admin key
+                info = (await c.get("/rr/info")).json()
+                assert info["pd_weight_updates"] == {prefill.url: 1, decode.url: None}
+                meta = (await c.post("/generate", json=body)).json()["meta_info"]
+                assert meta["routed_experts"] is None and "StaleRoutingError" in meta["routed_experts_error"]
+                assert (
+                    f"the prefill server ({prefill.url}) 1, the decode server ({decode.url}) unknown"
+                    in meta["routed_experts_error"]
+                )
+
+        asyncio.run(go())
+    finally:
+        decode.stop()
+
+
+def test_a_plain_sidecar_refuses_a_pd_server_as_its_upstream(
+    sidecar: tuple[str, PDServer, PDServer], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``rr-server proxy --upstream`` a P/D decode (or prefill) server without ``--prefill-upstream`` would pass on
+    prompt rows the decode server never ran: SGLang's ``/get_model_info`` says its ``disaggregation_mode``, and the
+    sidecar refuses at startup in one line naming ``--prefill-upstream``, and at ``/rr/info`` and ``/generate``
+    (502) when the upstream was not up at startup. A P/D sidecar whose servers are swapped is refused too."""
+    import uvicorn
+
+    from rr_server.proxy import main
+    from rr_server.proxy.app import ProxyConfig, create_app
+
+    _, prefill, decode = sidecar
+
+    async def ask(app: Any) -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sc", timeout=60) as c:
+            body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}, "return_routed_experts": True}
+            return [await c.get("/rr/info"), await c.post("/generate", json=body)]
+
+    for r in asyncio.run(ask(create_app(ProxyConfig(upstream=decode.url, engine="sglang")))):
+        assert r.status_code == 502 and "disaggregation_mode='decode'" in r.text and "--prefill-upstream" in r.text
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)  # were it not refused, the sidecar would serve
+    for server in (decode, prefill):
+        assert main(["--upstream", server.url, "--engine", "sglang", "--port", str(free_port())]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert f"disaggregation_mode='{server.role}'" in line and "--prefill-upstream PREFILL_URL" in line
+    swapped = [
+        "--upstream",
+        prefill.url,
+        "--prefill-upstream",
+        decode.url,
+        "--bootstrap-port",
+        str(prefill.bootstrap_port),
+    ]
+    assert main([*swapped, "--engine", "sglang"]) == 2
+    assert "--prefill-upstream takes the prefill server" in capsys.readouterr().err

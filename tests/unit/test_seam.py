@@ -246,7 +246,9 @@ def test_a_pd_samples_provenance_is_built_from_both_halves() -> None:
     spanning = replace(clean, weight_version_admitted=2)  # an update on the prefill server only
     both = joined_provenance(spanning, clean)
     assert both is not None and both.spans_update and both.may_be_recomputed_across_update
-    assert joined_provenance(None, clean).cached_under_older_weights is None  # type: ignore[union-attr]
+    unknown = joined_provenance(None, clean)  # the prompt's server said nothing: its cache and updates unknown
+    assert unknown is not None and unknown.cached_under_older_weights is None and unknown.weight_update_during is None
+    assert joined_provenance(replace(clean, weight_update_during=None), clean).weight_update_during is None  # type: ignore[union-attr]
     assert joined_provenance(None, None) is None
     p, d = halves()
     sref = SeamRef(ref_of(replace(p, provenance=stale_cache()), "a"), ref_of(replace(d, provenance=clean), "b"),

@@ -16,7 +16,7 @@ from rr_client.core.engines import Engine
 from rr_client.core.errors import UnsupportedVersionError
 from rr_client.core.versions import Tested, parse_release
 
-__all__ = ["ReleaseFacts", "EngineReleases", "ReplayFlags", "engine_release"]
+__all__ = ["ReleaseFacts", "EngineReleases", "ReplayFlags", "TreeVerify", "engine_release"]
 
 
 def engine_release(version: str) -> tuple[int, int, int]:
@@ -69,6 +69,12 @@ class ReleaseFacts:
     tensor_lost_as_json: bool = False  # --skip-tokenizer-init JSON-encodes the raw tensor as {} (0.5.7-0.5.9)
     drops_last_prompt_row: bool = False  # max_new_tokens=0 loses the last prompt row (#20964, every release)
     hash_layers_uncaptured: bool = False  # HashTopK (DeepSeek-V4) layers never write the buffer: zero rows (0.5.23+)
+    # speculative tree verification (NGRAM; EAGLE-family at topk > 1) moves the capture rows with the accepted
+    # tokens' KV (False on 0.5.23, SGLang #37949); None: not read for this release, so refused, never assumed
+    tree_verify_moves_rows: bool | None = None
+    # the indexer top-k is captured as token positions only with SGLang's fused top-k off (0.5.23: the fused path
+    # captures KV slots / ragged offsets); None: not read for this release, so indexer capture is refused
+    indexer_positions_unfused_only: bool | None = None
     # the indexer payload has one layer slot per decoder layer of a DSA model, GLM-5's "shared" layers holding the
     # previous layer's pick (0.5.23+: configs/model_config.py get_num_indexer_layers returns num_hidden_layers;
     # models/deepseek_common/attention_forward_methods/forward_mla.py:392 mirrors prev_topk_indices into the slot)
@@ -114,6 +120,17 @@ class ReplayFlags:
 
 
 @dataclass(frozen=True)
+class TreeVerify:
+    """One engine's speculative tree verification (:attr:`ReleaseFacts.tree_verify_moves_rows`): the launch flags
+    and server-args keys that choose it, and the upstream issue of the rows it leaves behind."""
+
+    algorithm: tuple[str, str]  # the algorithm's launch flag and server-args key
+    topk: tuple[str, str]  # the draft tree's top-k: launch flag and server-args key (> 1: a tree)
+    always_tree: frozenset[str]  # algorithms whose every verification moves KV (upper case)
+    issue: str
+
+
+@dataclass(frozen=True)
 class EngineReleases:
     """One engine's releases as rr knows them: asked by the launchers, the speculative refusal and the doctor."""
 
@@ -125,6 +142,7 @@ class EngineReleases:
     facts_for: Callable[[str], ReleaseFacts]  # the facts of any parsable release (supported or not)
     installed_version: Callable[[], str | None]  # the installed release, without importing the engine when it can
     bounded_replay_flags: ReplayFlags | None = field(default=None)  # DeepSeek-V4.1's SWA bounded-replay switch
+    tree_verify: TreeVerify | None = None  # speculative tree verification that moves KV (SGLang's)
     # the route and body fields that prefill a prompt whole: prompt log-probs, computed at every prompt position and
     # never read from the prefix cache (the doctor's full-prefill reference; vLLM ``prompt_logprobs`` on
     # /v1/completions, SGLang ``/generate`` ``logprob_start_len`` 0)

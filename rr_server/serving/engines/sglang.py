@@ -15,7 +15,7 @@ from rr_client.core.engines import SGLANG
 from rr_client.core.errors import UnsupportedVersionError
 from rr_client.core.logprobs import PROCESSED, RAW
 from rr_client.core.versions import Tested, check_version
-from rr_server.serving.engines.base import EngineReleases, ReleaseFacts, ReplayFlags, engine_release
+from rr_server.serving.engines.base import EngineReleases, ReleaseFacts, ReplayFlags, TreeVerify, engine_release
 
 __all__ = [
     "MIN_VERSION",
@@ -30,6 +30,8 @@ __all__ = [
     "ORIGINAL_LOGPROB_ENV",
     "logprobs_mode",
     "indexer_slots",
+    "FUSE_TOPK_ENV",
+    "fuse_topk",
 ]
 
 # The SGLang releases rr's patch was tested on, each bound compared at patch precision.
@@ -72,6 +74,19 @@ def facts_for(version: str) -> ReleaseFacts:
         drops_last_prompt_row=rel >= (0, 5, 7),
         draft_pollutes_routing=rel < (0, 5, 23),
         hash_layers_uncaptured=rel >= (0, 5, 23),
+        # 0.5.23 (sgl-project/sglang#37949): capture rows live per KV slot (state_capturer/base.py:117
+        # TopkCaptureOutput.finalize ``host_cache.buffer[out_cache_loc] = topk``; :173 get_topk reads them through
+        # req_to_token); verification moves only the KV (speculative/spec_utils.py:859
+        # move_accept_tokens_to_target_kvcache -> :908 ``get_kvcache().move_kv_cache``), on every NGRAM verify
+        # (ngram_worker.py:510, whose GenerationBatchResult at :567 also drops routed_experts_output and
+        # indexer_topk_output) and on EAGLE-family verifies at topk > 1 (eagle_worker_common.py:772 ->
+        # _finalize_accept_tree_path :492). Other releases were not read: None, refused
+        tree_verify_moves_rows=False if rel == (0, 5, 23) else None,
+        # 0.5.23: environ.py:1978 ``SGLANG_DSA_FUSE_TOPK = EnvBool(True)``; layers/attention/dsa/dsa_topk_backend.py
+        # :109 takes the unfused top-k (:272 _topk_unfused: token positions) only with it off, else :204
+        # fast_topk_transform_fused (page_size=1 KV slots) / :218 the ragged transform (offsets into the fp8 cache);
+        # dsa_indexer.py:2247 captures whichever came out (state_capturer/indexer_topk.py:65)
+        indexer_positions_unfused_only=True if rel == (0, 5, 23) else None,
         indexer_slot_per_layer=rel >= (0, 5, 23),  # the first release that returns the indexer top-k at all
         pd_prefill_rows=rel >= (0, 5, 22),
         bounded_replay=rel >= (0, 5, 21),  # opt-in in 0.5.21-0.5.22; the decoder side on for DeepSeek-V4.1 after
@@ -132,6 +147,23 @@ def indexer_slots(version: str, num_hidden_layers: int) -> int:
     return num_hidden_layers
 
 
+# SGLang's switch of the DSA indexer's fused top-k + page-table transform (0.5.23: srt/environ.py:1978, on by default)
+FUSE_TOPK_ENV = "SGLANG_DSA_FUSE_TOPK"
+
+
+def fuse_topk(env: Mapping[str, str] | None = None) -> bool:
+    """Whether SGLang's fused indexer top-k is on, read as its ``EnvBool`` reads ``SGLANG_DSA_FUSE_TOPK`` (0.5.23
+    environ.py:143; unset: on); a value SGLang cannot parse is ValueError, as SGLang raises."""
+    value = (os.environ if env is None else env).get(FUSE_TOPK_ENV)
+    if value is None:
+        return True
+    if value.lower() in ("true", "1", "yes", "y"):
+        return True
+    if value.lower() in ("false", "0", "no", "n"):
+        return False
+    raise ValueError(f"{FUSE_TOPK_ENV}={value!r} is not a boolean SGLang reads (1/0, true/false, yes/no, y/n)")
+
+
 RELEASES = EngineReleases(
     wire=SGLANG,
     tested=TESTED,
@@ -140,6 +172,12 @@ RELEASES = EngineReleases(
     error=UnsupportedSGLangError,
     facts_for=facts_for,
     installed_version=installed_version,
+    tree_verify=TreeVerify(  # speculative_hook.py / spec_info.py SpeculativeAlgorithm; arg_groups/fields/spec.py
+        algorithm=("--speculative-algorithm", "speculative_algorithm"),
+        topk=("--speculative-eagle-topk", "speculative_eagle_topk"),
+        always_tree=frozenset({"NGRAM"}),
+        issue="sgl-project/sglang#37949",
+    ),
     bounded_replay_flags=ReplayFlags(
         on="--enable-decoder-swa-bounded-replay",
         off="--no-enable-decoder-swa-bounded-replay",
