@@ -11,6 +11,7 @@ from rr_client.core.info import RRInfo
 from rr_client.core.logprobs import PROCESSED
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.upstream import Upstream
+from rr_server.serving.disaggregation import upstream_role_refusal
 from rr_server.serving.capture_paths import POSITIONS_FIELD, REFUSED_FIELD, capture_info
 
 __all__ = ["fetch_info"]
@@ -51,16 +52,22 @@ async def _vllm(up: Upstream, model_path: str | None, logprobs_mode: str | None)
     ), name
 
 
-async def _sglang(up: Upstream, model_path: str | None, logprobs_mode: str | None) -> tuple[RRInfo, str]:
+async def _sglang(up: Upstream, model_path: str | None, logprobs_mode: str | None, role: str) -> tuple[RRInfo, str]:
     """SGLang: model path from ``/get_model_info``, version from ``/get_server_info``; log-probs after temperature
-    (SGLang's default) unless told otherwise (``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` upstream: ``raw``)."""
+    (SGLang's default) unless told otherwise (``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` upstream: ``raw``). An upstream
+    whose ``disaggregation_mode`` is not ``role`` is refused (502, ``upstream_role``)."""
     minfo = await up.call("GET", "/get_model_info", timeout=10.0)
     path = minfo.get("model_path") if isinstance(minfo, dict) else None
     try:
         sinfo = await up.call("GET", "/get_server_info", timeout=10.0)
         version = str(sinfo.get("version", "unknown")) if isinstance(sinfo, dict) else "unknown"
     except ProxyError:
-        version = "unknown"
+        version, sinfo = "unknown", None
+    said = next(
+        (i["disaggregation_mode"] for i in (minfo, sinfo) if isinstance(i, dict) and "disaggregation_mode" in i), None
+    )
+    if why := upstream_role_refusal(said, role, up.url):
+        raise ProxyError(502, "upstream_role", why)
     cfg = _load(model_path or path, "from /get_model_info model_path")
     name = str(path or model_path)
     # its refused capture paths, from its resolved server args; its SGLANG_DSA_FUSE_TOPK cannot be seen (None)
@@ -79,10 +86,12 @@ async def _sglang(up: Upstream, model_path: str | None, logprobs_mode: str | Non
 
 
 async def fetch_info(
-    up: Upstream, engine: str, model_path: str | None, logprobs_mode: str | None = None
+    up: Upstream, engine: str, model_path: str | None, logprobs_mode: str | None = None, role: str = "null"
 ) -> tuple[RRInfo, str]:
     """Ask the upstream what it serves; return the RRInfo (``logprobs_mode``: what the operator says the upstream's
-    sampled log-probs are, ``--upstream-logprobs-mode``) and the upstream's model name."""
+    sampled log-probs are, ``--upstream-logprobs-mode``) and the upstream's model name. ``role``: the upstream's
+    part, ``"null"`` (a plain sidecar's) or a P/D sidecar's ``"prefill"`` / ``"decode"`` server (SGLang's
+    ``disaggregation_mode``)."""
     if find_engine(engine).native_generate:  # SGLang: its own /get_model_info and /get_server_info
-        return await _sglang(up, model_path, logprobs_mode)
+        return await _sglang(up, model_path, logprobs_mode, role)
     return await _vllm(up, model_path, logprobs_mode)
