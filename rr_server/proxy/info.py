@@ -11,8 +11,8 @@ from rr_client.core.info import RRInfo
 from rr_client.core.logprobs import PROCESSED
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.upstream import Upstream
-from rr_server.serving.disaggregation import upstream_role_refusal
 from rr_server.serving.capture_paths import POSITIONS_FIELD, REFUSED_FIELD, capture_info
+from rr_server.serving.disaggregation import upstream_role_refusal
 
 __all__ = ["fetch_info"]
 
