@@ -110,7 +110,9 @@ class DiskWeightSync:
     call (default: env ``RR_API_KEY``). Each push writes ``directory/step-<n>`` (complete before any engine
     reads it) and removes the previous one after every engine has reloaded.
 
-    After each reload the engine's prefix cache is dropped (its KV came from the old weights). An engine refuses
+    After each reload the engine's prefix cache is dropped (its KV came from the old weights; vLLM: with
+    ``reset_external=true``, so a KV connector's offload tier is dropped too, unless the server's ``/rr/info`` says it
+    runs no connector; vLLM 0.22 answers ``{"success": false}`` to that without a connector). An engine refuses
     while requests hold blocks (vLLM 0.30+: 200 ``{"success": false}``; SGLang: 400); the reset is retried for
     ``cache_reset_s`` seconds, then the push fails with :class:`WeightSyncError`: rollouts would hit old-weight KV.
 
@@ -162,6 +164,7 @@ class DiskWeightSync:
             headers={"authorization": f"Bearer {key}"} if key else None,
         )
         self._current: Path | None = None
+        self._no_tier: dict[str, bool] = {}  # engine URL -> its /rr/info says it runs no KV connector
 
     def close(self) -> None:
         """Close the HTTP client."""
@@ -195,6 +198,8 @@ class DiskWeightSync:
                     f"{url}/rr/info names engine {name!r}; rr can reload weights on {sorted(ENGINES)} only"
                 )
             self._engines[url] = name
+            if "kv_connector" in body:  # an rr server says which KV connectors (tiers) it runs, None for none
+                self._no_tier[url] = not body.get("kv_connector")
         return self._engines[url]
 
     def push(self, model: Any, step: int, *, state_dict: Mapping[str, Any] | None = None) -> float:
@@ -233,7 +238,10 @@ class DiskWeightSync:
         reply = self._call("POST", url, route, eng.reload_body(str(folder)), f"reloading weights from {folder}")
         if eng.reload_reply_says_success and isinstance(reply, dict) and reply.get("success") is False:
             raise WeightSyncError(f"{url}{route} refused the weights in {folder}: {reply.get('message')}")
-        self._reset_cache(url, eng.cache_reset_route)
+        # vLLM resets a KV connector's tier (OffloadingConnector, LMCache) only when asked (vLLM #27170): asked
+        # unless the server's /rr/info says it runs none; rr's server counts the reset as a clear only then
+        tier = eng.kv_offload_connector and not self._no_tier.get(url, False)
+        self._reset_cache(url, eng.cache_reset_route + ("?reset_external=true" if tier else ""))
 
     def _baseline(self) -> None:
         """Each engine's own checksums before its first reload: the first push is checked against them (a reload

@@ -28,6 +28,7 @@ __all__ = [
     "dev_route_paths",
     "engine_route_paths",
     "guarded_paths",
+    "vllm_key_checks",
     "protect_rr_routes",
     "UnprotectedRoutesError",
 ]
@@ -144,6 +145,29 @@ def _extend_vllm_prefixes(extra: tuple[str, ...] = ()) -> Any | None:
     return cls
 
 
+# Where vLLM's AuthenticationMiddleware lives: 0.29+, 0.23 - 0.28, 0.22 (read from the wheels)
+_AUTH_CLASS_MODULES = (
+    _AUTH_MODULE,
+    "vllm.entrypoints.serve.utils.server_utils",
+    "vllm.entrypoints.openai.server_utils",
+)
+
+
+def vllm_key_checks() -> tuple[type, ...]:
+    """vLLM's own key-check middleware classes in this release (rr's weight epoch goes inside them)."""
+    import importlib
+
+    found: list[type] = []
+    for name in _AUTH_CLASS_MODULES:
+        try:
+            cls = getattr(importlib.import_module(name), "AuthenticationMiddleware", None)
+        except ImportError:
+            continue
+        if isinstance(cls, type) and cls not in found:
+            found.append(cls)
+    return tuple(found)
+
+
 def _is_rr_path(path: str) -> bool:
     return path.startswith(RR_PREFIXES)
 
@@ -243,9 +267,10 @@ def protect_rr_routes(app: Any, args: Any) -> str:
             "GUARDED_PREFIX; self-test passed)"
         )
     from rr_server.serving.auth import ApiKeyMiddleware, ApiKeys
+    from rr_server.serving.http import add_middleware
 
     protect = _guard(dev)
-    app.add_middleware(ApiKeyMiddleware, keys=ApiKeys.of(keys), protect=protect)
+    add_middleware(app, ApiKeyMiddleware, keys=ApiKeys.of(keys), protect=protect)  # outermost, stack rebuilt
     _self_test(lambda inner, keys: ApiKeyMiddleware(inner, keys=ApiKeys.of(keys), protect=protect), keys, "keys", paths)
     logger.warning(
         "rr: vLLM has no %s.GUARDED_PREFIX; rr guards its own and the dev-mode routes with the same keys", _AUTH_MODULE

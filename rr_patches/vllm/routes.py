@@ -31,7 +31,8 @@ from rr_client.core.codec import routing_error_fields
 from rr_client.core.errors import RoutedExpertsError
 from rr_client.core.info import RRInfo
 from rr_client.core.logprobs import mode_from_vllm
-from rr_patches.vllm.auth import protect_rr_routes
+from rr_patches.vllm.auth import protect_rr_routes, vllm_key_checks
+from rr_patches.vllm.kv_tiers import VLLMWeightUpdateMiddleware, configured_connectors
 from rr_patches.vllm.openai_streams import collecting
 from rr_patches.vllm.provenance import admit, connector_configured, provenance_of
 from rr_server.serving.fanout import gather_or_cancel, merge_streams, primed
@@ -143,6 +144,8 @@ def rr_info_dict(app: FastAPI) -> dict[str, Any]:
     body = rr_info(app).model_dump()
     body.update(current_epoch().info())  # weight_version: weight updates this server has seen complete
     body["requests_in_engine"] = _requests_in_engine(app)
+    # the KV connectors outside the device cache (a weight push resets them with reset_external=true): None for none
+    body["kv_connector"] = list(configured_connectors(getattr(app.state, "engine_client", None))) or None
     store = current_store()
     if store is not None:
         body["routing_store"] = store.stats()
@@ -424,7 +427,9 @@ def add_rr_routes(app: FastAPI) -> None:
     if taken:
         raise RuntimeError(f"rr: vLLM already serves {taken}; refusing to shadow them")
     install_store()  # the routing store behind routed_experts_format="ref" (its URL: name_store)
-    install_weight_epoch(app)  # counts the weight updates passing through vLLM's weight routes (weight_version)
+    # counts the weight updates passing through vLLM's weight routes (weight_version), inside vLLM's key check when
+    # vLLM's middleware is on the app already (0.22 - 0.29's build_app wrap): a keyless body is never read
+    install_weight_epoch(app, VLLMWeightUpdateMiddleware, inside=vllm_key_checks())
     declare_counters()  # rr's counters on vLLM's /metrics (this API server process; after vLLM's metrics setup)
     router = APIRouter()
     for path, handler, methods in RR_ROUTES:

@@ -30,6 +30,7 @@ __all__ = [
     "send_json",
     "json_response",
     "BodyTooLarge",
+    "add_middleware",
     "read_body",
     "replay_receive",
     "with_body",
@@ -81,6 +82,21 @@ def json_response(obj: Any, status: int = 200) -> Response:
     from starlette.responses import Response
 
     return Response(json_bytes(obj), status_code=status, media_type=JSON_MEDIA_TYPE)
+
+
+def add_middleware(app: Any, cls: type, *, inside: tuple[type, ...] = (), **options: Any) -> None:
+    """Starlette's ``add_middleware`` that also works once the app's stack is built: outermost, or just inside the
+    innermost of ``inside`` already on the app, the stack rebuilt when it was. vLLM 0.22 - 0.29's ``build_app``
+    returns a built stack (it ends with SageMaker's bootstrap: model_hosting_container_standards
+    ``common/fastapi/middleware/core.py`` ``load_middlewares`` sets ``app.middleware_stack``), where Starlette's own
+    refuses ("Cannot add middleware after an application has started")."""
+    from starlette.middleware import Middleware
+
+    stack = app.user_middleware
+    guards = [i for i, m in enumerate(stack) if getattr(m, "cls", None) in inside]
+    stack.insert(max(guards) + 1 if guards else 0, Middleware(cls, **options))
+    if app.middleware_stack is not None:
+        app.middleware_stack = app.build_middleware_stack()
 
 
 class BodyTooLarge(Exception):

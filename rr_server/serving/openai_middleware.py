@@ -27,6 +27,7 @@ from rr_server.serving.http import (
     Receive,
     Scope,
     Send,
+    add_middleware,
     error_body,
     replay_receive,
     send_json,
@@ -246,8 +247,8 @@ def install_openai_routing(
     """Add :class:`OpenAIRoutingMiddleware` to a Starlette/FastAPI app once (re-entrant); True if added now."""
     if getattr(app.state, "rr_openai_routing", False):
         return False
-    app.add_middleware(
-        OpenAIRoutingMiddleware, engine=engine, info=info, routing_enabled=routing_enabled, native=native
+    add_middleware(  # an app whose stack vLLM 0.22 - 0.29 built already is rebuilt
+        app, OpenAIRoutingMiddleware, engine=engine, info=info, routing_enabled=routing_enabled, native=native
     )
     app.state.rr_openai_routing = True
     logger.info("rr: routing fields served on %s (%s)", ", ".join(OPENAI_PATHS), engine)

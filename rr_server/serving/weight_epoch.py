@@ -32,7 +32,19 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qs
 
-from rr_server.serving.http import ASGIApp, Message, Receive, Scope, Send, read_body, replay_receive
+from rr_server.serving.http import (
+    ASGIApp,
+    BodyTooLarge,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    add_middleware,
+    error_body,
+    read_body,
+    replay_receive,
+    send_json,
+)
 
 __all__ = [
     "WeightEpoch",
@@ -44,6 +56,7 @@ __all__ = [
     "UPDATE_PATHS",
     "SELF_FLUSHING_PATHS",
     "EPOCH_FILE",
+    "WEIGHT_BODY_LIMIT",
     "install_weight_epoch",
 ]
 
@@ -71,6 +84,7 @@ SELF_FLUSHING_PATHS: frozenset[str] = frozenset(
     }
 )
 EPOCH_FILE = "weights.epoch"  #: the shared counters' file in the server's sibling directory
+WEIGHT_BODY_LIMIT = 64 * 1024 * 1024  #: the largest weight-route body the middleware reads (a 413 beyond)
 _RPC_READS = ("get", "check", "init", "is_", "list", "report", "save")  # collective_rpc methods that change nothing
 
 
@@ -335,7 +349,22 @@ def current_epoch() -> WeightEpoch:
 class WeightUpdateMiddleware:
     """Counts the weight updates and prefix-cache clears that pass through the app's routes in :func:`current_epoch`
     before their answer leaves (a caller that reads the answer and sends its next request, to any process of the
-    server, is admitted under the new count); every request passes through unchanged."""
+    server, is admitted under the new count); every request passes through unchanged.
+
+    A body it must read (``/collective_rpc``, SGLang's self-flushing updates) is read up to :attr:`max_body_bytes`;
+    a longer one is answered 413 before more of it is buffered. It sits inside the server's key check
+    (:func:`install_weight_epoch`), so a keyless request is refused before its body is read."""
+
+    max_body_bytes: int | None = WEIGHT_BODY_LIMIT  #: the most a weight route's body may hold (None: no cap)
+
+    def reset_cleared(self, scope: Scope, reply: bytes) -> bool:
+        """A 2xx ``/reset_prefix_cache`` answer (``reply``) to the request ``scope`` cleared every cache that may
+        hold older weights' KV (an engine with a KV tier outside the device cache overrides this)."""
+        return _reset_worked(reply)
+
+    def pause_cleared(self, scope: Scope) -> bool:
+        """A 2xx ``/pause`` (``scope``) cleared every cache that may hold older weights' KV (its ``clear_cache``)."""
+        return _pause_clears(scope.get("query_string", b""))
 
     def __init__(self, app: ASGIApp, epoch: WeightEpoch | None = None) -> None:
         self.app, self.epoch = app, epoch or _EPOCH
@@ -352,7 +381,11 @@ class WeightUpdateMiddleware:
             return
         body = b""
         if path == "/collective_rpc" or path in SELF_FLUSHING_PATHS:  # the body decides; handed on unchanged
-            raw = await read_body(receive)
+            try:
+                raw = await read_body(receive, self.max_body_bytes)
+            except BodyTooLarge:  # refused before more is buffered; the route never ran
+                await send_json(send, _too_large(path, self.max_body_bytes), 413)
+                return
             if raw is None:
                 return
             body, receive = raw, replay_receive(raw, receive)
@@ -375,10 +408,10 @@ class WeightUpdateMiddleware:
                 (self.epoch.open_window if kind == "start" else self.epoch.close_window)()
             if not ok:
                 return
-            if (clear == "reset" and _reset_worked(bytes(reply))) or clear == "flush":
+            if (clear == "reset" and self.reset_cleared(scope, bytes(reply))) or clear == "flush":
                 self.epoch.cache_cleared()
             elif clear == "pause":
-                self.epoch.paused(clears=_pause_clears(scope.get("query_string", b"")))
+                self.epoch.paused(clears=self.pause_cleared(scope))
             elif clear == "resume":
                 self.epoch.resumed()
 
@@ -428,10 +461,26 @@ def _watched(path: str) -> bool:
     )
 
 
-def install_weight_epoch(app: Any) -> bool:
-    """Add :class:`WeightUpdateMiddleware` to a Starlette/FastAPI app once; True if added now."""
+def _too_large(path: str, limit: int | None) -> dict[str, Any]:
+    """The 413 body for a weight route's oversized body."""
+    return error_body(
+        f"request body of {path} exceeds rr's limit of {limit} bytes for the weight routes whose body rr reads "
+        "(rr_server.serving.weight_epoch.WEIGHT_BODY_LIMIT)",
+        413,
+        "RequestTooLarge",
+    )
+
+
+def install_weight_epoch(
+    app: Any, middleware: type[WeightUpdateMiddleware] = WeightUpdateMiddleware, inside: tuple[type, ...] = ()
+) -> bool:
+    """Add ``middleware`` (:class:`WeightUpdateMiddleware` or an engine's own) to a Starlette/FastAPI app once; True
+    if added now. ``inside``: key-check middleware classes already on the app (vLLM's ``AuthenticationMiddleware``
+    when rr's routes are added after vLLM built its stack): it goes just inside the innermost of them, so a keyless
+    request is refused before it reads a body. One added later wraps it anyway (Starlette: the last added is outer);
+    an app whose stack is built already (vLLM 0.22 - 0.29's) is rebuilt (:func:`rr_server.serving.http.add_middleware`)."""
     if getattr(app.state, "rr_weight_epoch", False):
         return False
-    app.add_middleware(WeightUpdateMiddleware)
+    add_middleware(app, middleware, inside=inside)
     app.state.rr_weight_epoch = True
     return True

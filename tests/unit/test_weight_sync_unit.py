@@ -37,12 +37,14 @@ class FakeEngine:
     status: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(CHECKERS, 404))
     replies: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> JSON body (a list: one per call)
     calls: list[tuple[str, str, str | None, Any]] = dataclasses.field(default_factory=list)
+    queries: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (path, query string) of every call
 
     async def answer(self, request: Request) -> Response:
         raw = await request.body()
         auth = request.headers.get("authorization")
         path = request.url.path
         self.calls.append((request.method, path, auth, await request.json() if raw else None))
+        self.queries.append((path, request.url.query))
         if self.key is not None and auth != f"Bearer {self.key}":
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
         if path in self.status and not (path in CHECKERS and path in self.replies):
@@ -136,6 +138,22 @@ def test_vllm_push_asks_info_once_and_sends_reload_then_reset(fake: FakeEngine, 
     assert all(auth is None for _, _, auth, _ in fake.calls)  # no key anywhere: no header
 
 
+@pytest.mark.parametrize(
+    ("info", "query"),
+    [
+        ({"engine": "vllm", "kv_connector": ["OffloadingConnector"]}, "reset_external=true"),
+        ({"engine": "vllm"}, "reset_external=true"),  # the server does not say: asked (the tier may be there)
+        ({"engine": "vllm", "kv_connector": None}, ""),  # the server runs none (vLLM 0.22 refuses it without one)
+    ],
+)
+def test_vllm_reset_asks_for_the_kv_tier_too(fake: FakeEngine, tmp_path: Path, info: Any, query: str) -> None:
+    """vLLM resets a KV connector's offload tier only with ``reset_external=true`` (vLLM #27170; issue 55)."""
+    fake.info = info
+    with DiskWeightSync(fake.url, tmp_path) as sync:
+        sync.push(FakeModel(), 1)
+    assert [q for p, q in fake.queries if p == "/reset_prefix_cache"] == [query]
+
+
 def test_sglang_body_shape_and_refusal(fake: FakeEngine, tmp_path: Path) -> None:
     with DiskWeightSync(WeightEngine(fake.url, "sglang"), tmp_path) as sync:
         sync.push(FakeModel(), 3)
@@ -156,7 +174,10 @@ def test_a_refused_cache_reset_is_retried_then_fails_the_push(fake: FakeEngine, 
         assert fake.paths().count(("POST", "/reset_prefix_cache")) == 3
         fake.replies["/reset_prefix_cache"] = [{"success": False}]
         sync.cache_reset_s = 0.3
-        with pytest.raises(WeightSyncError, match=r"reset_prefix_cache .*refused for 0 s .*'success': False.*pause"):
+        with pytest.raises(
+            WeightSyncError,
+            match=r"reset_prefix_cache\?reset_external=true .*refused for 0 s .*'success': False.*pause",
+        ):
             sync.push(FakeModel(), 2)
     assert fake.paths().count(("POST", "/reset_prefix_cache")) > 4
 

