@@ -136,6 +136,11 @@ class _RRList(list):  # type: ignore[type-arg]
         self.checked = checked  # the request's routing as it passed the check (None: refused or missing)
         self.provenance = provenance  # the final answer's (rr_provenance, prompt ids, ReqState)
 
+    def over(self, items: list[Any]) -> _RRList:
+        """The same rr fields over ``items``: SGLang's consumer took the list (``state.out_list = []``,
+        ``_wait_one_response``) while the batch's indexer checks ran, and the answers still to come must get them."""
+        return _RRList(items, self.rr_fields, self.collect, self.checked, self.provenance, self.indexer)
+
     def append(self, out: Any) -> None:
         """Apply the rr fields (or strip routing) and the final answer's provenance to ``out["meta_info"]``, then
         append."""
@@ -197,15 +202,17 @@ def _server_format() -> str:
         raise MalformedPayloadError(str(e)) from None
 
 
-#: one finished request's indexer rows still to check: its answer list, and the check that gives its fields
-IndexerJob = tuple["_RRList", Callable[[], dict[str, Any]]]
+#: one request of the batch: its ReqState, the answer list rr put there, and its indexer check still to run (None:
+#: nothing to check)
+IndexerJob = tuple[Any, "_RRList", Callable[[], dict[str, Any]] | None]
 
 
 def run_indexer_jobs(jobs: list[IndexerJob]) -> None:
     """Check each pending request's indexer rows and give its answer list the fields (in a worker thread from
     0.5.11 on: :func:`around_handle_batch_output`)."""
-    for out_list, check in jobs:
-        out_list.indexer = check()
+    for _, out_list, check in jobs:
+        if check is not None:
+            out_list.indexer = check()
 
 
 def prepare_batch(tm: Any, recv_obj: Any) -> list[IndexerJob]:
@@ -283,8 +290,7 @@ def prepare_batch(tm: Any, recv_obj: Any) -> list[IndexerJob]:
         state.out_list = _RRList(
             state.out_list, fields, (col, rid) if finished and col is not None else None, checked, prov, idx
         )
-        if idx_check is not None:
-            jobs.append((state.out_list, idx_check))
+        jobs.append((state, state.out_list, idx_check))
     if values:
         setattr(recv_obj, field, None)
     if idx_values:
@@ -324,12 +330,15 @@ def around_handle_batch_output(original: Any, self: Any, recv_obj: Any, *args: A
     if not (rr_enabled(self) and isinstance(recv_obj, (BatchStrOutput, BatchTokenIDOutput))):
         return original(self, recv_obj, *args, **kwargs)
     jobs = prepare_batch(self, recv_obj)
-    if not jobs or not state_of(self).profile.handle_is_async:  # a synchronous handler: the checks run here
+    if not any(check for _, _, check in jobs) or not state_of(self).profile.handle_is_async:  # checks run here
         run_indexer_jobs(jobs)
         return original(self, recv_obj, *args, **kwargs)
 
     async def checked_off_the_loop() -> Any:
         await asyncio.to_thread(run_indexer_jobs, jobs)
+        for state, out_list, _ in jobs:  # SGLang's consumer may have taken the list meanwhile: rr's fields stay on
+            if state.out_list is not out_list:
+                state.out_list = out_list.over(state.out_list)
         return await original(self, recv_obj, *args, **kwargs)
 
     return checked_off_the_loop()

@@ -70,7 +70,9 @@ def indexer_fields(
     fmt: str | None = None,
 ) -> dict[str, Any]:
     """rr's ``meta_info`` entries for one finished request's indexer rows (``value``: SGLang's per-request entry), by
-    reference in the server's routing store (``fmt`` "ref", the default) or inline ("npy")."""
+    reference in the server's indexer store (``fmt`` "ref", the default; :func:`rr_server.serving.store.indexer_store`)
+    or inline ("npy"). SGLang's rows hold a slot per decoder layer (:func:`indexer_slots`); the check runs wherever
+    this is called: the patch and the sidecar call it in a worker thread, off the event loop."""
     try:
         dims = info.indexer if info is not None else None
         if dims is None:

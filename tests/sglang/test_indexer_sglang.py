@@ -280,18 +280,21 @@ def test_glm5_shared_indexer_layers_decode_by_sglangs_layer_count() -> None:
     assert refused["indexer_topk"] is None and refused["indexer_topk_error"].startswith("UnsupportedSGLangError")
 
 
-def _check_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def _check_threads(monkeypatch: pytest.MonkeyPatch, off_loop: Any = None) -> list[int]:
     """The threads the one full indexer check runs in, from now on (the server side's calls: the client's own
-    check is imported apart)."""
+    check is imported apart); ``off_loop``: called from the check when it runs off this test's thread."""
     import threading
 
     import rr_client.core.indexer as core
 
     seen: list[int] = []
     real = core.check_indexer
+    loop_thread = threading.get_ident()
 
     def spy(*a: Any, **k: Any) -> Any:
         seen.append(threading.get_ident())
+        if off_loop is not None and seen[-1] != loop_thread:
+            off_loop()
         return real(*a, **k)
 
     monkeypatch.setattr(core, "check_indexer", spy)
@@ -302,12 +305,24 @@ async def test_the_patch_checks_indexer_rows_off_sglangs_event_loop(
     dsv32: Path, patched: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """rr's patch runs each batch's indexer checks in a worker thread before SGLang's handler appends the answers:
-    SGLang's event loop (this test's thread) is not held by them, and the answer still carries the checked rows."""
+    SGLang's event loop (this test's thread) is not held by them, and the answer still carries the checked rows and
+    its routing, also when SGLang's consumer takes the answer list meanwhile (``_wait_one_response``:
+    ``state.out_list = []``)."""
+    import asyncio
     import threading
 
-    seen = _check_threads(monkeypatch)
-    meta = await _generate(h := Harness(dsv32), return_indexer_topk=True, indexer_topk_format="npy")
+    h, loop = Harness(dsv32), asyncio.get_running_loop()
+
+    async def consumer_takes_the_lists() -> None:
+        for state in h.tm.rid_to_state.values():
+            state.out_list = []
+
+    seen = _check_threads(
+        monkeypatch, lambda: asyncio.run_coroutine_threadsafe(consumer_takes_the_lists(), loop).result()
+    )
+    meta = await _generate(h, return_indexer_topk=True, return_routed_experts=True, indexer_topk_format="npy")
     assert "indexer_topk_error" not in meta and meta["indexer_topk_start"] == INDEX_TOPK
+    assert meta["routed_experts"] is not None and "routed_experts_error" not in meta
     r = h.sched.reqs[meta["id"]]
     assert seen and threading.get_ident() not in seen
     assert decode_indexer(
