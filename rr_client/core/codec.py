@@ -152,6 +152,9 @@ def check_payload(
         raise MissingRoutingError("the engine returned no routing for this request")
     if drop_rows < 0:
         raise ShapeMismatchError(f"routed_experts_start must be >= 0, got {drop_rows}")
+    if rows == 0 and not drop_rows and isinstance(payload, (str, bytes)) and not payload:
+        # no row asked (a P/D decode half of a one-token completion) and none sent: SGLang's base64 of no bytes
+        payload = np.zeros((0, dims.num_hidden_layers or 0, dims.topk or 0), dtype=np.dtype(dtype or np.int32))
     arr = _shape3(_to_array(payload, dtype), dims.num_hidden_layers, dims.topk)
     if stated_shape is not None and (
         not isinstance(stated_shape, (list, tuple)) or [int(s) for s in arr.shape] != list(stated_shape)

@@ -311,3 +311,29 @@ def test_a_prefill_half_from_an_older_weights_cache_is_refused_like_a_decode_hal
     assert r.meta["rr_provenance"] == r.provenance.to_dict()
     with pytest.raises(StaleRoutingError, match="its 3 cached tokens may come from KV computed under older weights"):
         check_provenance([r.provenance])
+
+
+def test_a_one_token_completion_joins_inline_and_by_reference(
+    pair: tuple[PDServer, PDServer, int], tiny_moe: Path
+) -> None:
+    """``max_new_tokens=1``: the prefill server samples the only token and the decode server routes none; the seam's
+    decode span is empty, inline and as a SeamRef shipped as JSON to a trainer rank, rows equal to transformers."""
+    from rr_client import PDClient, RoutedExpertsClient
+    from rr_client.core.seam import SeamRef
+
+    prefill, decode, bootstrap = pair
+    prompt = [101, 102, 103, 104, 105]
+    want = reference_routing(tiny_moe, prompt)
+
+    async def go() -> None:
+        async with PDClient(prefill.url, decode.url, bootstrap_port=bootstrap, retries=0) as c:
+            (r,) = (await c.generate([prompt], {"max_new_tokens": 1})).results
+            assert r.output_ids == completion_for(prompt, 1) and np.array_equal(r.routed_experts, want)
+            assert r.meta["rr_seam"]["decode"]["span"] == [len(prompt), len(prompt)]
+            (ref,) = (await c.generate([prompt], {"max_new_tokens": 1}, by_reference=True)).results
+        shipped = replace(ref, routing_ref=SeamRef.from_dict(ref.routing_ref.to_dict()))
+        async with RoutedExpertsClient(decode.url, retries=0) as trainer:
+            (got,) = await trainer.resolve_results([shipped])
+        assert np.array_equal(got.routed_experts, want)
+
+    run(go())

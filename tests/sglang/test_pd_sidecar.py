@@ -91,6 +91,10 @@ def test_the_sidecar_joins_unpatched_halves_equal_to_transformers(
     (r,) = generate(url, [second], 4, routed_experts_start=len(first))
     want = reference_routing(tiny_moe, (second + r.output_ids)[:-1])[len(first) :]
     assert r.routed_experts_start == len(first) and np.array_equal(r.routed_experts, want)
+    for by_reference in (False, True):  # a one-token completion: the decode half routes no token
+        (r,) = generate(url, [prompts[1]], 1, by_reference=by_reference)
+        assert np.array_equal(r.routed_experts, reference_routing(tiny_moe, prompts[1]))
+        assert r.meta["rr_seam"]["decode"]["span"] == [len(prompts[1]), len(prompts[1])]
 
 
 def test_zero_prefill_rows_and_servers_at_different_weights_are_refused(

@@ -567,3 +567,13 @@ def test_aborted_request_says_so() -> None:
         {"finish_reason": aborted, "routed_experts": base64.b64encode(buf.getvalue()).decode()}, num_experts=E
     )
     assert got.tolist() == arr.tolist()
+
+
+def test_no_row_asked_and_an_empty_payload_is_zero_rows_but_an_empty_payload_for_rows_is_missing() -> None:
+    """A P/D decode half of a one-token completion asks no row, and SGLang answers the base64 of no bytes: zero rows,
+    checked. The same empty payload where rows were asked stays a refusal (the engine captured nothing)."""
+    for empty in ("", b""):
+        checked = codec.check_payload(empty, INFO, rows=0, start=7)
+        assert checked.array.shape == (0, INFO.num_hidden_layers, INFO.topk) and checked.start == 7
+    with pytest.raises(errors.MissingRoutingError, match="empty string"):
+        codec.check_payload("", INFO, rows=1)
