@@ -188,6 +188,7 @@ VLLM = Engine(
         "/finish_weight_update",
         "/update_weight_version",
         "/reset_prefix_cache",
+        "/weight_checker",  # what a weight sync reads after a push (dev mode, 0.32+)
     ),
     native_generate=False,
     logprobs_setting="logprobs_mode",
@@ -233,9 +234,12 @@ SGLANG = Engine(
         "/update_weights_from_distributed",
         "/update_weights_from_ipc",
         "/update_weight_version",
+        "/begin_weight_update",  # 0.5.23: a weight-update session (P2P/RDMA loads) .. its end
+        "/end_weight_update",
         "/init_weights_update_group",
         "/destroy_weights_update_group",
         "/flush_cache",
+        "/weights_checker",  # what a weight sync reads after a push (0.5.12+)
     ),
     native_generate=True,
     logprobs_setting=None,

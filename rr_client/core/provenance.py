@@ -12,7 +12,8 @@ a :class:`rr_client.RoutingRef`: its ``provenance``)::
      "preemptions": 0,                 # times the request was preempted / retracted and re-prefilled; null: unknown
      "weight_version_admitted": 3,     # the server's weight version (weight updates it has seen) at admission ...
      "weight_version_finished": 3,     # ... and at finish
-     "weight_update_during": false,    # a weight update began or ended while the request ran
+     "weight_update_during": false,    # a weight update began or ended while the request ran; null: the server
+                                       #   could not see every update (rr's sidecar with updates pushed past it)
      "cached_under_older_weights": false,  # its cached tokens may come from KV computed under older weights (the
                                        #   prefix cache was not cleared since the last update); null: not said
      "tokens_digest": "9f..."}         # tokens_digest(prompt ids, output ids): what the rows belong to
@@ -95,7 +96,7 @@ class Provenance:
     preemptions: int | None = None
     weight_version_admitted: int | None = None
     weight_version_finished: int | None = None
-    weight_update_during: bool = False
+    weight_update_during: bool | None = False
     tokens_digest: str | None = None
     cached_under_older_weights: bool | None = None
 
@@ -103,7 +104,14 @@ class Provenance:
     def spans_update(self) -> bool:
         """A weight update began or ended between the request's admission and its finish."""
         a, f = self.weight_version_admitted, self.weight_version_finished
-        return self.weight_update_during or (a is not None and f is not None and a != f)
+        return bool(self.weight_update_during) or (a is not None and f is not None and a != f)
+
+    @property
+    def weights_unknown(self) -> bool:
+        """The server could not see every weight update (``weight_update_during`` null: rr's sidecar, updates pushed
+        straight to the engine): whether one ran while the sample did is not known. The policy keeps such a sample
+        and counts it as unknown, as it does a sample without provenance."""
+        return self.weight_update_during is None
 
     @property
     def may_be_recomputed_across_update(self) -> bool:
@@ -146,8 +154,8 @@ class Provenance:
         if tier is not None and tier not in _TIERS:
             raise MalformedPayloadError(f"{where}: cache_tier {tier!r}, expected one of {list(_TIERS)} or null")
         during = d.get("weight_update_during", False)
-        if not isinstance(during, bool):
-            raise MalformedPayloadError(f"{where}: weight_update_during must be a bool, got {during!r}")
+        if during is not None and not isinstance(during, bool):
+            raise MalformedPayloadError(f"{where}: weight_update_during must be a bool or null, got {during!r}")
         older = d.get("cached_under_older_weights")
         if older is not None and not isinstance(older, bool):
             raise MalformedPayloadError(f"{where}: cached_under_older_weights must be a bool or null, got {older!r}")
@@ -191,7 +199,8 @@ def check_provenance(
     """Apply the stale-rows policy to one batch: a sample that may have been recomputed across a weight update, or
     whose cached tokens come from KV of older weights (:attr:`Provenance.stale`), raises :class:`StaleRoutingError`
     (``"refuse"``, naming it) or is kept unreplayed (``"mask"``); a sample that
-    spans an update without a recompute is kept and counted; ``None`` (a server without provenance) is counted.
+    spans an update without a recompute is kept and counted; ``None`` (a server without provenance) and a provenance
+    whose weights are unknown (:attr:`Provenance.weights_unknown`) are counted as unknown.
     ``"off"``: nothing is refused or masked (every sample spanning an update is counted as such)."""
     check_stale_policy(policy)
     replay: list[bool] = []
@@ -202,6 +211,7 @@ def check_provenance(
             replay.append(True)
             continue
         cached += p.cached_tokens
+        unknown += p.weights_unknown
         if p.stale and policy != "off":
             if policy == "refuse":
                 raise StaleRoutingError(_why_stale(p, f"{where} {i}"))

@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bootstrap-host", default=None, help="P/D: the prefill server's bootstrap host (default: its URL's)"
     )
+    p.add_argument(
+        "--weight-updates-via-sidecar",
+        action="store_true",
+        help="state that every weight update of the engine goes through this sidecar (its weight routes, e.g. "
+        "DiskWeightSync given WeightEngine(SIDECAR_URL, ENGINE)); without it an update pushed straight to the engine "
+        "is invisible here, so each sample's weight fields in rr_provenance say unknown (null)",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -149,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefill_upstream=args.prefill_upstream or "",
         bootstrap_port=args.bootstrap_port or 0,
         bootstrap_host=args.bootstrap_host or "",
+        weight_updates_via_sidecar=args.weight_updates_via_sidecar,
     )
     import asyncio
 

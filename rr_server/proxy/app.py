@@ -84,6 +84,9 @@ class ProxyConfig:
     prefill_upstream: str = ""
     bootstrap_port: int = 0
     bootstrap_host: str = ""
+    # the operator states that every weight update of the engine(s) goes through this sidecar; otherwise an update
+    # pushed straight to the engine is invisible here and each sample's weight fields say unknown (null)
+    weight_updates_via_sidecar: bool = False
 
 
 class Sidecar:
@@ -107,7 +110,8 @@ class Sidecar:
         self.up = upstream(cfg.upstream)
         self._info: tuple[RRInfo, str] | None = None
         self._lock = asyncio.Lock()
-        self.epoch = WeightEpoch()  # weight updates forwarded to the upstream through this sidecar
+        # weight updates forwarded to the upstream through this sidecar (all of them only if the operator says so)
+        self.epoch = WeightEpoch(sees_all_updates=cfg.weight_updates_via_sidecar)
         self.prefill: Upstream | None = None  # P/D: the prefill server (``up`` is the decode server)
         self.updates: UpdateLedger | None = None  # P/D: the weight updates each server took through this sidecar
         self.backend: Backend
@@ -316,7 +320,10 @@ def create_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None =
             return sc.fail("/rr/info", e)
         sc.metrics.requests.labels("/rr/info", "200").inc()
         pd = {"pd_weight_updates": sc.updates.info()} if sc.updates is not None else {}
-        return json_response({**info.model_dump(), **sc.epoch.info(), **pd, "routing_store": store.stats()})
+        seen = "all" if sc.epoch.sees_all_updates else "through_sidecar"  # updates pushed past it are not seen
+        return json_response(
+            {**info.model_dump(), **sc.epoch.info(), "weight_updates_seen": seen, **pd, "routing_store": store.stats()}
+        )
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,6 +1,14 @@
 """The sidecar's per-sample ``rr_provenance``: what an unpatched engine's answer says (cached tokens, SGLang's cache
 tier, retractions and weight spans) and the weight versions from the sidecar's own count of the weight routes it
-forwards (:mod:`rr_server.serving.weight_epoch`). Preemptions stay None unless the engine reports them (vLLM does not)."""
+forwards (:mod:`rr_server.serving.weight_epoch`). Preemptions stay None unless the engine reports them (vLLM does not).
+
+**What the sidecar cannot see.** An update pushed straight to the engine (e.g. ``DiskWeightSync`` given the
+engine's URL) never passes the sidecar, and SGLang's label (``meta_info.weight_version``) stays ``"default"`` unless
+the pusher relabels, so nothing in the answer shows it. Unless every update goes through the sidecar (its operator
+says so: ``rr-server proxy --weight-updates-via-sidecar``, :attr:`WeightEpoch.sees_all_updates`), the weight fields
+say unknown: both versions null, ``weight_update_during`` null unless an update is seen (the engine's own spans name
+two versions, or one passed through the sidecar while the request ran), ``cached_under_older_weights`` null for a
+cache hit unless the sidecar itself saw the cache go stale (False without cached tokens: nothing cached to be stale)."""
 
 from __future__ import annotations
 
@@ -36,6 +44,18 @@ def _spans_two_versions(spans: Any) -> bool:
     return len({str(s.get("version")) for s in spans if isinstance(s, Mapping)}) > 1
 
 
+def _weights(
+    epoch: WeightEpoch, mark: WeightMark | None, cached: int, engine_saw_update: bool = False
+) -> tuple[int | None, int | None, bool | None, bool | None]:
+    """(version at admission, version at finish, an update during, cached tokens from older weights' KV) as far as
+    the sidecar can prove them (``engine_saw_update``: the engine's own spans name two versions); None: unknown."""
+    admitted, finished, during = weights_since(epoch, mark)
+    older = cached_under_older(mark, cached)
+    if epoch.sees_all_updates:
+        return admitted, finished, during or engine_saw_update, older
+    return None, None, True if during or engine_saw_update else None, True if older else (False if not cached else None)
+
+
 def sglang_provenance(
     meta: Mapping[str, Any],
     epoch: WeightEpoch,
@@ -45,7 +65,7 @@ def sglang_provenance(
 ) -> dict[str, Any]:
     """``rr_provenance`` of one final SGLang ``/generate`` item, from its ``meta_info`` and the sidecar's count."""
     cached = _count(meta.get("cached_tokens")) or 0
-    admitted, finished, during = weights_since(epoch, mark)
+    admitted, finished, during, older = _weights(epoch, mark, cached, _spans_two_versions(meta.get("weight_versions")))
     retractions = next((_count(meta[k]) for k in _RETRACTION_KEYS if k in meta), None)
     return Provenance(
         cached_tokens=cached,
@@ -53,9 +73,9 @@ def sglang_provenance(
         preemptions=retractions,
         weight_version_admitted=admitted,
         weight_version_finished=finished,
-        weight_update_during=during or _spans_two_versions(meta.get("weight_versions")),
+        weight_update_during=during,
         tokens_digest=_digest(prompt_ids, output_ids, meta.get("completion_tokens")),
-        cached_under_older_weights=cached_under_older(mark, cached),
+        cached_under_older_weights=older,
     ).to_dict()
 
 
@@ -68,11 +88,11 @@ def completion_provenance(
 ) -> dict[str, Any]:
     """``rr_provenance`` of one completion choice (vLLM's /generate backend, the OpenAI endpoints): the usage's cached
     tokens (no tier), preemptions unknown (an OpenAI answer does not report them)."""
-    admitted, finished, during = weights_since(epoch, mark)
     cached = _count(cached_tokens) or 0
+    admitted, finished, during, older = _weights(epoch, mark, cached)
     return Provenance(
         cached_tokens=cached,
-        cached_under_older_weights=cached_under_older(mark, cached),
+        cached_under_older_weights=older,
         preemptions=None,
         weight_version_admitted=admitted,
         weight_version_finished=finished,

@@ -30,6 +30,7 @@ __all__ = [
     "send_json",
     "json_response",
     "BodyTooLarge",
+    "resume_receive",
     "add_middleware",
     "read_body",
     "replay_receive",
@@ -100,7 +101,12 @@ def add_middleware(app: Any, cls: type, *, inside: tuple[type, ...] = (), **opti
 
 
 class BodyTooLarge(Exception):
-    """A request body longer than the limit :func:`read_body` was given (nothing after the limit was read)."""
+    """A request body longer than the limit :func:`read_body` was given (nothing after the limit was read);
+    ``head`` holds what was read (a caller may hand the body on with :func:`resume_receive`)."""
+
+    def __init__(self, message: str, head: bytes = b"") -> None:
+        super().__init__(message)
+        self.head = head
 
 
 async def read_body(receive: Receive, limit: int | None = None) -> bytes | None:
@@ -115,7 +121,7 @@ async def read_body(receive: Receive, limit: int | None = None) -> bytes | None:
         body = msg.get("body", b"")
         size += len(body)
         if limit is not None and size > limit:
-            raise BodyTooLarge(f"request body over {limit} bytes")
+            raise BodyTooLarge(f"request body over {limit} bytes", b"".join([*chunks, body]))
         chunks.append(body)
         if not msg.get("more_body"):
             return b"".join(chunks)
@@ -133,6 +139,20 @@ def replay_receive(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+def resume_receive(head: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that yields ``head`` (the start of a body still arriving) once, then the rest from ``receive``."""
+    sent = False
+
+    async def resume() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": head, "more_body": True}
+        return await receive()
+
+    return resume
 
 
 def with_body(scope: Scope, body: bytes) -> Scope:

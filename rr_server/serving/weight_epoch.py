@@ -2,8 +2,11 @@
 
 Engine-agnostic: :class:`WeightUpdateMiddleware` (pure ASGI) watches the engine's own weight routes (vLLM's dev-mode
 ``/collective_rpc`` with a weight-loading method, ``/start_weight_update`` .. ``/finish_weight_update``,
-``/update_weights``, ``/update_weight_version``; SGLang's ``/update_weights_from_*`` and ``/update_weight_version``)
-and counts each one that completes (2xx) in :class:`WeightEpoch`. rr's own weight sync goes through these routes.
+``/update_weights``, ``/update_weight_version``; SGLang's ``/update_weights_from_*``, ``/update_weight_version`` and
+0.5.23's ``/begin_weight_update`` .. ``/end_weight_update`` session) and counts each one that completes (2xx) in
+:class:`WeightEpoch`, and each SGLang answer that says the weights were loaded though the call failed (0.5.23's 400
+"Weights were updated, but the cache was not flushed": an update, the cache left stale). rr's own weight sync goes
+through these routes.
 A request takes a :meth:`WeightEpoch.mark` at admission and :meth:`WeightEpoch.since` at finish: the versions at
 both ends, and whether an update began or ended while it ran (``weight_update_during``).
 
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qs
 
+from rr_server.serving.engines import LOADED_UNFLUSHED_ANSWERS
 from rr_server.serving.http import (
     ASGIApp,
     BodyTooLarge,
@@ -43,6 +47,7 @@ from rr_server.serving.http import (
     error_body,
     read_body,
     replay_receive,
+    resume_receive,
     send_json,
 )
 
@@ -55,6 +60,8 @@ __all__ = [
     "cache_clear_kind",
     "UPDATE_PATHS",
     "SELF_FLUSHING_PATHS",
+    "WINDOW_STARTS",
+    "WINDOW_ENDS",
     "EPOCH_FILE",
     "WEIGHT_BODY_LIMIT",
     "install_weight_epoch",
@@ -83,8 +90,13 @@ SELF_FLUSHING_PATHS: frozenset[str] = frozenset(
         "/update_weights_from_ipc",
     }
 )
+# Routes that open and close a weight-update window: vLLM's start..finish; SGLang 0.5.23's begin..end session
+# (``http_server.py`` ``/begin_weight_update``, ``/end_weight_update``: P2P/RDMA loads and the tensor/distributed
+# updates inside it; the end neither flushes the cache nor relabels the weights)
+WINDOW_STARTS: frozenset[str] = frozenset({"/start_weight_update", "/begin_weight_update"})
+WINDOW_ENDS: frozenset[str] = frozenset({"/finish_weight_update", "/end_weight_update"})
 EPOCH_FILE = "weights.epoch"  #: the shared counters' file in the server's sibling directory
-WEIGHT_BODY_LIMIT = 64 * 1024 * 1024  #: the largest weight-route body the middleware reads (a 413 beyond)
+WEIGHT_BODY_LIMIT = 64 * 1024 * 1024  #: the most of a weight route's body the middleware reads (module docstring)
 _RPC_READS = ("get", "check", "init", "is_", "list", "report", "save")  # collective_rpc methods that change nothing
 
 
@@ -100,9 +112,9 @@ def update_kind(path: str, body: bytes) -> Kind | None:
     """What a POST to ``path`` does to the weights: completes an update, opens or closes a window, or nothing."""
     if path in UPDATE_PATHS:
         return "update"
-    if path == "/start_weight_update":
+    if path in WINDOW_STARTS:
         return "start"
-    if path == "/finish_weight_update":
+    if path in WINDOW_ENDS:
         return "finish"
     if path == "/collective_rpc":
         try:
@@ -206,10 +218,16 @@ class WeightEpoch:
     """Weight updates of this server: ``version`` counts the completed ones; ``changes`` every update that ended
     (completed or failed on the server's side, which may have touched the weights); ``active`` those under way
     (a route in flight, or a start..finish window open); ``cache_stale`` whether the prefix cache may hold KV from
-    older weights. Thread-safe; shared by the server's processes once :meth:`share` is called."""
+    older weights. Thread-safe; shared by the server's processes once :meth:`share` is called.
 
-    def __init__(self) -> None:
+    ``sees_all_updates``: every weight update of the server passes through the routes counted here (the engine's own
+    app, rr's patch or plugin). False for rr's sidecar unless its operator states that every update goes through it:
+    an update pushed straight to the engine is invisible to it, so its answers say unknown
+    (:mod:`rr_server.proxy.provenance`)."""
+
+    def __init__(self, sees_all_updates: bool = True) -> None:
         self._cells = _Cells()
+        self.sees_all_updates = sees_all_updates
 
     def share(self, directory: Path, fresh: bool = False) -> bool:
         """Count in ``directory``'s :data:`EPOCH_FILE`, with every process of the server that shares it (once;
@@ -269,15 +287,17 @@ class WeightEpoch:
         if flushed:
             c[_CLEARS] += 1
 
-    def end(self, status: int, flushed: bool = False) -> None:
+    def end(self, status: int, flushed: bool = False, loaded: bool = False) -> None:
         """An update route answered ``status``: 2xx completes an update (a chunk inside a start..finish window
         only changes the weights: the window's finish completes it); 5xx may have touched the weights. ``flushed``:
-        a 2xx answer also flushed the prefix cache (SGLang's default)."""
+        a 2xx answer also flushed the prefix cache (SGLang's default). ``loaded``: a failed answer that says the
+        weights were loaded (SGLang 0.5.23's 400 whose flush was refused): an update, the cache left stale."""
+        ok = 200 <= status < 300 or loaded
         with self._cells.locked() as c:
             c[_ACTIVE] = max(0, c[_ACTIVE] - 1)
-            if status < 400 or status >= 500:
+            if ok or status < 400 or status >= 500:
                 self._changed(c, flushed and 200 <= status < 300)
-            if 200 <= status < 300 and not c[_WINDOW]:
+            if ok and not c[_WINDOW]:
                 c[_VERSION] += 1
 
     def open_window(self) -> None:
@@ -351,8 +371,9 @@ class WeightUpdateMiddleware:
     before their answer leaves (a caller that reads the answer and sends its next request, to any process of the
     server, is admitted under the new count); every request passes through unchanged.
 
-    A body it must read (``/collective_rpc``, SGLang's self-flushing updates) is read up to :attr:`max_body_bytes`;
-    a longer one is answered 413 before more of it is buffered. It sits inside the server's key check
+    A body it must read (``/collective_rpc``, SGLang's self-flushing updates) is read up to :attr:`max_body_bytes`:
+    a longer ``/collective_rpc`` is answered 413 before more of it is buffered; a longer SGLang update (tensors
+    inline) is handed on unread and counted as leaving the cache stale (its ``flush_cache`` unseen). It sits inside the server's key check
     (:func:`install_weight_epoch`), so a keyless request is refused before its body is read."""
 
     max_body_bytes: int | None = WEIGHT_BODY_LIMIT  #: the most a weight route's body may hold (None: no cap)
@@ -366,8 +387,12 @@ class WeightUpdateMiddleware:
         """A 2xx ``/pause`` (``scope``) cleared every cache that may hold older weights' KV (its ``clear_cache``)."""
         return _pause_clears(scope.get("query_string", b""))
 
-    def __init__(self, app: ASGIApp, epoch: WeightEpoch | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, epoch: WeightEpoch | None = None, loaded_unflushed: tuple[str, ...] | None = None
+    ) -> None:
         self.app, self.epoch = app, epoch or _EPOCH
+        # how a failed update's answer says the weights were loaded anyway (every known release's text by default)
+        self.loaded_unflushed = LOADED_UNFLUSHED_ANSWERS if loaded_unflushed is None else loaded_unflushed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -379,16 +404,21 @@ class WeightUpdateMiddleware:
         ):
             await self.app(scope, receive, send)
             return
-        body = b""
+        body, unread = b"", False
         if path == "/collective_rpc" or path in SELF_FLUSHING_PATHS:  # the body decides; handed on unchanged
             try:
                 raw = await read_body(receive, self.max_body_bytes)
-            except BodyTooLarge:  # refused before more is buffered; the route never ran
-                await send_json(send, _too_large(path, self.max_body_bytes), 413)
-                return
-            if raw is None:
-                return
-            body, receive = raw, replay_receive(raw, receive)
+            except BodyTooLarge as e:
+                if path == "/collective_rpc":  # a method name and its arguments: refused before more is buffered
+                    await send_json(send, _too_large(path, self.max_body_bytes), 413)
+                    return
+                # an SGLang update carrying its tensors: handed on unread past the cap, counted as not flushing the
+                # cache (its ``flush_cache`` unseen), so the cache stays stale rather than wrongly fresh
+                raw, unread, receive = None, True, resume_receive(e.head, receive)
+            else:
+                if raw is None:
+                    return
+                body, receive = raw, replay_receive(raw, receive)
         kind, clear = update_kind(path, body), cache_clear_kind(path)
         if kind is None and clear is None:
             await self.app(scope, receive, send)
@@ -403,7 +433,9 @@ class WeightUpdateMiddleware:
             settled = True
             ok = 200 <= status < 300
             if kind == "update":
-                self.epoch.end(status, flushed=path in SELF_FLUSHING_PATHS and not _no_flush(body))
+                loaded = 400 <= status < 500 and _says_loaded(bytes(reply), self.loaded_unflushed)
+                flushed = path in SELF_FLUSHING_PATHS and not unread and not _no_flush(body)
+                self.epoch.end(status, flushed=flushed, loaded=loaded)
             elif kind is not None and ok:
                 (self.epoch.open_window if kind == "start" else self.epoch.close_window)()
             if not ok:
@@ -420,7 +452,7 @@ class WeightUpdateMiddleware:
             if msg["type"] == "http.response.start":
                 status = int(msg["status"])
             elif msg["type"] == "http.response.body":
-                if clear == "reset" and len(reply) < 4096:
+                if (clear == "reset" or kind == "update") and len(reply) < 4096:
                     reply.extend(msg.get("body", b""))
                 if not msg.get("more_body", False):
                     settle()
@@ -443,6 +475,17 @@ def _no_flush(body: bytes) -> bool:
     return isinstance(d, dict) and _false(d.get("flush_cache"))
 
 
+def _says_loaded(reply: bytes, answers: tuple[str, ...]) -> bool:
+    """A failed update's answer says the weights were loaded: ``{"success": false, "message": <one of answers>...}``
+    (SGLang 0.5.23's flush refused after the load: :attr:`ReleaseFacts.unflushed_update_answer`)."""
+    try:
+        d = json.loads(reply) if reply.strip() else {}
+    except ValueError:
+        return False
+    msg = d.get("message") if isinstance(d, dict) and d.get("success") is False else None
+    return isinstance(msg, str) and msg.startswith(answers)
+
+
 def _reset_worked(reply: bytes) -> bool:
     """vLLM's ``/reset_prefix_cache`` answer says it worked: ``{"success": true}`` (0.30+: 200 with ``false`` while
     blocks are held), or an older vLLM's empty 200."""
@@ -456,7 +499,9 @@ def _reset_worked(reply: bytes) -> bool:
 def _watched(path: str) -> bool:
     return (
         path in UPDATE_PATHS
-        or path in ("/collective_rpc", "/start_weight_update", "/finish_weight_update")
+        or path == "/collective_rpc"
+        or path in WINDOW_STARTS
+        or path in WINDOW_ENDS
         or cache_clear_kind(path) is not None
     )
 

@@ -39,6 +39,7 @@ class StandInRunner:
 
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.fault: tuple[str, str] | None = None
+        self.sessions: list[str] = []  # begin/end calls SGLang's manager made on this runner
         self.weight_updater = self  # ModelRunner.weight_updater.update_weights_from_disk(...)
         with get_parallel().override(tp_rank=0, pp_rank=0, dp_rank=0):  # the placement of a one-GPU scheduler
             self.checker = WeightChecker(get_model=lambda: self.model)
@@ -59,6 +60,14 @@ class StandInRunner:
         reload_with_fault(self.model, model_path, fault)
         return True, "Succeeded to update model weights."
 
+    def begin_weight_update(self) -> None:
+        """A session opened: 0.5.23's runner restores in-place-packed weights (nothing is packed on CPU)."""
+        self.sessions.append("begin")
+
+    def end_weight_update(self, *, run_post_load: bool) -> None:
+        """The session closed: 0.5.23's runner runs post_load_weights only when no load ran in it (P2P/RDMA)."""
+        self.sessions.append(f"end(run_post_load={run_post_load})")
+
     def check_weights(
         self, action: str, allow_quant_error: bool = False, skip_tensor_list: list[str] | None = None, *, role: str
     ) -> Any:
@@ -77,6 +86,7 @@ class StandInWeights:
 
         self.runner = StandInRunner(model_dir)
         self.versions: list[str | None] = []  # weight versions the scheduler recorded
+        self.flush_ok = True  # False: the scheduler's flush is refused (requests running or queued)
         # SGLang's manager, its fields as the scheduler sets them (``tp_cpu_group``: the default group, one process)
         mgr = SchedulerWeightUpdaterManager.__new__(SchedulerWeightUpdaterManager)
         fields = {
@@ -100,8 +110,9 @@ class StandInWeights:
         )
 
     def _flush(self, empty_cache: bool = False) -> bool:
-        """The radix cache's flush: nothing is cached, it always succeeds."""
-        return True
+        """The radix cache's flush: nothing is cached; it succeeds unless a test set ``flush_ok`` False (what the
+        scheduler's flush answers while requests are still running or queued)."""
+        return self.flush_ok
 
     def record_weight_version_change(self, new_version: str | None = None) -> None:
         """The scheduler's weight-version record (called by SGLang's manager after a successful update)."""
@@ -122,4 +133,8 @@ class StandInWeights:
             return self.manager.check_weights(obj)
         if isinstance(obj, io_struct.FlushCacheReqInput):
             return self.flusher.handle(obj)
+        if isinstance(obj, getattr(io_struct, "BeginWeightUpdateReqInput", ())):  # 0.5.23's session
+            return self.manager.begin_weight_update(obj)
+        if isinstance(obj, getattr(io_struct, "EndWeightUpdateReqInput", ())):
+            return self.manager.end_weight_update(obj)
         return None

@@ -27,7 +27,8 @@ def _body(ids: Any, **kw: Any) -> dict[str, Any]:
 async def test_sidecar_counts_weight_routes_and_answers_provenance(tiny_moe: Path) -> None:
     """A weight update forwarded to SGLang's real /update_weight_version while two requests run: both samples
     carry admitted 0 / finished 1 / an overlap; the one SGLang says it retracted may be recomputed across it,
-    the other is only flagged. Cached tokens (and 0.5.9+'s tier) come from SGLang's meta_info."""
+    the other is only flagged. Cached tokens (and 0.5.9+'s tier) come from SGLang's meta_info. The operator said
+    every update goes through the sidecar (``weight_updates_via_sidecar``), so its count is the server's."""
     h = Harness(tiny_moe)
     h.sched.reports = lambda r: {
         "cached_tokens": 2,
@@ -36,7 +37,7 @@ async def test_sidecar_counts_weight_routes_and_answers_provenance(tiny_moe: Pat
     }
     h.tm.event_loop = asyncio.get_running_loop()
     h.sched.arrivals.clear()
-    async with sidecar_app(h, model_path=str(tiny_moe)) as app, client_of(app) as c:
+    async with sidecar_app(h, model_path=str(tiny_moe), weight_updates_via_sidecar=True) as app, client_of(app) as c:
         assert (await c.get("/rr/info")).json()["weight_version"] == 0
         call = asyncio.ensure_future(
             c.post("/generate", json=_body([PROMPT, OTHER], return_routed_experts=True), timeout=60)

@@ -42,11 +42,12 @@ ROUTING_KEYS = (
 
 
 @asynccontextmanager
-async def sidecar_app(h: Harness, model_path: str | None = None) -> AsyncIterator[Any]:
-    """The sidecar's app with SGLang's real app as its upstream (``model_path``: its ``--model-path``)."""
+async def sidecar_app(h: Harness, model_path: str | None = None, **options: Any) -> AsyncIterator[Any]:
+    """The sidecar's app with SGLang's real app as its upstream (``model_path``: its ``--model-path``; ``options``:
+    other :class:`ProxyConfig` fields)."""
     from rr_server.proxy.app import ProxyConfig, create_app
 
-    cfg = ProxyConfig(upstream="http://sglang", engine="sglang", timeout=60, model_path=model_path)
+    cfg = ProxyConfig(upstream="http://sglang", engine="sglang", timeout=60, model_path=model_path, **options)
     app = create_app(cfg, transport=httpx.ASGITransport(app=h.http.app))
     try:
         yield app

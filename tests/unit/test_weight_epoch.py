@@ -217,3 +217,73 @@ def test_api_processes_share_one_epoch(tmp_path: Path) -> None:
     c = WeightEpoch()
     c.share(tmp_path, fresh=True)  # the first process of a new run: the dead run's counts are gone
     assert c.version == 0 and a.version == 0 and (tmp_path / EPOCH_FILE).stat().st_size == 64
+
+
+def test_an_sglang_update_over_the_body_cap_is_handed_on_whole_and_leaves_the_cache_stale(
+    monkeypatch: Any,
+) -> None:
+    """An SGLang update carrying its tensors inline (``/update_weights_from_tensor``) may exceed the middleware's
+    body cap: it is handed on whole (never refused: the engine must get every byte), and, its ``flush_cache``
+    unread, it counts as an update that left the cache stale, never as a flush. A ``/collective_rpc`` over the cap
+    is a 413."""
+    monkeypatch.setattr(WeightUpdateMiddleware, "max_body_bytes", 1000)
+    epoch, got = WeightEpoch(), []
+
+    async def update(request: Request) -> JSONResponse:
+        got.append(await request.body())
+        return JSONResponse({"success": True})
+
+    app = Starlette(
+        routes=[Route(p, update, methods=["POST"]) for p in ("/update_weights_from_tensor", "/collective_rpc")]
+    )
+    app.add_middleware(WeightUpdateMiddleware, epoch=epoch)
+    body = {"serialized_named_tensors": ["x" * 5000], "flush_cache": True}
+    assert post_all(app, [("/update_weights_from_tensor", body)]) == [200]
+    assert len(got) == 1 and len(got[0]) > 5000 and got[0].endswith(b'"flush_cache":true}')  # every byte arrived
+    assert epoch.version == 1 and epoch.cache_stale  # an update; its flush unseen, so not counted as a flush
+    small = {"serialized_named_tensors": ["x"], "flush_cache": True}
+    assert post_all(app, [("/update_weights_from_tensor", small)]) == [200] and not epoch.cache_stale
+    assert post_all(app, [("/collective_rpc", {"method": "reload_weights", "args": ["x" * 5000]})]) == [413]
+    assert len(got) == 2  # the oversized rpc never reached the route
+
+
+def test_sglang_begin_end_session_is_a_window_and_the_end_leaves_the_cache_stale() -> None:
+    """SGLang 0.5.23's ``/begin_weight_update`` .. ``/end_weight_update`` (P2P/RDMA loads): a window like vLLM's
+    start..finish; a request admitted before the begin spans it, and the end flushes nothing."""
+    assert update_kind("/begin_weight_update", b"") == "start" and update_kind("/end_weight_update", b"") == "finish"
+    epoch = WeightEpoch()
+
+    async def ok(request: Request) -> JSONResponse:
+        return JSONResponse({"success": True})
+
+    app = Starlette(routes=[Route(p, ok, methods=["POST"]) for p in ("/begin_weight_update", "/end_weight_update")])
+    app.add_middleware(WeightUpdateMiddleware, epoch=epoch)
+    assert post_all(app, [("/begin_weight_update", {})]) == [200] and epoch.active
+    assert post_all(app, [("/end_weight_update", {})]) == [200]
+    assert (epoch.version, epoch.active, epoch.cache_stale) == (1, False, True)
+
+
+def test_the_sidecar_says_unknown_unless_every_update_goes_through_it() -> None:
+    """rr's sidecar cannot see an update pushed straight to the engine: unless its operator states that every update
+    goes through it, a sample's weight fields are null (unknown), never "no update, cache fresh"; with the statement
+    its own count is the server's."""
+    from rr_client.core.provenance import Provenance
+    from rr_server.proxy.provenance import completion_provenance
+
+    blind, told = WeightEpoch(sees_all_updates=False), WeightEpoch(sees_all_updates=True)
+    for epoch in (blind, told):
+        hit, miss = (Provenance.from_dict(completion_provenance(n, epoch, epoch.mark(), [1, 2], [3])) for n in (4, 0))
+        if epoch is blind:
+            assert (hit.weight_version_admitted, hit.weight_update_during, hit.cached_under_older_weights) == (
+                None,
+                None,
+                None,
+            )
+            assert hit.weights_unknown and miss.cached_under_older_weights is False  # nothing cached to be stale
+        else:
+            assert (hit.weight_version_admitted, hit.weight_update_during, hit.cached_under_older_weights) == (
+                0,
+                False,
+                False,
+            )
+            assert not hit.weights_unknown

@@ -39,6 +39,7 @@ def sidecar(qwen_server: Any) -> Iterator[SidecarServer]:
         max_concurrency=CONCURRENCY,
         timeout=120,
         model_path=str(qwen_server.model_dir),
+        weight_updates_via_sidecar=True,  # its weight routes are counted as the server's (test_sidecar_provenance...)
     )
     with SidecarServer(cfg) as sc:
         yield sc

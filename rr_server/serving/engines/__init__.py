@@ -13,9 +13,11 @@ from rr_client.core.engines import Engine, engine
 from rr_server.serving.engines import sglang, vllm
 from rr_server.serving.engines.base import EngineReleases, ReleaseFacts, engine_release
 
-__all__ = ["EngineReleases", "ReleaseFacts", "RELEASES", "releases", "engine_release"]
+__all__ = ["EngineReleases", "ReleaseFacts", "RELEASES", "releases", "engine_release", "LOADED_UNFLUSHED_ANSWERS"]
 
 RELEASES: Mapping[str, EngineReleases] = {r.name: r for r in (vllm.RELEASES, sglang.RELEASES)}
+#: every text by which a release of any engine says a failed weight update loaded the weights anyway
+LOADED_UNFLUSHED_ANSWERS: tuple[str, ...] = tuple(a for r in RELEASES.values() for a in r.loaded_unflushed_answers)
 
 
 def releases(name: str | Engine) -> EngineReleases:

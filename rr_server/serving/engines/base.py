@@ -98,6 +98,13 @@ class ReleaseFacts:
     # SGLang 0.5.21+), and it is on unless turned off (vLLM 0.31+, SGLang 0.5.23+)
     bounded_replay: bool = False
     bounded_replay_default_on: bool = False
+    # what a weight update that loaded the weights but could not flush the cache answers (0.5.23+: 400,
+    # ``success=False`` and this message; the release's weight_updater.py flush_cache_after_weight_update); None:
+    # the release's scheduler asserts the flush instead (older SGLang) or the engine has no such answer (vLLM)
+    unflushed_update_answer: str | None = None
+    # SGLang 0.5.23+: ``/begin_weight_update`` .. ``/end_weight_update`` opens and closes a weight-update session
+    # (http_server.py); the end neither flushes the cache nor relabels the weights
+    weight_update_session: bool = False
 
     @property
     def supported(self) -> bool:
@@ -155,6 +162,9 @@ class EngineReleases:
     installed_version: Callable[[], str | None]  # the installed release, without importing the engine when it can
     bounded_replay_flags: ReplayFlags | None = field(default=None)  # DeepSeek-V4.1's SWA bounded-replay switch
     tree_verify: TreeVerify | None = None  # speculative tree verification that moves KV (SGLang's)
+    # every text by which one of its releases says a failed weight update loaded the weights anyway
+    # (:attr:`ReleaseFacts.unflushed_update_answer`): rr's weight epoch counts such an answer as an update
+    loaded_unflushed_answers: tuple[str, ...] = ()
     # the route and body fields that prefill a prompt whole: prompt log-probs, computed at every prompt position and
     # never read from the prefix cache (the doctor's full-prefill reference; vLLM ``prompt_logprobs`` on
     # /v1/completions, SGLang ``/generate`` ``logprob_start_len`` 0)

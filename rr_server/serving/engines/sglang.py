@@ -22,6 +22,7 @@ __all__ = [
     "MAX_VERSION",
     "TESTED",
     "DRAFT_FIX_RELEASE",
+    "UNFLUSHED_UPDATE_ANSWER",
     "UnsupportedSGLangError",
     "RELEASES",
     "installed_version",
@@ -40,6 +41,10 @@ MIN_VERSION = engine_release(TESTED.lo)
 MAX_VERSION = engine_release(TESTED.hi or TESTED.lo)
 # The first release with SGLang's draft opt-out (``disable_routed_experts_capture_for_draft``, sglang#26980).
 DRAFT_FIX_RELEASE = "0.5.23"
+# What 0.5.23's scheduler answers when an update loaded the weights but its cache flush was refused (requests still
+# running or queued): ``success=False`` with this message, which http_server.py turns into HTTP 400
+# (srt/managers/scheduler_components/weight_updater.py:129, flush_cache_after_weight_update; http_server.py:1317).
+UNFLUSHED_UPDATE_ANSWER = "Weights were updated, but the cache was not flushed"
 
 
 class UnsupportedSGLangError(UnsupportedVersionError):
@@ -91,6 +96,9 @@ def facts_for(version: str) -> ReleaseFacts:
         pd_prefill_rows=rel >= (0, 5, 22),
         bounded_replay=rel >= (0, 5, 21),  # opt-in in 0.5.21-0.5.22; the decoder side on for DeepSeek-V4.1 after
         bounded_replay_default_on=rel >= (0, 5, 23),
+        # 0.5.23 answers 400 with this message; 0.5.7-0.5.22 assert the flush in the scheduler instead
+        unflushed_update_answer=UNFLUSHED_UPDATE_ANSWER if rel >= (0, 5, 23) else None,
+        weight_update_session=rel >= (0, 5, 23),  # http_server.py:1458 /begin_weight_update, :1473 /end_weight_update
     )
 
 
@@ -127,6 +135,23 @@ def logprobs_mode(env: Mapping[str, str] | None = None) -> str:
     return RAW if str(value).lower() in ("true", "1") else PROCESSED
 
 
+# SGLang's switch of the DSA indexer's fused top-k + page-table transform (0.5.23: srt/environ.py:1978, on by default)
+FUSE_TOPK_ENV = "SGLANG_DSA_FUSE_TOPK"
+
+
+def fuse_topk(env: Mapping[str, str] | None = None) -> bool:
+    """Whether SGLang's fused indexer top-k is on, read as its ``EnvBool`` reads ``SGLANG_DSA_FUSE_TOPK`` (0.5.23
+    environ.py:143; unset: on); a value SGLang cannot parse is ValueError, as SGLang raises."""
+    value = (os.environ if env is None else env).get(FUSE_TOPK_ENV)
+    if value is None:
+        return True
+    if value.lower() in ("true", "1", "yes", "y"):
+        return True
+    if value.lower() in ("false", "0", "no", "n"):
+        return False
+    raise ValueError(f"{FUSE_TOPK_ENV}={value!r} is not a boolean SGLang reads (1/0, true/false, yes/no, y/n)")
+
+
 def indexer_slots(version: str, num_hidden_layers: int) -> int:
     """Layer slots in each row of SGLang ``version``'s indexer payload for a DSA model of ``num_hidden_layers``
     decoder layers (:attr:`ReleaseFacts.indexer_slot_per_layer`: one per decoder layer); a release whose layout rr
@@ -147,23 +172,6 @@ def indexer_slots(version: str, num_hidden_layers: int) -> int:
     return num_hidden_layers
 
 
-# SGLang's switch of the DSA indexer's fused top-k + page-table transform (0.5.23: srt/environ.py:1978, on by default)
-FUSE_TOPK_ENV = "SGLANG_DSA_FUSE_TOPK"
-
-
-def fuse_topk(env: Mapping[str, str] | None = None) -> bool:
-    """Whether SGLang's fused indexer top-k is on, read as its ``EnvBool`` reads ``SGLANG_DSA_FUSE_TOPK`` (0.5.23
-    environ.py:143; unset: on); a value SGLang cannot parse is ValueError, as SGLang raises."""
-    value = (os.environ if env is None else env).get(FUSE_TOPK_ENV)
-    if value is None:
-        return True
-    if value.lower() in ("true", "1", "yes", "y"):
-        return True
-    if value.lower() in ("false", "0", "no", "n"):
-        return False
-    raise ValueError(f"{FUSE_TOPK_ENV}={value!r} is not a boolean SGLang reads (1/0, true/false, yes/no, y/n)")
-
-
 RELEASES = EngineReleases(
     wire=SGLANG,
     tested=TESTED,
@@ -172,6 +180,7 @@ RELEASES = EngineReleases(
     error=UnsupportedSGLangError,
     facts_for=facts_for,
     installed_version=installed_version,
+    loaded_unflushed_answers=(UNFLUSHED_UPDATE_ANSWER,),
     tree_verify=TreeVerify(  # speculative_hook.py / spec_info.py SpeculativeAlgorithm; arg_groups/fields/spec.py
         algorithm=("--speculative-algorithm", "speculative_algorithm"),
         topk=("--speculative-eagle-topk", "speculative_eagle_topk"),
