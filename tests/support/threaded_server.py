@@ -6,6 +6,7 @@ run through it, over real HTTP on loopback.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Self
@@ -24,13 +25,14 @@ class ThreadedServer:
     """
 
     def __init__(
-        self, app: Any, *, name: str = "test server", startup_timeout: float = 15.0, **uvicorn_options: Any
+        self, app: Any, *, name: str = "test server", startup_timeout: float | None = None, **uvicorn_options: Any
     ) -> None:
         self.app = app
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._startup_timeout = startup_timeout
+        # a loaded machine starts a thread late: the deadline is the suite's (RR_TEST_STARTUP_TIMEOUT), not a guess
+        self._startup_timeout = startup_timeout or float(os.environ.get("RR_TEST_STARTUP_TIMEOUT", "420"))
         options: dict[str, Any] = {"log_level": "warning", "lifespan": "off", **uvicorn_options}
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, **options))
         self._thread = threading.Thread(target=self._server.run, name=f"uvicorn-{name}", daemon=True)

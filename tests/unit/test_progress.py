@@ -7,9 +7,11 @@ answers ``/health`` after a moment.
 from __future__ import annotations
 
 import io
+import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,6 +87,11 @@ def test_a_server_that_exits_fails_with_its_log_tail_and_progress_lines(
 
 def test_a_server_that_never_answers_times_out_with_its_log_tail(child: object) -> None:
     proc, log = child(PRINTS_FOREVER)  # type: ignore[operator]
+    # a loaded machine may start the child slowly: wait (on its progress) until its log holds more than 30 lines
+    deadline = time.monotonic() + float(os.environ.get("RR_TEST_STARTUP_TIMEOUT", "420"))
+    while log.read_bytes().count(b"\n") <= 30:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
     with pytest.raises(ServerStartError, match=r"not healthy after 2s \(still running\); last 30 lines of") as e:
         wait_healthy(f"http://127.0.0.1:{free_port()}", proc, log, timeout=1.5)
     tail = str(e.value).split(":\n", 1)[1].splitlines()
