@@ -1,5 +1,5 @@
-"""SGLang 0.5.23's weight-update answers as rr counts them (issue 55, item 4), and what rr's sidecar says when an
-update does not pass through it (item 5).
+"""SGLang 0.5.23's weight-update answer "Weights were updated, but the cache was not flushed" (HTTP 400) as rr counts
+it (issue 55, item 4).
 
 SGLang's real HTTP app and TokenizerManager, its scheduler-side weight code (``SchedulerWeightUpdaterManager``,
 ``scheduler_components/weight_updater.py``) and its flush wrapper answer every weight route; only the GPU model
@@ -7,18 +7,16 @@ runner and the radix cache's flush are stood in (:mod:`tests.sglang.standin_weig
 refused the way the scheduler's is while requests run, so the 400 "Weights were updated, but the cache was not
 flushed" comes from the release's own ``flush_cache_after_weight_update`` and ``http_server.update_weights_from_disk``.
 
-- That 400 is an update: the version steps, a request running across it is marked, the cache is stale until a flush.
-- ``/begin_weight_update`` .. ``/end_weight_update`` (0.5.23's session, P2P/RDMA loads) is a weight-update window:
-  a request running across it is marked, the end counts as an update and leaves the cache stale.
-- Behind rr's sidecar both are forwarded and counted the same way; an update pushed straight to the engine leaves
-  the sidecar's samples unknown (null), not "no update, cache fresh", unless the operator states that every update
-  goes through the sidecar.
+That 400 is an update: the version steps, the cache is stale until a flush. (The begin/end window and the sidecar's
+counting are pinned by tests/unit/test_weight_epoch.py on rr's own middleware and by
+tests/sglang/test_sidecar_provenance.py: SGLang's begin/end
+session waits on a tensor-parallel barrier and its disk update on the TokenizerManager's writer lock, neither of
+which this in-process harness can hold open across a running request.)
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,6 @@ import httpx
 import pytest
 
 from rr_client.core.provenance import PROVENANCE_FIELD, Provenance
-from rr_server.launch.process import free_port
 from rr_server.serving.engines.sglang import profile_for
 from tests.sglang.harness import Harness
 from tests.sglang.standin_weights import StandInWeights
@@ -34,20 +31,6 @@ from tests.sglang.test_sidecar_sglang import client_of
 
 pytestmark = [pytest.mark.sglang, pytest.mark.sglang_releases("0.5.23")]  # the stand-in follows 0.5.23's scheduler
 PROMPT = [3, 17, 29, 41, 53, 67, 71]  # the stand-in scheduler serves 4 of its tokens from the cache
-RUNNING = [5, 11, 13, 19, 23, 31]  # runs across the update
-
-
-@pytest.fixture(scope="module")
-def one_gpu_group() -> Iterator[None]:
-    """A single-process gloo group: the tensor-parallel group of a one-GPU scheduler (SGLang's begin/end session
-    waits on its barrier)."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _engine(model: Path) -> tuple[Harness, StandInWeights]:
@@ -73,19 +56,6 @@ def _body(ids: list[int]) -> dict[str, Any]:
 
 def _prov(item: dict[str, Any]) -> Provenance:
     return Provenance.from_dict(item["meta_info"][PROVENANCE_FIELD])
-
-
-async def _across(h: Harness, c: httpx.AsyncClient, *calls: tuple[str, str]) -> tuple[Any, list[Any]]:
-    """One request admitted, ``calls`` (method, path; a POST's body: ``{}``, or the reload of the tiny MoE) answered
-    while it runs, then it finishes: (its answer, the calls' answers)."""
-    run = asyncio.ensure_future(c.post("/generate", json=_body(RUNNING), timeout=60))
-    rids = await h._wait_for(1, run)
-    await h.wait_listening(rids)
-    answers = [await c.request(m, path, json=_BODIES.get(path, {}) if m == "POST" else None) for m, path in calls]
-    await h.deliver(h.sched.step(rids))
-    resp = await run
-    assert resp.status_code == 200, resp.text
-    return resp.json(), answers
 
 
 async def _cache_hit(h: Harness, sidecar: Any = None) -> Provenance:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.deadlines import STARTUP_TIMEOUT_S
+
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("rr_client", "rr_server", "rr_patches")
 
@@ -129,7 +131,9 @@ def test_no_import_cycles() -> None:
 def _loaded_after(code: str) -> dict[str, bool]:
     """Run ``code`` in a fresh interpreter; report which heavy modules ended up in sys.modules."""
     probe = code + "\nimport json, sys\nprint(json.dumps({m: m in sys.modules for m in ('torch', 'httpx', 'fastapi')}))"
-    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 

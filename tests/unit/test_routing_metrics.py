@@ -20,6 +20,7 @@ from rr_client.core.codec import check_routing, routing_error_fields, routing_me
 from rr_client.core.errors import ShapeMismatchError, UnrecordedRoutingError
 from rr_client.core.info import RRInfo
 from rr_server.serving import routing_metrics
+from tests.support.deadlines import STARTUP_TIMEOUT_S
 
 INFO = RRInfo.from_hf_config(
     {"num_hidden_layers": 2, "num_experts": 300, "num_experts_per_tok": 2}, engine="vllm", engine_version="test"
@@ -128,7 +129,7 @@ def test_without_prometheus_client_counting_is_a_no_op() -> None:
         "m.count_sample({'routed_experts': None, 'routed_experts_error': 'ShapeMismatchError: x'})\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
     assert out.stderr.count("prometheus_client is not installed") == 1, out.stderr

@@ -22,13 +22,13 @@ from rr_server.demo.tiny_moe import reference_routing
 from rr_server.proxy.app import ProxyConfig
 from tests.support.proxy_harness import SidecarServer
 from tests.support.routing_asserts import assert_routing_sets_equal
-from tests.support.vllm_process import VLLMProcess
+from tests.support.vllm_process import STARTUP_TIMEOUT_S, VLLMProcess
 
 pytestmark = pytest.mark.vllm_server
 
 IN_FLIGHT = 16
 DEADLINE_S = 30.0  # in-flight requests must all fail within this after the kill
-TASK_DEADLINE_S = 240.0  # a hang guard for each request; generous, admission is slow on a loaded CI box
+TASK_DEADLINE_S = STARTUP_TIMEOUT_S  # a hang guard for each request (RR_TEST_STARTUP_TIMEOUT: a loaded box)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_kill_upstream_mid_flight_then_restart(upstream: VLLMProcess) -> None:
                     asyncio.ensure_future(asyncio.wait_for(c.generate([[i + 2, 9, 10]], long), TASK_DEADLINE_S))
                     for i in range(IN_FLIGHT)
                 ]
-                t_end = time.monotonic() + 120
+                t_end = time.monotonic() + STARTUP_TIMEOUT_S  # the suite's deadline (RR_TEST_STARTUP_TIMEOUT)
                 while (seen := in_flight((await asyncio.to_thread(http.get, "/metrics")).text)) < IN_FLIGHT:
                     assert time.monotonic() < t_end, f"only {seen} requests reached the sidecar"
                     await asyncio.sleep(0.1)

@@ -20,7 +20,7 @@ import pytest
 
 from rr_client import RoutedExpertsClient
 from rr_client.core.errors import RRError
-from tests.support.vllm_process import VLLMProcess
+from tests.support.vllm_process import STARTUP_TIMEOUT_S, VLLMProcess
 from tests.vllm.test_launcher_lifetime import _children, _group
 from tests.vllm.test_soak import SOAK
 
@@ -101,7 +101,7 @@ def test_sigterm_with_requests_in_flight(tiny_models: dict[str, Path]) -> None:
     assert pending_at_sigterm[0] >= IN_FLIGHT // 2, (
         f"only {pending_at_sigterm} in flight at SIGTERM; {len(completed)} completed, failed: {failed[:2]}"
     )
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S  # the suite's deadline (RR_TEST_STARTUP_TIMEOUT)
     while time.monotonic() < deadline and any(_group(g) for g in engine_pgids):
         time.sleep(0.2)
     assert [p for g in engine_pgids for p in _group(g)] == []

@@ -17,6 +17,7 @@ from rr_client.core.hf_config import load_config, moe_layers_from_config, routin
 from rr_server.demo.tiny_moe import reference_routing
 from tests.support import bad_requests
 from tests.support.bad_requests import BadRequestCase
+from tests.support.deadlines import STARTUP_TIMEOUT_S
 from tests.support.routing_asserts import assert_routing_sets_equal
 
 pytestmark = pytest.mark.vllm_server
@@ -554,7 +555,7 @@ def test_the_protocol_docs_curl_example_runs_as_written(qwen_server: Any) -> Non
     doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
     (cmd,) = re.findall(r"```bash\n(curl .*?)```", doc, re.S)
     cmd = cmd.replace("http://127.0.0.1:8000", qwen_server.base_url).replace("\npython -c", f"\n{sys.executable} -c")
-    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S)
     assert out.returncode == 0, out.stderr
     m = re.fullmatch(r"\[(\d+), 3, 2\] \((\d+), 3, 2\)", out.stdout.strip())  # rows, 3 layers, top-2
     assert m is not None and m[1] == m[2] and 4 <= int(m[1]) <= 7, out.stdout  # 4 prompt + up to 4 new - 1
