@@ -7,18 +7,24 @@ counted (:class:`LayerCounts`) and the one writer of the ``r3/`` audit keys from
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rr_client.core.errors import ConfigurationError
 from rr_client.trainer import keys as K
 
-__all__ = ["AuditClock", "LayerCounts", "share", "layer_keys", "segment_keys"]
+__all__ = ["AuditClock", "LayerCounts", "share", "worst", "layer_keys", "merged_keys", "segment_keys"]
 
 
 def share(part: float, whole: float) -> float:
     """``part / whole``; NaN where ``whole`` is 0 (no rows: nothing was shown either way)."""
     return part / whole if whole else math.nan
+
+
+def worst(shares: Iterable[float]) -> float:
+    """The lowest of ``shares`` that are numbers; NaN when none is (no rows anywhere)."""
+    vals = [v for v in shares if not math.isnan(v)]
+    return min(vals) if vals else math.nan
 
 
 class AuditClock:
@@ -88,6 +94,27 @@ def layer_keys(counts: Sequence[LayerCounts], *, indexer: bool = False, audited:
         out[name(c.layer, "agreement")] = share(c.agreed, c.replayed) if audited else nan
         if c.left is not None and not indexer:
             out[name(c.layer, "left_rows")] = float(c.left)
+    return out
+
+
+def merged_keys(reports: Sequence[Mapping[str, float]], *, indexer: bool = False) -> dict[str, float]:
+    """The step's applied share and agreement from its blocks' :func:`layer_keys` (``r3/indexer/`` with
+    ``indexer``): the worst block's applied share (and, for routers, the worst layer's), agreement weighted by
+    replayed rows; NaN where no block had rows. The merge of what :func:`layer_keys` wrote, beside it."""
+    shr, agr, rep = (
+        (K.INDEXER_APPLIED_SHARE, K.INDEXER_AGREEMENT, K.INDEXER_REPLAYED_ROWS)
+        if indexer
+        else (K.APPLIED_SHARE, K.AGREEMENT, K.REPLAYED_ROWS)
+    )
+    rows = sum(r.get(rep, 0.0) for r in reports)
+    out = {
+        shr: worst(r.get(shr, math.nan) for r in reports),
+        agr: share(sum(r[agr] * r[rep] for r in reports if r.get(rep)), rows),
+    }
+    if not indexer:
+        out[K.APPLIED_SHARE_MIN_LAYER] = worst(
+            v for r in reports for k, v in r.items() if K.is_layer_key(k) and k.endswith("/applied_share")
+        )
     return out
 
 
