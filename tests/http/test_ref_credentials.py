@@ -19,26 +19,16 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rr_client import RoutedExpertsClient, RoutingRef, RRInfo, UntrustedHostError
+from rr_client import RoutedExpertsClient, RoutingRef, UntrustedHostError
 from rr_client.core.codec import check_routing
 from rr_client.core.errors import ConfigurationError
 from rr_server.serving.store import STORE_ROUTES, MemoryStore
 from rr_server.serving.store import install as rs
-from tests.support.routing_data import make_routing
+from tests.support.routing_data import make_routing, small_moe_info
 from tests.support.threaded_server import ThreadedServer
 
 KEY = "secret-key"
-INFO = RRInfo.from_hf_config(
-    {
-        "model_type": "qwen3_moe",
-        "num_hidden_layers": 3,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "mlp_only_layers": [1],
-    },
-    engine="test",
-    engine_version="0",
-)
+INFO = small_moe_info()
 
 
 class Recorder:

@@ -18,24 +18,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rr_client import RoutedExpertsClient, RoutingChecksumError, RoutingExpiredError, RoutingRef, RRInfo
+from rr_client import RoutedExpertsClient, RoutingChecksumError, RoutingExpiredError, RoutingRef
 from rr_client.core.codec import check_routing
 from rr_client.core.reference import checksum
 from rr_server.ray_stores import main as ray_stores
 from rr_server.serving.store.ray import PREFIX, RayStore
-from tests.support.routing_data import make_routing
+from tests.support.routing_data import make_routing, small_moe_info
 
-INFO = RRInfo.from_hf_config(
-    {
-        "model_type": "qwen3_moe",
-        "num_hidden_layers": 3,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "mlp_only_layers": [1],
-    },
-    engine="test",
-    engine_version="0",
-)
+INFO = small_moe_info()
 
 
 def checked(rows: int, seed: int = 0) -> Any:

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from rr_client import RRInfo
+
 
 def make_routing(
     rows: int, layers: int, topk: int, num_experts: int, *, moe_layers: Sequence[int] | None = None, seed: int = 0
@@ -32,3 +34,19 @@ def npy_payload(array: np.ndarray, *, num_experts: int) -> str:
         buf, np.ascontiguousarray(np.asarray(array).astype(dtype)), version=(1, 0), allow_pickle=False
     )
     return pybase64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def small_moe_info() -> RRInfo:
+    """The server info of a small Qwen3-MoE (3 layers, layer 1 dense, 8 experts, top-2) that the store, ref and
+    frame tests share: what a server rr patched would say in ``/rr/info``."""
+    return RRInfo.from_hf_config(
+        {
+            "model_type": "qwen3_moe",
+            "num_hidden_layers": 3,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "mlp_only_layers": [1],
+        },
+        engine="test",
+        engine_version="0",
+    )

@@ -18,7 +18,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rr_client import RRInfo
 from rr_client.core.codec import check_routing, decode_routed_experts
 from rr_client.core.errors import MalformedPayloadError, RRError
 from rr_client.core.reference import (
@@ -33,19 +32,9 @@ from rr_client.core.reference import (
 )
 from rr_server.serving.store import STORE_ROUTES, MemoryStore
 from rr_server.serving.store import install as rs
-from tests.support.routing_data import make_routing
+from tests.support.routing_data import make_routing, small_moe_info
 
-INFO = RRInfo.from_hf_config(
-    {
-        "model_type": "qwen3_moe",
-        "num_hidden_layers": 3,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "mlp_only_layers": [1],
-    },
-    engine="test",
-    engine_version="0",
-)
+INFO = small_moe_info()
 HUGE = [2**31, 2**40, 2**62, 2**63, 2**64, 2**70, 10**30]
 # every kind of JSON value a hostile header may put in a field: huge and negative ints, bools, floats, strings,
 # nulls, lists and objects

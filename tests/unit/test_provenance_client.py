@@ -22,7 +22,6 @@ from rr_client import (
     GenerateBatch,
     Provenance,
     RoutedExpertsClient,
-    RRInfo,
     StaleRoutingError,
     check_provenance,
     parse_sample,
@@ -34,19 +33,9 @@ from rr_client.core.errors import MalformedPayloadError, ProtocolError
 from rr_client.core.reference import RoutingRef, check_ref_tokens
 from rr_server.serving.store import STORE_ROUTES, MemoryStore
 from rr_server.serving.store import install as rs
-from tests.support.routing_data import make_routing
+from tests.support.routing_data import make_routing, small_moe_info
 
-INFO = RRInfo.from_hf_config(
-    {
-        "model_type": "qwen3_moe",
-        "num_hidden_layers": 3,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "mlp_only_layers": [1],
-    },
-    engine="test",
-    engine_version="0",
-)
+INFO = small_moe_info()
 URL = "http://rr-stand-in.test"
 
 

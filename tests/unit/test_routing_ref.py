@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from rr_client import RoutedExpertsClient, RRInfo
+from rr_client import RoutedExpertsClient
 from rr_client.core.codec import check_routing, routing_meta_fields
 from rr_client.core.errors import (
     MalformedPayloadError,
@@ -24,19 +24,9 @@ from rr_client.core.errors import (
 from rr_client.core.reference import FramePart, RoutingRef, checksum, decode_frame, encode_frame
 from rr_server.serving.store import STORE_ROUTES, MemoryStore
 from rr_server.serving.store import install as rs
-from tests.support.routing_data import make_routing
+from tests.support.routing_data import make_routing, small_moe_info
 
-INFO = RRInfo.from_hf_config(
-    {
-        "model_type": "qwen3_moe",
-        "num_hidden_layers": 3,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "mlp_only_layers": [1],
-    },
-    engine="test",
-    engine_version="0",
-)
+INFO = small_moe_info()
 URL = "http://rr-store.test"
 
 
