@@ -57,10 +57,11 @@ def _last(attn: torch.Tensor) -> torch.Tensor:
     return last_tokens(attn)
 
 
-def spread(rows: torch.Tensor, layer: int) -> torch.Tensor:
+def spread(rows: torch.Tensor, layer: int, first: int = 0) -> torch.Tensor:
     """Reference pad rows (issue 43): ``[tokens, K]`` in the router's token order, the n-th row marked -1 takes
-    ``(n * K + col + layer * K) % E`` (``layer`` 0-based), so pads spread over every expert."""
-    out, n = rows.clone().long(), 0
+    ``(n * K + col + layer * K) % E`` (``layer`` 0-based), so pads spread over every expert; ``n`` counts from
+    ``first`` (a stateless feed starts each rank of a micro-batch at its shard: ``Parallel.shard``)."""
+    out, n = rows.clone().long(), first
     for t in range(out.shape[0]):
         if bool((out[t] < 0).all()):
             out[t] = torch.tensor([(n * K + c + layer * K) % E for c in range(K)])
@@ -137,14 +138,15 @@ def test_context_and_sequence_parallel_layouts(megatron_process: None) -> None:
     rows[~batch.routed_experts_mask] = -1  # pads: spread in each rank's own token order
     for rank, positions in ((0, [0, 1, 6, 7]), (1, [2, 3, 4, 5])):
         got = router_targets(model, batch, cp_size=2, cp_rank=rank, tp_size=1, tp_rank=0)[layer3]
-        assert torch.equal(got, spread(H.sequence_first(rows[:, positions]), 2))
+        assert torch.equal(got, spread(H.sequence_first(rows[:, positions]), 2, rank))
     for rank, positions in ((0, [0, 1, 2, 3]), (1, [4, 5, 6, 7])):
         got = router_targets(model, batch, tp_size=2, tp_rank=rank, sequence_parallel=True, cp_size=1, cp_rank=0)[
             layer3
         ]
-        assert torch.equal(got, spread(H.sequence_first(rows[:, positions]), 2))
+        assert torch.equal(got, spread(H.sequence_first(rows[:, positions]), 2, rank))
     both = router_targets(model, batch, cp_size=2, cp_rank=1, tp_size=2, tp_rank=1, sequence_parallel=True)[layer3]
-    assert torch.equal(both, spread(H.sequence_first(rows[:, [4, 5]]), 2))  # CP rank 1 keeps 2..5; SP rank 1 half
+    # CP rank 1 keeps 2..5, SP rank 1 its half; shard 1 * 2 + 1
+    assert torch.equal(both, spread(H.sequence_first(rows[:, [4, 5]]), 2, 3))
     no_sp = router_targets(model, batch, tp_size=2, tp_rank=1, sequence_parallel=False, cp_size=1, cp_rank=0)
     assert no_sp[layer3].shape == (S * B, K)  # without SP every TP rank routes every token
     assert Parallel() == Parallel(1, 0, 1, 0, False)
@@ -184,7 +186,7 @@ def test_packed_thd_rows_and_context_parallel_per_sample(megatron_process: None)
     padded = torch.stack([on_tokens[0], on_tokens[1], on_tokens[2], pad, *on_tokens[3:9], pad, pad])
     got = [router_targets(model, packed, cp_size=2, cp_rank=r, cu_seqlens_padded=[0, 4, 12])[layer2] for r in (0, 1)]
     assert torch.equal(got[0], spread(padded[[0, 3, 4, 5, 10, 11]], 1))
-    assert torch.equal(got[1], spread(padded[[1, 2, 6, 7, 8, 9]], 1))
+    assert torch.equal(got[1], spread(padded[[1, 2, 6, 7, 8, 9]], 1, 1))
 
 
 def test_packed_thd_segments_follow_their_tokens_under_context_parallel(megatron_process: None) -> None:

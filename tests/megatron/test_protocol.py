@@ -303,7 +303,6 @@ def test_the_recompute_pool_is_bounded(gpt: Any, monkeypatch: pytest.MonkeyPatch
     from rr_client.integrations.megatron import _recompute
 
     monkeypatch.setattr(_recompute, "MAX_LIVE", 3)
-    monkeypatch.setattr(_recompute, "COMPACT_AT", 2)
     replay = _replay(gpt)
     tokens, rows = _batch(1)
     with pytest.raises(ReplayError, match="call step_done"):

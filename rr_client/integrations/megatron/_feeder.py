@@ -7,7 +7,8 @@ dense layers have no router), the rows are checked for every router at once by t
 padded row, no layer served dense, a row for every real token but each sample's last), the batch is laid out as
 Megatron lays out its tokens (context-parallel slice, sequence-parallel shard, sequence-first), and tokens without
 a row (pads, each sample's last token) get pad rows spread over all experts in the router's token order
-(:func:`rr_client.trainer.rows.pad_ids`), then move to the router's device.
+(:func:`rr_client.trainer.rows.pad_ids`), numbered on across a replay's micro-batches (:class:`PadClock`), then
+move to the routers' device in one pinned, non-blocking upload per device (:func:`upload`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,18 @@ from rr_client.integrations.megatron._layout import cp_thd_index, cp_zigzag_inde
 from rr_client.integrations.megatron._routers import MegatronRouter, find_routers
 from rr_client.trainer.rows import Reader, ReplayRows, pad_ids
 
-__all__ = ["Parallel", "Feed", "Batch", "MtpPolicy", "router_targets", "feed", "as_batch", "parallel_from_state"]
+__all__ = [
+    "Parallel",
+    "Feed",
+    "Batch",
+    "MtpPolicy",
+    "PadClock",
+    "router_targets",
+    "feed",
+    "as_batch",
+    "parallel_from_state",
+    "upload",
+]
 
 MtpPolicy = Literal["auto", "rows", "skip"]
 
@@ -37,6 +49,47 @@ class Parallel:
     tp_size: int = 1
     tp_rank: int = 0
     sequence_parallel: bool = False
+
+    @property
+    def shard(self) -> int:
+        """This rank's index among the ranks whose routers see other tokens of one micro-batch (context-parallel
+        slices, sequence-parallel shards); tensor-parallel ranks without sequence parallelism see the same tokens
+        and must route alike, so they share one."""
+        tp = self.tp_size if self.sequence_parallel else 1
+        return self.cp_rank * tp + (self.tp_rank if self.sequence_parallel else 0)
+
+
+class PadClock:
+    """Each router's next pad ordinal (a device counter), so one replay's pads number on across micro-batches and
+    steps: any run of consecutive ordinals puts pad tokens on every expert within one of even
+    (:func:`rr_client.trainer.rows.pad_ids`), where ordinals that restart at 0 for every micro-batch load the
+    first experts of the cycle with every micro-batch's few pads."""
+
+    def __init__(self) -> None:
+        self.next: dict[Any, torch.Tensor] = {}  #: router module -> 0-d int64: its next pad ordinal
+
+    def start(self, modules: Sequence[Any], first: int, device: torch.device) -> torch.Tensor:
+        """``[M]`` int64 on ``device``: each module's next ordinal (``first`` for a module not seen yet)."""
+        zero = torch.full((), first, dtype=torch.int64, device=device)
+        return torch.stack([self.next.get(m, zero).to(device) for m in modules])
+
+    def advance(self, modules: Sequence[Any], after: torch.Tensor) -> None:
+        """Each module's next ordinal is ``after`` (``[M]``, on the device: no host read)."""
+        for m, n in zip(modules, after):
+            self.next[m] = n
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: a host tensor goes to an accelerator from pinned memory, non-blocking (an upload from
+    pageable memory makes CUDA synchronize the stream first); a tensor already there is returned as it is."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if device.type == "cpu":
+        return t.to(device)
+    if t.device.type == "cpu" and torch.cuda.is_available() and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def parallel_from_state(routers: Sequence[MegatronRouter]) -> Parallel:
@@ -89,7 +142,8 @@ class Feed:
     """One micro-batch's targets: ``targets`` (router module -> ``[local_tokens, topk]`` int64 on its device), the
     MTP routers left to the model on purpose (``left``), the local token count, and ``have`` (``[local_tokens]``
     bool on the rows' device, the router's token order: tokens with a rollout row; the others are pads given
-    distinct experts). The layout runs where the rows are; each router's targets then move to its device once."""
+    distinct experts; on the routers' device when they share one). The layout runs where the rows are; each
+    device's routers' targets then move there in one upload."""
 
     targets: dict[Any, torch.Tensor]
     left: list[MegatronRouter] = field(default_factory=list)
@@ -200,11 +254,15 @@ def feed(
     layers: Sequence[int] | None = None,
     cu_seqlens_padded: Any = None,
     segments: Any = None,
+    pads: PadClock | None = None,
 ) -> Feed:
     """This rank's :class:`Feed` for ``routers`` from ``routing`` (see :func:`router_targets`): the rows' one check
     (:meth:`rr_client.trainer.rows.ReplayRows.check`, every token covered), the layout, then pad rows
-    (:func:`rr_client.trainer.rows.pad_ids`) for the tokens without one, counted in the router's token order.
-    ``segments``: the rows' token segment codes (``[b, s]`` or a ``Segments``), laid out as ``have``."""
+    (:func:`rr_client.trainer.rows.pad_ids`) for the tokens without one, numbered in the router's token order on
+    from ``pads`` (a replay's :class:`PadClock`; None: from this rank's :attr:`Parallel.shard`, so the ranks of
+    one micro-batch start apart), then each device's routers' targets uploaded once (pinned, non-blocking), and
+    ``have`` / ``segments`` (laid out as ``have``; given as ``[b, s]`` codes or a ``Segments``) too when every
+    router sits on one device."""
     batch = as_batch(routing, mask=mask, attention_mask=attention_mask, layers=layers)
     if segments is not None:
         batch = replace(batch, segments=_segment_codes(segments, batch))
@@ -226,10 +284,23 @@ def feed(
     m, k = len(take), batch.topk
     local = _local(st.sel.view(b, s, m, k), batch, par, cu_seqlens_padded)  # [tokens, M, K]
     use = _local(st.use.view(b, s, m), batch, par, cu_seqlens_padded)  # [tokens, M]
-    ordinal = use.logical_not().long().cumsum(0) - 1  # each router's pads, in its token order
-    pads = pad_ids(ordinal, [r.layer for r in readers], k, [r.num_experts for r in readers])
-    local = torch.where(use.unsqueeze(-1), local, pads)
-    targets = {r.module: local[:, i].contiguous().to(r.device) for i, r in enumerate(take)}
+    clock, mods = (pads if pads is not None else PadClock()), [r.module for r in take]
+    start = clock.start(mods, par.shard, use.device)
+    missing = use.logical_not().long()
+    ordinal = missing.cumsum(0) - 1 + start  # each router's pads, in its token order, on from its last micro-batch
+    clock.advance(mods, start + missing.sum(0))
+    fill = pad_ids(ordinal, [r.layer for r in readers], k, [r.num_experts for r in readers])
+    local = torch.where(use.unsqueeze(-1), local, fill)
+    targets: dict[Any, torch.Tensor] = {}
+    by_device: dict[torch.device, list[int]] = {}
+    for i, r in enumerate(take):
+        by_device.setdefault(r.device, []).append(i)
+    for dev, cols in by_device.items():  # each router's rows to its own device only, one upload per device
+        block = upload(local[:, cols].permute(1, 0, 2).contiguous(), dev)
+        targets.update({take[i].module: block[j] for j, i in enumerate(cols)})
+    if len(by_device) == 1:
+        (dev,) = by_device
+        have, seg = upload(have, dev), (upload(seg, dev) if seg is not None else None)
     return Feed(targets, left, int(local.shape[0]), have, b, seg)
 
 

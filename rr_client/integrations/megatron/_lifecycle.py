@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from rr_client.core.errors import ConfigurationError, MissingRoutingError, ReplayError, ShapeMismatchError
-from rr_client.integrations.megatron._recompute import RecomputePool
+from rr_client.integrations.megatron._recompute import RecomputePool, recomputed
 from rr_client.integrations.megatron._routers import MegatronRouter
 from rr_client.trainer import keys as K
 from rr_client.trainer.replay.phase import DeviceTally, in_backward
@@ -127,7 +127,7 @@ class Lifecycle:
     @staticmethod
     def _fresh_state(r: MegatronRouter) -> RouterState:
         """A router's state at the start of a step."""
-        rec = recomputes_router(r.module.config)
+        rec = recomputed(r)  # only the layers Megatron checkpoints keep rows for their recomputes
         return RouterState(r, recomputable=rec, pool=RecomputePool(r.describe()) if rec else None)
 
     @property
@@ -407,9 +407,10 @@ class Lifecycle:
                     problems.append(
                         f"{s.router.describe()}: {miss} recompute(s) whose router input matched no "
                         f"forward of this step, {reused} forward(s) taken by two recomputes, "
-                        f"{ambiguous // 2} pair(s) of forwards with one input but other rows: a "
+                        f"{ambiguous} forward(s) live at a recompute's pick with its input but other rows: a "
                         "recompute may have replayed another micro-batch's rows (a backward run twice, "
-                        "or the weights changed between a forward and its backward)"
+                        "the weights changed between a forward and its backward, or identical samples "
+                        "with other rows in flight together: run one's backward before the other's forward)"
                     )
         report: dict[str, float] = {}
         if replaying:

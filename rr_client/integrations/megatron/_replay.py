@@ -16,7 +16,7 @@ import torch
 
 from rr_client.core.errors import ArgumentTypeError, ConfigurationError, ReplayError
 from rr_client.core.provenance import ProvenanceCheck, StalePolicy, check_stale_policy
-from rr_client.integrations.megatron._feeder import Feed, MtpPolicy, Parallel, feed, parallel_from_state
+from rr_client.integrations.megatron._feeder import Feed, MtpPolicy, PadClock, Parallel, feed, parallel_from_state
 from rr_client.integrations.megatron._gate import check_megatron_version
 from rr_client.integrations.megatron._lifecycle import AUDIT_EVERY, Lifecycle
 from rr_client.integrations.megatron._routers import (
@@ -84,6 +84,7 @@ class MegatronReplay:
         self.parallel = parallel if parallel is not None else parallel_from_state(self.routers)
         self.left: list[MegatronRouter] = []  #: MTP routers the last feed left to the model
         self.lifecycle = Lifecycle(self.routers, audit_every=audit_every, log_layers=log_layers)
+        self.pads = PadClock()  #: each router's pad ordinals, numbered on across micro-batches and steps
 
     # ------------------------------------------------------------------ targets
     def routers_of(self, chunk: Any = None) -> list[MegatronRouter]:
@@ -104,6 +105,7 @@ class MegatronReplay:
             routing,
             parallel=layout.pop("parallel", self.parallel),
             mtp=layout.pop("mtp", self.mtp),
+            pads=layout.pop("pads", self.pads),
             **layout,
         )
 
