@@ -66,24 +66,9 @@ def build_model(out: Path, lm_head_scale: float, expert_scale: float) -> Path:
 
 def launch(model_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
     cmd = [
-        sys.executable,
-        "-m",
-        "rr_server",
-        "launch",
-        "vllm",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "512",
-        "--served-model-name",
-        "tiny-moe",
-        "--seed",
-        "0",
-    ]
+        sys.executable, "-m", "rr_server", "launch", "vllm", "--model", str(model_dir), "--host", "127.0.0.1",
+        "--port", str(port), "--max-model-len", "512", "--served-model-name", "tiny-moe", "--seed", "0"
+    ]  # fmt: skip
     env = dict(os.environ)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with open(log, "wb") as f:

@@ -172,20 +172,9 @@ def launch(model_dir: Path) -> tuple[str, subprocess.Popen[bytes]]:
     log_path = Path(tempfile.gettempdir()) / f"rr-trl-example-{port}.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     cmd = [
-        sys.executable,
-        "-m",
-        "rr_server",
-        "launch",
-        "vllm",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "512",
-    ]
+        sys.executable, "-m", "rr_server", "launch", "vllm", "--model", str(model_dir), "--host", "127.0.0.1",
+        "--port", str(port), "--max-model-len", "512"
+    ]  # fmt: skip
     print(f"launching: VLLM_SERVER_DEV_MODE=1 rr-server launch vllm --model {model_dir} --port {port} (log {log_path})")
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

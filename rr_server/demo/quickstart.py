@@ -43,22 +43,9 @@ DEFAULT_PROMPTS = [
 def _launch(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
     """Start the patched vLLM server via the rr launcher, in its own process group."""
     cmd = [
-        sys.executable,
-        "-m",
-        "rr_server",
-        "launch",
-        "vllm",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "1024",
-        "--served-model-name",
-        "tiny-moe",
-    ]
+        sys.executable, "-m", "rr_server", "launch", "vllm", "--model", str(model_dir), "--host", "127.0.0.1",
+        "--port", str(port), "--max-model-len", "1024", "--served-model-name", "tiny-moe"
+    ]  # fmt: skip
     env = dict(os.environ)
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # the log's last line is the start's progress shown meanwhile
     with open(log_path, "wb") as log:

@@ -49,15 +49,9 @@ def server_args(
 ) -> list[str]:
     """The vLLM api_server arguments a test server is launched with (before rr's launcher adds its own)."""
     args = [
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(max_model_len),
-    ]
+        "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
+        str(max_model_len)
+    ]  # fmt: skip
     if served_model_name:
         args += ["--served-model-name", served_model_name]
     return [*args, *extra]
