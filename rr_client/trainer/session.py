@@ -45,14 +45,16 @@ import torch
 from torch import nn
 
 from rr_client.core.agreement import count_matches
-from rr_client.core.errors import ConfigurationError, ReplayError
+from rr_client.core.errors import ConfigurationError
 from rr_client.core.logprobs import check_comparable_logprobs, engine_logprobs
 from rr_client.core.provenance import ProvenanceCheck, StalePolicy, check_stale_policy
 from rr_client.trainer import keys as K
+from rr_client.trainer.audit import AuditClock, merged_keys
 from rr_client.trainer.metrics import gap_keys, gap_stats, segment_gap_stats
 from rr_client.trainer.provenance import (
     Segments,
     check_samples,
+    drop_samples,
     mask_indexer,
     merge_checks,
     police_rows,
@@ -83,24 +85,22 @@ def merge_reports(reports: Sequence[dict[str, float]], *, log_layers: bool = Fal
     reports = [r for r in reports if r]
     if not reports:
         return {}
-    replayed = sum(r[K.REPLAYED_ROWS] for r in reports)
     out = {
-        K.FORWARDS: sum(r[K.FORWARDS] for r in reports),
-        K.REPLAYED_ROWS: replayed,
-        K.LEFT_ROWS: sum(r[K.LEFT_ROWS] for r in reports),
-        K.MOE_LAYERS: max(r.get(K.MOE_LAYERS, 0.0) for r in reports),
+        # a block's own counts (orphan routers, unconsumed layers, layers left ...): the worst block's
+        k: max(r[k] for r in reports if k in r)
+        for k in sorted({k for r in reports for k in r})
+        if not (K.is_layer_key(k) or K.is_segment_key(k))
     }
-    applied = [r[K.APPLIED_SHARE] for r in reports if not math.isnan(r[K.APPLIED_SHARE])]
-    out[K.APPLIED_SHARE] = min(applied) if applied else math.nan
-    shares = [
-        v
-        for r in reports
-        for k, v in r.items()
-        if K.is_layer_key(k) and k.endswith("/applied_share") and not math.isnan(v)
-    ]
-    out[K.APPLIED_SHARE_MIN_LAYER] = min(shares) if shares else math.nan
-    agree = sum(r[K.AGREEMENT] * r[K.REPLAYED_ROWS] for r in reports if r[K.REPLAYED_ROWS])
-    out[K.AGREEMENT] = agree / replayed if replayed else math.nan
+    replayed = sum(r.get(K.REPLAYED_ROWS, 0.0) for r in reports)
+    out.update(
+        {
+            K.FORWARDS: sum(r.get(K.FORWARDS, 0.0) for r in reports),
+            K.REPLAYED_ROWS: replayed,
+            K.LEFT_ROWS: sum(r.get(K.LEFT_ROWS, 0.0) for r in reports),
+            K.MOE_LAYERS: max(r.get(K.MOE_LAYERS, 0.0) for r in reports),
+            **merged_keys(reports),
+        }
+    )
     for k in sorted({k for r in reports for k in r if K.is_segment_key(k) and k.endswith("/replayed_rows")}):
         base = k[: -len("replayed_rows")]
         rows = sum(r.get(k, 0.0) for r in reports)
@@ -123,10 +123,7 @@ def merge_indexer_reports(reports: Sequence[dict[str, float]], *, log_layers: bo
     out = {
         K.INDEXER_LAYERS: max(r[K.INDEXER_LAYERS] for r in reports),
         K.INDEXER_REPLAYED_ROWS: rows,
-        K.INDEXER_APPLIED_SHARE: min(r[K.INDEXER_APPLIED_SHARE] for r in reports),
-        K.INDEXER_AGREEMENT: (
-            sum(r[K.INDEXER_AGREEMENT] * r[K.INDEXER_REPLAYED_ROWS] for r in reports) / rows if rows else 1.0
-        ),
+        **merged_keys(reports, indexer=True),
     }
     if log_layers:
         out.update(_merge_layer_keys(reports, K.is_indexer_layer_key))
@@ -235,17 +232,16 @@ class ReplaySession:
         stale_rows: StalePolicy = "refuse",
         backend: ReplayBackend | None = None,
     ) -> None:
-        if audit_every < 0 or check_every < 1:
-            raise ConfigurationError(f"audit_every={audit_every} must be >= 0 and check_every={check_every} >= 1")
+        if check_every < 1:
+            raise ConfigurationError(f"check_every={check_every} must be >= 1")
         self.model = model
-        self.audit_every = audit_every
+        self.clock = AuditClock(audit_every)  #: the one audit clock (backends and adapters ask it; flush ticks it)
         self.check_every = check_every
         self.allow_untested = allow_untested
         self.layers = list(layers) if layers is not None else None
         self.moe_layers = list(moe_layers) if moe_layers is not None else None
         self.log_layers = log_layers
         self.stale_rows: StalePolicy = check_stale_policy(stale_rows)
-        self.steps = 0  #: flushed steps
         self.backend = backend  #: None: the Hugging Face hooks; else the backend that replays (Megatron's)
         self._fed = False  # a backend: rows fed (or a record opened) since the last flush
         self._stack: ExitStack | None = None
@@ -262,14 +258,25 @@ class ReplaySession:
         self._agree = [0, 0]  # recorded rows equal to the compared rows, rows compared
         self._seg_gaps: list[tuple[tuple[tuple[str, int | None], ...], torch.Tensor]] = []
         self._checks: list[ProvenanceCheck] = []  # check_samples / add_provenance: they count the step
-        self._row_checks: list[ProvenanceCheck] = []  # the policy where rows entered (counted without the above)
+        self._row_checks: list[ProvenanceCheck] = []  # the policy where trained rows entered (open_replay)
+        self._forward_checks: list[ProvenanceCheck] = []  # ... where rows of forwards without backward entered
+        self._keep: tuple[bool, ...] | None = None  # the last opened block's samples the policy kept (add_gap's)
         self._policed: dict[int, tuple[Any, Any, Any, ProvenanceCheck]] = {}  # id(rows) -> rows, mask, out, check
 
     # ------------------------------------------------------------------ state
     @property
-    def audited(self) -> bool:
-        """Whether blocks opened now run under the audit (the first step, then every ``audit_every``-th)."""
-        return self.audit_every > 0 and self.steps % self.audit_every == 0
+    def audit_every(self) -> int:
+        """Steps between audited steps (:attr:`clock`'s ``every``)."""
+        return self.clock.every
+
+    @property
+    def steps(self) -> int:
+        """Finished steps (:attr:`clock`'s)."""
+        return self.clock.steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.clock.steps = value
 
     @property
     def is_open(self) -> bool:
@@ -288,23 +295,46 @@ class ReplaySession:
         every_token: bool = False,
         layers: Sequence[int] | None = None,
         tokens: Any = None,
+        trained: bool = False,
+        own: bool = True,
     ) -> tuple[Any, Any, ProvenanceCheck | None]:
         """``(rows, mask, check)`` after the stale-rows policy on ``routing``'s samples: their provenance from
         ``samples``, else the rows' own (``to_tensors`` / ``to_packed``), else noted unknown (one per sample).
         ``every_token``: the backend replays every token (Megatron): masked samples become pad rows, not rows
         left to the router. The same rows entering twice in a step (two chunks, a reference forward) are checked
-        and counted once."""
+        and counted once; a step counts its ``trained`` rows (:meth:`open_replay`'s), or, with none, those of its
+        forwards without backward. ``own``: rows for the session's model, whose kept samples :meth:`add_gap`
+        measures."""
         if checked:
+            self._keep = None
             return routing, mask, None
         hit = self._policed.get(id(routing))
         if hit is not None and hit[0] is routing and hit[1] is mask:
-            return hit[2][0], hit[2][1], hit[3]
-        out_rows, out_mask, check = police_rows(
-            routing, self.stale_rows, mask=mask, samples=samples, every_token=every_token, layers=layers, tokens=tokens
-        )
-        self._row_checks.append(check)
-        self._policed[id(routing)] = (routing, mask, (out_rows, out_mask), check)
+            out_rows, out_mask, check = hit[2][0], hit[2][1], hit[3]
+        else:
+            out_rows, out_mask, check = police_rows(
+                routing,
+                self.stale_rows,
+                mask=mask,
+                samples=samples,
+                every_token=every_token,
+                layers=layers,
+                tokens=tokens,
+            )
+            (self._row_checks if trained else self._forward_checks).append(check)
+            self._policed[id(routing)] = (routing, mask, (out_rows, out_mask), check)
+        if own:
+            self._keep = check.replay
         return out_rows, out_mask, check
+
+    def police(
+        self, routing: Any, mask: Any = None, *, samples: Sequence[Any] | None = None
+    ) -> tuple[Any, Any, ProvenanceCheck]:
+        """The session's stale-rows policy on rows replayed in another model (TRL's separate reference model):
+        ``(rows, mask, check)`` with the masked samples' rows off, counted into the step as a forward's rows."""
+        rows, mask, check = self._police(routing, mask, samples, False, own=False)
+        assert check is not None
+        return rows, mask, check
 
     # ------------------------------------------------------------------ per micro-batch
     def open_replay(
@@ -362,7 +392,7 @@ class ReplaySession:
                 )
             if routed_experts is None:
                 raise ConfigurationError("open_replay needs the rows to replay")
-            rows, mask, check = self._police(routed_experts, mask, samples, checked)
+            rows, mask, check = self._police(routed_experts, mask, samples, checked, trained=True)
             self.close()
             stack = self._open_block(rows, mask, check, indexer, layers=layers, tokens=tokens, segments=segments)
             self._stack = stack
@@ -381,7 +411,14 @@ class ReplaySession:
         given = hasattr(routed_experts, "have") and hasattr(routed_experts, "rows")  # ReplayRows: mask, layers in
         axis = layers if layers is not None or given else self.layers
         rows, mask, check = self._police(
-            routed_experts, mask, samples, checked, every_token=self.backend.every_token, layers=axis, tokens=tokens
+            routed_experts,
+            mask,
+            samples,
+            checked,
+            every_token=self.backend.every_token,
+            layers=axis,
+            tokens=tokens,
+            trained=True,
         )
         if rows is not routed_experts and not given:  # the policy folded mask, layers and tokens into ReplayRows
             mask, axis, tokens = None, None, None
@@ -405,12 +442,13 @@ class ReplaySession:
                 )
             if key is None:
                 raise ConfigurationError("open_record on Megatron: pass key= (the micro-batch's id) and input_ids=")
-            self._fed = True
+            self._fed, self._keep = True, None
             self.backend.record(key=key, input_ids=input_ids, chunk=chunk)
             return None
         if key is not None or input_ids is not None or chunk is not None:
             raise ConfigurationError("open_record: key / input_ids / chunk apply to the Megatron backend only")
         self.close()
+        self._keep = None  # R2 records every sample's own routing: none is masked
         stack = ExitStack()
         rec = stack.enter_context(record_routing(self.model, allow_untested=self.allow_untested))
         if compare_to is not None:
@@ -492,7 +530,7 @@ class ReplaySession:
                     mask,
                     layers=layers if layers is not None else self.layers,
                     check_every=self.check_every,
-                    audit=self.audited,
+                    audit=self.clock.audited,
                     allow_untested=self.allow_untested,
                     tokens=tokens,
                     segments=segments,
@@ -516,7 +554,7 @@ class ReplaySession:
         rows, layers = indexer
         if check is not None:
             rows = mask_indexer(rows, check.replay)
-        return stack.enter_context(replay_indexer(self.model, rows, layers=layers, audit=self.audited))
+        return stack.enter_context(replay_indexer(self.model, rows, layers=layers, audit=self.clock.audited))
 
     def _hf_only(self, what: str) -> None:
         if self.backend is not None:
@@ -547,7 +585,7 @@ class ReplaySession:
         if self.backend is not None:
             self.backend.abandon()
             self._fed = False
-            self.steps += 1
+            self.clock.tick()
 
     def detach(self) -> None:
         """Done with the model: close the open block; Megatron: clear every router and remove rr's hooks
@@ -567,6 +605,8 @@ class ReplaySession:
         logprobs_mode: str | None = None,
         sampling: Mapping[str, Any] | None = None,
         segments: Segments | None = None,
+        keep: Sequence[bool] | None = None,
+        cu_seqlens: Any = None,
     ) -> None:
         """Add a micro-batch's log-prob gap (trainer vs the engine's sampling log-probs, over ``mask``); kept on
         the device until :meth:`flush`, token-weighted over the step.
@@ -579,10 +619,21 @@ class ReplaySession:
         top-p, min-p or a penalty on in ``sampling`` (:class:`rr_client.LogprobsModeError`,
         :func:`rr_client.core.logprobs.check_comparable_logprobs`), never turned into wrong gaps. ``segments``: the
         gap per token segment too (its ``logps`` codes, shaped like the log-probs), under
-        ``r3/[turn<t>/]<segment>/mean_abs_logp_diff`` etc."""
+        ``r3/[turn<t>/]<segment>/mean_abs_logp_diff`` etc.
+
+        Samples the stale-rows policy masked are out of the gap (their rows were not replayed: their gap says
+        nothing of replay; they are counted under ``r3/stale_masked``): ``keep`` (one bool per sample; packed
+        log-probs with ``cu_seqlens``), by default, on the Hugging Face backend, the samples of the block opened
+        last (:meth:`open_replay` / :meth:`forward` of these log-probs' micro-batch). Megatron feeds every
+        micro-batch before any gap is known: pass ``keep`` (the ``replay`` of :meth:`open_replay`'s check)."""
         engine_logps, logprobs_mode = engine_logprobs(engine_logps, logprobs_mode, consumer="ReplaySession.add_gap")
         check_comparable_logprobs(logprobs_mode, temperature, consumer="ReplaySession.add_gap", sampling=sampling)
         mine = trainer_logps.detach() if hasattr(trainer_logps, "detach") else trainer_logps
+        if keep is None and self.backend is None:
+            keep = self._keep
+        if keep is not None and not all(keep):
+            base = torch.ones(tuple(mine.shape), dtype=torch.bool) if mask is None else torch.as_tensor(mask)
+            mask = drop_samples(base, keep, cu_seqlens)
         self._gaps.append(gap_stats(mine, engine_logps, mask))
         if segments is not None:
             self._seg_gaps.append(
@@ -619,18 +670,22 @@ class ReplaySession:
     # ------------------------------------------------------------------ per step
     def flush(self) -> dict[str, float]:
         """Close the open block (Megatron: end the step, ``MegatronReplay.step_done``, whose verdicts raise here)
-        and return the step's merged metrics (keys: :mod:`rr_client.trainer.keys`); counts the step for
-        ``audit_every``. One host read for the gaps."""
-        audited = self.audited
+        and return the step's merged metrics (keys: :mod:`rr_client.trainer.keys`); ticks :attr:`clock`, also
+        for a step whose verdict refuses it. One host read for the gaps."""
+        try:
+            return self._merge_step(self.clock.audited)
+        except BaseException:
+            self._reset()
+            raise
+        finally:
+            self.clock.tick()
+
+    def _merge_step(self, audited: bool) -> dict[str, float]:
+        """The step's metrics (see :meth:`flush`), its state reset; raises the step's verdicts."""
         self.close()
         if self.backend is not None:
             self._fed = False
-            try:
-                report = self.backend.step_done()
-            except BaseException:
-                self._reset()
-                self.steps += 1  # Megatron counted the step
-                raise
+            report = self.backend.step_done()
             if report and audited:  # as the Hugging Face hooks: an unaudited step claims no audit keys
                 self._reports.append(report)
         out = merge_reports(self._reports, log_layers=self.log_layers)
@@ -655,25 +710,20 @@ class ReplaySession:
                 t.to(dev).reshape(-1) for _, t in self._seg_gaps
             ]
             flat = torch.cat(parts).tolist()  # the step's one host read of the gaps
-            try:
-                out.update(gap_keys(flat[:7]))
-            except ReplayError:
-                self._reset()
-                raise
+            out.update(gap_keys(flat[:7]))
             out.update(_segment_gaps(self._seg_gaps, flat[7:]))
-        checks = self._checks or self._row_checks
+        checks = self._checks or self._row_checks or self._forward_checks
         if checks:
             out.update(provenance_metrics(merge_checks(checks)))
         if self._agree[1]:
             out[K.AGREEMENT] = self._agree[0] / self._agree[1]
         self._reset()
-        self.steps += 1
         return out
 
     def _reset(self) -> None:
         self._reports, self._gaps, self._agree, self._seg_gaps, self._checks = [], [], [0, 0], [], []
         self._indexer_reports = []
-        self._row_checks, self._policed = [], {}
+        self._row_checks, self._forward_checks, self._policed, self._keep = [], [], {}, None
         self._indexer_fed = self._routing_fed = False
 
     @contextmanager

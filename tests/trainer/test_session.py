@@ -11,8 +11,9 @@ from torch.utils.checkpoint import checkpoint
 
 from rr_client import ConfigurationError, ReplayError
 from rr_client.trainer import keys as K
+from rr_client.trainer.audit import AuditClock
 from rr_client.trainer.metrics import r3_metrics, token_logprobs
-from rr_client.trainer.session import ReplaySession, merge_reports
+from rr_client.trainer.session import ReplaySession, merge_indexer_reports, merge_reports
 
 from .helpers import random_routing, recorded, token_ids
 from .tiny_models import EXPERTS, LAYERS, TOPK, VOCAB, tiny_model
@@ -165,6 +166,49 @@ def test_a_replay_that_did_not_take_effect_raises_at_flush(qwen: Any) -> None:
     with pytest.raises(ReplayError, match="no forward"):
         with session.step():
             session.open_replay(own(qwen, batch(7)))  # no forward ran under the audit
+
+
+def test_one_audit_clock_ticked_by_a_refused_step_too(qwen: Any) -> None:
+    """The session's audit clock is the spine's AuditClock, and a step its verdict refuses at flush still counts:
+    the next step is the second one (not audited at audit_every=2), as on Megatron, whose step was counted."""
+    session = ReplaySession(qwen, audit_every=2)
+    assert isinstance(session.clock, AuditClock) and session.clock.audited
+    with pytest.raises(ReplayError, match="no forward"):
+        with session.step():
+            session.open_replay(own(qwen, batch(7)))  # no forward ran under the audit: refused at flush
+    assert session.clock.steps == session.steps == 1 and not session.clock.audited
+    x = batch(8)
+    assert K.AUDITED not in step(session, qwen, x, own(qwen, x))  # the second step: not audited
+    assert step(session, qwen, x, own(qwen, x))[K.AUDITED] == 1.0
+
+
+def test_flush_keeps_the_blocks_own_keys(qwen: Any) -> None:
+    """The step's report keeps what each block counted beside the shares (issue 56, item 11): orphan routers,
+    unconsumed layers, routers left (hash-routed, outside the decoder), the worst block's."""
+    session = ReplaySession(qwen, audit_every=1)
+    x = batch(9)
+    met = step(session, qwen, x, own(qwen, x))
+    for k in (K.ORPHAN_ROUTERS, K.UNCONSUMED_LAYERS, K.LEFT_LAYERS_HASH, K.LEFT_ROUTERS_OUTSIDE_DECODER):
+        assert met[k] == 0.0, k
+    a = {K.FORWARDS: 1.0, K.REPLAYED_ROWS: 4.0, K.APPLIED_SHARE: 1.0, K.AGREEMENT: 1.0, K.ORPHAN_ROUTERS: 0.0}
+    assert merge_reports([a, {**a, K.ORPHAN_ROUTERS: 2.0}])[K.ORPHAN_ROUTERS] == 2.0
+
+
+def test_no_rows_means_nan_for_routers_and_indexers_alike() -> None:
+    """A share over zero rows is NaN on every merge (it was 1.0 for the indexer's agreement), and a block without
+    rows never hides another block's share, whatever their order."""
+    empty = {
+        K.INDEXER_LAYERS: 1.0,
+        K.INDEXER_REPLAYED_ROWS: 0.0,
+        K.INDEXER_APPLIED_SHARE: math.nan,
+        K.INDEXER_AGREEMENT: math.nan,
+    }
+    m = merge_indexer_reports([empty])
+    assert math.isnan(m[K.INDEXER_AGREEMENT]) and math.isnan(m[K.INDEXER_APPLIED_SHARE])
+    half = {**empty, K.INDEXER_REPLAYED_ROWS: 4.0, K.INDEXER_APPLIED_SHARE: 0.5, K.INDEXER_AGREEMENT: 0.5}
+    for order in ([empty, half], [half, empty]):
+        m = merge_indexer_reports(order)
+        assert m[K.INDEXER_APPLIED_SHARE] == 0.5 and m[K.INDEXER_AGREEMENT] == 0.5, order
 
 
 def test_bad_settings_are_refused(qwen: Any) -> None:

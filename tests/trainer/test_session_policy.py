@@ -131,3 +131,29 @@ def test_rows_without_provenance_pass_noted_and_count_once(model: Any, info: RRI
     with pytest.raises(ShapeMismatchError, match="names 2 samples, the rows hold 1"):
         session.open_replay(half)  # cut into micro-batches without cutting its provenance
     session.abandon()
+
+
+def test_a_masked_sample_is_out_of_the_gap(model: Any, info: RRInfo) -> None:
+    """A sample the policy masked (its rows not replayed) leaves the step's log-prob gap and its segments' gaps
+    (issue 56, item 2): a huge gap on it moves neither ``r3/mean_abs_logp_diff`` nor ``r3/k3_kl``; it is counted
+    under ``r3/stale_masked``."""
+    res = samples(model, [STALE, None])
+    rt = to_tensors(res, info, pad_side="right")
+    session = ReplaySession(model, audit_every=1, stale_rows="mask")
+    with torch.no_grad():
+        mine = model(rt.input_ids).logits.float().log_softmax(-1).amax(-1)  # any trainer log-probs
+    engine = mine.clone()
+    engine[0] -= 30.0  # the masked sample's engine log-probs: far off
+    resp = rt.response_mask.bool()
+    with session.step() as met:
+        session.open_replay(rt)
+        model(rt.input_ids).logits.float().logsumexp(-1).mean().backward()
+        session.add_gap(mine, engine, resp)
+    assert met[K.STALE_MASKED] == 1
+    assert met[K.LOGP_TOKENS] == int(resp[1].sum()) and met[K.MEAN_ABS_LOGP_DIFF] == 0.0 and met[K.K3_KL] == 0.0
+    off = ReplaySession(model, audit_every=1, stale_rows="off")  # every sample replayed: both in the gap
+    with off.step() as both:
+        off.open_replay(rt)
+        model(rt.input_ids).logits.float().logsumexp(-1).mean().backward()
+        off.add_gap(mine, engine, resp)
+    assert both[K.LOGP_TOKENS] == int(resp.sum()) and both[K.MEAN_ABS_LOGP_DIFF] > 10

@@ -137,7 +137,7 @@ def test_a_batch_of_a_rollout_rr_no_longer_holds_is_refused() -> None:
     from rr_client.integrations.trl._trainer import Generation
 
     def gen(serial: int, mode: str) -> Generation:
-        return Generation(serial, mode, None, ())  # type: ignore[arg-type]  # the samples are not read here
+        return Generation(serial, mode, None)  # type: ignore[arg-type]  # the samples are not read here
 
     held = SimpleNamespace(_rr_held={"train": gen(3, "train"), "eval": gen(4, "eval")})
     pick = R3GRPOTrainer._generation

@@ -12,6 +12,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,7 +29,7 @@ from rr_client.integrations.weight_sync import DiskWeightSync
 from rr_client.trainer import keys as K
 from rr_client.trainer.layouts import RoutingTensors, to_tensors
 from rr_client.trainer.metrics import token_logprobs
-from rr_client.trainer.provenance import Segments, build_segments, check_samples, mask_samples, provenance_metrics
+from rr_client.trainer.provenance import Segments, build_segments
 from rr_client.trainer.replay import replay_indexer, replay_routing
 from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
@@ -61,12 +62,21 @@ _BATCH_KEY = "rr_generation"  # per-sample serial of the rollout it came from (t
 
 class Generation(NamedTuple):
     """One rollout rr holds for replay: its serial (carried with each sample), TRL's mode when it was generated
-    (``train`` / ``eval``), its samples and, per sample, False where the stale-rows policy masked its rows."""
+    (``train`` / ``eval``) and its samples (their rows carry their provenance to the session's stale-rows policy)."""
 
     serial: int
     mode: str
     rollout: Rollout
-    replay: tuple[bool, ...]
+
+
+def _samples(rt: RoutingTensors, start: int, end: int) -> RoutingTensors:
+    """Samples ``start:end`` of a token-major :class:`RoutingTensors` (a TRL chunk), with their provenance."""
+    cut = {
+        f.name: v[start:end]
+        for f in fields(rt)
+        if isinstance(v := getattr(rt, f.name), torch.Tensor) or (f.name == "provenance" and v is not None)
+    }
+    return replace(rt, **cut)
 
 
 class GenerateOutput(NamedTuple):
@@ -369,11 +379,9 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         if got != [(list(p), list(c)) for p, c in zip(out.prompt_ids, out.completion_ids)]:
             raise ReplayError("the rollout's routing belongs to other samples than the prompt/completion ids TRL got")
         self._check_logprobs(rollout.info)
-        check = check_samples(rollout.results, self.rr_session.stale_rows)  # refuses before training on the batch
         mode = "train" if self.model.training else "eval"
-        self._log(provenance_metrics(check), mode)
         self._rr_serial += 1
-        self._rr_latest = self._rr_held[mode] = Generation(self._rr_serial, mode, rollout, check.replay)
+        self._rr_latest = self._rr_held[mode] = Generation(self._rr_serial, mode, rollout)
         self.rr_session.moe_layers = list(rollout.info.moe_layers)  # agreement over MoE layers only (r3=False)
         return raw
 
@@ -419,6 +427,7 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                 seg = Segments(
                     seg.rows, seg.logps[:, seg.logps.shape[1] - engine.shape[1] :].to(engine.device), seg.names
                 )
+            # the samples the session's policy masked in this loss forward are out of the gap (its add_gap)
             self.rr_session.add_gap(self._rr_loss_logps.float(), engine.float(), mask, segments=seg)
         if not self.model.training:  # an eval batch: its replay and gap into the eval log, not the next step's
             self._flush_eval()
@@ -463,7 +472,7 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
         if torch.is_grad_enabled():  # the loss forward: one block, open until backward has run (checkpointing)
             self._rr_segments = seg
             if self.r3:
-                session.open_replay(rt, segments=seg, checked=True)  # the stale-rows policy ran at rollout time
+                session.open_replay(rt, segments=seg)  # the stale-rows policy on the rows' provenance
             else:
                 session.open_record(rt.routed_experts, rt.routed_experts_mask)
             out = super()._get_per_token_logps_and_entropies(
@@ -479,20 +488,11 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             return out
 
         def chunk_rows(s: int, e: int) -> AbstractContextManager[Any]:
-            rows, mask = rt.routed_experts[s:e], rt.routed_experts_mask[s:e]
+            part = _samples(rt, s, e)  # the rows, their picks and provenance: the session's door takes them
             return (
-                session.forward(
-                    rows,
-                    mask,
-                    layers=rt.layers,
-                    tokens=rt.attention_mask[s:e],
-                    segments=seg.narrow(s, e),
-                    checked=True,
-                    indexer_topk=None if rt.indexer_topk is None else rt.indexer_topk[s:e],
-                    indexer_layers=rt.indexer_layers,
-                )
+                session.forward(part, segments=seg.narrow(s, e))
                 if self.r3
-                else session.recording(rows, mask)
+                else session.recording(part.routed_experts, part.routed_experts_mask)
             )
 
         out = self._chunked(
@@ -574,22 +574,21 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
 
         @contextmanager
         def chunk_rows(s: int, e: int) -> Iterator[None]:  # TRL's chunks, each under its own rows (and picks)
+            part, _, _ = session.police(_samples(rt, s, e))  # the session's policy; masked samples route natively
+            audited = session.clock.audited
             with ExitStack() as stack:
                 stack.enter_context(
                     replay_routing(
                         own,
-                        rt.routed_experts[s:e],
-                        rt.routed_experts_mask[s:e],
-                        layers=rt.layers,
+                        part,
                         check_every=session.check_every,
-                        audit=session.audited,
+                        audit=audited,
                         allow_untested=session.allow_untested,
-                        tokens=rt.attention_mask[s:e],
                     )
                 )
-                if rt.indexer_topk is not None:
+                if part.indexer_topk is not None:
                     stack.enter_context(
-                        replay_indexer(own, rt.indexer_topk[s:e], layers=rt.indexer_layers, audit=session.audited)
+                        replay_indexer(own, part.indexer_topk, layers=part.indexer_layers, audit=audited)
                     )
                 yield
 
@@ -601,7 +600,8 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
 
     def _rows_for(self, input_ids: torch.Tensor, logits_to_keep: int) -> tuple[RoutingTensors, Segments]:
         """The routing of the batch's own rollout placed under ``input_ids`` (TRL: prompts left-padded, completions
-        right-padded), samples the stale-rows policy masked left to the router, and the batch's token segments.
+        right-padded), with its samples' provenance (the session's stale-rows policy reads it), and the batch's
+        token segments.
         A loss forward's samples are those ``_compute_loss`` named (of the rollout they came from, train or eval);
         TRL's scoring forwards hold the rollout just generated, all of it, in order."""
         gen = self._rr_current_gen if self._rr_current is not None else self._rr_latest
@@ -640,6 +640,4 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
                 f"row {bad} of the batch (rollout sample {idx[bad]}) holds other tokens than the "
                 "routing was recorded for: the rows would sit under the wrong tokens"
             )
-        if gen.replay:
-            rt = mask_samples(rt, [gen.replay[i] for i in idx])
         return rt, build_segments(results, rt)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from rr_client.trainer import keys as K
+from rr_client.trainer.audit import LayerCounts, layer_keys, segment_keys
 from rr_client.trainer.replay._routers import LeftRouter, Router
 from rr_client.trainer.replay._rows import BlockRows
 from rr_client.trainer.replay.phase import DeviceTally
@@ -116,47 +117,32 @@ class Audit:
         return self.applied_direct[layer] + self.counts.get(f"applied/{layer}", 0)
 
     def report(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        rep = sum(self.replayed.values())
-        chk = sum(self.checked.values())
+        """The block's ``r3/`` keys: the per-layer counts through :func:`rr_client.trainer.audit.layer_keys` (the
+        one writer of ``applied_share``) and :func:`~rr_client.trainer.audit.segment_keys`, plus the block's own
+        counters (forwards, routers left, orphan routers, unconsumed layers)."""
+        counts = [
+            LayerCounts(
+                r.layer,
+                replayed=self.replayed[r.layer],
+                checked=self.checked[r.layer],
+                applied=self._applied(r.layer),
+                agreed=self._agree(r.layer),
+                left=self.left_rows(r.layer),
+            )
+            for r in self.routers
+        ]
+        out = layer_keys(counts)
         out[K.FORWARDS] = float(self.forwards)
-        out[K.MOE_LAYERS] = float(len(self.routers))
-        out[K.REPLAYED_ROWS] = float(rep)
-        out[K.LEFT_ROWS] = float(sum(self.left_rows(r.layer) for r in self.routers))
-        out[K.APPLIED_SHARE] = sum(self._applied(r.layer) for r in self.routers) / chk if chk else float("nan")
-        out[K.AGREEMENT] = sum(self._agree(r.layer) for r in self.routers) / rep if rep else float("nan")
+        out[K.LEFT_ROWS] = float(sum(c.left or 0 for c in counts))
         out[K.LEFT_LAYERS_HASH] = float(sum(x.why == "hash" for x in self.left))
         out[K.LEFT_ROUTERS_OUTSIDE_DECODER] = float(sum(x.why == "outside_decoder" for x in self.left))
         out[K.ORPHAN_ROUTERS] = float(sum(self.router_runs[r.layer] == 0 for r in self.routers))
         out[K.UNCONSUMED_LAYERS] = float(len(self.rows.unconsumed))
-        for r in self.routers:
-            i = r.layer
-            out[K.layer(i, "replayed_rows")] = float(self.replayed[i])
-            out[K.layer(i, "left_rows")] = float(self.left_rows(i))
-            out[K.layer(i, "applied_share")] = self._applied(i) / self.checked[i] if self.checked[i] else float("nan")
-            out[K.layer(i, "agreement")] = self._agree(i) / self.replayed[i] if self.replayed[i] else float("nan")
         for x in self.left:
             if x.why == "hash" and x.layer is not None:
                 out[K.layer(x.layer, "left_rows_hash")] = float(self.n_tokens * self.forwards)
-        vec = self.tally.vectors.get("segments")
         if self.segments is not None:
-            s = len(self.segments.names)
-            vec = vec or [0] * (2 * (s + 1))
-            whole: dict[str, list[int]] = {}  # per segment over every turn (trajectories)
-            for code in range(s):
-                agree, rep = vec[code], vec[s + 1 + code]
-                out[self.segments.key(code, "replayed_rows")] = float(rep)
-                if rep:
-                    out[self.segments.key(code, "agreement")] = agree / rep
-                name, turn = self.segments.names[code]
-                if turn is not None:
-                    tot = whole.setdefault(name, [0, 0])
-                    tot[0] += agree
-                    tot[1] += rep
-            for name, (agree, rep) in whole.items():
-                out[K.segment(name, "replayed_rows")] = float(rep)
-                if rep:
-                    out[K.segment(name, "agreement")] = agree / rep
+            out.update(segment_keys(self.tally.vectors.get("segments"), self.segments.names))
         return out
 
     def problems(self) -> list[str]:
