@@ -7,27 +7,36 @@ per micro-batch, the step's counts, and the audit. The feeder itself, rr's in pl
   megatron-core, a router configuration that bypasses replay (CUDA graphs over the router, the fused router, forced
   balancing, token dropping, input jitter: :func:`rr_client.integrations.megatron._routers.check_config`), dynamic
   context parallelism, the padded layout, FP8's THD padding.
-- :func:`policed_inputs` wraps ``MegatronEngineWithLMHead.prepare_model_inputs``: the stale-rows policy on an R3
-  micro-batch's samples (their provenance from verl's batch, :mod:`._provenance`): ``RR_STALE_ROWS=refuse``
-  (default) raises :class:`rr_client.StaleRoutingError`; ``mask`` leaves the samples it names to the router (the
-  feeder turns their replay mask off, verl's own meaning of its mask); ``off`` replays them.
+- :func:`refuse_r2_rollout_rows`: R2 with the rollout's rows (``rollout.enable_rollout_routing_replay=True``) is
+  refused at the worker's start: verl's R2 update would replay the rollout's rows with no stale-rows policy.
+- :func:`policed_step` wraps ``MegatronEngineWithLMHead.forward_step``: the stale-rows policy on an R3 micro-batch's
+  samples (their provenance from verl's batch, :mod:`._provenance`), counted once per micro-batch (the first model
+  chunk's step; every VPP chunk steps through the same samples): ``RR_STALE_ROWS=refuse`` (default) raises
+  :class:`rr_client.StaleRoutingError`; ``mask`` leaves the samples it names to the router (the feeder turns their
+  replay mask off, verl's own meaning of its mask) and out of the log-prob gap; ``off`` replays them. The samples
+  kept go to the feeder on the model chunk verl hands it (:data:`KEPT`), explicitly, for that call only.
 - :func:`counted_batch` wraps ``MegatronEngine.forward_backward_batch``: the step's counts and the audit's keys in
-  ``engine.rr_last_metrics`` and verl's step metrics (``actor/r3/...``).
+  ``engine.rr_last_metrics`` and verl's step metrics (``actor/r3/...``). The audit clock
+  (:class:`rr_client.trainer.audit.AuditClock`, ``engine.rr_clock``) counts training steps, not engine calls: a
+  step's first ``forward_only=False`` call opens it, its last update call (verl's ``update_lr_scheduler``) or the
+  next forward-only call closes it, and every call of an audited step is audited, R2 and R3 alike.
 - :class:`RouterAudit`: on audited steps, what every router ran against the targets it was given.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from rr_client.core import settings
-from rr_client.core.errors import ReplayError
+from rr_client.core.errors import ConfigurationError, ReplayError
 from rr_client.integrations.megatron import check_config, check_megatron_version, find_routers, own_choice
 from rr_client.trainer import keys as K
+from rr_client.trainer.audit import AuditClock, LayerCounts, layer_keys, share
 from rr_client.trainer.metrics import gap_keys, gap_stats
 from rr_client.trainer.provenance import merge_checks, provenance_metrics
 from rr_client.trainer.session import AUDIT_EVERY
@@ -35,17 +44,49 @@ from rr_client.trainer.session import AUDIT_EVERY
 from . import _provenance
 from ._engine import check_gap_logprobs
 from ._gate import REPLAY_MODES
-from ._megatron_feed import KEEP, megatron_info, refuse_layout
+from ._megatron_feed import KEPT, KEY_PREFIX, megatron_info, refuse_layout
 
 __all__ = [
-    "KEEP",
     "megatron_info",
     "refusing_initialize",
-    "policed_inputs",
+    "refuse_r2_rollout_rows",
+    "policed_step",
     "gapped_outputs",
     "counted_batch",
+    "audit_clock",
     "RouterAudit",
 ]
+
+ROLLOUT_ROWS_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+
+
+def refuse_r2_rollout_rows(actor_rollout_ref: Any) -> None:
+    """Raise :class:`ConfigurationError` for Megatron ``router_replay.mode=R2`` with the rollout's rows on: verl's
+    ``compute_log_prob`` then skips its R2 record (the batch already carries ``routed_experts``) and the update
+    replays the rollout's rows as R2, with no stale-rows policy, no replay mask and no audit."""
+    actor, rollout = _get(actor_rollout_ref, "actor"), _get(actor_rollout_ref, "rollout")
+    mode = _get(_get(_get(actor, "megatron"), "router_replay"), "mode")
+    if str(_get(actor, "strategy") or "") != "megatron" or str(mode) != "R2":
+        return
+    if bool(_get(rollout, "enable_rollout_routing_replay")):
+        raise ConfigurationError(
+            f"{KEY_PREFIX}.router_replay.mode=R2 with {ROLLOUT_ROWS_KEY}=True: verl's R2 update would replay the "
+            "rollout's rows (compute_log_prob skips its record when the batch carries them) with no stale-rows "
+            f"policy and no audit; to replay the rollout's routing set {KEY_PREFIX}.router_replay.mode=R3, to "
+            f"replay the trainer's own recorded routing (R2) set {ROLLOUT_ROWS_KEY}=False"
+        )
+
+
+def _get(node: Any, key: str) -> Any:
+    """``node[key]`` / ``node.key`` of a config node (None when absent)."""
+    if node is None:
+        return None
+    if isinstance(node, dict) or hasattr(node, "get"):
+        try:
+            return node.get(key, None)
+        except TypeError:
+            pass
+    return getattr(node, key, None)
 
 
 def replay_mode(engine: Any) -> str:
@@ -79,36 +120,51 @@ def refusing_initialize(orig: Callable[..., Any]) -> Callable[..., Any]:
     return initialize
 
 
-def policed_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
-    """verl's ``MegatronEngineWithLMHead.prepare_model_inputs`` with rr's stale-rows policy on an R3 micro-batch's
-    samples (their provenance from verl's batch): refuse raises here; mask leaves the samples it names to the
-    feeder, which turns their replay off."""
+def _police(engine: Any, batch: Any, *, count: bool) -> tuple[bool, ...] | None:
+    """The stale-rows policy on an R3 micro-batch's samples: raises (refuse), or the samples kept replayed (None:
+    all); the check joins the step's counts only when ``count`` (once per micro-batch)."""
+    if replay_mode(engine) != "R3" or batch.get("routed_experts", None) is None:
+        return None
+    ids = batch["input_ids"]
+    n = ids.offsets().numel() - 1 if getattr(ids, "is_nested", False) else int(ids.shape[0])
+    check = _provenance.police(_provenance.batch_provenances(batch, n), _provenance.stale_policy())
+    checks = getattr(engine, "_rr_checks", None)
+    if count and isinstance(checks, list):  # the step's checks (counted_batch), once per micro-batch
+        checks.append(check)
+    return None if all(check.replay) else tuple(check.replay)
+
+
+def policed_step(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """verl's ``MegatronEngineWithLMHead.forward_step`` with rr's stale-rows policy on the micro-batch it takes:
+    refuse raises here; the samples mask leaves out go to the feeder on the model chunk verl hands it (its
+    ``model`` argument, :data:`KEPT`, for this call only) and to the gap (:func:`gapped_outputs`). Counted on the
+    first model chunk only: every VPP chunk steps through the same micro-batch."""
 
     @functools.wraps(orig)
-    def prepare_model_inputs(self: Any, batch: Any) -> Any:
-        inputs = orig(self, batch)
-        KEEP.set(None)
-        replay = getattr(getattr(self, "engine_config", None), "router_replay", None)
-        if inputs.get("routed_experts") is None or getattr(replay, "mode", None) != "R3":
-            return inputs
-        ids = inputs["input_ids"]
-        n = ids.offsets().numel() - 1 if getattr(ids, "is_nested", False) else int(ids.shape[0])
-        check = _provenance.police(_provenance.batch_provenances(batch, n), _provenance.stale_policy())
-        checks = getattr(self, "_rr_checks", None)
-        if isinstance(checks, list):  # the step's checks (counted_batch), per micro-batch
-            checks.append(check)
-        if not all(check.replay):
-            KEEP.set(check.replay)
-        return inputs
+    def forward_step(
+        self: Any, batch_iter: Any, model: Any, logits_processor_func: Any, postprocess_micro_batch_func: Any
+    ) -> Any:
+        from verl.utils.megatron_utils import unwrap_model
 
-    return prepare_model_inputs
+        batch = next(batch_iter)
+        chunk = unwrap_model(model)
+        keep = _police(self, batch, count=getattr(chunk, "vp_stage", None) in (None, 0))
+        self._rr_keep = keep  # this micro-batch's, for its log-prob gap (prepare_model_outputs, after the forward)
+        setattr(chunk, KEPT, keep)
+        try:
+            return orig(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
+        finally:
+            setattr(chunk, KEPT, None)
+
+    return forward_step
 
 
 class RouterAudit:
     """rr's audit of the replay on verl's Megatron engine: a forward hook on every ``TopKRouter`` compares the experts
     it chose (its ``routing_map``) with the targets it was given, and the experts it would have chosen itself on the
-    same input (``r3/agreement``), on the tokens the replay mask replays, in ``REPLAY_FORWARD`` forwards. Counts stay
-    on the device; one host read per step."""
+    same input (``r3/agreement``), on the tokens rr's feeder replays with the router's current targets (``rr_have``
+    on verl's ``RouterReplay``: R3's replay mask, R2's recorded tokens), in ``REPLAY_FORWARD`` forwards. Counts stay on the device; one host read
+    per call."""
 
     def __init__(self, chunks: Any) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
@@ -131,7 +187,8 @@ class RouterAudit:
             return
         routing_map = output[1]
         want = torch.zeros_like(routing_map, dtype=torch.bool).scatter_(1, target.to(routing_map.device).long(), True)
-        mask = getattr(replay, "target_replay_mask", None)
+        held = getattr(replay, "rr_have", None)  # (targets, the tokens rr's feeder replays with them)
+        mask = held[1] if held is not None and held[0] is target else getattr(replay, "target_replay_mask", None)
         mask = torch.ones(want.shape[0], dtype=torch.bool, device=want.device) if mask is None else mask.bool()
         mask = mask.to(want.device)
         same = (routing_map.bool() == want).all(dim=1) & mask
@@ -151,15 +208,13 @@ class RouterAudit:
         layers = sorted(self.counts)
         read = torch.stack([self.counts[layer] for layer in layers]).tolist()  # the step's one host read
         per = {layer: [int(x) for x in c] for layer, c in zip(layers, read)}
-        replayed = sum(c[0] for c in per.values())
-        applied = sum(c[1] for c in per.values())
-        agreed = sum(c[2] for c in per.values())
-        met = {
-            K.REPLAYED_ROWS: float(replayed),
-            K.APPLIED_SHARE: applied / replayed if replayed else 1.0,
-            K.APPLIED_SHARE_MIN_LAYER: min((c[1] / c[0] if c[0] else 1.0) for c in per.values()),
-            K.AGREEMENT: agreed / replayed if replayed else 1.0,
-        }
+        counts = [
+            LayerCounts(layer - 1, replayed=n, checked=n, applied=ok, agreed=ag) for layer, (n, ok, ag) in per.items()
+        ]
+        met = layer_keys(counts)  # layer_number is 1-based; the keys name the wire's 0-based layer
+        met[K.APPLIED_SHARE_MIN_LAYER] = min(
+            (share(c.applied, c.checked) for c in counts if c.checked), default=math.nan
+        )
         bad = [layer for layer, (n, ok, _) in per.items() if ok < n]
         if bad:
             layer = bad[0]
@@ -175,8 +230,8 @@ class RouterAudit:
 def gapped_outputs(orig: Callable[..., Any]) -> Callable[..., Any]:
     """verl's ``MegatronEngineWithLMHead.prepare_model_outputs`` with, on a replayed micro-batch that carries the
     rollout's log-probs (``rollout_log_probs``, verl's ``rollout.calculate_log_probs=True``), the log-prob gap between
-    the actor's and the rollout's over the response tokens, kept on the device for the step
-    (:func:`counted_batch`). A gap whose two sides would not mean the same thing (the rollout's raw log-probs away
+    the actor's and the rollout's over the response tokens of the samples replayed (not those the stale-rows policy
+    masked), kept on the device for the step (:func:`counted_batch`). A gap whose two sides would not mean the same thing (the rollout's raw log-probs away
     from temperature 1) is refused first."""
 
     @functools.wraps(orig)
@@ -193,10 +248,33 @@ def gapped_outputs(orig: Callable[..., Any]) -> Callable[..., Any]:
         check_gap_logprobs(data["temperature"] if "temperature" in data.keys() else None)
         mine = no_padding_2_padding(lp.detach(), data)
         ref = data.select("rollout_log_probs", "response_mask").to_padded_tensor()
-        gaps.append(gap_stats(mine.float(), ref["rollout_log_probs"].float(), ref["response_mask"].bool()))
+        mask = ref["response_mask"].bool()
+        keep = getattr(self, "_rr_keep", None)  # this micro-batch's samples the stale-rows policy kept (None: all)
+        if keep is not None:  # masked samples routed natively: out of the replay's gap
+            mask = mask & torch.tensor(keep, dtype=torch.bool).to(mask.device, non_blocking=True)[:, None]
+        gaps.append(gap_stats(mine.float(), ref["rollout_log_probs"].float(), mask))
         return model_output
 
     return prepare_model_outputs
+
+
+def audit_clock(engine: Any) -> AuditClock:
+    """The engine's audit clock (``engine.rr_clock``), every ``RR_AUDIT_EVERY`` training steps; a changed setting
+    starts a new clock (its first step audited)."""
+    every = settings.integer("RR_AUDIT_EVERY", default=AUDIT_EVERY)
+    clock = getattr(engine, "rr_clock", None)
+    if clock is None or clock.every != every:
+        clock = engine.rr_clock = AuditClock(every)
+        engine._rr_updating = False
+    return clock
+
+
+def _last_update(data: Any) -> bool:
+    """Whether this update call is the step's last: verl's ``train_mini_batch`` marks it for its lr-scheduler step
+    (``update_lr_scheduler``)."""
+    from verl.utils import tensordict_utils as tu
+
+    return bool(tu.get_non_tensor_data(data, key="update_lr_scheduler", default=False))
 
 
 def counted_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -209,20 +287,19 @@ def counted_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
     def forward_backward_batch(self: Any, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
 
         self._rr_checks, self._rr_gaps = [], []
-        steps = getattr(self, "_rr_steps", 0)
-        self._rr_steps = steps + 1
-        every = settings.integer("RR_AUDIT_EVERY", default=AUDIT_EVERY)
-        replaying = getattr(getattr(self, "engine_config", None), "router_replay", None)
-        audit = (
-            RouterAudit(self.module)
-            if getattr(replaying, "mode", "disabled") == "R3" and every and steps % every == 0
-            else None
-        )
+        clock = audit_clock(self)
+        if forward_only and getattr(self, "_rr_updating", False):  # the open step's update calls are over
+            clock.tick()
+        self._rr_updating = not forward_only  # a training call opens the step (or is one more of its calls)
+        audit = RouterAudit(self.module) if replay_mode(self) in REPLAY_MODES and clock.audited else None
         try:
             out = orig(self, data, loss_function, forward_only)
         finally:
             checks, self._rr_checks = self._rr_checks, None
             gaps, self._rr_gaps = self._rr_gaps, None
+            if not forward_only and _last_update(data):  # the step's last update call: the step is done
+                clock.tick()
+                self._rr_updating = False
             audited = audit.close() if audit is not None else {}
         gapped = gap_keys(torch.stack(gaps).sum(0).tolist()) if gaps else {}  # the gaps' one host read
         self.rr_last_metrics = {

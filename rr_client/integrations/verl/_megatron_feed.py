@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from contextvars import ContextVar
 from dataclasses import replace
 from typing import Any
 
@@ -33,15 +32,15 @@ from rr_client.core.errors import ConfigurationError, MissingRoutingError
 from rr_client.core.info import RRInfo
 from rr_client.trainer.rows import ReplayRows
 
-__all__ = ["KEEP", "megatron_info", "refuse_layout", "padded_bounds", "verl_feed", "rr_feeder", "KEY_PREFIX"]
+__all__ = ["KEPT", "megatron_info", "refuse_layout", "padded_bounds", "verl_feed", "rr_feeder", "KEY_PREFIX"]
 
 KEY_PREFIX = "actor_rollout_ref.actor.megatron"
 _ROUTERS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()  # model chunk -> its routers
 
 
-# per micro-batch: the samples the stale-rows policy kept replayed (None: all), from prepare_model_inputs to the
-# feeder verl's forward_step calls next
-KEEP: ContextVar[tuple[bool, ...] | None] = ContextVar("rr_verl_megatron_keep", default=None)
+# the attribute, on the model chunk verl's forward_step hands its feeder, holding that micro-batch's samples the
+# stale-rows policy kept replayed (a tuple of bools; None: all): set by rr's forward_step for that call only
+KEPT = "_rr_kept_samples"
 
 
 def _moe_layer_flags(tf_config: Any) -> list[bool]:
@@ -128,9 +127,10 @@ def verl_feed(
     local_cp_size: Any = None,
     keep: tuple[bool, ...] | None = None,
 ) -> dict[Any, tuple[torch.Tensor, torch.Tensor | None]]:
-    """rr's targets for verl's call: ``{router module: (targets [local_tokens, topk] int64, replay mask or None)}``
-    for every router of ``model`` (this chunk) that takes rows. ``replay_mask`` (R3): verl's jagged ``[B, j]`` mask;
-    ``keep``: per sample, whether the stale-rows policy keeps it replayed (None: all)."""
+    """rr's targets for verl's call: ``{router module: (targets [local_tokens, topk] int64, the local tokens rr
+    replays [local_tokens] bool)}`` for every router of ``model`` (this chunk) that takes rows. ``replay_mask``
+    (R3): verl's jagged ``[B, j]`` mask; ``keep``: per sample, whether the stale-rows policy keeps it replayed
+    (None: all)."""
     from rr_client.integrations.megatron import feed, parallel_from_state
 
     if layers_topk_idx is None:
@@ -167,14 +167,16 @@ def verl_feed(
         mtp="auto",  # verl's rows carry no MTP layer: MTP routers route themselves, as in verl
         cu_seqlens_padded=padded_bounds(offsets, par.tp_size, par.cp_size),
     )
-    local = got.have if replay_mask is not None else None
-    return {m: (t, None if local is None else local.to(t.device, non_blocking=True)) for m, t in got.targets.items()}
+    have = got.have
+    return {m: (t, None if have is None else have.to(t.device, non_blocking=True)) for m, t in got.targets.items()}
 
 
 def rr_feeder(orig: Callable[..., Any]) -> Callable[..., Any]:
     """rr's feeder with verl's ``set_router_replay_data`` signature (verl's kept as ``__wrapped__``, never called):
     each router of ``model`` gets rr's targets through its own ``RouterReplay.set_target_indices`` (so verl's
-    backward recompute pops them as it pops its own)."""
+    backward recompute pops them as it pops its own), with R3's replay mask; the tokens rr replays (R2: every
+    recorded one) are ``rr_have`` on that ``RouterReplay``, for rr's audit. The samples the stale-rows policy kept
+    come on ``model`` (:data:`KEPT`, set by rr's ``forward_step``)."""
 
     @functools.wraps(orig)
     def set_router_replay_data(
@@ -193,9 +195,10 @@ def rr_feeder(orig: Callable[..., Any]) -> Callable[..., Any]:
                 model=model,
                 replay_mask=replay_mask,
                 local_cp_size=local_cp_size,
-                keep=KEEP.get() if replay_mask is not None else None,
+                keep=getattr(model, KEPT, None) if replay_mask is not None else None,
             )
-        for module, (targets, mask) in fed.items():
-            module.router_replay.set_target_indices(targets, replay_mask=mask)
+        for module, (targets, have) in fed.items():
+            module.router_replay.set_target_indices(targets, replay_mask=have if replay_mask is not None else None)
+            module.router_replay.rr_have = (targets, have)  # the audit's rows, bound to these targets
 
     return set_router_replay_data

@@ -64,7 +64,7 @@ VERL_OWN_MODE_PATHS = (("megatron", "router_replay"), ("router_replay",))
 WORKER_INIT = ["self", "config", "role", "distillation_config", "kwargs"]
 TOOL_STEP = ["self", "agent_data", "sampling_params", "ignore_termination"]
 MEGATRON_FEEDER = ["layers_topk_idx", "attention_mask", "tf_config", "vp_rank", "replay_mask", "local_cp_size", "model"]
-MEGATRON_INPUTS = ["self", "batch"]
+MEGATRON_STEP = ["self", "batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"]
 MEGATRON_OUTPUTS = ["self", "output", "data"]
 MEGATRON_BATCH = ["self", "data", "loss_function", "forward_only"]
 SGLANG_GENERATE = [
@@ -370,7 +370,9 @@ def check_megatron_feeder(config: Any) -> None:
 
     check_megatron_version()
     from ._logprobs import ROLLOUT_LOGPROBS, check_rollout_logprobs
+    from ._megatron import refuse_r2_rollout_rows
 
+    refuse_r2_rollout_rows(config)
     ROLLOUT_LOGPROBS["rollout"] = check_rollout_logprobs(_get(config, "rollout"))
     override = dict(_get(_get(_get(config, "actor"), "megatron"), "override_transformer_config") or {})
     if graphs_router(SimpleNamespace(**override)):
@@ -499,7 +501,8 @@ def _tool_step(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(orig)
     async def _handle_generating_state(self: Any, agent_data: Any, *args: Any, **kwargs: Any) -> Any:
-        if not fsdp_replay_on(_get(getattr(self, "config", None), "actor_rollout_ref")):
+        arr = _get(getattr(self, "config", None), "actor_rollout_ref")
+        if not fsdp_replay_on(arr) and megatron_replay_requested(arr) != f"{MEGATRON_MODE_KEY}=R3":
             return await orig(self, agent_data, *args, **kwargs)
         held = agent_data.routed_experts
         try:
@@ -513,11 +516,12 @@ def _tool_step(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 def patch_tool_agent_loop(mod: types.ModuleType) -> None:
     """``ToolAgentLoop._handle_generating_state``: verl overwrites the rows with each turn's (verl #5825, #6054);
-    with rr's FSDP replay on, the rows already held are kept.
+    with rr's FSDP replay or verl Megatron R3 (rr's feeder) on, the rows already held are kept.
 
-    The loop sees the whole trainer config (``AgentLoopBase.config``), so it acts only where the worker patch
-    does: ``actor_rollout_ref.actor.strategy=fsdp2`` with ``fsdp_config.router_replay.mode`` R2/R3. For megatron,
-    veomni or the disabled mode verl's own step runs, unchanged.
+    The loop sees the whole trainer config (``AgentLoopBase.config``), so it acts only where rr replays:
+    ``actor_rollout_ref.actor.strategy=fsdp2`` with ``fsdp_config.router_replay.mode`` R2/R3, or
+    ``strategy=megatron`` with ``megatron.router_replay.mode=R3`` (R2 replays no rollout rows). For veomni or the
+    disabled mode verl's own step runs, unchanged.
     """
     wrap_once(mod.ToolAgentLoop, "_handle_generating_state", _tool_step, params=TOOL_STEP, what=_what())
 
@@ -680,10 +684,10 @@ def patch_sglang_server(mod: types.ModuleType) -> None:
 def patch_megatron_engine(mod: types.ModuleType) -> None:
     """verl's Megatron engine on rr (:mod:`._megatron_feed`, :mod:`._megatron`): ``set_router_replay_data`` as the
     engine calls it (its module's own name) becomes rr's feeder; ``MegatronEngine.initialize`` refuses, with R2/R3,
-    what the feeder would not hold under; ``prepare_model_inputs`` runs the stale-rows policy on each micro-batch;
+    what the feeder would not hold under; ``forward_step`` runs the stale-rows policy on each micro-batch;
     ``forward_backward_batch`` reports the step's counts and audit. Every shape is checked before anything is
     wrapped."""
-    from ._megatron import counted_batch, gapped_outputs, policed_inputs, refusing_initialize
+    from ._megatron import counted_batch, gapped_outputs, policed_step, refusing_initialize
     from ._megatron_feed import rr_feeder
 
     check_shapes(
@@ -691,15 +695,13 @@ def patch_megatron_engine(mod: types.ModuleType) -> None:
         Shape(mod.MegatronEngine, {"initialize": ["self"], "forward_backward_batch": MEGATRON_BATCH}),
         Shape(
             mod.MegatronEngineWithLMHead,
-            {"prepare_model_inputs": MEGATRON_INPUTS, "prepare_model_outputs": MEGATRON_OUTPUTS},
+            {"forward_step": MEGATRON_STEP, "prepare_model_outputs": MEGATRON_OUTPUTS},
         ),
         what=_what(),
     )
     wrap_once(mod, "set_router_replay_data", rr_feeder, params=MEGATRON_FEEDER, what=_what())
     wrap_once(mod.MegatronEngine, "initialize", refusing_initialize, params=["self"], what=_what())
-    wrap_once(
-        mod.MegatronEngineWithLMHead, "prepare_model_inputs", policed_inputs, params=MEGATRON_INPUTS, what=_what()
-    )
+    wrap_once(mod.MegatronEngineWithLMHead, "forward_step", policed_step, params=MEGATRON_STEP, what=_what())
     wrap_once(
         mod.MegatronEngineWithLMHead, "prepare_model_outputs", gapped_outputs, params=MEGATRON_OUTPUTS, what=_what()
     )
