@@ -27,6 +27,7 @@ from rr_client.core.provenance import (
     check_stale_policy,
 )
 from rr_client.trainer import keys as K
+from rr_client.trainer.rows import without_samples
 
 __all__ = [
     "Segments",
@@ -150,56 +151,25 @@ def rows_provenance(routing: Any) -> tuple[tuple[Provenance | None, ...], ...] |
     return tuple(tuple(p) if isinstance(p, (list, tuple)) else (p,) for p in got)
 
 
-def _token_keep(keep: torch.Tensor, lead: tuple[int, ...], cu: Any = None) -> torch.Tensor:
-    """Per-sample ``keep`` as a bool tensor of ``lead`` (the rows' leading shape): ``[B, T]`` grids per row, packed
-    rows by their samples' bounds ``cu`` (tokens after the last sample: False)."""
-    if len(lead) == 2 and keep.numel() == lead[0]:
-        return keep[:, None].expand(lead)
-    if cu is None or keep.numel() != torch.as_tensor(cu).numel() - 1:
-        raise ShapeMismatchError(
-            f"{keep.numel()} replay flags for rows of leading shape {lead}: mask samples of a "
-            "packed batch through its PackedRouting (or pass samples= in the rows' order)"
-        )
-    cu = torch.as_tensor(cu).long().cpu()
-    per = torch.repeat_interleave(keep, (cu[1:] - cu[:-1]))
-    n = int(torch.Size(lead).numel())
-    return torch.cat([per, per.new_zeros(n - per.numel())]).reshape(lead)
-
-
 def mask_samples(batch: Any, replay: Sequence[bool]) -> Any:
     """A :class:`RoutingTensors` (``[B, T]`` mask) or :class:`PackedRouting` with every row of the samples whose
     ``replay`` is False masked off (left to the model's own choice, counted as left rows); a
     :class:`rr_client.trainer.rows.ReplayRows` with those tokens out of ``have`` and ``need`` (a feeder that replays
-    every token gives them pad rows); the same batch when all replay."""
+    every token gives them pad rows); the same batch when all replay. Through
+    :func:`rr_client.trainer.rows.without_samples`, the one rule."""
     if all(replay):
         return batch
-    keep = torch.as_tensor(list(replay), dtype=torch.bool)
     if hasattr(batch, "have") and hasattr(batch, "rows"):  # ReplayRows
-        grid = tuple(batch.have.shape)
-        if batch.cu_seqlens is not None:
-            tok = _token_keep(keep, (grid[0] * grid[1],), batch.cu_seqlens).reshape(grid)
-        else:
-            if keep.numel() != grid[0]:
-                raise ShapeMismatchError(f"{keep.numel()} replay flags for a batch of {grid[0]} samples")
-            tok = keep[:, None].expand(grid)
-        tok = tok.to(batch.have.device)
-        return replace(batch, have=batch.have & tok, need=None if batch.need is None else batch.need & tok)
+        return batch.without(replay)
     mask = batch.routed_experts_mask
     if mask.dim() == 2:
-        if keep.numel() != mask.shape[0]:
-            raise ShapeMismatchError(f"{keep.numel()} replay flags for a batch of {mask.shape[0]} samples")
         idx = getattr(batch, "indexer_topk", None)
         return replace(
             batch,
-            routed_experts_mask=mask & keep.to(mask.device)[:, None],
+            routed_experts_mask=without_samples(mask, replay),
             **({} if idx is None else {"indexer_topk": mask_indexer(idx, replay)}),
         )
-    rcu = batch.routing_cu_seqlens
-    if keep.numel() != rcu.numel() - 1:
-        raise ShapeMismatchError(f"{keep.numel()} replay flags for a batch of {rcu.numel() - 1} samples")
-    per_row = torch.repeat_interleave(keep, (rcu[1:] - rcu[:-1]).long().cpu())
-    per_row = torch.cat([per_row, per_row.new_zeros(mask.shape[0] - per_row.numel())])
-    return replace(batch, routed_experts_mask=mask & per_row.to(mask.device))
+    return replace(batch, routed_experts_mask=without_samples(mask, replay, batch.routing_cu_seqlens))
 
 
 def mask_indexer(indexer_topk: torch.Tensor, replay: Sequence[bool]) -> torch.Tensor:
@@ -207,10 +177,8 @@ def mask_indexer(indexer_topk: torch.Tensor, replay: Sequence[bool]) -> torch.Te
     keeps its own pick there); the same tensor when all replay."""
     if all(replay):
         return indexer_topk
-    if len(replay) != indexer_topk.shape[0]:
-        raise ShapeMismatchError(f"{len(replay)} replay flags for indexer rows of {indexer_topk.shape[0]} samples")
-    keep = torch.as_tensor(list(replay), dtype=torch.bool, device=indexer_topk.device)
-    return indexer_topk.masked_fill(~keep[:, None, None, None], -1)
+    keep = without_samples(torch.ones(indexer_topk.shape[:2], dtype=torch.bool), replay)
+    return indexer_topk.masked_fill(~keep.to(indexer_topk.device)[..., None, None], -1)
 
 
 def mask_rows(rows: Any, mask: Any, replay: Sequence[bool]) -> Any:
@@ -219,27 +187,17 @@ def mask_rows(rows: Any, mask: Any, replay: Sequence[bool]) -> Any:
     if all(replay):
         return mask
     lead = tuple(int(x) for x in torch.as_tensor(rows).shape[:-2])
-    keep = _token_keep(torch.as_tensor(list(replay), dtype=torch.bool), lead)
     base = torch.ones(lead, dtype=torch.bool) if mask is None else torch.as_tensor(mask).bool()
-    return base & keep.to(base.device)
+    return without_samples(base, replay)
 
 
 def drop_samples(mask: torch.Tensor, replay: Sequence[bool], cu_seqlens: Any = None) -> torch.Tensor:
     """A loss (or response) ``mask`` (``[B, T]``; packed ``[N]`` with ``cu_seqlens``) with the tokens of the samples
     whose ``replay`` is False set to 0: what Megatron needs under ``stale_rows="mask"`` (its ``RouterReplay``
     replays whole tensors, so a masked sample's tokens run on pad rows and must not train)."""
-    if all(replay):
-        return mask
-    keep = torch.as_tensor(list(replay), dtype=torch.bool)
-    if mask.dim() == 2 and cu_seqlens is None:
-        if keep.numel() != mask.shape[0]:
-            raise ShapeMismatchError(f"{keep.numel()} replay flags for a batch of {mask.shape[0]} samples")
-        tok = keep[:, None].expand(tuple(mask.shape))
-    else:
-        if cu_seqlens is None:
-            raise ConfigurationError("drop_samples on a packed mask needs its cu_seqlens")
-        tok = _token_keep(keep, (int(mask.numel()),), cu_seqlens).reshape(mask.shape)
-    return mask * tok.to(mask.device, mask.dtype) if mask.dtype != torch.bool else mask & tok.to(mask.device)
+    if mask.dim() != 2 and cu_seqlens is None and not all(replay):
+        raise ConfigurationError("drop_samples on a packed mask needs its cu_seqlens")
+    return without_samples(mask, replay, cu_seqlens)
 
 
 def _packed_tensor(routing: Any) -> bool:

@@ -45,6 +45,7 @@ __all__ = [
     "row_stats",
     "read_verdict",
     "upload",
+    "without_samples",
 ]
 
 _SIGNED_OR_BYTE = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -137,6 +138,32 @@ def fill_pads(
     pads = pad_ids(ordinal, layers, k, num_experts).reshape(*lead, n_layers, k)
     keep = h.unsqueeze(-1) if per_layer else h.unsqueeze(-1).unsqueeze(-1)
     return torch.where(keep, rows.long(), pads)
+
+
+def without_samples(mask: torch.Tensor, replay: Sequence[bool], cu_seqlens: Any = None) -> torch.Tensor:
+    """The one rule that takes samples out: ``mask`` with every entry of the samples whose ``replay`` is False off
+    (bool: False; numbers: 0). Per leading row (``[B, ...]``, one flag per ``b``), or, with ``cu_seqlens``, by the
+    packed samples' bounds over the flattened tokens (tokens after the last sample: off). ``mask`` itself when every
+    sample replays. Rows (:meth:`ReplayRows.without`), a layout's routing mask, indexer picks and a loss mask all
+    take masked samples out through it."""
+    if all(replay):
+        return mask
+    keep = torch.as_tensor(list(replay), dtype=torch.bool)
+    if cu_seqlens is None:
+        if mask.dim() < 2 or keep.numel() != mask.shape[0]:
+            raise ShapeMismatchError(
+                f"{keep.numel()} replay flags for rows of leading shape {tuple(mask.shape)}: mask samples of a "
+                "packed batch by its cu_seqlens (its PackedRouting), or pass samples= in the rows' order"
+            )
+        tok = keep.reshape(-1, *([1] * (mask.dim() - 1))).expand(tuple(mask.shape))
+    else:
+        cu = torch.as_tensor(cu_seqlens).long().cpu()
+        if keep.numel() != cu.numel() - 1:
+            raise ShapeMismatchError(f"{keep.numel()} replay flags for a batch of {cu.numel() - 1} samples")
+        per = torch.repeat_interleave(keep, cu[1:] - cu[:-1])
+        tok = torch.cat([per, per.new_zeros(mask.numel() - per.numel())]).reshape(tuple(mask.shape))
+    tok = tok.to(mask.device)
+    return mask & tok if mask.dtype == torch.bool else mask * tok.to(mask.dtype)
 
 
 def last_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -256,6 +283,15 @@ class ReplayRows:
             stale=None if stale is None else torch.as_tensor(stale, dtype=torch.bool),
             provenance=None if provenance is None else tuple(provenance),
         )
+
+    def without(self, replay: Sequence[bool]) -> ReplayRows:
+        """These rows with the tokens of the samples whose ``replay`` is False out of ``have`` and ``need`` (a
+        consumer leaves them to the router; one that replays every token gives them pad rows)."""
+        if all(replay):
+            return self
+        cu = self.cu_seqlens
+        have = without_samples(self.have, replay, cu)
+        return replace(self, have=have, need=None if self.need is None else without_samples(self.need, replay, cu))
 
     def positions(self, readers: Sequence[Reader]) -> list[int]:
         """The layer-axis position each reader takes its rows from (:func:`axis_positions`)."""

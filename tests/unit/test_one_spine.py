@@ -49,6 +49,28 @@ def test_one_rows_check_and_one_layer_axis_rule() -> None:
     assert not torch_side, f"a second rows check or layer rule: {torch_side}"
 
 
+def test_adapters_only_convert_their_batch() -> None:
+    """No adapter polices, counts or masks rows on its own (issue 56, "one door"): the session's door takes the
+    rows with their provenance."""
+    hits = [d for d in _defined(r"checked=True|add_provenance|\bKEEP\b") if d.startswith("rr_client/integrations/")]
+    assert hits == []
+
+
+def test_one_function_masks_rows() -> None:
+    """Samples are taken out of rows, a layout's mask, indexer picks or a loss mask by one rule
+    (rr_client/trainer/rows.py ``without_samples``); every other masking function calls it."""
+    (rule,) = _defined(r"^def without_samples\(")
+    assert rule.startswith("rr_client/trainer/rows.py:")
+    maskers = _defined(r"^\s*def (mask_\w+|drop_samples|without)\(")
+    assert {m.split(":")[0] for m in maskers} <= {"rr_client/trainer/provenance.py", "rr_client/trainer/rows.py"}
+    text = (ROOT / "trainer/provenance.py").read_text()
+    for name in ("mask_samples", "mask_indexer", "mask_rows", "drop_samples"):
+        body = text.split(f"def {name}(", 1)[1].split("\ndef ", 1)[0]
+        assert "without_samples(" in body or ".without(" in body, name
+    per_token = _defined(r"def _token_keep\(|repeat_interleave\(keep")
+    assert [d for d in per_token if not d.startswith("rr_client/trainer/rows.py:")] == [], per_token
+
+
 _PACKAGES = ("rr_server", "rr_client", "rr_patches")
 # where an engine's name may be compared: its own objects (the wire facts and the per-release facts)
 _ENGINE_HOMES = ("rr_server/serving/engines/", "rr_client/core/engines.py")
