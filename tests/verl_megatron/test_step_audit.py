@@ -160,3 +160,55 @@ def test_a_step_without_rows_reports_nan_not_one() -> None:
 
     audit.counts = {1: torch.tensor([0, 0, 0])}
     assert math.isnan(audit.close()[APPLIED])
+
+
+def test_the_policy_counts_each_micro_batch_once_over_vpp_chunks(
+    workers: Any,  # noqa: F811
+    tokenizer: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every VPP chunk steps through the same micro-batches (megatron's interleaved schedule calls verl's
+    ``forward_step`` once per chunk and micro-batch): the stale-rows counts are one per micro-batch, and each
+    chunk's feeder call gets the samples kept. verl's real micro-batches (taken from a log-prob pass) go through
+    rr's ``forward_step`` for two chunks tagged ``vp_stage`` 0 and 1 as megatron-core's VPP chunks are; the model
+    forward behind it is left out (it is what test_rr_check.py runs)."""
+    from types import SimpleNamespace
+
+    from rr_client.integrations.verl._megatron import policed_step
+    from rr_client.integrations.verl._megatron_feed import KEPT
+    from rr_client.trainer.provenance import merge_checks, provenance_metrics
+    from tests.verl import harness as vh
+
+    monkeypatch.setenv("RR_STALE_ROWS", "mask")
+    cfg, w = workers["R3"]
+    engine = w.actor.engine
+    toks = sample_tokens(23)
+    rows = [random_rows(len(p) + len(r) - 1, seed=230 + i) for i, (p, r) in enumerate(toks)]
+    extra = [{"min_global_steps": 1, "max_global_steps": 1 + (i == 1)} for i in range(len(toks))]
+    taken: list[Any] = []
+    step = type(engine).forward_step
+
+    def taking(self: Any, batch_iter: Any, *args: Any, **kwargs: Any) -> Any:
+        batch = next(batch_iter)
+        taken.append(batch)
+        return step(self, iter([batch]), *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(type(engine), "forward_step", taking)
+        vh.compute_log_prob(vh.trainer(cfg, w), batch_with(tokenizer, toks, rows, extra))
+    assert len(taken) == 2  # two micro-batches of 2
+    fed: list[Any] = []
+    rr_step = policed_step(lambda self, batch_iter, model, *a: fed.append(getattr(model, KEPT)) or next(batch_iter))
+    chunks = [SimpleNamespace(vp_stage=0), SimpleNamespace(vp_stage=1)]
+    engine._rr_checks = []
+    try:
+        for batch in taken:
+            for chunk in chunks:
+                rr_step(engine, iter([batch]), chunk, None, None)
+        checks = engine._rr_checks
+    finally:
+        engine._rr_checks = None
+    assert len(checks) == len(taken)  # once per micro-batch, not per chunk
+    assert provenance_metrics(merge_checks(checks))["r3/stale_masked"] == 1
+    assert fed == [(True, False), (True, False), None, None]  # both chunks' feeders: micro-batch 0's sample 1 off
+    assert all(getattr(c, KEPT) is None for c in chunks)  # for that call only
