@@ -171,3 +171,29 @@ def test_verl_padded_rows_places_rows_under_their_tokens() -> None:
     assert torch.equal(dense[0, :2], rows[:2]) and torch.equal(dense[1, :3], rows[2:])
     assert not dense[0, 2:].any() and not dense[1, 3:].any()
     assert dmask.tolist() == [[True, False, False, False], [True, True, False, False]]
+
+
+def test_megatron_recompute_pool_on_the_gpu_copies_and_reads_nothing() -> None:
+    """Megatron's recompute pool (rr_client.integrations.megatron._recompute) on fake CUDA at steady state: forwards
+    into free slots and recomputes out of order (F4 before F2's recompute) copy nothing between host and device
+    and read nothing (a ``torch.tensor(i, device=...)`` per forward was one blocking upload each)."""
+    from rr_client.integrations.megatron._recompute import RecomputePool
+    from rr_client.trainer.replay.cost import count_ops
+    from rr_client.trainer.replay.phase import DeviceTally
+
+    mode = fake_mode()
+    with mode:
+        hidden = [torch.randn(T, B, 32, device=CUDA) for _ in range(4)]
+        rows = [torch.randint(0, EXPERTS, (N, TOPK), device=CUDA) for _ in range(4)]
+        have = torch.ones(N, dtype=torch.bool, device=CUDA)
+        pool = RecomputePool("decoder layer 1")
+        pool.add(rows[0], have, hidden[0])  # warm-up: the fingerprint's projection is uploaded once per device
+        pool.take(hidden[0], N)
+        with count_ops() as counted:
+            for i in (1, 2, 3):
+                pool.add(rows[i], have, hidden[i])
+            taken = [pool.take(hidden[i], N) for i in (3, 1, 2)]
+            pool.verdicts(DeviceTally(), "recompute/1")
+    assert counted.syncs == 0 and counted.copies == 0, (counted.sync_names, counted.copy_names)
+    assert all(on_cuda(*pair) for pair in taken)
+    assert pool.groups[N].fps.n == 3  # the first forward's slot was reused

@@ -297,7 +297,7 @@ def feed(
         by_device.setdefault(r.device, []).append(i)
     for dev, cols in by_device.items():  # each router's rows to its own device only, one upload per device
         block = upload(local[:, cols].permute(1, 0, 2).contiguous(), dev)
-        targets.update({take[i].module: block[j] for j, i in enumerate(cols)})
+        targets.update(zip([take[i].module for i in cols], block.unbind(0)))
     if len(by_device) == 1:
         (dev,) = by_device
         have, seg = upload(have, dev), (upload(seg, dev) if seg is not None else None)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from rr_client.core.errors import ReplayError
+from rr_client.integrations.megatron._feeder import upload
 from rr_client.trainer.replay.phase import DeviceTally
 
 __all__ = ["RecomputePool", "fingerprint", "recomputed", "MATCH_TOLERANCE", "MAX_LIVE"]
@@ -82,7 +83,7 @@ def _projection(hidden_size: int, device: torch.device) -> torch.Tensor:
     key = (hidden_size, device)
     if key not in _PROJECTIONS:
         gen = torch.Generator().manual_seed(0x5252)
-        _PROJECTIONS[key] = torch.randn(hidden_size, 2, generator=gen).to(device)
+        _PROJECTIONS[key] = upload(torch.randn(hidden_size, 2, generator=gen), device)  # once, non-blocking
     return _PROJECTIONS[key]
 
 
@@ -90,16 +91,17 @@ def fingerprint(hidden: torch.Tensor) -> torch.Tensor:
     """``[3]`` float64 on ``hidden``'s device: the token sum of a random projection, its position-weighted sum (a
     reordered batch differs) and their L2 scale (what the match is measured against: a sum's spread over tokens)."""
     x = hidden.detach().reshape(-1, hidden.shape[-1])
-    p = x.float() @ _projection(int(x.shape[-1]), x.device)  # [T, 2]
+    p = (x.float() @ _projection(int(x.shape[-1]), x.device)).double()  # [T, 2]
     pos = torch.arange(1, p.shape[0] + 1, device=p.device, dtype=torch.float64) / max(int(p.shape[0]), 1)
-    a, b = p[:, 0].double(), p[:, 1].double()
-    return torch.stack([a.sum(), (b * pos).sum(), (a.square().sum() + b.square().sum()).sqrt()])
+    weights = torch.stack([torch.ones_like(pos), pos], dim=1)  # column 0 plain, column 1 by position
+    return torch.cat([(p * weights).sum(0), p.square().sum().sqrt().reshape(1)])
 
 
 def _distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The match distance of fingerprints ``a`` and ``b`` (``[..., 3]``, broadcast): the larger projection gap as a
     share of their joint scale (0 for a bit-identical input)."""
-    return (a[..., :2] - b[..., :2]).abs().amax(-1) / (a[..., 2] + b[..., 2] + 1e-30)
+    gap = (a.narrow(-1, 0, 2) - b.narrow(-1, 0, 2)).abs().amax(-1)
+    return gap / (a.narrow(-1, 2, 1) + b.narrow(-1, 2, 1) + 1e-30).squeeze(-1)
 
 
 def _target_hash(targets: torch.Tensor) -> torch.Tensor:
@@ -110,7 +112,8 @@ def _target_hash(targets: torch.Tensor) -> torch.Tensor:
 
 class _Slots:
     """Same-shape tensors in one doubling buffer: an append is amortized O(1) (its size known on the host), a write
-    into a slot chosen on the device is one ``index_copy_``, a read one ``index_select`` (no host read)."""
+    into a slot chosen on the device is one ``index_copy_``, a read one ``index_select`` (no host read); ``narrow``,
+    never Python indexing, so fake CUDA tensors run it on a CPU build too."""
 
     def __init__(self) -> None:
         self.data: torch.Tensor | None = None
@@ -123,9 +126,12 @@ class _Slots:
             self.data = t.new_empty((4, *t.shape))
         elif self.n == self.data.shape[0]:
             grown = self.data.new_empty((2 * self.n, *self.data.shape[1:]))
-            grown[: self.n] = self.data
-            self.data = grown
-        self.data[self.n] = t
+            self.data = grown.index_copy_(0, torch.arange(self.n, device=grown.device), self.data)
+        at = torch.full((1,), self.n, dtype=torch.int64, device=self.data.device)  # a fill on the device, no copy
+        if isinstance(t, torch.Tensor):
+            self.data.index_copy_(0, at, t.unsqueeze(0).to(self.data.dtype))
+        else:
+            self.data.index_fill_(0, at, t)
         self.n += 1
 
     def put(self, at: torch.Tensor, t: torch.Tensor) -> None:
@@ -135,7 +141,7 @@ class _Slots:
 
     def view(self) -> torch.Tensor:
         assert self.data is not None
-        return self.data[: self.n]
+        return self.data.narrow(0, 0, self.n)
 
     def pick(self, at: torch.Tensor) -> torch.Tensor:
         """A copy of the slot at the 1-element device index ``at``."""
@@ -242,6 +248,5 @@ class RecomputePool:
         pick with its input but other rows)."""
         for g in self.groups.values():
             if g.verdicts is not None:
-                tally.add(f"{key}/miss", g.verdicts[0])
-                tally.add(f"{key}/reused", g.verdicts[1])
-                tally.add(f"{key}/ambiguous", g.verdicts[2])
+                for name, count in zip(("miss", "reused", "ambiguous"), g.verdicts.unbind()):
+                    tally.add(f"{key}/{name}", count)
