@@ -19,7 +19,7 @@ The stale-rows policy (``stale_rows``, default ``"refuse"``) runs wherever rows 
 (``to_tensors`` / ``to_packed`` keep each sample's), or on ``samples=``: a sample that may have been recomputed
 across a weight update raises :class:`rr_client.StaleRoutingError`, or with ``"mask"`` is left unreplayed; rows
 without provenance (a raw tensor) pass and are counted under ``r3/provenance_unknown``. ``stale_rows="off"``
-turns it off on purpose; ``checked=True`` says the policy already ran on these rows (TRL at rollout time).
+turns it off on purpose. It is the one door: no adapter checks, counts or masks rows on its own.
 
 ::
 
@@ -257,7 +257,7 @@ class ReplaySession:
         self._gaps: list[torch.Tensor] = []
         self._agree = [0, 0]  # recorded rows equal to the compared rows, rows compared
         self._seg_gaps: list[tuple[tuple[tuple[str, int | None], ...], torch.Tensor]] = []
-        self._checks: list[ProvenanceCheck] = []  # check_samples / add_provenance: they count the step
+        self._checks: list[ProvenanceCheck] = []  # check_samples: they count the step
         self._row_checks: list[ProvenanceCheck] = []  # the policy where trained rows entered (open_replay)
         self._forward_checks: list[ProvenanceCheck] = []  # ... where rows of forwards without backward entered
         self._keep: tuple[bool, ...] | None = None  # the last opened block's samples the policy kept (add_gap's)
@@ -290,14 +290,13 @@ class ReplaySession:
         routing: Any,
         mask: Any,
         samples: Sequence[Any] | None,
-        checked: bool,
         *,
         every_token: bool = False,
         layers: Sequence[int] | None = None,
         tokens: Any = None,
         trained: bool = False,
         own: bool = True,
-    ) -> tuple[Any, Any, ProvenanceCheck | None]:
+    ) -> tuple[Any, Any, ProvenanceCheck]:
         """``(rows, mask, check)`` after the stale-rows policy on ``routing``'s samples: their provenance from
         ``samples``, else the rows' own (``to_tensors`` / ``to_packed``), else noted unknown (one per sample).
         ``every_token``: the backend replays every token (Megatron): masked samples become pad rows, not rows
@@ -305,9 +304,6 @@ class ReplaySession:
         and counted once; a step counts its ``trained`` rows (:meth:`open_replay`'s), or, with none, those of its
         forwards without backward. ``own``: rows for the session's model, whose kept samples :meth:`add_gap`
         measures."""
-        if checked:
-            self._keep = None
-            return routing, mask, None
         hit = self._policed.get(id(routing))
         if hit is not None and hit[0] is routing and hit[1] is mask:
             out_rows, out_mask, check = hit[2][0], hit[2][1], hit[3]
@@ -332,9 +328,7 @@ class ReplaySession:
     ) -> tuple[Any, Any, ProvenanceCheck]:
         """The session's stale-rows policy on rows replayed in another model (TRL's separate reference model):
         ``(rows, mask, check)`` with the masked samples' rows off, counted into the step as a forward's rows."""
-        rows, mask, check = self._police(routing, mask, samples, False, own=False)
-        assert check is not None
-        return rows, mask, check
+        return self._police(routing, mask, samples, own=False)
 
     # ------------------------------------------------------------------ per micro-batch
     def open_replay(
@@ -346,7 +340,6 @@ class ReplaySession:
         tokens: Any = None,
         segments: Segments | None = None,
         samples: Sequence[Any] | None = None,
-        checked: bool = False,
         chunk: Any = None,
         key: Any = None,
         input_ids: Any = None,
@@ -360,10 +353,9 @@ class ReplaySession:
         (pads are counted neither replayed nor left; a RoutingTensors' own ``attention_mask`` by default), so every
         trainer's layout counts the same rows. ``segments`` (:func:`rr_client.trainer.provenance.build_segments`):
         the audit per token segment too (both backends). ``samples``: the batch's samples in the rows' order,
-        whose provenance the policy reads (default: the provenance the rows carry; none: counted unknown);
-        ``checked=True``: the policy already ran on these rows (nothing checked or counted again). Returns the
-        policy's :class:`rr_client.core.provenance.ProvenanceCheck` (``replay[i]`` False: sample ``i`` masked), or
-        None when ``checked``.
+        whose provenance the policy reads (default: the provenance the rows carry; none: counted unknown). Returns
+        the policy's :class:`rr_client.core.provenance.ProvenanceCheck` (``replay[i]`` False: sample ``i`` masked;
+        None for R2's replay of a record).
 
         Megatron (:class:`rr_client.integrations.megatron.MegatronSession`): call it inside ``forward_step_func``,
         once per micro-batch (and per chunk: ``chunk=``); ``layout`` takes :func:`rr_client.integrations.megatron.router_targets`' keys
@@ -392,7 +384,7 @@ class ReplaySession:
                 )
             if routed_experts is None:
                 raise ConfigurationError("open_replay needs the rows to replay")
-            rows, mask, check = self._police(routed_experts, mask, samples, checked, trained=True)
+            rows, mask, check = self._police(routed_experts, mask, samples, trained=True)
             self.close()
             stack = self._open_block(rows, mask, check, indexer, layers=layers, tokens=tokens, segments=segments)
             self._stack = stack
@@ -414,7 +406,6 @@ class ReplaySession:
             routed_experts,
             mask,
             samples,
-            checked,
             every_token=self.backend.every_token,
             layers=axis,
             tokens=tokens,
@@ -466,18 +457,17 @@ class ReplaySession:
         tokens: Any = None,
         segments: Segments | None = None,
         samples: Sequence[Any] | None = None,
-        checked: bool = False,
         indexer_topk: Any = None,
         indexer_layers: Sequence[int] | None = None,
     ) -> Iterator[None]:
         """A replay block closed when the ``with`` ends, for forwards without a backward (old-policy, reference);
-        the block kept open for a backward, if any, stays open. ``tokens``, ``samples``, ``checked``,
+        the block kept open for a backward, if any, stays open. ``tokens``, ``samples``,
         ``indexer_topk``, ``indexer_layers``: as in :meth:`open_replay` (the stale-rows policy runs here too).
         Megatron: forward-only passes feed through :meth:`open_replay` inside ``forward_step_func``, like training
         ones."""
         self._hf_only("forward()")
         indexer = self._indexer_rows(routed_experts, indexer_topk, indexer_layers)
-        rows, mask, check = self._police(routed_experts, mask, samples, checked)
+        rows, mask, check = self._police(routed_experts, mask, samples)
         with self._open_block(rows, mask, check, indexer, layers=layers, tokens=tokens, segments=segments):
             yield
 
@@ -644,16 +634,10 @@ class ReplaySession:
         """The stale-rows policy on a batch's samples (:func:`rr_client.trainer.provenance.check_samples` with
         this session's ``stale_rows``), counted into the step; ``replay[i]`` False: mask sample ``i``'s rows.
         Not needed where the rows carry their samples' provenance (:meth:`open_replay` applies the policy); when
-        called, the step's provenance counts are this call's (and :meth:`add_provenance`'s), not the rows'
-        again."""
+        called, the step's provenance counts are this call's, not the rows' again."""
         check = check_samples(samples, self.stale_rows)
         self._checks.append(check)
         return check
-
-    def add_provenance(self, check: ProvenanceCheck) -> None:
-        """Count a batch's provenance check (made elsewhere) into the step's ``r3/stale_masked`` etc. (as
-        :meth:`check_samples`, it replaces the counts of the rows' own check in this step)."""
-        self._checks.append(check)
 
     def _add_agreement(self, own: Any, rows: Any, mask: Any) -> None:
         """Recorded vs compared rows: (equal, counted) (row, MoE layer) cells where ``mask`` holds."""
