@@ -129,30 +129,26 @@ async def read_body(receive: Receive, limit: int | None = None) -> bytes | None:
 
 def replay_receive(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that yields ``body`` once, then defers to the real one (so disconnects still arrive)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
+    return _first_then(body, receive, more=False)
 
 
 def resume_receive(head: bytes, receive: Receive) -> Receive:
     """A ``receive`` that yields ``head`` (the start of a body still arriving) once, then the rest from ``receive``."""
+    return _first_then(head, receive, more=True)
+
+
+def _first_then(body: bytes, receive: Receive, *, more: bool) -> Receive:
+    """A ``receive`` whose first message is ``body`` (``more_body``: ``more``), then ``receive``'s own."""
     sent = False
 
-    async def resume() -> Message:
+    async def first_then() -> Message:
         nonlocal sent
         if not sent:
             sent = True
-            return {"type": "http.request", "body": head, "more_body": True}
+            return {"type": "http.request", "body": body, "more_body": more}
         return await receive()
 
-    return resume
+    return first_then
 
 
 def with_body(scope: Scope, body: bytes) -> Scope:
