@@ -63,6 +63,20 @@ class DraftsSeen:
         assert self.drafted > self.accepted, f"every one of {self.drafted} drafts was accepted: no rejection tested"
 
 
+def greedy(server: Any, input_ids: Any, n: int, **fields: Any) -> Any:
+    """``/generate`` of ``input_ids`` (one prompt or a batch), ``n`` greedy tokens (no EOS stop), with routing: the
+    answer's JSON, checked 200."""
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        "return_routed_experts": True,
+        **fields,
+    }
+    r = httpx.post(server.base_url + "/generate", timeout=300, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def test_rr_info_states_speculative_method(ngram_server: Any) -> None:
     info = httpx.get(ngram_server.base_url + "/rr/info", timeout=30).json()
     assert info["speculative"] == "ngram" and info["routing_enabled"] and info["engine_version"] == "0.30.0"
@@ -71,17 +85,7 @@ def test_rr_info_states_speculative_method(ngram_server: Any) -> None:
 def test_batch_routing_equals_transformers_with_drafts(ngram_server: Any) -> None:
     prompts = [tokenize(ngram_server.model_dir, p) for p in PROMPTS]
     with DraftsSeen(ngram_server) as seen:
-        r = httpx.post(
-            ngram_server.base_url + "/generate",
-            timeout=300,
-            json={
-                "input_ids": prompts,
-                "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
-                "return_routed_experts": True,
-            },
-        )
-    assert r.status_code == 200, r.text
-    items = r.json()
+        items = greedy(ngram_server, prompts, 40)
     assert len(items) == len(prompts)
     for ids, item in zip(prompts, items):
         assert len(item["output_ids"]) == 40
@@ -113,18 +117,7 @@ def test_streaming_routing_with_drafts(ngram_server: Any) -> None:
 def test_routed_experts_start_with_drafts(ngram_server: Any) -> None:
     ids = tokenize(ngram_server.model_dir, PROMPTS[1])
     start = len(ids) - 2
-    r = httpx.post(
-        ngram_server.base_url + "/generate",
-        timeout=300,
-        json={
-            "input_ids": ids,
-            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
-            "return_routed_experts": True,
-            "routed_experts_start": start,
-        },
-    )
-    assert r.status_code == 200, r.text
-    check_item(ngram_server, r.json(), ids, start=start)
+    check_item(ngram_server, greedy(ngram_server, ids, 24, routed_experts_start=start), ids, start=start)
 
 
 def test_doctor_ground_truth_runs_with_the_deployments_drafts(
@@ -183,17 +176,8 @@ def test_mtp_rr_info_counts_only_the_target_layers(mtp_server: Any) -> None:
 def test_mtp_draft_layer_leaves_the_target_rows(mtp_server: Any) -> None:
     prompts = [tokenize(mtp_server.model_dir, p) for p in [*PROMPTS, "Hello world, this is a tiny test."]]
     with DraftsSeen(mtp_server) as seen:
-        r = httpx.post(
-            mtp_server.base_url + "/generate",
-            timeout=300,
-            json={
-                "input_ids": prompts,
-                "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True},
-                "return_routed_experts": True,
-            },
-        )
-    assert r.status_code == 200, r.text
-    for ids, item in zip(prompts, r.json(), strict=True):
+        items = greedy(mtp_server, prompts, 30)
+    for ids, item in zip(prompts, items, strict=True):
         assert len(item["output_ids"]) == 30
         assert_target_routing(mtp_server, item, ids)
     assert seen.drafted >= 4 * 29, f"the MTP layer (and its MoE router) drafted only {seen.drafted} tokens"
