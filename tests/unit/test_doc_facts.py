@@ -169,7 +169,9 @@ def test_to_tensors_options_table_is_the_signature() -> None:
 
 
 def _audit_keys() -> set[str]:
-    """The top-level keys the replay audit's ``report()`` writes (``out[K.NAME] = ...``), read from its source."""
+    """The top-level keys the replay audit's ``report()`` writes (``out[K.NAME] = ...``), read from its source, and
+    those of the routers' ``layer_keys`` it writes through (``K.NAME: ...`` in rr_client/trainer/audit.py, the
+    indexer's ``r3/indexer/`` keys apart)."""
     from rr_client.trainer import keys
 
     tree = ast.parse(_read("rr_client/trainer/replay/_audit.py"))
@@ -182,6 +184,25 @@ def _audit_keys() -> set[str]:
         and isinstance(t.slice, ast.Attribute)
         and isinstance(t.slice.value, ast.Name)
         and t.slice.value.id == "K"
+    }
+    spine = ast.parse(_read("rr_client/trainer/audit.py"))
+    (layer_keys,) = [n for n in ast.walk(spine) if isinstance(n, ast.FunctionDef) and n.name == "layer_keys"]
+    names |= {
+        k.attr
+        for n in ast.walk(layer_keys)
+        if isinstance(n, ast.Dict)
+        for k in n.keys
+        if isinstance(k, ast.Attribute)
+        and isinstance(k.value, ast.Name)
+        and k.value.id == "K"
+        and not k.attr.startswith("INDEXER")
+    }
+    names |= {
+        t.slice.attr
+        for n in ast.walk(layer_keys)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Attribute) and t.slice.value.id == "K"
     }
     assert len(names) >= 5
     return {getattr(keys, n) for n in names}
