@@ -44,7 +44,8 @@ from rr_client.trainer.session import AUDIT_EVERY
 from . import _provenance
 from ._engine import check_gap_logprobs
 from ._gate import REPLAY_MODES
-from ._megatron_feed import KEPT, KEY_PREFIX, megatron_info, refuse_layout
+from ._megatron_feed import KEPT, megatron_info, refuse_layout
+from ._patches import MEGATRON_MODE_KEY, ROLLOUT_KEY, _get, megatron_replay_requested
 
 __all__ = [
     "megatron_info",
@@ -57,36 +58,21 @@ __all__ = [
     "RouterAudit",
 ]
 
-ROLLOUT_ROWS_KEY = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
-
 
 def refuse_r2_rollout_rows(actor_rollout_ref: Any) -> None:
     """Raise :class:`ConfigurationError` for Megatron ``router_replay.mode=R2`` with the rollout's rows on: verl's
     ``compute_log_prob`` then skips its R2 record (the batch already carries ``routed_experts``) and the update
     replays the rollout's rows as R2, with no stale-rows policy, no replay mask and no audit."""
-    actor, rollout = _get(actor_rollout_ref, "actor"), _get(actor_rollout_ref, "rollout")
-    mode = _get(_get(_get(actor, "megatron"), "router_replay"), "mode")
-    if str(_get(actor, "strategy") or "") != "megatron" or str(mode) != "R2":
+    asked = megatron_replay_requested(actor_rollout_ref)
+    if asked != f"{MEGATRON_MODE_KEY}=R2" or not bool(
+        _get(_get(actor_rollout_ref, "rollout"), "enable_rollout_routing_replay")
+    ):
         return
-    if bool(_get(rollout, "enable_rollout_routing_replay")):
-        raise ConfigurationError(
-            f"{KEY_PREFIX}.router_replay.mode=R2 with {ROLLOUT_ROWS_KEY}=True: verl's R2 update would replay the "
-            "rollout's rows (compute_log_prob skips its record when the batch carries them) with no stale-rows "
-            f"policy and no audit; to replay the rollout's routing set {KEY_PREFIX}.router_replay.mode=R3, to "
-            f"replay the trainer's own recorded routing (R2) set {ROLLOUT_ROWS_KEY}=False"
-        )
-
-
-def _get(node: Any, key: str) -> Any:
-    """``node[key]`` / ``node.key`` of a config node (None when absent)."""
-    if node is None:
-        return None
-    if isinstance(node, dict) or hasattr(node, "get"):
-        try:
-            return node.get(key, None)
-        except TypeError:
-            pass
-    return getattr(node, key, None)
+    raise ConfigurationError(
+        f"{asked} with {ROLLOUT_KEY}=True: verl's R2 update would replay the rollout's rows (compute_log_prob skips "
+        "its record when the batch carries them) with no stale-rows policy and no audit; to replay the rollout's "
+        f"routing set {MEGATRON_MODE_KEY}=R3, to replay the trainer's own recorded routing (R2) set {ROLLOUT_KEY}=False"
+    )
 
 
 def replay_mode(engine: Any) -> str:
@@ -162,9 +148,9 @@ def policed_step(orig: Callable[..., Any]) -> Callable[..., Any]:
 class RouterAudit:
     """rr's audit of the replay on verl's Megatron engine: a forward hook on every ``TopKRouter`` compares the experts
     it chose (its ``routing_map``) with the targets it was given, and the experts it would have chosen itself on the
-    same input (``r3/agreement``), on the tokens rr's feeder replays with the router's current targets (``rr_have``
-    on verl's ``RouterReplay``: R3's replay mask, R2's recorded tokens), in ``REPLAY_FORWARD`` forwards. Counts stay on the device; one host read
-    per call."""
+    same input (``r3/agreement``), on the tokens rr's feeder replays with the router's current targets
+    (``rr_have`` on verl's ``RouterReplay``: R3's replay mask, R2's recorded tokens), in ``REPLAY_FORWARD``
+    forwards. Counts stay on the device; one host read per call."""
 
     def __init__(self, chunks: Any) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
