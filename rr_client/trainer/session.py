@@ -613,13 +613,14 @@ class ReplaySession:
 
         Samples the stale-rows policy masked are out of the gap (their rows were not replayed: their gap says
         nothing of replay; they are counted under ``r3/stale_masked``): ``keep`` (one bool per sample; packed
-        log-probs with ``cu_seqlens``), by default, on the Hugging Face backend, the samples of the block opened
-        last (:meth:`open_replay` / :meth:`forward` of these log-probs' micro-batch). Megatron feeds every
-        micro-batch before any gap is known: pass ``keep`` (the ``replay`` of :meth:`open_replay`'s check)."""
+        log-probs with ``cu_seqlens``), by default the samples of the rows opened last (:meth:`open_replay` /
+        :meth:`forward` of these log-probs' micro-batch; Megatron: ``forward_step_func``'s ``open_replay``, then its
+        loss function). Log-probs of another micro-batch than the one opened last: pass its check's ``replay``; a
+        batch of another sample count is a :class:`rr_client.ShapeMismatchError`, never a guess."""
         engine_logps, logprobs_mode = engine_logprobs(engine_logps, logprobs_mode, consumer="ReplaySession.add_gap")
         check_comparable_logprobs(logprobs_mode, temperature, consumer="ReplaySession.add_gap", sampling=sampling)
         mine = trainer_logps.detach() if hasattr(trainer_logps, "detach") else trainer_logps
-        if keep is None and self.backend is None:
+        if keep is None:
             keep = self._keep
         if keep is not None and not all(keep):
             base = torch.ones(tuple(mine.shape), dtype=torch.bool) if mask is None else torch.as_tensor(mask)
