@@ -168,9 +168,10 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
     ``verify_sync``: after each push, the engine's log-probs of a probe completion must match the trainer's
     within this tolerance, else :class:`rr_client.WeightSyncError`. ``sync_log``: one record per push.
     ``stale_rows``: a sample whose rows may have been recomputed across a weight update (its provenance says it was
-    preempted across one) is refused with :class:`rr_client.StaleRoutingError` when the rollout arrives
-    (``"refuse"``), or trained with its replay masked off (``"mask"``); both, and samples spanning an update
-    without a recompute, are counted in the log (``r3/stale_masked``, ``r3/spans_update``, ...). The audit and the
+    preempted across one) is refused with :class:`rr_client.StaleRoutingError` at the session's door, before the
+    first forward of its batch (``"refuse"``), or trained with its replay masked off and kept out of the log-prob
+    gap (``"mask"``); both, and samples spanning an update without a recompute, are counted once per step in the
+    log (``r3/stale_masked``, ``r3/spans_update``, ...). The audit and the
     log-prob gap are logged per token segment too (``r3/cached_prompt/agreement``, ...). With TRL's evaluation
     (``eval_strategy``) each eval batch replays its own eval rollout's rows (metrics under ``eval_r3/``), kept apart
     from the training rollout TRL trains on again (``num_iterations``, ``steps_per_generation``).
