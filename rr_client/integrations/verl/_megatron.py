@@ -7,8 +7,8 @@ per micro-batch, the step's counts, and the audit. The feeder itself, rr's in pl
   megatron-core, a router configuration that bypasses replay (CUDA graphs over the router, the fused router, forced
   balancing, token dropping, input jitter: :func:`rr_client.integrations.megatron._routers.check_config`), dynamic
   context parallelism, the padded layout, FP8's THD padding.
-- :func:`refuse_r2_rollout_rows`: R2 with the rollout's rows (``rollout.enable_rollout_routing_replay=True``) is
-  refused at the worker's start: verl's R2 update would replay the rollout's rows with no stale-rows policy.
+- R2 with the rollout's rows (``rollout.enable_rollout_routing_replay=True``) is refused at the worker's start
+  (:func:`._patches.refuse_r2_rollout_rows`): verl's R2 update would replay them with no stale-rows policy.
 - :func:`policed_step` wraps ``MegatronEngineWithLMHead.forward_step``: the stale-rows policy on an R3 micro-batch's
   samples (their provenance from verl's batch, :mod:`._provenance`), counted once per micro-batch (the first model
   chunk's step; every VPP chunk steps through the same samples): ``RR_STALE_ROWS=refuse`` (default) raises
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from rr_client.core import settings
-from rr_client.core.errors import ConfigurationError, ReplayError
+from rr_client.core.errors import ReplayError
 from rr_client.integrations.megatron import check_config, check_megatron_version, find_routers, own_choice
 from rr_client.trainer import keys as K
 from rr_client.trainer.audit import AuditClock, LayerCounts, layer_keys, share
@@ -45,34 +45,16 @@ from . import _provenance
 from ._engine import check_gap_logprobs
 from ._gate import REPLAY_MODES
 from ._megatron_feed import KEPT, megatron_info, refuse_layout
-from ._patches import MEGATRON_MODE_KEY, ROLLOUT_KEY, _get, megatron_replay_requested
 
 __all__ = [
     "megatron_info",
     "refusing_initialize",
-    "refuse_r2_rollout_rows",
     "policed_step",
     "gapped_outputs",
     "counted_batch",
     "audit_clock",
     "RouterAudit",
 ]
-
-
-def refuse_r2_rollout_rows(actor_rollout_ref: Any) -> None:
-    """Raise :class:`ConfigurationError` for Megatron ``router_replay.mode=R2`` with the rollout's rows on: verl's
-    ``compute_log_prob`` then skips its R2 record (the batch already carries ``routed_experts``) and the update
-    replays the rollout's rows as R2, with no stale-rows policy, no replay mask and no audit."""
-    asked = megatron_replay_requested(actor_rollout_ref)
-    if asked != f"{MEGATRON_MODE_KEY}=R2" or not bool(
-        _get(_get(actor_rollout_ref, "rollout"), "enable_rollout_routing_replay")
-    ):
-        return
-    raise ConfigurationError(
-        f"{asked} with {ROLLOUT_KEY}=True: verl's R2 update would replay the rollout's rows (compute_log_prob skips "
-        "its record when the batch carries them) with no stale-rows policy and no audit; to replay the rollout's "
-        f"routing set {MEGATRON_MODE_KEY}=R3, to replay the trainer's own recorded routing (R2) set {ROLLOUT_KEY}=False"
-    )
 
 
 def replay_mode(engine: Any) -> str:

@@ -370,7 +370,6 @@ def check_megatron_feeder(config: Any) -> None:
 
     check_megatron_version()
     from ._logprobs import ROLLOUT_LOGPROBS, check_rollout_logprobs
-    from ._megatron import refuse_r2_rollout_rows
 
     refuse_r2_rollout_rows(config)
     ROLLOUT_LOGPROBS["rollout"] = check_rollout_logprobs(_get(config, "rollout"))
@@ -716,6 +715,22 @@ def megatron_replay_requested(config: Any) -> str | None:
         return None
     mode = _get(_get(_get(actor, "megatron"), "router_replay"), "mode")
     return f"{MEGATRON_MODE_KEY}={mode}" if str(mode) in REPLAY_MODES else None
+
+
+def refuse_r2_rollout_rows(actor_rollout_ref: Any) -> None:
+    """Raise :class:`ConfigurationError` for Megatron ``router_replay.mode=R2`` with the rollout's rows on: verl's
+    ``compute_log_prob`` then skips its R2 record (the batch already carries ``routed_experts``) and the update
+    replays the rollout's rows as R2, with no stale-rows policy, no replay mask and no audit."""
+    asked = megatron_replay_requested(actor_rollout_ref)
+    if asked != f"{MEGATRON_MODE_KEY}=R2" or not bool(
+        _get(_get(actor_rollout_ref, "rollout"), "enable_rollout_routing_replay")
+    ):
+        return
+    raise ConfigurationError(
+        f"{asked} with {ROLLOUT_KEY}=True: verl's R2 update would replay the rollout's rows (compute_log_prob skips "
+        "its record when the batch carries them) with no stale-rows policy and no audit; to replay the rollout's "
+        f"routing set {MEGATRON_MODE_KEY}=R3, to replay the trainer's own recorded routing (R2) set {ROLLOUT_KEY}=False"
+    )
 
 
 def refuse_megatron_inactive(why: str, asked: str) -> None:
