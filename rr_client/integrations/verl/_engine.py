@@ -4,7 +4,9 @@ Mirrors verl's VeOmni replay: the engine carries ``routed_experts`` in the micro
 ``prepare_model_inputs`` arms the replay with the rows laid out the way the model sees the tokens (packed
 ``[1, N + pad]`` with remove-padding, right-padded ``[B, T]`` without), ``prepare_model_outputs`` hands back
 what an R2 record pass saw. The replay block of a micro-batch stays open until the next micro-batch starts
-(or the batch ends), so backward and its gradient-checkpointing recompute run replayed too.
+(or the batch ends), so backward and its gradient-checkpointing recompute run replayed too. Each micro-batch's rows
+enter through the session's one door (``ReplaySession.open_replay``: the stale-rows policy, the mask and the rows'
+check, once); the audit runs per training step (:class:`TrainingStepClock`), not per engine call.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from rr_client.core.errors import ConfigurationError, MissingRoutingError, Unsup
 from rr_client.core.info import RRInfo
 from rr_client.core.logprobs import PROCESSED, check_comparable_logprobs
 from rr_client.trainer import keys as K
+from rr_client.trainer.audit import AuditClock
 from rr_client.trainer.provenance import CACHED, COMPUTED, GENERATED, Segments
 from rr_client.trainer.replay import find_routers
 from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
 from . import _logprobs, _provenance
 from ._gate import REPLAY_MODES, check_verl_version
-from ._rows import packed_rows, padded_rows, sample_of_rows, unpack_recorded
+from ._rows import replay_rows, sample_of_rows, unpack_recorded
 
 MODES = ("disabled", *REPLAY_MODES)
 
@@ -83,6 +86,52 @@ def _prompt_lengths(micro_batch: Any) -> torch.Tensor | None:
     if "attention_mask" not in keys:
         return None
     return micro_batch["attention_mask"][:, : prompts.shape[1]].sum(dim=1)
+
+
+def _loss_ends(micro_batch: Any, prompt_lens: torch.Tensor | None) -> torch.Tensor | None:
+    """``[B]``: the position of each sample's last loss token (its last ``response_mask`` token) in the sample's
+    tokens, 0 where it has none; None when the batch carries no response mask or prompt lengths. On the device."""
+    if prompt_lens is None or "response_mask" not in micro_batch.keys():
+        return None
+    rm = micro_batch["response_mask"]
+    rm = (rm.to_padded_tensor(0) if rm.is_nested else rm).bool()
+    if rm.shape[-1] == 0:
+        return None
+    col = torch.arange(rm.shape[-1], device=rm.device).expand_as(rm)
+    last = torch.where(rm, col, torch.full_like(col, -1)).amax(dim=-1)
+    return torch.where(last >= 0, prompt_lens.to(rm.device) + last, torch.zeros_like(last))
+
+
+class TrainingStepClock(AuditClock):
+    """The session's :class:`rr_client.trainer.audit.AuditClock` on verl, advanced once per training step, not
+    per engine call: verl calls the engine several times a step (the log-prob pass, then one update call per
+    mini-batch: 5 with its default batch sizes) and the session flushes after each call, so its per-flush
+    :meth:`tick` is held here. A step runs from the first engine call after the previous step's update calls to
+    its own last update call; so every call of an audited step (its log-prob pass and all its update calls) is
+    audited, the same for R2 and R3. The step ends at verl's last update mini-batch (``update_lr_scheduler``,
+    set by ``train_mini_batch``), or else at the first forward-only call after update calls."""
+
+    def __init__(self, every: int) -> None:
+        super().__init__(every)
+        self.updating = False  #: the current step's update calls have begun
+
+    def tick(self) -> None:
+        """The session's flush after one engine call: held (the step goes on)."""
+
+    def call_starts(self, forward_only: bool) -> None:
+        """An engine call begins: a forward-only call after update calls opens the next step."""
+        if forward_only and self.updating:
+            self._end_step()
+        self.updating = self.updating or not forward_only
+
+    def call_ends(self, forward_only: bool, last_update: bool) -> None:
+        """An engine call ended (or raised): verl's last update mini-batch ends the step."""
+        if not forward_only and last_update:
+            self._end_step()
+
+    def _end_step(self) -> None:
+        self.updating = False
+        super().tick()
 
 
 _NAMES = tuple((name, None) for name in K.SEGMENTS)
@@ -165,6 +214,7 @@ class RRFSDPEngineMixin(_EngineBase):
             allow_untested=settings.flag("RR_ALLOW_UNTESTED_MODEL"),
             moe_layers=self.rr_info.moe_layers,
         )
+        self.rr_session.clock = TrainingStepClock(self.rr_session.clock.every)  # one tick per training step
 
     # -- per batch
     def _rr_action_for(self, data: Any, forward_only: bool) -> str | None:
@@ -190,6 +240,20 @@ class RRFSDPEngineMixin(_EngineBase):
         return "replay"
 
     def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+        clock = self.rr_session.clock if self.rr_session is not None else None
+        if not isinstance(clock, TrainingStepClock):
+            return self._rr_batch(data, loss_function, forward_only)
+        from verl.utils import tensordict_utils as tu
+
+        last = bool(tu.get_non_tensor_data(data, "update_lr_scheduler", default=False))
+        clock.call_starts(forward_only)
+        try:
+            return self._rr_batch(data, loss_function, forward_only)
+        finally:
+            clock.call_ends(forward_only, last)
+
+    def _rr_batch(self, data: Any, loss_function: Any, forward_only: bool) -> Any:
+        """One engine call: verl's, replayed (or recorded) per micro-batch, flushed into its metrics."""
         self._rr_action = self._rr_action_for(data, forward_only)
         if self._rr_action is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
@@ -224,32 +288,36 @@ class RRFSDPEngineMixin(_EngineBase):
             assert self.rr_info is not None
             if "rollout_log_probs" in micro_batch.keys():  # rr computes the gap: do both sides mean the same?
                 check_gap_logprobs(micro_batch["temperature"])  # the temperature verl's forward divides by
-            rows, mask = packed_rows(micro_batch["routed_experts"], offsets, self.rr_info)
-            # the stale-rows policy on the provenance verl's rollout put in the batch (refuse raises here)
-            provs = _provenance.batch_provenances(micro_batch, offsets.numel() - 1)
-            check = _provenance.police(provs, session.stale_rows)
-            if not all(check.replay):
-                mask = _provenance.mask_stale(mask, check.replay, offsets)
-            session.add_provenance(check)
-            tokens = None  # which rows are real tokens: pads count neither replayed nor left
-            width = None
-            if rmpad:
-                if pad:
-                    tokens = torch.cat([mask.new_ones(rows.shape[0]), mask.new_zeros(pad)])
-                    rows = torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))])
-                    mask = torch.cat([mask, mask.new_zeros(pad)])
-            else:
-                width = model_inputs["input_ids"].shape[-1]
-                rows, mask = padded_rows(rows, mask, offsets, width)
-                tokens = _valid(width, offsets.to(mask.device))
+            n = offsets.numel() - 1
+            provs = _provenance.batch_provenances(micro_batch, n)
             plens = _prompt_lengths(micro_batch)
+            width = None if rmpad else int(model_inputs["input_ids"].shape[-1])
+            rows = replay_rows(
+                micro_batch["routed_experts"],
+                offsets,
+                self.rr_info,
+                pad=pad,
+                width=width,
+                loss_end=_loss_ends(micro_batch, plens),
+                provenance=provs,
+            )
+            tokens = None  # which rows are real tokens: pads count neither replayed nor left
+            if width is not None:
+                tokens = _valid(width, offsets.to(rows.device))
+            elif pad:
+                n_tok = int(rows.rows.shape[1]) - pad
+                tokens = torch.cat([rows.have.new_ones(n_tok), rows.have.new_zeros(pad)])
             self._rr_segments = (
                 None
                 if plens is None
-                else _segments(offsets, plens, rows.shape[0], width, _provenance.cached_counts(provs, plens.device))
+                else _segments(
+                    offsets, plens, int(rows.rows.shape[1]), width, _provenance.cached_counts(provs, plens.device)
+                )
             )
-            # kept open until the next micro-batch: its backward runs replayed; the policy ran above
-            session.open_replay(rows, mask, tokens=tokens, segments=self._rr_segments, checked=True)
+            # the one door: the stale-rows policy on the rows' provenance, the mask, the rows' one check; the block
+            # stays open until the next micro-batch, so its backward runs replayed
+            with _provenance.naming_knob():
+                session.open_replay(rows, tokens=tokens, segments=self._rr_segments)
         output_args["rr_pad"] = pad
         return model_inputs, output_args
 
@@ -278,6 +346,7 @@ class RRFSDPEngineMixin(_EngineBase):
                     seg = Segments(
                         seg.rows, torch.full(tuple(lp.shape), GENERATED, dtype=torch.long, device=lp.device), seg.names
                     )
+                # the samples the policy masked in this micro-batch's door leave the gap (the session's keep)
                 self.rr_session.add_gap(
                     lp.float(), ref["rollout_log_probs"].float(), ref["response_mask"].bool(), segments=seg
                 )

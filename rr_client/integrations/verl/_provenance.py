@@ -16,7 +16,8 @@ verl reports no per-sample preemption count, so a sample spanning versions is tr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,8 +26,6 @@ from rr_client.core import settings
 from rr_client.core.errors import StaleRoutingError
 from rr_client.core.provenance import PROVENANCE_FIELD, Provenance, ProvenanceCheck, StalePolicy, check_stale_policy
 from rr_client.trainer.provenance import check_provenances
-
-from ._rows import sample_of_rows
 
 CACHED_KEY = "num_cached_tokens"
 FIRST_VERSION_KEY, LAST_VERSION_KEY = "min_global_steps", "max_global_steps"
@@ -88,11 +87,12 @@ def cached_counts(provs: Sequence[Provenance | None], device: torch.device) -> t
     return torch.tensor([p.cached_tokens if p is not None else 0 for p in provs], dtype=torch.long, device=device)
 
 
-def police(provs: Sequence[Provenance | None], policy: StalePolicy) -> ProvenanceCheck:
-    """The policy on one micro-batch's samples: :class:`StaleRoutingError` (refuse), naming verl's knob, or the
-    check whose ``replay[i]`` is False for a sample to leave unreplayed (mask)."""
+@contextmanager
+def naming_knob() -> Iterator[None]:
+    """A stale-rows refusal raised inside (the session's door, :func:`police`) names verl's knob: rr's policy comes
+    from ``RR_STALE_ROWS`` in the workers' environment, not a ``stale_rows=`` argument."""
     try:
-        return check_provenances([[p] for p in provs], policy, turns=False)
+        yield
     except StaleRoutingError as e:
         raise StaleRoutingError(
             f"verl: {e} (verl's {FIRST_VERSION_KEY}/{LAST_VERSION_KEY} or the rows' {PROVENANCE_FIELD}); set "
@@ -100,10 +100,8 @@ def police(provs: Sequence[Provenance | None], policy: StalePolicy) -> Provenanc
         ) from e
 
 
-def mask_stale(mask: torch.Tensor, replay: Sequence[bool], offsets: torch.Tensor | None) -> torch.Tensor:
-    """``mask`` with the rows of the samples the policy left unreplayed off: packed ``[N]`` rows cut by
-    ``offsets``, or padded ``[B, T]`` (``offsets`` None)."""
-    keep = torch.tensor(list(replay), dtype=torch.bool, device=mask.device)
-    if offsets is None:
-        return mask & keep[:, None]
-    return mask & keep.index_select(0, sample_of_rows(offsets.to(mask.device), mask.shape[0]))
+def police(provs: Sequence[Provenance | None], policy: StalePolicy) -> ProvenanceCheck:
+    """The policy on one micro-batch's samples: :class:`StaleRoutingError` (refuse), naming verl's knob, or the
+    check whose ``replay[i]`` is False for a sample to leave unreplayed (mask)."""
+    with naming_knob():
+        return check_provenances([[p] for p in provs], policy, turns=False)

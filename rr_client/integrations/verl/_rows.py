@@ -9,6 +9,7 @@ wrong instead of leaving it to the model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -16,9 +17,16 @@ import torch
 
 from rr_client.core.errors import MissingRoutingError, ShapeMismatchError
 from rr_client.core.info import RRInfo
-from rr_client.trainer.rows import Reader, ReplayRows, fill_pads
+from rr_client.trainer.rows import Pending, Reader, ReplayRows, fill_pads
 
-__all__ = ["packed_rows", "padded_rows", "sample_of_rows", "accumulate_turn_rows", "unpack_recorded"]
+__all__ = [
+    "packed_rows",
+    "replay_rows",
+    "padded_rows",
+    "sample_of_rows",
+    "accumulate_turn_rows",
+    "unpack_recorded",
+]
 
 
 def sample_of_rows(offsets: torch.Tensor, n: int) -> torch.Tensor:
@@ -50,6 +58,87 @@ def packed_rows(routed: torch.Tensor, offsets: torch.Tensor, info: RRInfo) -> tu
     rows.check(readers, spare=spare, refuse_spare=True)
     have = rows.have.reshape(-1)
     return fill_pads(rows.flat, have, rows.layers, info.num_experts), have
+
+
+def replay_rows(
+    routed: torch.Tensor,
+    offsets: torch.Tensor,
+    info: RRInfo,
+    *,
+    pad: int = 0,
+    width: int | None = None,
+    loss_end: torch.Tensor | None = None,
+    provenance: Sequence[Any] | None = None,
+) -> ReplayRows:
+    """One micro-batch's rows as :class:`rr_client.trainer.rows.ReplayRows` laid out as the model sees its tokens,
+    not yet checked: the session's door (``ReplaySession.open_replay``) applies the stale-rows policy to their
+    ``provenance`` (one per sample), masks once and checks them once, with one host read.
+
+    Packed ``[1, N + pad]`` (verl's remove-padding, ``pad`` tokens appended without rows; ``cu_seqlens`` the
+    samples' bounds) or, with ``width``, right-padded ``[B, width]``. Besides the check's own verdicts, read with it:
+    :meth:`~rr_client.trainer.rows.ReplayRows.from_jagged`'s (the recorded rows are a non-empty prefix of each
+    sample), no recorded row at a layer the model builds dense, and, with ``loss_end`` (``[B]``: the position of
+    each sample's last loss token, 0 where it has none), rows for every token before it: a sample whose rows stop
+    early would route its later tokens with the model's own choice, under the loss."""
+    jag = ReplayRows.from_jagged(routed, offsets, num_hidden_layers=info.num_hidden_layers, moe_layers=info.moe_layers)
+    flat, have, off = jag.rows[0], jag.have[0], jag.cu_seqlens
+    assert off is not None
+    pending = jag.pending + _dense_verdict(jag, info)
+    if loss_end is not None:
+        pending += (_coverage_verdict(have, off, loss_end),)
+    provs = None if provenance is None else tuple(provenance)
+    if width is not None:
+        dense, dmask = padded_rows(flat, have, off, width)
+        return ReplayRows(dense, dmask, jag.layers, provenance=provs, pending=pending)
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros((pad, *flat.shape[1:]))])
+        have = torch.cat([have, have.new_zeros(pad)])
+    n = int(flat.shape[0])
+    return ReplayRows(
+        flat.unsqueeze(0), have.unsqueeze(0), jag.layers, cu_seqlens=off, shape=(n,), provenance=provs, pending=pending
+    )
+
+
+def _dense_verdict(rows: ReplayRows, info: RRInfo) -> tuple[Pending, ...]:
+    """A recorded row at an axis layer the model builds dense (verl: any id non-zero): its layer axis is off."""
+    moe = set(info.moe_layers)
+    spare = [p for p, layer in enumerate(rows.layers) if layer not in moe]
+    if not spare:
+        return ()
+    vals = rows.rows[0].index_select(1, torch.tensor(spare, device=rows.device))
+    hit = (vals != 0).any(dim=-1) & rows.have[0].unsqueeze(1)  # [N, spare]
+
+    def error() -> Exception:
+        layer = rows.layers[spare[int(hit.any(dim=0).nonzero()[0, 0])]]
+        return ShapeMismatchError(
+            f"dense layer {layer} holds routing rows: the rows' layer axis does not match the model's MoE layers "
+            f"{list(info.moe_layers)} (a dense/MoE layer mismatch between engine and trainer, verl #5037)"
+        )
+
+    return ((hit.any(), error),)
+
+
+def _coverage_verdict(have: torch.Tensor, off: torch.Tensor, loss_end: torch.Tensor) -> Pending:
+    """Every sample's recorded rows (a prefix, by :meth:`ReplayRows.from_jagged`'s verdict) reach its last loss
+    token: that token's log-prob is computed at the tokens before it, so each of them needs its row."""
+    b = int(off.numel()) - 1
+    sample = sample_of_rows(off, int(have.shape[0]))
+    counts = torch.zeros(max(b, 1), dtype=torch.long, device=have.device).index_add_(0, sample, have.long())
+    counts = counts.narrow(0, 0, b)
+    need = loss_end.to(have.device).long()
+    short = counts < need
+
+    def error() -> Exception:
+        i = int(short.nonzero()[0, 0])
+        got, end = int(counts[i]), int(need[i])
+        return MissingRoutingError(
+            f"micro-batch sample {i} ({int(off[i + 1] - off[i])} tokens): routed_experts has rows for its first "
+            f"{got} tokens, but its last loss token (response_mask) is token {end}: tokens {got}..{end - 1} would "
+            "route with the model's own choice under the loss (the rollout returned rows for fewer tokens than the "
+            "sample trains on)"
+        )
+
+    return short.any(), error
 
 
 def padded_rows(
