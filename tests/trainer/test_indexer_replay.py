@@ -91,8 +91,9 @@ def test_every_replayed_token_reads_exactly_the_engines_positions(family: str) -
         (lambda p: p.__setitem__((0, 5, 0, 1), 9), IndexerPositionError, r"token 5, layer 0\) picks a future position"),
         (lambda p: p.__setitem__((1, 7, 1, 2), p[1, 7, 1, 0]), IndexerPositionError, "picks a position twice"),
         (lambda p: p.__setitem__((0, 6, 2, 3), -1), UnrecordedRoutingError, "partly -1"),
+        (lambda p: p[0, 6, 2].fill_(-32768), IndexerPositionError, r"token 6, layer 2\) holds a negative position other"),
     ],
-    ids=["future", "repeat", "partial"],
+    ids=["future", "repeat", "partial", "wrapped-negative"],
 )  # fmt: skip
 def test_malformed_rows_are_refused_when_the_block_opens(edit: object, error: type, match: str) -> None:
     model = dsa_model("deepseek_v32")

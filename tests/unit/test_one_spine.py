@@ -126,3 +126,18 @@ def test_the_engine_name_grep_sees_a_comparison(tmp_path: Path) -> None:
     (tmp_path / "rr_server" / "serving" / "engines" / "sglang.py").write_text("\n".join(bad) + "\n")
     found = _by_engine_name(tmp_path)
     assert [h.split(":")[1] for h in found] == [str(i) for i in range(1, len(bad) + 1)], found
+def test_one_audit_clock() -> None:
+    """When a step is audited is decided once (issue 56): ``AuditClock.audited``; the session owns the clock and
+    every backend asks it, none keeps its own."""
+    where = _defined(r"\bdef audited\b")
+    assert len(where) == 1 and where[0].startswith("rr_client/trainer/audit.py:"), where
+    assert "self.clock = AuditClock(" in (ROOT / "trainer/session.py").read_text()
+
+
+def test_one_writer_of_applied_share() -> None:
+    """An ``applied_share`` key is written from counts in one place (rr_client/trainer/audit.py: ``layer_keys``, and
+    ``merged_keys`` beside it for a step's blocks), with one meaning for no rows (NaN)."""
+    writers = _defined(r'(APPLIED_SHARE\s*:|APPLIED_SHARE\]\s*=|"applied_share"\)\]?\s*[:=])')
+    assert writers and all(w.startswith("rr_client/trainer/audit.py:") for w in writers), writers
+
+

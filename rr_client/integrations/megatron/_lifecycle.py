@@ -22,7 +22,6 @@ as the Hugging Face path does.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,17 +32,11 @@ from rr_client.core.errors import ConfigurationError, MissingRoutingError, Repla
 from rr_client.integrations.megatron._recompute import RecomputePool, recomputed
 from rr_client.integrations.megatron._routers import MegatronRouter
 from rr_client.trainer import keys as K
+from rr_client.trainer.audit import AuditClock, LayerCounts, layer_keys, segment_keys
 from rr_client.trainer.replay.phase import DeviceTally, in_backward
 from rr_client.trainer.session import AUDIT_EVERY, merge_reports
 
-__all__ = ["Lifecycle", "RouterState", "R2Record", "AUDIT_EVERY", "recomputes_router"]
-
-
-def recomputes_router(config: Any) -> bool:
-    """Whether Megatron's checkpointing re-runs the router in the backward: full recompute, or selective with the
-    ``moe`` module (``moe_act`` recomputes the experts' activation only)."""
-    gran = getattr(config, "recompute_granularity", None)
-    return gran == "full" or (gran == "selective" and "moe" in (getattr(config, "recompute_modules", None) or []))
+__all__ = ["Lifecycle", "RouterState", "R2Record", "AUDIT_EVERY"]
 
 
 @dataclass
@@ -99,19 +92,14 @@ def _sample_tokens(tokens: Any) -> torch.Tensor:
 class Lifecycle:
     """The per-call action driver and audit over ``routers`` (hooks installed until :meth:`remove`).
 
-    ``audit_every``: steps between audited steps (the first always; 0 = never); ``log_layers``: per-layer keys in
-    the step's report too."""
+    ``clock``: when a step is audited (:class:`rr_client.trainer.audit.AuditClock`, advanced by whoever owns it:
+    :class:`MegatronReplay`, or the session driving it); ``log_layers``: per-layer keys in the step's report too."""
 
-    def __init__(
-        self, routers: Sequence[MegatronRouter], *, audit_every: int = AUDIT_EVERY, log_layers: bool = False
-    ) -> None:
-        if audit_every < 0:
-            raise ReplayError(f"audit_every={audit_every} must be >= 0")
+    def __init__(self, routers: Sequence[MegatronRouter], *, clock: AuditClock, log_layers: bool = False) -> None:
         self.routers = list(routers)
         self.states = {r.module: self._fresh_state(r) for r in routers}
-        self.audit_every = audit_every
+        self.clock = clock
         self.log_layers = log_layers
-        self.steps = 0  #: steps done
         self.records: dict[Any, R2Record] = {}  #: R2: micro-batch key -> its record
         self._tally = DeviceTally()
         self.segment_names: tuple[tuple[str, int | None], ...] | None = None  #: this step's segments' names
@@ -129,11 +117,6 @@ class Lifecycle:
         """A router's state at the start of a step."""
         rec = recomputed(r)  # only the layers Megatron checkpoints keep rows for their recomputes
         return RouterState(r, recomputable=rec, pool=RecomputePool(r.describe()) if rec else None)
-
-    @property
-    def audited(self) -> bool:
-        """Whether this step runs under the audit (the first step, then every ``audit_every``-th)."""
-        return self.audit_every > 0 and self.steps % self.audit_every == 0
 
     # ------------------------------------------------------------------ per micro-batch
     def fed(
@@ -300,7 +283,7 @@ class Lifecycle:
         st.expect, st.expect_have = rows, have
         if not recompute:
             st.expect_seg = st.seg
-        if self.audited and not recompute:
+        if self.clock.audited and not recompute:
             st.own = own_choice(module, hidden)
 
     @staticmethod
@@ -347,7 +330,7 @@ class Lifecycle:
         if want is None:
             return
         st.expect = None
-        if not self.audited:
+        if not self.clock.audited:
             st.own = None
             return
         have = st.expect_have
@@ -383,7 +366,7 @@ class Lifecycle:
         router ran), a recompute whose input matched none of the step's forwards (or one forward taken twice, or
         two with one input but other rows), and, on audited steps, a router that chose other experts than it was
         given."""
-        audited = self.audited
+        audited = self.clock.audited
         states = list(self.states.values())
         for s in states:
             if s.pool is not None:
@@ -428,7 +411,6 @@ class Lifecycle:
                 s.router.replay.clear_indices()
                 s.router.replay.clear_router_replay_action()
             self.states[s.router.module] = self._fresh_state(s.router)
-        self.steps += 1
         if problems:
             raise ReplayError("Megatron replay audit: " + "; ".join(problems))
         if report:
@@ -446,64 +428,34 @@ class Lifecycle:
     ) -> dict[str, float]:
         """One step's keys, through the session's merge (worst layer, row-weighted agreement; per segment on
         audited steps fed segments: ``r3/[turn<t>/]<segment>/replayed_rows`` and ``.../agreement``)."""
-        nan = math.nan
-        rows = {s.router.row_layer: counts.get(f"replayed/{s.router.row_layer}", 0) for s in replaying}
-        replayed = sum(rows.values())
-        checked = sum(s.checked for s in replaying)
-        applied = sum(counts.get(f"applied/{s.router.row_layer}", 0) for s in replaying)
-        agree = sum(counts.get(f"agree/{s.router.row_layer}", 0) for s in replaying)
-        out = {
-            K.FORWARDS: float(max(s.forwards + s.recomputes for s in replaying)),
-            K.MOE_LAYERS: float(len(replaying)),
-            K.REPLAYED_ROWS: float(replayed),
-            K.LEFT_ROWS: float(sum(s.left_rows for s in left)),
-            K.APPLIED_SHARE: applied / checked if audited and checked else nan,
-            K.AGREEMENT: agree / replayed if audited and replayed else nan,
-            K.LEFT_ROUTERS_OUTSIDE_DECODER: float(len(left)),
-            K.ORPHAN_ROUTERS: float(sum(s.forwards == 0 for s in replaying)),
-        }
-        for s in replaying:
-            i = s.router.row_layer
-            got_a, got_g = counts.get(f"applied/{i}", 0), counts.get(f"agree/{i}", 0)
-            out[K.layer(i, "replayed_rows")] = float(rows[i])
-            out[K.layer(i, "applied_share")] = got_a / s.checked if audited and s.checked else nan
-            out[K.layer(i, "agreement")] = got_g / rows[i] if audited and rows[i] else nan
+        layer_counts = [
+            LayerCounts(
+                s.router.row_layer,
+                replayed=counts.get(f"replayed/{s.router.row_layer}", 0),
+                checked=s.checked,
+                applied=counts.get(f"applied/{s.router.row_layer}", 0),
+                agreed=counts.get(f"agree/{s.router.row_layer}", 0),
+            )
+            for s in replaying
+        ]
+        out = layer_keys(layer_counts, audited=audited)  # the one writer of applied_share (NaN: no rows)
+        out[K.FORWARDS] = float(max(s.forwards + s.recomputes for s in replaying))
+        out[K.LEFT_ROWS] = float(sum(s.left_rows for s in left))
+        out[K.LEFT_LAYERS_HASH] = 0.0  # Megatron-core has no hash-routed layers
+        out[K.LEFT_ROUTERS_OUTSIDE_DECODER] = float(len(left))
+        out[K.ORPHAN_ROUTERS] = float(sum(s.forwards == 0 for s in replaying))
+        out[K.UNCONSUMED_LAYERS] = 0.0  # the feed refuses rows at a layer without a router before any forward
         for s in left:
             out[K.layer(s.router.row_layer, "left_rows")] = float(s.left_rows)
         if audited and names is not None:
-            out.update(_segment_keys(seg_vec, names))
-        merged = merge_reports([out], log_layers=self.log_layers)
-        for k in (K.LEFT_ROUTERS_OUTSIDE_DECODER, K.ORPHAN_ROUTERS):
-            merged[k] = out[k]
-        return merged
+            out.update(segment_keys(seg_vec, names))
+        return merge_reports([out], log_layers=self.log_layers)
 
     def remove(self) -> None:
         """Remove the hooks (the routers' replay state is left to :meth:`step_done`)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-def _segment_keys(vec: list[int] | None, names: tuple[tuple[str, int | None], ...]) -> dict[str, float]:
-    """The per-segment keys of a ``[agree per code, discarded, replayed per code, discarded]`` count vector (per
-    turn and, for trajectories, per segment over every turn), as :mod:`rr_client.trainer.replay._audit` writes."""
-    s = len(names)
-    vec = vec or [0] * (2 * (s + 1))
-    out: dict[str, float] = {}
-    whole: dict[str, list[int]] = {}
-    for code, (name, turn) in enumerate(names):
-        agree, rep = vec[code], vec[s + 1 + code]
-        out[K.segment(name, "replayed_rows", turn)] = float(rep)
-        if rep:
-            out[K.segment(name, "agreement", turn)] = agree / rep
-        if turn is not None:
-            tot = whole.setdefault(name, [0, 0])
-            tot[0], tot[1] = tot[0] + agree, tot[1] + rep
-    for name, (agree, rep) in whole.items():
-        out[K.segment(name, "replayed_rows")] = float(rep)
-        if rep:
-            out[K.segment(name, "agreement")] = agree / rep
-    return out
 
 
 def own_choice(module: Any, hidden: torch.Tensor) -> torch.Tensor:

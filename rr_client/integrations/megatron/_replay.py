@@ -26,6 +26,7 @@ from rr_client.integrations.megatron._routers import (
     find_routers,
     has_transformer_layers,
 )
+from rr_client.trainer.audit import AuditClock
 from rr_client.trainer.provenance import police_rows
 
 __all__ = ["MegatronReplay", "Mode"]
@@ -83,7 +84,9 @@ class MegatronReplay:
         check_registered(self.routers, self.others)
         self.parallel = parallel if parallel is not None else parallel_from_state(self.routers)
         self.left: list[MegatronRouter] = []  #: MTP routers the last feed left to the model
-        self.lifecycle = Lifecycle(self.routers, audit_every=audit_every, log_layers=log_layers)
+        self.clock = AuditClock(audit_every)  #: when a step is audited (a driving session shares its own)
+        self._owns_clock = True  # advanced at step_done, unless a session's (share_clock)
+        self.lifecycle = Lifecycle(self.routers, clock=self.clock, log_layers=log_layers)
         self.pads = PadClock()  #: each router's pad ordinals, numbered on across micro-batches and steps
 
     # ------------------------------------------------------------------ targets
@@ -220,6 +223,14 @@ class MegatronReplay:
             for r in self.routers:
                 r.replay.clear_indices()
                 r.replay.clear_router_replay_action()
+            if self._owns_clock:
+                self.clock.tick()
+
+    def share_clock(self, clock: AuditClock) -> None:
+        """Audit on ``clock`` (a :class:`rr_client.trainer.ReplaySession`'s, which advances it) instead of this
+        replay's own: one clock for the step, whoever drives it."""
+        self.clock = self.lifecycle.clock = clock
+        self._owns_clock = False
 
     def close(self) -> None:
         """Clear the routers' replay state and remove the token-count hooks."""

@@ -124,3 +124,4 @@ class MegatronSession(ReplaySession):
             backend=backend,
         )
         self.megatron_replay: MegatronReplay = backend.replay  #: the MegatronReplay this session drives
+        backend.replay.share_clock(self.clock)  # one audit clock: the session's, advanced by its flush

@@ -28,7 +28,7 @@ from rr_client.core.errors import (
     UnrecordedRoutingError,
     UnsupportedModelError,
 )
-from rr_client.trainer import keys as K
+from rr_client.trainer.audit import LayerCounts, layer_keys
 from rr_client.trainer.replay.phase import DeviceTally
 
 __all__ = [
@@ -103,17 +103,25 @@ def _checked_rows(rows: Any, layers: list[int], topk: int) -> tuple[torch.Tensor
     )
     use = (pos >= 0).all(-1)
     partial = (pos >= 0).any(-1) & ~use
+    negative = (pos < -1).any(-1)  # -1 alone means "not replayed": any other negative is a wrapped or wrong position
     t = torch.arange(pos.shape[1], device=pos.device)[None, :, None, None]
     future = ((pos > t) & use[..., None]).any(-1)
     srt = pos.sort(-1).values
     twice = ((srt[..., 1:] == srt[..., :-1]).any(-1)) & use
-    too_wide, *flags = torch.stack([beyond, partial.any(), future.any(), twice.any()]).tolist()  # the one host read
+    too_wide, *flags = torch.stack(
+        [beyond, negative.any(), partial.any(), future.any(), twice.any()]
+    ).tolist()  # the one host read
     if too_wide:
         raise IndexerPositionError("indexer rows hold positions beyond int32: not token positions")
-    for bad, what in zip(flags, (partial, future, twice)):
+    for bad, what in zip(flags, (negative, partial, future, twice)):
         if bad:
             b, s, li = (int(i) for i in torch.nonzero(what)[0].tolist())
             row = pos[b, s, li].tolist()[:8]
+            if what is negative:
+                raise IndexerPositionError(
+                    f"indexer row (sample {b}, token {s}, layer {layers[li]}) holds a negative position other than "
+                    f"-1 {row}...: -1 alone marks a row not replayed (positions past 32,767 wrapped in int16?)"
+                )
             if what is partial:
                 raise UnrecordedRoutingError(
                     f"indexer row (sample {b}, token {s}, layer {layers[li]}) is partly -1 {row}...: a row is "
@@ -204,19 +212,21 @@ def replay_indexer(
         )
     if not audit or report is None:
         return
-    total = {"rows": 0, "applied": 0, "agree": 0}
-    for layer in own:
-        n, a, g = (counts.get(f"{k}/{layer}", 0) for k in ("rows", "applied", "agree"))
-        total["rows"] += n
-        total["applied"] += a
-        total["agree"] += g
-        report[K.indexer_layer(layer, "replayed_rows")] = float(n)
-        report[K.indexer_layer(layer, "applied_share")] = a / n if n else 1.0
-        report[K.indexer_layer(layer, "agreement")] = g / n if n else 1.0
-    report[K.INDEXER_LAYERS] = float(len(own))
-    report[K.INDEXER_REPLAYED_ROWS] = float(total["rows"])
-    report[K.INDEXER_APPLIED_SHARE] = total["applied"] / total["rows"] if total["rows"] else 1.0
-    report[K.INDEXER_AGREEMENT] = total["agree"] / total["rows"] if total["rows"] else 1.0
+    report.update(
+        layer_keys(
+            [
+                LayerCounts(
+                    layer,
+                    replayed=counts.get(f"rows/{layer}", 0),
+                    checked=counts.get(f"rows/{layer}", 0),
+                    applied=counts.get(f"applied/{layer}", 0),
+                    agreed=counts.get(f"agree/{layer}", 0),
+                )
+                for layer in own
+            ],
+            indexer=True,
+        )
+    )
     problems = []
     never = [layer for layer in own if layer not in ran]
     if never:
