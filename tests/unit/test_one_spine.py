@@ -126,6 +126,8 @@ def test_the_engine_name_grep_sees_a_comparison(tmp_path: Path) -> None:
     (tmp_path / "rr_server" / "serving" / "engines" / "sglang.py").write_text("\n".join(bad) + "\n")
     found = _by_engine_name(tmp_path)
     assert [h.split(":")[1] for h in found] == [str(i) for i in range(1, len(bad) + 1)], found
+
+
 def test_one_audit_clock() -> None:
     """When a step is audited is decided once (issue 56): ``AuditClock.audited``; the session owns the clock and
     every backend asks it, none keeps its own."""
@@ -139,5 +141,3 @@ def test_one_writer_of_applied_share() -> None:
     ``merged_keys`` beside it for a step's blocks), with one meaning for no rows (NaN)."""
     writers = _defined(r'(APPLIED_SHARE\s*:|APPLIED_SHARE\]\s*=|"applied_share"\)\]?\s*[:=])')
     assert writers and all(w.startswith("rr_client/trainer/audit.py:") for w in writers), writers
-
-
