@@ -118,6 +118,10 @@ def _routers(model: Any) -> list[Any]:
     return found
 
 
+#: each model chunk's pad ordinals (rr_client.integrations.megatron._feeder.PadClock), kept while verl holds the chunk
+_PADS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
 def verl_feed(
     layers_topk_idx: Any,
     tf_config: Any,
@@ -132,6 +136,7 @@ def verl_feed(
     (R3): verl's jagged ``[B, j]`` mask; ``keep``: per sample, whether the stale-rows policy keeps it replayed
     (None: all)."""
     from rr_client.integrations.megatron import feed, parallel_from_state
+    from rr_client.integrations.megatron._feeder import PadClock
 
     if layers_topk_idx is None:
         raise MissingRoutingError(
@@ -166,6 +171,7 @@ def verl_feed(
         parallel=par,
         mtp="auto",  # verl's rows carry no MTP layer: MTP routers route themselves, as in verl
         cu_seqlens_padded=padded_bounds(offsets, par.tp_size, par.cp_size),
+        pads=_PADS.setdefault(model, PadClock()),  # pads number on across this chunk's micro-batches
     )
     have = got.have
     return {m: (t, None if have is None else have.to(t.device, non_blocking=True)) for m, t in got.targets.items()}
