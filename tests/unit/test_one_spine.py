@@ -141,3 +141,11 @@ def test_one_writer_of_applied_share() -> None:
     ``merged_keys`` beside it for a step's blocks), with one meaning for no rows (NaN)."""
     writers = _defined(r'(APPLIED_SHARE\s*:|APPLIED_SHARE\]\s*=|"applied_share"\)\]?\s*[:=])')
     assert writers and all(w.startswith("rr_client/trainer/audit.py:") for w in writers), writers
+
+
+def test_no_public_way_around_the_rows_check() -> None:
+    """Megatron's targets reach the routers only after the one rows check (issue 56, item 7): no public
+    ``set_targets`` takes raw ids that would skip it (repeated ids would run one expert, and the audit, comparing a
+    map scattered from the same ids, would say 1.0)."""
+    assert _defined(r"^\s*def set_targets\(") == []
+    assert len(_defined(r"^\s*def _set_targets\(")) == 1

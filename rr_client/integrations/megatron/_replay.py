@@ -112,7 +112,7 @@ class MegatronReplay:
             **layout,
         )
 
-    def set_targets(
+    def _set_targets(
         self,
         targets: dict[Any, torch.Tensor],
         *,
@@ -122,7 +122,8 @@ class MegatronReplay:
         names: Sequence[tuple[str, int | None]] | None = None,
     ) -> None:
         """Replay ``targets`` (router module -> ``[tokens, topk]``, sequence-first) in each router's next forward
-        (and in the recompute of that forward, whenever it runs). ``have``: per router, which tokens have a rollout
+        (and in the recompute of that forward, whenever it runs). Private: the targets are taken as checked, so only
+        :meth:`set_micro_batch`, after the one rows check (or R2's record), calls it. ``have``: per router, which tokens have a rollout
         row (the audit's counts; default all); ``batch``: the micro-batch's ``b``, checked against the router's
         ``[s, b]`` (None: the token count alone is checked); ``segments``: the tokens' segment codes (``[tokens]``,
         sequence-first, -1: none) named by ``names`` (default: the single-result segments), counted on audited
@@ -165,7 +166,7 @@ class MegatronReplay:
             mods = [r.module for r in self.routers_of(chunk) if r.mtp is False or self.mtp != "skip"]
             rows, batch = self.lifecycle.recorded(mods, key=key, tokens=tokens)
             got = Feed(rows, [], next((int(t.shape[0]) for t in rows.values()), 0), None, batch)
-            self.set_targets(got.targets, batch=batch)
+            self._set_targets(got.targets, batch=batch)
             return got
         if routing is None:
             raise ConfigurationError("R3 needs the micro-batch's routing (RoutingTensors, PackedRouting or rows)")
@@ -189,7 +190,7 @@ class MegatronReplay:
         for r in got.left:
             r.replay.clear_router_replay_action()
         self.left = got.left
-        self.set_targets(
+        self._set_targets(
             got.targets,
             have={m: got.have for m in got.targets} if got.have is not None else None,
             batch=got.batch,
