@@ -23,7 +23,15 @@ int64 on the router's device. :func:`router_targets` is the same layout as a fun
 
 from __future__ import annotations
 
-from rr_client.integrations.megatron._feeder import Feed, MtpPolicy, Parallel, feed, parallel_from_state, router_targets
+from rr_client.integrations.megatron._feeder import (
+    Feed,
+    MtpPolicy,
+    PadClock,
+    Parallel,
+    feed,
+    parallel_from_state,
+    router_targets,
+)
 from rr_client.integrations.megatron._gate import TESTED_MEGATRON, check_megatron_version
 from rr_client.integrations.megatron._layout import cp_thd_index, cp_zigzag_index, sp_shard
 from rr_client.integrations.megatron._lifecycle import own_choice
@@ -43,6 +51,7 @@ __all__ = [
     "own_choice",
     "Feed",
     "Parallel",
+    "PadClock",
     "MegatronRouter",
     "find_routers",
     "parallel_from_state",

@@ -135,8 +135,7 @@ def verl_feed(
     replays [local_tokens] bool)}`` for every router of ``model`` (this chunk) that takes rows. ``replay_mask``
     (R3): verl's jagged ``[B, j]`` mask; ``keep``: per sample, whether the stale-rows policy keeps it replayed
     (None: all)."""
-    from rr_client.integrations.megatron import feed, parallel_from_state
-    from rr_client.integrations.megatron._feeder import PadClock
+    from rr_client.integrations.megatron import PadClock, feed, parallel_from_state
 
     if layers_topk_idx is None:
         raise MissingRoutingError(
