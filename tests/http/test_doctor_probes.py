@@ -16,6 +16,7 @@ from rr_server.cli import main as cli
 from rr_server.doctor.engine_state import EngineCache, parse_metrics
 from rr_server.doctor.probes import Load, offload_state, plan_load
 from tests.support.probe_server import ProbeTestServer
+from tests.support.routing_data import dims_info
 
 PROBES = ("preemption", "weight update", "kv offload")
 
@@ -104,16 +105,7 @@ def test_load_plan_and_metrics_parse() -> None:
 
 
 def _info(engine: str, version: str) -> RRInfo:
-    return RRInfo(
-        engine=engine,
-        engine_version=version,
-        rr_version="0",
-        num_hidden_layers=3,
-        num_experts=8,
-        topk=2,
-        moe_layers=[0, 2],
-        wire_dtype="uint8",
-    )
+    return dims_info(3, 8, 2, [0, 2], engine=engine, engine_version=version)
 
 
 def test_offload_tiers_the_deployment_has_on() -> None:

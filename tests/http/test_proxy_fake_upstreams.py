@@ -36,6 +36,7 @@ from tests.support.fake_upstreams import (
 )
 from tests.support.protocol_server import synthetic_routing
 from tests.support.proxy_harness import SidecarServer
+from tests.support.routing_data import dims_info
 
 MOE = [0, 2]
 
@@ -366,21 +367,11 @@ def test_upstream_timeout_is_504(cfg_dir: Path) -> None:
 
 def test_sglang_0_5_7_field_and_dtype(cfg_dir: Path) -> None:
     """SGLang 0.5.7's ``output_routed_experts`` and an explicit ``routed_experts_dtype`` are transcoded too."""
-    from rr_client.core.info import RRInfo
     from rr_server.proxy.metrics import ProxyMetrics
     from rr_server.proxy.sglang_backend import SGLangBackend
     from rr_server.serving.generate_protocol import parse_generate_request
 
-    info = RRInfo(
-        engine="sglang",
-        engine_version="x",
-        rr_version="x",
-        num_hidden_layers=3,
-        num_experts=8,
-        topk=2,
-        moe_layers=MOE,
-        wire_dtype="uint8",
-    )
+    info = dims_info(3, 8, 2, MOE, engine="sglang", engine_version="x")
     be = SGLangBackend(None, None, ProxyMetrics())  # type: ignore[arg-type]
     req = parse_generate_request({"input_ids": [1, 2, 3], "return_routed_experts": True})
     r = synthetic_routing([1, 2, 3, 4], 3, 2, 8, MOE)

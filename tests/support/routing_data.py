@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -39,14 +40,27 @@ def npy_payload(array: np.ndarray, *, num_experts: int) -> str:
 def small_moe_info() -> RRInfo:
     """The server info of a small Qwen3-MoE (3 layers, layer 1 dense, 8 experts, top-2) that the store, ref and
     frame tests share: what a server rr patched would say in ``/rr/info``."""
-    return RRInfo.from_hf_config(
-        {
-            "model_type": "qwen3_moe",
-            "num_hidden_layers": 3,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "mlp_only_layers": [1],
-        },
-        engine="test",
-        engine_version="0",
-    )
+    return dims_info(3, 8, 2, [0, 2])
+
+
+def dims_info(
+    layers: int,
+    experts: int,
+    topk: int,
+    moe_layers: Sequence[int],
+    *,
+    engine: str = "test",
+    engine_version: str = "0",
+    **extra: Any,
+) -> RRInfo:
+    """The server info of a Qwen3-MoE with these routing dims (the other layers dense: its ``mlp_only_layers``), from
+    rr's one builder as a server makes it; ``extra`` (e.g. ``model``, ``logprobs_mode``) lands in the info as-is."""
+    dense = [i for i in range(layers) if i not in set(moe_layers)]
+    cfg = {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": layers,
+        "num_experts": experts,
+        "num_experts_per_tok": topk,
+        "mlp_only_layers": dense,
+    }
+    return RRInfo.from_hf_config(cfg, engine=engine, engine_version=engine_version, **extra)

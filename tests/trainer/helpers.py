@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Self
 
+import numpy as np
 import torch
 
 from rr_client.trainer.replay import find_routers, record_routing, replay_routing
+from tests.support.routing_data import dims_info
 
 from .tiny_models import EXPERTS, LAYERS, TOPK
 
@@ -37,6 +39,21 @@ def random_routing(seed: int, b: int, t: int, dense: tuple[int, ...] = ()) -> to
     if dense:
         out[:, :, list(dense)] = 0
     return out
+
+
+LOGPROBS_INFO = dims_info(LAYERS, EXPERTS, TOPK, [0, 2])  # the tiny Qwen3-MoE's dims, as its server says them
+
+
+class LogprobsSample:
+    """One generated sample (2 prompt, 3 completion tokens) with the engine's log-probs of ``mode``: what
+    ``to_tensors`` reads for the log-probs mode checks (session gap, importance ratio)."""
+
+    index, prompt_ids, output_ids, routed_experts_start = 0, [1, 2], [3, 4, 5], 0
+    routed_experts = np.zeros((4, LAYERS, TOPK), dtype=np.uint8)
+    logprobs = np.array([-0.25, -1.0, -1.5])
+
+    def __init__(self, mode: str | None) -> None:
+        self.logprobs_mode = mode
 
 
 class ModelCache:

@@ -7,38 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
-from rr_client import ConfigurationError, LogprobsModeError, RRInfo, to_tensors
+from rr_client import ConfigurationError, LogprobsModeError, to_tensors
 from rr_client.trainer.correction import importance_sampling_ratio
 
-from .tiny_models import EXPERTS, LAYERS, TOPK
+from .helpers import LOGPROBS_INFO, LogprobsSample
 
-INFO = RRInfo(
-    engine="t",
-    engine_version="0",
-    rr_version="0",
-    num_hidden_layers=LAYERS,
-    num_experts=EXPERTS,
-    topk=TOPK,
-    moe_layers=[0, 2],
-    wire_dtype="uint8",
-)
 OLD = torch.tensor([[0.0, -9.0, -0.25, -1.0, -1.5]])  # the engine's log-probs at the completion: ratio 1
 TOP_P = {"n": 2, "temperature": 1.0, "top_p": 0.9}  # issue 44's case: temperature 1, top_p 0.9
-
-
-class Sample:
-    """One generated sample with the engine's log-probs of ``mode`` (what ``to_tensors`` reads)."""
-
-    index, prompt_ids, output_ids, routed_experts_start = 0, [1, 2], [3, 4, 5], 0
-    routed_experts = np.zeros((4, LAYERS, TOPK), dtype=np.uint8)
-    logprobs = np.array([-0.25, -1.0, -1.5])
-
-    def __init__(self, mode: str | None) -> None:
-        self.logprobs_mode = mode
 
 
 def _ratio(engine: Any, **kw: Any) -> torch.Tensor:
@@ -49,7 +27,7 @@ def _ratio(engine: Any, **kw: Any) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", ["raw", None])
 def test_raw_logprobs_sampled_with_top_p_09_are_refused(mode: str | None) -> None:
-    rt = to_tensors([Sample(mode)], INFO, pad_side="right")
+    rt = to_tensors([LogprobsSample(mode)], LOGPROBS_INFO, pad_side="right")
     with pytest.raises(LogprobsModeError) as e:
         _ratio(rt, sampling=TOP_P)  # the mode from the layout
     assert "importance_sampling_ratio" in str(e.value) and "top_p=0.9" in str(e.value)
@@ -71,23 +49,23 @@ def test_raw_logprobs_sampled_with_top_p_09_are_refused(mode: str | None) -> Non
 def test_every_filter_is_refused_with_raw_logprobs_and_passes_with_processed(flag: str, value: float) -> None:
     sampling = {"temperature": 1.0, flag: value}
     with pytest.raises(LogprobsModeError, match=f"{flag}={value!r}"):
-        _ratio(to_tensors([Sample("raw")], INFO, pad_side="right"), sampling=sampling)
-    got = _ratio(to_tensors([Sample("processed")], INFO, pad_side="right"), sampling=sampling)
+        _ratio(to_tensors([LogprobsSample("raw")], LOGPROBS_INFO, pad_side="right"), sampling=sampling)
+    got = _ratio(to_tensors([LogprobsSample("processed")], LOGPROBS_INFO, pad_side="right"), sampling=sampling)
     assert got.shape == (1, 1) and torch.isfinite(got).all()
 
 
 def test_processed_logprobs_and_plain_raw_sampling_give_the_ratio() -> None:
     """Processed log-probs with top_p 0.9, and raw ones at temperature 1 with no filter, give TRL's ratio
     (``OLD`` equals the engine's there: 1); raw ones are refused as soon as top_p is below 1."""
-    processed = _ratio(to_tensors([Sample("processed")], INFO, pad_side="right"), sampling=TOP_P)
+    processed = _ratio(to_tensors([LogprobsSample("processed")], LOGPROBS_INFO, pad_side="right"), sampling=TOP_P)
     plain = {**TOP_P, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
-    raw = to_tensors([Sample("raw")], INFO, pad_side="right")
+    raw = to_tensors([LogprobsSample("raw")], LOGPROBS_INFO, pad_side="right")
     assert torch.allclose(processed, torch.ones(1, 1)) and torch.allclose(_ratio(raw, sampling=plain), processed)
     with pytest.raises(LogprobsModeError):
         _ratio(raw, sampling={**plain, "top_p": 0.99})
 
 
 def test_a_layout_without_logprobs_or_of_another_mode_is_refused() -> None:
-    rt = to_tensors([Sample("processed")], INFO, pad_side="right")
+    rt = to_tensors([LogprobsSample("processed")], LOGPROBS_INFO, pad_side="right")
     with pytest.raises(ConfigurationError, match="logprobs_mode='raw' but the batch's log-probs are 'processed'"):
         _ratio(rt, logprobs_mode="raw")

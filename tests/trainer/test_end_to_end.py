@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from rr_client import GenerateBatch, GenerateResult, RRInfo
+from rr_client import GenerateBatch, GenerateResult
 from rr_client.trainer.metrics import r3_metrics, routing_agreement, token_logprobs
 from rr_client.trainer.replay import record_routing, replay_routing
+from tests.support.routing_data import dims_info
 
 from .tiny_models import EXPERTS, LAYERS, TOPK, VOCAB, moe_layers, tiny_model
 
@@ -16,16 +17,7 @@ from .tiny_models import EXPERTS, LAYERS, TOPK, VOCAB, moe_layers, tiny_model
 def engine_batch(model: torch.nn.Module) -> tuple[GenerateBatch, list[torch.Tensor]]:
     """Samples whose routing and log-probs come from per-sample forwards, as an engine would return them."""
     g = torch.Generator().manual_seed(7)
-    info = RRInfo(
-        engine="test",
-        engine_version="0",
-        rr_version="0",
-        num_hidden_layers=LAYERS,
-        num_experts=EXPERTS,
-        topk=TOPK,
-        moe_layers=moe_layers("qwen3_moe"),
-        wire_dtype="uint8",
-    )
+    info = dims_info(LAYERS, EXPERTS, TOPK, moe_layers("qwen3_moe"))
     results, logps = [], []
     for i, (lp, lo) in enumerate([(3, 5), (6, 2), (2, 4)]):
         tokens = torch.randint(1, VOCAB, (1, lp + lo), generator=g)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rr_client import ConfigurationError, RRInfo, ShapeMismatchError, to_packed, to_tensors
+from tests.support.routing_data import dims_info
 
 L, E, K = 4, 8, 2
 MOE = [0, 2, 3]  # layer 1 dense
@@ -24,16 +25,7 @@ class S:
 
 
 def info(num_experts: int = E) -> RRInfo:
-    return RRInfo(
-        engine="test",
-        engine_version="0",
-        rr_version="0",
-        num_hidden_layers=L,
-        num_experts=num_experts,
-        topk=K,
-        moe_layers=MOE,
-        wire_dtype="uint8" if num_experts <= 256 else "uint16",
-    )
+    return dims_info(L, num_experts, K, MOE)
 
 
 def sample(i: int, lp: int, lo: int, start: int = 0, seed: int = 0, num_experts: int = E) -> S:

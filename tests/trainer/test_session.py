@@ -15,8 +15,8 @@ from rr_client.trainer.audit import AuditClock
 from rr_client.trainer.metrics import r3_metrics, token_logprobs
 from rr_client.trainer.session import ReplaySession, merge_indexer_reports, merge_reports
 
-from .helpers import random_routing, recorded, token_ids
-from .tiny_models import EXPERTS, LAYERS, TOPK, VOCAB, tiny_model
+from .helpers import LOGPROBS_INFO, LogprobsSample, random_routing, recorded, token_ids
+from .tiny_models import VOCAB, tiny_model
 
 B, T = 2, 6
 
@@ -250,41 +250,20 @@ def test_add_gap_refuses_pre_temperature_logprobs_at_another_temperature(qwen: A
     """The engine's log-probs before temperature (vLLM raw_logprobs) or of unknown mode are refused at T != 1
     (LogprobsModeError naming the flag), never turned into a gap; after temperature (or at T = 1) they are
     measured, taken from a layout's ``logprobs`` beside its tokens."""
-    import numpy as np
-
-    from rr_client import LogprobsModeError, RRInfo, to_tensors
-
-    info = RRInfo(
-        engine="t",
-        engine_version="0",
-        rr_version="0",
-        num_hidden_layers=LAYERS,
-        num_experts=EXPERTS,
-        topk=TOPK,
-        moe_layers=[0, 2],
-        wire_dtype="uint8",
-    )
-
-    class Sample:
-        index, prompt_ids, output_ids, routed_experts_start = 0, [1, 2], [3, 4, 5], 0
-        routed_experts = np.zeros((4, LAYERS, TOPK), dtype=np.uint8)
-        logprobs = np.array([-0.25, -1.0, -1.5])
-
-        def __init__(self, mode: str | None) -> None:
-            self.logprobs_mode = mode
+    from rr_client import LogprobsModeError, to_tensors
 
     trainer = torch.tensor([[0.0, -9.0, -0.5, -1.0, -1.5]])
     session = ReplaySession(qwen, audit_every=0)
     for mode in ("raw", None):
-        rt = to_tensors([Sample(mode)], info, pad_side="right")
+        rt = to_tensors([LogprobsSample(mode)], LOGPROBS_INFO, pad_side="right")
         with pytest.raises(LogprobsModeError, match="--logprobs-mode processed_logprobs"):
             session.add_gap(trainer, rt, rt.response_mask, temperature=0.7)
         with pytest.raises(LogprobsModeError, match="ReplaySession.add_gap"):
             session.add_gap(trainer, rt.logprobs, rt.response_mask, logprobs_mode=mode, temperature=0.7)
     assert session.flush() == {}  # nothing refused was measured
-    rt = to_tensors([Sample("raw")], info, pad_side="right")
+    rt = to_tensors([LogprobsSample("raw")], LOGPROBS_INFO, pad_side="right")
     session.add_gap(trainer, rt, rt.response_mask, temperature=1.0)  # T = 1: before and after are the same
-    rt = to_tensors([Sample("processed")], info, pad_side="right")
+    rt = to_tensors([LogprobsSample("processed")], LOGPROBS_INFO, pad_side="right")
     session.add_gap(trainer, rt, rt.response_mask, temperature=0.7)
     out = session.flush()
     assert out[K.LOGP_TOKENS] == 6 and out[K.MEAN_ABS_LOGP_DIFF] == pytest.approx(0.25 / 3)
@@ -294,41 +273,20 @@ def test_add_gap_refuses_raw_logprobs_sampled_with_a_filter_at_temperature_1(qwe
     """Raw (or unknown-mode) log-probs of tokens sampled at temperature 1 with top_p 0.9 are the untruncated
     distribution's: ``add_gap(sampling=...)`` refuses them naming the flag, never measures them; processed ones with
     the same params, and raw ones with plain sampling, are measured."""
-    import numpy as np
-
-    from rr_client import LogprobsModeError, RRInfo, to_tensors
-
-    info = RRInfo(
-        engine="t",
-        engine_version="0",
-        rr_version="0",
-        num_hidden_layers=LAYERS,
-        num_experts=EXPERTS,
-        topk=TOPK,
-        moe_layers=[0, 2],
-        wire_dtype="uint8",
-    )
-
-    class Sample:
-        index, prompt_ids, output_ids, routed_experts_start = 0, [1, 2], [3, 4, 5], 0
-        routed_experts = np.zeros((4, LAYERS, TOPK), dtype=np.uint8)
-        logprobs = np.array([-0.25, -1.0, -1.5])
-
-        def __init__(self, mode: str | None) -> None:
-            self.logprobs_mode = mode
+    from rr_client import LogprobsModeError, to_tensors
 
     trainer = torch.tensor([[0.0, -9.0, -0.5, -1.0, -1.5]])
     top_p = {"temperature": 1.0, "top_p": 0.9}
     session = ReplaySession(qwen, audit_every=0)
     for mode in ("raw", None):
-        rt = to_tensors([Sample(mode)], info, pad_side="right")
+        rt = to_tensors([LogprobsSample(mode)], LOGPROBS_INFO, pad_side="right")
         with pytest.raises(LogprobsModeError, match=r"top_p=0\.9.*--logprobs-mode processed_logprobs"):
             session.add_gap(trainer, rt, rt.response_mask, sampling=top_p)
         with pytest.raises(LogprobsModeError, match="ReplaySession.add_gap"):
             session.add_gap(trainer, rt.logprobs, rt.response_mask, logprobs_mode=mode, temperature=1.0, sampling=top_p)
     assert session.flush() == {}  # nothing refused was measured
-    rt = to_tensors([Sample("processed")], info, pad_side="right")
+    rt = to_tensors([LogprobsSample("processed")], LOGPROBS_INFO, pad_side="right")
     session.add_gap(trainer, rt, rt.response_mask, sampling=top_p)
-    rt = to_tensors([Sample("raw")], info, pad_side="right")
+    rt = to_tensors([LogprobsSample("raw")], LOGPROBS_INFO, pad_side="right")
     session.add_gap(trainer, rt, rt.response_mask, sampling={"temperature": 1.0, "top_p": 1.0, "top_k": -1})
     assert session.flush()[K.LOGP_TOKENS] == 6

@@ -14,19 +14,9 @@ from rr_client.client._openai import parse_choices
 from rr_client.client._results import parse_sample
 from rr_client.core.errors import LogprobsModeError, ProtocolError, RRError
 from rr_client.core.logprobs import check_comparable_logprobs, mode_from_vllm
+from tests.support.routing_data import dims_info
 
-INFO = RRInfo(
-    engine="vllm",
-    engine_version="0.30.0",
-    rr_version="0",
-    model="m",
-    num_hidden_layers=2,
-    num_experts=4,
-    topk=2,
-    moe_layers=[0, 1],
-    wire_dtype="uint8",
-    logprobs_mode="processed",
-)
+INFO = dims_info(2, 4, 2, [0, 1], engine="vllm", engine_version="0.30.0", model="m", logprobs_mode="processed")
 
 
 def _reply(lp: Any, out: list[int] | None = None) -> dict[str, Any]:

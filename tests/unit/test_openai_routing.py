@@ -8,22 +8,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rr_client import RRInfo, decode_meta_info
+from rr_client import decode_meta_info
 from rr_client.core.codec import check_routing, routing_meta_fields
 from rr_server.serving.generate_protocol import BadRequest, parse_generate_request
 from rr_server.serving.openai_routing import engine_body, finish_answer, parse_openai_routing
+from tests.support.routing_data import dims_info
 
-INFO = RRInfo(
-    engine="vllm",
-    engine_version="0.30.0",
-    rr_version="0",
-    model="m",
-    num_hidden_layers=2,
-    num_experts=8,
-    topk=2,
-    moe_layers=[0, 1],
-    wire_dtype="uint8",
-)
+INFO = dims_info(2, 8, 2, [0, 1], engine="vllm", engine_version="0.30.0", model="m")
 
 
 def _routing(rows: int, seed: int = 0) -> np.ndarray:

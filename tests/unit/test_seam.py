@@ -14,7 +14,6 @@ from rr_client import (
     MalformedPayloadError,
     MissingRoutingError,
     Provenance,
-    RRInfo,
     SeamMismatchError,
     StaleRoutingError,
     UnrecordedRoutingError,
@@ -23,19 +22,10 @@ from rr_client import (
 from rr_client.core.provenance import check_provenance
 from rr_client.core.reference import RoutingRef, checksum
 from rr_client.core.seam import Seam, SeamRef, joined_provenance, plan_seam
+from tests.support.routing_data import dims_info
 
 E, K = 8, 2
-INFO = RRInfo(
-    engine="sglang",
-    engine_version="0.5.23",
-    rr_version="0",
-    model="tiny",
-    num_hidden_layers=3,
-    num_experts=E,
-    topk=K,
-    moe_layers=[1, 2],
-    wire_dtype="uint8",
-)
+INFO = dims_info(3, E, K, [1, 2], engine="sglang", engine_version="0.5.23", model="tiny")
 PROMPT, COMPLETION = 9, 6
 TOTAL = PROMPT + COMPLETION - 1  # routed tokens of the sample
 
