@@ -53,45 +53,27 @@ def upstream_routing_fields(
     Decodes whatever the upstream sent (SGLang int32 with its stated dtype, vLLM ``.npy``), drops ``drop_rows``
     leading rows (upstreams that return every row), and checks once against ``rows``/``start``.
     """
-    fields = _checked_fields(
-        meta, info, rows=rows, start=start, fmt=fmt, metrics=metrics, drop_rows=drop_rows, where=where, hint=hint
-    )
+    refused = capture_refusal(info, ROUTED_EXPERTS)  # the upstream's /rr/info refuses its rows
+    payload = meta.get("routed_experts", meta.get("output_routed_experts"))
+    if refused is None:
+        try:
+            if payload is None and isinstance(meta.get("routed_experts_error"), str):
+                raise MissingRoutingError(f"the upstream withheld routed_experts: {meta['routed_experts_error']}")
+            checked = check_payload(
+                payload,
+                info,
+                rows=rows,
+                start=start,
+                drop_rows=drop_rows,
+                dtype=meta.get("routed_experts_dtype"),
+                stated_shape=meta.get("routed_experts_shape"),
+            )
+        except RoutedExpertsError as e:
+            extra = f" ({hint})" if hint and isinstance(e, MissingRoutingError) else ""
+            refused = type(e)(f"upstream sent invalid routing for {where}: {e}{extra}")
+    fields = refused_fields(refused, metrics) if refused is not None else sent_fields(checked, fmt, metrics, where)
     metrics.routing.count_sample(fields)
     return fields
-
-
-def _checked_fields(
-    meta: Mapping[str, Any],
-    info: RRInfo,
-    *,
-    rows: int,
-    start: int,
-    fmt: str,
-    metrics: ProxyMetrics,
-    drop_rows: int,
-    where: str,
-    hint: str,
-) -> dict[str, Any]:
-    """:func:`upstream_routing_fields` before counting: the checked fields, or the refusal (counted by kind)."""
-    if (refused := capture_refusal(info, ROUTED_EXPERTS)) is not None:  # the upstream's /rr/info refuses its rows
-        return refused_fields(refused, metrics)
-    payload = meta.get("routed_experts", meta.get("output_routed_experts"))
-    try:
-        if payload is None and isinstance(meta.get("routed_experts_error"), str):
-            raise MissingRoutingError(f"the upstream withheld routed_experts: {meta['routed_experts_error']}")
-        checked = check_payload(
-            payload,
-            info,
-            rows=rows,
-            start=start,
-            drop_rows=drop_rows,
-            dtype=meta.get("routed_experts_dtype"),
-            stated_shape=meta.get("routed_experts_shape"),
-        )
-    except RoutedExpertsError as e:
-        extra = f" ({hint})" if hint and isinstance(e, MissingRoutingError) else ""
-        return refused_fields(type(e)(f"upstream sent invalid routing for {where}: {e}{extra}"), metrics)
-    return sent_fields(checked, fmt, metrics, where)
 
 
 def refused_fields(e: RoutedExpertsError, metrics: ProxyMetrics) -> dict[str, Any]:
