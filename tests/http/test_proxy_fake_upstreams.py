@@ -279,6 +279,11 @@ def _metric(text: str, sample: str) -> float:
     return 0.0
 
 
+def _deltas(before: str, after: str, *samples: str) -> dict[str, float]:
+    """How much each sample line (``name{labels}``) grew from one exposition to the next."""
+    return {k: _metric(after, k) - _metric(before, k) for k in samples}
+
+
 def test_metrics(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -> None:
     """Self-contained: causes one malformed-routing sample, one bad request and one success, then reads them back."""
     fake = stack[1]
@@ -305,15 +310,14 @@ def test_metrics(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -
         "rr_proxy_in_flight",
     ):
         assert name in after
-    delta = {
-        k: _metric(after, k) - _metric(before, k)
-        for k in (
-            'rr_proxy_errors_total{kind="malformed_routing"}',
-            'rr_proxy_errors_total{kind="bad_request"}',
-            'rr_proxy_requests_total{route="/generate",status="200"}',
-            "rr_proxy_routing_rows_total",
-        )
-    }
+    delta = _deltas(
+        before,
+        after,
+        'rr_proxy_errors_total{kind="malformed_routing"}',
+        'rr_proxy_errors_total{kind="bad_request"}',
+        'rr_proxy_requests_total{route="/generate",status="200"}',
+        "rr_proxy_routing_rows_total",
+    )
     assert delta == {
         'rr_proxy_errors_total{kind="malformed_routing"}': 1.0,
         'rr_proxy_errors_total{kind="bad_request"}': 1.0,
@@ -324,15 +328,14 @@ def test_metrics(http: httpx.Client, stack: tuple[str, object, SidecarServer]) -
         ok.json()["meta_info"]["routed_experts"]
     )
     # the per-sample counters a patched engine's /metrics has too (rr_server.serving.routing_metrics)
-    shared = {
-        k: _metric(after, k) - _metric(before, k)
-        for k in (
-            'rr_routing_refused_total{error="UnrecordedRoutingError"}',
-            'rr_routing_samples_total{format="npy"}',
-            'rr_routing_rows_total{format="npy"}',
-            'rr_routing_bytes_total{format="npy"}',
-        )
-    }
+    shared = _deltas(
+        before,
+        after,
+        'rr_routing_refused_total{error="UnrecordedRoutingError"}',
+        'rr_routing_samples_total{format="npy"}',
+        'rr_routing_rows_total{format="npy"}',
+        'rr_routing_bytes_total{format="npy"}',
+    )
     assert shared == {
         'rr_routing_refused_total{error="UnrecordedRoutingError"}': 1.0,
         'rr_routing_samples_total{format="npy"}': 1.0,
