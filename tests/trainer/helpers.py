@@ -9,6 +9,7 @@ from typing import Any, Self
 import numpy as np
 import torch
 
+from rr_client.client._results import GenerateResult
 from rr_client.trainer.replay import find_routers, record_routing, replay_routing
 from tests.support.routing_data import dims_info
 
@@ -27,6 +28,15 @@ def recorded(model: Any, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad(), record_routing(model) as rec:
         model(x)
     return rec.routed_experts
+
+
+def engine_result(i: int, prompt: list[int], output: list[int], rows: np.ndarray, **fields: Any) -> GenerateResult:
+    """Sample ``i`` as the client hands it over: ``prompt`` + ``output`` generated to length, ``rows`` its routing
+    from token 0; ``fields`` (``meta``, ``provenance``, indexer picks) as given, ``meta`` empty by default."""
+    meta = fields.pop("meta", {})
+    # the required fields in their order: index, prompt_index, prompt_ids, output_ids, text, finish_reason,
+    # routed_experts, routed_experts_start, meta
+    return GenerateResult(i, i, prompt, output, None, "length", rows, 0, meta, **fields)
 
 
 def random_routing(seed: int, b: int, t: int, dense: tuple[int, ...] = ()) -> torch.Tensor:

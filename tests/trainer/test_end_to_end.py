@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from rr_client import GenerateBatch, GenerateResult
+from rr_client import GenerateBatch
 from rr_client.trainer.metrics import r3_metrics, routing_agreement, token_logprobs
 from rr_client.trainer.replay import record_routing, replay_routing
 from tests.support.routing_data import dims_info
 
+from .helpers import engine_result
 from .tiny_models import EXPERTS, LAYERS, TOPK, VOCAB, moe_layers, tiny_model
 
 
@@ -25,19 +26,7 @@ def engine_batch(model: torch.nn.Module) -> tuple[GenerateBatch, list[torch.Tens
             logps.append(token_logprobs(model(tokens).logits, tokens)[0])
         rows = rec.routed_experts[0, :-1].numpy().astype(np.uint8)
         ids = tokens[0].tolist()
-        results.append(
-            GenerateResult(
-                index=i,
-                prompt_index=i,
-                prompt_ids=ids[:lp],
-                output_ids=ids[lp:],
-                text=None,
-                finish_reason="length",
-                routed_experts=rows,
-                routed_experts_start=0,
-                meta={},
-            )
-        )
+        results.append(engine_result(i, ids[:lp], ids[lp:], rows))
     return GenerateBatch(results=results, info=info), logps
 
 

@@ -22,14 +22,14 @@ from rr_client import (
     ShapeMismatchError,
     UnrecordedRoutingError,
 )
-from rr_client.client._results import GenerateResult
 from rr_client.trainer import keys as K
 from rr_client.trainer import replay_indexer
 from rr_client.trainer.layouts import to_packed, to_tensors
 from rr_client.trainer.provenance import mask_samples
-from rr_client.trainer.replay import find_indexers, record_routing
+from rr_client.trainer.replay import find_indexers
 from rr_client.trainer.session import ReplaySession
 
+from .helpers import engine_result, recorded
 from .tiny_families import tiny_family_raw
 
 pytestmark = pytest.mark.transformers_since("5.23")
@@ -156,8 +156,7 @@ def dsa_batch(model: torch.nn.Module) -> tuple[list[Any], RRInfo]:
     out = []
     for i, (lp, lo) in enumerate(SHAPES):
         seq = torch.randint(1, 60, (lp + lo,), generator=g).tolist()
-        with torch.no_grad(), record_routing(model) as rec:
-            model(torch.tensor([seq]))
+        rows = recorded(model, torch.tensor([seq]))[0].numpy()
         n = lp + lo - 1  # rows: every token but the last
         picks = np.stack(
             [
@@ -165,21 +164,7 @@ def dsa_batch(model: torch.nn.Module) -> tuple[list[Any], RRInfo]:
                 for t in range(TOPK, n)
             ]
         ).astype(np.uint16)
-        out.append(
-            GenerateResult(
-                index=i,
-                prompt_index=i,
-                prompt_ids=seq[:lp],
-                output_ids=seq[lp:],
-                text=None,
-                finish_reason="length",
-                routed_experts=rec.routed_experts[0].numpy()[:n],
-                routed_experts_start=0,
-                meta={},
-                indexer_topk=picks,
-                indexer_topk_start=TOPK,
-            )
-        )
+        out.append(engine_result(i, seq[:lp], seq[lp:], rows[:n], indexer_topk=picks, indexer_topk_start=TOPK))
     return out, info
 
 

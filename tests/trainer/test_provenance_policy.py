@@ -22,9 +22,9 @@ from rr_client.trainer import keys as K
 from rr_client.trainer.layouts import to_packed, to_tensors
 from rr_client.trainer.metrics import token_logprobs
 from rr_client.trainer.provenance import build_segments, mask_samples
-from rr_client.trainer.replay import record_routing
 from rr_client.trainer.session import ReplaySession
 
+from .helpers import engine_result, recorded
 from .tiny_models import VOCAB, tiny_config, tiny_model
 
 SHAPES = [(16, 8, 10), (12, 6, 0)]  # (prompt, output, cached prompt tokens) per sample
@@ -41,24 +41,7 @@ def info() -> RRInfo:
 
 
 def own(m: Any, seq: list[int]) -> np.ndarray:
-    with torch.no_grad(), record_routing(m) as rec:
-        m(torch.tensor([seq]))
-    return rec.routed_experts[0].numpy()
-
-
-def result(i: int, p: list[int], o: list[int], rows: np.ndarray, prov: Provenance | None) -> GenerateResult:
-    meta: dict[str, Any] = {} if prov is None else {"rr_provenance": prov.to_dict()}
-    return GenerateResult(
-        index=i,
-        prompt_index=i,
-        prompt_ids=p,
-        output_ids=o,
-        text=None,
-        finish_reason="length",
-        routed_experts=rows,
-        routed_experts_start=0,
-        meta=meta,
-    )
+    return recorded(m, torch.tensor([seq]))[0].numpy()
 
 
 def samples(m: Any, stale_from: Any = None, provs: list[Provenance | None] | None = None) -> list[GenerateResult]:
@@ -76,7 +59,8 @@ def samples(m: Any, stale_from: Any = None, provs: list[Provenance | None] | Non
             weight_version_admitted=1,
             weight_version_finished=1,
         )
-        out.append(result(i, p, o, rows, provs[i] if provs is not None else prov))
+        prov = provs[i] if provs is not None else prov
+        out.append(engine_result(i, p, o, rows, meta={} if prov is None else {"rr_provenance": prov.to_dict()}))
     return out
 
 

@@ -21,9 +21,9 @@ from rr_client.core.info import RRInfo
 from rr_client.core.provenance import Provenance
 from rr_client.trainer import keys as K
 from rr_client.trainer.layouts import to_packed, to_tensors
-from rr_client.trainer.replay import record_routing
 from rr_client.trainer.session import ReplaySession
 
+from .helpers import engine_result, recorded
 from .tiny_models import VOCAB, tiny_config, tiny_model
 
 SHAPES = [(7, 5), (6, 3)]  # (prompt, output) per sample
@@ -46,22 +46,8 @@ def samples(m: Any, provs: list[Provenance | None]) -> list[GenerateResult]:
     out = []
     for i, ((p_len, o_len), prov) in enumerate(zip(SHAPES, provs)):
         p, o = g.integers(1, VOCAB, p_len).tolist(), g.integers(1, VOCAB, o_len).tolist()
-        with torch.no_grad(), record_routing(m) as rec:
-            m(torch.tensor([p + o]))
-        out.append(
-            GenerateResult(
-                index=i,
-                prompt_index=i,
-                prompt_ids=p,
-                output_ids=o,
-                text=None,
-                finish_reason="length",
-                routed_experts=rec.routed_experts[0].numpy()[:-1],
-                routed_experts_start=0,
-                meta={},
-                provenance=prov,
-            )
-        )
+        rows = recorded(m, torch.tensor([p + o]))[0].numpy()[:-1]
+        out.append(engine_result(i, p, o, rows, provenance=prov))
     return out
 
 
