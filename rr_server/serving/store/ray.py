@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from rr_client.core import settings
@@ -91,20 +92,20 @@ class RayStoreActor:
 
     def locate(self, asks: list[tuple[str, str]]) -> list[Any]:
         """For each (store, key): ``[object ref, digest]`` or ``[None, why it is gone]`` (no raise over Ray)."""
-        out: list[Any] = []
-        for store, key in asks:
-            try:
-                e = self.ledger.find(store, key)
-            except RoutingExpiredError as why:
-                out.append([None, str(why)])
-                continue
+
+        def read(e: Held) -> list[Any]:
             self.ledger.note_read(e.n_rows, e.nbytes)
-            out.append([e.rows, e.digest])  # nested: the caller gets the object ref and ray.get s it where it runs
-        return out
+            return [e.rows, e.digest]  # nested: the caller gets the object ref and ray.get s it where it runs
+
+        return self._each_held(asks, read)
 
     def extents(self, asks: list[tuple[str, str]]) -> list[list[Any]]:
         """For each (store, key): ``[rows, bytes per row]`` or ``[None, why it is gone]`` (no raise over Ray): what
         a read costs, known before any row is fetched."""
+        return self._each_held(asks, lambda e: [e.n_rows, e.nbytes // e.n_rows if e.n_rows else 0])
+
+    def _each_held(self, asks: list[tuple[str, str]], answer: Callable[[Held], list[Any]]) -> list[list[Any]]:
+        """For each (store, key): ``answer`` of its held rows, or ``[None, why it is gone]``: a Ray answer, no raise."""
         out: list[list[Any]] = []
         for store, key in asks:
             try:
@@ -112,7 +113,7 @@ class RayStoreActor:
             except RoutingExpiredError as why:
                 out.append([None, str(why)])
                 continue
-            out.append([e.n_rows, e.nbytes // e.n_rows if e.n_rows else 0])
+            out.append(answer(e))
         return out
 
     def retire(self, through: int) -> dict[str, int]:
