@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from rr_client import GenerateResult
-from rr_client.core.engines import ENGINES
+from rr_client.core.engines import ENGINES, Engine
 from rr_client.core.provenance import PROVENANCE_FIELD, Provenance
 
 __all__ = [
@@ -140,15 +140,32 @@ async def preemption_count(http: httpx.AsyncClient) -> float | None:
     return sum(found) if found else None
 
 
-async def weight_version(http: httpx.AsyncClient) -> int | None:
-    """``/rr/info`` ``weight_version``: the weight updates the server has seen complete (None: not reported)."""
+async def _info_int(http: httpx.AsyncClient, field: str) -> int | None:
+    """The whole number ``field`` of the server's ``/rr/info`` (None: no answer, or not said)."""
     resp = await _get(http, "/rr/info")
     if resp is None:
         return None
     try:
-        return _int(resp.json().get("weight_version"))
+        return _int(resp.json().get(field))
     except (ValueError, AttributeError):
         return None
+
+
+async def weight_version(http: httpx.AsyncClient) -> int | None:
+    """``/rr/info`` ``weight_version``: the weight updates the server has seen complete (None: not reported)."""
+    return await _info_int(http, "weight_version")
+
+
+async def _post(http: httpx.AsyncClient, eng: Engine, route: str, **kw: Any) -> httpx.Response | str:
+    """POST to one of the engine's routes: its response, or why none came (the transport's error, or the 404 of a
+    route vLLM serves only in dev mode)."""
+    try:
+        resp = await http.post(route, **kw)
+    except httpx.HTTPError as e:
+        return f"{route}: {type(e).__name__}: {e}"
+    if resp.status_code == 404 and route in eng.dev_mode_routes:
+        return f"{route} is 404: vLLM serves it only with VLLM_SERVER_DEV_MODE=1 in the server's environment"
+    return resp
 
 
 async def reload_weights(http: httpx.AsyncClient, engine: str, path: str) -> str | None:
@@ -159,12 +176,9 @@ async def reload_weights(http: httpx.AsyncClient, engine: str, path: str) -> str
     if eng is None:
         return f"rr reloads weights on {sorted(ENGINES)} only, the server is {engine!r}"
     route = eng.reload_route
-    try:
-        resp = await http.post(route, json=eng.reload_body(path))
-    except httpx.HTTPError as e:
-        return f"{route}: {type(e).__name__}: {e}"
-    if resp.status_code == 404 and route in eng.dev_mode_routes:
-        return f"{route} is 404: vLLM serves it only with VLLM_SERVER_DEV_MODE=1 in the server's environment"
+    resp = await _post(http, eng, route, json=eng.reload_body(path))
+    if isinstance(resp, str):
+        return resp
     if resp.status_code >= 400:
         return f"{route} answered {resp.status_code}: {resp.text[:300]}"
     try:
@@ -182,12 +196,9 @@ async def hold_generation(http: httpx.AsyncClient, engine: str) -> str | None:
     if eng is None or eng.hold_route is None:
         return f"{engine} has no pause that keeps requests"
     route, query = eng.hold_route
-    try:
-        resp = await http.post(route, params=dict(query))
-    except httpx.HTTPError as e:
-        return f"{route}: {type(e).__name__}: {e}"
-    if resp.status_code == 404 and route in eng.dev_mode_routes:
-        return f"{route} is 404: vLLM serves it only with VLLM_SERVER_DEV_MODE=1 in the server's environment"
+    resp = await _post(http, eng, route, params=dict(query))
+    if isinstance(resp, str):
+        return resp
     return None if resp.status_code < 300 else f"{route} answered {resp.status_code}: {resp.text[:200]}"
 
 
@@ -205,13 +216,7 @@ async def release_generation(http: httpx.AsyncClient, engine: str) -> str | None
 
 async def requests_in_engine(http: httpx.AsyncClient) -> int | None:
     """``/rr/info`` ``requests_in_engine``: requests the answering API process has in the engine (None: not said)."""
-    resp = await _get(http, "/rr/info")
-    if resp is None:
-        return None
-    try:
-        return _int(resp.json().get("requests_in_engine"))
-    except (ValueError, AttributeError):
-        return None
+    return await _info_int(http, "requests_in_engine")
 
 
 def provenance_of(r: GenerateResult) -> Provenance | None:
