@@ -105,6 +105,14 @@ def _first_difference(held: Sequence[int], prompt: Sequence[int]) -> int | None:
     return None if len(prompt) >= len(held) else n
 
 
+def _one_continuation(sampling_params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A turn's sampling params, refused unless they sample one continuation (``n=1``): a trajectory has one."""
+    params = dict(sampling_params or {})
+    if params.get("n", 1) != 1:
+        raise ConfigurationError("a trajectory turn samples one continuation (n=1)")
+    return params
+
+
 class _Rollout:
     """Tokens, loss mask and routing rows of one conversation; what both trajectory kinds share."""
 
@@ -282,9 +290,7 @@ class Trajectory(_Rollout):
 
     async def generate(self, sampling_params: Mapping[str, Any] | None = None) -> GenerateResult:
         """One model turn on every token so far, asking only for the rows not held yet."""
-        params = dict(sampling_params or {})
-        if params.get("n", 1) != 1:
-            raise ConfigurationError("a trajectory turn samples one continuation (n=1)")
+        params = _one_continuation(sampling_params)
         start = self._rows
         batch = await self._client.generate(
             [list(self._tokens)],
@@ -328,9 +334,7 @@ class ChatTrajectory(_Rollout):
 
     async def chat(self, sampling_params: Mapping[str, Any] | None = None) -> GenerateResult:
         """One model turn; the assistant message is appended to ``messages``."""
-        params = dict(sampling_params or {})
-        if params.get("n", 1) != 1:
-            raise ConfigurationError("a trajectory turn samples one continuation (n=1)")
+        params = _one_continuation(sampling_params)
         start = self._rows
         batch = await self._client.chat(
             self.messages, params, tools=self.tools, routed_experts_start=start, affinity=self.affinity

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from rr_client import (
+    ConfigurationError,
     GenerateBatch,
     Provenance,
     RoutedExpertsClient,
@@ -28,6 +29,7 @@ from rr_client import (
     tokens_digest,
 )
 from rr_client.client._openai import parse_choices, parse_stream
+from rr_client.client.trajectory import ChatTrajectory, Trajectory
 from rr_client.core.codec import check_routing, expected_rows, routing_meta_fields
 from rr_client.core.errors import MalformedPayloadError, ProtocolError
 from rr_client.core.reference import RoutingRef, check_ref_tokens
@@ -405,3 +407,13 @@ def test_a_ref_whose_provenance_is_another_samples_is_refused_at_parse() -> None
     meta["routed_experts_ref"]["provenance"] = prov(P, [1, 2, 3])
     with pytest.raises(ProtocolError, match="sample 0: routed_experts_ref.provenance.tokens_digest"):
         parse_sample(item, index=0, prompt_index=0, prompt_ids=P, info=INFO, want_routing=True, by_reference=True)
+
+
+def test_a_trajectory_turn_asking_for_several_continuations_is_refused() -> None:
+    """``n`` other than 1 is refused before any request (a trajectory has one continuation per turn): by token ids and
+    by chat messages alike; no client is reached (None here)."""
+    traj = Trajectory(None, [1, 2, 3])  # type: ignore[arg-type]
+    chat = ChatTrajectory(None, [{"role": "user", "content": "hi"}])  # type: ignore[arg-type]
+    for turn in (traj.generate, chat.chat):
+        with pytest.raises(ConfigurationError, match=r"one continuation \(n=1\)"):
+            asyncio.run(turn({"n": 2}))
