@@ -80,35 +80,19 @@ Run = tuple[int, float, int]
 
 def measure(targets: list[tuple[str, str, bool]], args: argparse.Namespace) -> dict[str, list[Run]]:
     """Warm every target, then ``args.rounds`` rounds visiting all targets in rotating order."""
+
+    def run(url: str, routing: bool, requests: int, max_new: int, seed: int) -> Run:
+        """One load at the run's concurrency and prompt length."""
+        kw = dict(concurrency=args.concurrency, prompt_len=args.prompt_len)
+        return asyncio.run(load(url, routing=routing, requests=requests, max_new=max_new, seed=seed, **kw))
+
     for _, url, routing in targets:
-        asyncio.run(
-            load(
-                url,
-                routing=routing,
-                concurrency=args.concurrency,
-                requests=args.concurrency,
-                prompt_len=args.prompt_len,
-                max_new=8,
-                seed=999,
-            )
-        )
+        run(url, routing, requests=args.concurrency, max_new=8, seed=999)
     out: dict[str, list[Run]] = {name: [] for name, _, _ in targets}
     for rnd in range(args.rounds):
         k = rnd % len(targets)
         for name, url, routing in targets[k:] + targets[:k]:
-            out[name].append(
-                asyncio.run(
-                    load(
-                        url,
-                        routing=routing,
-                        concurrency=args.concurrency,
-                        requests=args.requests,
-                        prompt_len=args.prompt_len,
-                        max_new=args.max_new_tokens,
-                        seed=rnd,
-                    )
-                )
-            )
+            out[name].append(run(url, routing, requests=args.requests, max_new=args.max_new_tokens, seed=rnd))
     return out
 
 
