@@ -38,6 +38,20 @@ def synthetic_info(layers: int, experts: int, topk: int, *, engine: str, version
     )
 
 
+def tiny_vllm_replicas(n: int, max_model_len: int) -> list[Any]:
+    """``n`` vLLM CPU servers (the tests' ``VLLMProcess``) of the tiny Qwen3-MoE (3 layers, layer 1 dense, 8 experts,
+    top-2), launched each on its own core (wait for each with ``wait_healthy``): a scale-out benchmark's replicas."""
+    from rr_server.demo.tiny_moe import build_tiny_moe
+    from tests.support.vllm_process import CACHE, VLLMProcess
+
+    model = build_tiny_moe(
+        CACHE / "qwen3_dense", arch="qwen3_moe", num_layers=3, num_experts=8, topk=2, mlp_only_layers=(1,)
+    )
+    cores = max(1, os.cpu_count() or 1)
+    bind = [{"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)} for i in range(n)]
+    return [VLLMProcess(model, name="tiny-moe", max_model_len=max_model_len, env=env).launch() for env in bind]
+
+
 def load_prompt(seed: int, i: int, length: int) -> list[int]:
     """Request ``i``'s prompt token ids in round ``seed`` of a load (the same ids for the same arguments)."""
     return [(seed * 131 + i * 17 + j * 7) % 400 + 2 for j in range(length)]

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import pickle
 import sys
 import time
@@ -177,19 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--micro", type=int, default=4, help="samples per micro-batch")
     args = ap.parse_args(argv)
 
-    from rr_server.demo.tiny_moe import build_tiny_moe
-    from tests.support.vllm_process import CACHE, VLLMProcess
+    from _bench import tiny_vllm_replicas
 
-    model = build_tiny_moe(
-        CACHE / "qwen3_dense", arch="qwen3_moe", num_layers=3, num_experts=8, topk=2, mlp_only_layers=(1,)
-    )
-    cores = max(1, os.cpu_count() or 1)
-    servers = [
-        VLLMProcess(
-            model, name="tiny-moe", max_model_len=1024, env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)}
-        ).launch()
-        for i in range(2)
-    ]
+    servers = tiny_vllm_replicas(2, max_model_len=1024)
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     try:

@@ -140,19 +140,10 @@ def overhead_rows(n: int, log_dir: Path) -> list[tuple[str, str]]:
 
 
 def throughput_rows(rounds: int, requests: int, max_new: int, log_dir: Path) -> list[tuple[str, str]]:
-    from rr_server.demo.tiny_moe import build_tiny_moe
-    from tests.support.vllm_process import CACHE, VLLMProcess
+    from _bench import tiny_vllm_replicas
 
-    model = build_tiny_moe(
-        CACHE / "qwen3_dense", arch="qwen3_moe", num_layers=3, num_experts=8, topk=2, mlp_only_layers=(1,)
-    )
+    servers = tiny_vllm_replicas(2, max_model_len=512)
     cores = max(1, os.cpu_count() or 1)
-    servers = [
-        VLLMProcess(
-            model, name="tiny-moe", max_model_len=512, env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)}
-        ).launch()
-        for i in range(2)
-    ]
     try:
         for s in servers:
             s.wait_healthy()
