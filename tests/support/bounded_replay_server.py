@@ -22,9 +22,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from rr_client.core.codec import check_routing, expected_rows, routing_meta_fields
-from rr_client.core.info import RRInfo
-from tests.support.protocol_server import ProtocolTestServer, synthetic_routing
+from rr_client.core.codec import expected_rows
+from tests.support.protocol_server import ProtocolTestServer, generate_ask
 
 __all__ = ["BoundedReplayTestServer"]
 
@@ -70,17 +69,12 @@ class BoundedReplayTestServer(ProtocolTestServer):
         """Routing fields of one sample: exact on a full prefill (or without replay), else stale late-layer rows
         before the prompt's trailing window."""
         tokens = (prompt + out)[start:-1]
-        routing = synthetic_routing(tokens, self.layers, self.topk, self.num_experts, self.moe_layers)
+        routing = self.routing_of(tokens)
         cut = len(prompt) - self.window - start
         if self.replays and not full and cut > 0:
             late = self.moe_layers[len(self.moe_layers) // 2 :]
-            stale = synthetic_routing(
-                [t + 1 for t in tokens], self.layers, self.topk, self.num_experts, self.moe_layers
-            )
-            routing[:cut, late] = stale[:cut, late]
-        info = RRInfo.model_validate(self.info())
-        checked = check_routing(routing, info, rows=expected_rows(len(prompt), len(out), start), start=start)
-        return routing_meta_fields(checked)
+            routing[:cut, late] = self.routing_of([t + 1 for t in tokens])[:cut, late]
+        return self.sent_fields(routing, expected_rows(len(prompt), len(out), start), start)
 
     def _item(self, prompt: list[int], j: int, params: dict[str, Any], start: int, full: bool) -> dict[str, Any]:
         item = self._sample(prompt, j, params, False, start)
@@ -92,15 +86,13 @@ class BoundedReplayTestServer(ProtocolTestServer):
 
         async def generate(request: Request) -> JSONResponse:
             body = await request.json()
-            params = body.get("sampling_params") or {}
-            start = int(body.get("routed_experts_start") or 0)
+            params, n, want, start = generate_ask(body)
             full = self.engine == "sglang" and bool(body.get("return_logprob")) and body.get("logprob_start_len") == 0
             self.full_prefills += full
-            want = bool(body.get("return_routed_experts"))
             out = [
                 self._item(p, j, params, start, full) if want else self._sample(p, j, params, False, start)
                 for p in body["input_ids"]
-                for j in range(int(params.get("n", 1)))
+                for j in range(n)
             ]
             return JSONResponse(out)
 

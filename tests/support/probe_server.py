@@ -19,10 +19,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from rr_client.core.codec import check_routing, routing_meta_fields
-from rr_client.core.info import RRInfo
 from rr_client.core.provenance import Provenance, tokens_digest
-from tests.support.protocol_server import ProtocolTestServer, synthetic_routing
+from tests.support.protocol_server import ProtocolTestServer, generate_ask
 
 __all__ = ["ProbeTestServer", "PROBE_FAULTS"]
 
@@ -91,10 +89,8 @@ class ProbeTestServer(ProtocolTestServer):
         meta["cached_tokens"] = cached
         bad = ("preempted_rows" in self.faults and preempted) or ("stale_offload" in self.faults and restored)
         if want and bad:  # rows of other tokens, well-formed: only a comparison shows them
-            tokens = [t + 1 for t in (prompt + item["output_ids"])[start:-1]]
-            rows = synthetic_routing(tokens, self.layers, self.topk, self.num_experts, self.moe_layers)
-            info = RRInfo.model_validate(self.info())
-            meta.update(routing_meta_fields(check_routing(rows, info, rows=len(rows), start=start)))
+            rows = self.routing_of([t + 1 for t in (prompt + item["output_ids"])[start:-1]])
+            meta.update(self.sent_fields(rows, len(rows), start))
         finished = self.version
         during = finished != admitted or self.updates_started != started
         if "no_update_flag" in self.faults:
@@ -115,10 +111,7 @@ class ProbeTestServer(ProtocolTestServer):
 
         async def generate(request: Request) -> JSONResponse:
             body = await request.json()
-            params = body.get("sampling_params") or {}
-            want = bool(body.get("return_routed_experts"))
-            start = int(body.get("routed_experts_start") or 0)
-            n = int(params.get("n", 1))
+            params, n, want, start = generate_ask(body)
             out = [await self._one(p, params, want, start) for p in body["input_ids"] for _ in range(n)]
             return JSONResponse(out)
 

@@ -54,6 +54,14 @@ class Behaviour:
     bodies: list[dict[str, Any]] = field(default_factory=list)
 
 
+def generate_ask(body: dict[str, Any]) -> tuple[dict[str, Any], int, bool, int]:
+    """What a ``/generate`` body asks of a stand-in: its sampling params, ``n``, whether routing is asked, and
+    ``routed_experts_start``."""
+    params = body.get("sampling_params") or {}
+    start = int(body.get("routed_experts_start") or 0)
+    return params, int(params.get("n", 1)), bool(body.get("return_routed_experts")), start
+
+
 def _unchecked_fields(routing: np.ndarray, num_experts: int, start: int) -> dict[str, Any]:
     """Routing fields for a deliberately corrupt array (only the id range is enforced by the encoder)."""
     return {
@@ -89,6 +97,15 @@ class ProtocolTestServer(ThreadedServer):
             **self.behaviour.identity,
         }
 
+    def routing_of(self, tokens: list[int]) -> np.ndarray:
+        """This server's synthetic routing of ``tokens`` (one row per token), in its dims."""
+        return synthetic_routing(tokens, self.layers, self.topk, self.num_experts, self.moe_layers)
+
+    def sent_fields(self, routing: np.ndarray, rows: int, start: int) -> dict[str, Any]:
+        """``routing`` checked against this server's ``/rr/info`` and encoded, as a real rr server sends it."""
+        info = RRInfo.model_validate(self.info())
+        return routing_meta_fields(check_routing(routing, info, rows=rows, start=start))
+
     def _sample(self, prompt: list[int], j: int, params: dict[str, Any], want: bool, start: int) -> dict[str, Any]:
         n_new = int(params.get("max_new_tokens", 4))
         out = [(sum(prompt) + 13 * j + 7 * i) % 250 + 1 for i in range(n_new)]
@@ -105,20 +122,12 @@ class ProtocolTestServer(ThreadedServer):
             meta["cached_tokens"] = len(prompt) // 16 * 16
         self._seen.add(tuple(prompt))
         if want or b.corrupt == "unasked":
-            routing = synthetic_routing(
-                (prompt + out)[start:-1], self.layers, self.topk, self.num_experts, self.moe_layers
-            )
+            routing = self.routing_of((prompt + out)[start:-1])
             if b.corrupt == "zero":  # what a compiled CPU graph or vLLM 0.15.x returns
                 routing[:] = 0
             if b.corrupt == "mixed":  # another request's rows: the routing of different tokens, per call
                 b.calls_mixed += 1
-                routing = synthetic_routing(
-                    [t + b.calls_mixed for t in (prompt + out)[start:-1]],
-                    self.layers,
-                    self.topk,
-                    self.num_experts,
-                    self.moe_layers,
-                )
+                routing = self.routing_of([t + b.calls_mixed for t in (prompt + out)[start:-1]])
             if b.corrupt == "dup" and len(routing) > 1 and self.moe_layers:
                 routing[1, self.moe_layers[0], :] = routing[1, self.moe_layers[0], 0]
             if b.corrupt == "rows":
@@ -126,9 +135,7 @@ class ProtocolTestServer(ThreadedServer):
             if b.corrupt in ("dup", "rows", "zero"):
                 meta.update(_unchecked_fields(routing, self.num_experts, start))
             else:
-                rows = expected_rows(len(prompt), len(out), start)
-                info = RRInfo.model_validate(self.info())
-                meta.update(routing_meta_fields(check_routing(routing, info, rows=rows, start=start)))
+                meta.update(self.sent_fields(routing, expected_rows(len(prompt), len(out), start), start))
             if b.corrupt == "rows":
                 meta["routed_experts_shape"][0] -= 1  # claim the expected count, send one more row
             if b.corrupt == "missing":
@@ -164,16 +171,13 @@ class ProtocolTestServer(ThreadedServer):
                     return JSONResponse({"message": "engine overloaded"}, status_code=503)
                 if b.reject_status:
                     return JSONResponse({"error": "Unauthorized"}, status_code=b.reject_status)
-                params = body.get("sampling_params") or {}
+                params, n, want, start = generate_ask(body)
                 if int(params.get("max_new_tokens", 4)) < 0:
                     return JSONResponse({"message": "max_new_tokens must be >= 0"}, status_code=400)
                 if "text" in body:
                     prompts = [list(t.encode()) for t in body["text"]]
                 else:
                     prompts = body["input_ids"]
-                n = int(params.get("n", 1))
-                want = bool(body.get("return_routed_experts"))
-                start = int(body.get("routed_experts_start") or 0)
                 out = [self._sample(p, j, params, want, start) for p in prompts for j in range(n)]
                 if b.corrupt == "count":
                     out = out[:-1]
@@ -184,4 +188,4 @@ class ProtocolTestServer(ThreadedServer):
         return app
 
 
-__all__ = ["ProtocolTestServer", "synthetic_routing"]
+__all__ = ["ProtocolTestServer", "generate_ask", "synthetic_routing"]
