@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,16 +190,23 @@ _SKIP_HINT = (
 )
 
 
+def _naming(url: str, keys: Iterable[str], says: Callable[[int, str], str]) -> WeightSyncError:
+    """The error for ``url`` naming the tensors and ranks of ``keys``: ``says(how many tensors, them with their
+    ranks)``, then how to leave tensors out."""
+    text, tensors, ranks = _named(keys)
+    return WeightSyncError(f"{says(len(tensors), text)}; {_SKIP_HINT}", engine=url, tensors=tensors, ranks=ranks)
+
+
 def _partial(url: str, missing: Iterable[str], against: str, folder: Path) -> WeightSyncError:
     """The error for a checksum answer that lacks ``missing`` keys (a rank or a loader that hashed less)."""
-    text, tensors, ranks = _named(sorted(missing))
-    return WeightSyncError(
-        f"{url}'s weight checksums after loading {folder} are partial: {len(tensors)} tensor(s) missing from its "
-        f"checker's answer that {against} has: {text}. A checker that hashed less (a rank that did not answer, a "
-        f"loader that dropped parameters) is not another layout; {_SKIP_HINT}",
-        engine=url,
-        tensors=tensors,
-        ranks=ranks,
+    return _naming(
+        url,
+        sorted(missing),
+        lambda n, text: (
+            f"{url}'s weight checksums after loading {folder} are partial: {n} tensor(s) missing from "
+            f"its checker's answer that {against} has: {text}. A checker that hashed less (a rank that did not answer, "
+            "a loader that dropped parameters) is not another layout"
+        ),
     )
 
 
@@ -332,32 +339,30 @@ def check_push_took(
             tensors=tuple(sorted(changed)),
         )
     if kept:
-        text, tensors, ranks = _named(kept)
-        raise WeightSyncError(
-            f"{url} did not load {len(tensors)} tensor(s) the trainer changed since the last push (from {folder}): "
-            f"{text} kept the digest the engine's own checker gave after the last push; the reload answered success "
-            f"but these weights are stale (a loader that skipped their names, a partial load); {_SKIP_HINT}",
-            engine=url,
-            tensors=tensors,
-            ranks=ranks,
+        raise _naming(
+            url,
+            kept,
+            lambda n, text: (
+                f"{url} did not load {n} tensor(s) the trainer changed since the last push (from "
+                f"{folder}): {text} kept the digest the engine's own checker gave after the last push; the reload answered "
+                "success but these weights are stale (a loader that skipped their names, a partial load)"
+            ),
         )
-    altered = [k for k in sorted(moved) if split_key(k)[1] in same]
-    if altered:
-        text, tensors, ranks = _named(altered)
-        raise WeightSyncError(
-            f"{url} changed {len(tensors)} tensor(s) the trainer pushed byte-identical to the last push (from "
-            f"{folder}): {text}; the engine holds other values than were pushed (another writer, a corrupted load); "
-            f"{_SKIP_HINT}",
-            engine=url,
-            tensors=tensors,
-            ranks=ranks,
+    if altered := [k for k in sorted(moved) if split_key(k)[1] in same]:
+        raise _naming(
+            url,
+            altered,
+            lambda n, text: (
+                f"{url} changed {n} tensor(s) the trainer pushed byte-identical to the last push (from "
+                f"{folder}): {text}; the engine holds other values than were pushed (another writer, a corrupted load)"
+            ),
         )
     if not changed and common and len(same) == len(common) and moved:
-        text, tensors, ranks = _named(sorted(moved))
-        raise WeightSyncError(
-            f"{url} changed {len(tensors)} tensor(s) although the checkpoint in {folder} is byte-identical to the "
-            f"last push's: {text}; the engine holds other values than were pushed; {_SKIP_HINT}",
-            engine=url,
-            tensors=tensors,
-            ranks=ranks,
+        raise _naming(
+            url,
+            sorted(moved),
+            lambda n, text: (
+                f"{url} changed {n} tensor(s) although the checkpoint in {folder} is byte-identical to "
+                f"the last push's: {text}; the engine holds other values than were pushed"
+            ),
         )
