@@ -13,24 +13,22 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pytest
 
 from rr_client import RoutedExpertsClient, RoutingChecksumError, RoutingExpiredError, RoutingRef
-from rr_client.core.codec import check_routing
 from rr_client.core.reference import checksum
 from rr_server.ray_stores import main as ray_stores
 from rr_server.serving.store.ray import PREFIX, RayStore
-from tests.support.routing_data import make_routing, small_moe_info
+from tests.support.routing_data import checked_routing, small_moe_info
 
 INFO = small_moe_info()
 
 
-def checked(rows: int, seed: int = 0) -> Any:
-    ids = make_routing(rows, INFO.num_hidden_layers, INFO.topk, INFO.num_experts, moe_layers=INFO.moe_layers, seed=seed)
-    return check_routing(ids, INFO, rows=rows)
+checked = partial(checked_routing, INFO)  # rows (seed) of the small MoE, checked
 
 
 def resolve(refs: list[RoutingRef]) -> list[np.ndarray]:

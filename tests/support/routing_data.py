@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from rr_client import RRInfo
+from rr_client.core.codec import CheckedRouting, check_routing
 
 
 def make_routing(
@@ -20,6 +21,12 @@ def make_routing(
         dense = [i for i in range(layers) if i not in set(moe_layers)]
         ids[:, dense, :] = 0
     return ids
+
+
+def checked_routing(info: RRInfo, rows: int, seed: int = 0, start: int = 0) -> CheckedRouting:
+    """``rows`` rows of :func:`make_routing` in ``info``'s dims from token ``start``, through rr's one check."""
+    ids = make_routing(rows, info.num_hidden_layers, info.topk, info.num_experts, moe_layers=info.moe_layers, seed=seed)
+    return check_routing(ids, info, rows=rows, start=start)
 
 
 def npy_payload(array: np.ndarray, *, num_experts: int) -> str:

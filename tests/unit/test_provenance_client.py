@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from functools import partial
 from typing import Any
 
 import httpx
@@ -30,20 +31,18 @@ from rr_client import (
 )
 from rr_client.client._openai import parse_choices, parse_stream
 from rr_client.client.trajectory import ChatTrajectory, Trajectory
-from rr_client.core.codec import check_routing, expected_rows, routing_meta_fields
+from rr_client.core.codec import expected_rows, routing_meta_fields
 from rr_client.core.errors import MalformedPayloadError, ProtocolError
 from rr_client.core.reference import RoutingRef, check_ref_tokens
 from rr_server.serving.store import STORE_ROUTES, MemoryStore
 from rr_server.serving.store import install as rs
-from tests.support.routing_data import make_routing, small_moe_info
+from tests.support.routing_data import checked_routing, small_moe_info
 
 INFO = small_moe_info()
 URL = "http://rr-stand-in.test"
 
 
-def checked(rows: int, seed: int = 0, start: int = 0) -> Any:
-    ids = make_routing(rows, INFO.num_hidden_layers, INFO.topk, INFO.num_experts, moe_layers=INFO.moe_layers, seed=seed)
-    return check_routing(ids, INFO, rows=rows, start=start)
+checked = partial(checked_routing, INFO)  # rows (seed, start) of the small MoE, checked
 
 
 def prov(prompt: list[int], output: list[int], **kw: Any) -> dict[str, Any]:

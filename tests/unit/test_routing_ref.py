@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+from functools import partial
 from typing import Any
 
 import httpx
@@ -24,15 +25,13 @@ from rr_client.core.errors import (
 from rr_client.core.reference import FramePart, RoutingRef, checksum, decode_frame, encode_frame
 from rr_server.serving.store import STORE_ROUTES, MemoryStore
 from rr_server.serving.store import install as rs
-from tests.support.routing_data import make_routing, small_moe_info
+from tests.support.routing_data import checked_routing, small_moe_info
 
 INFO = small_moe_info()
 URL = "http://rr-store.test"
 
 
-def checked(rows: int, seed: int = 0, start: int = 0) -> Any:
-    ids = make_routing(rows, INFO.num_hidden_layers, INFO.topk, INFO.num_experts, moe_layers=INFO.moe_layers, seed=seed)
-    return check_routing(ids, INFO, rows=rows, start=start)
+checked = partial(checked_routing, INFO)  # rows (seed, start) of the small MoE, checked
 
 
 def test_ref_is_small_whatever_the_length_and_every_field_is_checked() -> None:
