@@ -393,18 +393,12 @@ def test_sglang_main_compact_wire_through_the_sidecar(cfg_dir: Path, dtype: str)
     """SGLang main after 0.5.23 (SGLANG_ROUTED_EXPERTS_DTYPE): headerless base64 of uint8/uint16 with
     ``meta_info.routed_experts_dtype``. The sidecar decodes it by the stated dtype, checks it and sends rr's .npy;
     the same payload without the field (a reader assuming int32) is refused, never read as other rows."""
+    ask = {"input_ids": [1, 2, 3, 4, 5], "return_routed_experts": True, "sampling_params": {"max_new_tokens": 3}}
     with FakeSGLangUpstream(cfg_dir) as fake:
         fake.wire_dtype = dtype
         with SidecarServer(ProxyConfig(upstream=fake.url, engine="sglang", timeout=10)) as sc:
             with httpx.Client(base_url=sc.url, timeout=20) as c:
-                body = c.post(
-                    "/generate",
-                    json={
-                        "input_ids": [1, 2, 3, 4, 5],
-                        "return_routed_experts": True,
-                        "sampling_params": {"max_new_tokens": 3},
-                    },
-                ).json()
+                body = c.post("/generate", json=ask).json()
             meta = body["meta_info"]
             assert meta["routed_experts_format"] == "npy" and meta["routed_experts_dtype"] == "uint8"
             np.testing.assert_array_equal(decode_meta_info(meta), expected([1, 2, 3, 4, 5], 3))
@@ -417,14 +411,7 @@ def test_sglang_main_compact_wire_through_the_sidecar(cfg_dir: Path, dtype: str)
             np.testing.assert_array_equal(res.routed_experts, expected([1, 2, 3, 4, 5], 3))  # type: ignore[attr-defined]
             fake.state_dtype = False  # the same bytes read as int32: a different row count, refused
             with httpx.Client(base_url=sc.url, timeout=20) as c:
-                bad = c.post(
-                    "/generate",
-                    json={
-                        "input_ids": [1, 2, 3, 4, 5],
-                        "return_routed_experts": True,
-                        "sampling_params": {"max_new_tokens": 3},
-                    },
-                ).json()["meta_info"]
+                bad = c.post("/generate", json=ask).json()["meta_info"]
             assert bad["routed_experts"] is None and bad["routed_experts_error"].split(":")[0] in (
                 "ShapeMismatchError",
                 "MalformedPayloadError",
