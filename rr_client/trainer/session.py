@@ -512,7 +512,8 @@ class ReplaySession:
         join the step's (filled when it closes); a refusal while opening takes off what was already in place."""
         stack = ExitStack()
         try:
-            idx_report = self._enter_indexer(stack, indexer, check)
+            real = tokens if tokens is not None else getattr(rows, "attention_mask", None)
+            idx_report = self._enter_indexer(stack, indexer, check, real)
             report = stack.enter_context(
                 replay_routing(
                     self.model,
@@ -535,16 +536,19 @@ class ReplaySession:
                 into.append(r)  # an empty dict until the block closes (dropped by the merge if it never does)
         return stack
 
-    def _enter_indexer(self, stack: ExitStack, indexer: Any, check: ProvenanceCheck | None) -> dict[str, float] | None:
+    def _enter_indexer(
+        self, stack: ExitStack, indexer: Any, check: ProvenanceCheck | None, real: Any
+    ) -> dict[str, float] | None:
         """Replay ``indexer`` (picks, their layers or None; the samples the stale-rows policy masked keep their own
-        picks) in ``stack``'s block; its audit report (filled when the block closes), if audited."""
+        picks; ``real``: the batch's real tokens, which every pick must land on) in ``stack``'s block; its audit
+        report (filled when the block closes), if audited."""
         if indexer is None:
             return None
         self._indexer_fed = True
         rows, layers = indexer
         if check is not None:
             rows = mask_indexer(rows, check.replay)
-        return stack.enter_context(replay_indexer(self.model, rows, layers=layers, audit=self.clock.audited))
+        return stack.enter_context(replay_indexer(self.model, rows, layers=layers, audit=self.clock.audited, real=real))
 
     def _hf_only(self, what: str) -> None:
         if self.backend is not None:
@@ -653,17 +657,19 @@ class ReplaySession:
             self._agree[1] += total
 
     # ------------------------------------------------------------------ per step
-    def flush(self) -> dict[str, float]:
+    def flush(self, *, tick: bool = True) -> dict[str, float]:
         """Close the open block (Megatron: end the step, ``MegatronReplay.step_done``, whose verdicts raise here)
         and return the step's merged metrics (keys: :mod:`rr_client.trainer.keys`); ticks :attr:`clock`, also
-        for a step whose verdict refuses it. One host read for the gaps."""
+        for a step whose verdict refuses it, unless ``tick=False`` (a training step of several flushes, as verl's
+        engine calls: its own clock ends the step). One host read for the gaps."""
         try:
             return self._merge_step(self.clock.audited)
         except BaseException:
             self._reset()
             raise
         finally:
-            self.clock.tick()
+            if tick:
+                self.clock.tick()
 
     def _merge_step(self, audited: bool) -> dict[str, float]:
         """The step's metrics (see :meth:`flush`), its state reset; raises the step's verdicts."""
@@ -712,9 +718,9 @@ class ReplaySession:
         self._indexer_fed = self._routing_fed = False
 
     @contextmanager
-    def step(self) -> Iterator[dict[str, float]]:
+    def step(self, *, tick: bool = True) -> Iterator[dict[str, float]]:
         """``with session.step() as metrics:`` one step; ``metrics`` is filled by :meth:`flush` at the end (an
-        error abandons the open block and drops the step's measurements)."""
+        error abandons the open block and drops the step's measurements); ``tick``: as :meth:`flush`'s."""
         metrics: dict[str, float] = {}
         try:
             yield metrics
@@ -722,4 +728,4 @@ class ReplaySession:
             self.abandon()
             self._reset()
             raise
-        metrics.update(self.flush())
+        metrics.update(self.flush(tick=tick))

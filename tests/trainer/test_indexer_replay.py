@@ -312,3 +312,36 @@ def test_megatron_refuses_indexer_rows_by_name() -> None:
     session = ReplaySession(model, backend=NoBackendCalls())  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="not through Megatron's RouterReplay"):
         session.open_replay(rt)
+
+
+@pytest.mark.parametrize("fault", ["positions_for_columns", "pick_on_padding", "row_at_padding"])
+def test_picks_are_checked_against_the_batchs_real_tokens(fault: str) -> None:
+    """On a left-padded batch, picks are batch columns: engine positions handed over unshifted, a pick of a padding
+    column, or a replayed row at a padding column are IndexerPositionErrors naming the sample, not attention over
+    padding (the causal and range checks pass all three)."""
+    model = dsa_model("deepseek_v32")
+    batch, info = dsa_batch(model)
+    rt = to_tensors(batch, info, pad_side="left")
+    assert rt.indexer_topk is not None
+    idx = rt.indexer_topk.clone()
+    pads = (rt.attention_mask == 0).sum(1)
+    b = int(pads.argmax())  # the most left-padded sample
+    pad = int(pads[b])
+    assert pad > TOPK
+    if fault == "positions_for_columns":  # the engine's positions, not moved under the sample's columns
+        idx[b] = torch.where(idx[b] >= 0, idx[b] - pad, idx[b])
+        match = rf"sample {b}, column \d+, layer \d+\) picks padding columns"
+    elif fault == "pick_on_padding":
+        t = int(((idx[b, :, 0] >= 0).all(-1)).nonzero()[0, 0])
+        idx[b, t, 0, 0] = 0 if int(idx[b, t, 0, 1:].min()) > 0 else pad - 1
+        match = rf"sample {b}, column {t}, layer \d+\) picks padding columns"
+    else:
+        idx[b, pad - 1, 0] = torch.arange(TOPK, dtype=idx.dtype)
+        match = rf"sample {b}, column {pad - 1}, layer \d+\) is replayed at a padding column"
+    session = ReplaySession(model, audit_every=1)
+    with pytest.raises(IndexerPositionError, match=match):
+        with session.step():
+            session.open_replay(replace(rt, indexer_topk=idx))
+    with session.step():  # the session goes on: the batch's own picks replay
+        session.open_replay(rt)
+        read_columns(model, rt)

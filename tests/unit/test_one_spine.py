@@ -149,3 +149,26 @@ def test_no_public_way_around_the_rows_check() -> None:
     map scattered from the same ids, would say 1.0)."""
     assert _defined(r"^\s*def set_targets\(") == []
     assert len(_defined(r"^\s*def _set_targets\(")) == 1
+
+
+def test_verls_step_clock_ends_a_step_at_the_outermost_train_mode() -> None:
+    """verl's audit clock: update calls without verl's last-mini-batch mark end their step when the engine leaves
+    its outermost ``train_mode`` block (``train_mini_batch`` around its mini-batches), once; a forward-only call
+    after update calls ends it too, and a log-prob pass alone ends nothing."""
+    from rr_client.integrations.verl._clock import TrainingStepClock
+
+    clock = TrainingStepClock(2)
+    clock.call_starts(True)  # the log-prob pass
+    clock.call_ends(True, False)
+    assert clock.steps == 0 and clock.audited
+    with clock.train_mode():
+        for _ in range(3):
+            with clock.train_mode():  # train_batch's own block inside train_mini_batch's
+                clock.call_starts(False)
+                clock.call_ends(False, False)
+        assert clock.steps == 0
+    assert clock.steps == 1 and not clock.audited
+    clock.call_starts(False)  # an update call outside any train_mode, then the next step's log-prob pass
+    clock.call_ends(False, False)
+    clock.call_starts(True)
+    assert clock.steps == 2 and clock.audited

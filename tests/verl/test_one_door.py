@@ -26,12 +26,15 @@ def rows_for(toks: list[tuple[list[int], list[int]]], seed: int) -> list[np.ndar
     return [other_rows(len(p) + len(r) - 1, seed=seed + i) for i, (p, r) in enumerate(toks)]
 
 
+@pytest.mark.parametrize("marked", [True, False], ids=["lr_scheduler_mark", "no_mark"])
 def test_audited_steps_include_their_update_calls(
-    model_dir: Any, verl_process: None, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+    model_dir: Any, verl_process: None, tokenizer: Any, monkeypatch: pytest.MonkeyPatch, marked: bool
 ) -> None:
     """verl's default shape of a step: one log-prob call, then one update call per mini-batch (here 4: 5 engine
     calls a step). With ``RR_AUDIT_EVERY=5`` the first step is audited in all its calls, the second in none; an
-    audit clock counting engine calls audited only the log-prob calls (calls 0 and 5)."""
+    audit clock counting engine calls audited only the log-prob calls (calls 0 and 5). Without verl's
+    ``update_lr_scheduler`` mark on the last mini-batch, the step still ends with ``train_mini_batch``'s
+    ``train_mode`` block, not at the next step's first call."""
     monkeypatch.setenv("RR_AUDIT_EVERY", "5")
     cfg = h.ppo_config(model_dir, mode="R3", micro_batch=2, mini_batch=2)
     w = h.actor_worker(cfg)
@@ -42,6 +45,10 @@ def test_audited_steps_include_their_update_calls(
 
     def counted(self: Any, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
         calls.append(forward_only)
+        if not marked:
+            from verl.utils import tensordict_utils as tu
+
+            tu.assign_non_tensor(data, update_lr_scheduler=False)
         return run(self, data, loss_function, forward_only)
 
     monkeypatch.setattr(type(engine), "forward_backward_batch", counted)

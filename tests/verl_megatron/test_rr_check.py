@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from rr_client.core.errors import UnrecordedRoutingError
+from rr_client.core.errors import MissingRoutingError, UnrecordedRoutingError
 from tests.verl_megatron.test_engine_replay import (
     EXPERTS,
     batch_of,
@@ -96,6 +96,21 @@ def test_a_hole_in_the_rows_is_refused_where_verl_routes_it_to_expert_zero(
     want = torch.zeros(EXPERTS, dtype=torch.bool)
     want[torch.as_tensor(rows[2][2, 0], dtype=torch.int64)] = True
     assert torch.equal(per_sample(seen.maps[1], lengths)[2][2], want)
+
+
+def test_rows_that_stop_before_the_last_loss_token_are_refused(workers: Any, tokenizer: Any) -> None:  # noqa: F811
+    """Early-stopping rows (a prefix, so the prefix rule passes) whose last tokens fall under verl's R3 replay mask:
+    refused, where narrowing the mask would route them with pad rows under the loss."""
+    cfg, w = workers["R3"]
+    toks = sample_tokens(4)
+    lengths = [len(p) + len(r) for p, r in toks]
+    rows = [random_rows(n - 1, seed=50 + i) for i, n in enumerate(lengths)]
+    rows[1][-3:] = 0  # micro-batch 0, sample 1: the rollout's rows stop 3 tokens early
+    want = rf"micro-batch sample 1 \({lengths[1]} tokens\): routed_experts has rows for its first {lengths[1] - 4}"
+    with pytest.raises(MissingRoutingError, match=want):
+        run_log_prob(cfg, w, batch_of(tokenizer, toks, rows))
+    rows[1][-3:] = random_rows(3, seed=98)  # whole rows replay: the worker goes on
+    run_log_prob(cfg, w, batch_of(tokenizer, toks, rows))
 
 
 def batch_with(tokenizer: Any, toks: Any, rows: Any, extra: list[dict[str, Any]]) -> Any:

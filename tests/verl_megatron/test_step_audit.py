@@ -56,9 +56,10 @@ def training(workers: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:  #
         object.__setattr__(w.actor.engine_config, "forward_only", True)
 
 
-def train_step(t: Any, w: Any, batch: Any) -> tuple[dict[str, float], list[float]]:
+def train_step(t: Any, w: Any, batch: Any, *, marked: bool = True) -> tuple[dict[str, float], list[float]]:
     """One trainer step (verl's old-log-prob pass, then its update): the log-prob call's ``r3/`` keys and the
-    update calls' ``applied_share`` values (one per audited update call)."""
+    update calls' ``applied_share`` values (one per audited update call). ``marked=False``: verl's
+    ``update_lr_scheduler`` mark taken off the last update call."""
     from tests.verl import harness as vh
 
     calls: list[bool] = []
@@ -67,6 +68,10 @@ def train_step(t: Any, w: Any, batch: Any) -> tuple[dict[str, float], list[float
 
     def counting(self: Any, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
         calls.append(forward_only)
+        if not marked:
+            from verl.utils import tensordict_utils as tu
+
+            tu.assign_non_tensor(data, update_lr_scheduler=False)
         return inner(self, data, loss_function, forward_only)
 
     engine.forward_backward_batch = counting.__get__(engine)
@@ -80,16 +85,20 @@ def train_step(t: Any, w: Any, batch: Any) -> tuple[dict[str, float], list[float
     return logprob, list(met.get(f"actor/{APPLIED}", []))
 
 
-@pytest.mark.parametrize("mode", ["R3", "R2"])
-def test_audited_steps_include_their_update_calls(training: Any, tokenizer: Any, mode: str) -> None:
+# R3 without the mark runs before R2: an R3 audit after the R2 worker ran in the same process sees no R3 keys
+# (two workers share one process only in these tests; not yet understood, see the closing note of issue 56)
+@pytest.mark.parametrize(("mode", "marked"), [("R3", True), ("R3", False), ("R2", True)])
+def test_audited_steps_include_their_update_calls(training: Any, tokenizer: Any, mode: str, marked: bool) -> None:
     """RR_AUDIT_EVERY=2 with 5 engine calls per step: steps 0 and 2 are audited in every call, the log-prob pass
-    (R3's; R2's records, nothing to audit) and all 4 update calls; step 1 in none. verl Megatron R2 is audited."""
+    (R3's; R2's records, nothing to audit) and all 4 update calls; step 1 in none. verl Megatron R2 is audited.
+    Without verl's last-mini-batch mark, each step still ends with its update (the engine's ``train_mode``)."""
     t, w = training(mode)
     toks = sample_tokens(21)
     rows = [random_rows(len(p) + len(r) - 1, seed=210 + i) for i, (p, r) in enumerate(toks)]
     batch = batch_of(tokenizer, toks, rows if mode == "R3" else None)
     for step in range(3):
-        logprob, updates = train_step(t, w, batch)
+        logprob, updates = train_step(t, w, batch, marked=marked)
+        assert w.actor.engine.rr_clock.steps == step + 1
         audited = step % 2 == 0
         if mode == "R3":
             assert (APPLIED in logprob) == audited, (step, logprob)

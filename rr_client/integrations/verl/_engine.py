@@ -11,6 +11,8 @@ check, once); the audit runs per training step (:class:`TrainingStepClock`), not
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,12 +22,12 @@ from rr_client.core.errors import ConfigurationError, MissingRoutingError, Unsup
 from rr_client.core.info import RRInfo
 from rr_client.core.logprobs import PROCESSED, check_comparable_logprobs
 from rr_client.trainer import keys as K
-from rr_client.trainer.audit import AuditClock
 from rr_client.trainer.provenance import CACHED, COMPUTED, GENERATED, Segments
 from rr_client.trainer.replay import find_routers
 from rr_client.trainer.session import AUDIT_EVERY, ReplaySession
 
 from . import _logprobs, _provenance
+from ._clock import TrainingStepClock
 from ._gate import REPLAY_MODES, check_verl_version
 from ._rows import replay_rows, sample_of_rows, unpack_recorded
 
@@ -100,38 +102,6 @@ def _loss_ends(micro_batch: Any, prompt_lens: torch.Tensor | None) -> torch.Tens
     col = torch.arange(rm.shape[-1], device=rm.device).expand_as(rm)
     last = torch.where(rm, col, torch.full_like(col, -1)).amax(dim=-1)
     return torch.where(last >= 0, prompt_lens.to(rm.device) + last, torch.zeros_like(last))
-
-
-class TrainingStepClock(AuditClock):
-    """The session's :class:`rr_client.trainer.audit.AuditClock` on verl, advanced once per training step, not
-    per engine call: verl calls the engine several times a step (the log-prob pass, then one update call per
-    mini-batch: 5 with its default batch sizes) and the session flushes after each call, so its per-flush
-    :meth:`tick` is held here. A step runs from the first engine call after the previous step's update calls to
-    its own last update call; so every call of an audited step (its log-prob pass and all its update calls) is
-    audited, the same for R2 and R3. The step ends at verl's last update mini-batch (``update_lr_scheduler``,
-    set by ``train_mini_batch``), or else at the first forward-only call after update calls."""
-
-    def __init__(self, every: int) -> None:
-        super().__init__(every)
-        self.updating = False  #: the current step's update calls have begun
-
-    def tick(self) -> None:
-        """The session's flush after one engine call: held (the step goes on)."""
-
-    def call_starts(self, forward_only: bool) -> None:
-        """An engine call begins: a forward-only call after update calls opens the next step."""
-        if forward_only and self.updating:
-            self._end_step()
-        self.updating = self.updating or not forward_only
-
-    def call_ends(self, forward_only: bool, last_update: bool) -> None:
-        """An engine call ended (or raised): verl's last update mini-batch ends the step."""
-        if not forward_only and last_update:
-            self._end_step()
-
-    def _end_step(self) -> None:
-        self.updating = False
-        super().tick()
 
 
 _NAMES = tuple((name, None) for name in K.SEGMENTS)
@@ -239,6 +209,15 @@ class RRFSDPEngineMixin(_EngineBase):
             )
         return "replay"
 
+    @contextlib.contextmanager
+    def train_mode(self, **kwargs: Any) -> Iterator[Any]:
+        """verl's ``train_mode`` block; leaving the outermost one ends the training step's update calls."""
+        clock = self.rr_session.clock if self.rr_session is not None else None
+        with contextlib.ExitStack() as stack:
+            if isinstance(clock, TrainingStepClock):
+                stack.enter_context(clock.train_mode())
+            yield stack.enter_context(super().train_mode(**kwargs))
+
     def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
         clock = self.rr_session.clock if self.rr_session is not None else None
         if not isinstance(clock, TrainingStepClock):
@@ -260,7 +239,8 @@ class RRFSDPEngineMixin(_EngineBase):
         session = self.rr_session
         assert session is not None
         try:
-            with session.step() as met:  # closes the last micro-batch's block after its backward
+            # closes the last micro-batch's block after its backward; the step's clock ticks (TrainingStepClock)
+            with session.step(tick=not isinstance(session.clock, TrainingStepClock)) as met:
                 out = super().forward_backward_batch(data, loss_function, forward_only)
         finally:
             self._rr_action = None

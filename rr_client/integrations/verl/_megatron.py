@@ -17,17 +17,19 @@ per micro-batch, the step's counts, and the audit. The feeder itself, rr's in pl
   kept go to the feeder on the model chunk verl hands it (:data:`KEPT`), explicitly, for that call only.
 - :func:`counted_batch` wraps ``MegatronEngine.forward_backward_batch``: the step's counts and the audit's keys in
   ``engine.rr_last_metrics`` and verl's step metrics (``actor/r3/...``). The audit clock
-  (:class:`rr_client.trainer.audit.AuditClock`, ``engine.rr_clock``) counts training steps, not engine calls: a
-  step's first ``forward_only=False`` call opens it, its last update call (verl's ``update_lr_scheduler``) or the
-  next forward-only call closes it, and every call of an audited step is audited, R2 and R3 alike.
+  (:class:`rr_client.integrations.verl._clock.TrainingStepClock`, ``engine.rr_clock``, verl FSDP's too) counts
+  training steps, not engine calls: a step's first ``forward_only=False`` call opens it, its last update call
+  (verl's ``update_lr_scheduler``), the end of the engine's outermost ``train_mode`` (:func:`clocked_train_mode`)
+  or the next forward-only call closes it, and every call of an audited step is audited, R2 and R3 alike.
 - :class:`RouterAudit`: on audited steps, what every router ran against the targets it was given.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,12 +38,13 @@ from rr_client.core import settings
 from rr_client.core.errors import ReplayError
 from rr_client.integrations.megatron import check_config, check_megatron_version, find_routers, own_choice
 from rr_client.trainer import keys as K
-from rr_client.trainer.audit import AuditClock, LayerCounts, layer_keys, share
+from rr_client.trainer.audit import LayerCounts, layer_keys, share
 from rr_client.trainer.metrics import gap_keys, gap_stats
 from rr_client.trainer.provenance import merge_checks, provenance_metrics
 from rr_client.trainer.session import AUDIT_EVERY
 
 from . import _provenance
+from ._clock import TrainingStepClock
 from ._engine import check_gap_logprobs
 from ._gate import REPLAY_MODES
 from ._megatron_feed import KEPT, megatron_info, refuse_layout
@@ -53,6 +56,7 @@ __all__ = [
     "gapped_outputs",
     "counted_batch",
     "audit_clock",
+    "clocked_train_mode",
     "RouterAudit",
 ]
 
@@ -226,15 +230,27 @@ def gapped_outputs(orig: Callable[..., Any]) -> Callable[..., Any]:
     return prepare_model_outputs
 
 
-def audit_clock(engine: Any) -> AuditClock:
-    """The engine's audit clock (``engine.rr_clock``), every ``RR_AUDIT_EVERY`` training steps; a changed setting
-    starts a new clock (its first step audited)."""
+def audit_clock(engine: Any) -> TrainingStepClock:
+    """The engine's audit clock (``engine.rr_clock``, verl FSDP's :class:`TrainingStepClock`), every
+    ``RR_AUDIT_EVERY`` training steps; a changed setting starts a new clock (its first step audited)."""
     every = settings.integer("RR_AUDIT_EVERY", default=AUDIT_EVERY)
     clock = getattr(engine, "rr_clock", None)
     if clock is None or clock.every != every:
-        clock = engine.rr_clock = AuditClock(every)
-        engine._rr_updating = False
+        clock = engine.rr_clock = TrainingStepClock(every)
     return clock
+
+
+def clocked_train_mode(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """verl's ``MegatronEngine.train_mode`` inside the audit clock's: leaving the outermost block ends the
+    training step's update calls (update calls without verl's ``update_lr_scheduler`` mark end their step)."""
+
+    @functools.wraps(orig)
+    @contextlib.contextmanager
+    def train_mode(self: Any, **kwargs: Any) -> Iterator[Any]:
+        with audit_clock(self).train_mode(), orig(self, **kwargs) as mode:
+            yield mode
+
+    return train_mode
 
 
 def _last_update(data: Any) -> bool:
@@ -256,18 +272,14 @@ def counted_batch(orig: Callable[..., Any]) -> Callable[..., Any]:
 
         self._rr_checks, self._rr_gaps = [], []
         clock = audit_clock(self)
-        if forward_only and getattr(self, "_rr_updating", False):  # the open step's update calls are over
-            clock.tick()
-        self._rr_updating = not forward_only  # a training call opens the step (or is one more of its calls)
+        clock.call_starts(forward_only)
         audit = RouterAudit(self.module) if replay_mode(self) in REPLAY_MODES and clock.audited else None
         try:
             out = orig(self, data, loss_function, forward_only)
         finally:
             checks, self._rr_checks = self._rr_checks, None
             gaps, self._rr_gaps = self._rr_gaps, None
-            if not forward_only and _last_update(data):  # the step's last update call: the step is done
-                clock.tick()
-                self._rr_updating = False
+            clock.call_ends(forward_only, _last_update(data))
             audited = audit.close() if audit is not None else {}
         gapped = gap_keys(torch.stack(gaps).sum(0).tolist()) if gaps else {}  # the gaps' one host read
         self.rr_last_metrics = {

@@ -154,14 +154,16 @@ def verl_feed(
     spare = [layer for layer in rows.layers if layer not in set(info.moe_layers)]
     if spare:  # rows at a dense layer: the layer axis is off (no router of any stage reads them)
         rows.check([], spare=spare, refuse_spare=True)
-    have = rows.have
+    have, pending = rows.have, rows.pending
     if replay_mask is not None:
         mask = replay_mask.values() if getattr(replay_mask, "is_nested", False) else replay_mask
-        have = have & mask.reshape(1, -1).to(have.device).bool()
+        mask = mask.reshape(1, -1).to(have.device).bool()
         if keep is not None and not all(keep):
             per = torch.tensor(list(keep), dtype=torch.bool).repeat_interleave(offsets.long().cpu().diff())
-            have = have & per.reshape(1, -1).to(have.device)
-    rows = replace(rows, have=have)
+            mask = mask & per.reshape(1, -1).to(have.device)
+        have = have & mask
+        pending += (_covers_replay_mask(rows, mask),)
+    rows = replace(rows, have=have, pending=pending)
     routers = _routers(model)
     par = parallel_from_state(routers)
     got = feed(
@@ -174,6 +176,22 @@ def verl_feed(
     )
     have = got.have
     return {m: (t, None if have is None else have.to(t.device, non_blocking=True)) for m, t in got.targets.items()}
+
+
+def _covers_replay_mask(rows: ReplayRows, mask: torch.Tensor) -> Any:
+    """R3: every token verl's replay mask replays (``build_r3_replay_mask``: each sample's tokens before its last,
+    the ones its response log-probs are computed at) has a recorded row, read with the check's one host read;
+    rows that stop early would have those tokens routed with pad rows under the loss (FSDP's rule,
+    :func:`rr_client.integrations.verl._rows.replay_rows`' ``loss_end``)."""
+    from ._rows import coverage_verdict, sample_of_rows
+
+    off = rows.cu_seqlens
+    assert off is not None
+    flat = mask.reshape(-1).long()
+    b = int(off.numel()) - 1
+    ends = torch.zeros(max(b, 1), dtype=torch.long, device=flat.device)
+    ends = ends.index_add_(0, sample_of_rows(off.to(flat.device), int(flat.numel())), flat).narrow(0, 0, b)
+    return coverage_verdict(rows.have[0], off, ends)
 
 
 def rr_feeder(orig: Callable[..., Any]) -> Callable[..., Any]:

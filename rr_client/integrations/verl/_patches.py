@@ -686,12 +686,15 @@ def patch_megatron_engine(mod: types.ModuleType) -> None:
     what the feeder would not hold under; ``forward_step`` runs the stale-rows policy on each micro-batch;
     ``forward_backward_batch`` reports the step's counts and audit. Every shape is checked before anything is
     wrapped."""
-    from ._megatron import counted_batch, gapped_outputs, policed_step, refusing_initialize
+    from ._megatron import clocked_train_mode, counted_batch, gapped_outputs, policed_step, refusing_initialize
     from ._megatron_feed import rr_feeder
 
     check_shapes(
         Shape(mod, {"set_router_replay_data": MEGATRON_FEEDER}),
-        Shape(mod.MegatronEngine, {"initialize": ["self"], "forward_backward_batch": MEGATRON_BATCH}),
+        Shape(
+            mod.MegatronEngine,
+            {"initialize": ["self"], "forward_backward_batch": MEGATRON_BATCH, "train_mode": ["self", "kwargs"]},
+        ),
         Shape(
             mod.MegatronEngineWithLMHead,
             {"forward_step": MEGATRON_STEP, "prepare_model_outputs": MEGATRON_OUTPUTS},
@@ -705,6 +708,7 @@ def patch_megatron_engine(mod: types.ModuleType) -> None:
         mod.MegatronEngineWithLMHead, "prepare_model_outputs", gapped_outputs, params=MEGATRON_OUTPUTS, what=_what()
     )
     wrap_once(mod.MegatronEngine, "forward_backward_batch", counted_batch, params=MEGATRON_BATCH, what=_what())
+    wrap_once(mod.MegatronEngine, "train_mode", clocked_train_mode, params=["self", "kwargs"], what=_what())
 
 
 def megatron_replay_requested(config: Any) -> str | None:

@@ -85,7 +85,7 @@ def replay_rows(
     assert off is not None
     pending = jag.pending + _dense_verdict(jag, info)
     if loss_end is not None:
-        pending += (_coverage_verdict(have, off, loss_end),)
+        pending += (coverage_verdict(have, off, loss_end),)
     provs = None if provenance is None else tuple(provenance)
     if width is not None:
         dense, dmask = padded_rows(flat, have, off, width)
@@ -118,7 +118,7 @@ def _dense_verdict(rows: ReplayRows, info: RRInfo) -> tuple[Pending, ...]:
     return ((hit.any(), error),)
 
 
-def _coverage_verdict(have: torch.Tensor, off: torch.Tensor, loss_end: torch.Tensor) -> Pending:
+def coverage_verdict(have: torch.Tensor, off: torch.Tensor, loss_end: torch.Tensor) -> Pending:
     """Every sample's recorded rows (a prefix, by :meth:`ReplayRows.from_jagged`'s verdict) reach its last loss
     token: that token's log-prob is computed at the tokens before it, so each of them needs its row."""
     b = int(off.numel()) - 1

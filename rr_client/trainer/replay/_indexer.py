@@ -78,9 +78,10 @@ def count_indexers(model: nn.Module) -> int:
     return sum(_is_indexer(m) for m in model.modules())
 
 
-def _checked_rows(rows: Any, layers: list[int], topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _checked_rows(rows: Any, layers: list[int], topk: int, real: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, S, L, K]`` positions (``-1``: not replayed) -> (positions, int16 or int32, ``[B, S, L]`` replayed); the one
-    check of every replayed row (causal, distinct, whole) in one host read."""
+    check of every replayed row (causal, distinct, whole; with ``real``, the batch's ``[B, S]`` real tokens: no
+    replayed row at a padding column, no pick of one) in one host read."""
     if not isinstance(rows, torch.Tensor):
         raise ArgumentTypeError(f"indexer rows must be a torch tensor [B, S, L, K], got {type(rows).__name__}")
     if rows.dtype.is_floating_point or rows.dtype == torch.bool:
@@ -108,15 +109,39 @@ def _checked_rows(rows: Any, layers: list[int], topk: int) -> tuple[torch.Tensor
     future = ((pos > t) & use[..., None]).any(-1)
     srt = pos.sort(-1).values
     twice = ((srt[..., 1:] == srt[..., :-1]).any(-1)) & use
+    on_pad = torch.zeros_like(use)
+    picks_pad = torch.zeros_like(use)
+    if real is not None:
+        r = torch.as_tensor(real).to(pos.device).bool()
+        if tuple(r.shape) != tuple(pos.shape[:2]):
+            raise ShapeMismatchError(
+                f"the batch's real-token mask is {list(r.shape)}, the indexer rows {list(pos.shape[:2])} (batch, "
+                "tokens): lay the picks out as the model's input_ids"
+            )
+        on_pad = use & ~r[:, :, None]
+        picked = r.gather(1, pos.clamp_min(0).long().flatten(1)).view(pos.shape)  # is each picked column real?
+        picks_pad = (~picked & (pos >= 0)).any(-1) & use
     too_wide, *flags = torch.stack(
-        [beyond, negative.any(), partial.any(), future.any(), twice.any()]
+        [beyond, negative.any(), partial.any(), future.any(), twice.any(), on_pad.any(), picks_pad.any()]
     ).tolist()  # the one host read
     if too_wide:
         raise IndexerPositionError("indexer rows hold positions beyond int32: not token positions")
-    for bad, what in zip(flags, (negative, partial, future, twice)):
+    for bad, what in zip(flags, (negative, partial, future, twice, on_pad, picks_pad)):
         if bad:
             b, s, li = (int(i) for i in torch.nonzero(what)[0].tolist())
             row = pos[b, s, li].tolist()[:8]
+            if what is on_pad:
+                raise IndexerPositionError(
+                    f"indexer row (sample {b}, column {s}, layer {layers[li]}) is replayed at a padding column "
+                    f"{row}...: the picks are not laid out as the batch's columns"
+                )
+            if what is picks_pad:
+                first = int((r[b] > 0).nonzero()[0, 0]) if bool(r[b].any()) else 0
+                raise IndexerPositionError(
+                    f"indexer row (sample {b}, column {s}, layer {layers[li]}) picks padding columns {row}...: "
+                    f"the sample's tokens start at column {first}; engine positions given where batch columns are "
+                    f"expected (shift each pick by the sample's left padding)"
+                )
             if what is negative:
                 raise IndexerPositionError(
                     f"indexer row (sample {b}, token {s}, layer {layers[li]}) holds a negative position other than "
@@ -137,7 +162,12 @@ def _checked_rows(rows: Any, layers: list[int], topk: int) -> tuple[torch.Tensor
 
 @contextmanager
 def replay_indexer(
-    model: nn.Module, indexer_topk: Any, *, layers: Sequence[int] | None = None, audit: bool = False
+    model: nn.Module,
+    indexer_topk: Any,
+    *,
+    layers: Sequence[int] | None = None,
+    audit: bool = False,
+    real: Any = None,
 ) -> Iterator[dict[str, float] | None]:
     """Force ``indexer_topk`` (``[B, S, L, index_topk]`` key positions, ``L`` = the model's indexer layers in order,
     rows laid out as the model's ``input_ids``; ``-1`` rows keep the model's own pick, e.g. tokens before
@@ -146,7 +176,9 @@ def replay_indexer(
     Refused, typed, when the block opens: a family whose indexer rr cannot replay (:class:`UnsupportedModelError`),
     wrong shape or width (:class:`ShapeMismatchError`), a future or repeated position (:class:`IndexerPositionError`),
     a partly padded row, rows of other layers than the model's indexers (``layers``: the decoder layers of the rows'
-    layer axis, e.g. :attr:`rr_client.RoutingTensors.indexer_layers`). ``audit=True`` yields a dict filled when
+    layer axis, e.g. :attr:`rr_client.RoutingTensors.indexer_layers`); with ``real`` (the batch's ``[B, S]``
+    attention mask), a row replayed at a padding column or picking one (:class:`IndexerPositionError`: engine
+    positions where batch columns are expected, on a left-padded batch). ``audit=True`` yields a dict filled when
     the block exits (module docstring)."""
     indexers = find_indexers(model)
     if not indexers:
@@ -158,13 +190,16 @@ def replay_indexer(
             "rows from another checkpoint's layout"
         )
     topk = int(indexers[0][1].index_topk)
-    pos, use = _checked_rows(indexer_topk, own, topk)
-    device = next(indexers[0][1].parameters()).device
-    pos, use = pos.to(device, non_blocking=True), use.to(device, non_blocking=True)
+    pos, use = _checked_rows(indexer_topk, own, topk, real)
+    # each indexer's rows on its own device (a model split over devices), one copy per device
+    devices = [next(m.parameters()).device for _, m in indexers]
+    on = {d: (pos.to(d, non_blocking=True), use.to(d, non_blocking=True)) for d in dict.fromkeys(devices)}
     tally = DeviceTally()  # the hooks' counts, kept on the device until the block exits
     ran: set[int] = set()
 
     def replay(li: int, layer: int) -> Any:
+        pos, use = on[devices[li]]
+
         def hook(_m: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
             if tuple(out.shape[:2]) != tuple(pos.shape[:2]):
                 raise ShapeMismatchError(
@@ -184,6 +219,8 @@ def replay_indexer(
         return hook
 
     def observe(li: int, layer: int) -> Any:
+        pos, use = on[devices[li]]
+
         def hook(_m: nn.Module, _args: Any, out: torch.Tensor) -> None:
             ran.add(layer)
             u = use[:, :, li]
