@@ -17,6 +17,7 @@ from rr_client import (
     ConfigurationError,
     IndexerPositionError,
     MissingRoutingError,
+    ReplayError,
     RoutingRef,
     RRInfo,
     ShapeMismatchError,
@@ -345,3 +346,26 @@ def test_picks_are_checked_against_the_batchs_real_tokens(fault: str) -> None:
     with session.step():  # the session goes on: the batch's own picks replay
         session.open_replay(rt)
         read_columns(model, rt)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_audit_fails_when_the_attention_does_not_consume_the_picks(family: str) -> None:
+    """The audit observes what the attention consumes, downstream of rr's hook: a hook after rr's that hands the
+    attention other columns (the first index_topk, causal and in range) makes the block raise, where an audit of
+    rr's own hook output would have said 1.0."""
+    model = dsa_model(family)
+    ids = torch.randint(1, 60, (B, S), generator=torch.Generator().manual_seed(1))
+    picks = engine_picks(len(find_indexers(model)))
+
+    def elsewhere(_m: torch.nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        return torch.arange(TOPK, dtype=out.dtype).expand_as(out).contiguous()
+
+    with pytest.raises(ReplayError, match=r"replayed rows did not reach the attention") as err:
+        with replay_indexer(model, picks, audit=True):
+            handles = [m.register_forward_hook(elsewhere) for _, m in find_indexers(model)]
+            try:
+                read_positions(model, ids)
+            finally:
+                for h in handles:
+                    h.remove()
+    assert err.value.report is not None and err.value.report["r3/indexer/applied_share"] < 1.0

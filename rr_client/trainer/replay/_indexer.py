@@ -5,16 +5,21 @@ transformers' DSA indexers (``DeepseekV32Indexer``, ``GlmMoeDsaIndexer``) return
 positions, which the attention scatters into its mask (eager / SDPA) or hands to the sparse kernel. A forward hook
 replaces the rows of replayed tokens with the engine's; the rest keep the model's own. Cost rules as for expert
 replay: the rows are checked once when the block opens (one host read), moved to the model's device once, and the
-hooks never sync. With ``audit=True`` a second hook, after rr's, observes what the attention receives: the share of
-replayed rows it received exactly (``r3/indexer/applied_share``) and the share the model's own indexer picked too
-(``r3/indexer/agreement``), per layer as well; an indexer that never ran, or a replayed row that did not arrive, is a
-:class:`ReplayError` when the block exits.
+hooks never sync. With ``audit=True`` the audit observes what the attention consumes, downstream of rr's hook: the
+attention function the family's attention module looks up in transformers' registry (``ALL_ATTENTION_FUNCTIONS``,
+read per call) is wrapped for the block, and for each replayed row it checks that the keys the attention's mask
+leaves open (eager / SDPA) or the ``indices`` it hands the sparse kernel are exactly the engine's picks. It reports
+the share of replayed rows the attention consumed exactly (``r3/indexer/applied_share``) and the share the model's
+own indexer picked too (``r3/indexer/agreement``), per layer as well; an attention that never ran, or a replayed row
+it did not consume (something between rr's hook and the attention changed the picks), is a :class:`ReplayError`
+when the block exits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -71,6 +76,70 @@ def find_indexers(model: nn.Module) -> list[tuple[int, nn.Module]]:
             )
         found.append((int(m.layer_idx), m))
     return sorted(found, key=lambda x: x[0])
+
+
+def _attention_of(model: nn.Module, indexers: Sequence[tuple[int, nn.Module]]) -> dict[int, int]:
+    """``{id(attention module): indexer ordinal}``: the attention module holding each indexer (its ``indexer``)."""
+    ordinal = {id(m): li for li, (_, m) in enumerate(indexers)}
+    return {
+        id(m): ordinal[id(m.indexer)]
+        for m in model.modules()
+        if isinstance(getattr(m, "indexer", None), nn.Module) and id(m.indexer) in ordinal
+    }
+
+
+class _ObservedAttention:
+    """transformers' attention registry as a family's attention module reads it (``ALL_ATTENTION_FUNCTIONS``, looked
+    up per call): each lookup returns the attention function wrapped to show ``seen`` the module, the mask and the
+    sparse ``indices`` it is called with; everything else is the registry's."""
+
+    def __init__(self, registry: Any, seen: Callable[[Any, Any, Any], None]) -> None:
+        self._registry, self._seen = registry, seen
+
+    def get_interface(self, name: str, default: Callable[..., Any]) -> Callable[..., Any]:
+        fn = self._registry.get_interface(name, default)
+        seen = self._seen
+
+        def attention(module: Any, q: Any, k: Any, v: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+            seen(module, attention_mask, kwargs.get("indices"))
+            return fn(module, q, k, v, attention_mask, *args, **kwargs)
+
+        return attention
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._registry, name)
+
+
+@contextmanager
+def _observing(modules: Sequence[nn.Module], seen: Callable[[Any, Any, Any], None]) -> Iterator[None]:
+    """For the block, the attention registry of each of ``modules``' transformers modeling modules observed."""
+    with ExitStack() as stack:
+        for name in dict.fromkeys(type(m).__module__ for m in modules):
+            mod = sys.modules[name]
+            registry = getattr(mod, "ALL_ATTENTION_FUNCTIONS", None)
+            if registry is None:
+                raise UnsupportedModelError(
+                    f"{name}: its attention reads no ALL_ATTENTION_FUNCTIONS, so rr's indexer audit cannot see "
+                    "what it consumes"
+                )
+            mod.ALL_ATTENTION_FUNCTIONS = _ObservedAttention(registry, seen)
+            stack.callback(setattr, mod, "ALL_ATTENTION_FUNCTIONS", registry)
+        yield
+
+
+def _consumed(mask: Any, indices: Any, picks: torch.Tensor) -> torch.Tensor:
+    """``[B, S]``: whether the attention reads exactly ``picks`` (``[B, S, K]`` columns) at each row: its sparse
+    ``indices`` as a set, else the keys its mask (``[B, 1, S, T]`` bool True = open, or additive: 0 = open) leaves
+    open; False where it was given neither."""
+    p = picks.long()
+    if indices is not None:
+        return (indices.long().sort(-1).values == p.sort(-1).values).all(-1)
+    if mask is None:
+        return torch.zeros(p.shape[:2], dtype=torch.bool, device=p.device)
+    m = mask[:, 0] if mask.dim() == 4 else mask
+    opened = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+    opened = opened.expand(p.shape[0], p.shape[1], -1)
+    return opened.gather(-1, p.clamp_min(0)).all(-1) & (opened.sum(-1) == p.shape[-1])
 
 
 def count_indexers(model: nn.Module) -> int:
@@ -212,31 +281,34 @@ def replay_indexer(
                 return out
             new = torch.where(u[..., None], pos[:, :, li].to(out.dtype), out)
             if audit:
+                tally.add(f"rows/{layer}", u.sum())
                 own = out.long().sort(-1).values == pos[:, :, li].sort(-1).values
                 tally.add(f"agree/{layer}", (own.all(-1) & u).sum())
             return new
 
         return hook
 
-    def observe(li: int, layer: int) -> Any:
+    attention = _attention_of(model, indexers)
+
+    def seen(module: Any, mask: Any, indices: Any) -> None:
+        """The attention of one of the indexers' layers ran: count the replayed rows it consumed exactly."""
+        li = attention.get(id(module))
+        if li is None:
+            return
+        layer = own[li]
+        ran.add(layer)
         pos, use = on[devices[li]]
-
-        def hook(_m: nn.Module, _args: Any, out: torch.Tensor) -> None:
-            ran.add(layer)
-            u = use[:, :, li]
-            tally.add(f"rows/{layer}", u.sum())
-            if out.shape[-1] == topk:
-                got = (out.long().sort(-1).values == pos[:, :, li].sort(-1).values).all(-1)
-                tally.add(f"applied/{layer}", (got & u).sum())
-
-        return hook
+        got = _consumed(mask, indices, pos[:, :, li])
+        tally.add(f"applied/{layer}", (got & use[:, :, li]).sum())
 
     handles = [m.register_forward_hook(replay(li, layer)) for li, (layer, m) in enumerate(indexers)]
-    if audit:  # after rr's hook: it sees what the attention receives
-        handles += [m.register_forward_hook(observe(li, layer)) for li, (layer, m) in enumerate(indexers)]
     report: dict[str, float] | None = {} if audit else None
     try:
-        yield report
+        with ExitStack() as observed:
+            if audit:  # downstream of rr's hook: what the attention consumes
+                parents = [m for m in model.modules() if id(m) in attention]
+                observed.enter_context(_observing(parents, seen))
+            yield report
     finally:
         for h in handles:
             h.remove()
