@@ -369,3 +369,17 @@ def test_the_audit_fails_when_the_attention_does_not_consume_the_picks(family: s
                 for h in handles:
                     h.remove()
     assert err.value.report is not None and err.value.report["r3/indexer/applied_share"] < 1.0
+
+
+def test_each_indexer_takes_its_rows_on_its_own_device() -> None:
+    """A model split over devices: each indexer's hook hands its attention rows on that indexer's device, not the
+    first indexer's (the last indexer here on ``meta``, a device of its own that needs no accelerator)."""
+    model = dsa_model("deepseek_v32")
+    indexers = find_indexers(model)
+    indexers[-1][1].to("meta")
+    with replay_indexer(model, engine_picks(len(indexers))):
+        for _, m in indexers:
+            device = next(m.parameters()).device
+            (hook,) = m._forward_hooks.values()
+            picked = hook(m, (), torch.zeros(B, S, TOPK, dtype=torch.int32, device=device))
+            assert picked.device == device
