@@ -292,6 +292,13 @@ def test_malformed_rows_raise_typed_errors(megatron_process: None) -> None:
     holes[0, :3] = False  # prompt rows the engine did not send (a routed_experts_start offset)
     with pytest.raises(MissingRoutingError, match="3 real tokens have no routing row .*sample 0, position 0"):
         router_targets(model, replace(batch, routed_experts_mask=holes))
+    early = batch.routed_experts_mask.clone()
+    real = torch.as_tensor(batch.attention_mask)[1].nonzero().flatten()
+    early[1, int(real[-3]) :] = False  # rows that stop early (a prefix): tokens before the last loss token lack rows
+    with pytest.raises(
+        MissingRoutingError, match=f"2 real tokens have no routing row .*sample 1, position {int(real[-3])}"
+    ):
+        router_targets(model, replace(batch, routed_experts_mask=early))
     with pytest.raises(ShapeMismatchError, match="no rows; the rows hold layers \\[0, 1\\]"):
         router_targets(model, replace(batch, routed_experts=batch.routed_experts[:, :, :2], layers=[0, 1]))
 
