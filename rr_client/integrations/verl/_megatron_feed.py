@@ -32,6 +32,8 @@ from rr_client.core.errors import ConfigurationError, MissingRoutingError
 from rr_client.core.info import RRInfo
 from rr_client.trainer.rows import ReplayRows
 
+from ._rows import coverage_verdict, per_sample_count
+
 __all__ = ["KEPT", "megatron_info", "refuse_layout", "padded_bounds", "verl_feed", "rr_feeder", "KEY_PREFIX"]
 
 KEY_PREFIX = "actor_rollout_ref.actor.megatron"
@@ -183,15 +185,9 @@ def _covers_replay_mask(rows: ReplayRows, mask: torch.Tensor) -> Any:
     the ones its response log-probs are computed at) has a recorded row, read with the check's one host read;
     rows that stop early would have those tokens routed with pad rows under the loss (FSDP's rule,
     :func:`rr_client.integrations.verl._rows.replay_rows`' ``loss_end``)."""
-    from ._rows import coverage_verdict, sample_of_rows
-
     off = rows.cu_seqlens
     assert off is not None
-    flat = mask.reshape(-1).long()
-    b = int(off.numel()) - 1
-    ends = torch.zeros(max(b, 1), dtype=torch.long, device=flat.device)
-    ends = ends.index_add_(0, sample_of_rows(off.to(flat.device), int(flat.numel())), flat).narrow(0, 0, b)
-    return coverage_verdict(rows.have[0], off, ends)
+    return coverage_verdict(rows.have[0], off, per_sample_count(mask.reshape(-1), off))
 
 
 def rr_feeder(orig: Callable[..., Any]) -> Callable[..., Any]:

@@ -118,13 +118,19 @@ def _dense_verdict(rows: ReplayRows, info: RRInfo) -> tuple[Pending, ...]:
     return ((hit.any(), error),)
 
 
+def per_sample_count(flags: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64: how many of the packed ``[N]`` ``flags`` are set in each sample (``off``: the jagged
+    offsets), on ``flags``' device, without a host read."""
+    b = int(off.numel()) - 1
+    sample = sample_of_rows(off.to(flags.device), int(flags.shape[0]))
+    counts = torch.zeros(max(b, 1), dtype=torch.long, device=flags.device).index_add_(0, sample, flags.long())
+    return counts.narrow(0, 0, b)
+
+
 def coverage_verdict(have: torch.Tensor, off: torch.Tensor, loss_end: torch.Tensor) -> Pending:
     """Every sample's recorded rows (a prefix, by :meth:`ReplayRows.from_jagged`'s verdict) reach its last loss
     token: that token's log-prob is computed at the tokens before it, so each of them needs its row."""
-    b = int(off.numel()) - 1
-    sample = sample_of_rows(off, int(have.shape[0]))
-    counts = torch.zeros(max(b, 1), dtype=torch.long, device=have.device).index_add_(0, sample, have.long())
-    counts = counts.narrow(0, 0, b)
+    counts = per_sample_count(have, off)
     need = loss_end.to(have.device).long()
     short = counts < need
 

@@ -78,11 +78,11 @@ def find_indexers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     return sorted(found, key=lambda x: x[0])
 
 
-def _attention_of(model: nn.Module, indexers: Sequence[tuple[int, nn.Module]]) -> dict[int, int]:
-    """``{id(attention module): indexer ordinal}``: the attention module holding each indexer (its ``indexer``)."""
+def _attention_of(model: nn.Module, indexers: Sequence[tuple[int, nn.Module]]) -> dict[nn.Module, int]:
+    """``{attention module: indexer ordinal}``: the attention module holding each indexer (its ``indexer``)."""
     ordinal = {id(m): li for li, (_, m) in enumerate(indexers)}
     return {
-        id(m): ordinal[id(m.indexer)]
+        m: ordinal[id(m.indexer)]
         for m in model.modules()
         if isinstance(getattr(m, "indexer", None), nn.Module) and id(m.indexer) in ordinal
     }
@@ -205,7 +205,7 @@ def _checked_rows(rows: Any, layers: list[int], topk: int, real: Any = None) -> 
                     f"{row}...: the picks are not laid out as the batch's columns"
                 )
             if what is picks_pad:
-                first = int((r[b] > 0).nonzero()[0, 0]) if bool(r[b].any()) else 0
+                first = int(r[b].nonzero()[0, 0]) if bool(r[b].any()) else 0
                 raise IndexerPositionError(
                     f"indexer row (sample {b}, column {s}, layer {layers[li]}) picks padding columns {row}...: "
                     f"the sample's tokens start at column {first}; engine positions given where batch columns are "
@@ -292,7 +292,7 @@ def replay_indexer(
 
     def seen(module: Any, mask: Any, indices: Any) -> None:
         """The attention of one of the indexers' layers ran: count the replayed rows it consumed exactly."""
-        li = attention.get(id(module))
+        li = attention.get(module)
         if li is None:
             return
         layer = own[li]
@@ -306,8 +306,7 @@ def replay_indexer(
     try:
         with ExitStack() as observed:
             if audit:  # downstream of rr's hook: what the attention consumes
-                parents = [m for m in model.modules() if id(m) in attention]
-                observed.enter_context(_observing(parents, seen))
+                observed.enter_context(_observing(list(attention), seen))
             yield report
     finally:
         for h in handles:
