@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from rr_client.client._pd import PDClient
     from rr_client.client._replicas import ReplicaStats
     from rr_client.client._results import GenerateBatch, GenerateResult, parse_sample
+    from rr_client.client.source_audit import SourceAudit
     from rr_client.client.trajectory import ChatTrajectory, Trajectory, TurnSpan
 
 # name -> module that defines it
@@ -30,6 +31,7 @@ _LAZY = {
     "Trajectory": "rr_client.client.trajectory",
     "ChatTrajectory": "rr_client.client.trajectory",
     "TurnSpan": "rr_client.client.trajectory",
+    "SourceAudit": "rr_client.client.source_audit",
 }
 
 __all__ = list(_LAZY)

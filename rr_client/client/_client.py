@@ -19,6 +19,7 @@ from rr_client.client._replicas import Replica, ReplicaPool, ReplicaStats
 from rr_client.client._resolve import RefResolver, RefTokens
 from rr_client.client._results import GenerateBatch, GenerateResult, parse_sample
 from rr_client.client.http_errors import error_for_status, map_httpx_error
+from rr_client.client.source_audit import SourceAudit, fresh_salt
 from rr_client.core import settings
 from rr_client.core.errors import (
     ArgumentTypeError,
@@ -71,6 +72,11 @@ class RoutedExpertsClient:
     from ``keyless_hosts`` (``RR_KEYLESS_HOSTS``) without them; a ref naming any other host raises
     :class:`UntrustedHostError` before anything is sent (a client with no key and no headers reads any host),
     and so does an ``http://`` ref while a replica is ``https://``.
+
+    ``source_audit`` (a fraction such as ``0.01``, or a :class:`rr_client.SourceAudit`): that share of samples
+    ``generate`` returns with rows is re-scored on the server before it returns them, and one whose rows the engine's
+    own forward does not give back is flagged in its provenance (``source_flagged``), so the stale-rows policy
+    refuses or masks it (:mod:`rr_client.client.source_audit`). Off by default.
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class RoutedExpertsClient:
         info: RRInfo | None = None,
         trusted_hosts: Sequence[str] | str | None = None,
         keyless_hosts: Sequence[str] | str | None = None,
+        source_audit: float | SourceAudit | None = None,
     ) -> None:
         if max_concurrency < 1 or batch_size < 1 or retries < 0:
             raise ConfigurationError("max_concurrency and batch_size must be >= 1, retries >= 0")
@@ -138,6 +145,9 @@ class RoutedExpertsClient:
         if info is not None and not isinstance(info, RRInfo):
             raise ArgumentTypeError(f"info must be an RRInfo, got {type(info).__name__}")
         self._info: RRInfo | None = info  # given: /rr/info is never asked (servers behind sglang-router 404 it)
+        if source_audit is not None and not isinstance(source_audit, SourceAudit):
+            source_audit = SourceAudit(source_audit) if source_audit else None
+        self.source_audit: SourceAudit | None = source_audit
         self._info_lock = asyncio.Lock()
 
     async def __aenter__(self) -> RoutedExpertsClient:
@@ -394,7 +404,26 @@ class RoutedExpertsClient:
         ]
         parts = await asyncio.gather(*tasks)
         results = [r for part in parts for r in part]
+        if self.source_audit is not None and return_routed_experts and not by_reference:
+            results = await self.source_audit.audit(self, results, info)
         return GenerateBatch(results=results, info=info)
+
+    async def rescore(self, tokens: Sequence[int], info: RRInfo, salt_field: str = "cache_salt") -> np.ndarray:
+        """The engine's rows for every token of ``tokens`` in one fresh prefill: ``max_new_tokens=1``, routing from
+        token 0, greedy, the prefix cache bypassed by a fresh salt in ``salt_field``: what the source audit compares
+        served rows with. ``[len(tokens), layers, topk]``."""
+        (res,) = await self._generate_chunk(
+            [list(tokens)],
+            range(1),
+            {"max_new_tokens": 1, "temperature": 0.0},
+            1,
+            info,
+            True,
+            0,
+            extra={salt_field: fresh_salt()},
+        )
+        assert res.routed_experts is not None  # asked inline: parse_sample refuses a sample without rows
+        return res.routed_experts
 
     async def _generate_chunk(
         self,

@@ -18,6 +18,12 @@ a :class:`rr_client.RoutingRef`: its ``provenance``)::
                                        #   prefix cache was not cleared since the last update); null: not said
      "tokens_digest": "9f..."}         # tokens_digest(prompt ids, output ids): what the rows belong to
 
+and, only on a sample the source audit re-scored (:mod:`rr_client.core.source_audit`; set by the client's
+``source_audit``, never by the engine), ``"source_checked": true``, ``"source_agreement"`` (share of cells the
+engine's own re-score of the tokens gives back) and ``"source_flagged"`` (the sample, a segment or a depth bucket fell
+below the audit's threshold; with ``fail_closed``, also a sample the audit could not re-score). A flagged sample is
+stale: the policy refuses or masks it like one recomputed across an update.
+
 A sample that **spans** a weight update without a recompute keeps rows and log-probs that agree token by token (each
 token's rows and log-prob come from the same forward): it is kept and flagged. A sample that spans an update and was
 preempted (or whose preemptions the engine does not report) **may have been recomputed across it**: its prompt's
@@ -32,12 +38,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import numpy as np
 
 from rr_client.core.errors import ConfigurationError, MalformedPayloadError, StaleRoutingError
+from rr_client.core.source_audit import SourceAgreement, merge_agreements
 
 __all__ = [
     "PROVENANCE_FIELD",
@@ -99,6 +106,11 @@ class Provenance:
     weight_update_during: bool | None = False
     tokens_digest: str | None = None
     cached_under_older_weights: bool | None = None
+    source_checked: bool = False
+    source_agreement: float | None = None
+    source_flagged: bool = False
+    #: the audit's counts by segment, depth and layer (client side only; not on the wire)
+    source_detail: SourceAgreement | None = field(default=None, compare=False, repr=False)
 
     @property
     def spans_update(self) -> bool:
@@ -123,10 +135,19 @@ class Provenance:
     def stale(self) -> bool:
         """Rows that may not belong to the weights the tokens were sampled with: recomputed across an update, or
         cached tokens from KV computed under older weights. What the policy refuses or masks."""
-        return self.may_be_recomputed_across_update or bool(self.cached_under_older_weights and self.cached_tokens)
+        return (
+            self.may_be_recomputed_across_update
+            or bool(self.cached_under_older_weights and self.cached_tokens)
+            or self.source_flagged
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object a server answers as ``rr_provenance``."""
+        """The JSON object a server answers as ``rr_provenance`` (the source fields only once audited)."""
+        audited = (
+            {"source_checked": True, "source_agreement": self.source_agreement, "source_flagged": self.source_flagged}
+            if self.source_checked
+            else {}
+        )
         return {
             "schema": PROVENANCE_SCHEMA,
             "cached_tokens": self.cached_tokens,
@@ -137,6 +158,7 @@ class Provenance:
             "weight_update_during": self.weight_update_during,
             "cached_under_older_weights": self.cached_under_older_weights,
             "tokens_digest": self.tokens_digest,
+            **audited,
         }
 
     @classmethod
@@ -162,6 +184,17 @@ class Provenance:
         digest = d.get("tokens_digest")
         if digest is not None and not (isinstance(digest, str) and len(digest) == 32):
             raise MalformedPayloadError(f"{where}: tokens_digest must be 32 hex chars or null, got {digest!r}")
+        checked, flagged, share = (
+            d.get("source_checked", False),
+            d.get("source_flagged", False),
+            d.get("source_agreement"),
+        )
+        if not isinstance(checked, bool) or not isinstance(flagged, bool):
+            raise MalformedPayloadError(f"{where}: source_checked and source_flagged must be bools")
+        if share is not None and (
+            isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1
+        ):
+            raise MalformedPayloadError(f"{where}: source_agreement must be a number in [0, 1] or null, got {share!r}")
         return cls(
             cached_tokens=cached or 0,
             cache_tier=tier,
@@ -171,19 +204,26 @@ class Provenance:
             weight_update_during=during,
             tokens_digest=digest,
             cached_under_older_weights=older,
+            source_checked=checked,
+            source_agreement=None if share is None else float(share),
+            source_flagged=flagged,
         )
 
 
 @dataclass(frozen=True, slots=True)
 class ProvenanceCheck:
     """What :func:`check_provenance` decided for a batch: ``replay[i]`` False for a sample kept with replay masked
-    off; counts of samples masked, flagged (spanning an update without a recompute) and without provenance."""
+    off; counts of samples masked, flagged (spanning an update without a recompute) and without provenance, and of
+    samples the source audit re-scored / flagged."""
 
     replay: tuple[bool, ...]
     masked: int
     spans_update: int
     unknown: int
     cached_tokens: int
+    source_checked: int = 0
+    source_flagged: int = 0
+    source: SourceAgreement | None = None  #: the re-scored samples' counts, summed
 
 
 def check_stale_policy(policy: object) -> StalePolicy:
@@ -204,7 +244,7 @@ def check_provenance(
     ``"off"``: nothing is refused or masked (every sample spanning an update is counted as such)."""
     check_stale_policy(policy)
     replay: list[bool] = []
-    masked = spans = unknown = cached = 0
+    masked = spans = unknown = cached = checked = flagged = 0
     for i, p in enumerate(provenances):
         if p is None:
             unknown += 1
@@ -212,6 +252,8 @@ def check_provenance(
             continue
         cached += p.cached_tokens
         unknown += p.weights_unknown
+        checked += p.source_checked
+        flagged += p.source_flagged
         if p.stale and policy != "off":
             if policy == "refuse":
                 raise StaleRoutingError(_why_stale(p, f"{where} {i}"))
@@ -220,12 +262,19 @@ def check_provenance(
             continue
         spans += p.spans_update
         replay.append(True)
-    return ProvenanceCheck(tuple(replay), masked, spans, unknown, cached)
+    source = merge_agreements([p.source_detail for p in provenances if p is not None and p.source_detail is not None])
+    return ProvenanceCheck(tuple(replay), masked, spans, unknown, cached, checked, flagged, source)
 
 
 def _why_stale(p: Provenance, who: str) -> str:
     """The refusal of a stale sample, naming what made it stale and the way out."""
-    if p.may_be_recomputed_across_update:
+    if p.source_flagged:
+        why = "the engine's own re-score of its tokens does not give its rows back (source audit: " + (
+            f"agreement {p.source_agreement:.3f})"
+            if p.source_agreement is not None
+            else "not re-scored, and the audit fails closed)"
+        )
+    elif p.may_be_recomputed_across_update:
         why = (
             f"its rows may have been recomputed under other weights than its tokens were sampled with (preemptions "
             f"{p.preemptions}, weight version {p.weight_version_admitted} at admission, {p.weight_version_finished} at "

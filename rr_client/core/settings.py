@@ -35,6 +35,12 @@ SETTINGS: dict[str, Setting] = {
     for s in (
         Setting("RR_ENABLE", "flag", "switches the rr vLLM plugin on (set by `rr-server launch vllm`)", "off"),
         Setting(
+            "RR_TEST_FAULTS",
+            "flag",
+            "tests only: a request whose rid starts `rr-fault-<name>-` gets that engine fault in its rows (`rr_server.serving.test_faults`); never in production",
+            "off",
+        ),
+        Setting(
             "RR_ALLOW_UNSUPPORTED_VERSION",
             "flag",
             "the one override of the version gates (`rr_client.core.versions.check_version`) of the vLLM plugin and launcher and of rr's TRL, verl and Megatron-core integrations: an untested vLLM, TRL, verl or megatron-core release is tried instead of refused (SGLang's patch refuses untested releases: use the sidecar)",

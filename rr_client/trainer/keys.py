@@ -7,6 +7,9 @@ prefix) and per-layer keys (:func:`layer`, with ``log_layers=True``).
 
 from __future__ import annotations
 
+from rr_client.core.source_audit import DEPTH_BUCKETS as _DEPTHS
+from rr_client.core.source_audit import SEGMENTS as _SEGMENTS
+
 __all__ = [
     "PREFIX",
     "FORWARDS",
@@ -37,6 +40,13 @@ __all__ = [
     "SPANS_UPDATE",
     "PROVENANCE_UNKNOWN",
     "CACHED_TOKENS",
+    "SOURCE_PREFIX",
+    "SOURCE_CHECKED",
+    "SOURCE_FLAGGED",
+    "source",
+    "DEPTH_BUCKETS",
+    "depth",
+    "is_depth_key",
     "SEGMENTS",
     "segment",
     "is_segment_key",
@@ -87,6 +97,21 @@ SPANS_UPDATE = "r3/spans_update"  #: samples that span a weight update without a
 PROVENANCE_UNKNOWN = "r3/provenance_unknown"  #: samples whose server gave no provenance
 CACHED_TOKENS = "r3/cached_tokens"  #: prompt tokens served from the engine's prefix cache
 
+# the source audit (rr_client.client.SourceAudit): the engine's re-score of served samples against their rows
+SOURCE_PREFIX = "r3/source/"
+SOURCE_CHECKED = "r3/source/checked"  #: samples re-scored this step
+SOURCE_FLAGGED = "r3/source/flagged"  #: re-scored samples below the audit's threshold (refused or masked as stale)
+
+
+def source(metric: str, part: str | None = None) -> str:
+    """``r3/source/<metric>``, or ``r3/source/<part>/<metric>`` for a token segment (:data:`SEGMENTS`) or a depth
+    bucket (``depth_0-8k`` .. ``depth_64k+``); metrics: ``agreement``, ``token_agreement``, ``cells``,
+    ``worst_layer``, ``worst_layer_agreement``, ``checked``, ``flagged``."""
+    if part is not None and part not in SEGMENTS and part.removeprefix("depth_") not in DEPTH_BUCKETS:
+        raise ValueError(f"source audit part {part!r}: expected a segment {SEGMENTS} or depth_<bucket>")
+    return f"{SOURCE_PREFIX}{metric}" if part is None else f"{SOURCE_PREFIX}{part}/{metric}"
+
+
 # sparse-attention indexer replay (rr_client.trainer.replay_indexer): its own keys, beside the experts'
 INDEXER_PREFIX = "r3/indexer/"
 INDEXER_LAYERS = "r3/indexer/layers"  #: indexers replayed in the model
@@ -98,7 +123,22 @@ INDEXER_AGREEMENT = "r3/indexer/agreement"  #: replayed rows the trainer's own i
 INDEXER_LEFT_LAYERS = "r3/indexer/left_layers"
 
 # the audit by token segment: agreement and log-prob gap of cached prompt, computed prompt and generated tokens
-SEGMENTS = ("cached_prompt", "computed_prompt", "generated")
+SEGMENTS = _SEGMENTS  # the source audit's too (rr_client.core.source_audit)
+#: context-depth buckets (token position) of the gap, the replay agreement and the source audit
+DEPTH_BUCKETS = _DEPTHS
+
+
+def depth(bucket: str, metric: str) -> str:
+    """``r3/depth/<bucket>/<metric>``: the log-prob gap (``mean_abs_logp_diff``, ``k3_kl``, ``logp_tokens``, ...) or
+    the replay ``agreement`` of tokens at context depth ``bucket`` (one of :data:`DEPTH_BUCKETS`)."""
+    if bucket not in DEPTH_BUCKETS:
+        raise ValueError(f"depth bucket {bucket!r}: expected one of {DEPTH_BUCKETS}")
+    return f"{PREFIX}depth/{bucket}/{metric}"
+
+
+def is_depth_key(key: str) -> bool:
+    """Whether ``key`` is a per-depth key (:func:`depth`)."""
+    return key.startswith(PREFIX + "depth/")
 
 
 def segment(name: str, metric: str, turn: int | None = None) -> str:

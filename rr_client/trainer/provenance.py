@@ -26,6 +26,7 @@ from rr_client.core.provenance import (
     check_provenance,
     check_stale_policy,
 )
+from rr_client.core.source_audit import SourceAgreement, merge_agreements
 from rr_client.trainer import keys as K
 from rr_client.trainer.rows import without_samples
 
@@ -36,6 +37,7 @@ __all__ = [
     "check_samples",
     "check_provenances",
     "provenance_metrics",
+    "source_metrics",
     "build_segments",
     "mask_samples",
     "mask_rows",
@@ -87,6 +89,9 @@ def merge_checks(checks: Sequence[ProvenanceCheck]) -> ProvenanceCheck:
         sum(c.spans_update for c in checks),
         sum(c.unknown for c in checks),
         sum(c.cached_tokens for c in checks),
+        sum(c.source_checked for c in checks),
+        sum(c.source_flagged for c in checks),
+        merge_agreements([c.source for c in checks if c.source is not None]),
     )
 
 
@@ -113,7 +118,8 @@ def check_provenances(
     if not turns:
         return check_provenance([p[0] for p in provs], policy, where="batch sample")
     replay: list[bool] = []
-    masked = spans = unknown = cached = 0
+    masked = spans = unknown = cached = checked = flagged = 0
+    parts: list[SourceAgreement] = []
     for i, per_turn in enumerate(provs):
         c = check_provenance(per_turn, policy, where=f"batch sample {i}, turn")
         ok = all(c.replay)
@@ -122,7 +128,10 @@ def check_provenances(
         spans += int(ok and c.spans_update > 0)
         unknown += c.unknown > 0
         cached += c.cached_tokens
-    return ProvenanceCheck(tuple(replay), masked, spans, unknown, cached)
+        checked += c.source_checked > 0
+        flagged += c.source_flagged > 0
+        parts += [c.source] if c.source is not None else []
+    return ProvenanceCheck(tuple(replay), masked, spans, unknown, cached, checked, flagged, merge_agreements(parts))
 
 
 def samples_of(routing: Any) -> int:
@@ -220,7 +229,7 @@ def _stale_flags(routing: Any, check: ProvenanceCheck, policy: StalePolicy) -> P
             "stale_rows='mask' to keep such samples without replay"
         )
     replay = tuple(r and not f for r, f in zip(check.replay, flags))
-    return ProvenanceCheck(replay, check.masked + len(bad), check.spans_update, check.unknown, check.cached_tokens)
+    return replace(check, replay=replay, masked=check.masked + len(bad))
 
 
 def _mask_policed(
@@ -289,7 +298,31 @@ def provenance_metrics(check: ProvenanceCheck) -> dict[str, float]:
         K.SPANS_UPDATE: float(check.spans_update),
         K.PROVENANCE_UNKNOWN: float(check.unknown),
         K.CACHED_TOKENS: float(check.cached_tokens),
+        K.SOURCE_CHECKED: float(check.source_checked),
+        K.SOURCE_FLAGGED: float(check.source_flagged),
+        **source_metrics(check.source),
     }
+
+
+def source_metrics(agreement: SourceAgreement | None) -> dict[str, float]:
+    """The source audit's step keys (:func:`rr_client.trainer.keys.source`): agreement over the step's re-scored
+    samples, per token segment and per context-depth bucket, and the worst layer; empty when none was re-scored."""
+    if agreement is None or not agreement.cells:
+        return {}
+    out = {
+        K.source("agreement"): agreement.agreement,
+        K.source("token_agreement"): agreement.token_agreement,
+        K.source("cells"): float(agreement.cells),
+    }
+    for name, (a, c) in agreement.by_segment.items():
+        out[K.source("agreement", name)] = a / c
+    for name, (a, c) in agreement.by_depth.items():
+        out[K.source("agreement", f"depth_{name}")] = a / c
+    worst = agreement.worst_layer()
+    if worst is not None:
+        out[K.source("worst_layer")] = float(worst[0])
+        out[K.source("worst_layer_agreement")] = worst[1]
+    return out
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from rr_patches.vllm.auth import protect_rr_routes, vllm_key_checks
 from rr_patches.vllm.kv_tiers import VLLMWeightUpdateMiddleware, configured_connectors
 from rr_patches.vllm.openai_streams import collecting
 from rr_patches.vllm.provenance import admit, connector_configured, provenance_of
+from rr_server.serving import test_faults
 from rr_server.serving.fanout import gather_or_cancel, merge_streams, primed
 from rr_server.serving.generate_protocol import (
     SSE_DONE,
@@ -170,9 +171,12 @@ def _routing_enabled(app: FastAPI) -> bool:
     return routing_enabled(app.state.engine_client)
 
 
-def _engine_prompt(p: str | list[int]) -> dict[str, Any]:
-    """vLLM prompt dict (TextPrompt / TokensPrompt)."""
-    return {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}
+def _engine_prompt(p: str | list[int], cache_salt: str | None = None) -> dict[str, Any]:
+    """vLLM prompt dict (TextPrompt / TokensPrompt), with its prefix-cache ``cache_salt`` when asked."""
+    out: dict[str, Any] = {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}
+    if cache_salt is not None:
+        out["cache_salt"] = cache_salt
+    return out
 
 
 def _token_logprobs(c: Any) -> list[list[Any]] | None:
@@ -194,7 +198,13 @@ def _routing_fields(
     try:
         with refs_made_under(version):
             return checked_routing_fields(
-                getattr(c, "routed_experts", None),
+                test_faults.inject(
+                    getattr(c, "routed_experts", None),
+                    rid,
+                    prompt_tokens=len(ro.prompt_token_ids or []),
+                    cached_tokens=int(getattr(ro, "num_cached_tokens", 0) or 0),
+                    start=req.routed_experts_start,
+                ),
                 info,
                 prompt_ids=ro.prompt_token_ids or [],
                 output_ids=c.token_ids,
@@ -287,7 +297,8 @@ def _start(app: FastAPI, req: NormalizedGenerate) -> tuple[list[Any], list[str],
         internal = f"rr-{base}-{i}"
         rids.append(req.rids[i] or internal)
         marks.append(admit())
-        gens.append(engine.generate(_engine_prompt(p), params, internal))
+        salt = req.cache_salts[i] if req.cache_salts else None
+        gens.append(engine.generate(_engine_prompt(p, salt), params, internal))
     return gens, rids, marks
 
 

@@ -51,7 +51,8 @@ def completion_body(req: NormalizedGenerate, i: int, model: str) -> dict[str, An
             f"routed_experts_start {req.routed_experts_start} is beyond prompt {i} "
             f"({len(p)} tokens); it must be <= the prompt length",
         )
-    return {"model": model, "prompt": req.prompts[i], "return_token_ids": True, "stream": False, **kw}
+    salt = {"cache_salt": req.cache_salts[i]} if req.cache_salts and req.cache_salts[i] else {}
+    return {"model": model, "prompt": req.prompts[i], "return_token_ids": True, "stream": False, **kw, **salt}
 
 
 def _logprobs(choice: Mapping[str, Any], ids: list[int]) -> list[list[Any]] | None:

@@ -116,6 +116,8 @@ class GenerateRequest(BaseModel):
     rid: str | list[str] | None = None
     return_indexer_topk: StrictBool = False  # SGLang 0.5.23+'s sparse-attention indexer picks (rr_client.core.indexer)
     indexer_topk_format: Literal["ref", "npy"] | None = None  # by reference (the default) or inline
+    # a prefix-cache namespace (vLLM's prompt ``cache_salt``): requests share cached KV only with the same salt
+    cache_salt: str | list[str] | None = None
 
     @field_validator("text")
     @classmethod
@@ -155,6 +157,7 @@ class NormalizedGenerate:
     routed_experts_format: str = "npy"
     return_indexer_topk: bool = False
     indexer_topk_format: str | None = None  # None: the server's default (rr_server.serving.indexer_fields)
+    cache_salts: list[str | None] | None = None  # per prompt (None: no salt)
 
 
 # sampling keys other APIs spell differently: the /generate (SGLang) name a refusal points to
@@ -256,6 +259,9 @@ def parse_generate_request(body: bytes | str | Mapping[str, Any]) -> NormalizedG
         raise BadRequest("stream=true with sampling_params.n > 1 is not supported; send n separate requests")
     start = req.routed_experts_start if req.routed_experts_start is not None else req.routed_experts_start_len
     rids = _per_prompt(req.rid, n, "rid")
+    salts = None if req.cache_salt is None else _per_prompt(req.cache_salt, n, "cache_salt")
+    if salts is not None and not all(isinstance(x, str) and x for x in salts):
+        raise BadRequest("cache_salt must be a non-empty string or one per prompt")
     return NormalizedGenerate(
         prompts=prompts,
         sampling=sampling,
@@ -268,6 +274,7 @@ def parse_generate_request(body: bytes | str | Mapping[str, Any]) -> NormalizedG
         routed_experts_format=req.routed_experts_format or default_routed_experts_format(),
         return_indexer_topk=req.return_indexer_topk,
         indexer_topk_format=req.indexer_topk_format,
+        cache_salts=salts,
     )
 
 
