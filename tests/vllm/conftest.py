@@ -64,6 +64,7 @@ def start_server(name: str, model_dir: Path, *, core: int) -> VLLMProcess:
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
             "VLLM_CPU_OMP_THREADS_BIND", str(core % max(1, os.cpu_count() or 1))
         ),
+        "RR_TEST_FAULTS": "1",  # tests/vllm/test_source_audit.py: faults on requests that ask (rid), none otherwise
         **SERVER_ENV.get(name, {}),
     }
     return VLLMProcess(model_dir, name=name, plugin=True, env=env, extra=SERVER_EXTRA.get(name, ())).launch()
