@@ -42,7 +42,7 @@ class Behaviour:
     fail_5xx: int = 0  # answer 503 to this many /generate calls first
     reject_status: int = 0  # answer every /generate with this 4xx (e.g. 401: missing API key)
     delay: float = 0.0  # seconds before answering /generate
-    corrupt: str = "none"  # none|dup|rows|missing|count|unasked|bad_info|zero|mixed
+    corrupt: str = "none"  # none|dup|rows|missing|count|unasked|bad_info|zero|mixed|late_decode
     prefix_cache: bool = True  # a repeated prompt reports its whole 16-token blocks as cached_tokens
     identity: dict[str, Any] = field(default_factory=dict)  # /rr/info overrides (engine, engine_version, platform, ...)
     info_status: int = 200  # answer /rr/info with this status (404: a router that does not forward it)
@@ -128,6 +128,9 @@ class ProtocolTestServer(ThreadedServer):
             if b.corrupt == "mixed":  # another request's rows: the routing of different tokens, per call
                 b.calls_mixed += 1
                 routing = self.routing_of([t + b.calls_mixed for t in (prompt + out)[start:-1]])
+            if b.corrupt == "late_decode" and j % 2 == 0:  # every other sample's generated rows are other tokens'
+                gen = max(0, len(prompt) - start)
+                routing[gen:] = self.routing_of([t + 1 for t in (prompt + out)[start:-1]])[gen:]
             if b.corrupt == "dup" and len(routing) > 1 and self.moe_layers:
                 routing[1, self.moe_layers[0], :] = routing[1, self.moe_layers[0], 0]
             if b.corrupt == "rows":

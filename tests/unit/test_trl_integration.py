@@ -504,3 +504,68 @@ def test_trl_masked_samples_are_out_of_the_gap(tmp_path: Any) -> None:
         # the trainer's log-probs of a tiny random model are ~-log(vocab) away from -1.0; the stale sample's
         # -60.0 would put the mean past 15 and k3 past 1e20
         assert log[K.MEAN_ABS_LOGP_DIFF] < 10 and log[K.K3_KL] < 1e3, log
+
+
+class _WithLogprobs(ProtocolTestServer):
+    """TEST-ONLY: the protocol server with a sampling log-prob (-1.0) per generated token, as RRRollout asks."""
+
+    def _sample(self, prompt: list[int], j: int, params: dict[str, Any], want: bool, start: int) -> dict[str, Any]:
+        out = super()._sample(prompt, j, params, want, start)
+        out["meta_info"]["output_token_logprobs"] = [[-1.0, t, None] for t in out["output_ids"]]
+        return out
+
+
+def test_trl_samples_the_source_audit_flags_are_masked(tmp_path: Any) -> None:
+    """TRL 1.16's real ``GRPOTrainer.train`` with ``RRRollout(url, source_audit=1.0)`` (issue 57): the rollout's
+    client re-scores every sample; the server (TEST-ONLY protocol stand-in, ``late_decode``) answers every other
+    sample with generated rows of other tokens, which its re-score does not give back: those samples are flagged in
+    their provenance, reach the session's door, are masked by ``stale_rows="mask"`` and counted under
+    ``r3/source/flagged``, ``r3/stale_masked`` and the per-segment ``r3/source/generated/agreement``."""
+    import transformers
+    from datasets import Dataset
+
+    from rr_client.integrations.trl import R3GRPOTrainer, RRRollout
+    from rr_client.trainer import keys as K
+    from rr_server.demo.tiny_moe import build_tiny_moe
+    from tests.support.grpo import cpu_grpo_config
+    from tests.support.vllm_process import CACHE
+
+    model_dir = build_tiny_moe(
+        CACHE / "qwen3_dense", arch="qwen3_moe", num_layers=3, num_experts=8, topk=2, mlp_only_layers=(1,)
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = cpu_grpo_config(
+        str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        learning_rate=1e-3,
+        vllm_importance_sampling_correction=False,
+    )
+    with _WithLogprobs(layers=3, topk=2, num_experts=8, moe_layers=[0, 2]) as server:
+        server.behaviour.corrupt = "late_decode"
+        rollout = RRRollout(server.url, source_audit=1.0)
+        try:
+            trainer = R3GRPOTrainer(
+                model=model,
+                reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                args=cfg,
+                processing_class=tok,
+                train_dataset=Dataset.from_dict({"prompt": ["the quick brown fox", "hello world and"] * 4}),
+                rollout_func=rollout,
+                sync_weights=False,
+                audit_every=1,
+                stale_rows="mask",
+            )
+            trainer.train()
+        finally:
+            rollout.close()
+        salted = [b for b in server.behaviour.bodies if b.get("cache_salt")]
+    logs = [h for h in trainer.state.log_history if K.SOURCE_CHECKED in h]
+    assert len(logs) == 1, trainer.state.log_history
+    (log,) = logs
+    assert log[K.SOURCE_CHECKED] == 4 and log[K.SOURCE_FLAGGED] == 2 == log[K.STALE_MASKED], log
+    assert log[K.source("agreement", "generated")] < 0.9 and log[K.source("agreement", "computed_prompt")] == 1.0
+    assert len(salted) == 4 and all(b["sampling_params"]["max_new_tokens"] == 1 for b in salted)
