@@ -6,6 +6,7 @@ may have been recomputed across a weight update are refused, or kept with replay
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -204,3 +205,28 @@ def test_trajectory_turns_get_their_own_segments(info: RRInfo) -> None:
     # turn 1's rows start at the first turn's last output token (prefilled in turn 1, from its cache here)
     assert sg.rows[0].tolist() == [0, 0, 1, 1, 2, 3, 4, 4, 5, 5, -1]
     assert sg.logps[0].tolist() == [-1, -1, -1, -1, 2, 2, -1, -1, 5, 5, 5]
+
+
+def test_the_source_audits_verdict_is_refused_or_masked_by_the_session(model: Any, info: RRInfo) -> None:
+    """A sample the source audit flags (its generated rows one token late against the model's own re-score) is
+    refused by the session's door by default, masked with ``stale_rows="mask"``, and the step reports the audit
+    under ``r3/source/...`` (per segment and depth); a sample it passes is replayed."""
+    from rr_client.client.source_audit import SourceAudit
+
+    batch = samples(model)
+    audit = SourceAudit(1.0)
+    judged = []
+    for r in batch:
+        rescored = own(model, r.prompt_ids + r.output_ids)  # the engine's rows for every token, from token 0
+        served = r.routed_experts.copy()
+        if r.index == 0:
+            served[len(r.prompt_ids) + 1 :] = served[len(r.prompt_ids) : -1]  # decode rows one token late
+        judged.append(audit.judge(replace(r, routed_experts=served), rescored, info))
+    assert [bool(r.provenance.source_flagged) for r in judged] == [True, False]
+    with pytest.raises(StaleRoutingError, match="batch sample 0: the engine's own re-score"):
+        audited_step(model, judged, info)
+    met = audited_step(model, judged, info, stale_rows="mask")
+    assert met[K.SOURCE_CHECKED] == 2 and met[K.SOURCE_FLAGGED] == 1 == met[K.STALE_MASKED]
+    assert met[K.source("agreement", "generated")] < 1.0 == met[K.source("agreement", "computed_prompt")]
+    assert met[K.source("agreement", "depth_0-8k")] == met[K.source("agreement")] < 1.0
+    assert met[K.AGREEMENT] == 1.0  # the flagged rows are not replayed

@@ -98,3 +98,23 @@ def test_mask_policy_leaves_the_stale_sample_to_the_router(
     expected[1] = h.own_routing(hf_model, toks[1][0] + toks[1][1])  # the router's own choice
     assert not np.array_equal(expected[1][:, MOE_LAYERS], rows[1][:, MOE_LAYERS])
     assert_rows_ran(seen, expected, [len(p) + len(r) for p, r in toks], rmpad)
+
+
+def test_a_sample_the_source_audit_flagged_is_refused(workers: Any, tokenizer: Any) -> None:
+    """A sample whose ``rr_provenance`` carries the source audit's flag (issue 57: the engine's own re-score of its
+    tokens did not give its rows back) stops the step under the default policy, naming the audit; the worker goes on."""
+    from rr_client.core.provenance import Provenance
+
+    toks = sample_tokens(4)
+    rows = [other_rows(len(p) + len(r) - 1, seed=40 + i) for i, (p, r) in enumerate(toks)]
+    ok = Provenance(source_checked=True, source_agreement=1.0, weight_update_during=None).to_dict()
+    bad = Provenance(source_checked=True, source_agreement=0.2, source_flagged=True, weight_update_during=None)
+    extra = [{"rr_provenance": ok} for _ in toks]
+    extra[2] = {"rr_provenance": bad.to_dict()}
+    cfg, w = workers[("R3", True)]
+    t = h.trainer(cfg, w)
+    with pytest.raises(StaleRoutingError, match=r"batch sample \d+: the engine.s own re-score .*agreement 0\.200"):
+        h.compute_log_prob(t, batch_with(tokenizer, toks, rows, extra))
+    h.compute_log_prob(t, batch_with(tokenizer, toks, rows, [{"rr_provenance": ok} for _ in toks]))
+    met = w.actor.engine.rr_last_metrics
+    assert met["r3/source/checked"] == len(toks) and met["r3/source/flagged"] == 0 and met["r3/applied_share"] == 1.0
