@@ -140,6 +140,9 @@ class StandInScheduler:
         # (temperature 1, what the GPU's sampler would report); False: SGLang's empty lists, as before
         self.sampling_logprobs = False
         self.indexer_edit: Callable[[np.ndarray], None] | None = None  # a test's change to the indexer rows
+        # a test's engine fault in a request's rows (tokens [0, P+R-1), before the start cut): what a GPU path gets
+        # wrong (tests/sglang/test_source_audit.py)
+        self.row_edit: Callable[[StandInReq, np.ndarray], None] | None = None
 
     # ---- the zmq socket the TokenizerManager sends to
     def send_pyobj(self, obj: Any, flags: int = 0, protocol: int = pickle.HIGHEST_PROTOCOL) -> None:
@@ -203,6 +206,8 @@ class StandInScheduler:
             rows = reference_routing(self.model_dir, ids[:-1]).astype(np.int32)
         if self.zero_rows is not None:  # a captured row lost (what the full check must refuse)
             rows[self.zero_rows] = 0
+        if self.row_edit is not None:
+            self.row_edit(req, rows)
         if self.pd_role == "decode":  # the prompt ran on the prefill server: this buffer never saw those tokens
             rows[: len(req.prompt)] = 0
         if self.release >= (0, 5, 12):

@@ -1,0 +1,88 @@
+"""The source audit through SGLang's real TokenizerManager and HTTP app, fed by the stand-in scheduler (issue 57):
+rr's client re-scores every sample through SGLang's own ``/generate``; the re-score reaches the scheduler as one
+prefill (``max_new_tokens=1``, routing from token 0) in its own radix-cache namespace (``extra_key``: SGLang keys its
+radix tree by it, 0.5.23 ``mem_cache/common.py`` ``RadixKey(extra_key=...)``, 0.5.7 ``radix_cache.py`` ``RadixKey``);
+a healthy sample agrees on every cell, and one whose decode rows the stand-in writes a token late (the test hook for
+a GPU path's fault) is flagged in its generated segment. The stand-in does not model the radix cache itself, so the
+bypass is proved by the field the real scheduler would read, not by a cache miss (vLLM's test proves the miss)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from rr_client import RoutedExpertsClient
+from rr_client.client import SourceAudit
+from rr_client.core.provenance import check_provenance
+from tests.sglang.harness import Harness
+from tests.sglang.standin import StandInReq
+
+pytestmark = pytest.mark.sglang
+PROMPTS = [[3, 17, 29, 41, 53, 67, 71, 5, 9], [5, 11, 13, 19, 23, 31, 37], [2, 4, 8, 16, 32, 64, 100, 7]]
+
+
+@contextlib.asynccontextmanager
+async def answering(h: Harness) -> AsyncIterator[None]:
+    """The stand-in answers every request that reaches it, in the batches they arrive in, while the block runs."""
+    h.tm.event_loop = asyncio.get_running_loop()
+    h.sched.arrivals.clear()
+
+    async def loop() -> None:
+        done = 0
+        while True:
+            await asyncio.sleep(0.01)
+            if len(h.sched.arrivals) > done:
+                await asyncio.sleep(0.02)  # let the rest of a batch arrive
+                new = h.sched.arrivals[done:]
+                done += len(new)
+                await h.wait_listening(new)
+                await h.deliver(h.sched.step(new))
+
+    task = asyncio.ensure_future(loop())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def late_decode(req: StandInReq, rows: np.ndarray) -> None:
+    """The first prompt's decode rows written one token late, on served requests only (a re-score has no decode)."""
+    p = len(req.prompt)
+    if req.prompt == PROMPTS[0] and len(req.completion) > 1:
+        rows[p + 1 :] = rows[p:-1].copy()
+
+
+@pytest.mark.sglang_releases("0.5.7", "0.5.12", "0.5.23")  # rows from token 0 before 0.5.12; msgpack wire in 0.5.23
+async def test_the_audit_through_sglangs_own_generate(tiny_moe: Path, patched: None) -> None:
+    h = Harness(tiny_moe)
+    h.sched.row_edit = late_decode
+    audit = SourceAudit(1.0)
+    async with answering(h):
+        async with RoutedExpertsClient(
+            "http://sglang", transport=httpx.ASGITransport(app=h.http.app), source_audit=audit
+        ) as c:
+            batch = await c.generate(PROMPTS, {"max_new_tokens": 6, "temperature": 0.0})
+    assert audit.stats.checked == 3 and audit.stats.flagged == 1 and audit.stats.failed == 0
+    bad, *good = batch.results
+    for r in good:
+        assert r.provenance.source_agreement == 1.0 and not r.provenance.source_flagged
+    detail = bad.provenance.source_detail
+    assert bad.provenance.source_flagged and detail is not None and "generated" in detail.failing()
+    assert detail.by_segment["computed_prompt"][0] == detail.by_segment["computed_prompt"][1]
+    rescores = [r for r in h.sched.reqs.values() if getattr(r.tok, "extra_key", None)]
+    assert len(rescores) == 3
+    for r in rescores:  # one prefill each, every token, routing from token 0, its own radix namespace
+        assert r.tok.extra_key.startswith("rr-audit-") and r.tok.sampling_params.max_new_tokens == 1
+        assert r.start == 0 and r.prompt in [p + s.output_ids for p, s in zip(PROMPTS, batch.results)]
+    assert len({r.tok.extra_key for r in rescores}) == 3
+    check = check_provenance([r.provenance for r in batch.results], "mask")
+    assert check.replay == (False, True, True) and check.source_flagged == 1
