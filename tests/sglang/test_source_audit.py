@@ -85,3 +85,24 @@ async def test_the_audit_through_sglangs_own_generate(tiny_moe: Path, patched: N
     assert len({r.tok.extra_key for r in rescores}) == 3
     check = check_provenance([r.provenance for r in batch.results], "mask")
     assert check.replay == (False, True, True) and check.source_flagged == 1
+
+
+@pytest.mark.sglang_releases("0.5.7", "0.5.23")
+async def test_the_audit_through_rrs_sidecar_in_front_of_unpatched_sglang(tiny_moe: Path) -> None:
+    """The same audit through rr's sidecar (SGLang unpatched behind it): the sidecar passes ``extra_key`` on to
+    SGLang's ``/generate``, so the re-scores reach the scheduler in their own namespace, and the late rows are
+    flagged there too."""
+    from tests.sglang.test_sidecar_sglang import sidecar_app
+
+    h = Harness(tiny_moe)
+    h.sched.row_edit = late_decode
+    audit = SourceAudit(1.0)
+    async with answering(h), sidecar_app(h, model_path=str(tiny_moe)) as app:
+        async with RoutedExpertsClient(
+            "http://sidecar", transport=httpx.ASGITransport(app=app), source_audit=audit
+        ) as c:
+            batch = await c.generate(PROMPTS, {"max_new_tokens": 6, "temperature": 0.0})
+    assert (audit.stats.checked, audit.stats.flagged) == (3, 1)
+    assert [r.provenance.source_flagged for r in batch.results] == [True, False, False]
+    keys = [r.tok.extra_key for r in h.sched.reqs.values() if getattr(r.tok, "extra_key", None)]
+    assert len(keys) == 3 and all(k.startswith("rr-audit-") for k in keys)
