@@ -145,3 +145,18 @@ def test_other_apis_sampling_keys_are_refused_with_the_generate_name(key: str, h
     assert f"sampling_params.{key}: Extra inputs are not permitted {hint}" in str(e.value), str(e.value)
     with pytest.raises(BadRequest, match="sampling_params.top_q: Extra inputs are not permitted;|permitted$"):
         parse_generate_request({"input_ids": [1, 2], "sampling_params": {"top_q": 4}})  # no hint invented
+
+
+def test_cache_salt_is_one_per_prompt_and_reaches_vllms_completion_body() -> None:
+    """``cache_salt`` (the source audit's prefix-cache bypass): a string for every prompt or one per prompt, passed to
+    the engine (the sidecar's ``/v1/completions`` body for vLLM); anything else is a 400 naming it."""
+    from rr_server.proxy.vllm_backend import completion_body
+
+    r = parse_generate_request({"input_ids": [[1, 2], [3]], "cache_salt": "s"})
+    assert r.cache_salts == ["s", "s"]
+    r = parse_generate_request({"input_ids": [[1, 2], [3]], "cache_salt": ["a", "b"]})
+    assert [completion_body(r, i, "m").get("cache_salt") for i in range(2)] == ["a", "b"]
+    assert "cache_salt" not in completion_body(parse_generate_request({"input_ids": [1]}), 0, "m")
+    for bad, why in ((["a"], "cache_salt has 1 entries but there are 2 prompts"), ("", "cache_salt must be")):
+        with pytest.raises(BadRequest, match=why):
+            parse_generate_request({"input_ids": [[1, 2], [3]], "cache_salt": bad})
