@@ -227,6 +227,34 @@ class _Doctor:
             ),
         )
 
+    async def source_audit(self, name: str, samples: list[GenerateResult], what: str) -> None:
+        """One verdict line: ``samples`` re-scored by the server in one fresh prefill each (the client's source audit,
+        :mod:`rr_client.client.source_audit`), their served rows against the engine's own forward."""
+        from rr_client.client.source_audit import SourceAudit
+        from rr_client.core.source_audit import merge_agreements
+
+        self.progress.started(name)
+        audit = SourceAudit(1.0)
+        judged = await audit.audit(self.client, samples, self.info)
+        parts = [p.source_detail for r in judged if (p := r.provenance) is not None and p.source_detail is not None]
+        total = merge_agreements(parts)
+        if total is None or not total.cells:
+            self.add(name, True, f"not exercised: no sample of {what} could be re-scored", exercised=False)
+            return
+        segs = ", ".join(f"{seg} {a}/{c}" for seg, (a, c) in total.by_segment.items())
+        flagged = [r.index for r in judged if r.provenance is not None and r.provenance.source_flagged]
+        detail = (
+            f"{len(parts)} samples of {what} re-scored in a fresh prefill: {total.agreed}/{total.cells} (token, MoE "
+            f"layer) sets agree ({segs})"
+        )
+        if flagged:
+            detail += (
+                f"; {len(flagged)} below {audit.threshold:.0%}: {total.describe(audit.threshold)} - the engine's own "
+                "forward does not give these rows back (shifted decode rows, another request's slot, a draft "
+                "node's or an older cache's rows)"
+            )
+        self.add(name, not flagged, detail)
+
     def truth(self, model_path: str, device: str) -> None:
         from rr_server.doctor.truth import LayerAgreement, RouterReference
 
@@ -393,6 +421,8 @@ async def run_doctor(
         doc = _Doctor(client, info, report, max_new_tokens, vocab, progress)
         await doc.live(plist)
         if any(c.name == "single" and c.ok for c in report.checks):
+            what = f"the checks above (speculative decoding {spec})" if spec else "the checks above"
+            await doc._guard("source audit", doc.source_audit("source audit", list(doc.samples), what))
             from rr_server.doctor.probes import run_probes
 
             await run_probes(

@@ -57,6 +57,8 @@ class DoctorRun(Protocol):
 
     async def _guard(self, name: str, probe: Awaitable[None]) -> None: ...
 
+    async def source_audit(self, name: str, samples: list[GenerateResult], what: str) -> None: ...
+
 
 __all__ = ["Load", "plan_load", "comparable_rows", "offload_state", "run_probes", "MAX_PROBE_REQUESTS", "OFFLOAD_TIERS"]
 
@@ -321,6 +323,14 @@ class _Probes:
                 break
         (after,) = await self.doc.gen([prompts[0]], {"max_new_tokens": load.new_tokens})
         share = self.agreement(after, before)
+        await self.doc._guard(
+            "source audit after weight update",
+            self.doc.source_audit(
+                "source audit after weight update",
+                [after],
+                "a prompt served before the reload, again after it (its prefix from the cache, if not cleared)",
+            ),
+        )
 
         if share < ROW_AGREEMENT_MIN:
             problems.append(

@@ -31,9 +31,10 @@ def _doctor(url: str, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[
 def test_healthy_synthetic_server_passes(server: ProtocolTestServer, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out = _doctor(server.url, capsys)
     assert rc == 0 and out.startswith("PASS"), out
-    for name in ("single", "batch", "n=2", "routed_experts_start", "prefix-cache hit", "mixed batch"):
+    for name in ("single", "batch", "n=2", "routed_experts_start", "prefix-cache hit", "mixed batch", "source audit"):
         assert f"ok   {name}" in out
     assert "B/token with routing" in out
+    assert "samples of the checks above re-scored in a fresh prefill" in out
     assert "repeated 300-token prompt, 288 tokens from the prefix cache" in out
 
 
@@ -68,6 +69,20 @@ def test_rows_of_another_request_fail(server: ProtocolTestServer, capsys: pytest
     assert {"batch", "prefix-cache hit", "mixed batch"} <= set(failed)
     assert "do not belong to this prompt" in failed["batch"]
     assert "another request's routing" in failed["mixed batch"]
+
+
+def test_decode_rows_of_other_tokens_fail_the_source_audit_only(
+    server: ProtocolTestServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Generated rows that are other tokens' (``late_decode``) pass every check that compares prompt rows; the
+    source audit's re-score catches them and says in which segment (issue 57)."""
+    server.behaviour.corrupt = "late_decode"
+    rc, out = _doctor(server.url, capsys, "--json")
+    report = json.loads(out)
+    failed = {c["name"]: c["detail"] for c in report["checks"] if not c["ok"]}
+    assert rc == 1 and set(failed) == {"source audit"}, failed
+    assert "FLAGGED" in failed["source audit"] and "generated 0." in failed["source audit"]
+    assert any(b.get("cache_salt") for b in server.behaviour.bodies)
 
 
 def test_rejected_key_is_an_identity_failure(server: ProtocolTestServer, capsys: pytest.CaptureFixture[str]) -> None:

@@ -43,6 +43,8 @@ def test_probes_pass_on_a_correct_server(server: ProbeTestServer, capsys: pytest
     assert "weight_version 0 -> 1" in checks["weight update"]["detail"]
     assert "preempted and flagged may_be_recomputed_across_update" in checks["weight update"]["detail"]
     assert "restored from the external tier" in checks["kv offload"]["detail"]
+    after = checks["source audit after weight update"]
+    assert after["ok"] and after["exercised"] and "1 samples of a prompt served before the reload" in after["detail"]
     assert server.version == 1  # the doctor reloaded once, through /collective_rpc reload_weights
 
 
@@ -62,6 +64,8 @@ def test_probes_pass_on_a_correct_server(server: ProbeTestServer, capsys: pytest
             {
                 "preemption": "rows that do not belong to their tokens after a preemption: request 2 (preempted) 0.0%",
                 "weight update": "the update was not counted",
+                # the re-scores of the live checks' samples are preempted too on this small KV: wrong rows back
+                "source audit": "the engine's own forward does not give these rows back",
             },
         ),
     ],

@@ -76,6 +76,7 @@ def test_json_stays_one_document_and_stderr_quiet_off_a_terminal(
         "routed_experts_start",
         "prefix-cache hit",
         "mixed batch",
+        "source audit",
         "preemption",
         "weight update",
         "kv offload",
