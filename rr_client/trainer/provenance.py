@@ -26,7 +26,7 @@ from rr_client.core.provenance import (
     check_provenance,
     check_stale_policy,
 )
-from rr_client.core.source_audit import SourceAgreement, merge_agreements
+from rr_client.core.source_audit import DEPTH_EDGES, SourceAgreement, merge_agreements
 from rr_client.trainer import keys as K
 from rr_client.trainer.rows import without_samples
 
@@ -328,11 +328,14 @@ def source_metrics(agreement: SourceAgreement | None) -> dict[str, float]:
 @dataclass(frozen=True)
 class Segments:
     """Token segments of one batch: ``rows`` and ``logps`` hold a code per row / per log-prob position in the
-    batch's layout (-1: none), ``names[code]`` is its ``(segment, turn)`` (turn None for single results)."""
+    batch's layout (-1: none), ``names[code]`` is its ``(segment, turn)`` (turn None for single results);
+    ``depths``: shaped like ``logps``, the context-depth bucket of each log-prob's token (an index into
+    :data:`rr_client.trainer.keys.DEPTH_BUCKETS`, -1: none), None when not built."""
 
     rows: torch.Tensor
     logps: torch.Tensor
     names: tuple[tuple[str, int | None], ...]
+    depths: torch.Tensor | None = None
 
     def key(self, code: int, metric: str) -> str:
         """The ``r3/[turn<t>/]<segment>/<metric>`` key of ``code``."""
@@ -341,11 +344,19 @@ class Segments:
 
     def narrow(self, start: int, end: int) -> Segments:
         """Samples ``start:end`` of a padded batch (a trainer's chunk)."""
-        return Segments(self.rows[start:end], self.logps[start:end], self.names)
+        d = None if self.depths is None else self.depths[start:end]
+        return Segments(self.rows[start:end], self.logps[start:end], self.names, d)
 
     def to(self, device: torch.device | str) -> Segments:
         """On ``device`` (once per batch)."""
-        return Segments(self.rows.to(device), self.logps.to(device), self.names)
+        d = None if self.depths is None else self.depths.to(device)
+        return Segments(self.rows.to(device), self.logps.to(device), self.names, d)
+
+    def columns(self, width: int, device: torch.device | str) -> Segments:
+        """The last ``width`` log-prob columns (a trainer's completion columns), on ``device``."""
+        cut = self.logps.shape[1] - width
+        d = None if self.depths is None else self.depths[:, cut:].to(device)
+        return Segments(self.rows, self.logps[:, cut:].to(device), self.names, d)
 
 
 def _codes(sample: Any, prov: list[Provenance | None], n: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -388,22 +399,31 @@ def build_segments(
     if hasattr(batch, "attention_mask"):
         attn = batch.attention_mask.cpu().bool()
         rows = torch.full(tuple(attn.shape), -1, dtype=torch.long)
-        logps = rows.clone()
+        logps, depths = rows.clone(), rows.clone()
         for b, (r, lp, _) in enumerate(per):
             cols = attn[b].nonzero().squeeze(-1)
             if cols.numel() != r.size:
                 raise ShapeMismatchError(f"sample {b}: {r.size} tokens, the batch holds {cols.numel()}")
             rows[b, cols] = torch.from_numpy(r)
             logps[b, cols] = torch.from_numpy(lp)
-        return Segments(rows, logps, names)
+            depths[b, cols] = torch.from_numpy(_depth_codes(lp))
+        return Segments(rows, logps, names, depths)
     cu = batch.cu_seqlens.cpu().long()
     n_total = int(batch.input_ids.shape[0])
     logps = torch.full((n_total,), -1, dtype=torch.long)
+    depths = logps.clone()
     for b, (_, lp, _) in enumerate(per):
         logps[int(cu[b]) : int(cu[b + 1])] = torch.from_numpy(lp)
+        depths[int(cu[b]) : int(cu[b + 1])] = torch.from_numpy(_depth_codes(lp))
     rcu = batch.routing_cu_seqlens.cpu().long()
     rows = torch.full((int(batch.routed_experts_mask.shape[0]),), -1, dtype=torch.long)
     for b, (r, _, _) in enumerate(per):
         m = int(rcu[b + 1] - rcu[b])
         rows[int(rcu[b]) : int(rcu[b]) + m] = torch.from_numpy(r[:m])
-    return Segments(rows, logps, names)
+    return Segments(rows, logps, names, depths)
+
+
+def _depth_codes(logp_codes: np.ndarray) -> np.ndarray:
+    """Per token position of one sample: its context-depth bucket where it has a log-prob code, else -1."""
+    pos = np.arange(logp_codes.size)
+    return np.where(logp_codes >= 0, np.searchsorted(np.asarray(DEPTH_EDGES), pos, side="right"), -1)

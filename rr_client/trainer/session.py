@@ -35,6 +35,7 @@ turns it off on purpose. It is the one door: no adapter checks, counts or masks 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -149,18 +150,30 @@ def _segment_gaps(
     for names, _ in seg_gaps:
         for name in names:
             row, at = flat[at : at + 7], at + 7
-            for key in {name, (name[0], None)}:
+            for key in {name} if name[1] == _DEPTH else {name, (name[0], None)}:
                 acc = sums.setdefault(key, [0.0] * 7)
                 for i, v in enumerate(row):
                     acc[i] += v
     out: dict[str, float] = {}
     for (name, turn), (n, s_abs, _sq, s_k3, n2, _n5, _bad) in sums.items():
-        out[K.segment(name, K.LOGP_TOKENS[len(K.PREFIX) :], turn)] = n
+        if turn == _DEPTH and not n:
+            continue  # a depth bucket no token reached: no keys (a segment says 0 tokens)
+        named = functools.partial(K.depth, name) if turn == _DEPTH else functools.partial(_seg_key, name, turn=turn)
+        out[named(K.LOGP_TOKENS[len(K.PREFIX) :])] = n
         if n:
-            out[K.segment(name, K.MEAN_ABS_LOGP_DIFF[len(K.PREFIX) :], turn)] = s_abs / n
-            out[K.segment(name, K.K3_KL[len(K.PREFIX) :], turn)] = s_k3 / n
-            out[K.segment(name, K.FRAC_ABS_DIFF_GT_LN2[len(K.PREFIX) :], turn)] = n2 / n
+            out[named(K.MEAN_ABS_LOGP_DIFF[len(K.PREFIX) :])] = s_abs / n
+            out[named(K.K3_KL[len(K.PREFIX) :])] = s_k3 / n
+            out[named(K.FRAC_ABS_DIFF_GT_LN2[len(K.PREFIX) :])] = n2 / n
     return out
+
+
+_DEPTH = -1  # the "turn" of a depth bucket's name in the gap sums (never a real turn)
+_DEPTH_NAMES: tuple[tuple[str, int | None], ...] = tuple((b, _DEPTH) for b in K.DEPTH_BUCKETS)
+
+
+def _seg_key(name: str, metric: str, turn: int | None) -> str:
+    """``r3/[turn<t>/]<segment>/<metric>``."""
+    return K.segment(name, metric, turn)
 
 
 def _close_quietly(stack: ExitStack) -> None:
@@ -634,6 +647,10 @@ class ReplaySession:
             self._seg_gaps.append(
                 (segments.names, segment_gap_stats(mine, engine_logps, mask, segments.logps, len(segments.names)))
             )
+            if segments.depths is not None:
+                self._seg_gaps.append(
+                    (_DEPTH_NAMES, segment_gap_stats(mine, engine_logps, mask, segments.depths, len(K.DEPTH_BUCKETS)))
+                )
 
     def check_samples(self, samples: Sequence[Any]) -> ProvenanceCheck:
         """The stale-rows policy on a batch's samples (:func:`rr_client.trainer.provenance.check_samples` with

@@ -99,6 +99,10 @@ def test_a_stale_cached_prefix_moves_only_the_cached_segments_agreement(model: A
     assert stale[seg("generated", "mean_abs_logp_diff")] == pytest.approx(stale[K.MEAN_ABS_LOGP_DIFF])
     assert 0 < stale[K.MEAN_ABS_LOGP_DIFF] < 0.25 and gen_tokens > 0
     assert stale[K.CACHED_TOKENS] == SHAPES[0][2] and stale[K.STALE_MASKED] == 0 == stale[K.SPANS_UPDATE]
+    # every token is in the first 8K: the depth bucket holds the whole gap, and no deeper bucket is reported
+    assert stale[K.depth("0-8k", "logp_tokens")] == stale[K.LOGP_TOKENS]
+    assert stale[K.depth("0-8k", "mean_abs_logp_diff")] == pytest.approx(stale[K.MEAN_ABS_LOGP_DIFF])
+    assert not any(k.startswith("r3/depth/8-16k") for k in stale)
 
 
 def test_refuse_names_the_sample_recomputed_across_an_update(model: Any, info: RRInfo) -> None:
@@ -230,3 +234,28 @@ def test_the_source_audits_verdict_is_refused_or_masked_by_the_session(model: An
     assert met[K.source("agreement", "generated")] < 1.0 == met[K.source("agreement", "computed_prompt")]
     assert met[K.source("agreement", "depth_0-8k")] == met[K.source("agreement")] < 1.0
     assert met[K.AGREEMENT] == 1.0  # the flagged rows are not replayed
+
+
+def test_the_gap_by_context_depth_shows_where_a_long_context_fault_starts(model: Any, info: RRInfo) -> None:
+    """Log-probs that drift only past 8K tokens: the step's gap splits by depth bucket (``r3/depth/<bucket>/...``),
+    the first 8K clean, the 8-16K bucket carrying the whole drift (built by build_segments, no forward needed)."""
+    p_len, o_len = 8150, 100
+    g = np.random.default_rng(3)
+    sample = engine_result(0, g.integers(1, VOCAB, p_len).tolist(), g.integers(1, VOCAB, o_len).tolist(),
+                           np.zeros((p_len + o_len - 1, 3, 2), dtype=np.uint8), meta={})  # fmt: skip
+    n = p_len + o_len
+    batch = type("B", (), {"attention_mask": torch.ones(1, n, dtype=torch.long)})()
+    seg = build_segments([sample], batch)
+    assert (
+        seg.depths is not None
+        and int((seg.depths == 0).sum()) == 8192 - p_len
+        and int((seg.depths == 1).sum()) == n - 8192
+    )
+    engine = torch.zeros(1, n)
+    mine = torch.where(torch.arange(n) >= 8192, 0.5, 0.0)[None]
+    session = ReplaySession(model)
+    session.add_gap(mine, engine, seg.logps >= 0, segments=seg)
+    met = session.flush()
+    assert met[K.depth("0-8k", "logp_tokens")] == 8192 - p_len and met[K.depth("0-8k", "mean_abs_logp_diff")] == 0
+    assert met[K.depth("8-16k", "logp_tokens")] == n - 8192 and met[K.depth("8-16k", "mean_abs_logp_diff")] == 0.5
+    assert met[K.segment("generated", "logp_tokens")] == o_len

@@ -425,9 +425,7 @@ class R3GRPOTrainer(GRPOTrainer):  # type: ignore[misc, valid-type]
             mask = inputs["completion_mask"].bool() & ~torch.isnan(engine)
             seg = self._rr_segments
             if seg is not None:  # the completion columns' codes, beside TRL's per-token log-probs
-                seg = Segments(
-                    seg.rows, seg.logps[:, seg.logps.shape[1] - engine.shape[1] :].to(engine.device), seg.names
-                )
+                seg = seg.columns(engine.shape[1], engine.device)
             # the samples the session's policy masked in this loss forward are out of the gap (its add_gap)
             self.rr_session.add_gap(self._rr_loss_logps.float(), engine.float(), mask, segments=seg)
         if not self.model.training:  # an eval batch: its replay and gap into the eval log, not the next step's
