@@ -408,10 +408,12 @@ class RoutedExpertsClient:
             results = await self.source_audit.audit(self, results, info)
         return GenerateBatch(results=results, info=info)
 
-    async def rescore(self, tokens: Sequence[int], info: RRInfo, salt_field: str = "cache_salt") -> np.ndarray:
+    async def rescore(
+        self, tokens: Sequence[int], info: RRInfo, salt_field: str = "cache_salt", *, indexer: bool = False
+    ) -> GenerateResult:
         """The engine's rows for every token of ``tokens`` in one fresh prefill: ``max_new_tokens=1``, routing from
-        token 0, greedy, the prefix cache bypassed by a fresh salt in ``salt_field``: what the source audit compares
-        served rows with. ``[len(tokens), layers, topk]``."""
+        token 0, greedy, the prefix cache bypassed by a fresh salt in ``salt_field``, inline (``indexer``: its
+        indexer picks too): what the source audit compares served rows with. Rows ``[len(tokens), layers, topk]``."""
         (res,) = await self._generate_chunk(
             [list(tokens)],
             range(1),
@@ -420,10 +422,9 @@ class RoutedExpertsClient:
             info,
             True,
             0,
-            extra={salt_field: fresh_salt()},
+            extra={salt_field: fresh_salt(), **((_indexer_body(True, False) or {}) if indexer else {})},
         )
-        assert res.routed_experts is not None  # asked inline: parse_sample refuses a sample without rows
-        return res.routed_experts
+        return res
 
     async def _generate_chunk(
         self,

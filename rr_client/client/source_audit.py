@@ -24,7 +24,7 @@ import numpy as np
 from rr_client.core.errors import ConfigurationError, RRError
 from rr_client.core.info import RRInfo
 from rr_client.core.provenance import Provenance
-from rr_client.core.source_audit import DEFAULT_THRESHOLD, check_threshold, compare_rows
+from rr_client.core.source_audit import DEFAULT_THRESHOLD, check_threshold, compare_picks, compare_rows
 
 from ._results import GenerateResult
 
@@ -108,9 +108,16 @@ class SourceAudit:
         try:
             if r.prompt_ids is None:
                 raise ConfigurationError("the server did not echo the prompt's token ids (meta_info.prompt_token_ids)")
+            want_idx = r.indexer_topk is not None
             async with self._sem:
-                rescored = await client.rescore(list(r.prompt_ids) + list(r.output_ids), info, salt_field(info))
-            return self.judge(r, rescored, info)
+                again = await client.rescore(
+                    list(r.prompt_ids) + list(r.output_ids), info, salt_field(info), indexer=want_idx
+                )
+            if again.routed_experts is None or (want_idx and again.indexer_topk is None):
+                raise ConfigurationError("the re-score came back without its rows")
+            return self.judge(
+                r, again.routed_experts, info, indexer=again.indexer_topk, indexer_start=again.indexer_topk_start or 0
+            )
         except RRError as e:
             self.stats.failed += 1
             logger.warning(
@@ -124,9 +131,18 @@ class SourceAudit:
                 return r
             return replace(r, provenance=replace(_base(r), source_flagged=True))
 
-    def judge(self, r: GenerateResult, rescored: np.ndarray, info: RRInfo) -> GenerateResult:
+    def judge(
+        self,
+        r: GenerateResult,
+        rescored: np.ndarray,
+        info: RRInfo,
+        *,
+        indexer: np.ndarray | None = None,
+        indexer_start: int = 0,
+    ) -> GenerateResult:
         """``r`` with its provenance carrying the verdict on ``rescored`` (the engine's rows for every token of
-        ``r``'s prompt + output, from token 0): one log line names the parts that fell when it is flagged."""
+        ``r``'s prompt + output, from token 0) and, when ``r`` carries indexer picks, on ``indexer`` (the re-score's
+        picks from token ``indexer_start``): one log line names the parts that fell when it is flagged."""
         base = _base(r)
         if r.routed_experts is None:
             raise ConfigurationError(f"sample {r.index}: no rows to audit (resolve a ref first)")
@@ -138,13 +154,31 @@ class SourceAudit:
             cached_tokens=base.cached_tokens,
             moe_layers=info.moe_layers,
         )
-        flagged = not got.passes(self.threshold)
+        picks = None
+        if r.indexer_topk is not None and indexer is not None:
+            picks = compare_picks(
+                r.indexer_topk,
+                indexer,
+                start=r.indexer_topk_start or 0,
+                prompt_tokens=len(r.prompt_ids or []),
+                cached_tokens=base.cached_tokens,
+                rescored_start=indexer_start,
+            )
+        flagged = not got.passes(self.threshold) or (picks is not None and not picks.passes(self.threshold))
         self.stats.checked += 1
         self.stats.flagged += flagged
         if flagged:
-            logger.warning("rr source audit: sample %d %s", r.index, got.describe(self.threshold))
+            line = got.describe(self.threshold)
+            if picks is not None:
+                line += f"; indexer picks {picks.describe(self.threshold)}"
+            logger.warning("rr source audit: sample %d %s", r.index, line)
         prov = replace(
-            base, source_checked=True, source_agreement=got.agreement, source_flagged=flagged, source_detail=got
+            base,
+            source_checked=True,
+            source_agreement=got.agreement,
+            source_flagged=flagged,
+            source_detail=got,
+            source_indexer=picks,
         )
         return replace(r, provenance=prov)
 

@@ -111,6 +111,8 @@ class Provenance:
     source_flagged: bool = False
     #: the audit's counts by segment, depth and layer (client side only; not on the wire)
     source_detail: SourceAgreement | None = field(default=None, compare=False, repr=False)
+    #: the same for the sparse-attention indexer's picks, when the sample carried them (client side only)
+    source_indexer: SourceAgreement | None = field(default=None, compare=False, repr=False)
 
     @property
     def spans_update(self) -> bool:
@@ -224,6 +226,7 @@ class ProvenanceCheck:
     source_checked: int = 0
     source_flagged: int = 0
     source: SourceAgreement | None = None  #: the re-scored samples' counts, summed
+    source_indexer: SourceAgreement | None = None  #: the same for their indexer picks
 
 
 def check_stale_policy(policy: object) -> StalePolicy:
@@ -263,7 +266,8 @@ def check_provenance(
         spans += p.spans_update
         replay.append(True)
     source = merge_agreements([p.source_detail for p in provenances if p is not None and p.source_detail is not None])
-    return ProvenanceCheck(tuple(replay), masked, spans, unknown, cached, checked, flagged, source)
+    idx = merge_agreements([p.source_indexer for p in provenances if p is not None and p.source_indexer is not None])
+    return ProvenanceCheck(tuple(replay), masked, spans, unknown, cached, checked, flagged, source, idx)
 
 
 def _why_stale(p: Provenance, who: str) -> str:

@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_THRESHOLD",
     "SourceAgreement",
     "compare_rows",
+    "compare_picks",
     "merge_agreements",
     "check_threshold",
 ]
@@ -129,41 +130,87 @@ def compare_rows(
     prompt_tokens: int,
     cached_tokens: int = 0,
     moe_layers: Sequence[int] | None = None,
+    rescored_start: int = 0,
 ) -> SourceAgreement:
     """Compare one sample's served rows with the engine's re-score of its tokens.
 
     ``served``: ``[R, L, K]`` rows of token positions ``start .. start + R - 1`` (what the server answered);
-    ``rescored``: ``[R2, L, K]`` rows of positions ``0 .. R2 - 1`` (the re-score, routed from its first token), with
-    ``R2 >= start + R``. ``prompt_tokens`` / ``cached_tokens`` split positions into segments; ``moe_layers`` the layer
-    positions to count (dense layers are zero on both sides). One vectorised pass; no loop over tokens."""
+    ``rescored``: ``[R2, L, K]`` rows of positions ``rescored_start .. rescored_start + R2 - 1`` (the re-score, from
+    its first token: 0 for routing; indexer picks start at ``index_topk``), covering the served positions.
+    ``prompt_tokens`` / ``cached_tokens`` split positions into segments; ``moe_layers`` the layer positions to count
+    (dense layers are zero on both sides). Works for any id sets per row: expert ids, or indexer picks (token
+    positions, -1 padding; :func:`compare_picks` counts those per pick). One vectorised pass; no loop over tokens."""
     s, r = np.asarray(served), np.asarray(rescored)
+    if start < rescored_start:
+        raise ShapeMismatchError(f"served rows start at token {start}, the re-score's at {rescored_start}")
+    start_in_r = start - rescored_start
     if s.ndim != 3 or r.ndim != 3 or s.shape[1:] != r.shape[1:]:
         raise ShapeMismatchError(f"served rows {s.shape} and re-scored rows {r.shape} must both be [rows, layers, k]")
-    if start < 0 or r.shape[0] < start + s.shape[0]:
+    if start < 0 or r.shape[0] < start_in_r + s.shape[0]:
         raise ShapeMismatchError(
-            f"the re-score has {r.shape[0]} rows; served rows cover positions {start}..{start + s.shape[0] - 1}"
+            f"the re-score has {r.shape[0]} rows from token {rescored_start}; served rows cover positions "
+            f"{start}..{start + s.shape[0] - 1}"
         )
     layers = tuple(range(s.shape[1])) if moe_layers is None else tuple(int(x) for x in moe_layers)
-    same = set_matches(s, r[start : start + s.shape[0]], layers=layers)  # [R, Lm]
-    pos = np.arange(start, start + s.shape[0])
+    same = set_matches(s, r[start_in_r : start_in_r + s.shape[0]], layers=layers)  # [R, Lm]
+    return _aggregate(same.astype(np.int64), np.ones(same.shape, np.int64), start, prompt_tokens, cached_tokens, layers)
+
+
+def compare_picks(
+    served: Any,
+    rescored: Any,
+    *,
+    start: int,
+    prompt_tokens: int,
+    cached_tokens: int = 0,
+    rescored_start: int = 0,
+) -> SourceAgreement:
+    """Compare a sample's served sparse-attention indexer picks (``[R, indexer layers, index_topk]`` token positions,
+    -1 padding, positions ``start ..``) with the re-score's (positions ``rescored_start ..``). A cell is one pick:
+    ``agreed`` counts served picks the re-score picked too, so a boundary tie that swaps one of 2,048 picks costs
+    1/2,048 of its row, not the row (exact set equality would flag every honest bf16 row); ``tokens_agreed``: rows
+    whose every layer's pick set is equal. Vectorised (``np.isin`` over row-keyed values)."""
+    s, r = np.asarray(served).astype(np.int64), np.asarray(rescored).astype(np.int64)
+    if s.ndim != 3 or r.ndim != 3 or s.shape[1:] != r.shape[1:]:
+        raise ShapeMismatchError(f"served picks {s.shape} and re-scored picks {r.shape} must both be [rows, layers, k]")
+    lo = start - rescored_start
+    if lo < 0 or r.shape[0] < lo + s.shape[0]:
+        raise ShapeMismatchError(
+            f"the re-score has {r.shape[0]} pick rows from token {rescored_start}; served picks cover positions "
+            f"{start}..{start + s.shape[0] - 1}"
+        )
+    r = r[lo : lo + s.shape[0]]
+    span = int(max(s.max(initial=0), r.max(initial=0))) + 2  # keys: (row, layer) cell * span + pick
+    cell = np.arange(s.shape[0] * s.shape[1], dtype=np.int64).reshape(s.shape[0], s.shape[1], 1) * span
+    valid = s >= 0
+    hit = np.isin(s + cell, np.where(r >= 0, r + cell, -1)) & valid
+    agreed, total = hit.sum(axis=2), valid.sum(axis=2)
+    layers = tuple(range(s.shape[1]))
+    return _aggregate(agreed, total, start, prompt_tokens, cached_tokens, layers)
+
+
+def _aggregate(
+    agreed: np.ndarray, total: np.ndarray, start: int, prompt_tokens: int, cached_tokens: int, layers: tuple[int, ...]
+) -> SourceAgreement:
+    """Counts ``[R, L]`` (agreed of total per row and layer, rows at positions ``start ..``) by segment, depth
+    bucket and layer, and whole-row agreement."""
+    pos = np.arange(start, start + agreed.shape[0])
     seg = np.where(pos < cached_tokens, 0, np.where(pos < prompt_tokens, 1, 2))
     depth = np.searchsorted(np.asarray(DEPTH_EDGES), pos, side="right")
-    per_tok = same.sum(axis=1).astype(np.float64)
-    n_l = same.shape[1]
-    ones = np.full(pos.shape, float(n_l))
-    seg_a, seg_c = _counts(seg, per_tok, 3), _counts(seg, ones, 3)
-    dep_a, dep_c = _counts(depth, per_tok, len(DEPTH_BUCKETS)), _counts(depth, ones, len(DEPTH_BUCKETS))
-    tok_ok = same.all(axis=1)
+    per_tok = agreed.sum(axis=1).astype(np.float64)
+    per_tot = total.sum(axis=1).astype(np.float64)
+    seg_a, seg_c = _counts(seg, per_tok, 3), _counts(seg, per_tot, 3)
+    dep_a, dep_c = _counts(depth, per_tok, len(DEPTH_BUCKETS)), _counts(depth, per_tot, len(DEPTH_BUCKETS))
+    tok_ok = (agreed == total).all(axis=1)
     bad = np.flatnonzero(~tok_ok)
-    lay_a = same.sum(axis=0)
     return SourceAgreement(
-        cells=int(same.size),
-        agreed=int(same.sum()),
+        cells=int(total.sum()),
+        agreed=int(agreed.sum()),
         tokens=int(pos.size),
         tokens_agreed=int(tok_ok.sum()),
         by_segment={n: (int(seg_a[i]), int(seg_c[i])) for i, n in enumerate(SEGMENTS) if seg_c[i]},
         by_depth={n: (int(dep_a[i]), int(dep_c[i])) for i, n in enumerate(DEPTH_BUCKETS) if dep_c[i]},
-        by_layer=tuple((int(a), int(pos.size)) for a in lay_a),
+        by_layer=tuple((int(a), int(c)) for a, c in zip(agreed.sum(axis=0), total.sum(axis=0))),
         layers=layers,
         first_disagreement=int(pos[bad[0]]) if bad.size else None,
     )

@@ -106,7 +106,7 @@ SOURCE_FLAGGED = "r3/source/flagged"  #: re-scored samples below the audit's thr
 def source(metric: str, part: str | None = None) -> str:
     """``r3/source/<metric>``, or ``r3/source/<part>/<metric>`` for a token segment (:data:`SEGMENTS`) or a depth
     bucket (``depth_0-8k`` .. ``depth_64k+``); metrics: ``agreement``, ``token_agreement``, ``cells``,
-    ``worst_layer``, ``worst_layer_agreement``, ``checked``, ``flagged``."""
+    ``worst_layer``, ``worst_layer_agreement``, ``checked``, ``flagged``, ``indexer_agreement`` (the indexer's picks)."""
     if part is not None and part not in SEGMENTS and part.removeprefix("depth_") not in DEPTH_BUCKETS:
         raise ValueError(f"source audit part {part!r}: expected a segment {SEGMENTS} or depth_<bucket>")
     return f"{SOURCE_PREFIX}{metric}" if part is None else f"{SOURCE_PREFIX}{part}/{metric}"

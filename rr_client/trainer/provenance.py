@@ -92,6 +92,7 @@ def merge_checks(checks: Sequence[ProvenanceCheck]) -> ProvenanceCheck:
         sum(c.source_checked for c in checks),
         sum(c.source_flagged for c in checks),
         merge_agreements([c.source for c in checks if c.source is not None]),
+        merge_agreements([c.source_indexer for c in checks if c.source_indexer is not None]),
     )
 
 
@@ -120,6 +121,7 @@ def check_provenances(
     replay: list[bool] = []
     masked = spans = unknown = cached = checked = flagged = 0
     parts: list[SourceAgreement] = []
+    idx: list[SourceAgreement] = []
     for i, per_turn in enumerate(provs):
         c = check_provenance(per_turn, policy, where=f"batch sample {i}, turn")
         ok = all(c.replay)
@@ -131,7 +133,10 @@ def check_provenances(
         checked += c.source_checked > 0
         flagged += c.source_flagged > 0
         parts += [c.source] if c.source is not None else []
-    return ProvenanceCheck(tuple(replay), masked, spans, unknown, cached, checked, flagged, merge_agreements(parts))
+        idx += [c.source_indexer] if c.source_indexer is not None else []
+    return ProvenanceCheck(
+        tuple(replay), masked, spans, unknown, cached, checked, flagged, merge_agreements(parts), merge_agreements(idx)
+    )
 
 
 def samples_of(routing: Any) -> int:
@@ -301,6 +306,11 @@ def provenance_metrics(check: ProvenanceCheck) -> dict[str, float]:
         K.SOURCE_CHECKED: float(check.source_checked),
         K.SOURCE_FLAGGED: float(check.source_flagged),
         **source_metrics(check.source),
+        **(
+            {K.source("indexer_agreement"): check.source_indexer.agreement}
+            if check.source_indexer is not None and check.source_indexer.cells
+            else {}
+        ),
     }
 
 

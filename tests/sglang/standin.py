@@ -143,6 +143,7 @@ class StandInScheduler:
         # a test's engine fault in a request's rows (tokens [0, P+R-1), before the start cut): what a GPU path gets
         # wrong (tests/sglang/test_source_audit.py)
         self.row_edit: Callable[[StandInReq, np.ndarray], None] | None = None
+        self.indexer_row_edit: Callable[[StandInReq, np.ndarray], None] | None = None  # the same for indexer picks
 
     # ---- the zmq socket the TokenizerManager sends to
     def send_pyobj(self, obj: Any, flags: int = 0, protocol: int = pickle.HIGHEST_PROTOCOL) -> None:
@@ -221,6 +222,8 @@ class StandInScheduler:
         rows = forward_rows(self.model_dir, (req.prompt + req.completion)[:-1])[1]
         if self.indexer_edit is not None:
             self.indexer_edit(rows)
+        if self.indexer_row_edit is not None:
+            self.indexer_row_edit(req, rows)
         return torch.from_numpy(np.ascontiguousarray(rows))
 
     def step(self, rids: list[str], *, tokens: int | None = None) -> Any:

@@ -106,3 +106,51 @@ async def test_the_audit_through_rrs_sidecar_in_front_of_unpatched_sglang(tiny_m
     assert [r.provenance.source_flagged for r in batch.results] == [True, False, False]
     keys = [r.tok.extra_key for r in h.sched.reqs.values() if getattr(r.tok, "extra_key", None)]
     assert len(keys) == 3 and all(k.startswith("rr-audit-") for k in keys)
+
+
+def kv_slots(req: StandInReq, rows: np.ndarray) -> None:
+    """The fused indexer top-k's fault: picks as KV slots of another layout than token positions (here a rotation
+    of each row's positions, so every pick stays a valid, distinct, earlier token), on the first served request."""
+    if req.prompt == V32_PROMPTS[0] and len(req.completion) > 1:
+        pos = np.arange(rows.shape[0])[:, None, None]
+        rows[...] = np.where(rows >= 0, (rows + 3) % (pos + 1), rows)
+
+
+V32_PROMPTS = [[3, 17, 29, 41, 53, 60, 11, 7, 90, 12, 44], [5, 11, 13, 19, 23, 31, 37, 41, 43, 47]]
+
+
+@pytest.mark.sglang_releases("0.5.23")  # the first SGLang that returns indexer picks
+async def test_indexer_picks_of_slots_not_positions_are_flagged(
+    tiny_moe: Path, patched: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny DeepSeek-V3.2 through SGLang 0.5.23's real serving code: the audit re-scores the indexer picks too
+    (asked inline); picks the stand-in hands back as slots instead of positions are flagged while the routing of the
+    same sample agrees on every cell, and the other sample passes both."""
+    import torch
+
+    from tests.sglang.conftest import CACHE
+    from tests.sglang.deepseek_v32 import build_tiny_deepseek_v32
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_a, **_k: (9, 0))  # as test_indexer_sglang.py
+    h = Harness(build_tiny_deepseek_v32(CACHE / "sglang-deepseek-v32", tokenizer_from=tiny_moe))
+    h.sched.indexer_row_edit = kv_slots
+    audit = SourceAudit(1.0)
+    async with answering(h):
+        async with RoutedExpertsClient("http://sglang", transport=httpx.ASGITransport(app=h.http.app)) as c:
+            batch = await c.generate(
+                V32_PROMPTS, {"max_new_tokens": 6, "temperature": 0.0}, return_indexer_topk=True,
+                indexer_by_reference=False,
+            )  # fmt: skip
+            judged = await audit.audit(c, batch.results, batch.info)
+    bad, good = (r.provenance for r in judged)
+    assert bad.source_flagged and bad.source_agreement == 1.0  # the experts' rows are right ...
+    assert bad.source_indexer is not None and bad.source_indexer.failing()  # ... the picks are not
+    # the stand-in's own DSA forward ties on a few picks between the served and the re-scored sequence: the honest
+    # near-tie the per-pick count leaves room for (3 of 132 here), far above the threshold
+    assert not good.source_flagged and good.source_indexer is not None
+    assert audit.threshold < good.source_indexer.agreement <= 1.0
+    assert bad.source_indexer.agreement < 0.6
+    check = check_provenance([bad, good], "mask")
+    assert check.replay == (False, True) and check.source_indexer is not None and check.source_indexer.agreement < 1
+    indexer_rescores = [r for r in h.sched.reqs.values() if getattr(r.tok, "extra_key", None) and r.asked_indexer]
+    assert len(indexer_rescores) == 2

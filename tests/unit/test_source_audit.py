@@ -9,7 +9,7 @@ import pytest
 
 from rr_client.core.errors import ConfigurationError, MalformedPayloadError, ShapeMismatchError, StaleRoutingError
 from rr_client.core.provenance import Provenance, check_provenance
-from rr_client.core.source_audit import DEFAULT_THRESHOLD, compare_rows, merge_agreements
+from rr_client.core.source_audit import DEFAULT_THRESHOLD, compare_picks, compare_rows, merge_agreements
 from rr_client.trainer import keys as K
 from rr_client.trainer.provenance import provenance_metrics
 
@@ -68,7 +68,9 @@ def test_depth_buckets_and_the_worst_layer() -> None:
 
 def test_bad_shapes_and_thresholds_are_typed_errors() -> None:
     full = routing(10)
-    with pytest.raises(ShapeMismatchError, match="re-score has 10 rows; served rows cover positions 2..10"):
+    with pytest.raises(
+        ShapeMismatchError, match="re-score has 10 rows from token 0; served rows cover positions 2..10"
+    ):
         compare_rows(full[:9], full, start=2, prompt_tokens=5)
     with pytest.raises(ShapeMismatchError, match=r"\[rows, layers, k\]"):
         compare_rows(full[:, :2], full, start=0, prompt_tokens=5)
@@ -122,3 +124,25 @@ def test_source_and_depth_keys() -> None:
         K.source("agreement", "depth_1k")
     with pytest.raises(ValueError, match="depth bucket '1k'"):
         K.depth("1k", "agreement")
+
+
+def test_indexer_picks_count_per_pick_so_a_boundary_tie_costs_one_pick() -> None:
+    """Indexer picks (token positions, -1 padding) are compared pick by pick: a swapped boundary pick costs one pick
+    of its row; picks of other positions (KV slots) fall; the re-score's picks may start at another token."""
+    g = np.random.default_rng(5)
+    n, layers, k, first = 40, 2, 8, 8
+    full = np.stack([np.stack([g.permutation(p + 1)[:k] for _ in range(layers)]) for p in range(first, n)])
+    served = full[2:].copy()  # served from token 10, the re-score from token 8 (its index_topk)
+    served[5, 0, 0] = next(x for x in range(n) if x <= 15 and x not in full[7, 0])  # one tie swapped at token 15
+    served[20, 1, :2] = -1  # padding is not a pick
+    got = compare_picks(served, full, start=10, prompt_tokens=30, rescored_start=first)
+    cells = served.size - 2
+    assert (got.cells, got.agreed) == (cells, cells - 1) and got.first_disagreement == 15 and got.passes()
+    slots = served.copy()
+    pos = np.arange(10, n)[:, None, None]
+    slots[20:] = np.where(served[20:] >= 0, (served[20:] + 3) % (pos[20:] + 1), -1)  # generated: KV slots
+    bad = compare_picks(slots, full, start=10, prompt_tokens=30, rescored_start=first)
+    assert bad.failing() == ["generated"] or "generated" in bad.failing()
+    assert bad.by_segment["computed_prompt"][0] == bad.by_segment["computed_prompt"][1] - 1
+    with pytest.raises(ShapeMismatchError, match="served picks cover positions 6..35"):
+        compare_picks(served, full, start=6, prompt_tokens=30, rescored_start=first)
