@@ -255,6 +255,35 @@ class _Doctor:
             )
         self.add(name, not flagged, detail)
 
+    async def indexer_audit(self, prompt: list[int]) -> None:
+        """The source audit of one sample's sparse-attention indexer picks (asked inline): one verdict line."""
+        name = "source audit (indexer)"
+        self.progress.started(name)
+        try:
+            batch = await self.client.generate(
+                [prompt], self.params, return_indexer_topk=True, indexer_by_reference=False
+            )
+        except RRError as e:
+            self.add(
+                name, True, f"not probed: the server did not return indexer picks ({type(e).__name__}: {e})", False
+            )
+            return
+        from rr_client.client.source_audit import SourceAudit
+
+        audit = SourceAudit(1.0)
+        (r,) = await audit.audit(self.client, list(batch), self.info)
+        picks = r.provenance.source_indexer if r.provenance is not None else None
+        if picks is None:
+            self.add(name, True, "not exercised: the sample came back without indexer picks", exercised=False)
+            return
+        ok = picks.passes(audit.threshold)
+        self.add(
+            name,
+            ok,
+            f"a prompt's indexer picks re-scored in a fresh prefill: {picks.agreed}/{picks.cells} picks agree"
+            + ("" if ok else f" - {picks.describe(audit.threshold)} (KV slots instead of positions? a stale cache?)"),
+        )
+
     def truth(self, model_path: str, device: str) -> None:
         from rr_server.doctor.truth import LayerAgreement, RouterReference
 
@@ -423,6 +452,8 @@ async def run_doctor(
         if any(c.name == "single" and c.ok for c in report.checks):
             what = f"the checks above (speculative decoding {spec})" if spec else "the checks above"
             await doc._guard("source audit", doc.source_audit("source audit", list(doc.samples), what))
+            if info.indexer is not None:  # a sparse-attention model: its indexer picks, re-scored the same way
+                await doc._guard("source audit (indexer)", doc.indexer_audit(plist[0]))
             from rr_server.doctor.probes import run_probes
 
             await run_probes(

@@ -108,10 +108,11 @@ async def test_the_audit_through_rrs_sidecar_in_front_of_unpatched_sglang(tiny_m
     assert len(keys) == 3 and all(k.startswith("rr-audit-") for k in keys)
 
 
-def kv_slots(req: StandInReq, rows: np.ndarray) -> None:
+def kv_slots(req: StandInReq, rows: np.ndarray, *, any_prompt: bool = False) -> None:
     """The fused indexer top-k's fault: picks as KV slots of another layout than token positions (here a rotation
-    of each row's positions, so every pick stays a valid, distinct, earlier token), on the first served request."""
-    if req.prompt == V32_PROMPTS[0] and len(req.completion) > 1:
+    of each row's positions, so every pick stays a valid, distinct, earlier token), on the first served request
+    (``any_prompt``: on every served request; a re-score, with one new token, is never edited)."""
+    if (any_prompt or req.prompt == V32_PROMPTS[0]) and len(req.completion) > 1:
         pos = np.arange(rows.shape[0])[:, None, None]
         rows[...] = np.where(rows >= 0, (rows + 3) % (pos + 1), rows)
 
@@ -154,3 +155,29 @@ async def test_indexer_picks_of_slots_not_positions_are_flagged(
     assert check.replay == (False, True) and check.source_indexer is not None and check.source_indexer.agreement < 1
     indexer_rescores = [r for r in h.sched.reqs.values() if getattr(r.tok, "extra_key", None) and r.asked_indexer]
     assert len(indexer_rescores) == 2
+
+
+@pytest.mark.sglang_releases("0.5.23")
+async def test_the_doctors_indexer_probe_gives_a_verdict(
+    tiny_moe: Path, patched: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rr-server doctor`` on a sparse-attention model: "source audit (indexer)" passes on an honest server and
+    fails, naming the generated segment, when the picks are slots instead of positions."""
+    import torch
+
+    from rr_server.doctor.checks import run_doctor
+    from tests.sglang.conftest import CACHE
+    from tests.sglang.deepseek_v32 import build_tiny_deepseek_v32
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_a, **_k: (9, 0))
+    h = Harness(build_tiny_deepseek_v32(CACHE / "sglang-deepseek-v32", tokenizer_from=tiny_moe))
+    details = []
+    for edit in (None, lambda req, rows: kv_slots(req, rows, any_prompt=True)):
+        h.sched.indexer_row_edit = edit
+        async with answering(h):
+            report = await run_doctor("http://sglang", transport=httpx.ASGITransport(app=h.http.app), max_new_tokens=6)
+        (check,) = [c for c in report.checks if c.name == "source audit (indexer)"]
+        details.append((check.ok, check.detail))
+    (ok0, d0), (ok1, d1) = details
+    assert ok0 and "picks agree" in d0, d0
+    assert not ok1 and "generated" in d1 and "KV slots" in d1, d1
