@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from rr_client.client._client import RoutedExpertsClient
 from rr_client.client._results import GenerateBatch, GenerateResult
+from rr_client.client.source_audit import SourceAudit, fresh_salt
 from rr_client.core.errors import ArgumentTypeError, ConfigurationError, ProtocolError, SeamMismatchError
 from rr_client.core.provenance import PROVENANCE_FIELD
 from rr_client.core.seam import SEAM_FIELD, Half, SeamRef, joined_provenance, merge_halves, plan_seam
@@ -33,7 +34,9 @@ class PDClient:
     """A prefill server and a decode server of one SGLang P/D deployment, used as one: :meth:`generate` returns
     results whose rows cover the whole sample, the prompt's from the prefill server and the rest from the decode
     server. ``bootstrap_port``: the prefill server's ``--disaggregation-bootstrap-port``; ``bootstrap_host``: its host
-    (default: the prefill URL's). Other keywords go to both :class:`RoutedExpertsClient`."""
+    (default: the prefill URL's). ``source_audit`` (a fraction or a :class:`rr_client.SourceAudit`): that share of
+    samples is re-scored through the pair (one prefill of every token on the prefill server, a fresh cache salt on
+    both) and flagged as :class:`RoutedExpertsClient` does. Other keywords go to both :class:`RoutedExpertsClient`."""
 
     def __init__(
         self,
@@ -42,6 +45,7 @@ class PDClient:
         *,
         bootstrap_port: int,
         bootstrap_host: str | None = None,
+        source_audit: float | SourceAudit | None = None,
         **client_kwargs: Any,
     ) -> None:
         if not isinstance(bootstrap_port, int) or isinstance(bootstrap_port, bool) or bootstrap_port <= 0:
@@ -51,6 +55,9 @@ class PDClient:
         self.bootstrap_host = bootstrap_host or urlsplit(prefill_url).hostname or "127.0.0.1"
         self.prefill = RoutedExpertsClient(prefill_url, **client_kwargs)
         self.decode = RoutedExpertsClient(decode_url, **client_kwargs)
+        if source_audit is not None and not isinstance(source_audit, SourceAudit):
+            source_audit = SourceAudit(source_audit) if source_audit else None
+        self.source_audit: SourceAudit | None = source_audit
 
     async def __aenter__(self) -> PDClient:
         return self
@@ -91,7 +98,22 @@ class PDClient:
                 for i in range(len(plist))
             )
         )
-        return GenerateBatch(results=list(results), info=info_d)
+        out = list(results)
+        if self.source_audit is not None and not by_reference:
+            out = await self.source_audit.audit(self, out, info_d)
+        return GenerateBatch(results=out, info=info_d)
+
+    async def rescore(
+        self, tokens: Sequence[int], info: Any, salt_field: str = "extra_key", *, indexer: bool = False
+    ) -> GenerateResult:
+        """The source audit's re-score through the pair: ``tokens`` as one prompt (every row from the prefill
+        server's one prefill), ``max_new_tokens=1``, a fresh salt on both servers (``indexer``: not served by P/D)."""
+        if indexer:
+            raise ConfigurationError("P/D re-scores routing only: a decode server refuses the prompt's indexer picks")
+        info_p, info_d = await asyncio.gather(self.prefill.info(), self.decode.info())
+        greedy = {"max_new_tokens": 1, "temperature": 0.0}
+        salt = {salt_field: fresh_salt()}
+        return await self._one([list(tokens)], 0, greedy, 0, info_p, info_d, False, salt=salt)
 
     async def _one(
         self,
@@ -102,13 +124,16 @@ class PDClient:
         info_p: Any,
         info_d: Any,
         by_ref: bool,
+        salt: Mapping[str, str] | None = None,
     ) -> GenerateResult:
-        """Prompt ``i`` through the pair: both requests at once (same room), each answer checked, then joined."""
+        """Prompt ``i`` through the pair: both requests at once (same room), each answer checked, then joined
+        (``salt``: a prefix-cache namespace field for both requests)."""
         prompt = len(plist[i])
         boot = {
             "bootstrap_host": self.bootstrap_host,
             "bootstrap_port": self.bootstrap_port,
             "bootstrap_room": secrets.randbits(63),  # SGLang's room: one per request pair
+            **(salt or {}),
         }
         one = range(i, i + 1)
         (p,), (d,) = await asyncio.gather(

@@ -30,6 +30,7 @@ from ._results import GenerateResult
 
 if TYPE_CHECKING:
     from ._client import RoutedExpertsClient
+    from ._pd import PDClient
 
 __all__ = ["SourceAudit", "SourceAuditStats", "salt_field"]
 
@@ -91,7 +92,7 @@ class SourceAudit:
         return int.from_bytes(h.digest(), "little") / 2**64 < self.fraction
 
     async def audit(
-        self, client: RoutedExpertsClient, results: Sequence[GenerateResult], info: RRInfo
+        self, client: RoutedExpertsClient | PDClient, results: Sequence[GenerateResult], info: RRInfo
     ) -> list[GenerateResult]:
         """``results`` with the chosen ones' provenance carrying the audit's verdict (the others unchanged)."""
         out = list(results)
@@ -103,7 +104,7 @@ class SourceAudit:
             out[i] = v
         return out
 
-    async def _one(self, client: RoutedExpertsClient, r: GenerateResult, info: RRInfo) -> GenerateResult:
+    async def _one(self, client: RoutedExpertsClient | PDClient, r: GenerateResult, info: RRInfo) -> GenerateResult:
         """One sample re-scored and judged; a failed re-score is logged and leaves it unchecked (or flagged)."""
         try:
             if r.prompt_ids is None:

@@ -337,3 +337,26 @@ def test_a_one_token_completion_joins_inline_and_by_reference(
         assert np.array_equal(got.routed_experts, want)
 
     run(go())
+
+
+def test_the_source_audit_re_scores_through_the_pair(pair: tuple[PDServer, PDServer, int]) -> None:
+    """``PDClient(source_audit=1.0)`` (issue 57): every P/D sample is re-scored through the pair (every token one
+    prefill on the prefill server, ``max_new_tokens=1``, a fresh ``extra_key`` on both) and its joined rows, prompt
+    half and decode half, agree with the re-score on every cell."""
+    from rr_client import PDClient
+    from rr_client.client import SourceAudit
+
+    prefill, decode, bootstrap = pair
+    audit = SourceAudit(1.0)
+    prompts = [[11, 23, 35, 47, 59, 61, 73], [101, 7, 19, 88, 5]]
+
+    async def go() -> Any:
+        async with PDClient(prefill.url, decode.url, bootstrap_port=bootstrap, retries=0, source_audit=audit) as c:
+            return await c.generate(prompts, {"max_new_tokens": 5})
+
+    batch = run(go())
+    assert audit.stats.checked == 2 and audit.stats.flagged == 0 == audit.stats.failed
+    for r in batch.results:
+        p = r.provenance
+        assert p is not None and p.source_checked and p.source_agreement == 1.0 and not p.source_flagged
+        assert p.source_detail is not None and set(p.source_detail.by_segment) >= {"computed_prompt", "generated"}
