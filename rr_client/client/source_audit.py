@@ -17,10 +17,11 @@ import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from rr_client.core.engines import ENGINES
 from rr_client.core.errors import ConfigurationError, RRError
 from rr_client.core.info import RRInfo
 from rr_client.core.provenance import Provenance
@@ -28,20 +29,25 @@ from rr_client.core.source_audit import DEFAULT_THRESHOLD, check_threshold, comp
 
 from ._results import GenerateResult
 
-if TYPE_CHECKING:
-    from ._client import RoutedExpertsClient
-    from ._pd import PDClient
-
-__all__ = ["SourceAudit", "SourceAuditStats", "salt_field"]
+__all__ = ["SourceAudit", "SourceAuditStats", "Rescorer", "salt_field"]
 
 logger = logging.getLogger("rr_client.source_audit")
+
+
+class Rescorer(Protocol):
+    """What the audit re-scores through: :class:`RoutedExpertsClient` or :class:`PDClient` (``rescore``)."""
+
+    async def rescore(
+        self, tokens: Sequence[int], info: RRInfo, salt_field: str = ..., *, indexer: bool = ...
+    ) -> GenerateResult: ...
 
 
 def salt_field(info: RRInfo) -> str:
     """The request field that puts a request in its own prefix-cache namespace on ``info``'s engine: SGLang's
     ``extra_key`` (0.5.7+; ``cache_salt`` only from 0.5.19), vLLM's ``cache_salt`` (rr's ``/generate`` and the
     sidecar pass it on)."""
-    return "extra_key" if info.engine == "sglang" else "cache_salt"
+    eng = ENGINES.get(info.engine)
+    return eng.cache_namespace_field if eng is not None else "cache_salt"  # rr's /generate takes cache_salt
 
 
 @dataclass
@@ -91,9 +97,7 @@ class SourceAudit:
         h.update(result.index.to_bytes(8, "little"))
         return int.from_bytes(h.digest(), "little") / 2**64 < self.fraction
 
-    async def audit(
-        self, client: RoutedExpertsClient | PDClient, results: Sequence[GenerateResult], info: RRInfo
-    ) -> list[GenerateResult]:
+    async def audit(self, client: Rescorer, results: Sequence[GenerateResult], info: RRInfo) -> list[GenerateResult]:
         """``results`` with the chosen ones' provenance carrying the audit's verdict (the others unchanged)."""
         out = list(results)
         picks = [i for i, r in enumerate(out) if r.routed_experts is not None and self.chosen(r)]
@@ -104,7 +108,7 @@ class SourceAudit:
             out[i] = v
         return out
 
-    async def _one(self, client: RoutedExpertsClient | PDClient, r: GenerateResult, info: RRInfo) -> GenerateResult:
+    async def _one(self, client: Rescorer, r: GenerateResult, info: RRInfo) -> GenerateResult:
         """One sample re-scored and judged; a failed re-score is logged and leaves it unchecked (or flagged)."""
         try:
             if r.prompt_ids is None:

@@ -108,6 +108,9 @@ class Engine:
     original_logprob_env: str | None  # the variable that makes it return pre-temperature log-probs (SGLang's)
     # what it says about its KV cache, and its tier below the device cache
     cache_metric: str | None  # the Prometheus ``/metrics`` series whose labels are its cache config (vLLM's)
+    # the request field that puts a request in its own prefix-cache namespace (the source audit's bypass): vLLM's
+    # ``cache_salt``; SGLang's ``extra_key`` (its radix-tree key on every release rr supports; ``cache_salt`` 0.5.19+)
+    cache_namespace_field: str
     server_args_routes: tuple[str, ...]  # routes answering its server arguments, cache settings included (SGLang's)
     kv_offload_connector: bool  # offloads KV through a KV connector (vLLM's KV offloading)
     hierarchical_cache: bool  # offloads KV through a hierarchical host/storage cache (SGLang's HiCache)
@@ -195,6 +198,7 @@ VLLM = Engine(
     logprobs_default="raw_logprobs",
     original_logprob_env=None,
     cache_metric="vllm:cache_config_info",
+    cache_namespace_field="cache_salt",
     server_args_routes=(),
     kv_offload_connector=True,
     hierarchical_cache=False,
@@ -246,6 +250,7 @@ SGLANG = Engine(
     logprobs_default=None,
     original_logprob_env="SGLANG_RETURN_ORIGINAL_LOGPROB",
     cache_metric=None,
+    cache_namespace_field="extra_key",
     server_args_routes=("/get_server_info", "/server_info"),
     kv_offload_connector=False,
     hierarchical_cache=True,
