@@ -303,8 +303,12 @@ def provenance_metrics(check: ProvenanceCheck) -> dict[str, float]:
         K.SPANS_UPDATE: float(check.spans_update),
         K.PROVENANCE_UNKNOWN: float(check.unknown),
         K.CACHED_TOKENS: float(check.cached_tokens),
-        K.SOURCE_CHECKED: float(check.source_checked),
-        K.SOURCE_FLAGGED: float(check.source_flagged),
+        # the source audit's counts only where it ran (a step without it claims nothing of it)
+        **(
+            {K.SOURCE_CHECKED: float(check.source_checked), K.SOURCE_FLAGGED: float(check.source_flagged)}
+            if check.source_checked or check.source_flagged
+            else {}
+        ),
         **source_metrics(check.source),
         **(
             {K.source("indexer_agreement"): check.source_indexer.agreement}

@@ -97,6 +97,24 @@ def test_old_weight_prefix_hits_are_named_refused_and_gone_after_a_reset(
     masked = check_provenance([p_cold, p_hit], "mask")
     assert masked.replay == (True, False) and masked.masked == 1
 
+    # the source audit finds it from the rows alone (issue 57): the engine's fresh re-score of the same tokens runs the
+    # new weights, so the cached segment (the old weights' rows) falls while nothing else says why
+    async def audited() -> Any:
+        from rr_client import RoutedExpertsClient
+        from rr_client.client import SourceAudit, parse_sample
+
+        async with RoutedExpertsClient(url) as c:
+            served = parse_sample(hit, index=0, prompt_index=0, prompt_ids=CACHED_PROMPT, info=await c.info(),
+                                  want_routing=True)  # fmt: skip
+            (judged,) = await SourceAudit(1.0).audit(c, [served], await c.info())
+            return judged.provenance
+
+    p_audit = asyncio.run(audited())
+    detail = p_audit.source_detail
+    assert p_audit.source_flagged and detail is not None and "cached_prompt" in detail.failing()
+    cached_agree, cached_cells = detail.by_segment["cached_prompt"]
+    assert cached_cells == 64 * len(MOE_LAYERS) and cached_agree / cached_cells < 0.5
+
     # rr's push on the idle server: reload, and a reset vLLM says worked: the cache is clean
     epochs = info(url)["cache_epoch"]
     sync.push(pushed, 1)
