@@ -41,6 +41,9 @@ COMPARED = [
     K.K3_KL,
     K.FRAC_ABS_DIFF_GT_LN2,
     K.LOGP_TOKENS,
+    K.depth("0-8k", "logp_tokens"),  # the gap by context depth (issue 57): every token here is in the first bucket
+    K.depth("0-8k", "mean_abs_logp_diff"),
+    K.depth("0-8k", "k3_kl"),
 ]
 
 

@@ -21,6 +21,7 @@ from rr_client.core import settings
 from rr_client.core.errors import ConfigurationError, MissingRoutingError, UnsupportedModelError
 from rr_client.core.info import RRInfo
 from rr_client.core.logprobs import PROCESSED, check_comparable_logprobs
+from rr_client.core.source_audit import DEPTH_EDGES
 from rr_client.trainer import keys as K
 from rr_client.trainer.provenance import CACHED, COMPUTED, GENERATED, Segments
 from rr_client.trainer.replay import find_routers
@@ -133,6 +134,15 @@ def _segments(
     return Segments(rows, rows.new_empty(0), _NAMES)
 
 
+def _response_depths(plens: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+    """The context-depth bucket of each padded response column's token (its position: prompt length + column), for
+    the gap by depth (``r3/depth/<bucket>/...``); None without prompt lengths."""
+    if plens is None or len(shape) != 2:
+        return None
+    pos = plens.to(device).long()[:, None] + torch.arange(shape[1], device=device)[None, :]
+    return torch.bucketize(pos, torch.tensor(DEPTH_EDGES, device=device), right=True)
+
+
 if TYPE_CHECKING:  # for a type checker the mixin's super() is verl's engine; at run time the mixin stands alone
     _EngineBase = Any
 else:
@@ -162,6 +172,7 @@ class RRFSDPEngineMixin(_EngineBase):
         self._rr_action: str | None = None
         self._rr_record: Any = None
         self._rr_segments: Segments | None = None  # the open micro-batch's token segments
+        self._rr_prompt_lens: torch.Tensor | None = None  # its samples' prompt lengths (the response's depth)
 
     def initialize(self) -> None:
         super().initialize()
@@ -287,6 +298,7 @@ class RRFSDPEngineMixin(_EngineBase):
             elif pad:
                 n_tok = int(rows.rows.shape[1]) - pad
                 tokens = torch.cat([rows.have.new_ones(n_tok), rows.have.new_zeros(pad)])
+            self._rr_prompt_lens = plens
             self._rr_segments = (
                 None
                 if plens is None
@@ -324,7 +336,10 @@ class RRFSDPEngineMixin(_EngineBase):
                 seg = self._rr_segments
                 if seg is not None:  # every response token is generated (verl carries no turns)
                     seg = Segments(
-                        seg.rows, torch.full(tuple(lp.shape), GENERATED, dtype=torch.long, device=lp.device), seg.names
+                        seg.rows,
+                        torch.full(tuple(lp.shape), GENERATED, dtype=torch.long, device=lp.device),
+                        seg.names,
+                        _response_depths(self._rr_prompt_lens, tuple(lp.shape), lp.device),
                     )
                 # the samples the policy masked in this micro-batch's door leave the gap (the session's keep)
                 self.rr_session.add_gap(
