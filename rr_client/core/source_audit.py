@@ -140,19 +140,9 @@ def compare_rows(
     ``prompt_tokens`` / ``cached_tokens`` split positions into segments; ``moe_layers`` the layer positions to count
     (dense layers are zero on both sides). Works for any id sets per row: expert ids, or indexer picks (token
     positions, -1 padding; :func:`compare_picks` counts those per pick). One vectorised pass; no loop over tokens."""
-    s, r = np.asarray(served), np.asarray(rescored)
-    if start < rescored_start:
-        raise ShapeMismatchError(f"served rows start at token {start}, the re-score's at {rescored_start}")
-    start_in_r = start - rescored_start
-    if s.ndim != 3 or r.ndim != 3 or s.shape[1:] != r.shape[1:]:
-        raise ShapeMismatchError(f"served rows {s.shape} and re-scored rows {r.shape} must both be [rows, layers, k]")
-    if start < 0 or r.shape[0] < start_in_r + s.shape[0]:
-        raise ShapeMismatchError(
-            f"the re-score has {r.shape[0]} rows from token {rescored_start}; served rows cover positions "
-            f"{start}..{start + s.shape[0] - 1}"
-        )
+    s, r = _aligned(np.asarray(served), np.asarray(rescored), start, rescored_start, "rows")
     layers = tuple(range(s.shape[1])) if moe_layers is None else tuple(int(x) for x in moe_layers)
-    same = set_matches(s, r[start_in_r : start_in_r + s.shape[0]], layers=layers)  # [R, Lm]
+    same = set_matches(s, r, layers=layers)  # [R, Lm]
     return _aggregate(same.astype(np.int64), np.ones(same.shape, np.int64), start, prompt_tokens, cached_tokens, layers)
 
 
@@ -170,16 +160,9 @@ def compare_picks(
     ``agreed`` counts served picks the re-score picked too, so a boundary tie that swaps one of 2,048 picks costs
     1/2,048 of its row, not the row (exact set equality would flag every honest bf16 row); ``tokens_agreed``: rows
     whose every layer's pick set is equal. Vectorised (``np.isin`` over row-keyed values)."""
-    s, r = np.asarray(served).astype(np.int64), np.asarray(rescored).astype(np.int64)
-    if s.ndim != 3 or r.ndim != 3 or s.shape[1:] != r.shape[1:]:
-        raise ShapeMismatchError(f"served picks {s.shape} and re-scored picks {r.shape} must both be [rows, layers, k]")
-    lo = start - rescored_start
-    if lo < 0 or r.shape[0] < lo + s.shape[0]:
-        raise ShapeMismatchError(
-            f"the re-score has {r.shape[0]} pick rows from token {rescored_start}; served picks cover positions "
-            f"{start}..{start + s.shape[0] - 1}"
-        )
-    r = r[lo : lo + s.shape[0]]
+    s, r = _aligned(
+        np.asarray(served).astype(np.int64), np.asarray(rescored).astype(np.int64), start, rescored_start, "picks"
+    )
     span = int(max(s.max(initial=0), r.max(initial=0))) + 2  # keys: (row, layer) cell * span + pick
     cell = np.arange(s.shape[0] * s.shape[1], dtype=np.int64).reshape(s.shape[0], s.shape[1], 1) * span
     valid = s >= 0
@@ -187,6 +170,24 @@ def compare_picks(
     agreed, total = hit.sum(axis=2), valid.sum(axis=2)
     layers = tuple(range(s.shape[1]))
     return _aggregate(agreed, total, start, prompt_tokens, cached_tokens, layers)
+
+
+def _aligned(s: np.ndarray, r: np.ndarray, start: int, rescored_start: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """``s`` and the rows of ``r`` at the same token positions (``s`` from ``start``, ``r`` from ``rescored_start``),
+    both ``[rows, layers, k]``; :class:`ShapeMismatchError` when the shapes differ or the re-score does not cover
+    every served position. ``what``: "rows" or "picks", for the messages."""
+    if s.ndim != 3 or r.ndim != 3 or s.shape[1:] != r.shape[1:]:
+        raise ShapeMismatchError(
+            f"served {what} {s.shape} and re-scored {what} {r.shape} must both be [rows, layers, k]"
+        )
+    lo = start - rescored_start
+    if start < 0 or lo < 0 or r.shape[0] < lo + s.shape[0]:
+        rows = "rows" if what == "rows" else f"{what[:-1]} rows"
+        raise ShapeMismatchError(
+            f"the re-score has {r.shape[0]} {rows} from token {rescored_start}; served {what} cover positions "
+            f"{start}..{start + s.shape[0] - 1}"
+        )
+    return s, r[lo : lo + s.shape[0]]
 
 
 def _aggregate(

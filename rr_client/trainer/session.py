@@ -150,30 +150,37 @@ def _segment_gaps(
     for names, _ in seg_gaps:
         for name in names:
             row, at = flat[at : at + 7], at + 7
-            for key in {name} if name[1] == _DEPTH else {name, (name[0], None)}:
+            for key in {name, (name[0], None)}:
                 acc = sums.setdefault(key, [0.0] * 7)
                 for i, v in enumerate(row):
                     acc[i] += v
     out: dict[str, float] = {}
-    for (name, turn), (n, s_abs, _sq, s_k3, n2, _n5, _bad) in sums.items():
-        if turn == _DEPTH and not n:
-            continue  # a depth bucket no token reached: no keys (a segment says 0 tokens)
-        named = functools.partial(K.depth, name) if turn == _DEPTH else functools.partial(_seg_key, name, turn=turn)
-        out[named(K.LOGP_TOKENS[len(K.PREFIX) :])] = n
-        if n:
-            out[named(K.MEAN_ABS_LOGP_DIFF[len(K.PREFIX) :])] = s_abs / n
-            out[named(K.K3_KL[len(K.PREFIX) :])] = s_k3 / n
-            out[named(K.FRAC_ABS_DIFF_GT_LN2[len(K.PREFIX) :])] = n2 / n
+    for (name, turn), row in sums.items():
+        out.update(_gap_row(functools.partial(K.segment, name, turn=turn), row))
     return out
 
 
-_DEPTH = -1  # the "turn" of a depth bucket's name in the gap sums (never a real turn)
-_DEPTH_NAMES: tuple[tuple[str, int | None], ...] = tuple((b, _DEPTH) for b in K.DEPTH_BUCKETS)
+def _depth_gaps(flat: list[float]) -> dict[str, float]:
+    """The step's gap per context-depth bucket (``r3/depth/<bucket>/...``) from the read sums ``[buckets x 7]``;
+    buckets no token reached have no keys."""
+    out: dict[str, float] = {}
+    for code, bucket in enumerate(K.DEPTH_BUCKETS):
+        row = flat[7 * code : 7 * code + 7]
+        if row[0]:
+            out.update(_gap_row(functools.partial(K.depth, bucket), row))
+    return out
 
 
-def _seg_key(name: str, metric: str, turn: int | None) -> str:
-    """``r3/[turn<t>/]<segment>/<metric>``."""
-    return K.segment(name, metric, turn)
+def _gap_row(named: Any, row: Sequence[float]) -> dict[str, float]:
+    """The gap keys of one summed :func:`~rr_client.trainer.metrics.segment_gap_stats` row, each named
+    ``named(metric)``: its token count, and the means where it has tokens."""
+    n, s_abs, _sq, s_k3, n2 = row[:5]
+    out = {named(K.LOGP_TOKENS[len(K.PREFIX) :]): n}
+    if n:
+        out[named(K.MEAN_ABS_LOGP_DIFF[len(K.PREFIX) :])] = s_abs / n
+        out[named(K.K3_KL[len(K.PREFIX) :])] = s_k3 / n
+        out[named(K.FRAC_ABS_DIFF_GT_LN2[len(K.PREFIX) :])] = n2 / n
+    return out
 
 
 def _close_quietly(stack: ExitStack) -> None:
@@ -270,6 +277,7 @@ class ReplaySession:
         self._gaps: list[torch.Tensor] = []
         self._agree = [0, 0]  # recorded rows equal to the compared rows, rows compared
         self._seg_gaps: list[tuple[tuple[tuple[str, int | None], ...], torch.Tensor]] = []
+        self._depth_gaps: list[torch.Tensor] = []  # per add_gap: the gap sums per depth bucket ([buckets, 7])
         self._checks: list[ProvenanceCheck] = []  # check_samples: they count the step
         self._row_checks: list[ProvenanceCheck] = []  # the policy where trained rows entered (open_replay)
         self._forward_checks: list[ProvenanceCheck] = []  # ... where rows of forwards without backward entered
@@ -648,8 +656,8 @@ class ReplaySession:
                 (segments.names, segment_gap_stats(mine, engine_logps, mask, segments.logps, len(segments.names)))
             )
             if segments.depths is not None:
-                self._seg_gaps.append(
-                    (_DEPTH_NAMES, segment_gap_stats(mine, engine_logps, mask, segments.depths, len(K.DEPTH_BUCKETS)))
+                self._depth_gaps.append(
+                    segment_gap_stats(mine, engine_logps, mask, segments.depths, len(K.DEPTH_BUCKETS))
                 )
 
     def check_samples(self, samples: Sequence[Any]) -> ProvenanceCheck:
@@ -717,9 +725,14 @@ class ReplaySession:
             parts = [torch.stack([g.to(dev) for g in self._gaps]).sum(0)] + [
                 t.to(dev).reshape(-1) for _, t in self._seg_gaps
             ]
+            if self._depth_gaps:
+                parts.append(torch.stack([d.to(dev) for d in self._depth_gaps]).sum(0).reshape(-1))
             flat = torch.cat(parts).tolist()  # the step's one host read of the gaps
+            n_seg = 7 * sum(len(names) for names, _ in self._seg_gaps)
             out.update(gap_keys(flat[:7]))
-            out.update(_segment_gaps(self._seg_gaps, flat[7:]))
+            out.update(_segment_gaps(self._seg_gaps, flat[7 : 7 + n_seg]))
+            if self._depth_gaps:
+                out.update(_depth_gaps(flat[7 + n_seg :]))
         checks = self._checks or self._row_checks or self._forward_checks
         if checks:
             out.update(provenance_metrics(merge_checks(checks)))
@@ -730,6 +743,7 @@ class ReplaySession:
 
     def _reset(self) -> None:
         self._reports, self._gaps, self._agree, self._seg_gaps, self._checks = [], [], [0, 0], [], []
+        self._depth_gaps = []
         self._indexer_reports = []
         self._row_checks, self._forward_checks, self._policed, self._keep = [], [], {}, None
         self._indexer_fed = self._routing_fed = False

@@ -429,10 +429,19 @@ def test_a_grpo_config_the_rollout_cannot_serve_is_refused(
     assert connections == []
 
 
-class _StaleEveryFourth(ProtocolTestServer):
-    """TEST-ONLY: the protocol server with a sampling log-prob per generated token: -1.0, except every fourth
-    sample it makes, which says it was recomputed across a weight update (``rr_provenance``) and whose log-probs are
-    -60.0 (a gap of ~55 nats: a stale sample's log-probs are another policy's)."""
+class _WithLogprobs(ProtocolTestServer):
+    """TEST-ONLY: the protocol server with a sampling log-prob (-1.0) per generated token, as RRRollout asks."""
+
+    def _sample(self, prompt: list[int], j: int, params: dict[str, Any], want: bool, start: int) -> dict[str, Any]:
+        out = super()._sample(prompt, j, params, want, start)
+        out["meta_info"]["output_token_logprobs"] = [[-1.0, t, None] for t in out["output_ids"]]
+        return out
+
+
+class _StaleEveryFourth(_WithLogprobs):
+    """TEST-ONLY: :class:`_WithLogprobs`, except every fourth sample it makes, which says it was recomputed across a
+    weight update (``rr_provenance``) and whose log-probs are -60.0 (a gap of ~55 nats: a stale sample's log-probs
+    are another policy's)."""
 
     made = 0
 
@@ -442,24 +451,21 @@ class _StaleEveryFourth(ProtocolTestServer):
         out = super()._sample(prompt, j, params, want, start)
         stale = type(self).made % 4 == 0
         type(self).made += 1
-        lp = -60.0 if stale else -1.0
-        out["meta_info"]["output_token_logprobs"] = [[lp, t, None] for t in out["output_ids"]]
         if stale:
+            out["meta_info"]["output_token_logprobs"] = [[-60.0, t, None] for t in out["output_ids"]]
             prov = Provenance(preemptions=1, weight_version_admitted=1, weight_version_finished=2)
             out["meta_info"]["rr_provenance"] = prov.to_dict()
         return out
 
 
-def test_trl_masked_samples_are_out_of_the_gap(tmp_path: Any) -> None:
-    """TRL 1.16's real ``GRPOTrainer.train`` with ``stale_rows="mask"`` (issue 56, item 2): the one stale sample of
-    each batch of 4 reaches the session's door with its provenance (no rollout-time masking in the adapter), is left
-    to the router, counted under ``r3/stale_masked``, and is out of ``r3/mean_abs_logp_diff`` / ``r3/k3_kl``: the
-    step's gap is measured on the other 3 samples' tokens only, so its -60 log-probs move neither."""
+def _train_masked(tmp_path: Any, server: ProtocolTestServer, *, max_steps: int, **rollout_options: Any) -> Any:
+    """TRL 1.16's real ``R3GRPOTrainer.train`` on the tiny Qwen3-MoE with ``stale_rows="mask"`` against ``server``
+    (``RRRollout(server.url, **rollout_options)``), batches of 4 samples of 4 tokens, auditing every step; the
+    trained trainer."""
     import transformers
     from datasets import Dataset
 
     from rr_client.integrations.trl import R3GRPOTrainer, RRRollout
-    from rr_client.trainer import keys as K
     from rr_server.demo.tiny_moe import build_tiny_moe
     from tests.support.grpo import cpu_grpo_config
     from tests.support.vllm_process import CACHE
@@ -467,35 +473,44 @@ def test_trl_masked_samples_are_out_of_the_gap(tmp_path: Any) -> None:
     model_dir = build_tiny_moe(
         CACHE / "qwen3_dense", arch="qwen3_moe", num_layers=3, num_experts=8, topk=2, mlp_only_layers=(1,)
     )
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = cpu_grpo_config(
         str(tmp_path),
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=4,
-        max_steps=2,
+        max_steps=max_steps,
         learning_rate=1e-3,
         vllm_importance_sampling_correction=False,  # the server's log-probs are made up
     )
+    rollout = RRRollout(server.url, **rollout_options)
+    try:
+        trainer = R3GRPOTrainer(
+            model=transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+            reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+            args=cfg,
+            processing_class=transformers.AutoTokenizer.from_pretrained(model_dir),
+            train_dataset=Dataset.from_dict({"prompt": ["the quick brown fox", "hello world and"] * 4}),
+            rollout_func=rollout,
+            sync_weights=False,
+            audit_every=1,
+            stale_rows="mask",
+        )
+        trainer.train()
+    finally:
+        rollout.close()
+    return trainer
+
+
+def test_trl_masked_samples_are_out_of_the_gap(tmp_path: Any) -> None:
+    """TRL 1.16's real ``GRPOTrainer.train`` with ``stale_rows="mask"`` (issue 56, item 2): the one stale sample of
+    each batch of 4 reaches the session's door with its provenance (no rollout-time masking in the adapter), is left
+    to the router, counted under ``r3/stale_masked``, and is out of ``r3/mean_abs_logp_diff`` / ``r3/k3_kl``: the
+    step's gap is measured on the other 3 samples' tokens only, so its -60 log-probs move neither."""
+    from rr_client.trainer import keys as K
+
     _StaleEveryFourth.made = 0
     with _StaleEveryFourth(layers=3, topk=2, num_experts=8, moe_layers=[0, 2]) as server:
-        rollout = RRRollout(server.url)
-        try:
-            trainer = R3GRPOTrainer(
-                model=model,
-                reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-                args=cfg,
-                processing_class=tok,
-                train_dataset=Dataset.from_dict({"prompt": ["the quick brown fox", "hello world and"] * 4}),
-                rollout_func=rollout,
-                sync_weights=False,
-                audit_every=1,
-                stale_rows="mask",
-            )
-            trainer.train()
-        finally:
-            rollout.close()
+        trainer = _train_masked(tmp_path, server, max_steps=2)
     logs = [h for h in trainer.state.log_history if K.LOGP_TOKENS in h]
     assert len(logs) == 2, trainer.state.log_history
     for log in logs:
@@ -506,62 +521,17 @@ def test_trl_masked_samples_are_out_of_the_gap(tmp_path: Any) -> None:
         assert log[K.MEAN_ABS_LOGP_DIFF] < 10 and log[K.K3_KL] < 1e3, log
 
 
-class _WithLogprobs(ProtocolTestServer):
-    """TEST-ONLY: the protocol server with a sampling log-prob (-1.0) per generated token, as RRRollout asks."""
-
-    def _sample(self, prompt: list[int], j: int, params: dict[str, Any], want: bool, start: int) -> dict[str, Any]:
-        out = super()._sample(prompt, j, params, want, start)
-        out["meta_info"]["output_token_logprobs"] = [[-1.0, t, None] for t in out["output_ids"]]
-        return out
-
-
 def test_trl_samples_the_source_audit_flags_are_masked(tmp_path: Any) -> None:
     """TRL 1.16's real ``GRPOTrainer.train`` with ``RRRollout(url, source_audit=1.0)`` (issue 57): the rollout's
     client re-scores every sample; the server (TEST-ONLY protocol stand-in, ``late_decode``) answers every other
     sample with generated rows of other tokens, which its re-score does not give back: those samples are flagged in
     their provenance, reach the session's door, are masked by ``stale_rows="mask"`` and counted under
     ``r3/source/flagged``, ``r3/stale_masked`` and the per-segment ``r3/source/generated/agreement``."""
-    import transformers
-    from datasets import Dataset
-
-    from rr_client.integrations.trl import R3GRPOTrainer, RRRollout
     from rr_client.trainer import keys as K
-    from rr_server.demo.tiny_moe import build_tiny_moe
-    from tests.support.grpo import cpu_grpo_config
-    from tests.support.vllm_process import CACHE
 
-    model_dir = build_tiny_moe(
-        CACHE / "qwen3_dense", arch="qwen3_moe", num_layers=3, num_experts=8, topk=2, mlp_only_layers=(1,)
-    )
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = cpu_grpo_config(
-        str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=1,
-        learning_rate=1e-3,
-        vllm_importance_sampling_correction=False,
-    )
     with _WithLogprobs(layers=3, topk=2, num_experts=8, moe_layers=[0, 2]) as server:
         server.behaviour.corrupt = "late_decode"
-        rollout = RRRollout(server.url, source_audit=1.0)
-        try:
-            trainer = R3GRPOTrainer(
-                model=model,
-                reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-                args=cfg,
-                processing_class=tok,
-                train_dataset=Dataset.from_dict({"prompt": ["the quick brown fox", "hello world and"] * 4}),
-                rollout_func=rollout,
-                sync_weights=False,
-                audit_every=1,
-                stale_rows="mask",
-            )
-            trainer.train()
-        finally:
-            rollout.close()
+        trainer = _train_masked(tmp_path, server, max_steps=1, source_audit=1.0)
         salted = [b for b in server.behaviour.bodies if b.get("cache_salt")]
     logs = [h for h in trainer.state.log_history if K.SOURCE_CHECKED in h]
     assert len(logs) == 1, trainer.state.log_history
