@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the trainer's too)")
     ap.add_argument("--indexer", action="store_true", help="replay the sparse-attention indexer's picks too (DSA)")
     ap.add_argument(
+        "--seed", type=int, default=None, help="sampling seed (step s samples with seed + s): repeatable runs"
+    )
+    ap.add_argument(
         "--stale-rows",
         choices=["refuse", "mask", "off"],
         default="refuse",
@@ -89,7 +92,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
 
     # ---------------------------------------------------------------- the loop
     for step in range(args.steps):
-        batch = asyncio.run(rollout(args.url, prompts, params, args.by_reference, args.indexer))
+        step_params = params if args.seed is None else {**params, "seed": args.seed + step}
+        batch = asyncio.run(rollout(args.url, prompts, step_params, args.by_reference, args.indexer))
         rt = batch.to_tensors(pad_side="right")
         response = rt.response_mask.bool()
         vocab = model.config.vocab_size
