@@ -105,6 +105,11 @@ def _doctor(base_url: str, model_dir: Path) -> bool:
     return report.ok
 
 
+# the demo's checkpoint (relative to the checkout): what README's `docker run ... rr-vllm:cpu` line mounts
+MODEL_DIR = ".cache/demo-qwen3-moe"
+MODEL_SPEC: dict[str, Any] = dict(arch="qwen3_moe", num_layers=3, num_experts=8, topk=2, mlp_only_layers=(1,))
+
+
 def run(args: argparse.Namespace) -> int:
     """Build, launch, generate, report; return the exit code."""
     from transformers import AutoTokenizer
@@ -195,12 +200,12 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
     p = argparse.ArgumentParser(prog="python -m rr_server.demo", description=__doc__)
-    p.add_argument("--model-dir", default=".cache/demo-qwen3-moe")
-    p.add_argument("--arch", default="qwen3_moe")
-    p.add_argument("--num-layers", type=int, default=3)
-    p.add_argument("--num-experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--dense-layers", type=int, nargs="*", default=[1])
+    p.add_argument("--model-dir", default=MODEL_DIR)
+    p.add_argument("--arch", default=MODEL_SPEC["arch"])
+    p.add_argument("--num-layers", type=int, default=MODEL_SPEC["num_layers"])
+    p.add_argument("--num-experts", type=int, default=MODEL_SPEC["num_experts"])
+    p.add_argument("--topk", type=int, default=MODEL_SPEC["topk"])
+    p.add_argument("--dense-layers", type=int, nargs="*", default=list(MODEL_SPEC["mlp_only_layers"]))
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)

@@ -196,6 +196,8 @@ def build_tiny_moe(
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    for f in out.iterdir():  # the weights are written 0600; readable by all, so a container's user can load them
+        f.chmod(f.stat().st_mode | 0o444)
     (out / _DONE_MARKER).write_text(json.dumps(spec))
     return out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -141,4 +142,18 @@ def preflight(argv: Sequence[str], parser: argparse.ArgumentParser, engine: str)
         for v in _values(argv, flag):
             if _local_path(v) and not Path(v).expanduser().is_dir():
                 return f"{flag} {v}: no such folder (a local model folder, or a hub id ORG/NAME)"
+            if _local_path(v) and (unreadable := _unreadable(Path(v).expanduser())):
+                return (
+                    f"{flag} {v}: {unreadable} cannot be read by this user (uid {os.getuid()}); the engine would say "
+                    "'No such file'. Make the folder readable (chmod -R a+rX; rr's images run as uid 1000)"
+                )
     return None
+
+
+def _unreadable(folder: Path) -> str | None:
+    """The first file directly in ``folder`` (config, weights, tokenizer) this process cannot read, or None."""
+    try:
+        files = sorted(p for p in folder.iterdir() if p.is_file())
+    except OSError:
+        return "the folder"
+    return next((p.name for p in files if not os.access(p, os.R_OK)), None)

@@ -331,6 +331,27 @@ def build_command(
     return cmd, notes
 
 
+# vLLM's engine-to-worker broadcast queue lives in shared memory: shm_broadcast.MessageQueue checks for its buffer
+# (10 chunks of 16 MiB in vLLM 0.30) and refuses below it, deep in the engine's start-up traceback
+SHM_NEEDED_BYTES = 160 << 20
+
+
+def shm_note(path: str = "/dev/shm") -> str | None:
+    """A line to log before vLLM starts when ``path`` has less free space than vLLM's workers need (Docker's default
+    is 64 MiB), with the fix; None when there is room or no such mount."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= SHM_NEEDED_BYTES:
+        return None
+    return (
+        f"rr: {path} has {free >> 20} MiB free; vLLM's engine and workers share about {SHM_NEEDED_BYTES >> 20} MiB "
+        "there and fail to start below it. In Docker: docker run --shm-size 1g (or --ipc=host)"
+    )
+
+
 def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
     """rr's ``--routed-experts-format`` removed from vLLM's arguments (shared with the SGLang launcher)."""
     from rr_server.launch.options import take_format_flag as take
@@ -430,7 +451,7 @@ def main(argv: list[str]) -> int:
     if fmt is not None:
         env[FORMAT_ENV] = fmt  # the plugin reads it per request in the API server process
     cmd, notes = build_command(argv, cpu=cpu, version=version, env=env)
-    for line in notes:
+    for line in [*notes, *filter(None, [shm_note()])]:
         logger.warning(line)
     if allow:
         env["RR_ALLOW_UNSUPPORTED_VERSION"] = "1"

@@ -381,3 +381,34 @@ def test_hub_ids_and_existing_folders_pass_the_preflight(tmp_path: Path) -> None
     assert preflight(["--model", "Qwen/Qwen3-30B-A3B", "--rr-cpu"], parser, "vllm") is None
     assert preflight(["--model", str(tmp_path)], parser, "vllm") is None
     assert preflight(["--model-path", str(tmp_path)], launch_sglang.build_parser(), "sglang") is None
+
+
+def test_a_model_file_this_user_cannot_read_is_named_before_the_engine_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weights file only root may read, mounted into a container running as uid 1000: the engine would report
+    'No such file or directory'; the pre-flight names the file and the fix. (Root reads everything, so the denial
+    is os.access's answer here; tests/docker runs the real one as uid 1000.)"""
+    import os
+
+    from rr_server.launch import options
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    real = os.access
+    monkeypatch.setattr(options.os, "access", lambda p, mode: Path(p).name != "model.safetensors" and real(p, mode))
+    line = options.preflight(["--model", str(tmp_path)], launch_vllm.build_parser(), "vllm")
+    assert line is not None and f"--model {tmp_path}: model.safetensors cannot be read by this user" in line
+    assert "chmod -R a+rX" in line
+
+
+def test_a_small_dev_shm_is_named_with_the_docker_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Docker's default /dev/shm (64 MiB) is below what vLLM's workers need: one line says so, with the flag."""
+    from types import SimpleNamespace
+
+    assert launch_vllm.shm_note("/no/such/mount") is None
+    monkeypatch.setattr(launch_vllm.os, "statvfs", lambda p: SimpleNamespace(f_bavail=16384, f_frsize=4096))
+    line = launch_vllm.shm_note()
+    assert line is not None and "/dev/shm has 64 MiB free" in line and "--shm-size 1g" in line
+    monkeypatch.setattr(launch_vllm.os, "statvfs", lambda p: SimpleNamespace(f_bavail=1 << 20, f_frsize=4096))
+    assert launch_vllm.shm_note() is None
