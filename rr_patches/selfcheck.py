@@ -46,13 +46,15 @@ def check_vllm() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Check the engine named in ``argv``; print what fits (exit 0) or why not (exit 1; 2 on a wrong argument)."""
+    from rr_client.core.engines import ENGINE_NAMES
+
     args = list(sys.argv[1:] if argv is None else argv)
-    checks = {"sglang": check_sglang, "vllm": check_vllm}
-    if len(args) != 1 or args[0] not in checks:
-        sys.stderr.write("usage: python -m rr_patches.selfcheck sglang|vllm\n")
+    if len(args) != 1 or args[0] not in ENGINE_NAMES:
+        sys.stderr.write(f"usage: python -m rr_patches.selfcheck {'|'.join(ENGINE_NAMES)}\n")
         return 2
+    check = globals()[f"check_{args[0]}"]  # one check_<engine> per engine rr patches
     try:
-        print(f"rr selfcheck: {checks[args[0]]()}")
+        print(f"rr selfcheck: {check()}")
     except Exception as e:  # noqa: BLE001 - the refusal (or the import that failed) is the answer
         sys.stderr.write(f"rr selfcheck: {type(e).__name__}: {e}\n")
         return 1
