@@ -163,17 +163,14 @@ def test_dockers_small_dev_shm_is_named_before_vllm_fails(model_dir: Path) -> No
         docker("rm", "-f", name, check=False)
 
 
-def test_docker_stop_leaves_no_process(model_dir: Path) -> None:
-    name = run_container(model_dir)
-    try:
-        wait_healthy(name)
-        pids = [int(line.split()[0]) for line in docker("top", name, "-eo", "pid").stdout.splitlines()[1:]]
-        assert len(pids) >= 3  # the launcher, vLLM's API server, its engine core (and its worker)
-        docker("stop", "-t", "30", name, timeout=STARTUP_TIMEOUT_S)
-        state = json.loads(docker("inspect", name).stdout)[0]["State"]
-        assert state["Running"] is False
-        # a clean exit of the launcher (rr's exit path), not Docker's SIGKILL after the grace period
-        assert state["ExitCode"] in (0, 143), state
-        assert not [p for p in pids if Path(f"/proc/{p}").exists()], "processes outlived docker stop"
-    finally:
-        docker("rm", "-f", name, check=False)
+def test_docker_stop_leaves_no_process(served: tuple[str, str]) -> None:
+    """Last in the module: it stops the module's container (the fixture then removes it)."""
+    name, _ = served
+    pids = [int(line.split()[0]) for line in docker("top", name, "-eo", "pid").stdout.splitlines()[1:]]
+    assert len(pids) >= 3  # the launcher, vLLM's API server, its engine core (and its worker)
+    docker("stop", "-t", "30", name, timeout=STARTUP_TIMEOUT_S)
+    state = json.loads(docker("inspect", name).stdout)[0]["State"]
+    assert state["Running"] is False
+    # a clean exit of the launcher (rr's exit path), not Docker's SIGKILL after the grace period
+    assert state["ExitCode"] in (0, 143), state
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "processes outlived docker stop"
