@@ -1,7 +1,7 @@
 # One command each: `make demo` (set up + main job), `make test` (set up + every test).
 PY := .venv/bin/python
 
-.PHONY: setup demo lint format test test-race test-releases test-core test-core-docker test-fast test-sglang \
+.PHONY: setup demo lint format test test-race test-releases test-core test-fast test-sglang \
 	test-vllm-standin test-verl test-transformers-lowest docker test-docker docker-save docker-stop docs bench clean
 
 setup:
@@ -58,7 +58,9 @@ docker: setup
 	bash docker/build_cpu.sh
 
 # the images run for real (tests/docker): rr-vllm:cpu serves the tiny MoE from a container (rows equal
-# transformers, the doctor from the host, --api-key, non-root, docker stop); rr-sglang:cpu's patch and launcher
+# transformers, the doctor from the host, --api-key, non-root, docker stop); rr-sglang:cpu's patch and launcher.
+# Not in `make test`: it needs root (Debian's docker.io) and adds 8-10 min cold to a CI run already at ~75 of its 90
+# (docs/docker.md); run at each release check.
 test-docker: docker
 	RR_TEST_DOCKER=1 $(PY) -m pytest -q -p no:cacheprovider tests/docker
 
@@ -70,18 +72,13 @@ docker-save: docker
 docker-stop:
 	bash docker/stop_daemon.sh
 
-# test-core, then the images (one chain: core leaves room for the image builds' downloads)
-test-core-docker: setup
-	$(MAKE) --no-print-directory test-core
-	$(MAKE) --no-print-directory test-docker
-
-# test-core and the images beside the release stages (each in its own .venvs/, one after another): the two chains overlap on the
+# test-core beside the release stages (each in its own .venvs/, one after another): the two chains overlap on the
 # machine's cores (core's single-threaded tests and server waits leave one idle); each chain's output is printed
 # whole when it ends. A server start may then take longer than on an idle machine (RR_TEST_STARTUP_TIMEOUT).
 test: setup lint
 	RR_TEST_STARTUP_TIMEOUT=$${RR_TEST_STARTUP_TIMEOUT:-900} $(MAKE) --no-print-directory test-race
 	RR_TEST_STARTUP_TIMEOUT=$${RR_TEST_STARTUP_TIMEOUT:-900} $(MAKE) --no-print-directory -j2 -Orecurse \
-		test-core-docker test-releases CORE_SKIP="$(RACE_TESTS)"
+		test-core test-releases CORE_SKIP="$(RACE_TESTS)"
 
 test-releases: setup
 	$(MAKE) --no-print-directory -j1 test-sglang test-vllm-standin test-verl test-transformers-lowest

@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -17,11 +18,23 @@ from rr_server.progress import Steps, last_log_line, log_tail
 __all__ = ["ServerStartError", "free_port", "wait_healthy", "stop_process_group"]
 
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """An unused TCP port on 127.0.0.1, never one this process handed out before: the kernel can give the same free
+    port to two calls in a row, and vLLM binds with SO_REUSEPORT, so two servers given one port would both start
+    and share its connections (a test then talks to the wrong server at random)."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        with _handed_out_lock:
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise RuntimeError("free_port: the kernel kept offering ports this process already handed out")
 
 
 def wait_healthy(

@@ -35,7 +35,7 @@ def documented_runs(image: str) -> list[list[str]]:
             continue
         for line in doc.read_text().splitlines():
             if line.strip().startswith("docker run") and re.search(rf"\s{re.escape(image)}(\s|$)", line):
-                words = shlex.split(line)
+                words = shlex.split(line, comments=True)  # a trailing `# ...` is the shell's comment
                 runs.append(words[words.index(image) + 1 :])
     return runs
 

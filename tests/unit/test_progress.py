@@ -126,3 +126,28 @@ def test_steps_can_be_entered_again_after_they_stopped() -> None:
             steps.update("detail")
             steps.line(f"{label} done")
     assert "first done" in out.getvalue() and "second done" in out.getvalue()
+
+
+def test_free_port_never_hands_out_one_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel offered one port to two calls in a row (CI, two vLLM stand-in servers on port 60291, both bound
+    with SO_REUSEPORT): free_port asks again rather than hand it out twice."""
+    from rr_server.launch import process
+
+    offers = iter([61001, 61001, 61001, 61002])
+
+    class _Socket:
+        def __enter__(self) -> _Socket:
+            return self
+
+        def __exit__(self, *a: object) -> None:
+            return None
+
+        def bind(self, addr: tuple[str, int]) -> None:
+            self.port = next(offers)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(process, "_handed_out", set())
+    monkeypatch.setattr(process.socket, "socket", _Socket)
+    assert [process.free_port(), process.free_port()] == [61001, 61002]
