@@ -191,4 +191,14 @@ class ProtocolTestServer(ThreadedServer):
         return app
 
 
-__all__ = ["ProtocolTestServer", "generate_ask", "synthetic_routing"]
+__all__ = ["LogprobTestServer", "ProtocolTestServer", "generate_ask", "synthetic_routing"]
+
+
+class LogprobTestServer(ProtocolTestServer):
+    """TEST-ONLY: the protocol server with a made-up sampling log-prob (-1.0) per generated token, as TRL's RRRollout
+    asks for."""
+
+    def _sample(self, prompt: list[int], j: int, params: dict[str, Any], want: bool, start: int) -> dict[str, Any]:
+        out = super()._sample(prompt, j, params, want, start)
+        out["meta_info"]["output_token_logprobs"] = [[-1.0, t, None] for t in out["output_ids"]]
+        return out

@@ -19,21 +19,12 @@ import torch
 from rr_client.integrations.trl import R3GRPOTrainer, RRRollout
 from rr_client.trainer import keys as K
 from tests.support.grpo import cpu_grpo_config
-from tests.support.protocol_server import ProtocolTestServer
+from tests.support.protocol_server import LogprobTestServer
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 MOE_LAYERS = [0, 2]
 TRAIN_PROMPTS = ["the quick brown fox", "hello world and"]
 EVAL_PROMPTS = ["one two three", "a b"]
-
-
-class LogprobServer(ProtocolTestServer):
-    """TEST-ONLY: the protocol server, plus a made-up sampling log-prob (-1.0) per generated token when asked."""
-
-    def _sample(self, prompt: list[int], j: int, params: dict[str, Any], want: bool, start: int) -> dict[str, Any]:
-        out = super()._sample(prompt, j, params, want, start)
-        out["meta_info"]["output_token_logprobs"] = [[-1.0, t, None] for t in out["output_ids"]]
-        return out
 
 
 class Watched(R3GRPOTrainer):
@@ -91,7 +82,7 @@ def test_eval_between_iterations_replays_each_batch_with_its_own_rows(model_dir:
         learning_rate=1e-3,
         vllm_importance_sampling_correction=False,  # the server's log-probs are made up
     )
-    with LogprobServer(layers=3, topk=2, num_experts=8, moe_layers=MOE_LAYERS) as server:
+    with LogprobTestServer(layers=3, topk=2, num_experts=8, moe_layers=MOE_LAYERS) as server:
         rollout = RRRollout(server.url)
         try:
             trainer = Watched(

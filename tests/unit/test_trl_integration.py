@@ -18,7 +18,7 @@ import torch
 from rr_client import ConfigurationError, GenerateResult, LogprobsModeError, RRError, UnsupportedVersionError
 from rr_client.core.logprobs import parse_token_logprobs
 from rr_client.integrations import trl as rr_trl
-from tests.support.protocol_server import ProtocolTestServer
+from tests.support.protocol_server import LogprobTestServer, ProtocolTestServer
 
 
 def test_tested_trl_release_is_accepted_and_others_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -429,17 +429,8 @@ def test_a_grpo_config_the_rollout_cannot_serve_is_refused(
     assert connections == []
 
 
-class _WithLogprobs(ProtocolTestServer):
-    """TEST-ONLY: the protocol server with a sampling log-prob (-1.0) per generated token, as RRRollout asks."""
-
-    def _sample(self, prompt: list[int], j: int, params: dict[str, Any], want: bool, start: int) -> dict[str, Any]:
-        out = super()._sample(prompt, j, params, want, start)
-        out["meta_info"]["output_token_logprobs"] = [[-1.0, t, None] for t in out["output_ids"]]
-        return out
-
-
-class _StaleEveryFourth(_WithLogprobs):
-    """TEST-ONLY: :class:`_WithLogprobs`, except every fourth sample it makes, which says it was recomputed across a
+class _StaleEveryFourth(LogprobTestServer):
+    """TEST-ONLY: :class:`LogprobTestServer`, except every fourth sample it makes, which says it was recomputed across a
     weight update (``rr_provenance``) and whose log-probs are -60.0 (a gap of ~55 nats: a stale sample's log-probs
     are another policy's)."""
 
@@ -529,7 +520,7 @@ def test_trl_samples_the_source_audit_flags_are_masked(tmp_path: Any) -> None:
     ``r3/source/flagged``, ``r3/stale_masked`` and the per-segment ``r3/source/generated/agreement``."""
     from rr_client.trainer import keys as K
 
-    with _WithLogprobs(layers=3, topk=2, num_experts=8, moe_layers=[0, 2]) as server:
+    with LogprobTestServer(layers=3, topk=2, num_experts=8, moe_layers=[0, 2]) as server:
         server.behaviour.corrupt = "late_decode"
         trainer = _train_masked(tmp_path, server, max_steps=1, source_audit=1.0)
         salted = [b for b in server.behaviour.bodies if b.get("cache_salt")]
