@@ -8,7 +8,6 @@
 set -euo pipefail
 . "$(dirname "$0")/docker_cli.sh"
 cd "$(dirname "$0")/.."
-. scripts/_env.sh
 engines=("$@"); [ ${#engines[@]} -gt 0 ] || engines=(vllm sglang)
 t_all=$(date +%s)
 bash docker/ensure_docker.sh

@@ -7,6 +7,7 @@ fits; exit 1 with the refusal (which names every difference).
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Sequence
 
@@ -20,9 +21,11 @@ def check_sglang() -> str:
 
     profile = profile_for()
     check_sglang_shapes(profile)
-    how = "through SGLang's HookRegistry" if profile.has_plugins else "patched directly (no plugin system)"
+    how = "patched directly (no plugin system)"
     if profile.has_plugins:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: F401 - the registry must import
+
+        how = "through SGLang's HookRegistry"
     return f"SGLang {profile.version}: rr's hooks fit {TM_PATH} ({', '.join(TARGETS)}), {how}"
 
 
@@ -33,8 +36,6 @@ def check_vllm() -> str:
     version = check_vllm_version(allow_unsupported=False)
     if uses_endpoint_plugin():
         return f"vLLM {version}: rr's routes come from its vllm.endpoint_plugins entry point"
-    import importlib
-
     for mod_name, attr in _HOOK_SITES:
         try:
             if getattr(importlib.import_module(mod_name), attr, None) is not None:

@@ -139,10 +139,11 @@ def preflight(argv: Sequence[str], parser: argparse.ArgumentParser, engine: str)
                     f"rr-server launch {eng.name} {own} <folder or ORG/NAME>"
                 )
     for flag in eng.model_flags:
-        for v in _values(argv, flag):
-            if _local_path(v) and not Path(v).expanduser().is_dir():
+        for v in filter(_local_path, _values(argv, flag)):
+            folder = Path(v).expanduser()
+            if not folder.is_dir():
                 return f"{flag} {v}: no such folder (a local model folder, or a hub id ORG/NAME)"
-            if _local_path(v) and (unreadable := _unreadable(Path(v).expanduser())):
+            if unreadable := _unreadable(folder):
                 return (
                     f"{flag} {v}: {unreadable} cannot be read by this user (uid {os.getuid()}); the engine would say "
                     "'No such file'. Make the folder readable (chmod -R a+rX; rr's images run as uid 1000)"
