@@ -66,9 +66,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] in (["-h"], ["--help"]):
         sys.stdout.write(HELP)
         return 0
-    what = "no command" if not args else f"unknown command {' '.join(args[:2])!r}"
-    sys.stderr.write(HELP.split("\n\n", 1)[0] + f"\nrr-server: {what} (rr-server --help lists them)\n")
+    sys.stderr.write(f"rr-server: {_unknown(args)} (rr-server --help lists the commands)\n")
     return 2
+
+
+COMMANDS = ("launch", "proxy", "doctor", "ray-stores")
+
+
+def _unknown(args: Sequence[str]) -> str:
+    """What is wrong with a command line no command takes, with the closest command."""
+    from rr_server.serving.command_line import did_you_mean
+
+    if not args:
+        return "no command given"
+    if args[0] == "launch":
+        engine = args[1] if len(args) > 1 else ""
+        names = [f"launch {name}" for name in ENGINES]
+        if not engine:
+            return f"launch needs an engine: {' or '.join(names)}"
+        return f"no engine {engine!r} to launch:{did_you_mean(engine, list(ENGINES)) or ' ' + ' or '.join(names)}"
+    close = did_you_mean(args[0], [*COMMANDS, "--help", "--version"])
+    return f"unknown command {args[0]!r}" + (f":{close}" if close else "")
 
 
 if __name__ == "__main__":

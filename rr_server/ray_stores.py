@@ -4,12 +4,13 @@ nothing removed, and a store whose engine hangs stays until it is killed."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from rr_server.serving.command_line import CommandParser
 
 __all__ = ["main"]
 
@@ -27,7 +28,7 @@ def _line(s: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """List the store actors; ``--remove NAME`` / ``--remove-leftovers`` (legacy or unreachable) kill them."""
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="rr-server ray-stores",
         description=(
             "List the Ray routing store actors (RR_ROUTING_STORE=ray) on a cluster and remove leftovers: a store goes "

@@ -8,6 +8,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -111,6 +112,9 @@ class RoutedExpertsClient:
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not all(isinstance(u, str) and u for u in urls):
             raise ArgumentTypeError("base_url must be a URL or a list of URLs")
+        for u in urls:
+            if not u.startswith(("http://", "https://")) or not urlsplit(u).hostname:
+                raise ConfigurationError(f"base_url {u!r} is not an http(s) URL: write http://HOST:PORT")
         key = api_key if api_key is not None else settings.text(API_KEY_ENV)
         all_headers = dict(headers or {})
         if key:

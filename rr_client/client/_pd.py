@@ -92,6 +92,7 @@ class PDClient:
                     f"routed_experts_start={routed_experts_start} must lie inside the {len(p)}-token prompt under P/D"
                 )
         info_p, info_d = await asyncio.gather(self.prefill.info(), self.decode.info())
+        self._check_pair(info_p, info_d)
         results = await asyncio.gather(
             *(
                 self._one(plist, i, params, routed_experts_start, info_p, info_d, by_reference)
@@ -103,6 +104,25 @@ class PDClient:
             out = await self.source_audit.audit(self, out, info_d)
         return GenerateBatch(results=out, info=info_d)
 
+    def _check_pair(self, *infos: Any) -> None:
+        """Both servers must be of an engine release whose P/D pair rr joins: else ConfigurationError naming what the
+        pair needs and what each URL is (a vLLM would refuse the bootstrap fields, request by request)."""
+        from rr_client.core.engines import ENGINES
+        from rr_client.core.versions import parse_release
+
+        needs = " or ".join(f"{e.label} {e.pd_pair_since}+" for e in ENGINES.values() if e.pd_pair_since)
+        for url, info in zip((self.prefill_url, self.decode_url), infos, strict=True):
+            since = ENGINES[info.engine].pd_pair_since if info.engine in ENGINES else None
+            try:
+                ok = since is not None and parse_release(info.engine_version) >= parse_release(since)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ConfigurationError(
+                    f"P/D needs a {needs} prefill/decode pair (--disaggregation-mode prefill and decode, through "
+                    f"rr-server launch): {url} is {info.engine} {info.engine_version}"
+                )
+
     async def rescore(
         self, tokens: Sequence[int], info: Any, salt_field: str = "extra_key", *, indexer: bool = False
     ) -> GenerateResult:
@@ -111,6 +131,7 @@ class PDClient:
         if indexer:
             raise ConfigurationError("P/D re-scores routing only: a decode server refuses the prompt's indexer picks")
         info_p, info_d = await asyncio.gather(self.prefill.info(), self.decode.info())
+        self._check_pair(info_p, info_d)
         greedy = {"max_new_tokens": 1, "temperature": 0.0}
         salt = {salt_field: fresh_salt()}
         return await self._one([list(tokens)], 0, greedy, 0, info_p, info_d, False, salt=salt)

@@ -32,12 +32,25 @@ _TRANSPORT_MAP: tuple[tuple[type[httpx.HTTPError], type[TransportError], str], .
 )
 
 
-def map_httpx_error(exc: httpx.HTTPError, what: str) -> TransportError:
-    """The rr :class:`TransportError` subclass for an httpx failure of ``what`` (e.g. ``POST /generate``)."""
+def _with_origin(exc: httpx.HTTPError, what: str) -> str:
+    """``what`` (``GET /rr/info``) with the failed request's origin before its path (``GET http://h:8000/rr/info``),
+    so the message says where; unchanged when the error carries no request."""
+    try:
+        origin = str(exc.request.url.copy_with(path="/", query=None, fragment=None)).rstrip("/")
+    except RuntimeError:  # httpx raises it for an error made without a request
+        return what
+    method, _, path = what.rpartition(" ")
+    return f"{method} {origin}{path}".lstrip() if path.startswith("/") else f"{what} ({origin})"
+
+
+def map_httpx_error(exc: httpx.HTTPError, what: str, *, origin: bool = True) -> TransportError:
+    """The rr :class:`TransportError` subclass for an httpx failure of ``what`` (e.g. ``POST /generate``), naming the
+    server it went to (``origin=False``: the caller names it itself)."""
     for httpx_cls, rr_cls, words in _TRANSPORT_MAP:
         if isinstance(exc, httpx_cls):
             detail = f": {exc}" if str(exc) else ""
-            return rr_cls(f"{what}: {words} ({type(exc).__name__}{detail})")
+            where = _with_origin(exc, what) if origin else what
+            return rr_cls(f"{where}: {words} ({type(exc).__name__}{detail})")
     raise TypeError(f"not an httpx error: {exc!r}")  # pragma: no cover - the last row matches every HTTPError
 
 

@@ -118,6 +118,9 @@ class Engine:
     # hash-routed MoE layers (DeepSeek-V4's token-id table) write routing rows: vLLM 0.33 captures every router's ids,
     # hash tables included; SGLang 0.5.23's ``HashTopK`` never writes the capture buffer (sglang#29040)
     captures_hash_layers: bool
+    # the first release whose prefill/decode pair rr joins (``PDClient``, the sidecar's ``--prefill-upstream``): its
+    # prefill server answers the prompt's rows from then on; None where the engine has no such pair for rr
+    pd_pair_since: str | None = None
 
     def __str__(self) -> str:
         return self.name
@@ -256,6 +259,7 @@ SGLANG = Engine(
     hierarchical_cache=True,
     offload_name="hierarchical cache",
     captures_hash_layers=False,
+    pd_pair_since="0.5.22",  # disaggregation/prefill.py gathers the prompt's rows from 0.5.22 on
 )
 
 ENGINES: Mapping[str, Engine] = {e.name: e for e in (VLLM, SGLANG)}

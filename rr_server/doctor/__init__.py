@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from rr_client.core import settings
 from rr_client.core.engines import ENGINE_NAMES
 from rr_server.progress import Steps, stderr_console
+from rr_server.serving.command_line import CommandParser
 
 # the probes' default burst cap (rr_server.doctor.probes.MAX_PROBE_REQUESTS; that module is not imported for --help)
 MAX_PROBE_REQUESTS = 48
@@ -32,7 +33,7 @@ __all__ = ["main", "build_parser", "render", "check_line", "CheckPrinter"]
 
 def build_parser() -> argparse.ArgumentParser:
     """Command-line options of ``rr-server doctor``."""
-    p = argparse.ArgumentParser(prog="rr-server doctor", description=(__doc__ or "").splitlines()[0])
+    p = CommandParser(prog="rr-server doctor", description=(__doc__ or "").splitlines()[0])
     p.add_argument("url", help="an rr server (patched vLLM/SGLang or the sidecar), or an engine with --engine")
     p.add_argument(
         "--engine",
@@ -147,11 +148,25 @@ def render(report: object, checks: bool = True) -> str:
     return "\n".join(out)
 
 
+def _model_path_problem(value: str) -> str | None:
+    """Why ``--model-path`` cannot give ground truth, in a clause (the launchers' own check), or None; a hub id
+    (``ORG/NAME``) is left to the loader."""
+    from rr_server.launch.options import local_path, model_folder_problem
+
+    return model_folder_problem(value) if local_path(value) or "/" not in value else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the doctor and print its report."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.prompts < 4 or args.max_new_tokens < 1 or (args.probe_requests is not None and args.probe_requests < 2):
         sys.stderr.write("rr-server doctor: --prompts must be >= 4, --max-new-tokens >= 1, --probe-requests >= 2\n")
+        return 2
+    if args.model_path is not None and (why := _model_path_problem(args.model_path)):
+        sys.stderr.write(f"rr-server doctor: --model-path {args.model_path}: {why}\n")
+        return 2
+    if not args.url.startswith(("http://", "https://")):
+        sys.stderr.write(f"rr-server doctor: {args.url!r} is not a URL: give http://HOST:PORT (the server's)\n")
         return 2
     pd_args = (args.pd_prefill, args.pd_decode, args.pd_bootstrap_port)
     if any(a is not None for a in pd_args) and (None in pd_args or args.pd_bootstrap_port < 1):

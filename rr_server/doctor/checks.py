@@ -421,10 +421,25 @@ async def run_doctor(
         except RRError as e:
             if isinstance(e, NotAnRRServerError):  # never "patched": it serves no rr routes
                 report.deployment = "no rr routes"
-            add(Check("identity", False, f"{type(e).__name__}: {e}"))
+            if _unreachable(e):
+                report.deployment = "unreachable"
+            add(Check("identity", False, identity_failure(e, url, base, engine)))
             return report
         if engine is None and info.model_extra and info.model_extra.get("sidecar"):
             report.deployment = "sidecar"
+        if (info.model_extra or {}).get("routing_enabled") is False:
+            from rr_server.serving.capture_paths import ROUTING_CAPTURE
+
+            add(
+                Check(
+                    "identity",
+                    False,
+                    f"{info.engine} {info.engine_version} runs without routing capture (/rr/info routing_enabled: "
+                    f"false): start it with {ROUTING_CAPTURE[0]}, or through rr-server launch {info.engine}, "
+                    "which adds it",
+                )
+            )
+            return report
         report.identity = info.model_dump()
         extra = info.model_extra or {}
         report.known_bugs = known_bugs_for(
@@ -472,13 +487,46 @@ async def run_doctor(
         try:
             report.cost = await _cost(http, plist[:2], doc.params)
         except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
-            report.cost = {"error": f"{type(e).__name__}: {e}"}
+            report.cost = {"error": plain_error(e)}
         return report
     finally:
         await client.aclose()
         await http.aclose()
         for close in closers:
             await close()
+
+
+def _unreachable(e: Exception) -> bool:
+    """Nothing answered: the server (or, through the doctor's sidecar, the engine) refused or dropped the connection."""
+    from rr_client.core.errors import ServerError, TransportError
+
+    return isinstance(e, TransportError) or (isinstance(e, ServerError) and "unreachable" in str(e))
+
+
+def identity_failure(e: Exception, url: str, base: str, engine: str | None) -> str:
+    """What the failed identity check says: where and what, without transport internals or the doctor's own sidecar
+    host (``base``, when ``--engine`` put one in front of ``url``)."""
+    if _unreachable(e):
+        if engine:
+            from rr_server.serving.capture_paths import ROUTING_CAPTURE
+
+            return f"nothing answers at {url}: is the {engine} engine running there (with {ROUTING_CAPTURE[0]})?"
+        return f"nothing answers at {url}: is an rr server running there? (start one: rr-server launch vllm|sglang)"
+    return f"{type(e).__name__}: {plain_error(e)}".replace(base, url)
+
+
+def plain_error(e: BaseException) -> str:
+    """An error's message for a report: an HTTP status with the route and the server's own message, never httpx's
+    text with its documentation link."""
+    if isinstance(e, httpx.HTTPStatusError):
+        from rr_client.client.http_errors import response_message
+
+        body = " ".join(response_message(e.response).split())[:200]
+        return f"HTTP {e.response.status_code} from {e.request.method} {e.request.url.path}" + (
+            f": {body}" if body else ""
+        )
+    text = str(e).split("\n", 1)[0]
+    return text.split(" For more information check:", 1)[0] or type(e).__name__
 
 
 def _same_model(info: RRInfo, model_path: str) -> Check | None:

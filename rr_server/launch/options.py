@@ -10,10 +10,15 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rr_client.core.codec import FORMATS
 from rr_client.core.engines import ENGINES
-from rr_client.core.engines import engine as find_engine
+from rr_server.launch.engine_flags import model_given, scan_engine_flags, unknown_flag
+from rr_server.serving.command_line import port_problem
+
+if TYPE_CHECKING:
+    from rr_server.serving.engines import EngineReleases
 
 __all__ = [
     "FORMAT_FLAG",
@@ -23,6 +28,8 @@ __all__ = [
     "engine_help",
     "take_format_flag",
     "preflight",
+    "model_folder_problem",
+    "local_path",
 ]
 
 # rr's own flag (not the engine's): the default routed_experts_format of /generate and the OpenAI endpoints
@@ -112,16 +119,25 @@ def _values(argv: Sequence[str], flag: str) -> list[str]:
     return out
 
 
-def _local_path(value: str) -> bool:
+def local_path(value: str) -> bool:
     """``value`` names a local folder, not a hub id (``ORG/NAME``): absolute, relative with ``.``, ``~``, or deeper."""
     return value.startswith(("/", ".", "~")) or value.count("/") > 1
 
 
-def preflight(argv: Sequence[str], parser: argparse.ArgumentParser, engine: str) -> str | None:
-    """What is wrong with the launch line of ``engine`` (its name), in one line, before the engine starts (exit 2),
-    or None: an ``--rr-*`` option rr does not have (it would reach the engine and fail after its start-up), another
-    engine's model flag (vLLM given SGLang's ``--model-path``), a local model folder that does not exist (the engine
-    would try the hub and fail seconds later)."""
+def preflight(argv: Sequence[str], parser: argparse.ArgumentParser, engine: str, version: str | None) -> str | None:
+    """What is wrong with the launch line of ``engine`` (its name), in one line, before the engine loads (exit 2), or
+    None. In order: the engine not installed (with the install command); an ``--rr-*`` option rr does not have;
+    another engine's model flag (vLLM given SGLang's ``--model-path``); an option the engine's parser does not have,
+    with the closest it has (:mod:`rr_server.launch.engine_flags`; SGLang's indexer capture asked of vLLM says where
+    it is); no model at all (vLLM would try its default from the hub); a local model folder that does not exist or
+    cannot be read; a port out of range or already taken. ``version``: the installed release as the launcher found
+    it (None: not installed); the options are read from the installed source only when it is that release."""
+    from rr_server.serving.engines import releases
+
+    rel = releases(engine)
+    eng = rel.wire
+    if version is None:
+        return f"{eng.label} is not installed in this Python ({sys.executable}): {rel.install_hint}"
     rr_flags = sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--rr-"))
     for a in argv:
         name = a.split("=", 1)[0]
@@ -129,7 +145,6 @@ def preflight(argv: Sequence[str], parser: argparse.ArgumentParser, engine: str)
             close = difflib.get_close_matches(name, rr_flags, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
             return f"unknown rr option {name}: {hint}rr's options: {', '.join(rr_flags) or 'none of that form'}"
-    eng = find_engine(engine)
     for other in ENGINES.values():
         for flag in other.model_flags:
             if flag not in eng.model_flags and any(a == flag or a.startswith(flag + "=") for a in argv):
@@ -138,16 +153,76 @@ def preflight(argv: Sequence[str], parser: argparse.ArgumentParser, engine: str)
                     f"{eng.label} takes {own}, not {flag} ({other.label}'s spelling): "
                     f"rr-server launch {eng.name} {own} <folder or ORG/NAME>"
                 )
+    mine = {s for a in parser._actions for s in a.option_strings}
+    engine_argv = _without(argv, mine)
+    known = scan_engine_flags(rel.package, rel.flag_sources) if _source_is(rel, version) else None
+    if known is not None and (unknown := unknown_flag(engine_argv, known, rel.underscore_flags)) is not None:
+        return _unknown_option(eng.label, eng.name, *unknown)
+    if not model_given(engine_argv, eng.model_flags, eng.positional_model, known):
+        return f"no model given: rr-server launch {eng.name} {eng.model_flags[0]} <local folder or ORG/NAME>"
     for flag in eng.model_flags:
-        for v in filter(_local_path, _values(argv, flag)):
-            folder = Path(v).expanduser()
-            if not folder.is_dir():
-                return f"{flag} {v}: no such folder (a local model folder, or a hub id ORG/NAME)"
-            if unreadable := _unreadable(folder):
-                return (
-                    f"{flag} {v}: {unreadable} cannot be read by this user (uid {os.getuid()}); the engine would say "
-                    "'No such file'. Make the folder readable (chmod -R a+rX; rr's images run as uid 1000)"
-                )
+        for v in filter(local_path, _values(argv, flag)):
+            if (why := model_folder_problem(v)) is not None:
+                return f"{flag} {v}: {why}"
+    return port_problem(_last(engine_argv, "--port"), _last(engine_argv, "--host"), rel.default_port, rel.default_host)
+
+
+def _source_is(rel: EngineReleases, version: str) -> bool:
+    """The engine source on disk is release ``version`` (a launcher told of another one reads no options from it)."""
+    try:
+        return rel.installed_version() == version
+    except ImportError:  # SGLang's says PackageNotFoundError
+        return False
+
+
+def _unknown_option(label: str, name: str, option: str, close: list[str]) -> str:
+    """The one line for an option the engine does not have."""
+    from rr_server.serving.capture_paths import INDEXER_CAPTURE
+
+    if option == INDEXER_CAPTURE[0]:
+        return (
+            f"{label} cannot return the sparse-attention indexer's picks ({option} is SGLang's): serve indexer "
+            "replay with rr-server launch sglang (SGLang 0.5.23+)"
+        )
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return f"{label} has no option {option}: {hint}(rr-server launch {name} --help lists them)"
+
+
+def _without(argv: Sequence[str], options: set[str]) -> list[str]:
+    """``argv`` less rr's own ``options`` and their values (``--routed-experts-format npy``)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in options:
+            skip = name == FORMAT_FLAG and "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def _last(argv: Sequence[str], flag: str) -> str | None:
+    """The last value given to ``flag``, or None."""
+    values = _values(argv, flag)
+    return values[-1] if values else None
+
+
+def model_folder_problem(value: str) -> str | None:
+    """Why the local model folder ``value`` cannot be served, in a clause, or None: missing, not a folder, a file in
+    it this user cannot read (the engine would say 'No such file'), no ``config.json``."""
+    folder = Path(value).expanduser()
+    if not folder.is_dir():
+        return "no such folder (a local model folder, or a hub id ORG/NAME)"
+    if unreadable := _unreadable(folder):
+        return (
+            f"{unreadable} cannot be read by this user (uid {os.getuid()}); the engine would say 'No such file'. "
+            "Make the folder readable (chmod -R a+rX; rr's images run as uid 1000)"
+        )
+    if not (folder / "config.json").is_file():
+        return "no config.json in it (a Hugging Face model folder has one)"
     return None
 
 

@@ -207,6 +207,16 @@ def _run(argv: list[str]) -> None:
         kill_process_tree(os.getpid(), include_parent=False)
 
 
+def _installed() -> str | None:
+    """The installed SGLang's release, None when there is none."""
+    from rr_server.serving.engines import sglang as releases
+
+    try:
+        return releases.installed_version()
+    except ImportError:  # PackageNotFoundError
+        return None
+
+
 def main(argv: Sequence[str]) -> int:
     """Entry point used by ``rr-server launch sglang``; returns a process exit code."""
     from rr_server.serving.generate_protocol import FORMAT_ENV
@@ -214,7 +224,7 @@ def main(argv: Sequence[str]) -> int:
     if wants_help(argv):  # rr's options, then SGLang's: nothing is patched or started
         return engine_help(build_parser(), "SGLang", "sglang", _sglang_help)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if (wrong := preflight(argv, build_parser(), "sglang")) is not None:
+    if (wrong := preflight(argv, build_parser(), "sglang", _installed())) is not None:
         sys.stderr.write(f"rr-server: {wrong}\n")
         return 2
     try:

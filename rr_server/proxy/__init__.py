@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from rr_client.core import settings
 from rr_client.core.engines import ENGINE_NAMES
+from rr_server.serving.command_line import CommandParser
 
 if TYPE_CHECKING:
     from rr_server.proxy.app import ProxyConfig, create_app
@@ -33,7 +34,7 @@ def __getattr__(name: str) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     """Command-line options of ``rr-server proxy``."""
-    p = argparse.ArgumentParser(prog="rr-server proxy", description=(__doc__ or "").splitlines()[0])
+    p = CommandParser(prog="rr-server proxy", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--upstream", required=True, help="base URL of the engine, e.g. http://127.0.0.1:30000")
     p.add_argument("--engine", required=True, choices=ENGINE_NAMES)
     p.add_argument("--host", default="127.0.0.1")
@@ -115,6 +116,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_concurrency < 1 or args.timeout <= 0:
         sys.stderr.write("rr-server proxy: --max-concurrency must be >= 1 and --timeout > 0\n")
         return 2
+    from rr_server.serving.command_line import port_problem
+
+    for name, url in (("--upstream", args.upstream), ("--prefill-upstream", args.prefill_upstream)):
+        if url is not None and not url.startswith(("http://", "https://")):
+            sys.stderr.write(f"rr-server proxy: {name} {url!r} is not a URL: give http://HOST:PORT\n")
+            return 2
+    if why := port_problem(args.port, args.host, args.port, args.host):
+        sys.stderr.write(f"rr-server proxy: {why}\n")
+        return 2
     import os
 
     import uvicorn
@@ -165,6 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why := asyncio.run(role_refusal(cfg)):  # e.g. a P/D server behind a plain sidecar
         sys.stderr.write(f"rr-server proxy: {why}\n")
         return 2
+    print(
+        f"rr-server proxy: listening on http://{args.host}:{args.port} (rr's /generate, /rr/info, OpenAI endpoints) "
+        f"in front of {args.engine} at {args.upstream}; Ctrl-C stops it",
+        flush=True,
+    )
     # keep-alive well above clients' idle expiry (httpx: 5 s), so the client always closes first
     uvicorn.run(
         create_app(cfg), host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=KEEP_ALIVE_S

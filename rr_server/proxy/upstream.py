@@ -77,7 +77,7 @@ class Upstream:
         try:
             yield
         except httpx.HTTPError as e:
-            raise upstream_transport_error(self.url, map_httpx_error(e, path)) from None
+            raise upstream_transport_error(self.url, map_httpx_error(e, path, origin=False)) from None
 
     @asynccontextmanager
     async def _exchange(self, path: str) -> AsyncIterator[None]:

@@ -45,10 +45,17 @@ def test_help_describes_every_command() -> None:
 def test_version_and_usage_errors() -> None:
     out = rr_server("--version")
     assert (out.returncode, out.stdout, out.stderr) == (0, f"rr-server {__version__}\n", "")
-    for bad in ([], ["launch"], ["launch", "tgi"], ["serve"]):
+    for bad, says in (
+        ([], "no command given"),
+        (["launch"], "launch needs an engine: launch vllm or launch sglang"),
+        (["launch", "tgi"], "no engine 'tgi' to launch: launch vllm or launch sglang"),
+        (["launch", "vlm", "--model", "m"], "no engine 'vlm' to launch: did you mean vllm?"),
+        (["serve"], "unknown command 'serve'"),
+        (["doctr", "http://127.0.0.1:8000"], "unknown command 'doctr': did you mean doctor?"),
+    ):
         out = rr_server(*bad)
-        assert out.returncode == 2 and out.stdout == "" and out.stderr.startswith("usage: rr-server <command>"), bad
-        assert "rr-server --help lists them" in out.stderr
+        assert (out.returncode, out.stdout) == (2, ""), bad
+        assert out.stderr == f"rr-server: {says} (rr-server --help lists the commands)\n", bad
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang installed: tests/sglang has it")

@@ -9,6 +9,7 @@ import pytest
 
 from rr_server.launch import sglang as launch_sglang
 from rr_server.launch import vllm as launch_vllm
+from rr_server.launch.process import free_port
 from rr_server.launch.vllm import build_command
 from rr_server.serving.engines import engine_release
 from tests.support.vllm_process import VLLMProcess, server_args
@@ -363,7 +364,10 @@ def test_launch_mistakes_exit_2_with_one_line_before_the_engine_starts(
 ) -> None:
     """A mistyped --rr-* option, vLLM's model flag spelled as SGLang's, a local model folder that does not exist:
     one line on stderr and exit 2, and the engine is never started (no version probe, no patch, no subprocess)."""
+    from rr_server.serving.engines import sglang as sglang_releases
+
     mod = launch_vllm if engine == "vllm" else launch_sglang
+    monkeypatch.setattr(sglang_releases, "installed_version", lambda: "0.5.23")  # SGLang is not in this env
 
     def never(*a: object, **k: object) -> None:
         raise AssertionError("the engine was started")
@@ -377,10 +381,16 @@ def test_launch_mistakes_exit_2_with_one_line_before_the_engine_starts(
 def test_hub_ids_and_existing_folders_pass_the_preflight(tmp_path: Path) -> None:
     from rr_server.launch.options import preflight
 
-    parser = launch_vllm.build_parser()
-    assert preflight(["--model", "Qwen/Qwen3-30B-A3B", "--rr-cpu"], parser, "vllm") is None
-    assert preflight(["--model", str(tmp_path)], parser, "vllm") is None
-    assert preflight(["--model-path", str(tmp_path)], launch_sglang.build_parser(), "sglang") is None
+    (tmp_path / "config.json").write_text("{}")
+    parser, port = launch_vllm.build_parser(), ["--port", str(free_port())]
+    assert preflight(["--model", "Qwen/Qwen3-30B-A3B", "--rr-cpu", *port], parser, "vllm", "0.30.0") is None
+    assert preflight(["--model", str(tmp_path), *port], parser, "vllm", "0.30.0") is None
+    sglang = launch_sglang.build_parser()
+    assert preflight(["--model-path", str(tmp_path), *port], sglang, "sglang", "0.5.23") is None
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    no_config = preflight(["--model", str(empty), *port], parser, "vllm", "0.30.0")
+    assert no_config == f"--model {empty}: no config.json in it (a Hugging Face model folder has one)"
 
 
 def test_a_model_file_this_user_cannot_read_is_named_before_the_engine_starts(
@@ -397,7 +407,7 @@ def test_a_model_file_this_user_cannot_read_is_named_before_the_engine_starts(
     (tmp_path / "model.safetensors").write_bytes(b"")
     real = os.access
     monkeypatch.setattr(options.os, "access", lambda p, mode: Path(p).name != "model.safetensors" and real(p, mode))
-    line = options.preflight(["--model", str(tmp_path)], launch_vllm.build_parser(), "vllm")
+    line = options.preflight(["--model", str(tmp_path)], launch_vllm.build_parser(), "vllm", "0.30.0")
     assert line is not None and f"--model {tmp_path}: model.safetensors cannot be read by this user" in line
     assert "chmod -R a+rX" in line
 

@@ -174,6 +174,15 @@ class EngineReleases:
     # the sidecar joins a prefill server's and a decode server's halves of each sample (``--prefill-upstream``):
     # SGLang's P/D, whose decode server takes the prefill server's bootstrap address in the request
     supports_pd_pair: bool = False
+    # its launch line, for the launchers' pre-flight (rr_server/launch/options.py): the package, how to install it,
+    # the files (globs in the package) its server's argument parser is built from, whether that parser takes
+    # ``--max_model_len`` for ``--max-model-len``, and its default listening port and host
+    package: str = ""
+    install_hint: str = ""
+    flag_sources: tuple[str, ...] = ()
+    underscore_flags: bool = False
+    default_port: int = 0
+    default_host: str = ""
 
     @property
     def name(self) -> str:

@@ -198,4 +198,9 @@ RELEASES = EngineReleases(
     full_prefill_fields=(("return_logprob", True), ("logprob_start_len", 0)),
     model_info_routes=("/model_info", "/get_model_info"),  # entrypoints/http_server.py (0.5.23: both)
     supports_pd_pair=True,  # --disaggregation-mode prefill/decode, joined through bootstrap_host/bootstrap_room
+    package="sglang",
+    install_hint="pip install 'rr-replay[sglang]' (or scripts/setup_sglang.sh 0.5.23 for a .venvs/ env)",
+    flag_sources=("srt/server_args.py", "srt/arg_groups/**/*.py"),  # ServerArgs.add_cli_args (0.5.23: arg_groups)
+    default_port=30000,
+    default_host="127.0.0.1",  # ServerArgs.host
 )

