@@ -3,8 +3,9 @@
 Builds a random tiny Qwen3-MoE locally, launches ``rr-server launch vllm`` on a free port,
 generates a batch, prints token counts, routing shapes, payload sizes, a per-layer expert-load
 table and the agreement with transformers' router top-k, then runs the agentic loop of
-:mod:`rr_server.demo.agentic` (trajectories, tensors, bytes per trajectory) and the doctor; exits 1 unless
-every agreement is 100% and the doctor passes.
+:mod:`rr_server.demo.agentic` (trajectories, tensors, bytes per trajectory) and the doctor; ends with a one-line
+verdict (``rr demo: PASS - ...`` or ``rr demo: FAIL - `` what failed) and the commands to try next; exits 1 unless
+every agreement is 100% and the doctor passes (2 if a step raised).
 """
 
 from __future__ import annotations
@@ -190,11 +191,50 @@ def run(args: argparse.Namespace) -> int:
 
         agentic_ok = run_agentic(base_url, str(model_dir))
         doctor_ok = _doctor(base_url, model_dir)
-        return 0 if total and match == total and agentic_ok and doctor_ok else 1
     finally:
         if proc is not None:
             _stop(proc)
             print("server stopped")
+    ok, line = verdict(match, total, agentic_ok, doctor_ok)
+    print(f"\n{line}")
+    print(next_steps(args.model_dir))
+    return 0 if ok else 1
+
+
+def verdict(match: int, total: int, agentic_ok: bool, doctor_ok: bool) -> tuple[bool, str]:
+    """The demo's one-line verdict: PASS when every routing cell, the agentic loop and the doctor agree."""
+    routing_ok = bool(total) and match == total
+    parts = [
+        f"{match}/{total} routing cells equal transformers' top-k",
+        "agentic loop exact" if agentic_ok else "agentic loop routing differs from transformers'",
+        "doctor PASS" if doctor_ok else "doctor FAIL",
+    ]
+    ok = routing_ok and agentic_ok and doctor_ok
+    if ok:
+        return True, "rr demo: PASS - " + ", ".join(parts)
+    failed = [p for p, good in zip(parts, (routing_ok, agentic_ok, doctor_ok), strict=True) if not good]
+    return False, "rr demo: FAIL - " + ", ".join(failed) + " (details above)"
+
+
+def _bin_dir() -> str:
+    """Where this interpreter's commands live (``rr-server``), relative to the working directory when inside it."""
+    bin_dir = os.path.dirname(sys.executable) or "."
+    rel = os.path.relpath(bin_dir)
+    return rel if not rel.startswith("..") else bin_dir
+
+
+def next_steps(model_dir: str | Path, bin_dir: str | None = None) -> str:
+    """What to try next, a few lines: serve the demo's model, check it with the doctor, run the tests."""
+    b = bin_dir if bin_dir is not None else _bin_dir()
+    activate = os.path.join(b, "activate")
+    return "\n".join(
+        [
+            f"next (commands live in {b}; or `source {activate}` first):",
+            f"  {b}/rr-server launch vllm --model {model_dir} --port 8000   # serve the demo's tiny model",
+            f"  {b}/rr-server doctor http://127.0.0.1:8000   # in another shell: check its routing",
+            "  make test   # the whole suite (about an hour on CPU)",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except Exception as e:  # noqa: BLE001 - top-level: one clear line, non-zero exit
         print(f"demo failed: {type(e).__name__}: {e}", file=sys.stderr)
+        first = (str(e).strip().splitlines() or [""])[0]
+        print(f"\nrr demo: FAIL - {type(e).__name__}: {first} (details above)")
         return 2
 
 
