@@ -22,7 +22,7 @@ format: setup
 
 # the vLLM tests that wait for a request to be running across a pause or a reload (a race with its decode: see
 # CHANGELOG, issue 43); `make test` runs them first, alone, and test-core then skips them (CORE_SKIP)
-RACE_TESTS := tests/vllm/test_provenance.py tests/vllm/test_doctor.py
+RACE_TESTS := tests/vllm/test_provenance.py tests/vllm/test_doctor.py tests/vllm/test_doc_recipes.py
 CORE_SKIP ?=
 
 test-core: setup
