@@ -5,18 +5,24 @@
 Builds a random tiny Qwen3-MoE (.cache/), launches ``rr-server launch vllm`` with ``VLLM_SERVER_DEV_MODE=1``
 (the weight-sync route), then trains twice from the same start with TRL's own ``GRPOTrainer`` loop through
 ``R3GRPOTrainer``: with replay, then without (``r3=False``). The first push of each run resets the engine to the
-starting weights. Prints one row per optimizer step, then a summary of both arms.
+starting weights. Prints one line per optimizer step as it trains (reward, agreement, applied share, log-prob gap
+and its floor), then a summary of both arms.
 
 What it shows: the trainer runs in bf16 autocast by default (as TRL does) against the fp32 engine, so its own
 router picks other experts than the engine's on a share of rows (``agreement`` < 1, measured in both arms). With
-replay every row runs the engine's experts (``applied_share`` 1.0); without, those rows run other experts. On this
-random tiny model a changed expert moves the log-probs little, so the log-prob gap (``|d|``) is mostly bf16
-arithmetic in both arms and replay lowers it only a little; the summary prints both, measured, and says which.
+replay every row runs the engine's experts (``applied_share`` 1.0); without, those rows run other experts. The
+log-prob gap (``|d|``) is drawn beside its floor, measured on every rollout before the trainer trains on it: the
+trainer's log-probs of the sampled tokens with the engine's experts replayed (same weights, same batch, the
+trainer's dtype) against the engine's. What is left there is arithmetic (bf16 against fp32), which no routing
+removes; how far the gap is off its floor is what running other experts changes. On this random tiny model a
+changed expert moves the log-probs little, so both arms' gaps sit on their floors; the summary prints both,
+measured, and says which.
 
-``--plot PATH`` (default ``r3_trl.png``; needs ``pip install 'rr-replay[plot]'``) draws, per step and per arm, the
-trainer-engine log-prob gap and the router agreement; the numbers go to ``PATH`` with ``.json``. ``--plot ''``
-draws nothing. ``--url`` trains against a server already running (``VLLM_SERVER_DEV_MODE=1``, serving
-``--model-dir``) instead of launching one.
+The plot is drawn by default: ``--plot PATH`` (default ``r3_trl.png`` in the current directory; needs
+``pip install 'rr-replay[plot]'``, checked before training) draws, per step and per arm, the share of rows that ran
+the engine's experts, the router agreement, and the log-prob gap with its floor; the numbers go to ``PATH`` with
+``.json``. ``--plot ''`` draws and writes nothing. ``--url`` trains against a server already running
+(``VLLM_SERVER_DEV_MODE=1``, serving ``--model-dir``) instead of launching one.
 """
 
 from __future__ import annotations
@@ -32,10 +38,14 @@ from typing import Any
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 REPO = Path(__file__).resolve().parents[1]
-COLUMNS = ("r3/mean_abs_logp_diff", "r3/k3_kl", "r3/agreement", "r3/applied_share_min_layer", "r3/weight_sync_seconds")
 ARMS = {True: "replay (R3)", False: "no replay"}
-PLOT_SIZE = (8.0, 3.4)  # inches; at PLOT_DPI: 800 x 340 pixels
+COLORS = {True: "tab:blue", False: "tab:orange"}
+FLOOR = "gap_floor"  # the floor's key in each per-step row (not an r3/ metric: this example measures it)
+KEEP = ("step", "loss", "reward", "r3/mean_abs_logp_diff", FLOOR, "r3/k3_kl", "r3/agreement", "r3/applied_share",
+        "r3/applied_share_min_layer", "r3/weight_sync_seconds")  # fmt: skip
+PLOT_SIZE = (12.0, 3.6)  # inches; at PLOT_DPI: 1200 x 360 pixels
 PLOT_DPI = 100
+NOISE = 0.01  # a mean gap within 1% of its mean floor counts as on it
 
 
 def reward_len(completions: list[str], **_: Any) -> list[float]:
@@ -43,18 +53,77 @@ def reward_len(completions: list[str], **_: Any) -> list[float]:
     return [len(c) / 10.0 for c in completions]
 
 
+def gap_floor(trainer: Any, rollout: Any) -> float:
+    """The log-prob gap's floor on one rollout (an ``rr_client.integrations.trl.Rollout``): the mean |trainer -
+    engine| log-prob over its completion tokens with the engine's experts replayed, on the trainer's current
+    weights, in its dtype (its autocast) and TRL's batch layout (prompts left-padded, completions right-padded).
+    Routing is the engine's there, so what is left is arithmetic: the gap replay reaches; without replay the gap
+    moves off it by what the trainer's own expert choices change."""
+    import torch
+
+    from rr_client.trainer import r3_metrics, replay_routing, to_tensors
+    from rr_client.trainer.metrics import token_logprobs
+
+    results = rollout.results
+    rt = to_tensors(
+        results,
+        rollout.info,
+        pad_side="split",
+        prompt_length=max(len(r.prompt_ids or []) for r in results),
+        response_length=max(len(r.output_ids) for r in results),
+    )
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    with torch.no_grad(), trainer.accelerator.autocast(), replay_routing(model, rt):
+        logits = model(rt.input_ids, attention_mask=rt.attention_mask).logits
+    logps = token_logprobs(logits.float() / trainer.args.temperature, rt.input_ids)
+    return r3_metrics(logps, rt, rt.response_mask.bool()).mean_abs_diff
+
+
+def step_line(on: bool, step: int, steps: int, row: dict[str, Any]) -> str:
+    """One training step as it is logged: reward, router agreement, the share of rows replay sent to the engine's
+    experts (``off`` without replay), the log-prob gap and its floor."""
+    applied = f"{_num(row.get('r3/applied_share')):7.1%}" if on else f"{'off':>7}"
+    return (
+        f"[{ARMS[on]:>11}] step {step:>3}/{steps}: reward {_num(row.get('reward')):6.3f}  "
+        f"agreement {_num(row.get('r3/agreement')):6.1%}  applied {applied}  "
+        f"gap {_num(row.get('r3/mean_abs_logp_diff')):.3g} (floor {_num(row.get(FLOOR)):.3g})"
+    )
+
+
 def train(url: str, model_dir: Path, *, r3: bool, steps: int, bf16: bool, out: Path) -> list[dict[str, Any]]:
-    """Run ``steps`` GRPO steps; return the per-step log rows (TRL's own per-step printout is left out: the
-    example prints its table and summary at the end)."""
+    """Run ``steps`` GRPO steps, printing one line per step as TRL logs it (TRL's own dict printout is left out);
+    return the per-step log rows, each with the floor of its step's rollout under :data:`FLOOR`."""
     import torch
     import transformers
     from datasets import Dataset
+    from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
 
     transformers.utils.logging.disable_progress_bar()  # the weight push's shard bars, once per step
 
-    from rr_client.integrations.trl import R3GRPOTrainer, RRRollout
+    from rr_client.integrations.trl import ROUTING_KEY, R3GRPOTrainer, RRRollout
+
+    class FloorRollout(RRRollout):
+        """RRRollout that measures :func:`gap_floor` on each training rollout, before the trainer trains on it."""
+
+        def __init__(self, base_url: str) -> None:
+            super().__init__(base_url)
+            self.floors: dict[int, float] = {}  # the optimizer step the rollout trains (as TRL logs it) -> floor
+
+        def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+            out = super().__call__(prompts, trainer)
+            if trainer.model.training:
+                self.floors[trainer.state.global_step + 1] = gap_floor(trainer, out[ROUTING_KEY])
+            return out
+
+    class StepLines(TrainerCallback):  # type: ignore[misc]
+        """Prints each optimizer step's line (:func:`step_line`) as TRL logs it, with its rollout's floor."""
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
+            if logs is not None and "loss" in logs:
+                row = {**logs, FLOOR: rollout.floors.get(state.global_step)}
+                print(step_line(r3, state.global_step, state.max_steps, row), flush=True)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -74,86 +143,125 @@ def train(url: str, model_dir: Path, *, r3: bool, steps: int, bf16: bool, out: P
         seed=0,
         disable_tqdm=True,
     )
+    rollout = FloorRollout(url)
     trainer = R3GRPOTrainer(
         model=model,
         reward_funcs=reward_len,
         args=cfg,
         processing_class=tok,
         train_dataset=Dataset.from_dict({"prompt": prompts * 8}),
-        rollout_func=RRRollout(url),
+        rollout_func=rollout,
         r3=r3,
         audit_every=1,
     )  # audit every step: the agreement and applied share per step
     trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(StepLines())
     trainer.train()
-    return [h for h in trainer.state.log_history if "loss" in h]
+    rows = [h for h in trainer.state.log_history if "loss" in h]
+    return [{**h, FLOOR: rollout.floors.get(h["step"])} for h in rows]
 
 
 def metrics(runs: dict[bool, list[dict[str, Any]]], *, bf16: bool) -> dict[str, Any]:
     """The per-step numbers the plot draws (and a little more), one list per arm, JSON-ready."""
-    keep = ("step", "loss", "reward", *COLUMNS)
     return {
         "trainer_dtype": "bf16 autocast" if bf16 else "fp32",
         "engine_dtype": "fp32",
         "arms": {
-            ("replay" if on else "no_replay"): [{k.removeprefix("r3/"): h.get(k) for k in keep} for h in rows]
+            ("replay" if on else "no_replay"): [{k.removeprefix("r3/"): h.get(k) for k in KEEP} for h in rows]
             for on, rows in runs.items()
         },
     }
 
 
-def plot(runs: dict[bool, list[dict[str, Any]]], path: Path, *, title: str) -> Path:
-    """Two panels, one line per arm: mean |logp_trainer - logp_engine| per step (log scale), router agreement."""
+def figure(runs: dict[bool, list[dict[str, Any]]], *, title: str) -> Any:
+    """Three panels, one line per arm and step: the share of rows that ran the engine's experts (replay: its
+    ``r3/applied_share``; without replay only the rows its own router picked alike, its agreement), the router
+    agreement (the trainer's own top-k against the engine's, what replay does not change), and the log-prob gap
+    over its floor (a wide band; how far the mean gap is off it, per arm, in the legend). A matplotlib ``Figure``
+    (matplotlib imported here, Agg)."""
     from rr_client.core.optional import require
 
     mpl = require("matplotlib", for_what="--plot")
     mpl.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (gap, agree) = plt.subplots(1, 2, figsize=PLOT_SIZE, dpi=PLOT_DPI)
+    fig, (applied, agree, gap) = plt.subplots(1, 3, figsize=PLOT_SIZE, dpi=PLOT_DPI)
     for on, rows in runs.items():
         steps = [h["step"] for h in rows]
-        style = {"label": ARMS[on], "marker": "o", "markersize": 4, "linestyle": "-" if on else "--"}
-        gap.plot(steps, [_num(h.get("r3/mean_abs_logp_diff")) for h in rows], **style)
-        agree.plot(steps, [_num(h.get("r3/agreement")) for h in rows], **style)
-    if all(_num(h.get("r3/mean_abs_logp_diff")) > 0 for rows in runs.values() for h in rows):
+        style = {"color": COLORS[on], "marker": "o", "markersize": 4, "linestyle": "-" if on else "--"}
+        ran = [_num(h.get("r3/applied_share" if on else "r3/agreement")) for h in rows]
+        applied.plot(steps, ran, label=ARMS[on] + ("" if on else " (its own matching picks)"), **style)
+        agree.plot(steps, [_num(h.get("r3/agreement")) for h in rows], label=ARMS[on], **style)
+        floor = [_num(h.get(FLOOR)) for h in rows]  # under the gap: a wide band the gap line sits in or above
+        gap.plot(steps, floor, label=f"{ARMS[on]}: floor", color=COLORS[on], linewidth=6, alpha=0.3)
+        mean_floor = _mean(rows, FLOOR)
+        off = (_mean(rows, "r3/mean_abs_logp_diff") - mean_floor) / mean_floor if mean_floor > 0 else float("nan")
+        gap_label = f"{ARMS[on]}: gap, mean {off:+.2%} off its floor"
+        gap.plot(steps, [_num(h.get("r3/mean_abs_logp_diff")) for h in rows], label=gap_label, **style)
+    values = [_num(h.get(k)) for rows in runs.values() for h in rows for k in ("r3/mean_abs_logp_diff", FLOOR)]
+    if all(v > 0 for v in values) and max(values) >= 10 * min(values):  # NaN fails too: linear, never log of 0
         gap.set_yscale("log")
-    gap.set(xlabel="optimizer step", ylabel="mean |logp trainer - logp engine|", title="log-prob gap (lower is better)")
-    agree.set(xlabel="optimizer step", ylabel="share of rows", title="router agreement with the engine")
-    for ax in (gap, agree):
+    applied.set(xlabel="optimizer step", ylabel="share of rows", title="rows that ran the engine's experts")
+    agree.set(xlabel="optimizer step", ylabel="share of rows", title="router agreement (own top-k vs engine's)")
+    gap.set(xlabel="optimizer step", ylabel="mean |logp trainer - logp engine|", title="log-prob gap and its floor")
+    for ax in (applied, agree, gap):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="x-small")
         ax.xaxis.get_major_locator().set_params(integer=True)
     fig.suptitle(title, fontsize="medium")
     fig.tight_layout()
+    return fig
+
+
+def plot(runs: dict[bool, list[dict[str, Any]]], path: Path, *, title: str) -> Path:
+    """:func:`figure` saved as a PNG at ``path`` (its folder made), PLOT_SIZE at PLOT_DPI."""
+    fig = figure(runs, title=title)  # MissingDependencyError naming the [plot] extra without matplotlib
+    import matplotlib.pyplot as plt
+
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
     return path
 
 
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    """The mean over steps of ``key`` (NaN where missing: a mean that says so, never a fake 0)."""
+    return sum(_num(h.get(key)) for h in rows) / len(rows)
+
+
 def summary(runs: dict[bool, list[dict[str, Any]]]) -> list[str]:
-    """Both arms over their steps: the share of rows that ran the engine's experts and the log-prob gap, and what
-    the numbers say (computed from them, never assumed)."""
+    """Both arms over their steps: the share of rows that ran the engine's experts, the router agreement, the
+    log-prob gap, its floor and the gap above it, and what the numbers say (computed from them, never assumed)."""
     on, off = runs[True], runs[False]
     followed_on = min(_num(h.get("r3/applied_share_min_layer")) for h in on)
-    followed_off = sum(_num(h.get("r3/agreement")) for h in off) / len(off)  # its router's own picks
-    gap_on = sum(_num(h.get("r3/mean_abs_logp_diff")) for h in on) / len(on)
-    gap_off = sum(_num(h.get("r3/mean_abs_logp_diff")) for h in off) / len(off)
-    title = f"summary over {len(on)} steps per arm"
-    followed = "rows that ran the engine's experts"
-    gap = "mean |logp trainer - logp engine| (nat)"
-    lines = [
-        f"{title:<42}{ARMS[True]:>14}{ARMS[False]:>14}",
-        f"{followed:<42}{followed_on:>14.1%}{followed_off:>14.1%}",
-        f"{gap:<42}{gap_on:>14.3g}{gap_off:>14.3g}",
+    followed_off = _mean(off, "r3/agreement")  # without replay: its router's own picks that match the engine's
+    gap = {arm: _mean(rows, "r3/mean_abs_logp_diff") for arm, rows in runs.items()}
+    floor = {arm: _mean(rows, FLOOR) for arm, rows in runs.items()}
+    above = {arm: gap[arm] - floor[arm] for arm in runs}
+    rows = [
+        (f"summary over {len(on)} steps per arm", ARMS[True], ARMS[False]),
+        ("rows that ran the engine's experts", f"{followed_on:.1%}", f"{followed_off:.1%}"),
+        ("router agreement (own top-k vs engine's)", f"{_mean(on, 'r3/agreement'):.1%}", f"{followed_off:.1%}"),
+        ("mean |logp trainer - logp engine| (nat)", f"{gap[True]:.3g}", f"{gap[False]:.3g}"),
+        ("  its floor (the engine's experts)", f"{floor[True]:.3g}", f"{floor[False]:.3g}"),
+        ("  gap above the floor", f"{above[True]:+.2g}", f"{above[False]:+.2g}"),
     ]
-    ratio = f"{gap_on / gap_off:.2f}x the gap without" if gap_off > 0 else "the gap without: 0"
+    lines = [f"{a:<42}{b:>14}{c:>14}" for a, b, c in rows]
+    rel = {arm: above[arm] / floor[arm] if floor[arm] > 0 else float("nan") for arm in runs}
+    on_floor = {arm: abs(rel[arm]) < NOISE for arm in runs}
     lines += [
-        f"replay ran the engine's experts on every row; without it {1.0 - followed_off:.1%} of rows ran others.",
-        f"The gap with replay was {ratio}: on this random tiny model a changed expert moves the log-probs",
-        "little, so most of the gap is bf16 arithmetic in both arms, and after step 1 the arms train on",
-        "different rollouts (benchmarks/r3_effect.py measures R3's effect paired).",
+        f"Replay ran the engine's experts on every row; without it {1.0 - followed_off:.1%} of rows ran others.",
+        f"With replay the gap was {'on' if on_floor[True] else 'off'} its floor ({rel[True]:+.2%}); without, "
+        f"{'on' if on_floor[False] else 'off'} it ({rel[False]:+.2%}). The floor is the gap with the engine's experts",
+        "on the same weights and batch: arithmetic (the trainer's dtype against the fp32 engine) that no routing",
+        "removes. "
+        + (
+            "Running other experts on those rows did not measurably move the log-probs on this random tiny model."
+            if on_floor[False]
+            else "How far the gap without replay is off its floor is what running other experts changed."
+        ),
+        "After step 1 the arms train on different rollouts and weights, so their gaps are not paired: compare each",
+        "with its own floor (benchmarks/r3_effect.py measures R3's effect paired).",
     ]
     return lines
 
@@ -200,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--plot",
         default="r3_trl.png",
-        help="PNG of the gap and agreement per step ('' = none); the numbers go next to it as .json",
+        help="PNG of the experts-applied share, the agreement and the gap with its floor per step (default: "
+        "r3_trl.png, drawn unless '' is given); the numbers go next to it as .json",
     )
     args = ap.parse_args(argv)
 
@@ -226,14 +335,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if proc is not None:
             stop_process_group(proc)
-    head = ["r3", "step", "loss", "reward"] + [c.removeprefix("r3/") for c in COLUMNS]
-    print(" | ".join(f"{h:>20}" for h in head))
-    for on, rows in runs.items():
-        for h in rows:
-            vals = [("on" if on else "off"), h.get("step"), h.get("loss"), h.get("reward")] + [
-                h.get(c) for c in COLUMNS
-            ]
-            print(" | ".join(f"{v:>20.4g}" if isinstance(v, float) else f"{str(v):>20}" for v in vals))
     print()
     print("\n".join(summary(runs)))
     if args.plot:
@@ -241,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         data = metrics(runs, bf16=not args.fp32)
         png.parent.mkdir(parents=True, exist_ok=True)
         png.with_suffix(".json").write_text(json.dumps(data, indent=1, default=float))
-        title = f"TRL GRPO, tiny MoE: {data['trainer_dtype']} trainer vs fp32 vLLM engine, weight sync every step"
+        title = f"TRL GRPO, tiny MoE: {data['trainer_dtype']} trainer vs fp32 vLLM engine, weights synced every step"
         print(f"plot: {plot(runs, png, title=title)} (numbers: {png.with_suffix('.json')})")
     ok = all(h.get("r3/applied_share_min_layer") == 1.0 for h in runs[True])
     print("replay reached the experts on every MoE layer in every step:", "yes" if ok else "NO")

@@ -1,6 +1,7 @@
 """The TRL example's and the soak's plots, without a server: matplotlib stays out of every module until a plot is
-drawn, a missing matplotlib names the ``rr-replay[plot]`` extra, the PNGs are whole and of the stated size, and the
-soak's progress falls back to plain lines when its stream is not a terminal."""
+drawn, a missing matplotlib names the ``rr-replay[plot]`` extra, the PNGs are whole and of the stated size, the TRL
+example's panels hold every series and its per-step lines and summary say what the numbers are, and the soak's
+progress falls back to plain lines when its stream is not a terminal."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _load(path: Path, name: str) -> ModuleType:
 
 
 def _runs() -> dict[bool, list[dict[str, float]]]:
-    """Two arms of three steps, as TRL's log_history holds them (the no-replay arm has no applied share)."""
+    """Two arms of three steps, as the example's train() returns TRL's log_history rows (the no-replay arm has no
+    applied share) with each step's gap floor."""
     return {
         on: [
             {
@@ -39,10 +41,11 @@ def _runs() -> dict[bool, list[dict[str, float]]]:
                 "loss": 0.01,
                 "reward": 3.0,
                 "r3/mean_abs_logp_diff": (1.0 if on else 1.5) * 1e-3 * s,
+                "gap_floor": 1e-3 * s,
                 "r3/k3_kl": 1e-6 * s,
-                "r3/agreement": 0.99,
+                "r3/agreement": 0.99 if on else 0.98,
                 "r3/weight_sync_seconds": 0.1,
-                **({"r3/applied_share_min_layer": 1.0} if on else {}),
+                **({"r3/applied_share": 1.0, "r3/applied_share_min_layer": 1.0} if on else {}),
             }
             for s in (1, 2, 3)
         ]
@@ -69,6 +72,8 @@ def test_missing_matplotlib_names_the_plot_extra(monkeypatch: pytest.MonkeyPatch
     example, soak = _load(EXAMPLE, "rr_example_trl"), _load(SOAK, "rr_bench_soak_plots")
     with pytest.raises(MissingDependencyError, match=r"--plot needs matplotlib: pip install 'rr-replay\[plot\]'"):
         example.plot(_runs(), tmp_path / "x.png", title="t")
+    with pytest.raises(MissingDependencyError, match=r"--plot needs matplotlib"):
+        example.figure(_runs(), title="t")
     with pytest.raises(MissingDependencyError, match=r"pip install 'rr-replay\[plot\]'"):
         soak.plot_memory([soak.SoakReport(target="t")], tmp_path / "y.png")
     with pytest.raises(MissingDependencyError, match=r"rr-replay\[plot\]"):
@@ -80,12 +85,62 @@ def test_example_plot_and_numbers(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     example = _load(EXAMPLE, "rr_example_trl")
     png = example.plot(_runs(), tmp_path / "sub" / "r3.png", title="t")
-    assert png_size(png) == (800, 340) and png.stat().st_size > 15_000
+    assert png_size(png) == (1200, 360) and png.stat().st_size > 30_000
     data = example.metrics(_runs(), bf16=True)
     assert data["trainer_dtype"] == "bf16 autocast"
     assert [r["mean_abs_logp_diff"] for r in data["arms"]["no_replay"]] == pytest.approx([1.5e-3, 3e-3, 4.5e-3])
+    assert [r["gap_floor"] for r in data["arms"]["no_replay"]] == pytest.approx([1e-3, 2e-3, 3e-3])
     assert [r["applied_share_min_layer"] for r in data["arms"]["replay"]] == [1.0] * 3
+    assert [r["applied_share"] for r in data["arms"]["replay"]] == [1.0] * 3
     assert [r["applied_share_min_layer"] for r in data["arms"]["no_replay"]] == [None] * 3
+
+
+def test_example_plot_draws_every_series() -> None:
+    """The three panels' lines, per arm and step: the rows that ran the engine's experts (replay: its applied share;
+    without: its own matching picks, the agreement), the agreement, and the gap over its floor."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    example = _load(EXAMPLE, "rr_example_trl")
+    fig = example.figure(_runs(), title="t")
+    try:
+        panels = {ax.get_title(): {ln.get_label(): list(ln.get_ydata()) for ln in ax.get_lines()} for ax in fig.axes}
+    finally:
+        plt.close(fig)
+    assert panels["rows that ran the engine's experts"] == {
+        "replay (R3)": [1.0] * 3,
+        "no replay (its own matching picks)": [0.98] * 3,
+    }
+    assert panels["router agreement (own top-k vs engine's)"] == {"replay (R3)": [0.99] * 3, "no replay": [0.98] * 3}
+    gap = panels["log-prob gap and its floor"]
+    assert set(gap) == {
+        "replay (R3): floor",
+        "replay (R3): gap, mean +0.00% off its floor",
+        "no replay: floor",
+        "no replay: gap, mean +50.00% off its floor",
+    }
+    assert gap["no replay: gap, mean +50.00% off its floor"] == pytest.approx([1.5e-3, 3e-3, 4.5e-3])
+    assert gap["replay (R3): floor"] == gap["no replay: floor"] == pytest.approx([1e-3, 2e-3, 3e-3])
+
+
+def test_example_step_lines_and_summary() -> None:
+    """What the example prints per training step as it goes, and its summary of both arms, from the numbers."""
+    example = _load(EXAMPLE, "rr_example_trl")
+    runs = _runs()
+    on = example.step_line(True, 2, 3, runs[True][1])
+    off = example.step_line(False, 2, 3, runs[False][1])
+    assert on == "[replay (R3)] step   2/3: reward  3.000  agreement  99.0%  applied  100.0%  gap 0.002 (floor 0.002)"
+    assert off == "[  no replay] step   2/3: reward  3.000  agreement  98.0%  applied     off  gap 0.003 (floor 0.002)"
+    lines = example.summary(runs)
+    assert lines[1].split()[-2:] == ["100.0%", "98.0%"]  # rows that ran the engine's experts
+    assert lines[2].split()[-2:] == ["99.0%", "98.0%"]  # the routers' own agreement
+    assert lines[4].startswith("  its floor") and lines[4].split()[-2:] == ["0.002", "0.002"]
+    assert lines[5].startswith("  gap above the floor") and lines[5].split()[-2:] == ["+0", "+0.001"]
+    assert lines[7].startswith("With replay the gap was on its floor (+0.00%); without, off it (+50.00%).")
+    assert lines[9].endswith("How far the gap without replay is off its floor is what running other experts changed.")
+    on_floor = {**runs, False: [{**h, "r3/mean_abs_logp_diff": h["gap_floor"] * 1.005} for h in runs[False]]}
+    said = "\n".join(example.summary(on_floor))
+    assert "without, on it (+0.50%)" in said and "did not measurably move the log-probs" in said
 
 
 def test_soak_plot_and_plain_progress(tmp_path: Path) -> None:

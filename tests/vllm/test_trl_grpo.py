@@ -5,6 +5,7 @@ The server runs with ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc reload_weight
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -31,6 +32,8 @@ pytestmark = pytest.mark.vllm_server
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 MOE_LAYERS = [0, 2]  # qwen3_dense: layer 1 is dense
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo_r3.py"
+PLAIN_LOOP = EXAMPLE.with_name("plain_loop_r3.py")
+PLAIN_LOOP_SEEDED = ["--steps", "3", "--lr", "5e-3", "--seed", "0"]  # as tests/vllm/test_plain_loop_example.py
 PROMPTS = ["the quick brown fox", "hello world and", "one two three four five six", "a b"]
 
 
@@ -243,8 +246,9 @@ def test_two_ranks_by_reference(dev_server: VLLMProcess, tiny_models: dict[str, 
 
 
 def test_example_plots_both_arms(dev_server: VLLMProcess, tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    """examples/trl_grpo_r3.py for 2 steps against the dev-mode server: exit 0, a whole 800x340 PNG, and next to it
-    the per-step numbers of both arms (bf16 trainer vs fp32 engine: a real, small gap; replay only in its arm)."""
+    """examples/trl_grpo_r3.py for 2 steps against the dev-mode server: exit 0, one line per step as it trains, a
+    whole 1200x360 PNG, and next to it the per-step numbers of both arms (bf16 trainer vs fp32 engine: a real, small
+    gap on its floor with replay; replay only in its arm)."""
     png = tmp_path / "out" / "r3.png"
     proc = subprocess.run(
         [
@@ -266,13 +270,28 @@ def test_example_plots_both_arms(dev_server: VLLMProcess, tiny_models: dict[str,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "replay reached the experts on every MoE layer in every step: yes" in proc.stdout
-    # the summary, readable: TRL's per-step dicts are not printed; both arms measured side by side
+    # TRL's per-step dicts are not printed; the example's own line per step is, as it trains, before the summary
     assert "{'loss'" not in proc.stdout and "Writing model shards" not in proc.stdout + proc.stderr
-    followed = next(line for line in proc.stdout.splitlines() if line.startswith("rows that ran the engine's experts"))
+    lines = proc.stdout.splitlines()
+    summary_at = next(i for i, line in enumerate(lines) if line.startswith("summary over 2 steps per arm"))
+    steps = [(i, line) for i, line in enumerate(lines) if " step " in line and line.startswith("[")]
+    assert [line.split(":")[0] for _, line in steps] == [
+        "[replay (R3)] step   1/2",
+        "[replay (R3)] step   2/2",
+        "[  no replay] step   1/2",
+        "[  no replay] step   2/2",
+    ], proc.stdout[-3000:]
+    assert all(i < summary_at for i, _ in steps)
+    for _, line in steps:
+        assert all(f" {word} " in line for word in ("reward", "agreement", "applied", "gap", "(floor"))
+        assert ("applied  100.0%" if line.startswith("[replay") else "applied     off") in line
+    followed = next(line for line in lines if line.startswith("rows that ran the engine's experts"))
     replay_share, other_share = (float(x.rstrip("%")) / 100 for x in followed.split()[-2:])
     assert replay_share == 1.0 and 0.5 < other_share <= 1.0
-    assert "replay ran the engine's experts on every row; without it" in proc.stdout
-    assert png_size(png) == (800, 340) and png.stat().st_size > 15_000  # two panels drawn, not an empty canvas
+    assert "Replay ran the engine's experts on every row; without it" in proc.stdout
+    assert any(line.startswith("  its floor (the engine's experts)") for line in lines)
+    assert any(line.startswith("  gap above the floor") for line in lines)
+    assert png_size(png) == (1200, 360) and png.stat().st_size > 30_000  # three panels drawn, not an empty canvas
     data = json.loads(png.with_suffix(".json").read_text())
     assert data["trainer_dtype"] == "bf16 autocast" and set(data["arms"]) == {"replay", "no_replay"}
     for arm, rows in data["arms"].items():
@@ -281,9 +300,35 @@ def test_example_plots_both_arms(dev_server: VLLMProcess, tiny_models: dict[str,
             assert math.isfinite(r["loss"]) and r["weight_sync_seconds"] > 0
             # bf16 autocast vs the fp32 engine: never equal, never a different policy (|d| < ln 2 per token)
             assert 0.0 < r["mean_abs_logp_diff"] < math.log(2) and r["k3_kl"] >= 0.0, (arm, r)
+            assert 0.0 < r["gap_floor"] < math.log(2), (arm, r)  # the gap with the engine's experts: bf16 rounding
             assert 0.5 < r["agreement"] <= 1.0, (arm, r)  # the trainer's own router, measured in both arms
             # replay reached every MoE layer in its arm; the other arm replayed nothing
             assert r["applied_share_min_layer"] == (1.0 if arm == "replay" else None), (arm, r)
+            assert r["applied_share"] == (1.0 if arm == "replay" else None), (arm, r)
+            if arm == "replay":  # the engine's experts in the loss forward too: the gap is its floor (same batch)
+                assert r["mean_abs_logp_diff"] == pytest.approx(r["gap_floor"], rel=0.05), r
+
+
+def test_plain_loop_example_pushes_weights_every_step(
+    dev_server: VLLMProcess, tiny_models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """examples/plain_loop_r3.py ``--weight-sync`` (a weight push before every rollout) against this module's
+    dev-mode server (its weights change anyway; the pool's shared server runs it without the push in
+    test_plain_loop_example.py). The engine samples from the weights being trained, so the trainer's own router
+    agrees with the engine's on every row and the fp32 gap stays at rounding, step after step."""
+    spec = importlib.util.spec_from_file_location("plain_loop_r3", PLAIN_LOOP)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = str(tiny_models["qwen3_dense"])
+    history = example.main(["--url", dev_server.base_url, "--model-path", model, *PLAIN_LOOP_SEEDED, "--weight-sync"])
+    out = capsys.readouterr().out
+    assert [h["step"] for h in history] == [0, 1, 2] and example.NO_SYNC_NOTE not in out
+    assert all(h["reward_std"] > 0 and abs(h["loss"]) > 1e-6 for h in history), history  # it trains
+    for h in history:
+        assert h["r3/applied_share"] == 1.0 and h["r3/agreement"] == 1.0 and h["r3/mean_abs_logp_diff"] < 1e-4, h
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and all("agreement 1.000" in line and "weights pushed in" in line for line in lines)
 
 
 def test_trl_batch_rows_sit_under_their_tokens(
