@@ -398,12 +398,12 @@ def test_sidecar_passes_other_requests_through(qwen_server: Any, sidecar_url: st
     assert missing.status_code == 404, missing.text  # the engine's own error, passed through
 
 
-def test_readme_agentic_example_runs(qwen_server: Any) -> None:
-    """The README's agentic example, as written, against a real server (only the URL replaced)."""
+def test_agentic_doc_example_runs(qwen_server: Any) -> None:
+    """docs/agentic.md's multi-turn example, as written, against a real server (only the URL replaced)."""
     from pathlib import Path
 
-    text = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
-    section = text[text.index("## Agentic rollouts") :]
+    text = Path(__file__).resolve().parents[2].joinpath("docs", "agentic.md").read_text()
+    section = text[text.index("## A multi-turn rollout") :]
     code = section[section.index("```python\n") + 10 : section.index("```\n", section.index("```python\n") + 10)]
     assert 'URL = "http://127.0.0.1:8000"' in code
     code = code.replace('"http://127.0.0.1:8000"', repr(qwen_server.base_url))
@@ -412,7 +412,7 @@ def test_readme_agentic_example_runs(qwen_server: Any) -> None:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})  # noqa: S102
+        exec(compile(code, "docs/agentic.md", "exec"), {"__name__": "__doc__"})  # noqa: S102
     assert "torch.Size([2," in out.getvalue(), out.getvalue()
 
 
