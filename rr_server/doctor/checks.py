@@ -512,6 +512,11 @@ def identity_failure(e: Exception, url: str, base: str, engine: str | None) -> s
 
             return f"nothing answers at {url}: is the {engine} engine running there (with {ROUTING_CAPTURE[0]})?"
         return f"nothing answers at {url}: is an rr server running there? (start one: rr-server launch vllm|sglang)"
+    if engine and isinstance(e, NotAnRRServerError):  # the doctor's own sidecar found no engine behind it
+        return (
+            f"{url} does not answer as a {engine} engine (the doctor's sidecar in front of it found no routing "
+            f"there): is {engine} serving at that URL, started with --enable-return-routed-experts?"
+        )
     return f"{type(e).__name__}: {plain_error(e)}".replace(base, url)
 
 

@@ -66,6 +66,8 @@ def port_problem(port: str | int | None, host: str | None, default_port: int, de
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(address)
+        except PermissionError as e:  # EACCES: a port below 1024 as a user
+            return f"--port {number}: this user may not listen on it ({e.strerror}: ports below 1024 need root)"
         except OSError as e:
             default = " (the default)" if port is None else ""
             return (

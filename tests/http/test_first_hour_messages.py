@@ -46,7 +46,8 @@ def test_engine_mode_at_a_non_engine_names_the_url_not_the_doctors_sidecar(
 ) -> None:
     rc, out = _doctor(capsys, server.url, "--engine", "vllm")
     assert rc == 1 and "rr-doctor-sidecar" not in out, out
-    assert server.url in out
+    assert f"{server.url} does not answer as a vllm engine" in out
+    assert "rr-server proxy --upstream" not in out  # the advice for a client at an engine, not for --engine
 
 
 def test_identity_fails_without_routing_capture(server: ProtocolTestServer, capsys: pytest.CaptureFixture[str]) -> None:

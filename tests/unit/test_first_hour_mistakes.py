@@ -104,3 +104,18 @@ def test_sidecar_and_doctor_mistakes() -> None:
     assert _refused("doctr", "http://127.0.0.1:8000") == (
         "rr-server: unknown command 'doctr': did you mean doctor? (rr-server --help lists the commands)"
     )
+
+
+def test_a_privileged_port_is_named_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a user, port 80's bind is EACCES: said as that, not as "in use" (root here: the bind is made to refuse)."""
+    from rr_server.serving import command_line
+
+    class Refusing(socket.socket):
+        def bind(self, address: object) -> None:
+            raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(command_line.socket, "socket", Refusing)
+    assert command_line.port_problem("80", "127.0.0.1", 8000, "0.0.0.0") == (
+        "--port 80: this user may not listen on it (Permission denied: ports below 1024 need root)"
+    )
+    assert command_line.port_problem("x", None, 8000, "0.0.0.0") == "--port x: not a port number (1-65535)"
