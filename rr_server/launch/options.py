@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib.util
 import os
 import sys
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING
 from rr_client.core.codec import FORMATS
 from rr_client.core.engines import ENGINES
 from rr_server.launch.engine_flags import model_given, scan_engine_flags, unknown_flag
-from rr_server.serving.command_line import port_problem
+from rr_server.serving.command_line import did_you_mean, port_problem
 
 if TYPE_CHECKING:
     from rr_server.serving.engines import EngineReleases
@@ -30,6 +29,7 @@ __all__ = [
     "preflight",
     "model_folder_problem",
     "local_path",
+    "drop_option",
 ]
 
 # rr's own flag (not the engine's): the default routed_experts_format of /generate and the OpenAI endpoints
@@ -142,9 +142,8 @@ def preflight(argv: Sequence[str], parser: argparse.ArgumentParser, engine: str,
     for a in argv:
         name = a.split("=", 1)[0]
         if name.startswith("--rr-") and name not in rr_flags:
-            close = difflib.get_close_matches(name, rr_flags, n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
-            return f"unknown rr option {name}: {hint}rr's options: {', '.join(rr_flags) or 'none of that form'}"
+            hint = did_you_mean(name, rr_flags)
+            return f"unknown rr option {name}:{hint} rr's options: {', '.join(rr_flags) or 'none of that form'}"
     for other in ENGINES.values():
         for flag in other.model_flags:
             if flag not in eng.model_flags and any(a == flag or a.startswith(flag + "=") for a in argv):
@@ -188,19 +187,28 @@ def _unknown_option(label: str, name: str, option: str, close: list[str]) -> str
     return f"{label} has no option {option}: {hint}(rr-server launch {name} --help lists them)"
 
 
-def _without(argv: Sequence[str], options: set[str]) -> list[str]:
-    """``argv`` less rr's own ``options`` and their values (``--routed-experts-format npy``)."""
+def drop_option(args: Sequence[str], flag: str, takes_value: bool) -> list[str]:
+    """``args`` without ``flag`` (``--flag``, ``--flag=v``, and with ``takes_value`` the word after a bare one)."""
     out: list[str] = []
     skip = False
-    for a in argv:
+    for a in args:
         if skip:
             skip = False
             continue
-        name = a.split("=", 1)[0]
-        if name in options:
-            skip = name == FORMAT_FLAG and "=" not in a
+        if a == flag:
+            skip = takes_value
+            continue
+        if a.startswith(flag + "="):
             continue
         out.append(a)
+    return out
+
+
+def _without(argv: Sequence[str], options: set[str]) -> list[str]:
+    """``argv`` less rr's own ``options`` and their values (only ``--routed-experts-format`` takes one)."""
+    out = list(argv)
+    for option in options:
+        out = drop_option(out, option, takes_value=option == FORMAT_FLAG)
     return out
 
 

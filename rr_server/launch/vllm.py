@@ -24,6 +24,7 @@ from rr_client.core.errors import ConfigurationError
 from rr_server.launch import lifeline
 from rr_server.launch.bounded_replay import ALLOW_FLAG as BOUNDED_REPLAY_FLAG
 from rr_server.launch.bounded_replay import check_bounded_replay
+from rr_server.launch.options import drop_option
 from rr_server.serving.disaggregation import pd_refusal
 from rr_server.serving.engines.vllm import (
     RELEASES,
@@ -141,23 +142,6 @@ def _has(args: Sequence[str], flag: str) -> bool:
     return any(a == f or a.startswith(f + "=") for a in args for f in names)
 
 
-def _drop(args: list[str], flag: str, takes_value: bool) -> list[str]:
-    """Remove ``flag`` (and its value) from args."""
-    out: list[str] = []
-    skip = False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        if a == flag:
-            skip = takes_value
-            continue
-        if a.startswith(flag + "="):
-            continue
-        out.append(a)
-    return out
-
-
 def _last_values(args: Sequence[str], flag: str) -> list[str] | None:
     """Values of the last ``--flag V [V ...]`` / ``--flag=V`` (argparse keeps the last); None if absent."""
     names = (flag, "--" + flag[2:].replace("-", "_"))
@@ -243,7 +227,7 @@ def _aux_output_settings(args: list[str], env: dict[str, str] | None) -> tuple[l
     """vLLM 0.31+ (AuxOutput connector): capture needs prefix caching and Model Runner V2; (args, what was set)."""
     fixed: list[str] = []
     if _has(args, "--no-enable-prefix-caching"):
-        args = _drop(args, "--no-enable-prefix-caching", False)
+        args = drop_option(args, "--no-enable-prefix-caching", False)
     if not _has(args, "--enable-prefix-caching"):
         args.append("--enable-prefix-caching")
         fixed.append("--enable-prefix-caching")
@@ -305,14 +289,14 @@ def build_command(
     if cpu:
         fixed = []
         if _has(args, "--compilation-config") or any(a.startswith("-O") for a in args):
-            args = _drop(_drop(args, "--compilation-config", True), "-O", True)
+            args = drop_option(drop_option(args, "--compilation-config", True), "-O", True)
             args = [a for a in args if not a.startswith("-O")]
             fixed.append("dropped --compilation-config/-O")
         if not _has(args, "--enforce-eager"):
             args.append("--enforce-eager")
             fixed.append("--enforce-eager")
         if _has(args, "--dtype"):
-            args = _drop(args, "--dtype", True)
+            args = drop_option(args, "--dtype", True)
         args += ["--dtype", "float32"]
         fixed.append("--dtype float32")
         if not _has(args, "--kv-cache-memory-bytes"):
