@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from rr_client.core import settings
 from rr_client.core.engines import ENGINE_NAMES
 from rr_server.progress import Steps, stderr_console
-from rr_server.serving.command_line import CommandParser
+from rr_server.serving.command_line import CommandParser, url_problem
 
 # the probes' default burst cap (rr_server.doctor.probes.MAX_PROBE_REQUESTS; that module is not imported for --help)
 MAX_PROBE_REQUESTS = 48
@@ -165,8 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model_path is not None and (why := _model_path_problem(args.model_path)):
         sys.stderr.write(f"rr-server doctor: --model-path {args.model_path}: {why}\n")
         return 2
-    if not args.url.startswith(("http://", "https://")):
-        sys.stderr.write(f"rr-server doctor: {args.url!r} is not a URL: give http://HOST:PORT (the server's)\n")
+    if why := url_problem(args.url):
+        sys.stderr.write(f"rr-server doctor: {why} (the server's)\n")
         return 2
     pd_args = (args.pd_prefill, args.pd_decode, args.pd_bootstrap_port)
     if any(a is not None for a in pd_args) and (None in pd_args or args.pd_bootstrap_port < 1):

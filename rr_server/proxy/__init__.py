@@ -116,11 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_concurrency < 1 or args.timeout <= 0:
         sys.stderr.write("rr-server proxy: --max-concurrency must be >= 1 and --timeout > 0\n")
         return 2
-    from rr_server.serving.command_line import port_problem
+    from rr_server.serving.command_line import port_problem, url_problem
 
     for name, url in (("--upstream", args.upstream), ("--prefill-upstream", args.prefill_upstream)):
-        if url is not None and not url.startswith(("http://", "https://")):
-            sys.stderr.write(f"rr-server proxy: {name} {url!r} is not a URL: give http://HOST:PORT\n")
+        if url is not None and (why := url_problem(url)):
+            sys.stderr.write(f"rr-server proxy: {name} {why}\n")
             return 2
     if why := port_problem(args.port, args.host, args.port, args.host):
         sys.stderr.write(f"rr-server proxy: {why}\n")

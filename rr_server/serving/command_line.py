@@ -10,13 +10,18 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-__all__ = ["CommandParser", "did_you_mean", "port_problem"]
+__all__ = ["CommandParser", "did_you_mean", "port_problem", "url_problem"]
 
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:
     """``" did you mean X?"`` for the closest of ``choices`` to a mistyped ``word``, else ``""``."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" did you mean {close[0]}?" if close else ""
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a server's address, in a clause naming it, or None (an ``http(s)://`` URL)."""
+    return None if url.startswith(("http://", "https://")) else f"{url!r} is not a URL: give http://HOST:PORT"
 
 
 class CommandParser(argparse.ArgumentParser):
