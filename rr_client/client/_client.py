@@ -15,6 +15,7 @@ import numpy as np
 import orjson
 
 from rr_client.client._hosts import HostPolicy
+from rr_client.client._object_refs import ObjectReader
 from rr_client.client._openai import CHAT_PATH, COMPLETIONS_PATH, openai_body, parse_choices
 from rr_client.client._replicas import Replica, ReplicaPool, ReplicaStats
 from rr_client.client._resolve import RefResolver, RefTokens
@@ -36,6 +37,7 @@ from rr_client.core.indexer import INDEXER_FORMAT_FIELD
 from rr_client.core.info import RRInfo
 from rr_client.core.reference import RETIRE_PATH, RoutingRef
 from rr_client.core.seam import SeamRef, merge_halves
+from rr_client.core.spans import ProvenanceSpan, SequenceBook
 
 if TYPE_CHECKING:
     from rr_client.client.trajectory import ChatTrajectory, Trajectory
@@ -78,6 +80,11 @@ class RoutedExpertsClient:
     ``generate`` returns with rows is re-scored on the server before it returns them, and one whose rows the engine's
     own forward does not give back is flagged in its provenance (``source_flagged``), so the stale-rows policy
     refuses or masks it (:mod:`rr_client.client.source_audit`). Off by default.
+
+    Refs a server wrote to an object store (``rr-server launch ... --rr-store s3://bucket/prefix``) are read from the
+    objects, by this client itself, under the prefixes ``object_stores`` lists (default env ``RR_OBJECT_STORES``,
+    comma-separated; a ref naming another is :class:`UntrustedHostError`), with ``storage_options`` (fsspec's, e.g.
+    ``{"endpoint_url": ..., "key": ..., "secret": ...}``) or fsspec's own configuration and the environment.
     """
 
     def __init__(
@@ -101,6 +108,8 @@ class RoutedExpertsClient:
         trusted_hosts: Sequence[str] | str | None = None,
         keyless_hosts: Sequence[str] | str | None = None,
         source_audit: float | SourceAudit | None = None,
+        object_stores: Sequence[str] | str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if max_concurrency < 1 or batch_size < 1 or retries < 0:
             raise ConfigurationError("max_concurrency and batch_size must be >= 1, retries >= 0")
@@ -139,7 +148,11 @@ class RoutedExpertsClient:
         self._hosts = HostPolicy.of(
             self.urls, trusted=trusted_hosts, keyless=keyless_hosts, credentials=bool(all_headers)
         )
-        self._resolver = RefResolver(self._http_for, max_concurrency=max_concurrency)
+        self._resolver = RefResolver(
+            self._http_for,
+            max_concurrency=max_concurrency,
+            objects=ObjectReader(object_stores, dict(storage_options or {})),
+        )
         self._sem = asyncio.Semaphore(max_concurrency)
         self._retries, self._backoff = retries, backoff  # per request: tries after the first, first pause (s)
         self._batch_size = batch_size
@@ -197,6 +210,18 @@ class RoutedExpertsClient:
         if any(isinstance(r, RoutingRef) and not r.url for r in refs) and len(self.urls) == 1:
             refs = [r.with_url(self.urls[0]) if isinstance(r, RoutingRef) and not r.url else r for r in refs]
         return await self._resolver.resolve(refs, await self.info(), tokens)
+
+    async def resolve_spans(
+        self, book: SequenceBook, spans: Sequence[ProvenanceSpan | Mapping[str, Any]], datum_tokens: Sequence[int]
+    ) -> np.ndarray:
+        """The routing rows of a training datum built from provenance spans (``sequence_id``, ``offset``,
+        ``length``, in tiling order) of the sequences in ``book``: one row per datum token, each ref read once and
+        through the one check, the spans checked whole first (:meth:`SequenceBook.plan`: typed errors for spans that
+        do not tile, overlap, point past a sequence or name an unknown or retired one)."""
+        plan = book.plan(spans, datum_tokens)
+        refs = plan.refs
+        rows = dict(zip(((r.store, r.key) for r in refs), await self.resolve(refs)))
+        return np.concatenate([rows[(s.ref.store, s.ref.key)][s.row_start : s.row_stop] for s in plan.slices])
 
     async def resolve_results(self, results: Sequence[GenerateResult]) -> list[GenerateResult]:
         """``results`` with every ``routing_ref`` resolved into ``routed_experts`` (others as they are), each

@@ -3,7 +3,9 @@ call, concurrency-limited, checksum-verified and checked exactly as an inline an
 
 HTTP refs go to ``POST <url>/rr/routing/read`` (one binary frame per call, grouped by server, each call under the
 server's byte cap: a ref larger than it is read in row ranges and joined); ``ray://`` refs
-to the Ray store actor they name (:mod:`rr_client.stores.ray`, ``rr-replay[ray]``). Given each ref's tokens, every
+to the Ray store actor they name (:mod:`rr_client.client._ray_refs`, ``rr-replay[ray]``); object-store refs
+(``s3://``, ``file://``) straight from the objects, with the client's own credentials, under the prefixes it allows
+(:mod:`rr_client.client._object_refs`). Given each ref's tokens, every
 ref is bound to them (:func:`rr_client.core.reference.check_ref_tokens`) before any read, HTTP and Ray alike.
 """
 
@@ -23,6 +25,7 @@ from rr_client.core.codec import check_routing
 from rr_client.core.errors import ProtocolError, RoutingChecksumError, RoutingExpiredError, ShapeMismatchError
 from rr_client.core.indexer import check_indexer
 from rr_client.core.info import RRInfo
+from rr_client.core.objects import is_object_url
 from rr_client.core.reference import (
     FRAME_MEDIA_TYPE,
     MAX_READ_BYTES,
@@ -140,8 +143,10 @@ class RefResolver:
         max_concurrency: int = 8,
         batch: int = 64,
         max_bytes: int = MAX_READ_BYTES,
+        objects: Any = None,
     ) -> None:
         self._http_for = http_for
+        self._objects = objects  #: an ObjectReader (the client's allowed object stores), made on first use if None
         self._sem = asyncio.Semaphore(max_concurrency)
         self._batch = batch
         self._max_bytes = max_bytes
@@ -164,11 +169,17 @@ class RefResolver:
         if tokens is not None:
             bind_tokens(refs, tokens)
         for url in by_url:  # every server's client first: a ref naming an untrusted host is refused before any read
-            if not url.startswith(RAY_SCHEME):
+            if is_object_url(url) and not url.startswith(RAY_SCHEME):
+                self._object_reader().allow(url)
+            elif not url.startswith(RAY_SCHEME):
                 self._http_for(url)
         tasks = []
         for url, idx in by_url.items():
-            if url.startswith(RAY_SCHEME):
+            if is_object_url(url) and not url.startswith(RAY_SCHEME):
+                for s in range(0, len(idx), self._batch):
+                    part = idx[s : s + self._batch]
+                    tasks.append(self._object_call(url, [refs[i] for i in part], part, out, info))
+            elif url.startswith(RAY_SCHEME):
                 for s in range(0, len(idx), self._batch):
                     tasks.append(
                         self._ray_call(
@@ -179,6 +190,23 @@ class RefResolver:
                 tasks.append(self._http_server(url, [refs[i] for i in idx], idx, out, info))
         await asyncio.gather(*tasks)
         return [a for a in out if a is not None]
+
+    def _object_reader(self) -> Any:
+        if self._objects is None:
+            from rr_client.client._object_refs import ObjectReader
+
+            self._objects = ObjectReader(None)
+        return self._objects
+
+    async def _object_call(
+        self, url: str, refs: list[RoutingRef], idx: list[int], out: list[np.ndarray | None], info: RRInfo
+    ) -> None:
+        """One call's refs read from the objects under ``url`` (no server, no byte cap), each checked whole."""
+        async with self._sem:
+            parts = await asyncio.to_thread(self._object_reader().read_parts, url, refs)
+        for i, ref, part in zip(idx, refs, parts):
+            self.bytes_read += part.rows.nbytes
+            out[i] = checked_part(ref, part, info)
 
     async def _ray_call(
         self, url: str, refs: list[RoutingRef], idx: list[int], out: list[np.ndarray | None], info: RRInfo

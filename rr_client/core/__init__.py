@@ -32,6 +32,7 @@ from rr_client.core.info import RRInfo
 from rr_client.core.provenance import Provenance, ProvenanceCheck, check_provenance, tokens_digest
 from rr_client.core.reference import RoutingRef
 from rr_client.core.seam import Half, Seam, SeamRef, merge_halves, plan_seam
+from rr_client.core.spans import ProvenanceSpan, SequenceBook
 
 __all__ = [
     "__version__",
@@ -47,6 +48,8 @@ __all__ = [
     "expected_rows",
     *_errors.__all__,
     "RoutingRef",
+    "ProvenanceSpan",
+    "SequenceBook",
     "Provenance",
     "ProvenanceCheck",
     "check_provenance",

@@ -12,6 +12,8 @@ Imports nothing heavy. The hierarchy::
     │   ├── TokenMismatchError            a turn's prompt does not begin with the trajectory's tokens
     │   ├── RoutingExpiredError           a routing ref's rows are gone (evicted, retired, server restarted)
     │   ├── RoutingChecksumError          rows read by reference differ from what their ref promised
+    │   ├── RoutingStoreWriteError        a ref's rows could not be written to its object store (that sample only)
+    │   ├── ProvenanceSpanError           a datum's provenance spans do not tile it or point outside a sequence
     │   ├── StaleRoutingError             rows may come from other weights / tokens than the sample's (provenance)
     │   ├── SeamMismatchError             a prefill/decode sample's halves cannot be joined (model, shape, KV claim)
     │   └── IndexerPositionError          an indexer row picks a future or negative position, or one twice
@@ -50,6 +52,8 @@ __all__ = [
     "MissingRoutingError",
     "TokenMismatchError",
     "RoutingExpiredError",
+    "RoutingStoreWriteError",
+    "ProvenanceSpanError",
     "RoutingChecksumError",
     "StaleRoutingError",
     "SeamMismatchError",
@@ -126,6 +130,18 @@ class RoutingExpiredError(RoutedExpertsError):
 
 class RoutingChecksumError(RoutedExpertsError):
     """Rows read by reference do not match the checksum their ref or frame promised."""
+
+
+class RoutingStoreWriteError(RoutedExpertsError):
+    """A sample's rows could not be written to the object store its ref would name (the write failed, timed out, or
+    the store's write backlog stayed full): that sample's answer carries this refusal instead of a ref; the rest of
+    the batch goes on."""
+
+
+class ProvenanceSpanError(RoutedExpertsError):
+    """A training datum's provenance spans cannot be resolved to rows: they do not tile the datum (a gap, an overlap,
+    lengths that do not add up), a span points past its sequence's tokens or rows, names a sequence the book does
+    not hold, or the datum's tokens there are not the sequence's (:mod:`rr_client.core.spans`)."""
 
 
 class StaleRoutingError(RoutedExpertsError):

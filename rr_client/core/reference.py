@@ -190,7 +190,9 @@ class FramePart:
     digest: str = ""
 
 
-def encode_frame(parts: Sequence[FramePart], runs: Sequence[FramePart] = ()) -> bytes:
+def encode_frame(
+    parts: Sequence[FramePart], runs: Sequence[FramePart] = (), meta: Mapping[str, Any] | None = None
+) -> bytes:
     """The read route's body: header (shapes, dtypes, offsets, checksums) then the rows' raw bytes.
 
     A part's ``digest`` is used as given (a store keeps it from store time), else computed over the bytes the
@@ -198,7 +200,8 @@ def encode_frame(parts: Sequence[FramePart], runs: Sequence[FramePart] = ()) -> 
     naming one key N times costs one copy of the rows, not N). With ``runs`` (merged reads: each run a key's rows
     ``[start, stop)``, the runs of one key disjoint), every part lies inside a run of its key: only the runs are
     written, once each, and each part's entry names its rows' offset inside its run (asks that overlap share
-    bytes; the header is still one entry per part, which readers slice the data by)."""
+    bytes; the header is still one entry per part, which readers slice the data by). ``meta``: a JSON object the
+    header carries as ``meta`` (an object store's record of who wrote the rows, when, under which weights)."""
     located = _run_index(runs)
     header: list[dict[str, Any]] = []
     data: list[memoryview] = []
@@ -234,7 +237,10 @@ def encode_frame(parts: Sequence[FramePart], runs: Sequence[FramePart] = ()) -> 
                 "checksum": p.digest or checksum(a),
             }
         header.append(entry)
-    head = json.dumps({"schema": ROWS_SCHEMA, "parts": header}, separators=(",", ":")).encode()
+    doc: dict[str, Any] = {"schema": ROWS_SCHEMA, "parts": header}
+    if meta is not None:
+        doc["meta"] = dict(meta)
+    head = json.dumps(doc, separators=(",", ":")).encode()
     return b"".join([struct.pack("<Q", len(head)), head, *data])
 
 
@@ -268,9 +274,10 @@ def _run_of(located: dict[str, tuple[np.ndarray, list[FramePart]]], p: FramePart
     return run
 
 
-def decode_frame(body: bytes | bytearray | memoryview) -> list[FramePart]:
+def decode_frame(body: bytes | bytearray | memoryview, *, with_meta: bool = False) -> Any:
     """Parse a frame; every header field and every part's checksum is checked before the rows are returned
-    (zero-copy views into ``body``). :class:`MalformedPayloadError` or :class:`RoutingChecksumError`."""
+    (zero-copy views into ``body``). :class:`MalformedPayloadError` or :class:`RoutingChecksumError`. With
+    ``with_meta``: (the parts, the header's ``meta`` object, ``{}`` when it has none)."""
     buf = memoryview(body)
     if len(buf) < 8:
         raise MalformedPayloadError(f"routing frame of {len(buf)} bytes: shorter than its 8-byte header length")
@@ -322,4 +329,9 @@ def decode_frame(body: bytes | bytearray | memoryview) -> list[FramePart]:
                 f"{where} (key {key!r}, rows [{start}, {stop})): checksum mismatch: the bytes changed on the way"
             )
         out.append(FramePart(key, start, stop, rows, digest))
-    return out
+    if not with_meta:
+        return out
+    meta = head.get("meta", {})
+    if not isinstance(meta, dict):
+        raise MalformedPayloadError(f"routing frame header: meta must be an object, got {type(meta).__name__}")
+    return out, meta

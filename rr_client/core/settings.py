@@ -85,8 +85,38 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "RR_ROUTING_STORE",
             "text",
-            "rr servers: where rows for refs are held: `memory` (in the server) or `ray` (Ray's object store, one store actor per engine process; `rr-replay[ray]`)",
+            "rr servers: where rows for refs are held: `memory` (in the server), `ray` (Ray's object store, one store actor per engine process; `rr-replay[ray]`), or an object store URL (`s3://bucket/prefix`, `file:///shared/path`: refs outlive the engine; `rr-replay[objects]`; `--rr-store`)",
             "memory",
+        ),
+        Setting(
+            "RR_OBJECT_STORE_WRITERS",
+            "int",
+            "rr servers with an object store: object writes in flight at once (per API server process)",
+            "8",
+        ),
+        Setting(
+            "RR_OBJECT_STORE_PENDING_BYTES",
+            "int",
+            "rr servers with an object store: bytes of objects being written at once; a sample past it waits for room (backpressure)",
+            "268435456 (256 MiB)",
+        ),
+        Setting(
+            "RR_OBJECT_STORE_WRITE_TIMEOUT",
+            "int",
+            "rr servers with an object store: seconds a sample's write (and its wait for room) may take before that sample is refused (`RoutingStoreWriteError`)",
+            "60",
+        ),
+        Setting(
+            "RR_OBJECT_STORE_MAX_AGE",
+            "int",
+            "rr servers with an object store: seconds an object is kept before the store deletes it (the lifetime bound; retire deletes sooner)",
+            "604800 (7 days)",
+        ),
+        Setting(
+            "RR_OBJECT_STORE_MAX_OBJECTS",
+            "int",
+            "rr servers with an object store: objects kept under the URL at most (the oldest deleted first, counting an earlier run's)",
+            "1000000",
         ),
         Setting(
             "RR_ROUTING_STORE_BYTES",
@@ -131,6 +161,11 @@ SETTINGS: dict[str, Setting] = {
             "RR_TRUSTED_HOSTS",
             "text",
             "client: comma-separated `host` or `host:port` a routing ref may name and that get its key (besides its replicas; `trusted_hosts=`)",
+        ),
+        Setting(
+            "RR_OBJECT_STORES",
+            "text",
+            "client: comma-separated object store URL prefixes (`s3://bucket/prefix`, `file:///path`) a routing ref may name; read with the client's own fsspec credentials (`object_stores=`)",
         ),
         Setting(
             "RR_KEYLESS_HOSTS",

@@ -202,17 +202,37 @@ def _server_format() -> str:
         raise MalformedPayloadError(str(e)) from None
 
 
-#: one request of the batch: its ReqState, the answer list rr put there, and its indexer check still to run (None:
-#: nothing to check)
-IndexerJob = tuple[Any, "_RRList", Callable[[], dict[str, Any]] | None]
+#: one request of the batch: its ReqState, the answer list rr put there, and what is still to run on that list
+#: before SGLang appends the answer (its indexer check, its routing fields when the store writes to an object store;
+#: None: nothing)
+IndexerJob = tuple[Any, "_RRList", Callable[["_RRList"], None] | None]
 
 
 def run_indexer_jobs(jobs: list[IndexerJob]) -> None:
-    """Check each pending request's indexer rows and give its answer list the fields (in a worker thread from
-    0.5.11 on: :func:`around_handle_batch_output`)."""
-    for _, out_list, check in jobs:
-        if check is not None:
-            out_list.indexer = check()
+    """Run each pending request's deferred work on its answer list (in a worker thread from 0.5.11 on:
+    :func:`around_handle_batch_output`)."""
+    for _, out_list, work in jobs:
+        if work is not None:
+            work(out_list)
+
+
+def _then(*steps: Callable[[_RRList], None] | None) -> Callable[[_RRList], None] | None:
+    """The given steps, in order, as one job (None when there are none)."""
+    todo = [s for s in steps if s is not None]
+    if not todo:
+        return None
+
+    def run(out_list: _RRList) -> None:
+        for step in todo:
+            step(out_list)
+
+    return run
+
+
+def _store_blocks() -> bool:
+    """The routing store writes each ref's rows to an object store (a network or disk write per sample): answers'
+    routing fields are then made in the batch's worker thread, never on SGLang's event loop."""
+    return bool(getattr(current_store(), "blocks", False))
 
 
 def prepare_batch(tm: Any, recv_obj: Any) -> list[IndexerJob]:
@@ -249,7 +269,8 @@ def prepare_batch(tm: Any, recv_obj: Any) -> list[IndexerJob]:
         fields: dict[str, Any] | None = None
         checked: CheckedRouting | None = None
         idx: dict[str, Any] | None = None
-        idx_check: Callable[[], dict[str, Any]] | None = None
+        idx_check: Callable[[_RRList], None] | None = None
+        routing_job: Callable[[_RRList], None] | None = None
         if finished and asked_indexer(caller):
             # a P/D decode server never ran the prompt: its indexer rows there are leftovers, as its routing rows are
             ifmt = st.indexer_format.pop(rid, None)
@@ -281,16 +302,18 @@ def prepare_batch(tm: Any, recv_obj: Any) -> list[IndexerJob]:
                     fields = routing_error_fields(
                         MissingRoutingError("the engine returned no routing for this request")
                     )
+                elif _store_blocks():  # an object write per ref: made in the batch's worker thread
+                    routing_job = _routing_job(st, value, rows, start, fmt, mark, count=col is None)
                 else:
                     with refs_made_under(mark.version if mark is not None else None):  # a ref: the weights it ran on
                         fields, checked = _answer_fields(st, value, rows=rows, start=start, fmt=fmt)
-            if col is None:  # an OpenAI request's choices are counted when rr finishes its answer
+            if col is None and routing_job is None:  # an OpenAI request's choices are counted when rr finishes it
                 count_sample(fields)
         prov = (batch_provenance(recv_obj, i, st.epoch, mark), prompt, state) if finished else None
         state.out_list = _RRList(
             state.out_list, fields, (col, rid) if finished and col is not None else None, checked, prov, idx
         )
-        jobs.append((state, state.out_list, idx_check))
+        jobs.append((state, state.out_list, _then(routing_job, idx_check)))
     if values:
         setattr(recv_obj, field, None)
     if idx_values:
@@ -311,19 +334,35 @@ def _indexer_check(
     """One request's indexer check, to run later (:func:`run_indexer_jobs`); a ref made there carries ``version``,
     the weights its request was admitted under."""
 
-    def check() -> dict[str, Any]:
+    def check(out_list: _RRList) -> None:
         with refs_made_under(version):
-            return indexer_fields(
+            out_list.indexer = indexer_fields(
                 st.info, value, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, start=start, fmt=fmt
             )
 
     return check
 
 
+def _routing_job(
+    st: RRState, value: Any, rows: int, start: int, fmt: str | None, mark: Any, *, count: bool
+) -> Callable[[_RRList], None]:
+    """One request's routing fields, made later on its answer list (:func:`run_indexer_jobs`): checked, kept in the
+    store (a ref made under the weights its request was admitted at), counted as :func:`prepare_batch` would."""
+
+    def make(out_list: _RRList) -> None:
+        with refs_made_under(mark.version if mark is not None else None):
+            out_list.rr_fields, out_list.checked = _answer_fields(st, value, rows=rows, start=start, fmt=fmt)
+        if count:
+            count_sample(out_list.rr_fields)
+
+    return make
+
+
 def around_handle_batch_output(original: Any, self: Any, recv_obj: Any, *args: Any, **kwargs: Any) -> Any:
     """Rewrite routing for the batch, then run SGLang's own handler (a coroutine from 0.5.11 on).
 
-    From 0.5.11 on, the batch's indexer checks run in a worker thread before SGLang's handler appends the answers:
+    From 0.5.11 on, the batch's indexer checks (and its routing fields when the store writes each ref to an object
+    store) run in a worker thread before SGLang's handler appends the answers:
     SGLang's event loop, which streams every request, is never held by them (the handle loop awaits this batch)."""
     from sglang.srt.managers.io_struct import BatchStrOutput, BatchTokenIDOutput
 

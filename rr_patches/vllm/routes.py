@@ -329,7 +329,10 @@ async def _run_batch(app: FastAPI, req: NormalizedGenerate) -> Response:
 
     size = sum(getattr(getattr(c, "routed_experts", None), "size", 0) for ro, _ in finals for c in ro.outputs)
     # Large payloads (~100 ms to check + base64 a 32k-token sample) must not stall the event loop.
-    items = await asyncio.to_thread(build) if req.return_routed_experts and size > _THREAD_MIN_ELEMS else build()
+    # So must an object store's writes (a ref's rows go to S3 or a shared disk before the answer names them).
+    blocks = bool(getattr(current_store(), "blocks", False))
+    off_loop = req.return_routed_experts and (size > _THREAD_MIN_ELEMS or blocks)
+    items = await asyncio.to_thread(build) if off_loop else build()
     if not req.is_batch and len(items) == 1:
         return json_response(items[0])
     return json_response(items)

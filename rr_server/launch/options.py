@@ -34,6 +34,8 @@ __all__ = [
 
 # rr's own flag (not the engine's): the default routed_experts_format of /generate and the OpenAI endpoints
 FORMAT_FLAG = "--routed-experts-format"
+STORE_FLAG = "--rr-store"
+STORE_ENV = "RR_ROUTING_STORE"
 
 
 def launcher_parser(
@@ -58,6 +60,13 @@ def add_shared_options(group: argparse._ArgumentGroup, engine: str) -> None:
         help="the server's default routed_experts_format: npy (rr's compact .npy, the default), sglang "
         "(SGLang's own int32 base64) or ref (a RoutingRef; the rows stay in the server's routing "
         "store); a request's own field wins",
+    )
+    group.add_argument(
+        STORE_FLAG,
+        metavar="URL",
+        help="where rows for refs are held (RR_ROUTING_STORE): memory (the default), ray, or an object store "
+        "URL, s3://bucket/prefix or file:///shared/path, whose refs outlive the server (rr-replay[objects]; "
+        "credentials from the environment or fsspec's configuration)",
     )
     group.add_argument("-h", "--help", action="store_true", help=f"rr's options, then {engine}'s own help")
 
@@ -106,6 +115,41 @@ def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
             continue
         fmt = check_format(fmt)
     return out, fmt
+
+
+def take_store_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
+    """Remove ``--rr-store URL`` (the engine's parser would refuse it); its value checked: ``memory``, ``ray``, or an
+    object store URL whose filesystem is installed. ConfigurationError (a ValueError) naming what is wrong."""
+    from rr_client.core.errors import ConfigurationError
+    from rr_client.core.objects import is_object_url
+
+    args, url, i = list(argv), None, 0
+    out: list[str] = []
+    while i < len(args):
+        a = args[i]
+        if a == STORE_FLAG:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigurationError(f"{STORE_FLAG} needs a value: memory, ray, s3://bucket/prefix or file:///path")
+            url, i = args[i + 1], i + 2
+        elif a.startswith(STORE_FLAG + "="):
+            url, i = a.split("=", 1)[1], i + 1
+        else:
+            out.append(a)
+            i += 1
+    if url is None or url.lower() in ("memory", "ray"):
+        return out, url
+    if not is_object_url(url):
+        raise ConfigurationError(
+            f"{STORE_FLAG} {url!r}: expected memory, ray, or an object store URL (s3://bucket/prefix, file:///path)"
+        )
+    protocol = url.split("://", 1)[0].lower()
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as e:
+        raise ConfigurationError(f"{STORE_FLAG} {url}: {e} (pip install 'rr-replay[objects]')") from None
+    return out, url
 
 
 def _values(argv: Sequence[str], flag: str) -> list[str]:

@@ -14,11 +14,13 @@ from rr_server.launch.bounded_replay import ALLOW_FLAG as BOUNDED_REPLAY_FLAG
 from rr_server.launch.bounded_replay import check_bounded_replay
 from rr_server.launch.options import (
     FORMAT_FLAG,
+    STORE_ENV,
     add_shared_options,
     engine_help,
     launcher_parser,
     preflight,
     take_format_flag,
+    take_store_flag,
     wants_help,
 )
 from rr_server.serving.capture_paths import INDEXER_CAPTURE, argv_view, indexer_refusal, tree_verify_refusal
@@ -234,6 +236,13 @@ def main(argv: Sequence[str]) -> int:
         return 2
     if fmt is not None:
         os.environ[FORMAT_ENV] = fmt  # read per request by the patched server (this process)
+    try:
+        argv, store = take_store_flag(argv)
+    except ValueError as e:
+        sys.stderr.write(f"rr-server: {e}\n")
+        return 2
+    if store is not None:
+        os.environ[STORE_ENV] = store  # the patched TokenizerManager makes its store from it
     allow_replay = BOUNDED_REPLAY_FLAG in argv
     args = prepare_argv([a for a in argv if a not in _RR_FLAGS])
     if _tokenizer_workers(args) > 1:

@@ -24,7 +24,7 @@ from rr_client.core.errors import ConfigurationError
 from rr_server.launch import lifeline
 from rr_server.launch.bounded_replay import ALLOW_FLAG as BOUNDED_REPLAY_FLAG
 from rr_server.launch.bounded_replay import check_bounded_replay
-from rr_server.launch.options import drop_option
+from rr_server.launch.options import STORE_ENV, drop_option, take_store_flag
 from rr_server.serving.disaggregation import pd_refusal
 from rr_server.serving.engines.vllm import (
     RELEASES,
@@ -432,6 +432,13 @@ def main(argv: list[str]) -> int:
         return 2
     if fmt is not None:
         env[FORMAT_ENV] = fmt  # the plugin reads it per request in the API server process
+    try:
+        argv, store = take_store_flag(argv)
+    except ValueError as e:
+        print(f"rr: {e}", file=sys.stderr)
+        return 2
+    if store is not None:
+        env[STORE_ENV] = store  # each API server process makes its store from it
     cmd, notes = build_command(argv, cpu=cpu, version=version, env=env)
     for line in [*notes, *filter(None, [shm_note()])]:
         logger.warning(line)

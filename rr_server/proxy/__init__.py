@@ -106,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
         "DiskWeightSync given WeightEngine(SIDECAR_URL, ENGINE)); without it an update pushed straight to the engine "
         "is invisible here, so each sample's weight fields in rr_provenance say unknown (null)",
     )
+    p.add_argument(
+        "--rr-store",
+        metavar="URL",
+        default=None,
+        help="where rows for refs are held (RR_ROUTING_STORE): memory (the default), ray, or an object store URL, "
+        "s3://bucket/prefix or file:///shared/path, whose refs outlive the sidecar and the engine "
+        "(rr-replay[objects]; credentials from the environment or fsspec's configuration)",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -134,6 +142,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rr_server.serving.engines import RELEASES, releases
     from rr_server.serving.store import advertised_url
 
+    if args.rr_store is not None:
+        from rr_server.launch.options import STORE_ENV, take_store_flag
+
+        try:
+            take_store_flag(["--rr-store", args.rr_store])
+        except ValueError as e:
+            sys.stderr.write(f"rr-server proxy: {e}\n")
+            return 2
+        os.environ[STORE_ENV] = args.rr_store  # the sidecar's store is made from it (install_store)
     if args.routed_experts_format:
         from rr_server.serving.generate_protocol import FORMAT_ENV
 

@@ -10,9 +10,10 @@ never passes unchecked. A failure of the upstream itself (unreachable, non-2xx, 
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from rr_client.core.codec import CheckedRouting, check_payload, routing_error_fields, routing_meta_fields
 from rr_client.core.errors import MissingRoutingError, RoutedExpertsError
@@ -21,7 +22,9 @@ from rr_server.proxy.metrics import ProxyMetrics
 from rr_server.serving.capture_paths import ROUTED_EXPERTS, capture_refusal
 from rr_server.serving.store import current_store
 
-__all__ = ["upstream_routing_fields", "refused_fields", "sent_fields", "ROUTING_KEYS"]
+__all__ = ["upstream_routing_fields", "refused_fields", "sent_fields", "ROUTING_KEYS", "off_loop_if_store_blocks"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger("rr.proxy")
 # every key an upstream may use for routing; stripped from answers that did not ask for it
@@ -34,6 +37,14 @@ ROUTING_KEYS = (
     "routed_experts_start",
     "routed_experts_error",
 )
+
+
+async def off_loop_if_store_blocks(make: Callable[[], T]) -> T:
+    """``make()``, in a worker thread when the routing store writes each ref to an object store (a network or disk
+    write per sample must not hold the sidecar's event loop), else here."""
+    if getattr(current_store(), "blocks", False):
+        return await asyncio.to_thread(make)
+    return make()
 
 
 def upstream_routing_fields(

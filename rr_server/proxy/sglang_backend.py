@@ -14,7 +14,7 @@ from rr_client.core.info import RRInfo
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.metrics import ProxyMetrics
 from rr_server.proxy.provenance import attach, sglang_provenance
-from rr_server.proxy.routing import ROUTING_KEYS, upstream_routing_fields
+from rr_server.proxy.routing import ROUTING_KEYS, off_loop_if_store_blocks, upstream_routing_fields
 from rr_server.proxy.upstream import Upstream
 from rr_server.serving.generate_protocol import (
     SSE_DONE,
@@ -191,9 +191,11 @@ class SGLangBackend:
                     502, "upstream_protocol", f"upstream /generate returned {len(reply)} items, expected {want}"
                 )
             idx = await self.indexer_off_loop(reply, req, info, mark)
-            return [self.transcode(it, req, info, j, mark=mark, indexer=idx[j]) for j, it in enumerate(reply)]
+            return await off_loop_if_store_blocks(
+                lambda: [self.transcode(it, req, info, j, mark=mark, indexer=idx[j]) for j, it in enumerate(reply)]
+            )
         (idx0,) = await self.indexer_off_loop([reply], req, info, mark)
-        return self.transcode(reply, req, info, 0, mark=mark, indexer=idx0)
+        return await off_loop_if_store_blocks(lambda: self.transcode(reply, req, info, 0, mark=mark, indexer=idx0))
 
     async def stream(self, req: NormalizedGenerate, body: Mapping[str, Any]) -> AsyncIterator[str]:
         """Streaming: pass chunks through; routing (final chunk only) transcoded or stripped; errors as events."""

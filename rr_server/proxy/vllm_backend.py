@@ -14,7 +14,7 @@ from rr_client.core.info import RRInfo
 from rr_server.proxy.errors import ProxyError
 from rr_server.proxy.metrics import ProxyMetrics
 from rr_server.proxy.provenance import attach, completion_provenance
-from rr_server.proxy.routing import upstream_routing_fields
+from rr_server.proxy.routing import off_loop_if_store_blocks, upstream_routing_fields
 from rr_server.proxy.upstream import Upstream
 from rr_server.serving.fanout import gather_or_cancel, merge_streams
 from rr_server.serving.generate_protocol import (
@@ -114,6 +114,21 @@ class VLLMBackend:
         usage: Mapping[str, Any] = usage_raw if isinstance(usage_raw, Mapping) else {}
         details_raw = usage.get("prompt_tokens_details")
         details: Mapping[str, Any] = details_raw if isinstance(details_raw, Mapping) else {}
+        return await off_loop_if_store_blocks(lambda: self._items(req, i, info, choices, details, mark, t0, base))
+
+    def _items(
+        self,
+        req: NormalizedGenerate,
+        i: int,
+        info: RRInfo,
+        choices: list[Any],
+        details: Mapping[str, Any],
+        mark: Any,
+        t0: float,
+        base: str,
+    ) -> list[dict[str, Any]]:
+        """Prompt ``i``'s upstream choices as rr items (routing checked, kept in the store when asked by ref)."""
+        n = req.sampling[i].n
         rid = req.rids[i] or f"rr-{base}-{i}"
         start = req.routed_experts_start
         items = []

@@ -1,5 +1,5 @@
 """This process's routing store: made once by the server that starts here (``RR_ROUTING_STORE``: ``memory``, the
-default, or ``ray``), named by the server's URL once it is known, and met by its sibling processes there. Beside it,
+default, ``ray``, or an object store URL: ``s3://bucket/prefix``, ``file:///shared/path``), named by the server's URL once it is known, and met by its sibling processes there. Beside it,
 made on first use, the indexer store (:func:`indexer_store`): sparse-attention indexer picks under their own cap.
 
 The producers of answers pass it to the codec (``routing_meta_fields(..., store=current_store())``); the routes
@@ -13,6 +13,7 @@ import threading
 
 from rr_client.core import settings
 from rr_client.core.errors import ConfigurationError
+from rr_client.core.objects import is_object_url
 from rr_server.serving.store.base import RowStore
 from rr_server.serving.store.memory import DEFAULT_MAX_BYTES, MemoryStore
 from rr_server.serving.store.siblings import Siblings
@@ -50,14 +51,21 @@ def _new_store(max_bytes: int | None, *, indexer: bool = False) -> RowStore:
     else:
         cap = max_bytes or settings.integer("RR_ROUTING_STORE_BYTES", default=DEFAULT_MAX_BYTES)
         what, setting = "routing store", "RR_ROUTING_STORE_BYTES"
-    backend = (settings.text("RR_ROUTING_STORE") or "memory").lower()
+    given = settings.text("RR_ROUTING_STORE") or "memory"
+    if is_object_url(given):
+        from rr_server.serving.store.objects import ObjectStore
+
+        return ObjectStore(given.rstrip("/") + ("/indexer" if indexer else ""), what=f"{what} (objects)")
+    backend = given.lower()
     if backend == "ray":
         from rr_server.serving.store.ray import RayStore
 
         return RayStore(cap, what=f"Ray {what}", setting=setting)
     if backend == "memory":
         return MemoryStore(cap, what=what, setting=setting)
-    raise ConfigurationError(f"RR_ROUTING_STORE={backend!r}: expected memory or ray")
+    raise ConfigurationError(
+        f"RR_ROUTING_STORE={given!r}: expected memory, ray, or an object store URL (s3://bucket/prefix, file:///path)"
+    )
 
 
 def install_store(url: str = "", max_bytes: int | None = None) -> RowStore:
