@@ -30,8 +30,8 @@ from rr_client import (
 )
 from rr_client.core.objects import MAGIC, decode_object, object_path
 from rr_client.core.reference import FramePart, encode_frame
-from rr_server.serving.store.objects import ObjectStore
 from rr_server.serving.store.ledger import refs_made_under
+from rr_server.serving.store.objects import ObjectStore
 from tests.support.routing_data import checked_routing, small_moe_info
 from tests.support.s3_server import S3
 

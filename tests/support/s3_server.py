@@ -27,7 +27,11 @@ class S3:
     @property
     def storage_options(self) -> dict[str, Any]:
         """fsspec/s3fs options for a process of the test's own (the test's credentials, this endpoint)."""
-        return {"endpoint_url": self.endpoint, "key": KEYS["AWS_ACCESS_KEY_ID"], "secret": KEYS["AWS_SECRET_ACCESS_KEY"]}
+        return {
+            "endpoint_url": self.endpoint,
+            "key": KEYS["AWS_ACCESS_KEY_ID"],
+            "secret": KEYS["AWS_SECRET_ACCESS_KEY"],
+        }
 
     @property
     def env(self) -> dict[str, str]:
