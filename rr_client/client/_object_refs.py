@@ -26,7 +26,9 @@ OBJECT_STORES_ENV = "RR_OBJECT_STORES"
 
 def _prefixes(given: Iterable[str] | str | None) -> tuple[str, ...]:
     if given is None:
-        given = settings.text(OBJECT_STORES_ENV) or ""
+        given = settings.text(OBJECT_STORES_ENV)
+        if given is None:
+            return ()
     items = [p.strip() for p in (given.split(",") if isinstance(given, str) else given) if p and p.strip()]
     for p in items:
         if not is_object_url(p):

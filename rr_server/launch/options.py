@@ -121,7 +121,6 @@ def take_store_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
     """Remove ``--rr-store URL`` (the engine's parser would refuse it); its value checked: ``memory``, ``ray``, or an
     object store URL whose filesystem is installed. ConfigurationError (a ValueError) naming what is wrong."""
     from rr_client.core.errors import ConfigurationError
-    from rr_client.core.objects import is_object_url
 
     args, url, i = list(argv), None, 0
     out: list[str] = []
@@ -136,19 +135,11 @@ def take_store_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
         else:
             out.append(a)
             i += 1
-    if url is None or url.lower() in ("memory", "ray"):
+    if url is None:
         return out, url
-    if not is_object_url(url):
-        raise ConfigurationError(
-            f"{STORE_FLAG} {url!r}: expected memory, ray, or an object store URL (s3://bucket/prefix, file:///path)"
-        )
-    protocol = url.split("://", 1)[0].lower()
-    try:
-        import fsspec
+    from rr_server.serving.store.install import check_store_setting
 
-        fsspec.get_filesystem_class(protocol)
-    except (ImportError, ValueError) as e:
-        raise ConfigurationError(f"{STORE_FLAG} {url}: {e} (pip install 'rr-replay[objects]')") from None
+    url = check_store_setting(url)
     return out, url
 
 

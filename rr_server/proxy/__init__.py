@@ -143,14 +143,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rr_server.serving.store import advertised_url
 
     if args.rr_store is not None:
-        from rr_server.launch.options import STORE_ENV, take_store_flag
+        from rr_server.serving.store.install import check_store_setting
 
         try:
-            take_store_flag(["--rr-store", args.rr_store])
+            os.environ["RR_ROUTING_STORE"] = check_store_setting(args.rr_store)  # the sidecar's store (install_store)
         except ValueError as e:
             sys.stderr.write(f"rr-server proxy: {e}\n")
             return 2
-        os.environ[STORE_ENV] = args.rr_store  # the sidecar's store is made from it (install_store)
     if args.routed_experts_format:
         from rr_server.serving.generate_protocol import FORMAT_ENV
 

@@ -18,7 +18,7 @@ from rr_server.serving.store.base import RowStore
 from rr_server.serving.store.memory import DEFAULT_MAX_BYTES, MemoryStore
 from rr_server.serving.store.siblings import Siblings
 
-__all__ = ["install_store", "current_store", "advertised_url", "indexer_store", "INDEXER_BYTES_ENV"]
+__all__ = ["check_store_setting", "install_store", "current_store", "advertised_url", "indexer_store", "INDEXER_BYTES_ENV"]
 
 INDEXER_BYTES_ENV = "RR_INDEXER_STORE_BYTES"  #: the indexer store's byte cap (default 2 GiB, as the routing store's)
 
@@ -40,6 +40,24 @@ def advertised_url(host: str | None, port: int | None, scheme: str = "http") -> 
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{scheme}://{host}:{port}"
+
+
+def check_store_setting(value: str) -> str:
+    """``value`` as ``RR_ROUTING_STORE`` / ``--rr-store`` takes it: ``memory``, ``ray``, or an object store URL whose
+    filesystem is installed; :class:`ConfigurationError` naming what is wrong (said before any server starts)."""
+    if value.lower() in ("memory", "ray"):
+        return value.lower()
+    if not is_object_url(value):
+        raise ConfigurationError(
+            f"--rr-store {value!r}: expected memory, ray, or an object store URL (s3://bucket/prefix, file:///path)"
+        )
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(value.split("://", 1)[0].lower())
+    except (ImportError, ValueError) as e:
+        raise ConfigurationError(f"--rr-store {value}: {e} (pip install 'rr-replay[objects]')") from None
+    return value
 
 
 def _new_store(max_bytes: int | None, *, indexer: bool = False) -> RowStore:

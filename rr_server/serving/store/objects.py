@@ -56,7 +56,7 @@ logger = logging.getLogger("rr.routing_store")
 
 DEFAULT_WRITERS = 8
 DEFAULT_PENDING_BYTES = 256 << 20
-DEFAULT_WRITE_TIMEOUT = 60.0
+DEFAULT_WRITE_TIMEOUT = 60
 DEFAULT_MAX_AGE = 7 * 86400
 DEFAULT_MAX_OBJECTS = 1_000_000
 
@@ -125,7 +125,7 @@ class ObjectStore(RowStore):
             "RR_OBJECT_STORE_PENDING_BYTES", default=DEFAULT_PENDING_BYTES
         )
         self.write_timeout = write_timeout or float(
-            settings.integer("RR_OBJECT_STORE_WRITE_TIMEOUT", default=int(DEFAULT_WRITE_TIMEOUT))
+            settings.integer("RR_OBJECT_STORE_WRITE_TIMEOUT", default=DEFAULT_WRITE_TIMEOUT)
         )
         self.max_age = max_age or float(settings.integer("RR_OBJECT_STORE_MAX_AGE", default=DEFAULT_MAX_AGE))
         self.max_objects = max_objects or settings.integer("RR_OBJECT_STORE_MAX_OBJECTS", default=DEFAULT_MAX_OBJECTS)
