@@ -114,9 +114,11 @@ class VLLMBackend:
         usage: Mapping[str, Any] = usage_raw if isinstance(usage_raw, Mapping) else {}
         details_raw = usage.get("prompt_tokens_details")
         details: Mapping[str, Any] = details_raw if isinstance(details_raw, Mapping) else {}
-        return await off_loop_if_store_blocks(lambda: self._items(req, i, info, choices, details, mark, t0, base))
+        return await off_loop_if_store_blocks(
+            lambda: self._choice_items(req, i, info, choices, details, mark, t0, base)
+        )
 
-    def _items(
+    def _choice_items(
         self,
         req: NormalizedGenerate,
         i: int,

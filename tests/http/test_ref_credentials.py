@@ -154,8 +154,10 @@ def test_bad_host_lists_and_ref_urls_are_typed(fresh: Any, monkeypatch: pytest.M
     with pytest.raises(ConfigurationError):
         RoutedExpertsClient(replica.url)
     monkeypatch.delenv("RR_TRUSTED_HOSTS")
-    for url in ("file:///etc/passwd", "gopher://127.0.0.1:70", "http://"):
-        with pytest.raises(UntrustedHostError, match="not an http"):
+    with pytest.raises(UntrustedHostError, match="http://"):
+        _read(replica.url, [ref.with_url("http://")], api_key=KEY)
+    for url in ("file:///etc/passwd", "gopher://127.0.0.1:70"):  # object stores: only those the client lists
+        with pytest.raises(UntrustedHostError, match="was not configured to read: list its prefix in object_stores="):
             _read(replica.url, [ref.with_url(url)], api_key=KEY)
 
 

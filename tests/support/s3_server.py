@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,8 +49,9 @@ class S3:
 
 
 @contextmanager
-def s3_server(bucket: str = "rr-rollouts") -> Iterator[S3]:
-    """Start moto's S3 server on a free loopback port, make ``bucket``, stop it after."""
+def s3_server(bucket: str = "") -> Iterator[S3]:
+    """Start moto's S3 server on a free loopback port, make a new bucket (``bucket``, default a fresh name: moto's
+    state is per process, shared by every server it starts), stop it after."""
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
@@ -59,8 +61,8 @@ def s3_server(bucket: str = "rr-rollouts") -> Iterator[S3]:
     os.environ.update(KEYS)  # botocore in this process signs with them (moto checks nothing but their presence)
     server.start()
     try:
-        s3 = S3(f"http://127.0.0.1:{port}", bucket)
-        s3.filesystem().mkdir(bucket)
+        s3 = S3(f"http://127.0.0.1:{port}", bucket or f"rr-rollouts-{uuid.uuid4().hex[:12]}")
+        s3.filesystem().mkdir(s3.bucket)
         yield s3
     finally:
         server.stop()

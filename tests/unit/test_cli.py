@@ -15,7 +15,7 @@ import pytest
 from rr_client import __version__
 from rr_server.launch import sglang as launch_sglang
 from rr_server.launch import vllm as launch_vllm
-from rr_server.launch.options import FORMAT_FLAG
+from rr_server.launch.options import FORMAT_FLAG, STORE_FLAG
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,7 +108,7 @@ def test_launch_vllm_help_without_vllm(monkeypatch: pytest.MonkeyPatch, capsys: 
 def test_launcher_options_are_the_ones_it_takes_and_documented(launcher: object) -> None:
     parser = launcher.build_parser()  # type: ignore[attr-defined]
     flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
-    taken = {*launcher._RR_FLAGS, FORMAT_FLAG}  # type: ignore[attr-defined]
+    taken = {*launcher._RR_FLAGS, FORMAT_FLAG, STORE_FLAG}  # type: ignore[attr-defined]
     assert flags == taken
     assert all(a.help for a in parser._actions)  # every option explains itself
     text = (REPO / "docs/engines.md").read_text()

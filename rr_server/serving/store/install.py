@@ -18,7 +18,14 @@ from rr_server.serving.store.base import RowStore
 from rr_server.serving.store.memory import DEFAULT_MAX_BYTES, MemoryStore
 from rr_server.serving.store.siblings import Siblings
 
-__all__ = ["check_store_setting", "install_store", "current_store", "advertised_url", "indexer_store", "INDEXER_BYTES_ENV"]
+__all__ = [
+    "check_store_setting",
+    "install_store",
+    "current_store",
+    "advertised_url",
+    "indexer_store",
+    "INDEXER_BYTES_ENV",
+]
 
 INDEXER_BYTES_ENV = "RR_INDEXER_STORE_BYTES"  #: the indexer store's byte cap (default 2 GiB, as the routing store's)
 
