@@ -57,3 +57,38 @@ async def test_ref_resolves_to_the_inline_rows(tiny_moe: Path, patched: None, st
     assert m["routed_experts_format"] == "npy" and inline["output_ids"] == answer["output_ids"]
     got = decode_meta_info(m, rows=ref.rows, num_layers=ref.layers, topk=ref.topk, num_experts=8, moe_layers=[0, 2])
     np.testing.assert_array_equal(got, rows)
+
+
+async def test_an_object_store_ref_is_written_off_the_event_loop(
+    tiny_moe: Path, patched: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--rr-store file://...`` on the patched TokenizerManager: the answer names an object the client reads
+    itself (transformers' rows), and from 0.5.11 on (SGLang's handler a coroutine) the write ran in the batch's
+    worker thread, never on SGLang's event loop."""
+    import threading
+
+    from rr_server.serving.store import install as installed
+    from rr_server.serving.store.objects import ObjectStore
+
+    h = Harness(tiny_moe)
+    store = ObjectStore(f"file://{tmp_path}/rollouts")
+    monkeypatch.setattr(installed, "_STORE", store)
+    writers: list[int] = []
+    real_put = store.put
+    monkeypatch.setattr(store, "put", lambda checked: writers.append(threading.get_ident()) or real_put(checked))
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0.0},
+        "return_routed_experts": True,
+        "routed_experts_format": "ref",
+    }
+    status, answer = await h.post(body)
+    assert status == 200, answer
+    ref = RoutingRef.from_dict(answer["meta_info"]["routed_experts_ref"])
+    assert ref.url == store.url and len(writers) == 1
+    on_loop = writers[0] == threading.get_ident()
+    assert on_loop is not h.profile.handle_is_async
+    app = httpx.ASGITransport(app=h.http.app)
+    async with RoutedExpertsClient("http://sglang.test", transport=app, object_stores=[store.url]) as c:
+        (rows,) = await c.resolve([ref])
+    np.testing.assert_array_equal(rows, _reference(tiny_moe, h, answer["meta_info"]["id"], 0))
