@@ -47,7 +47,7 @@ def info() -> Any:
 def pool(tokens: int, inf: Any) -> list[Any]:
     rng = np.random.default_rng(0)
     out = []
-    for i in range(POOL):
+    for _ in range(POOL):
         n = tokens + int(rng.integers(-100, 100))
         ids = np.argsort(rng.random((n, LAYERS, EXPERTS), dtype=np.float32), axis=-1)[..., :TOPK]
         out.append(check_routing(ids.astype(np.int32), inf, rows=n))
@@ -118,8 +118,6 @@ def run_backend(name: str, samples: int, rows: list[Any], inf: Any) -> dict[str,
             batch_s.append(t2 - t1)
             row_bytes += sum(c.array.nbytes for c in batch)
             tokens += sum(c.array.shape[0] for c in batch)
-            st = store.local_stats() if hasattr(store, "local_stats") else store.stats()
-            stored += st.get("written_bytes", 0) if name in ("file", "s3") else 0
             store.retire(refs[-1].weight_version)
             done += n
         if name in ("memory", "ray"):
