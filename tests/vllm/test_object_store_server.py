@@ -96,3 +96,64 @@ def test_refs_in_s3_resolve_after_the_engine_stopped(s3: S3, tiny_models: dict[s
     assert_routing_sets_equal(rows, reference_routing(model, [*datum, turn2.output_ids[-1]])[:-1], layers=moe)
     metrics = example.replay(str(model), datum, rows)
     assert metrics["r3/applied_share"] == 1.0
+
+
+def _sidecar(upstream: Any, store: str, log: Path) -> tuple[Any, str]:
+    """``rr-server proxy --rr-store STORE`` in front of ``upstream``, as its own process; (process, URL) once healthy."""
+    import subprocess
+    import sys
+
+    from rr_server.launch.process import free_port, wait_healthy
+    from tests.support.deadlines import STARTUP_TIMEOUT_S
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "rr_server", "proxy", "--upstream", upstream.base_url, "--engine", "vllm"]
+    cmd += ["--port", str(port), "--model-path", str(upstream.model_dir), "--rr-store", store]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, log, STARTUP_TIMEOUT_S)
+    return proc, url
+
+
+def test_sidecar_refs_in_a_shared_folder_outlive_a_sidecar_restart(qwen_server: Any, tmp_path: Path) -> None:
+    """The sidecar process with ``--rr-store file://...``: its refs resolve from the folder after it stopped, and a
+    new sidecar process on the same folder answers them on its read route."""
+    import httpx
+
+    from rr_client.core.reference import READ_PATH, decode_frame
+    from rr_server.launch.process import stop_process_group
+
+    store = f"file://{tmp_path}/rollouts"
+    proc, url = _sidecar(qwen_server, store, tmp_path / "sidecar-1.log")
+    try:
+
+        async def run() -> tuple[Any, Any, Any]:
+            async with RoutedExpertsClient(url, object_stores=[store]) as c:
+                return (
+                    await c.generate(PROMPTS, GREEDY),
+                    await c.generate(PROMPTS, GREEDY, by_reference=True),
+                    (await c.info()),
+                )
+
+        inline, by_ref, info = asyncio.run(run())
+    finally:
+        stop_process_group(proc)
+    refs = [r.routing_ref for r in by_ref]
+    assert all(r.url == store for r in refs) and len(list(tmp_path.rglob("*.rr"))) == len(PROMPTS)
+
+    async def after() -> list[np.ndarray]:
+        async with RoutedExpertsClient("http://127.0.0.1:9", info=info, object_stores=[store]) as c:
+            return await c.resolve(refs, tokens=list(by_ref))
+
+    for a, rows in zip(inline, asyncio.run(after())):
+        assert np.array_equal(rows, a.routed_experts)
+    proc, url = _sidecar(qwen_server, store, tmp_path / "sidecar-2.log")  # the sidecar restarted
+    try:
+        r = httpx.post(url + READ_PATH, json={"refs": [{"store": x.store, "key": x.key} for x in refs]}, timeout=60)
+        assert r.status_code == 200, r.text
+        parts = decode_frame(r.content)
+        assert [p.digest for p in parts] == [x.checksum for x in refs]
+        assert all(np.array_equal(p.rows, a.routed_experts) for p, a in zip(parts, inline))
+    finally:
+        stop_process_group(proc)
