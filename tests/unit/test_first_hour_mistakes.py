@@ -119,3 +119,16 @@ def test_a_privileged_port_is_named_as_such(monkeypatch: pytest.MonkeyPatch) -> 
         "--port 80: this user may not listen on it (Permission denied: ports below 1024 need root)"
     )
     assert command_line.port_problem("x", None, 8000, "0.0.0.0") == "--port x: not a port number (1-65535)"
+
+
+def test_a_store_url_rr_cannot_use_is_refused_before_anything_starts(model: str) -> None:
+    port = str(free_port())
+    line = _refused("launch", "vllm", "--model", model, "--port", port, "--rr-store", "s4://bucket/run")
+    assert line.startswith("rr: --rr-store s4://bucket/run: Protocol not known: s4")
+    assert "rr-replay[objects]" in line
+    line = _refused("launch", "vllm", "--model", model, "--port", port, "--rr-store", "bucket/run")
+    assert line == (
+        "rr: --rr-store 'bucket/run': expected memory, ray, or an object store URL (s3://bucket/prefix, file:///path)"
+    )
+    line = _refused("proxy", "--upstream", "http://127.0.0.1:8000", "--engine", "vllm", "--rr-store", "bucket/run")
+    assert line.startswith("rr-server proxy: --rr-store 'bucket/run': expected memory, ray, or an object store URL")
