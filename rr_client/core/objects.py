@@ -35,6 +35,7 @@ __all__ = [
     "encode_object",
     "decode_object",
     "under_prefix",
+    "is_store_key",
 ]
 
 MAGIC = b"rr.obj1\n"
@@ -63,10 +64,15 @@ def version_of_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def is_store_key(key: str) -> bool:
+    """``key`` is a store key (32 hex digits): never a path, a glob or a traversal of its own."""
+    return bool(_KEY.fullmatch(key))
+
+
 def object_path(root: str, weight_version: int, key: str) -> str:
     """Where the object of ``key`` made under ``weight_version`` lies under ``root`` (a store URL or an fsspec
     path); :class:`ProtocolError` for a key that is not a store key (a ref can never name a path of its choosing)."""
-    if not _KEY.fullmatch(key):
+    if not is_store_key(key):
         raise ProtocolError(f"routing ref key {key[:80]!r} is not an object store key (32 hex digits)")
     return f"{version_dir(root, weight_version)}/{key}{SUFFIX}"
 

@@ -33,6 +33,7 @@ from rr_server.serving.provenance_fields import bind_provenance
 from rr_server.serving.routing_metrics import count_sample
 from rr_server.serving.routing_metrics import declare as declare_counters
 from rr_server.serving.store import current_store, refs_made_under
+from rr_server.serving.store.install import store_blocks
 
 __all__ = ["around_handle_batch_output", "around_send", "around_init", "ALWAYS_ENV", "always_return_routing"]
 
@@ -229,12 +230,6 @@ def _then(*steps: Callable[[_RRList], None] | None) -> Callable[[_RRList], None]
     return run
 
 
-def _store_blocks() -> bool:
-    """The routing store writes each ref's rows to an object store (a network or disk write per sample): answers'
-    routing fields are then made in the batch's worker thread, never on SGLang's event loop."""
-    return bool(getattr(current_store(), "blocks", False))
-
-
 def prepare_batch(tm: Any, recv_obj: Any) -> list[IndexerJob]:
     """Convert each request's routing in ``recv_obj`` and hook its ReqState so the answer gets rr's fields.
 
@@ -302,7 +297,7 @@ def prepare_batch(tm: Any, recv_obj: Any) -> list[IndexerJob]:
                     fields = routing_error_fields(
                         MissingRoutingError("the engine returned no routing for this request")
                     )
-                elif _store_blocks():  # an object write per ref: made in the batch's worker thread
+                elif store_blocks():  # an object write per ref: made in the batch's worker thread
                     routing_job = _routing_job(st, value, rows, start, fmt, mark, count=col is None)
                 else:
                     with refs_made_under(mark.version if mark is not None else None):  # a ref: the weights it ran on

@@ -51,6 +51,7 @@ from rr_server.serving.openai_middleware import install_openai_routing
 from rr_server.serving.routing_metrics import count_sample
 from rr_server.serving.routing_metrics import declare as declare_counters
 from rr_server.serving.store import STORE_ROUTES, advertised_url, current_store, install_store, refs_made_under
+from rr_server.serving.store.install import store_blocks
 from rr_server.serving.store.siblings import PROCESS_GAUGES
 from rr_server.serving.vllm_translate import (
     checked_routing_fields,
@@ -330,8 +331,7 @@ async def _run_batch(app: FastAPI, req: NormalizedGenerate) -> Response:
     size = sum(getattr(getattr(c, "routed_experts", None), "size", 0) for ro, _ in finals for c in ro.outputs)
     # Large payloads (~100 ms to check + base64 a 32k-token sample) must not stall the event loop.
     # So must an object store's writes (a ref's rows go to S3 or a shared disk before the answer names them).
-    blocks = bool(getattr(current_store(), "blocks", False))
-    off_loop = req.return_routed_experts and (size > _THREAD_MIN_ELEMS or blocks)
+    off_loop = req.return_routed_experts and (size > _THREAD_MIN_ELEMS or store_blocks())
     items = await asyncio.to_thread(build) if off_loop else build()
     if not req.is_batch and len(items) == 1:
         return json_response(items[0])

@@ -21,6 +21,7 @@ from rr_client.core.info import RRInfo
 from rr_server.proxy.metrics import ProxyMetrics
 from rr_server.serving.capture_paths import ROUTED_EXPERTS, capture_refusal
 from rr_server.serving.store import current_store
+from rr_server.serving.store.install import store_blocks
 
 __all__ = ["upstream_routing_fields", "refused_fields", "sent_fields", "ROUTING_KEYS", "off_loop_if_store_blocks"]
 
@@ -42,7 +43,7 @@ ROUTING_KEYS = (
 async def off_loop_if_store_blocks(make: Callable[[], T]) -> T:
     """``make()``, in a worker thread when the routing store writes each ref to an object store (a network or disk
     write per sample must not hold the sidecar's event loop), else here."""
-    if getattr(current_store(), "blocks", False):
+    if store_blocks():
         return await asyncio.to_thread(make)
     return make()
 

@@ -200,3 +200,32 @@ def test_changed_swapped_and_crafted_objects_are_refused(tmp_path: Path) -> None
     pb.write_bytes(b"PK\x03\x04 not ours")
     with pytest.raises(MalformedPayloadError, match="not an rr routing object"):
         resolve([b], [url])
+
+
+def test_the_read_route_never_reads_a_path_of_the_askers_choosing(tmp_path: Path) -> None:
+    store = ObjectStore(f"file://{tmp_path}/rollouts")
+    ref = RoutingRef.from_dict(store.put(checked(3)))
+    (tmp_path / "secret.rr").write_bytes(MAGIC + zlib.compress(b"x"))
+    for key in ("../../secret", "*", "../*", "v0/" + ref.key):
+        with pytest.raises(RoutingExpiredError, match="not a key this store makes"):
+            store.read(ref.store, key)
+    assert store.read(ref.store, ref.key).digest == ref.checksum
+
+
+def test_producers_on_an_event_loop_write_objects_from_a_worker_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one predicate the patched engines and the sidecar ask (``store_blocks``), and the sidecar's helper: with
+    an object store the answer is made off the loop, with the memory store where it is."""
+    from rr_server.proxy.routing import off_loop_if_store_blocks
+    from rr_server.serving.store import MemoryStore
+    from rr_server.serving.store import install as installed
+
+    async def where() -> bool:
+        loop = threading.get_ident()
+        return await off_loop_if_store_blocks(lambda: threading.get_ident() != loop)
+
+    monkeypatch.setattr(installed, "_STORE", MemoryStore(1 << 20, "http://rr.test"))
+    assert installed.store_blocks() is False and asyncio.run(where()) is False
+    monkeypatch.setattr(installed, "_STORE", ObjectStore(f"file://{tmp_path}"))
+    assert installed.store_blocks() is True and asyncio.run(where()) is True

@@ -127,6 +127,12 @@ def indexer_store(make: bool = True) -> RowStore | None:
         return _INDEXER
 
 
+def store_blocks() -> bool:
+    """This process's routing store writes each ref's rows to an object store (a disk or network write per sample):
+    producers that run on an event loop make answers in a worker thread then (the patched engines, the sidecar)."""
+    return bool(getattr(_STORE, "blocks", False))
+
+
 def current_store() -> RowStore | None:
     """The routing store of this process, if a server installed one (what its producers pass to the codec)."""
     return _STORE

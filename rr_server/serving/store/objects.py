@@ -40,6 +40,7 @@ from rr_client.core.objects import (
     decode_object,
     encode_object,
     is_object_url,
+    is_store_key,
     object_path,
     version_dir,
     version_of_dir,
@@ -280,6 +281,8 @@ class ObjectStore(RowStore):
 
     def _load(self, store: str, key: str) -> FramePart:
         self._mine(store, key)
+        if not is_store_key(key):  # a read route's ask: never a path or a glob of the asker's choosing
+            raise RoutingExpiredError(f"routing ref {key[:80]!r}: not a key this store makes (32 hex digits)")
         with self._lock:
             w = self._known.get(key)
         paths = (
