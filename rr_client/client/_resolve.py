@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 import orjson
 
+from rr_client.client._object_refs import ObjectReader
 from rr_client.client.http_errors import error_for_status, map_httpx_error
 from rr_client.core.codec import check_routing
 from rr_client.core.errors import ProtocolError, RoutingChecksumError, RoutingExpiredError, ShapeMismatchError
@@ -143,7 +144,7 @@ class RefResolver:
         max_concurrency: int = 8,
         batch: int = 64,
         max_bytes: int = MAX_READ_BYTES,
-        objects: Any = None,
+        objects: ObjectReader | None = None,
     ) -> None:
         self._http_for = http_for
         self._objects = objects  #: an ObjectReader (the client's allowed object stores), made on first use if None
@@ -169,13 +170,13 @@ class RefResolver:
         if tokens is not None:
             bind_tokens(refs, tokens)
         for url in by_url:  # every server's client first: a ref naming an untrusted host is refused before any read
-            if is_object_url(url) and not url.startswith(RAY_SCHEME):
+            if is_object_url(url):  # s3://, file:// ... (never ray:// nor http(s)://)
                 self._object_reader().allow(url)
             elif not url.startswith(RAY_SCHEME):
                 self._http_for(url)
         tasks = []
         for url, idx in by_url.items():
-            if is_object_url(url) and not url.startswith(RAY_SCHEME):
+            if is_object_url(url):
                 for s in range(0, len(idx), self._batch):
                     part = idx[s : s + self._batch]
                     tasks.append(self._object_call(url, [refs[i] for i in part], part, out, info))
@@ -191,10 +192,9 @@ class RefResolver:
         await asyncio.gather(*tasks)
         return [a for a in out if a is not None]
 
-    def _object_reader(self) -> Any:
+    def _object_reader(self) -> ObjectReader:
+        """The client's object reader (a resolver made without one: ``RR_OBJECT_STORES``'s prefixes)."""
         if self._objects is None:
-            from rr_client.client._object_refs import ObjectReader
-
             self._objects = ObjectReader(None)
         return self._objects
 
