@@ -361,9 +361,15 @@ async def _stream(app: FastAPI, req: NormalizedGenerate) -> Response:
     async def events() -> AsyncIterator[str]:
         try:
             async for i, out in outputs:
-                for item in _items_for(
-                    out, req, i, rids[i], t0, info, final=out.finished, mark=marks[i], connector=connector
-                ):
+
+                def items(i: int = i, out: Any = out) -> list[dict[str, Any]]:
+                    return _items_for(
+                        out, req, i, rids[i], t0, info, final=out.finished, mark=marks[i], connector=connector
+                    )
+
+                # a final chunk's ref written to an object store: off the event loop, as the batch path
+                blocks = out.finished and req.return_routed_experts and store_blocks()
+                for item in await asyncio.to_thread(items) if blocks else items():
                     if req.is_batch:
                         item["index"] = i
                     yield sse_line(item)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any
 
 import orjson
@@ -217,9 +218,14 @@ class SGLangBackend:
                     final = isinstance(meta, Mapping) and meta.get("finish_reason") is not None
                     idx = chunk.get("index") if isinstance(chunk.get("index"), int) else None
                     fields = (await self.indexer_off_loop([chunk], req, info, mark))[0] if final else None
-                    yield sse_line(
-                        self.transcode(chunk, req, info, idx or 0, final=final, index=idx, mark=mark, indexer=fields)
+                    item = (  # a final chunk's ref written to an object store: off the event loop
+                        await off_loop_if_store_blocks(
+                            partial(self.transcode, chunk, req, info, idx or 0, index=idx, mark=mark, indexer=fields)
+                        )
+                        if final
+                        else self.transcode(chunk, req, info, idx or 0, final=False, index=idx, mark=mark)
                     )
+                    yield sse_line(item)
                 except orjson.JSONDecodeError as e:
                     self._metrics.errors.labels("upstream_protocol").inc()
                     yield sse_line(error_body(f"upstream stream chunk is not JSON: {e}", 502))

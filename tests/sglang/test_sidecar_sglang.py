@@ -246,3 +246,36 @@ async def test_openai_bad_rr_field_is_a_400(tiny_moe: Path) -> None:
         assert r.status_code == 400 and "routed_experts_format" in r.json()["error"]["message"]
         ok = await h.serve("/v1/completions", _completion(h), via=client_of(app))
     assert ok.status_code == 200
+
+
+async def test_refs_in_an_object_store_are_written_off_the_loop_streamed_or_not(
+    tiny_moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sidecar with ``--rr-store file://...`` in front of SGLang's real app: a plain and a streamed answer by
+    reference each name an object the client reads itself (transformers' rows), written in a worker thread."""
+    import threading
+
+    from rr_client import RoutedExpertsClient, RoutingRef
+    from rr_server.serving.store import install as installed
+    from rr_server.serving.store.objects import ObjectStore
+
+    store = ObjectStore(f"file://{tmp_path}/rollouts")
+    monkeypatch.setattr(installed, "_STORE", store)
+    writers: list[int] = []
+    real_put = store.put
+    monkeypatch.setattr(store, "put", lambda checked: writers.append(threading.get_ident()) or real_put(checked))
+    h = Harness(tiny_moe)
+    by_ref = {"return_routed_experts": True, "routed_experts_format": "ref"}
+    async with sidecar_app(h) as app:
+        status, plain = await h.post(_body(**by_ref), via=client_of(app))
+        assert status == 200, plain
+        status, events = await h.post(_body(stream=True, **by_ref), via=client_of(app), chunks=3)
+        assert status == 200, events
+        refs = [RoutingRef.from_dict(m["meta_info"]["routed_experts_ref"]) for m in (plain, events[-1])]
+        assert all(r.url == store.url for r in refs)
+        assert len(writers) == 2 and threading.get_ident() not in writers
+        async with RoutedExpertsClient("http://sidecar", transport=httpx.ASGITransport(app=app),
+                                       object_stores=[store.url]) as c:  # fmt: skip
+            rows = await c.resolve(refs)
+    for got, answer in zip(rows, (plain, events[-1])):
+        np.testing.assert_array_equal(got, _expected(tiny_moe, h, answer["meta_info"]["id"]))

@@ -34,6 +34,22 @@ def s3() -> Iterator[S3]:
         yield server
 
 
+def _streamed_ref(url: str, prompt_ids: list[int]) -> RoutingRef:
+    """A streamed ``/generate`` by reference: the final chunk's ref."""
+    import json
+
+    import httpx
+
+    body = {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}, "stream": True,
+            "return_routed_experts": True, "routed_experts_format": "ref"}  # fmt: skip
+    last: dict[str, Any] = {}
+    with httpx.stream("POST", url + "/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[6:])
+    return RoutingRef.from_dict(last["meta_info"]["routed_experts_ref"])
+
+
 def _example() -> Any:
     spec = importlib.util.spec_from_file_location("spans_multi_turn", EXAMPLE)
     assert spec is not None and spec.loader is not None
@@ -59,13 +75,14 @@ def test_refs_in_s3_resolve_after_the_engine_stopped(s3: S3, tiny_models: dict[s
                 return inline, by_ref, info, (await c._http_for(server.base_url).get("/rr/info")).json()
 
         inline, by_ref, info, rr_info = asyncio.run(run())
+        streamed = _streamed_ref(server.base_url, list(inline[0].prompt_ids))  # its final chunk's ref, off the loop
         assert rr_info["routing_store"]["backend"] == "objects" and rr_info["routing_store"]["url"] == store
         turns = asyncio.run(example.rollout(server.base_url, [2, 88, 86, 260, 202], store))
     finally:
         server.stop()
     assert not server.alive()
     refs = [r.routing_ref for r in by_ref]
-    assert all(isinstance(r, RoutingRef) and r.url == store for r in refs)
+    assert all(isinstance(r, RoutingRef) and r.url == store for r in refs) and streamed.url == store
     keys = {p.rsplit("/", 1)[-1] for p in s3.filesystem().find(f"{s3.bucket}/run-1")}
     assert {f"{r.key}.rr" for r in refs} <= keys
 
@@ -73,10 +90,13 @@ def test_refs_in_s3_resolve_after_the_engine_stopped(s3: S3, tiny_models: dict[s
         async with RoutedExpertsClient(
             "http://127.0.0.1:9", info=info, object_stores=[store], storage_options=s3.storage_options
         ) as c:
-            return await c.resolve(refs, tokens=list(by_ref))
+            return await c.resolve(refs, tokens=[*by_ref, None])
 
     moe = moe_layers_from_config(load_config(model))
-    for a, rows in zip(inline, asyncio.run(after())):
+    refs.append(streamed)  # the streamed answer's ref: the same rows as the first prompt's
+    got = asyncio.run(after())
+    assert np.array_equal(got.pop(), inline[0].routed_experts)
+    for a, rows in zip(inline, got):
         assert np.array_equal(rows, a.routed_experts)
         truth = reference_routing(model, [*a.prompt_ids, *a.output_ids])[:-1]
         assert_routing_sets_equal(rows, truth, layers=moe)
@@ -144,7 +164,7 @@ def test_sidecar_refs_in_a_shared_folder_outlive_a_sidecar_restart(qwen_server: 
 
     async def after() -> list[np.ndarray]:
         async with RoutedExpertsClient("http://127.0.0.1:9", info=info, object_stores=[store]) as c:
-            return await c.resolve(refs, tokens=list(by_ref))
+            return await c.resolve(refs, tokens=[*by_ref, None])
 
     for a, rows in zip(inline, asyncio.run(after())):
         assert np.array_equal(rows, a.routed_experts)
