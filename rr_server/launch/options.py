@@ -35,7 +35,6 @@ __all__ = [
 # rr's own flag (not the engine's): the default routed_experts_format of /generate and the OpenAI endpoints
 FORMAT_FLAG = "--routed-experts-format"
 STORE_FLAG = "--rr-store"
-STORE_ENV = "RR_ROUTING_STORE"
 
 
 def launcher_parser(

@@ -14,7 +14,6 @@ from rr_server.launch.bounded_replay import ALLOW_FLAG as BOUNDED_REPLAY_FLAG
 from rr_server.launch.bounded_replay import check_bounded_replay
 from rr_server.launch.options import (
     FORMAT_FLAG,
-    STORE_ENV,
     add_shared_options,
     engine_help,
     launcher_parser,
@@ -27,6 +26,7 @@ from rr_server.serving.capture_paths import INDEXER_CAPTURE, argv_view, indexer_
 from rr_server.serving.disaggregation import disaggregation_mode, sglang_pd_refusal
 from rr_server.serving.engines.sglang import RELEASES, UnsupportedSGLangError
 from rr_server.serving.speculative import draft_pollution_refusal, speculative_flags
+from rr_server.serving.store.install import STORE_ENV
 
 __all__ = [
     "main",

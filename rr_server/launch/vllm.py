@@ -24,7 +24,7 @@ from rr_client.core.errors import ConfigurationError
 from rr_server.launch import lifeline
 from rr_server.launch.bounded_replay import ALLOW_FLAG as BOUNDED_REPLAY_FLAG
 from rr_server.launch.bounded_replay import check_bounded_replay
-from rr_server.launch.options import STORE_ENV, drop_option, take_store_flag
+from rr_server.launch.options import drop_option, take_store_flag
 from rr_server.serving.disaggregation import pd_refusal
 from rr_server.serving.engines.vllm import (
     RELEASES,
@@ -34,6 +34,7 @@ from rr_server.serving.engines.vllm import (
     installed_version,
 )
 from rr_server.serving.speculative import draft_pollution_refusal
+from rr_server.serving.store.install import STORE_ENV
 
 __all__ = [
     "main",

@@ -143,10 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rr_server.serving.store import advertised_url
 
     if args.rr_store is not None:
-        from rr_server.serving.store.install import check_store_setting
+        from rr_server.serving.store.install import STORE_ENV, check_store_setting
 
         try:
-            os.environ["RR_ROUTING_STORE"] = check_store_setting(args.rr_store)  # the sidecar's store (install_store)
+            os.environ[STORE_ENV] = check_store_setting(args.rr_store)  # the sidecar's store (install_store)
         except ValueError as e:
             sys.stderr.write(f"rr-server proxy: {e}\n")
             return 2

@@ -27,6 +27,7 @@ __all__ = [
     "INDEXER_BYTES_ENV",
 ]
 
+STORE_ENV = "RR_ROUTING_STORE"  #: where rows for refs are held (``--rr-store``): memory, ray or an object store URL
 INDEXER_BYTES_ENV = "RR_INDEXER_STORE_BYTES"  #: the indexer store's byte cap (default 2 GiB, as the routing store's)
 
 _STORE: RowStore | None = None
@@ -76,7 +77,7 @@ def _new_store(max_bytes: int | None, *, indexer: bool = False) -> RowStore:
     else:
         cap = max_bytes or settings.integer("RR_ROUTING_STORE_BYTES", default=DEFAULT_MAX_BYTES)
         what, setting = "routing store", "RR_ROUTING_STORE_BYTES"
-    given = settings.text("RR_ROUTING_STORE") or "memory"
+    given = settings.text(STORE_ENV) or "memory"
     if is_object_url(given):
         from rr_server.serving.store.objects import ObjectStore
 
