@@ -107,7 +107,8 @@ class SequenceBook:
 
     def add(self, sequence_id: str, ref: RoutingRef, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """Hold ``ref`` as sequence ``sequence_id`` with its tokens; :class:`StaleRoutingError` when the ref's
-        digest says the rows belong to other tokens, :class:`ProvenanceSpanError` for an id already held."""
+        digest says the rows belong to other tokens, :class:`ProvenanceSpanError` for an id already held or a ref
+        without a tokens digest (nothing would bind its rows to these tokens)."""
         if not isinstance(sequence_id, str) or not sequence_id:
             raise ProvenanceSpanError(f"sequence_id must be a non-empty string, got {sequence_id!r}")
         if not isinstance(ref, RoutingRef):
@@ -115,6 +116,11 @@ class SequenceBook:
         if sequence_id in self._seq or sequence_id in self._retired:
             raise ProvenanceSpanError(
                 f"{self._where()}sequence {sequence_id!r} is already held: ids are session-unique"
+            )
+        if ref.provenance is None or ref.provenance.tokens_digest is None:
+            raise ProvenanceSpanError(
+                f"{self._where()}sequence {sequence_id!r}: its ref carries no tokens digest (a server without "
+                "provenance), so its rows cannot be bound to the sequence's tokens"
             )
         check_ref_tokens(ref, prompt_ids, output_ids, where=f"sequence {sequence_id}")
         self._seq[sequence_id] = _Entry(ref, tuple(int(t) for t in (*prompt_ids, *output_ids)))

@@ -127,6 +127,8 @@ def test_retired_sequences_and_mispaired_refs(book: tuple[SequenceBook, dict[str
         b.add("turn-1", ref, P1, O1)
     with pytest.raises(StaleRoutingError, match="other tokens"):  # turn 1's ref bound to turn 2's tokens
         b.add("turn-1b", ref, P2, O2)
+    with pytest.raises(ProvenanceSpanError, match="carries no tokens digest"):
+        b.add("turn-1c", replace(ref, provenance=None), P1, O1)
     assert b.retire(ref.weight_version) == 2 and len(b) == 0
     with pytest.raises(RoutingExpiredError, match="retired with weight version 0"):
         resolve(b, url, [{"sequence_id": "turn-1", "offset": 0, "length": 5}], P1)
