@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -229,3 +230,19 @@ def test_producers_on_an_event_loop_write_objects_from_a_worker_thread(
     assert installed.store_blocks() is False and asyncio.run(where()) is False
     monkeypatch.setattr(installed, "_STORE", ObjectStore(f"file://{tmp_path}"))
     assert installed.store_blocks() is True and asyncio.run(where()) is True
+
+
+def test_a_bucket_rr_cannot_write_to_is_one_line_before_the_sidecar_starts(s3: S3) -> None:
+    env = {**os.environ, **s3.env}
+    cmd = [sys.executable, "-m", "rr_server", "proxy", "--upstream", "http://127.0.0.1:9", "--engine", "vllm"]
+    out = subprocess.run([*cmd, "--rr-store", "s3://no-such-bucket-rr/run"], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=300)  # fmt: skip
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "rr-server proxy: routing object store s3://no-such-bucket-rr/run: cannot write there: FileNotFoundError: "
+        "The specified bucket does not exist (the server's credentials and endpoint come from its environment or "
+        "fsspec's configuration)"
+    )
+    from rr_server.serving.store.objects import probe_writable
+
+    probe_writable(s3.url("probe"), s3.storage_options)  # a writable store: the probe leaves nothing behind
+    assert s3.filesystem().find(f"{s3.bucket}/probe") == []

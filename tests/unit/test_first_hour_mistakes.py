@@ -132,3 +132,11 @@ def test_a_store_url_rr_cannot_use_is_refused_before_anything_starts(model: str)
     )
     line = _refused("proxy", "--upstream", "http://127.0.0.1:8000", "--engine", "vllm", "--rr-store", "bucket/run")
     assert line.startswith("rr-server proxy: --rr-store 'bucket/run': expected memory, ray, or an object store URL")
+
+
+def test_a_store_rr_cannot_write_to_is_refused_before_anything_starts(model: str, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    line = _refused("launch", "vllm", "--model", model, "--port", str(free_port()), "--rr-store",
+                    f"file://{tmp_path}/a-file/run")  # fmt: skip
+    assert line.startswith(f"rr: routing object store file://{tmp_path}/a-file/run: cannot write there: ")
+    assert not list(tmp_path.rglob(".rr-write-check-*"))

@@ -52,7 +52,8 @@ def advertised_url(host: str | None, port: int | None, scheme: str = "http") -> 
 
 def check_store_setting(value: str) -> str:
     """``value`` as ``RR_ROUTING_STORE`` / ``--rr-store`` takes it: ``memory``, ``ray``, or an object store URL whose
-    filesystem is installed; :class:`ConfigurationError` naming what is wrong (said before any server starts)."""
+    filesystem is installed and where this process can write (one empty object written and deleted);
+    :class:`ConfigurationError` naming what is wrong (said before any server starts)."""
     if value.lower() in ("memory", "ray"):
         return value.lower()
     if not is_object_url(value):
@@ -65,6 +66,9 @@ def check_store_setting(value: str) -> str:
         fsspec.get_filesystem_class(value.split("://", 1)[0].lower())
     except (ImportError, ValueError) as e:
         raise ConfigurationError(f"--rr-store {value}: {e} (pip install 'rr-replay[objects]')") from None
+    from rr_server.serving.store.objects import probe_writable
+
+    probe_writable(value)
     return value
 
 

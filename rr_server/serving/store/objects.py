@@ -51,7 +51,7 @@ from rr_server.serving.store.base import NewRows, RowStore
 from rr_server.serving.store.ledger import admitted_version, row_range
 from rr_server.serving.store.siblings import Siblings
 
-__all__ = ["ObjectStore", "open_filesystem", "store_instance_prefix"]
+__all__ = ["ObjectStore", "open_filesystem", "probe_writable", "store_instance_prefix"]
 
 logger = logging.getLogger("rr.routing_store")
 
@@ -80,6 +80,21 @@ def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
             f"routing object store {url!r}: {e} (S3 needs s3fs: pip install 'rr-replay[objects]')"
         ) from None
     return fs, path.rstrip("/")
+
+
+def probe_writable(url: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Write and delete one empty object under ``url``: :class:`ConfigurationError` saying why rr cannot write
+    there (no such bucket, no credentials, a read-only mount), before a server answers any sample."""
+    fs, root = open_filesystem(url, storage_options)
+    probe = f"{root}/.rr-write-check-{uuid.uuid4().hex[:12]}"
+    try:
+        fs.pipe_file(probe, b"")
+        fs.rm(probe)
+    except Exception as e:  # noqa: BLE001 - any backend's refusal, named
+        raise ConfigurationError(
+            f"routing object store {url}: cannot write there: {type(e).__name__}: {str(e)[:300]} (the server's "
+            "credentials and endpoint come from its environment or fsspec's configuration)"
+        ) from None
 
 
 def store_instance_prefix(url: str) -> str:
