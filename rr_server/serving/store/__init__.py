@@ -1,9 +1,10 @@
 """The routing store behind ``routed_experts_format="ref"``: rows held by the server, read later by key.
 
-One row-store protocol (:class:`RowStore`, :mod:`.base`) with two stores behind it: in memory (:mod:`.memory`, the
-default) and on Ray's object store (:mod:`.ray`, ``RR_ROUTING_STORE=ray``). Both keep the same bookkeeping
-(:mod:`.ledger`), make refs one way (:class:`NewRows`), and answer for the server's sibling processes
-(:mod:`.siblings`). This process's store is :func:`current_store` (:mod:`.install`); the HTTP routes are apart
+One row-store protocol (:class:`RowStore`, :mod:`.base`) with three stores behind it: in memory (:mod:`.memory`, the
+default), on Ray's object store (:mod:`.ray`, ``RR_ROUTING_STORE=ray``), and as objects under an fsspec URL whose
+refs outlive the server (:mod:`.objects`, ``--rr-store s3://...`` / ``file:///...``). All make refs one way
+(:class:`NewRows`); memory and Ray keep the same bookkeeping (:mod:`.ledger`) and answer for the server's sibling
+processes (:mod:`.siblings`), objects are read by anyone allowed to. This process's store is :func:`current_store` (:mod:`.install`); the HTTP routes are apart
 (:mod:`.routes`).
 """
 

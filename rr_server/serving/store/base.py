@@ -24,8 +24,8 @@ Ask = tuple[str, str, int | None, int | None]
 
 class RowStore(Protocol):
     """A routing store: checked rows in (:meth:`put`, the codec's ``store=``), rows out by key, retired per weight
-    version, counted. The in-memory store and the Ray store are two; :meth:`retire` and :meth:`stats` reach the
-    server's sibling processes the same way for both."""
+    version, counted. The in-memory store, the Ray store and the object store are three; :meth:`retire` and
+    :meth:`stats` reach the server's sibling processes the same way for all."""
 
     instance: str  #: this store's id, named by every ref it makes
     url: str  #: where refs say their rows are read
@@ -67,7 +67,7 @@ class RowStore(Protocol):
 
 class NewRows:
     """Checked rows a store takes: a fresh key and the rows' checksum; :meth:`ref` is the one constructor of the
-    ref that names them (both stores make theirs here)."""
+    ref that names them (every store makes its refs here)."""
 
     __slots__ = ("checked", "key", "digest")
 
