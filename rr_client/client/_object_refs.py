@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rr_client.core import settings
-from rr_client.core.errors import ConfigurationError, RoutingExpiredError, UntrustedHostError
+from rr_client.core.errors import ConfigurationError, ProtocolError, RoutingExpiredError, UntrustedHostError
 from rr_client.core.objects import decode_object, is_object_url, object_path, under_prefix
 from rr_client.core.optional import require
 from rr_client.core.reference import FramePart, RoutingRef
@@ -84,7 +84,11 @@ class ObjectReader:
                 continue
             if isinstance(raw, BaseException):
                 raise raw
-            part, _ = decode_object(raw, expect_nbytes=ref.nbytes, where=f"routing ref {ref.key} ({path})")
+            where = f"routing ref {ref.key} ({path})"
+            part, meta = decode_object(raw, expect_nbytes=ref.nbytes, where=where)
+            said = {k: meta.get(k) for k in ("weight_version", "start", "kind")}
+            if said != {"weight_version": ref.weight_version, "start": ref.start, "kind": ref.kind}:
+                raise ProtocolError(f"{where}: the object says it holds {said}, the ref names another sample's")
             out.append(part)
         if gone:
             raise RoutingExpiredError(

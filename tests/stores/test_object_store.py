@@ -188,6 +188,11 @@ def test_changed_swapped_and_crafted_objects_are_refused(tmp_path: Path) -> None
     pa.write_bytes(pb.read_bytes())  # another sample's object under a's name
     with pytest.raises(ProtocolError, match=f"the store answered key '{b.key}'"):
         resolve([a], [url])
+    moved = Path(object_path(str(tmp_path), 3, b.key))  # b's own object, copied under another weight version
+    moved.parent.mkdir()
+    moved.write_bytes(pb.read_bytes())
+    with pytest.raises(ProtocolError, match="the object says it holds"):
+        resolve([RoutingRef.from_dict({**b.to_dict(), "weight_version": 3})], [url])
     raw = bytearray(pb.read_bytes())
     part, meta = decode_object(bytes(raw), expect_nbytes=b.nbytes, where="t")
     rows = part.rows.copy()
