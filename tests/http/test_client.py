@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -25,6 +24,7 @@ from rr_client import (
     UnrecordedRoutingError,
 )
 from rr_server.launch.process import free_port
+from tests.support.deadlines import STARTUP_TIMEOUT_S
 from tests.support.protocol_server import ProtocolTestServer, synthetic_routing
 
 
@@ -219,14 +219,12 @@ async def test_rejections_are_typed_and_never_retried(
 
 async def test_connection_refused_is_transport_error() -> None:
     port = free_port()  # nothing listens there
-    t0 = time.monotonic()
     async with RoutedExpertsClient(f"http://127.0.0.1:{port}", retries=1, backoff=0.01) as c:
         with pytest.raises(
             ConnectError, match=f"GET http://127.0.0.1:{port}/rr/info: unreachable .*ConnectError"
         ) as ei:
-            await c.generate(["abc"])
+            await asyncio.wait_for(c.generate(["abc"]), timeout=STARTUP_TIMEOUT_S)  # a hang fails, never a slow box
     assert isinstance(ei.value, TransportError)
-    assert time.monotonic() - t0 < 5
 
 
 async def test_timeout_is_transport_error_not_hang(server: ProtocolTestServer) -> None:
@@ -234,7 +232,7 @@ async def test_timeout_is_transport_error_not_hang(server: ProtocolTestServer) -
         await c.info()
         server.behaviour.delay = 3
         with pytest.raises(RequestTimeoutError, match=f"POST {server.url}/generate: timed out") as ei:
-            await asyncio.wait_for(c.generate(["abc"]), timeout=5)
+            await asyncio.wait_for(c.generate(["abc"]), timeout=STARTUP_TIMEOUT_S)
     assert isinstance(ei.value, TransportError)
 
 
