@@ -37,11 +37,9 @@ async def test_gather_or_cancel_cancels_siblings_on_failure() -> None:
         await asyncio.sleep(0.01)
         raise RuntimeError("engine rejected prompt 1")
 
-    t0 = asyncio.get_running_loop().time()
     with pytest.raises(RuntimeError, match="engine rejected prompt 1"):
         await gather_or_cancel([slow(0, cancelled, finished), boom(), slow(2, cancelled, finished)])
-    assert sorted(cancelled) == [0, 2] and not finished
-    assert asyncio.get_running_loop().time() - t0 < 5
+    assert sorted(cancelled) == [0, 2] and not finished  # cancelled, not waited for (no wall-clock bound needed)
 
 
 async def test_gather_or_cancel_cancelled_from_outside_cancels_all() -> None:

@@ -9,7 +9,6 @@ import inspect
 import math
 import socket
 import textwrap
-import time
 from typing import Any
 
 import pytest
@@ -75,10 +74,8 @@ def test_use_vllm_is_refused_before_trl_connects(connections: list[Any]) -> None
     cfg = GRPOConfig(output_dir="/tmp/rr-unused", report_to=[], use_cpu=True, use_vllm=True, vllm_mode="server")
     rollout = rr_trl.RRRollout("http://127.0.0.1:8000")
     try:
-        t0 = time.perf_counter()
         with pytest.raises(ConfigurationError, match="use_vllm=True") as e:
             _trainer(args=cfg, rollout_func=rollout)
-        assert time.perf_counter() - t0 < 5
     finally:
         rollout.close()
     assert isinstance(e.value, RRError) and connections == []
