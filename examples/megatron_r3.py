@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -268,11 +269,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
             if losses and keys.MEAN_ABS_LOGP_DIFF in metrics
             else "(no loss on this pipeline stage)  "
         )
-        print(
+        line = (
             f"rank {dist.get_rank()} step {step}: applied {metrics[keys.APPLIED_SHARE]:.3f}  agreement "
             f"{metrics[keys.AGREEMENT]:.3f}  replayed rows {metrics[keys.REPLAYED_ROWS]:.0f}  {tail}"
-            f"stale masked {metrics[keys.STALE_MASKED]:.0f}"
+            f"stale masked {metrics[keys.STALE_MASKED]:.0f}\n"
         )
+        sys.stdout.write(line)  # one write with its newline: the ranks share torchrun's stdout, lines stay whole
+        sys.stdout.flush()
     # ---------------------------------------------------------------- end of the loop
     session.detach()
     return history

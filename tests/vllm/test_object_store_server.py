@@ -164,7 +164,7 @@ def test_sidecar_refs_in_a_shared_folder_outlive_a_sidecar_restart(qwen_server: 
 
     async def after() -> list[np.ndarray]:
         async with RoutedExpertsClient("http://127.0.0.1:9", info=info, object_stores=[store]) as c:
-            return await c.resolve(refs, tokens=[*by_ref, None])
+            return await c.resolve(refs, tokens=list(by_ref))
 
     for a, rows in zip(inline, asyncio.run(after())):
         assert np.array_equal(rows, a.routed_experts)
