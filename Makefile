@@ -59,7 +59,7 @@ docker: setup
 
 # the images run for real (tests/docker): rr-vllm:cpu serves the tiny MoE from a container (rows equal
 # transformers, the doctor from the host, --api-key, non-root, docker stop); rr-sglang:cpu's patch and launcher.
-# Not in `make test`: it needs root (Debian's docker.io) and adds 8-11 min cold to a CI run already at ~75 of its 90
+# Not in `make test`: it needs root (Debian's docker.io) and adds 8-11 min cold to a CI run of 37-80 of its 90
 # (docs/docker.md); run at each release check.
 test-docker: docker
 	RR_TEST_DOCKER=1 $(PY) -m pytest -q -p no:cacheprovider tests/docker

@@ -232,7 +232,7 @@ def next_steps(model_dir: str | Path, bin_dir: str | None = None) -> str:
             f"next (commands live in {b}; or `source {activate}` first):",
             f"  {b}/rr-server launch vllm --model {model_dir} --port 8000   # serve the demo's tiny model",
             f"  {b}/rr-server doctor http://127.0.0.1:8000   # in another shell: check its routing",
-            "  make test   # the whole suite (about an hour on CPU)",
+            "  make test   # the whole suite (35-80 min on 2 CPU cores)",
         ]
     )
 

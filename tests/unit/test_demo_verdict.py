@@ -40,7 +40,7 @@ def test_next_steps_serve_the_demo_model_check_it_and_run_the_tests() -> None:
         "next (commands live in .venv/bin; or `source .venv/bin/activate` first):",
         "  .venv/bin/rr-server launch vllm --model .cache/demo-qwen3-moe --port 8000   # serve the demo's tiny model",
         "  .venv/bin/rr-server doctor http://127.0.0.1:8000   # in another shell: check its routing",
-        "  make test   # the whole suite (about an hour on CPU)",
+        "  make test   # the whole suite (35-80 min on 2 CPU cores)",
     ]
 
 
