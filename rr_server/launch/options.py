@@ -92,54 +92,53 @@ def engine_help(parser: argparse.ArgumentParser, engine: str, dist: str, show: C
         return 1
 
 
-def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
-    """Remove ``--routed-experts-format {npy,sglang,ref}`` (SGLang's parser would refuse it); ConfigurationError (a
-    ValueError) on a missing or bad value."""
-    from rr_client.core.codec import check_format
+def _take_option(argv: Sequence[str], flag: str, missing: str, *, dash_is_missing: bool) -> tuple[list[str], list[str]]:
+    """``argv`` without ``flag`` (``--flag v`` or ``--flag=v``), and every value it was given, in order;
+    ConfigurationError ``missing`` for a bare flag at the end (or, with ``dash_is_missing``, before another option)."""
     from rr_client.core.errors import ConfigurationError
 
-    args, fmt, i = list(argv), None, 0
     out: list[str] = []
-    while i < len(args):
-        a = args[i]
-        if a == FORMAT_FLAG:
-            if i + 1 >= len(args):
-                raise ConfigurationError(f"{FORMAT_FLAG} needs a value (one of {', '.join(FORMATS)})")
-            fmt, i = args[i + 1], i + 2
-        elif a.startswith(FORMAT_FLAG + "="):
-            fmt, i = a.split("=", 1)[1], i + 1
+    values: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == flag:
+            if i + 1 >= len(argv) or (dash_is_missing and argv[i + 1].startswith("--")):
+                raise ConfigurationError(missing)
+            values.append(argv[i + 1])
+            i += 2
+        elif a.startswith(flag + "="):
+            values.append(a.split("=", 1)[1])
+            i += 1
         else:
             out.append(a)
             i += 1
-            continue
-        fmt = check_format(fmt)
-    return out, fmt
+    return out, values
+
+
+def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
+    """Remove ``--routed-experts-format {npy,sglang,ref}`` (SGLang's parser would refuse it); ConfigurationError (a
+    ValueError) on a missing or bad value (each value given is checked; the last one counts)."""
+    from rr_client.core.codec import check_format
+
+    out, values = _take_option(
+        argv, FORMAT_FLAG, f"{FORMAT_FLAG} needs a value (one of {', '.join(FORMATS)})", dash_is_missing=False
+    )
+    return out, [check_format(v) for v in values][-1] if values else None
 
 
 def take_store_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
     """Remove ``--rr-store URL`` (the engine's parser would refuse it); its value checked: ``memory``, ``ray``, or an
     object store URL whose filesystem is installed. ConfigurationError (a ValueError) naming what is wrong."""
-    from rr_client.core.errors import ConfigurationError
-
-    args, url, i = list(argv), None, 0
-    out: list[str] = []
-    while i < len(args):
-        a = args[i]
-        if a == STORE_FLAG:
-            if i + 1 >= len(args) or args[i + 1].startswith("--"):
-                raise ConfigurationError(f"{STORE_FLAG} needs a value: memory, ray, s3://bucket/prefix or file:///path")
-            url, i = args[i + 1], i + 2
-        elif a.startswith(STORE_FLAG + "="):
-            url, i = a.split("=", 1)[1], i + 1
-        else:
-            out.append(a)
-            i += 1
-    if url is None:
-        return out, url
+    out, values = _take_option(
+        argv, STORE_FLAG, f"{STORE_FLAG} needs a value: memory, ray, s3://bucket/prefix or file:///path",
+        dash_is_missing=True,
+    )  # fmt: skip
+    if not values:
+        return out, None
     from rr_server.serving.store.install import check_store_setting
 
-    url = check_store_setting(url)
-    return out, url
+    return out, check_store_setting(values[-1])
 
 
 def _values(argv: Sequence[str], flag: str) -> list[str]:
@@ -186,7 +185,8 @@ def preflight(argv: Sequence[str], parser: argparse.ArgumentParser, engine: str,
                     f"{eng.label} takes {own}, not {flag} ({other.label}'s spelling): "
                     f"rr-server launch {eng.name} {own} <folder or ORG/NAME>"
                 )
-    mine = {s for a in parser._actions for s in a.option_strings}
+    # rr's own options and whether each takes a value, from the parser (a switch's nargs is 0)
+    mine = {s: a.nargs != 0 for a in parser._actions for s in a.option_strings}
     engine_argv = _without(argv, mine)
     known = scan_engine_flags(rel.package, rel.flag_sources) if _source_is(rel, version) else None
     if known is not None and (unknown := unknown_flag(engine_argv, known, rel.underscore_flags)) is not None:
@@ -238,11 +238,11 @@ def drop_option(args: Sequence[str], flag: str, takes_value: bool) -> list[str]:
     return out
 
 
-def _without(argv: Sequence[str], options: set[str]) -> list[str]:
-    """``argv`` less rr's own ``options`` and their values (only ``--routed-experts-format`` takes one)."""
+def _without(argv: Sequence[str], options: dict[str, bool]) -> list[str]:
+    """``argv`` less rr's own ``options`` (each: whether it takes a value) and their values."""
     out = list(argv)
-    for option in options:
-        out = drop_option(out, option, takes_value=option == FORMAT_FLAG)
+    for option, takes_value in options.items():
+        out = drop_option(out, option, takes_value=takes_value)
     return out
 
 

@@ -51,6 +51,8 @@ def test_no_model(model: str) -> None:
     # a bare first word is vLLM's model (`vllm serve <model>`); a flag's value is not
     assert "no model given" in _refused("launch", "vllm", "--max-model-len", "512", "--port", "99999")
     assert "no model given" not in _refused("launch", "vllm", model, "--port", "99999")
+    # rr's own value-taking options (read off rr's parser) never leave their value behind as a model
+    assert "no model given" in _refused("launch", "vllm", "--rr-store", "file:///tmp/rr-x", "--port", "99999")
 
 
 def test_a_mistyped_engine_option_gets_the_closest_one(model: str) -> None:
