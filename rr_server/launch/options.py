@@ -15,6 +15,7 @@ from rr_client.core.codec import FORMATS
 from rr_client.core.engines import ENGINES
 from rr_server.launch.engine_flags import model_given, scan_engine_flags, unknown_flag
 from rr_server.serving.command_line import did_you_mean, port_problem
+from rr_server.serving.store.install import STORE_ENV
 
 if TYPE_CHECKING:
     from rr_server.serving.engines import EngineReleases
@@ -26,6 +27,8 @@ __all__ = [
     "wants_help",
     "engine_help",
     "take_format_flag",
+    "take_store_flag",
+    "take_rr_settings",
     "preflight",
     "model_folder_problem",
     "local_path",
@@ -139,6 +142,25 @@ def take_store_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
     from rr_server.serving.store.install import check_store_setting
 
     return out, check_store_setting(values[-1])
+
+
+def take_rr_settings(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """``argv`` without rr's value-taking launch options (``--routed-experts-format``, ``--rr-store``), and the
+    environment the serving processes read them from; ConfigurationError naming the option, for either launcher."""
+    from rr_client.core.errors import ConfigurationError
+    from rr_server.serving.generate_protocol import FORMAT_ENV
+
+    env: dict[str, str] = {}
+    try:
+        argv, fmt = take_format_flag(argv)
+    except ConfigurationError as e:
+        raise ConfigurationError(f"{FORMAT_FLAG}: {e}") from None
+    if fmt is not None:
+        env[FORMAT_ENV] = fmt
+    argv, store = take_store_flag(argv)
+    if store is not None:
+        env[STORE_ENV] = store
+    return argv, env
 
 
 def _values(argv: Sequence[str], flag: str) -> list[str]:

@@ -13,20 +13,17 @@ from rr_client.core.errors import ConfigurationError
 from rr_server.launch.bounded_replay import ALLOW_FLAG as BOUNDED_REPLAY_FLAG
 from rr_server.launch.bounded_replay import check_bounded_replay
 from rr_server.launch.options import (
-    FORMAT_FLAG,
     add_shared_options,
     engine_help,
     launcher_parser,
     preflight,
-    take_format_flag,
-    take_store_flag,
+    take_rr_settings,
     wants_help,
 )
 from rr_server.serving.capture_paths import INDEXER_CAPTURE, argv_view, indexer_refusal, tree_verify_refusal
 from rr_server.serving.disaggregation import disaggregation_mode, sglang_pd_refusal
 from rr_server.serving.engines.sglang import RELEASES, UnsupportedSGLangError
 from rr_server.serving.speculative import draft_pollution_refusal, speculative_flags
-from rr_server.serving.store.install import STORE_ENV
 
 __all__ = [
     "main",
@@ -221,7 +218,6 @@ def _installed() -> str | None:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point used by ``rr-server launch sglang``; returns a process exit code."""
-    from rr_server.serving.generate_protocol import FORMAT_ENV
 
     if wants_help(argv):  # rr's options, then SGLang's: nothing is patched or started
         return engine_help(build_parser(), "SGLang", "sglang", _sglang_help)
@@ -229,20 +225,12 @@ def main(argv: Sequence[str]) -> int:
     if (wrong := preflight(argv, build_parser(), "sglang", _installed())) is not None:
         sys.stderr.write(f"rr-server: {wrong}\n")
         return 2
-    try:
-        argv, fmt = take_format_flag(argv)
-    except ValueError as e:
-        sys.stderr.write(f"rr-server: {FORMAT_FLAG}: {e}\n")
-        return 2
-    if fmt is not None:
-        os.environ[FORMAT_ENV] = fmt  # read per request by the patched server (this process)
-    try:
-        argv, store = take_store_flag(argv)
+    try:  # read by the patched server in this process: the format per request, the store once
+        argv, rr_env = take_rr_settings(argv)
     except ValueError as e:
         sys.stderr.write(f"rr-server: {e}\n")
         return 2
-    if store is not None:
-        os.environ[STORE_ENV] = store  # the patched TokenizerManager makes its store from it
+    os.environ.update(rr_env)
     allow_replay = BOUNDED_REPLAY_FLAG in argv
     args = prepare_argv([a for a in argv if a not in _RR_FLAGS])
     if _tokenizer_workers(args) > 1:

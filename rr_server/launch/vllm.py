@@ -24,7 +24,7 @@ from rr_client.core.errors import ConfigurationError
 from rr_server.launch import lifeline
 from rr_server.launch.bounded_replay import ALLOW_FLAG as BOUNDED_REPLAY_FLAG
 from rr_server.launch.bounded_replay import check_bounded_replay
-from rr_server.launch.options import drop_option, take_store_flag
+from rr_server.launch.options import drop_option, take_rr_settings
 from rr_server.serving.disaggregation import pd_refusal
 from rr_server.serving.engines.vllm import (
     RELEASES,
@@ -34,7 +34,6 @@ from rr_server.serving.engines.vllm import (
     installed_version,
 )
 from rr_server.serving.speculative import draft_pollution_refusal
-from rr_server.serving.store.install import STORE_ENV
 
 __all__ = [
     "main",
@@ -337,13 +336,6 @@ def shm_note(path: str = "/dev/shm") -> str | None:
     )
 
 
-def take_format_flag(argv: Sequence[str]) -> tuple[list[str], str | None]:
-    """rr's ``--routed-experts-format`` removed from vLLM's arguments (shared with the SGLang launcher)."""
-    from rr_server.launch.options import take_format_flag as take
-
-    return take(argv)
-
-
 def _child_env() -> dict[str, str]:
     """Environment that switches the rr plugin on in every vLLM process."""
     env = dict(os.environ)
@@ -360,8 +352,7 @@ def _child_env() -> dict[str, str]:
 def main(argv: list[str]) -> int:
     """Run vLLM's API server with rr enabled; return its exit code."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from rr_server.launch.options import FORMAT_FLAG, engine_help, wants_help
-    from rr_server.serving.generate_protocol import FORMAT_ENV
+    from rr_server.launch.options import engine_help, wants_help
 
     if wants_help(argv):  # rr's options, then vLLM's own help (nothing is checked or started)
         return engine_help(
@@ -426,20 +417,12 @@ def main(argv: list[str]) -> int:
             "rr: %s: vLLM's dev-mode routes (/collective_rpc ...) are served without a key", OPEN_DEV_MODE_FLAG
         )
     env = _child_env()
-    try:
-        argv, fmt = take_format_flag(argv)
-    except ValueError as e:
-        print(f"rr: {FORMAT_FLAG}: {e}", file=sys.stderr)
-        return 2
-    if fmt is not None:
-        env[FORMAT_ENV] = fmt  # the plugin reads it per request in the API server process
-    try:
-        argv, store = take_store_flag(argv)
+    try:  # the format the plugin reads per request, the store each API server process makes: in their env
+        argv, rr_env = take_rr_settings(argv)
     except ValueError as e:
         print(f"rr: {e}", file=sys.stderr)
         return 2
-    if store is not None:
-        env[STORE_ENV] = store  # each API server process makes its store from it
+    env.update(rr_env)
     cmd, notes = build_command(argv, cpu=cpu, version=version, env=env)
     for line in [*notes, *filter(None, [shm_note()])]:
         logger.warning(line)
