@@ -20,6 +20,7 @@ from tests.sglang.conftest import CACHE
 from tests.sglang.deepseek_v32 import INDEX_TOPK, build_tiny_deepseek_v32
 from tests.sglang.pd_server import PDServer
 from tests.support.grpo import cpu_grpo_config
+from tests.support.scripts import load_script
 
 pytestmark = [pytest.mark.sglang, pytest.mark.sglang_releases("0.5.23")]
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -114,15 +115,11 @@ def test_a_grpo_step_replays_experts_and_indexer_by_reference(server: PDServer, 
 def test_the_plain_loop_example_replays_the_indexer_by_reference(server: PDServer, dsv32: Path) -> None:
     """examples/plain_loop_r3.py ``--indexer`` against the same server: a plain PyTorch loop over ReplaySession
     replays both, audited every step."""
-    import importlib.util
 
     from rr_client.trainer import keys as K
 
     path = Path(__file__).resolve().parents[2] / "examples" / "plain_loop_r3.py"
-    spec = importlib.util.spec_from_file_location("plain_loop_r3", path)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script(path, "plain_loop_r3")
     history = example.main(["--url", server.url, "--model-path", str(dsv32), "--steps", "2", "--indexer"])
     assert len(history) == 2
     for h in history:

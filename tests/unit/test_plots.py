@@ -5,30 +5,20 @@ progress falls back to plain lines when its stream is not a terminal."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from rr_client.core.errors import MissingDependencyError
 from tests.support.png import png_size
+from tests.support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "trl_grpo_r3.py"
 SOAK = REPO / "benchmarks" / "soak.py"
-
-
-def _load(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up while the module runs
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _runs() -> dict[bool, list[dict[str, float]]]:
@@ -69,7 +59,7 @@ def test_no_module_imports_matplotlib() -> None:
 
 def test_missing_matplotlib_names_the_plot_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    example, soak = _load(EXAMPLE, "rr_example_trl"), _load(SOAK, "rr_bench_soak_plots")
+    example, soak = load_script(EXAMPLE, "rr_example_trl"), load_script(SOAK, "rr_bench_soak_plots")
     with pytest.raises(MissingDependencyError, match=r"--plot needs matplotlib: pip install 'rr-replay\[plot\]'"):
         example.plot(_runs(), tmp_path / "x.png", title="t")
     with pytest.raises(MissingDependencyError, match=r"--plot needs matplotlib"):
@@ -83,7 +73,7 @@ def test_missing_matplotlib_names_the_plot_extra(monkeypatch: pytest.MonkeyPatch
 
 def test_example_plot_and_numbers(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    example = _load(EXAMPLE, "rr_example_trl")
+    example = load_script(EXAMPLE, "rr_example_trl")
     png = example.plot(_runs(), tmp_path / "sub" / "r3.png", title="t")
     assert png_size(png) == (1200, 360) and png.stat().st_size > 30_000
     data = example.metrics(_runs(), bf16=True)
@@ -101,7 +91,7 @@ def test_example_plot_draws_every_series() -> None:
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    example = _load(EXAMPLE, "rr_example_trl")
+    example = load_script(EXAMPLE, "rr_example_trl")
     fig = example.figure(_runs(), title="t")
     try:
         panels = {ax.get_title(): {ln.get_label(): list(ln.get_ydata()) for ln in ax.get_lines()} for ax in fig.axes}
@@ -125,7 +115,7 @@ def test_example_plot_draws_every_series() -> None:
 
 def test_example_step_lines_and_summary() -> None:
     """What the example prints per training step as it goes, and its summary of both arms, from the numbers."""
-    example = _load(EXAMPLE, "rr_example_trl")
+    example = load_script(EXAMPLE, "rr_example_trl")
     runs = _runs()
     on = example.step_line(True, 2, 3, runs[True][1])
     off = example.step_line(False, 2, 3, runs[False][1])
@@ -145,7 +135,7 @@ def test_example_step_lines_and_summary() -> None:
 
 def test_soak_plot_and_plain_progress(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    soak = _load(SOAK, "rr_bench_soak_plots")
+    soak = load_script(SOAK, "rr_bench_soak_plots")
     reports = []
     for target, base in (("patched", 1900.0), ("sidecar", 1950.0)):
         r = soak.SoakReport(

@@ -4,7 +4,6 @@ tests/megatron/harness.py, applied before the example runs)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rr_client.trainer import keys as K
+from tests.support.scripts import load_script
 from tests.support.vllm_process import VLLMProcess
 
 pytestmark = pytest.mark.vllm_server
@@ -26,10 +26,7 @@ def _run(rank: int, pp: int) -> list[dict[str, float]]:
 
     H.init_parallel(rank=rank, world_size=2, pp=pp)
     H.new_model_state()
-    spec = importlib.util.spec_from_file_location("megatron_r3", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script(EXAMPLE, "megatron_r3")
     return example.main(
         [
             "--url",

@@ -7,7 +7,6 @@ after the stop to the conversation's top-k and replays with every row applied.""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from rr_client.core.hf_config import load_config, moe_layers_from_config
 from rr_server.demo.tiny_moe import reference_routing
 from tests.support.routing_asserts import assert_routing_sets_equal
 from tests.support.s3_server import S3, s3_server
+from tests.support.scripts import load_script
 
 pytestmark = pytest.mark.vllm_server
 
@@ -51,11 +51,7 @@ def _streamed_ref(url: str, prompt_ids: list[int]) -> RoutingRef:
 
 
 def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("spans_multi_turn", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(EXAMPLE, "spans_multi_turn")
 
 
 def test_refs_in_s3_resolve_after_the_engine_stopped(s3: S3, tiny_models: dict[str, Any]) -> None:

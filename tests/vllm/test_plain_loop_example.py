@@ -7,7 +7,6 @@ one server start fewer).
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 
 from rr_client import ConfigurationError, RRInfo
 from rr_client.trainer import keys as K
+from tests.support.scripts import load_script
 from tests.support.vllm_process import VLLMProcess
 
 pytestmark = pytest.mark.vllm_server
@@ -29,11 +29,7 @@ SEEDED = ["--steps", "3", "--lr", "5e-3", "--seed", "0"]
 
 def load_example() -> ModuleType:
     """examples/plain_loop_r3.py as a module (its main() returns the per-step history)."""
-    spec = importlib.util.spec_from_file_location("plain_loop_r3", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example
+    return load_script(EXAMPLE, "plain_loop_r3")
 
 
 def test_the_loop_is_under_60_lines() -> None:

@@ -7,10 +7,8 @@ are read, shown as progress and drawn (a whole PNG) is."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import io
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,22 +16,14 @@ from typing import Any
 import pytest
 
 from tests.support.png import png_size
+from tests.support.scripts import load_script
 from tests.support.vllm_process import CACHE
 
 pytestmark = pytest.mark.vllm_server
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _soak_module() -> Any:
-    spec = importlib.util.spec_from_file_location("rr_bench_soak", REPO / "benchmarks" / "soak.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the module runs
-    spec.loader.exec_module(mod)
-    return mod
-
-
-SOAK = _soak_module()
+SOAK = load_script(REPO / "benchmarks" / "soak.py", "rr_bench_soak")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ The server runs with ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc reload_weight
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -26,6 +25,7 @@ from rr_client.integrations.trl import R3GRPOTrainer, RRRollout, importance_samp
 from rr_client.trainer.replay import record_routing
 from tests.support.grpo import cpu_grpo_config
 from tests.support.png import png_size
+from tests.support.scripts import load_script
 from tests.support.vllm_process import VLLMProcess
 
 pytestmark = pytest.mark.vllm_server
@@ -316,10 +316,7 @@ def test_plain_loop_example_pushes_weights_every_step(
     dev-mode server (its weights change anyway; the pool's shared server runs it without the push in
     test_plain_loop_example.py). The engine samples from the weights being trained, so the trainer's own router
     agrees with the engine's on every row and the fp32 gap stays at rounding, step after step."""
-    spec = importlib.util.spec_from_file_location("plain_loop_r3", PLAIN_LOOP)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script(PLAIN_LOOP, "plain_loop_r3")
     model = str(tiny_models["qwen3_dense"])
     history = example.main(["--url", dev_server.base_url, "--model-path", model, *PLAIN_LOOP_SEEDED, "--weight-sync"])
     out = capsys.readouterr().out
