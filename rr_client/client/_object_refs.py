@@ -15,8 +15,7 @@ from typing import Any
 
 from rr_client.core import settings
 from rr_client.core.errors import ConfigurationError, ProtocolError, RoutingExpiredError, UntrustedHostError
-from rr_client.core.objects import decode_object, is_object_url, object_path, under_prefix
-from rr_client.core.optional import require
+from rr_client.core.objects import decode_object, is_object_url, object_path, open_filesystem, under_prefix
 from rr_client.core.reference import FramePart, RoutingRef
 
 __all__ = ["ObjectReader", "OBJECT_STORES_ENV"]
@@ -39,13 +38,12 @@ def _prefixes(given: Iterable[str] | str | None) -> tuple[str, ...]:
 
 
 class ObjectReader:
-    """Reads refs' objects under the allowed ``prefixes`` with one filesystem per protocol (made on first use with
-    ``storage_options``)."""
+    """Reads refs' objects under the allowed ``prefixes``, through the filesystem
+    :func:`rr_client.core.objects.open_filesystem` opens with ``storage_options`` (the one the store writes with)."""
 
     def __init__(self, prefixes: Iterable[str] | str | None, storage_options: dict[str, Any] | None = None) -> None:
         self.prefixes = _prefixes(prefixes)
         self.storage_options = dict(storage_options or {})
-        self._fs: dict[str, Any] = {}
 
     def allow(self, url: str) -> None:
         """:class:`UntrustedHostError` unless ``url`` lies under an allowed prefix."""
@@ -56,21 +54,10 @@ class ObjectReader:
                 "it is read with this client's own storage credentials"
             )
 
-    def _filesystem(self, url: str) -> tuple[Any, str]:
-        fsspec = require("fsspec", for_what="reading object-store routing refs (rr-replay[objects])")
-        protocol = url.split("://", 1)[0].lower()
-        if protocol not in self._fs:
-            try:
-                self._fs[protocol] = fsspec.filesystem(protocol, **self.storage_options)
-            except (ImportError, ValueError) as e:
-                raise ConfigurationError(f"object store {url!r}: {e} (pip install 'rr-replay[objects]')") from None
-        fs = self._fs[protocol]
-        return fs, fs._strip_protocol(url)
-
     def read_parts(self, url: str, refs: Sequence[RoutingRef]) -> list[FramePart]:
         """The rows of ``refs`` (all naming ``url``), each object read and checked whole (one batched fetch)."""
         self.allow(url)
-        fs, root = self._filesystem(url)
+        fs, root = open_filesystem(url, self.storage_options)  # fsspec keeps one instance per protocol and options
         paths = [object_path(root, r.weight_version, r.key) for r in refs]
         got = fs.cat(paths, on_error="return")
         if not isinstance(got, dict):  # one path: fsspec answers the bytes
@@ -78,7 +65,7 @@ class ObjectReader:
         out: list[FramePart] = []
         gone: list[str] = []
         for ref, path in zip(refs, paths):
-            raw = got.get(path, got.get(fs._strip_protocol(path)))
+            raw = got.get(path)
             if isinstance(raw, FileNotFoundError) or raw is None:
                 gone.append(f"routing ref {ref.key}: no object at {path}")
                 continue

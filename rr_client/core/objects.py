@@ -1,6 +1,6 @@
 """Rows by reference in an object store (S3-compatible, or a shared filesystem): where a ref's object lies and what
 it holds. The one layout the server's object store writes (``rr_server.serving.store.objects``) and every client
-reads (``rr_client.client._object_refs``). Core: no fsspec, no httpx.
+reads (``rr_client.client._object_refs``). Core: no httpx; fsspec only when a filesystem is opened.
 
 An object holds one sample's checked rows, written once::
 
@@ -22,7 +22,8 @@ import zlib
 from typing import Any
 from urllib.parse import urlsplit
 
-from rr_client.core.errors import MalformedPayloadError, ProtocolError
+from rr_client.core.errors import ConfigurationError, MalformedPayloadError, ProtocolError
+from rr_client.core.optional import require
 from rr_client.core.reference import FramePart, decode_frame, encode_frame
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "decode_object",
     "under_prefix",
     "is_store_key",
+    "open_filesystem",
 ]
 
 MAGIC = b"rr.obj1\n"
@@ -82,6 +84,27 @@ def under_prefix(url: str, prefixes: tuple[str, ...]) -> bool:
     ``s3://b/px``)."""
     u = url.rstrip("/")
     return any(u == p.rstrip("/") or u.startswith(p.rstrip("/") + "/") for p in prefixes if p.strip("/"))
+
+
+def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """(fsspec filesystem, its path of ``url``), for the store that writes and the client that reads; credentials
+    and endpoints from ``storage_options``, else fsspec's configuration and the environment
+    (``FSSPEC_S3_ENDPOINT_URL``, ``AWS_*``, ``~/.config/fsspec``). fsspec is imported here, on first use."""
+    if not is_object_url(url):
+        raise ConfigurationError(
+            f"routing object store {url!r}: expected a URL such as s3://bucket/prefix or file:///path"
+        )
+    fsspec = require("fsspec", for_what="routing refs in an object store (rr-replay[objects])")
+    opts = dict(storage_options or {})
+    if url.split("://", 1)[0].lower() in ("file", "local"):
+        opts.setdefault("auto_mkdir", True)  # a shared folder's v<N> folders are made on first write
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **opts)
+    except (ImportError, ValueError) as e:
+        raise ConfigurationError(
+            f"routing object store {url!r}: {e} (S3 needs s3fs: pip install 'rr-replay[objects]')"
+        ) from None
+    return fs, path.rstrip("/")
 
 
 def encode_object(part: FramePart, meta: dict[str, Any]) -> bytes:

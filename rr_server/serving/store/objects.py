@@ -39,19 +39,18 @@ from rr_client.core.objects import (
     SUFFIX,
     decode_object,
     encode_object,
-    is_object_url,
     is_store_key,
     object_path,
+    open_filesystem,
     version_dir,
     version_of_dir,
 )
-from rr_client.core.optional import require
 from rr_client.core.reference import FramePart
 from rr_server.serving.store.base import NewRows, RowStore
 from rr_server.serving.store.ledger import admitted_version, row_range
 from rr_server.serving.store.siblings import Siblings
 
-__all__ = ["ObjectStore", "open_filesystem", "probe_writable", "store_instance_prefix"]
+__all__ = ["ObjectStore", "probe_writable", "store_instance_prefix"]
 
 logger = logging.getLogger("rr.routing_store")
 
@@ -60,26 +59,6 @@ DEFAULT_PENDING_BYTES = 256 << 20
 DEFAULT_WRITE_TIMEOUT = 60
 DEFAULT_MAX_AGE = 7 * 86400
 DEFAULT_MAX_OBJECTS = 1_000_000
-
-
-def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
-    """(fsspec filesystem, its path of ``url``); credentials and endpoints from ``storage_options``, else fsspec's
-    configuration and the environment (``FSSPEC_S3_ENDPOINT_URL``, ``AWS_*``, ``~/.config/fsspec``)."""
-    if not is_object_url(url):
-        raise ConfigurationError(
-            f"routing object store {url!r}: expected a URL such as s3://bucket/prefix or file:///path"
-        )
-    fsspec = require("fsspec", for_what="an object-store routing store (rr-replay[objects])")
-    opts = dict(storage_options or {})
-    if url.split("://", 1)[0].lower() in ("file", "local"):
-        opts.setdefault("auto_mkdir", True)  # a shared folder's v<N> folders are made on first write
-    try:
-        fs, path = fsspec.core.url_to_fs(url, **opts)
-    except (ImportError, ValueError) as e:
-        raise ConfigurationError(
-            f"routing object store {url!r}: {e} (S3 needs s3fs: pip install 'rr-replay[objects]')"
-        ) from None
-    return fs, path.rstrip("/")
 
 
 def probe_writable(url: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -134,7 +113,8 @@ class ObjectStore(RowStore):
         self.url = url.rstrip("/")
         self.what = what
         self.fs, self.root = open_filesystem(self.url, storage_options)
-        self.instance = f"{store_instance_prefix(self.url)}-{uuid.uuid4().hex[:12]}"
+        self._prefix = store_instance_prefix(self.url)  # every instance at this URL: refs this store reads
+        self.instance = f"{self._prefix}-{uuid.uuid4().hex[:12]}"
         self.siblings: Siblings | None = None
         self.writers = writers or settings.integer("RR_OBJECT_STORE_WRITERS", default=DEFAULT_WRITERS)
         self.pending_cap = pending_bytes or settings.integer(
@@ -289,7 +269,7 @@ class ObjectStore(RowStore):
 
     # --- reading (the HTTP read route; clients read the objects themselves) ------------------------------------
     def _mine(self, store: str, key: str) -> None:
-        if not store.startswith(store_instance_prefix(self.url)):
+        if not store.startswith(self._prefix):
             raise RoutingExpiredError(
                 f"routing ref {key}: it names store {store}, not one writing at {self.url} (a ref of another store)"
             )
@@ -329,7 +309,7 @@ class ObjectStore(RowStore):
         for store, key in keys:
             with self._lock:
                 w = self._known.get(key)
-            if w is not None and w.n_rows >= 0 and store.startswith(store_instance_prefix(self.url)):
+            if w is not None and w.n_rows >= 0 and store.startswith(self._prefix):
                 out.append((w.n_rows, w.row_bytes))
                 continue
             try:
