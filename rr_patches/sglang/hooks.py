@@ -206,10 +206,10 @@ def _server_format() -> str:
 #: one request of the batch: its ReqState, the answer list rr put there, and what is still to run on that list
 #: before SGLang appends the answer (its indexer check, its routing fields when the store writes to an object store;
 #: None: nothing)
-IndexerJob = tuple[Any, "_RRList", Callable[["_RRList"], None] | None]
+AnswerJob = tuple[Any, "_RRList", Callable[["_RRList"], None] | None]
 
 
-def run_indexer_jobs(jobs: list[IndexerJob]) -> None:
+def run_answer_jobs(jobs: list[AnswerJob]) -> None:
     """Run each pending request's deferred work on its answer list (in a worker thread from 0.5.11 on:
     :func:`around_handle_batch_output`)."""
     for _, out_list, work in jobs:
@@ -230,19 +230,19 @@ def _then(*steps: Callable[[_RRList], None] | None) -> Callable[[_RRList], None]
     return run
 
 
-def prepare_batch(tm: Any, recv_obj: Any) -> list[IndexerJob]:
+def prepare_batch(tm: Any, recv_obj: Any) -> list[AnswerJob]:
     """Convert each request's routing in ``recv_obj`` and hook its ReqState so the answer gets rr's fields.
 
     SGLang's own code then sees no routing at all (the field is set to None), so it can neither
     leak a raw tensor (the ``{}`` bug) nor hand one request another's rows. The indexer rows' checks (the heavy
     part: ``index_topk`` positions per layer per token) are returned, to run before SGLang's handler appends the
-    answers (:func:`run_indexer_jobs`).
+    answers (:func:`run_answer_jobs`).
     """
     st = state_of(tm)
     field = st.profile.field
     values = getattr(recv_obj, field, None)
     rids = list(getattr(recv_obj, "rids", None) or [])
-    jobs: list[IndexerJob] = []
+    jobs: list[AnswerJob] = []
     if not rids:
         return jobs
     values = list(values) if values else []
@@ -326,7 +326,7 @@ def _indexer_check(
     fmt: str | None,
     version: int | None,
 ) -> Callable[[], dict[str, Any]]:
-    """One request's indexer check, to run later (:func:`run_indexer_jobs`); a ref made there carries ``version``,
+    """One request's indexer check, to run later (:func:`run_answer_jobs`); a ref made there carries ``version``,
     the weights its request was admitted under."""
 
     def check(out_list: _RRList) -> None:
@@ -341,7 +341,7 @@ def _indexer_check(
 def _routing_job(
     st: RRState, value: Any, rows: int, start: int, fmt: str | None, mark: Any, *, count: bool
 ) -> Callable[[_RRList], None]:
-    """One request's routing fields, made later on its answer list (:func:`run_indexer_jobs`): checked, kept in the
+    """One request's routing fields, made later on its answer list (:func:`run_answer_jobs`): checked, kept in the
     store (a ref made under the weights its request was admitted at), counted as :func:`prepare_batch` would."""
 
     def make(out_list: _RRList) -> None:
@@ -365,11 +365,11 @@ def around_handle_batch_output(original: Any, self: Any, recv_obj: Any, *args: A
         return original(self, recv_obj, *args, **kwargs)
     jobs = prepare_batch(self, recv_obj)
     if not any(check for _, _, check in jobs) or not state_of(self).profile.handle_is_async:  # checks run here
-        run_indexer_jobs(jobs)
+        run_answer_jobs(jobs)
         return original(self, recv_obj, *args, **kwargs)
 
     async def checked_off_the_loop() -> Any:
-        await asyncio.to_thread(run_indexer_jobs, jobs)
+        await asyncio.to_thread(run_answer_jobs, jobs)
         for state, out_list, _ in jobs:  # SGLang's consumer may have taken the list meanwhile: rr's fields stay on
             if state.out_list is not out_list:
                 state.out_list = out_list.over(state.out_list)
