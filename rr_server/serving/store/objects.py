@@ -170,23 +170,7 @@ class ObjectStore(RowStore):
         path = object_path(self.root, version, new.key)
         self._wait_for_room(len(blob), path)
         try:
-            fut = self._pool.submit(self.fs.pipe_file, path, blob)
-            try:
-                fut.result(timeout=self.write_timeout)
-            except FutureTimeout:
-                fut.cancel()
-                raise RoutingStoreWriteError(
-                    f"{self.what} {self.url}: writing {path} took more than {self.write_timeout:g} s "
-                    "(RR_OBJECT_STORE_WRITE_TIMEOUT); this sample's rows are refused, not sent"
-                ) from None
-            except Exception as e:  # noqa: BLE001 - any backend's failure is this sample's typed refusal
-                raise RoutingStoreWriteError(
-                    f"{self.what} {self.url}: writing {path} failed: {type(e).__name__}: {e}"
-                ) from None
-        except RoutingStoreWriteError:
-            with self._lock:
-                self._counts["failed_writes"] += 1
-            raise
+            self._write(path, blob)
         finally:
             with self._room:
                 self._pending -= len(blob)
@@ -200,17 +184,40 @@ class ObjectStore(RowStore):
         self._bound(keep=new.key)
         return new.ref(self.instance, self.url, version)
 
+    def _write(self, path: str, blob: bytes) -> None:
+        """``blob`` written at ``path`` by a writer thread, waited for; :class:`RoutingStoreWriteError` (counted) when
+        it fails or takes longer than the write timeout."""
+        fut = self._pool.submit(self.fs.pipe_file, path, blob)
+        try:
+            fut.result(timeout=self.write_timeout)
+            return
+        except FutureTimeout:
+            fut.cancel()
+            why = (
+                f"writing {path} took more than {self.write_timeout:g} s (RR_OBJECT_STORE_WRITE_TIMEOUT); this "
+                "sample's rows are refused, not sent"
+            )
+        except Exception as e:  # noqa: BLE001 - any backend's failure is this sample's typed refusal
+            why = f"writing {path} failed: {type(e).__name__}: {e}"
+        with self._lock:
+            self._counts["failed_writes"] += 1
+        raise RoutingStoreWriteError(f"{self.what} {self.url}: {why}")
+
     def _wait_for_room(self, nbytes: int, path: str) -> None:
         """Hold ``nbytes`` of the in-flight budget, waiting while it is spent (one object larger than the whole
         budget goes alone)."""
         deadline = time.monotonic() + self.write_timeout
+
+        def full() -> bool:  # another write is in flight and this one would pass the budget
+            return bool(self._pending) and self._pending + nbytes > self.pending_cap
+
         with self._room:
             waited = False
-            while self._pending and self._pending + nbytes > self.pending_cap:
+            while full():
                 waited = True
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._room.wait(left):
-                    if self._pending and self._pending + nbytes > self.pending_cap:
+                    if full():
                         with self._lock:
                             self._counts["failed_writes"] += 1
                         raise RoutingStoreWriteError(
