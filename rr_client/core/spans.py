@@ -73,10 +73,14 @@ class SpanSlice:
 
 @dataclass(frozen=True, slots=True)
 class SpanPlan:
-    """What a datum's spans read: each span's slice, in datum order, and the datum's token count."""
+    """What a datum's spans read: each span's slice, in datum order."""
 
     slices: tuple[SpanSlice, ...]
-    tokens: int
+
+    @property
+    def tokens(self) -> int:
+        """The datum's token count: what the slices cover."""
+        return sum(s.row_stop - s.row_start for s in self.slices)
 
     @property
     def refs(self) -> list[RoutingRef]:
@@ -211,4 +215,4 @@ class SequenceBook:
             raise ProvenanceSpanError(
                 f"{self._where()}the spans cover {pos} tokens, the datum has {len(datum)}: they do not tile it"
             )
-        return SpanPlan(tuple(out), pos)
+        return SpanPlan(tuple(out))
